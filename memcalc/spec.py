@@ -234,9 +234,9 @@ class KernelProfile(BaseModel):
         "auto",
         description="SDPA kernel: auto = flash for 16-bit without an explicit mask, memory-efficient otherwise.",
     )
-    rmsnorm: Literal["composite", "fused"] = Field(
+    rmsnorm: Literal["composite", "composite-legacy", "fused"] = Field(
         "composite",
-        description="RMSNorm implementation: composite (fp32 upcast, saves fp32 input + normalised) or fused (saves input + rstd).",
+        description="RMSNorm implementation: composite (2.6-2.8: fp32 upcast, saves fp32 input and fp32 normalised), composite-legacy (2.4-2.5: casts back before the weight), or fused (saves input + rstd).",
     )
     norm_upcast: bool = Field(True, description="The composite norm computes in fp32 (upcasts 16-bit input).")
     mean_saves_input: bool = Field(

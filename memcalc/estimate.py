@@ -1,0 +1,93 @@
+"""estimate(experiment) -> Estimate: the peak over the step's timeline, and what sets it.
+
+Runs the steady-state step and the first step (where optimizer state is
+created) on the simulator; the reported peak is the higher of the two, as a
+``torch.cuda.max_memory_allocated`` reading over a run would be. The memory a
+GPU must have adds two stated overheads: the CUDA context and the caching
+allocator's slack (reserved minus allocated).
+"""
+
+from __future__ import annotations
+
+from .dtypes import DType
+from .params import count_params
+from .result import KINDS, Estimate
+from .spec import ExperimentSpec
+from .timeline import simulate
+from .units import MiB
+
+#: CUDA context + cuBLAS/cuDNN handles + kernel images: not in max_memory_allocated.
+#: Typically 300-600 MiB with PyTorch 2.x; we assume 512 MiB.
+CUDA_CONTEXT_BYTES = 512 * MiB
+#: Reserved-but-unallocated memory of the caching allocator (fragmentation, rounding of
+#: large blocks to 2 MiB); we assume 5% of the allocated peak.
+ALLOCATOR_SLACK_FRACTION = 0.05
+
+PHASE_NAMES = {
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer step": "optimizer step",
+}
+
+
+def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
+    """Bytes per trainable parameter of weights, gradients, master copy and optimizer state."""
+    from .optimizers import state_dtype
+
+    tr = exp.training
+    w = tr.weight_dtype.bits / 8
+    sdt = state_dtype(tr).bits / 8
+    opt = {
+        "adam": 2 * sdt, "adamw": 2 * sdt, "sgd": 0.0, "sgd-momentum": sdt, "lion": sdt,
+        "adafactor": 0.0, "adamw-8bit": 2 + 8 / 256,
+    }[tr.optimizer]
+    return {
+        "weights": w,
+        "gradients": w,
+        "master_weights": 4.0 if tr.master_weights else 0.0,
+        "optimizer_state": opt,
+    }
+
+
+def estimate(exp: ExperimentSpec, timeline: bool = True) -> Estimate:
+    """Predict the allocated peak of one training step of ``exp`` (see module docstring)."""
+    steady = simulate(exp, first_step=False, record_timeline=timeline)
+    first = simulate(exp, first_step=True, record_timeline=False)
+    top = steady if steady.peak_bytes >= first.peak_bytes else first
+    which = "steady state" if top is steady else "first step"
+    counts = count_params(exp.model, exp.training.lora)
+    peak = top.peak_bytes
+    kinds = {k: top.peak_kinds.get(k, 0) for k in KINDS}
+    slack = int(peak * ALLOCATOR_SLACK_FRACTION)
+    assumptions = [
+        f"CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB (not part of max_memory_allocated)",
+        f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%} of the allocated peak (reserved minus allocated)",
+        f"kernel profile {exp.profile.name}: PyTorch {exp.profile.torch_version} on {exp.profile.device}, "
+        f"RMSNorm {exp.profile.rmsnorm}, attention {exp.profile.attention}",
+        "every allocation rounded up to 512 bytes, as the CUDA caching allocator does",
+    ]
+    if exp.training.compile:
+        assumptions.append("torch.compile is not modelled yet: this is the eager step's peak")
+    return Estimate(
+        experiment=exp,
+        params=counts.total,
+        trainable_params=counts.trainable,
+        peak_bytes=peak,
+        peak_phase=top.peak_phase,
+        peak_label=f"{top.peak_label} ({which})",
+        components=dict(sorted(top.peak_categories.items(), key=lambda kv: -kv[1])),
+        components_by_kind=kinds,
+        phases=dict(steady.phases),
+        first_step_peak_bytes=first.peak_bytes,
+        first_step_peak_phase=first.peak_phase,
+        timeline=steady.timeline,
+        bytes_per_param=bytes_per_param(exp),
+        cuda_context_bytes=CUDA_CONTEXT_BYTES,
+        allocator_slack_bytes=slack,
+        required_bytes=peak + CUDA_CONTEXT_BYTES + slack,
+        assumptions=assumptions,
+        extra={"steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which},
+    )
+
+
+__all__ = ["estimate", "Estimate", "DType"]

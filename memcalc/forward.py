@@ -1,0 +1,340 @@
+"""The decoder's forward pass, op by op, as the model code runs it.
+
+Mirrors the module code of the families we model: Hugging Face Llama/Mistral/
+Qwen2 (pre-norm, SwiGLU, RoPE, ``repeat_kv`` for GQA), GPT-2 (learned
+positions, LayerNorm, GELU), phi (parallel block, partial rotary) and
+Forgather's Deep One (DeepNet post-norm, per-layer ALiBi mask, ReLU-gated FFN,
+shifted-copy loss). Python references are dropped where the Python variable
+dies, so the simulator frees what real code frees.
+
+Checkpointing follows ``torch.utils.checkpoint(use_reentrant=False)``: the
+region's first forward keeps nothing but its input; at the region's first
+backward node the whole region is recomputed (all its saved tensors alive at
+once) and then back-propagated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .dtypes import DType
+from .ops import Ops
+from .params import ParamTensor, param_inventory
+from .sim import Node, Param, Sim, T
+from .spec import ExperimentSpec, ModelSpec, sqrt_segments
+
+
+def quantized_bytes(numel: int, block: int, double_quant: bool) -> int:
+    """NF4 storage of a QLoRA base weight: packed 4-bit values (numel/2 bytes) plus absmax
+    constants: fp32 per block, or with double quantisation uint8 per block plus an fp32
+    scale and offset per 256 blocks (Dettmers et al. 2023, bitsandbytes ``QuantState``)."""
+    blocks = -(-numel // block)
+    consts = blocks + 8 * -(-blocks // 256) if double_quant else 4 * blocks
+    return DType.nf4.nbytes(numel) + consts
+
+
+@dataclass
+class Model:
+    """Parameters (as simulator blocks) grouped for the forward code."""
+
+    spec: ModelSpec
+    params: dict[str, Param]
+    order: list[Param]
+    compute: DType
+
+
+def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
+    """Allocate every parameter at the precision policy's weight dtype (weights exist before the step)."""
+    tr = exp.training
+    lora = tr.lora
+    wdt = tr.weight_dtype
+    params: dict[str, Param] = {}
+    order: list[Param] = []
+    for pt in param_inventory(exp.model, lora):
+        if lora is not None and lora.qlora and pt.quantizable:
+            nbytes = quantized_bytes(pt.numel, lora.quant_block, lora.double_quant)
+            cat = "frozen base weights (NF4)"
+        else:
+            nbytes = wdt.nbytes(pt.numel)
+            cat = "weights" if pt.trainable or lora is None else "frozen base weights"
+        w = sim.alloc(nbytes, "weights", cat, name=pt.name)
+        w.numel, w.itemsize_bits = pt.numel, wdt.bits if nbytes >= pt.numel else 4
+        p = Param(pt.name, w, pt.trainable, wdt.nbytes(pt.numel), pt.layer, pt.numel)
+        params[pt.name] = p
+        order.append(p)
+    return Model(exp.model, params, order, tr.compute_dtype)
+
+
+class Forward:
+    """Runs one forward pass on the simulator; returns the loss tensor."""
+
+    def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model) -> None:
+        self.sim = sim
+        self.exp = exp
+        self.m = exp.model
+        self.tr = exp.training
+        self.model = model
+        self.ops = Ops(sim, exp.profile, tr_autocast(exp))
+        self.B = self.tr.batch
+        self.T = self.tr.seq
+        self.rows = self.B * self.T
+        self.lora = self.tr.lora
+        self.rope_tables: Optional[T] = None
+        self.ckpt_nodes: list[Node] = []
+
+    # -- helpers ----------------------------------------------------------------------
+    def p(self, name: str) -> Param:
+        return self.model.params[name]
+
+    def maybe(self, name: str) -> Optional[Param]:
+        return self.model.params.get(name)
+
+    def proj(self, x: T, layer: int, name: str, short: str, d_out: int) -> T:
+        """A projection, with its LoRA adapter when targeted: y = base(x) + B(A(drop(x))) * s."""
+        o = self.ops
+        base = f"layers.{layer}.{name}"
+        w = self.p(base + ".weight")
+        qt = 0
+        if self.lora is not None and self.lora.qlora and w.weight.itemsize_bits == 4:
+            qt = self.model.compute.nbytes(w.numel)
+        y = o.linear(x, self.rows, w, self.maybe(base + ".bias"), d_out, quant_transient_bytes=qt)
+        a_p = self.maybe(base + ".lora_A")
+        if a_p is None:
+            return y
+        xd = o.dropout(x, self.lora.dropout)
+        a = o.linear(xd, self.rows, a_p, None, self.lora.rank)
+        o.drop(xd)
+        b = o.linear(a, self.rows, self.p(base + ".lora_B"), None, d_out)
+        o.drop(a)
+        bs = o.scale(b, self.lora.alpha / self.lora.rank + 1e-12)
+        o.drop(b)
+        out = o.add(y, bs)
+        o.drop(y, bs)
+        return out
+
+    def norm(self, x: T, name: str) -> T:
+        o = self.ops
+        if self.m.norm == "rmsnorm":
+            return o.rmsnorm(x, self.rows, self.m.d_model, self.p(name + ".weight"))
+        return o.layernorm(x, self.rows, self.m.d_model, self.p(name + ".weight"), self.maybe(name + ".bias"))
+
+    # -- blocks -----------------------------------------------------------------------
+    def attention(self, h: T, i: int) -> T:
+        o, m = self.ops, self.m
+        q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
+        k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
+        v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
+        if self.tr.checkpoint == "selective":
+            out = self.checkpoint(lambda: [q, k, v], lambda: self.core_attention(q, k, v, i), f"layer {i} attention")
+        else:
+            out = self.core_attention(q, k, v, i)
+        o.drop(q, k, v)
+        y = self.proj(out, i, "attn.o_proj", "o", m.d_model)
+        o.drop(out)
+        return y
+
+    def core_attention(self, q: T, k: T, v: T, i: int) -> T:
+        o, m = self.ops, self.m
+        H, D = m.n_heads, m.dim_head
+        bias, bias_bytes = None, 0
+        if m.positions == "alibi":
+            slopes = self.maybe(f"layers.{i}.attn.alibi_slopes")
+            if slopes is not None:
+                bias, bias_bytes = o.alibi_mask(H, self.T, slopes)
+                bias_bytes = bias_bytes * self.B
+        kernel = o.attention_kernel(bias is not None)
+        if m.positions == "rope":
+            q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
+        else:
+            q2, k2 = o.ref_(q), o.ref_(k)
+        n_rep = m.n_heads // m.kv_heads
+        k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
+        o.drop(k2)
+        out = o.sdpa(q2, k3, v3, self.B, H, self.T, D, bias, bias_bytes, m.attn_dropout, kernel)
+        o.drop(q2, k3, v3, bias)
+        return out
+
+    def mlp(self, h: T, i: int) -> T:
+        o, m = self.ops, self.m
+        if m.mlp == "gated":
+            g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
+            u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
+            a = o.activation(g, m.activation)
+            o.drop(g)
+            x = o.mul(a, u)
+            o.drop(a, u)
+            y = self.proj(x, i, "mlp.down_proj", "down", m.d_model)
+        else:
+            f = self.proj(h, i, "mlp.fc1", "up", m.d_ff)
+            a = o.activation(f, m.activation)
+            o.drop(f)
+            x = a
+            y = self.proj(x, i, "mlp.fc2", "down", m.d_model)
+        o.drop(x)
+        return y
+
+    def resid_drop(self, x: T) -> T:
+        y = self.ops.dropout(x, self.m.resid_dropout)
+        self.ops.drop(x)
+        return y
+
+    def layer(self, x: T, i: int) -> T:
+        """One decoder layer; takes a reference to x and returns a new output reference."""
+        o, m = self.ops, self.m
+        if m.block == "parallel":
+            h = self.norm(x, f"layers.{i}.norm1")
+            a = self.resid_drop(self.attention(h, i))
+            f = self.resid_drop(self.mlp(h, i))
+            o.drop(h)
+            s = o.add(a, f)
+            o.drop(a, f)
+            y = o.add(s, x)
+            o.drop(s)
+            return y
+        if m.norm_placement == "pre":
+            h = self.norm(x, f"layers.{i}.norm1")
+            a = self.resid_drop(self.attention(h, i))
+            o.drop(h)
+            x1 = o.add(x, a)
+            o.drop(a)
+            h2 = self.norm(x1, f"layers.{i}.norm2")
+            f = self.resid_drop(self.mlp(h2, i))
+            o.drop(h2)
+            y = o.add(x1, f)
+            o.drop(x1, f)
+            return y
+        # post-norm (DeepNet): x = norm(x * alpha + f(x))
+        a = self.resid_drop(self.attention(x, i))
+        r = o.scale(x, m.residual_scale)
+        z = o.add(r, a)
+        o.drop(r, a)
+        x1 = self.norm(z, f"layers.{i}.norm1")
+        o.drop(z)
+        f = self.resid_drop(self.mlp(x1, i))
+        r2 = o.scale(x1, m.residual_scale)
+        z2 = o.add(r2, f)
+        o.drop(r2, f, x1)
+        y = self.norm(z2, f"layers.{i}.norm2")
+        o.drop(z2)
+        return y
+
+    # -- checkpointing ------------------------------------------------------------------
+    def checkpoint(self, inputs: Callable[[], list[T]], fn: Callable[[], T], label: str) -> T:
+        """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes."""
+        sim = self.sim
+        ins = inputs()
+        sim.grad_enabled = False
+        out = fn()
+        sim.grad_enabled = True
+        out.requires_grad = True
+        fwd = self
+
+        def recompute(s: Sim, node: Node) -> None:
+            saved_nodes, saved_phase = s.nodes, s.phase
+            s.nodes = []
+            s.label = f"bwd {label} (recompute)"
+            s.phase = "backward"
+            out2 = fn()
+            fwd.ops.exit_autocast()
+            sub = s.nodes
+            s.nodes = saved_nodes
+            s.phase = saved_phase
+            # the recomputed output is discarded; its gradient is the region output's gradient
+            out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
+            s.unref(out2)
+            # back-propagate the region now; the checkpoint node itself then has no work left
+            s.run_nodes(sub, lambda n: f"bwd {label}")
+            out2.grad_buffer = None
+            node.outputs = []
+            node.inputs = []
+
+        node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out], on_backward=recompute)
+        node.fwd_label = f"fwd {label}"
+        for t in ins:
+            sim.ref(t)
+        node.saved = list(ins)
+        out.producer = node
+        sim.nodes.append(node)
+        return out
+
+    def layers(self, x: T) -> T:
+        tr, n = self.tr, self.m.n_layers
+        mode = tr.checkpoint
+        i = 0
+        while i < n:
+            self.sim.mark(f"fwd layer {i}")
+            if mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
+                j = i
+                y = self.checkpoint(lambda: [x], lambda j=j, x=x: self.layer(x, j), f"layer {i}")
+                step = 1
+            elif mode == "sqrt":
+                seg = sqrt_segments(n)
+                lo, hi = i, min(n, i + seg)
+
+                def run_seg(x0: T = x, lo: int = lo, hi: int = hi) -> T:
+                    h = self.sim.ref(x0)
+                    for j in range(lo, hi):
+                        h2 = self.layer(h, j)
+                        self.ops.drop(h)
+                        h = h2
+                    return h
+
+                y = self.checkpoint(lambda: [x], run_seg, f"layers {lo}-{hi - 1}")
+                step = hi - lo
+            else:
+                y = self.layer(x, i)
+                step = 1
+            self.ops.drop(x)
+            x = y
+            i += step
+        return x
+
+    def run(self) -> T:
+        """The whole forward: inputs, embedding, layers, final norm, head, loss."""
+        sim, o, m = self.sim, self.ops, self.m
+        sim.mark("inputs", "forward")
+        ids = sim.alloc(self.rows * 8, "activations", "inputs")
+        labels = sim.alloc(self.rows * 8, "activations", "inputs")
+        self.ids_labels = (ids, labels)
+        x = o.embedding(ids, self.rows, self.p("embed_tokens.weight"), m.d_model)
+        pos = self.maybe("embed_positions.weight")
+        if pos is not None:
+            pe = o.embedding(ids, self.T, pos, m.d_model)
+            x2 = o.add(x, pe)
+            o.drop(x, pe)
+            x = x2
+        if m.positions == "rope":
+            self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * m.rotary_dim), "activations", "rope tables")
+        x = self.resid_drop_embd(x)
+        x = self.layers(x)
+        sim.mark("final norm & head")
+        if m.final_norm:
+            h = self.norm(x, "final_norm")
+            o.drop(x)
+            x = h
+        head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
+        logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
+        o.drop(x)
+        o.category = "logits & loss"
+        loss = o.lm_loss(logits, self.B, self.T, m.vocab_size)
+        o.category = "saved activations"
+        o.drop(logits)
+        o.exit_autocast()
+        sim.mark("loss")
+        return loss
+
+    def resid_drop_embd(self, x: T) -> T:
+        y = self.ops.dropout(x, self.m.embd_dropout)
+        self.ops.drop(x)
+        return y
+
+    def release_inputs(self) -> None:
+        """The batch and the RoPE tables go away with the step."""
+        for t in (*self.ids_labels, self.rope_tables):
+            self.sim.unref(t)
+
+
+def tr_autocast(exp: ExperimentSpec) -> Optional[DType]:
+    tr = exp.training
+    return tr.compute_dtype if tr.is_amp else None

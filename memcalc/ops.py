@@ -1,0 +1,386 @@
+"""What each op allocates in forward, saves for backward, and allocates in backward.
+
+One method per op kind. Each follows the CUDA kernel or the autograd formula
+named in its docstring (``tools/autograd/derivatives.yaml`` in PyTorch unless
+said otherwise). Sizes come from element counts times the dtype's width; the
+simulator rounds every block to the allocator granularity. Only tensors of at
+least one activation's size matter for the peak; scalars and per-row
+statistics are kept because they are cheap to keep, not because they matter.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .dtypes import DType
+from .sim import Param, Sim, T
+from .spec import KernelProfile
+
+ACT = "activations"
+TMP = "temporaries"
+
+
+class Ops:
+    """Op library over a :class:`Sim`. ``autocast`` is the compute dtype under AMP, else None."""
+
+    def __init__(self, sim: Sim, profile: KernelProfile, autocast: Optional[DType] = None) -> None:
+        self.sim = sim
+        self.profile = profile
+        self.autocast = autocast
+        self.autocast_cache: list[T] = []
+        self.category = "saved activations"
+
+    # -- basics ---------------------------------------------------------------------
+    def new(self, numel: int, dtype: DType, category: Optional[str] = None, kind: str = ACT) -> T:
+        t = self.sim.alloc(dtype.nbytes(numel), kind, category or self.category)
+        t.numel = numel
+        t.itemsize_bits = dtype.bits
+        return t
+
+    def drop(self, *ts: Optional[T]) -> None:
+        """A Python reference goes away."""
+        for t in ts:
+            self.sim.unref(t)
+
+    def ref_(self, t: T) -> T:
+        """A second Python reference to the same tensor (a view or an alias)."""
+        return self.sim.ref(t)
+
+    @staticmethod
+    def dtype_of(t: T) -> DType:
+        return {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}[t.itemsize_bits]
+
+    def _nb(self, numel: int, dtype: DType) -> int:
+        return dtype.nbytes(numel)
+
+    def _cast_for_matmul(self, x: T) -> tuple[T, bool]:
+        """Autocast's cast of an activation to the compute dtype (a copy when it differs)."""
+        if self.autocast is None or x.itemsize_bits == self.autocast.bits:
+            return x, False
+        xc = self.new(x.numel, self.autocast)
+        xc.requires_grad = x.requires_grad
+        return xc, True
+
+    def _cast_weight(self, w: Param) -> tuple[Optional[T], bool]:
+        """Autocast's cast of a weight; trainable leaves are cached until autocast exits."""
+        if self.autocast is None or w.weight.itemsize_bits == self.autocast.bits:
+            return None, False
+        wc = self.new(w.numel, self.autocast, "autocast weight copies")
+        if w.trainable:
+            self.autocast_cache.append(self.sim.ref(wc))
+        return wc, True
+
+    def exit_autocast(self) -> None:
+        """Leaving the autocast region clears its weight cache."""
+        for t in self.autocast_cache:
+            self.sim.unref(t)
+        self.autocast_cache = []
+
+    # -- layers ---------------------------------------------------------------------
+    def linear(self, x: T, rows: int, w: Param, b: Optional[Param], out_features: int,
+               quant_transient_bytes: int = 0) -> T:
+        """y = x W^T + b (``addmm``/``mm``). Saves x iff W needs a gradient (grad_W = g^T x) and W
+        iff x needs one (a parameter, no new bytes). A frozen linear keeps no input.
+        Under autocast x and W are cast to the compute dtype; the casts are what is saved.
+        QLoRA: the 4-bit weight is dequantised to a transient full-size copy in forward and
+        again in backward (bitsandbytes MatMul4Bit saves only the packed weight)."""
+        xc, x_cast = self._cast_for_matmul(x)
+        wc, _ = self._cast_weight(w)
+        if quant_transient_bytes:
+            self.sim.transient(quant_transient_bytes, TMP, "dequantised weight")
+        odt = self.autocast or self.dtype_of(x)
+        y = self.new(rows * out_features, odt)
+        saved = []
+        if w.trainable and (b is None or True):
+            saved.append(xc)
+        if x.requires_grad and wc is not None:
+            saved.append(wc)
+        params = [w] + ([b] if b is not None else [])
+        temps = [quant_transient_bytes] if quant_transient_bytes and x.requires_grad else []
+        if x_cast:  # grad arrives in the compute dtype, then _to_copy casts it back
+            temps.append(xc.nbytes)
+        self.sim.node("linear", saved, [x], params, [y], temps=temps)
+        if x_cast:
+            self.drop(xc)
+        if wc is not None:
+            self.drop(wc)
+        return y
+
+    def embedding(self, ids: T, rows: int, w: Param, d: int) -> T:
+        """embedding(ids, W): saves the ids (int64, already alive). Backward: embedding_dense_backward
+        builds a full weight-sized gradient (that is the parameter gradient) plus per-segment
+        partial sums in the accumulation type (fp32), at most rows x d."""
+        y = self.new(rows * d, self.dtype_of(w.weight))
+        self.sim.node("embedding", [ids], [], [w], [y], temps=[rows * d * 4])
+        return y
+
+    def add(self, a: T, b: T) -> T:
+        """a + b: saves nothing (grads pass through; broadcasting aside)."""
+        dt = self.dtype_of(a) if a.itemsize_bits >= b.itemsize_bits else self.dtype_of(b)
+        y = self.new(max(a.numel, b.numel), dt)
+        self.sim.node("add", [], [a, b], [], [y], grad_input_bytes=[a.nbytes, b.nbytes])
+        return y
+
+    def scale(self, a: T, factor: float) -> T:
+        """a * python_scalar: saves nothing."""
+        if factor == 1.0:
+            return self.sim.ref(a)
+        y = self.new(a.numel, self.dtype_of(a))
+        self.sim.node("mul_scalar", [], [a], [], [y])
+        return y
+
+    def mul(self, a: T, b: T) -> T:
+        """a * b (both tensors): saves b for grad_a and a for grad_b (only what is needed)."""
+        y = self.new(max(a.numel, b.numel), self.dtype_of(a))
+        saved = ([b] if a.requires_grad else []) + ([a] if b.requires_grad else [])
+        self.sim.node("mul", saved, [a, b], [], [y])
+        return y
+
+    def activation(self, x: T, kind: str) -> T:
+        """relu saves its result (threshold_backward(grad, result)); silu, gelu and gelu_tanh save
+        their input (silu_backward/gelu_backward(grad, self))."""
+        y = self.new(x.numel, self.dtype_of(x))
+        saved = [y] if kind == "relu" else [x]
+        self.sim.node(kind, saved, [x], [], [y])
+        return y
+
+    def dropout(self, x: T, p: float) -> T:
+        """native_dropout: output plus a mask of ``dropout_mask_bytes`` per element (CUDA: bool)."""
+        if p <= 0:
+            return self.sim.ref(x)
+        y = self.new(x.numel, self.dtype_of(x))
+        mask = self.sim.alloc(x.numel * self.profile.dropout_mask_bytes, ACT, "dropout masks")
+        self.sim.node("dropout", [mask], [x], [], [y])
+        self.drop(mask)
+        return y
+
+    def rmsnorm(self, x: T, rows: int, d: int, w: Param) -> T:
+        """RMSNorm.
+
+        composite (PyTorch 2.6-2.8 on CUDA, aten/src/ATen/native/layer_norm.cpp ``rms_norm_symint``):
+        ``xf = x.to(fp32)``; ``r = rsqrt(pow(xf, 2).mean(-1, keepdim).add_(eps))``;
+        ``y = ((xf * r) * w).type_as(x)``. Saved: xf (fp32, a copy when x is 16-bit; pow and mul
+        share it), r (rows fp32), and the fp32 ``xf * r`` (for grad_w). composite-legacy
+        (2.4-2.5) casts before the weight multiply, so it saves ``(xf*r).type_as(x)`` instead.
+        With ``mean_saves_input``
+        (PyTorch <= 2.1) the mean also keeps pow's result. Backward temporaries: a few fp32
+        row-by-d tensors (mean's expanded grad, pow's 2*x*g, mul's g*r).
+        fused (``_fused_rms_norm``, later PyTorch): saves x and rstd only."""
+        dt = self.dtype_of(x)
+        n = rows * d
+        if self.profile.rmsnorm == "fused":
+            rstd = self.new(rows, DType.fp32)
+            y = self.new(n, dt)
+            self.sim.node("rmsnorm_fused", [x, rstd], [x], [w], [y], temps=[n * 4])
+            self.drop(rstd)
+            return y
+        fp32 = DType.fp32 if self.profile.norm_upcast else dt
+        upcast = dt != fp32 and dt.bits != fp32.bits
+        xf = self.new(n, fp32) if upcast else self.sim.ref(x)
+        if upcast:
+            xf.requires_grad = x.requires_grad
+            self.sim.node("to_fp32", [], [x], [], [xf])
+        sq = self.new(n, fp32)  # pow(xf, 2)
+        self.sim.node("pow", [xf], [xf], [], [sq])
+        ms = self.new(rows, fp32)  # mean(-1, keepdim)
+        self.sim.node("mean", [sq] if self.profile.mean_saves_input else [], [sq], [], [ms])
+        self.drop(sq)
+        r = self.new(rows, fp32)  # rsqrt(ms + eps); add_ is in place
+        self.sim.node("rsqrt", [r], [ms], [], [r])
+        self.drop(ms)
+        xn = self.new(n, fp32)  # xf * r
+        self.sim.node("mul", [xf, r], [xf, r], [], [xn], temps=[n * fp32.itemsize])
+        self.drop(xf, r)
+        if self.profile.rmsnorm == "composite-legacy":
+            # PyTorch 2.4-2.5: (xf * r).type_as(x) * w -- the weight multiply runs in x's dtype
+            xt = self.new(n, dt) if upcast else self.sim.ref(xn)
+            if upcast:
+                self.sim.node("to_dtype", [], [xn], [], [xt])
+            self.drop(xn)
+            y = self.new(n, dt)
+            self.sim.node("mul_weight", [xt], [xt], [w], [y], temps=[n * dt.itemsize])
+            self.drop(xt)
+            return y
+        # PyTorch 2.6-2.8: ((xf * r) * w).type_as(x) -- the weight multiply runs in fp32 and
+        # saves the fp32 normalised tensor; only the result is cast back
+        y32 = self.new(n, fp32)
+        self.sim.node("mul_weight", [xn], [xn], [w], [y32], temps=[n * fp32.itemsize])
+        self.drop(xn)
+        if not upcast:
+            return y32
+        y = self.new(n, dt)
+        self.sim.node("to_dtype", [], [y32], [], [y])
+        self.drop(y32)
+        return y
+
+    def layernorm(self, x: T, rows: int, d: int, w: Param, b: Optional[Param]) -> T:
+        """native_layer_norm: saves input, weight, bias, mean and rstd (rows fp32 each).
+        Under autocast layer_norm runs in fp32 (a cast copy of a 16-bit input is what is saved)."""
+        src = x
+        if self.autocast is not None and x.itemsize_bits != 32:
+            src = self.new(x.numel, DType.fp32)
+            src.requires_grad = x.requires_grad
+            self.sim.node("to_fp32", [], [x], [], [src])
+        dt = self.dtype_of(src)
+        mean = self.new(rows, DType.fp32)
+        rstd = self.new(rows, DType.fp32)
+        y = self.new(rows * d, dt)
+        params = [w] + ([b] if b is not None else [])
+        self.sim.node("layer_norm", [src, mean, rstd], [src], params, [y], temps=[rows * d * 4])
+        self.drop(mean, rstd)
+        if src is not x:
+            self.drop(src)
+        return y
+
+    def rope(self, x: T, rot_frac: float) -> T:
+        """HF apply_rotary_pos_emb: ``x*cos + rotate_half(x)*sin`` (cat(-x2, x1)). Saves only the
+        cos/sin tables (shared, counted once per step). Forward transients: x*cos, -x2, the cat,
+        cat*sin; partial rotary (phi) slices and concatenates the pass-through part."""
+        dt = self.dtype_of(x)
+        n = x.numel
+        nr = int(n * rot_frac)
+        a = self.new(nr, dt, kind=TMP)
+        neg = self.new(nr // 2, dt, kind=TMP)
+        cat = self.new(nr, dt, kind=TMP)
+        self.drop(neg)
+        s = self.new(nr, dt, kind=TMP)
+        self.drop(cat)
+        if rot_frac < 1.0:
+            r = self.new(nr, dt, kind=TMP)
+            self.drop(a, s)
+            y = self.new(n, dt)
+            self.drop(r)
+        else:
+            y = self.new(n, dt)
+            self.drop(a, s)
+        self.sim.node("rope", [], [x], [], [y], temps=[nr * dt.itemsize, nr * dt.itemsize])
+        return y
+
+    def repeat_kv(self, x: T, n_rep: int) -> T:
+        """HF repeat_kv (expand + reshape): a real copy n_rep times larger; backward sums it back."""
+        if n_rep == 1:
+            return self.sim.ref(x)
+        y = self.new(x.numel * n_rep, self.dtype_of(x))
+        self.sim.node("repeat_kv", [], [x], [], [y])
+        return y
+
+    # -- attention ------------------------------------------------------------------
+    def attention_kernel(self, has_mask: bool) -> str:
+        """Which SDPA kernel runs: the profile's choice, or auto = flash for 16-bit inputs without
+        an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi)."""
+        k = self.profile.attention
+        if k != "auto":
+            return k
+        dt_bits = self.autocast.bits if self.autocast is not None else None
+        return "flash" if (dt_bits == 16 and not has_mask) else "efficient"
+
+    def sdpa(self, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, bias: Optional[T], bias_bcast_bytes: int,
+             dropout_p: float, kernel: str) -> T:
+        """scaled_dot_product_attention with the kernel CUDA picks.
+
+        flash (``_scaled_dot_product_flash_attention``, FA2): saves q, k, v, out and logsumexp
+        (B,H,T fp32). Backward allocates dq, dk, dv plus FA2's ``dq_accum`` (B, T rounded to 128,
+        H, D rounded to 8, fp32) and ``softmax_d`` (B,H,T rounded, fp32).
+        efficient (``_scaled_dot_product_efficient_attention``): saves q, k, v, out, logsumexp
+        (B,H,T rounded up to 32, fp32) and the additive bias. Backward allocates dq, dk, dv,
+        ``delta`` (B,H,T fp32), an fp32 dq accumulator when inputs are 16-bit, and, when the bias
+        needs a gradient, a gradient of the broadcast (B,H,T,T) bias.
+        math (``_scaled_dot_product_attention_math``): materialises (B,H,T,T) scores, saves the
+        pre-scaled q and k copies, the softmax output, v, and the dropout mask."""
+        dt = self.dtype_of(q)
+        n_q = B * H * Tq * D
+        if kernel in ("flash", "efficient"):
+            out = self.new(n_q, dt)
+            if kernel == "flash":
+                lse = self.new(B * H * Tq, DType.fp32)
+                tr = -(-Tq // 128) * 128
+                dr = -(-D // 8) * 8
+                temps = [B * tr * H * dr * 4, B * H * tr * 4]
+            else:
+                lse = self.new(B * H * (-(-Tq // 32) * 32), DType.fp32)
+                temps = [B * H * Tq * 4]
+                if dt != DType.fp32:
+                    temps.append(n_q * 4)
+            saved = [q, k, v, out, lse] + ([bias] if bias is not None else [])
+            inputs = [q, k, v] + ([bias] if bias is not None else [])
+            sizes = [q.nbytes, k.nbytes, v.nbytes] + ([bias_bcast_bytes] if bias is not None else [])
+            self.sim.node(f"sdpa_{kernel}", saved, inputs, [], [out], temps=temps, grad_input_bytes=sizes)
+            self.drop(lse)
+            return out
+        # math path
+        nTT = B * H * Tq * Tq
+        qs = self.new(n_q, dt)
+        self.sim.node("mul_scalar", [], [q], [], [qs])
+        ks = self.new(k.numel, dt)
+        self.sim.node("mul_scalar", [], [k], [], [ks])
+        scores = self.new(nTT, dt)
+        self.sim.node("matmul_qk", [qs, ks], [qs, ks], [], [scores])
+        self.drop(qs, ks)
+        if bias is not None:  # attn.add_(mask): in place; gradient to the bias is the broadcast grad
+            self.sim.node("add_mask", [], [scores, bias], [], [scores], grad_input_bytes=[scores.nbytes, bias_bcast_bytes])
+        p = self.new(nTT, dt)
+        self.sim.node("softmax", [p], [scores], [], [p])
+        self.drop(scores)
+        if dropout_p > 0:
+            pd = self.dropout(p, dropout_p)
+            self.drop(p)
+            p = pd
+        out = self.new(n_q, dt)
+        self.sim.node("matmul_pv", [p, v], [p, v], [], [out])
+        self.drop(p)
+        return out
+
+    def alibi_mask(self, H: int, Tq: int, slopes: Param) -> tuple[T, int]:
+        """Forgather's per-layer ALiBi mask (causal_alibi_attn.py): ``alibi_biases`` (T,T) in the
+        model dtype, ``* slopes.view(-1,1,1)`` -> (H,T,T) (the mul saves the (T,T) bias for the
+        slopes' gradient), ``masked_fill_`` with a (T,T) bool mask (saved) from ones/tril/
+        logical_not. Returns the (H,T,T) mask; its gradient (when slopes train) flows back
+        through masked_fill and the mul: two more (H,T,T) temporaries in backward."""
+        dt = self.dtype_of(slopes.weight)
+        tt = Tq * Tq
+        base = self.new(tt, dt, "attention masks")
+        m = self.sim.alloc(dt.nbytes(H * tt), ACT, "attention masks")
+        m.numel, m.itemsize_bits = H * tt, dt.bits
+        self.sim.node("alibi_mul", [base], [], [slopes], [m], temps=[dt.nbytes(H * tt)])
+        self.drop(base)
+        ones = self.sim.alloc(tt, TMP, "attention masks")
+        tril = self.sim.alloc(tt, TMP, "attention masks")
+        self.drop(ones)
+        keep = self.sim.alloc(tt, ACT, "attention masks")
+        self.drop(tril)
+        if m.requires_grad:
+            # masked_fill_ backward: grad.masked_fill(mask, 0) (a new (H,T,T)); saves the mask.
+            self.sim.node("masked_fill", [keep], [m], [], [m])
+        self.drop(keep)
+        return m, dt.nbytes(H * tt)
+
+    # -- loss -----------------------------------------------------------------------
+    def lm_loss(self, logits: T, B: int, Tq: int, V: int) -> T:
+        """Causal LM loss on (B,T,V) logits: optional fp32 upcast (HF), optional shifted
+        contiguous copy (``logits[..., :-1, :].contiguous()``; its backward, slice_backward,
+        allocates a full zero (B,T,V) gradient), then cross_entropy = log_softmax (saves its
+        output) + nll_loss (saves target and total_weight; backward allocates a zero
+        (N,V) gradient and scatters into it)."""
+        x = logits
+        if self.profile.logits_fp32 and x.itemsize_bits != 32:
+            xf = self.new(x.numel, DType.fp32, "logits & loss")
+            self.sim.node("to_fp32", [], [x], [], [xf])
+            x = xf
+        else:
+            self.sim.ref(x)
+        dt = self.dtype_of(x)
+        rows = B * Tq
+        if self.profile.shift_copy:
+            rows = B * (Tq - 1)
+            xs = self.new(rows * V, dt, "logits & loss")
+            self.sim.node("shift_slice", [], [x], [], [xs], grad_input_bytes=[x.nbytes])
+            self.drop(x)
+            x = xs
+        lsm = self.new(rows * V, dt, "logits & loss")
+        self.sim.node("log_softmax", [lsm], [x], [], [lsm])
+        self.drop(x)
+        loss = self.sim.alloc(4, ACT, "logits & loss")
+        loss.numel, loss.itemsize_bits = 1, dt.bits
+        self.sim.node("nll_loss", [], [lsm], [], [loss])
+        self.drop(lsm)
+        return loss

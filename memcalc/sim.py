@@ -1,0 +1,218 @@
+"""A small simulator of PyTorch's caching allocator and autograd engine, in bytes.
+
+Tensors are reference-counted blocks of bytes (each rounded up to the
+allocator's 512-byte granularity). Forward ops allocate outputs and register
+autograd nodes that hold references to the tensors they save for backward;
+Python-level references are held and dropped explicitly by the model code.
+Backward walks the nodes in reverse creation order (a valid topological order
+for a sequential decoder, and the order PyTorch's engine picks by sequence
+number), allocating activation gradients and parameter gradients, and
+releasing each node's saved tensors when it has run. Parameter gradients are
+accumulated at once (AccumulateGrad runs first among ready nodes), so a
+post-accumulate-grad hook (the fused optimizer) frees them right away.
+
+Every allocation updates the running total, the per-kind totals, the per-phase
+maxima and, when it raises the peak, a snapshot of what is alive by category.
+Views are modelled by sharing a tensor object (no new bytes).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .result import KINDS, TimelinePoint
+from .units import round_up
+
+
+@dataclass(eq=False)
+class T:
+    """A block of memory: ``nbytes`` already rounded to the allocator granularity."""
+
+    nbytes: int
+    kind: str  # one of result.KINDS
+    category: str  # finer name shown in the breakdown
+    requires_grad: bool = False
+    refs: int = 1
+    alive: bool = True
+    numel: int = 0  # elements, for ops that size their outputs from inputs
+    itemsize_bits: int = 32
+    grad_buffer: Optional["T"] = None  # accumulated gradient w.r.t. this tensor (backward)
+    producer: Optional["Node"] = None
+    name: str = ""
+
+
+@dataclass(eq=False)
+class Param:
+    """A parameter: its storage, whether it trains, and its gradient's size in bytes."""
+
+    name: str
+    weight: T
+    trainable: bool
+    grad_bytes: int
+    layer: Optional[int]
+    numel: int
+    grad: Optional[T] = None
+
+
+@dataclass(eq=False)
+class Node:
+    """An autograd node: saved tensors, the inputs it sends gradients to, the params it grads."""
+
+    name: str
+    saved: list[T]
+    inputs: list[T]  # activation inputs requiring grad (each receives a grad of its own size)
+    params: list[Param]
+    outputs: list[T]
+    temps: list[int] = field(default_factory=list)  # transient backward allocations (bytes, unrounded)
+    grad_input_bytes: Optional[list[int]] = None  # override sizes of grads sent to inputs
+    on_backward: Optional[Callable[["Sim", "Node"], None]] = None  # e.g. checkpoint recompute
+    done: bool = False
+    fwd_label: str = ""
+
+
+class Sim:
+    """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``."""
+
+    def __init__(self, round_bytes: int = 512) -> None:
+        self.round_bytes = round_bytes
+        self.total = 0
+        self.by_kind: dict[str, int] = {k: 0 for k in KINDS}
+        self.by_cat: dict[str, int] = defaultdict(int)
+        self.peak = 0
+        self.peak_phase = ""
+        self.peak_label = ""
+        self.peak_cats: dict[str, int] = {}
+        self.peak_kinds: dict[str, int] = {}
+        self.phase = "setup"
+        self.label = ""
+        self.phase_peaks: dict[str, int] = {}
+        self.nodes: list[Node] = []
+        self.timeline: list[TimelinePoint] = []
+        self.record_timeline = True
+        self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
+        self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
+        self.grad_enabled = True  # False inside a checkpointed region's first forward
+
+    # -- allocation -----------------------------------------------------------------
+    def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
+        """Allocate a block (rounded up); returns it with one reference."""
+        n = round_up(int(nbytes), self.round_bytes)
+        t = T(n, kind, category, requires_grad=requires_grad, name=name)
+        self.total += n
+        self.by_kind[kind] += n
+        self.by_cat[category] += n
+        cur = self.phase_peaks.get(self.phase, 0)
+        if self.total > cur:
+            self.phase_peaks[self.phase] = self.total
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_phase = self.phase
+            self.peak_label = self.label
+            self.peak_cats = {k: v for k, v in self.by_cat.items() if v}
+            self.peak_kinds = dict(self.by_kind)
+        return t
+
+    def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
+        """Allocate and immediately free (a workspace that lives inside one kernel)."""
+        t = self.alloc(nbytes, kind, category)
+        self.unref(t)
+
+    def ref(self, t: T) -> T:
+        assert t.alive, f"reference to a freed tensor {t.name}"
+        t.refs += 1
+        return t
+
+    def unref(self, t: Optional[T]) -> None:
+        if t is None:
+            return
+        assert t.alive and t.refs > 0, f"double free of {t.name}"
+        t.refs -= 1
+        if t.refs == 0:
+            t.alive = False
+            self.total -= t.nbytes
+            self.by_kind[t.kind] -= t.nbytes
+            self.by_cat[t.category] -= t.nbytes
+
+    def mark(self, label: str, phase: Optional[str] = None) -> None:
+        """Set the current label (and phase) and record a timeline point."""
+        if phase is not None:
+            self.phase = phase
+            self.phase_peaks.setdefault(phase, self.total)
+        self.label = label
+        if self.record_timeline:
+            self.timeline.append(TimelinePoint(len(self.timeline), label, self.phase, dict(self.by_kind)))
+
+    # -- autograd -------------------------------------------------------------------
+    def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T], **kw) -> Optional[Node]:
+        """Register a node if anything needs a gradient; takes a reference on each saved tensor."""
+        inputs = [t for t in inputs if t.requires_grad]
+        params = [p for p in params if p.trainable]
+        if not self.grad_enabled or (not inputs and not params):
+            return None
+        for t in saved:
+            self.ref(t)
+        n = Node(name, saved, inputs, params, outputs, **kw)
+        n.fwd_label = self.label
+        for o in outputs:
+            o.requires_grad = True
+            o.producer = n
+        self.nodes.append(n)
+        return n
+
+    def backward(self, loss: T, loss_grad_bytes: int, label_of: Callable[[Node], str]) -> None:
+        """Run backward from ``loss`` over all registered nodes (reverse creation order)."""
+        loss.grad_buffer = self.alloc(loss_grad_bytes, "temporaries", "activation gradients")
+        self.run_nodes(self.nodes, label_of)
+
+    def run_nodes(self, nodes: list[Node], label_of: Callable[[Node], str]) -> None:
+        """Backward over ``nodes`` in reverse order; nodes no gradient reaches just release."""
+        for node in reversed(nodes):
+            if node.done:
+                continue
+            if not any(o.grad_buffer is not None for o in node.outputs):
+                self._release_node(node)
+                continue
+            lab = label_of(node)
+            if lab != self.label:
+                self.label = lab
+                self.snapshot_point()
+            if node.on_backward is not None:
+                node.on_backward(self, node)
+            self._run_node(node)
+
+    def _release_node(self, node: Node) -> None:
+        for t in node.saved:
+            self.unref(t)
+        node.saved = []
+        node.done = True
+
+    def _run_node(self, node: Node) -> None:
+        temps = [self.alloc(b, "temporaries", "backward workspace") for b in node.temps]
+        sizes = node.grad_input_bytes or [t.nbytes for t in node.inputs]
+        new_grads = [self.alloc(b, "temporaries", "activation gradients") for b in sizes]
+        for p in node.params:
+            g = self.alloc(p.grad_bytes, "gradients", "gradients")
+            if p.grad is None:
+                p.grad = g
+            else:  # accumulate into the existing .grad in place
+                self.unref(g)
+            if self.grad_ready is not None:
+                self.grad_ready(self, p)
+        for t in temps:
+            self.unref(t)
+        for o in node.outputs:
+            if o.grad_buffer is not None:
+                self.unref(o.grad_buffer)
+                o.grad_buffer = None
+        self._release_node(node)
+        for inp, g in zip(node.inputs, new_grads):
+            if inp.grad_buffer is None:
+                inp.grad_buffer = g
+            else:  # InputBuffer accumulates in place
+                self.unref(g)
+
+    def snapshot_point(self) -> None:
+        if self.record_timeline:
+            self.timeline.append(TimelinePoint(len(self.timeline), self.label, self.phase, dict(self.by_kind)))

@@ -1,0 +1,111 @@
+"""The training step as a timeline: setup, forward, backward, optimizer step.
+
+``simulate(exp, first_step)`` runs one step on the simulator:
+- steady state (``first_step=False``): weights and optimizer state exist, no
+  gradients (``zero_grad(set_to_none=True)`` ran after the previous step);
+- first step: no optimizer state yet; it is created inside the step (all at once
+  for a foreach step, per parameter for a per-parameter or fused step).
+Gradient accumulation runs the first micro-step (no gradients alive) and a
+later one (all gradients alive, each new gradient allocated and added in
+place); micro-steps after the second repeat the second exactly.
+A fused optimizer steps each parameter in its post-accumulate-grad hook and
+frees its gradient at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+from .forward import Forward, Model, make_params
+from .optimizers import OptimizerSim
+from .params import param_inventory
+from .sim import Node, Param, Sim
+from .spec import ExperimentSpec
+from .result import TimelinePoint
+
+
+@dataclass
+class SimResult:
+    """What one simulated step produced (bytes are ints)."""
+
+    peak_bytes: int
+    peak_phase: str
+    peak_label: str
+    peak_categories: dict[str, int]
+    peak_kinds: dict[str, int]
+    phases: dict[str, int]
+    timeline: list[TimelinePoint]
+
+
+def check_supported(exp: ExperimentSpec) -> None:
+    tr = exp.training
+    if tr.fused_optimizer and tr.grad_accum > 1:
+        raise UserError(
+            f"a fused optimizer steps inside backward, so it cannot accumulate gradients (grad_accum {tr.grad_accum}); drop one"
+        )
+    if tr.seq > exp.model.max_seq_len and exp.model.positions == "learned":
+        raise UserError(
+            f"seq ({tr.seq}) exceeds {exp.model.name}'s learned position table ({exp.model.max_seq_len})"
+        )
+    if tr.seq < 2:
+        raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
+
+
+def _label_of(node: Node) -> str:
+    lab = getattr(node, "fwd_label", "") or ""
+    return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
+
+
+def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True) -> SimResult:
+    """Simulate one optimizer step of ``exp``; see the module docstring for what it covers."""
+    check_supported(exp)
+    tr = exp.training
+    sim = Sim(exp.profile.allocator_round_bytes)
+    sim.record_timeline = record_timeline
+    sim.mark("weights", "setup")
+    model: Model = make_params(sim, exp)
+    rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, tr.lora)}
+    opt = OptimizerSim(sim, tr, model.order, rows_of)
+    if not first_step:
+        opt.create_all()
+    sim.mark("step start", "setup")
+
+    if tr.fused_optimizer:
+        def hook(s: Sim, p: Param) -> None:
+            opt.step_param(p)
+            s.unref(p.grad)
+            p.grad = None
+
+        sim.grad_ready = hook
+
+    micro = min(tr.grad_accum, 2)
+    for mb in range(micro):
+        sim.nodes = []
+        fwd = Forward(sim, exp, model)
+        loss = fwd.run()
+        sim.mark("backward start", "backward")
+        sim.backward(loss, 4, _label_of)
+        sim.unref(loss)
+        fwd.release_inputs()
+        sim.mark("backward end", "backward")
+
+    if not tr.fused_optimizer:
+        sim.mark("optimizer step", "optimizer step")
+        opt.step_all()
+        for p in model.order:  # zero_grad(set_to_none=True)
+            if p.grad is not None:
+                sim.unref(p.grad)
+                p.grad = None
+        sim.mark("step end", "optimizer step")
+
+    phases = {k: v for k, v in sim.phase_peaks.items() if k != "setup"}
+    return SimResult(
+        peak_bytes=sim.peak,
+        peak_phase=sim.peak_phase,
+        peak_label=sim.peak_label,
+        peak_categories=dict(sim.peak_cats),
+        peak_kinds=dict(sim.peak_kinds),
+        phases=phases,
+        timeline=sim.timeline,
+    )
