@@ -1,0 +1,328 @@
+"""The ``memcalc`` command line.
+
+Every bad input ends as one line on stderr and exit code 2: typer/click usage
+errors, :class:`~memcalc.errors.UserError`, and pydantic validation errors.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from typing import Any, List, Optional
+
+import click
+import typer
+from pydantic import ValidationError
+from typer.core import TyperGroup
+
+from .errors import UserError
+
+
+class _Group(TyperGroup):
+    """Runs commands without click's standalone error printing; errors become one line + exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
+        try:
+            rv = super().main(args=args, prog_name=prog_name or "memcalc", complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            _err("aborted")
+            sys.exit(130)
+        except click.ClickException as e:  # usage errors: no such option, bad choice, bad number
+            _err(" ".join(e.format_message().split()))
+            sys.exit(2)
+        except UserError as e:
+            _err(str(e))
+            sys.exit(2)
+        except ValidationError as e:
+            from .presets import pydantic_error_line
+
+            _err(pydantic_error_line(e, "input"))
+            sys.exit(2)
+        if isinstance(rv, int) and rv:
+            sys.exit(rv)
+        sys.exit(0)
+
+
+def _err(msg: str) -> None:
+    sys.stderr.write(f"memcalc: error: {msg}\n")
+
+
+app = typer.Typer(
+    cls=_Group,
+    help="memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring.",
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+class PrecisionOpt(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    amp_bf16 = "amp-bf16"
+    amp_fp16 = "amp-fp16"
+
+
+class OptimizerOpt(str, Enum):
+    adamw = "adamw"
+    adam = "adam"
+    sgd = "sgd"
+    sgd_momentum = "sgd-momentum"
+    adafactor = "adafactor"
+    lion = "lion"
+    adamw_8bit = "adamw-8bit"
+
+
+class ImplOpt(str, Enum):
+    foreach = "foreach"
+    fused = "fused"
+    for_loop = "for-loop"
+
+
+# -- shared options -------------------------------------------------------------------
+MODEL = typer.Option(None, "--model", "-m", help="Preset name (see `memcalc models`), or a path to a Hugging Face config.json or a model spec YAML/JSON.")
+PARAMS = typer.Option(None, "--params", help="Infer a Llama-style decoder with about this many parameters (7e9, 7B, 350M).")
+CONFIG = typer.Option(None, "--config", "-c", help="A reference config name (see `memcalc configs`) or an experiment YAML/JSON; flags override it.")
+BATCH = typer.Option(None, "--batch", "-b", help="Micro-batch size (default 1).")
+SEQ = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller).")
+ACCUM = typer.Option(None, "--grad-accum", help="Gradient-accumulation micro-steps (default 1).")
+PRECISION = typer.Option(None, "--precision", help="fp32 | bf16 | fp16 (pure 16-bit) | amp-bf16 | amp-fp16 (autocast over fp32 weights).")
+BF16 = typer.Option(False, "--bf16", help="Short for --precision bf16: weights, grads and optimizer state all bf16.")
+MASTER = typer.Option(False, "--master-weights", help="16-bit weights and grads + fp32 master weights and moments (16 bytes/param with Adam).")
+OPTIMIZER = typer.Option(None, "--optimizer", help="Optimizer (default adamw).")
+IMPL = typer.Option(None, "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default).")
+CHECKPOINT = typer.Option(None, "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective.")
+FUSED = typer.Option(False, "--fused-optimizer", help="Step the optimizer in post-accumulate-grad hooks during backward.")
+COMPILE = typer.Option(False, "--compile", help="torch.compile the model.")
+BUDGET = typer.Option(None, "--memory-budget", help="torch.compile activation_memory_budget in [0, 1] (implies --compile).")
+LORA = typer.Option(False, "--lora", help="LoRA adapters on a frozen base (default rank 16, alpha 32, targets q,k,v,o).")
+LORA_RANK = typer.Option(None, "--lora-rank", help="LoRA rank.")
+LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA alpha.")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down, or all.")
+LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the adapter input.")
+QLORA = typer.Option(False, "--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")
+PROFILE = typer.Option(None, "--profile", help="Kernel profile (see `memcalc profiles`); default torch-2.8-cuda.")
+JSON = typer.Option(False, "--json", help="Print only JSON (integer bytes).")
+
+
+def _options(**kw: Any):
+    from .inputs import Options
+
+    for k in ("precision", "optimizer", "optimizer_impl"):
+        if kw.get(k) is not None:
+            kw[k] = kw[k].value
+    return Options(**kw)
+
+
+@app.command()
+def estimate(
+    model: Optional[str] = MODEL, params: Optional[str] = PARAMS, config: Optional[str] = CONFIG,
+    batch: Optional[int] = BATCH, seq: Optional[int] = SEQ, grad_accum: Optional[int] = ACCUM,
+    precision: Optional[PrecisionOpt] = PRECISION, bf16: bool = BF16, master_weights: bool = MASTER,
+    optimizer: Optional[OptimizerOpt] = OPTIMIZER, optimizer_impl: Optional[ImplOpt] = IMPL,
+    checkpoint: Optional[str] = CHECKPOINT, fused_optimizer: bool = FUSED, compile: bool = COMPILE,
+    memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
+    lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
+    lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
+    gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`)."),
+    as_json: bool = JSON,
+) -> None:
+    """Predict the peak memory of one training step, the phase that sets it, and where it fits.
+
+    Examples:
+
+      memcalc estimate --params 7e9 --bf16 --lora
+
+      memcalc estimate --model llama-3.1-8b --batch 2 --seq 4096 --qlora --checkpoint full --gpu rtx-4090
+
+      memcalc estimate --config control --json
+    """
+    from .estimate import estimate as run_estimate
+    from .gpus import get_gpu, list_gpus
+    from .inputs import resolve
+    from .report import dumps, render, to_json
+
+    res = resolve(_options(
+        model=model, params=params, config=config, batch=batch, seq=seq, grad_accum=grad_accum,
+        precision=precision, bf16=bf16, master_weights=master_weights, optimizer=optimizer,
+        optimizer_impl=optimizer_impl, checkpoint=checkpoint, fused_optimizer=fused_optimizer,
+        compile=compile, memory_budget=memory_budget, lora=lora, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_targets=lora_targets, lora_dropout=lora_dropout, qlora=qlora, profile=profile,
+    ))
+    gpus = [get_gpu(g) for g in gpu] if gpu else list_gpus()
+    est = run_estimate(res.exp)
+    if as_json:
+        typer.echo(dumps(to_json(est, res, gpus)))
+    else:
+        render(est, res, gpus)
+
+
+@app.command()
+def models(as_json: bool = JSON) -> None:
+    """List the model presets with their shapes and parameter counts."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .params import count_params
+    from .presets import list_presets, load_preset
+    from .report import dumps
+
+    rows = []
+    for name in list_presets():
+        m = load_preset(name)
+        rows.append({"name": name, "params": count_params(m).total, "n_layers": m.n_layers, "d_model": m.d_model,
+                     "n_heads": m.n_heads, "n_kv_heads": m.kv_heads, "d_ff": m.d_ff, "vocab_size": m.vocab_size,
+                     "max_seq_len": m.max_seq_len})
+    if as_json:
+        typer.echo(dumps(rows))
+        return
+    t = Table(title="Model presets")
+    for col in ("name", "params", "layers", "d_model", "heads (kv)", "d_ff", "vocab", "max seq"):
+        t.add_column(col, justify="left" if col == "name" else "right")
+    for r in rows:
+        t.add_row(r["name"], f"{r['params']:,}", str(r["n_layers"]), str(r["d_model"]),
+                  f"{r['n_heads']} ({r['n_kv_heads']})", str(r["d_ff"]), str(r["vocab_size"]), str(r["max_seq_len"]))
+    Console().print(t)
+
+
+@app.command()
+def configs(as_json: bool = JSON) -> None:
+    """List the shipped reference configs and their published peaks."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .configs import list_configs, load_config
+    from .report import dumps
+
+    rows = []
+    for name in list_configs():
+        e = load_config(name)
+        tr = e.training
+        rows.append({"name": name, "description": e.description, "precision": tr.precision,
+                     "checkpoint": tr.checkpoint, "fused_optimizer": tr.fused_optimizer, "compile": tr.compile,
+                     "memory_budget": tr.memory_budget, "published_peak_bytes": e.published_peak_bytes})
+    if as_json:
+        typer.echo(dumps(rows))
+        return
+    t = Table(title="Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)")
+    for col in ("name", "precision", "checkpoint", "fused", "compile", "published GiB"):
+        t.add_column(col)
+    for r in rows:
+        comp = "-" if not r["compile"] else ("yes" if r["memory_budget"] is None else f"budget {r['memory_budget']}")
+        t.add_row(r["name"], r["precision"], r["checkpoint"], "yes" if r["fused_optimizer"] else "-", comp,
+                  f"{r['published_peak_bytes'] / 2**30:.3f}")
+    Console().print(t)
+
+
+@app.command()
+def gpus(as_json: bool = JSON) -> None:
+    """List the GPU catalog (capacities in bytes; GiB = 2**30)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .gpus import list_gpus
+    from .report import dumps
+
+    gs = list_gpus()
+    if as_json:
+        typer.echo(dumps([g.model_dump() for g in gs]))
+        return
+    t = Table(title="GPU catalog")
+    for col in ("name", "GPU", "memory GiB", "bytes"):
+        t.add_column(col, justify="left" if col in ("name", "GPU") else "right")
+    for g in gs:
+        t.add_row(g.name, getattr(g, "display_name", g.name), f"{g.capacity_bytes / 2**30:.2f}", f"{g.capacity_bytes:,}")
+    Console().print(t)
+
+
+@app.command()
+def profiles(as_json: bool = JSON) -> None:
+    """List the kernel profiles (what each PyTorch version and framework saves)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .profiles import PROFILES
+    from .report import dumps
+
+    if as_json:
+        typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
+        return
+    t = Table(title="Kernel profiles")
+    for col in ("name", "torch", "RMSNorm", "attention", "logits fp32", "shift copy", "mean keeps input"):
+        t.add_column(col)
+    for p in PROFILES.values():
+        t.add_row(p.name, p.torch_version, p.rmsnorm, p.attention, str(p.logits_fp32), str(p.shift_copy), str(p.mean_saves_input))
+    Console().print(t)
+
+
+@app.command()
+def validate(
+    config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="Reference config name or file (repeatable)."),
+    all_configs: bool = typer.Option(False, "--all", help="Every shipped reference config."),
+    model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
+    batch: Optional[int] = BATCH, seq: Optional[int] = SEQ, grad_accum: Optional[int] = ACCUM,
+    precision: Optional[PrecisionOpt] = PRECISION, bf16: bool = BF16, master_weights: bool = MASTER,
+    optimizer: Optional[OptimizerOpt] = OPTIMIZER, optimizer_impl: Optional[ImplOpt] = IMPL,
+    checkpoint: Optional[str] = CHECKPOINT, fused_optimizer: bool = FUSED, compile: bool = COMPILE,
+    memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
+    lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
+    lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
+    scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
+    snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
+    as_json: bool = JSON,
+) -> None:
+    """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
+
+    Examples:
+
+      memcalc validate --config fused --device meta
+
+      memcalc validate --all --device meta --output results.json
+
+      memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
+    """
+    from .configs import list_configs
+    from .inputs import resolve
+
+    if device is not None and device not in ("cuda", "meta", "cpu"):
+        raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
+    if scale_layers is not None and scale_layers <= 0:
+        raise UserError(f"--scale-layers must be positive, got {scale_layers}")
+    try:
+        from .validate.command import run_validate
+    except ImportError as e:  # torch missing
+        raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
+    names = list(config or [])
+    if all_configs:
+        names += [n for n in list_configs() if n not in names]
+    common = dict(
+        model=model, params=params, batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, bf16=bf16,
+        master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
+        fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
+        qlora=qlora, profile=profile,
+    )
+    items = []
+    if names:
+        for n in names:
+            items.append((n, resolve(_options(config=n, **common)).exp))
+    else:
+        items.append((None, resolve(_options(**common)).exp))
+    items = [(n or e.name, e) for n, e in items]
+    run_validate(items, device, as_json, output, scale_layers, snapshot)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Experiment configs: a shipped reference config by name, or a YAML/JSON file of one's own.
+
+A config is an :class:`~memcalc.spec.ExperimentSpec` whose ``model`` may be a
+preset name or a path (Hugging Face config.json or a model spec file) and whose
+``profile`` may be a profile name; both are resolved here. Nothing downstream
+reads files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from .data_files import list_names, load_named, parse_text
+from .errors import UserError, unknown_name
+from .profiles import get_profile
+from .spec import ExperimentSpec, KernelProfile
+
+
+def list_configs() -> list[str]:
+    """Names of the shipped reference configs."""
+    return list_names("configs")
+
+
+def _raw(name_or_path: str) -> tuple[Any, str]:
+    p = Path(name_or_path)
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.exists():
+        if not p.is_file():
+            raise UserError(f"config file not found: {name_or_path}")
+        return parse_text(p.read_text(encoding="utf-8"), str(p)), str(p)
+    if name_or_path not in list_configs():
+        raise unknown_name("config", name_or_path, list_configs())
+    return load_named("configs", name_or_path), f"configs/{name_or_path}"
+
+
+def experiment_from_dict(raw: Any, where: str) -> ExperimentSpec:
+    """Build an ExperimentSpec from parsed YAML/JSON, resolving model and profile names."""
+    from .presets import pydantic_error_line, resolve_model
+
+    if not isinstance(raw, dict):
+        raise UserError(f"{where} must be a mapping of experiment fields, not {type(raw).__name__}")
+    raw = dict(raw)
+    if "model" not in raw:
+        raise UserError(f"{where} has no 'model' (a preset name, a path, or a mapping of model fields)")
+    if isinstance(raw["model"], str):
+        raw["model"] = resolve_model(raw["model"])
+    prof = raw.get("profile")
+    if isinstance(prof, str):
+        raw["profile"] = get_profile(prof)
+    elif isinstance(prof, dict) and "base" in prof:
+        base = get_profile(prof.pop("base"))
+        raw["profile"] = KernelProfile(**{**base.model_dump(), **prof})
+    try:
+        return ExperimentSpec(**raw)
+    except ValidationError as e:
+        raise UserError(pydantic_error_line(e, where)) from None
+
+
+def load_config(name_or_path: str) -> ExperimentSpec:
+    """A reference config by name (``memcalc configs`` lists them) or a config file path."""
+    raw, where = _raw(name_or_path)
+    return experiment_from_dict(raw, where)

@@ -1,0 +1,200 @@
+"""From command-line options to one ExperimentSpec, remembering where each input came from.
+
+Precedence: a flag overrides the config file, which overrides the default.
+Every input is tagged ``flag``, ``config``, ``default`` or ``inferred`` so
+reports can mark what the user did not set.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pydantic import ValidationError
+
+from .errors import UserError
+from .profiles import DEFAULT_PROFILE, get_profile
+from .spec import LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
+
+
+@dataclass
+class Options:
+    """Raw options as parsed (None = not given)."""
+
+    model: Optional[str] = None
+    params: Optional[str] = None
+    config: Optional[str] = None
+    batch: Optional[int] = None
+    seq: Optional[int] = None
+    grad_accum: Optional[int] = None
+    precision: Optional[str] = None
+    bf16: bool = False
+    master_weights: bool = False
+    optimizer: Optional[str] = None
+    optimizer_impl: Optional[str] = None
+    checkpoint: Optional[str] = None
+    fused_optimizer: bool = False
+    compile: bool = False
+    memory_budget: Optional[float] = None
+    lora: bool = False
+    lora_rank: Optional[int] = None
+    lora_alpha: Optional[float] = None
+    lora_targets: Optional[str] = None
+    lora_dropout: Optional[float] = None
+    qlora: bool = False
+    profile: Optional[str] = None
+    zero: Optional[int] = None
+    gpus: Optional[int] = None
+    offload_optimizer: bool = False
+
+
+@dataclass
+class Resolved:
+    """The experiment, plus the origin of each input and the notes on inferred values."""
+
+    exp: ExperimentSpec
+    origin: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
+    """none | full | every-K (K >= 1) | sqrt | selective."""
+    v = value.strip().lower()
+    if v in ("none", "full", "sqrt", "selective"):
+        return v, None
+    m = re.fullmatch(r"every-?(\d+)", v)
+    if m and int(m.group(1)) >= 1:
+        k = int(m.group(1))
+        return ("full", None) if k == 1 else ("every-k", k)
+    raise UserError(f"unknown --checkpoint {value!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
+
+
+def parse_targets(value: str) -> tuple[str, ...]:
+    if value.strip().lower() == "all":
+        return LORA_TARGETS
+    ts = tuple(t.strip().lower() for t in value.split(",") if t.strip())
+    bad = [t for t in ts if t not in LORA_TARGETS]
+    if bad or not ts:
+        raise UserError(f"unknown --lora-targets {', '.join(bad) or repr(value)}; valid: {', '.join(LORA_TARGETS)} or all")
+    return ts
+
+
+def _check_positive(name: str, v: Optional[float]) -> None:
+    if v is not None and v <= 0:
+        raise UserError(f"--{name} must be positive, got {v}")
+
+
+def resolve(o: Options) -> Resolved:
+    """Build the experiment from options (see module docstring)."""
+    from .configs import load_config
+    from .infer import infer_from_params, parse_count
+    from .presets import pydantic_error_line, resolve_model
+
+    for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
+        _check_positive(name.replace("_", "-"), getattr(o, name))
+    origin: dict[str, str] = {}
+    notes: list[str] = []
+    base: Optional[ExperimentSpec] = None
+    if o.config:
+        base = load_config(o.config)
+    sources = [s for s in ("model", "params") if getattr(o, s)]
+    if len(sources) > 1:
+        raise UserError("give one of --model or --params, not both")
+    model: ModelSpec
+    if o.model:
+        model = resolve_model(o.model)
+        origin["model"] = "flag"
+    elif o.params:
+        model, reasons = infer_from_params(float(parse_count(o.params)))
+        notes.extend(reasons)
+        origin["model"] = "inferred"
+    elif base is not None:
+        model = base.model
+        origin["model"] = "config"
+    else:
+        raise UserError("no model: give --model NAME|config.json, --params N, or --config NAME|FILE (see `memcalc models`)")
+
+    tr: dict[str, Any] = base.training.model_dump() if base is not None else {}
+    tr_origin = {k: "config" for k in tr} if base is not None else {}
+
+    def put(key: str, value: Any) -> None:
+        if value is not None:
+            tr[key] = value
+            tr_origin[key] = "flag"
+
+    put("batch", o.batch)
+    put("seq", o.seq)
+    put("grad_accum", o.grad_accum)
+    if o.bf16 and o.precision not in (None, "bf16"):
+        raise UserError(f"--bf16 means --precision bf16; it conflicts with --precision {o.precision}")
+    put("precision", "bf16" if o.bf16 else o.precision)
+    if o.master_weights:
+        put("master_weights", True)
+    put("optimizer", o.optimizer)
+    put("optimizer_impl", o.optimizer_impl)
+    if o.checkpoint is not None:
+        mode, k = parse_checkpoint(o.checkpoint)
+        put("checkpoint", mode)
+        put("checkpoint_every", k)
+    if o.fused_optimizer:
+        put("fused_optimizer", True)
+    if o.compile or o.memory_budget is not None:
+        put("compile", True)
+    put("memory_budget", o.memory_budget)
+    put("zero", o.zero)
+    put("gpus", o.gpus)
+    if o.offload_optimizer:
+        put("offload_optimizer", True)
+    lora_flags = o.lora or o.qlora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout))
+    if lora_flags:
+        cur = dict(tr.get("lora") or {})
+        if o.lora_rank is not None:
+            cur["rank"] = o.lora_rank
+        if o.lora_alpha is not None:
+            cur["alpha"] = o.lora_alpha
+        if o.lora_targets is not None:
+            cur["targets"] = parse_targets(o.lora_targets)
+        if o.lora_dropout is not None:
+            cur["dropout"] = o.lora_dropout
+        if o.qlora:
+            cur["qlora"] = True
+        tr["lora"] = cur
+        tr_origin["lora"] = "flag"
+    if "seq" not in tr:
+        tr["seq"] = min(2048, model.max_seq_len)
+        tr_origin["seq"] = "default"
+        if model.max_seq_len < 2048:
+            notes.append(f"seq defaults to {model.name}'s maximum, {model.max_seq_len} (below 2048)")
+    try:
+        training = TrainingSpec(**tr)
+    except ValidationError as e:
+        raise UserError(pydantic_error_line(e, "training options")) from None
+    for k in TrainingSpec.model_fields:
+        origin.setdefault(k, tr_origin.get(k, "default"))
+
+    if o.profile:
+        profile = get_profile(o.profile)
+        origin["profile"] = "flag"
+    elif base is not None:
+        profile = base.profile
+        origin["profile"] = "config"
+    else:
+        profile = get_profile(DEFAULT_PROFILE)
+        origin["profile"] = "default"
+    published = base.published_peak_bytes if base is not None and not _changed(base, model, training, profile) else None
+    exp = ExperimentSpec(
+        name=base.name if base is not None else model.name,
+        description=base.description if base is not None else "",
+        model=model,
+        training=training,
+        profile=profile,
+        published_peak_bytes=published,
+        published_source=base.published_source if published is not None else None,
+    )
+    return Resolved(exp, origin, notes)
+
+
+def _changed(base: ExperimentSpec, model: ModelSpec, training: TrainingSpec, profile) -> bool:
+    """A flag changed the reference setup, so its published peak no longer applies."""
+    return base.model != model or base.training != training or base.profile != profile

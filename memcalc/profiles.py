@@ -1,0 +1,43 @@
+"""Named kernel profiles: what a PyTorch version's kernels and a framework's layers save.
+
+The reference configs pin ``torch-2.8-cuda``, the build the published table was
+measured with. Choose another with ``--profile``; every field can also be set in
+a config file's ``profile:`` mapping.
+"""
+
+from __future__ import annotations
+
+from .errors import unknown_name
+from .spec import KernelProfile
+
+PROFILES: dict[str, KernelProfile] = {
+    p.name: p
+    for p in (
+        # PyTorch 2.8 on CUDA with plain PyTorch layers (nn.RMSNorm composite with the weight
+        # multiply in fp32; loss on model-dtype logits with a shifted contiguous copy). The
+        # reference experiment's build (Forgather's layers).
+        KernelProfile(name="torch-2.8-cuda", torch_version="2.8"),
+        # PyTorch 2.9+: nn.RMSNorm dispatches to the fused _fused_rms_norm kernel on CUDA.
+        KernelProfile(name="torch-2.9-cuda", torch_version="2.9", rmsnorm="fused"),
+        # PyTorch 2.4-2.5: composite RMSNorm casts back before the weight multiply.
+        KernelProfile(name="torch-2.4-cuda", torch_version="2.4", rmsnorm="composite-legacy"),
+        # PyTorch 2.1: mean(x*x) backward keeps its input.
+        KernelProfile(name="torch-2.1-cuda", torch_version="2.1", rmsnorm="composite-legacy", mean_saves_input=True),
+        # Hugging Face transformers (LlamaRMSNorm casts back before the weight; the loss upcasts
+        # logits to fp32 and shifts the labels, not the logits) on PyTorch 2.8.
+        KernelProfile(
+            name="hf-torch-2.8-cuda", torch_version="2.8", rmsnorm="composite-legacy",
+            logits_fp32=True, shift_copy=False,
+        ),
+    )
+}
+
+DEFAULT_PROFILE = "torch-2.8-cuda"
+
+
+def get_profile(name: str) -> KernelProfile:
+    """A named profile; unknown names list the valid ones."""
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise unknown_name("profile", name, list(PROFILES)) from None

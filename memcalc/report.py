@@ -1,0 +1,172 @@
+"""Rendering: rich tables and JSON for an estimate. No arithmetic beyond unit conversion."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from .inputs import Resolved
+from .result import KINDS, Estimate
+from .units import fmt_auto, fmt_bytes, fmt_count, gib
+
+ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
+
+
+def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
+    """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative)."""
+    return [
+        {
+            "name": g.name,
+            "capacity_bytes": g.capacity_bytes,
+            "fits": est.required_bytes <= g.capacity_bytes,
+            "headroom_bytes": g.capacity_bytes - est.required_bytes,
+        }
+        for g in gpus
+    ]
+
+
+def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
+    """The --json document: integer bytes throughout."""
+    exp = est.experiment
+    return {
+        "config": exp.name,
+        "model": exp.model.name,
+        "params": est.params,
+        "trainable_params": est.trainable_params,
+        "peak_bytes": est.peak_bytes,
+        "peak_phase": est.peak_phase,
+        "peak_at": est.peak_label,
+        "peak_step": est.extra.get("peak_step"),
+        "components": est.components,
+        "components_by_kind": est.components_by_kind,
+        "phases": est.phases,
+        "first_step_peak_bytes": est.first_step_peak_bytes,
+        "steady_peak_bytes": est.extra.get("steady_peak_bytes"),
+        "required_bytes": est.required_bytes,
+        "cuda_context_bytes": est.cuda_context_bytes,
+        "allocator_slack_bytes": est.allocator_slack_bytes,
+        "bytes_per_param": est.bytes_per_param,
+        "published_peak_bytes": exp.published_peak_bytes,
+        "gpus": fits_rows(est, gpus),
+        "inputs": {
+            "model": exp.model.model_dump(),
+            "training": exp.training.model_dump(),
+            "profile": exp.profile.model_dump(),
+            "origin": res.origin,
+        },
+        "inferred": res.notes,
+        "assumptions": est.assumptions,
+    }
+
+
+def _mark(origin: dict[str, str], key: str) -> str:
+    m = ORIGIN_MARK.get(origin.get(key, ""), "")
+    return f" [dim]({m})[/dim]" if m else ""
+
+
+def inputs_table(est: Estimate, res: Resolved) -> Table:
+    exp, tr, m = est.experiment, est.experiment.training, est.experiment.model
+    o = res.origin
+    t = Table(title=f"Inputs: {exp.name}", show_header=False, title_justify="left")
+    t.add_column("input", style="bold")
+    t.add_column("value")
+    shape = (f"{m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
+             + (f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else "")
+             + f", ff {m.d_ff} ({m.mlp} {m.activation}), vocab {m.vocab_size}, {m.norm} {m.norm_placement}-norm, {m.positions}")
+    t.add_row("model", f"{m.name}{_mark(o, 'model')}")
+    t.add_row("shape", shape)
+    t.add_row("parameters", f"{est.params:,} ({fmt_count(est.params)}); trainable {est.trainable_params:,}")
+    t.add_row("batch x seq", f"{tr.batch}{_mark(o, 'batch')} x {tr.seq}{_mark(o, 'seq')}, grad accum {tr.grad_accum}{_mark(o, 'grad_accum')}")
+    prec = tr.precision + (" + fp32 master weights" if tr.master_weights else "")
+    t.add_row("precision", f"{prec}{_mark(o, 'precision')}")
+    t.add_row("optimizer", f"{tr.optimizer} ({tr.optimizer_impl}){_mark(o, 'optimizer')}"
+              + (", fused into backward" if tr.fused_optimizer else ""))
+    ck = tr.checkpoint + (f" (K={tr.checkpoint_every})" if tr.checkpoint == "every-k" else "")
+    t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}")
+    if tr.compile:
+        t.add_row("compile", f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
+    if tr.lora is not None:
+        lo = tr.lora
+        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}")
+    p = exp.profile
+    t.add_row("kernel profile", f"{p.name}{_mark(o, 'profile')}: RMSNorm {p.rmsnorm}, attention {p.attention}, "
+              f"logits {'fp32' if p.logits_fp32 else 'model dtype'}")
+    return t
+
+
+def peak_table(est: Estimate) -> Table:
+    t = Table(title=f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}",
+              title_justify="left")
+    t.add_column("component")
+    t.add_column("GiB", justify="right")
+    t.add_column("MiB", justify="right")
+    t.add_column("share", justify="right")
+    for name, b in est.components.items():
+        t.add_row(name, f"{gib(b):.3f}", f"{b / 2**20:,.1f}", f"{100 * b / est.peak_bytes:.1f}%")
+    t.add_row("[bold]total (allocated peak)[/bold]", f"[bold]{gib(est.peak_bytes):.3f}[/bold]",
+              f"{est.peak_bytes / 2**20:,.1f}", "100.0%")
+    return t
+
+
+def phases_table(est: Estimate) -> Table:
+    t = Table(title="Peak of each phase (steady-state step)", title_justify="left")
+    t.add_column("phase")
+    t.add_column("GiB", justify="right")
+    for name, b in est.phases.items():
+        mark = " [bold red]<- peak[/bold red]" if name == est.peak_phase and est.extra.get("peak_step") == "steady state" else ""
+        t.add_row(name + mark, f"{gib(b):.3f}")
+    mark = " [bold red]<- peak[/bold red]" if est.extra.get("peak_step") == "first step" else ""
+    t.add_row(f"first step (optimizer state created, {est.first_step_peak_phase}){mark}", f"{gib(est.first_step_peak_bytes):.3f}")
+    return t
+
+
+def bpp_table(est: Estimate) -> Table:
+    t = Table(title="Bytes per trainable parameter", title_justify="left")
+    for k in est.bytes_per_param:
+        t.add_column(k.replace("_", " "), justify="right")
+    t.add_column("total", justify="right")
+    vals = list(est.bytes_per_param.values())
+    t.add_row(*[f"{v:g}" for v in vals], f"{sum(vals):g}")
+    return t
+
+
+def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
+    t = Table(title=f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack",
+              title_justify="left")
+    t.add_column("GPU")
+    t.add_column("memory", justify="right")
+    t.add_column("fits", justify="center")
+    t.add_column("headroom", justify="right")
+    for g, row in zip(gpus, fits_rows(est, gpus)):
+        ok = row["fits"]
+        t.add_row(getattr(g, "display_name", g.name), fmt_bytes(g.capacity_bytes),
+                  "[green]yes[/green]" if ok else "[red]no[/red]",
+                  ("" if ok else "-") + fmt_auto(abs(row["headroom_bytes"])))
+    return t
+
+
+def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None) -> None:
+    c = console or Console()
+    c.print(inputs_table(est, res))
+    for n in res.notes:
+        c.print(f"[yellow]note:[/yellow] {n}")
+    c.print(peak_table(est))
+    c.print(phases_table(est))
+    c.print(bpp_table(est))
+    if est.experiment.published_peak_bytes:
+        pub = est.experiment.published_peak_bytes
+        c.print(f"published peak: {fmt_bytes(pub)}; predicted {fmt_bytes(est.peak_bytes)} "
+                f"({100 * (est.peak_bytes - pub) / pub:+.1f}%)")
+    c.print(gpu_table(est, gpus))
+    for a in est.assumptions:
+        c.print(f"[dim]assumption: {a}[/dim]")
+
+
+def dumps(doc: Any) -> str:
+    return json.dumps(doc, indent=2)
+
+
+__all__ = ["render", "to_json", "dumps", "KINDS"]
