@@ -86,7 +86,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True) -> Estimate:
         allocator_slack_bytes=slack,
         required_bytes=peak + CUDA_CONTEXT_BYTES + slack,
         assumptions=assumptions,
-        extra={"steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which},
+        extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which},
     )
 
 

@@ -81,6 +81,7 @@ class Sim:
         self.by_kind: dict[str, int] = {k: 0 for k in KINDS}
         self.by_cat: dict[str, int] = defaultdict(int)
         self.peak = 0
+        self.max_activations = 0  # the highest activation bytes alive at any instant
         self.peak_phase = ""
         self.peak_label = ""
         self.peak_cats: dict[str, int] = {}
@@ -103,6 +104,8 @@ class Sim:
         self.total += n
         self.by_kind[kind] += n
         self.by_cat[category] += n
+        if kind == "activations" and self.by_kind[kind] > self.max_activations:
+            self.max_activations = self.by_kind[kind]
         cur = self.phase_peaks.get(self.phase, 0)
         if self.total > cur:
             self.phase_peaks[self.phase] = self.total

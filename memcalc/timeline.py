@@ -36,6 +36,7 @@ class SimResult:
     peak_kinds: dict[str, int]
     phases: dict[str, int]
     timeline: list[TimelinePoint]
+    max_activation_bytes: int
 
 
 def check_supported(exp: ExperimentSpec) -> None:
@@ -108,4 +109,5 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         peak_kinds=dict(sim.peak_kinds),
         phases=phases,
         timeline=sim.timeline,
+        max_activation_bytes=sim.max_activations,
     )
