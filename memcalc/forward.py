@@ -22,6 +22,7 @@ from .dtypes import DType
 from .ops import Ops
 from .params import ParamTensor, param_inventory
 from .sim import Node, Param, Sim, T
+from .sharding import shard
 from .spec import ExperimentSpec, ModelSpec, sqrt_segments
 
 
@@ -42,6 +43,11 @@ class Model:
     params: dict[str, Param]
     order: list[Param]
     compute: DType
+    layer_gather_bytes: int = 0  # ZeRO-3: one layer's weights all-gathered whole (0 = not sharded)
+    gathered: dict = None  # layer index -> gathered buffer (ZeRO-3)
+
+    def __post_init__(self) -> None:
+        self.gathered = {}
 
 
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
@@ -49,21 +55,33 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     tr = exp.training
     lora = tr.lora
     wdt = tr.weight_dtype
+    n = tr.gpus
+    zero3 = tr.zero >= 3 and n > 1
     params: dict[str, Param] = {}
     order: list[Param] = []
+    gather = 0
     for pt in param_inventory(exp.model, lora):
-        if lora is not None and lora.qlora and pt.quantizable:
-            nbytes = quantized_bytes(pt.numel, lora.quant_block, lora.double_quant)
+        quant = lora is not None and lora.qlora and pt.quantizable
+        if quant:
+            full = quantized_bytes(pt.numel, lora.quant_block, lora.double_quant)
             cat = "frozen base weights (NF4)"
         else:
-            nbytes = wdt.nbytes(pt.numel)
+            full = wdt.nbytes(pt.numel)
             cat = "weights" if pt.trainable or lora is None else "frozen base weights"
+        nbytes = full
+        if zero3 and pt.layer is not None:
+            nbytes = shard(full, n)
+            cat += f" (ZeRO-3 shard 1/{n})"
+            if pt.layer == 0:
+                gather += full
         w = sim.alloc(nbytes, "weights", cat, name=pt.name)
-        w.numel, w.itemsize_bits = pt.numel, wdt.bits if nbytes >= pt.numel else 4
+        w.numel, w.itemsize_bits = pt.numel, (4 if quant else wdt.bits)
         p = Param(pt.name, w, pt.trainable, wdt.nbytes(pt.numel), pt.layer, pt.numel)
+        if tr.zero >= 2 and n > 1:
+            p.grad_keep_bytes = shard(p.grad_bytes, n)
         params[pt.name] = p
         order.append(p)
-    return Model(exp.model, params, order, tr.compute_dtype)
+    return Model(exp.model, params, order, tr.compute_dtype, gather)
 
 
 class Forward:
@@ -264,6 +282,7 @@ class Forward:
         i = 0
         while i < n:
             self.sim.mark(f"fwd layer {i}")
+            self.gather([i, i + 1] if i + 1 < n else [i])
             if mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
                 j = i
                 y = self.checkpoint(lambda: [x], lambda j=j, x=x: self.layer(x, j), f"layer {i}")
@@ -288,7 +307,19 @@ class Forward:
             self.ops.drop(x)
             x = y
             i += step
+        self.gather([])
         return x
+
+    def gather(self, layers: list[int]) -> None:
+        """ZeRO-3: keep exactly these layers' weights all-gathered (current + prefetched next)."""
+        if not self.model.layer_gather_bytes:
+            return
+        bufs = self.model.gathered
+        for j in [j for j in bufs if j not in layers]:
+            self.sim.unref(bufs.pop(j))
+        for j in layers:
+            if j not in bufs:
+                bufs[j] = self.sim.alloc(self.model.layer_gather_bytes, "weights", "all-gathered layer weights (ZeRO-3)")
 
     def run(self) -> T:
         """The whole forward: inputs, embedding, layers, final norm, head, loss."""

@@ -10,6 +10,7 @@ counter (a scalar) and scalar hyper-parameters are ignored.
 from __future__ import annotations
 
 from .dtypes import DType
+from .sharding import shard
 from .sim import Param, Sim, T
 from .spec import TrainingSpec
 
@@ -63,8 +64,8 @@ def per_param_temps(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[s
         ev.append(("alloc", 4 * n))  # grad.float() for the fp32 master step
     opt = tr.optimizer
     if opt in ("adam", "adamw"):
-        if tr.optimizer_impl == "fused":
-            pass
+        if tr.optimizer_impl == "fused" or (tr.master_weights and tr.optimizer_impl == "foreach"):
+            pass  # one fused multi-tensor kernel (torch fused=True; DeepSpeed/apex FusedAdam on masters)
         else:  # denom = (exp_avg_sq.sqrt() / bc2).add_(eps)
             i = len(ev)
             ev += [("alloc", sdt.nbytes(n)), ("alloc", sdt.nbytes(n)), ("free", i)]
@@ -114,8 +115,10 @@ def foreach_temps(trainable: list[Param], tr: TrainingSpec) -> int:
 
 
 def uses_foreach(tr: TrainingSpec) -> bool:
-    """foreach applies to torch.optim's Adam/AdamW/SGD; the others step per parameter."""
-    return tr.optimizer_impl == "foreach" and tr.optimizer in ("adam", "adamw", "sgd", "sgd-momentum")
+    """foreach applies to torch.optim's Adam/AdamW/SGD; the others, and master-weight steps
+    (which cast each gradient to fp32 for its master), step per parameter."""
+    return (tr.optimizer_impl == "foreach" and not tr.master_weights
+            and tr.optimizer in ("adam", "adamw", "sgd", "sgd-momentum"))
 
 
 class OptimizerSim:
@@ -127,21 +130,30 @@ class OptimizerSim:
         self.params = [p for p in params if p.trainable]
         self.rows_of = rows_of
         self.state: dict[str, list[T]] = {}
+        # ZeRO-1+ shards state (and so the step's work) over the ranks; offload moves both to the CPU
+        self.div = tr.gpus if tr.zero >= 1 else 1
+        self.on_gpu = not tr.offload_optimizer
 
     def create_state(self, p: Param) -> None:
         if p.name in self.state:
             return
-        self.state[p.name] = [self.sim.alloc(b, STATE, cat) for cat, b in state_bytes(p, self.rows_of[p.name], self.tr)]
+        if not self.on_gpu:
+            self.state[p.name] = []
+            return
+        self.state[p.name] = [self.sim.alloc(shard(b, self.div), STATE, cat)
+                              for cat, b in state_bytes(p, self.rows_of[p.name], self.tr)]
 
     def create_all(self) -> None:
         for p in self.params:
             self.create_state(p)
 
     def run_events(self, events: list[tuple[str, int]]) -> None:
+        if not self.on_gpu:
+            return
         live: dict[int, T] = {}
         for i, (what, val) in enumerate(events):
             if what == "alloc":
-                live[i] = self.sim.alloc(val, TMP, "optimizer-step temporaries")
+                live[i] = self.sim.alloc(shard(val, self.div), TMP, "optimizer-step temporaries")
             else:
                 self.sim.unref(live.pop(val))
         for t in live.values():
@@ -157,12 +169,11 @@ class OptimizerSim:
         if uses_foreach(self.tr):
             for p in self.params:
                 self.create_state(p)
-            extra = [self.sim.alloc(4 * p.numel, TMP, "optimizer-step temporaries") for p in self.params] if self.tr.master_weights else []
-            t = foreach_temps(self.params, self.tr)
+            if not self.on_gpu:
+                return
+            t = shard(foreach_temps(self.params, self.tr), self.div)
             if t:
                 self.sim.transient(t, TMP, "optimizer-step temporaries")
-            for x in extra:
-                self.sim.unref(x)
         else:
             for p in self.params:
                 if p.grad is not None:

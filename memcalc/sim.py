@@ -54,6 +54,7 @@ class Param:
     layer: Optional[int]
     numel: int
     grad: Optional[T] = None
+    grad_keep_bytes: Optional[int] = None  # the gradient shard kept after a reduce-scatter (ZeRO-2/3)
 
 
 @dataclass(eq=False)
@@ -95,6 +96,7 @@ class Sim:
         self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
+        self.on_label: Optional[Callable[["Sim", str, str], None]] = None  # backward layer changes
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
@@ -179,6 +181,8 @@ class Sim:
                 continue
             lab = label_of(node)
             if lab != self.label:
+                if self.on_label is not None:
+                    self.on_label(self, self.label, lab)
                 self.label = lab
                 self.snapshot_point()
             if node.on_backward is not None:
@@ -197,6 +201,10 @@ class Sim:
         new_grads = [self.alloc(b, "temporaries", "activation gradients") for b in sizes]
         for p in node.params:
             g = self.alloc(p.grad_bytes, "gradients", "gradients")
+            if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
+                shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")
+                self.unref(g)
+                g = shard
             if p.grad is None:
                 p.grad = g
             else:  # accumulate into the existing .grad in place

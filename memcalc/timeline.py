@@ -14,6 +14,7 @@ frees its gradient at once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -53,6 +54,9 @@ def check_supported(exp: ExperimentSpec) -> None:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
 
 
+_LAYER = re.compile(r"layers? (\d+)")
+
+
 def _label_of(node: Node) -> str:
     lab = getattr(node, "fwd_label", "") or ""
     return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
@@ -84,9 +88,18 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     for mb in range(micro):
         sim.nodes = []
         fwd = Forward(sim, exp, model)
+        if model.layer_gather_bytes:
+            def regather(s: Sim, old: str, new: str, fwd: Forward = fwd) -> None:
+                m = _LAYER.search(new)
+                if m:
+                    i = int(m.group(1))
+                    fwd.gather([i, i - 1] if i > 0 else [i])
+
+            sim.on_label = regather
         loss = fwd.run()
         sim.mark("backward start", "backward")
         sim.backward(loss, 4, _label_of)
+        fwd.gather([])
         sim.unref(loss)
         fwd.release_inputs()
         sim.mark("backward end", "backward")
