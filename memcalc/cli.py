@@ -108,6 +108,9 @@ LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the adapter
 QLORA = typer.Option(False, "--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")
 PROFILE = typer.Option(None, "--profile", help="Kernel profile (see `memcalc profiles`); default torch-2.8-cuda.")
 JSON = typer.Option(False, "--json", help="Print only JSON (integer bytes).")
+ZERO = typer.Option(None, "--zero", help="ZeRO stage 0-3 (1: optimizer state, 2: + gradients, 3: + weights sharded over --gpus).")
+GPUS = typer.Option(None, "--gpus", help="Data-parallel GPUs that ZeRO shards over (default 1).")
+OFFLOAD = typer.Option(False, "--offload-optimizer", help="Keep optimizer state and its step on the CPU.")
 
 
 def _options(**kw: Any):
@@ -129,6 +132,7 @@ def estimate(
     memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
+    zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`)."),
     as_json: bool = JSON,
 ) -> None:
@@ -153,13 +157,14 @@ def estimate(
         optimizer_impl=optimizer_impl, checkpoint=checkpoint, fused_optimizer=fused_optimizer,
         compile=compile, memory_budget=memory_budget, lora=lora, lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=lora_targets, lora_dropout=lora_dropout, qlora=qlora, profile=profile,
+        zero=zero, gpus=gpus, offload_optimizer=offload_optimizer,
     ))
-    gpus = [get_gpu(g) for g in gpu] if gpu else list_gpus()
+    cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     est = run_estimate(res.exp)
     if as_json:
-        typer.echo(dumps(to_json(est, res, gpus)))
+        typer.echo(dumps(to_json(est, res, cards)))
     else:
-        render(est, res, gpus)
+        render(est, res, cards)
 
 
 @app.command()

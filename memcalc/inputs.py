@@ -93,6 +93,10 @@ def resolve(o: Options) -> Resolved:
 
     for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
         _check_positive(name.replace("_", "-"), getattr(o, name))
+    if o.zero is not None and o.zero not in (0, 1, 2, 3):
+        raise UserError(f"--zero must be 0, 1, 2 or 3, got {o.zero}")
+    if o.memory_budget is not None and not 0 <= o.memory_budget <= 1:
+        raise UserError(f"--memory-budget must be within [0, 1], got {o.memory_budget}")
     origin: dict[str, str] = {}
     notes: list[str] = []
     base: Optional[ExperimentSpec] = None
