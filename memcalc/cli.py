@@ -135,6 +135,8 @@ def estimate(
     zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`)."),
     as_json: bool = JSON,
+    timeline: bool = typer.Option(False, "--timeline", help="Also draw memory across the step (after the tables; ignored with --json)."),
+    html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report to this file."),
 ) -> None:
     """Predict the peak memory of one training step, the phase that sets it, and where it fits.
 
@@ -165,6 +167,17 @@ def estimate(
         typer.echo(dumps(to_json(est, res, cards)))
     else:
         render(est, res, cards)
+        if timeline:
+            from rich.console import Console
+
+            from .chart import timeline_chart
+
+            con = Console()
+            con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
+    if html:
+        from .html import estimate_html, write_report
+
+        write_report(html, estimate_html(est, res, cards))
 
 
 @app.command()
@@ -282,6 +295,7 @@ def validate(
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
     as_json: bool = JSON,
+    html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
 ) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
@@ -321,7 +335,14 @@ def validate(
     else:
         items.append((None, resolve(_options(**common)).exp))
     items = [(n or e.name, e) for n, e in items]
-    run_validate(items, device, as_json, output, scale_layers, snapshot)
+    records = run_validate(items, device, as_json, output, scale_layers, snapshot)
+    if html:
+        from .estimate import estimate as run_estimate
+        from .html import validate_html, write_report
+
+        # the estimates' timelines are of the full model: left out when tracing fewer layers
+        ests = {n: run_estimate(e) for n, e in items} if scale_layers is None else None
+        write_report(html, validate_html(list(records or []), ests))
 
 
 def main() -> None:
