@@ -10,7 +10,6 @@ import sys
 from enum import Enum
 from typing import Any, List, Optional
 
-import click
 import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
@@ -25,14 +24,6 @@ class _Group(TyperGroup):
         try:
             rv = super().main(args=args, prog_name=prog_name or "memcalc", complete_var=complete_var,
                               standalone_mode=False, **extra)
-        except click.exceptions.Exit as e:
-            sys.exit(e.exit_code)
-        except click.exceptions.Abort:
-            _err("aborted")
-            sys.exit(130)
-        except click.ClickException as e:  # usage errors: no such option, bad choice, bad number
-            _err(" ".join(e.format_message().split()))
-            sys.exit(2)
         except UserError as e:
             _err(str(e))
             sys.exit(2)
@@ -41,6 +32,17 @@ class _Group(TyperGroup):
 
             _err(pydantic_error_line(e, "input"))
             sys.exit(2)
+        except Exception as e:  # click's (or typer's vendored click's) Exit / Abort / usage errors
+            name = type(e).__name__
+            if name == "Exit":
+                sys.exit(getattr(e, "exit_code", 0))
+            if name == "Abort":
+                _err("aborted")
+                sys.exit(130)
+            if hasattr(e, "format_message"):  # ClickException: no such option, bad choice, bad number
+                _err(" ".join(e.format_message().split()))
+                sys.exit(2)
+            raise
         if isinstance(rv, int) and rv:
             sys.exit(rv)
         sys.exit(0)
