@@ -1,0 +1,250 @@
+"""``--params N``: a plausible Llama-style decoder with about N parameters, and the reasons for it.
+
+The family is Meta's Llama (``llama/model.py``): SwiGLU MLP, RMSNorm, RoPE, untied
+embeddings, vocabulary 32000, head_dim 128, ``max_seq_len`` 4096 (Llama 2). Widths
+below 6144 use full multi-head attention (Llama-2 7B/13B); from 6144 on, GQA with 8
+key/value heads (Llama-2-70B).
+
+Feed-forward width, from Llama's ``FeedForward``::
+
+    hidden = int(2 * 4 * d / 3)
+    if ffn_dim_multiplier: hidden = int(ffn_dim_multiplier * hidden)
+    d_ff = multiple_of * ceil(hidden / multiple_of)
+
+with ``multiple_of`` 256 and no multiplier below 6144 (7B: 11008, 13B: 13824), and
+``multiple_of`` 4096 with multiplier 1.3 from 6144 on (70B: 28672).
+
+Depth follows the family's aspect ratio: a layer count interpolated (log-log) through
+published shapes (GPT-2 small 12 x 768, TinyLlama 22 x 2048, Llama-3.2-3B 28 x 3072,
+Llama-2 32 x 4096, 40 x 5120, LLaMA 60 x 6656, Llama-2-70B 80 x 8192,
+Llama-3.1-405B 126 x 16384). A small grid of widths (multiples of 128 below 2048,
+256 below 6144, 1024 above), layer counts, and d_ff within -20%/+30% of the rule in
+steps of 256 is searched; among shapes within 2% of N, the one closest to the
+family's depth and d_ff rule wins. Requests too small for a 32000-token vocabulary
+(below about 9M parameters) keep the smallest shape and shrink the vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from decimal import Decimal, InvalidOperation
+from typing import NamedTuple, Optional
+
+from .errors import UserError
+from .params import count_params
+from .spec import ModelSpec
+from .units import fmt_count
+
+VOCAB = 32000
+HEAD_DIM = 128
+MAX_SEQ = 4096
+GQA_FROM = 6144  # widths from here on use GQA with GQA_KV_HEADS kv heads (Llama-2-70B)
+GQA_KV_HEADS = 8
+TOLERANCE = 0.02
+MIN_PARAMS = 1e6
+MAX_PARAMS = 1e13
+
+# (d_model, n_layers) of published decoders; the depth curve passes through them.
+DEPTH_ANCHORS: tuple[tuple[int, int], ...] = (
+    (256, 4),
+    (512, 8),
+    (768, 12),  # GPT-2 small
+    (1024, 16),
+    (2048, 22),  # TinyLlama 1.1B
+    (3072, 28),  # Llama 3.2 3B
+    (4096, 32),  # Llama 2 7B
+    (5120, 40),  # Llama 2 13B
+    (6656, 60),  # LLaMA 33B
+    (8192, 80),  # Llama 2 70B
+    (16384, 126),  # Llama 3.1 405B
+)
+
+# Search weights: distance from the family depth (log), from the d_ff rule (log), count error.
+_W_DEPTH, _W_FF, _W_ERR = 1.0, 0.5, 0.5
+_FF_RANGE = (0.8, 1.3)
+_FF_STEP = 256
+
+
+def llama_ffn(d_model: int, multiple_of: int = 256, ffn_dim_multiplier: Optional[float] = None) -> int:
+    """Llama's ``FeedForward`` hidden width for model width ``d_model`` (see module docstring)."""
+    hidden = int(2 * (4 * d_model) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def family_ffn(d_model: int) -> int:
+    """The family's d_ff rule: Llama-2 7B/13B below GQA_FROM, Llama-2-70B's from there."""
+    if d_model >= GQA_FROM:
+        return llama_ffn(d_model, 4096, 1.3)
+    return llama_ffn(d_model, 256)
+
+
+def family_depth(d_model: int) -> float:
+    """The family's layer count for a width: log-log interpolation through DEPTH_ANCHORS."""
+    (d0, l0), (d1, l1) = DEPTH_ANCHORS[0], DEPTH_ANCHORS[-1]
+    if d_model <= d0:
+        return max(1.0, l0 * d_model / d0)
+    if d_model >= d1:
+        return l1 * d_model / d1
+    for (da, la), (db, lb) in zip(DEPTH_ANCHORS, DEPTH_ANCHORS[1:]):
+        if da <= d_model <= db:
+            t = math.log(d_model / da) / math.log(db / da)
+            return math.exp(math.log(la) + t * (math.log(lb) - math.log(la)))
+    raise AssertionError("unreachable: anchors cover the range")  # pragma: no cover
+
+
+def _widths() -> list[int]:
+    return list(range(128, 2048, 128)) + list(range(2048, GQA_FROM, 256)) + list(range(GQA_FROM, 65536 + 1, 1024))
+
+
+def _kv_heads(d_model: int) -> int:
+    return GQA_KV_HEADS if d_model >= GQA_FROM else d_model // HEAD_DIM
+
+
+def _layer_params(d: int, d_ff: int) -> int:
+    """One decoder layer: q, o (d x d), k, v (d x kv_dim), gate/up/down (d x d_ff), two RMSNorm weights."""
+    kv_dim = _kv_heads(d) * HEAD_DIM
+    return 2 * d * d + 2 * d * kv_dim + 3 * d * d_ff + 2 * d
+
+
+def _total(d: int, n_layers: int, d_ff: int, vocab: int = VOCAB) -> int:
+    """Embedding + untied head (vocab x d each), layers, final norm."""
+    return 2 * vocab * d + d + n_layers * _layer_params(d, d_ff)
+
+
+class _Shape(NamedTuple):
+    score: float
+    d_model: int
+    n_layers: int
+    d_ff: int
+    vocab: int
+    total: int
+
+
+def _search(n: float, prune: bool = True) -> Optional[_Shape]:
+    """The best vocab-32000 shape within TOLERANCE of n, or None if there is none.
+
+    With ``prune``, widths whose rule-shaped depth for n is more than 3x off the
+    family's depth are skipped (they cannot win); the caller retries without it.
+    """
+    best: Optional[_Shape] = None
+    for d in _widths():
+        emb = 2 * VOCAB * d + d
+        if emb >= n * (1 + TOLERANCE):
+            break  # wider only grows the embedding
+        target = family_depth(d)
+        base = family_ffn(d)
+        if prune and not target / 3 <= (n - emb) / _layer_params(d, base) <= target * 3:
+            continue
+        lo = max(_FF_STEP, int(base * _FF_RANGE[0]) // _FF_STEP * _FF_STEP)
+        hi = int(base * _FF_RANGE[1])
+        for ff in range(lo, hi + 1, _FF_STEP):
+            per_layer = _layer_params(d, ff)
+            # Every depth whose count is within the tolerance.
+            l_lo = max(1, math.ceil((n * (1 - TOLERANCE) - emb) / per_layer))
+            l_hi = math.floor((n * (1 + TOLERANCE) - emb) / per_layer)
+            for n_layers in range(l_lo, l_hi + 1):
+                total = emb + n_layers * per_layer
+                err = abs(total - n) / n
+                if err > TOLERANCE:
+                    continue
+                score = (_W_DEPTH * abs(math.log(n_layers / target)) + _W_FF * abs(math.log(ff / base))
+                         + _W_ERR * err)
+                if best is None or score < best.score:
+                    best = _Shape(score, d, n_layers, ff, VOCAB, total)
+    return best
+
+
+def _small(n: float) -> _Shape:
+    """Below what a 32000-token vocabulary allows: the narrowest shape, vocabulary filling the rest."""
+    d = HEAD_DIM
+    ff = family_ffn(d)
+    n_layers = max(1, round(family_depth(d)))
+    while n_layers > 1 and n - _total(d, n_layers, ff, 0) < 2 * d * 64:
+        n_layers -= 1
+    vocab = min(VOCAB, max(64, round((n - _total(d, n_layers, ff, 0)) / (2 * d) / 64) * 64))
+    return _Shape(0.0, d, n_layers, ff, vocab, _total(d, n_layers, ff, vocab))
+
+
+def infer_from_params(n: float) -> tuple[ModelSpec, list[str]]:
+    """A Llama-style ModelSpec with about ``n`` parameters (within 2%), and one line per choice made.
+
+    Raises :class:`UserError` for ``n`` outside [1e6, 1e13] or not finite.
+    """
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
+        raise UserError(f"--params must be a finite number, got {n!r}")
+    if not MIN_PARAMS <= n <= MAX_PARAMS:
+        raise UserError(f"--params {n:g} is out of range; give between {MIN_PARAMS:g} and {MAX_PARAMS:g}")
+    shape = _search(n) or _search(n, prune=False)
+    small = shape is None
+    if shape is None:
+        shape = _small(n)
+    d, n_layers, ff, vocab = shape.d_model, shape.n_layers, shape.d_ff, shape.vocab
+    heads, kv = d // HEAD_DIM, _kv_heads(d)
+    m = ModelSpec(
+        name=f"llama-style-{fmt_count(round(n))}",
+        n_layers=n_layers,
+        d_model=d,
+        n_heads=heads,
+        n_kv_heads=kv,
+        d_ff=ff,
+        vocab_size=vocab,
+        max_seq_len=MAX_SEQ,
+        mlp="gated",
+        activation="silu",
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        positions="rope",
+        tie_embeddings=False,
+        final_norm=True,
+    )
+    total = count_params(m).total
+    assert total == shape.total, (total, shape)
+    pct = 100 * (total - n) / n
+    reasons = [
+        f"inferred: Llama-style decoder, {n_layers} layers x {d}, ff {ff}, vocab {vocab}: "
+        f"{fmt_count(total)} params ({pct:+.1f}%)",
+        "assumed: SwiGLU MLP, RMSNorm, RoPE, untied embeddings, head_dim 128 "
+        + (f"({heads} heads, GQA with {kv} kv heads as in Llama-2-70B)" if kv != heads
+           else f"({heads} heads, full multi-head attention as in Llama-2 7B/13B)")
+        + f", max_seq_len {MAX_SEQ}",
+    ]
+    if ff != family_ffn(d):
+        how = "widened" if ff > family_ffn(d) else "narrowed"
+        reasons.append(f"ff {how} from the Llama rule's {family_ffn(d)} to {ff} to land within 2% of {n:.3g}")
+    depth = family_depth(d)
+    if abs(n_layers - depth) >= 1:
+        reasons.append(f"depth {n_layers} vs the family's ~{depth:.0f} layers at width {d}, to match the count")
+    if small:
+        reasons.append(f"vocab reduced from {VOCAB} to {vocab}: a {VOCAB}-token embedding and head alone "
+                       f"would hold {fmt_count(2 * VOCAB * d)} params")
+    return m, reasons
+
+
+_COUNT = re.compile(r"^\s*([+-]?(?:\d[\d_,]*(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(value: str) -> int:
+    """A parameter count: ``7e9``, ``7B``, ``1.5b``, ``350M``, ``7000000000``, ``7_000_000_000``, ``1.2T``.
+
+    Suffixes K/M/B (or G)/T are decimal (10**3, 10**6, 10**9, 10**12), case-insensitive.
+    Raises :class:`UserError` for anything else, or a count that is not positive.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = repr(value)
+    if not isinstance(value, str):
+        raise UserError(f"--params must be a number such as 7e9, 7B or 350M, got {value!r}")
+    m = _COUNT.match(value)
+    if not m:
+        raise UserError(f"--params {value!r} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M or 7000000000")
+    try:
+        number = Decimal(m.group(1).replace("_", "").replace(",", ""))
+    except InvalidOperation:
+        raise UserError(f"--params {value!r} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M") from None
+    count = int((number * _SUFFIX[m.group(2).lower()]).to_integral_value())
+    if count <= 0:
+        raise UserError(f"--params must be positive, got {value!r}")
+    return count

@@ -1,0 +1,108 @@
+"""--params inference (a Llama-style shape within 2%) and parameter-count parsing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.errors import UserError
+from memcalc.infer import family_depth, family_ffn, infer_from_params, llama_ffn, parse_count
+from memcalc.params import count_params
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.floats(5e7, 5e11, allow_nan=False, allow_infinity=False))
+def test_within_two_percent(n):
+    m, reasons = infer_from_params(n)
+    total = count_params(m).total
+    assert abs(total - n) / n <= 0.02
+    assert m.vocab_size == 32000 and m.dim_head == 128 and m.mlp == "gated" and m.norm == "rmsnorm"
+    assert not m.tie_embeddings and m.positions == "rope"
+    assert reasons[0].startswith("inferred: Llama-style decoder, ")
+
+
+@settings(max_examples=40, deadline=None)
+@given(exp=st.floats(6.0, 13.0))
+def test_whole_range_gives_a_valid_model_close_to_n(exp):
+    n = 10.0**exp
+    m, _ = infer_from_params(n)
+    assert abs(count_params(m).total - n) / n <= 0.02
+
+
+def test_7b_is_llama_2_7b_shape():
+    m, reasons = infer_from_params(7e9)
+    assert (m.n_layers, m.d_model, m.n_heads, m.kv_heads) == (32, 4096, 32, 32)
+    assert reasons[0] == "inferred: Llama-style decoder, 32 layers x 4096, ff 11520, vocab 32000: 6.94B params (-0.9%)"
+    assert any("11008" in r for r in reasons)  # says the d_ff left the Llama rule, and from what
+
+
+def test_llama_2_7b_count_gives_llama_2_7b_exactly():
+    m, _ = infer_from_params(6_738_415_616)
+    assert (m.n_layers, m.d_model, m.d_ff) == (32, 4096, 11008)
+    assert count_params(m).total == 6_738_415_616
+
+
+def test_13b_and_70b_follow_the_family():
+    m, _ = infer_from_params(13e9)
+    assert (m.n_layers, m.d_model, m.d_ff, m.kv_heads) == (40, 5120, 13824, 40)
+    m, reasons = infer_from_params(70e9)
+    assert (m.n_layers, m.d_model, m.d_ff, m.kv_heads) == (80, 8192, 28672, 8)
+    assert any("GQA with 8 kv heads" in r for r in reasons)
+
+
+def test_llama_ffn_rule_matches_published_widths():
+    assert llama_ffn(4096) == 11008  # Llama 2 7B
+    assert llama_ffn(5120) == 13824  # Llama 2 13B
+    assert llama_ffn(8192, 4096, 1.3) == 28672  # Llama 2 70B
+    assert llama_ffn(4096, 1024, 1.3) == 14336  # Llama 3 8B
+    assert family_ffn(4096) == 11008 and family_ffn(8192) == 28672
+
+
+def test_depth_curve_passes_through_anchors_and_grows():
+    assert family_depth(4096) == pytest.approx(32)
+    assert family_depth(5120) == pytest.approx(40)
+    assert family_depth(8192) == pytest.approx(80)
+    ds = [128 * k for k in range(1, 400)]
+    depths = [family_depth(d) for d in ds]
+    assert all(b >= a for a, b in zip(depths, depths[1:]))
+
+
+def test_tiny_request_shrinks_vocab_and_says_so():
+    m, reasons = infer_from_params(1e6)
+    assert abs(count_params(m).total - 1e6) / 1e6 <= 0.02
+    assert m.vocab_size < 32000 and any("vocab reduced" in r for r in reasons)
+
+
+@pytest.mark.parametrize("bad", [999_999, 1.1e13, math.inf, -math.inf, math.nan, 0, -7e9])
+def test_out_of_range_rejected(bad):
+    with pytest.raises(UserError):
+        infer_from_params(bad)
+
+
+# ---------------------------------------------------------------- parse_count
+
+
+@pytest.mark.parametrize("text,value", [
+    ("7e9", 7_000_000_000), ("7B", 7_000_000_000), ("7b", 7_000_000_000), ("1.5b", 1_500_000_000),
+    ("350M", 350_000_000), ("350m", 350_000_000), ("7000000000", 7_000_000_000), ("7_000_000_000", 7_000_000_000),
+    ("7,000,000,000", 7_000_000_000), ("1.2T", 1_200_000_000_000), ("125k", 125_000), ("  7B ", 7_000_000_000),
+    ("0.1B", 100_000_000), ("1.5e9", 1_500_000_000), ("7G", 7_000_000_000), (".5B", 500_000_000),
+])
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["seven", "7X", "", "7 B B", "nan", "inf", "1e", "B", "7BB", "--7"])
+def test_parse_count_rejects_non_numeric(text):
+    with pytest.raises(UserError) as e:
+        parse_count(text)
+    assert repr(text) in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["0", "-7e9", "0.0001"])
+def test_parse_count_rejects_non_positive(text):
+    with pytest.raises(UserError, match="positive"):
+        parse_count(text)
