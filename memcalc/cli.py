@@ -165,6 +165,10 @@ def estimate(
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     est = run_estimate(res.exp)
+    if html:
+        from .html import estimate_html, write_report
+
+        write_report(html, estimate_html(est, res, cards))
     if as_json:
         typer.echo(dumps(to_json(est, res, cards)))
     else:
@@ -176,10 +180,6 @@ def estimate(
 
             con = Console()
             con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
-    if html:
-        from .html import estimate_html, write_report
-
-        write_report(html, estimate_html(est, res, cards))
 
 
 @app.command()
