@@ -93,6 +93,9 @@ class Sim:
         self.nodes: list[Node] = []
         self.timeline: list[TimelinePoint] = []
         self.record_timeline = True
+        # when a list: (total bytes, phase) after every allocation, for fitting the step in
+        # batch and sequence length event by event (memcalc.fit)
+        self.alloc_trace: Optional[list[tuple[int, str]]] = None
         self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
@@ -117,6 +120,8 @@ class Sim:
             self.peak_label = self.label
             self.peak_cats = {k: v for k, v in self.by_cat.items() if v}
             self.peak_kinds = dict(self.by_kind)
+        if self.alloc_trace is not None:
+            self.alloc_trace.append((self.total, self.phase))
         return t
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:

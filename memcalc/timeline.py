@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import UserError
 from .forward import Forward, Model, make_params
@@ -38,6 +39,7 @@ class SimResult:
     phases: dict[str, int]
     timeline: list[TimelinePoint]
     max_activation_bytes: int
+    alloc_trace: Optional[list[tuple[int, str]]] = None  # (total, phase) after each allocation
 
 
 def check_supported(exp: ExperimentSpec) -> None:
@@ -62,12 +64,16 @@ def _label_of(node: Node) -> str:
     return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
 
 
-def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True) -> SimResult:
-    """Simulate one optimizer step of ``exp``; see the module docstring for what it covers."""
+def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
+             trace_allocs: bool = False) -> SimResult:
+    """Simulate one optimizer step of ``exp``; see the module docstring for what it covers.
+    ``trace_allocs`` also returns the running total (and phase) after every allocation."""
     check_supported(exp)
     tr = exp.training
     sim = Sim(exp.profile.allocator_round_bytes)
     sim.record_timeline = record_timeline
+    if trace_allocs:
+        sim.alloc_trace = []
     sim.mark("weights", "setup")
     model: Model = make_params(sim, exp)
     rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, tr.lora)}
@@ -123,4 +129,5 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         phases=phases,
         timeline=sim.timeline,
         max_activation_bytes=sim.max_activations,
+        alloc_trace=sim.alloc_trace,
     )
