@@ -176,7 +176,7 @@ def infer_from_params(n: float) -> tuple[ModelSpec, list[str]]:
     if isinstance(n, bool) or not isinstance(n, (int, float)) or not math.isfinite(n):
         raise UserError(f"--params must be a finite number, got {n!r}")
     if not MIN_PARAMS <= n <= MAX_PARAMS:
-        raise UserError(f"--params {n:g} is out of range; give between {MIN_PARAMS:g} and {MAX_PARAMS:g}")
+        raise UserError(f"--params {n:.4g} is out of range; give between 1e6 and 1e13 (1M to 10T parameters)")
     shape = _search(n) or _search(n, prune=False)
     small = shape is None
     if shape is None:
