@@ -203,7 +203,7 @@ def models(as_json: bool = JSON) -> None:
         return
     t = Table(title="Model presets")
     for col in ("name", "params", "layers", "d_model", "heads (kv)", "d_ff", "vocab", "max seq"):
-        t.add_column(col, justify="left" if col == "name" else "right")
+        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
     for r in rows:
         t.add_row(r["name"], f"{r['params']:,}", str(r["n_layers"]), str(r["d_model"]),
                   f"{r['n_heads']} ({r['n_kv_heads']})", str(r["d_ff"]), str(r["vocab_size"]), str(r["max_seq_len"]))

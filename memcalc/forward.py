@@ -250,11 +250,25 @@ class Forward:
 
         def recompute(s: Sim, node: Node) -> None:
             saved_nodes, saved_phase = s.nodes, s.phase
-            s.nodes = []
-            s.label = f"bwd {label} (recompute)"
             s.phase = "backward"
+            s.label = f"bwd {label} (recompute)"
+            # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
+            # is recomputed (early stop): a dry run without memory finds that point.
+            s.nodes = []
+            c0 = s.alloc_count
+            s.ghost_after = c0
+            s.last_save_count = c0
+            dry = fn()
+            fwd.ops.exit_autocast()
+            for n in s.nodes:
+                s._release_node(n)
+            s.unref(dry)
+            stop = s.last_save_count - c0
+            s.nodes = []
+            s.ghost_after = s.alloc_count + stop
             out2 = fn()
             fwd.ops.exit_autocast()
+            s.ghost_after = None
             sub = s.nodes
             s.nodes = saved_nodes
             s.phase = saved_phase

@@ -99,11 +99,17 @@ class Sim:
         self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
+        self.alloc_count = 0  # allocations so far
+        self.last_save_count = 0  # alloc_count when the last node that saves something was made
+        self.ghost_after: Optional[int] = None  # allocations past this count take no memory
         self.on_label: Optional[Callable[["Sim", str, str], None]] = None  # backward layer changes
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
         """Allocate a block (rounded up); returns it with one reference."""
+        self.alloc_count += 1
+        if self.ghost_after is not None and self.alloc_count > self.ghost_after:
+            return T(0, kind, category, requires_grad=requires_grad, name=name)
         n = round_up(int(nbytes), self.round_bytes)
         t = T(n, kind, category, requires_grad=requires_grad, name=name)
         self.total += n
@@ -163,6 +169,8 @@ class Sim:
             return None
         for t in saved:
             self.ref(t)
+        if saved:
+            self.last_save_count = self.alloc_count
         n = Node(name, saved, inputs, params, outputs, **kw)
         n.fwd_label = self.label
         for o in outputs:

@@ -1,0 +1,147 @@
+"""The command line as users run it: (args, exit code, message) rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+# (args, exit code, text that must appear on stderr/stdout)
+BAD_INPUT = [
+    (["estimate", "--model", "llama-9"], 2, "unknown model preset 'llama-9'"),  # unknown preset lists valid ones
+    (["estimate", "--config", "nope"], 2, "unknown config 'nope'; valid: bf16_budget_60"),
+    (["estimate", "--model", "gpt2", "--batch", "-1"], 2, "--batch must be positive, got -1"),
+    (["estimate", "--model", "gpt2", "--batch", "0"], 2, "--batch must be positive, got 0"),
+    (["estimate", "--model", "gpt2", "--seq", "0"], 2, "--seq must be positive"),
+    (["estimate", "--params", "seven"], 2, "seven"),
+    (["estimate", "--model", "gpt2", "--precision", "fp8"], 2, "fp8"),
+    (["estimate", "--model", "gpt2", "--optimizer", "adamax"], 2, "adamax"),
+    (["estimate", "--model", "gpt2", "--bach", "2"], 2, "No such option: --bach"),
+    (["estimate", "--model", "gpt2", "--checkpoint", "every-x"], 2, "unknown --checkpoint 'every-x'"),
+    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "q,z"], 2, "unknown --lora-targets z"),
+    (["estimate", "--model", "gpt2", "--memory-budget", "1.5"], 2, "--memory-budget must be within [0, 1]"),
+    (["estimate", "--model", "gpt2", "--zero", "4"], 2, "--zero must be 0, 1, 2 or 3"),
+    (["estimate", "--model", "gpt2", "--fused-optimizer", "--grad-accum", "4"], 2, "cannot accumulate gradients"),
+    (["estimate", "--model", "gpt2", "--seq", "4096"], 2, "exceeds gpt2's learned position table (1024)"),
+    (["estimate", "--model", "gpt2", "--precision", "fp32", "--master-weights"], 2, "needs precision bf16 or fp16"),
+    (["estimate", "--model", "gpt2", "--gpu", "gtx-480"], 2, "gtx-480"),
+    (["estimate"], 2, "no model"),
+    (["estimate", "--model", "gpt2", "--params", "7e9"], 2, "not both"),
+    (["estimate", "--model", "gpt2", "--profile", "torch-3.0"], 2, "unknown profile 'torch-3.0'; valid:"),
+    (["validate", "--config", "control", "--device", "tpu"], 2, "unknown --device 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2(args, code, message):
+    r = run(args)
+    assert r.exit_code == code, r.output
+    err = r.stderr
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("memcalc: error: "), err
+    assert "Traceback" not in r.output
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_malformed_yaml_config(tmp_path):
+    path = _write(tmp_path, "bad.yaml", "model: gpt2\ntraining: [batch: 1\n")
+    r = run(["estimate", "--config", path])
+    assert r.exit_code == 2 and "malformed" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_malformed_json_config(tmp_path):
+    path = _write(tmp_path, "bad.json", '{"model": "gpt2", ')
+    r = run(["estimate", "--config", path])
+    assert r.exit_code == 2 and "malformed" in r.stderr
+
+
+def test_config_key_that_does_not_exist(tmp_path):
+    path = _write(tmp_path, "x.yaml", "model: gpt2\ntraining:\n  batchsize: 2\n")
+    r = run(["estimate", "--config", path])
+    assert r.exit_code == 2 and "batchsize" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_heads_that_do_not_divide(tmp_path):
+    path = _write(tmp_path, "m.yaml", "n_layers: 2\nd_model: 100\nn_heads: 12\nd_ff: 256\nvocab_size: 100\n")
+    r = run(["estimate", "--model", path])
+    assert r.exit_code == 2, r.output
+    assert "d_model (100) must be divisible by n_heads (12)" in r.stderr
+
+
+def test_kv_heads_that_do_not_divide(tmp_path):
+    path = _write(tmp_path, "m.yaml", "n_layers: 2\nd_model: 120\nn_heads: 12\nn_kv_heads: 5\nd_ff: 256\nvocab_size: 100\n")
+    r = run(["estimate", "--model", path])
+    assert r.exit_code == 2 and "n_heads (12) must be divisible by n_kv_heads (5)" in r.stderr
+
+
+def test_json_is_only_json_with_integer_bytes():
+    r = run(["estimate", "--model", "gpt2", "--batch", "2", "--seq", "512", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    for key in ("peak_bytes", "peak_phase", "components", "phases", "params", "trainable_params"):
+        assert key in doc
+    assert isinstance(doc["peak_bytes"], int)
+    assert all(isinstance(v, int) for v in doc["components"].values())
+    assert all(isinstance(v, int) for v in doc["phases"].values())
+    assert sum(doc["components"].values()) == doc["peak_bytes"]
+    assert doc["params"] == 124_439_808
+
+
+def test_defaults_are_printed():
+    r = run(["estimate", "--model", "gpt2"])
+    assert r.exit_code == 0, r.output
+    assert "default" in r.stdout and "1024" in r.stdout  # gpt2's max position table caps the default seq
+    assert "adamw" in r.stdout
+
+
+def test_params_inference_says_inferred():
+    r = run(["estimate", "--params", "7e9", "--bf16", "--lora", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["inputs"]["origin"]["model"] == "inferred"
+    assert any("inferred" in n for n in doc["inferred"])
+    assert abs(doc["params"] - 7e9) / 7e9 <= 0.02
+    assert doc["trainable_params"] < 0.01 * doc["params"]
+
+
+def test_flags_override_config():
+    base = json.loads(run(["estimate", "--config", "control", "--json"]).stdout)
+    over = json.loads(run(["estimate", "--config", "control", "--batch", "1", "--json"]).stdout)
+    assert over["inputs"]["training"]["batch"] == 1
+    assert over["peak_bytes"] < base["peak_bytes"]
+    assert over["published_peak_bytes"] is None  # the published figure no longer applies
+
+
+@pytest.mark.parametrize("cmd", [["models"], ["configs"], ["gpus"], ["profiles"]])
+def test_listing_commands_have_json(cmd):
+    r = run(cmd + ["--json"])
+    assert r.exit_code == 0, r.output
+    assert isinstance(json.loads(r.stdout), list)
+
+
+def test_models_lists_presets():
+    r = run(["models"])
+    for name in ("deep-one-1.6b", "gpt2", "llama-3.1-70b", "phi-1.5"):
+        assert name in r.stdout
+
+
+@pytest.mark.parametrize("flag", ["--qlora", "--lora", "--master-weights", "--fused-optimizer"])
+def test_technique_flags_run(flag):
+    args = ["estimate", "--model", "tinyllama-1.1b", "--seq", "512", "--json", flag]
+    if flag == "--master-weights":
+        args += ["--bf16"]
+    r = run(args)
+    assert r.exit_code == 0, r.output
