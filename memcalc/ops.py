@@ -198,13 +198,14 @@ class Ops:
                 self.sim.node("to_dtype", [], [xn], [], [xt])
             self.drop(xn)
             y = self.new(n, dt)
-            self.sim.node("mul_weight", [xt], [xt], [w], [y], temps=[n * dt.itemsize])
+            self.sim.node("mul_weight", [xt] if w.trainable else [], [xt], [w], [y], temps=[n * dt.itemsize])
             self.drop(xt)
             return y
         # PyTorch 2.6-2.8: ((xf * r) * w).type_as(x) -- the weight multiply runs in fp32 and
         # saves the fp32 normalised tensor; only the result is cast back
         y32 = self.new(n, fp32)
-        self.sim.node("mul_weight", [xn], [xn], [w], [y32], temps=[n * fp32.itemsize])
+        # x * w saves x only for w's gradient (a frozen norm weight keeps nothing here)
+        self.sim.node("mul_weight", [xn] if w.trainable else [], [xn], [w], [y32], temps=[n * fp32.itemsize])
         self.drop(xn)
         if not upcast:
             return y32
