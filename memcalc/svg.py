@@ -67,7 +67,7 @@ def timeline_svg(est: Estimate, capacity_bytes: Optional[int] = None, capacity_n
         return top_m + ph - ph * gib(int(b)) / y_max
 
     out = [f'<svg id="{e(svg_id)}" class="chart timeline" viewBox="0 0 {width} {height}" '
-           f'xmlns="http://www.w3.org/2000/svg" role="img" data-peak-bytes="{est.peak_bytes}" '
+           f'role="img" data-peak-bytes="{est.peak_bytes}" '
            f'data-columns="{n}" aria-label="{e(f"memory across one training step of {est.experiment.name}")}">']
     # phase bands
     for j, (phase, a, b) in enumerate(phase_runs(cols)):
@@ -133,7 +133,7 @@ def timeline_svg(est: Estimate, capacity_bytes: Optional[int] = None, capacity_n
 def breakdown_svg(est: Estimate, svg_id: str = "breakdown", width: int = 960, height: int = 56) -> str:
     """The peak as one horizontal bar stacked by kind."""
     out = [f'<svg id="{e(svg_id)}" class="chart breakdown" viewBox="0 0 {width} {height}" '
-           f'xmlns="http://www.w3.org/2000/svg" role="img" data-peak-bytes="{est.peak_bytes}" '
+           f'role="img" data-peak-bytes="{est.peak_bytes}" '
            f'aria-label="alive at the peak, by kind">']
     x = 0.0
     for k in KINDS:
@@ -166,9 +166,9 @@ def grouped_bars_svg(groups: list[dict[str, Any]], svg_id: str = "validate-chart
         return top_m + ph - ph * gib(int(b)) / y_max
 
     gw = pw / max(1, len(groups))
-    bw = min(34.0, gw * 0.8 / 3)
+    bw = min(44.0, gw * 0.8 / 3)
     out = [f'<svg id="{e(svg_id)}" class="chart bars" viewBox="0 0 {width} {height}" '
-           f'xmlns="http://www.w3.org/2000/svg" role="img" aria-label="predicted vs measured peak per config">']
+           f'role="img" aria-label="predicted vs measured peak per config">']
     out += _y_axis(ticks, y_of, left, left + pw)
     out.append(f'<text class="axis-title" x="{left - 6}" y="{top_m - 12}" text-anchor="end">GiB</text>')
     for gi, g in enumerate(groups):
