@@ -151,7 +151,8 @@ def timeline_chart(est: Estimate, capacity_bytes: int | None = None, width: int 
     sub.truncate(width, overflow="ellipsis")
     lines.append(sub)
     for r in range(rows - 1, -1, -1):
-        ln = Text(f"{labels[r]:>{lw}} ┤" if r in labels else f"{'':>{lw}} │", style="dim")
+        ln = Text()
+        ln.append(f"{labels[r]:>{lw}} ┤" if r in labels else f"{'':>{lw}} │", style="dim")  # the gutter only
         for ch, st in grid[r]:
             ln.append(ch, st)
         lines.append(ln)
