@@ -1,0 +1,328 @@
+"""Closed forms of the simulated step: its peak as a function of batch and sequence length
+(:func:`fit_step`) or of the data-parallel degree under ZeRO (:func:`fit_gpus`).
+
+``memcalc plan`` asks thousands of "does it fit?" questions; simulating each one op by op
+(:func:`memcalc.timeline.simulate`, 5-80 ms) would take minutes. Instead we simulate a few
+points with ``trace_allocs=True`` and fit the running total after *every allocation* of the
+step. Every allocation's size is a polynomial in the batch ``B`` and the sequence ``T``
+(activations are ``B x T x width``; math attention's scores ``B x H x T^2``; ALiBi masks
+``H x T^2`` in forward and a ``B x H x T^2`` broadcast gradient in backward; the loss's shifted
+copy ``B x (T - 1) x V``), and the sequence of allocations and frees does not depend on
+``B`` or ``T``. So the memory alive after allocation ``e`` is exactly
+
+    total_e(B, T) = a + b*B + c*T + d*B*T + e*T^2 + f*B*T^2
+
+up to the allocator's 512-byte rounding, and the peak of a phase is the maximum of these
+polynomials over the phase's allocations. A single polynomial per phase does *not* fit: in
+backward the peak moves from the start (logit gradients, large at big ``B x T``) to the end
+(all gradients alive, which wins at small ``B x T``), so a fitted phase is the maximum of the
+few allocations that can set its peak anywhere in the domain (typically 1-3 per phase). Phases:
+``setup``/``forward``/``backward``/``optimizer step`` of the steady-state step and the whole
+``first step`` (no optimizer state yet), as :func:`memcalc.estimate.estimate` takes both.
+
+The fit is linear in ``B`` (exact: two batch sizes) and, when the simulated allocations show
+no curvature in ``T`` at batch 1 (three sequence lengths), linear in ``T`` too (flash and
+memory-efficient attention, RoPE, learned positions); otherwise quadratic (a sixth point).
+Under ZeRO the per-GPU state is ``ceil(bytes / N)``: :func:`fit_gpus` fits ``a + b / N``.
+
+Accuracy: within the allocator rounding (a few MiB on a multi-GiB peak; the tests require
+1% against :func:`memcalc.estimate.estimate` on held-out points). Callers confirm the answers
+they print with a direct estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Sequence
+
+import numpy as np
+
+from .estimate import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
+from .spec import ExperimentSpec, TrainingSpec
+from .timeline import simulate
+
+#: Names of the (B, T) features, in coefficient order.
+FEATURES = ("1", "B", "T", "B*T", "T^2", "B*T^2")
+#: The batch range the fitted candidates are selected over (larger batches are extrapolated).
+BATCH_DOMAIN = (1, 1 << 16)
+#: Relative residual (of the largest total) above which the T-linear fit is rejected.
+CURVATURE_TOL = 2e-6
+
+
+def required_from_peak(peak):
+    """The memory a GPU must have for an allocated ``peak``: peak + CUDA context + allocator
+    slack, exactly as :func:`memcalc.estimate.estimate` computes it (works on ints and arrays)."""
+    if isinstance(peak, np.ndarray):
+        p = np.asarray(peak, dtype=np.float64)
+        return p + CUDA_CONTEXT_BYTES + np.floor(p * ALLOCATOR_SLACK_FRACTION)
+    return int(peak) + CUDA_CONTEXT_BYTES + int(peak * ALLOCATOR_SLACK_FRACTION)
+
+
+def bt_features(B, T, t_scale: float) -> np.ndarray:
+    """Feature matrix (..., 6) for batch ``B`` and sequence ``T`` (T scaled by ``t_scale``
+    so the coefficients stay well conditioned); broadcasts B against T."""
+    B = np.asarray(B, dtype=np.float64)
+    t = np.asarray(T, dtype=np.float64) / t_scale
+    B, t = np.broadcast_arrays(B, t)
+    one = np.ones_like(B)
+    return np.stack([one, B, t, B * t, t * t, B * t * t], axis=-1)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The running totals of one simulated step (one per allocation) and their phases."""
+
+    totals: np.ndarray  # (E,) float64 bytes
+    phases: tuple[str, ...]  # phase of each allocation
+    peak_bytes: int  # the simulator's own peak (the highest total)
+
+
+#: Simulated peaks by (experiment, first_step): fit points and direct checks share them.
+_PEAKS: dict[tuple[ExperimentSpec, bool], int] = {}
+
+
+@lru_cache(maxsize=256)
+def _trace(exp: ExperimentSpec, first_step: bool) -> Trace:
+    """One simulated step with its allocation trace (cached: plans ask for the same points)."""
+    r = simulate(exp, first_step=first_step, record_timeline=False, trace_allocs=True)
+    tr = r.alloc_trace or []
+    phases = tuple("first step" if first_step else ph for _, ph in tr)
+    _remember(exp, first_step, r.peak_bytes)
+    return Trace(np.fromiter((t for t, _ in tr), dtype=np.float64, count=len(tr)), phases, r.peak_bytes)
+
+
+def _remember(exp: ExperimentSpec, first_step: bool, peak: int) -> None:
+    if len(_PEAKS) > 200_000:
+        _PEAKS.clear()
+    _PEAKS[(exp, first_step)] = peak
+
+
+def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
+    """The allocated peak of one simulated step (steady state, or the first step), cached; the
+    same number ``estimate()`` takes from the same simulation."""
+    key = (exp, first_step)
+    if key not in _PEAKS:
+        _remember(exp, first_step, simulate(exp, first_step=first_step, record_timeline=False).peak_bytes)
+    return _PEAKS[key]
+
+
+def _stack(traces: Sequence[Trace], what: str) -> tuple[np.ndarray, tuple[str, ...]]:
+    n = {len(t.totals) for t in traces}
+    if len(n) != 1 or len({t.phases for t in traces}) != 1:
+        raise RuntimeError(f"{what}: the simulated step changes shape between fit points; cannot fit it")
+    return np.stack([t.totals for t in traces]), traces[0].phases
+
+
+def _candidates(coef: np.ndarray, phases: tuple[str, ...], grid: np.ndarray,
+                corners: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Per phase, the allocations whose fitted total is the phase's maximum somewhere on ``grid``
+    (G, F); returns phase -> (K, F) coefficient rows.
+
+    ``corners``: when every total is multilinear in the domain's coordinates (a box), an
+    allocation whose successor in the same phase is at least as high at every corner is at least
+    as high everywhere in the box, so it can never set the peak; those are dropped first."""
+    ph = np.array(phases)
+    keep = np.ones(len(phases), dtype=bool)
+    if corners is not None and len(phases) > 1:
+        at = corners @ coef.T  # (C, E)
+        same = ph[1:] == ph[:-1]
+        dominated = same & np.all(at[:, 1:] >= at[:, :-1], axis=0)
+        keep[:-1] &= ~dominated
+    out: dict[str, np.ndarray] = {}
+    for name in dict.fromkeys(phases):
+        idx = np.flatnonzero((ph == name) & keep)
+        vals = grid @ coef[idx].T  # (G, k)
+        best = np.unique(idx[np.argmax(vals, axis=1)])
+        out[name] = coef[best]
+    return out
+
+
+# --------------------------------------------------------------------------- batch x seq
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """The peak of one training setup as a function of (batch, seq).
+
+    ``phases[name]`` is a (K, 6) array: that phase's peak is the maximum over its K rows of
+    ``row . bt_features(B, T, t_scale)``. ``peak`` is the maximum over phases (the steady step's
+    phases and the first step), as ``estimate()`` reports it.
+    """
+
+    exp: ExperimentSpec
+    phases: dict[str, np.ndarray]
+    t_scale: float
+    t_max: int
+    quadratic: bool
+    points: tuple[tuple[int, int], ...] = field(default=())
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        """All candidate rows of all phases, (K, 6)."""
+        return np.concatenate(list(self.phases.values()))
+
+    def phase_peaks(self, B, T) -> dict[str, np.ndarray]:
+        f = bt_features(B, T, self.t_scale)
+        return {k: (f @ c.T).max(axis=-1) for k, c in self.phases.items()}
+
+    def peak(self, B, T) -> np.ndarray:
+        """Fitted allocated peak in bytes (float array; broadcasts B against T)."""
+        f = bt_features(B, T, self.t_scale)
+        return (f @ self.coefficients.T).max(axis=-1)
+
+    def required(self, B, T) -> np.ndarray:
+        """Fitted required bytes: peak + CUDA context + allocator slack."""
+        return required_from_peak(self.peak(B, T))
+
+
+def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
+    """The three sequence lengths the fit simulates: T3 = min(2048, max_seq_len) rounded down to
+    a multiple of 128 (where flash attention's 128-row rounding is exact), T3/2 and T3/4."""
+    t3 = min(2048, exp.model.max_seq_len)
+    if t3 >= 512:
+        t3 -= t3 % 128
+    t3 = max(t3, 8)
+    return max(2, t3 // 4), max(3, t3 // 2), t3
+
+
+def _with(exp: ExperimentSpec, **training) -> ExperimentSpec:
+    return exp.model_copy(update={"training": exp.training.model_copy(update=training)})
+
+
+@lru_cache(maxsize=1024)
+def fit_step(exp: ExperimentSpec) -> StepFit:
+    """Fit ``exp``'s step (its own batch and seq are ignored) in batch and sequence length.
+
+    Simulates the steady-state step at (1, T1), (2, T1), (1, T3), (2, T3) and (1, T2) (see
+    :func:`fit_points`), and at (2, T2) too when the totals curve in T; the first step at the
+    same points less (1, T2) when they do not. Cached per experiment within the process.
+    """
+    t1, t2, t3 = fit_points(exp)
+    scale = float(t3)
+    pts = [(1, t1), (2, t1), (1, t3), (2, t3), (1, t2)]
+    lin = [0, 1, 2, 3]
+
+    def solve(points, first_step, cols):
+        traces = [_trace(_with(exp, batch=b, seq=t), first_step) for b, t in points]
+        Y, phases = _stack(traces, exp.name)
+        X = bt_features([p[0] for p in points], [p[1] for p in points], scale)[:, cols]
+        c, *_ = np.linalg.lstsq(X, Y, rcond=None)
+        coef = np.zeros((Y.shape[1], len(FEATURES)))
+        coef[:, cols] = c.T
+        resid = np.abs(X @ c - Y).max() / max(1.0, Y.max())
+        return coef, phases, resid
+
+    # the steady step: T-linear unless its totals curve in T at batch 1 (three sequence lengths)
+    coef_s, ph_s, resid = solve(pts, False, lin)
+    quadratic = bool(resid > CURVATURE_TOL)
+    if quadratic:
+        pts.append((2, t2))
+        coef_s, ph_s, _ = solve(pts, False, list(range(len(FEATURES))))
+    # the first step runs the same forward and backward, so the same terms
+    coef_f, ph_f, _ = solve(pts if quadratic else pts[:4], True, list(range(len(FEATURES))) if quadratic else lin)
+    coef = np.concatenate([coef_s, coef_f])
+    t_max = exp.model.max_seq_len
+    bs = np.unique(np.round(np.geomspace(BATCH_DOMAIN[0], BATCH_DOMAIN[1], 25)))
+    ts = np.unique(np.concatenate([np.round(np.geomspace(2, max(t_max, 4), 25)), [t1, t2, t3]]))
+    grid = bt_features(bs[:, None], ts[None, :], scale).reshape(-1, len(FEATURES))
+    corners = None if quadratic else bt_features(
+        np.array([BATCH_DOMAIN[0], BATCH_DOMAIN[1]])[:, None], np.array([2, max(t_max, 4)])[None, :], scale
+    ).reshape(-1, len(FEATURES))
+    phases = _candidates(coef, ph_s + ph_f, grid, corners)
+    return StepFit(exp, phases, scale, t_max, quadratic, tuple(pts))
+
+
+# --------------------------------------------------------------------------- ZeRO degree
+
+
+@dataclass(frozen=True)
+class GpusFit:
+    """The peak of one setup at a fixed (batch, seq) as a function of the ZeRO degree N >= 2:
+    the maximum over candidate rows (a, b) of ``a + b / N``. N = 1 (nothing sharded, nothing
+    gathered) is simulated directly (``peak_1``)."""
+
+    exp: ExperimentSpec
+    rows: np.ndarray  # (K, 2)
+    peak_1: int
+
+    def peak(self, n) -> np.ndarray:
+        n = np.asarray(n, dtype=np.float64)
+        f = np.stack([np.ones_like(n), 1.0 / n], axis=-1)
+        out = (f @ self.rows.T).max(axis=-1)
+        return np.where(n == 1, float(self.peak_1), out)
+
+    def required(self, n) -> np.ndarray:
+        return required_from_peak(self.peak(n))
+
+
+#: ZeRO degrees the N-fit simulates.
+GPU_FIT_POINTS = (2, 4, 16, 64)
+
+
+@lru_cache(maxsize=256)
+def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
+    """Fit ``exp``'s peak in the data-parallel degree (its ``gpus`` is ignored; ``zero`` should be
+    >= 1 for N to matter). Cached per experiment within the process."""
+    from .estimate import estimate
+
+    steady = [_trace(_with(exp, gpus=n), False) for n in GPU_FIT_POINTS]
+    first = [_trace(_with(exp, gpus=n), True) for n in GPU_FIT_POINTS]
+    ys, ph_s = _stack(steady, exp.name)
+    yf, ph_f = _stack(first, exp.name)
+    Y = np.concatenate([ys, yf], axis=1)
+    n = np.array(GPU_FIT_POINTS, dtype=np.float64)
+    X = np.stack([np.ones_like(n), 1.0 / n], axis=-1)
+    coef, *_ = np.linalg.lstsq(X, Y, rcond=None)
+    ns = np.arange(2, n_max + 1, dtype=np.float64)
+    grid = np.stack([np.ones_like(ns), 1.0 / ns], axis=-1)
+    corners = np.array([[1.0, 1.0 / 2], [1.0, 1.0 / n_max]])  # a + b/N is linear in 1/N
+    cands = _candidates(coef.T, ph_s + ph_f, grid, corners)
+    rows = np.concatenate(list(cands.values()))
+    peak_1 = estimate(_with(exp, gpus=1), timeline=False).peak_bytes
+    return GpusFit(exp, rows, peak_1)
+
+
+def largest_true(pred, lo: int, hi: int) -> int:
+    """The largest integer x in [lo, hi] with ``pred(x)`` true, for a predicate that is true up to
+    some point and false after it; ``lo - 1`` if ``pred(lo)`` is false. Vectorised callers pass
+    arrays of lo/hi; see :func:`largest_true_array`."""
+    if not pred(lo):
+        return lo - 1
+    if pred(hi):
+        return hi
+    while hi - lo > 1:  # pred(lo) true, pred(hi) false
+        mid = (lo + hi) // 2
+        if pred(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """:func:`largest_true` for many monotone predicates at once: ``pred(x)`` takes an int array
+    (one candidate per row) and returns a bool array."""
+    lo = np.asarray(lo, dtype=np.int64).copy()
+    hi = np.asarray(hi, dtype=np.int64).copy()
+    ok_lo = pred(lo)
+    ok_hi = pred(hi)
+    res = np.where(ok_hi, hi, np.where(ok_lo, -1, lo - 1))
+    todo = ok_lo & ~ok_hi
+    a, b = lo.copy(), hi.copy()
+    while True:
+        active = todo & (b - a > 1)
+        if not active.any():
+            break
+        mid = (a + b) // 2
+        ok = pred(mid)
+        a = np.where(active & ok, mid, a)
+        b = np.where(active & ~ok, mid, b)
+    return np.where(todo, a, res)
+
+
+
+__all__ = [
+    "FEATURES", "StepFit", "GpusFit", "fit_step", "fit_gpus", "bt_features", "required_from_peak",
+    "largest_true", "largest_true_array", "fit_points",
+]
