@@ -139,6 +139,8 @@ def estimate(
     as_json: bool = JSON,
     timeline: bool = typer.Option(False, "--timeline", help="Also draw memory across the step (after the tables; ignored with --json)."),
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report to this file."),
+    max_batch: bool = typer.Option(False, "--max-batch", help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search over estimates)."),
+    max_seq: bool = typer.Option(False, "--max-seq", help="Also find the longest sequence (at --batch) that fits the one --gpu, up to the model's maximum."),
 ) -> None:
     """Predict the peak memory of one training step, the phase that sets it, and where it fits.
 
@@ -147,6 +149,8 @@ def estimate(
       memcalc estimate --params 7e9 --bf16 --lora
 
       memcalc estimate --model llama-3.1-8b --batch 2 --seq 4096 --qlora --checkpoint full --gpu rtx-4090
+
+      memcalc estimate --model llama-3.1-8b --qlora --checkpoint full --gpu rtx-4090 --max-batch --max-seq
 
       memcalc estimate --config control --json
     """
@@ -164,15 +168,29 @@ def estimate(
         zero=zero, gpus=gpus, offload_optimizer=offload_optimizer,
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
+    limits = None
+    if max_batch or max_seq:
+        from .plan import check_one_gpu, estimate_limits
+
+        limit_gpu = check_one_gpu(gpu, "--max-batch" if max_batch else "--max-seq")
     est = run_estimate(res.exp)
+    if max_batch or max_seq:
+        limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
     if html:
         from .html import estimate_html, write_report
 
         write_report(html, estimate_html(est, res, cards))
     if as_json:
-        typer.echo(dumps(to_json(est, res, cards)))
+        doc = to_json(est, res, cards)
+        if limits:
+            doc.update({k: limits[k] for k in ("max_batch", "max_seq") if k in limits}, limits=limits)
+        typer.echo(dumps(doc))
     else:
         render(est, res, cards)
+        if limits:
+            from .plan import render_limits
+
+            render_limits(limits, limit_gpu, res.exp.model)
         if timeline:
             from rich.console import Console
 
@@ -180,6 +198,51 @@ def estimate(
 
             con = Console()
             con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
+
+
+@app.command()
+def plan(
+    model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Plan for this GPU (see `memcalc gpus`): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
+    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
+    profile: Optional[str] = PROFILE,
+    show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
+    as_json: bool = JSON,
+) -> None:
+    """Which GPU, how many, and with which memory techniques (precision, optimizer, checkpointing, LoRA/QLoRA, fused step).
+
+    Examples:
+
+      memcalc plan --model llama-3.1-8b --gpu rtx-4090
+
+      memcalc plan --model llama-3.1-8b --gpu rtx-4090 --seq 4096 --all --json
+
+      memcalc plan --model llama-3.1-70b
+    """
+    from .gpus import get_gpu
+    from .plan import (cluster_plan_json, gpu_plan_json, plan_cluster, plan_gpu, plan_model, render_cluster_plan,
+                       render_gpu_plan)
+    from .profiles import get_profile
+    from .report import dumps
+
+    m, notes = plan_model(model, params)
+    prof = get_profile(profile) if profile else None
+    if gpu is None:
+        if show_all:
+            raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
+        cp = plan_cluster(m, seq, prof)
+        cp.notes[:0] = notes
+        if as_json:
+            typer.echo(dumps(cluster_plan_json(cp)))
+        else:
+            render_cluster_plan(cp)
+        return
+    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all)
+    gp.notes[:0] = notes
+    if as_json:
+        typer.echo(dumps(gpu_plan_json(gp)))
+    else:
+        render_gpu_plan(gp)
 
 
 @app.command()

@@ -53,6 +53,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -368,15 +369,23 @@ def seq_grid(model: ModelSpec, seq: int) -> np.ndarray:
 def _state_floor(exp: ExperimentSpec) -> int:
     """Weights plus optimizer state at the start of a steady-state step (allocated exactly as the
     simulator does): a lower bound of the peak that needs no forward pass."""
+    tr = exp.training
+    return _state_floor_of(exp.model, exp.profile.allocator_round_bytes, tr.model_copy(
+        update={"batch": 1, "seq": 2, "checkpoint": "none", "fused_optimizer": False}))
+
+
+@lru_cache(maxsize=512)
+def _state_floor_of(model: ModelSpec, round_bytes: int, tr: TrainingSpec) -> int:
     from .forward import make_params
     from .optimizers import OptimizerSim
     from .sim import Sim
 
-    sim = Sim(exp.profile.allocator_round_bytes)
+    exp = ExperimentSpec(model=model, training=tr)
+    sim = Sim(round_bytes)
     sim.record_timeline = False
-    model = make_params(sim, exp)
-    rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, exp.training.lora)}
-    OptimizerSim(sim, exp.training, model.order, rows_of).create_all()
+    params = make_params(sim, exp)
+    rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(model, tr.lora)}
+    OptimizerSim(sim, tr, params.order, rows_of).create_all()
     return sim.total
 
 
@@ -492,9 +501,12 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
 
     # 1. weights + optimizer state alone: options beyond the card cannot fit at any batch or seq;
     #    without --all, neither can options whose steady step at batch 1 does not fit
-    floor_ok = [required_from_peak(_state_floor(e)) <= cap for e in exps]
-    to_fit = [i for i, ok in enumerate(floor_ok)
-              if ok and (include_all or required_from_peak(simulated_peak(exps[i])) <= cap)]
+    floor_ok = [i for i, e in enumerate(exps) if required_from_peak(_state_floor(e)) <= cap]
+    if include_all:
+        to_fit = floor_ok
+    else:
+        steady = parallel_map(simulated_peak, [exps[i] for i in floor_ok])
+        to_fit = [i for i, p in zip(floor_ok, steady) if required_from_peak(p) <= cap]
     # 2. fit the rest in (batch, seq) and evaluate the whole grid at once
     fitted = dict(zip(to_fit, parallel_map(fit_step, [exps[i] for i in to_fit])))
     results: dict[int, OptionResult] = {}
@@ -669,6 +681,75 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
         "and nodes of 8, so the next power of two is shown too",
     ]
     return ClusterPlan(model, seq, rows, count_params(model).total, notes)
+
+
+# --------------------------------------------------------------------------- command helpers
+
+
+def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, list[str]]:
+    """The model ``plan`` is about: ``--model`` (preset or file) or ``--params`` (inferred)."""
+    from .infer import infer_from_params, parse_count
+    from .presets import resolve_model
+
+    if model and params:
+        raise UserError("give one of --model or --params, not both")
+    if model:
+        return resolve_model(model), []
+    if params:
+        return infer_from_params(float(parse_count(params)))
+    raise UserError("plan needs a model: give --model NAME|config.json or --params N (see `memcalc models`)")
+
+
+def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: bool) -> dict[str, Any]:
+    """``estimate --max-batch/--max-seq``: the exact answers on one ``gpu``, and the required bytes
+    at the answer and one past it (what makes the answer the answer)."""
+    cap = int(gpu.capacity_bytes)
+    out: dict[str, Any] = {"gpu": gpu.name, "capacity_bytes": cap}
+    tr = exp.training
+    if want_batch:
+        b = max_batch(exp, cap)
+        out["max_batch"] = b
+        out["max_batch_seq"] = tr.seq
+        out["max_batch_required_bytes"] = required_from_peak(_peak_bytes(_with(exp, batch=b))) if b else None
+        out["next_batch_required_bytes"] = (required_from_peak(_peak_bytes(_with(exp, batch=b + 1)))
+                                            if b < BATCH_CAP else None)
+    if want_seq:
+        t = max_seq(exp, cap)
+        out["max_seq"] = t
+        out["max_seq_batch"] = tr.batch
+        out["max_seq_required_bytes"] = required_from_peak(_peak_bytes(_with(exp, seq=t))) if t else None
+        out["next_seq_required_bytes"] = (required_from_peak(_peak_bytes(_with(exp, seq=t + 1)))
+                                          if 2 <= t < exp.model.max_seq_len else None)
+    return out
+
+
+def render_limits(lim: dict[str, Any], gpu: Any, model: ModelSpec, console=None) -> None:
+    from rich.console import Console
+
+    c = console or Console()
+    name = getattr(gpu, "display_name", gpu.name)
+    cap = fmt_bytes(lim["capacity_bytes"])
+    if "max_batch" in lim:
+        b = lim["max_batch"]
+        if b == 0:
+            c.print(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [red]0[/red] "
+                    "(batch 1 does not fit)")
+        else:
+            nxt = lim["next_batch_required_bytes"]
+            why = f"; batch {b + 1} needs {fmt_bytes(nxt)}" if nxt is not None else f" (the search stops at {BATCH_CAP:,})"
+            c.print(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [green]{b:,}[/green] "
+                    f"(needs {fmt_bytes(lim['max_batch_required_bytes'])}{why})")
+    if "max_seq" in lim:
+        t = lim["max_seq"]
+        if t == 0:
+            c.print(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [red]0[/red] "
+                    "(not even 2 tokens fit)")
+        else:
+            nxt = lim["next_seq_required_bytes"]
+            why = (f"; seq {t + 1} needs {fmt_bytes(nxt)}" if nxt is not None
+                   else f"; {model.name}'s maximum sequence length")
+            c.print(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [green]{t:,}[/green] "
+                    f"(needs {fmt_bytes(lim['max_seq_required_bytes'])}{why})")
 
 
 # --------------------------------------------------------------------------- rendering
