@@ -433,6 +433,18 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     return [r for r, _ in out]
 
 
+def _fit_gpus_job(exp: ExperimentSpec):
+    return fit_gpus(exp, GPU_CAP)
+
+
+def _simulate_job(job: tuple[ExperimentSpec, bool]) -> None:
+    """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache."""
+    exp, both = job
+    simulated_peak(exp, False)
+    if both:
+        simulated_peak(exp, True)
+
+
 def _confirm_option(job: tuple[ExperimentSpec, int, int, int]) -> tuple[int, int, int]:
     """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers."""
     e, cap, mb, ms = job
@@ -642,7 +654,27 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     cards = list(gpus) if gpus is not None else list_gpus()
     setups = cluster_setups(model, seq, profile)
     ns = np.arange(1, GPU_CAP + 1)
-    req = {s: {ck: fit_gpus(e, GPU_CAP).required(ns) for ck, e in cks.items()} for s, cks in setups.items()}
+    keys = [(s, ck) for s, cks in setups.items() for ck in cks]
+    fitted = parallel_map(_fit_gpus_job, [setups[s][ck] for s, ck in keys])
+    req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
+    for (s, ck), f in zip(keys, fitted):
+        req[s][ck] = f.required(ns)
+    if confirm:  # simulate the counts the confirmation will ask about, in parallel
+        jobs = set()
+        for g in cards:
+            cap = int(g.capacity_bytes)
+            for s, by_ck in setups.items():
+                ok = req[s]["full"] <= cap
+                if not ok.any():
+                    continue
+                n = int(ns[ok][0])
+                jobs.add((_with(by_ck["full"], gpus=1), False))
+                if n > 2:
+                    jobs.add((_with(by_ck["full"], gpus=n - 1), False))
+                jobs.add((_with(by_ck["full"], gpus=n), True))
+                if req[s]["none"][n - 1] <= cap:
+                    jobs.add((_with(by_ck["none"], gpus=n), True))
+        parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
     rows = []
     for g in cards:
         cap = int(g.capacity_bytes)

@@ -1,0 +1,321 @@
+"""memcalc plan and estimate --max-batch/--max-seq: every printed answer against direct estimates."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.estimate import CUDA_CONTEXT_BYTES, estimate
+from memcalc.fit import fit_gpus, fit_step, required_from_peak
+from memcalc.gpus import get_gpu
+from memcalc.plan import (
+    StackedFits, Technique, batch_grid, evaluate_grid, plan_gpu, relative_cost, seq_grid, techniques,
+)
+from memcalc.presets import load_preset
+from memcalc.spec import ExperimentSpec, LoraSpec, TrainingSpec
+from memcalc.units import MiB
+
+from conftest import tiny_llama
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+def required(model, **training) -> int:
+    return estimate(ExperimentSpec(model=model, training=TrainingSpec(**training)), timeline=False).required_bytes
+
+
+def training_of(opt: dict, batch: int, seq: int) -> dict:
+    """TrainingSpec fields of one option of ``plan --json``."""
+    lora = None
+    if opt["adapters"] != "none":
+        lora = LoraSpec(rank=16, qlora=opt["adapters"] == "qlora")
+    return dict(batch=batch, seq=seq, precision=opt["precision"], master_weights=opt["master_weights"],
+                optimizer=opt["optimizer"], checkpoint=opt["checkpoint"], fused_optimizer=opt["fused_optimizer"],
+                lora=lora)
+
+
+# --------------------------------------------------------------------------- the fit
+
+# Small decoders that exercise each term of the closed form. source: memcalc/fit.py docstring
+# (which ops make T^2 terms: ALiBi masks H x T^2 and their B x H x T^2 gradient; the others are
+# linear in T with flash/memory-efficient attention).
+SMALL_MODELS = {
+    "llama (rope, GQA)": tiny_llama(),
+    "deep-one style (ALiBi, post-norm, relu)": tiny_llama(
+        name="tiny-alibi", n_kv_heads=None, positions="alibi", alibi_trainable=True, norm_placement="post",
+        residual_scale=2.0, activation="relu", max_seq_len=2048),
+    "gpt2 style (learned, layernorm, tied)": tiny_llama(
+        name="tiny-gpt2", n_kv_heads=None, positions="learned", norm="layernorm", mlp="plain", activation="gelu",
+        tie_embeddings=True, qkv_bias=True, o_bias=True, mlp_bias=True, max_seq_len=1024),
+}
+HELD_OUT_B = (1, 3, 7)
+HELD_OUT_T = (100, 333, 777)
+
+
+def _held_out(model):
+    return [(b, t) for b in HELD_OUT_B for t in HELD_OUT_T + (model.max_seq_len,)]
+
+
+@pytest.mark.parametrize("tech", techniques(), ids=lambda t: t.key())
+def test_fit_matches_estimate_every_technique(tech):
+    # source: estimate() on held-out (batch, seq) points that are not fit points (fit: B 1-2, T 512-2048)
+    m = tiny_llama(n_layers=2)
+    f = fit_step(ExperimentSpec(model=m, training=tech.training(1, 64)))
+    for b, t in [(1, 100), (3, 777), (7, 333), (5, m.max_seq_len)]:
+        direct = estimate(ExperimentSpec(model=m, training=tech.training(b, t)), timeline=False).peak_bytes
+        assert abs(float(f.peak(b, t)) - direct) <= 0.01 * direct, (b, t)
+
+
+SOME = [Technique("none", "fp32", "adamw", "none", False), Technique("none", "16+master", "adamw-8bit", "sqrt", True),
+        Technique("none", "amp", "adafactor", "selective", False), Technique("none", "16", "adamw", "full", True),
+        Technique("qlora", "16", "adamw", "none", False), Technique("lora", "16", "adamw", "sqrt", True)]
+
+
+@pytest.mark.parametrize("model_name", [k for k in SMALL_MODELS if not k.startswith("llama")])
+@pytest.mark.parametrize("tech", SOME, ids=lambda t: t.key())
+def test_fit_matches_estimate_other_architectures(model_name, tech):
+    # source: estimate() on held-out points; the ALiBi model needs the T^2 terms (quadratic fit)
+    m = SMALL_MODELS[model_name]
+    f = fit_step(ExperimentSpec(model=m, training=tech.training(1, 64)))
+    assert f.quadratic == (m.positions == "alibi")
+    for b, t in _held_out(m):
+        direct = estimate(ExperimentSpec(model=m, training=tech.training(b, t)), timeline=False).peak_bytes
+        assert abs(float(f.peak(b, t)) - direct) <= 0.01 * direct, (b, t)
+
+
+@pytest.mark.parametrize("tech", [Technique("none", "16", "adamw", "none", False),
+                                  Technique("qlora", "16", "adamw", "full", True)], ids=lambda t: t.key())
+def test_fit_matches_estimate_full_size(tech):
+    # source: estimate() of llama-3.1-8b far outside the fit points (batch up to 16, seq up to 32k)
+    m = load_preset("llama-3.1-8b")
+    f = fit_step(ExperimentSpec(model=m, training=tech.training(1, 2048)))
+    for b, t in [(1, 32768), (16, 4096), (5, 1000)]:
+        direct = estimate(ExperimentSpec(model=m, training=tech.training(b, t)), timeline=False).peak_bytes
+        assert abs(float(f.peak(b, t)) - direct) <= 0.01 * direct, (b, t)
+
+
+def test_grid_evaluation_equals_each_fit():
+    # source: StepFit.required (one option at a time) is the definition the stacked grid must reproduce
+    m = SMALL_MODELS["deep-one style (ALiBi, post-norm, relu)"]
+    fits = [fit_step(ExperimentSpec(model=m, training=t.training(1, 64))) for t in SOME]
+    stack = StackedFits.of(fits)
+    bs, ts = batch_grid(), seq_grid(m, 512)
+    grid = evaluate_grid(stack, bs, ts)
+    assert grid.shape == (len(SOME), len(bs), len(ts))
+    for i, f in enumerate(fits):
+        ref = f.required(bs[:, None], ts[None, :])
+        np.testing.assert_allclose(grid[i], ref, rtol=1e-9)
+
+
+def test_zero_degree_fit_matches_estimate():
+    # source: estimate() at ZeRO-3 degrees that are not fit points (fit: 2, 4, 16, 64)
+    m = load_preset("tinyllama-1.1b")
+    exp = ExperimentSpec(model=m, training=TrainingSpec(batch=1, seq=1024, precision="bf16", master_weights=True,
+                                                        zero=3, checkpoint="full"))
+    f = fit_gpus(exp)
+    for n in (1, 3, 7, 100, 1000):
+        direct = estimate(exp.model_copy(update={"training": exp.training.model_copy(update={"gpus": n})}),
+                          timeline=False).peak_bytes
+        assert abs(float(f.peak(n)) - direct) <= 0.01 * direct, n
+
+
+# --------------------------------------------------------------------------- plan --gpu
+
+
+@pytest.fixture(scope="module")
+def plan_8b_4090():
+    r = run(["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_plan_4090_lists_lora_and_qlora(plan_8b_4090):
+    doc = plan_8b_4090
+    assert doc["gpu"]["name"] == "rtx-4090" and doc["seq"] == 2048
+    opts = doc["options"]
+    assert opts and all(o["fits"] for o in opts)
+    assert {"lora", "qlora"} <= {o["adapters"] for o in opts}
+    costs = [o["relative_cost"] for o in opts]
+    assert costs == sorted(costs)  # ranked by cost per token
+
+
+def test_plan_4090_every_option_fits_by_direct_estimate(plan_8b_4090):
+    # source: estimate() of each listed option at batch 1 x 2048; the plan's numbers are exact
+    m = load_preset("llama-3.1-8b")
+    cap = get_gpu("rtx-4090").capacity_bytes
+    for o in plan_8b_4090["options"]:
+        req = required(m, **training_of(o, 1, 2048))
+        assert req == o["required_bytes"] <= cap, o["option"]
+
+
+def test_plan_4090_max_batch_and_seq_are_exact(plan_8b_4090):
+    # source: estimate(): the answer fits and the next integer does not
+    m = load_preset("llama-3.1-8b")
+    cap = get_gpu("rtx-4090").capacity_bytes
+    for o in plan_8b_4090["options"]:
+        b, t = o["max_batch"], o["max_seq"]
+        assert b >= 1 and t >= 2048
+        assert required(m, **training_of(o, b, 2048)) <= cap < required(m, **training_of(o, b + 1, 2048)), o["option"]
+        assert required(m, **training_of(o, 1, t)) <= cap < required(m, **training_of(o, 1, t + 1)), o["option"]
+
+
+FAKE = SimpleNamespace(name="fake-40m", display_name="a 40 MiB card (test)", bf16=True,
+                       capacity_bytes=CUDA_CONTEXT_BYTES + 40 * MiB)
+
+
+def test_plan_all_fits_flags_match_direct_estimates():
+    # source: estimate() of every option, fitting or not, on a card that splits them (tiny model)
+    m = tiny_llama()
+    opts = [t for t in techniques() if t.checkpoint in ("none", "full") and t.optimizer != "adafactor"
+            and (t.fused or t.adapters != "none")]
+    p = plan_gpu(m, FAKE, seq=1024, include_all=True, options=opts)
+    assert len(p.options) == len(opts) and 0 < len(p.fitting) < len(opts)
+    for o in p.options:
+        req = estimate(ExperimentSpec(model=m, training=o.technique.training(1, 1024)), timeline=False).required_bytes
+        assert o.required_bytes == req and o.fits == (req <= FAKE.capacity_bytes), o.technique.key()
+        if o.fits:
+            tr = o.technique.training
+            assert estimate(ExperimentSpec(model=m, training=tr(o.max_batch, 1024)), timeline=False).required_bytes \
+                <= FAKE.capacity_bytes
+            assert estimate(ExperimentSpec(model=m, training=tr(o.max_batch + 1, 1024)), timeline=False).required_bytes \
+                > FAKE.capacity_bytes
+        else:
+            assert o.max_batch == 0 and o.relative_cost is None
+
+
+# --------------------------------------------------------------------------- plan (catalog)
+
+
+@pytest.fixture(scope="module")
+def plan_70b():
+    r = run(["plan", "--model", "llama-3.1-70b", "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def test_plan_70b_h100_count_is_plausible(plan_70b):
+    # source: 70.6B params x 16 B (bf16 weights + grads, fp32 master + Adam moments; ZeRO paper
+    # K = 12) = 1.13 TB of model state; / 85.5 GB per H100 80GB -> at least 14 by state alone, 15
+    # with activations and the whole embedding/head; checkpointing keeps it well under 32
+    row = next(g for g in plan_70b["gpus"] if g["name"] == "h100-80gb")
+    assert 15 <= row["min_gpus_full"] <= 32
+    assert row["min_gpus_full_pow2"] in (16, 32)
+    # the frozen bf16 base is 141 GB: LoRA needs at least two 80 GB cards, and fewer than full
+    assert 2 <= row["min_gpus_lora"] <= row["min_gpus_full"]
+
+
+def test_plan_70b_h100_count_is_exact(plan_70b):
+    # source: estimate() of the full fine-tune setup at N and N - 1 GPUs
+    row = next(g for g in plan_70b["gpus"] if g["name"] == "h100-80gb")
+    n, ck = row["min_gpus_full"], row["checkpoint_full"]
+    m = load_preset("llama-3.1-70b")
+    cap = get_gpu("h100-80gb").capacity_bytes
+    setup = dict(batch=1, seq=2048, precision="bf16", master_weights=True, zero=3)
+    assert required(m, gpus=n, checkpoint=ck, **setup) == row["required_bytes_full"] <= cap
+    assert required(m, gpus=n - 1, checkpoint="full", **setup) > cap
+
+
+def test_plan_catalog_counts_fall_with_memory(plan_70b):
+    rows = sorted(plan_70b["gpus"], key=lambda g: g["capacity_bytes"])
+    fulls = [g["min_gpus_full"] for g in rows]
+    assert all(a >= b for a, b in zip(fulls, fulls[1:]))
+
+
+# --------------------------------------------------------------------------- estimate --max-batch / --max-seq
+
+LIMIT_ROWS = [
+    # (flags, gpu)
+    (["--model", "gpt2", "--bf16"], "t4"),
+    (["--model", "tinyllama-1.1b", "--qlora", "--checkpoint", "full"], "rtx-4090"),
+    (["--model", "deep-one-1.6b", "--precision", "fp32", "--optimizer", "adafactor", "--fused-optimizer", "--seq", "768"],
+     "rtx-4090"),
+]
+
+
+@pytest.mark.parametrize("flags,gpu", LIMIT_ROWS)
+def test_max_batch_and_seq_are_exact(flags, gpu):
+    # source: estimate(): the answer fits the card and answer + 1 does not
+    r = run(["estimate", *flags, "--gpu", gpu, "--max-batch", "--max-seq", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    cap = get_gpu(gpu).capacity_bytes
+    tr = doc["inputs"]["training"]
+    m = load_preset(doc["model"])
+    b, t = doc["max_batch"], doc["max_seq"]
+    fixed = {k: v for k, v in tr.items() if k not in ("batch", "seq")}
+    assert b >= 1
+    assert required(m, batch=b, seq=tr["seq"], **fixed) <= cap < required(m, batch=b + 1, seq=tr["seq"], **fixed)
+    assert 2 <= t <= m.max_seq_len
+    assert required(m, batch=tr["batch"], seq=t, **fixed) <= cap
+    if t < m.max_seq_len:
+        assert required(m, batch=tr["batch"], seq=t + 1, **fixed) > cap
+
+
+def test_max_batch_zero_when_nothing_fits():
+    r = run(["estimate", "--model", "llama-3.1-8b", "--gpu", "t4", "--max-batch", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["max_batch"] == 0
+
+
+def test_max_batch_text_output():
+    r = run(["estimate", "--model", "gpt2", "--bf16", "--gpu", "t4", "--max-batch"])
+    assert r.exit_code == 0, r.output
+    assert "max batch at seq 1024 on NVIDIA T4" in " ".join(r.stdout.split())
+
+
+# --------------------------------------------------------------------------- cost model
+
+
+def test_cost_model_orders_techniques():
+    # source: the cost model in memcalc/plan.py's docstring (3 FLOP units per step; checkpointing
+    # +1 forward; LoRA skips the frozen weight gradients; QLoRA x1.15; fp32 x2)
+    m = load_preset("llama-3.1-8b")
+
+    def c(adapters="none", precision="16", checkpoint="none", batch=64):
+        return relative_cost(Technique(adapters, precision, "adamw", checkpoint, False), m, 2048, batch)
+
+    assert c() == pytest.approx(1.0, abs=0.01)  # saturated bf16 full fine-tune
+    assert 1.25 < c(checkpoint="full") / c() < 1.40  # about +33%
+    assert c(checkpoint="full") == c(checkpoint="sqrt")
+    assert c() < c(checkpoint="selective") < c(checkpoint="full")
+    assert 0.6 < c("lora") / c() < 0.75
+    assert c("qlora") / c("lora") == pytest.approx(1.15)
+    assert c(precision="fp32") / c() == pytest.approx(2.0)
+    assert c(batch=1) > c(batch=8) > c(batch=64)
+    assert relative_cost(Technique("none", "16", "adamw", "none", False), m, 2048, 0) is None
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD_INPUT = [
+    (["plan"], 2, "plan needs a model"),
+    (["plan", "--gpu", "rtx-4090"], 2, "plan needs a model"),
+    (["plan", "--model", "llama-3.1-8b", "--gpu", "gtx-480"], 2, "unknown GPU 'gtx-480'"),
+    (["plan", "--model", "llama-9", "--gpu", "rtx-4090"], 2, "unknown model preset 'llama-9'"),
+    (["plan", "--model", "gpt2", "--params", "7e9"], 2, "not both"),
+    (["plan", "--model", "gpt2", "--gpu", "t4", "--seq", "4096"], 2, "--seq 4096 exceeds gpt2's maximum sequence length (1024)"),
+    (["plan", "--model", "gpt2", "--gpu", "t4", "--seq", "1"], 2, "--seq must be at least 2, got 1"),
+    (["plan", "--model", "gpt2", "--all"], 2, "--all lists the combinations that do not fit one GPU"),
+    (["plan", "--model", "gpt2", "--gpu", "t4", "--profile", "torch-3.0"], 2, "unknown profile 'torch-3.0'"),
+    (["estimate", "--model", "gpt2", "--max-batch"], 2, "--max-batch needs exactly one --gpu (the card to fit), got none"),
+    (["estimate", "--model", "gpt2", "--max-seq"], 2, "--max-seq needs exactly one --gpu (the card to fit), got none"),
+    (["estimate", "--model", "gpt2", "--max-batch", "--gpu", "t4", "--gpu", "l4"], 2,
+     "--max-batch needs exactly one --gpu (the card to fit), got 2 (t4, l4)"),
+    (["estimate", "--model", "gpt2", "--max-seq", "--gpu", "nope"], 2, "unknown GPU 'nope'"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", BAD_INPUT)
+def test_bad_input_is_one_line_exit_2(args, code, message):
+    r = run(args)
+    assert r.exit_code == code, r.output
+    assert message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("memcalc: error: "), r.stderr
+    assert "Traceback" not in r.output
