@@ -1,0 +1,12 @@
+"""memcalc.validate: measure the peak memory of a training step, to check the estimate.
+
+Built from the same specs as the estimator (:mod:`memcalc.spec`), with torch:
+
+- :mod:`.model` a generic decoder from a ``ModelSpec`` (Forgather's Deep One code path exactly);
+- :mod:`.optim` the optimizers (Forgather's Adafactor, Lion, 8-bit AdamW, master weights);
+- :mod:`.tracer` counts live storages on ``meta``/``cpu`` like the CUDA caching allocator;
+- :mod:`.runner` ``measure(exp, device)``: one warm-up step, then the measured steady-state step;
+- :mod:`.command` ``run_validate``: predictions beside measurements, table or JSON.
+
+Installed as ``memcalc.validate`` (the folder is ``validate/`` in the repository).
+"""

@@ -1,0 +1,325 @@
+"""Building blocks: projections (with LoRA / QLoRA), norms and the feed-forward block.
+
+Saved tensors follow PyTorch's autograd formulas (tools/autograd/derivatives.yaml) because
+these are plain PyTorch ops; where a library kernel is emulated, the docstring names it.
+
+- :class:`Linear`: ``F.linear`` (saves x and W). LoRA as in PEFT ``lora.Linear.forward``:
+  ``base(x) + lora_B(lora_A(dropout(x))) * scale``. QLoRA: the frozen base is NF4-packed
+  uint8 (numel/2 bytes) plus absmax constants (fp32 per block, or with double quantisation
+  uint8 per block + an fp32 scale and offset per 256 blocks), dequantised to the compute
+  dtype inside forward and again in backward; like bitsandbytes ``MatMul4Bit`` only the
+  packed weight is saved.
+- :class:`RMSNorm`: ``composite`` = PyTorch 2.7/2.8 ``rms_norm_symint``
+  (aten/src/ATen/native/layer_norm.cpp; the weight multiply in fp32, cast back last),
+  ``composite-legacy`` = 2.4-2.6 (cast back before the weight multiply), ``fused`` =
+  ``_fused_rms_norm`` (saves input and rstd only).
+- :class:`LayerNorm`: ``F.layer_norm`` (``native_layer_norm`` saves input, mean, rstd).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from memcalc.spec import LoraSpec
+
+from .amp import Amp
+
+aten = torch.ops.aten
+
+#: NF4 code book (QLoRA paper, Appendix E; bitsandbytes ``get_4bit_type('nf4')``).
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+    0.7229568362236023, 1.0,
+)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """``native_dropout`` explicitly: the saved mask is bool (1 byte/element), as on CUDA."""
+    if p <= 0 or not training:
+        return x
+    return torch.native_dropout(x, p, True)[0]
+
+
+# -- QLoRA ---------------------------------------------------------------------------------
+class NF4Weight:
+    """Storage of one 4-bit base weight: ``packed`` uint8 (two codes per byte) and the absmax
+    constants (``absmax`` fp32 per block, or uint8 per block + ``absmax2`` fp32 scale and
+    offset per 256 blocks with double quantisation)."""
+
+    def __init__(self, shape: tuple[int, int], block: int, double_quant: bool, device, init: bool) -> None:
+        self.shape = shape
+        self.block = block
+        self.double_quant = double_quant
+        n = shape[0] * shape[1]
+        blocks = -(-n // block)
+        if init and torch.device(device).type != "meta":
+            self.packed = torch.randint(0, 256, ((n + 1) // 2,), dtype=torch.uint8, device=device)
+        else:
+            self.packed = torch.empty(((n + 1) // 2,), dtype=torch.uint8, device=device)
+        if double_quant:
+            self.absmax = torch.empty((blocks,), dtype=torch.uint8, device=device)
+            self.absmax2 = torch.empty((2 * -(-blocks // 256),), dtype=torch.float32, device=device)
+            if init and torch.device(device).type != "meta":
+                self.absmax.random_(0, 256)
+                self.absmax2.uniform_(0.0, 0.05)
+        else:
+            self.absmax = torch.empty((blocks,), dtype=torch.float32, device=device)
+            self.absmax2 = None
+            if init and torch.device(device).type != "meta":
+                self.absmax.uniform_(0.0, 0.05)
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.packed, self.absmax, self.absmax2) if t is not None]
+
+
+def dequantize_nf4(q: NF4Weight, packed: torch.Tensor, absmax: torch.Tensor, absmax2: Optional[torch.Tensor],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The full-size weight in ``dtype``. Like bitsandbytes' ``dequantize_4bit`` kernel only the
+    output is allocated: on ``meta`` nothing else is; on real devices the codes are expanded
+    in chunks of 64K blocks, a bounded transient."""
+    out = torch.empty(q.shape, dtype=dtype, device=packed.device)
+    if packed.device.type == "meta":
+        return out
+    flat = out.view(-1)
+    code = torch.tensor(NF4_CODE, dtype=torch.float32, device=packed.device)
+    n, blk = q.numel, q.block
+    step = 65536 * blk
+    for s in range(0, n, step):
+        e = min(n, s + step)
+        b0, b1 = s // blk, -(-e // blk)
+        hi = packed[s // 2: (e + 1) // 2]
+        codes = torch.stack(((hi >> 4), (hi & 15)), dim=-1).view(-1)[: e - s].long()
+        am = absmax[b0:b1].float()
+        if absmax2 is not None:
+            g = torch.arange(b0, b1, device=packed.device) // 256
+            am = am / 255.0 * absmax2[2 * g] + absmax2[2 * g + 1]
+        vals = code[codes] * am.repeat_interleave(blk)[: e - s]
+        flat[s:e] = vals.to(dtype)
+    return out
+
+
+class Linear4bit(torch.autograd.Function):
+    """bitsandbytes ``MatMul4Bit``: ``linear(x, dequant(W))``; saves only the packed weight."""
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, absmax2, q: NF4Weight, bias):
+        w = dequantize_nf4(q, packed, absmax, absmax2, x.dtype)
+        out = F.linear(x, w, bias)
+        del w
+        ctx.q = q
+        ctx.save_for_backward(packed, absmax, absmax2)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        packed, absmax, absmax2 = ctx.saved_tensors
+        gx = None
+        if ctx.needs_input_grad[0]:
+            w = dequantize_nf4(ctx.q, packed, absmax, absmax2, grad.dtype)
+            gx = grad.matmul(w)
+            del w
+        return gx, None, None, None, None, None
+
+
+# -- projections ---------------------------------------------------------------------------
+class Linear(nn.Module):
+    """A projection ``y = x W^T + b`` with an optional LoRA adapter and a 4-bit base (QLoRA).
+
+    Parameter names follow :func:`memcalc.params.param_inventory`: ``weight``, ``bias``,
+    ``lora_A`` (r x in), ``lora_B`` (out x r). A QLoRA base is not a parameter: its storage
+    lives in ``self.nf4`` (registered as buffers ``weight_packed``, ``weight_absmax``...).
+    """
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, amp: Amp, *, dtype: torch.dtype, device,
+                 trainable: bool = True, lora: Optional[LoraSpec] = None, target: bool = False,
+                 init: bool = True) -> None:
+        super().__init__()
+        self.amp = amp
+        self.d_in, self.d_out = d_in, d_out
+        self.nf4: Optional[NF4Weight] = None
+        if lora is not None and lora.qlora:
+            self.nf4 = NF4Weight((d_out, d_in), lora.quant_block, lora.double_quant, device, init)
+            self.register_buffer("weight_packed", self.nf4.packed)
+            self.register_buffer("weight_absmax", self.nf4.absmax)
+            if self.nf4.absmax2 is not None:
+                self.register_buffer("weight_absmax2", self.nf4.absmax2)
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(torch.empty((d_out, d_in), dtype=dtype, device=device), requires_grad=trainable)
+            if init:
+                nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.zeros((d_out,), dtype=dtype, device=device), requires_grad=trainable)
+        self.lora_dropout = 0.0
+        self.scale = 0.0
+        if lora is not None and target:
+            self.lora_A = nn.Parameter(torch.empty((lora.rank, d_in), dtype=dtype, device=device))
+            self.lora_B = nn.Parameter(torch.zeros((d_out, lora.rank), dtype=dtype, device=device))
+            if init:
+                nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            self.lora_dropout = lora.dropout
+            self.scale = lora.alpha / lora.rank
+        else:
+            self.lora_A = self.lora_B = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        amp = self.amp
+        if self.nf4 is not None:
+            xc = amp.lp(x)
+            y = Linear4bit.apply(xc, self.weight_packed, self.weight_absmax, getattr(self, "weight_absmax2", None),
+                                 self.nf4, amp.lp(self.bias))
+        else:
+            y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
+        if self.lora_A is None:
+            return y
+        a = F.linear(amp.lp(dropout(x, self.lora_dropout, self.training)), amp.lp(self.lora_A))
+        b = F.linear(amp.lp(a), amp.lp(self.lora_B))
+        return y + b * self.scale
+
+
+# -- norms ---------------------------------------------------------------------------------
+class _MeanKeepsInput(torch.autograd.Function):
+    """``mean(x, -1, keepdim=True)`` whose backward keeps x (PyTorch <= 2.1's formula)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.mean(-1, keepdim=True)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g.expand_as(x) / x.shape[-1]
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``_fused_rms_norm`` (PyTorch 2.9+ on CUDA): saves the input and rstd (rows, fp32).
+    The meta decomposition of that op runs above autograd (it would save the composite's
+    tensors), hence this Function; on ``meta`` the forward allocates only y and rstd, as the
+    CUDA kernel does."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps: float):
+        d = x.shape[-1]
+        if x.device.type == "meta":
+            y = torch.empty_like(x)
+            rstd = x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
+        else:
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = (xf * rstd * w).to(x.dtype) if w is not None else (xf * rstd).to(x.dtype)
+            del xf
+        ctx.d = d
+        ctx.save_for_backward(x, rstd, w)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, rstd, w = ctx.saved_tensors
+        need_w = w is not None and ctx.needs_input_grad[1]
+        dx, dw = aten._fused_rms_norm_backward(g, x, [ctx.d], rstd, w, [ctx.needs_input_grad[0], need_w])
+        return dx, (dw if need_w else None), None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as ``nn.RMSNorm`` computes it under the profile's PyTorch version."""
+
+    def __init__(self, d: int, eps: float, amp: Amp, *, mode: str, mean_saves_input: bool, bias: bool,
+                 dtype: torch.dtype, device, trainable: bool = True) -> None:
+        super().__init__()
+        self.eps, self.amp, self.mode, self.mean_saves_input = eps, amp, mode, mean_saves_input
+        self.weight = nn.Parameter(torch.ones((d,), dtype=dtype, device=device), requires_grad=trainable)
+        self.bias = nn.Parameter(torch.zeros((d,), dtype=dtype, device=device), requires_grad=trainable) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "fused":
+            if x.device.type == "cuda" and hasattr(aten, "_fused_rms_norm"):
+                y = aten._fused_rms_norm(x, [x.shape[-1]], self.weight, self.eps)[0]
+            else:
+                y = _FusedRMSNorm.apply(x, self.weight, self.eps)
+        else:
+            amp = self.amp
+            xf = x.to(torch.float32)
+            sq = torch.pow(amp.fp32(xf), 2)
+            ms = _MeanKeepsInput.apply(sq) if self.mean_saves_input else sq.mean(-1, keepdim=True)
+            del sq
+            r = torch.rsqrt(amp.fp32(ms.add_(self.eps)))
+            del ms
+            if self.mode == "composite":  # 2.7/2.8: ((xf * r) * w).type_as(x)
+                y = xf.mul(r)
+                y = y.mul(self.weight)
+                y = y.type_as(x)
+            else:  # composite-legacy: (xf * r).type_as(x) * w
+                y = xf.mul(r).type_as(x)
+                y = y.mul(self.weight)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class LayerNorm(nn.Module):
+    """``F.layer_norm`` (fp32 under autocast)."""
+
+    def __init__(self, d: int, eps: float, amp: Amp, *, bias: bool, dtype: torch.dtype, device,
+                 trainable: bool = True) -> None:
+        super().__init__()
+        self.eps, self.amp, self.d = eps, amp, d
+        self.weight = nn.Parameter(torch.ones((d,), dtype=dtype, device=device), requires_grad=trainable)
+        self.bias = nn.Parameter(torch.zeros((d,), dtype=dtype, device=device), requires_grad=trainable) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.amp
+        return F.layer_norm(a.fp32(x), (self.d,), a.fp32(self.weight), a.fp32(self.bias), self.eps)
+
+
+# -- feed-forward --------------------------------------------------------------------------
+def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "relu":
+        return F.relu(x)
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation {kind!r}")
+
+
+class MLP(nn.Module):
+    """gated: ``down(act(gate(x)) * up(x))`` (Forgather's GLUFeedforwardLayer computes gate, up,
+    then ``up * act(gate)``; Hugging Face computes gate, act, up); plain: ``fc2(act(fc1(x)))``."""
+
+    def __init__(self, kind: str, act: str, make, d: int, d_ff: int, bias: bool, forgather_order: bool) -> None:
+        super().__init__()
+        self.kind, self.act, self.forgather_order = kind, act, forgather_order
+        if kind == "gated":
+            self.gate_proj = make("gate", d, d_ff, bias)
+            self.up_proj = make("up", d, d_ff, bias)
+            self.down_proj = make("down", d_ff, d, bias)
+        else:
+            self.fc1 = make("up", d, d_ff, bias)
+            self.fc2 = make("down", d_ff, d, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind != "gated":
+            return self.fc2(activation(self.fc1(x), self.act))
+        if self.forgather_order:
+            gate = self.gate_proj(x)
+            up = self.up_proj(x)
+            h = up * activation(gate, self.act)
+            del gate, up
+        else:
+            h = activation(self.gate_proj(x), self.act) * self.up_proj(x)
+        return self.down_proj(h)

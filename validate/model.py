@@ -1,0 +1,341 @@
+"""A decoder-only transformer built from a :class:`~memcalc.spec.ModelSpec`, for measuring.
+
+Every preset can be built; Forgather's "Deep One" (post-norm, ALiBi) runs exactly the code
+path of modelsrc/transformer/{causal_alibi_attn,deepnet,glu_feedforward,
+checkpoint_layer_stack,causal_loss,input_encoder}.py at commit a0ce9176: the ALiBi mask
+is rebuilt in every layer (in the model dtype, times the trainable slopes, ``masked_fill_``
+-inf above the diagonal) and passed to the memory-efficient kernel; ``x = norm(x * alpha +
+f(x))``; ``down(up(x) * relu(gate(x)))``; final RMSNorm; untied head; the loss shifts with
+``.contiguous()``, takes the mean cross-entropy and ``nan_to_num``. Pre-norm models follow
+Hugging Face Llama/Mistral/Qwen2 (RoPE, ``repeat_kv``), GPT-2 (learned positions,
+LayerNorm) and phi (parallel block, partial rotary).
+
+Parameter names follow :func:`memcalc.params.param_inventory`; the parameter count equals
+:func:`memcalc.params.count_params` (a QLoRA base counts its logical elements).
+
+Activation checkpointing (``torch.utils.checkpoint``, ``use_reentrant=False``) follows
+``TrainingSpec.checkpoint``: full (each layer), every-k (layer ``i`` when ``i % K == 0``, as
+Forgather's LayerStack), sqrt (segments of :func:`memcalc.spec.sqrt_segments` layers, one
+checkpoint each), selective (only the attention core: positions, mask, kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from memcalc.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
+
+from .amp import Amp
+from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
+from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return DTYPES[name]
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections, positions (RoPE or ALiBi), GQA expansion and the SDPA kernel."""
+
+    def __init__(self, m: ModelSpec, cfg: "BuildConfig") -> None:
+        super().__init__()
+        self.m, self.cfg = m, cfg
+        mk = cfg.linear
+        self.q_proj = mk("q", m.d_model, m.q_dim, m.qkv_bias)
+        self.k_proj = mk("k", m.d_model, m.kv_dim, m.qkv_bias)
+        self.v_proj = mk("v", m.d_model, m.kv_dim, m.qkv_bias)
+        self.o_proj = mk("o", m.q_dim, m.d_model, m.o_bias)
+        if m.positions == "alibi":
+            slopes = alibi_slopes_init(m.n_heads, cfg.device).to(cfg.dtype)
+            if m.alibi_trainable:
+                self.alibi_slopes = nn.Parameter(slopes, requires_grad=cfg.full)
+            else:
+                self.register_buffer("alibi_slopes", slopes, persistent=False)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
+        """Positions, mask and kernel on (B,H,T,D) q and (B,kvH,T,D) k, v."""
+        m, amp = self.m, self.cfg.amp
+        T = q.shape[2]
+        mask = None
+        if m.positions == "alibi":
+            mask = alibi_mask(self.alibi_slopes, T, q.dtype)
+        elif m.positions == "rope":
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v, mask = amp.lp(q), amp.lp(k), amp.lp(v), amp.lp(mask)  # autocast: sdpa is lower-precision
+        kernel = choose_kernel(self.cfg.profile.attention, q.dtype, mask is not None)
+        n_rep = m.n_heads // m.kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        p = m.attn_dropout if self.training else 0.0
+        return sdpa(q, k, v, mask, kernel, p, is_causal=True)
+
+    def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        m = self.m
+        query = self.q_proj(x).view(B, T, m.n_heads, m.dim_head).transpose(1, 2)
+        key = self.k_proj(x).view(B, T, m.kv_heads, m.dim_head).transpose(1, 2)
+        value = self.v_proj(x).view(B, T, m.kv_heads, m.dim_head).transpose(1, 2)
+        if self.cfg.checkpoint_attention:
+            out = checkpoint(self.cfg.amp.wrap(self.core), query, key, value, cos, sin,
+                             use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng)
+        else:
+            out = self.core(query, key, value, cos, sin)
+        del query, key, value
+        out = out.transpose(1, 2).reshape(B, T, m.q_dim)
+        return self.o_proj(out)
+
+
+class DecoderLayer(nn.Module):
+    """One layer: pre-norm (HF), post-norm DeepNet (Forgather) or parallel (phi)."""
+
+    def __init__(self, m: ModelSpec, cfg: "BuildConfig", i: int) -> None:
+        super().__init__()
+        self.m, self.cfg, self.i = m, cfg, i
+        self.attn = Attention(m, cfg)
+        self.mlp = MLP(m.mlp, m.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,
+                       forgather_order=m.norm_placement == "post")
+        self.norm1 = cfg.norm()
+        if m.block != "parallel":
+            self.norm2 = cfg.norm()
+
+    def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
+        m, p = self.m, (self.m.resid_dropout if self.training else 0.0)
+        if m.block == "parallel":  # phi: x + attn(n) + mlp(n), one norm
+            h = self.norm1(x)
+            a = dropout(self.attn(h, cos, sin), p)
+            f = dropout(self.mlp(h), p)
+            del h
+            return a + f + x
+        if m.norm_placement == "pre":  # Hugging Face Llama
+            residual = x
+            h = self.norm1(x)
+            h = dropout(self.attn(h, cos, sin), p)
+            x = residual + h
+            del h
+            residual = x
+            h = self.norm2(x)
+            h = dropout(self.mlp(h), p)
+            return residual + h
+        # Forgather DeepnetLayer.forward (residual_dropout = identity)
+        alpha = m.residual_scale
+        residual = x
+        x = self.attn(x, cos, sin)
+        x = dropout(x, p)
+        x = self.norm1((residual * alpha if alpha != 1.0 else residual) + x)
+        residual = x
+        x = self.mlp(x)
+        x = dropout(x, p)
+        x = self.norm2((residual * alpha if alpha != 1.0 else residual) + x)
+        return x
+
+
+class BuildConfig:
+    """What the modules need besides the ModelSpec: dtype, device, amp, profile, LoRA."""
+
+    def __init__(self, m: ModelSpec, tr: TrainingSpec, profile: KernelProfile, device, amp: Amp,
+                 init: bool) -> None:
+        self.m, self.tr, self.profile, self.device, self.amp, self.init = m, tr, profile, device, amp, init
+        self.dtype = torch_dtype(tr.weight_dtype.value)
+        self.lora: Optional[LoraSpec] = tr.lora
+        self.full = tr.lora is None
+        self.checkpoint_attention = tr.checkpoint == "selective"
+        self.preserve_rng = torch.device(device).type != "meta"
+
+    def linear(self, short: str, d_in: int, d_out: int, bias: bool) -> Linear:
+        lora = self.lora
+        return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
+                      lora=lora, target=lora is not None and short in lora.targets, init=self.init)
+
+    def plain_linear(self, d_in: int, d_out: int, bias: bool) -> Linear:
+        return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
+                      init=self.init)
+
+    def norm(self) -> nn.Module:
+        m = self.m
+        if m.norm == "rmsnorm":
+            return RMSNorm(m.d_model, m.norm_eps, self.amp, mode=self.profile.rmsnorm,
+                           mean_saves_input=self.profile.mean_saves_input, bias=m.has_norm_bias,
+                           dtype=self.dtype, device=self.device, trainable=self.full)
+        return LayerNorm(m.d_model, m.norm_eps, self.amp, bias=m.has_norm_bias, dtype=self.dtype,
+                         device=self.device, trainable=self.full)
+
+
+class LMHead(nn.Module):
+    """The output projection; tied heads borrow the embedding weight (only a bias of their own)."""
+
+    def __init__(self, m: ModelSpec, cfg: BuildConfig) -> None:
+        super().__init__()
+        if not m.tie_embeddings:
+            self.weight = nn.Parameter(torch.empty((m.vocab_size, m.d_model), dtype=cfg.dtype, device=cfg.device),
+                                       requires_grad=cfg.full)
+            if cfg.init:
+                nn.init.normal_(self.weight, std=0.02)
+        self.bias = (nn.Parameter(torch.zeros((m.vocab_size,), dtype=cfg.dtype, device=cfg.device),
+                                  requires_grad=cfg.full) if m.lm_head_bias else None)
+
+
+class Decoder(nn.Module):
+    """The whole model: ``forward(input_ids, labels) -> loss`` (logits are not returned, as in
+    Forgather's trainer, which keeps only ``outputs[0]``)."""
+
+    def __init__(self, exp_model: ModelSpec, tr: TrainingSpec, profile: KernelProfile, device="meta",
+                 amp: Optional[Amp] = None, init: Optional[bool] = None) -> None:
+        super().__init__()
+        m = exp_model
+        self.m, self.tr, self.profile = m, tr, profile
+        self.amp = amp if amp is not None else Amp(torch_dtype(tr.compute_dtype.value) if tr.is_amp else None)
+        init = torch.device(device).type != "meta" if init is None else init
+        cfg = BuildConfig(m, tr, profile, device, self.amp, init)
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(m.vocab_size, m.d_model, dtype=cfg.dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(cfg.full)
+        if m.positions == "learned":
+            self.embed_positions = nn.Embedding(m.max_seq_len, m.d_model, dtype=cfg.dtype, device=device)
+            self.embed_positions.weight.requires_grad_(cfg.full)
+        if m.positions == "rope":
+            rot = m.rotary_dim
+            inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.int64, device=device).float() / rot))
+            self.register_buffer("inv_freq", inv, persistent=False)
+        self.layers = nn.ModuleList([DecoderLayer(m, cfg, i) for i in range(m.n_layers)])
+        if m.final_norm:
+            self.final_norm = cfg.norm()
+        self.lm_head = LMHead(m, cfg)
+        #: called with a label ("layer 3", "head & loss") as forward and backward reach it
+        self.on_label: Optional[Callable[[str], None]] = None
+
+    # -- helpers ----------------------------------------------------------------------
+    def _label(self, text: str) -> None:
+        if self.on_label is not None:
+            self.on_label(text)
+
+    def _mark_backward(self, t: torch.Tensor, text: str) -> None:
+        if self.on_label is not None and t.requires_grad:
+            cb = self.on_label
+            t.register_hook(lambda g: cb(text))
+
+    def _ckpt(self, fn, *args):
+        return checkpoint(self.amp.wrap(fn), *args, use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng)
+
+    def run_layers(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        tr, n = self.tr, self.m.n_layers
+        mode = tr.checkpoint
+        i = 0
+        while i < n:
+            self._label(f"layer {i}")
+            if mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
+                x = self._ckpt(self.layers[i], x, cos, sin)
+                step = 1
+            elif mode == "sqrt":
+                hi = min(n, i + sqrt_segments(n))
+
+                def segment(h, c, s, lo=i, hi=hi):
+                    for j in range(lo, hi):
+                        h = self.layers[j](h, c, s)
+                    return h
+
+                x = self._ckpt(segment, x, cos, sin)
+                step = hi - i
+            else:
+                x = self.layers[i](x, cos, sin)
+                step = 1
+            self._mark_backward(x, f"layer {i + step - 1}")
+            i += step
+        return x
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        m, amp = self.m, self.amp
+        B, T = input_ids.shape
+        with amp.region():
+            self._label("embedding")
+            x = self.embed_tokens(input_ids)
+            if m.positions == "learned":
+                pos = torch.arange(T, device=input_ids.device)[None, :]
+                x = x + self.embed_positions(pos)
+            x = dropout(x, m.embd_dropout if self.training else 0.0)
+            cos = sin = None
+            if m.positions == "rope":
+                cos, sin = rope_tables(self.inv_freq, T, x.dtype)
+            x = self.run_layers(x, cos, sin)
+            self._label("head & loss")
+            if m.final_norm:
+                x = self.final_norm(x)
+            w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
+            logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+            del x
+            self._mark_backward(logits, "head & loss")
+            loss = lm_loss(logits, labels, self.profile, amp)
+            del logits
+        return loss
+
+
+def cross_entropy(x: torch.Tensor, labels: torch.Tensor, amp: Amp, reduction: str = "mean") -> torch.Tensor:
+    """``F.cross_entropy`` on (N,V); under autocast ``cross_entropy_loss`` keeps log_softmax in the
+    logits' dtype (it passes ``self.scalar_type()``) and ``nll_loss`` (an fp32 op) upcasts its
+    input, which it then saves."""
+    if amp.active and x.dtype != torch.float32:
+        lsm = F.log_softmax(x, -1, dtype=x.dtype)
+        return F.nll_loss(amp.fp32(lsm), labels, ignore_index=-100, reduction=reduction)
+    return F.cross_entropy(x, labels, ignore_index=-100, reduction=reduction)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, profile: KernelProfile, amp: Amp) -> torch.Tensor:
+    """The causal LM loss per the profile.
+
+    ``shift_copy`` (Forgather CausalLoss): ``logits[..., :-1, :].contiguous()``, labels
+    shifted the same way, mean cross-entropy, ``.nan_to_num()``. Otherwise Hugging Face
+    ``ForCausalLMLoss``: labels padded with -100 and shifted, logits used whole.
+    ``logits_fp32``: ``logits.float()`` first (HF). ``cross_entropy="chunked"``: the rows
+    in 8 chunks, each upcast and reduced on its own (torchtune ``CEWithChunkedOutputLoss``).
+    """
+    V = logits.shape[-1]
+    if profile.logits_fp32:
+        logits = logits.float()
+    if profile.shift_copy:
+        shift_logits = logits[..., :-1, :].contiguous()
+        shift_labels = labels[..., 1:].contiguous()
+    else:
+        shift_logits = logits
+        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+    del logits
+    x = shift_logits.view(-1, V)
+    y = shift_labels.view(-1)
+    del shift_logits
+    if profile.cross_entropy == "chunked":
+        total = None
+        for xc, yc in zip(x.chunk(8), y.chunk(8)):
+            part = cross_entropy(xc.float(), yc, amp, reduction="sum")
+            total = part if total is None else total + part
+        loss = total / (y != -100).sum().clamp(min=1)
+    else:
+        loss = cross_entropy(x, y, amp)
+    del x
+    return loss.nan_to_num() if profile.shift_copy else loss
+
+
+def param_count(model: Decoder) -> tuple[int, int]:
+    """(total, trainable) elements: parameters plus the logical elements of 4-bit bases."""
+    total = trainable = 0
+    for p in model.parameters():
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+    for mod in model.modules():
+        if isinstance(mod, Linear) and mod.nf4 is not None:
+            total += mod.nf4.numel
+    return total, trainable
+
+
+def build_model(m: ModelSpec, tr: TrainingSpec, profile: KernelProfile, device="meta",
+                amp: Optional[Amp] = None) -> Decoder:
+    """The model on ``device`` in the precision policy's weight dtype (built there directly:
+    nothing is moved, so it works on ``meta`` and never needs two copies on a GPU)."""
+    model = Decoder(m, tr, profile, device=device, amp=amp)
+    model.train()
+    return model

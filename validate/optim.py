@@ -1,0 +1,266 @@
+"""The optimizers a :class:`~memcalc.spec.TrainingSpec` names, built as the reference code builds them.
+
+- ``adafactor``: Forgather's Adafactor (src/forgather/ml/optim/adafactor.py at commit
+  a0ce9176), line for line: no first moment, factored row/column second moment in the
+  parameter's dtype (a full vector for 1-D parameters), a CPU step counter, fp32
+  temporaries in the update. (The original wraps the loop in
+  ``torch._dynamo.utils.disable_cache_limit()``, which only matters under compile.)
+- ``adamw`` / ``adam`` / ``sgd`` / ``sgd-momentum``: ``torch.optim`` with
+  ``foreach``/``fused`` per ``optimizer_impl`` (CUDA's default for AdamW is foreach). On
+  ``meta``, torch.optim refuses ``fused=True`` by device name only; :func:`allow_fused_on`
+  lifts that check (the ``_fused_adamw_`` meta kernel exists).
+- ``lion``: lion-pytorch's ``update_fn`` (one momentum buffer; ``exp_avg.clone().lerp_().sign_()``).
+- ``adamw-8bit``: bitsandbytes' blockwise 8-bit AdamW *memory*: uint8 moments plus an fp32
+  absmax per 256-element block for tensors of at least 4096 elements (``min_8bit_size``),
+  fp32 moments below; the update is one in-place kernel, so no temporaries are allocated
+  (the numerics are not reproduced).
+- ``master_weights``: 16-bit parameters and gradients, fp32 master copies and fp32 moments;
+  each gradient is copied to fp32 for the step (``grad.float()``), the master is stepped by a
+  fused (temporary-free) kernel like apex/DeepSpeed FusedAdam, then copied back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterable, Iterator, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from memcalc.spec import TrainingSpec
+
+
+# -- Forgather Adafactor --------------------------------------------------------------------
+class Adafactor(Optimizer):
+    """Forgather's Adafactor (see the module docstring)."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, decay_rate: float = -0.8, clip_threshold: float = 1.0,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: Tuple[float, float] = (1e-30, 1e-3),
+                 weight_decay: float = 0.0, relative_step: bool = False) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, decay_rate=decay_rate, clip_threshold=clip_threshold,
+                        weight_decay=weight_decay, relative_step=relative_step)
+        super().__init__(params, defaults)
+
+    def _init_state(self, state, group, p, grad):
+        state["step"] = torch.tensor(0.0)
+        if grad.dim() <= 1:
+            state["row"] = torch.zeros_like(grad, dtype=p.dtype)
+            state["col"] = None
+        else:
+            state["row"] = torch.zeros(grad.shape[0], dtype=p.dtype, device=grad.device)
+            state["col"] = torch.zeros(grad.shape[1], dtype=p.dtype, device=grad.device)
+
+    @torch.no_grad()
+    def step(self, closure: Callable = None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if "step" not in state:
+                    self._init_state(state, group, p, grad)
+                state["step"] += 1
+                beta1, beta2 = group["betas"]
+                eps1, eps2 = group["eps"]
+                _adafactor(p, grad, state["step"], state["row"], state["col"], group["lr"], beta1, beta2,
+                           group["decay_rate"], group["clip_threshold"], eps1, eps2, group["weight_decay"],
+                           group["relative_step"])
+        return loss
+
+
+def _rms(x: Tensor) -> Tensor:
+    return x.square().mean().sqrt()
+
+
+def _adafactor(p, grad, step, r, c, lr, beta1, beta2, decay_rate, clip_threshold, eps1, eps2, weight_decay,
+               relative_step):
+    """Forgather ``_adafactor`` (bf16 stochastic rounding off, as in the reference configs)."""
+    if relative_step:
+        lr = max(eps2, _rms(p)) * lr
+    if weight_decay > 0.0:
+        p.add_(p, alpha=(-lr * weight_decay))
+    grad32 = grad.float()
+    update = grad32**2 + eps1
+    beta2t = (1.0 - step**decay_rate).clamp(max=beta2)
+    r32 = r.float()
+    if c is None:
+        r32.lerp_(update, 1.0 - beta2t)
+        update = grad32 / r32.sqrt()
+    else:
+        c32 = c.float()
+        r32.lerp_(update.sum(dim=-1), 1.0 - beta2t)
+        c32.lerp_(update.sum(dim=-2), 1.0 - beta2t)
+        update = grad32 * torch.outer(torch.rsqrt(r32 / r32.sum()), torch.rsqrt(c32))
+        if c32.dtype != c.dtype:
+            c.copy_(c32)
+    if r32.dtype != r.dtype:
+        r.copy_(r32)
+    update /= (_rms(update) / clip_threshold).clamp_(min=1.0)
+    if p.dtype == update.dtype:
+        p.add_(update, alpha=-lr)
+    else:
+        update = p.float() - lr * update
+        p.copy_(update)
+
+
+# -- Lion -----------------------------------------------------------------------------------
+class Lion(Optimizer):
+    """lion-pytorch (Chen et al. 2023): one momentum buffer, ``sign`` update."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable = None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                p.mul_(1.0 - lr * wd)
+                update = exp_avg.clone().lerp_(grad, 1.0 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                del update
+                exp_avg.lerp_(grad, 1.0 - beta2)
+        return loss
+
+
+# -- 8-bit AdamW (memory of bitsandbytes' blockwise optimizer) -----------------------------
+class AdamW8bit(Optimizer):
+    """bitsandbytes ``AdamW8bit`` state layout (see the module docstring)."""
+
+    BLOCK = 256
+    MIN_8BIT_SIZE = 4096
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["step"] = 0
+        n = p.numel()
+        if n >= self.MIN_8BIT_SIZE:
+            blocks = -(-n // self.BLOCK)
+            state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+            state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+            state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+            state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+        else:
+            state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+            state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+
+    @torch.no_grad()
+    def step(self, closure: Callable = None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, state)
+                state["step"] += 1
+                # one fused in-place kernel in bitsandbytes: no temporaries
+                p.mul_(1.0 - lr * wd)
+                p.add_(p.grad, alpha=-lr)
+        return loss
+
+
+# -- master weights ------------------------------------------------------------------------
+class MasterWeights:
+    """fp32 masters beside 16-bit parameters (see the module docstring). Quacks like an
+    Optimizer for what the runner needs: ``step``, ``zero_grad``, ``state``, ``step_param``."""
+
+    def __init__(self, params: list[Tensor], make_inner: Callable[[list[Tensor]], Optimizer]) -> None:
+        self.params = params
+        self.masters = {p: p.detach().float().requires_grad_(True) for p in params}
+        self.inner = make_inner(list(self.masters.values()))
+
+    @property
+    def state(self) -> dict:
+        st = {m: dict(self.inner.state.get(m, {}), master=m) for m in self.masters.values()}
+        return st
+
+    @torch.no_grad()
+    def step_param(self, p: Tensor) -> None:
+        m = self.masters[p]
+        m.grad = p.grad.float()
+        self.inner.step()
+        m.grad = None
+        p.copy_(m)
+
+    def step(self) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                self.step_param(p)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+@contextlib.contextmanager
+def allow_fused_on(device_type: str) -> Iterator[None]:
+    """Let ``torch.optim``'s fused kernels run on ``meta`` (its device check is by name only)."""
+    if device_type != "meta":
+        yield
+        return
+    import torch.optim.optimizer as base
+
+    saved = base._get_fused_kernels_supported_devices
+    base._get_fused_kernels_supported_devices = lambda: saved() + ["meta"]
+    try:
+        yield
+    finally:
+        base._get_fused_kernels_supported_devices = saved
+
+
+def _torch_optimizer(name: str, impl: str, params: list[Tensor], force_fused: bool = False) -> Optimizer:
+    kw = {"fused": True} if (impl == "fused" or force_fused) else {"foreach": impl == "foreach"}
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kw)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4, **kw)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, **kw)
+    if name == "sgd-momentum":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw)
+    raise ValueError(name)
+
+
+def build_optimizer(params: list[Tensor], tr: TrainingSpec):
+    """The optimizer over the trainable ``params`` (an Optimizer, or MasterWeights)."""
+    name, impl = tr.optimizer, tr.optimizer_impl
+
+    def make(ps: list[Tensor], masters: bool = False):
+        if name == "adafactor":
+            return Adafactor(ps, lr=2e-4, weight_decay=0.01)
+        if name == "lion":
+            return Lion(ps)
+        if name == "adamw-8bit":
+            return AdamW8bit(ps)
+        return _torch_optimizer(name, impl, ps, force_fused=masters)
+
+    if tr.master_weights:
+        return MasterWeights(params, lambda ms: make(ms, masters=True))
+    return make(params)
+
+
+def optimizer_tensors(opt) -> list[Tensor]:
+    """Every tensor the optimizer holds (state, step counters, master copies)."""
+    out: list[Tensor] = []
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, Tensor):
+                out.append(v)
+    return out

@@ -1,0 +1,150 @@
+"""A lean allocation tracker: live storages on one device, rounded like the CUDA caching allocator.
+
+What is counted: every *untyped storage* on the traced device (``meta`` or ``cpu``)
+that an op returns while :class:`StorageTracer` is active, plus every tensor
+registered with :meth:`StorageTracer.track` before the step (weights, optimizer
+state, inputs: they exist before the step starts, as on the GPU). A storage is
+counted once however many views share it, at ``nbytes`` rounded up to
+``round_bytes`` (512: ``kMinBlockSize`` of c10/cuda/CUDACachingAllocator.cpp,
+which is also what ``torch.cuda.max_memory_allocated`` sums); a zero-byte
+storage costs nothing (CUDA allocates nothing for it). A storage stops counting
+when its StorageImpl dies: PyTorch keeps one Python object per live StorageImpl,
+so a weakref finalizer on it fires exactly at the free.
+
+Only op *outputs* are seen: the dispatch mode sits below autograd, so every
+tensor autograd saves, every gradient the engine allocates and every optimizer
+temporary is an op output. Scratch buffers a CUDA kernel allocates and frees
+inside one call (cuBLAS workspace, attention ``delta``) are invisible here; the
+model code emulates the ones that matter (see ``attention.py``).
+
+Unlike ``torch.distributed._tools.mem_tracker.MemTracker`` this needs no module
+or gradient hooks, so frozen parameters (LoRA) and parameters created before
+tracing are fine.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+#: c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block is a multiple of it.
+CUDA_ROUND_BYTES = 512
+
+
+def round_up(n: int, multiple: int) -> int:
+    """Bytes as the allocator hands them out (0 stays 0)."""
+    if multiple <= 1 or n == 0:
+        return n
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class PeakRecord:
+    """The maximum seen since the last :meth:`StorageTracer.reset_peak`."""
+
+    bytes: int = 0
+    phase: str = ""
+    label: str = ""
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+
+
+class StorageTracer(TorchDispatchMode):
+    """Counts live storages of ``device_type`` (see the module docstring).
+
+    ``phase`` and ``label`` are set by the runner (``forward``, ``backward``,
+    ``optimizer step``; ``layer 3``...) and recorded at the maximum.
+    """
+
+    def __init__(self, device_type: str = "meta", round_bytes: int = CUDA_ROUND_BYTES, debug: bool = False) -> None:
+        super().__init__()
+        #: debug: remember which op made each storage, and what was alive at the peak
+        self.debug = debug
+        self._origin: dict[int, str] = {}
+        self._op = "baseline"
+        self.peak_live: list[tuple[int, str, str]] = []
+        self.device_type = device_type
+        self.round_bytes = round_bytes
+        self._live: dict[int, tuple[int, weakref.ref]] = {}
+        self.current = 0
+        self.phase = "setup"
+        self.label = ""
+        self.record = PeakRecord()
+
+    # -- accounting -------------------------------------------------------------------
+    def _free(self, key: int, _ref: weakref.ref) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+
+    def _add(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type:
+            return
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._live:
+            return
+        nbytes = round_up(st.nbytes(), self.round_bytes)
+        self._live[key] = (nbytes, weakref.ref(st, lambda r, k=key: self._free(k, r)))
+        self.current += nbytes
+        if self.debug:
+            self._origin[key] = f"{self._op} @ {self.phase}/{self.label}"
+        rec = self.record
+        if self.current > rec.phase_peaks.get(self.phase, -1):
+            rec.phase_peaks[self.phase] = self.current
+        if self.current > rec.bytes:
+            rec.bytes = self.current
+            rec.phase = self.phase
+            rec.label = self.label
+            if self.debug:
+                self.peak_live = [(b, self._origin.get(k, "?"), "") for k, (b, _r) in self._live.items()]
+
+    def track(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
+        """Count tensors that already exist (weights, optimizer state, the batch)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+
+    def reset_peak(self) -> None:
+        """Start a new maximum from what is alive now (``torch.cuda.reset_peak_memory_stats``)."""
+        self.record = PeakRecord(self.current, self.phase, self.label, {self.phase: self.current})
+
+    def set_phase(self, phase: str, label: str = "") -> None:
+        self.phase = phase
+        self.label = label
+        if self.current > self.record.phase_peaks.get(phase, -1):
+            self.record.phase_peaks[phase] = self.current
+
+    @property
+    def live_storages(self) -> int:
+        return len(self._live)
+
+    # -- dispatch ---------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.debug:
+            self._op = str(func)
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self._add(out)
+        elif isinstance(out, (tuple, list)):
+            for o in out:
+                if isinstance(o, torch.Tensor):
+                    self._add(o)
+                elif isinstance(o, (tuple, list)):
+                    for oo in o:
+                        if isinstance(oo, torch.Tensor):
+                            self._add(oo)
+        return out
+
+
+def tensors_of_optimizer(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in an optimizer's state (moments, factored rows/columns, step counters)."""
+    out: list[torch.Tensor] = []
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
