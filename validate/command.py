@@ -1,0 +1,169 @@
+"""``memcalc validate``: predictions beside measurements, one record per experiment.
+
+Each record (a dict of JSON types, bytes as ints) has the keys ``config, device,
+predicted_bytes, measured_bytes, published_bytes, error_pct, published_error_pct,
+peak_phase, measured_phase, first_step_bytes, status, reason, torch_version, seconds``,
+plus ``measured_label`` (the layer at the measured peak, meta/cpu), ``reserved_bytes``
+(cuda) and ``scale_layers``.
+
+- ``error_pct`` = (predicted - measured) / measured * 100;
+- ``published_error_pct`` = (measured - published) / published * 100 (how far the
+  measurement sits from the published figure; None when ``--scale-layers`` changes the model);
+- ``--output FILE`` holds a JSON *list* of the records so far, rewritten (atomically) after
+  every record, so an interrupted run keeps what finished.
+
+Progress goes to stderr; stdout gets the table, or with ``--json`` only the JSON list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from typing import Optional
+
+import torch
+from rich import box
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from memcalc.spec import ExperimentSpec
+from memcalc.units import gib
+
+from .runner import Measurement, measure
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "meta"
+
+
+def _pct(a: Optional[int], b: Optional[int]) -> Optional[float]:
+    if a is None or b is None or b == 0:
+        return None
+    return round((a - b) / b * 100, 3)
+
+
+def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str]:
+    try:
+        from memcalc.estimate import estimate
+    except ImportError as e:  # the estimator is not importable (yet)
+        return None, None, f"no estimate: {e}"
+    try:
+        est = estimate(exp)
+    except Exception as e:  # an unsupported combination is reported beside the measurement
+        return None, None, f"no estimate: {e}"
+    return est.peak_bytes, est.peak_phase, ""
+
+
+def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers: Optional[int]) -> dict:
+    """One record (see the module docstring); the prediction is for the model as measured."""
+    target = exp if scale_layers is None else exp.model_copy(
+        update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
+    predicted, pred_phase, why = _predict(target)
+    published = exp.published_peak_bytes if scale_layers is None else None
+    reason = "; ".join(r for r in (meas.reason, why) if r)
+    return {
+        "config": name,
+        "device": meas.device,
+        "predicted_bytes": predicted,
+        "measured_bytes": meas.measured_bytes,
+        "published_bytes": published,
+        "error_pct": _pct(predicted, meas.measured_bytes),
+        "published_error_pct": _pct(meas.measured_bytes, published),
+        "peak_phase": pred_phase,
+        "measured_phase": meas.peak_phase,
+        "measured_label": meas.peak_label or None,
+        "first_step_bytes": meas.first_step_bytes,
+        "reserved_bytes": meas.reserved_bytes,
+        "scale_layers": scale_layers,
+        "status": meas.status,
+        "reason": reason,
+        "torch_version": meas.torch_version,
+        "seconds": meas.seconds,
+    }
+
+
+def _write_json(path: str, records: list[dict]) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".validate-", suffix=".json", dir=d)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(records, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _gap_style(pct: Optional[float]) -> str:
+    if pct is None:
+        return "dim"
+    a = abs(pct)
+    return "green" if a < 3 else "yellow" if a < 10 else "red"
+
+
+def _fmt_gib(b: Optional[int]) -> str:
+    return "-" if b is None else f"{gib(b):.3f}"
+
+
+def _fmt_pct(p: Optional[float]) -> str:
+    return "-" if p is None else f"{p:+.2f}%"
+
+
+def render_table(records: list[dict], console: Optional[Console] = None) -> None:
+    """The summary table (GiB = 2**30); reasons for skipped/oom rows are listed under it."""
+    console = console or Console()
+    t = Table(title="memcalc validate: peak allocated memory, predicted vs measured", box=box.SIMPLE_HEAD)
+    for col, just in (("config", "left"), ("device", "left"), ("pred GiB", "right"), ("meas GiB", "right"),
+                      ("pub GiB", "right"), ("gap", "right"), ("vs pub", "right"), ("phase", "left")):
+        t.add_column(col, justify=just, no_wrap=col != "phase", min_width=len(col))
+    notes = []
+    for r in records:
+        gap = r["error_pct"]
+        phase = r["measured_phase"] or "-" if r["status"] == "ok" else r["status"]
+        if r["peak_phase"] and r["measured_phase"] and r["peak_phase"] != r["measured_phase"]:
+            phase = f"{r['measured_phase']} (pred. {r['peak_phase']})"
+        if r["reason"]:
+            notes.append(f"{r['config']}: {r['reason']}")
+        t.add_row(r["config"], r["device"], _fmt_gib(r["predicted_bytes"]), _fmt_gib(r["measured_bytes"]),
+                  _fmt_gib(r["published_bytes"]), f"[{_gap_style(gap)}]{_fmt_pct(gap)}[/]",
+                  _fmt_pct(r["published_error_pct"]), phase)
+    console.print(t)
+    console.print("gap = (predicted - measured) / measured; vs pub = (measured - published) / published", style="dim")
+    for n in notes:
+        console.print(f"  {n}", style="dim")
+
+
+def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
+                 output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None) -> list[dict]:
+    """Measure every experiment on ``device`` (default cuda if available, else meta) beside its
+    prediction; returns the records (see the module docstring)."""
+    err = Console(stderr=True)
+    dev = device or default_device()
+    if device is None:
+        err.print(f"memcalc validate: running on {dev}" + ("" if dev == "cuda" else " (no CUDA device: tracing on the meta device)"))
+    records: list[dict] = []
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                  transient=True) as prog:
+        task = prog.add_task("validate", total=len(items))
+        for k, (name, exp) in enumerate(items):
+            head = f"[{k + 1}/{len(items)}] {name}"
+            prog.update(task, description=f"{head}: starting")
+
+            def say(msg: str, head: str = head) -> None:
+                prog.update(task, description=f"{head}: {msg}")
+
+            snap = snapshot
+            if snapshot and len(items) > 1:
+                root, ext = os.path.splitext(snapshot)
+                snap = f"{root}-{name}{ext or '.pickle'}"
+            meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say)
+            rec = make_record(name, exp, meas, scale_layers)
+            records.append(rec)
+            if output:
+                _write_json(output, records)
+            prog.advance(task)
+    if as_json:
+        sys.stdout.write(json.dumps(records, indent=2) + "\n")
+    else:
+        render_table(records)
+    return records
