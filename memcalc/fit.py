@@ -98,6 +98,11 @@ def _remember(exp: ExperimentSpec, first_step: bool, peak: int) -> None:
     _PEAKS[(exp, first_step)] = peak
 
 
+def trace_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
+    """:func:`simulated_peak`, simulating with the allocation trace (kept for a later fit)."""
+    return _trace(exp, first_step).peak_bytes
+
+
 def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
     """The allocated peak of one simulated step (steady state, or the first step), cached; the
     same number ``estimate()`` takes from the same simulation."""

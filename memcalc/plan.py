@@ -60,7 +60,8 @@ import numpy as np
 
 from .errors import UserError
 from .estimate import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
-from .fit import FEATURES, fit_gpus, fit_step, largest_true, largest_true_array, required_from_peak, simulated_peak
+from .fit import (FEATURES, fit_gpus, fit_points, fit_step, largest_true, largest_true_array, required_from_peak,
+                  simulated_peak, trace_peak)
 from .params import param_inventory
 from .profiles import DEFAULT_PROFILE, get_profile
 from .spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
@@ -433,6 +434,18 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     return [r for r, _ in out]
 
 
+def _fit_option(job: tuple[ExperimentSpec, int, bool]):
+    """Fit one option, unless (``always`` false) its steady step at batch 1 already exceeds ``cap``.
+    That first simulation is one of the fit's own points when the plan's seq is a fit sequence."""
+    exp, cap, always = job
+    if not always:
+        b1 = exp.training.batch == 1 and exp.training.seq in fit_points(exp)
+        peak = trace_peak(exp) if b1 else simulated_peak(exp)
+        if required_from_peak(peak) > cap:
+            return None
+    return fit_step(exp)
+
+
 def _fit_gpus_job(exp: ExperimentSpec):
     return fit_gpus(exp, GPU_CAP)
 
@@ -514,13 +527,10 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     # 1. weights + optimizer state alone: options beyond the card cannot fit at any batch or seq;
     #    without --all, neither can options whose steady step at batch 1 does not fit
     floor_ok = [i for i, e in enumerate(exps) if required_from_peak(_state_floor(e)) <= cap]
-    if include_all:
-        to_fit = floor_ok
-    else:
-        steady = parallel_map(simulated_peak, [exps[i] for i in floor_ok])
-        to_fit = [i for i, p in zip(floor_ok, steady) if required_from_peak(p) <= cap]
     # 2. fit the rest in (batch, seq) and evaluate the whole grid at once
-    fitted = dict(zip(to_fit, parallel_map(fit_step, [exps[i] for i in to_fit])))
+    got = parallel_map(_fit_option, [(exps[i], cap, include_all) for i in floor_ok])
+    fitted = {i: f for i, f in zip(floor_ok, got) if f is not None}
+    to_fit = sorted(fitted)
     results: dict[int, OptionResult] = {}
     evaluated = 0
     if to_fit:
