@@ -38,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .errors import UserError
 from .estimate import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
 from .spec import ExperimentSpec, TrainingSpec
 from .timeline import simulate
@@ -187,8 +188,12 @@ def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
     t3 = min(2048, exp.model.max_seq_len)
     if t3 >= 512:
         t3 -= t3 % 128
-    t3 = max(t3, 8)
-    return max(2, t3 // 4), max(3, t3 // 2), t3
+    t1 = max(2, t3 // 4)
+    t2 = max(t1 + 1, t3 // 2)
+    if not t1 < t2 < t3:
+        raise UserError(f"{exp.model.name}: max_seq_len {exp.model.max_seq_len} is too short to fit in "
+                        "sequence length (needs at least 4)")
+    return t1, t2, t3
 
 
 def _with(exp: ExperimentSpec, **training) -> ExperimentSpec:

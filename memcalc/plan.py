@@ -111,12 +111,12 @@ class Technique:
         return {"16": half, "16+master": half, "amp": f"amp-{half}", "fp32": "fp32"}[self.precision]
 
     def label(self, half: str = "bf16") -> str:
-        """Human-readable name, e.g. ``QLoRA r16 · bf16 · AdamW · ckpt full · fused step``."""
-        ad = {"none": "full", "lora": f"LoRA r{LORA_RANK}", "qlora": f"QLoRA r{LORA_RANK}"}[self.adapters]
-        pr = self.precision_name(half) + (" + fp32 master" if self.precision == "16+master" else "")
-        op = {"adamw": "AdamW", "adamw-8bit": "AdamW 8-bit", "adafactor": "Adafactor"}.get(self.optimizer, self.optimizer)
+        """Human-readable name, e.g. ``QLoRA · bf16 · AdamW · ckpt full · fused``."""
+        ad = {"none": "full FT", "lora": "LoRA", "qlora": "QLoRA"}[self.adapters]
+        pr = self.precision_name(half) + ("+fp32 master" if self.precision == "16+master" else "")
+        op = {"adamw": "AdamW", "adamw-8bit": "AdamW-8bit", "adafactor": "Adafactor"}.get(self.optimizer, self.optimizer)
         ck = "no ckpt" if self.checkpoint == "none" else f"ckpt {self.checkpoint}"
-        return " · ".join([ad, pr, op, ck] + (["fused step"] if self.fused else []))
+        return " · ".join([ad, pr, op, ck] + (["fused"] if self.fused else []))
 
     def key(self, half: str = "bf16") -> str:
         """Compact id, e.g. ``qlora/bf16/adamw/full/fused``."""
@@ -560,12 +560,9 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
             results[i] = OptionResult(techs[i], p, required_from_peak(p), bool(fit_b1[k]), int(mb[k]), int(ms[k]),
                                       None, False)
     # 3. options that cannot fit: exact batch-1 numbers only when all are shown
-    for i, e in enumerate(exps):
-        if i in results:
-            continue
-        if include_all:
-            p = _peak_bytes(e)
-            results[i] = OptionResult(techs[i], p, required_from_peak(p), False, 0, 0, None, True)
+    rest = [i for i in range(len(exps)) if i not in results] if include_all else []
+    for i, p in zip(rest, parallel_map(_peak_bytes, [exps[i] for i in rest])):
+        results[i] = OptionResult(techs[i], p, required_from_peak(p), False, 0, 0, None, True)
     # 4. confirm what is printed with direct estimates (fitting options, and those near the line)
     todo = [i for i, r in results.items() if confirm and not r.confirmed and (
         r.fits or abs(r.required_bytes - cap) <= CONFIRM_MARGIN * cap or (include_all and r.max_seq > 0))]
@@ -826,13 +823,16 @@ def render_gpu_plan(p: GpuPlan, console=None) -> None:
     n_all = len(techniques())
     title = (f"{p.model.name} on {getattr(g, 'display_name', g.name)} ({fmt_bytes(g.capacity_bytes)}): "
              f"{len(p.fitting)} of {n_all} technique combinations fit at batch 1 x seq {p.seq}")
-    t = Table(title=title, title_justify="left")
-    for col, just in (("#", "right"), ("option", "left"), ("peak GiB", "right"), ("needs GiB", "right"),
-                      (f"max batch @ seq {p.seq}", "right"), ("max seq @ batch 1", "right"), ("rel. cost", "right")):
-        t.add_column(col, justify=just)
+    t = Table(title=title, title_justify="left",
+              caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
+                      "cost: relative step time per token at the max batch (lower is better)",
+              caption_justify="left")
+    for col, just in (("#", "right"), ("option", "left"), ("peak", "right"), ("needs", "right"),
+                      ("max batch", "right"), ("max seq", "right"), ("cost", "right")):
+        t.add_column(col, justify=just, no_wrap=col != "option")
     for k, o in enumerate(p.options, 1):
         style = None if o.fits else "dim"
-        ms = f"{o.max_seq:,}" + (" (model max)" if o.max_seq == p.model.max_seq_len else "")
+        ms = f"{o.max_seq:,}" + (" (max)" if o.max_seq == p.model.max_seq_len else "")
         mb = f"{o.max_batch:,}" + ("+" if o.max_batch >= BATCH_CAP else "")
         t.add_row(str(k) if o.fits else "-", o.technique.label(p.half), _gib(o.peak_bytes), _gib(o.required_bytes),
                   mb if o.fits else "0", ms if o.max_seq else "0",
@@ -841,9 +841,10 @@ def render_gpu_plan(p: GpuPlan, console=None) -> None:
     if not p.fitting:
         c.print("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
                 f"{p.model.name}` for a multi-GPU count")
-    c.print(f"[dim]peak = allocated peak at batch 1; needs = peak + CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB + "
-            f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%}; max batch/seq confirmed by direct estimates "
-            f"(max seq capped at the model's {p.model.max_seq_len:,})[/dim]")
+    c.print(f"[dim]peak = allocated peak; needs = peak + CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB + "
+            f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%}; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
+            f"numbers of fitting options confirmed by direct estimates (max seq capped at the model's "
+            f"{p.model.max_seq_len:,})[/dim]")
     for line in COST_MODEL_LINES:
         c.print(f"[dim]cost model: {line}[/dim]")
     for n in p.notes:

@@ -7,14 +7,16 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.estimate import CUDA_CONTEXT_BYTES, estimate
-from memcalc.fit import fit_gpus, fit_step, required_from_peak
+from memcalc.fit import fit_gpus, fit_step, largest_true, largest_true_array
 from memcalc.gpus import get_gpu
 from memcalc.plan import (
-    StackedFits, Technique, batch_grid, evaluate_grid, plan_gpu, relative_cost, seq_grid, techniques,
+    StackedFits, Technique, _largest_exact, batch_grid, evaluate_grid, plan_gpu, relative_cost, render_gpu_plan,
+    seq_grid, techniques,
 )
 from memcalc.presets import load_preset
 from memcalc.spec import ExperimentSpec, LoraSpec, TrainingSpec
@@ -188,6 +190,36 @@ def test_plan_all_fits_flags_match_direct_estimates():
                 > FAKE.capacity_bytes
         else:
             assert o.max_batch == 0 and o.relative_cost is None
+    con = Console(record=True, width=160)
+    render_gpu_plan(p, con)
+    text = con.export_text()
+    assert f"{len(p.fitting)} of 112 technique combinations fit" in text and "cost model:" in text
+    assert p.options[0].technique.label() in text
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 17, 64, 99, 100])
+@pytest.mark.parametrize("seed", [None, 1, 2, 16, 17, 18, 50, 100])
+def test_largest_exact_search(threshold, seed):
+    # source: definition: the largest x in [1, 100] with x <= threshold (0 when none)
+    calls = []
+
+    def pred(x):
+        calls.append(x)
+        return x <= threshold
+
+    assert _largest_exact(pred, 1, 100, seed) == threshold
+    if seed == threshold and 1 <= threshold < 100:
+        assert len(calls) == 2  # a right guess costs two checks: it fits, the next does not
+
+
+def test_largest_true_array_matches_scalar():
+    rng = np.random.default_rng(0)
+    thr = rng.integers(-5, 200, size=50)
+    lo = rng.integers(1, 50, size=50)
+    hi = lo + rng.integers(0, 100, size=50)
+    got = largest_true_array(lambda x: x <= thr, lo, hi)
+    want = [largest_true(lambda x, t=t: x <= t, a, b) for t, a, b in zip(thr, lo, hi)]
+    assert got.tolist() == want
 
 
 # --------------------------------------------------------------------------- plan (catalog)
@@ -220,6 +252,22 @@ def test_plan_70b_h100_count_is_exact(plan_70b):
     setup = dict(batch=1, seq=2048, precision="bf16", master_weights=True, zero=3)
     assert required(m, gpus=n, checkpoint=ck, **setup) == row["required_bytes_full"] <= cap
     assert required(m, gpus=n - 1, checkpoint="full", **setup) > cap
+
+
+def test_plan_catalog_text_for_a_small_model(tmp_path):
+    # source: a 4-layer model's 16 B/param state is a few MiB: one GPU of any kind is enough
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text("name: tiny\nn_layers: 4\nd_model: 256\nn_heads: 8\nn_kv_heads: 4\nd_ff: 688\n"
+                    "vocab_size: 1000\nmax_seq_len: 1024\n")
+    r = run(["plan", "--model", str(spec), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["seq"] == 1024
+    assert all(g["min_gpus_full"] == 1 and g["min_gpus_lora"] == 1 for g in doc["gpus"])
+    r = run(["plan", "--model", str(spec)])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.stdout.split())
+    assert "fewest GPUs at batch 1 x seq 1024 per GPU" in text and "16 bytes/param" in text
 
 
 def test_plan_catalog_counts_fall_with_memory(plan_70b):
