@@ -24,25 +24,29 @@ batch, max seq) is then confirmed with a direct estimate: the fitted answer must
 next integer must not, otherwise a binary search around it finds the exact one.
 
 Cost model (relative step time per token; 1.00 = full fine-tune in bf16, no
-checkpointing, at full GPU utilisation). Forward FLOPs per token from the model's shapes:
+checkpointing, at full GPU utilisation). Forward FLOPs per token from the model's shapes
+(Kaplan et al. 2020, "Scaling Laws for Neural Language Models", Table 1):
 ``F = F_lin + F_head + F_attn`` with ``F_lin = 2 x`` (the layers' linear weights),
-``F_head = 2 x vocab x d_model`` and ``F_attn = 2 x n_layers x T x q_dim`` (QK^T and PV,
-causal half). One step is
+``F_head = 2 x vocab x d_model`` and ``F_attn = 2 x n_layers x T x q_dim`` (the attention
+core, QK^T and PV). One step is
 
-- forward ``F``; backward ``2 F`` for a full fine-tune (activation and weight gradients);
-  with LoRA/QLoRA the frozen weights get no weight gradient: ``F_lin + F_head + 2 F_attn``
-  (the adapters' own matmuls are negligible at rank 16);
-- full or sqrt checkpointing recompute the layers' forward once: ``+ F_lin + F_attn``
-  (about +33%); selective recomputes only the attention core: ``+ F_attn``;
-- QLoRA dequantises every 4-bit weight for each matmul: x1.15 (reports range 10-40%);
-- precision: bf16/fp16 (pure or with fp32 master weights) x1.0; AMP x1.05 (casts of the fp32
-  weights each forward); fp32 x2.0 (TF32 tensor cores at half the 16-bit rate; without TF32
-  it is far slower);
+- forward ``F``; backward ``2 F`` for a full fine-tune (activation and weight gradients, the
+  ``C = 6N`` per token of Kaplan et al.); with LoRA/QLoRA the frozen weights get no weight
+  gradient: ``F_lin + F_head + 2 F_attn`` (the adapters' own matmuls are negligible at rank 16;
+  Hu et al. 2021 report about 25% faster training than full fine-tuning for GPT-3);
+- full or sqrt checkpointing recompute the layers' forward once (Chen et al. 2016, "Training
+  Deep Nets with Sublinear Memory Cost"): ``+ F_lin + F_attn`` (about +33%); selective
+  (Korthikanti et al. 2022) recomputes only the attention core: ``+ F_attn``;
+- QLoRA dequantises every 4-bit weight for each matmul: x1.15 (an assumption; reported
+  slowdowns over LoRA range from about 10% to 40% with the kernel and model size);
+- precision: bf16/fp16 (pure or with fp32 master weights) x1.0; AMP x1.05 (an assumption: the
+  casts of the fp32 weights every forward); fp32 x2.0 (TF32 tensor cores run at half the 16-bit
+  rate: A100 datasheet, 156 vs 312 dense TFLOPS; without TF32 fp32 is far slower);
 - optimizer (AdamW, 8-bit AdamW, Adafactor) and a fused step: +0 (the step is O(params),
   the forward/backward O(params x tokens));
-- utilisation: small steps run below peak throughput; cost per token is multiplied by
-  ``1 + 1024 / (max_batch x T)`` (a 1024-token step runs at half speed), so options that fit
-  a bigger batch rank higher.
+- utilisation (an assumption): small steps run below peak throughput; cost per token is
+  multiplied by ``1 + 1024 / (max_batch x T)`` (a 1024-token step runs at half speed), so
+  options that fit a bigger batch rank higher.
 
 The ranking is by this cost per token at each option's max batch. It is a rough guide for
 comparing options on one GPU, not a time prediction.
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Optional, Sequence
@@ -425,7 +430,7 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
 
     items = list(items)
     n = min(workers(), len(items))
-    if n <= 1 or "fork" not in mp.get_all_start_methods():
+    if n <= 1 or not sys.platform.startswith("linux"):  # fork is the cheap, safe start method there
         return [fn(x) for x in items]
     with mp.get_context("fork").Pool(n) as pool:
         out = pool.map(_run_keeping_peaks, [(fn, x) for x in items], chunksize=1)
