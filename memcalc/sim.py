@@ -209,21 +209,14 @@ class Sim:
         node.done = True
 
     def _run_node(self, node: Node) -> None:
+        """One node's backward: workspace, input gradients and weight gradients are allocated;
+        then the node's incoming gradients and saved tensors are released; then the
+        AccumulateGrad of each parameter runs (highest priority in the engine's ready queue),
+        and with it any post-accumulate-grad hook (a fused optimizer step)."""
         temps = [self.alloc(b, "temporaries", "backward workspace") for b in node.temps]
         sizes = node.grad_input_bytes or [t.nbytes for t in node.inputs]
         new_grads = [self.alloc(b, "temporaries", "activation gradients") for b in sizes]
-        for p in node.params:
-            g = self.alloc(p.grad_bytes, "gradients", "gradients")
-            if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
-                shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")
-                self.unref(g)
-                g = shard
-            if p.grad is None:
-                p.grad = g
-            else:  # accumulate into the existing .grad in place
-                self.unref(g)
-            if self.grad_ready is not None:
-                self.grad_ready(self, p)
+        pgrads = [self.alloc(p.grad_bytes, "gradients", "gradients") for p in node.params]
         for t in temps:
             self.unref(t)
         for o in node.outputs:
@@ -236,6 +229,17 @@ class Sim:
                 inp.grad_buffer = g
             else:  # InputBuffer accumulates in place
                 self.unref(g)
+        for p, g in zip(node.params, pgrads):
+            if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
+                shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")
+                self.unref(g)
+                g = shard
+            if p.grad is None:
+                p.grad = g
+            else:  # accumulate into the existing .grad in place
+                self.unref(g)
+            if self.grad_ready is not None:
+                self.grad_ready(self, p)
 
     def snapshot_point(self) -> None:
         if self.record_timeline:
