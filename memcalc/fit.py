@@ -250,32 +250,29 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
 class GpusFit:
     """The peak of one setup at a fixed (batch, seq) as a function of the ZeRO degree N >= 2:
     the maximum over candidate rows (a, b) of ``a + b / N``. N = 1 (nothing sharded, nothing
-    gathered) is simulated directly (``peak_1``)."""
+    gathered: a different step) is not covered; ``peak(1)`` is NaN."""
 
     exp: ExperimentSpec
     rows: np.ndarray  # (K, 2)
-    peak_1: int
 
     def peak(self, n) -> np.ndarray:
         n = np.asarray(n, dtype=np.float64)
-        f = np.stack([np.ones_like(n), 1.0 / n], axis=-1)
+        f = np.stack([np.ones_like(n), 1.0 / np.maximum(n, 1)], axis=-1)
         out = (f @ self.rows.T).max(axis=-1)
-        return np.where(n == 1, float(self.peak_1), out)
+        return np.where(n >= 2, out, np.nan)
 
     def required(self, n) -> np.ndarray:
         return required_from_peak(self.peak(n))
 
 
-#: ZeRO degrees the N-fit simulates.
-GPU_FIT_POINTS = (2, 4, 16, 64)
+#: ZeRO degrees the N-fit simulates (two would do; the third checks the fit).
+GPU_FIT_POINTS = (2, 8, 64)
 
 
 @lru_cache(maxsize=256)
 def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
-    """Fit ``exp``'s peak in the data-parallel degree (its ``gpus`` is ignored; ``zero`` should be
-    >= 1 for N to matter). Cached per experiment within the process."""
-    from .estimate import estimate
-
+    """Fit ``exp``'s peak in the data-parallel degree N >= 2 (its ``gpus`` is ignored; ``zero``
+    should be >= 1 for N to matter). Cached per experiment within the process."""
     steady = [_trace(_with(exp, gpus=n), False) for n in GPU_FIT_POINTS]
     first = [_trace(_with(exp, gpus=n), True) for n in GPU_FIT_POINTS]
     ys, ph_s = _stack(steady, exp.name)
@@ -288,9 +285,7 @@ def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     grid = np.stack([np.ones_like(ns), 1.0 / ns], axis=-1)
     corners = np.array([[1.0, 1.0 / 2], [1.0, 1.0 / n_max]])  # a + b/N is linear in 1/N
     cands = _candidates(coef.T, ph_s + ph_f, grid, corners)
-    rows = np.concatenate(list(cands.values()))
-    peak_1 = estimate(_with(exp, gpus=1), timeline=False).peak_bytes
-    return GpusFit(exp, rows, peak_1)
+    return GpusFit(exp, np.concatenate(list(cands.values())))
 
 
 def largest_true(pred, lo: int, hi: int) -> int:

@@ -219,9 +219,11 @@ def _peak_bytes(exp: ExperimentSpec) -> int:
 
 
 def fits(exp: ExperimentSpec, capacity_bytes: int) -> bool:
-    """Whether ``estimate(exp).required_bytes <= capacity_bytes``. The steady-state step alone is
-    simulated first: when it does not fit, the estimate (the higher of it and the first step)
-    cannot either, and the first step is skipped."""
+    """Whether ``estimate(exp).required_bytes <= capacity_bytes``. Two exact shortcuts come first:
+    weights plus optimizer state (no forward pass) and the steady-state step alone; when either
+    does not fit, the estimate (at least as high) cannot either."""
+    if required_from_peak(_state_floor(exp)) > capacity_bytes:  # weights + state alone: no simulation
+        return False
     if required_from_peak(simulated_peak(exp)) > capacity_bytes:
         return False
     return required_from_peak(_peak_bytes(exp)) <= capacity_bytes
@@ -670,22 +672,32 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     fitted = parallel_map(_fit_gpus_job, [setups[s][ck] for s, ck in keys])
     req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
     for (s, ck), f in zip(keys, fitted):
-        req[s][ck] = f.required(ns)
+        req[s][ck] = f.required(ns)  # NaN at N = 1: a different step, checked directly
+
+    def fits_at(s: str, ck: str, n: int, cap: int) -> bool:
+        if n == 1 or not confirm:
+            return fits(_with(setups[s][ck], gpus=1), cap) if n == 1 else bool(req[s][ck][n - 1] <= cap)
+        return fits(_with(setups[s][ck], gpus=n), cap)
+
+    def seed_of(s: str, cap: int) -> Optional[int]:
+        ok = req[s]["full"][1:] <= cap
+        return int(ns[1:][ok][0]) if ok.any() else None
+
     if confirm:  # simulate the counts the confirmation will ask about, in parallel
         jobs = set()
         for g in cards:
             cap = int(g.capacity_bytes)
             for s, by_ck in setups.items():
-                ok = req[s]["full"] <= cap
-                if not ok.any():
-                    continue
-                n = int(ns[ok][0])
                 jobs.add((_with(by_ck["full"], gpus=1), False))
+                n = seed_of(s, cap)
+                if n is None:
+                    continue
                 if n > 2:
                     jobs.add((_with(by_ck["full"], gpus=n - 1), False))
                 jobs.add((_with(by_ck["full"], gpus=n), True))
                 if req[s]["none"][n - 1] <= cap:
                     jobs.add((_with(by_ck["none"], gpus=n), True))
+        jobs = {j for j in jobs if required_from_peak(_state_floor(j[0])) <= max(int(g.capacity_bytes) for g in cards)}
         parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
     rows = []
     for g in cards:
@@ -694,25 +706,24 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
         cks: dict[str, Optional[str]] = {}
         reqs: dict[str, Optional[int]] = {}
         for s, by_ck in setups.items():
-            # the fitted answer: fewest N with checkpointing full (the frugal one), then exact
-            ok = req[s]["full"] <= cap
-            seed = int(ns[ok][0]) if ok.any() else GPU_CAP
-            e_full = by_ck["full"]
+            # the fewest N with checkpointing full (the frugal one): fitted, then exact
+            seed = seed_of(s, cap)
             if confirm:
-                n = _smallest_n(lambda k: fits(_with(e_full, gpus=int(k)), cap), seed, GPU_CAP)
+                n = _smallest_n(lambda k: fits_at(s, "full", int(k), cap), seed or GPU_CAP, GPU_CAP)
             else:
-                n = seed if ok.any() else None
+                n = 1 if fits_at(s, "full", 1, cap) else seed
             mins[s] = n
             if n is None:
                 cks[s], reqs[s] = None, None
                 continue
-            e_none = _with(by_ck["none"], gpus=n)
-            none_fit = req[s]["none"][n - 1] <= cap
-            if confirm and abs(req[s]["none"][n - 1] - cap) <= 0.02 * cap:
-                none_fit = fits(e_none, cap)
+            # checkpointing none if it fits at that count too (fitted; checked directly near the line)
+            if n == 1 or abs(req[s]["none"][n - 1] - cap) <= CONFIRM_MARGIN * cap:
+                none_fit = fits_at(s, "none", n, cap)
+            else:
+                none_fit = bool(req[s]["none"][n - 1] <= cap)
             ck = "none" if none_fit else "full"
             cks[s] = ck
-            e = e_none if ck == "none" else _with(e_full, gpus=n)
+            e = _with(by_ck[ck], gpus=n)
             reqs[s] = required_from_peak(_peak_bytes(e)) if confirm else int(req[s][ck][n - 1])
         rows.append(ClusterRow(g, mins, cks, reqs))
     notes = [
