@@ -86,6 +86,8 @@ class EfficientAttention(torch.autograd.Function):
             out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
                 q, k, v, bias, True, dropout_p, is_causal, scale=scale
             )
+            if q.device.type == "meta":  # CUDA keeps the philox seed/offset on the host
+                seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
         ctx.save_for_backward(q, k, v, bias, out, lse, seed, offset)
         return out
 

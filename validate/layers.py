@@ -87,14 +87,14 @@ def dequantize_nf4(q: NF4Weight, packed: torch.Tensor, absmax: torch.Tensor, abs
                    dtype: torch.dtype) -> torch.Tensor:
     """The full-size weight in ``dtype``. Like bitsandbytes' ``dequantize_4bit`` kernel only the
     output is allocated: on ``meta`` nothing else is; on real devices the codes are expanded
-    in chunks of 64K blocks, a bounded transient."""
+    in chunks of 64K elements (a transient of about 1.5 MiB)."""
     out = torch.empty(q.shape, dtype=dtype, device=packed.device)
     if packed.device.type == "meta":
         return out
     flat = out.view(-1)
     code = torch.tensor(NF4_CODE, dtype=torch.float32, device=packed.device)
     n, blk = q.numel, q.block
-    step = 65536 * blk
+    step = max(1, 65536 // blk) * blk
     for s in range(0, n, step):
         e = min(n, s + step)
         b0, b1 = s // blk, -(-e // blk)
@@ -229,6 +229,13 @@ class _FusedRMSNorm(torch.autograd.Function):
     def backward(ctx, g):
         x, rstd, w = ctx.saved_tensors
         need_w = w is not None and ctx.needs_input_grad[1]
+        if x.device.type == "cpu":  # no CPU kernel: the decomposition's formula
+            xf, gf = x.float(), g.float()
+            x_hat = xf * rstd
+            gx_hat = gf * w.float() if w is not None else gf
+            dx = ((gx_hat - x_hat * (x_hat * gx_hat).mean(-1, keepdim=True)) * rstd).to(x.dtype)
+            dw = (gf * x_hat).sum(dim=tuple(range(g.dim() - 1))).to(w.dtype) if need_w else None
+            return dx, dw, None
         dx, dw = aten._fused_rms_norm_backward(g, x, [ctx.d], rstd, w, [ctx.needs_input_grad[0], need_w])
         return dx, (dw if need_w else None), None
 

@@ -1,0 +1,50 @@
+"""The validator's torch model has exactly the estimator's parameter inventory, for every preset."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from memcalc.params import count_params, param_inventory  # noqa: E402
+from memcalc.presets import list_presets, load_preset  # noqa: E402
+from memcalc.spec import KernelProfile, LoraSpec, TrainingSpec  # noqa: E402
+from memcalc.validate.model import build_model, param_count  # noqa: E402
+
+
+def _presets() -> list[str]:
+    return list_presets()  # read at collection time: the folder may grow
+
+
+@pytest.mark.parametrize("name", _presets())
+def test_param_count_and_names_match_inventory(name):
+    m = load_preset(name)
+    model = build_model(m, TrainingSpec(), KernelProfile(), device="meta")
+    assert param_count(model)[0] == count_params(m).total
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert shapes == {p.name: p.shape for p in param_inventory(m)}
+
+
+@pytest.mark.parametrize("name", _presets())
+def test_lora_and_qlora_counts(name):
+    m = load_preset(name).model_copy(update={"n_layers": 2})
+    for lora in (LoraSpec(targets=("q", "v")), LoraSpec(qlora=True, targets=("q", "k", "v", "o", "gate", "up", "down"))):
+        model = build_model(m, TrainingSpec(precision="bf16", lora=lora), KernelProfile(), device="meta")
+        counts = count_params(m, lora)
+        total, trainable = param_count(model)
+        assert (total, trainable) == (counts.total, counts.trainable)
+        inv = {p.name: p for p in param_inventory(m, lora)}
+        for n, p in model.named_parameters():
+            assert n in inv and p.requires_grad == inv[n].trainable, n
+
+
+def test_qlora_base_storage_is_packed():
+    m = load_preset("llama-2-7b").model_copy(update={"n_layers": 1})
+    lora = LoraSpec(qlora=True, quant_block=64, double_quant=True)
+    model = build_model(m, TrainingSpec(precision="bf16", lora=lora), KernelProfile(), device="meta")
+    q = model.layers[0].attn.q_proj
+    n = m.d_model * m.q_dim
+    assert q.weight is None and q.weight_packed.dtype == torch.uint8 and q.weight_packed.numel() == n // 2
+    blocks = n // 64
+    assert q.weight_absmax.numel() == blocks and q.weight_absmax.dtype == torch.uint8
+    assert q.weight_absmax2.numel() * 4 == 8 * -(-blocks // 256)
