@@ -261,6 +261,8 @@ class Forward:
             dry = fn()
             fwd.ops.exit_autocast()
             for n in s.nodes:
+                for p in n.params:
+                    p.uses -= 1
                 s._release_node(n)
             s.unref(dry)
             stop = s.last_save_count - c0

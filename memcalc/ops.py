@@ -379,7 +379,14 @@ class Ops:
             x = xs
         lsm = self.new(rows * V, dt, "logits & loss")
         self.sim.node("log_softmax", [lsm], [x], [], [lsm])
-        self.drop(x)
+        if self.autocast is not None and dt != DType.fp32:
+            # under autocast cross_entropy_loss keeps log_softmax in the logits' dtype (it passes
+            # self.scalar_type()), but nll_loss is an fp32 op: it upcasts its input and saves that
+            l32 = self.new(rows * V, DType.fp32, "logits & loss")
+            self.sim.node("to_fp32", [], [lsm], [], [l32])
+            self.drop(lsm)
+            lsm = l32
+        self.drop(x)  # the caller's shifted logits live until cross_entropy returns
         loss = self.sim.alloc(4, ACT, "logits & loss")
         loss.numel, loss.itemsize_bits = 1, dt.bits
         self.sim.node("nll_loss", [], [lsm], [], [loss])

@@ -66,7 +66,10 @@ def per_param_temps(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[s
     if opt in ("adam", "adamw"):
         if tr.optimizer_impl == "fused" or (tr.master_weights and tr.optimizer_impl == "foreach"):
             pass  # one fused multi-tensor kernel (torch fused=True; DeepSpeed/apex FusedAdam on masters)
-        else:  # denom = (exp_avg_sq.sqrt() / bc2).add_(eps)
+        elif tr.optimizer_impl == "foreach":
+            # _multi_tensor_adam on this one tensor: _foreach_sqrt makes a copy, then div_/add_ in place
+            ev.append(("alloc", sdt.nbytes(n)))
+        else:  # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bc2).add_(eps): two, then one
             i = len(ev)
             ev += [("alloc", sdt.nbytes(n)), ("alloc", sdt.nbytes(n)), ("free", i)]
     elif opt == "lion":

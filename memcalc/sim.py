@@ -55,6 +55,8 @@ class Param:
     numel: int
     grad: Optional[T] = None
     grad_keep_bytes: Optional[int] = None  # the gradient shard kept after a reduce-scatter (ZeRO-2/3)
+    uses: int = 0  # nodes of the current graph that will send this parameter a gradient
+    pending: Optional[T] = None  # AccumulateGrad's input buffer while more contributions are due
 
 
 @dataclass(eq=False)
@@ -171,6 +173,8 @@ class Sim:
             self.ref(t)
         if saved:
             self.last_save_count = self.alloc_count
+        for p in params:
+            p.uses += 1
         n = Node(name, saved, inputs, params, outputs, **kw)
         n.fwd_label = self.label
         for o in outputs:
@@ -230,6 +234,18 @@ class Sim:
             else:  # InputBuffer accumulates in place
                 self.unref(g)
         for p, g in zip(node.params, pgrads):
+            p.uses -= 1
+            if p.pending is not None:
+                # a parameter used twice (tied embeddings): its contributions meet in the
+                # AccumulateGrad node's input buffer; the linear's weight gradient is a transposed
+                # view, so the buffer adds out of place
+                total = self.alloc(p.grad_bytes, "gradients", "gradients")
+                self.unref(p.pending)
+                self.unref(g)
+                g, p.pending = total, None
+            if p.uses > 0:  # AccumulateGrad waits for the other uses
+                p.pending = g
+                continue
             if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
                 shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")
                 self.unref(g)
