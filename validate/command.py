@@ -4,7 +4,9 @@ Each record (a dict of JSON types, bytes as ints) has the keys ``config, device,
 predicted_bytes, measured_bytes, published_bytes, error_pct, published_error_pct,
 peak_phase, measured_phase, first_step_bytes, status, reason, torch_version, seconds``,
 plus ``measured_label`` (the layer at the measured peak, meta/cpu), ``reserved_bytes``
-(cuda) and ``scale_layers``.
+(cuda), ``allocator_sim_bytes`` / ``allocator_sim_reserved_bytes`` (meta/cpu: the CUDA caching
+allocator replayed over the traced allocations, see ``allocator.py``; the allocated figure
+counts whole blocks, so it sits at or above ``measured_bytes``) and ``scale_layers``.
 
 - ``error_pct`` = (predicted - measured) / measured * 100;
 - ``published_error_pct`` = (measured - published) / published * 100 (how far the
@@ -77,6 +79,8 @@ def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers:
         "measured_label": meas.peak_label or None,
         "first_step_bytes": meas.first_step_bytes,
         "reserved_bytes": meas.reserved_bytes,
+        "allocator_sim_bytes": meas.sim_allocated_bytes,
+        "allocator_sim_reserved_bytes": meas.sim_reserved_bytes,
         "scale_layers": scale_layers,
         "status": meas.status,
         "reason": reason,
@@ -156,7 +160,8 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
             if snapshot and len(items) > 1:
                 root, ext = os.path.splitext(snapshot)
                 snap = f"{root}-{name}{ext or '.pickle'}"
-            meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say)
+            meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
+                           allocator_sim=dev != "cuda")
             rec = make_record(name, exp, meas, scale_layers)
             records.append(rec)
             if output:

@@ -36,6 +36,7 @@ from memcalc.spec import ExperimentSpec
 
 from .model import build_model, param_count
 from .optim import MasterWeights, allow_fused_on, build_optimizer
+from .allocator import CachingAllocatorSim
 from .tracer import StorageTracer
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -58,6 +59,9 @@ class Measurement:
     phase_peaks: dict[str, int] = field(default_factory=dict)
     layers: Optional[int] = None
     params: Optional[int] = None
+    #: meta/cpu with ``allocator_sim``: the CUDA caching allocator replayed (allocator.py)
+    sim_allocated_bytes: Optional[int] = None
+    sim_reserved_bytes: Optional[int] = None
     peak_live: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -127,12 +131,15 @@ class _Probe:
 
 
 def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None, snapshot: Optional[str] = None,
-            progress: Optional[Callable[[str], None]] = None, debug: bool = False) -> Measurement:
+            progress: Optional[Callable[[str], None]] = None, debug: bool = False,
+            allocator_sim: bool = False, capacity: Optional[int] = None) -> Measurement:
     """Measure (cuda, cpu) or trace (meta) the steady-state training step of ``exp``.
 
     ``scale_layers`` rebuilds the model with that many layers (quick runs). ``debug`` (meta/cpu)
     keeps the list of storages alive at the peak, with the op that made each, in
-    ``Measurement.peak_live`` (slower).
+    ``Measurement.peak_live`` (slower). ``allocator_sim`` (meta/cpu) also replays the CUDA
+    caching allocator (``capacity``: the GPU's usable bytes) and reports its allocated and
+    reserved peaks in ``sim_allocated_bytes`` / ``sim_reserved_bytes``.
     """
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
@@ -144,7 +151,7 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
     try:
-        _run(exp, m, device, snapshot, say, meas, debug)
+        _run(exp, m, device, snapshot, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None)
     except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
         meas.status = "oom"
         meas.reason = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
@@ -157,7 +164,8 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     return meas
 
 
-def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas: Measurement, debug: bool) -> None:
+def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas: Measurement, debug: bool,
+         sim: Optional[CachingAllocatorSim]) -> None:
     tr = exp.training
     dev_type = torch.device(device).type
     if dev_type == "cuda":
@@ -182,7 +190,7 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
             fconfig.activation_memory_budget = tr.memory_budget
         model.compile(backend="inductor", mode="default", dynamic=False)
 
-    tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug) if dev_type != "cuda" else None
+    tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim) if dev_type != "cuda" else None
     probe = _Probe(device, tracer)
     model.on_label = probe.label
     if tr.fused_optimizer:
@@ -239,6 +247,9 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
     meas.phase_peaks = {k: v for k, v in peaks.items() if k in PHASES}
     if dev_type == "cuda":
         meas.reserved_bytes = probe.reserved
+    if sim is not None and tracer is not None:
+        meas.sim_allocated_bytes = sim.peak_allocated
+        meas.sim_reserved_bytes = sim.peak_reserved
     if tracer is not None and debug:
         meas.peak_live = sorted(tracer.peak_live, reverse=True)
     model.on_label = None

@@ -17,6 +17,10 @@ temporary is an op output. Scratch buffers a CUDA kernel allocates and frees
 inside one call (cuBLAS workspace, attention ``delta``) are invisible here; the
 model code emulates the ones that matter (see ``attention.py``).
 
+The rounded sum is the estimator's model of ``max_memory_allocated``. The allocator itself can
+hand out a block up to 1 MiB larger than the request (it does not split a cached block for a
+small remainder); pass ``allocator=CachingAllocatorSim()`` to replay that too (allocator.py).
+
 Unlike ``torch.distributed._tools.mem_tracker.MemTracker`` this needs no module
 or gradient hooks, so frozen parameters (LoRA) and parameters created before
 tracing are fine.
@@ -30,6 +34,8 @@ from typing import Iterable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .allocator import CachingAllocatorSim
 
 #: c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block is a multiple of it.
 CUDA_ROUND_BYTES = 512
@@ -59,8 +65,11 @@ class StorageTracer(TorchDispatchMode):
     ``optimizer step``; ``layer 3``...) and recorded at the maximum.
     """
 
-    def __init__(self, device_type: str = "meta", round_bytes: int = CUDA_ROUND_BYTES, debug: bool = False) -> None:
+    def __init__(self, device_type: str = "meta", round_bytes: int = CUDA_ROUND_BYTES, debug: bool = False,
+                 allocator: Optional[CachingAllocatorSim] = None) -> None:
         super().__init__()
+        #: optional replay of the CUDA caching allocator (block sizes, segments); see allocator.py
+        self.allocator = allocator
         #: debug: remember which op made each storage, and what was alive at the peak
         self.debug = debug
         self._origin: dict[int, str] = {}
@@ -68,7 +77,7 @@ class StorageTracer(TorchDispatchMode):
         self.peak_live: list[tuple[int, str, str]] = []
         self.device_type = device_type
         self.round_bytes = round_bytes
-        self._live: dict[int, tuple[int, weakref.ref]] = {}
+        self._live: dict[int, tuple[int, weakref.ref, object]] = {}
         self.current = 0
         self.phase = "setup"
         self.label = ""
@@ -79,6 +88,8 @@ class StorageTracer(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
+            if self.allocator is not None:
+                self.allocator.free(entry[2])
 
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != self.device_type:
@@ -87,8 +98,10 @@ class StorageTracer(TorchDispatchMode):
         key = st._cdata
         if key in self._live:
             return
-        nbytes = round_up(st.nbytes(), self.round_bytes)
-        self._live[key] = (nbytes, weakref.ref(st, lambda r, k=key: self._free(k, r)))
+        raw = st.nbytes()
+        nbytes = round_up(raw, self.round_bytes)
+        block = self.allocator.malloc(raw) if self.allocator is not None else None
+        self._live[key] = (nbytes, weakref.ref(st, lambda r, k=key: self._free(k, r)), block)
         self.current += nbytes
         if self.debug:
             self._origin[key] = f"{self._op} @ {self.phase}/{self.label}"
@@ -100,7 +113,7 @@ class StorageTracer(TorchDispatchMode):
             rec.phase = self.phase
             rec.label = self.label
             if self.debug:
-                self.peak_live = [(b, self._origin.get(k, "?"), "") for k, (b, _r) in self._live.items()]
+                self.peak_live = [(e[0], self._origin.get(k, "?"), "") for k, e in self._live.items()]
 
     def track(self, tensors: Iterable[Optional[torch.Tensor]]) -> None:
         """Count tensors that already exist (weights, optimizer state, the batch)."""
@@ -111,6 +124,8 @@ class StorageTracer(TorchDispatchMode):
     def reset_peak(self) -> None:
         """Start a new maximum from what is alive now (``torch.cuda.reset_peak_memory_stats``)."""
         self.record = PeakRecord(self.current, self.phase, self.label, {self.phase: self.current})
+        if self.allocator is not None:
+            self.allocator.reset_peak()
 
     def set_phase(self, phase: str, label: str = "") -> None:
         self.phase = phase

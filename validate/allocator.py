@@ -1,0 +1,158 @@
+"""A simulation of PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp, 2.x,
+default settings: no expandable segments, no ``max_split_size``, one stream).
+
+``torch.cuda.max_memory_allocated`` sums *block* sizes, and a block handed out can be larger
+than the request: a cached free block is split only when the remainder is worth keeping
+(small pool: at least 512 bytes; large pool: more than 1 MiB), so a request served from a
+block up to 1 MiB larger counts the whole block. Summing requests rounded to 512 bytes (what
+:class:`~.tracer.StorageTracer` reports) therefore reads a little low when many large
+tensors are alive; replaying the allocation sequence here gives the allocator's own figure,
+and its reserved memory (``cudaMalloc`` segments).
+
+Rules reproduced:
+
+- ``round_size``: up to a multiple of 512 (``kMinBlockSize``);
+- pools: requests of at most 1 MiB (``kSmallSize``) use the small pool, the rest the large;
+- ``get_free_block``: the smallest cached block of the pool that fits (ties by address);
+- otherwise a new segment: 2 MiB for small requests (``kSmallBuffer``), 20 MiB for requests
+  under 10 MiB (``kLargeBuffer`` / ``kMinLargeAlloc``), else the request rounded to 2 MiB;
+- ``should_split`` as above; freed blocks merge with free neighbours of their segment;
+- with a ``capacity``, a segment that does not fit first releases every wholly free cached
+  segment (``release_cached_blocks``), as the allocator does before reporting OOM.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Optional
+
+MIN_BLOCK = 512
+SMALL_SIZE = 1 << 20
+SMALL_BUFFER = 2 << 20
+LARGE_BUFFER = 20 << 20
+MIN_LARGE_ALLOC = 10 << 20
+ROUND_LARGE = 2 << 20
+
+
+def round_size(n: int) -> int:
+    return MIN_BLOCK if n < MIN_BLOCK else -(-n // MIN_BLOCK) * MIN_BLOCK
+
+
+def allocation_size(n: int) -> int:
+    if n <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if n < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-n // ROUND_LARGE) * ROUND_LARGE
+
+
+class _Block:
+    __slots__ = ("seg", "addr", "size", "free", "prev", "next", "small")
+
+    def __init__(self, seg: int, addr: int, size: int, small: bool) -> None:
+        self.seg, self.addr, self.size, self.small = seg, addr, size, small
+        self.free = True
+        self.prev: Optional[_Block] = None
+        self.next: Optional[_Block] = None
+
+
+class CachingAllocatorSim:
+    """Replays malloc/free; ``allocated``/``reserved`` and their peaks as the CUDA stats report them."""
+
+    def __init__(self, capacity: Optional[int] = None) -> None:
+        self.capacity = capacity
+        self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr)
+        self._segments: dict[int, _Block] = {}  # segment id -> first block
+        self._seg_size: dict[int, int] = {}
+        self._next_addr = 1 << 30
+        self._next_seg = 0
+        self.allocated = 0
+        self.reserved = 0
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+
+    # -- pools ----------------------------------------------------------------------------
+    def _insert(self, b: _Block) -> None:
+        bisect.insort(self._pools[b.small], (b.size, b.addr, b))
+
+    def _remove(self, b: _Block) -> None:
+        pool = self._pools[b.small]
+        i = bisect.bisect_left(pool, (b.size, b.addr))
+        while pool[i][2] is not b:
+            i += 1
+        pool.pop(i)
+
+    def _new_segment(self, size: int, small: bool) -> _Block:
+        if self.capacity is not None and self.reserved + size > self.capacity:
+            self._release_cached()
+        seg = self._next_seg
+        self._next_seg += 1
+        b = _Block(seg, self._next_addr, size, small)
+        self._next_addr += size + ROUND_LARGE
+        self._segments[seg] = b
+        self._seg_size[seg] = size
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        return b
+
+    def _release_cached(self) -> None:
+        for seg, first in list(self._segments.items()):
+            if first.free and first.next is None:
+                self._remove(first)
+                self.reserved -= self._seg_size.pop(seg)
+                del self._segments[seg]
+
+    # -- API --------------------------------------------------------------------------------
+    def malloc(self, nbytes: int) -> Optional[_Block]:
+        """A block for a request of ``nbytes`` (None for zero bytes, as CUDA returns nullptr)."""
+        if nbytes == 0:
+            return None
+        size = round_size(nbytes)
+        small = size <= SMALL_SIZE
+        pool = self._pools[small]
+        i = bisect.bisect_left(pool, (size, -1))
+        if i < len(pool):
+            b = pool.pop(i)[2]
+        else:
+            b = self._new_segment(allocation_size(size), small)
+        remaining = b.size - size
+        if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
+            rest = _Block(b.seg, b.addr + size, remaining, small)
+            rest.prev, rest.next = b, b.next
+            if b.next is not None:
+                b.next.prev = rest
+            b.next = rest
+            b.size = size
+            self._insert(rest)
+        b.free = False
+        self.allocated += b.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return b
+
+    def free(self, b: Optional[_Block]) -> None:
+        if b is None:
+            return
+        self.allocated -= b.size
+        b.free = True
+        for nb in (b.prev, b.next):
+            if nb is not None and nb.free:
+                self._remove(nb)
+                if nb is b.prev:
+                    nb.size += b.size
+                    nb.next = b.next
+                    if b.next is not None:
+                        b.next.prev = nb
+                    if self._segments.get(b.seg) is b:
+                        self._segments[b.seg] = nb
+                    b = nb
+                else:
+                    b.size += nb.size
+                    b.next = nb.next
+                    if nb.next is not None:
+                        nb.next.prev = b
+        self._insert(b)
+
+    def reset_peak(self) -> None:
+        """``torch.cuda.reset_peak_memory_stats``."""
+        self.peak_allocated = self.allocated
+        self.peak_reserved = self.reserved
