@@ -85,7 +85,8 @@ class Ops:
         QLoRA: the 4-bit weight is dequantised to a transient full-size copy in forward and
         again in backward (bitsandbytes MatMul4Bit saves only the packed weight)."""
         xc, x_cast = self._cast_for_matmul(x)
-        wc, _ = self._cast_weight(w)
+        # a 4-bit weight is dequantised straight to the compute dtype (no autocast copy)
+        wc = None if quant_transient_bytes else self._cast_weight(w)[0]
         if quant_transient_bytes:
             self.sim.transient(quant_transient_bytes, TMP, "dequantised weight")
         odt = self.autocast or self.dtype_of(x)
