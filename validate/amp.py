@@ -12,7 +12,8 @@ The rules follow aten/src/ATen/autocast_mode.{h,cpp} (CUDA lists):
 
 Activation checkpointing re-enters autocast for the recomputation
 (``torch.utils.checkpoint`` saves the autocast state); :meth:`Amp.wrap` does the same.
-With ``dtype=None`` every method is the identity.
+With ``dtype=None`` every method is the identity. The casts are written out on every device,
+CUDA included, so a CUDA measurement runs exactly the code that the meta trace runs.
 """
 
 from __future__ import annotations
