@@ -161,7 +161,7 @@ class Forward:
             if slopes is not None:
                 bias, bias_bytes = o.alibi_mask(H, self.T, slopes)
                 bias_bytes = bias_bytes * self.B
-        kernel = o.attention_kernel(bias is not None)
+        kernel = o.attention_kernel(bias is not None, q)
         if m.positions == "rope":
             q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
         else:

@@ -267,14 +267,13 @@ class Ops:
         return y
 
     # -- attention ------------------------------------------------------------------
-    def attention_kernel(self, has_mask: bool) -> str:
+    def attention_kernel(self, has_mask: bool, q: T) -> str:
         """Which SDPA kernel runs: the profile's choice, or auto = flash for 16-bit inputs without
         an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi)."""
         k = self.profile.attention
         if k != "auto":
             return k
-        dt_bits = self.autocast.bits if self.autocast is not None else None
-        return "flash" if (dt_bits == 16 and not has_mask) else "efficient"
+        return "flash" if (q.itemsize_bits == 16 and not has_mask) else "efficient"
 
     def sdpa(self, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, bias: Optional[T], bias_bcast_bytes: int,
              dropout_p: float, kernel: str) -> T:
