@@ -9,6 +9,7 @@ allocator's slack (reserved minus allocated).
 
 from __future__ import annotations
 
+from .allocator import CachingAllocatorSim
 from .dtypes import DType
 from .params import count_params
 from .result import KINDS, Estimate
@@ -49,10 +50,44 @@ def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     }
 
 
-def estimate(exp: ExperimentSpec, timeline: bool = True) -> Estimate:
-    """Predict the allocated peak of one training step of ``exp`` (see module docstring)."""
-    steady = simulate(exp, first_step=False, record_timeline=timeline)
-    first = simulate(exp, first_step=True, record_timeline=False)
+def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
+    """Replay the simulated allocations through the CUDA caching allocator model
+    (``memcalc.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
+    live tensors) and ``max_memory_reserved`` (cudaMalloc segments). Setup allocations
+    (weights, optimizer state) run once; with ``warm`` the step runs twice and the second,
+    which starts from the cache the first left (a steady-state step), is measured."""
+    alloc = CachingAllocatorSim()
+    blocks: dict[int, object] = {}
+
+    def run(evs: list[tuple[int, int]]) -> None:
+        for uid, n in evs:
+            if n:
+                blocks[uid] = alloc.malloc(n)
+            else:
+                alloc.free(blocks.pop(uid))
+
+    run(events[:step_start])
+    step = events[step_start:]
+    if warm:
+        run(step)
+    alloc.reset_peak()
+    run(step)
+    return alloc.peak_allocated, alloc.peak_reserved
+
+
+def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None) -> Estimate:
+    """Predict the allocated peak of one training step of ``exp`` (see module docstring).
+
+    ``replay`` (default: as ``timeline``) also replays the caching allocator over the steady
+    step and the first step, for ``allocator_peak_bytes`` and ``reserved_peak_bytes``."""
+    replay = timeline if replay is None else replay
+    steady = simulate(exp, first_step=False, record_timeline=timeline, events=replay)
+    first = simulate(exp, first_step=True, record_timeline=False, events=replay)
+    alloc_extra: dict = {}
+    if replay:
+        a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)
+        a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
+        alloc_extra = {"allocator_peak_bytes": max(a_steady, a_first), "reserved_peak_bytes": max(r_steady, r_first)}
     top = steady if steady.peak_bytes >= first.peak_bytes else first
     which = "steady state" if top is steady else "first step"
     counts = count_params(exp.model, exp.training.lora)
@@ -86,7 +121,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True) -> Estimate:
         allocator_slack_bytes=slack,
         required_bytes=peak + CUDA_CONTEXT_BYTES + slack,
         assumptions=assumptions,
-        extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which},
+        extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
+               **alloc_extra},
     )
 
 

@@ -45,6 +45,8 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "phases": est.phases,
         "first_step_peak_bytes": est.first_step_peak_bytes,
         "steady_peak_bytes": est.extra.get("steady_peak_bytes"),
+        "allocator_peak_bytes": est.extra.get("allocator_peak_bytes"),
+        "reserved_peak_bytes": est.extra.get("reserved_peak_bytes"),
         "required_bytes": est.required_bytes,
         "cuda_context_bytes": est.cuda_context_bytes,
         "allocator_slack_bytes": est.allocator_slack_bytes,
@@ -156,10 +158,17 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     c.print(peak_table(est))
     c.print(phases_table(est))
     c.print(bpp_table(est))
+    alloc = est.extra.get("allocator_peak_bytes")
+    if alloc is not None:
+        c.print(f"caching-allocator replay: max_memory_allocated {fmt_bytes(alloc)} (whole cached blocks; "
+                f"live tensors {fmt_bytes(est.peak_bytes)}), max_memory_reserved {fmt_bytes(est.extra['reserved_peak_bytes'])}")
     if est.experiment.published_peak_bytes:
         pub = est.experiment.published_peak_bytes
-        c.print(f"published peak: {fmt_bytes(pub)}; predicted {fmt_bytes(est.peak_bytes)} "
+        line = (f"published peak: {fmt_bytes(pub)}; predicted {fmt_bytes(est.peak_bytes)} "
                 f"({100 * (est.peak_bytes - pub) / pub:+.1f}%)")
+        if alloc is not None:
+            line += f", with the allocator replay {fmt_bytes(alloc)} ({100 * (alloc - pub) / pub:+.1f}%)"
+        c.print(line)
     c.print(gpu_table(est, gpus))
     for a in est.assumptions:
         c.print(f"[dim]assumption: {a}[/dim]")

@@ -41,6 +41,7 @@ class T:
     grad_buffer: Optional["T"] = None  # accumulated gradient w.r.t. this tensor (backward)
     producer: Optional["Node"] = None
     name: str = ""
+    uid: int = 0  # identity in the allocation event log
 
 
 @dataclass(eq=False)
@@ -98,6 +99,10 @@ class Sim:
         # when a list: (total bytes, phase) after every allocation, for fitting the step in
         # batch and sequence length event by event (memcalc.fit)
         self.alloc_trace: Optional[list[tuple[int, str]]] = None
+        # when a list: (uid, bytes) for each allocation and (uid, 0) for each free, in order,
+        # for replaying the CUDA caching allocator (memcalc.allocator)
+        self.events: Optional[list[tuple[int, int]]] = None
+        self._uid = 0
         self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
@@ -114,6 +119,10 @@ class Sim:
             return T(0, kind, category, requires_grad=requires_grad, name=name)
         n = round_up(int(nbytes), self.round_bytes)
         t = T(n, kind, category, requires_grad=requires_grad, name=name)
+        if self.events is not None and n:
+            self._uid += 1
+            t.uid = self._uid
+            self.events.append((t.uid, n))
         self.total += n
         self.by_kind[kind] += n
         self.by_cat[category] += n
@@ -149,6 +158,8 @@ class Sim:
         t.refs -= 1
         if t.refs == 0:
             t.alive = False
+            if t.uid and self.events is not None:
+                self.events.append((t.uid, 0))
             self.total -= t.nbytes
             self.by_kind[t.kind] -= t.nbytes
             self.by_cat[t.category] -= t.nbytes

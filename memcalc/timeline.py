@@ -40,6 +40,8 @@ class SimResult:
     timeline: list[TimelinePoint]
     max_activation_bytes: int
     alloc_trace: Optional[list[tuple[int, str]]] = None  # (total, phase) after each allocation
+    events: Optional[list[tuple[int, int]]] = None  # allocation events (see Sim.events)
+    step_start: int = 0  # index of the step's first event (before it: weights, state)
 
 
 def check_supported(exp: ExperimentSpec) -> None:
@@ -65,7 +67,7 @@ def _label_of(node: Node) -> str:
 
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
-             trace_allocs: bool = False) -> SimResult:
+             trace_allocs: bool = False, events: bool = False) -> SimResult:
     """Simulate one optimizer step of ``exp``; see the module docstring for what it covers.
     ``trace_allocs`` also returns the running total (and phase) after every allocation."""
     check_supported(exp)
@@ -74,6 +76,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     sim.record_timeline = record_timeline
     if trace_allocs:
         sim.alloc_trace = []
+    if events:
+        sim.events = []
     sim.mark("weights", "setup")
     model: Model = make_params(sim, exp)
     rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, tr.lora)}
@@ -81,6 +85,7 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     if not first_step:
         opt.create_all()
     sim.mark("step start", "setup")
+    step_start = len(sim.events) if sim.events is not None else 0
 
     if tr.fused_optimizer:
         def hook(s: Sim, p: Param) -> None:
@@ -130,4 +135,6 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         timeline=sim.timeline,
         max_activation_bytes=sim.max_activations,
         alloc_trace=sim.alloc_trace,
+        events=sim.events,
+        step_start=step_start,
     )

@@ -36,7 +36,7 @@ from memcalc.spec import ExperimentSpec
 
 from .model import build_model, param_count
 from .optim import MasterWeights, allow_fused_on, build_optimizer
-from .allocator import CachingAllocatorSim
+from memcalc.allocator import CachingAllocatorSim
 from .tracer import StorageTracer
 
 PHASES = ("forward", "backward", "optimizer step")

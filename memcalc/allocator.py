@@ -5,9 +5,10 @@ default settings: no expandable segments, no ``max_split_size``, one stream).
 than the request: a cached free block is split only when the remainder is worth keeping
 (small pool: at least 512 bytes; large pool: more than 1 MiB), so a request served from a
 block up to 1 MiB larger counts the whole block. Summing requests rounded to 512 bytes (what
-:class:`~.tracer.StorageTracer` reports) therefore reads a little low when many large
+:class:`memcalc.validate.tracer.StorageTracer` reports) therefore reads a little low when many large
 tensors are alive; replaying the allocation sequence here gives the allocator's own figure,
-and its reserved memory (``cudaMalloc`` segments).
+and its reserved memory (``cudaMalloc`` segments). The estimator replays its simulated step
+through it, and the meta-device tracer (``memcalc.validate``) its traced allocations.
 
 Rules reproduced:
 

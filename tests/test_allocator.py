@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("torch")
-
-from memcalc.validate.allocator import CachingAllocatorSim  # noqa: E402
+from memcalc.allocator import CachingAllocatorSim
 
 MiB = 1 << 20
 
