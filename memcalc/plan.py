@@ -879,16 +879,16 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
     c = console or Console()
     t = Table(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
               title_justify="left")
-    for col, just in (("GPU", "left"), ("memory", "right"), ("full fine-tune", "right"), ("(pow2)", "right"),
-                      ("ckpt", "left"), ("needs/GPU", "right"), ("LoRA", "right"), ("(pow2)", "right"),
-                      ("ckpt", "left"), ("needs/GPU", "right")):
-        t.add_column(col, justify=just)
+    for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("pow2", "right"),
+                      ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
+                      ("ckpt", "left"), ("need", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
     for r in p.rows:
-        cells = [getattr(r.gpu, "display_name", r.gpu.name), fmt_bytes(r.gpu.capacity_bytes)]
+        cells = [r.gpu.name, f"{r.gpu.capacity_bytes / 2**30:.1f}"]
         for s in ("full", "lora"):
             n = r.min_gpus[s]
             cells += [f">{GPU_CAP}" if n is None else str(n), "-" if n is None else str(next_pow2(n)),
-                      r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else fmt_bytes(r.required_bytes[s])]
+                      r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{r.required_bytes[s] / 2**30:.1f}"]
         t.add_row(*cells)
     c.print(t)
     for n in p.notes:
