@@ -1,0 +1,353 @@
+"""AOTAutograd's min-cut rematerialization partitioner, over memcalc's op graph.
+
+Under ``torch.compile`` the forward and backward of the compiled region are one
+joint graph, and ``torch/_functorch/partitioners.py``
+(``min_cut_rematerialization_partition``) decides which forward values the
+backward graph receives (saved) and which it recomputes. This module re-implements
+that decision, in bytes, on a small graph of :class:`Value` s:
+
+- **the cut** (``solve_min_cut``): every value is an edge ``in -> out`` whose
+  capacity is its size; values the backward formulas read are tied to the sink,
+  values that may not be recomputed to the source; the minimum cut is the
+  cheapest set of values to save. Weights follow the partitioner's
+  ``get_node_weight``: size times ``1.1 ** dist_from_bw`` (prefer values close
+  to backward), doubled when every user could fuse it (it would not otherwise be
+  materialised). Parameters are free to save (they are alive anyway).
+- **what may not be recomputed** (``should_ban_recomputation``): ops outside
+  the recomputable allowlist (matmuls, attention, embedding, random ops),
+  reductions whose output is 4x smaller than their inputs (norm statistics),
+  and values a non-fusible backward op reads ("materialised in backward", e.g.
+  a matmul's input, kept for its weight gradient).
+- **the memory budget** (``choose_saved_values_set``, ``activation_memory_budget``):
+  1.0 is the cut above; 0.0 saves only the graph inputs; in between, two more
+  aggressive cuts are tried, then a 0/1 knapsack (``dp_knapsack``, quantised to
+  1e-4 of the budget range) keeps the banned values with the most recompute
+  FLOPs that fit in ``budget x (max - min)`` bytes, where ``max`` is the default
+  saved set and ``min`` the graph inputs, and the cut is solved again with the
+  rest allowed to be recomputed.
+
+Ignored: the ``used_far_apart`` and ``long_fusible_chains`` heuristics (they
+keep some pointwise values that feed far-away users; in a decoder the values
+they would keep are already kept as matmul inputs), views (memcalc's graph has
+no view nodes), RNG functionalisation and collectives.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+INF = float("inf")
+
+#: op kinds: "input" (a graph input: parameter or batch), "compute" (compute-intensive:
+#: matmul, attention), "random" (dropout), "other" (outside the recomputable allowlist but
+#: cheap, e.g. embedding), "pointwise" (what inductor fuses, reductions included; a
+#: reduction is banned by its size)
+KINDS = ("input", "compute", "random", "other", "pointwise")
+
+
+@dataclass(eq=False)
+class Value:
+    """One forward value of the joint graph (an op's output)."""
+
+    name: str
+    nbytes: int
+    kind: str
+    args: list["Value"] = field(default_factory=list)
+    flops: int = 0  # forward FLOPs to recompute it (FlopCounterMode's count; 0 for pointwise)
+    bw_read: bool = False  # a backward formula reads it
+    bw_materialized: bool = False  # a non-fusible backward op (matmul, attention) reads it
+    param: bool = False  # a parameter (static lifetime: free to save)
+    layer: Optional[int] = None
+    output: bool = False  # a forward output (e.g. the logits)
+    users: list["Value"] = field(default_factory=list)
+    dist_from_bw: int = 0
+    order: int = 0
+
+
+@dataclass(frozen=True)
+class MinCutOptions:
+    """Which of the partitioner's recompute bans are on (``config.ban_recompute_*``)."""
+
+    ban_if_materialized_backward: bool = True
+    ban_if_not_in_allowlist: bool = True
+    ban_if_reduction: bool = True
+
+
+class Graph:
+    """Forward values in topological order, with users and ``dist_from_bw`` filled in."""
+
+    def __init__(self, values: list[Value]) -> None:
+        self.values = values
+        for i, v in enumerate(values):
+            v.order = i
+            v.users = []
+        for v in values:
+            for a in v.args:
+                a.users.append(v)
+        # partitioners.py: dist_from_bw = min over users of (user's + 1); a value the
+        # backward reads is one step from it
+        for v in reversed(values):
+            d = 1 if v.bw_read else int(1e9)
+            for u in v.users:
+                d = min(d, u.dist_from_bw + 1)
+            v.dist_from_bw = d
+
+    @property
+    def inputs(self) -> list[Value]:
+        return [v for v in self.values if v.kind == "input"]
+
+
+def _fusible(v: Value) -> bool:
+    return v.kind == "pointwise"
+
+
+def _materialized(v: Value) -> bool:
+    """``is_materialized``: an input, or some user cannot fuse it."""
+    if v.kind == "input":
+        return True
+    return v.bw_materialized or any(not (_fusible(v) and _fusible(u)) for u in v.users)
+
+
+def _ban_reason(v: Value, opts: MinCutOptions) -> Optional[str]:
+    """``should_ban_recomputation`` for a forward value."""
+    if opts.ban_if_not_in_allowlist:
+        if v.kind in ("compute", "random", "other"):
+            return "not in recomputable allowlist"
+    elif v.kind in ("compute", "random"):
+        return "compute intensive" if v.kind == "compute" else "random op"
+    if opts.ban_if_materialized_backward and v.bw_materialized:
+        return "materialized in backward"
+    if opts.ban_if_reduction and v.args:
+        if v.nbytes * 4 < sum(a.nbytes for a in v.args):
+            return "reduction"
+    return None
+
+
+def _weight(v: Value) -> float:
+    """``get_node_weight``: bytes x 1.1**dist_from_bw, doubled if it would not be materialised."""
+    if v.param:
+        return 0.0
+    w = int(v.nbytes * (1.1 ** max(min(v.dist_from_bw, 100), 1)))
+    return float(w if _materialized(v) else 2 * w)
+
+
+class _Flow:
+    """Dinic's max-flow on a small graph (capacities: floats, ``INF`` allowed)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.adj: list[list[int]] = [[] for _ in range(n)]
+        self.to: list[int] = []
+        self.cap: list[float] = []
+
+    def add(self, u: int, v: int, c: float) -> None:
+        self.adj[u].append(len(self.to))
+        self.to.append(v)
+        self.cap.append(c)
+        self.adj[v].append(len(self.to))
+        self.to.append(u)
+        self.cap.append(0.0)
+
+    def _bfs(self, s: int, t: int) -> Optional[list[int]]:
+        level = [-1] * self.n
+        level[s] = 0
+        q = deque([s])
+        while q:
+            u = q.popleft()
+            for e in self.adj[u]:
+                if self.cap[e] > 0 and level[self.to[e]] < 0:
+                    level[self.to[e]] = level[u] + 1
+                    q.append(self.to[e])
+        return level if level[t] >= 0 else None
+
+    def max_flow(self, s: int, t: int) -> float:
+        total = 0.0
+        while True:
+            level = self._bfs(s, t)
+            if level is None:
+                return total
+            it = [0] * self.n
+            while True:
+                f = self._dfs(s, t, INF, level, it)
+                if f <= 0:
+                    break
+                if f == INF:
+                    raise ValueError("the cut is unbounded (a value must be both saved and recomputed)")
+                total += f
+
+    def _dfs(self, s: int, t: int, f: float, level: list[int], it: list[int]) -> float:
+        # iterative DFS along the level graph
+        path: list[int] = []
+        u = s
+        while True:
+            if u == t:
+                push = min([f] + [self.cap[e] for e in path])
+                for e in path:
+                    self.cap[e] -= push
+                    self.cap[e ^ 1] += push
+                return push
+            adj = self.adj[u]
+            while it[u] < len(adj):
+                e = adj[it[u]]
+                v = self.to[e]
+                if self.cap[e] > 0 and level[v] == level[u] + 1:
+                    break
+                it[u] += 1
+            else:
+                if not path:
+                    return 0.0
+                level[u] = -1  # dead end
+                e = path.pop()
+                u = self.to[e ^ 1]
+                it[u] += 1
+                continue
+            e = adj[it[u]]
+            path.append(e)
+            u = self.to[e]
+
+    def reachable(self, s: int) -> list[bool]:
+        seen = [False] * self.n
+        seen[s] = True
+        q = deque([s])
+        while q:
+            u = q.popleft()
+            for e in self.adj[u]:
+                if self.cap[e] > 0 and not seen[self.to[e]]:
+                    seen[self.to[e]] = True
+                    q.append(self.to[e])
+        return seen
+
+
+def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset()) -> tuple[list[Value], list[Value]]:
+    """The saved values (in forward order) and the values banned from recomputation."""
+    n = len(g.values)
+    SRC, SNK = 2 * n, 2 * n + 1
+    fl = _Flow(2 * n + 2)
+    banned: list[Value] = []
+    for v in g.values:
+        i_in, i_out = 2 * v.order, 2 * v.order + 1
+        if v.bw_read:
+            fl.add(i_out, SNK, INF)
+        reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
+        if reason and v not in dont_ban:
+            banned.append(v)
+            fl.add(SRC, i_in, INF)
+        fl.add(i_in, i_out, _weight(v))
+        for u in v.users:
+            fl.add(i_out, 2 * u.order, INF)
+    fl.max_flow(SRC, SNK)
+    seen = fl.reachable(SRC)
+    saved = [v for v in g.values if seen[2 * v.order] and not seen[2 * v.order + 1]]
+    return saved, banned
+
+
+def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> tuple[float, list[int], list[int]]:
+    """``torch/_functorch/_activation_checkpointing/knapsack.py::dp_knapsack``: 0/1 knapsack
+    maximising saved runtime with memory quantised to 1e-4; returns (runtime, saved, recomputed)."""
+    S = 10000
+    qm = [int(round(m * S)) for m in memory]
+    rt = np.asarray(runtime, dtype=np.float32)
+    cap = int(round(max_memory * S))
+    n = len(memory)
+    dp = np.zeros((n + 1, cap + 1), dtype=np.float32)
+    for i in range(1, n + 1):
+        c, r = qm[i - 1], rt[i - 1]
+        dp[i, :] = dp[i - 1, :]
+        if c == 0:
+            dp[i, :] = dp[i - 1, :] + r
+        elif c <= cap:
+            dp[i, c:] = np.maximum(dp[i - 1, c:], dp[i - 1, :-c] + r)
+    saved, recomputed = [], []
+    j = cap
+    for i in range(n, 0, -1):
+        if dp[i][j] != dp[i - 1][j]:
+            saved.append(i - 1)
+            j -= qm[i - 1]
+        else:
+            recomputed.append(i - 1)
+    saved.reverse()
+    return float(dp[n][cap]), saved, recomputed
+
+
+@dataclass
+class Partition:
+    """The partitioner's answer: what the backward receives and what it recomputes."""
+
+    saved: list[Value]
+    recomputed: list[Value]  # forward values the backward graph computes again
+    budget: float
+    how: str  # which branch of choose_saved_values_set decided
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes of saved activations (graph inputs excluded: they are alive anyway)."""
+        return sum(v.nbytes for v in self.saved if v.kind != "input")
+
+    @property
+    def recompute_flops(self) -> int:
+        """Forward FLOPs the backward graph spends recomputing."""
+        return sum(v.flops for v in self.recomputed)
+
+
+def _recomputed(g: Graph, saved: list[Value]) -> list[Value]:
+    """Forward values the backward needs that are neither saved nor graph inputs, and everything
+    on their path back to saved values (the backward graph computes them again)."""
+    keep = set(saved)
+    out: dict[Value, None] = {}
+    stack = [v for v in g.values if v.bw_read and v not in keep and v.kind != "input"]
+    while stack:
+        v = stack.pop()
+        if v in out or v in keep or v.kind == "input":
+            continue
+        out[v] = None
+        stack.extend(v.args)
+    return sorted(out, key=lambda v: v.order)
+
+
+def choose_saved_values_set(g: Graph, memory_budget: float = 1.0) -> Partition:
+    """``choose_saved_values_set`` from ``torch/_functorch/partitioners.py`` (see module doc)."""
+    if not 0 <= memory_budget <= 1:
+        raise ValueError(f"memory budget must be within [0, 1], got {memory_budget}")
+
+    def done(saved: list[Value], how: str) -> Partition:
+        return Partition(saved, _recomputed(g, saved), memory_budget, how)
+
+    opts = MinCutOptions()
+    if memory_budget == 0:
+        return done(g.inputs, "budget 0: save only the graph inputs")
+    default, _ = solve_min_cut(g, opts)
+    if memory_budget == 1:
+        return done(default, "default min-cut")
+
+    def size(vs: list[Value]) -> int:
+        return sum(v.nbytes for v in vs)
+
+    min_act, max_act = size(g.inputs), size(default)
+    if max_act <= min_act:
+        return done(default, "default min-cut (no larger than the inputs)")
+
+    def ratio(vs: list[Value]) -> float:
+        return (size(vs) - min_act) / (max_act - min_act)
+
+    more = replace(opts, ban_if_materialized_backward=False)
+    more_saved, _ = solve_min_cut(g, more)
+    if ratio(more_saved) < memory_budget:
+        return done(more_saved, "more aggressive min-cut fits the budget")
+    aggr = replace(more, ban_if_not_in_allowlist=False)
+    aggr_saved, banned = solve_min_cut(g, aggr)
+    if ratio(aggr_saved) < memory_budget:
+        return done(aggr_saved, "aggressive min-cut fits the budget")
+    cands = [v for v in banned if v.kind != "input" and v.dist_from_bw < int(1e9)]
+    cands.sort(key=lambda v: v.nbytes, reverse=True)  # stable, as Python's sorted
+    if not cands:
+        return done(g.inputs, "nothing recomputable: save the inputs")
+    span = max_act - min_act
+    mem = [v.nbytes / span for v in cands]
+    rt = [float(max(v.flops, 1)) for v in cands]
+    _, _, recomp = dp_knapsack(mem, rt, memory_budget)
+    saved, _ = solve_min_cut(g, aggr, frozenset(cands[i] for i in recomp))
+    return done(saved, f"knapsack: keep {len(cands) - len(recomp)} of {len(cands)} banned values")
