@@ -296,10 +296,17 @@ class Forward:
         tr, n = self.tr, self.m.n_layers
         mode = tr.checkpoint
         i = 0
+        plan = None
+        if tr.compile:
+            from .compiled import compiled_plan
+            plan = compiled_plan(self.exp)
         while i < n:
             self.sim.mark(f"fwd layer {i}")
             self.gather([i, i + 1] if i + 1 < n else [i])
-            if mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
+            if plan is not None:
+                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0))
+                step = 1
+            elif mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
                 j = i
                 y = self.checkpoint(lambda: [x], lambda j=j, x=x: self.layer(x, j), f"layer {i}")
                 step = 1
@@ -325,6 +332,32 @@ class Forward:
             i += step
         self.gather([])
         return x
+
+    def compiled_layer(self, x: T, i: int, saved_bytes: int) -> T:
+        """One layer inside the compiled graph (``torch.compile``; see memcalc.compiled).
+
+        Forward: inductor frees every intermediate once used, so what stays is the saved set the
+        partitioner chose: the layer's input (or, when the budget recomputes it, the residual
+        stream the backward graph rebuilds before its first layer, one tensor per layer, which
+        is the same memory once backward starts) plus ``saved_bytes`` more. Backward: the
+        saved set is consumed and the layer's values the backward reads are computed again
+        (the saved set and the recomputation together are the layer's eager saved set; the
+        simulator recomputes the eager layer, as a checkpointed region)."""
+        sim = self.sim
+        block = sim.alloc(saved_bytes, "activations", "saved activations (compiled)") if saved_bytes else None
+        y = self.checkpoint(lambda: [x], lambda: self.layer(x, i), f"layer {i}")
+        if block is not None:
+            node = y.producer
+            recompute = node.on_backward
+
+            def on_backward(s: Sim, nd: Node) -> None:
+                nd.saved.remove(block)  # the backward graph consumes (frees) the saved set
+                s.unref(block)
+                recompute(s, nd)
+
+            node.on_backward = on_backward
+            node.saved.append(block)
+        return y
 
     def gather(self, layers: list[int]) -> None:
         """ZeRO-3: keep exactly these layers' weights all-gathered (current + prefetched next)."""

@@ -100,7 +100,8 @@ class Ops:
         temps = [quant_transient_bytes] if quant_transient_bytes and x.requires_grad else []
         if x_cast:  # grad arrives in the compute dtype, then _to_copy casts it back
             temps.append(xc.nbytes)
-        self.sim.node("linear", saved, [x], params, [y], temps=temps)
+        in_features = w.numel // out_features
+        self.sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * in_features * out_features)
         if x_cast:
             self.drop(xc)
         if wc is not None:
@@ -305,7 +306,9 @@ class Ops:
             saved = [q, k, v, out, lse] + ([bias] if bias is not None else [])
             inputs = [q, k, v] + ([bias] if bias is not None else [])
             sizes = [q.nbytes, k.nbytes, v.nbytes] + ([bias_bcast_bytes] if bias is not None else [])
-            self.sim.node(f"sdpa_{kernel}", saved, inputs, [], [out], temps=temps, grad_input_bytes=sizes)
+            # FlopCounterMode's sdpa formula: two batched matmuls, 4*B*H*Tq*Tk*D
+            self.sim.node(f"sdpa_{kernel}", saved, inputs, [], [out], temps=temps, grad_input_bytes=sizes,
+                          flops=4 * B * H * Tq * Tq * D)
             self.drop(lse)
             return out
         # math path
@@ -315,7 +318,7 @@ class Ops:
         ks = self.new(k.numel, dt)
         self.sim.node("mul_scalar", [], [k], [], [ks])
         scores = self.new(nTT, dt)
-        self.sim.node("matmul_qk", [qs, ks], [qs, ks], [], [scores])
+        self.sim.node("matmul_qk", [qs, ks], [qs, ks], [], [scores], flops=2 * B * H * Tq * Tq * D)
         self.drop(qs, ks)
         if bias is not None:  # attn.add_(mask): in place; gradient to the bias is the broadcast grad
             self.sim.node("add_mask", [], [scores, bias], [], [scores], grad_input_bytes=[scores.nbytes, bias_bcast_bytes])
@@ -327,7 +330,7 @@ class Ops:
             self.drop(p)
             p = pd
         out = self.new(n_q, dt)
-        self.sim.node("matmul_pv", [p, v], [p, v], [], [out])
+        self.sim.node("matmul_pv", [p, v], [p, v], [], [out], flops=2 * B * H * Tq * Tq * D)
         self.drop(p)
         return out
 

@@ -63,6 +63,10 @@ class Value:
     param: bool = False  # a parameter (static lifetime: free to save)
     layer: Optional[int] = None
     output: bool = False  # a forward output (e.g. the logits)
+    # saved nodes that share this value's storage: the partitioner sizes saved *nodes*, so an
+    # attention output saved both as the attention backward's alias and as the output
+    # projection's (N, d) view counts twice in its budget arithmetic (not in memory)
+    views: int = 1
     users: list["Value"] = field(default_factory=list)
     dist_from_bw: int = 0
     order: int = 0
@@ -323,8 +327,8 @@ def choose_saved_values_set(g: Graph, memory_budget: float = 1.0) -> Partition:
     if memory_budget == 1:
         return done(default, "default min-cut")
 
-    def size(vs: list[Value]) -> int:
-        return sum(v.nbytes for v in vs)
+    def size(vs: list[Value]) -> int:  # estimate_activations_size: sums node sizes
+        return sum(v.nbytes * v.views for v in vs)
 
     min_act, max_act = size(g.inputs), size(default)
     if max_act <= min_act:

@@ -74,6 +74,7 @@ class Node:
     on_backward: Optional[Callable[["Sim", "Node"], None]] = None  # e.g. checkpoint recompute
     done: bool = False
     fwd_label: str = ""
+    flops: int = 0  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
 
 
 class Sim:
@@ -110,6 +111,9 @@ class Sim:
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
         self.on_label: Optional[Callable[["Sim", str, str], None]] = None  # backward layer changes
+        # called with every op as the forward code issues it, before autograd filtering
+        # (memcalc.compiled records the forward graph this way)
+        self.recorder: Optional[Callable[..., None]] = None
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
@@ -176,6 +180,8 @@ class Sim:
     # -- autograd -------------------------------------------------------------------
     def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T], **kw) -> Optional[Node]:
         """Register a node if anything needs a gradient; takes a reference on each saved tensor."""
+        if self.recorder is not None:
+            self.recorder(name, saved, inputs, params, outputs, kw)
         inputs = [t for t in inputs if t.requires_grad]
         params = [p for p in params if p.trainable]
         if not self.grad_enabled or (not inputs and not params):

@@ -87,13 +87,19 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     sim.mark("step start", "setup")
     step_start = len(sim.events) if sim.events is not None else 0
 
+    deferred: list[Param] = []
     if tr.fused_optimizer:
         def hook(s: Sim, p: Param) -> None:
             opt.step_param(p)
             s.unref(p.grad)
             p.grad = None
 
-        sim.grad_ready = hook
+        if tr.compile:
+            # all gradients leave the compiled backward together (its outputs), and only
+            # then does AccumulateGrad, and with it each post-accumulate-grad hook, run
+            sim.grad_ready = lambda s, p: deferred.append(p)
+        else:
+            sim.grad_ready = hook
 
     micro = min(tr.grad_accum, 2)
     for mb in range(micro):
@@ -110,6 +116,9 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         loss = fwd.run()
         sim.mark("backward start", "backward")
         sim.backward(loss, 4, _label_of)
+        for p in deferred:
+            hook(sim, p)
+        deferred.clear()
         fwd.gather([])
         sim.unref(loss)
         fwd.release_inputs()

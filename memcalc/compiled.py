@@ -1,0 +1,178 @@
+"""What ``torch.compile`` saves for backward, and what its memory budget recomputes.
+
+Under ``model.compile()`` the model's forward (embedding, layers, final norm, head)
+is one graph; AOTAutograd traces it jointly with its backward and its partitioner
+(:mod:`memcalc.partitioner`) chooses the saved set. The loss stays eager.
+
+This module records the compiled region's forward as a graph of values, op by op,
+from the same forward code the eager estimate runs (``memcalc.forward``): each
+op's output is a value, the tensors each op's backward formula reads (what the
+eager kernel saves) mark the values backward needs, matmul and attention inputs
+are read by non-fusible backward kernels. The partitioner's answer is reduced to
+what the timeline needs: bytes saved per layer, whether each layer's input is
+saved, and the forward FLOPs the backward graph spends recomputing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Optional
+
+from .partitioner import Graph, Partition, Value, choose_saved_values_set
+from .sim import Param, Sim, T
+from .spec import ExperimentSpec
+
+#: forward ops outside the recomputable allowlist that are compute-intensive (matmuls, attention)
+COMPUTE = {"linear", "matmul_qk", "matmul_pv", "sdpa_flash", "sdpa_efficient"}
+#: outside the allowlist but cheap (banned by the default cut, recomputable when aggressive)
+OTHER = {"embedding"}
+RANDOM = {"dropout"}
+#: the eager loss after the compiled region (memcalc.ops.Ops.lm_loss)
+LOSS = {"shift_slice", "log_softmax", "nll_loss"}
+
+
+class _Recorder:
+    """Builds partitioner values from the ops the forward code issues."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.values: list[Value] = []
+        self.of: dict[int, Value] = {}  # id(T) -> current value
+        self.done = False
+        self.layouts: dict[int, set] = {}  # id(value) -> layouts the backward kernels read it in
+
+    def value(self, t: T, name: str, kind: str, args: list[Value], flops: int = 0, param: bool = False) -> Value:
+        v = Value(name, t.nbytes, kind, args, flops=flops, param=param, layer=self._layer())
+        self.values.append(v)
+        self.of[id(t)] = v
+        return v
+
+    def _layer(self) -> Optional[int]:
+        lab = self.sim.label
+        if lab.startswith("fwd layer "):
+            return int(lab.split()[-1])
+        return None
+
+    def get(self, t: T, name: str) -> Value:
+        v = self.of.get(id(t))
+        if v is None:  # a graph input (the batch) or a constant built without an op
+            v = self.value(t, name, "input" if t.category == "inputs" else "pointwise", [])
+        return v
+
+    def __call__(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T], kw: dict) -> None:
+        if self.done or name in LOSS:
+            self.done = True
+            return
+        kind = "compute" if name in COMPUTE else "other" if name in OTHER else "random" if name in RANDOM else "pointwise"
+        args = [self.get(t, "input") for t in inputs]
+        pvals = []
+        for p in params:
+            pv = self.of.get(id(p.weight))
+            if pv is None:
+                pv = self.value(p.weight, p.name, "input", [], param=True)
+            pvals.append(pv)
+        needs_grad = any(t.requires_grad for t in inputs) or any(p.trainable for p in params)
+        outs = [self.value(o, name, kind, args + pvals, flops=kw.get("flops", 0) if i == 0 else 0)
+                for i, o in enumerate(outputs)]
+        main = outs[0] if outs else None
+        if not needs_grad:
+            return
+        for t in saved:
+            v = self.of.get(id(t))
+            if v is None:  # a tensor the op made besides its output (logsumexp, rstd, a mask)
+                v = self.value(t, name + " (aux)", "pointwise", [main] if main is not None else args)
+            v.bw_read = True
+            if kind == "compute":
+                v.bw_materialized = True  # read by a matmul / attention backward kernel
+                seen = self.layouts.setdefault(id(v), set())
+                seen.add("heads" if name.startswith(("sdpa", "matmul_")) else "rows")
+                v.views = len(seen)
+        for pv in pvals:
+            if any(t.requires_grad for t in inputs):  # grad_input = g W: the weight is read
+                pv.bw_read = True
+
+
+@dataclass
+class CompiledPlan:
+    """The partitioner's choice for one experiment, in bytes and FLOPs."""
+
+    budget: float
+    how: str
+    saved_bytes: int  # activations the compiled backward receives (graph inputs excluded)
+    saved_by_layer: dict[Optional[int], int] = field(default_factory=dict)  # None: outside layers
+    input_saved: dict[int, bool] = field(default_factory=dict)  # layer -> its input is saved
+    # layer -> saved bytes of the layer besides its output (which the next layer, or the
+    # eager final norm, holds as its input): what the timeline keeps per compiled layer
+    extra_by_layer: dict[int, int] = field(default_factory=dict)
+    recompute_flops: int = 0  # forward FLOPs recomputed in backward
+    forward_flops: int = 0  # forward FLOPs of the compiled region
+    default_saved_bytes: int = 0  # what budget 1.0 would save
+
+    @property
+    def recompute_pct(self) -> float:
+        return 100.0 * self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
+
+
+def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value], dict[int, Value]]:
+    """The compiled region's forward as a partitioner graph, and each layer's input and output."""
+    from .forward import Forward, make_params  # forward imports nothing from here
+
+    eager = exp.model_copy(update={"training": exp.training.model_copy(
+        update={"compile": False, "memory_budget": None, "checkpoint": "none", "fused_optimizer": False})})
+    sim = Sim(exp.profile.allocator_round_bytes)
+    sim.record_timeline = False
+    model = make_params(sim, eager)
+    rec = _Recorder(sim)
+    inputs: dict[int, Value] = {}
+    outputs: dict[int, Value] = {}
+    orig_layer = Forward.layer
+
+    def layer(self, x: T, i: int) -> T:
+        inputs[i] = rec.get(x, "layer input")
+        y = orig_layer(self, x, i)
+        outputs[i] = rec.get(y, "layer output")
+        return y
+
+    fwd = Forward(sim, eager, model)
+    fwd.layer = layer.__get__(fwd)
+    sim.recorder = rec
+    fwd.run()
+    sim.recorder = None
+    rec.values[-1].output = True
+    return Graph(rec.values), inputs, outputs
+
+
+@lru_cache(maxsize=64)
+def _plan_cached(exp_json: str) -> CompiledPlan:
+    exp = ExperimentSpec.model_validate_json(exp_json)
+    return _plan(exp)
+
+
+def compiled_plan(exp: ExperimentSpec) -> CompiledPlan:
+    """The saved set under ``torch.compile`` at the experiment's memory budget (1.0 if unset)."""
+    return _plan_cached(exp.model_dump_json())
+
+
+def _plan(exp: ExperimentSpec) -> CompiledPlan:
+    g, inputs, outputs = record_graph(exp)
+    budget = exp.training.memory_budget if exp.training.memory_budget is not None else 1.0
+    part: Partition = choose_saved_values_set(g, budget)
+    default = part if budget == 1.0 else choose_saved_values_set(g, 1.0)
+    by_layer: dict[Optional[int], int] = {}
+    for v in part.saved:
+        if v.kind != "input":
+            by_layer[v.layer] = by_layer.get(v.layer, 0) + v.nbytes
+    saved = set(part.saved)
+    extra = {i: by_layer.get(i, 0) - (out.nbytes if out in saved else 0) for i, out in outputs.items()}
+    return CompiledPlan(
+        budget=budget,
+        how=part.how,
+        saved_bytes=part.saved_bytes,
+        saved_by_layer=by_layer,
+        input_saved={i: v in saved for i, v in inputs.items()},
+        extra_by_layer=extra,
+        recompute_flops=part.recompute_flops,
+        forward_flops=sum(v.flops for v in g.values),
+        default_saved_bytes=default.saved_bytes,
+    )
