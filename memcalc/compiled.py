@@ -40,7 +40,6 @@ class _Recorder:
         self.values: list[Value] = []
         self.of: dict[int, Value] = {}  # id(T) -> current value
         self.done = False
-        self.layouts: dict[int, set] = {}  # id(value) -> layouts the backward kernels read it in
 
     def value(self, t: T, name: str, kind: str, args: list[Value], flops: int = 0, param: bool = False) -> Value:
         v = Value(name, t.nbytes, kind, args, flops=flops, param=param, layer=self._layer())
@@ -85,9 +84,6 @@ class _Recorder:
             v.bw_read = True
             if kind == "compute":
                 v.bw_materialized = True  # read by a matmul / attention backward kernel
-                seen = self.layouts.setdefault(id(v), set())
-                seen.add("heads" if name.startswith(("sdpa", "matmul_")) else "rows")
-                v.views = len(seen)
         for pv in pvals:
             if any(t.requires_grad for t in inputs):  # grad_input = g W: the weight is read
                 pv.bw_read = True

@@ -63,10 +63,6 @@ class Value:
     param: bool = False  # a parameter (static lifetime: free to save)
     layer: Optional[int] = None
     output: bool = False  # a forward output (e.g. the logits)
-    # saved nodes that share this value's storage: the partitioner sizes saved *nodes*, so an
-    # attention output saved both as the attention backward's alias and as the output
-    # projection's (N, d) view counts twice in its budget arithmetic (not in memory)
-    views: int = 1
     users: list["Value"] = field(default_factory=list)
     dist_from_bw: int = 0
     order: int = 0
@@ -213,16 +209,19 @@ class _Flow:
             path.append(e)
             u = self.to[e]
 
-    def reachable(self, s: int) -> list[bool]:
+    def reaches(self, t: int) -> list[bool]:
+        """Nodes that can still reach ``t`` in the residual graph (networkx's ``minimum_cut``
+        takes these as the sink side; everything else is the source side)."""
         seen = [False] * self.n
-        seen[s] = True
-        q = deque([s])
+        seen[t] = True
+        q = deque([t])
         while q:
-            u = q.popleft()
-            for e in self.adj[u]:
-                if self.cap[e] > 0 and not seen[self.to[e]]:
-                    seen[self.to[e]] = True
-                    q.append(self.to[e])
+            v = q.popleft()
+            for e in self.adj[v]:
+                u = self.to[e]
+                if self.cap[e ^ 1] > 0 and not seen[u]:  # e ^ 1 runs u -> v
+                    seen[u] = True
+                    q.append(u)
         return seen
 
 
@@ -244,8 +243,8 @@ def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset
         for u in v.users:
             fl.add(i_out, 2 * u.order, INF)
     fl.max_flow(SRC, SNK)
-    seen = fl.reachable(SRC)
-    saved = [v for v in g.values if seen[2 * v.order] and not seen[2 * v.order + 1]]
+    sink_side = fl.reaches(SNK)
+    saved = [v for v in g.values if not sink_side[2 * v.order] and sink_side[2 * v.order + 1]]
     return saved, banned
 
 
@@ -327,8 +326,8 @@ def choose_saved_values_set(g: Graph, memory_budget: float = 1.0) -> Partition:
     if memory_budget == 1:
         return done(default, "default min-cut")
 
-    def size(vs: list[Value]) -> int:  # estimate_activations_size: sums node sizes
-        return sum(v.nbytes * v.views for v in vs)
+    def size(vs: list[Value]) -> int:  # estimate_activations_size
+        return sum(v.nbytes for v in vs)
 
     min_act, max_act = size(g.inputs), size(default)
     if max_act <= min_act:

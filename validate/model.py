@@ -249,28 +249,32 @@ class Decoder(nn.Module):
             i += step
         return x
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding, layers, final norm and head: what ``model.compile()`` compiles (the loss
+        stays eager in Forgather's trainer). Call inside ``self.amp.region()``."""
         m, amp = self.m, self.amp
         B, T = input_ids.shape
-        with amp.region():
-            self._label("embedding")
-            x = self.embed_tokens(input_ids)
-            if m.positions == "learned":
-                pos = torch.arange(T, device=input_ids.device)[None, :]
-                x = x + self.embed_positions(pos)
-            x = dropout(x, m.embd_dropout if self.training else 0.0)
-            cos = sin = None
-            if m.positions == "rope":
-                cos, sin = rope_tables(self.inv_freq, T, x.dtype)
-            x = self.run_layers(x, cos, sin)
-            self._label("head & loss")
-            if m.final_norm:
-                x = self.final_norm(x)
-            w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
-            logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
-            del x
+        self._label("embedding")
+        x = self.embed_tokens(input_ids)
+        if m.positions == "learned":
+            pos = torch.arange(T, device=input_ids.device)[None, :]
+            x = x + self.embed_positions(pos)
+        x = dropout(x, m.embd_dropout if self.training else 0.0)
+        cos = sin = None
+        if m.positions == "rope":
+            cos, sin = rope_tables(self.inv_freq, T, x.dtype)
+        x = self.run_layers(x, cos, sin)
+        self._label("head & loss")
+        if m.final_norm:
+            x = self.final_norm(x)
+        w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
+        return F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with self.amp.region():
+            logits = self.logits(input_ids)
             self._mark_backward(logits, "head & loss")
-            loss = lm_loss(logits, labels, self.profile, amp)
+            loss = lm_loss(logits, labels, self.profile, self.amp)
             del logits
         return loss
 

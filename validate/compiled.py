@@ -1,0 +1,98 @@
+"""PyTorch's own partitioner on the spec-built model, without a GPU.
+
+``torch.compile`` needs CUDA to run the reference model, but the decision that
+sets its activation memory, AOTAutograd's min-cut partition of the joint graph
+(``torch/_functorch/partitioners.py``), only needs shapes. ``partition`` traces
+the model's compiled region (embedding to logits) with ``aot_function`` on the
+``meta`` device, with inductor's decompositions, under a given
+``activation_memory_budget``, and returns what the forward graph hands to
+backward: the bytes memcalc's own partitioner (``memcalc.compiled``) must match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch._functorch import config as functorch_config
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from memcalc.spec import ExperimentSpec
+
+from .model import build_model
+
+#: ops that return a view of their input (the saved node shares its base's storage)
+_VIEWS = {"aten.permute.default", "aten.view.default", "aten.alias.default", "aten.t.default",
+          "aten.expand.default", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.squeeze.dim",
+          "aten._unsafe_view.default", "aten.transpose.int", "aten.select.int", "aten.reshape.default"}
+
+
+@dataclass
+class PartitionResult:
+    saved_bytes: int  # activations saved for backward (storages, graph inputs and their views excluded)
+    saved_tensors: int
+    torch_version: str
+
+
+def partition(exp: ExperimentSpec, budget: Optional[float] = None, scale_layers: Optional[int] = None) -> PartitionResult:
+    """Trace ``exp``'s compiled region on meta and partition it as ``torch.compile`` would."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
+    tr = exp.training.model_copy(update={"compile": False, "memory_budget": None, "checkpoint": "none"})
+    model = build_model(m, tr, exp.profile, device="meta")
+    wrapper = _Logits(model)
+    names = [n for n, p in wrapper.named_parameters()]
+    ids = torch.zeros(tr.batch, tr.seq, dtype=torch.long, device="meta")
+    graphs: dict[str, torch.fx.GraphModule] = {}
+
+    def fw_compiler(gm, args):
+        graphs["fw"] = gm
+        return gm
+
+    # dynamo marks the parameters as static inputs, which the partitioner saves for free
+    # (config.treat_parameters_as_free_to_save), as under model.compile()
+    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=lambda gm, a: gm,
+                           partition_fn=min_cut_rematerialization_partition,
+                           decompositions=select_decomp_table())
+    b = exp.training.memory_budget if budget is None else budget
+    torch._dynamo.reset()
+    with functorch_config.patch(activation_memory_budget=1.0 if b is None else b):
+        compiled = torch.compile(_Logits(model), backend=backend, dynamic=False, fullgraph=True)
+        compiled(ids)
+    torch._dynamo.reset()
+    fw = graphs["fw"]
+    placeholders = {n for n in fw.graph.nodes if n.op == "placeholder"}
+    outs = list(fw.graph.nodes)[-1].args[0]
+
+    def base(n):
+        while n.op == "call_function" and str(n.target) in _VIEWS:
+            n = n.args[0]
+        return n
+
+    seen = set()
+    total = 0
+    for o in outs[1:]:  # the first output is the logits
+        if o is None:
+            continue
+        bo = base(o)
+        if bo in placeholders or bo in seen:
+            continue
+        seen.add(bo)
+        v = bo.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return PartitionResult(total, len(seen), torch.__version__)
+
+
+class _Logits(torch.nn.Module):
+    """The compiled region as a module: input ids -> logits."""
+
+    def __init__(self, m) -> None:
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids):
+        return self.m.logits(ids)
