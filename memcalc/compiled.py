@@ -81,6 +81,7 @@ class _Recorder:
             v = self.of.get(id(t))
             if v is None:  # a tensor the op made besides its output (logsumexp, rstd, a mask)
                 v = self.value(t, name + " (aux)", "pointwise", [main] if main is not None else args)
+                v.extern_aux = kind in ("compute", "other")
             v.bw_read = True
             if kind == "compute":
                 v.bw_materialized = True  # read by a matmul / attention backward kernel
@@ -101,6 +102,9 @@ class CompiledPlan:
     # layer -> saved bytes of the layer besides its output (which the next layer, or the
     # eager final norm, holds as its input): what the timeline keeps per compiled layer
     extra_by_layer: dict[int, int] = field(default_factory=dict)
+    # layer -> bytes the compiled backward recomputes before it reaches the last layer (the
+    # forward chain up to there) and keeps until this layer's backward (see chain_hold)
+    held_by_layer: dict[int, int] = field(default_factory=dict)
     recompute_flops: int = 0  # forward FLOPs recomputed in backward
     forward_flops: int = 0  # forward FLOPs of the compiled region
     default_saved_bytes: int = 0  # what budget 1.0 would save
@@ -161,6 +165,7 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
             by_layer[v.layer] = by_layer.get(v.layer, 0) + v.nbytes
     saved = set(part.saved)
     extra = {i: by_layer.get(i, 0) - (out.nbytes if out in saved else 0) for i, out in outputs.items()}
+    held = chain_hold(g, part, set(outputs.values()), len(outputs))
     return CompiledPlan(
         budget=budget,
         how=part.how,
@@ -168,7 +173,60 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
         saved_by_layer=by_layer,
         input_saved={i: v in saved for i, v in inputs.items()},
         extra_by_layer=extra,
+        held_by_layer=held,
         recompute_flops=part.recompute_flops,
         forward_flops=sum(v.flops for v in g.values),
         default_saved_bytes=default.saved_bytes,
     )
+
+
+def _realized(v: Value) -> bool:
+    """Does inductor give this value a buffer of its own? Outputs of extern kernels (matmul,
+    attention, embedding) and their second outputs, and anything a matmul or attention kernel
+    reads (their inputs must be materialised); other pointwise values are inlined into the
+    kernels that use them and recomputed there."""
+    return v.kind in ("compute", "other", "random") or v.extern_aux or any(
+        u.kind in ("compute", "other") for u in v.users)
+
+
+def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[int, int]:
+    """Bytes held from the start of the compiled backward until each layer's backward.
+
+    The backward graph is reordered to mimic the autograd engine
+    (``reordering_to_mimic_autograd_engine`` in partitioners.py): each backward op pulls in
+    the recomputation it needs, in forward order. The head's backward needs the last
+    layer's output, so when the residual stream is not saved the whole forward chain is
+    recomputed first; every realized value on it that a later (earlier-layer) backward step
+    reads, directly or through inlined pointwise recomputation, stays alive until then.
+    Values only a layer's own backward needs are recomputed when it runs (one layer at a
+    time, which the timeline models by recomputing that layer). Layer outputs (the residual
+    stream) are left out: the timeline keeps them from the forward.
+    """
+    saved = set(part.saved)
+    recomputed = set(part.recomputed)
+    head = n_layers  # the backward step of the final norm and head (before any layer's)
+    last = max((v.order for v in g.values if v.layer is not None), default=-1)
+    # which backward steps need each recomputed value (through unsaved values); a step is a
+    # layer index, ``head`` for what follows the layers, -1 for the embedding
+    need: dict[Value, set] = {}
+    for u in g.values:
+        if not u.bw_read or u in saved or u.kind == "input":
+            continue
+        s_u = u.layer if u.layer is not None else (head if u.order > last else -1)
+        stack = [u]
+        seen = set()
+        while stack:
+            v = stack.pop()
+            if v in seen or v in saved or v.kind == "input":
+                continue
+            seen.add(v)
+            need.setdefault(v, set()).add(s_u)
+            stack.extend(v.args)
+    held: dict[int, int] = {}
+    for v, steps in need.items():
+        if v not in recomputed or v in layer_outputs or not _realized(v) or v.layer is None:
+            continue
+        # computed in the chain (for a later layer's backward) and read again by its own
+        if max(steps) > v.layer and min(steps) < max(steps):
+            held[v.layer] = held.get(v.layer, 0) + v.nbytes
+    return held

@@ -100,6 +100,7 @@ class Forward:
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
         self.ckpt_nodes: list[Node] = []
+        self.compiled_nodes: list[Node] = []
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -297,14 +298,16 @@ class Forward:
         mode = tr.checkpoint
         i = 0
         plan = None
-        if tr.compile:
+        # checkpointed regions inside a compiled graph are recomputed whole (the partitioner
+        # must recompute what torch.utils.checkpoint tags), which is the eager checkpoint's memory
+        if tr.compile and mode == "none":
             from .compiled import compiled_plan
             plan = compiled_plan(self.exp)
         while i < n:
             self.sim.mark(f"fwd layer {i}")
             self.gather([i, i + 1] if i + 1 < n else [i])
             if plan is not None:
-                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0))
+                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0), plan.held_by_layer.get(i, 0))
                 step = 1
             elif mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
                 j = i
@@ -331,9 +334,28 @@ class Forward:
             x = y
             i += step
         self.gather([])
+        if plan is not None:
+            self._chain_recompute_at_backward_start()
         return x
 
-    def compiled_layer(self, x: T, i: int, saved_bytes: int) -> T:
+    def _chain_recompute_at_backward_start(self) -> None:
+        """The compiled backward first recomputes the forward chain and keeps what later layers'
+        backward reads (``held``): allocated when the last layer's backward starts."""
+        nodes = [n for n in self.compiled_nodes if n.held_bytes]
+        if not nodes:
+            return
+        last = self.compiled_nodes[-1]
+        inner = last.on_backward
+
+        def start(s: Sim, nd: Node) -> None:
+            s.label = "bwd recompute forward chain"
+            for n in nodes:
+                n.held = s.alloc(n.held_bytes, "activations", "recomputed in backward (compiled)")
+            inner(s, nd)
+
+        last.on_backward = start
+
+    def compiled_layer(self, x: T, i: int, saved_bytes: int, held_bytes: int = 0) -> T:
         """One layer inside the compiled graph (``torch.compile``; see memcalc.compiled).
 
         Forward: inductor frees every intermediate once used, so what stays is the saved set the
@@ -342,21 +364,29 @@ class Forward:
         is the same memory once backward starts) plus ``saved_bytes`` more. Backward: the
         saved set is consumed and the layer's values the backward reads are computed again
         (the saved set and the recomputation together are the layer's eager saved set; the
-        simulator recomputes the eager layer, as a checkpointed region)."""
+        simulator recomputes the eager layer, as a checkpointed region). ``held_bytes``: what
+        the backward's recomputation of the forward chain keeps for this layer (allocated at the
+        start of the compiled backward, freed when this layer's backward starts)."""
         sim = self.sim
         block = sim.alloc(saved_bytes, "activations", "saved activations (compiled)") if saved_bytes else None
         y = self.checkpoint(lambda: [x], lambda: self.layer(x, i), f"layer {i}")
-        if block is not None:
-            node = y.producer
-            recompute = node.on_backward
+        node = y.producer
+        recompute = node.on_backward
+        node.held_bytes, node.held = held_bytes, None
 
-            def on_backward(s: Sim, nd: Node) -> None:
+        def on_backward(s: Sim, nd: Node) -> None:
+            if block is not None:
                 nd.saved.remove(block)  # the backward graph consumes (frees) the saved set
                 s.unref(block)
-                recompute(s, nd)
+            if nd.held is not None:
+                s.unref(nd.held)
+                nd.held = None
+            recompute(s, nd)
 
-            node.on_backward = on_backward
+        node.on_backward = on_backward
+        if block is not None:
             node.saved.append(block)
+        self.compiled_nodes.append(node)
         return y
 
     def gather(self, layers: list[int]) -> None:

@@ -63,6 +63,7 @@ class Value:
     param: bool = False  # a parameter (static lifetime: free to save)
     layer: Optional[int] = None
     output: bool = False  # a forward output (e.g. the logits)
+    extern_aux: bool = False  # a second output of a compute kernel (logsumexp): its own buffer
     users: list["Value"] = field(default_factory=list)
     dist_from_bw: int = 0
     order: int = 0
