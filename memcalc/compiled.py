@@ -85,8 +85,10 @@ class _Recorder:
             v.bw_read = True
             if kind == "compute":
                 v.bw_materialized = True  # read by a matmul / attention backward kernel
+        copies = {self.of[id(t)].args[0] for t in saved if self.of[id(t)].name == "to_copy" and self.of[id(t)].args}
         for pv in pvals:
-            if any(t.requires_grad for t in inputs):  # grad_input = g W: the weight is read
+            # grad_input = g W reads the weight, or (autocast) the saved low-precision copy of it
+            if any(t.requires_grad for t in inputs) and pv not in copies:
                 pv.bw_read = True
 
 

@@ -59,6 +59,7 @@ class Ops:
             return x, False
         xc = self.new(x.numel, self.autocast)
         xc.requires_grad = x.requires_grad
+        self.sim.note_op("to_copy", [x], [], [xc])
         return xc, True
 
     def _cast_weight(self, w: Param) -> tuple[Optional[T], bool]:
@@ -66,6 +67,7 @@ class Ops:
         if self.autocast is None or w.weight.itemsize_bits == self.autocast.bits:
             return None, False
         wc = self.new(w.numel, self.autocast, "autocast weight copies")
+        self.sim.note_op("to_copy", [], [w], [wc])
         if w.trainable:
             self.autocast_cache.append(self.sim.ref(wc))
         return wc, True

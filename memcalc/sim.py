@@ -200,6 +200,12 @@ class Sim:
         self.nodes.append(n)
         return n
 
+    def note_op(self, name: str, inputs: list[T], params: list[Param], outputs: list[T]) -> None:
+        """An op whose autograd bookkeeping another node does (autocast's casts): only the
+        graph recorder hears of it."""
+        if self.recorder is not None:
+            self.recorder(name, [], inputs, params, outputs, {})
+
     def backward(self, loss: T, loss_grad_bytes: int, label_of: Callable[[Node], str]) -> None:
         """Run backward from ``loss`` over all registered nodes (reverse creation order)."""
         loss.grad_buffer = self.alloc(loss_grad_bytes, "temporaries", "activation gradients")

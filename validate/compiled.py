@@ -95,4 +95,5 @@ class _Logits(torch.nn.Module):
         self.m = m
 
     def forward(self, ids):
-        return self.m.logits(ids)
+        with self.m.amp.region():
+            return self.m.logits(ids)
