@@ -232,3 +232,25 @@ def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> 
         if max(steps) > v.layer and min(steps) < max(steps):
             held[v.layer] = held.get(v.layer, 0) + v.nbytes
     return held
+
+
+def checkpoint_recompute_flops(exp: ExperimentSpec) -> tuple[int, int]:
+    """(forward FLOPs that activation checkpointing recomputes in backward, forward FLOPs of the
+    model) for the experiment's checkpointing mode: a checkpointed layer runs its forward
+    again (full, every-K, sqrt segments), selective recomputes the attention core only.
+    Counted as FlopCounterMode counts: 2*m*n*k per matmul, 4*B*H*T^2*D per attention."""
+    g, _, _ = record_graph(exp)
+    tr = exp.training
+    total = sum(v.flops for v in g.values)
+    mode = tr.checkpoint
+
+    def recomputed(v: Value) -> bool:
+        if v.layer is None or mode == "none":
+            return False
+        if mode == "selective":
+            return v.name.startswith(("sdpa", "matmul_"))
+        if mode == "every-k":
+            return v.layer % tr.checkpoint_every == 0
+        return True  # full, sqrt
+
+    return sum(v.flops for v in g.values if recomputed(v)), total

@@ -101,8 +101,39 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         f"RMSNorm {exp.profile.rmsnorm}, attention {exp.profile.attention}",
         "every allocation rounded up to 512 bytes, as the CUDA caching allocator does",
     ]
-    if exp.training.compile:
-        assumptions.append("torch.compile is not modelled yet: this is the eager step's peak")
+    compiled = None
+    tr = exp.training
+    if tr.compile and tr.checkpoint == "none":
+        from .compiled import compiled_plan
+
+        plan = compiled_plan(exp)
+        compiled = {
+            "memory_budget": plan.budget,
+            "decided_by": plan.how,
+            "saved_bytes": plan.saved_bytes,
+            "default_saved_bytes": plan.default_saved_bytes,
+            "recomputed_in_backward_bytes": sum(plan.held_by_layer.values()),
+            "recompute_flops": plan.recompute_flops,
+            "forward_flops": plan.forward_flops,
+        }
+        assumptions.append(
+            "torch.compile: one graph from the embedding to the logits (the loss stays eager); the "
+            "saved set is AOTAutograd's min-cut partition at the memory budget; the backward "
+            "recomputes the forward chain first and keeps what later layers read; all gradients "
+            "leave the compiled backward together")
+    recompute = None
+    if compiled:
+        recompute = {"flops": compiled["recompute_flops"], "forward_flops": compiled["forward_flops"],
+                     "by": f"torch.compile, memory budget {compiled['memory_budget']:g}"}
+    elif tr.checkpoint != "none":
+        from .compiled import checkpoint_recompute_flops
+
+        rf, ff = checkpoint_recompute_flops(exp)
+        recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}
+    if tr.compile and not compiled:
+        assumptions.append(
+            f"torch.compile with checkpointing ({tr.checkpoint}): checkpointed regions are recomputed "
+            "whole, as in eager mode; gradients leave the compiled backward together")
     return Estimate(
         experiment=exp,
         params=counts.total,
@@ -122,7 +153,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         required_bytes=peak + CUDA_CONTEXT_BYTES + slack,
         assumptions=assumptions,
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
-               **alloc_extra},
+               **alloc_extra, **({"compiled": compiled} if compiled else {}),
+               **({"recompute": recompute} if recompute else {})},
     )
 
 
