@@ -26,7 +26,7 @@ from .result import KINDS, TimelinePoint
 from .units import round_up
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class T:
     """A block of memory: ``nbytes`` already rounded to the allocator granularity."""
 

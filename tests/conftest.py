@@ -21,3 +21,20 @@ def experiment(model: ModelSpec | None = None, **training) -> ExperimentSpec:
 @pytest.fixture
 def tiny():
     return tiny_llama()
+
+
+def small_config(name: str, layers: int, **training) -> ExperimentSpec:
+    """A shipped reference config with fewer layers (and training overrides)."""
+    from memcalc.configs import load_config
+
+    exp = load_config(name)
+    return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers}),
+                                  "training": exp.training.model_copy(update=training)})
+
+
+def preset_exp(model: str, layers: int, budget: float, **kw) -> ExperimentSpec:
+    """A preset under torch.compile at ``budget``, batch 2 x seq 256, with fewer layers."""
+    from memcalc.inputs import Options, resolve
+
+    exp = resolve(Options(model=model, batch=2, seq=256, memory_budget=budget, **kw)).exp
+    return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers})})

@@ -1,0 +1,111 @@
+"""torch.compile and its activation memory budget: the reference rows, the saved set against
+PyTorch's own partitioner, and invariants of the budget."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memcalc.compiled import compiled_plan
+from memcalc.configs import load_config
+from memcalc.estimate import estimate
+
+from conftest import preset_exp, small_config
+
+GiB = 2**30
+TOL_PUBLISHED = 0.05  # issue 4: within 5% of the published peak
+
+COMPILED = ["compile", "memory_budget_60", "memory_budget_05", "fused_memory_budget_05", "bf16_budget_60"]
+# Rows the model does not yet reproduce within 5% (see the README, "torch.compile"): the
+# budget-0.05 rows depend on what inductor keeps of the forward chain it recomputes at the
+# start of backward, and bf16_budget_60's published peak is below weights + the saved set the
+# partitioner chooses for the configuration as written.
+OPEN = {"memory_budget_05", "fused_memory_budget_05", "bf16_budget_60"}
+
+
+def _err(name: str) -> tuple[float, float, float]:
+    exp = load_config(name)
+    est = estimate(exp, timeline=False)
+    pub = exp.published_peak_bytes
+    return est.peak_bytes / GiB, pub / GiB, (est.peak_bytes - pub) / pub
+
+
+def test_print_compiled_table(capsys):
+    """source: ../shared/notes/seed-experiment.md (the published table)."""
+    rows = [(n, *_err(n)) for n in COMPILED]
+    with capsys.disabled():
+        print("\n config                   predicted GiB  published GiB    gap")
+        for n, p, pub, e in rows:
+            print(f" {n:24s} {p:13.3f} {pub:14.3f} {100 * e:+6.1f}%")
+    for n, p, pub, e in rows:
+        assert abs(e) < 0.25, f"{n}: {100 * e:+.1f}% is far off"  # a regression guard for every row
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="open: see OPEN")) if n in OPEN else n
+    for n in COMPILED
+])
+def test_within_published(name):
+    # source: seed-experiment.md table (Forgather peak_memory, PyTorch 2.8, RTX 4090)
+    _, _, e = _err(name)
+    assert abs(e) <= TOL_PUBLISHED
+
+
+def test_fusing_the_optimizer_saves_nothing_under_compile():
+    # source: seed-experiment.md: memory_budget_05 13.561 vs fused_memory_budget_05 13.562;
+    # all gradients leave the compiled backward together, before any hook fires
+    a = estimate(load_config("memory_budget_05"), timeline=False).peak_bytes
+    b = estimate(load_config("fused_memory_budget_05"), timeline=False).peak_bytes
+    assert abs(a - b) / a < 0.001
+
+
+def test_fusing_still_saves_in_eager():
+    # the contrast: eager checkpointing (12.529) vs fused checkpointing (7.425)
+    a = estimate(load_config("checkpoint"), timeline=False).peak_bytes
+    b = estimate(load_config("fused_checkpoint"), timeline=False).peak_bytes
+    assert b < 0.7 * a
+
+
+def test_compile_beats_eager_on_the_control():
+    # source: seed-experiment.md: compile 19.712 < control 21.165 (fused pointwise chains keep
+    # their inputs, not their intermediates)
+    a = estimate(load_config("control"), timeline=False).peak_bytes
+    b = estimate(load_config("compile"), timeline=False).peak_bytes
+    assert b < a
+
+
+def test_report_and_json_carry_the_plan(tmp_path):
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+    import json
+
+    r = CliRunner().invoke(app, ["estimate", "--config", "memory_budget_60", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    c = d["compiled"]
+    assert c["memory_budget"] == 0.6 and c["saved_bytes"] < c["default_saved_bytes"]
+    assert 0 < d["recompute"]["flops"] < d["recompute"]["forward_flops"]
+    r = CliRunner().invoke(app, ["estimate", "--config", "memory_budget_05"])
+    assert r.exit_code == 0 and "torch.compile (memory budget 0.05" in r.output
+
+
+@given(st.lists(st.integers(0, 20), min_size=2, max_size=2, unique=True))
+@settings(max_examples=15, deadline=None)
+def test_budget_monotone(pair):
+    """A smaller budget never saves more and never recomputes less."""
+    lo, hi = sorted(b / 20 for b in pair)
+    a = compiled_plan(small_config("memory_budget_60", 4, memory_budget=lo))
+    b = compiled_plan(small_config("memory_budget_60", 4, memory_budget=hi))
+    assert a.saved_bytes <= b.saved_bytes
+    assert a.recompute_flops >= b.recompute_flops
+
+
+def test_amp_budget_changes_nothing():
+    # partitioners.py: when the default saved set is no larger than the graph inputs (fp32
+    # weights under autocast are the inputs; backward reads their bf16 copies), the budget
+    # returns the default cut
+    a = compiled_plan(preset_exp("tinyllama-1.1b", 2, 1.0, precision="amp-bf16"))
+    b = compiled_plan(preset_exp("tinyllama-1.1b", 2, 0.1, precision="amp-bf16"))
+    assert a.saved_bytes == b.saved_bytes and "no larger" in b.how
