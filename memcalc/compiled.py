@@ -39,12 +39,14 @@ class _Recorder:
         self.sim = sim
         self.values: list[Value] = []
         self.of: dict[int, Value] = {}  # id(T) -> current value
+        self.alive: list[T] = []  # every tensor seen, so that no id(T) is reused by a new one
         self.done = False
 
     def value(self, t: T, name: str, kind: str, args: list[Value], flops: int = 0, param: bool = False) -> Value:
         v = Value(name, t.nbytes, kind, args, flops=flops, param=param, layer=self._layer())
         self.values.append(v)
         self.of[id(t)] = v
+        self.alive.append(t)
         return v
 
     def _layer(self) -> Optional[int]:

@@ -3,8 +3,8 @@
 ``torch.compile`` needs CUDA to run the reference model, but the decision that
 sets its activation memory, AOTAutograd's min-cut partition of the joint graph
 (``torch/_functorch/partitioners.py``), only needs shapes. ``partition`` traces
-the model's compiled region (embedding to logits) with ``aot_function`` on the
-``meta`` device, with inductor's decompositions, under a given
+the model's compiled region (embedding to logits) through dynamo and AOTAutograd on
+the ``meta`` device, with inductor's decompositions, under a given
 ``activation_memory_budget``, and returns what the forward graph hands to
 backward: the bytes memcalc's own partitioner (``memcalc.compiled``) must match.
 """
@@ -43,8 +43,6 @@ def partition(exp: ExperimentSpec, budget: Optional[float] = None, scale_layers:
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     tr = exp.training.model_copy(update={"compile": False, "memory_budget": None, "checkpoint": "none"})
     model = build_model(m, tr, exp.profile, device="meta")
-    wrapper = _Logits(model)
-    names = [n for n, p in wrapper.named_parameters()]
     ids = torch.zeros(tr.batch, tr.seq, dtype=torch.long, device="meta")
     graphs: dict[str, torch.fx.GraphModule] = {}
 
