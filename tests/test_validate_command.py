@@ -39,6 +39,10 @@ def test_json_records_and_output_file(tmp_path, capsys):
         want = (ok["predicted_bytes"] - ok["measured_bytes"]) / ok["measured_bytes"] * 100
         assert ok["error_pct"] == pytest.approx(want, abs=1e-3)
     assert skipped["status"] == "skipped" and "CUDA" in skipped["reason"] and skipped["measured_bytes"] is None
+    # what needs no GPU is still checked: PyTorch's partition of the compiled graph
+    assert "partitioner saves" in skipped["reason"]
+    real, mine = skipped["partition_saved_bytes"], skipped["predicted_saved_bytes"]
+    assert isinstance(real, int) and abs(mine - real) <= 0.05 * real
 
 
 def test_table_on_stdout(capsys):

@@ -81,6 +81,8 @@ def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers:
         "reserved_bytes": meas.reserved_bytes,
         "allocator_sim_bytes": meas.sim_allocated_bytes,
         "allocator_sim_reserved_bytes": meas.sim_reserved_bytes,
+        "partition_saved_bytes": meas.partition_saved_bytes,
+        "predicted_saved_bytes": meas.predicted_saved_bytes,
         "scale_layers": scale_layers,
         "status": meas.status,
         "reason": reason,

@@ -62,6 +62,10 @@ class Measurement:
     #: meta/cpu with ``allocator_sim``: the CUDA caching allocator replayed (allocator.py)
     sim_allocated_bytes: Optional[int] = None
     sim_reserved_bytes: Optional[int] = None
+    #: torch.compile skipped off CUDA: what PyTorch's partitioner saves for backward (on meta),
+    #: and what memcalc's own partitioner saves, for the model as measured
+    partition_saved_bytes: Optional[int] = None
+    predicted_saved_bytes: Optional[int] = None
     peak_live: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -147,6 +151,9 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     why = unsupported(exp, device)
     if why:
         meas.status, meas.reason = "skipped", why
+        if exp.training.compile and exp.training.checkpoint == "none":
+            _check_partition(exp, scale_layers, meas, say)
+        meas.seconds = round(time.perf_counter() - t0, 3)
         return meas
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
@@ -254,6 +261,23 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         meas.peak_live = sorted(tracer.peak_live, reverse=True)
     model.on_label = None
     del model, opt, ids, labels
+
+
+def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Measurement, say) -> None:
+    """The part of a compiled step that needs no GPU: PyTorch's partition of the joint graph."""
+    from memcalc.compiled import compiled_plan
+
+    from .compiled import partition
+
+    say("partitioning the compiled graph (PyTorch, on meta)")
+    target = exp if scale_layers is None else exp.model_copy(
+        update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
+    real = partition(target).saved_bytes
+    mine = compiled_plan(target).saved_bytes
+    meas.partition_saved_bytes, meas.predicted_saved_bytes = real, mine
+    gib = 2**30
+    meas.reason += (f"; its saved set was checked instead: PyTorch's partitioner saves {real / gib:.3f} GiB "
+                    f"for backward, memcalc {mine / gib:.3f} GiB ({100 * (mine - real) / real:+.2f}%)")
 
 
 class _nullcontext:
