@@ -2,7 +2,9 @@
 
 Under ``model.compile()`` the model's forward (embedding, layers, final norm, head)
 is one graph; AOTAutograd traces it jointly with its backward and its partitioner
-(:mod:`memcalc.partitioner`) chooses the saved set. The loss stays eager.
+(:mod:`memcalc.partitioner`) chooses the saved set. The loss is modelled eagerly after
+the graph (a model that computes its loss in ``forward``, as Forgather's does, compiles
+it too; the difference is the loss's own saved tensors).
 
 This module records the compiled region's forward as a graph of values, op by op,
 from the same forward code the eager estimate runs (``memcalc.forward``): each

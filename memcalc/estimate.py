@@ -117,7 +117,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
             "forward_flops": plan.forward_flops,
         }
         assumptions.append(
-            "torch.compile: one graph from the embedding to the logits (the loss stays eager); the "
+            "torch.compile: one graph from the embedding to the logits (the loss modelled eagerly); the "
             "saved set is AOTAutograd's min-cut partition at the memory budget; the backward "
             "recomputes the forward chain first and keeps what later layers read; all gradients "
             "leave the compiled backward together")
