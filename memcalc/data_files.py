@@ -48,12 +48,16 @@ def load_file(name: str) -> Any:
     return parse_text(entry.read_text(encoding="utf-8"), name)
 
 
+#: libyaml's loader when PyYAML was built with it (several times faster), else the pure one
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def parse_text(text: str, where: str) -> Any:
     """Parse YAML or JSON text; a syntax error becomes one-line UserError naming the file."""
     try:
         if where.endswith(".json"):
             return json.loads(text)
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_LOADER)
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         mark = getattr(e, "problem_mark", None)
