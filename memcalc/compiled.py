@@ -108,9 +108,9 @@ class CompiledPlan:
     # layer -> saved bytes of the layer besides its output (which the next layer, or the
     # eager final norm, holds as its input): what the timeline keeps per compiled layer
     extra_by_layer: dict[int, int] = field(default_factory=dict)
-    # layer -> bytes the compiled backward recomputes before it reaches the last layer (the
-    # forward chain up to there) and keeps until this layer's backward (see chain_hold)
-    held_by_layer: dict[int, int] = field(default_factory=dict)
+    # (computed at step, last read at step) -> bytes the compiled backward recomputes at one
+    # backward step and keeps for a later one (see chain_hold; step n_layers is the head's)
+    held: dict[tuple[int, int], int] = field(default_factory=dict)
     recompute_flops: int = 0  # forward FLOPs recomputed in backward
     forward_flops: int = 0  # forward FLOPs of the compiled region
     default_saved_bytes: int = 0  # what budget 1.0 would save
@@ -179,7 +179,7 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
         saved_by_layer=by_layer,
         input_saved={i: v in saved for i, v in inputs.items()},
         extra_by_layer=extra,
-        held_by_layer=held,
+        held=held,
         recompute_flops=part.recompute_flops,
         forward_flops=sum(v.flops for v in g.values),
         default_saved_bytes=default.saved_bytes,
@@ -195,46 +195,67 @@ def _realized(v: Value) -> bool:
         u.kind in ("compute", "other") for u in v.users)
 
 
-def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[int, int]:
-    """Bytes held from the start of the compiled backward until each layer's backward.
+def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[tuple[int, int], int]:
+    """Bytes the compiled backward computes at one step and keeps for a later one.
 
     The backward graph is reordered to mimic the autograd engine
-    (``reordering_to_mimic_autograd_engine`` in partitioners.py): each backward op pulls in
-    the recomputation it needs, in forward order. The head's backward needs the last
-    layer's output, so when the residual stream is not saved the whole forward chain is
-    recomputed first; every realized value on it that a later (earlier-layer) backward step
-    reads, directly or through inlined pointwise recomputation, stays alive until then.
-    Values only a layer's own backward needs are recomputed when it runs (one layer at a
-    time, which the timeline models by recomputing that layer). Layer outputs (the residual
-    stream) are left out: the timeline keeps them from the forward.
+    (``reordering_to_mimic_autograd_engine`` in partitioners.py): each backward op pulls in,
+    in forward order, the recomputation it needs. Steps run head first, then layers from
+    the last to the first. At each step the values its backward formulas read are made
+    available: saved values and graph inputs are; a value inductor materialises (see
+    ``_realized``) is computed once and kept until its last reader; any other value is
+    recomputed inline wherever it is read, from its own inputs. The head's backward needs
+    the last layer's output, so when the residual stream is not saved the whole forward
+    chain is computed at the first step and what later steps read of it stays alive.
+
+    Returns ``{(computed at step, last read at step): bytes}`` for values kept across steps
+    (``n_layers`` is the head's step); values used only at the step that computes them are
+    left to the timeline's per-layer recomputation, and so are the layer outputs (the
+    timeline keeps the residual stream from the forward).
     """
     saved = set(part.saved)
-    recomputed = set(part.recomputed)
-    head = n_layers  # the backward step of the final norm and head (before any layer's)
+    head = n_layers
     last = max((v.order for v in g.values if v.layer is not None), default=-1)
-    # which backward steps need each recomputed value (through unsaved values); a step is a
-    # layer index, ``head`` for what follows the layers, -1 for the embedding
-    need: dict[Value, set] = {}
+
+    def step_of(v: Value) -> int:
+        return v.layer if v.layer is not None else (head if v.order > last else -1)
+
+    reads: dict[int, list[Value]] = {}
     for u in g.values:
-        if not u.bw_read or u in saved or u.kind == "input":
-            continue
-        s_u = u.layer if u.layer is not None else (head if u.order > last else -1)
-        stack = [u]
-        seen = set()
+        if u.bw_read and u not in saved and u.kind != "input":
+            reads.setdefault(step_of(u), []).append(u)
+    computed_at: dict[Value, int] = {}
+    last_use: dict[Value, int] = {}
+
+    def ensure(v: Value, s: int, inline: set) -> None:
+        stack = [(v, False)]
         while stack:
-            v = stack.pop()
-            if v in seen or v in saved or v.kind == "input":
+            x, expanded = stack.pop()
+            if x in saved or x.kind == "input":
                 continue
-            seen.add(v)
-            need.setdefault(v, set()).add(s_u)
-            stack.extend(v.args)
-    held: dict[int, int] = {}
-    for v, steps in need.items():
-        if v not in recomputed or v in layer_outputs or not _realized(v) or v.layer is None:
+            if x in computed_at:  # materialised earlier: read here
+                last_use[x] = s
+                continue
+            if not expanded:
+                if x in inline:
+                    continue
+                inline.add(x)
+                stack.append((x, True))
+                stack.extend((a, False) for a in x.args)
+            elif _realized(x):
+                computed_at[x] = s
+                last_use[x] = s
+
+    for s in [head] + list(range(n_layers - 1, -2, -1)):
+        inline: set = set()  # values recomputed inline at this step (each once)
+        for u in reads.get(s, []):
+            ensure(u, s, inline)
+    held: dict[tuple[int, int], int] = {}
+    for v, c in computed_at.items():
+        if v in layer_outputs or last_use[v] == c:
             continue
-        # computed in the chain (for a later layer's backward) and read again by its own
-        if max(steps) > v.layer and min(steps) < max(steps):
-            held[v.layer] = held.get(v.layer, 0) + v.nbytes
+        key = (c, last_use[v])
+        held[key] = held.get(key, 0) + v.nbytes
     return held
 
 

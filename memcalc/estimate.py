@@ -112,7 +112,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
             "decided_by": plan.how,
             "saved_bytes": plan.saved_bytes,
             "default_saved_bytes": plan.default_saved_bytes,
-            "recomputed_in_backward_bytes": sum(plan.held_by_layer.values()),
+            "recomputed_in_backward_bytes": sum(plan.held.values()),
             "recompute_flops": plan.recompute_flops,
             "forward_flops": plan.forward_flops,
         }

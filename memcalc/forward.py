@@ -307,7 +307,7 @@ class Forward:
             self.sim.mark(f"fwd layer {i}")
             self.gather([i, i + 1] if i + 1 < n else [i])
             if plan is not None:
-                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0), plan.held_by_layer.get(i, 0))
+                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0))
                 step = 1
             elif mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
                 j = i
@@ -335,27 +335,34 @@ class Forward:
             i += step
         self.gather([])
         if plan is not None:
-            self._chain_recompute_at_backward_start()
+            self._held_across_steps(plan.held)
         return x
 
-    def _chain_recompute_at_backward_start(self) -> None:
-        """The compiled backward first recomputes the forward chain and keeps what later layers'
-        backward reads (``held``): allocated when the last layer's backward starts."""
-        nodes = [n for n in self.compiled_nodes if n.held_bytes]
-        if not nodes:
+    def _held_across_steps(self, held: dict[tuple[int, int], int]) -> None:
+        """What the compiled backward computes at one step and keeps for a later one (see
+        memcalc.compiled.chain_hold): allocated when step ``c`` starts (the head's step, the
+        first, at the last layer's), freed when step ``last`` starts."""
+        n = len(self.compiled_nodes)
+        if not held or not n:
             return
-        last = self.compiled_nodes[-1]
-        inner = last.on_backward
+        blocks: dict[int, list[T]] = {}
 
-        def start(s: Sim, nd: Node) -> None:
-            s.label = "bwd recompute forward chain"
-            for n in nodes:
-                n.held = s.alloc(n.held_bytes, "activations", "recomputed in backward (compiled)")
-            inner(s, nd)
+        for k, node in enumerate(self.compiled_nodes):
+            inner = node.on_backward
+            here = [(last, b) for (c, last), b in held.items() if c == k or (c >= n and k == n - 1)]
 
-        last.on_backward = start
+            def start(s: Sim, nd: Node, k: int = k, here=here, inner=inner) -> None:
+                for t in blocks.pop(k, []):  # their last reader is this layer's backward
+                    s.unref(t)
+                for last, b in here:
+                    if last != k:
+                        blocks.setdefault(last, []).append(
+                            s.alloc(b, "activations", "recomputed in backward (compiled)"))
+                inner(s, nd)
 
-    def compiled_layer(self, x: T, i: int, saved_bytes: int, held_bytes: int = 0) -> T:
+            node.on_backward = start
+
+    def compiled_layer(self, x: T, i: int, saved_bytes: int) -> T:
         """One layer inside the compiled graph (``torch.compile``; see memcalc.compiled).
 
         Forward: inductor frees every intermediate once used, so what stays is the saved set the
@@ -364,23 +371,17 @@ class Forward:
         is the same memory once backward starts) plus ``saved_bytes`` more. Backward: the
         saved set is consumed and the layer's values the backward reads are computed again
         (the saved set and the recomputation together are the layer's eager saved set; the
-        simulator recomputes the eager layer, as a checkpointed region). ``held_bytes``: what
-        the backward's recomputation of the forward chain keeps for this layer (allocated at the
-        start of the compiled backward, freed when this layer's backward starts)."""
+        simulator recomputes the eager layer, as a checkpointed region)."""
         sim = self.sim
         block = sim.alloc(saved_bytes, "activations", "saved activations (compiled)") if saved_bytes else None
         y = self.checkpoint(lambda: [x], lambda: self.layer(x, i), f"layer {i}")
         node = y.producer
         recompute = node.on_backward
-        node.held_bytes, node.held = held_bytes, None
 
         def on_backward(s: Sim, nd: Node) -> None:
             if block is not None:
                 nd.saved.remove(block)  # the backward graph consumes (frees) the saved set
                 s.unref(block)
-            if nd.held is not None:
-                s.unref(nd.held)
-                nd.held = None
             recompute(s, nd)
 
         node.on_backward = on_backward

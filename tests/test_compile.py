@@ -109,3 +109,17 @@ def test_amp_budget_changes_nothing():
     a = compiled_plan(preset_exp("tinyllama-1.1b", 2, 1.0, precision="amp-bf16"))
     b = compiled_plan(preset_exp("tinyllama-1.1b", 2, 0.1, precision="amp-bf16"))
     assert a.saved_bytes == b.saved_bytes and "no larger" in b.how
+
+
+def test_chain_hold_matches_an_inductor_trace():
+    """source: a real inductor step (PyTorch 2.8, CPU; benchmarks/compile_cpu_probe.py) of the
+    4-layer model at budget 0.05, batch 4 x 768: the backward first recomputes the chain and,
+    per layer, keeps seven (B,T,d) fp32 tensors and one (B,H,T,T) softmax until that layer's
+    backward (the CPU path runs math attention). The seventh (B,T,d) is the layer input, which
+    the timeline keeps from the forward, so memcalc holds six plus the softmax."""
+    exp = small_config("memory_budget_60", 4, memory_budget=0.05)
+    exp = exp.model_copy(update={"profile": exp.profile.model_copy(update={"attention": "math"})})
+    held = compiled_plan(exp).held
+    btd, bhtt = 4 * 768 * 2048 * 4, 4 * 16 * 768 * 768 * 4
+    for layer in range(4):
+        assert held[(4, layer)] == 6 * btd + bhtt  # computed at the head's step (4)
