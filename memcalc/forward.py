@@ -359,6 +359,11 @@ class Forward:
                         blocks.setdefault(last, []).append(
                             s.alloc(b, "activations", "recomputed in backward (compiled)"))
                 inner(s, nd)
+                if k == 0:  # what the embedding's backward reads goes with the graph's end
+                    for ts in blocks.values():
+                        for t in ts:
+                            s.unref(t)
+                    blocks.clear()
 
             node.on_backward = start
 

@@ -123,3 +123,12 @@ def test_chain_hold_matches_an_inductor_trace():
     btd, bhtt = 4 * 768 * 2048 * 4, 4 * 16 * 768 * 768 * 4
     for layer in range(4):
         assert held[(4, layer)] == 6 * btd + bhtt  # computed at the head's step (4)
+
+
+@pytest.mark.parametrize("budget", [1.0, 0.6, 0.05, 0.0])
+def test_nothing_outlives_the_step(budget):
+    """Every saved or recomputed activation is freed by the end of the step."""
+    from memcalc.timeline import simulate
+
+    res = simulate(small_config("memory_budget_60", 4, memory_budget=budget))
+    assert res.timeline[-1].by_kind["activations"] == 0
