@@ -9,8 +9,9 @@ see AOTAutograd's ctx.save_for_backward) and the step's allocated peak above the
 post-norm RMSNorm, ReLU-gated FFN) with frozen slopes (the CPU SDPA kernel takes no mask
 gradient); on CPU, SDPA with a mask runs the math path, so memcalc is run with the math
 attention kernel. Takes a few minutes per budget on two cores (compile ~1 min, 3 steps).
-Seen with PyTorch 2.8 CPU at 4 layers, batch 4 x 768 (MiB above the weights):
-budget 1.0 measured 2553 vs predicted 2512; 0.6: 2178 vs 1884; 0.05: 2269 vs 2369.
+Seen with PyTorch 2.8 CPU at 4 layers, batch 4 x 768 (MiB): saved for backward at budget
+1.0 / 0.6 / 0.05 measured 2128 / 1226 / 96, memcalc 2139 / 1226 / 96; peak above the weights
+measured 2459 / 2084 / 2175, memcalc 2512 / 1908 / 1817.
 """
 
 from __future__ import annotations
