@@ -122,7 +122,7 @@ class CompiledPlan:
 
 def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value], dict[int, Value]]:
     """The compiled region's forward as a partitioner graph, and each layer's input and output."""
-    from .forward import Forward, make_params  # forward imports nothing from here
+    from .forward import Forward, make_params  # local: forward imports this module lazily
 
     eager = exp.model_copy(update={"training": exp.training.model_copy(
         update={"compile": False, "memory_budget": None, "checkpoint": "none", "fused_optimizer": False})})
