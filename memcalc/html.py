@@ -157,6 +157,14 @@ def estimate_html(est: Estimate, res: Resolved, gpus: list[Any]) -> str:
     if exp.published_peak_bytes:
         cards.append(_card("published peak", f'<span data-bytes="{exp.published_peak_bytes}">{gib(exp.published_peak_bytes):.2f} GiB</span>',
                            exp.published_source or "", ' id="published"'))
+    rec = est.extra.get("recompute")
+    if rec and rec.get("forward_flops"):
+        pct = 100 * rec["flops"] / rec["forward_flops"]
+        comp = est.extra.get("compiled")
+        sub = (f"saves {fmt_bytes(comp['saved_bytes'])} for backward (budget 1.0: {fmt_bytes(comp['default_saved_bytes'])})"
+               if comp else e(rec["by"]))
+        cards.append(_card("recomputed in backward", f'<span data-pct="{pct:.2f}">{pct:.1f}% of the forward</span>',
+                           f"{e(rec['by'])}; {sub}" if comp else sub, ' id="recompute"'))
     body = f"""<header><h1>memcalc estimate: {e(exp.name)}</h1>
 <p class="sub">{e(exp.description or exp.model.name)} &middot; {e(exp.model.name)}, batch {exp.training.batch} &times; seq {exp.training.seq}, {e(exp.training.precision)}, {e(exp.training.optimizer)}</p>
 <div class="cards">{"".join(cards)}</div></header>

@@ -241,3 +241,21 @@ def test_cli_html_bad_path_is_one_line(tmp_path):
     r = cli(["estimate", "--config", "control", "--html", str(tmp_path / "no" / "such" / "dir.html")])
     assert r.exit_code == 2
     assert "cannot write --html" in r.output
+
+
+@pytest.mark.parametrize("name,by", [
+    ("memory_budget_05", "torch.compile, memory budget 0.05"),  # source: the partitioner's knapsack
+    ("checkpoint", "activation checkpointing full"),  # source: each layer's forward again
+])
+def test_recomputation_card(name, by):
+    exp = load_config(name)
+    est = estimate(exp, timeline=False)
+    doc = estimate_html(est, Resolved(exp, {"model": "config"}, []), GPUS)
+    rec = est.extra["recompute"]
+    assert 'id="recompute"' in doc and by in doc
+    assert f'data-pct="{100 * rec["flops"] / rec["forward_flops"]:.2f}"' in doc
+
+
+def test_no_recomputation_card_without_recomputation(control):
+    est, res = control
+    assert 'id="recompute"' not in estimate_html(est, res, GPUS)
