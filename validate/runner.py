@@ -191,15 +191,20 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         ids = torch.randint(0, m.vocab_size, (B, T), device=device)
         labels = ids.clone()
     if tr.compile:
-        if tr.memory_budget is not None:
-            import torch._functorch.config as fconfig
+        import torch._dynamo
+        import torch._functorch.config as fconfig
 
-            fconfig.activation_memory_budget = tr.memory_budget
+        # a fresh compile per config (dynamo's cache would otherwise keep an earlier config's
+        # graphs, or hit its recompile limit and fall back to eager), at this config's budget
+        torch._dynamo.reset()
+        fconfig.activation_memory_budget = tr.memory_budget if tr.memory_budget is not None else 1.0
         model.compile(backend="inductor", mode="default", dynamic=False)
 
     tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim) if dev_type != "cuda" else None
     probe = _Probe(device, tracer)
-    model.on_label = probe.label
+    # phase labels are Python callbacks inside forward: under torch.compile they would break the
+    # graph into pieces (and change what it saves), so a compiled step reports no phase
+    model.on_label = None if tr.compile else probe.label
     if tr.fused_optimizer:
         if isinstance(opt, MasterWeights):
             def hook(p):
