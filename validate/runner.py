@@ -191,12 +191,12 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         ids = torch.randint(0, m.vocab_size, (B, T), device=device)
         labels = ids.clone()
     if tr.compile:
-        import torch._dynamo
         import torch._functorch.config as fconfig
+        from torch._dynamo import reset as dynamo_reset
 
         # a fresh compile per config (dynamo's cache would otherwise keep an earlier config's
         # graphs, or hit its recompile limit and fall back to eager), at this config's budget
-        torch._dynamo.reset()
+        dynamo_reset()
         fconfig.activation_memory_budget = tr.memory_budget if tr.memory_budget is not None else 1.0
         model.compile(backend="inductor", mode="default", dynamic=False)
 
