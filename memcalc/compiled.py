@@ -11,8 +11,9 @@ from the same forward code the eager estimate runs (``memcalc.forward``): each
 op's output is a value, the tensors each op's backward formula reads (what the
 eager kernel saves) mark the values backward needs, matmul and attention inputs
 are read by non-fusible backward kernels. The partitioner's answer is reduced to
-what the timeline needs: bytes saved per layer, whether each layer's input is
-saved, and the forward FLOPs the backward graph spends recomputing.
+what the timeline needs: bytes saved per layer, the bytes the backward recomputes
+at one step and keeps for a later one (``chain_hold``), and the forward FLOPs the
+backward graph spends recomputing.
 """
 
 from __future__ import annotations
@@ -104,7 +105,6 @@ class CompiledPlan:
     how: str
     saved_bytes: int  # activations the compiled backward receives (graph inputs excluded)
     saved_by_layer: dict[Optional[int], int] = field(default_factory=dict)  # None: outside layers
-    input_saved: dict[int, bool] = field(default_factory=dict)  # layer -> its input is saved
     # layer -> saved bytes of the layer besides its output (which the next layer, or the
     # eager final norm, holds as its input): what the timeline keeps per compiled layer
     extra_by_layer: dict[int, int] = field(default_factory=dict)
@@ -120,8 +120,8 @@ class CompiledPlan:
         return 100.0 * self.recompute_flops / self.forward_flops if self.forward_flops else 0.0
 
 
-def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value], dict[int, Value]]:
-    """The compiled region's forward as a partitioner graph, and each layer's input and output."""
+def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
+    """The compiled region's forward as a partitioner graph, and each layer's output value."""
     from .forward import Forward, make_params  # local: forward imports this module lazily
 
     eager = exp.model_copy(update={"training": exp.training.model_copy(
@@ -130,12 +130,10 @@ def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value], dict[int
     sim.record_timeline = False
     model = make_params(sim, eager)
     rec = _Recorder(sim)
-    inputs: dict[int, Value] = {}
     outputs: dict[int, Value] = {}
     orig_layer = Forward.layer
 
     def layer(self, x: T, i: int) -> T:
-        inputs[i] = rec.get(x, "layer input")
         y = orig_layer(self, x, i)
         outputs[i] = rec.get(y, "layer output")
         return y
@@ -145,8 +143,7 @@ def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value], dict[int
     sim.recorder = rec
     fwd.run()
     sim.recorder = None
-    rec.values[-1].output = True
-    return Graph(rec.values), inputs, outputs
+    return Graph(rec.values), outputs
 
 
 @lru_cache(maxsize=64)
@@ -161,7 +158,7 @@ def compiled_plan(exp: ExperimentSpec) -> CompiledPlan:
 
 
 def _plan(exp: ExperimentSpec) -> CompiledPlan:
-    g, inputs, outputs = record_graph(exp)
+    g, outputs = record_graph(exp)
     budget = exp.training.memory_budget if exp.training.memory_budget is not None else 1.0
     part: Partition = choose_saved_values_set(g, budget)
     default = part if budget == 1.0 else choose_saved_values_set(g, 1.0)
@@ -177,7 +174,6 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
         how=part.how,
         saved_bytes=part.saved_bytes,
         saved_by_layer=by_layer,
-        input_saved={i: v in saved for i, v in inputs.items()},
         extra_by_layer=extra,
         held=held,
         recompute_flops=part.recompute_flops,
@@ -264,7 +260,7 @@ def checkpoint_recompute_flops(exp: ExperimentSpec) -> tuple[int, int]:
     model) for the experiment's checkpointing mode: a checkpointed layer runs its forward
     again (full, every-K, sqrt segments), selective recomputes the attention core only.
     Counted as FlopCounterMode counts: 2*m*n*k per matmul, 4*B*H*T^2*D per attention."""
-    g, _, _ = record_graph(exp)
+    g, _ = record_graph(exp)
     tr = exp.training
     total = sum(v.flops for v in g.values)
     mode = tr.checkpoint

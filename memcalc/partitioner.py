@@ -62,11 +62,13 @@ class Value:
     bw_materialized: bool = False  # a non-fusible backward op (matmul, attention) reads it
     param: bool = False  # a parameter (static lifetime: free to save)
     layer: Optional[int] = None
-    output: bool = False  # a forward output (e.g. the logits)
     extern_aux: bool = False  # a second output of a compute kernel (logsumexp): its own buffer
     users: list["Value"] = field(default_factory=list)
     dist_from_bw: int = 0
     order: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.kind in KINDS, f"unknown op kind {self.kind!r}"
 
 
 @dataclass(frozen=True)
