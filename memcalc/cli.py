@@ -207,6 +207,7 @@ def plan(
     seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
     profile: Optional[str] = PROFILE,
     show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
+    compile_: bool = typer.Option(False, "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
     as_json: bool = JSON,
 ) -> None:
     """Which GPU, how many, and with which memory techniques (precision, optimizer, checkpointing, LoRA/QLoRA, fused step).
@@ -216,6 +217,8 @@ def plan(
       memcalc plan --model llama-3.1-8b --gpu rtx-4090
 
       memcalc plan --model llama-3.1-8b --gpu rtx-4090 --seq 4096 --all --json
+
+      memcalc plan --model tinyllama-1.1b --gpu rtx-4090 --compile
 
       memcalc plan --model llama-3.1-70b
     """
@@ -230,6 +233,8 @@ def plan(
     if gpu is None:
         if show_all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
+        if compile_:
+            raise UserError("--compile adds torch.compile options to the plan for one GPU; give --gpu too")
         cp = plan_cluster(m, seq, prof)
         cp.notes[:0] = notes
         if as_json:
@@ -237,7 +242,12 @@ def plan(
         else:
             render_cluster_plan(cp)
         return
-    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all)
+    options = None
+    if compile_:
+        from .plan import compile_techniques, techniques
+
+        options = techniques() + compile_techniques()
+    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)
     gp.notes[:0] = notes
     if as_json:
         typer.echo(dumps(gpu_plan_json(gp)))

@@ -96,6 +96,7 @@ COST_MODEL_LINES = (
     "checkpointing full/sqrt: + the layers' forward (~+33%); selective: + the attention core",
     f"QLoRA dequantisation x{1 + QLORA_OVERHEAD:.2f}; AMP x{PRECISION_FACTOR['amp']:.2f}; fp32 x{PRECISION_FACTOR['fp32']:.1f} (TF32); optimizer choice and fused step +0",
     f"utilisation: x (1 + {HALF_SPEED_TOKENS} / tokens per step) at the max batch, so a bigger batch ranks higher",
+    "torch.compile (--compile): + the forward FLOPs its memory budget recomputes; compile's own speed-up is not counted",
 )
 
 
@@ -111,6 +112,7 @@ class Technique:
     optimizer: str
     checkpoint: str
     fused: bool
+    budget: Optional[float] = None  # torch.compile's activation memory budget; None = eager
 
     def precision_name(self, half: str = "bf16") -> str:
         return {"16": half, "16+master": half, "amp": f"amp-{half}", "fp32": "fp32"}[self.precision]
@@ -121,12 +123,14 @@ class Technique:
         pr = self.precision_name(half) + ("+fp32 master" if self.precision == "16+master" else "")
         op = {"adamw": "AdamW", "adamw-8bit": "AdamW-8bit", "adafactor": "Adafactor"}.get(self.optimizer, self.optimizer)
         ck = "no ckpt" if self.checkpoint == "none" else f"ckpt {self.checkpoint}"
-        return " · ".join([ad, pr, op, ck] + (["fused"] if self.fused else []))
+        comp = [] if self.budget is None else [f"compile budget {self.budget:g}"]
+        return " · ".join([ad, pr, op, ck] + (["fused"] if self.fused else []) + comp)
 
     def key(self, half: str = "bf16") -> str:
         """Compact id, e.g. ``qlora/bf16/adamw/full/fused``."""
         pr = self.precision_name(half) + ("+master" if self.precision == "16+master" else "")
-        return "/".join([self.adapters, pr, self.optimizer, self.checkpoint] + (["fused"] if self.fused else []))
+        comp = [] if self.budget is None else [f"compile{self.budget:g}"]
+        return "/".join([self.adapters, pr, self.optimizer, self.checkpoint] + (["fused"] if self.fused else []) + comp)
 
     def training(self, batch: int, seq: int, half: str = "bf16") -> TrainingSpec:
         lora = None
@@ -135,6 +139,7 @@ class Technique:
         return TrainingSpec(
             batch=batch, seq=seq, precision=self.precision_name(half), master_weights=self.precision == "16+master",
             optimizer=self.optimizer, checkpoint=self.checkpoint, fused_optimizer=self.fused, lora=lora,
+            compile=self.budget is not None, memory_budget=None if self.budget in (None, 1.0) else self.budget,
         )
 
     def as_dict(self, half: str = "bf16") -> dict[str, Any]:
@@ -147,6 +152,8 @@ class Technique:
             "optimizer": self.optimizer,
             "checkpoint": self.checkpoint,
             "fused_optimizer": self.fused,
+            "compile": self.budget is not None,
+            "memory_budget": self.budget,
         }
 
 
@@ -167,6 +174,17 @@ def techniques() -> list[Technique]:
             for fused in (False, True):
                 out.append(Technique(ad, "16", "adamw", ck, fused))
     return out
+
+
+#: the activation memory budgets ``plan --compile`` tries
+COMPILE_BUDGETS = (1.0, 0.5, 0.1)
+
+
+def compile_techniques(budgets: Sequence[float] = COMPILE_BUDGETS) -> list[Technique]:
+    """``plan --compile``: torch.compile at each budget for a bf16 full fine-tune, LoRA and QLoRA
+    (AdamW, no checkpointing: the budget is the recomputation). They are searched with direct
+    estimates, not fits: the partitioner's choice can change with batch and sequence length."""
+    return [Technique(ad, "16", "adamw", "none", False, b) for ad in ("none", "lora", "qlora") for b in budgets]
 
 
 def default_seq(model: ModelSpec, seq: Optional[int]) -> int:
@@ -192,15 +210,18 @@ def flops_per_token(model: ModelSpec, seq: int) -> tuple[float, float, float]:
     return f_lin, f_head, f_attn
 
 
-def relative_cost(t: Technique, model: ModelSpec, seq: int, batch: int) -> Optional[float]:
+def relative_cost(t: Technique, model: ModelSpec, seq: int, batch: int,
+                  recompute_fraction: float = 0.0) -> Optional[float]:
     """Relative step time per token at ``batch`` x ``seq`` (see the module docstring); None when
-    ``batch`` is 0 (nothing fits)."""
+    ``batch`` is 0 (nothing fits). ``recompute_fraction``: the share of the forward FLOPs that a
+    torch.compile memory budget recomputes (memcalc.compiled)."""
     if batch <= 0:
         return None
     f_lin, f_head, f_attn = flops_per_token(model, seq)
     fwd = f_lin + f_head + f_attn
     bwd = 2 * fwd if t.adapters == "none" else f_lin + f_head + 2 * f_attn
     rec = {"none": 0.0, "full": f_lin + f_attn, "sqrt": f_lin + f_attn, "selective": f_attn}[t.checkpoint]
+    rec += recompute_fraction * fwd
     units = fwd + bwd + rec
     if t.adapters == "qlora":
         units *= 1 + QLORA_OVERHEAD
@@ -509,6 +530,7 @@ class GpuPlan:
     options: list[OptionResult]
     evaluated: int  # options x batches x seqs evaluated by the vectorised search
     notes: list[str] = field(default_factory=list)
+    considered: int = 0  # technique combinations planned
 
     @property
     def fitting(self) -> list[OptionResult]:
@@ -532,8 +554,10 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
         notes.append(f"{getattr(gpu, 'display_name', gpu.name)} has no bf16: 16-bit options use fp16 (same memory)")
 
     # 1. weights + optimizer state alone: options beyond the card cannot fit at any batch or seq;
-    #    without --all, neither can options whose steady step at batch 1 does not fit
-    floor_ok = [i for i, e in enumerate(exps) if required_from_peak(_state_floor(e)) <= cap]
+    #    without --all, neither can options whose steady step at batch 1 does not fit.
+    #    Compiled options are not fitted (see compile_techniques): they are estimated directly.
+    compiled = [i for i, t in enumerate(techs) if t.budget is not None]
+    floor_ok = [i for i, e in enumerate(exps) if techs[i].budget is None and required_from_peak(_state_floor(e)) <= cap]
     # 2. fit the rest in (batch, seq) and evaluate the whole grid at once
     got = parallel_map(_fit_option, [(exps[i], cap, include_all) for i in floor_ok])
     fitted = {i: f for i, f in zip(floor_ok, got) if f is not None}
@@ -566,8 +590,14 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
             p = int(round(peak_b1[k]))
             results[i] = OptionResult(techs[i], p, required_from_peak(p), bool(fit_b1[k]), int(mb[k]), int(ms[k]),
                                       None, False)
+    # 2b. compiled options: direct estimates, seeded with the same setup's eager answers
+    for i, (p, mb, ms) in zip(compiled, parallel_map(_confirm_option, [
+            (exps[i], cap, *_eager_seeds(techs[i], techs, results)) for i in compiled])):
+        r = OptionResult(techs[i], p, required_from_peak(p), required_from_peak(p) <= cap, mb, ms, None, True)
+        if r.fits or include_all:
+            results[i] = r
     # 3. options that cannot fit: exact batch-1 numbers only when all are shown
-    rest = [i for i in range(len(exps)) if i not in results] if include_all else []
+    rest = [i for i in range(len(exps)) if i not in results and i not in compiled] if include_all else []
     for i, p in zip(rest, parallel_map(_peak_bytes, [exps[i] for i in rest])):
         results[i] = OptionResult(techs[i], p, required_from_peak(p), False, 0, 0, None, True)
     # 4. confirm what is printed with direct estimates (fitting options, and those near the line)
@@ -578,12 +608,27 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
         r = results[i]
         r.peak_bytes, r.required_bytes = p, required_from_peak(p)
         r.fits, r.max_batch, r.max_seq, r.confirmed = r.required_bytes <= cap, mb, ms, True
-    for r in results.values():
-        r.relative_cost = relative_cost(r.technique, model, seq, r.max_batch)
+    for i, r in results.items():
+        frac = 0.0
+        if r.technique.budget is not None:
+            from .compiled import compiled_plan
+
+            frac = compiled_plan(exps[i]).recompute_pct / 100
+        r.relative_cost = relative_cost(r.technique, model, seq, r.max_batch, frac)
     shown = [results[i] for i in sorted(results) if include_all or results[i].fits]
     shown.sort(key=lambda r: (not r.fits, r.relative_cost if r.relative_cost is not None else float("inf"),
                               r.required_bytes))
-    return GpuPlan(model, gpu, seq, half, shown, evaluated, notes)
+    return GpuPlan(model, gpu, seq, half, shown, evaluated, notes, considered=len(techs))
+
+
+def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "OptionResult"]) -> tuple[int, int]:
+    """(max batch, max seq) of the same setup without compile, when it was planned: a starting
+    guess for the compiled option's search (compile saves less, so it fits at least as much)."""
+    for j, u in enumerate(techs):
+        if u.budget is None and (u.adapters, u.precision, u.optimizer, u.checkpoint, u.fused) == (
+                t.adapters, t.precision, t.optimizer, t.checkpoint, t.fused) and j in results:
+            return results[j].max_batch, results[j].max_seq
+    return 0, 0
 
 
 # --------------------------------------------------------------------------- plan (catalog)
@@ -836,7 +881,7 @@ def render_gpu_plan(p: GpuPlan, console=None) -> None:
 
     c = console or Console()
     g = p.gpu
-    n_all = len(techniques())
+    n_all = p.considered or len(techniques())
     title = (f"{p.model.name} on {getattr(g, 'display_name', g.name)} ({fmt_bytes(g.capacity_bytes)}): "
              f"{len(p.fitting)} of {n_all} technique combinations fit at batch 1 x seq {p.seq}")
     t = Table(title=title, title_justify="left",

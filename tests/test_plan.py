@@ -16,7 +16,7 @@ from memcalc.fit import fit_gpus, fit_step, largest_true, largest_true_array
 from memcalc.gpus import get_gpu
 from memcalc.plan import (
     StackedFits, Technique, _largest_exact, batch_grid, evaluate_grid, plan_gpu, relative_cost, render_gpu_plan,
-    seq_grid, techniques,
+    compile_techniques, seq_grid, techniques,
 )
 from memcalc.presets import load_preset
 from memcalc.spec import ExperimentSpec, LoraSpec, TrainingSpec
@@ -195,7 +195,7 @@ def test_plan_all_fits_flags_match_direct_estimates():
     con = Console(record=True, width=160)
     render_gpu_plan(p, con)
     text = con.export_text()
-    assert f"{len(p.fitting)} of 112 technique combinations fit" in text and "cost model:" in text
+    assert f"{len(p.fitting)} of {len(opts)} technique combinations fit" in text and "cost model:" in text
     assert p.options[0].technique.label() in text
 
 
@@ -367,3 +367,37 @@ def test_bad_input_is_one_line_exit_2(args, code, message):
     assert message in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("memcalc: error: "), r.stderr
     assert "Traceback" not in r.output
+
+
+def test_plan_compile_options_are_exact():
+    """plan --compile: torch.compile options at three budgets, searched with direct estimates."""
+    m = tiny_llama()
+    opts = compile_techniques()
+    p = plan_gpu(m, FAKE, seq=1024, include_all=True, options=opts)
+    assert len(p.options) == len(opts) and p.fitting
+    for o in p.options:
+        tr = o.technique.training
+        assert tr(1, 1024).compile and tr(1, 1024).memory_budget == (None if o.technique.budget == 1.0 else o.technique.budget)
+        req = estimate(ExperimentSpec(model=m, training=tr(1, 1024)), timeline=False).required_bytes
+        assert o.required_bytes == req and o.fits == (req <= FAKE.capacity_bytes), o.technique.key()
+        if o.fits:
+            assert estimate(ExperimentSpec(model=m, training=tr(o.max_batch, 1024)), timeline=False).required_bytes \
+                <= FAKE.capacity_bytes < estimate(ExperimentSpec(model=m, training=tr(o.max_batch + 1, 1024)),
+                                                  timeline=False).required_bytes
+    # a smaller budget recomputes more forward FLOPs, which the cost model charges
+    from memcalc.compiled import compiled_plan
+
+    by = {(o.technique.adapters, o.technique.budget): o.technique for o in p.options}
+    for ad in ("none", "lora", "qlora"):
+        fr = [compiled_plan(ExperimentSpec(model=m, training=by[(ad, b)].training(1, 1024))).recompute_pct / 100
+              for b in (1.0, 0.1)]
+        assert fr[0] == 0.0 < fr[1]
+        assert relative_cost(by[(ad, 1.0)], m, 1024, 4, fr[0]) < relative_cost(by[(ad, 0.1)], m, 1024, 4, fr[1])
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["plan", "--model", "gpt2", "--compile"], 2, "give --gpu too"),  # source: cli.plan
+])
+def test_plan_compile_needs_a_gpu(args, code, message):
+    r = run(args)
+    assert r.exit_code == code and message in r.output
