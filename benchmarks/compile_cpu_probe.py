@@ -132,7 +132,7 @@ def main() -> None:
     a = ap.parse_args()
     ms, mp = measure(a.layers, a.budget, a.batch, a.seq)
     ps, pp = predict(a.layers, a.budget, a.batch, a.seq)
-    mib = 2**20
+    from memcalc.units import MiB as mib
     print(f"torch {torch.__version__}, {a.layers} layers, batch {a.batch} x {a.seq}, budget {a.budget}")
     print(f"saved for backward: measured {ms / mib:.1f} MiB, memcalc {ps / mib:.1f} MiB")
     print(f"peak above weights: measured {mp / mib:.1f} MiB, memcalc {pp / mib:.1f} MiB ({100 * (pp - mp) / mp:+.1f}%)")

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from .errors import UserError
+from .units import gib
 
 
 class _Group(TyperGroup):
@@ -308,7 +309,7 @@ def configs(as_json: bool = JSON) -> None:
     for r in rows:
         comp = "-" if not r["compile"] else ("yes" if r["memory_budget"] is None else f"budget {r['memory_budget']}")
         t.add_row(r["name"], r["precision"], r["checkpoint"], "yes" if r["fused_optimizer"] else "-", comp,
-                  f"{r['published_peak_bytes'] / 2**30:.3f}")
+                  f"{gib(r['published_peak_bytes']):.3f}")
     Console().print(t)
 
 
@@ -329,7 +330,7 @@ def gpus(as_json: bool = JSON) -> None:
     for col in ("name", "GPU", "memory GiB", "bytes"):
         t.add_column(col, justify="left" if col in ("name", "GPU") else "right")
     for g in gs:
-        t.add_row(g.name, getattr(g, "display_name", g.name), f"{g.capacity_bytes / 2**30:.2f}", f"{g.capacity_bytes:,}")
+        t.add_row(g.name, getattr(g, "display_name", g.name), f"{gib(g.capacity_bytes):.2f}", f"{g.capacity_bytes:,}")
     Console().print(t)
 
 

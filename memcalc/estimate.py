@@ -103,7 +103,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     ]
     compiled = None
     tr = exp.training
-    if tr.compile and tr.checkpoint == "none":
+    if tr.compile_partitions:
         from .compiled import compiled_plan
 
         plan = compiled_plan(exp)

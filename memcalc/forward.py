@@ -300,7 +300,7 @@ class Forward:
         plan = None
         # checkpointed regions inside a compiled graph are recomputed whole (the partitioner
         # must recompute what torch.utils.checkpoint tags), which is the eager checkpoint's memory
-        if tr.compile and mode == "none":
+        if tr.compile_partitions:
             from .compiled import compiled_plan
             plan = compiled_plan(self.exp)
         while i < n:

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from .chart import KIND_COLORS, KIND_NAMES
 from .inputs import Resolved
-from .report import fits_rows, inputs_table
+from .report import fits_rows, inputs_table, recompute_pct
 from .result import KINDS, Estimate
 from .svg import SERIES_COLORS, breakdown_svg, e, grouped_bars_svg, legend, timeline_svg
 from .units import MiB, fmt_bytes, fmt_count, gib
@@ -159,7 +159,7 @@ def estimate_html(est: Estimate, res: Resolved, gpus: list[Any]) -> str:
                            exp.published_source or "", ' id="published"'))
     rec = est.extra.get("recompute")
     if rec and rec.get("forward_flops"):
-        pct = 100 * rec["flops"] / rec["forward_flops"]
+        pct = recompute_pct(rec)
         comp = est.extra.get("compiled")
         sub = (f"saves {fmt_bytes(comp['saved_bytes'])} for backward (budget 1.0: {fmt_bytes(comp['default_saved_bytes'])})"
                if comp else e(rec["by"]))

@@ -70,7 +70,7 @@ from .fit import (FEATURES, fit_gpus, fit_points, fit_step, largest_true, larges
 from .params import param_inventory
 from .profiles import DEFAULT_PROFILE, get_profile
 from .spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
-from .units import MiB, fmt_bytes, fmt_count
+from .units import MiB, fmt_bytes, fmt_count, gib
 
 #: Largest batch the search considers.
 BATCH_CAP = 1 << 16
@@ -623,7 +623,7 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
 
 def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "OptionResult"]) -> tuple[int, int]:
     """(max batch, max seq) of the same setup without compile, when it was planned: a starting
-    guess for the compiled option's search (compile saves less, so it fits at least as much)."""
+    guess for the compiled option's search, which gallops from it to the exact answer."""
     for j, u in enumerate(techs):
         if u.budget is None and (u.adapters, u.precision, u.optimizer, u.checkpoint, u.fused) == (
                 t.adapters, t.precision, t.optimizer, t.checkpoint, t.fused) and j in results:
@@ -872,7 +872,7 @@ def gpu_plan_json(p: GpuPlan) -> dict[str, Any]:
 
 
 def _gib(n: Optional[int]) -> str:
-    return "-" if n is None else f"{n / 2**30:,.2f}"
+    return "-" if n is None else f"{gib(n):,.2f}"
 
 
 def render_gpu_plan(p: GpuPlan, console=None) -> None:
@@ -929,11 +929,11 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
                       ("ckpt", "left"), ("need", "right")):
         t.add_column(col, justify=just, no_wrap=True)
     for r in p.rows:
-        cells = [r.gpu.name, f"{r.gpu.capacity_bytes / 2**30:.1f}"]
+        cells = [r.gpu.name, f"{gib(r.gpu.capacity_bytes):.1f}"]
         for s in ("full", "lora"):
             n = r.min_gpus[s]
             cells += [f">{GPU_CAP}" if n is None else str(n), "-" if n is None else str(next_pow2(n)),
-                      r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{r.required_bytes[s] / 2**30:.1f}"]
+                      r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
         t.add_row(*cells)
     c.print(t)
     for n in p.notes:

@@ -28,6 +28,11 @@ def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
+def recompute_pct(rec: dict[str, Any]) -> float:
+    """The share of the forward FLOPs recomputed in backward, in percent (``extra["recompute"]``)."""
+    return 100 * rec["flops"] / rec["forward_flops"] if rec["forward_flops"] else 0.0
+
+
 def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
     """The --json document: integer bytes throughout."""
     exp = est.experiment
@@ -160,17 +165,14 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     c.print(peak_table(est))
     c.print(phases_table(est))
     c.print(bpp_table(est))
-    comp = est.extra.get("compiled")
+    comp, rec = est.extra.get("compiled"), est.extra.get("recompute")
     if comp:
-        pct = 100 * comp["recompute_flops"] / comp["forward_flops"] if comp["forward_flops"] else 0.0
         c.print(f"torch.compile (memory budget {comp['memory_budget']:g}, {comp['decided_by']}): saves "
                 f"{fmt_bytes(comp['saved_bytes'])} for backward (budget 1.0 saves {fmt_bytes(comp['default_saved_bytes'])}); "
-                f"backward recomputes {pct:.1f}% of the forward FLOPs and keeps "
+                f"backward recomputes {recompute_pct(rec):.1f}% of the forward FLOPs and keeps "
                 f"{fmt_bytes(comp['recomputed_in_backward_bytes'])} of the recomputed chain")
-    rec = est.extra.get("recompute")
-    if rec and not comp:
-        pct = 100 * rec["flops"] / rec["forward_flops"] if rec["forward_flops"] else 0.0
-        c.print(f"recomputation: {rec['by']} runs {pct:.1f}% of the forward FLOPs again in backward")
+    elif rec:
+        c.print(f"recomputation: {rec['by']} runs {recompute_pct(rec):.1f}% of the forward FLOPs again in backward")
     alloc = est.extra.get("allocator_peak_bytes")
     if alloc is not None:
         c.print(f"caching-allocator replay: max_memory_allocated {fmt_bytes(alloc)} (whole cached blocks; "

@@ -218,6 +218,12 @@ class TrainingSpec(BaseModel):
     def is_amp(self) -> bool:
         return self.precision.startswith("amp-")
 
+    @property
+    def compile_partitions(self) -> bool:
+        """torch.compile with no checkpointing: the partitioner chooses what backward receives
+        (memcalc.compiled). With checkpointing, the tagged regions are recomputed whole."""
+        return self.compile and self.checkpoint == "none"
+
 
 class KernelProfile(BaseModel):
     """What the kernels and the framework's own layers save: PyTorch version, device, layer code.

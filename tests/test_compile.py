@@ -10,10 +10,11 @@ from hypothesis import strategies as st
 from memcalc.compiled import compiled_plan
 from memcalc.configs import load_config
 from memcalc.estimate import estimate
+from memcalc.units import GiB
 
 from conftest import preset_exp, small_config
 
-GiB = 2**30
+
 TOL_PUBLISHED = 0.05  # issue 4: within 5% of the published peak
 
 COMPILED = ["compile", "memory_budget_60", "memory_budget_05", "fused_memory_budget_05", "bf16_budget_60"]

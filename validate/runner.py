@@ -151,7 +151,7 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     why = unsupported(exp, device)
     if why:
         meas.status, meas.reason = "skipped", why
-        if exp.training.compile and exp.training.checkpoint == "none":
+        if exp.training.compile_partitions:
             _check_partition(exp, scale_layers, meas, say)
         meas.seconds = round(time.perf_counter() - t0, 3)
         return meas
@@ -271,6 +271,7 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
 def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Measurement, say) -> None:
     """The part of a compiled step that needs no GPU: PyTorch's partition of the joint graph."""
     from memcalc.compiled import compiled_plan
+    from memcalc.units import fmt_bytes
 
     from .compiled import partition
 
@@ -280,9 +281,8 @@ def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Mea
     real = partition(target).saved_bytes
     mine = compiled_plan(target).saved_bytes
     meas.partition_saved_bytes, meas.predicted_saved_bytes = real, mine
-    gib = 2**30
-    meas.reason += (f"; its saved set was checked instead: PyTorch's partitioner saves {real / gib:.3f} GiB "
-                    f"for backward, memcalc {mine / gib:.3f} GiB ({100 * (mine - real) / real:+.2f}%)")
+    meas.reason += (f"; its saved set was checked instead: PyTorch's partitioner saves {fmt_bytes(real)} "
+                    f"for backward, memcalc {fmt_bytes(mine)} ({100 * (mine - real) / real:+.2f}%)")
 
 
 class _nullcontext:
