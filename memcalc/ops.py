@@ -347,7 +347,9 @@ class Ops:
         base = self.new(tt, dt, "attention masks")
         m = self.sim.alloc(dt.nbytes(H * tt), ACT, "attention masks")
         m.numel, m.itemsize_bits = H * tt, dt.bits
-        self.sim.node("alibi_mul", [base], [], [slopes], [m], temps=[dt.nbytes(H * tt)])
+        # base is an input of the mul (built by arange ops from nothing: under torch.compile
+        # the partitioner recomputes it for free rather than saving it)
+        self.sim.node("alibi_mul", [base], [base], [slopes], [m], temps=[dt.nbytes(H * tt)])
         self.drop(base)
         ones = self.sim.alloc(tt, TMP, "attention masks")
         tril = self.sim.alloc(tt, TMP, "attention masks")

@@ -228,23 +228,52 @@ class _Flow:
         return seen
 
 
+def _aux_of(g: Graph) -> dict[Value, list[Value]]:
+    """Multi-output kernels: main value -> its extra outputs (``extern_aux``)."""
+    aux: dict[Value, list[Value]] = {}
+    for v in g.values:
+        if v.extern_aux and v.args:
+            aux.setdefault(v.args[0], []).append(v)
+    return aux
+
+
 def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset()) -> tuple[list[Value], list[Value]]:
-    """The saved values (in forward order) and the values banned from recomputation."""
+    """The saved values (in forward order) and the values banned from recomputation.
+
+    A kernel with several outputs (attention: out and logsumexp) is, in the joint graph, a
+    tuple node followed by one ``getitem`` per output. The tuple cannot be saved (its weight
+    is infinite) and carries the ban; getitems are never banned themselves
+    (``should_ban_recomputation`` returns False for them) but each can be saved. So every
+    output of a banned kernel is saved where the backward reads it, and none is recomputed
+    from another. Here the main value stands for the tuple plus its first output: its extra
+    outputs hang off a tuple node placed in front of it."""
     n = len(g.values)
+    aux = _aux_of(g)
+    tuple_of = {m: 2 * n + 2 + k for k, m in enumerate(aux)}
     SRC, SNK = 2 * n, 2 * n + 1
-    fl = _Flow(2 * n + 2)
+    fl = _Flow(2 * n + 2 + len(tuple_of))
     banned: list[Value] = []
     for v in g.values:
         i_in, i_out = 2 * v.order, 2 * v.order + 1
         if v.bw_read:
             fl.add(i_out, SNK, INF)
-        reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
+        if v.extern_aux and v.args and v.args[0] in tuple_of:
+            reason = None  # a getitem: its kernel (the tuple) carries the ban
+        else:
+            reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
+        entry = i_in
+        if v in tuple_of:  # args -> tuple -> (main, aux...)
+            entry = tuple_of[v]
+            fl.add(entry, i_in, INF)
+            for a in aux[v]:
+                fl.add(entry, 2 * a.order, INF)
         if reason and v not in dont_ban:
             banned.append(v)
-            fl.add(SRC, i_in, INF)
+            fl.add(SRC, entry, INF)
         fl.add(i_in, i_out, _weight(v))
         for u in v.users:
-            fl.add(i_out, 2 * u.order, INF)
+            if not (u.extern_aux and u.args and u.args[0] is v and v in tuple_of):
+                fl.add(i_out, tuple_of.get(u, 2 * u.order), INF)
     fl.max_flow(SRC, SNK)
     sink_side = fl.reaches(SNK)
     saved = [v for v in g.values if not sink_side[2 * v.order] and sink_side[2 * v.order + 1]]
@@ -314,6 +343,59 @@ def _recomputed(g: Graph, saved: list[Value]) -> list[Value]:
     return sorted(out, key=lambda v: v.order)
 
 
+def _size(vs: list[Value]) -> int:
+    """``estimate_activations_size`` (in bytes rather than GB)."""
+    return sum(v.nbytes for v in vs)
+
+
+class _Knapsack:
+    """The knapsack stage of ``choose_saved_values_set``: the values the fully aggressive
+    cut bans that the backward needs, each with its size as a fraction of the budget range
+    (``max - min``: default saved set minus graph inputs) and its recompute FLOPs."""
+
+    def __init__(self, g: Graph, aggressive: MinCutOptions, banned: list[Value], min_act: int, max_act: int) -> None:
+        self.g, self.opts, self.min_act, self.span = g, aggressive, min_act, max_act - min_act
+        aux = _aux_of(g)
+
+        def tuple_bytes(v: Value) -> int:  # _size_of a multi-output kernel: all its outputs
+            return v.nbytes + sum(a.nbytes for a in aux.get(v, ()))
+
+        def needed(v: Value) -> bool:  # dist_from_bw < 1e9 (of the tuple: of any output)
+            return min([v.dist_from_bw] + [a.dist_from_bw for a in aux.get(v, ())]) < int(1e9)
+
+        self.cands = [v for v in banned if v.kind != "input" and needed(v)]
+        self.cands.sort(key=tuple_bytes, reverse=True)  # stable, as Python's sorted
+        self.mem = [tuple_bytes(v) / self.span for v in self.cands]
+        self.rt = [float(max(v.flops, 1)) for v in self.cands]  # estimate_runtime, "flops" mode
+
+    def ratio(self, vs: list[Value]) -> float:
+        """``get_mem_ratio``: where a saved set lies between the inputs (0) and the default (1)."""
+        return (_size(vs) - self.min_act) / self.span
+
+    def solve(self, budget: float) -> tuple[list[Value], float, int]:
+        """(saved set, FLOPs recomputed as the knapsack counts them, candidates recomputed)."""
+        kept_rt, _, recomp = dp_knapsack(self.mem, self.rt, max(budget, 0.0))
+        saved, _ = solve_min_cut(self.g, self.opts, frozenset(self.cands[i] for i in recomp))
+        return saved, sum(self.rt) - kept_rt, len(recomp)
+
+
+def _stages(g: Graph) -> tuple[list[Value], Optional[_Knapsack], list[tuple[list[Value], str]]]:
+    """The default cut, the knapsack stage (None when the default is no larger than the
+    inputs) and the two cheaper answers tried before it (more aggressive, aggressive)."""
+    opts = MinCutOptions()
+    default, _ = solve_min_cut(g, opts)
+    min_act, max_act = _size(g.inputs), _size(default)
+    if max_act <= min_act:
+        return default, None, []
+    more = replace(opts, ban_if_materialized_backward=False)
+    more_saved, _ = solve_min_cut(g, more)
+    aggr = replace(more, ban_if_not_in_allowlist=False)
+    aggr_saved, banned = solve_min_cut(g, aggr)
+    ks = _Knapsack(g, aggr, banned, min_act, max_act)
+    return default, ks, [(more_saved, "more aggressive min-cut fits the budget"),
+                         (aggr_saved, "aggressive min-cut fits the budget")]
+
+
 def choose_saved_values_set(g: Graph, memory_budget: float = 1.0) -> Partition:
     """``choose_saved_values_set`` from ``torch/_functorch/partitioners.py`` (see module doc)."""
     if not 0 <= memory_budget <= 1:
@@ -322,38 +404,63 @@ def choose_saved_values_set(g: Graph, memory_budget: float = 1.0) -> Partition:
     def done(saved: list[Value], how: str) -> Partition:
         return Partition(saved, _recomputed(g, saved), memory_budget, how)
 
-    opts = MinCutOptions()
     if memory_budget == 0:
         return done(g.inputs, "budget 0: save only the graph inputs")
-    default, _ = solve_min_cut(g, opts)
+    default, ks, cheaper = _stages(g)
     if memory_budget == 1:
         return done(default, "default min-cut")
-
-    def size(vs: list[Value]) -> int:  # estimate_activations_size
-        return sum(v.nbytes for v in vs)
-
-    min_act, max_act = size(g.inputs), size(default)
-    if max_act <= min_act:
+    if ks is None:
         return done(default, "default min-cut (no larger than the inputs)")
-
-    def ratio(vs: list[Value]) -> float:
-        return (size(vs) - min_act) / (max_act - min_act)
-
-    more = replace(opts, ban_if_materialized_backward=False)
-    more_saved, _ = solve_min_cut(g, more)
-    if ratio(more_saved) < memory_budget:
-        return done(more_saved, "more aggressive min-cut fits the budget")
-    aggr = replace(more, ban_if_not_in_allowlist=False)
-    aggr_saved, banned = solve_min_cut(g, aggr)
-    if ratio(aggr_saved) < memory_budget:
-        return done(aggr_saved, "aggressive min-cut fits the budget")
-    cands = [v for v in banned if v.kind != "input" and v.dist_from_bw < int(1e9)]
-    cands.sort(key=lambda v: v.nbytes, reverse=True)  # stable, as Python's sorted
-    if not cands:
+    for saved, how in cheaper:
+        if ks.ratio(saved) < memory_budget:
+            return done(saved, how)
+    if not ks.cands:
         return done(g.inputs, "nothing recomputable: save the inputs")
-    span = max_act - min_act
-    mem = [v.nbytes / span for v in cands]
-    rt = [float(max(v.flops, 1)) for v in cands]
-    _, _, recomp = dp_knapsack(mem, rt, memory_budget)
-    saved, _ = solve_min_cut(g, aggr, frozenset(cands[i] for i in recomp))
-    return done(saved, f"knapsack: keep {len(cands) - len(recomp)} of {len(cands)} banned values")
+    saved, _, n_recomp = ks.solve(memory_budget)
+    return done(saved, f"knapsack: keep {len(ks.cands) - n_recomp} of {len(ks.cands)} banned values")
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One corner of the memory-budget trade-off."""
+
+    budget: float  # a budget at which the knapsack makes this choice
+    mem_ratio: float  # get_mem_ratio of the saved set: 0 = the graph inputs, 1 = the default set
+    saved_bytes: int  # activations saved (graph inputs excluded)
+    recompute_flops: int  # FLOPs of the banned values recomputed, as the knapsack counts them
+
+
+def budget_frontier(g: Graph, resolution: float = 1e-3) -> list[FrontierPoint]:
+    """The Pareto frontier of memory budget against recomputation that PyTorch draws with
+    ``torch._functorch.config.visualize_memory_budget_pareto`` (partitioners.py, 2.8): the
+    knapsack solved at budgets 0 and 1, then bisected wherever two budgets choose differently,
+    down to ``resolution``. Sorted by budget; one point per distinct choice (the lowest budget
+    that makes it). Empty when the default saved set is no larger than the inputs."""
+    _, ks, _ = _stages(g)
+    if ks is None or not ks.cands:
+        return []
+    cache: dict[float, tuple[float, float, float, int]] = {}
+
+    def at(b: float) -> tuple[float, float, float, int]:
+        if b not in cache:
+            saved, rt, _ = ks.solve(b)
+            cache[b] = (b, rt, ks.ratio(saved), _size([v for v in saved if v.kind != "input"]))
+        return cache[b]
+
+    lo, hi = at(0.0), at(1.0)
+    found = [lo, hi]
+    todo = [(lo, hi)] if lo[1:] != hi[1:] else []
+    while todo:
+        left, right = todo.pop()
+        if right[0] - left[0] < resolution:
+            found += [left, right]
+            continue
+        mid = at((left[0] + right[0]) / 2)
+        if mid[1:] != left[1:]:
+            todo.append((left, mid))
+        if mid[1:] != right[1:]:
+            todo.append((mid, right))
+    points: dict[tuple, FrontierPoint] = {}
+    for b, rt, ratio, nbytes in sorted(found):
+        points.setdefault((rt, ratio), FrontierPoint(b, ratio, nbytes, int(rt)))
+    return sorted(points.values(), key=lambda p: p.budget)
