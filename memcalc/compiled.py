@@ -182,13 +182,26 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
     )
 
 
+def _attention_mask_only(v: Value, u: Value) -> bool:
+    """Does ``u`` read ``v`` only as an attention kernel's additive mask (its args are
+    q, k, v, mask)?"""
+    return u.name.startswith("sdpa") and u.kind == "compute" and v in u.args[3:] and v not in u.args[:3]
+
+
 def _realized(v: Value) -> bool:
-    """Does inductor give this value a buffer of its own? Outputs of extern kernels (matmul,
-    attention, embedding) and their second outputs, and anything a matmul or attention kernel
-    reads (their inputs must be materialised); other pointwise values are inlined into the
-    kernels that use them and recomputed there."""
-    return v.kind in ("compute", "other", "random") or v.extern_aux or any(
-        u.kind in ("compute", "other") for u in v.users)
+    """Does inductor give this value a buffer of its own, shared by its readers? Outputs of
+    extern kernels (matmul, attention, embedding) and their second outputs, and anything a
+    matmul or attention kernel reads (``ExternKernel.realize_input`` realizes the value in
+    place). Other pointwise values are inlined into the kernels that use them and
+    recomputed there. So is an attention mask: the SDPA lowering's stride constraint
+    (``sdpa_constraint`` in torch/_inductor/lowering.py: the bias needs a dense, aligned last
+    dimension; an expanded batch keeps stride 0) copies an unrealized mask into a fresh
+    buffer for each kernel that reads it, computed from its cheap inputs (ALiBi slopes,
+    positions), so the compiled backward never keeps a mask from one layer to the next."""
+    if v.kind in ("compute", "other", "random") or v.extern_aux:
+        return True
+    readers = [u for u in v.users if u.kind in ("compute", "other")]
+    return any(not _attention_mask_only(v, u) for u in readers)
 
 
 def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[tuple[int, int], int]:
