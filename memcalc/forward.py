@@ -84,6 +84,15 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     return Model(exp.model, params, order, tr.compute_dtype, gather)
 
 
+def _chain(first: Optional[Callable[[Sim, Node], None]], then: Optional[Callable[[Sim, Node], None]]) -> Callable[[Sim, Node], None]:
+    """Two node hooks, one after the other (either may be None)."""
+    def both(s: Sim, nd: Node) -> None:
+        for f in (first, then):
+            if f is not None:
+                f(s, nd)
+    return both
+
+
 class Forward:
     """Runs one forward pass on the simulator; returns the loss tensor."""
 
@@ -101,6 +110,10 @@ class Forward:
         self.rope_tables: Optional[T] = None
         self.ckpt_nodes: list[Node] = []
         self.compiled_nodes: list[Node] = []
+        # called with the nodes each mlp() call creates (the compiled backward's reuse pool)
+        self.mlp_nodes_sink: Optional[Callable[[list[Node]], None]] = None
+        self.mlp_pool: Optional[T] = None  # MLP buffers a compiled layer leaves for the next
+        self.compiled_tangent: Optional[T] = None  # d logits, held by the compiled backward's caller
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -175,6 +188,13 @@ class Forward:
         return out
 
     def mlp(self, h: T, i: int) -> T:
+        n0 = len(self.sim.nodes)
+        y = self._mlp(h, i)
+        if self.mlp_nodes_sink is not None and len(self.sim.nodes) > n0:
+            self.mlp_nodes_sink(self.sim.nodes[n0:])
+        return y
+
+    def _mlp(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
@@ -307,7 +327,7 @@ class Forward:
             self.sim.mark(f"fwd layer {i}")
             self.gather([i, i + 1] if i + 1 < n else [i])
             if plan is not None:
-                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0))
+                y = self.compiled_layer(x, i, plan.extra_by_layer.get(i, 0), plan.mlp_pool_by_layer.get(i, 0))
                 step = 1
             elif mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
                 j = i
@@ -367,7 +387,7 @@ class Forward:
 
             node.on_backward = start
 
-    def compiled_layer(self, x: T, i: int, saved_bytes: int) -> T:
+    def compiled_layer(self, x: T, i: int, saved_bytes: int, pool_bytes: int = 0) -> T:
         """One layer inside the compiled graph (``torch.compile``; see memcalc.compiled).
 
         Forward: inductor frees every intermediate once used, so what stays is the saved set the
@@ -376,24 +396,53 @@ class Forward:
         is the same memory once backward starts) plus ``saved_bytes`` more. Backward: the
         saved set is consumed and the layer's values the backward reads are computed again
         (the saved set and the recomputation together are the layer's eager saved set; the
-        simulator recomputes the eager layer, as a checkpointed region)."""
+        simulator recomputes the eager layer, as a checkpointed region). Once the layer's MLP
+        backward is done, its buffers (``pool_bytes``, see memcalc.compiled.mlp_pool) stay
+        allocated for the next layer's MLP to reuse, so they overlap this layer's attention
+        backward; layer 0 has no next layer and frees them."""
         sim = self.sim
         block = sim.alloc(saved_bytes, "activations", "saved activations (compiled)") if saved_bytes else None
         y = self.checkpoint(lambda: [x], lambda: self.layer(x, i), f"layer {i}")
         node = y.producer
         recompute = node.on_backward
+        fwd = self
+
+        def release_pool(s: Sim, nd: Node) -> None:  # the MLP backward reuses the pool
+            if fwd.mlp_pool is not None:
+                s.unref(fwd.mlp_pool)
+                fwd.mlp_pool = None
+
+        def keep_pool(s: Sim, nd: Node) -> None:
+            if i > 0 and pool_bytes:
+                release_pool(s, nd)
+                fwd.mlp_pool = s.alloc(pool_bytes, "temporaries", "compiled backward buffers kept for reuse")
+
+        def hook_mlp(nodes: list[Node]) -> None:
+            nodes[-1].on_backward = _chain(release_pool, nodes[-1].on_backward)  # first in backward
+            nodes[0].after_backward = _chain(nodes[0].after_backward, keep_pool)  # last in backward
 
         def on_backward(s: Sim, nd: Node) -> None:
             if block is not None:
                 nd.saved.remove(block)  # the backward graph consumes (frees) the saved set
                 s.unref(block)
-            recompute(s, nd)
+            fwd.mlp_nodes_sink = hook_mlp if pool_bytes else None
+            try:
+                recompute(s, nd)
+            finally:
+                fwd.mlp_nodes_sink = None
 
         node.on_backward = on_backward
         if block is not None:
             node.saved.append(block)
         self.compiled_nodes.append(node)
         return y
+
+    def release_compiled(self) -> None:
+        """End of the compiled backward: what it kept to the end goes."""
+        for t in (self.mlp_pool, self.compiled_tangent):
+            if t is not None:
+                self.sim.unref(t)
+        self.mlp_pool = self.compiled_tangent = None
 
     def gather(self, layers: list[int]) -> None:
         """ZeRO-3: keep exactly these layers' weights all-gathered (current + prefetched next)."""
@@ -432,6 +481,15 @@ class Forward:
         head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
         logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
         o.drop(x)
+        if self.tr.compile and logits.producer is not None:
+            # the compiled graph ends at the logits: their gradient is an argument of
+            # CompiledFunction.backward (AOTAutograd's runtime wrapper), which keeps it
+            # referenced until the whole compiled backward returns
+            def keep_tangent(s: Sim, nd: Node, logits: T = logits) -> None:
+                if logits.grad_buffer is not None:
+                    self.compiled_tangent = s.ref(logits.grad_buffer)
+
+            logits.producer.on_backward = _chain(keep_tangent, logits.producer.on_backward)
         o.category = "logits & loss"
         loss = o.lm_loss(logits, self.B, self.T, m.vocab_size)
         o.category = "saved activations"

@@ -72,6 +72,7 @@ class Node:
     temps: list[int] = field(default_factory=list)  # transient backward allocations (bytes, unrounded)
     grad_input_bytes: Optional[list[int]] = None  # override sizes of grads sent to inputs
     on_backward: Optional[Callable[["Sim", "Node"], None]] = None  # e.g. checkpoint recompute
+    after_backward: Optional[Callable[["Sim", "Node"], None]] = None  # once its backward has run
     done: bool = False
     fwd_label: str = ""
     flops: int = 0  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
@@ -228,6 +229,8 @@ class Sim:
             if node.on_backward is not None:
                 node.on_backward(self, node)
             self._run_node(node)
+            if node.after_backward is not None:
+                node.after_backward(self, node)
 
     def _release_node(self, node: Node) -> None:
         for t in node.saved:

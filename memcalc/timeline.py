@@ -116,6 +116,7 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         loss = fwd.run()
         sim.mark("backward start", "backward")
         sim.backward(loss, 4, _label_of)
+        fwd.release_compiled()
         for p in deferred:
             hook(sim, p)
         deferred.clear()
