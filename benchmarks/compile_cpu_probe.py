@@ -1,23 +1,31 @@
 """Measure a real torch.compile (inductor, CPU) training step of a Deep-One-like model and
 print it beside memcalc's compiled timeline. Evidence for memcalc.compiled without a GPU.
 
-    python benchmarks/compile_cpu_probe.py --layers 4 --budget 0.05
+    python benchmarks/compile_cpu_probe.py --layers 6 --batch 4 --budget 0.05
 
-What it measures: the bytes the compiled forward saves for backward (saved_tensors_hooks
-see AOTAutograd's ctx.save_for_backward) and the step's allocated peak above the weights
-(the profiler's CPU memory events). The model follows Forgather's Deep One (ALiBi mask,
-post-norm RMSNorm, ReLU-gated FFN) with frozen slopes (the CPU SDPA kernel takes no mask
-gradient); on CPU, SDPA with a mask runs the math path, so memcalc is run with the math
-attention kernel. Takes a few minutes per budget on two cores (compile ~1 min, 3 steps).
-Seen with PyTorch 2.8 CPU at 4 layers, batch 4 x 768 (MiB): saved for backward at budget
-1.0 / 0.6 / 0.05 measured 2128 / 1226 / 96, memcalc 2139 / 1226 / 96; peak above the weights
-measured 2459 / 2084 / 2175, memcalc 2512 / 1908 / 1817.
+What it measures: the bytes the compiled forward saves for backward (saved_tensors_hooks see
+AOTAutograd's ctx.save_for_backward) and the step's allocated peak above the weights (the
+profiler's CPU memory events, counted from the step's start, so the weights are excluded).
+The model follows Forgather's Deep One (trainable ALiBi slopes and the per-layer mask,
+post-norm RMSNorm, ReLU-gated FFN). Attention calls ``aten._scaled_dot_product_efficient_attention``
+as CUDA does, with CPU kernels registered here that allocate what the CUDA kernels return
+(out, logsumexp; dq/dk/dv, a (B,H,T,T) bias gradient, delta) and compute per (batch, head) in
+T x T scratch, so inductor partitions, schedules and reuses buffers as it would on CUDA.
+Two CPU differences remain: the bias is passed as (1,H,T,T) (on CPU inductor copies an
+expanded bias in full; CUDA keeps the batch stride 0), and the kernels' T x T scratch (a few
+MiB). No optimizer runs: memcalc's forward and backward phases are compared.
+
+Seen with PyTorch 2.8 CPU, 6 layers, batch 4 x 768 (MiB): saved for backward at budget 1.0 /
+0.6 / 0.05 measured 2536 / see --budget 0.6 / 120, memcalc the same; peak above the weights
+measured 3023 / - / 2118, memcalc 3006 (-0.6%) / - / 2087 (-1.5%). About 5 minutes per budget
+on two cores (compile about a minute, three steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 
@@ -26,36 +34,94 @@ import torch._functorch.config as fconfig
 import torch.nn as nn
 import torch.nn.functional as F
 
-D, H, FF, V = 2048, 16, 5400, 8000
+aten = torch.ops.aten
+V = 8000
+_lib = torch.library.Library("aten", "IMPL")
+
+
+def _efficient_forward(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, scale=None):
+    B, H, T, Dh = q.shape
+    s = scale if scale is not None else 1 / math.sqrt(Dh)
+    out = torch.empty(B, T, H, Dh, dtype=q.dtype).transpose(1, 2)  # the CUDA kernel's layout
+    lse = torch.zeros((B, H, math.ceil(T / 32) * 32 if compute_lse else 0), dtype=torch.float32)
+    for b in range(B):
+        for h in range(H):
+            att = (q[b, h] @ k[b, h].T) * s
+            if bias is not None:
+                att += bias[b if bias.size(0) > 1 else 0, h]
+            if compute_lse:
+                lse[b, h, :T] = torch.logsumexp(att, -1)
+            out[b, h] = torch.softmax(att, -1) @ v[b, h]
+            del att
+    return out, lse, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+
+
+def _efficient_backward(g, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal=False, scale=None):
+    B, H, T, Dh = q.shape
+    s = scale if scale is not None else 1 / math.sqrt(Dh)
+
+    def bthd():
+        return torch.empty(B, T, H, Dh, dtype=q.dtype).transpose(1, 2)
+
+    dq, dk, dv = bthd(), bthd(), bthd()
+    db = torch.empty(bias.shape, dtype=bias.dtype) if grad_input_mask[3] else None
+    # CUDA returns the bias gradient with the broadcast (B,H,T,T) shape: hold that much
+    wide = torch.empty((B,) + tuple(bias.shape[1:]), dtype=bias.dtype) if db is not None else None
+    delta = (g.float() * out.float()).sum(-1)
+    for b in range(B):
+        for h in range(H):
+            att = (q[b, h] @ k[b, h].T) * s + bias[b if bias.size(0) > 1 else 0, h]
+            p = torch.exp(att - lse[b, h, :T, None])
+            del att
+            dv[b, h] = p.T @ g[b, h]
+            ds = p * (g[b, h] @ v[b, h].T - delta[b, h, :, None])
+            del p
+            dq[b, h] = (ds @ k[b, h]) * s
+            dk[b, h] = (ds.T @ q[b, h]) * s
+            if db is not None:
+                if b == 0:
+                    db[0, h] = ds
+                else:
+                    db[0, h] += ds
+            del ds
+    del delta, wide
+    return dq, dk, dv, db
+
+
+_lib.impl("_scaled_dot_product_efficient_attention", _efficient_forward, "CPU")
+_lib.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward, "CPU")
 
 
 class Layer(nn.Module):
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, d: int, heads: int, ff: int) -> None:
         super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D, bias=False) for _ in range(4))
-        self.slopes = nn.Parameter(1.0 / torch.logspace(0, 7, H, base=2), requires_grad=False)
-        self.up, self.gate = nn.Linear(D, FF, bias=False), nn.Linear(D, FF, bias=False)
-        self.down = nn.Linear(FF, D, bias=False)
-        self.n1, self.n2 = nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)
+        self.d, self.heads = d, heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.slopes = nn.Parameter(1.0 / torch.logspace(0, 7, heads, base=2))
+        self.up, self.gate = nn.Linear(d, ff, bias=False), nn.Linear(d, ff, bias=False)
+        self.down = nn.Linear(ff, d, bias=False)
+        self.n1, self.n2 = nn.RMSNorm(d, eps=1e-6), nn.RMSNorm(d, eps=1e-6)
         self.alpha = (2 * n_layers) ** 0.25
 
     def forward(self, x):
         b, t, _ = x.shape
-        q, k, v = (f(x).view(b, t, H, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        q, k, v = (f(x).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
         pos = torch.arange(t, dtype=q.dtype)
         bias = (pos[None, :] - pos[:, None]) * self.slopes.view(-1, 1, 1)
         bias = bias.masked_fill(torch.tril(torch.ones(t, t, dtype=torch.bool)).logical_not(), float("-inf"))
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(b, t, D)
+        a = aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias.unsqueeze(0), True, 0.0, False, scale=1 / math.sqrt(self.d // self.heads))[0]
+        a = a.transpose(1, 2).reshape(b, t, self.d)
         x = self.n1(x * self.alpha + self.o(a))
         return self.n2(x * self.alpha + self.down(self.up(x) * F.relu(self.gate(x))))
 
 
 class Model(nn.Module):
-    def __init__(self, n_layers: int) -> None:
+    def __init__(self, n_layers: int, d: int, heads: int, ff: int) -> None:
         super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.layers = nn.ModuleList([Layer(n_layers) for _ in range(n_layers)])
-        self.norm, self.head = nn.RMSNorm(D, eps=1e-6), nn.Linear(D, V, bias=False)
+        self.emb = nn.Embedding(V, d)
+        self.layers = nn.ModuleList([Layer(n_layers, d, heads, ff) for _ in range(n_layers)])
+        self.norm, self.head = nn.RMSNorm(d, eps=1e-6), nn.Linear(d, V, bias=False)
 
     def forward(self, ids):
         x = self.emb(ids)
@@ -64,14 +130,14 @@ class Model(nn.Module):
         return self.head(self.norm(x))
 
 
-def measure(layers: int, budget: float, batch: int, seq: int) -> tuple[int, int]:
+def measure(a: argparse.Namespace) -> tuple[int, int]:
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
-    m = Model(layers)
-    fconfig.activation_memory_budget = budget
+    m = Model(a.layers, a.d_model, a.heads, a.d_ff)
+    fconfig.activation_memory_budget = a.budget
     m.compile(backend="inductor", mode="default", dynamic=False)
-    ids = torch.randint(0, V, (batch, seq))
+    ids = torch.randint(0, V, (a.batch, a.seq))
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -104,16 +170,17 @@ def measure(layers: int, budget: float, batch: int, seq: int) -> tuple[int, int]
     return saved_bytes, peak
 
 
-def predict(layers: int, budget: float, batch: int, seq: int) -> tuple[int, int]:
+def predict(a: argparse.Namespace) -> tuple[int, int]:
     from memcalc.compiled import compiled_plan
     from memcalc.configs import load_config
     from memcalc.estimate import estimate
 
     exp = load_config("memory_budget_60")
     exp = exp.model_copy(update={
-        "model": exp.model.model_copy(update={"n_layers": layers}),
-        "training": exp.training.model_copy(update={"memory_budget": budget, "batch": batch, "seq": seq}),
-        "profile": exp.profile.model_copy(update={"attention": "math"}),
+        "model": exp.model.model_copy(update={
+            "n_layers": a.layers, "d_model": a.d_model, "n_heads": a.heads, "d_ff": a.d_ff,
+            "residual_scale": (2 * a.layers) ** 0.25}),
+        "training": exp.training.model_copy(update={"memory_budget": a.budget, "batch": a.batch, "seq": a.seq}),
     })
     est = estimate(exp, timeline=False)
     # the probe runs no optimizer: compare the forward and backward phases, above the weights
@@ -125,13 +192,16 @@ def predict(layers: int, budget: float, batch: int, seq: int) -> tuple[int, int]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--budget", type=float, default=1.0)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=768)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--d-ff", type=int, default=5400)
     a = ap.parse_args()
-    ms, mp = measure(a.layers, a.budget, a.batch, a.seq)
-    ps, pp = predict(a.layers, a.budget, a.batch, a.seq)
+    ms, mp = measure(a)
+    ps, pp = predict(a)
     from memcalc.units import MiB as mib
     print(f"torch {torch.__version__}, {a.layers} layers, batch {a.batch} x {a.seq}, budget {a.budget}")
     print(f"saved for backward: measured {ms / mib:.1f} MiB, memcalc {ps / mib:.1f} MiB")

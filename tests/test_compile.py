@@ -132,3 +132,54 @@ def test_nothing_outlives_the_step(budget):
 
     res = simulate(small_config("memory_budget_60", 4, memory_budget=budget))
     assert res.timeline[-1].by_kind["activations"] == 0
+
+
+def _probe_exp(layers: int, batch: int, budget: float):
+    """The CPU probe's model (benchmarks/compile_cpu_probe.py): Deep One's layer, fewer layers."""
+    exp = load_config("memory_budget_60")
+    return exp.model_copy(update={
+        "model": exp.model.model_copy(update={"n_layers": layers, "residual_scale": (2 * layers) ** 0.25}),
+        "training": exp.training.model_copy(update={"memory_budget": budget, "batch": batch, "seq": 768}),
+    })
+
+
+def test_no_mask_is_kept_across_layers():
+    """source: the CPU probe with memory-efficient attention (6 layers, budget 0.05, batch 4):
+    per layer the recomputed chain keeps q, k, v, the attention output, the o-projection output
+    and the first norm's output (six (B,T,d) fp32 tensors) and no (H,T,T) mask: inductor's
+    sdpa_constraint copies the mask afresh for each kernel that reads it."""
+    plan = compiled_plan(_probe_exp(6, 4, 0.05))
+    btd = 4 * 768 * 2048 * 4
+    layers_saving_down = [i for i in range(6) if plan.saved_by_layer.get(i)]
+    assert layers_saving_down  # the knapsack keeps the down projections of most layers
+    for i in layers_saving_down:
+        assert plan.held[(6, i)] == 6 * btd
+
+
+@pytest.mark.parametrize("budget,buffers", [
+    (0.05, 6),  # source: CPU probe trace: six (B,T,ff) buffers kept from layer 5 until layer 0
+    (1.0, 3),   # up, gate and their product are saved: only the three gradients are allocated
+])
+def test_mlp_reuse_pool(budget, buffers):
+    plan = compiled_plan(_probe_exp(6, 4, budget))
+    btf = 4 * 768 * 5400 * 4
+    assert all(plan.mlp_pool_by_layer[i] == buffers * btf for i in range(5) if plan.saved_by_layer.get(i))
+
+
+TOL_PROBE = 0.05
+PROBE = [  # layers, batch, budget, measured peak above the weights (MiB)
+    (6, 4, 1.0, 3023.4),   # source: benchmarks/compile_cpu_probe.py, PyTorch 2.8 CPU
+    (6, 4, 0.05, 2118.3),  # source: benchmarks/compile_cpu_probe.py, PyTorch 2.8 CPU
+    (4, 1, 1.0, 951.7),    # source: benchmarks/compile_cpu_probe.py --layers 4 --batch 1
+    (4, 1, 0.05, 916.8),   # source: benchmarks/compile_cpu_probe.py --layers 4 --batch 1
+]
+
+
+@pytest.mark.parametrize("layers,batch,budget,measured_mib", PROBE)
+def test_against_the_cpu_inductor_probe(layers, batch, budget, measured_mib):
+    from memcalc.units import MiB
+
+    exp = _probe_exp(layers, batch, budget)
+    est = estimate(exp, timeline=False)
+    step = max(est.phases["forward"], est.phases["backward"]) - exp.training.weight_dtype.nbytes(est.params)
+    assert abs(step / MiB - measured_mib) <= TOL_PROBE * measured_mib, (step / MiB, measured_mib)
