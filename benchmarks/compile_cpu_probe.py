@@ -16,9 +16,9 @@ expanded bias in full; CUDA keeps the batch stride 0), and the kernels' T x T sc
 MiB). No optimizer runs: memcalc's forward and backward phases are compared.
 
 Seen with PyTorch 2.8 CPU, 6 layers, batch 4 x 768 (MiB): saved for backward at budget 1.0 /
-0.6 / 0.05 measured 2536 / see --budget 0.6 / 120, memcalc the same; peak above the weights
-measured 3023 / - / 2118, memcalc 3006 (-0.6%) / - / 2087 (-1.5%). About 5 minutes per budget
-on two cores (compile about a minute, three steps).
+0.6 / 0.05 measured 2536 / 1479 / 120, memcalc the same; peak above the weights measured
+3023 / 2493 / 2118, memcalc 3006 / 2473 / 2087 (-0.6% / -0.8% / -1.5%). About 5 minutes per
+budget on two cores (compile about a minute, three steps).
 """
 
 from __future__ import annotations
