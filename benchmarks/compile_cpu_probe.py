@@ -46,12 +46,12 @@ def _efficient_forward(q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=Fals
     lse = torch.zeros((B, H, math.ceil(T / 32) * 32 if compute_lse else 0), dtype=torch.float32)
     for b in range(B):
         for h in range(H):
-            att = (q[b, h] @ k[b, h].T) * s
+            att = (q[b, h].float() @ k[b, h].float().T) * s  # per-head scratch in fp32
             if bias is not None:
-                att += bias[b if bias.size(0) > 1 else 0, h]
+                att += bias[b if bias.size(0) > 1 else 0, h].float()
             if compute_lse:
                 lse[b, h, :T] = torch.logsumexp(att, -1)
-            out[b, h] = torch.softmax(att, -1) @ v[b, h]
+            out[b, h] = torch.softmax(att, -1) @ v[b, h].float()
             del att
     return out, lse, torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
 
@@ -67,17 +67,19 @@ def _efficient_backward(g, q, k, v, bias, out, lse, seed, offset, dropout_p, gra
     db = torch.empty(bias.shape, dtype=bias.dtype) if grad_input_mask[3] else None
     # CUDA returns the bias gradient with the broadcast (B,H,T,T) shape: hold that much
     wide = torch.empty((B,) + tuple(bias.shape[1:]), dtype=bias.dtype) if db is not None else None
-    delta = (g.float() * out.float()).sum(-1)
+    delta = torch.empty((B, H, T), dtype=torch.float32)  # the CUDA kernel's scratch
     for b in range(B):
         for h in range(H):
-            att = (q[b, h] @ k[b, h].T) * s + bias[b if bias.size(0) > 1 else 0, h]
+            qf, kf, vf, gf = q[b, h].float(), k[b, h].float(), v[b, h].float(), g[b, h].float()
+            delta[b, h] = (gf * out[b, h].float()).sum(-1)
+            att = (qf @ kf.T) * s + bias[b if bias.size(0) > 1 else 0, h].float()
             p = torch.exp(att - lse[b, h, :T, None])
             del att
-            dv[b, h] = p.T @ g[b, h]
-            ds = p * (g[b, h] @ v[b, h].T - delta[b, h, :, None])
+            dv[b, h] = p.T @ gf
+            ds = p * (gf @ vf.T - delta[b, h, :, None])
             del p
-            dq[b, h] = (ds @ k[b, h]) * s
-            dk[b, h] = (ds.T @ q[b, h]) * s
+            dq[b, h] = (ds @ kf) * s
+            dk[b, h] = (ds.T @ qf) * s
             if db is not None:
                 if b == 0:
                     db[0, h] = ds
@@ -135,6 +137,8 @@ def measure(a: argparse.Namespace) -> tuple[int, int]:
 
     torch.manual_seed(0)
     m = Model(a.layers, a.d_model, a.heads, a.d_ff)
+    if a.bf16:
+        m = m.to(torch.bfloat16)  # Forgather's module_to_dtype: pure bf16
     fconfig.activation_memory_budget = a.budget
     m.compile(backend="inductor", mode="default", dynamic=False)
     ids = torch.randint(0, V, (a.batch, a.seq))
@@ -166,7 +170,14 @@ def measure(a: argparse.Namespace) -> tuple[int, int]:
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     events = json.load(open(path))["traceEvents"]
-    peak = max(e["args"].get("Total Allocated", 0) for e in events if e.get("name") == "[memory]")
+    mem = [e for e in events if e.get("name") == "[memory]"]
+    peak = max(e["args"].get("Total Allocated", 0) for e in mem)
+    if a.trace:  # memory events (time, total, bytes, address) and ops (time, duration, name)
+        ops = [(e["ts"], e.get("dur", 0), e["name"]) for e in events if e.get("ph") == "X"]
+        rows = [(e["ts"], e["args"].get("Total Allocated", 0), e["args"].get("Bytes", 0), e["args"].get("Addr", 0))
+                for e in mem]
+        with open(a.trace, "w") as f:
+            json.dump({"mem": rows, "ops": ops}, f)
     return saved_bytes, peak
 
 
@@ -180,7 +191,8 @@ def predict(a: argparse.Namespace) -> tuple[int, int]:
         "model": exp.model.model_copy(update={
             "n_layers": a.layers, "d_model": a.d_model, "n_heads": a.heads, "d_ff": a.d_ff,
             "residual_scale": (2 * a.layers) ** 0.25}),
-        "training": exp.training.model_copy(update={"memory_budget": a.budget, "batch": a.batch, "seq": a.seq}),
+        "training": exp.training.model_copy(update={
+            "memory_budget": a.budget, "batch": a.batch, "seq": a.seq, "precision": "bf16" if a.bf16 else "fp32"}),
     })
     est = estimate(exp, timeline=False)
     # the probe runs no optimizer: compare the forward and backward phases, above the weights
@@ -199,11 +211,14 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=2048)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--d-ff", type=int, default=5400)
+    ap.add_argument("--bf16", action="store_true", help="the model in bfloat16 (bf16_budget_60)")
+    ap.add_argument("--trace", help="also write the step's memory events and ops to this JSON file")
     a = ap.parse_args()
     ms, mp = measure(a)
     ps, pp = predict(a)
     from memcalc.units import MiB as mib
-    print(f"torch {torch.__version__}, {a.layers} layers, batch {a.batch} x {a.seq}, budget {a.budget}")
+    print(f"torch {torch.__version__}, {a.layers} layers, batch {a.batch} x {a.seq}, budget {a.budget}"
+          f"{', bf16' if a.bf16 else ''}")
     print(f"saved for backward: measured {ms / mib:.1f} MiB, memcalc {ps / mib:.1f} MiB")
     print(f"peak above weights: measured {mp / mib:.1f} MiB, memcalc {pp / mib:.1f} MiB ({100 * (pp - mp) / mp:+.1f}%)")
 
