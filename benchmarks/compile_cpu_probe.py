@@ -15,10 +15,11 @@ Two CPU differences remain: the bias is passed as (1,H,T,T) (on CPU inductor cop
 expanded bias in full; CUDA keeps the batch stride 0), and the kernels' T x T scratch (a few
 MiB). No optimizer runs: memcalc's forward and backward phases are compared.
 
-Seen with PyTorch 2.8 CPU, 6 layers, batch 4 x 768 (MiB): saved for backward at budget 1.0 /
-0.6 / 0.05 measured 2536 / 1479 / 120, memcalc the same; peak above the weights measured
-3023 / 2493 / 2118, memcalc 3006 / 2473 / 2087 (-0.6% / -0.8% / -1.5%). About 5 minutes per
-budget on two cores (compile about a minute, three steps).
+Seen with PyTorch 2.8 CPU (MiB), peak above the weights, measured / memcalc: 6 layers, batch
+4 x 768, fp32, budgets 1.0 / 0.6 / 0.05: 3006 / 3006, 2476 / 2473, 2101 / 2087 (saved for
+backward 2536 / 1479 / 120, equal); 4 layers, batch 2, --bf16, budgets 1.0 / 0.6: 647 / 644,
+625 / 592 (-5.4%; a few MiB of it is the emulated kernels' CPU-only scratch). A few minutes
+per run on two cores (compile about a minute, three steps).
 """
 
 from __future__ import annotations
