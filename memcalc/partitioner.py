@@ -379,20 +379,19 @@ class _Knapsack:
         return saved, sum(self.rt) - kept_rt, len(recomp)
 
 
-def _stages(g: Graph) -> tuple[list[Value], Optional[_Knapsack], list[tuple[list[Value], str]]]:
-    """The default cut, the knapsack stage (None when the default is no larger than the
+def _stages(g: Graph, default: list[Value]) -> tuple[Optional[_Knapsack], list[tuple[list[Value], str]]]:
+    """Below budget 1: the knapsack stage (None when the default cut is no larger than the
     inputs) and the two cheaper answers tried before it (more aggressive, aggressive)."""
     opts = MinCutOptions()
-    default, _ = solve_min_cut(g, opts)
     min_act, max_act = _size(g.inputs), _size(default)
     if max_act <= min_act:
-        return default, None, []
+        return None, []
     more = replace(opts, ban_if_materialized_backward=False)
     more_saved, _ = solve_min_cut(g, more)
     aggr = replace(more, ban_if_not_in_allowlist=False)
     aggr_saved, banned = solve_min_cut(g, aggr)
     ks = _Knapsack(g, aggr, banned, min_act, max_act)
-    return default, ks, [(more_saved, "more aggressive min-cut fits the budget"),
+    return ks, [(more_saved, "more aggressive min-cut fits the budget"),
                          (aggr_saved, "aggressive min-cut fits the budget")]
 
 
@@ -406,9 +405,10 @@ def choose_saved_values_set(g: Graph, memory_budget: float = 1.0) -> Partition:
 
     if memory_budget == 0:
         return done(g.inputs, "budget 0: save only the graph inputs")
-    default, ks, cheaper = _stages(g)
+    default, _ = solve_min_cut(g, MinCutOptions())
     if memory_budget == 1:
         return done(default, "default min-cut")
+    ks, cheaper = _stages(g, default)
     if ks is None:
         return done(default, "default min-cut (no larger than the inputs)")
     for saved, how in cheaper:
@@ -436,7 +436,7 @@ def budget_frontier(g: Graph, resolution: float = 1e-3) -> list[FrontierPoint]:
     knapsack solved at budgets 0 and 1, then bisected wherever two budgets choose differently,
     down to ``resolution``. Sorted by budget; one point per distinct choice (the lowest budget
     that makes it). Empty when the default saved set is no larger than the inputs."""
-    _, ks, _ = _stages(g)
+    ks, _ = _stages(g, solve_min_cut(g, MinCutOptions())[0])
     if ks is None or not ks.cands:
         return []
     cache: dict[float, tuple[float, float, float, int]] = {}
