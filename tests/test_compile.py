@@ -176,6 +176,7 @@ PROBE = [  # layers, batch, precision, budget, measured peak above the weights (
     (4, 2, "bf16", 1.0, 647.0),    # source: benchmarks/compile_cpu_probe.py --bf16 --layers 4 --batch 2
     (4, 2, "bf16", 0.6, 625.2),    # source: benchmarks/compile_cpu_probe.py --bf16 --layers 4 --batch 2
     (32, 4, "bf16", 0.6, 5206.2),  # source: compile_cpu_probe.py --bf16 --layers 32: bf16_budget_60 itself
+    (32, 4, "fp32", 0.05, 7543.2),  # source: compile_cpu_probe.py --layers 32: memory_budget_05 itself
 ]
 
 
