@@ -16,15 +16,14 @@ expanded bias in full; CUDA keeps the batch stride 0), and the kernels' T x T sc
 MiB). No optimizer runs: memcalc's forward and backward phases are compared.
 
 Seen with PyTorch 2.8 CPU (MiB), peak above the weights, measured / memcalc: 6 layers, batch
-4 x 768, fp32, budgets 1.0 / 0.6 / 0.05: 3006 / 3006, 2476 / 2473, 2101 / 2087 (saved for
+4 x 768, fp32, budgets 1.0 / 0.6 / 0.05: 3006 / 3006, 2476 / 2473, 2101 / 2128 (saved for
 backward 2536 / 1479 / 120, equal); 4 layers, batch 2, --bf16, budgets 1.0 / 0.6: 647 / 644,
-625 / 592 (-5.4%; a few MiB of it is the emulated kernels' CPU-only scratch); bf16_budget_60
-itself (32 layers, batch 4, --bf16, budget 0.6): 5206 / 5166 (-0.8%), saved 4018 / 4018, so
-weights + peak = 8.1 GiB against the published 6.709; memory_budget_05 itself (32 layers,
-fp32, budget 0.05): 7543 / 7843 (+4.0%), saved 648 / 648, so weights + peak = 13.44 GiB
-against the published (CUDA) 13.561 GiB (-0.9%). A few minutes per small run on two cores
-(compile about a minute, three steps); the 32-layer runs take 10 to 20 minutes and up to
-14 GiB of memory.
+625 / 603; bf16_budget_60 itself (32 layers, batch 4, --bf16, budget 0.6): 5206 / 5166,
+saved 4018 / 4018, so weights + peak = 8.1 GiB against the published 6.709; memory_budget_05
+itself (32 layers, fp32, budget 0.05): 7543 / 7526, saved 648 / 648, so weights + peak =
+13.44 GiB against the published (CUDA) 13.561 GiB (-0.9%). A few minutes per small run on
+two cores (compile about a minute, three steps); the 32-layer runs take 10 to 20 minutes
+and up to 14 GiB of memory.
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
     saved = set(part.saved)
     extra = {i: by_layer.get(i, 0) - (out.nbytes if out in saved else 0) for i, out in outputs.items()}
     held = chain_hold(g, part, set(outputs.values()), len(outputs))
-    pool = mlp_pool(g, part)
+    pool = mlp_pool(g, part, len(outputs))
     return CompiledPlan(
         budget=budget,
         how=part.how,
@@ -209,24 +209,9 @@ def _realized(v: Value) -> bool:
     return any(not _attention_mask_only(v, u) for u in readers)
 
 
-def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[tuple[int, int], int]:
-    """Bytes the compiled backward computes at one step and keeps for a later one.
-
-    The backward graph is reordered to mimic the autograd engine
-    (``reordering_to_mimic_autograd_engine`` in partitioners.py): each backward op pulls in,
-    in forward order, the recomputation it needs. Steps run head first, then layers from
-    the last to the first. At each step the values its backward formulas read are made
-    available: saved values and graph inputs are; a value inductor materialises (see
-    ``_realized``) is computed once and kept until its last reader; any other value is
-    recomputed inline wherever it is read, from its own inputs. The head's backward needs
-    the last layer's output, so when the residual stream is not saved the whole forward
-    chain is computed at the first step and what later steps read of it stays alive.
-
-    Returns ``{(computed at step, last read at step): bytes}`` for values kept across steps
-    (``n_layers`` is the head's step); values used only at the step that computes them are
-    left to the timeline's per-layer recomputation, and so are the layer outputs (the
-    timeline keeps the residual stream from the forward).
-    """
+def _backward_steps(g: Graph, part: Partition, n_layers: int) -> dict[Value, tuple[int, int]]:
+    """For each value the compiled backward materialises: (the step that computes it, the last
+    step that reads it); see chain_hold."""
     saved = set(part.saved)
     head = n_layers
     last = max((v.order for v in g.values if v.layer is not None), default=-1)
@@ -264,30 +249,63 @@ def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> 
         inline: set = set()  # values recomputed inline at this step (each once)
         for u in reads.get(s, []):
             ensure(u, s, inline)
+    return {v: (c, last_use[v]) for v, c in computed_at.items()}
+
+
+def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[tuple[int, int], int]:
+    """Bytes the compiled backward computes at one step and keeps for a later one.
+
+    The backward graph is reordered to mimic the autograd engine
+    (``reordering_to_mimic_autograd_engine`` in partitioners.py): each backward op pulls in,
+    in forward order, the recomputation it needs. Steps run head first, then layers from
+    the last to the first. At each step the values its backward formulas read are made
+    available: saved values and graph inputs are; a value inductor materialises (see
+    ``_realized``) is computed once and kept until its last reader; any other value is
+    recomputed inline wherever it is read, from its own inputs. The head's backward needs
+    the last layer's output, so when the residual stream is not saved the whole forward
+    chain is computed at the first step and what later steps read of it stays alive.
+
+    Returns ``{(computed at step, last read at step): bytes}`` for values kept across steps
+    (``n_layers`` is the head's step); values used only at the step that computes them are
+    left to the timeline's per-layer recomputation, and so are the layer outputs (the
+    timeline keeps the residual stream from the forward).
+    """
+    steps = _backward_steps(g, part, n_layers)
     held: dict[tuple[int, int], int] = {}
-    for v, c in computed_at.items():
-        if v in layer_outputs or last_use[v] == c:
+    for v, (c, last) in steps.items():
+        if v in layer_outputs or last == c:
             continue
-        key = (c, last_use[v])
-        held[key] = held.get(key, 0) + v.nbytes
+        held[(c, last)] = held.get((c, last), 0) + v.nbytes
     return held
 
 
-def mlp_pool(g: Graph, part: Partition) -> dict[int, int]:
-    """Per layer, the bytes of the MLP-width buffers its compiled backward allocates: the MLP
-    values inductor materialises (the up/gate/fc1 outputs and the down projection's input)
-    that were not saved, recomputed here, plus one gradient buffer for each materialised
-    MLP value.
+def mlp_pool(g: Graph, part: Partition, n_layers: int) -> dict[int, int]:
+    """Per layer i >= 1, the bytes of MLP-width buffers that stay allocated, dead, through the
+    layer's attention backward because layer i-1's MLP backward will reuse them.
 
-    Why it matters: inductor's wrapper plans memory statically and, when a dead buffer has
-    the same size as one allocated later, keeps it for reuse rather than freeing it
-    (``FreeIfNotReusedLine`` / ``reuse_pool`` in torch/_inductor/codegen/wrapper.py). Layers
-    are identical, so the buffers of layer i's MLP backward stay allocated through its
-    attention backward until layer i-1's MLP reuses them. A real inductor step (CPU,
-    memory-efficient attention emulated, 6 layers, batch 4 x 768, budget 0.05) keeps
-    exactly six ff-wide buffers for gated MLPs and frees them only after layer 0."""
+    Inductor's wrapper plans memory statically: a dead buffer that a later allocation of the
+    same size can take is kept for it rather than freed (``FreeIfNotReusedLine`` and the reuse
+    pool in torch/_inductor/codegen/wrapper.py). Layers are identical, so what layer i's
+    MLP backward leaves can serve layer i-1's. Counted in MLP-width buffers (the up/gate/fc1
+    outputs and the down projection's input, which inductor materialises, each with one
+    gradient), per layer, as traced in a real inductor step (CPU, memory-efficient attention
+    emulated; benchmarks/compile_cpu_probe.py):
+
+    - distinct buffers its MLP backward uses: its gradients only when the MLP values are
+      saved (3 for a gated MLP); values and gradients (6) when it recomputes them there; the
+      values and one more (4) when the values come from the forward chain the backward
+      rebuilt at an earlier step (the gradients then reuse them in place);
+    - new allocations it makes: those, less the chain values already allocated;
+    - kept through layer i's attention backward: the smaller of layer i's distinct buffers
+      and layer i-1's new allocations. Layer 0 has no successor: nothing is kept.
+
+    Budget 0.05 on 32 layers: one buffer at layers 31-28 (their successors' values come from
+    the chain), four at 27, six below; budget 1.0: three everywhere."""
     saved = set(part.saved)
-    pool: dict[int, int] = {}
+    steps = _backward_steps(g, part, n_layers)
+    width: dict[int, int] = {}
+    distinct: dict[int, int] = {}
+    new: dict[int, int] = {}
     for down in g.values:
         if not (down.kind == "compute" and down.layer is not None
                 and any(a.param and a.name.endswith(("down_proj.weight", "fc2.weight")) for a in down.args)):
@@ -303,8 +321,16 @@ def mlp_pool(g: Graph, part: Partition) -> dict[int, int]:
             if v.kind == "pointwise":
                 stack.extend(a for a in v.args if not a.param)
         real = [v for v in inner if _realized(v)]
-        pool[down.layer] = sum(v.nbytes for v in real) + sum(v.nbytes for v in real if v not in saved)
-    return pool
+        if not real:
+            continue
+        i = down.layer
+        from_chain = [v for v in real if v not in saved and v in steps and steps[v][0] != i]
+        here = [v for v in real if v not in saved and v not in from_chain]
+        grads = len(real) if not from_chain else 1
+        width[i] = max(v.nbytes for v in real)
+        distinct[i] = len(here) + len(from_chain) + grads
+        new[i] = distinct[i] - len(from_chain)
+    return {i: min(distinct[i], new[i - 1]) * width[i] for i in distinct if i - 1 in new}
 
 
 def checkpoint_recompute_flops(exp: ExperimentSpec) -> tuple[int, int]:

@@ -157,14 +157,26 @@ def test_no_mask_is_kept_across_layers():
         assert plan.held[(6, i)] == 6 * btd
 
 
-@pytest.mark.parametrize("budget,buffers", [
-    (0.05, 6),  # source: CPU probe trace: six (B,T,ff) buffers kept from layer 5 until layer 0
-    (1.0, 3),   # up, gate and their product are saved: only the three gradients are allocated
+@pytest.mark.parametrize("budget,kept", [
+    # source: CPU probe trace (6 layers, budget 0.05): through layer 5's attention backward
+    # four ff-wide buffers stay (its MLP values came from the chain: values + one gradient),
+    # through layers 4-1 six (recomputed values + gradients, all reused by the next layer)
+    (0.05, {5: 4, 4: 6, 3: 6, 2: 6, 1: 6}),
+    # source: CPU probe (budget 1.0): up, gate and their product are saved: three gradients
+    (1.0, {5: 3, 4: 3, 3: 3, 2: 3, 1: 3}),
 ])
-def test_mlp_reuse_pool(budget, buffers):
+def test_mlp_reuse_pool(budget, kept):
     plan = compiled_plan(_probe_exp(6, 4, budget))
     btf = 4 * 768 * 5400 * 4
-    assert all(plan.mlp_pool_by_layer[i] == buffers * btf for i in range(5) if plan.saved_by_layer.get(i))
+    assert plan.mlp_pool_by_layer == {i: n * btf for i, n in kept.items()}
+
+
+def test_mlp_reuse_pool_after_chain_layers():
+    """source: CPU probe trace of memory_budget_05 itself (32 layers): through layer 31's
+    attention backward one ff-wide buffer stays, as layer 30's MLP values come from the chain."""
+    plan = compiled_plan(load_config("memory_budget_05"))
+    btf = 4 * 768 * 5400 * 4
+    assert plan.mlp_pool_by_layer[31] == 1 * btf
 
 
 # the smallest rows carry a few MiB of the emulated kernels' CPU-only scratch (T x T per head)
