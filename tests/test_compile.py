@@ -189,6 +189,11 @@ PROBE = [  # layers, batch, precision, budget, measured peak above the weights (
     (4, 2, "bf16", 0.6, 625.2),    # source: benchmarks/compile_cpu_probe.py --bf16 --layers 4 --batch 2
     (32, 4, "bf16", 0.6, 5206.2),  # source: compile_cpu_probe.py --bf16 --layers 32: bf16_budget_60 itself
     (32, 4, "fp32", 0.05, 7543.2),  # source: compile_cpu_probe.py --layers 32: memory_budget_05 itself
+    # source: compile_cpu_probe.py --layers 32 --budget 0.6: memory_budget_60 itself. memcalc
+    # is +6.5%: here inductor inlines the residual stream into the rebuilt chain instead of
+    # keeping it (no matmul recomputed there reads it), about 31 x 24 MiB; with bf16, or with
+    # 6 layers, it keeps it. Which realization heuristic decides is not modelled yet.
+    pytest.param(32, 4, "fp32", 0.6, 9656.4, marks=pytest.mark.xfail(strict=True, reason="residual stream inlined")),
 ]
 
 
