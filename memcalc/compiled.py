@@ -171,8 +171,9 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
             by_layer[v.layer] = by_layer.get(v.layer, 0) + v.nbytes
     saved = set(part.saved)
     extra = {i: by_layer.get(i, 0) - (out.nbytes if out in saved else 0) for i, out in outputs.items()}
-    held = chain_hold(g, part, set(outputs.values()), len(outputs))
-    pool = mlp_pool(g, part, len(outputs))
+    steps = _backward_steps(g, part, len(outputs))
+    held = chain_hold(steps, set(outputs.values()))
+    pool = mlp_pool(g, part, steps)
     return CompiledPlan(
         budget=budget,
         how=part.how,
@@ -252,7 +253,7 @@ def _backward_steps(g: Graph, part: Partition, n_layers: int) -> dict[Value, tup
     return {v: (c, last_use[v]) for v, c in computed_at.items()}
 
 
-def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> dict[tuple[int, int], int]:
+def chain_hold(steps: dict[Value, tuple[int, int]], layer_outputs: set) -> dict[tuple[int, int], int]:
     """Bytes the compiled backward computes at one step and keeps for a later one.
 
     The backward graph is reordered to mimic the autograd engine
@@ -268,9 +269,8 @@ def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> 
     Returns ``{(computed at step, last read at step): bytes}`` for values kept across steps
     (``n_layers`` is the head's step); values used only at the step that computes them are
     left to the timeline's per-layer recomputation, and so are the layer outputs (the
-    timeline keeps the residual stream from the forward).
+    timeline keeps the residual stream from the forward). ``steps``: ``_backward_steps``.
     """
-    steps = _backward_steps(g, part, n_layers)
     held: dict[tuple[int, int], int] = {}
     for v, (c, last) in steps.items():
         if v in layer_outputs or last == c:
@@ -279,7 +279,7 @@ def chain_hold(g: Graph, part: Partition, layer_outputs: set, n_layers: int) -> 
     return held
 
 
-def mlp_pool(g: Graph, part: Partition, n_layers: int) -> dict[int, int]:
+def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]]) -> dict[int, int]:
     """Per layer i >= 1, the bytes of MLP-width buffers that stay allocated, dead, through the
     layer's attention backward because layer i-1's MLP backward will reuse them.
 
@@ -300,9 +300,9 @@ def mlp_pool(g: Graph, part: Partition, n_layers: int) -> dict[int, int]:
       and layer i-1's new allocations. Layer 0 has no successor: nothing is kept.
 
     Budget 0.05 on 32 layers: one buffer at layers 31-28 (their successors' values come from
-    the chain), four at 27, six below; budget 1.0: three everywhere."""
+    the chain), four at 27, six below; budget 1.0: three everywhere. ``steps``:
+    ``_backward_steps``."""
     saved = set(part.saved)
-    steps = _backward_steps(g, part, n_layers)
     width: dict[int, int] = {}
     distinct: dict[int, int] = {}
     new: dict[int, int] = {}
