@@ -2,7 +2,7 @@
 wall time of `memcalc plan --model llama-3.1-8b --gpu rtx-4090`.
 
 1. Fits every technique combination of ``memcalc plan`` (112) for llama-3.1-8b (fit time is
-   reported too: it is simulation, not search), then times :func:`memcalc.plan.evaluate_grid`
+   reported too: it is simulation, not search), then times :func:`memcalc.plan.search.evaluate_grid`
    over options x batches x seqs (the whole grid the plan evaluates at once) and reports the
    configurations (option, batch, seq) evaluated per second.
 2. Runs the installed console script (a fresh process each time, imports included) and reports
@@ -28,10 +28,10 @@ TARGET_CONFIGS_PER_S = 10_000
 
 
 def search_speed(repeat: int = 5) -> None:
-    from memcalc.fit import fit_step
-    from memcalc.plan import StackedFits, batch_grid, evaluate_grid, parallel_map, seq_grid, techniques, workers
-    from memcalc.presets import load_preset
-    from memcalc.spec import ExperimentSpec
+    from memcalc.plan.fits import fit_step
+    from memcalc.plan.search import StackedFits, batch_grid, evaluate_grid, parallel_map, seq_grid, techniques, workers
+    from memcalc.inputs.presets import load_preset
+    from memcalc.core.spec import ExperimentSpec
 
     m = load_preset("llama-3.1-8b")
     techs = techniques()

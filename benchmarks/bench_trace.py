@@ -21,8 +21,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one run, print the top 25 functions")
     a = ap.parse_args()
 
-    from memcalc.configs import load_config
-    from memcalc.units import gib
+    from memcalc.inputs.configs import load_config
+    from memcalc.core.units import gib
     from memcalc.validate.runner import measure
 
     exp = load_config(a.config)

@@ -1,5 +1,5 @@
 """Measure a real torch.compile (inductor, CPU) training step of a Deep-One-like model and
-print it beside memcalc's compiled timeline. Evidence for memcalc.compiled without a GPU.
+print it beside memcalc's compiled timeline. Evidence for memcalc.compile.compiled without a GPU.
 
     python benchmarks/compile_cpu_probe.py --layers 6 --batch 4 --budget 0.05
 
@@ -189,9 +189,9 @@ def measure(a: argparse.Namespace) -> tuple[int, int]:
 
 
 def predict(a: argparse.Namespace) -> tuple[int, int]:
-    from memcalc.compiled import compiled_plan
-    from memcalc.configs import load_config
-    from memcalc.estimate import estimate
+    from memcalc.compile.compiled import compiled_plan
+    from memcalc.inputs.configs import load_config
+    from memcalc.estimate.peak import estimate
 
     exp = load_config("memory_budget_60")
     exp = exp.model_copy(update={
@@ -223,7 +223,7 @@ def main() -> None:
     a = ap.parse_args()
     ms, mp = measure(a)
     ps, pp = predict(a)
-    from memcalc.units import MiB as mib
+    from memcalc.core.units import MiB as mib
     print(f"torch {torch.__version__}, {a.layers} layers, batch {a.batch} x {a.seq}, budget {a.budget}"
           f"{', bf16' if a.bf16 else ''}")
     print(f"saved for backward: measured {ms / mib:.1f} MiB, memcalc {ps / mib:.1f} MiB")

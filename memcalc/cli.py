@@ -1,7 +1,7 @@
 """The ``memcalc`` command line.
 
 Every bad input ends as one line on stderr and exit code 2: typer/click usage
-errors, :class:`~memcalc.errors.UserError`, and pydantic validation errors.
+errors, :class:`~memcalc.core.errors.UserError`, and pydantic validation errors.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-from .errors import UserError
-from .units import gib
+from memcalc.core.errors import UserError
+from memcalc.core.units import gib
 
 
 class _Group(TyperGroup):
@@ -29,7 +29,7 @@ class _Group(TyperGroup):
             _err(str(e))
             sys.exit(2)
         except ValidationError as e:
-            from .presets import pydantic_error_line
+            from memcalc.inputs.presets import pydantic_error_line
 
             _err(pydantic_error_line(e, "input"))
             sys.exit(2)
@@ -117,7 +117,7 @@ OFFLOAD = typer.Option(False, "--offload-optimizer", help="Keep optimizer state 
 
 
 def _options(**kw: Any):
-    from .inputs import Options
+    from memcalc.inputs.resolve import Options
 
     for k in ("precision", "optimizer", "optimizer_impl"):
         if kw.get(k) is not None:
@@ -155,10 +155,10 @@ def estimate(
 
       memcalc estimate --config control --json
     """
-    from .estimate import estimate as run_estimate
-    from .gpus import get_gpu, list_gpus
-    from .inputs import resolve
-    from .report import dumps, render, to_json
+    from memcalc.estimate.peak import estimate as run_estimate
+    from memcalc.inputs.gpus import get_gpu, list_gpus
+    from memcalc.inputs.resolve import resolve
+    from memcalc.render.report import dumps, render, to_json
 
     res = resolve(_options(
         model=model, params=params, config=config, batch=batch, seq=seq, grad_accum=grad_accum,
@@ -171,14 +171,14 @@ def estimate(
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None
     if max_batch or max_seq:
-        from .plan import check_one_gpu, estimate_limits
+        from memcalc.plan.search import check_one_gpu, estimate_limits
 
         limit_gpu = check_one_gpu(gpu, "--max-batch" if max_batch else "--max-seq")
     est = run_estimate(res.exp)
     if max_batch or max_seq:
         limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
     if html:
-        from .html import estimate_html, write_report
+        from memcalc.render.html import estimate_html, write_report
 
         write_report(html, estimate_html(est, res, cards))
     if as_json:
@@ -189,13 +189,13 @@ def estimate(
     else:
         render(est, res, cards)
         if limits:
-            from .plan import render_limits
+            from memcalc.plan.search import render_limits
 
             render_limits(limits, limit_gpu, res.exp.model)
         if timeline:
             from rich.console import Console
 
-            from .chart import timeline_chart
+            from memcalc.render.chart import timeline_chart
 
             con = Console()
             con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
@@ -223,11 +223,11 @@ def plan(
 
       memcalc plan --model llama-3.1-70b
     """
-    from .gpus import get_gpu
-    from .plan import (cluster_plan_json, gpu_plan_json, plan_cluster, plan_gpu, plan_model, render_cluster_plan,
+    from memcalc.inputs.gpus import get_gpu
+    from memcalc.plan.search import (cluster_plan_json, gpu_plan_json, plan_cluster, plan_gpu, plan_model, render_cluster_plan,
                        render_gpu_plan)
-    from .profiles import get_profile
-    from .report import dumps
+    from memcalc.inputs.profiles import get_profile
+    from memcalc.render.report import dumps
 
     m, notes = plan_model(model, params)
     prof = get_profile(profile) if profile else None
@@ -245,7 +245,7 @@ def plan(
         return
     options = None
     if compile_:
-        from .plan import compile_techniques, techniques
+        from memcalc.plan.search import compile_techniques, techniques
 
         options = techniques() + compile_techniques()
     gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)
@@ -262,9 +262,9 @@ def models(as_json: bool = JSON) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .params import count_params
-    from .presets import list_presets, load_preset
-    from .report import dumps
+    from memcalc.engine.params import count_params
+    from memcalc.inputs.presets import list_presets, load_preset
+    from memcalc.render.report import dumps
 
     rows = []
     for name in list_presets():
@@ -290,8 +290,8 @@ def configs(as_json: bool = JSON) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .configs import list_configs, load_config
-    from .report import dumps
+    from memcalc.inputs.configs import list_configs, load_config
+    from memcalc.render.report import dumps
 
     rows = []
     for name in list_configs():
@@ -319,8 +319,8 @@ def gpus(as_json: bool = JSON) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .gpus import list_gpus
-    from .report import dumps
+    from memcalc.inputs.gpus import list_gpus
+    from memcalc.render.report import dumps
 
     gs = list_gpus()
     if as_json:
@@ -340,8 +340,8 @@ def profiles(as_json: bool = JSON) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .profiles import PROFILES
-    from .report import dumps
+    from memcalc.inputs.profiles import PROFILES
+    from memcalc.render.report import dumps
 
     if as_json:
         typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
@@ -383,15 +383,15 @@ def validate(
 
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
     """
-    from .configs import list_configs
-    from .inputs import resolve
+    from memcalc.inputs.configs import list_configs
+    from memcalc.inputs.resolve import resolve
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
     try:
-        from .validate.command import run_validate
+        from memcalc.validate.command import run_validate
     except ImportError as e:  # torch missing
         raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
     names = list(config or [])
@@ -413,8 +413,8 @@ def validate(
     items = [(n or e.name, e) for n, e in items]
     records = run_validate(items, device, as_json, output, scale_layers, snapshot)
     if html:
-        from .estimate import estimate as run_estimate
-        from .html import validate_html, write_report
+        from memcalc.estimate.peak import estimate as run_estimate
+        from memcalc.render.html import validate_html, write_report
 
         # the estimates' timelines are of the full model: left out when tracing fewer layers
         ests = {n: run_estimate(e) for n, e in items} if scale_layers is None else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.spec import ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 
 def tiny_llama(**kw) -> ModelSpec:
@@ -25,7 +25,7 @@ def tiny():
 
 def small_config(name: str, layers: int, **training) -> ExperimentSpec:
     """A shipped reference config with fewer layers (and training overrides)."""
-    from memcalc.configs import load_config
+    from memcalc.inputs.configs import load_config
 
     exp = load_config(name)
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers}),
@@ -34,7 +34,7 @@ def small_config(name: str, layers: int, **training) -> ExperimentSpec:
 
 def preset_exp(model: str, layers: int, budget: float, **kw) -> ExperimentSpec:
     """A preset under torch.compile at ``budget``, batch 2 x seq 256, with fewer layers."""
-    from memcalc.inputs import Options, resolve
+    from memcalc.inputs.resolve import Options, resolve
 
     exp = resolve(Options(model=model, batch=2, seq=256, memory_budget=budget, **kw)).exp
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers})})

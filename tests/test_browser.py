@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from memcalc.configs import load_config
-from memcalc.estimate import estimate
-from memcalc.html import estimate_html, validate_html
-from memcalc.inputs import Resolved
-from memcalc.units import GiB
+from memcalc.inputs.configs import load_config
+from memcalc.estimate.peak import estimate
+from memcalc.render.html import estimate_html, validate_html
+from memcalc.inputs.resolve import Resolved
+from memcalc.core.units import GiB
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
 DRIVER = shutil.which("chromedriver")

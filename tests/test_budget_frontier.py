@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.compiled import record_graph
-from memcalc.configs import load_config
-from memcalc.data_files import data_root
-from memcalc.partitioner import budget_frontier
+from memcalc.compile.compiled import record_graph
+from memcalc.inputs.configs import load_config
+from memcalc.inputs.data_files import data_root
+from memcalc.compile.partitioner import budget_frontier
 
 # the CSV prints the ratio to 4 decimals (as the plot's labels) and the FLOPs to 0.1 GFLOP
 TOL_RATIO = 0.6e-4  # 4-decimal rounding, and PyTorch sums sizes in GB floats
@@ -58,7 +58,7 @@ def test_frontier_is_a_tradeoff(frontier):
 def test_the_tables_budgets_lie_on_it(frontier):
     """source: partitioners.py: a budget takes the last corner at or below it (0.05 keeps 27
     down-projections of 24 MiB; 0.6 keeps about 60% of the default set's range)."""
-    from memcalc.compiled import compiled_plan
+    from memcalc.compile.compiled import compiled_plan
 
     for name in ("memory_budget_05", "memory_budget_60"):
         plan = compiled_plan(load_config(name))

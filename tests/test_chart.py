@@ -1,4 +1,4 @@
-"""The terminal timeline chart and the columns it draws (memcalc.timeline_view)."""
+"""The terminal timeline chart and the columns it draws (memcalc.render.timeline_view)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import pytest
 from rich.cells import cell_len
 from rich.console import Console
 
-from memcalc.chart import nice_step, timeline_chart
-from memcalc.configs import load_config
-from memcalc.estimate import estimate
-from memcalc.result import KINDS
-from memcalc.timeline_view import bare_peak_label, phase_runs, resample, step_columns
-from memcalc.units import GiB, gib
+from memcalc.render.chart import nice_step, timeline_chart
+from memcalc.inputs.configs import load_config
+from memcalc.estimate.peak import estimate
+from memcalc.engine.result import KINDS
+from memcalc.render.timeline_view import bare_peak_label, phase_runs, resample, step_columns
+from memcalc.core.units import GiB, gib
 
 from conftest import experiment
 

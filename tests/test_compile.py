@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.compiled import compiled_plan
-from memcalc.configs import load_config
-from memcalc.estimate import estimate
-from memcalc.units import GiB
+from memcalc.compile.compiled import compiled_plan
+from memcalc.inputs.configs import load_config
+from memcalc.estimate.peak import estimate
+from memcalc.core.units import GiB
 
 from conftest import preset_exp, small_config
 
@@ -128,7 +128,7 @@ def test_chain_hold_matches_an_inductor_trace():
 @pytest.mark.parametrize("budget", [1.0, 0.6, 0.05, 0.0])
 def test_nothing_outlives_the_step(budget):
     """Every saved or recomputed activation is freed by the end of the step."""
-    from memcalc.timeline import simulate
+    from memcalc.engine.timeline import simulate
 
     res = simulate(small_config("memory_budget_60", 4, memory_budget=budget))
     assert res.timeline[-1].by_kind["activations"] == 0
@@ -199,7 +199,7 @@ PROBE = [  # layers, batch, precision, budget, measured peak above the weights (
 
 @pytest.mark.parametrize("layers,batch,precision,budget,measured_mib", PROBE)
 def test_against_the_cpu_inductor_probe(layers, batch, precision, budget, measured_mib):
-    from memcalc.units import MiB
+    from memcalc.core.units import MiB
 
     exp = _probe_exp(layers, batch, budget, precision)
     est = estimate(exp, timeline=False)

@@ -1,6 +1,6 @@
 """The analytic engine against a meta-device trace of the real PyTorch step (issue 3's main check).
 
-Each row builds the same experiment twice: `memcalc.estimate` simulates it op by op from the
+Each row builds the same experiment twice: `memcalc.estimate.peak` simulates it op by op from the
 kernel inventory; `memcalc.validate` runs the real training step in PyTorch on the `meta`
 device, counting every storage the kernels allocate (512-byte rounding). Models are the
 presets with fewer layers (the layers are identical, so the per-layer behaviour is the same)
@@ -13,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.estimate import estimate  # noqa: E402
-from memcalc.presets import load_preset  # noqa: E402
-from memcalc.spec import ExperimentSpec, TrainingSpec  # noqa: E402
+from memcalc.estimate.peak import estimate  # noqa: E402
+from memcalc.inputs.presets import load_preset  # noqa: E402
+from memcalc.core.spec import ExperimentSpec, TrainingSpec  # noqa: E402
 from memcalc.validate.runner import measure  # noqa: E402
 
 TOLERANCE_PCT = 3.0  # issue 3: estimator and meta trace agree within 3%

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from memcalc.errors import UserError
-from memcalc.gpus import GPU, get_gpu, gpu_names, list_gpus
-from memcalc.units import GiB, KiB, MiB
+from memcalc.core.errors import UserError
+from memcalc.inputs.gpus import GPU, get_gpu, gpu_names, list_gpus
+from memcalc.core.units import GiB, KiB, MiB
 
 REQUIRED = ["t4", "l4", "a10g", "rtx-3090", "rtx-4090", "rtx-5090", "a100-40gb", "a100-80gb", "h100-80gb", "h200",
             "b200", "mi300x"]

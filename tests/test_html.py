@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from memcalc.configs import load_config
-from memcalc.estimate import estimate
-from memcalc.html import estimate_html, validate_html
-from memcalc.inputs import Resolved
-from memcalc.result import KINDS
-from memcalc.units import GiB
+from memcalc.inputs.configs import load_config
+from memcalc.estimate.peak import estimate
+from memcalc.render.html import estimate_html, validate_html
+from memcalc.inputs.resolve import Resolved
+from memcalc.engine.result import KINDS
+from memcalc.core.units import GiB
 
 from conftest import experiment
 
@@ -212,7 +212,7 @@ def test_validate_page_with_no_records():
 
 
 def cli(args):
-    pytest.importorskip("memcalc.gpus")
+    pytest.importorskip("memcalc.inputs.gpus")
     from typer.testing import CliRunner
 
     from memcalc.cli import app

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.errors import UserError
-from memcalc.infer import family_depth, family_ffn, infer_from_params, llama_ffn, parse_count
-from memcalc.params import count_params
+from memcalc.core.errors import UserError
+from memcalc.inputs.infer import family_depth, family_ffn, infer_from_params, llama_ffn, parse_count
+from memcalc.engine.params import count_params
 
 
 @settings(max_examples=150, deadline=None)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memcalc.estimate import estimate
-from memcalc.result import KINDS
+from memcalc.estimate.peak import estimate
+from memcalc.engine.result import KINDS
 
 from conftest import experiment, tiny_llama
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.params import count_params, param_inventory
-from memcalc.presets import list_presets, load_preset
-from memcalc.spec import LoraSpec
+from memcalc.engine.params import count_params, param_inventory
+from memcalc.inputs.presets import list_presets, load_preset
+from memcalc.core.spec import LoraSpec
 
 PUBLISHED_TOTALS = [
     # source: GPT2LMHeadModel.num_parameters() for openai-community/gpt2 (wte tied to lm_head)

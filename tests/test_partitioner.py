@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from memcalc.partitioner import Graph, Value, choose_saved_values_set, dp_knapsack
+from memcalc.compile.partitioner import Graph, Value, choose_saved_values_set, dp_knapsack
 
 MiB = 2**20
 UNIT = 2 * 512**3  # FLOPs of one 512x512 @ 512x512 matmul

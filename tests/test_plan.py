@@ -11,16 +11,16 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.estimate import CUDA_CONTEXT_BYTES, estimate
-from memcalc.fit import fit_gpus, fit_step, largest_true, largest_true_array
-from memcalc.gpus import get_gpu
-from memcalc.plan import (
+from memcalc.estimate.peak import CUDA_CONTEXT_BYTES, estimate
+from memcalc.plan.fits import fit_gpus, fit_step, largest_true, largest_true_array
+from memcalc.inputs.gpus import get_gpu
+from memcalc.plan.search import (
     StackedFits, Technique, _largest_exact, batch_grid, evaluate_grid, plan_gpu, relative_cost, render_gpu_plan,
     compile_techniques, seq_grid, techniques,
 )
-from memcalc.presets import load_preset
-from memcalc.spec import ExperimentSpec, LoraSpec, TrainingSpec
-from memcalc.units import MiB
+from memcalc.inputs.presets import load_preset
+from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
+from memcalc.core.units import MiB
 
 from conftest import tiny_llama
 
@@ -385,7 +385,7 @@ def test_plan_compile_options_are_exact():
                 <= FAKE.capacity_bytes < estimate(ExperimentSpec(model=m, training=tr(o.max_batch + 1, 1024)),
                                                   timeline=False).required_bytes
     # a smaller budget recomputes more forward FLOPs, which the cost model charges
-    from memcalc.compiled import compiled_plan
+    from memcalc.compile.compiled import compiled_plan
 
     by = {(o.technique.adapters, o.technique.budget): o.technique for o in p.options}
     for ad in ("none", "lora", "qlora"):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from memcalc.data_files import data_root
-from memcalc.errors import UserError
-from memcalc.params import count_params
-from memcalc.presets import list_presets, load_preset, preset_summary, pydantic_error_line, resolve_model
-from memcalc.spec import ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.inputs.data_files import data_root
+from memcalc.core.errors import UserError
+from memcalc.engine.params import count_params
+from memcalc.inputs.presets import list_presets, load_preset, preset_summary, pydantic_error_line, resolve_model
+from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 REPO = Path(__file__).resolve().parents[1]
 EXPECTED = ["deep-one-1.6b", "gpt2", "gpt2-xl", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3.1-70b",

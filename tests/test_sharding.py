@@ -1,15 +1,15 @@
-"""ZeRO model-state arithmetic (memcalc.sharding) against the ZeRO paper, and the timeline against it."""
+"""ZeRO model-state arithmetic (memcalc.engine.sharding) against the ZeRO paper, and the timeline against it."""
 
 from __future__ import annotations
 
 import pytest
 
-from memcalc.estimate import estimate
-from memcalc.infer import infer_from_params
-from memcalc.params import count_params
-from memcalc.sharding import model_state_bytes, shard
-from memcalc.spec import ExperimentSpec, TrainingSpec
-from memcalc.units import GB
+from memcalc.estimate.peak import estimate
+from memcalc.inputs.infer import infer_from_params
+from memcalc.engine.params import count_params
+from memcalc.engine.sharding import model_state_bytes, shard
+from memcalc.core.spec import ExperimentSpec, TrainingSpec
+from memcalc.core.units import GB
 
 # source: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
 # Models", Table 1: per-device model-state memory for a 7.5B model, K = 12 (mixed-precision Adam),

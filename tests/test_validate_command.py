@@ -8,8 +8,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.presets import load_preset  # noqa: E402
-from memcalc.spec import ExperimentSpec, KernelProfile, TrainingSpec  # noqa: E402
+from memcalc.inputs.presets import load_preset  # noqa: E402
+from memcalc.core.spec import ExperimentSpec, KernelProfile, TrainingSpec  # noqa: E402
 from memcalc.validate.command import run_validate  # noqa: E402
 
 KEYS = {"config", "device", "predicted_bytes", "measured_bytes", "published_bytes", "error_pct",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.compiled import compiled_plan
-from memcalc.configs import load_config
+from memcalc.compile.compiled import compiled_plan
+from memcalc.inputs.configs import load_config
 
 from conftest import preset_exp, small_config
 

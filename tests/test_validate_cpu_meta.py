@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec  # noqa: E402
+from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec  # noqa: E402
 from memcalc.validate.runner import measure  # noqa: E402
 
 TINY_LLAMA = ModelSpec(name="tiny-llama", n_layers=2, d_model=128, n_heads=4, n_kv_heads=2, d_ff=344,

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from memcalc.presets import load_preset  # noqa: E402
-from memcalc.spec import ExperimentSpec, KernelProfile, TrainingSpec  # noqa: E402
+from memcalc.inputs.presets import load_preset  # noqa: E402
+from memcalc.core.spec import ExperimentSpec, KernelProfile, TrainingSpec  # noqa: E402
 from memcalc.validate.runner import measure  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def test_compiled_step_against_the_estimate(budget):
     """torch.compile on a GPU: the measured peak beside memcalc's compiled timeline (issue 4's
     open question: how much of the recomputed chain inductor keeps). 10%: the CPU inductor
     probe put the model within -17%..+2%, the published rows within -1%..+6%."""
-    from memcalc.estimate import estimate
+    from memcalc.estimate.peak import estimate
 
     exp = deep_one(compile=True, memory_budget=budget)
     cuda = measure(exp, "cuda", scale_layers=8)

@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.presets import load_preset  # noqa: E402
-from memcalc.spec import ExperimentSpec, KernelProfile, TrainingSpec  # noqa: E402
-from memcalc.units import GiB  # noqa: E402
+from memcalc.inputs.presets import load_preset  # noqa: E402
+from memcalc.core.spec import ExperimentSpec, KernelProfile, TrainingSpec  # noqa: E402
+from memcalc.core.units import GiB  # noqa: E402
 from memcalc.validate.runner import measure  # noqa: E402
 
 #: Forgather examples/tiny_experiments/peak_memory README (RTX 4090, PyTorch 2.8.0), GiB

@@ -6,7 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.spec import TrainingSpec  # noqa: E402
+from memcalc.core.spec import TrainingSpec  # noqa: E402
 from memcalc.validate.optim import (  # noqa: E402
     Adafactor, AdamW8bit, Lion, MasterWeights, allow_fused_on, build_optimizer, optimizer_tensors)
 from memcalc.validate.tracer import StorageTracer, round_up  # noqa: E402

@@ -6,9 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from memcalc.params import count_params, param_inventory  # noqa: E402
-from memcalc.presets import list_presets, load_preset  # noqa: E402
-from memcalc.spec import KernelProfile, LoraSpec, TrainingSpec  # noqa: E402
+from memcalc.engine.params import count_params, param_inventory  # noqa: E402
+from memcalc.inputs.presets import list_presets, load_preset  # noqa: E402
+from memcalc.core.spec import KernelProfile, LoraSpec, TrainingSpec  # noqa: E402
 from memcalc.validate.model import build_model, param_count  # noqa: E402
 
 

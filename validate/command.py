@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from memcalc.spec import ExperimentSpec
-from memcalc.units import gib
+from memcalc.core.spec import ExperimentSpec
+from memcalc.core.units import gib
 
 from .runner import Measurement, measure
 
@@ -49,7 +49,7 @@ def _pct(a: Optional[int], b: Optional[int]) -> Optional[float]:
 
 def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str]:
     try:
-        from memcalc.estimate import estimate
+        from memcalc.estimate.peak import estimate
     except ImportError as e:  # the estimator is not importable (yet)
         return None, None, f"no estimate: {e}"
     try:

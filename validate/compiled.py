@@ -6,7 +6,7 @@ sets its activation memory, AOTAutograd's min-cut partition of the joint graph
 the model's compiled region (embedding to logits) through dynamo and AOTAutograd on
 the ``meta`` device, with inductor's decompositions, under a given
 ``activation_memory_budget``, and returns what the forward graph hands to
-backward: the bytes memcalc's own partitioner (``memcalc.compiled``) must match.
+backward: the bytes memcalc's own partitioner (``memcalc.compile.compiled``) must match.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch._functorch import config as functorch_config
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from memcalc.spec import ExperimentSpec
+from memcalc.core.spec import ExperimentSpec
 
 from .model import build_model
 

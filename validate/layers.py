@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from memcalc.spec import LoraSpec
+from memcalc.core.spec import LoraSpec
 
 from .amp import Amp
 
@@ -136,7 +136,7 @@ class Linear4bit(torch.autograd.Function):
 class Linear(nn.Module):
     """A projection ``y = x W^T + b`` with an optional LoRA adapter and a 4-bit base (QLoRA).
 
-    Parameter names follow :func:`memcalc.params.param_inventory`: ``weight``, ``bias``,
+    Parameter names follow :func:`memcalc.engine.params.param_inventory`: ``weight``, ``bias``,
     ``lora_A`` (r x in), ``lora_B`` (out x r). A QLoRA base is not a parameter: its storage
     lives in ``self.nf4`` (registered as buffers ``weight_packed``, ``weight_absmax``...).
     """

@@ -1,4 +1,4 @@
-"""A decoder-only transformer built from a :class:`~memcalc.spec.ModelSpec`, for measuring.
+"""A decoder-only transformer built from a :class:`~memcalc.core.spec.ModelSpec`, for measuring.
 
 Every preset can be built; Forgather's "Deep One" (post-norm, ALiBi) runs exactly the code
 path of modelsrc/transformer/{causal_alibi_attn,deepnet,glu_feedforward,
@@ -10,12 +10,12 @@ f(x))``; ``down(up(x) * relu(gate(x)))``; final RMSNorm; untied head; the loss s
 Hugging Face Llama/Mistral/Qwen2 (RoPE, ``repeat_kv``), GPT-2 (learned positions,
 LayerNorm) and phi (parallel block, partial rotary).
 
-Parameter names follow :func:`memcalc.params.param_inventory`; the parameter count equals
-:func:`memcalc.params.count_params` (a QLoRA base counts its logical elements).
+Parameter names follow :func:`memcalc.engine.params.param_inventory`; the parameter count equals
+:func:`memcalc.engine.params.count_params` (a QLoRA base counts its logical elements).
 
 Activation checkpointing (``torch.utils.checkpoint``, ``use_reentrant=False``) follows
 ``TrainingSpec.checkpoint``: full (each layer), every-k (layer ``i`` when ``i % K == 0``, as
-Forgather's LayerStack), sqrt (segments of :func:`memcalc.spec.sqrt_segments` layers, one
+Forgather's LayerStack), sqrt (segments of :func:`memcalc.core.spec.sqrt_segments` layers, one
 checkpoint each), selective (only the attention core: positions, mask, kernel).
 """
 
@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from memcalc.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
+from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
 
 from .amp import Amp
 from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa

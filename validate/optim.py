@@ -1,4 +1,4 @@
-"""The optimizers a :class:`~memcalc.spec.TrainingSpec` names, built as the reference code builds them.
+"""The optimizers a :class:`~memcalc.core.spec.TrainingSpec` names, built as the reference code builds them.
 
 - ``adafactor``: Forgather's Adafactor (src/forgather/ml/optim/adafactor.py at commit
   a0ce9176), line for line: no first moment, factored row/column second moment in the
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from memcalc.spec import TrainingSpec
+from memcalc.core.spec import TrainingSpec
 
 
 # -- Forgather Adafactor --------------------------------------------------------------------

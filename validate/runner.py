@@ -32,11 +32,11 @@ from typing import Callable, Optional
 
 import torch
 
-from memcalc.spec import ExperimentSpec
+from memcalc.core.spec import ExperimentSpec
 
 from .model import build_model, param_count
 from .optim import MasterWeights, allow_fused_on, build_optimizer
-from memcalc.allocator import CachingAllocatorSim
+from memcalc.engine.allocator import CachingAllocatorSim
 from .tracer import StorageTracer
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -270,8 +270,8 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
 
 def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Measurement, say) -> None:
     """The part of a compiled step that needs no GPU: PyTorch's partition of the joint graph."""
-    from memcalc.compiled import compiled_plan
-    from memcalc.units import fmt_bytes
+    from memcalc.compile.compiled import compiled_plan
+    from memcalc.core.units import fmt_bytes
 
     from .compiled import partition
 

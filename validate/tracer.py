@@ -35,7 +35,7 @@ from typing import Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memcalc.allocator import CachingAllocatorSim
+from memcalc.engine.allocator import CachingAllocatorSim
 
 #: c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block is a multiple of it.
 CUDA_ROUND_BYTES = 512

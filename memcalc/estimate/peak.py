@@ -9,13 +9,13 @@ allocator's slack (reserved minus allocated).
 
 from __future__ import annotations
 
-from .allocator import CachingAllocatorSim
-from .dtypes import DType
-from .params import count_params
-from .result import KINDS, Estimate
-from .spec import ExperimentSpec
-from .timeline import simulate
-from .units import MiB
+from memcalc.engine.allocator import CachingAllocatorSim
+from memcalc.core.dtypes import DType
+from memcalc.engine.params import count_params
+from memcalc.engine.result import KINDS, Estimate
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.timeline import simulate
+from memcalc.core.units import MiB
 
 #: CUDA context + cuBLAS/cuDNN handles + kernel images: not in max_memory_allocated.
 #: Typically 300-600 MiB with PyTorch 2.x; we assume 512 MiB.
@@ -33,7 +33,7 @@ PHASE_NAMES = {
 
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     """Bytes per trainable parameter of weights, gradients, master copy and optimizer state."""
-    from .optimizers import state_dtype
+    from memcalc.engine.optimizers import state_dtype
 
     tr = exp.training
     w = tr.weight_dtype.bits / 8
@@ -52,7 +52,7 @@ def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
 
 def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
     """Replay the simulated allocations through the CUDA caching allocator model
-    (``memcalc.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
+    (``memcalc.engine.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
     live tensors) and ``max_memory_reserved`` (cudaMalloc segments). Setup allocations
     (weights, optimizer state) run once; with ``warm`` the step runs twice and the second,
     which starts from the cache the first left (a steady-state step), is measured."""
@@ -104,7 +104,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     compiled = None
     tr = exp.training
     if tr.compile_partitions:
-        from .compiled import compiled_plan
+        from memcalc.compile.compiled import compiled_plan
 
         plan = compiled_plan(exp)
         compiled = {
@@ -126,7 +126,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         recompute = {"flops": compiled["recompute_flops"], "forward_flops": compiled["forward_flops"],
                      "by": f"torch.compile, memory budget {compiled['memory_budget']:g}"}
     elif tr.checkpoint != "none":
-        from .compiled import checkpoint_recompute_flops
+        from memcalc.compile.compiled import checkpoint_recompute_flops
 
         rf, ff = checkpoint_recompute_flops(exp)
         recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}

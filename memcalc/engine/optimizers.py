@@ -9,10 +9,10 @@ counter (a scalar) and scalar hyper-parameters are ignored.
 
 from __future__ import annotations
 
-from .dtypes import DType
-from .sharding import shard
-from .sim import Param, Sim, T
-from .spec import TrainingSpec
+from memcalc.core.dtypes import DType
+from memcalc.engine.sharding import shard
+from memcalc.engine.sim import Param, Sim, T
+from memcalc.core.spec import TrainingSpec
 
 STATE = "optimizer_state"
 TMP = "temporaries"

@@ -1,7 +1,7 @@
 """Model presets and model resolution: a preset name, a Hugging Face config.json, or a spec file.
 
-Presets are ``data/models/<name>.yaml`` (read through :mod:`memcalc.data_files`, so
-they work from any install); each holds :class:`~memcalc.spec.ModelSpec` fields and
+Presets are ``data/models/<name>.yaml`` (read through :mod:`memcalc.inputs.data_files`, so
+they work from any install); each holds :class:`~memcalc.core.spec.ModelSpec` fields and
 a comment citing the published ``config.json`` it was written from. Their exact
 parameter totals are pinned in ``tests/test_params.py``.
 
@@ -18,11 +18,11 @@ from typing import Any, Optional
 
 from pydantic import BaseModel, ValidationError
 
-from . import spec as _spec
-from .data_files import list_names, load_named, parse_text
-from .errors import UserError
-from .params import count_params
-from .spec import ModelSpec
+from memcalc.core import spec as _spec
+from memcalc.inputs.data_files import list_names, load_named, parse_text
+from memcalc.core.errors import UserError
+from memcalc.engine.params import count_params
+from memcalc.core.spec import ModelSpec
 
 _FOLDER = "models"
 _SPEC_SUFFIXES = (".yaml", ".yml", ".json")
@@ -125,7 +125,7 @@ def resolve_model(value: str) -> ModelSpec:
 
     In order: a preset name (``memcalc models``); a path to a Hugging Face
     ``config.json`` (any JSON/YAML mapping with ``model_type``, read offline by
-    :func:`memcalc.hf_config.from_hf_config`); a path to a YAML/JSON file of
+    :func:`memcalc.inputs.hf_config.from_hf_config`); a path to a YAML/JSON file of
     ModelSpec fields (``name`` defaults to the file stem).
     """
     if not isinstance(value, str) or not value.strip():
@@ -148,7 +148,7 @@ def resolve_model(value: str) -> ModelSpec:
             raise UserError(f"{where} must be a mapping (model fields or a Hugging Face config.json), "
                             f"not {type(raw).__name__}")
         if "model_type" in raw:
-            from .hf_config import from_hf_config
+            from memcalc.inputs.hf_config import from_hf_config
 
             return from_hf_config(raw, _hf_name(raw, path), where=where)
         return model_from_dict(raw, where, default_name=path.stem)
@@ -191,7 +191,7 @@ def _root_class(exc: ValidationError) -> Optional[type[BaseModel]]:
     if isinstance(cls, type) and issubclass(cls, BaseModel):
         return cls
     if exc.title == "GPU":
-        from .gpus import GPU
+        from memcalc.inputs.gpus import GPU
 
         return GPU
     return None

@@ -1,12 +1,12 @@
 """``memcalc plan``: which GPU, how many, and with which memory techniques.
 
-Three questions, all answered from the simulated step (:mod:`memcalc.timeline`):
+Three questions, all answered from the simulated step (:mod:`memcalc.engine.timeline`):
 
 1. ``plan --model M --gpu G`` (:func:`plan_gpu`): every technique combination (precision x
    optimizer x activation checkpointing x adapters x fused optimizer step, see
    :func:`techniques`) that fits one G at batch 1 and the given sequence, with the largest
    batch (at that sequence) and the largest sequence (at batch 1) whose *required* bytes
-   (peak + CUDA context + allocator slack, :func:`memcalc.estimate.estimate`) fit
+   (peak + CUDA context + allocator slack, :func:`memcalc.estimate.peak.estimate`) fit
    ``G.capacity_bytes``, ranked by a relative step-time cost per token (below).
 2. ``plan --model M`` (:func:`plan_cluster`): for every GPU in the catalog, the fewest GPUs
    for a full fine-tune and for a LoRA run at batch 1 per GPU (ZeRO-3 over N GPUs).
@@ -14,7 +14,7 @@ Three questions, all answered from the simulated step (:mod:`memcalc.timeline`):
    questions for one setup, by binary search over direct estimates.
 
 How the search is fast: a direct estimate simulates the step op by op (5-80 ms); the plan asks
-~10^5-10^6 (option, batch, seq) questions. :mod:`memcalc.fit` fits each option's peak in
+~10^5-10^6 (option, batch, seq) questions. :mod:`memcalc.plan.fits` fits each option's peak in
 closed form from a handful of simulations (every allocation's running total is a polynomial
 a + b*B + c*T + d*B*T + e*T^2 + f*B*T^2; a phase's peak is the maximum over the few
 allocations that can set it), and :func:`evaluate_grid` evaluates options x batches x seqs in
@@ -63,14 +63,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import UserError
-from .estimate import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
-from .fit import (FEATURES, fit_gpus, fit_points, fit_step, largest_true, largest_true_array, required_from_peak,
+from memcalc.core.errors import UserError
+from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
+from memcalc.plan.fits import (FEATURES, fit_gpus, fit_points, fit_step, largest_true, largest_true_array, required_from_peak,
                   simulated_peak, trace_peak)
-from .params import param_inventory
-from .profiles import DEFAULT_PROFILE, get_profile
-from .spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
-from .units import MiB, fmt_bytes, fmt_count, gib
+from memcalc.engine.params import param_inventory
+from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
+from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.core.units import MiB, fmt_bytes, fmt_count, gib
 
 #: Largest batch the search considers.
 BATCH_CAP = 1 << 16
@@ -214,7 +214,7 @@ def relative_cost(t: Technique, model: ModelSpec, seq: int, batch: int,
                   recompute_fraction: float = 0.0) -> Optional[float]:
     """Relative step time per token at ``batch`` x ``seq`` (see the module docstring); None when
     ``batch`` is 0 (nothing fits). ``recompute_fraction``: the share of the forward FLOPs that a
-    torch.compile memory budget recomputes (memcalc.compiled)."""
+    torch.compile memory budget recomputes (memcalc.compile.compiled)."""
     if batch <= 0:
         return None
     f_lin, f_head, f_attn = flops_per_token(model, seq)
@@ -312,7 +312,7 @@ def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None
 
 def check_one_gpu(gpu: Optional[Sequence[str]], flag: str):
     """The single GPU that ``--max-batch``/``--max-seq`` answer for (UserError otherwise)."""
-    from .gpus import get_gpu
+    from memcalc.inputs.gpus import get_gpu
 
     names = list(gpu or [])
     if len(names) != 1:
@@ -405,9 +405,9 @@ def _state_floor(exp: ExperimentSpec) -> int:
 
 @lru_cache(maxsize=512)
 def _state_floor_of(model: ModelSpec, round_bytes: int, tr: TrainingSpec) -> int:
-    from .forward import make_params
-    from .optimizers import OptimizerSim
-    from .sim import Sim
+    from memcalc.engine.forward import make_params
+    from memcalc.engine.optimizers import OptimizerSim
+    from memcalc.engine.sim import Sim
 
     exp = ExperimentSpec(model=model, training=tr)
     sim = Sim(round_bytes)
@@ -437,7 +437,7 @@ def workers() -> int:
 
 
 def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, dict]:
-    from . import fit as _fit
+    from memcalc.plan import fits as _fit
 
     fn, arg = job
     before = set(_fit._PEAKS)
@@ -449,7 +449,7 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
     """``[fn(x) for x in items]`` over forked worker processes (each simulation is pure Python, so
     processes, not threads); the simulated peaks they find are merged into this process's cache.
     Serial when there is one CPU, one item, or no ``fork``. ``fn`` must be a module-level function."""
-    from . import fit as _fit
+    from memcalc.plan import fits as _fit
 
     items = list(items)
     n = min(workers(), len(items))
@@ -611,7 +611,7 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     for i, r in results.items():
         frac = 0.0
         if r.technique.budget is not None:
-            from .compiled import compiled_plan
+            from memcalc.compile.compiled import compiled_plan
 
             frac = compiled_plan(exps[i]).recompute_pct / 100
         r.relative_cost = relative_cost(r.technique, model, seq, r.max_batch, frac)
@@ -705,8 +705,8 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
                  gpus: Optional[Sequence[Any]] = None, confirm: bool = True) -> ClusterPlan:
     """For each GPU, the fewest GPUs (1..GPU_CAP) for a full fine-tune and for a LoRA run (see
     :func:`cluster_setups`); checkpointing none when that fits at the count, else full."""
-    from .gpus import list_gpus
-    from .params import count_params
+    from memcalc.inputs.gpus import list_gpus
+    from memcalc.engine.params import count_params
 
     seq = default_seq(model, seq)
     profile = profile or get_profile(DEFAULT_PROFILE)
@@ -788,8 +788,8 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
 
 def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, list[str]]:
     """The model ``plan`` is about: ``--model`` (preset or file) or ``--params`` (inferred)."""
-    from .infer import infer_from_params, parse_count
-    from .presets import resolve_model
+    from memcalc.inputs.infer import infer_from_params, parse_count
+    from memcalc.inputs.presets import resolve_model
 
     if model and params:
         raise UserError("give one of --model or --params, not both")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .dtypes import DType
-from .sim import Param, Sim, T
-from .spec import KernelProfile
+from memcalc.core.dtypes import DType
+from memcalc.engine.sim import Param, Sim, T
+from memcalc.core.spec import KernelProfile
 
 ACT = "activations"
 TMP = "temporaries"

@@ -18,12 +18,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from .dtypes import DType
-from .ops import Ops
-from .params import ParamTensor, param_inventory
-from .sim import Node, Param, Sim, T
-from .sharding import shard
-from .spec import ExperimentSpec, ModelSpec, sqrt_segments
+from memcalc.core.dtypes import DType
+from memcalc.engine.ops import Ops
+from memcalc.engine.params import ParamTensor, param_inventory
+from memcalc.engine.sim import Node, Param, Sim, T
+from memcalc.engine.sharding import shard
+from memcalc.core.spec import ExperimentSpec, ModelSpec, sqrt_segments
 
 
 def quantized_bytes(numel: int, block: int, double_quant: bool) -> int:
@@ -321,7 +321,7 @@ class Forward:
         # checkpointed regions inside a compiled graph are recomputed whole (the partitioner
         # must recompute what torch.utils.checkpoint tags), which is the eager checkpoint's memory
         if tr.compile_partitions:
-            from .compiled import compiled_plan
+            from memcalc.compile.compiled import compiled_plan
             plan = compiled_plan(self.exp)
         while i < n:
             self.sim.mark(f"fwd layer {i}")
@@ -360,7 +360,7 @@ class Forward:
 
     def _held_across_steps(self, held: dict[tuple[int, int], int]) -> None:
         """What the compiled backward computes at one step and keeps for a later one (see
-        memcalc.compiled.chain_hold): allocated when step ``c`` starts (the head's step, the
+        memcalc.compile.compiled.chain_hold): allocated when step ``c`` starts (the head's step, the
         first, at the last layer's), freed when step ``last`` starts."""
         n = len(self.compiled_nodes)
         if not held or not n:
@@ -388,7 +388,7 @@ class Forward:
             node.on_backward = start
 
     def compiled_layer(self, x: T, i: int, saved_bytes: int, pool_bytes: int = 0) -> T:
-        """One layer inside the compiled graph (``torch.compile``; see memcalc.compiled).
+        """One layer inside the compiled graph (``torch.compile``; see memcalc.compile.compiled).
 
         Forward: inductor frees every intermediate once used, so what stays is the saved set the
         partitioner chose: the layer's input (or, when the budget recomputes it, the residual
@@ -397,7 +397,7 @@ class Forward:
         saved set is consumed and the layer's values the backward reads are computed again
         (the saved set and the recomputation together are the layer's eager saved set; the
         simulator recomputes the eager layer, as a checkpointed region). Once the layer's MLP
-        backward is done, its buffers (``pool_bytes``, see memcalc.compiled.mlp_pool) stay
+        backward is done, its buffers (``pool_bytes``, see memcalc.compile.compiled.mlp_pool) stay
         allocated for the next layer's MLP to reuse, so they overlap this layer's attention
         backward; layer 0 has no next layer and frees them."""
         sim = self.sim

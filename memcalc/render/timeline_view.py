@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .result import KINDS, Estimate, TimelinePoint
+from memcalc.engine.result import KINDS, Estimate, TimelinePoint
 
 PEAK_SUFFIXES = (" (steady state)", " (first step)")
 

@@ -1,6 +1,6 @@
 """Experiment configs: a shipped reference config by name, or a YAML/JSON file of one's own.
 
-A config is an :class:`~memcalc.spec.ExperimentSpec` whose ``model`` may be a
+A config is an :class:`~memcalc.core.spec.ExperimentSpec` whose ``model`` may be a
 preset name or a path (Hugging Face config.json or a model spec file) and whose
 ``profile`` may be a profile name; both are resolved here. Nothing downstream
 reads files.
@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .data_files import list_names, load_named, parse_text
-from .errors import UserError, unknown_name
-from .profiles import get_profile
-from .spec import ExperimentSpec, KernelProfile
+from memcalc.inputs.data_files import list_names, load_named, parse_text
+from memcalc.core.errors import UserError, unknown_name
+from memcalc.inputs.profiles import get_profile
+from memcalc.core.spec import ExperimentSpec, KernelProfile
 
 
 def list_configs() -> list[str]:
@@ -37,7 +37,7 @@ def _raw(name_or_path: str) -> tuple[Any, str]:
 
 def experiment_from_dict(raw: Any, where: str) -> ExperimentSpec:
     """Build an ExperimentSpec from parsed YAML/JSON, resolving model and profile names."""
-    from .presets import pydantic_error_line, resolve_model
+    from memcalc.inputs.presets import pydantic_error_line, resolve_model
 
     if not isinstance(raw, dict):
         raise UserError(f"{where} must be a mapping of experiment fields, not {type(raw).__name__}")

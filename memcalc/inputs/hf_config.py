@@ -22,8 +22,8 @@ from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from .errors import UserError
-from .spec import ModelSpec
+from memcalc.core.errors import UserError
+from memcalc.core.spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = ("gpt2", "llama", "mistral", "phi", "qwen2")
 
@@ -224,6 +224,6 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None) 
     try:
         return ModelSpec(**fields)
     except ValidationError as e:
-        from .presets import pydantic_error_line
+        from memcalc.inputs.presets import pydantic_error_line
 
         raise UserError(pydantic_error_line(e, where)) from None

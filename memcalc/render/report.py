@@ -8,9 +8,9 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from .inputs import Resolved
-from .result import KINDS, Estimate
-from .units import fmt_auto, fmt_bytes, fmt_count, gib
+from memcalc.inputs.resolve import Resolved
+from memcalc.engine.result import KINDS, Estimate
+from memcalc.core.units import fmt_auto, fmt_bytes, fmt_count, gib
 
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .spec import LoraSpec, ModelSpec
+from memcalc.core.spec import LoraSpec, ModelSpec
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from typing import Any, Optional
 
 from rich.text import Text
 
-from .chart import KIND_COLORS, KIND_NAMES
-from .inputs import Resolved
-from .report import fits_rows, inputs_table, recompute_pct
-from .result import KINDS, Estimate
-from .svg import SERIES_COLORS, breakdown_svg, e, grouped_bars_svg, legend, timeline_svg
-from .units import MiB, fmt_bytes, fmt_count, gib
+from memcalc.render.chart import KIND_COLORS, KIND_NAMES
+from memcalc.inputs.resolve import Resolved
+from memcalc.render.report import fits_rows, inputs_table, recompute_pct
+from memcalc.engine.result import KINDS, Estimate
+from memcalc.render.svg import SERIES_COLORS, breakdown_svg, e, grouped_bars_svg, legend, timeline_svg
+from memcalc.core.units import MiB, fmt_bytes, fmt_count, gib
 
 CSS = """
 :root { --fg:#1f2328; --muted:#59636e; --line:#d1d9e0; --soft:#f6f8fa; }
@@ -246,7 +246,7 @@ def write_report(path: str, text: str) -> None:
     """Write an HTML report; a path that cannot be written is a user error (one line, exit 2)."""
     from pathlib import Path
 
-    from .errors import UserError
+    from memcalc.core.errors import UserError
 
     try:
         Path(path).write_text(text, encoding="utf-8")

@@ -31,10 +31,10 @@ import re
 from decimal import Decimal, InvalidOperation
 from typing import NamedTuple, Optional
 
-from .errors import UserError
-from .params import count_params
-from .spec import ModelSpec
-from .units import fmt_count
+from memcalc.core.errors import UserError
+from memcalc.engine.params import count_params
+from memcalc.core.spec import ModelSpec
+from memcalc.core.units import fmt_count
 
 VOCAB = 32000
 HEAD_DIM = 128

@@ -7,8 +7,8 @@ a config file's ``profile:`` mapping.
 
 from __future__ import annotations
 
-from .errors import unknown_name
-from .spec import KernelProfile
+from memcalc.core.errors import unknown_name
+from memcalc.core.spec import KernelProfile
 
 PROFILES: dict[str, KernelProfile] = {
     p.name: p

@@ -18,13 +18,13 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import UserError
-from .forward import Forward, Model, make_params
-from .optimizers import OptimizerSim
-from .params import param_inventory
-from .sim import Node, Param, Sim
-from .spec import ExperimentSpec
-from .result import TimelinePoint
+from memcalc.core.errors import UserError
+from memcalc.engine.forward import Forward, Model, make_params
+from memcalc.engine.optimizers import OptimizerSim
+from memcalc.engine.params import param_inventory
+from memcalc.engine.sim import Node, Param, Sim
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.result import TimelinePoint
 
 
 @dataclass

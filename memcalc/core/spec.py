@@ -12,7 +12,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .dtypes import DType
+from memcalc.core.dtypes import DType
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -221,7 +221,7 @@ class TrainingSpec(BaseModel):
     @property
     def compile_partitions(self) -> bool:
         """torch.compile with no checkpointing: the partitioner chooses what backward receives
-        (memcalc.compiled). With checkpointing, the tagged regions are recomputed whole."""
+        (memcalc.compile.compiled). With checkpointing, the tagged regions are recomputed whole."""
         return self.compile and self.checkpoint == "none"
 
 

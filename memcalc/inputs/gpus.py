@@ -19,8 +19,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .data_files import load_file
-from .errors import UserError
+from memcalc.inputs.data_files import load_file
+from memcalc.core.errors import UserError
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _BRANDS = ("nvidia", "geforce", "tesla", "amd", "instinct", "radeon")
@@ -73,7 +73,7 @@ def _catalog() -> tuple[GPU, ...]:
     entries = raw.get("gpus") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise UserError("malformed gpus.yaml: expected a top-level 'gpus' list")
-    from .presets import pydantic_error_line
+    from memcalc.inputs.presets import pydantic_error_line
 
     out = []
     for i, entry in enumerate(entries):

@@ -2,12 +2,12 @@
 
 Under ``model.compile()`` the model's forward (embedding, layers, final norm, head)
 is one graph; AOTAutograd traces it jointly with its backward and its partitioner
-(:mod:`memcalc.partitioner`) chooses the saved set. The loss is modelled eagerly after
+(:mod:`memcalc.compile.partitioner`) chooses the saved set. The loss is modelled eagerly after
 the graph (a model that computes its loss in ``forward``, as Forgather's does, compiles
 it too; the difference is the loss's own saved tensors).
 
 This module records the compiled region's forward as a graph of values, op by op,
-from the same forward code the eager estimate runs (``memcalc.forward``): each
+from the same forward code the eager estimate runs (``memcalc.engine.forward``): each
 op's output is a value, the tensors each op's backward formula reads (what the
 eager kernel saves) mark the values backward needs, matmul and attention inputs
 are read by non-fusible backward kernels. The partitioner's answer is reduced to
@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
 
-from .partitioner import Graph, Partition, Value, choose_saved_values_set
-from .sim import Param, Sim, T
-from .spec import ExperimentSpec
+from memcalc.compile.partitioner import Graph, Partition, Value, choose_saved_values_set
+from memcalc.engine.sim import Param, Sim, T
+from memcalc.core.spec import ExperimentSpec
 
 #: forward ops outside the recomputable allowlist that are compute-intensive (matmuls, attention)
 COMPUTE = {"linear", "matmul_qk", "matmul_pv", "sdpa_flash", "sdpa_efficient"}
 #: outside the allowlist but cheap (banned by the default cut, recomputable when aggressive)
 OTHER = {"embedding"}
 RANDOM = {"dropout"}
-#: the eager loss after the compiled region (memcalc.ops.Ops.lm_loss)
+#: the eager loss after the compiled region (memcalc.engine.ops.Ops.lm_loss)
 LOSS = {"shift_slice", "log_softmax", "nll_loss"}
 
 
@@ -125,7 +125,7 @@ class CompiledPlan:
 
 def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
     """The compiled region's forward as a partitioner graph, and each layer's output value."""
-    from .forward import Forward, make_params  # local: forward imports this module lazily
+    from memcalc.engine.forward import Forward, make_params  # local: forward imports this module lazily
 
     eager = exp.model_copy(update={"training": exp.training.model_copy(
         update={"compile": False, "memory_budget": None, "checkpoint": "none", "fused_optimizer": False})})

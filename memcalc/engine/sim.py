@@ -22,8 +22,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .result import KINDS, TimelinePoint
-from .units import round_up
+from memcalc.engine.result import KINDS, TimelinePoint
+from memcalc.core.units import round_up
 
 
 @dataclass(eq=False, slots=True)
@@ -99,10 +99,10 @@ class Sim:
         self.timeline: list[TimelinePoint] = []
         self.record_timeline = True
         # when a list: (total bytes, phase) after every allocation, for fitting the step in
-        # batch and sequence length event by event (memcalc.fit)
+        # batch and sequence length event by event (memcalc.plan.fits)
         self.alloc_trace: Optional[list[tuple[int, str]]] = None
         # when a list: (uid, bytes) for each allocation and (uid, 0) for each free, in order,
-        # for replaying the CUDA caching allocator (memcalc.allocator)
+        # for replaying the CUDA caching allocator (memcalc.engine.allocator)
         self.events: Optional[list[tuple[int, int]]] = None
         self._uid = 0
         self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
@@ -113,7 +113,7 @@ class Sim:
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
         self.on_label: Optional[Callable[["Sim", str, str], None]] = None  # backward layer changes
         # called with every op as the forward code issues it, before autograd filtering
-        # (memcalc.compiled records the forward graph this way)
+        # (memcalc.compile.compiled records the forward graph this way)
         self.recorder: Optional[Callable[..., None]] = None
 
     # -- allocation -----------------------------------------------------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .spec import ExperimentSpec
+from memcalc.core.spec import ExperimentSpec
 
 #: The kinds memory is stacked by, in display order.
 KINDS = ("weights", "optimizer_state", "gradients", "activations", "temporaries")

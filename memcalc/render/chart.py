@@ -1,7 +1,7 @@
 """A terminal chart of memory across one training step, stacked by kind.
 
 ``timeline_chart(est, capacity_bytes)`` draws the columns of
-:mod:`memcalc.timeline_view` (the step from its first forward point to the end
+:mod:`memcalc.render.timeline_view` (the step from its first forward point to the end
 of the optimizer step, with the peak as its own column) resampled to the
 width: each character cell is split into eighths with the lower block
 characters ``▁▂▃▄▅▆▇█``, the kind below a boundary in the foreground colour
@@ -20,9 +20,9 @@ from rich.console import Group
 from rich.style import Style
 from rich.text import Text
 
-from .result import KINDS, Estimate
-from .timeline_view import Column, bare_peak_label, phase_runs, resample, step_columns
-from .units import GiB, gib
+from memcalc.engine.result import KINDS, Estimate
+from memcalc.render.timeline_view import Column, bare_peak_label, phase_runs, resample, step_columns
+from memcalc.core.units import GiB, gib
 
 #: One colour per kind, shared with the HTML report (Tableau 10).
 KIND_COLORS = {

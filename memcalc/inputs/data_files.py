@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from .errors import UserError
+from memcalc.core.errors import UserError
 
 
 def data_root() -> Traversable:

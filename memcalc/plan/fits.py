@@ -2,7 +2,7 @@
 (:func:`fit_step`) or of the data-parallel degree under ZeRO (:func:`fit_gpus`).
 
 ``memcalc plan`` asks thousands of "does it fit?" questions; simulating each one op by op
-(:func:`memcalc.timeline.simulate`, 5-80 ms) would take minutes. Instead we simulate a few
+(:func:`memcalc.engine.timeline.simulate`, 5-80 ms) would take minutes. Instead we simulate a few
 points with ``trace_allocs=True`` and fit the running total after *every allocation* of the
 step. Every allocation's size is a polynomial in the batch ``B`` and the sequence ``T``
 (activations are ``B x T x width``; math attention's scores ``B x H x T^2``; ALiBi masks
@@ -18,7 +18,7 @@ backward the peak moves from the start (logit gradients, large at big ``B x T``)
 (all gradients alive, which wins at small ``B x T``), so a fitted phase is the maximum of the
 few allocations that can set its peak anywhere in the domain (typically 1-3 per phase). Phases:
 ``setup``/``forward``/``backward``/``optimizer step`` of the steady-state step and the whole
-``first step`` (no optimizer state yet), as :func:`memcalc.estimate.estimate` takes both.
+``first step`` (no optimizer state yet), as :func:`memcalc.estimate.peak.estimate` takes both.
 
 The fit is linear in ``B`` (exact: two batch sizes) and, when the simulated allocations show
 no curvature in ``T`` at batch 1 (three sequence lengths), linear in ``T`` too (flash and
@@ -26,7 +26,7 @@ memory-efficient attention, RoPE, learned positions); otherwise quadratic (a six
 Under ZeRO the per-GPU state is ``ceil(bytes / N)``: :func:`fit_gpus` fits ``a + b / N``.
 
 Accuracy: within the allocator rounding (a few MiB on a multi-GiB peak; the tests require
-1% against :func:`memcalc.estimate.estimate` on held-out points). Callers confirm the answers
+1% against :func:`memcalc.estimate.peak.estimate` on held-out points). Callers confirm the answers
 they print with a direct estimate.
 """
 
@@ -38,10 +38,10 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import UserError
-from .estimate import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
-from .spec import ExperimentSpec, TrainingSpec
-from .timeline import simulate
+from memcalc.core.errors import UserError
+from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
+from memcalc.core.spec import ExperimentSpec, TrainingSpec
+from memcalc.engine.timeline import simulate
 
 #: Names of the (B, T) features, in coefficient order.
 FEATURES = ("1", "B", "T", "B*T", "T^2", "B*T^2")
@@ -53,7 +53,7 @@ CURVATURE_TOL = 2e-6
 
 def required_from_peak(peak):
     """The memory a GPU must have for an allocated ``peak``: peak + CUDA context + allocator
-    slack, exactly as :func:`memcalc.estimate.estimate` computes it (works on ints and arrays)."""
+    slack, exactly as :func:`memcalc.estimate.peak.estimate` computes it (works on ints and arrays)."""
     if isinstance(peak, np.ndarray):
         p = np.asarray(peak, dtype=np.float64)
         return p + CUDA_CONTEXT_BYTES + np.floor(p * ALLOCATOR_SLACK_FRACTION)

@@ -12,10 +12,10 @@ import math
 from html import escape
 from typing import Any, Iterable, Optional
 
-from .chart import CAPACITY_COLOR, KIND_COLORS, KIND_NAMES, PHASE_SHORT, nice_step
-from .result import KINDS, Estimate
-from .timeline_view import Column, phase_runs, step_columns
-from .units import GiB, gib
+from memcalc.render.chart import CAPACITY_COLOR, KIND_COLORS, KIND_NAMES, PHASE_SHORT, nice_step
+from memcalc.engine.result import KINDS, Estimate
+from memcalc.render.timeline_view import Column, phase_runs, step_columns
+from memcalc.core.units import GiB, gib
 
 SERIES_COLORS = {"predicted": "#4e79a7", "measured": "#2f3640", "published": "#b8bfc7"}
 CHAR_PX = 7.0  # approximate width of one character of the 12-13 px labels, for placing them

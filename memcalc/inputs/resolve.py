@@ -13,9 +13,9 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from .errors import UserError
-from .profiles import DEFAULT_PROFILE, get_profile
-from .spec import LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.core.errors import UserError
+from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
+from memcalc.core.spec import LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
 
 
 @dataclass
@@ -87,9 +87,9 @@ def _check_positive(name: str, v: Optional[float]) -> None:
 
 def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
-    from .configs import load_config
-    from .infer import infer_from_params, parse_count
-    from .presets import pydantic_error_line, resolve_model
+    from memcalc.inputs.configs import load_config
+    from memcalc.inputs.infer import infer_from_params, parse_count
+    from memcalc.inputs.presets import pydantic_error_line, resolve_model
 
     for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
         _check_positive(name.replace("_", "-"), getattr(o, name))
