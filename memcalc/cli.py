@@ -29,7 +29,7 @@ class _Group(TyperGroup):
             _err(str(e))
             sys.exit(2)
         except ValidationError as e:
-            from memcalc.inputs.presets import pydantic_error_line
+            from memcalc.inputs.pydantic_errors import pydantic_error_line
 
             _err(pydantic_error_line(e, "input"))
             sys.exit(2)

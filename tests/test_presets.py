@@ -13,7 +13,8 @@ from pydantic import ValidationError
 from memcalc.inputs.data_files import data_root
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
-from memcalc.inputs.presets import list_presets, load_preset, preset_summary, pydantic_error_line, resolve_model
+from memcalc.inputs.presets import list_presets, load_preset, preset_summary, resolve_model
+from memcalc.inputs.pydantic_errors import pydantic_error_line
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -37,7 +37,8 @@ def _raw(name_or_path: str) -> tuple[Any, str]:
 
 def experiment_from_dict(raw: Any, where: str) -> ExperimentSpec:
     """Build an ExperimentSpec from parsed YAML/JSON, resolving model and profile names."""
-    from memcalc.inputs.presets import pydantic_error_line, resolve_model
+    from memcalc.inputs.presets import resolve_model
+    from memcalc.inputs.pydantic_errors import pydantic_error_line
 
     if not isinstance(raw, dict):
         raise UserError(f"{where} must be a mapping of experiment fields, not {type(raw).__name__}")

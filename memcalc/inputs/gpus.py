@@ -73,7 +73,7 @@ def _catalog() -> tuple[GPU, ...]:
     entries = raw.get("gpus") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
         raise UserError("malformed gpus.yaml: expected a top-level 'gpus' list")
-    from memcalc.inputs.presets import pydantic_error_line
+    from memcalc.inputs.pydantic_errors import pydantic_error_line
 
     out = []
     for i, entry in enumerate(entries):

@@ -224,6 +224,6 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None) 
     try:
         return ModelSpec(**fields)
     except ValidationError as e:
-        from memcalc.inputs.presets import pydantic_error_line
+        from memcalc.inputs.pydantic_errors import pydantic_error_line
 
         raise UserError(pydantic_error_line(e, where)) from None

@@ -89,7 +89,8 @@ def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
     from memcalc.inputs.configs import load_config
     from memcalc.inputs.infer import infer_from_params, parse_count
-    from memcalc.inputs.presets import pydantic_error_line, resolve_model
+    from memcalc.inputs.presets import resolve_model
+    from memcalc.inputs.pydantic_errors import pydantic_error_line
 
     for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
         _check_positive(name.replace("_", "-"), getattr(o, name))
