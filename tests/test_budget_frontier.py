@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.compile.compiled import record_graph
+from memcalc.compile.graph import record_graph
 from memcalc.inputs.configs import load_config
 from memcalc.inputs.data_files import data_root
 from memcalc.compile.partitioner import budget_frontier

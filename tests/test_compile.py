@@ -128,7 +128,7 @@ def test_chain_hold_matches_an_inductor_trace():
 @pytest.mark.parametrize("budget", [1.0, 0.6, 0.05, 0.0])
 def test_nothing_outlives_the_step(budget):
     """Every saved or recomputed activation is freed by the end of the step."""
-    from memcalc.engine.timeline import simulate
+    from memcalc.estimate.step import simulate
 
     res = simulate(small_config("memory_budget_60", 4, memory_budget=budget))
     assert res.timeline[-1].by_kind["activations"] == 0

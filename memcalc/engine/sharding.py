@@ -50,3 +50,34 @@ def model_state_bytes(n_params: int, zero: int, gpus: int, weight_bytes: int = 2
         gradients_bytes=shard(g, gpus) if zero >= 2 else g,
         optimizer_bytes=shard(k, gpus) if zero >= 1 else k,
     )
+
+
+class LayerGather:
+    """ZeRO-3 (FSDP) all-gathers: a layer's weights are gathered whole (``layer_bytes``, the
+    weight dtype) for its forward and again for its backward, with the next layer in that
+    direction prefetched (FSDP's forward and backward prefetch), and freed once the walk has
+    moved past them. The decoder walk calls :meth:`forward_enter`; the timeline calls
+    :meth:`backward_enter` when backward reaches a layer."""
+
+    def __init__(self, sim, layer_bytes: int, n_layers: int) -> None:
+        self.sim = sim
+        self.layer_bytes = layer_bytes
+        self.n_layers = n_layers
+        self.buffers: dict = {}  # layer index -> gathered buffer
+
+    def keep(self, layers: list[int]) -> None:
+        """Exactly these layers' weights stay gathered."""
+        for j in [j for j in self.buffers if j not in layers]:
+            self.sim.unref(self.buffers.pop(j))
+        for j in layers:
+            if j not in self.buffers:
+                self.buffers[j] = self.sim.alloc(self.layer_bytes, "weights", "all-gathered layer weights (ZeRO-3)")
+
+    def forward_enter(self, i: int) -> None:
+        self.keep([i, i + 1] if i + 1 < self.n_layers else [i])
+
+    def backward_enter(self, i: int) -> None:
+        self.keep([i, i - 1] if i > 0 else [i])
+
+    def release(self) -> None:
+        self.keep([])

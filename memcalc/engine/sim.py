@@ -76,6 +76,8 @@ class Node:
     done: bool = False
     fwd_label: str = ""
     flops: int = 0  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
+    layer: Optional[int] = None  # decoder layer the op belongs to (None: embedding, head, loss)
+    role: str = ""  # which part of the model issued it: embedding, attention, mlp, norm, head, loss
 
 
 class Sim:
@@ -111,7 +113,13 @@ class Sim:
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
-        self.on_label: Optional[Callable[["Sim", str, str], None]] = None  # backward layer changes
+        # where the forward code is: the decoder layer (None outside the layers) and the part of
+        # the model (Forward sets both; every node records them)
+        self.layer: Optional[int] = None
+        self.role = ""
+        # called when backward moves on to a node of a decoder layer under a new label (ZeRO-3
+        # regathers there)
+        self.on_layer: Optional[Callable[["Sim", int], None]] = None
         # called with every op as the forward code issues it, before autograd filtering
         # (memcalc.compile.compiled records the forward graph this way)
         self.recorder: Optional[Callable[..., None]] = None
@@ -195,6 +203,7 @@ class Sim:
             p.uses += 1
         n = Node(name, saved, inputs, params, outputs, **kw)
         n.fwd_label = self.label
+        n.layer, n.role = self.layer, self.role
         for o in outputs:
             o.requires_grad = True
             o.producer = n
@@ -222,8 +231,8 @@ class Sim:
                 continue
             lab = label_of(node)
             if lab != self.label:
-                if self.on_label is not None:
-                    self.on_label(self, self.label, lab)
+                if node.layer is not None and self.on_layer is not None:
+                    self.on_layer(self, node.layer)
                 self.label = lab
                 self.snapshot_point()
             if node.on_backward is not None:

@@ -14,17 +14,20 @@ frees its gradient at once.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from memcalc.core.errors import UserError
-from memcalc.engine.forward import Forward, Model, make_params
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.checkpoint import layer_strategy
+from memcalc.engine.forward import Forward
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
-from memcalc.engine.sim import Node, Param, Sim
-from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.result import TimelinePoint
+from memcalc.engine.sharding import LayerGather
+from memcalc.engine.sim import Node, Param, Sim
+from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.weights import Model, make_params
 
 
 @dataclass
@@ -58,20 +61,24 @@ def check_supported(exp: ExperimentSpec) -> None:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
 
 
-_LAYER = re.compile(r"layers? (\d+)")
-
-
 def _label_of(node: Node) -> str:
     lab = getattr(node, "fwd_label", "") or ""
     return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
 
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
-             trace_allocs: bool = False, events: bool = False) -> SimResult:
+             trace_allocs: bool = False, events: bool = False,
+             strategy: Optional[Callable[[], LayerStrategy]] = None) -> SimResult:
     """Simulate one optimizer step of ``exp``; see the module docstring for what it covers.
-    ``trace_allocs`` also returns the running total (and phase) after every allocation."""
+    ``trace_allocs`` also returns the running total (and phase) after every allocation.
+    ``strategy`` makes the layer strategy of each micro-step (default: eager, or
+    checkpointing as the spec asks); a compiled step needs one from :mod:`memcalc.compile`
+    (:func:`memcalc.estimate.step.simulate` chooses)."""
     check_supported(exp)
     tr = exp.training
+    if strategy is None:
+        assert not tr.compile, "a compiled step needs the compiled layer strategy (memcalc.estimate.step)"
+        strategy = lambda: layer_strategy(tr)  # noqa: E731
     sim = Sim(exp.profile.allocator_round_bytes)
     sim.record_timeline = record_timeline
     if trace_allocs:
@@ -87,6 +94,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     sim.mark("step start", "setup")
     step_start = len(sim.events) if sim.events is not None else 0
 
+    micro = min(tr.grad_accum, 2)
+    strategies = [strategy() for _ in range(micro)]
     deferred: list[Param] = []
     if tr.fused_optimizer:
         def hook(s: Sim, p: Param) -> None:
@@ -94,33 +103,29 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
             s.unref(p.grad)
             p.grad = None
 
-        if tr.compile:
-            # all gradients leave the compiled backward together (its outputs), and only
+        if strategies[0].grads_leave_together:
+            # e.g. all gradients leave the compiled backward together (its outputs), and only
             # then does AccumulateGrad, and with it each post-accumulate-grad hook, run
             sim.grad_ready = lambda s, p: deferred.append(p)
         else:
             sim.grad_ready = hook
 
-    micro = min(tr.grad_accum, 2)
-    for mb in range(micro):
+    gather = None
+    if model.layer_gather_bytes:
+        gather = LayerGather(sim, model.layer_gather_bytes, exp.model.n_layers)
+        sim.on_layer = lambda s, i: gather.backward_enter(i)
+    for layers in strategies:
         sim.nodes = []
-        fwd = Forward(sim, exp, model)
-        if model.layer_gather_bytes:
-            def regather(s: Sim, old: str, new: str, fwd: Forward = fwd) -> None:
-                m = _LAYER.search(new)
-                if m:
-                    i = int(m.group(1))
-                    fwd.gather([i, i - 1] if i > 0 else [i])
-
-            sim.on_label = regather
+        fwd = Forward(sim, exp, model, layers, gather)
         loss = fwd.run()
         sim.mark("backward start", "backward")
         sim.backward(loss, 4, _label_of)
-        fwd.release_compiled()
+        layers.end_backward(fwd)
         for p in deferred:
             hook(sim, p)
         deferred.clear()
-        fwd.gather([])
+        if gather is not None:
+            gather.release()
         sim.unref(loss)
         fwd.release_inputs()
         sim.mark("backward end", "backward")

@@ -14,7 +14,7 @@ from memcalc.core.dtypes import DType
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.timeline import simulate
+from memcalc.estimate.step import simulate
 from memcalc.core.units import MiB
 
 #: CUDA context + cuBLAS/cuDNN handles + kernel images: not in max_memory_allocated.
@@ -126,7 +126,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         recompute = {"flops": compiled["recompute_flops"], "forward_flops": compiled["forward_flops"],
                      "by": f"torch.compile, memory budget {compiled['memory_budget']:g}"}
     elif tr.checkpoint != "none":
-        from memcalc.compile.compiled import checkpoint_recompute_flops
+        from memcalc.compile.graph import checkpoint_recompute_flops
 
         rf, ff = checkpoint_recompute_flops(exp)
         recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}

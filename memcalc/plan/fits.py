@@ -41,7 +41,7 @@ import numpy as np
 from memcalc.core.errors import UserError
 from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
 from memcalc.core.spec import ExperimentSpec, TrainingSpec
-from memcalc.engine.timeline import simulate
+from memcalc.estimate.step import simulate
 
 #: Names of the (B, T) features, in coefficient order.
 FEATURES = ("1", "B", "T", "B*T", "T^2", "B*T^2")

@@ -405,7 +405,7 @@ def _state_floor(exp: ExperimentSpec) -> int:
 
 @lru_cache(maxsize=512)
 def _state_floor_of(model: ModelSpec, round_bytes: int, tr: TrainingSpec) -> int:
-    from memcalc.engine.forward import make_params
+    from memcalc.engine.weights import make_params
     from memcalc.engine.optimizers import OptimizerSim
     from memcalc.engine.sim import Sim
 

@@ -1,0 +1,38 @@
+"""One training step on the simulator, with the layer strategy the training setup calls for.
+
+The engine runs layers eagerly or checkpointed by itself; a ``torch.compile`` step needs the
+compiled strategies of :mod:`memcalc.compile.backward`, which sit above the engine. This is
+where the choice is made, once, for every caller (the estimate and plan's fits).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from memcalc.compile.backward import CompiledCheckpointing, CompiledLayers
+from memcalc.compile.compiled import compiled_plan
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.checkpoint import layer_strategy
+from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.timeline import SimResult
+from memcalc.engine.timeline import simulate as simulate_with
+
+
+def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
+    """A maker of the layer strategy for ``exp``'s step (one per micro-step): the partitioner's
+    saved set under torch.compile without checkpointing; checkpointed regions recomputed whole
+    inside a compiled graph; else eager or checkpointed layers."""
+    tr = exp.training
+    if tr.compile_partitions:
+        plan = compiled_plan(exp)
+        return lambda: CompiledLayers(plan)
+    if tr.compile:
+        return lambda: CompiledCheckpointing(tr)
+    return lambda: layer_strategy(tr)
+
+
+def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
+             trace_allocs: bool = False, events: bool = False) -> SimResult:
+    """:func:`memcalc.engine.timeline.simulate` with the strategy :func:`strategy_for` picks."""
+    return simulate_with(exp, first_step=first_step, record_timeline=record_timeline, trace_allocs=trace_allocs,
+                         events=events, strategy=strategy_for(exp))
