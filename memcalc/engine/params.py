@@ -5,7 +5,7 @@ Hugging Face transformers, GPT-2, phi, and Forgather's Deep One): embeddings,
 attention with GQA, gated or plain MLP, norms (weight, and bias for LayerNorm),
 projection biases, tied or untied head, trainable ALiBi slopes, LoRA adapters.
 QLoRA's frozen 4-bit base is counted in elements here; its storage bytes
-(packed NF4 plus quantisation constants) are computed in ``memory.py``.
+(packed NF4 plus quantisation constants) are computed in :mod:`memcalc.engine.weights`.
 Buffers (RoPE caches, causal masks) are not parameters and are ignored here.
 """
 
