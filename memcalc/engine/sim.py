@@ -107,7 +107,6 @@ class Sim:
         # for replaying the CUDA caching allocator (memcalc.engine.allocator)
         self.events: Optional[list[tuple[int, int]]] = None
         self._uid = 0
-        self.fused_hook: Optional[Callable[["Sim", Param], None]] = None
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
         self.alloc_count = 0  # allocations so far
