@@ -29,7 +29,9 @@ TARGET_CONFIGS_PER_S = 10_000
 
 def search_speed(repeat: int = 5) -> None:
     from memcalc.plan.fits import fit_step
-    from memcalc.plan.search import StackedFits, batch_grid, evaluate_grid, parallel_map, seq_grid, techniques, workers
+    from memcalc.plan.options import techniques
+    from memcalc.plan.parallel import parallel_map, workers
+    from memcalc.plan.search import StackedFits, batch_grid, evaluate_grid, seq_grid
     from memcalc.inputs.presets import load_preset
     from memcalc.core.spec import ExperimentSpec
 

@@ -171,7 +171,7 @@ def estimate(
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None
     if max_batch or max_seq:
-        from memcalc.plan.search import check_one_gpu, estimate_limits
+        from memcalc.plan.limits import check_one_gpu, estimate_limits
 
         limit_gpu = check_one_gpu(gpu, "--max-batch" if max_batch else "--max-seq")
     est = run_estimate(res.exp)
@@ -189,7 +189,7 @@ def estimate(
     else:
         render(est, res, cards)
         if limits:
-            from memcalc.plan.search import render_limits
+            from memcalc.render.plan_report import render_limits
 
             render_limits(limits, limit_gpu, res.exp.model)
         if timeline:
@@ -224,8 +224,10 @@ def plan(
       memcalc plan --model llama-3.1-70b
     """
     from memcalc.inputs.gpus import get_gpu
-    from memcalc.plan.search import (cluster_plan_json, gpu_plan_json, plan_cluster, plan_gpu, plan_model, render_cluster_plan,
-                       render_gpu_plan)
+    from memcalc.plan.cluster import plan_cluster
+    from memcalc.plan.options import plan_model
+    from memcalc.plan.search import plan_gpu
+    from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
     from memcalc.inputs.profiles import get_profile
     from memcalc.render.report import dumps
 
@@ -245,7 +247,7 @@ def plan(
         return
     options = None
     if compile_:
-        from memcalc.plan.search import compile_techniques, techniques
+        from memcalc.plan.options import compile_techniques, techniques
 
         options = techniques() + compile_techniques()
     gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)

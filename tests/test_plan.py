@@ -11,13 +11,15 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.estimate.peak import CUDA_CONTEXT_BYTES, estimate
-from memcalc.plan.fits import fit_gpus, fit_step, largest_true, largest_true_array
+from memcalc.engine.timeline import simulate, weights_and_state_bytes
+from memcalc.estimate.peak import CUDA_CONTEXT_BYTES, estimate, required_bytes
+from memcalc.plan.fits import fit_gpus, fit_step
 from memcalc.inputs.gpus import get_gpu
-from memcalc.plan.search import (
-    StackedFits, Technique, _largest_exact, batch_grid, evaluate_grid, plan_gpu, relative_cost, render_gpu_plan,
-    compile_techniques, seq_grid, techniques,
-)
+from memcalc.plan.cost import relative_cost
+from memcalc.plan.limits import largest_exact, largest_true, largest_true_array
+from memcalc.plan.options import Technique, compile_techniques, techniques
+from memcalc.plan.search import StackedFits, batch_grid, evaluate_grid, plan_gpu, seq_grid
+from memcalc.render.plan_report import render_gpu_plan
 from memcalc.inputs.presets import load_preset
 from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
 from memcalc.core.units import MiB
@@ -45,7 +47,7 @@ def training_of(opt: dict, batch: int, seq: int) -> dict:
 
 # --------------------------------------------------------------------------- the fit
 
-# Small decoders that exercise each term of the closed form. source: memcalc/fit.py docstring
+# Small decoders that exercise each term of the closed form. source: memcalc/plan/fits.py docstring
 # (which ops make T^2 terms: ALiBi masks H x T^2 and their B x H x T^2 gradient; the others are
 # linear in T with flash/memory-efficient attention).
 SMALL_MODELS = {
@@ -209,7 +211,7 @@ def test_largest_exact_search(threshold, seed):
         calls.append(x)
         return x <= threshold
 
-    assert _largest_exact(pred, 1, 100, seed) == threshold
+    assert largest_exact(pred, 1, 100, seed) == threshold
     if seed == threshold and 1 <= threshold < 100:
         assert len(calls) == 2  # a right guess costs two checks: it fits, the next does not
 
@@ -222,6 +224,43 @@ def test_largest_true_array_matches_scalar():
     got = largest_true_array(lambda x: x <= thr, lo, hi)
     want = [largest_true(lambda x, t=t: x <= t, a, b) for t, a, b in zip(thr, lo, hi)]
     assert got.tolist() == want
+
+
+# Allocated peaks the array path of required_bytes must treat exactly as the int path.
+REQUIRED_PEAKS = [
+    0,  # source: nothing allocated
+    19,  # source: slack rounds down to 0 (19 x 0.05 = 0.95)
+    20,  # source: slack exactly 1 byte
+    4_157_993_472,  # source: tests/snapshots/config-bf16_fused_chkpt.json steady_peak_bytes
+    74_202_328_576,  # source: tests/snapshots/llama70b-zero3-master.json steady_peak_bytes
+    130_158_643_200,  # source: tests/snapshots/llama13b-compile-ckpt.json first_step_peak_bytes
+]
+
+
+def test_required_bytes_same_for_ints_and_arrays():
+    """plan's vectorised search and estimate() share one required_bytes; both paths agree to the byte."""
+    ints = [required_bytes(p) for p in REQUIRED_PEAKS]
+    assert all(isinstance(r, int) for r in ints)
+    assert [r - p - CUDA_CONTEXT_BYTES for r, p in zip(ints, REQUIRED_PEAKS)][:3] == [0, 0, 1]
+    arr = required_bytes(np.array(REQUIRED_PEAKS, dtype=np.float64))
+    assert arr.astype(np.int64).tolist() == ints
+    e = estimate(ExperimentSpec(model=tiny_llama(), training=TrainingSpec(batch=2, seq=64)), timeline=False)
+    assert e.required_bytes == required_bytes(e.peak_bytes)
+
+
+@pytest.mark.parametrize("tech", techniques()[::7], ids=lambda t: t.key())
+def test_weights_and_state_bytes_is_what_the_step_starts_with(tech):
+    """The plan's no-forward floor equals the bytes alive at the steady step's start in simulate()."""
+    exp = ExperimentSpec(model=tiny_llama(), training=tech.training(2, 64))
+    r = simulate(exp, first_step=False, record_timeline=False, events=True)
+    alive: dict[int, int] = {}
+    for uid, n in r.events[:r.step_start]:
+        if n:
+            alive[uid] = n
+        else:
+            alive.pop(uid)
+    assert weights_and_state_bytes(exp) == sum(alive.values()) > 0
+    assert weights_and_state_bytes(exp) <= r.peak_bytes
 
 
 # --------------------------------------------------------------------------- plan (catalog)
@@ -322,7 +361,7 @@ def test_max_batch_text_output():
 
 
 def test_cost_model_orders_techniques():
-    # source: the cost model in memcalc/plan.py's docstring (3 FLOP units per step; checkpointing
+    # source: the cost model in memcalc/plan/cost.py's docstring (3 FLOP units per step; checkpointing
     # +1 forward; LoRA skips the frozen weight gradients; QLoRA x1.15; fp32 x2)
     m = load_preset("llama-3.1-8b")
 

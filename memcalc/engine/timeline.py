@@ -66,6 +66,29 @@ def _label_of(node: Node) -> str:
     return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
 
 
+def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tuple[Model, OptimizerSim]:
+    """What exists before a step's forward, allocated on ``sim``: the weights
+    (:func:`memcalc.engine.weights.make_params`) and the optimizer, with its state when
+    ``create_state`` (a steady-state step; the first step creates it inside the step, see
+    :class:`memcalc.engine.optimizers.OptimizerSim`)."""
+    model = make_params(sim, exp)
+    rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, exp.training.lora)}
+    opt = OptimizerSim(sim, exp.training, model.order, rows_of)
+    if create_state:
+        opt.create_all()
+    return model, opt
+
+
+def weights_and_state_bytes(exp: ExperimentSpec) -> int:
+    """Bytes allocated at the start of a steady-state step of ``exp`` (weights plus optimizer
+    state, each rounded as the allocator does): a lower bound of its peak that needs no forward
+    pass (:mod:`memcalc.plan` discards options with it)."""
+    sim = Sim(exp.profile.allocator_round_bytes)
+    sim.record_timeline = False
+    weights_and_state(sim, exp, create_state=True)
+    return sim.total
+
+
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
              trace_allocs: bool = False, events: bool = False,
              strategy: Optional[Callable[[], LayerStrategy]] = None) -> SimResult:
@@ -86,11 +109,7 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     if events:
         sim.events = []
     sim.mark("weights", "setup")
-    model: Model = make_params(sim, exp)
-    rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, tr.lora)}
-    opt = OptimizerSim(sim, tr, model.order, rows_of)
-    if not first_step:
-        opt.create_all()
+    model, opt = weights_and_state(sim, exp, create_state=not first_step)
     sim.mark("step start", "setup")
     step_start = len(sim.events) if sim.events is not None else 0
 

@@ -9,6 +9,8 @@ allocator's slack (reserved minus allocated).
 
 from __future__ import annotations
 
+import numpy as np
+
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.engine.params import count_params
@@ -23,6 +25,26 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 #: Reserved-but-unallocated memory of the caching allocator (fragmentation, rounding of
 #: large blocks to 2 MiB); we assume 5% of the allocated peak.
 ALLOCATOR_SLACK_FRACTION = 0.05
+
+
+def allocator_slack_bytes(peak_bytes):
+    """The caching allocator's slack over an allocated peak: ``floor(peak x``
+    :data:`ALLOCATOR_SLACK_FRACTION` ``)`` bytes (an int; a float array of whole numbers for an
+    array of peaks, as the plan's vectorised search passes)."""
+    if isinstance(peak_bytes, np.ndarray):
+        return np.floor(np.asarray(peak_bytes, dtype=np.float64) * ALLOCATOR_SLACK_FRACTION)
+    return int(peak_bytes * ALLOCATOR_SLACK_FRACTION)
+
+
+def required_bytes(peak_bytes):
+    """The bytes a GPU must have for an allocated peak (``torch.cuda.max_memory_allocated``):
+    peak + CUDA context (:data:`CUDA_CONTEXT_BYTES`) + allocator slack
+    (:func:`allocator_slack_bytes`). Ints stay exact ints; an array of peaks gives a float64
+    array (whole numbers), for :mod:`memcalc.plan`'s fits."""
+    if isinstance(peak_bytes, np.ndarray):
+        p = np.asarray(peak_bytes, dtype=np.float64)
+        return p + CUDA_CONTEXT_BYTES + allocator_slack_bytes(p)
+    return int(peak_bytes) + CUDA_CONTEXT_BYTES + allocator_slack_bytes(peak_bytes)
 
 PHASE_NAMES = {
     "forward": "forward",
@@ -93,7 +115,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     counts = count_params(exp.model, exp.training.lora)
     peak = top.peak_bytes
     kinds = {k: top.peak_kinds.get(k, 0) for k in KINDS}
-    slack = int(peak * ALLOCATOR_SLACK_FRACTION)
+    slack = allocator_slack_bytes(peak)
     assumptions = [
         f"CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB (not part of max_memory_allocated)",
         f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%} of the allocated peak (reserved minus allocated)",
@@ -150,7 +172,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         bytes_per_param=bytes_per_param(exp),
         cuda_context_bytes=CUDA_CONTEXT_BYTES,
         allocator_slack_bytes=slack,
-        required_bytes=peak + CUDA_CONTEXT_BYTES + slack,
+        required_bytes=required_bytes(peak),
         assumptions=assumptions,
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
@@ -158,4 +180,4 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     )
 
 
-__all__ = ["estimate", "Estimate", "DType"]
+__all__ = ["estimate", "required_bytes", "allocator_slack_bytes", "Estimate", "DType"]

@@ -1,3 +1,18 @@
-"""Stage 4, planning: which GPU, how many, with which techniques (closed-form fits of the
-simulated step searched over the option grid, every printed answer confirmed by a direct
-estimate)."""
+"""Stage 4, planning (``memcalc plan``): which GPU, how many, and with which memory techniques.
+
+Three questions, all answered from the simulated step (:mod:`memcalc.engine.timeline`):
+
+1. ``plan --model M --gpu G`` (:func:`memcalc.plan.search.plan_gpu`): every technique
+   combination (:mod:`memcalc.plan.options`) that fits one G, with its largest batch and
+   sequence, ranked by a relative step-time cost per token (:mod:`memcalc.plan.cost`).
+2. ``plan --model M`` (:func:`memcalc.plan.cluster.plan_cluster`): for every GPU in the catalog,
+   the fewest GPUs for a full fine-tune and for a LoRA run (ZeRO-3 over N GPUs).
+3. ``estimate --max-batch / --max-seq`` (:mod:`memcalc.plan.limits`): the inverse questions for
+   one setup, by binary search over direct estimates.
+
+"Fits" means :func:`memcalc.estimate.peak.required_bytes` (peak + CUDA context + allocator
+slack) is at most the card's capacity. The searches use closed-form fits of the step
+(:mod:`memcalc.plan.fits`) over cached simulations (:mod:`memcalc.plan.simulations`), run in
+worker processes (:mod:`memcalc.plan.parallel`), and confirm every printed number with direct
+estimates. Rendering lives in :mod:`memcalc.render.plan_report`.
+"""

@@ -2,7 +2,7 @@
 (:func:`fit_step`) or of the data-parallel degree under ZeRO (:func:`fit_gpus`).
 
 ``memcalc plan`` asks thousands of "does it fit?" questions; simulating each one op by op
-(:func:`memcalc.engine.timeline.simulate`, 5-80 ms) would take minutes. Instead we simulate a few
+(:func:`memcalc.estimate.step.simulate`, 5-80 ms) would take minutes. Instead we simulate a few
 points with ``trace_allocs=True`` and fit the running total after *every allocation* of the
 step. Every allocation's size is a polynomial in the batch ``B`` and the sequence ``T``
 (activations are ``B x T x width``; math attention's scores ``B x H x T^2``; ALiBi masks
@@ -39,9 +39,9 @@ from typing import Sequence
 import numpy as np
 
 from memcalc.core.errors import UserError
-from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
-from memcalc.core.spec import ExperimentSpec, TrainingSpec
-from memcalc.estimate.step import simulate
+from memcalc.core.spec import ExperimentSpec
+from memcalc.estimate.peak import required_bytes
+from memcalc.plan.simulations import Trace, step_trace, with_training
 
 #: Names of the (B, T) features, in coefficient order.
 FEATURES = ("1", "B", "T", "B*T", "T^2", "B*T^2")
@@ -49,15 +49,6 @@ FEATURES = ("1", "B", "T", "B*T", "T^2", "B*T^2")
 BATCH_DOMAIN = (1, 1 << 16)
 #: Relative residual (of the largest total) above which the T-linear fit is rejected.
 CURVATURE_TOL = 2e-6
-
-
-def required_from_peak(peak):
-    """The memory a GPU must have for an allocated ``peak``: peak + CUDA context + allocator
-    slack, exactly as :func:`memcalc.estimate.peak.estimate` computes it (works on ints and arrays)."""
-    if isinstance(peak, np.ndarray):
-        p = np.asarray(peak, dtype=np.float64)
-        return p + CUDA_CONTEXT_BYTES + np.floor(p * ALLOCATOR_SLACK_FRACTION)
-    return int(peak) + CUDA_CONTEXT_BYTES + int(peak * ALLOCATOR_SLACK_FRACTION)
 
 
 def bt_features(B, T, t_scale: float) -> np.ndarray:
@@ -68,49 +59,6 @@ def bt_features(B, T, t_scale: float) -> np.ndarray:
     B, t = np.broadcast_arrays(B, t)
     one = np.ones_like(B)
     return np.stack([one, B, t, B * t, t * t, B * t * t], axis=-1)
-
-
-@dataclass(frozen=True)
-class Trace:
-    """The running totals of one simulated step (one per allocation) and their phases."""
-
-    totals: np.ndarray  # (E,) float64 bytes
-    phases: tuple[str, ...]  # phase of each allocation
-    peak_bytes: int  # the simulator's own peak (the highest total)
-
-
-#: Simulated peaks by (experiment, first_step): fit points and direct checks share them.
-_PEAKS: dict[tuple[ExperimentSpec, bool], int] = {}
-
-
-@lru_cache(maxsize=256)
-def _trace(exp: ExperimentSpec, first_step: bool) -> Trace:
-    """One simulated step with its allocation trace (cached: plans ask for the same points)."""
-    r = simulate(exp, first_step=first_step, record_timeline=False, trace_allocs=True)
-    tr = r.alloc_trace or []
-    phases = tuple("first step" if first_step else ph for _, ph in tr)
-    _remember(exp, first_step, r.peak_bytes)
-    return Trace(np.fromiter((t for t, _ in tr), dtype=np.float64, count=len(tr)), phases, r.peak_bytes)
-
-
-def _remember(exp: ExperimentSpec, first_step: bool, peak: int) -> None:
-    if len(_PEAKS) > 200_000:
-        _PEAKS.clear()
-    _PEAKS[(exp, first_step)] = peak
-
-
-def trace_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
-    """:func:`simulated_peak`, simulating with the allocation trace (kept for a later fit)."""
-    return _trace(exp, first_step).peak_bytes
-
-
-def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
-    """The allocated peak of one simulated step (steady state, or the first step), cached; the
-    same number ``estimate()`` takes from the same simulation."""
-    key = (exp, first_step)
-    if key not in _PEAKS:
-        _remember(exp, first_step, simulate(exp, first_step=first_step, record_timeline=False).peak_bytes)
-    return _PEAKS[key]
 
 
 def _stack(traces: Sequence[Trace], what: str) -> tuple[np.ndarray, tuple[str, ...]]:
@@ -179,7 +127,7 @@ class StepFit:
 
     def required(self, B, T) -> np.ndarray:
         """Fitted required bytes: peak + CUDA context + allocator slack."""
-        return required_from_peak(self.peak(B, T))
+        return required_bytes(self.peak(B, T))
 
 
 def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
@@ -196,10 +144,6 @@ def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
     return t1, t2, t3
 
 
-def _with(exp: ExperimentSpec, **training) -> ExperimentSpec:
-    return exp.model_copy(update={"training": exp.training.model_copy(update=training)})
-
-
 @lru_cache(maxsize=1024)
 def fit_step(exp: ExperimentSpec) -> StepFit:
     """Fit ``exp``'s step (its own batch and seq are ignored) in batch and sequence length.
@@ -214,7 +158,7 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
     lin = [0, 1, 2, 3]
 
     def solve(points, first_step, cols):
-        traces = [_trace(_with(exp, batch=b, seq=t), first_step) for b, t in points]
+        traces = [step_trace(with_training(exp, batch=b, seq=t), first_step) for b, t in points]
         Y, phases = _stack(traces, exp.name)
         X = bt_features([p[0] for p in points], [p[1] for p in points], scale)[:, cols]
         c, *_ = np.linalg.lstsq(X, Y, rcond=None)
@@ -262,7 +206,7 @@ class GpusFit:
         return np.where(n >= 2, out, np.nan)
 
     def required(self, n) -> np.ndarray:
-        return required_from_peak(self.peak(n))
+        return required_bytes(self.peak(n))
 
 
 #: ZeRO degrees the N-fit simulates (two would do; the third checks the fit).
@@ -273,8 +217,8 @@ GPU_FIT_POINTS = (2, 8, 64)
 def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     """Fit ``exp``'s peak in the data-parallel degree N >= 2 (its ``gpus`` is ignored; ``zero``
     should be >= 1 for N to matter). Cached per experiment within the process."""
-    steady = [_trace(_with(exp, gpus=n), False) for n in GPU_FIT_POINTS]
-    first = [_trace(_with(exp, gpus=n), True) for n in GPU_FIT_POINTS]
+    steady = [step_trace(with_training(exp, gpus=n), False) for n in GPU_FIT_POINTS]
+    first = [step_trace(with_training(exp, gpus=n), True) for n in GPU_FIT_POINTS]
     ys, ph_s = _stack(steady, exp.name)
     yf, ph_f = _stack(first, exp.name)
     Y = np.concatenate([ys, yf], axis=1)
@@ -288,46 +232,4 @@ def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     return GpusFit(exp, np.concatenate(list(cands.values())))
 
 
-def largest_true(pred, lo: int, hi: int) -> int:
-    """The largest integer x in [lo, hi] with ``pred(x)`` true, for a predicate that is true up to
-    some point and false after it; ``lo - 1`` if ``pred(lo)`` is false. Vectorised callers pass
-    arrays of lo/hi; see :func:`largest_true_array`."""
-    if not pred(lo):
-        return lo - 1
-    if pred(hi):
-        return hi
-    while hi - lo > 1:  # pred(lo) true, pred(hi) false
-        mid = (lo + hi) // 2
-        if pred(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """:func:`largest_true` for many monotone predicates at once: ``pred(x)`` takes an int array
-    (one candidate per row) and returns a bool array."""
-    lo = np.asarray(lo, dtype=np.int64).copy()
-    hi = np.asarray(hi, dtype=np.int64).copy()
-    ok_lo = pred(lo)
-    ok_hi = pred(hi)
-    res = np.where(ok_hi, hi, np.where(ok_lo, -1, lo - 1))
-    todo = ok_lo & ~ok_hi
-    a, b = lo.copy(), hi.copy()
-    while True:
-        active = todo & (b - a > 1)
-        if not active.any():
-            break
-        mid = (a + b) // 2
-        ok = pred(mid)
-        a = np.where(active & ok, mid, a)
-        b = np.where(active & ~ok, mid, b)
-    return np.where(todo, a, res)
-
-
-
-__all__ = [
-    "FEATURES", "StepFit", "GpusFit", "fit_step", "fit_gpus", "bt_features", "required_from_peak",
-    "largest_true", "largest_true_array", "fit_points",
-]
+__all__ = ["FEATURES", "StepFit", "GpusFit", "fit_step", "fit_gpus", "bt_features", "fit_points"]

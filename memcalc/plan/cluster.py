@@ -1,0 +1,183 @@
+"""``memcalc plan --model M`` (:func:`plan_cluster`): for every GPU in the catalog, the fewest
+GPUs for a full fine-tune and for a LoRA run at batch 1 per GPU (ZeRO-3 over N GPUs), fitted in N
+(:func:`memcalc.plan.fits.fit_gpus`) and confirmed with direct estimates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.estimate.peak import required_bytes
+from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
+from memcalc.plan.fits import fit_gpus
+from memcalc.plan.limits import CONFIRM_MARGIN, fits_in, largest_exact
+from memcalc.plan.options import LORA_RANK, default_seq
+from memcalc.plan.parallel import parallel_map
+from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
+
+#: The catalog search for ``plan --model M`` (no --gpu) covers 1..GPU_CAP GPUs.
+GPU_CAP = 1024
+
+
+def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[str, dict[str, ExperimentSpec]]:
+    """The two multi-GPU setups (per GPU: batch 1 x ``seq``), each with checkpointing none and full.
+
+    full: bf16 weights and gradients + fp32 master weights and AdamW moments (16 B/param),
+    ZeRO-3 over the GPUs, no offload. lora: bf16 frozen base, rank-16 adapters on q,k,v,o,
+    AdamW, ZeRO-3 (sharding the frozen base) over the GPUs.
+    """
+    out: dict[str, dict[str, ExperimentSpec]] = {"full": {}, "lora": {}}
+    for ck in ("none", "full"):
+        out["full"][ck] = ExperimentSpec(
+            name=f"{model.name} full fine-tune", model=model, profile=profile,
+            training=TrainingSpec(batch=1, seq=seq, precision="bf16", master_weights=True, optimizer="adamw",
+                                  zero=3, gpus=1, checkpoint=ck))
+        out["lora"][ck] = ExperimentSpec(
+            name=f"{model.name} LoRA", model=model, profile=profile,
+            training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
+                                  checkpoint=ck, lora=LoraSpec(rank=LORA_RANK)))
+    return out
+
+
+def _smallest_n(pred: Callable[[int], bool], seed: int, hi: int) -> Optional[int]:
+    """The smallest N in [1, hi] with pred(N), where pred is monotone for N >= 2 (N = 1 has no
+    gathered layer buffers, so it is checked on its own); ``seed`` is the fitted answer."""
+    if pred(1):
+        return 1
+    neg = lambda n: not pred(n)  # noqa: E731  -- true, then false, over N >= 2
+    last_bad = largest_exact(neg, 2, hi, seed - 1 if 2 <= seed - 1 <= hi else None)
+    return last_bad + 1 if last_bad < hi else None
+
+
+def next_pow2(n: Optional[int]) -> Optional[int]:
+    if n is None:
+        return None
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+@dataclass
+class ClusterRow:
+    gpu: Any
+    min_gpus: dict[str, Optional[int]]  # setup -> fewest GPUs (None: more than GPU_CAP)
+    checkpoint: dict[str, Optional[str]]  # setup -> checkpointing used at that count
+    required_bytes: dict[str, Optional[int]]  # setup -> per-GPU required bytes at that count
+
+    def as_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"name": self.gpu.name, "display_name": getattr(self.gpu, "display_name", self.gpu.name),
+                             "capacity_bytes": self.gpu.capacity_bytes}
+        for s in ("full", "lora"):
+            n = self.min_gpus[s]
+            d[f"min_gpus_{s}"] = n
+            d[f"min_gpus_{s}_pow2"] = next_pow2(n)
+            d[f"checkpoint_{s}"] = self.checkpoint[s]
+            d[f"required_bytes_{s}"] = self.required_bytes[s]
+        return d
+
+
+@dataclass
+class ClusterPlan:
+    model: ModelSpec
+    seq: int
+    rows: list[ClusterRow]
+    params: int
+    notes: list[str] = field(default_factory=list)
+
+
+def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[KernelProfile] = None,
+                 gpus: Optional[Sequence[Any]] = None, confirm: bool = True) -> ClusterPlan:
+    """For each GPU, the fewest GPUs (1..GPU_CAP) for a full fine-tune and for a LoRA run (see
+    :func:`cluster_setups`); checkpointing none when that fits at the count, else full."""
+    from memcalc.inputs.gpus import list_gpus
+    from memcalc.engine.params import count_params
+
+    seq = default_seq(model, seq)
+    profile = profile or get_profile(DEFAULT_PROFILE)
+    cards = list(gpus) if gpus is not None else list_gpus()
+    setups = cluster_setups(model, seq, profile)
+    ns = np.arange(1, GPU_CAP + 1)
+    keys = [(s, ck) for s, cks in setups.items() for ck in cks]
+    fitted = parallel_map(_fit_gpus_job, [setups[s][ck] for s, ck in keys])
+    req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
+    for (s, ck), f in zip(keys, fitted):
+        req[s][ck] = f.required(ns)  # NaN at N = 1: a different step, checked directly
+
+    def fits_at(s: str, ck: str, n: int, cap: int) -> bool:
+        if n == 1 or not confirm:
+            return fits_in(with_training(setups[s][ck], gpus=1), cap) if n == 1 else bool(req[s][ck][n - 1] <= cap)
+        return fits_in(with_training(setups[s][ck], gpus=n), cap)
+
+    def seed_of(s: str, cap: int) -> Optional[int]:
+        ok = req[s]["full"][1:] <= cap
+        return int(ns[1:][ok][0]) if ok.any() else None
+
+    if confirm:  # simulate the counts the confirmation will ask about, in parallel
+        jobs = set()
+        for g in cards:
+            cap = int(g.capacity_bytes)
+            for s, by_ck in setups.items():
+                jobs.add((with_training(by_ck["full"], gpus=1), False))
+                n = seed_of(s, cap)
+                if n is None:
+                    continue
+                if n > 2:
+                    jobs.add((with_training(by_ck["full"], gpus=n - 1), False))
+                jobs.add((with_training(by_ck["full"], gpus=n), True))
+                if req[s]["none"][n - 1] <= cap:
+                    jobs.add((with_training(by_ck["none"], gpus=n), True))
+        jobs = {j for j in jobs if required_bytes(state_floor(j[0])) <= max(int(g.capacity_bytes) for g in cards)}
+        parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
+    rows = []
+    for g in cards:
+        cap = int(g.capacity_bytes)
+        mins: dict[str, Optional[int]] = {}
+        cks: dict[str, Optional[str]] = {}
+        reqs: dict[str, Optional[int]] = {}
+        for s, by_ck in setups.items():
+            # the fewest N with checkpointing full (the frugal one): fitted, then exact
+            seed = seed_of(s, cap)
+            if confirm:
+                n = _smallest_n(lambda k: fits_at(s, "full", int(k), cap), seed or GPU_CAP, GPU_CAP)
+            else:
+                n = 1 if fits_at(s, "full", 1, cap) else seed
+            mins[s] = n
+            if n is None:
+                cks[s], reqs[s] = None, None
+                continue
+            # checkpointing none if it fits at that count too (fitted; checked directly near the line)
+            if n == 1 or abs(req[s]["none"][n - 1] - cap) <= CONFIRM_MARGIN * cap:
+                none_fit = fits_at(s, "none", n, cap)
+            else:
+                none_fit = bool(req[s]["none"][n - 1] <= cap)
+            ck = "none" if none_fit else "full"
+            cks[s] = ck
+            e = with_training(by_ck[ck], gpus=n)
+            reqs[s] = required_bytes(estimated_peak(e)) if confirm else int(req[s][ck][n - 1])
+        rows.append(ClusterRow(g, mins, cks, reqs))
+    notes = [
+        f"full fine-tune: bf16 weights and gradients + fp32 master weights and AdamW moments (16 bytes/param), "
+        f"ZeRO-3 over N GPUs (FSDP mechanics: layers all-gathered one at a time, embedding and head whole), no offload, "
+        f"batch 1 x seq {seq} per GPU, activation checkpointing none if it fits at that count, else full",
+        f"LoRA: bf16 frozen base, rank {LORA_RANK} adapters on q,k,v,o, AdamW; ZeRO-3 shards the frozen base when one GPU "
+        f"is not enough; checkpointing as above",
+        f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
+        "and nodes of 8, so the next power of two is shown too",
+    ]
+    return ClusterPlan(model, seq, rows, count_params(model).total, notes)
+
+
+def _fit_gpus_job(exp: ExperimentSpec):
+    return fit_gpus(exp, GPU_CAP)
+
+
+def _simulate_job(job: tuple[ExperimentSpec, bool]) -> None:
+    """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache."""
+    exp, both = job
+    simulated_peak(exp, False)
+    if both:
+        simulated_peak(exp, True)

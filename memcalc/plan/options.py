@@ -1,0 +1,126 @@
+"""The options ``memcalc plan`` searches: technique combinations (:class:`Technique`,
+:func:`techniques`, :func:`compile_techniques`), the sequence it plans at and the model it is about."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from memcalc.core.errors import UserError
+from memcalc.core.spec import LoraSpec, ModelSpec, TrainingSpec
+
+#: Default sequence length (or the model's maximum when smaller).
+DEFAULT_SEQ = 2048
+
+OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
+CHECKPOINTS = ("none", "full", "sqrt", "selective")
+LORA_RANK = 16
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One combination of memory techniques for a single-GPU run."""
+
+    adapters: str  # "none" | "lora" | "qlora"
+    precision: str  # "16" (pure 16-bit) | "16+master" (16-bit + fp32 master/moments) | "amp" | "fp32"
+    optimizer: str
+    checkpoint: str
+    fused: bool
+    budget: Optional[float] = None  # torch.compile's activation memory budget; None = eager
+
+    def precision_name(self, half: str = "bf16") -> str:
+        return {"16": half, "16+master": half, "amp": f"amp-{half}", "fp32": "fp32"}[self.precision]
+
+    def label(self, half: str = "bf16") -> str:
+        """Human-readable name, e.g. ``QLoRA · bf16 · AdamW · ckpt full · fused``."""
+        ad = {"none": "full FT", "lora": "LoRA", "qlora": "QLoRA"}[self.adapters]
+        pr = self.precision_name(half) + ("+fp32 master" if self.precision == "16+master" else "")
+        op = {"adamw": "AdamW", "adamw-8bit": "AdamW-8bit", "adafactor": "Adafactor"}.get(self.optimizer, self.optimizer)
+        ck = "no ckpt" if self.checkpoint == "none" else f"ckpt {self.checkpoint}"
+        comp = [] if self.budget is None else [f"compile budget {self.budget:g}"]
+        return " · ".join([ad, pr, op, ck] + (["fused"] if self.fused else []) + comp)
+
+    def key(self, half: str = "bf16") -> str:
+        """Compact id, e.g. ``qlora/bf16/adamw/full/fused``."""
+        pr = self.precision_name(half) + ("+master" if self.precision == "16+master" else "")
+        comp = [] if self.budget is None else [f"compile{self.budget:g}"]
+        return "/".join([self.adapters, pr, self.optimizer, self.checkpoint] + (["fused"] if self.fused else []) + comp)
+
+    def training(self, batch: int, seq: int, half: str = "bf16") -> TrainingSpec:
+        lora = None
+        if self.adapters != "none":
+            lora = LoraSpec(rank=LORA_RANK, qlora=self.adapters == "qlora")
+        return TrainingSpec(
+            batch=batch, seq=seq, precision=self.precision_name(half), master_weights=self.precision == "16+master",
+            optimizer=self.optimizer, checkpoint=self.checkpoint, fused_optimizer=self.fused, lora=lora,
+            compile=self.budget is not None, memory_budget=None if self.budget in (None, 1.0) else self.budget,
+        )
+
+    def as_dict(self, half: str = "bf16") -> dict[str, Any]:
+        return {
+            "option": self.label(half),
+            "key": self.key(half),
+            "adapters": self.adapters,
+            "precision": self.precision_name(half),
+            "master_weights": self.precision == "16+master",
+            "optimizer": self.optimizer,
+            "checkpoint": self.checkpoint,
+            "fused_optimizer": self.fused,
+            "compile": self.budget is not None,
+            "memory_budget": self.budget,
+        }
+
+
+def techniques() -> list[Technique]:
+    """The option grid: full fine-tuning in 4 precisions (pure 16-bit; 16-bit with fp32 master
+    weights and moments; AMP over fp32 weights; fp32) x AdamW / 8-bit AdamW / Adafactor x
+    checkpointing none/full/sqrt/selective x plain or fused (in-backward) optimizer step (96),
+    plus LoRA and QLoRA (rank 16 on q,k,v,o, 16-bit base, AdamW) x the 4 checkpointing modes x
+    plain/fused step (16). Gradient accumulation is 1 (a fused step cannot accumulate)."""
+    out = []
+    for prec in ("16", "16+master", "amp", "fp32"):
+        for opt in OPTIMIZERS:
+            for ck in CHECKPOINTS:
+                for fused in (False, True):
+                    out.append(Technique("none", prec, opt, ck, fused))
+    for ad in ("lora", "qlora"):
+        for ck in CHECKPOINTS:
+            for fused in (False, True):
+                out.append(Technique(ad, "16", "adamw", ck, fused))
+    return out
+
+
+#: the activation memory budgets ``plan --compile`` tries
+COMPILE_BUDGETS = (1.0, 0.5, 0.1)
+
+
+def compile_techniques(budgets: Sequence[float] = COMPILE_BUDGETS) -> list[Technique]:
+    """``plan --compile``: torch.compile at each budget for a bf16 full fine-tune, LoRA and QLoRA
+    (AdamW, no checkpointing: the budget is the recomputation). They are searched with direct
+    estimates, not fits: the partitioner's choice can change with batch and sequence length."""
+    return [Technique(ad, "16", "adamw", "none", False, b) for ad in ("none", "lora", "qlora") for b in budgets]
+
+
+def default_seq(model: ModelSpec, seq: Optional[int]) -> int:
+    """The sequence the plan uses: ``seq`` if given (checked), else 2048 or the model's maximum."""
+    if seq is None:
+        return min(DEFAULT_SEQ, model.max_seq_len)
+    if seq < 2:
+        raise UserError(f"--seq must be at least 2, got {seq}")
+    if seq > model.max_seq_len:
+        raise UserError(f"--seq {seq} exceeds {model.name}'s maximum sequence length ({model.max_seq_len})")
+    return seq
+
+
+def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, list[str]]:
+    """The model ``plan`` is about: ``--model`` (preset or file) or ``--params`` (inferred)."""
+    from memcalc.inputs.infer import infer_from_params, parse_count
+    from memcalc.inputs.presets import resolve_model
+
+    if model and params:
+        raise UserError("give one of --model or --params, not both")
+    if model:
+        return resolve_model(model), []
+    if params:
+        return infer_from_params(float(parse_count(params)))
+    raise UserError("plan needs a model: give --model NAME|config.json or --params N (see `memcalc models`)")

@@ -1,0 +1,83 @@
+"""The simulations the plan asks for, cached: each step's peak (steady state or first step), its
+allocation trace for a fit (:mod:`memcalc.plan.fits`), the estimate's peak from them, and the
+weights-plus-state floor that rules an option out without a forward pass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.timeline import weights_and_state_bytes
+from memcalc.estimate.step import simulate
+
+
+def with_training(exp: ExperimentSpec, **training: Any) -> ExperimentSpec:
+    """``exp`` with some training fields changed (batch, seq, gpus, ...)."""
+    return exp.model_copy(update={"training": exp.training.model_copy(update=training)})
+
+
+@dataclass(frozen=True)
+class Trace:
+    """The running totals of one simulated step (one per allocation) and their phases."""
+
+    totals: np.ndarray  # (E,) float64 bytes
+    phases: tuple[str, ...]  # phase of each allocation
+    peak_bytes: int  # the simulator's own peak (the highest total)
+
+
+#: Simulated peaks by (experiment, first_step): fit points and direct checks share them.
+PEAK_CACHE: dict[tuple[ExperimentSpec, bool], int] = {}
+
+
+@lru_cache(maxsize=256)
+def step_trace(exp: ExperimentSpec, first_step: bool) -> Trace:
+    """One simulated step with its allocation trace (cached: plans ask for the same points)."""
+    r = simulate(exp, first_step=first_step, record_timeline=False, trace_allocs=True)
+    tr = r.alloc_trace or []
+    phases = tuple("first step" if first_step else ph for _, ph in tr)
+    _remember(exp, first_step, r.peak_bytes)
+    return Trace(np.fromiter((t for t, _ in tr), dtype=np.float64, count=len(tr)), phases, r.peak_bytes)
+
+
+def _remember(exp: ExperimentSpec, first_step: bool, peak: int) -> None:
+    if len(PEAK_CACHE) > 200_000:
+        PEAK_CACHE.clear()
+    PEAK_CACHE[(exp, first_step)] = peak
+
+
+def trace_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
+    """:func:`simulated_peak`, simulating with the allocation trace (kept for a later fit)."""
+    return step_trace(exp, first_step).peak_bytes
+
+
+def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
+    """The allocated peak of one simulated step (steady state, or the first step), cached; the
+    same number ``estimate()`` takes from the same simulation."""
+    key = (exp, first_step)
+    if key not in PEAK_CACHE:
+        _remember(exp, first_step, simulate(exp, first_step=first_step, record_timeline=False).peak_bytes)
+    return PEAK_CACHE[key]
+
+
+def estimated_peak(exp: ExperimentSpec) -> int:
+    """``estimate(exp).peak_bytes``: the higher of the simulated steady-state and first steps, from
+    the same simulations estimate() runs (cached, so fit points are not simulated twice)."""
+    return max(simulated_peak(exp, False), simulated_peak(exp, True))
+
+
+def state_floor(exp: ExperimentSpec) -> int:
+    """Weights plus optimizer state at the start of a steady-state step
+    (:func:`memcalc.engine.timeline.weights_and_state_bytes`): a lower bound of the peak that
+    needs no forward pass. Batch, seq, checkpointing and the fused step do not change it, so they
+    are fixed for the cache."""
+    tr = exp.training.model_copy(update={"batch": 1, "seq": 2, "checkpoint": "none", "fused_optimizer": False})
+    return _state_floor_of(ExperimentSpec(model=exp.model, training=tr, profile=exp.profile))
+
+
+@lru_cache(maxsize=512)
+def _state_floor_of(exp: ExperimentSpec) -> int:
+    return weights_and_state_bytes(exp)

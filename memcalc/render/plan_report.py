@@ -1,0 +1,129 @@
+"""``memcalc plan`` and ``estimate --max-batch/--max-seq`` for people: rich tables and notes, and
+the ``--json`` documents of the plans (:mod:`memcalc.plan`)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from memcalc.core.spec import ModelSpec
+from memcalc.core.units import MiB, fmt_bytes, fmt_count, gib
+from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
+from memcalc.plan.cluster import GPU_CAP, ClusterPlan, next_pow2
+from memcalc.plan.cost import COST_MODEL_LINES
+from memcalc.plan.limits import BATCH_CAP
+from memcalc.plan.options import LORA_RANK, techniques
+from memcalc.plan.search import GpuPlan
+
+
+def render_limits(lim: dict[str, Any], gpu: Any, model: ModelSpec, console=None) -> None:
+    from rich.console import Console
+
+    c = console or Console()
+    name = getattr(gpu, "display_name", gpu.name)
+    cap = fmt_bytes(lim["capacity_bytes"])
+    if "max_batch" in lim:
+        b = lim["max_batch"]
+        if b == 0:
+            c.print(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [red]0[/red] "
+                    "(batch 1 does not fit)")
+        else:
+            nxt = lim["next_batch_required_bytes"]
+            why = f"; batch {b + 1} needs {fmt_bytes(nxt)}" if nxt is not None else f" (the search stops at {BATCH_CAP:,})"
+            c.print(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [green]{b:,}[/green] "
+                    f"(needs {fmt_bytes(lim['max_batch_required_bytes'])}{why})")
+    if "max_seq" in lim:
+        t = lim["max_seq"]
+        if t == 0:
+            c.print(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [red]0[/red] "
+                    "(not even 2 tokens fit)")
+        else:
+            nxt = lim["next_seq_required_bytes"]
+            why = (f"; seq {t + 1} needs {fmt_bytes(nxt)}" if nxt is not None
+                   else f"; {model.name}'s maximum sequence length")
+            c.print(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [green]{t:,}[/green] "
+                    f"(needs {fmt_bytes(lim['max_seq_required_bytes'])}{why})")
+
+
+def gpu_plan_json(p: GpuPlan) -> dict[str, Any]:
+    g = p.gpu
+    return {
+        "model": p.model.name,
+        "gpu": {"name": g.name, "display_name": getattr(g, "display_name", g.name), "capacity_bytes": g.capacity_bytes},
+        "seq": p.seq,
+        "options": [o.as_dict(p.half) for o in p.options],
+        "fitting": len(p.fitting),
+        "evaluated_configurations": p.evaluated,
+        "required_bytes_means": f"peak + CUDA context ({CUDA_CONTEXT_BYTES // MiB} MiB) + allocator slack "
+                                f"({ALLOCATOR_SLACK_FRACTION:.0%} of the peak)",
+        "cost_model": list(COST_MODEL_LINES),
+        "notes": p.notes,
+    }
+
+
+def _gib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{gib(n):,.2f}"
+
+
+def render_gpu_plan(p: GpuPlan, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = console or Console()
+    g = p.gpu
+    n_all = p.considered or len(techniques())
+    title = (f"{p.model.name} on {getattr(g, 'display_name', g.name)} ({fmt_bytes(g.capacity_bytes)}): "
+             f"{len(p.fitting)} of {n_all} technique combinations fit at batch 1 x seq {p.seq}")
+    t = Table(title=title, title_justify="left",
+              caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
+                      "cost: relative step time per token at the max batch (lower is better)",
+              caption_justify="left")
+    for col, just in (("#", "right"), ("option", "left"), ("peak", "right"), ("needs", "right"),
+                      ("max batch", "right"), ("max seq", "right"), ("cost", "right")):
+        t.add_column(col, justify=just, no_wrap=col != "option")
+    for k, o in enumerate(p.options, 1):
+        style = None if o.fits else "dim"
+        ms = f"{o.max_seq:,}" + (" (max)" if o.max_seq == p.model.max_seq_len else "")
+        mb = f"{o.max_batch:,}" + ("+" if o.max_batch >= BATCH_CAP else "")
+        t.add_row(str(k) if o.fits else "-", o.technique.label(p.half), _gib(o.peak_bytes), _gib(o.required_bytes),
+                  mb if o.fits else "0", ms if o.max_seq else "0",
+                  "-" if o.relative_cost is None else f"{o.relative_cost:.2f}", style=style)
+    c.print(t)
+    if not p.fitting:
+        c.print("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
+                f"{p.model.name}` for a multi-GPU count")
+    c.print(f"[dim]peak = allocated peak; needs = peak + CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB + "
+            f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%}; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
+            f"numbers of fitting options confirmed by direct estimates (max seq capped at the model's "
+            f"{p.model.max_seq_len:,})[/dim]")
+    for line in COST_MODEL_LINES:
+        c.print(f"[dim]cost model: {line}[/dim]")
+    for n in p.notes:
+        c.print(f"[yellow]note:[/yellow] {n}")
+
+
+def cluster_plan_json(p: ClusterPlan) -> dict[str, Any]:
+    return {"model": p.model.name, "params": p.params, "seq": p.seq, "gpus": [r.as_dict() for r in p.rows],
+            "notes": p.notes}
+
+
+def render_cluster_plan(p: ClusterPlan, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = console or Console()
+    t = Table(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
+              title_justify="left")
+    for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("pow2", "right"),
+                      ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
+                      ("ckpt", "left"), ("need", "right")):
+        t.add_column(col, justify=just, no_wrap=True)
+    for r in p.rows:
+        cells = [r.gpu.name, f"{gib(r.gpu.capacity_bytes):.1f}"]
+        for s in ("full", "lora"):
+            n = r.min_gpus[s]
+            cells += [f">{GPU_CAP}" if n is None else str(n), "-" if n is None else str(next_pow2(n)),
+                      r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
+        t.add_row(*cells)
+    c.print(t)
+    for n in p.notes:
+        c.print(f"[dim]{n}[/dim]")
