@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from memcalc.core.dtypes import DType
 
@@ -225,6 +225,10 @@ class TrainingSpec(BaseModel):
         return self.compile and self.checkpoint == "none"
 
 
+#: torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
+DEFAULT_LOSS_CHUNKS = 8
+
+
 class KernelProfile(BaseModel):
     """What the kernels and the framework's own layers save: PyTorch version, device, layer code.
 
@@ -251,10 +255,24 @@ class KernelProfile(BaseModel):
     cross_entropy: Literal["full", "chunked"] = Field(
         "full", description="Cross-entropy on the full logits, or in chunks that never hold full fp32 logits."
     )
+    loss_chunks: int = Field(
+        DEFAULT_LOSS_CHUNKS, gt=0,
+        description="With cross_entropy chunked: the logits rows are split into this many chunks, each upcast "
+        "to fp32 and reduced on its own (torchtune CEWithChunkedOutputLoss: 8). Inert with cross_entropy full.",
+    )
     logits_fp32: bool = Field(False, description="The loss upcasts logits to fp32 first (Hugging Face style).")
     shift_copy: bool = Field(True, description="The loss makes a contiguous copy of the shifted logits.")
     dropout_mask_bytes: int = Field(1, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
     allocator_round_bytes: int = Field(512, ge=1, description="The caching allocator rounds every block up to this.")
+
+    @model_serializer(mode="wrap")
+    def _hide_inert_loss_chunks(self, handler):
+        """``loss_chunks`` at its default under ``cross_entropy: full`` changes nothing, so it is left
+        out of dumps (reports and JSON made before the field existed stay byte-identical)."""
+        d = handler(self)
+        if isinstance(d, dict) and self.cross_entropy == "full" and self.loss_chunks == DEFAULT_LOSS_CHUNKS:
+            d.pop("loss_chunks", None)
+        return d
 
 
 class ExperimentSpec(BaseModel):
