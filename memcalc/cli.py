@@ -81,6 +81,11 @@ class OptimizerOpt(str, Enum):
     adamw_8bit = "adamw-8bit"
 
 
+class LossOpt(str, Enum):
+    full = "full"
+    chunked = "chunked"
+
+
 class ImplOpt(str, Enum):
     foreach = "foreach"
     fused = "fused"
@@ -110,6 +115,8 @@ LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q
 LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the adapter input.")
 QLORA = typer.Option(False, "--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")
 PROFILE = typer.Option(None, "--profile", help="Kernel profile (see `memcalc profiles`); default torch-2.8-cuda.")
+LOSS = typer.Option(None, "--loss", help="Cross-entropy: full, or chunked (the logits rows in --loss-chunks pieces, each upcast to fp32 on its own, as torchtune's CEWithChunkedOutputLoss); overrides the profile.")
+LOSS_CHUNKS = typer.Option(None, "--loss-chunks", help="Chunks of --loss chunked (default 8); overrides the profile.")
 JSON = typer.Option(False, "--json", help="Print only JSON (integer bytes).")
 ZERO = typer.Option(None, "--zero", help="ZeRO stage 0-3 (1: optimizer state, 2: + gradients, 3: + weights sharded over --gpus).")
 GPUS = typer.Option(None, "--gpus", help="Data-parallel GPUs that ZeRO shards over (default 1).")
@@ -119,7 +126,7 @@ OFFLOAD = typer.Option(False, "--offload-optimizer", help="Keep optimizer state 
 def _options(**kw: Any):
     from memcalc.inputs.resolve import Options
 
-    for k in ("precision", "optimizer", "optimizer_impl"):
+    for k in ("precision", "optimizer", "optimizer_impl", "loss"):
         if kw.get(k) is not None:
             kw[k] = kw[k].value
     return Options(**kw)
@@ -136,6 +143,7 @@ def estimate(
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
+    loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`)."),
     as_json: bool = JSON,
     timeline: bool = typer.Option(False, "--timeline", help="Also draw memory across the step (after the tables; ignored with --json)."),
@@ -166,7 +174,7 @@ def estimate(
         optimizer_impl=optimizer_impl, checkpoint=checkpoint, fused_optimizer=fused_optimizer,
         compile=compile, memory_budget=memory_budget, lora=lora, lora_rank=lora_rank, lora_alpha=lora_alpha,
         lora_targets=lora_targets, lora_dropout=lora_dropout, qlora=qlora, profile=profile,
-        zero=zero, gpus=gpus, offload_optimizer=offload_optimizer,
+        zero=zero, gpus=gpus, offload_optimizer=offload_optimizer, loss=loss, loss_chunks=loss_chunks,
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None
@@ -206,7 +214,7 @@ def plan(
     model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="Plan for this GPU (see `memcalc gpus`): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
     seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
-    profile: Optional[str] = PROFILE,
+    profile: Optional[str] = PROFILE, loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
     compile_: bool = typer.Option(False, "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
     as_json: bool = JSON,
@@ -224,15 +232,23 @@ def plan(
       memcalc plan --model llama-3.1-70b
     """
     from memcalc.inputs.gpus import get_gpu
+<<<<<<< HEAD
     from memcalc.plan.cluster import plan_cluster
     from memcalc.plan.options import plan_model
     from memcalc.plan.search import plan_gpu
     from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
     from memcalc.inputs.profiles import get_profile
+=======
+    from memcalc.plan.search import (cluster_plan_json, gpu_plan_json, plan_cluster, plan_gpu, plan_model, render_cluster_plan,
+                       render_gpu_plan)
+    from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
+>>>>>>> chunked
     from memcalc.render.report import dumps
 
     m, notes = plan_model(model, params)
     prof = get_profile(profile) if profile else None
+    if loss is not None or loss_chunks is not None:
+        prof = with_loss(prof or get_profile(DEFAULT_PROFILE), loss.value if loss else None, loss_chunks)
     if gpu is None:
         if show_all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
@@ -368,6 +384,7 @@ def validate(
     memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
+    loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
@@ -404,7 +421,7 @@ def validate(
         master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
-        qlora=qlora, profile=profile,
+        qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks,
     )
     items = []
     if names:

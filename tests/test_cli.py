@@ -37,6 +37,12 @@ BAD_INPUT = [
     (["estimate", "--model", "gpt2", "--params", "7e9"], 2, "not both"),
     (["estimate", "--model", "gpt2", "--profile", "torch-3.0"], 2, "unknown profile 'torch-3.0'; valid:"),
     (["validate", "--config", "control", "--device", "tpu"], 2, "unknown --device 'tpu'"),
+    (["estimate", "--model", "gpt2", "--loss", "half"], 2, "'half' is not one of 'full', 'chunked'"),
+    (["estimate", "--model", "gpt2", "--loss", "chunked", "--loss-chunks", "0"], 2, "--loss-chunks must be positive, got 0"),
+    (["estimate", "--model", "gpt2", "--loss-chunks", "-3"], 2, "--loss-chunks must be positive, got -3"),
+    (["estimate", "--model", "gpt2", "--loss-chunks", "2.5"], 2, "--loss-chunks"),  # not an integer
+    (["plan", "--model", "gpt2", "--loss", "chunked", "--loss-chunks", "0"], 2, "--loss-chunks must be positive, got 0"),
+    (["validate", "--model", "gpt2", "--loss", "sparse", "--device", "meta"], 2, "'sparse' is not one of"),
 ]
 
 
@@ -123,6 +129,35 @@ def test_flags_override_config():
     assert over["inputs"]["training"]["batch"] == 1
     assert over["peak_bytes"] < base["peak_bytes"]
     assert over["published_peak_bytes"] is None  # the published figure no longer applies
+
+
+def test_loss_chunks_in_a_config_and_flags_over_it(tmp_path):
+    cfg = _write(tmp_path, "c.yaml", "model: gpt2\ntraining: {batch: 2, seq: 512, precision: bf16}\n"
+                 "profile: {cross_entropy: chunked, loss_chunks: 2}\n")
+    two = json.loads(run(["estimate", "--config", cfg, "--json"]).stdout)
+    assert two["inputs"]["profile"]["loss_chunks"] == 2 and two["inputs"]["origin"]["profile"] == "config"
+    eight = json.loads(run(["estimate", "--config", cfg, "--loss-chunks", "8", "--json"]).stdout)
+    assert eight["inputs"]["profile"]["loss_chunks"] == 8 and eight["inputs"]["origin"]["loss_chunks"] == "flag"
+    assert eight["peak_bytes"] < two["peak_bytes"]  # smaller transient fp32 copies
+    full = json.loads(run(["estimate", "--config", cfg, "--loss", "full", "--json"]).stdout)
+    assert full["inputs"]["profile"]["cross_entropy"] == "full" and full["inputs"]["origin"]["cross_entropy"] == "flag"
+    assert any("loss_chunks 2 is inert" in a for a in full["assumptions"])  # said, not silently ignored
+    bad = _write(tmp_path, "bad.yaml", "model: gpt2\nprofile: {cross_entropy: chunked, loss_chunks: 0}\n")
+    r = run(["estimate", "--config", bad])
+    assert r.exit_code == 2 and "loss_chunks" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_loss_chunks_flag_without_chunked_loss_is_noted():
+    doc = json.loads(run(["estimate", "--model", "gpt2", "--seq", "512", "--loss-chunks", "8", "--json"]).stdout)
+    assert any("--loss-chunks 8 has no effect" in n for n in doc["inferred"])
+
+
+def test_plan_takes_the_loss_flags():
+    args = ["plan", "--model", "gpt2", "--seq", "1024", "--json"]
+    full = json.loads(run(args).stdout)
+    chunked = run(args + ["--loss", "chunked", "--loss-chunks", "4"])
+    assert chunked.exit_code == 0, chunked.output
+    assert json.loads(chunked.stdout) != full
 
 
 @pytest.mark.parametrize("cmd", [["models"], ["configs"], ["gpus"], ["profiles"]])

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
+from memcalc.engine.loss import chunk_rows
 
 from .amp import Amp
 from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
@@ -295,8 +296,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, profile: KernelProfile, 
     ``shift_copy`` (Forgather CausalLoss): ``logits[..., :-1, :].contiguous()``, labels
     shifted the same way, mean cross-entropy, ``.nan_to_num()``. Otherwise Hugging Face
     ``ForCausalLMLoss``: labels padded with -100 and shifted, logits used whole.
-    ``logits_fp32``: ``logits.float()`` first (HF). ``cross_entropy="chunked"``: the rows
-    in 8 chunks, each upcast and reduced on its own (torchtune ``CEWithChunkedOutputLoss``).
+    ``logits_fp32``: ``logits.float()`` first (HF). ``cross_entropy="chunked"``: the rows in
+    ``profile.loss_chunks`` chunks (``tensor_split`` sizes, :func:`memcalc.engine.loss.chunk_rows`),
+    each ``.float()``-ed and reduced with ``reduction="sum"``, the sum divided by the count of
+    non-ignored labels (torchtune ``CEWithChunkedOutputLoss``; see :mod:`memcalc.engine.loss`).
     """
     V = logits.shape[-1]
     if profile.logits_fp32:
@@ -313,7 +316,8 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, profile: KernelProfile, 
     del shift_logits
     if profile.cross_entropy == "chunked":
         total = None
-        for xc, yc in zip(x.chunk(8), y.chunk(8)):
+        sizes = chunk_rows(x.shape[0], profile.loss_chunks)
+        for xc, yc in zip(x.split(sizes), y.split(sizes)):
             part = cross_entropy(xc.float(), yc, amp, reduction="sum")
             total = part if total is None else total + part
         loss = total / (y != -100).sum().clamp(min=1)

@@ -24,7 +24,7 @@ COMPUTE = {"linear", "matmul_qk", "matmul_pv", "sdpa_flash", "sdpa_efficient"}
 OTHER = {"embedding"}
 RANDOM = {"dropout"}
 #: the eager loss after the compiled region (memcalc.engine.ops.Ops.lm_loss)
-LOSS = {"shift_slice", "log_softmax", "nll_loss"}
+LOSS = {"shift_slice", "loss_split", "log_softmax", "nll_loss"}
 
 
 class _Recorder:

@@ -225,6 +225,10 @@ class TrainingSpec(BaseModel):
         return self.compile and self.checkpoint == "none"
 
 
+#: torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
+DEFAULT_LOSS_CHUNKS = 8
+
+
 class KernelProfile(BaseModel):
     """What the kernels and the framework's own layers save: PyTorch version, device, layer code.
 
@@ -250,6 +254,11 @@ class KernelProfile(BaseModel):
     )
     cross_entropy: Literal["full", "chunked"] = Field(
         "full", description="Cross-entropy on the full logits, or in chunks that never hold full fp32 logits."
+    )
+    loss_chunks: int = Field(
+        DEFAULT_LOSS_CHUNKS, gt=0,
+        description="With cross_entropy chunked: the logits rows are split into this many chunks, each upcast "
+        "to fp32 and reduced on its own (torchtune CEWithChunkedOutputLoss: 8). Inert with cross_entropy full.",
     )
     logits_fp32: bool = Field(False, description="The loss upcasts logits to fp32 first (Hugging Face style).")
     shift_copy: bool = Field(True, description="The loss makes a contiguous copy of the shifted logits.")

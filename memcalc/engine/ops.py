@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.dtypes import DType
+from memcalc.engine.loss import chunked_cross_entropy
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import KernelProfile
 
@@ -368,7 +369,8 @@ class Ops:
         contiguous copy (``logits[..., :-1, :].contiguous()``; its backward, slice_backward,
         allocates a full zero (B,T,V) gradient), then cross_entropy = log_softmax (saves its
         output) + nll_loss (saves target and total_weight; backward allocates a zero
-        (N,V) gradient and scatters into it)."""
+        (N,V) gradient and scatters into it). ``cross_entropy="chunked"``: the rows in
+        ``loss_chunks`` pieces after the upcast and the shift (:mod:`memcalc.engine.loss`)."""
         x = logits
         if self.profile.logits_fp32 and x.itemsize_bits != 32:
             xf = self.new(x.numel, DType.fp32, "logits & loss")
@@ -384,6 +386,8 @@ class Ops:
             self.sim.node("shift_slice", [], [x], [], [xs], grad_input_bytes=[x.nbytes])
             self.drop(x)
             x = xs
+        if self.profile.cross_entropy == "chunked":
+            return chunked_cross_entropy(self, x, rows, V)
         lsm = self.new(rows * V, dt, "logits & loss")
         self.sim.node("log_softmax", [lsm], [x], [], [lsm])
         if self.autocast is not None and dt != DType.fp32:

@@ -15,7 +15,7 @@ from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
-from memcalc.core.spec import ExperimentSpec
+from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec
 from memcalc.estimate.step import simulate
 from memcalc.core.units import MiB
 
@@ -123,6 +123,14 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         f"RMSNorm {exp.profile.rmsnorm}, attention {exp.profile.attention}",
         "every allocation rounded up to 512 bytes, as the CUDA caching allocator does",
     ]
+    prof = exp.profile
+    if prof.cross_entropy == "chunked":
+        assumptions.append(
+            f"cross-entropy in {prof.loss_chunks} chunks of the logits rows (torchtune CEWithChunkedOutputLoss): "
+            "each chunk's fp32 copy lives only for its own loss; every chunk's log-probabilities stay "
+            "saved for backward, whose gradients are concatenated back to full size")
+    elif prof.loss_chunks != DEFAULT_LOSS_CHUNKS:
+        assumptions.append(f"loss_chunks {prof.loss_chunks} is inert: the profile's cross_entropy is full")
     compiled = None
     tr = exp.training
     if tr.compile_partitions:

@@ -7,7 +7,9 @@ a config file's ``profile:`` mapping.
 
 from __future__ import annotations
 
-from memcalc.core.errors import unknown_name
+from typing import Optional
+
+from memcalc.core.errors import UserError, unknown_name
 from memcalc.core.spec import KernelProfile
 
 PROFILES: dict[str, KernelProfile] = {
@@ -41,3 +43,25 @@ def get_profile(name: str) -> KernelProfile:
         return PROFILES[name]
     except KeyError:
         raise unknown_name("profile", name, list(PROFILES)) from None
+
+
+LOSSES = ("full", "chunked")
+
+
+def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: Optional[int] = None) -> KernelProfile:
+    """``profile`` with ``--loss`` (its ``cross_entropy``) and ``--loss-chunks`` (its ``loss_chunks``)
+    overridden where given; bad values are one-line errors."""
+    upd: dict = {}
+    if loss is not None:
+        if loss not in LOSSES:
+            raise UserError(f"unknown --loss {loss!r}; valid: {', '.join(LOSSES)}")
+        upd["cross_entropy"] = loss
+    if loss_chunks is not None:
+        if isinstance(loss_chunks, bool) or not isinstance(loss_chunks, int):
+            raise UserError(f"--loss-chunks must be a whole number, got {loss_chunks!r}")
+        if loss_chunks <= 0:
+            raise UserError(f"--loss-chunks must be positive, got {loss_chunks}")
+        upd["loss_chunks"] = loss_chunks
+    if not upd:
+        return profile
+    return KernelProfile.model_validate({**profile.model_dump(), **upd})

@@ -14,8 +14,8 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
-from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
-from memcalc.core.spec import LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
+from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
 
 
 @dataclass
@@ -44,6 +44,8 @@ class Options:
     lora_dropout: Optional[float] = None
     qlora: bool = False
     profile: Optional[str] = None
+    loss: Optional[str] = None
+    loss_chunks: Optional[int] = None
     zero: Optional[int] = None
     gpus: Optional[int] = None
     offload_optimizer: bool = False
@@ -187,6 +189,12 @@ def resolve(o: Options) -> Resolved:
     else:
         profile = get_profile(DEFAULT_PROFILE)
         origin["profile"] = "default"
+    if o.loss is not None or o.loss_chunks is not None:  # flags override the profile's loss fields
+        profile = with_loss(profile, o.loss, o.loss_chunks)
+        origin.update({k: "flag" for k, v in (("cross_entropy", o.loss), ("loss_chunks", o.loss_chunks)) if v is not None})
+        if profile.cross_entropy == "full" and o.loss_chunks == DEFAULT_LOSS_CHUNKS:
+            # (other values under full are noted in the estimate's assumptions)
+            notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")
     published = base.published_peak_bytes if base is not None and not _changed(base, model, training, profile) else None
     exp = ExperimentSpec(
         name=base.name if base is not None else model.name,

@@ -103,6 +103,9 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     p = exp.profile
     t.add_row("kernel profile", f"{p.name}{_mark(o, 'profile')}: RMSNorm {p.rmsnorm}, attention {p.attention}, "
               f"logits {'fp32' if p.logits_fp32 else 'model dtype'}")
+    if p.cross_entropy == "chunked" or "cross_entropy" in o or "loss_chunks" in o:
+        chunks = f" in {p.loss_chunks}{_mark(o, 'loss_chunks')} chunks" if p.cross_entropy == "chunked" else ""
+        t.add_row("loss", f"cross-entropy {p.cross_entropy}{_mark(o, 'cross_entropy')}{chunks}")
     return t
 
 

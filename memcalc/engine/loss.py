@@ -1,0 +1,91 @@
+"""Chunked cross-entropy: the loss rows in ``loss_chunks`` pieces, each upcast and reduced on its own.
+
+What the code does (the validator's ``validate/model.py`` ``lm_loss`` runs exactly this):
+the (rows, V) logits -- after the profile's optional fp32 upcast and shifted contiguous copy --
+are split along the rows with :func:`chunk_rows` sizes (``Tensor.split``: views, no bytes);
+each chunk is ``.float()``-ed and reduced with ``F.cross_entropy(reduction="sum")``; the
+partial sums are added and divided by the count of non-ignored labels. That is torchtune's
+``CEWithChunkedOutputLoss`` (torchtune/modules/loss/ce_chunked_output_loss.py: per chunk
+``F.cross_entropy(logits.float(), labels, reduction="sum")``, summed, ``/ total_elements``;
+8 chunks by default, labels split with ``tensor_split``) applied to one logits tensor split
+along its rows, as LitGPT's ``chunked_cross_entropy`` does when the head was not chunked
+(litgpt/utils.py: ``logits.split(chunk_size)``, one cross_entropy per chunk).
+
+What is alive when (``tools/autograd/derivatives.yaml``):
+
+- forward, per chunk: the fp32 copy of a 16-bit chunk (``_to_copy``; its backward saves
+  nothing) lives only until that chunk's cross_entropy returns; ``log_softmax`` saves its
+  fp32 output, so after the last chunk all chunks' log-probabilities are alive (rows x V fp32
+  in all) beside the logits being split, which go away when the loss returns;
+- backward, chunk by chunk (last chunk first): ``nll_loss_backward`` allocates a zero
+  (chunk, V) gradient, ``_log_softmax_backward_data`` another; then the chunk's saved output
+  and the first gradient go; a 16-bit chunk's ``_to_copy`` backward casts the gradient back
+  (a chunk-sized 16-bit tensor; the fp32 one goes). Every chunk's gradient waits in the split
+  node's input buffer; ``split_backward`` then ``cat``\\ s them into one (rows, V) gradient
+  and frees them.
+
+So the fp32 copy never exists whole and the log_softmax gradient is at most one chunk at a
+time; the saved log-probabilities and the gradient in the logits' dtype still are full size.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memcalc.core.dtypes import DType
+from memcalc.engine.sim import T
+
+if TYPE_CHECKING:
+    from memcalc.engine.ops import Ops
+
+CATEGORY = "logits & loss"
+
+
+def chunk_rows(rows: int, chunks: int) -> list[int]:
+    """Rows per chunk: ``chunks`` pieces whose sizes differ by at most one, the larger first
+    (``torch.tensor_split(rows, chunks)`` sizing, as torchtune splits its labels). A chunk is
+    empty when there are fewer rows than chunks."""
+    q, r = divmod(rows, chunks)
+    return [q + 1] * r + [q] * (chunks - r)
+
+
+def chunked_cross_entropy(ops: "Ops", x: T, rows: int, V: int) -> T:
+    """The chunked loss on ``x`` ((rows, V) logits, one reference owned by this call, dropped
+    when the loss is returned). Returns the scalar loss (see the module docstring)."""
+    sim = ops.sim
+    dt = ops.dtype_of(x)
+    # split: the chunks are views (no bytes); split_backward cats their gradients (rows x V, x's dtype)
+    views = []
+    for n in chunk_rows(rows, ops.profile.loss_chunks):
+        v = sim.alloc(0, "activations", CATEGORY)
+        v.numel, v.itemsize_bits, v.requires_grad = n * V, x.itemsize_bits, x.requires_grad
+        views.append(v)
+    sim.node("loss_split", [], [x], [], views, grad_input_bytes=[dt.nbytes(rows * V)])
+    total = None
+    for v in views:
+        n = v.numel
+        src = v
+        if dt != DType.fp32:  # chunk.float(): a transient fp32 copy; its gradient is cast back
+            src = ops.new(n, DType.fp32, CATEGORY)
+            sim.node("to_fp32", [], [v], [], [src], grad_input_bytes=[dt.nbytes(n)])
+        lsm = ops.new(n, DType.fp32, CATEGORY)
+        sim.node("log_softmax", [lsm], [src], [], [lsm], grad_input_bytes=[DType.fp32.nbytes(n)])
+        part = ops.new(1, DType.fp32, CATEGORY)
+        sim.node("nll_loss", [], [lsm], [], [part])
+        ops.drop(lsm)
+        if src is not v:
+            ops.drop(src)
+        ops.drop(v)
+        if total is None:
+            total = part
+        else:  # total + part: add's backward hands the same gradient to both (no new bytes)
+            s = ops.new(1, DType.fp32, CATEGORY)
+            sim.node("add", [], [total, part], [], [s], grad_input_bytes=[0, 0])
+            ops.drop(total, part)
+            total = s
+    assert total is not None
+    loss = ops.new(1, DType.fp32, CATEGORY)  # total / (labels != ignore_index).sum()
+    sim.node("div", [], [total], [], [loss])
+    ops.drop(total)
+    ops.drop(x)
+    return loss
