@@ -232,17 +232,11 @@ def plan(
       memcalc plan --model llama-3.1-70b
     """
     from memcalc.inputs.gpus import get_gpu
-<<<<<<< HEAD
+    from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
     from memcalc.plan.cluster import plan_cluster
     from memcalc.plan.options import plan_model
     from memcalc.plan.search import plan_gpu
     from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
-    from memcalc.inputs.profiles import get_profile
-=======
-    from memcalc.plan.search import (cluster_plan_json, gpu_plan_json, plan_cluster, plan_gpu, plan_model, render_cluster_plan,
-                       render_gpu_plan)
-    from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
->>>>>>> chunked
     from memcalc.render.report import dumps
 
     m, notes = plan_model(model, params)
