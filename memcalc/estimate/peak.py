@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
+from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.spec import ExperimentSpec
@@ -37,11 +38,7 @@ def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
 
     tr = exp.training
     w = tr.weight_dtype.bits / 8
-    sdt = state_dtype(tr).bits / 8
-    opt = {
-        "adam": 2 * sdt, "adamw": 2 * sdt, "sgd": 0.0, "sgd-momentum": sdt, "lion": sdt,
-        "adafactor": 0.0, "adamw-8bit": 2 + 8 / 256,
-    }[tr.optimizer]
+    opt = OPTIMIZERS[tr.optimizer].state_bytes_per_param(state_dtype(tr).bits / 8)
     return {
         "weights": w,
         "gradients": w,
@@ -99,7 +96,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%} of the allocated peak (reserved minus allocated)",
         f"kernel profile {exp.profile.name}: PyTorch {exp.profile.torch_version} on {exp.profile.device}, "
         f"RMSNorm {exp.profile.rmsnorm}, attention {exp.profile.attention}",
-        "every allocation rounded up to 512 bytes, as the CUDA caching allocator does",
+        f"every allocation rounded up to {exp.profile.allocator_round_bytes} bytes, as the CUDA caching allocator does",
     ]
     compiled = None
     tr = exp.training

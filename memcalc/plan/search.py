@@ -64,6 +64,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import OPTIMIZERS as OPTIMIZER_RECORDS, PLANNED_OPTIMIZERS
 from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
 from memcalc.plan.fits import (FEATURES, fit_gpus, fit_points, fit_step, largest_true, largest_true_array, required_from_peak,
                   simulated_peak, trace_peak)
@@ -86,7 +87,7 @@ QLORA_OVERHEAD = 0.15
 PRECISION_FACTOR = {"16": 1.0, "16+master": 1.0, "amp": 1.05, "fp32": 2.0}
 HALF_SPEED_TOKENS = 1024
 
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
+OPTIMIZERS = PLANNED_OPTIMIZERS  # the registry's searched optimizers (memcalc.core.optimizers)
 CHECKPOINTS = ("none", "full", "sqrt", "selective")
 LORA_RANK = 16
 
@@ -121,7 +122,7 @@ class Technique:
         """Human-readable name, e.g. ``QLoRA · bf16 · AdamW · ckpt full · fused``."""
         ad = {"none": "full FT", "lora": "LoRA", "qlora": "QLoRA"}[self.adapters]
         pr = self.precision_name(half) + ("+fp32 master" if self.precision == "16+master" else "")
-        op = {"adamw": "AdamW", "adamw-8bit": "AdamW-8bit", "adafactor": "Adafactor"}.get(self.optimizer, self.optimizer)
+        op = OPTIMIZER_RECORDS[self.optimizer].display
         ck = "no ckpt" if self.checkpoint == "none" else f"ckpt {self.checkpoint}"
         comp = [] if self.budget is None else [f"compile budget {self.budget:g}"]
         return " · ".join([ad, pr, op, ck] + (["fused"] if self.fused else []) + comp)
