@@ -47,6 +47,39 @@ def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     }
 
 
+def no_effect_notes(exp: ExperimentSpec) -> list[str]:
+    """The training options that change nothing in this setup, one line each (the
+    setup-dependent entries of ``memcalc.core.contract.CONDITIONAL``)."""
+    tr = exp.training
+    rec = OPTIMIZERS[tr.optimizer]
+    default = {k: f.default for k, f in type(tr).model_fields.items()}
+    notes = []
+    if tr.zero >= 1 and tr.gpus == 1:
+        notes.append(f"zero {tr.zero} has no effect with one GPU: nothing to shard (set gpus)")
+    if tr.zero == 1 and tr.gpus > 1 and tr.offload_optimizer:
+        notes.append("zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU")
+    if tr.gpus > 1 and tr.zero == 0:
+        notes.append(f"gpus {tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
+                     "every GPU (the estimate is per GPU)")
+    if tr.checkpoint != "every-k" and tr.checkpoint_every != default["checkpoint_every"]:
+        notes.append(f"checkpoint_every {tr.checkpoint_every} has no effect with checkpoint {tr.checkpoint}: "
+                     "it is the K of every-k")
+    if tr.memory_budget is not None and tr.compile and not tr.compile_partitions:
+        notes.append(f"memory_budget {tr.memory_budget:g} has no effect with checkpoint {tr.checkpoint}: "
+                     "torch.compile recomputes the checkpointed regions whole")
+    if tr.optimizer_impl != default["optimizer_impl"] and rec.step == "none" and len(rec.impls) > 1:
+        notes.append(f"optimizer_impl {tr.optimizer_impl} has no effect with {rec.name}: its step makes no temporaries")
+    if tr.offload_optimizer and rec.state == "none" and not tr.master_weights:
+        notes.append(f"offload_optimizer has no effect with {rec.name}: it has no optimizer state")
+    lo = tr.lora
+    if lo is not None and not lo.qlora:
+        lo_default = {k: f.default for k, f in type(lo).model_fields.items()}
+        for k in ("quant_block", "double_quant"):
+            if getattr(lo, k) != lo_default[k]:
+                notes.append(f"lora {k} has no effect without qlora: the base is not quantised")
+    return notes
+
+
 def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
     """Replay the simulated allocations through the CUDA caching allocator model
     (``memcalc.engine.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
@@ -149,6 +182,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         allocator_slack_bytes=slack,
         required_bytes=peak + CUDA_CONTEXT_BYTES + slack,
         assumptions=assumptions,
+        notes=no_effect_notes(exp),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"recompute": recompute} if recompute else {})},
