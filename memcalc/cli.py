@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
 from memcalc.core.units import gib
 
 
@@ -71,25 +72,14 @@ class PrecisionOpt(str, Enum):
     amp_fp16 = "amp-fp16"
 
 
-class OptimizerOpt(str, Enum):
-    adamw = "adamw"
-    adam = "adam"
-    sgd = "sgd"
-    sgd_momentum = "sgd-momentum"
-    adafactor = "adafactor"
-    lion = "lion"
-    adamw_8bit = "adamw-8bit"
+#: --optimizer choices and --optimizer-impl choices: the registry's (memcalc.core.optimizers)
+OptimizerOpt = Enum("OptimizerOpt", {n.replace("-", "_"): n for n in OPTIMIZER_NAMES}, type=str)  # type: ignore[misc]
+ImplOpt = Enum("ImplOpt", {n.replace("-", "_"): n for n in IMPLS}, type=str)  # type: ignore[misc]
 
 
 class LossOpt(str, Enum):
     full = "full"
     chunked = "chunked"
-
-
-class ImplOpt(str, Enum):
-    foreach = "foreach"
-    fused = "fused"
-    for_loop = "for-loop"
 
 
 # -- shared options -------------------------------------------------------------------
@@ -102,8 +92,10 @@ ACCUM = typer.Option(None, "--grad-accum", help="Gradient-accumulation micro-ste
 PRECISION = typer.Option(None, "--precision", help="fp32 | bf16 | fp16 (pure 16-bit) | amp-bf16 | amp-fp16 (autocast over fp32 weights).")
 BF16 = typer.Option(False, "--bf16", help="Short for --precision bf16: weights, grads and optimizer state all bf16.")
 MASTER = typer.Option(False, "--master-weights", help="16-bit weights and grads + fp32 master weights and moments (16 bytes/param with Adam).")
-OPTIMIZER = typer.Option(None, "--optimizer", help="Optimizer (default adamw).")
-IMPL = typer.Option(None, "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default).")
+OPTIMIZER = typer.Option(None, "--optimizer", help="Optimizer (default adamw): " + "; ".join(
+    f"{r.name} = {r.help}" for r in OPTIMIZERS.values()) + ".")
+IMPL = typer.Option(None, "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default): " + "; ".join(
+    f"{r.name}: {', '.join(r.impls)}" for r in OPTIMIZERS.values() if r.impls != IMPLS) + "; the others: all.")
 CHECKPOINT = typer.Option(None, "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective.")
 FUSED = typer.Option(False, "--fused-optimizer", help="Step the optimizer in post-accumulate-grad hooks during backward.")
 COMPILE = typer.Option(False, "--compile", help="torch.compile the model.")

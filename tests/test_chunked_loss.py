@@ -98,10 +98,8 @@ def test_loss_chunks_is_inert_with_full_cross_entropy_and_says_so():
     full3 = exp.model_copy(update={"profile": with_loss(get_profile(PT), "full", 3)})
     a, b = estimate(full8, timeline=False, replay=False), estimate(full3, timeline=False, replay=False)
     assert a.peak_bytes == b.peak_bytes
-    assert not any("loss_chunks" in s for s in a.assumptions)
-    assert any("loss_chunks 3 is inert" in s for s in b.assumptions)
-    # the default is left out of a full profile's dump (outputs from before the field are unchanged)
-    assert "loss_chunks" not in get_profile(PT).model_dump()
+    assert not any("loss_chunks" in s for s in a.notes)
+    assert any("loss_chunks 3 has no effect" in s for s in b.notes)
     assert full3.profile.model_dump()["loss_chunks"] == 3
 
 

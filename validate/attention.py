@@ -20,7 +20,8 @@ the scratch buffers CUDA's kernels allocate internally and the meta kernels do n
 (aten/src/ATen/native/transformers/cuda/attention_backward.cu ``_efficient_attention_backward``:
 ``delta`` (B,H,T) fp32, plus an fp32 dq accumulator for 16-bit inputs; FlashAttention-2
 ``mha_bwd``: ``dq_accum`` (B, T rounded to 128, H, D rounded to 32) fp32 and ``softmax_d``
-(B, H, T rounded to 128) fp32). On ``cpu``, where these aten kernels do not exist, forward and
+(B, H, T rounded to 128) fp32). The roundings are :mod:`memcalc.core.kernels`' constants, which
+the estimator uses too. On ``cpu``, where these aten kernels do not exist, forward and
 backward are computed with the math path (transients differ, saved tensors do not).
 
 GQA: with flash/efficient, k and v are expanded to all query heads first (``repeat_kv``:
@@ -35,25 +36,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from memcalc.core.kernels import (ATTENTION_KERNELS, choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded,
+                                  flash_seq_rounded)
+
 aten = torch.ops.aten
 
-KERNELS = ("flash", "efficient", "math")
+KERNELS = ATTENTION_KERNELS
 
 
 def choose_kernel(profile_choice: str, compute_dtype: torch.dtype, has_mask: bool) -> str:
-    """The kernel CUDA runs: ``auto`` = flash for 16-bit inputs without an explicit mask,
-    efficient otherwise; a forced ``flash`` that cannot run (fp32, or a mask) falls back to
-    efficient, as SDPA's dispatcher would."""
-    sixteen = compute_dtype in (torch.float16, torch.bfloat16)
-    if profile_choice == "auto":
-        return "flash" if sixteen and not has_mask else "efficient"
-    if profile_choice == "flash" and (has_mask or not sixteen):
-        return "efficient"
-    return profile_choice
-
-
-def _round(n: int, m: int) -> int:
-    return -(-n // m) * m
+    """The kernel CUDA runs (:func:`memcalc.core.kernels.choose_attention_kernel`, the rule the
+    estimator uses too)."""
+    return choose_attention_kernel(profile_choice, compute_dtype in (torch.float16, torch.bfloat16), has_mask)
 
 
 def _math_forward(q, k, v, bias, is_causal, scale):
@@ -80,7 +74,7 @@ class EfficientAttention(torch.autograd.Function):
         B, H, T, _ = q.shape
         if q.device.type == "cpu":
             out = _math_forward(q, k, v, bias, is_causal, scale)
-            lse = q.new_empty((B, H, _round(T, 32)), dtype=torch.float32)
+            lse = q.new_empty((B, H, efficient_lse_len(T)), dtype=torch.float32)
             seed = offset = q.new_empty((), dtype=torch.int64)
         else:
             out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
@@ -145,8 +139,8 @@ class FlashAttention(torch.autograd.Function):
         scratch = []
         if q.device.type != "cuda":
             B, H, T, D = q.shape
-            tr = _round(T, 128)
-            dr = _round(D, 32) if D <= 192 else 256
+            tr = flash_seq_rounded(T)
+            dr = flash_head_dim_rounded(D)
             scratch.append(q.new_empty((B, tr, H, dr), dtype=torch.float32))  # dq_accum
             scratch.append(q.new_empty((B, H, tr), dtype=torch.float32))  # softmax_d
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(

@@ -9,10 +9,10 @@ these are plain PyTorch ops; where a library kernel is emulated, the docstring n
   uint8 per block + an fp32 scale and offset per 256 blocks), dequantised to the compute
   dtype inside forward and again in backward; like bitsandbytes ``MatMul4Bit`` only the
   packed weight is saved.
-- :class:`RMSNorm`: ``composite`` = PyTorch 2.7/2.8 ``rms_norm_symint``
-  (aten/src/ATen/native/layer_norm.cpp; the weight multiply in fp32, cast back last),
-  ``composite-legacy`` = 2.4-2.6 (cast back before the weight multiply), ``fused`` =
-  ``_fused_rms_norm`` (saves input and rstd only).
+- :class:`RMSNorm`: ``composite`` = ``rms_norm_symint`` (aten/src/ATen/native/layer_norm.cpp;
+  the weight multiply in fp32, cast back last), ``composite-legacy`` (cast back before the
+  weight multiply), ``fused`` = ``_fused_rms_norm`` (saves input and rstd only); which PyTorch
+  versions run which is ``memcalc.core.kernels.RMSNORM_BY_TORCH``, shared with the estimator.
 - :class:`LayerNorm`: ``F.layer_norm`` (``native_layer_norm`` saves input, mean, rstd).
 """
 
@@ -41,7 +41,8 @@ NF4_CODE = (
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """``native_dropout`` explicitly: the saved mask is bool (1 byte/element), as on CUDA."""
+    """``native_dropout`` explicitly: the saved mask is bool (1 byte/element, as on CUDA:
+    ``memcalc.core.kernels.DROPOUT_MASK_BYTES``)."""
     if p <= 0 or not training:
         return x
     return torch.native_dropout(x, p, True)[0]
@@ -264,7 +265,7 @@ class RMSNorm(nn.Module):
             del sq
             r = torch.rsqrt(amp.fp32(ms.add_(self.eps)))
             del ms
-            if self.mode == "composite":  # 2.7/2.8: ((xf * r) * w).type_as(x)
+            if self.mode == "composite":  # ((xf * r) * w).type_as(x)
                 y = xf.mul(r)
                 y = y.mul(self.weight)
                 y = y.type_as(x)

@@ -1,5 +1,8 @@
 """The optimizers a :class:`~memcalc.core.spec.TrainingSpec` names, built as the reference code builds them.
 
+One builder per record of the registry (:data:`memcalc.core.optimizers.OPTIMIZERS`, the names the
+spec accepts); a test checks that every record has one.
+
 - ``adafactor``: Forgather's Adafactor (src/forgather/ml/optim/adafactor.py at commit
   a0ce9176), line for line: no first moment, factored row/column second moment in the
   parameter's dtype (a full vector for 1-D parameters), a CPU step counter, fp32
@@ -28,6 +31,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from memcalc.core.errors import UserError
+from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, get_optimizer
 from memcalc.core.spec import TrainingSpec
 
 
@@ -138,8 +143,8 @@ class Lion(Optimizer):
 class AdamW8bit(Optimizer):
     """bitsandbytes ``AdamW8bit`` state layout (see the module docstring)."""
 
-    BLOCK = 256
-    MIN_8BIT_SIZE = 4096
+    BLOCK = BNB_BLOCK
+    MIN_8BIT_SIZE = BNB_MIN_8BIT_SIZE
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2) -> None:
@@ -225,35 +230,33 @@ def allow_fused_on(device_type: str) -> Iterator[None]:
         base._get_fused_kernels_supported_devices = saved
 
 
-def _torch_optimizer(name: str, impl: str, params: list[Tensor], force_fused: bool = False) -> Optimizer:
-    kw = {"fused": True} if (impl == "fused" or force_fused) else {"foreach": impl == "foreach"}
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **kw)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4, **kw)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, **kw)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw)
-    raise ValueError(name)
+def _impl_kw(impl: str, force_fused: bool) -> dict:
+    return {"fused": True} if (impl == "fused" or force_fused) else {"foreach": impl == "foreach"}
+
+
+#: registry name (memcalc.core.optimizers.OPTIMIZERS) -> builder(params, implementation, fused master step)
+BUILDERS: dict[str, Callable[[list[Tensor], str, bool], Optimizer]] = {
+    "adamw": lambda ps, impl, m: torch.optim.AdamW(ps, lr=1e-4, weight_decay=0.01, **_impl_kw(impl, m)),
+    "adam": lambda ps, impl, m: torch.optim.Adam(ps, lr=1e-4, **_impl_kw(impl, m)),
+    "sgd": lambda ps, impl, m: torch.optim.SGD(ps, lr=1e-3, **_impl_kw(impl, m)),
+    "sgd-momentum": lambda ps, impl, m: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, **_impl_kw(impl, m)),
+    "adafactor": lambda ps, impl, m: Adafactor(ps, lr=2e-4, weight_decay=0.01),
+    "lion": lambda ps, impl, m: Lion(ps),
+    "adamw-8bit": lambda ps, impl, m: AdamW8bit(ps),
+}
 
 
 def build_optimizer(params: list[Tensor], tr: TrainingSpec):
     """The optimizer over the trainable ``params`` (an Optimizer, or MasterWeights)."""
-    name, impl = tr.optimizer, tr.optimizer_impl
-
-    def make(ps: list[Tensor], masters: bool = False):
-        if name == "adafactor":
-            return Adafactor(ps, lr=2e-4, weight_decay=0.01)
-        if name == "lion":
-            return Lion(ps)
-        if name == "adamw-8bit":
-            return AdamW8bit(ps)
-        return _torch_optimizer(name, impl, ps, force_fused=masters)
+    rec = get_optimizer(tr.optimizer)
+    builder = BUILDERS.get(rec.name)
+    if builder is None:
+        raise UserError(f"validate has no builder for optimizer {rec.name!r}; it builds: {', '.join(BUILDERS)}")
+    impl = rec.effective_impl(tr.optimizer_impl)
 
     if tr.master_weights:
-        return MasterWeights(params, lambda ms: make(ms, masters=True))
-    return make(params)
+        return MasterWeights(params, lambda ms: builder(ms, impl, True))
+    return builder(params, impl, False)
 
 
 def optimizer_tensors(opt) -> list[Tensor]:

@@ -35,17 +35,13 @@ from typing import Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
+from memcalc.core.units import round_up  # noqa: F401  (re-exported: the tracer's rounding)
 from memcalc.engine.allocator import CachingAllocatorSim
 
-#: c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block is a multiple of it.
-CUDA_ROUND_BYTES = 512
-
-
-def round_up(n: int, multiple: int) -> int:
-    """Bytes as the allocator hands them out (0 stays 0)."""
-    if multiple <= 1 or n == 0:
-        return n
-    return -(-n // multiple) * multiple
+#: c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block is a multiple of it (one
+#: constant with the estimator: memcalc.core.kernels). ``round_up`` keeps 0 at 0.
+CUDA_ROUND_BYTES = ALLOCATOR_ROUND_BYTES
 
 
 @dataclass

@@ -13,6 +13,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from memcalc.core.dtypes import DType
+from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
+from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -152,7 +154,9 @@ class LoraSpec(BaseModel):
 
 
 Precision = Literal["fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"]
-Optimizer = Literal["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "adamw-8bit"]
+#: the names of memcalc.core.optimizers.OPTIMIZERS (the registry)
+Optimizer = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
+OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
 
 
 class TrainingSpec(BaseModel):
@@ -172,8 +176,8 @@ class TrainingSpec(BaseModel):
         description="ZeRO-paper layout: 16-bit weights and grads plus fp32 master weights and fp32 moments.",
     )
     optimizer: Optimizer = Field("adamw", description="Optimizer whose state and step temporaries are counted.")
-    optimizer_impl: Literal["foreach", "fused", "for-loop"] = Field(
-        "foreach", description="Optimizer implementation (CUDA default for AdamW is foreach)."
+    optimizer_impl: OptimizerImpl = Field(
+        DEFAULT_IMPL, description="Optimizer implementation (CUDA default for AdamW is foreach; for an optimizer without one, its own step)."
     )
     checkpoint: Literal["none", "full", "every-k", "sqrt", "selective"] = Field(
         "none",
@@ -200,6 +204,9 @@ class TrainingSpec(BaseModel):
             )
         if self.memory_budget is not None and not self.compile:
             raise ValueError("memory_budget applies to torch.compile; set compile too")
+        bad_impl = impl_error(self.optimizer, self.optimizer_impl)
+        if bad_impl:
+            raise ValueError(bad_impl)
         return self
 
     @property
@@ -262,8 +269,8 @@ class KernelProfile(BaseModel):
     )
     logits_fp32: bool = Field(False, description="The loss upcasts logits to fp32 first (Hugging Face style).")
     shift_copy: bool = Field(True, description="The loss makes a contiguous copy of the shifted logits.")
-    dropout_mask_bytes: int = Field(1, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
-    allocator_round_bytes: int = Field(512, ge=1, description="The caching allocator rounds every block up to this.")
+    dropout_mask_bytes: int = Field(DROPOUT_MASK_BYTES, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
+    allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")
 
 
 class ExperimentSpec(BaseModel):

@@ -27,7 +27,9 @@ from __future__ import annotations
 import bisect
 from typing import Optional
 
-MIN_BLOCK = 512
+from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
+
+MIN_BLOCK = ALLOCATOR_ROUND_BYTES  # kMinBlockSize
 SMALL_SIZE = 1 << 20
 SMALL_BUFFER = 2 << 20
 LARGE_BUFFER = 20 << 20

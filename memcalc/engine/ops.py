@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.dtypes import DType
+from memcalc.core.kernels import choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded
 from memcalc.engine.loss import chunked_cross_entropy
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import KernelProfile
@@ -273,11 +274,10 @@ class Ops:
     # -- attention ------------------------------------------------------------------
     def attention_kernel(self, has_mask: bool, q: T) -> str:
         """Which SDPA kernel runs: the profile's choice, or auto = flash for 16-bit inputs without
-        an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi)."""
-        k = self.profile.attention
-        if k != "auto":
-            return k
-        return "flash" if (q.itemsize_bits == 16 and not has_mask) else "efficient"
+        an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi);
+        a forced flash that cannot run falls back to memory-efficient
+        (:func:`memcalc.core.kernels.choose_attention_kernel`, shared with the validator)."""
+        return choose_attention_kernel(self.profile.attention, q.itemsize_bits == 16, has_mask)
 
     def sdpa(self, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, bias: Optional[T], bias_bcast_bytes: int,
              dropout_p: float, kernel: str) -> T:
@@ -285,7 +285,8 @@ class Ops:
 
         flash (``_scaled_dot_product_flash_attention``, FA2): saves q, k, v, out and logsumexp
         (B,H,T fp32). Backward allocates dq, dk, dv plus FA2's ``dq_accum`` (B, T rounded to 128,
-        H, D rounded to 8, fp32) and ``softmax_d`` (B,H,T rounded, fp32).
+        H, D rounded to 32 (256 above 192), fp32) and ``softmax_d`` (B,H,T rounded, fp32)
+        (:mod:`memcalc.core.kernels`).
         efficient (``_scaled_dot_product_efficient_attention``): saves q, k, v, out, logsumexp
         (B,H,T rounded up to 32, fp32) and the additive bias. Backward allocates dq, dk, dv,
         ``delta`` (B,H,T fp32), an fp32 dq accumulator when inputs are 16-bit, and, when the bias
@@ -298,11 +299,11 @@ class Ops:
             out = self.new(n_q, dt)
             if kernel == "flash":
                 lse = self.new(B * H * Tq, DType.fp32)
-                tr = -(-Tq // 128) * 128
-                dr = -(-D // 8) * 8
+                tr = flash_seq_rounded(Tq)
+                dr = flash_head_dim_rounded(D)
                 temps = [B * tr * H * dr * 4, B * H * tr * 4]
             else:
-                lse = self.new(B * H * (-(-Tq // 32) * 32), DType.fp32)
+                lse = self.new(B * H * efficient_lse_len(Tq), DType.fp32)
                 temps = [B * H * Tq * 4]
                 if dt != DType.fp32:
                     temps.append(n_q * 4)

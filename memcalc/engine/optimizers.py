@@ -4,12 +4,17 @@ State sizes follow each optimizer's ``_init_group``/``_init_state``; temporaries
 follow the step's code (torch/optim/adamw.py ``_multi_tensor_adamw`` /
 ``_single_tensor_adamw`` / fused kernel; Forgather's ``_adafactor``;
 bitsandbytes' 8-bit blockwise Adam; lion-pytorch's ``update_fn``). The step
-counter (a scalar) and scalar hyper-parameters are ignored.
+counter (a scalar) and scalar hyper-parameters are ignored. Which layout and step an
+optimizer has is its record in :mod:`memcalc.core.optimizers`; the functions here are
+keyed by those kinds (``STATE_LAYOUTS``, ``STEP_KINDS``), never by optimizer name.
 """
 
 from __future__ import annotations
 
+from typing import Callable, get_args
+
 from memcalc.core.dtypes import DType
+from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, OPTIMIZERS, StateLayout, StepKind
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import TrainingSpec
@@ -25,103 +30,129 @@ def state_dtype(tr: TrainingSpec) -> DType:
 
 
 def state_bytes(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[str, int]]:
-    """State tensors of one trainable parameter, as (category, bytes)."""
-    n = p.numel
-    sdt = state_dtype(tr)
+    """State tensors of one trainable parameter, as (category, bytes): the master copy (fp32)
+    with master weights, then the optimizer's state by its registry layout (``STATE_LAYOUTS``)."""
     out: list[tuple[str, int]] = []
     if tr.master_weights:
-        out.append(("master weights", DType.fp32.nbytes(n)))
-    opt = tr.optimizer
-    if opt in ("adam", "adamw"):
-        out += [("optimizer state", sdt.nbytes(n))] * 2
-    elif opt == "sgd-momentum" or opt == "lion":
-        out.append(("optimizer state", sdt.nbytes(n)))
-    elif opt == "adafactor":
-        # factored second moment: a row and a column vector for matrices, a full vector otherwise
-        cols = n // shape_rows if shape_rows else 0
-        if shape_rows and cols > 1 and shape_rows > 1:
-            out += [("optimizer state", tr.weight_dtype.nbytes(shape_rows)), ("optimizer state", tr.weight_dtype.nbytes(cols))]
-        else:
-            out.append(("optimizer state", tr.weight_dtype.nbytes(n)))
-    elif opt == "adamw-8bit":
-        if n < 4096:  # bitsandbytes min_8bit_size: small tensors keep 32-bit state
-            out += [("optimizer state", 4 * n)] * 2
-        else:
-            blocks = -(-n // 256)
-            out += [("optimizer state", n + 4 * blocks)] * 2
+        out.append(("master weights", DType.fp32.nbytes(p.numel)))
+    rec = OPTIMIZERS[tr.optimizer]
+    out += [("optimizer state", b) for b in STATE_LAYOUTS[rec.state](p.numel, shape_rows, rec.moments, tr)]
     return out
+
+
+def _no_state(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
+    """SGD without momentum: no state."""
+    return []
+
+
+def _like_param(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
+    """``moments`` tensors shaped like the parameter (``zeros_like(p)``) in the state dtype."""
+    return [state_dtype(tr).nbytes(n)] * moments
+
+
+def _factored(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
+    """Adafactor's factored second moment in the parameter's dtype: a row and a column vector
+    for matrices, a full vector otherwise (Forgather ``_init_state``)."""
+    cols = n // rows if rows else 0
+    if rows and cols > 1 and rows > 1:
+        return [tr.weight_dtype.nbytes(rows), tr.weight_dtype.nbytes(cols)]
+    return [tr.weight_dtype.nbytes(n)]
+
+
+def _blockwise_8bit(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
+    """bitsandbytes: uint8 moments plus an fp32 absmax per block; small tensors
+    (below ``min_8bit_size``) keep fp32 moments."""
+    if n < BNB_MIN_8BIT_SIZE:
+        return [4 * n] * moments
+    return [n + 4 * -(-n // BNB_BLOCK)] * moments
+
+
+#: state layout (``OptimizerRecord.state``) -> bytes of each state tensor of one parameter
+STATE_LAYOUTS: dict[str, Callable[[int, int, int, TrainingSpec], list[int]]] = {
+    "none": _no_state, "like_param": _like_param, "factored": _factored, "blockwise_8bit": _blockwise_8bit,
+}
 
 
 def per_param_temps(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[str, int]]:
     """The step's temporaries for one parameter as a sequence of events:
     ("alloc", bytes) or ("free", index of the alloc). Used by per-parameter steps
     (for-loop implementations and a step fused into backward)."""
-    n = p.numel
-    sdt = state_dtype(tr)
-    wdt = tr.weight_dtype
     ev: list[tuple[str, int]] = []
     if tr.master_weights:
-        ev.append(("alloc", 4 * n))  # grad.float() for the fp32 master step
-    opt = tr.optimizer
-    if opt in ("adam", "adamw"):
-        if tr.optimizer_impl == "fused" or (tr.master_weights and tr.optimizer_impl == "foreach"):
-            pass  # one fused multi-tensor kernel (torch fused=True; DeepSpeed/apex FusedAdam on masters)
-        elif tr.optimizer_impl == "foreach":
-            # _multi_tensor_adam on this one tensor: _foreach_sqrt makes a copy, then div_/add_ in place
-            ev.append(("alloc", sdt.nbytes(n)))
-        else:  # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bc2).add_(eps): two, then one
-            i = len(ev)
-            ev += [("alloc", sdt.nbytes(n)), ("alloc", sdt.nbytes(n)), ("free", i)]
-    elif opt == "lion":
-        ev.append(("alloc", sdt.nbytes(n)))  # update = exp_avg.clone().lerp_(grad).sign_()
-    elif opt == "adafactor":
-        # Forgather _adafactor: grad32 = grad.float(); update = grad32**2 + eps1;
-        # update = grad32 * outer(rsqrt(r), rsqrt(c)); rms(update); 16-bit params:
-        # update = p.float() - lr * update.
-        g32 = None
-        if wdt != DType.fp32:
-            g32 = len(ev)
-            ev.append(("alloc", 4 * n))
-        i_pow = len(ev)
-        ev.append(("alloc", 4 * n))
-        i_upd = len(ev)
-        ev += [("alloc", 4 * n), ("free", i_pow)]
-        is_matrix = shape_rows > 1 and n // shape_rows > 1
-        if is_matrix:
-            i_outer = len(ev)
-            ev.append(("alloc", 4 * n))
-            i_new = len(ev)
-            ev += [("alloc", 4 * n), ("free", i_outer), ("free", i_upd)]
-        else:
-            i_sqrt = len(ev)
-            ev.append(("alloc", 4 * n))
-            i_new = len(ev)
-            ev += [("alloc", 4 * n), ("free", i_sqrt), ("free", i_upd)]
-        i_sq = len(ev)
-        ev += [("alloc", 4 * n), ("free", i_sq)]  # rms: update.square()
-        if wdt != DType.fp32:
-            i_pf = len(ev)
-            ev.append(("alloc", 4 * n))
-            i_lr = len(ev)
-            ev.append(("alloc", 4 * n))
-            ev += [("alloc", 4 * n), ("free", i_pf), ("free", i_lr)]
-        del g32, i_new
+        ev.append(("alloc", 4 * p.numel))  # grad.float() for the fp32 master step
+    STEP_KINDS[OPTIMIZERS[tr.optimizer].step](ev, p.numel, shape_rows, tr)
     return ev
+
+
+def _no_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingSpec) -> None:
+    """SGD (no weight decay) and bitsandbytes' one in-place kernel: no temporaries."""
+
+
+def _adam_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingSpec) -> None:
+    """Adam/AdamW on one tensor, by implementation."""
+    sdt = state_dtype(tr)
+    impl = OPTIMIZERS[tr.optimizer].effective_impl(tr.optimizer_impl)
+    if impl == "fused" or (tr.master_weights and impl == "foreach"):
+        pass  # one fused multi-tensor kernel (torch fused=True; DeepSpeed/apex FusedAdam on masters)
+    elif impl == "foreach":
+        # _multi_tensor_adam on this one tensor: _foreach_sqrt makes a copy, then div_/add_ in place
+        ev.append(("alloc", sdt.nbytes(n)))
+    else:  # _single_tensor_adam: denom = (exp_avg_sq.sqrt() / bc2).add_(eps): two, then one
+        i = len(ev)
+        ev += [("alloc", sdt.nbytes(n)), ("alloc", sdt.nbytes(n)), ("free", i)]
+
+
+def _lion_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingSpec) -> None:
+    """lion-pytorch ``update_fn``: update = exp_avg.clone().lerp_(grad).sign_()."""
+    ev.append(("alloc", state_dtype(tr).nbytes(n)))
+
+
+def _adafactor_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingSpec) -> None:
+    """Forgather _adafactor: grad32 = grad.float(); update = grad32**2 + eps1;
+    update = grad32 * outer(rsqrt(r), rsqrt(c)); rms(update); 16-bit params:
+    update = p.float() - lr * update."""
+    wdt = tr.weight_dtype
+    if wdt != DType.fp32:
+        ev.append(("alloc", 4 * n))  # grad32
+    i_pow = len(ev)
+    ev.append(("alloc", 4 * n))
+    i_upd = len(ev)
+    ev += [("alloc", 4 * n), ("free", i_pow)]
+    i_first = len(ev)  # outer(rsqrt(r), rsqrt(c)) for matrices, r32.sqrt() for vectors: n fp32 either way
+    ev.append(("alloc", 4 * n))
+    ev += [("alloc", 4 * n), ("free", i_first), ("free", i_upd)]  # the new update; the old one dies
+    i_sq = len(ev)
+    ev += [("alloc", 4 * n), ("free", i_sq)]  # rms: update.square()
+    if wdt != DType.fp32:
+        i_pf = len(ev)
+        ev.append(("alloc", 4 * n))
+        i_lr = len(ev)
+        ev.append(("alloc", 4 * n))
+        ev += [("alloc", 4 * n), ("free", i_pf), ("free", i_lr)]
+
+
+#: step kind (``OptimizerRecord.step``) -> appends one parameter's step events
+STEP_KINDS: dict[str, Callable[[list[tuple[str, int]], int, int, TrainingSpec], None]] = {
+    "none": _no_temps, "adam": _adam_temps, "lion": _lion_temps, "adafactor": _adafactor_temps,
+}
+
+assert set(STATE_LAYOUTS) == set(get_args(StateLayout)), "a state layout without a simulation"
+assert set(STEP_KINDS) == set(get_args(StepKind)), "a step kind without a simulation"
 
 
 def foreach_temps(trainable: list[Param], tr: TrainingSpec) -> int:
     """The whole-group temporary of a foreach step: ``_foreach_sqrt(exp_avg_sqs)`` for Adam/AdamW
     (one state-sized copy of every tensor at once); none for SGD(-momentum) without weight decay."""
-    if tr.optimizer in ("adam", "adamw") and tr.optimizer_impl == "foreach":
+    if OPTIMIZERS[tr.optimizer].step == "adam" and tr.optimizer_impl == "foreach":
         return sum(state_dtype(tr).nbytes(p.numel) for p in trainable)
     return 0
 
 
 def uses_foreach(tr: TrainingSpec) -> bool:
-    """foreach applies to torch.optim's Adam/AdamW/SGD; the others, and master-weight steps
-    (which cast each gradient to fp32 for its master), step per parameter."""
-    return (tr.optimizer_impl == "foreach" and not tr.master_weights
-            and tr.optimizer in ("adam", "adamw", "sgd", "sgd-momentum"))
+    """foreach applies to torch.optim's Adam/AdamW/SGD (the registry's ``has_foreach``); the
+    others, and master-weight steps (which cast each gradient to fp32 for its master), step per
+    parameter."""
+    return tr.optimizer_impl == "foreach" and not tr.master_weights and OPTIMIZERS[tr.optimizer].has_foreach
 
 
 class OptimizerSim:

@@ -56,6 +56,7 @@ class Estimate:
     required_bytes: int
     assumptions: list[str] = field(default_factory=list)
     inferred: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # options that have no effect in this setup
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from memcalc.engine.result import KINDS, TimelinePoint
+from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.core.units import round_up
 
 
@@ -83,7 +84,7 @@ class Node:
 class Sim:
     """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``."""
 
-    def __init__(self, round_bytes: int = 512) -> None:
+    def __init__(self, round_bytes: int = ALLOCATOR_ROUND_BYTES) -> None:
         self.round_bytes = round_bytes
         self.total = 0
         self.by_kind: dict[str, int] = {k: 0 for k in KINDS}

@@ -13,6 +13,7 @@ import numpy as np
 
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
+from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec
@@ -59,17 +60,49 @@ def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
 
     tr = exp.training
     w = tr.weight_dtype.bits / 8
-    sdt = state_dtype(tr).bits / 8
-    opt = {
-        "adam": 2 * sdt, "adamw": 2 * sdt, "sgd": 0.0, "sgd-momentum": sdt, "lion": sdt,
-        "adafactor": 0.0, "adamw-8bit": 2 + 8 / 256,
-    }[tr.optimizer]
+    opt = OPTIMIZERS[tr.optimizer].state_bytes_per_param(state_dtype(tr).bits / 8)
     return {
         "weights": w,
         "gradients": w,
         "master_weights": 4.0 if tr.master_weights else 0.0,
         "optimizer_state": opt,
     }
+
+
+def no_effect_notes(exp: ExperimentSpec) -> list[str]:
+    """The options that change nothing in this setup, one line each (the setup-dependent
+    entries of ``memcalc.core.contract.CONDITIONAL``)."""
+    tr = exp.training
+    rec = OPTIMIZERS[tr.optimizer]
+    default = {k: f.default for k, f in type(tr).model_fields.items()}
+    notes = []
+    if tr.zero >= 1 and tr.gpus == 1:
+        notes.append(f"zero {tr.zero} has no effect with one GPU: nothing to shard (set gpus)")
+    if tr.zero == 1 and tr.gpus > 1 and tr.offload_optimizer:
+        notes.append("zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU")
+    if tr.gpus > 1 and tr.zero == 0:
+        notes.append(f"gpus {tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
+                     "every GPU (the estimate is per GPU)")
+    if tr.checkpoint != "every-k" and tr.checkpoint_every != default["checkpoint_every"]:
+        notes.append(f"checkpoint_every {tr.checkpoint_every} has no effect with checkpoint {tr.checkpoint}: "
+                     "it is the K of every-k")
+    if tr.memory_budget is not None and tr.compile and not tr.compile_partitions:
+        notes.append(f"memory_budget {tr.memory_budget:g} has no effect with checkpoint {tr.checkpoint}: "
+                     "torch.compile recomputes the checkpointed regions whole")
+    if tr.optimizer_impl != default["optimizer_impl"] and rec.step == "none" and len(rec.impls) > 1:
+        notes.append(f"optimizer_impl {tr.optimizer_impl} has no effect with {rec.name}: its step makes no temporaries")
+    if tr.offload_optimizer and rec.state == "none" and not tr.master_weights:
+        notes.append(f"offload_optimizer has no effect with {rec.name}: it has no optimizer state")
+    lo = tr.lora
+    if lo is not None and not lo.qlora:
+        lo_default = {k: f.default for k, f in type(lo).model_fields.items()}
+        for k in ("quant_block", "double_quant"):
+            if getattr(lo, k) != lo_default[k]:
+                notes.append(f"lora {k} has no effect without qlora: the base is not quantised")
+    prof = exp.profile
+    if prof.cross_entropy == "full" and prof.loss_chunks != DEFAULT_LOSS_CHUNKS:
+        notes.append(f"loss_chunks {prof.loss_chunks} has no effect with the full cross-entropy (--loss chunked uses it)")
+    return notes
 
 
 def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
@@ -121,7 +154,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%} of the allocated peak (reserved minus allocated)",
         f"kernel profile {exp.profile.name}: PyTorch {exp.profile.torch_version} on {exp.profile.device}, "
         f"RMSNorm {exp.profile.rmsnorm}, attention {exp.profile.attention}",
-        "every allocation rounded up to 512 bytes, as the CUDA caching allocator does",
+        f"every allocation rounded up to {exp.profile.allocator_round_bytes} bytes, as the CUDA caching allocator does",
     ]
     prof = exp.profile
     if prof.cross_entropy == "chunked":
@@ -129,8 +162,6 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
             f"cross-entropy in {prof.loss_chunks} chunks of the logits rows (torchtune CEWithChunkedOutputLoss): "
             "each chunk's fp32 copy lives only for its own loss; every chunk's log-probabilities stay "
             "saved for backward, whose gradients are concatenated back to full size")
-    elif prof.loss_chunks != DEFAULT_LOSS_CHUNKS:
-        assumptions.append(f"loss_chunks {prof.loss_chunks} is inert: the profile's cross_entropy is full")
     compiled = None
     tr = exp.training
     if tr.compile_partitions:
@@ -182,6 +213,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         allocator_slack_bytes=slack,
         required_bytes=required_bytes(peak),
         assumptions=assumptions,
+        notes=no_effect_notes(exp),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"recompute": recompute} if recompute else {})},

@@ -2,7 +2,8 @@
 
 The reference configs pin ``torch-2.8-cuda``, the build the published table was
 measured with. Choose another with ``--profile``; every field can also be set in
-a config file's ``profile:`` mapping.
+a config file's ``profile:`` mapping. The plain-PyTorch profiles take their RMSNorm from
+:data:`memcalc.core.kernels.RMSNORM_BY_TORCH` (the table the validator follows too).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.errors import UserError, unknown_name
+from memcalc.core.kernels import rmsnorm_for_torch
 from memcalc.core.spec import KernelProfile
 
 PROFILES: dict[str, KernelProfile] = {
@@ -18,13 +20,13 @@ PROFILES: dict[str, KernelProfile] = {
         # PyTorch 2.8 on CUDA with plain PyTorch layers (nn.RMSNorm composite with the weight
         # multiply in fp32; loss on model-dtype logits with a shifted contiguous copy). The
         # reference experiment's build (Forgather's layers).
-        KernelProfile(name="torch-2.8-cuda", torch_version="2.8"),
+        KernelProfile(name="torch-2.8-cuda", torch_version="2.8", rmsnorm=rmsnorm_for_torch("2.8")),
         # PyTorch 2.9+: nn.RMSNorm dispatches to the fused _fused_rms_norm kernel on CUDA.
-        KernelProfile(name="torch-2.9-cuda", torch_version="2.9", rmsnorm="fused"),
+        KernelProfile(name="torch-2.9-cuda", torch_version="2.9", rmsnorm=rmsnorm_for_torch("2.9")),
         # PyTorch 2.4-2.5: composite RMSNorm casts back before the weight multiply.
-        KernelProfile(name="torch-2.4-cuda", torch_version="2.4", rmsnorm="composite-legacy"),
+        KernelProfile(name="torch-2.4-cuda", torch_version="2.4", rmsnorm=rmsnorm_for_torch("2.4")),
         # PyTorch 2.1: mean(x*x) backward keeps its input.
-        KernelProfile(name="torch-2.1-cuda", torch_version="2.1", rmsnorm="composite-legacy", mean_saves_input=True),
+        KernelProfile(name="torch-2.1-cuda", torch_version="2.1", rmsnorm=rmsnorm_for_torch("2.1"), mean_saves_input=True),
         # Hugging Face transformers (LlamaRMSNorm casts back before the weight; the loss upcasts
         # logits to fp32 and shifts the labels, not the logits) on PyTorch 2.8.
         KernelProfile(

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import OPTIMIZERS as OPTIMIZER_RECORDS, PLANNED_OPTIMIZERS
 from memcalc.core.spec import LoraSpec, ModelSpec, TrainingSpec
 
 #: Default sequence length (or the model's maximum when smaller).
 DEFAULT_SEQ = 2048
 
-OPTIMIZERS = ("adamw", "adamw-8bit", "adafactor")
+OPTIMIZERS = PLANNED_OPTIMIZERS  # the registry's searched optimizers (memcalc.core.optimizers)
 CHECKPOINTS = ("none", "full", "sqrt", "selective")
 LORA_RANK = 16
 
@@ -35,7 +36,7 @@ class Technique:
         """Human-readable name, e.g. ``QLoRA · bf16 · AdamW · ckpt full · fused``."""
         ad = {"none": "full FT", "lora": "LoRA", "qlora": "QLoRA"}[self.adapters]
         pr = self.precision_name(half) + ("+fp32 master" if self.precision == "16+master" else "")
-        op = {"adamw": "AdamW", "adamw-8bit": "AdamW-8bit", "adafactor": "Adafactor"}.get(self.optimizer, self.optimizer)
+        op = OPTIMIZER_RECORDS[self.optimizer].display
         ck = "no ckpt" if self.checkpoint == "none" else f"ckpt {self.checkpoint}"
         comp = [] if self.budget is None else [f"compile budget {self.budget:g}"]
         return " · ".join([ad, pr, op, ck] + (["fused"] if self.fused else []) + comp)

@@ -68,6 +68,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         },
         "inferred": res.notes,
         "assumptions": est.assumptions,
+        "notes": est.notes,
     }
 
 
@@ -164,6 +165,8 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     c = console or Console()
     c.print(inputs_table(est, res))
     for n in res.notes:
+        c.print(f"[yellow]note:[/yellow] {n}")
+    for n in est.notes:
         c.print(f"[yellow]note:[/yellow] {n}")
     c.print(peak_table(est))
     c.print(phases_table(est))

@@ -1,0 +1,53 @@
+"""The field contract: every field of the specs changes the estimate, or is listed here.
+
+``tests/test_field_contract.py`` iterates every ``model_fields`` of :class:`ModelSpec`,
+:class:`LoraSpec`, :class:`TrainingSpec`, :class:`KernelProfile` and
+:class:`ExperimentSpec`, perturbs each field on a setup where it can matter, and asserts
+that an estimated number changes, unless the field is in :data:`INERT` (with the reason)
+or :data:`NESTED` (a spec whose own fields are checked). A new field without a decision
+fails that test.
+
+Fields that matter only in some setups are in :data:`CONDITIONAL`: where they change
+nothing, the estimate says so in ``Estimate.notes``
+(``memcalc.estimate.peak.no_effect_notes``), which the text report and ``--json`` show.
+"""
+
+from __future__ import annotations
+
+#: "Spec.field" -> why the field never changes an estimated number.
+INERT: dict[str, str] = {
+    "ModelSpec.name": "a label shown in reports",
+    "ModelSpec.norm_eps": "a value, not a shape: no tensor changes size",
+    "ModelSpec.residual_scale": "a value: with post-norm, a scale other than 1 adds one transient x * alpha "
+                                "(engine.ops.scale) that is freed before the layer's larger allocations, so it "
+                                "sets no peak",
+    "LoraSpec.alpha": "a value (the adapter scale alpha / rank), not a shape: the scaling op runs either way",
+    "KernelProfile.name": "a label shown in reports",
+    "KernelProfile.torch_version": "a label: what a version changes is set by the profile's other fields "
+                                   "(rmsnorm from memcalc.core.kernels.RMSNORM_BY_TORCH, mean_saves_input, ...)",
+    "KernelProfile.device": "only cuda is modelled (the field's one allowed value)",
+    "ExperimentSpec.name": "a label shown in reports",
+    "ExperimentSpec.description": "a label shown in reports",
+    "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",
+    "ExperimentSpec.published_source": "comparison data (where the measured peak comes from)",
+}
+
+#: "Spec.field" -> the spec class whose fields are checked one by one instead.
+NESTED: dict[str, str] = {
+    "ExperimentSpec.model": "ModelSpec",
+    "ExperimentSpec.training": "TrainingSpec",
+    "ExperimentSpec.profile": "KernelProfile",
+}
+
+#: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.
+CONDITIONAL: dict[str, str] = {
+    "TrainingSpec.zero": "one GPU (nothing to shard); stage 1 with offload_optimizer (the state is on the CPU)",
+    "TrainingSpec.gpus": "zero 0 (plain data parallelism: a whole copy per GPU)",
+    "TrainingSpec.checkpoint_every": "any checkpoint mode but every-k",
+    "TrainingSpec.memory_budget": "compile with checkpointing (the regions are recomputed whole)",
+    "TrainingSpec.optimizer_impl": "optimizers whose step makes no temporaries (sgd, sgd-momentum)",
+    "TrainingSpec.offload_optimizer": "optimizers without state (sgd) and no master weights",
+    "LoraSpec.quant_block": "LoRA without qlora (the base is not quantised)",
+    "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
+    "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
+}

@@ -1,0 +1,88 @@
+"""Kernel constants both sides need: the estimator (``memcalc.engine``) and the validator
+(``validate/``, which imports them from here rather than writing its own).
+
+Each constant names the PyTorch (or library) source it is read from.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+# -- the CUDA caching allocator -----------------------------------------------------------
+#: c10/cuda/CUDACachingAllocator.cpp ``kMinBlockSize``: every block is a multiple of 512
+#: bytes, which is also what ``torch.cuda.max_memory_allocated`` sums.
+ALLOCATOR_ROUND_BYTES = 512
+
+# -- scaled_dot_product_attention ------------------------------------------------------
+#: FlashAttention-2 ``mha_bwd`` (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp):
+#: ``seqlen_q_rounded = round_multiple(seqlen_q, 128)`` for ``dq_accum`` and ``softmax_d``.
+FLASH_SEQ_ROUND = 128
+#: Same file: ``head_size_rounded = head_size <= 192 ? round_multiple(head_size, 32) : 256``.
+FLASH_HEAD_ROUND = 32
+FLASH_HEAD_ROUND_LIMIT = 192
+FLASH_HEAD_MAX = 256
+#: aten/src/ATen/native/transformers/cuda/attention.cu ``_efficient_attention_forward``: the
+#: logsumexp is (B, H, ceil(T / 32) * 32) fp32 (``kAlignLSE``).
+EFFICIENT_LSE_ROUND = 32
+
+ATTENTION_KERNELS = ("flash", "efficient", "math")
+
+
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def flash_seq_rounded(t: int) -> int:
+    """Rows of FA2's backward buffers ``dq_accum`` and ``softmax_d`` for a sequence of ``t``."""
+    return _round(t, FLASH_SEQ_ROUND)
+
+
+def flash_head_dim_rounded(d: int) -> int:
+    """Width of FA2's ``dq_accum`` for head dim ``d`` (``head_size_rounded``, see above)."""
+    return _round(d, FLASH_HEAD_ROUND) if d <= FLASH_HEAD_ROUND_LIMIT else FLASH_HEAD_MAX
+
+
+def efficient_lse_len(t: int) -> int:
+    """Length of the memory-efficient kernel's logsumexp rows for a sequence of ``t``."""
+    return _round(t, EFFICIENT_LSE_ROUND)
+
+
+def choose_attention_kernel(profile_choice: str, sixteen_bit: bool, has_mask: bool) -> str:
+    """The SDPA kernel CUDA runs (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
+    ``select_sdp_backend``): ``auto`` = flash for 16-bit inputs without an explicit mask,
+    memory-efficient otherwise; a forced ``flash`` that cannot run (fp32, or a mask) falls
+    back to memory-efficient, as the dispatcher would."""
+    if profile_choice == "auto":
+        return "flash" if sixteen_bit and not has_mask else "efficient"
+    if profile_choice == "flash" and (has_mask or not sixteen_bit):
+        return "efficient"
+    return profile_choice
+
+
+# -- RMSNorm ---------------------------------------------------------------------------
+#: What ``nn.RMSNorm`` runs on CUDA, by PyTorch version (first, last or None = open, mode):
+#: aten/src/ATen/native/layer_norm.cpp ``rms_norm_symint``: composite, casting back before
+#: the weight multiply (2.4-2.5); composite with the weight multiply in fp32 (2.6-2.8);
+#: ``_fused_rms_norm`` (2.9+). The profiles (``memcalc.inputs.profiles``) and the validator's
+#: ``RMSNorm`` (``validate/layers.py``) follow this table.
+RMSNORM_BY_TORCH: tuple[tuple[tuple[int, int], Optional[tuple[int, int]], str], ...] = (
+    ((2, 4), (2, 5), "composite-legacy"),
+    ((2, 6), (2, 8), "composite"),
+    ((2, 9), None, "fused"),
+)
+
+
+def rmsnorm_for_torch(version: str) -> str:
+    """The ``nn.RMSNorm`` mode of PyTorch ``version`` ("major.minor"); versions before
+    ``nn.RMSNorm`` (2.4) get the composite-legacy formula, as hand-written RMSNorms compute it."""
+    v = tuple(int(x) for x in version.split(".")[:2])
+    for first, last, mode in RMSNORM_BY_TORCH:
+        if v >= first and (last is None or v <= last):
+            return mode
+    return "composite-legacy"
+
+
+# -- dropout ---------------------------------------------------------------------------
+#: ``native_dropout`` on CUDA saves a bool mask: 1 byte per element
+#: (aten/src/ATen/native/cuda/Dropout.cu ``dropout_cuda``).
+DROPOUT_MASK_BYTES = 1
