@@ -23,7 +23,7 @@ COMPUTE = {"linear", "matmul_qk", "matmul_pv", "sdpa_flash", "sdpa_efficient"}
 #: outside the allowlist but cheap (banned by the default cut, recomputable when aggressive)
 OTHER = {"embedding"}
 RANDOM = {"dropout"}
-#: the eager loss after the compiled region (memcalc.engine.ops.Ops.lm_loss)
+#: the eager loss after the compiled region (memcalc.engine.loss.lm_loss)
 LOSS = {"shift_slice", "loss_split", "log_softmax", "nll_loss"}
 
 

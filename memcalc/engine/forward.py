@@ -19,6 +19,7 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.loss import lm_loss
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
 from memcalc.engine.sim import Param, Sim, T
@@ -244,7 +245,7 @@ class Forward:
         self.strategy.logits(self, logits)
         sim.role = "loss"
         o.category = "logits & loss"
-        loss = o.lm_loss(logits, self.B, self.T, m.vocab_size)
+        loss = lm_loss(o, logits, self.B, self.T, m.vocab_size)
         o.category = "saved activations"
         o.drop(logits)
         o.exit_autocast()

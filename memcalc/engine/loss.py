@@ -1,6 +1,7 @@
-"""Chunked cross-entropy: the loss rows in ``loss_chunks`` pieces, each upcast and reduced on its own.
+"""The causal LM loss (:func:`lm_loss`), and the chunked cross-entropy: the loss rows in
+``loss_chunks`` pieces, each upcast and reduced on its own (:func:`chunked_cross_entropy`).
 
-What the code does (the validator's ``validate/model.py`` ``lm_loss`` runs exactly this):
+What the chunked code does (the validator's ``validate/model.py`` ``lm_loss`` runs exactly this):
 the (rows, V) logits -- after the profile's optional fp32 upcast and shifted contiguous copy --
 are split along the rows with :func:`chunk_rows` sizes (``Tensor.split``: views, no bytes);
 each chunk is ``.float()``-ed and reduced with ``F.cross_entropy(reduction="sum")``; the
@@ -30,13 +31,10 @@ time; the saved log-probabilities and the gradient in the logits' dtype still ar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from memcalc.core.dtypes import DType
+from memcalc.engine.ops import Ops
 from memcalc.engine.sim import T
 
-if TYPE_CHECKING:
-    from memcalc.engine.ops import Ops
 
 CATEGORY = "logits & loss"
 
@@ -49,7 +47,7 @@ def chunk_rows(rows: int, chunks: int) -> list[int]:
     return [q + 1] * r + [q] * (chunks - r)
 
 
-def chunked_cross_entropy(ops: "Ops", x: T, rows: int, V: int) -> T:
+def chunked_cross_entropy(ops: Ops, x: T, rows: int, V: int) -> T:
     """The chunked loss on ``x`` ((rows, V) logits, one reference owned by this call, dropped
     when the loss is returned). Returns the scalar loss (see the module docstring)."""
     sim = ops.sim
@@ -88,4 +86,45 @@ def chunked_cross_entropy(ops: "Ops", x: T, rows: int, V: int) -> T:
     sim.node("div", [], [total], [], [loss])
     ops.drop(total)
     ops.drop(x)
+    return loss
+
+
+def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int) -> T:
+    """Causal LM loss on (B,T,V) logits: optional fp32 upcast (HF), optional shifted
+    contiguous copy (``logits[..., :-1, :].contiguous()``; its backward, slice_backward,
+    allocates a full zero (B,T,V) gradient), then cross_entropy = log_softmax (saves its
+    output) + nll_loss (saves target and total_weight; backward allocates a zero
+    (N,V) gradient and scatters into it). ``cross_entropy="chunked"``: the rows in
+    ``loss_chunks`` pieces after the upcast and the shift (:func:`chunked_cross_entropy`)."""
+    x = logits
+    if ops.profile.logits_fp32 and x.itemsize_bits != 32:
+        xf = ops.new(x.numel, DType.fp32, "logits & loss")
+        ops.sim.node("to_fp32", [], [x], [], [xf])
+        x = xf
+    else:
+        ops.sim.ref(x)
+    dt = ops.dtype_of(x)
+    rows = B * Tq
+    if ops.profile.shift_copy:
+        rows = B * (Tq - 1)
+        xs = ops.new(rows * V, dt, "logits & loss")
+        ops.sim.node("shift_slice", [], [x], [], [xs], grad_input_bytes=[x.nbytes])
+        ops.drop(x)
+        x = xs
+    if ops.profile.cross_entropy == "chunked":
+        return chunked_cross_entropy(ops, x, rows, V)
+    lsm = ops.new(rows * V, dt, "logits & loss")
+    ops.sim.node("log_softmax", [lsm], [x], [], [lsm])
+    if ops.autocast is not None and dt != DType.fp32:
+        # under autocast cross_entropy_loss keeps log_softmax in the logits' dtype (it passes
+        # ops.scalar_type()), but nll_loss is an fp32 op: it upcasts its input and saves that
+        l32 = ops.new(rows * V, DType.fp32, "logits & loss")
+        ops.sim.node("to_fp32", [], [lsm], [], [l32])
+        ops.drop(lsm)
+        lsm = l32
+    ops.drop(x)  # the caller's shifted logits live until cross_entropy returns
+    loss = ops.sim.alloc(4, "activations", "logits & loss")
+    loss.numel, loss.itemsize_bits = 1, dt.bits
+    ops.sim.node("nll_loss", [], [lsm], [], [loss])
+    ops.drop(lsm)
     return loss

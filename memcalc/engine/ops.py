@@ -14,7 +14,6 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded
-from memcalc.engine.loss import chunked_cross_entropy
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import KernelProfile
 
@@ -364,43 +363,3 @@ class Ops:
         self.drop(keep)
         return m, dt.nbytes(H * tt)
 
-    # -- loss -----------------------------------------------------------------------
-    def lm_loss(self, logits: T, B: int, Tq: int, V: int) -> T:
-        """Causal LM loss on (B,T,V) logits: optional fp32 upcast (HF), optional shifted
-        contiguous copy (``logits[..., :-1, :].contiguous()``; its backward, slice_backward,
-        allocates a full zero (B,T,V) gradient), then cross_entropy = log_softmax (saves its
-        output) + nll_loss (saves target and total_weight; backward allocates a zero
-        (N,V) gradient and scatters into it). ``cross_entropy="chunked"``: the rows in
-        ``loss_chunks`` pieces after the upcast and the shift (:mod:`memcalc.engine.loss`)."""
-        x = logits
-        if self.profile.logits_fp32 and x.itemsize_bits != 32:
-            xf = self.new(x.numel, DType.fp32, "logits & loss")
-            self.sim.node("to_fp32", [], [x], [], [xf])
-            x = xf
-        else:
-            self.sim.ref(x)
-        dt = self.dtype_of(x)
-        rows = B * Tq
-        if self.profile.shift_copy:
-            rows = B * (Tq - 1)
-            xs = self.new(rows * V, dt, "logits & loss")
-            self.sim.node("shift_slice", [], [x], [], [xs], grad_input_bytes=[x.nbytes])
-            self.drop(x)
-            x = xs
-        if self.profile.cross_entropy == "chunked":
-            return chunked_cross_entropy(self, x, rows, V)
-        lsm = self.new(rows * V, dt, "logits & loss")
-        self.sim.node("log_softmax", [lsm], [x], [], [lsm])
-        if self.autocast is not None and dt != DType.fp32:
-            # under autocast cross_entropy_loss keeps log_softmax in the logits' dtype (it passes
-            # self.scalar_type()), but nll_loss is an fp32 op: it upcasts its input and saves that
-            l32 = self.new(rows * V, DType.fp32, "logits & loss")
-            self.sim.node("to_fp32", [], [lsm], [], [l32])
-            self.drop(lsm)
-            lsm = l32
-        self.drop(x)  # the caller's shifted logits live until cross_entropy returns
-        loss = self.sim.alloc(4, ACT, "logits & loss")
-        loss.numel, loss.itemsize_bits = 1, dt.bits
-        self.sim.node("nll_loss", [], [lsm], [], [loss])
-        self.drop(lsm)
-        return loss
