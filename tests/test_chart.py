@@ -76,7 +76,8 @@ def test_fits_any_width(small, width):
     assert f"{gib(small.peak_bytes):.2f} GiB" in "\n".join(lines)
 
 
-@pytest.mark.parametrize("name", ["control", "bf16_fused_chkpt", "checkpoint"])
+@pytest.mark.parametrize("name", ["control", *[pytest.param(n, marks=pytest.mark.slow)  # full-size estimates
+                                               for n in ("bf16_fused_chkpt", "checkpoint")]])
 def test_reference_configs_render(name):
     est = estimate(load_config(name))
     lines = render(est, capacity=24 * GiB)

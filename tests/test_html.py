@@ -176,9 +176,16 @@ def records_for(names):
     return recs, ests
 
 
+@pytest.fixture(scope="module")
+def three_records():
+    """Records and estimates of three reference configs, built once for both pages below."""
+    return records_for(["control", "checkpoint", "bf16_fused_chkpt"])
+
+
+@pytest.mark.slow  # three full-size estimates; test_text_is_escaped renders a validate page fast
 @pytest.mark.parametrize("with_estimates", [True, False])
-def test_validate_page(with_estimates):
-    recs, ests = records_for(["control", "checkpoint", "bf16_fused_chkpt"])
+def test_validate_page(with_estimates, three_records):
+    recs, ests = three_records
     doc = validate_html(recs, ests if with_estimates else None)
     root = parse(doc)
     assert_offline(doc)
@@ -220,20 +227,20 @@ def cli(args):
     return CliRunner().invoke(app, args)
 
 
-def test_cli_estimate_html_and_timeline(tmp_path):
+def test_cli_estimate_html_and_timeline(tmp_path, control):
     out = tmp_path / "r.html"
     r = cli(["estimate", "--config", "control", "--timeline", "--html", str(out)])
     assert r.exit_code == 0, r.output
     assert "memory across one training step" in r.output and "▼" in r.output
     root = parse(out.read_text(encoding="utf-8"))
-    est = estimate(load_config("control"))
+    est, _ = control  # estimate(load_config("control"))
     assert int(root.by_id("timeline").attrs["data-peak-bytes"]) == est.peak_bytes
 
 
-def test_cli_timeline_with_json_prints_json_only(tmp_path):
+def test_cli_timeline_with_json_prints_json_only(tmp_path, control):
     r = cli(["estimate", "--config", "control", "--timeline", "--json"])
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["peak_bytes"] == estimate(load_config("control")).peak_bytes
+    assert json.loads(r.stdout)["peak_bytes"] == control[0].peak_bytes  # estimate(load_config("control"))
     assert set(KINDS) <= set(json.loads(r.stdout)["components_by_kind"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,8 +30,11 @@ setups = st.fixed_dictionaries({
     "fused_optimizer": st.booleans(),
 })
 SETTINGS = settings(max_examples=40, deadline=None)
+# 80 estimates per property (about a second each): the fast lane keeps components_add_up, the
+# others are marked slow
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(m=models, s=setups, b=st.integers(1, 6), t=st.integers(2, 512), db=st.integers(1, 4))
 def test_monotone_in_batch(m, s, b, t, db):
@@ -39,6 +43,7 @@ def test_monotone_in_batch(m, s, b, t, db):
     assert hi.peak_bytes >= lo.peak_bytes
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(m=models, s=setups, b=st.integers(1, 4), t=st.integers(2, 512), dt=st.integers(1, 256))
 def test_monotone_in_seq(m, s, b, t, dt):
@@ -47,6 +52,7 @@ def test_monotone_in_seq(m, s, b, t, dt):
     assert hi.peak_bytes >= lo.peak_bytes
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(m=models, s=setups, b=st.integers(1, 4), t=st.integers(1, 4).map(lambda k: 128 * k))
 def test_bf16_never_above_fp32(m, s, b, t):
@@ -58,6 +64,7 @@ def test_bf16_never_above_fp32(m, s, b, t):
     assert bf16.peak_bytes <= fp32.peak_bytes
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(m=models, b=st.integers(1, 4), t=st.integers(2, 512), ck=st.sampled_from(["full", "sqrt", "selective", "every-k"]),
        precision=st.sampled_from(["fp32", "bf16", "amp-bf16"]))

@@ -67,7 +67,17 @@ def _held_out(model):
     return [(b, t) for b in HELD_OUT_B for t in HELD_OUT_T + (model.max_seq_len,)]
 
 
-@pytest.mark.parametrize("tech", techniques(), ids=lambda t: t.key())
+def _fast_if_in(fast, items):
+    """``items`` as params, all but those in ``fast`` marked slow (the fast lane keeps a few rows)."""
+    return [pytest.param(t, marks=[] if t in fast else [pytest.mark.slow]) for t in items]
+
+
+SOME = [Technique("none", "fp32", "adamw", "none", False), Technique("none", "16+master", "adamw-8bit", "sqrt", True),
+        Technique("none", "amp", "adafactor", "selective", False), Technique("qlora", "16", "adamw", "full", True)]
+
+
+# 112 combinations (seconds in all): the fast lane keeps the four in SOME
+@pytest.mark.parametrize("tech", _fast_if_in(SOME, techniques()), ids=lambda t: t.key())
 def test_fit_matches_estimate_every_technique(tech):
     # source: estimate() on held-out (batch, seq) points that are not fit points (fit: B 1-2, T 512-2048)
     m = tiny_llama(n_layers=1)
@@ -77,12 +87,10 @@ def test_fit_matches_estimate_every_technique(tech):
         assert abs(float(f.peak(b, t)) - direct) <= 0.01 * direct, (b, t)
 
 
-SOME = [Technique("none", "fp32", "adamw", "none", False), Technique("none", "16+master", "adamw-8bit", "sqrt", True),
-        Technique("none", "amp", "adafactor", "selective", False), Technique("qlora", "16", "adamw", "full", True)]
-
-
-@pytest.mark.parametrize("model_name", [k for k in SMALL_MODELS if not k.startswith("llama")])
-@pytest.mark.parametrize("tech", SOME, ids=lambda t: t.key())
+# the fast lane keeps the ALiBi model (the quadratic fit) with the last technique of SOME
+@pytest.mark.parametrize("model_name", _fast_if_in({"deep-one style (ALiBi, post-norm, relu)"},
+                                                   [k for k in SMALL_MODELS if not k.startswith("llama")]))
+@pytest.mark.parametrize("tech", _fast_if_in(SOME[3:], SOME), ids=lambda t: t.key())
 def test_fit_matches_estimate_other_architectures(model_name, tech):
     # source: estimate() on held-out points; the ALiBi model needs the T^2 terms (quadratic fit)
     m = SMALL_MODELS[model_name]
@@ -93,6 +101,7 @@ def test_fit_matches_estimate_other_architectures(model_name, tech):
         assert abs(float(f.peak(b, t)) - direct) <= 0.01 * direct, (b, t)
 
 
+@pytest.mark.slow  # estimates llama-3.1-8b at full size
 @pytest.mark.parametrize("tech", [Technique("qlora", "16", "adamw", "full", True)], ids=lambda t: t.key())
 def test_fit_matches_estimate_full_size(tech):
     # source: estimate() of llama-3.1-8b far outside the fit points (batch up to 16, seq up to 32k)
@@ -116,6 +125,7 @@ def test_grid_evaluation_equals_each_fit():
         np.testing.assert_allclose(grid[i], ref, rtol=1e-9)
 
 
+@pytest.mark.slow  # estimates tinyllama-1.1b at full size
 def test_zero_degree_fit_matches_estimate():
     # source: estimate() at ZeRO-3 degrees that are not fit points (fit: 2, 4, 16, 64)
     m = load_preset("tinyllama-1.1b")
@@ -138,6 +148,7 @@ def plan_8b_4090():
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow  # plan search on a full-size model
 def test_plan_4090_lists_lora_and_qlora(plan_8b_4090):
     doc = plan_8b_4090
     assert doc["gpu"]["name"] == "rtx-4090" and doc["seq"] == 2048
@@ -148,6 +159,7 @@ def test_plan_4090_lists_lora_and_qlora(plan_8b_4090):
     assert costs == sorted(costs)  # ranked by cost per token
 
 
+@pytest.mark.slow  # plan search on a full-size model
 def test_plan_4090_every_option_fits_by_direct_estimate(plan_8b_4090):
     # source: estimate() of each listed option at batch 1 x 2048; the plan's numbers are exact
     m = load_preset("llama-3.1-8b")
@@ -157,6 +169,7 @@ def test_plan_4090_every_option_fits_by_direct_estimate(plan_8b_4090):
         assert req == o["required_bytes"] <= cap, o["option"]
 
 
+@pytest.mark.slow  # plan search on a full-size model
 def test_plan_4090_max_batch_and_seq_are_exact(plan_8b_4090):
     # source: estimate(): the answer fits and the next integer does not (the best LoRA and QLoRA
     # options; the plan confirms every option the same way)
@@ -176,6 +189,7 @@ FAKE = SimpleNamespace(name="fake-40m", display_name="a 40 MiB card (test)", bf1
                        capacity_bytes=CUDA_CONTEXT_BYTES + 40 * MiB)
 
 
+@pytest.mark.slow  # an exact search for every option (seconds)
 def test_plan_all_fits_flags_match_direct_estimates():
     # source: estimate() of every option, fitting or not, on a card that splits them (tiny model)
     m = tiny_llama()
@@ -273,6 +287,7 @@ def plan_70b():
     return json.loads(r.stdout)
 
 
+@pytest.mark.slow  # plan search on a full-size model
 def test_plan_70b_h100_count_is_plausible(plan_70b):
     # source: 70.6B params x 16 B (bf16 weights + grads, fp32 master + Adam moments; ZeRO paper
     # K = 12) = 1.13 TB of model state; / 85.5 GB per H100 80GB -> at least 14 by state alone, 15
@@ -284,6 +299,7 @@ def test_plan_70b_h100_count_is_plausible(plan_70b):
     assert 2 <= row["min_gpus_lora"] <= row["min_gpus_full"]
 
 
+@pytest.mark.slow  # plan search on a full-size model
 def test_plan_70b_h100_count_is_exact(plan_70b):
     # source: estimate() of the full fine-tune setup at N and N - 1 GPUs
     row = next(g for g in plan_70b["gpus"] if g["name"] == "h100-80gb")
@@ -311,6 +327,7 @@ def test_plan_catalog_text_for_a_small_model(tmp_path):
     assert "fewest GPUs at batch 1 x seq 1024 per GPU" in text and "16 bytes/param" in text
 
 
+@pytest.mark.slow  # plan search on a full-size model
 def test_plan_catalog_counts_fall_with_memory(plan_70b):
     rows = sorted(plan_70b["gpus"], key=lambda g: g["capacity_bytes"])
     fulls = [g["min_gpus_full"] for g in rows]
@@ -322,7 +339,8 @@ def test_plan_catalog_counts_fall_with_memory(plan_70b):
 LIMIT_ROWS = [
     # (flags, gpu)
     (["--model", "gpt2", "--bf16"], "t4"),
-    (["--model", "tinyllama-1.1b", "--qlora", "--checkpoint", "full"], "rtx-4090"),
+    pytest.param(["--model", "tinyllama-1.1b", "--qlora", "--checkpoint", "full"], "rtx-4090",
+                 marks=pytest.mark.slow),  # many estimates of tinyllama-1.1b at full size
 ]
 
 
@@ -345,6 +363,7 @@ def test_max_batch_and_seq_are_exact(flags, gpu):
         assert required(m, batch=tr["batch"], seq=t + 1, **fixed) > cap
 
 
+@pytest.mark.slow  # estimates llama-3.1-8b at full size
 def test_max_batch_zero_when_nothing_fits():
     r = run(["estimate", "--model", "llama-3.1-8b", "--gpu", "t4", "--max-batch", "--json"])
     assert r.exit_code == 0, r.output
@@ -408,6 +427,7 @@ def test_bad_input_is_one_line_exit_2(args, code, message):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.slow  # plan search over the torch.compile options (seconds)
 def test_plan_compile_options_are_exact():
     """plan --compile: torch.compile options at three budgets, searched with direct estimates."""
     m = tiny_llama()

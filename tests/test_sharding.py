@@ -68,6 +68,7 @@ def states_at_step():
     return out
 
 
+@pytest.mark.slow  # four timelines of the 7.5B model; the formula rows above stay fast
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_timeline_model_states_match_zero_formula(states_at_step, stage):
     # source: ZeRO paper Table 1 arithmetic (K = 12: fp32 master + momentum + variance) for this
@@ -82,6 +83,7 @@ def test_timeline_model_states_match_zero_formula(states_at_step, stage):
     assert abs(k["gradients"] - ms.gradients_bytes) / ms.gradients_bytes < 0.01
 
 
+@pytest.mark.slow
 def test_timeline_zero3_keeps_embedding_and_head_whole(states_at_step):
     # source: PyTorch FSDP wraps each decoder layer as a unit and leaves the embedding, final norm
     # and LM head in the root unit; in memcalc's timeline (memcalc/sharding.py) the root unit's

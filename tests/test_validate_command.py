@@ -24,6 +24,7 @@ def exp(**tr) -> ExperimentSpec:
                           profile=KernelProfile(), published_peak_bytes=10**9)
 
 
+@pytest.mark.slow  # partitions the compiled graph with dynamo
 def test_json_records_and_output_file(tmp_path, capsys):
     out = tmp_path / "results.json"
     items = [("eager", exp()), ("compiled", exp(compile=True))]

@@ -13,6 +13,12 @@ TOL_PARTITION = 0.05  # memcalc's saved set vs PyTorch's partitioner
 
 torch = pytest.importorskip("torch")
 
+# Dynamo compiles every row's graph: importing it takes seconds, and each row (even a one-layer
+# model) seconds more, so the whole file is slow. The fast lane checks the same partitioner with
+# PyTorch's own small cases (tests/test_partitioner.py) and the CPU-inductor rows of
+# tests/test_compile.py.
+pytestmark = pytest.mark.slow
+
 
 PARTITION_ROWS = [
     # (experiment builder, description); source: torch._functorch.partitioners via dynamo on meta

@@ -36,7 +36,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# a real CPU step and a meta trace per case (seconds each): the fast lane keeps one case
+FAST_CASES = {"llama lora"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in FAST_CASES else [pytest.mark.slow])
+                                  for c in CASES])
 def test_cpu_run_and_meta_trace_agree(case):
     model, training = CASES[case]
     exp = ExperimentSpec(model=model, training=TrainingSpec(batch=2, seq=64, **training), profile=MATH)

@@ -52,13 +52,15 @@ def test_full_size_control_within_3pct_of_published(control_full):
     assert 0 < m.measured_bytes - m.first_step_bytes < 16 * 2**20
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "control" else [pytest.mark.slow])
+                                  for n in SETTINGS])
 def test_scaled_reference_configs_trace(name):
     m = measure(deep_one(name), "meta", scale_layers=2)
     assert m.status == "ok" and m.layers == 2
     assert m.measured_bytes >= m.first_step_bytes > 0
 
 
+@pytest.mark.slow
 def test_scaled_reference_configs_order():
     peak = {n: measure(deep_one(n), "meta", scale_layers=4).measured_bytes for n in SETTINGS}
     assert peak["checkpoint"] < peak["control"]

@@ -16,7 +16,13 @@ def _presets() -> list[str]:
     return list_presets()  # read at collection time: the folder may grow
 
 
-@pytest.mark.parametrize("name", _presets())
+def _small_fast(names: list[str]) -> list:
+    """Presets as params; those over 3B parameters (0.1-0.2 s each to build on meta) are marked slow."""
+    return [pytest.param(n, marks=[] if count_params(load_preset(n)).total <= 3e9 else [pytest.mark.slow])
+            for n in names]
+
+
+@pytest.mark.parametrize("name", _small_fast(_presets()))
 def test_param_count_and_names_match_inventory(name):
     m = load_preset(name)
     model = build_model(m, TrainingSpec(), KernelProfile(), device="meta")

@@ -1,0 +1,140 @@
+"""What import-linter cannot see: `memcalc.validate` (the torch side) lives in the top-level
+`validate/` folder and is installed under `memcalc` by pyproject's `package-dir`, so grimp never
+finds it. Here every module of `memcalc/` is parsed with `ast`: only the CLI imports
+`memcalc.validate`, and only inside a function (lazily); no module imports torch (or
+transformers, peft) anywhere, top level or nested. The contracts import-linter does check are in
+`.importlinter` (run by `.ci/run`)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "memcalc"
+TORCH_SIDE = ("torch", "transformers", "peft")  # source: .importlinter, contract no-torch
+VALIDATE = "memcalc.validate"
+CLI = PACKAGE / "cli.py"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def imports(source: str, module: str = "memcalc.x", package: bool = False) -> list[tuple[str, bool]]:
+    """Every module ``source`` imports, as (absolute dotted name, inside a function?).
+
+    ``from a import b`` counts as importing both ``a`` and ``a.b`` (``b`` may be a submodule);
+    relative imports are resolved against ``module``; ``importlib.import_module("x")`` and
+    ``__import__("x")`` with a literal name count too."""
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        if isinstance(node, ast.Import):
+            found.extend((a.name, in_function) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((name, in_function))
+            found.extend((f"{name}.{a.name}", in_function) for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in ("__import__", "import_module")) or \
+                    (isinstance(f, ast.Attribute) and f.attr == "import_module"):
+                found.append((node.args[0].value, in_function))
+        nested = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+        for child in ast.iter_child_nodes(node):
+            visit(child, nested)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def _is(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _package_imports() -> dict[str, list[tuple[str, bool]]]:
+    return {str(p.relative_to(ROOT)): imports(p.read_text(encoding="utf-8"), _module_name(p), _is_package(p))
+            for p in MODULES}
+
+
+def test_the_scanner_sees_every_kind_of_import():
+    # the checks below can fail: each form of import is found, and whether it is lazy
+    src = ("import torch.nn as nn\nfrom memcalc import validate\n"
+           "def f():\n    from memcalc.validate.command import run\n    import importlib\n"
+           "    importlib.import_module('peft')\n"
+           "class C:\n    def g(self):\n        from ..validate import runner\n")
+    got = imports(src, "memcalc.plan.search")
+    assert ("torch.nn", False) in got
+    assert ("memcalc.validate", False) in got  # from memcalc import validate
+    assert ("memcalc.validate.command", True) in got
+    assert ("peft", True) in got
+    assert ("memcalc.validate.runner", True) in got  # relative, inside a method
+
+
+def test_every_stage_is_scanned():
+    names = {_module_name(p) for p in MODULES}
+    assert len(MODULES) > 40 and "memcalc.cli" in names
+    for stage in ("core", "inputs", "engine", "compile", "estimate", "plan", "render"):
+        assert f"memcalc.{stage}" in names
+
+
+def test_no_module_imports_torch():
+    bad = [(path, name) for path, found in _package_imports().items()
+           for name, _ in found if any(_is(name, t) for t in TORCH_SIDE)]
+    assert bad == [], f"memcalc/ must not import the torch side: {bad}"
+
+
+def test_only_the_cli_imports_validate_and_only_lazily():
+    found = _package_imports()
+    cli = str(CLI.relative_to(ROOT))
+    others = [(path, name) for path, imps in found.items() if path != cli
+              for name, _ in imps if _is(name, VALIDATE)]
+    assert others == [], f"only memcalc/cli.py may import {VALIDATE}: {others}"
+    in_cli = [(name, lazy) for name, lazy in found[cli] if _is(name, VALIDATE)]
+    assert in_cli, "the CLI's `validate` command imports memcalc.validate (the scan lost it)"
+    eager = [name for name, lazy in in_cli if not lazy]
+    assert eager == [], f"memcalc/cli.py imports {eager} at module level; import it inside the command"
+
+
+PROBE = """
+import json, sys
+
+def loaded():
+    roots = {"torch", "transformers", "peft"}
+    return sorted({m.split(".")[0] if m.split(".")[0] in roots else "memcalc.validate" for m in sys.modules
+                   if m.split(".")[0] in roots or m == "memcalc.validate" or m.startswith("memcalc.validate.")})
+
+import memcalc.cli
+after_import = loaded()
+from typer.testing import CliRunner
+r = CliRunner().invoke(memcalc.cli.app, ["estimate", "--model", "gpt2", "--batch", "1", "--seq", "64", "--json"])
+print(json.dumps({"code": r.exit_code, "after_import": after_import, "after_run": loaded()}))
+"""
+
+
+def test_importing_and_running_the_cli_loads_no_torch():
+    # a fresh interpreter: import the CLI, then run an estimate through it; neither loads torch
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout.strip().splitlines()[-1])
+    assert doc["code"] == 0
+    assert doc["after_import"] == [], f"`import memcalc.cli` loaded {doc['after_import']}"
+    assert doc["after_run"] == [], f"`memcalc estimate` loaded {doc['after_run']}"
