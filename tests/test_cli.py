@@ -152,6 +152,7 @@ def test_loss_chunks_flag_without_chunked_loss_is_noted():
     assert any("--loss-chunks 8 has no effect" in n for n in doc["inferred"])
 
 
+@pytest.mark.slow  # two catalog plans for gpt2 (~4 s)
 def test_plan_takes_the_loss_flags():
     args = ["plan", "--model", "gpt2", "--seq", "1024", "--json"]
     full = json.loads(run(args).stdout)
