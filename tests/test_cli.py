@@ -138,7 +138,8 @@ def test_models_lists_presets():
         assert name in r.stdout
 
 
-@pytest.mark.parametrize("flag", ["--qlora", "--lora", "--master-weights", "--fused-optimizer"])
+@pytest.mark.parametrize("flag", ["--qlora", "--master-weights", *[  # full-size estimates: two stay fast
+    pytest.param(f, marks=pytest.mark.slow) for f in ("--lora", "--fused-optimizer")]])
 def test_technique_flags_run(flag):
     args = ["estimate", "--model", "tinyllama-1.1b", "--seq", "512", "--json", flag]
     if flag == "--master-weights":
