@@ -113,6 +113,7 @@ def test_defaults_are_printed():
     assert "adamw" in r.stdout
 
 
+@pytest.mark.slow  # a 7B estimate; tests/snapshots runs the same command in the quick lane
 def test_params_inference_says_inferred():
     r = run(["estimate", "--params", "7e9", "--bf16", "--lora", "--json"])
     assert r.exit_code == 0, r.output
@@ -174,7 +175,8 @@ def test_models_lists_presets():
         assert name in r.stdout
 
 
-@pytest.mark.parametrize("flag", ["--qlora", "--lora", "--master-weights", "--fused-optimizer"])
+@pytest.mark.parametrize("flag", ["--qlora", *[  # full-size estimates: the quick lane keeps --qlora
+    pytest.param(f, marks=pytest.mark.slow) for f in ("--lora", "--master-weights", "--fused-optimizer")]])
 def test_technique_flags_run(flag):
     args = ["estimate", "--model", "tinyllama-1.1b", "--seq", "512", "--json", flag]
     if flag == "--master-weights":

@@ -43,7 +43,7 @@ def test_print_compiled_table():
         assert abs(e) < 0.25, f"{n}: {100 * e:+.1f}% is far off"  # a regression guard for every row
 
 
-@pytest.mark.parametrize("name", [  # full-size estimates: the fast lane keeps memory_budget_05
+@pytest.mark.parametrize("name", [  # full-size estimates: the quick lane keeps memory_budget_05
     pytest.param(n, marks=([pytest.mark.xfail(strict=True, reason="open: see OPEN")] if n in OPEN else [])
                  + ([] if n == "memory_budget_05" else [pytest.mark.slow]))
     for n in COMPILED

@@ -79,9 +79,10 @@ def test_grid_is_large_enough():
     assert len({_id(r) for r in GRID}) == len(GRID)
 
 
-# A meta trace per row (about a second each): the fast lane keeps one row (AMP, GQA, RoPE;
-# the peak at the optimizer step), the others are marked slow.
-FAST = {"tinyllama-1.1b-L2-batch=2-seq=1024-precision=amp-bf16"}
+# A meta trace per row (about a second each, more for the first): the quick lane keeps one row,
+# the reference model's layer (ALiBi, post-norm) under AMP with full checkpointing, whose peak
+# is the optimizer step; the others are marked slow.
+FAST = {"deep-one-1.6b-L2-batch=4-seq=512-precision=amp-bf16-optimizer=adamw-checkpoint=full"}
 
 
 @pytest.mark.parametrize("preset,layers,tr", [

@@ -13,7 +13,7 @@ from memcalc.inputs.infer import family_depth, family_ffn, infer_from_params, ll
 from memcalc.engine.params import count_params
 
 
-@pytest.mark.slow  # 150 inferred shapes (seconds); the fast lane keeps the fixed anchors below
+@pytest.mark.slow  # 150 inferred shapes (seconds); the quick lane keeps the fixed anchors below
 @settings(max_examples=150, deadline=None)
 @given(n=st.floats(5e7, 5e11, allow_nan=False, allow_infinity=False))
 def test_within_two_percent(n):
@@ -25,7 +25,7 @@ def test_within_two_percent(n):
     assert reasons[0].startswith("inferred: Llama-style decoder, ")
 
 
-@pytest.mark.slow  # the fast lane keeps the fixed anchors below
+@pytest.mark.slow  # the quick lane keeps the fixed anchors below
 @settings(max_examples=40, deadline=None)
 @given(exp=st.floats(6.0, 13.0))
 def test_whole_range_gives_a_valid_model_close_to_n(exp):

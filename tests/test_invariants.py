@@ -30,7 +30,7 @@ setups = st.fixed_dictionaries({
     "fused_optimizer": st.booleans(),
 })
 SETTINGS = settings(max_examples=40, deadline=None)
-# 80 estimates per property (about a second each): the fast lane keeps components_add_up, the
+# 80 estimates per property (about a second each): the quick lane keeps components_add_up, the
 # others are marked slow
 
 

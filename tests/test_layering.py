@@ -11,6 +11,7 @@ import ast
 import json
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +71,9 @@ def _is(name: str, prefix: str) -> bool:
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
+@lru_cache(maxsize=1)
 def _package_imports() -> dict[str, list[tuple[str, bool]]]:
+    """Every module's imports, parsed once per session (the tests below only read them)."""
     return {str(p.relative_to(ROOT)): imports(p.read_text(encoding="utf-8"), _module_name(p), _is_package(p))
             for p in MODULES}
 

@@ -67,17 +67,17 @@ def _held_out(model):
     return [(b, t) for b in HELD_OUT_B for t in HELD_OUT_T + (model.max_seq_len,)]
 
 
-def _fast_if_in(fast, items):
-    """``items`` as params, all but those in ``fast`` marked slow (the fast lane keeps a few rows)."""
-    return [pytest.param(t, marks=[] if t in fast else [pytest.mark.slow]) for t in items]
+def _fast_if_in(fast, items, key=lambda x: x):
+    """``items`` as params, all but those whose key is in ``fast`` marked slow (the quick lane keeps a few)."""
+    return [pytest.param(t, marks=[] if key(t) in fast else [pytest.mark.slow]) for t in items]
 
 
-SOME = [Technique("none", "fp32", "adamw", "none", False), Technique("none", "16+master", "adamw-8bit", "sqrt", True),
-        Technique("none", "amp", "adafactor", "selective", False), Technique("qlora", "16", "adamw", "full", True)]
+# 112 combinations (seconds in all): the quick lane keeps the four of SOME below
+QUICK = {"none/fp32/adamw/none", "none/bf16+master/adamw-8bit/sqrt/fused", "none/amp-bf16/adafactor/selective",
+         "qlora/bf16/adamw/full/fused"}
 
 
-# 112 combinations (seconds in all): the fast lane keeps the four in SOME
-@pytest.mark.parametrize("tech", _fast_if_in(SOME, techniques()), ids=lambda t: t.key())
+@pytest.mark.parametrize("tech", _fast_if_in(QUICK, techniques(), key=Technique.key), ids=lambda t: t.key())
 def test_fit_matches_estimate_every_technique(tech):
     # source: estimate() on held-out (batch, seq) points that are not fit points (fit: B 1-2, T 512-2048)
     m = tiny_llama(n_layers=1)
@@ -87,7 +87,11 @@ def test_fit_matches_estimate_every_technique(tech):
         assert abs(float(f.peak(b, t)) - direct) <= 0.01 * direct, (b, t)
 
 
-# the fast lane keeps the ALiBi model (the quadratic fit) with the last technique of SOME
+SOME = [Technique("none", "fp32", "adamw", "none", False), Technique("none", "16+master", "adamw-8bit", "sqrt", True),
+        Technique("none", "amp", "adafactor", "selective", False), Technique("qlora", "16", "adamw", "full", True)]
+
+
+# the quick lane keeps the ALiBi model (the quadratic fit) with the last technique of SOME
 @pytest.mark.parametrize("model_name", _fast_if_in({"deep-one style (ALiBi, post-norm, relu)"},
                                                    [k for k in SMALL_MODELS if not k.startswith("llama")]))
 @pytest.mark.parametrize("tech", _fast_if_in(SOME[3:], SOME), ids=lambda t: t.key())

@@ -43,7 +43,7 @@ def _estimate(name: str) -> dict:
     return json.loads(_estimate_json(name))
 
 
-# each row estimates the full 1.6B model: the fast lane keeps the control
+# each row estimates the full 1.6B model: the quick lane keeps the control
 FAST = {"control"}
 
 

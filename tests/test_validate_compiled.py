@@ -14,7 +14,7 @@ TOL_PARTITION = 0.05  # memcalc's saved set vs PyTorch's partitioner
 torch = pytest.importorskip("torch")
 
 # Dynamo compiles every row's graph: importing it takes seconds, and each row (even a one-layer
-# model) seconds more, so the whole file is slow. The fast lane checks the same partitioner with
+# model) seconds more, so the whole file is slow. The quick lane checks the same partitioner with
 # PyTorch's own small cases (tests/test_partitioner.py) and the CPU-inductor rows of
 # tests/test_compile.py.
 pytestmark = pytest.mark.slow

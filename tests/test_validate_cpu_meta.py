@@ -36,12 +36,11 @@ CASES = {
 }
 
 
-# a real CPU step and a meta trace per case (seconds each): the fast lane keeps one case
-FAST_CASES = {"llama lora"}
-
-
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c in FAST_CASES else [pytest.mark.slow])
-                                  for c in CASES])
+# A real CPU step and a meta trace per case (a second or two each, more for the first): the
+# whole file is slow. The quick lane's meta traces are in tests/test_estimator_vs_trace.py and
+# tests/test_validate_deep_one.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
 def test_cpu_run_and_meta_trace_agree(case):
     model, training = CASES[case]
     exp = ExperimentSpec(model=model, training=TrainingSpec(batch=2, seq=64, **training), profile=MATH)

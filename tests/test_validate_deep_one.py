@@ -52,8 +52,10 @@ def test_full_size_control_within_3pct_of_published(control_full):
     assert 0 < m.measured_bytes - m.first_step_bytes < 16 * 2**20
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "control" else [pytest.mark.slow])
-                                  for n in SETTINGS])
+# Meta traces (about a second each): the whole file is slow; the quick lane traces Deep One's
+# layer in tests/test_estimator_vs_trace.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SETTINGS))
 def test_scaled_reference_configs_trace(name):
     m = measure(deep_one(name), "meta", scale_layers=2)
     assert m.status == "ok" and m.layers == 2

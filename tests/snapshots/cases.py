@@ -5,7 +5,7 @@ that is meant to move numbers (say which in the commit).
 
 Each case: (file stem, CLI args, slow?). The 11 shipped reference configs, 14 other setups
 that exercise LoRA, QLoRA, ZeRO 1/2/3, offload, compile, AMP, every checkpointing mode, every
-optimizer family and the kernel profiles, and `plan --json` for two models. The fast lane
+optimizer family and the kernel profiles, and `plan --json` for two models. The quick lane
 (`pytest -m "not slow"`) keeps four cases: the control config, LoRA (params-7b-bf16-lora),
 ZeRO-3 (control-zero3-fused) and AMP with an 8-bit optimizer (llama7b-amp-8bit).
 """
