@@ -6,6 +6,21 @@ import pytest
 
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
+_WHOLE_FILE_SLOW = "\npytestmark = pytest.mark.slow"
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The quick lane (``-m "not slow"``) does not even import a test file marked slow as a whole
+    (``pytestmark = pytest.mark.slow``): those are the validator's files, and importing them
+    imports torch (several seconds) for tests that would be deselected anyway."""
+    if (config.getoption("markexpr") or "").replace(" ", "") != "notslow" or collection_path.suffix != ".py":
+        return None
+    try:
+        text = collection_path.read_text()
+    except OSError:
+        return None
+    return True if _WHOLE_FILE_SLOW in text else None
+
 
 def tiny_llama(**kw) -> ModelSpec:
     base = dict(name="tiny-llama", n_layers=4, d_model=256, n_heads=8, n_kv_heads=4, d_ff=688,

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+# needs torch (the validator): left out of the quick lane, run by the full suite
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 from memcalc.estimate.peak import estimate  # noqa: E402

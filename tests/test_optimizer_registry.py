@@ -76,6 +76,7 @@ def test_plan_reads_the_registry() -> None:
         assert OPTIMIZERS[name].display in Technique("none", "16", name, "none", False).label()
 
 
+@pytest.mark.slow  # needs torch
 def test_validate_builds_every_optimizer() -> None:
     torch = pytest.importorskip("torch")
     from memcalc.validate.optim import BUILDERS, allow_fused_on, build_optimizer, optimizer_tensors

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+# needs torch (the validator): left out of the quick lane, run by the full suite
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec  # noqa: E402

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+# needs torch (the validator): left out of the quick lane, run by the full suite
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)

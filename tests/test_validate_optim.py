@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# needs torch (the validator): left out of the quick lane, run by the full suite
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 
 from memcalc.core.spec import TrainingSpec  # noqa: E402
