@@ -68,6 +68,17 @@ def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.where(todo, a, res)
 
 
+def _gallop_up(pred: Callable[[int], bool], a: int, hi: int, step: int) -> int:
+    """The largest x in [a, hi] with pred(x), given pred(a): steps of ``step``, doubling, then bisection."""
+    while True:
+        b = min(hi, a + step)
+        if b == a:
+            return a
+        if not pred(b):
+            return largest_true(pred, a, b - 1) if b - 1 > a else a
+        a, step = b, step * 2
+
+
 def largest_exact(pred: Callable[[int], bool], lo: int, hi: int, seed: Optional[int] = None) -> int:
     """The largest x in [lo, hi] with pred(x) (pred monotone: true, then false), ``lo - 1`` if none.
     With a ``seed`` (a fitted guess) it checks seed and seed + 1 first and gallops outward only
@@ -75,25 +86,11 @@ def largest_exact(pred: Callable[[int], bool], lo: int, hi: int, seed: Optional[
     if seed is None or seed < lo or seed > hi:
         if not pred(lo):
             return lo - 1
-        a, step = lo, 1  # gallop up from lo
-        while True:
-            b = min(hi, a + step)
-            if b == a:
-                return a
-            if not pred(b):
-                return largest_true(pred, a, b - 1) if b - 1 > a else a
-            a, step = b, step * 2
+        return _gallop_up(pred, lo, hi, 1)
     if pred(seed):
         if seed == hi or not pred(seed + 1):
             return seed
-        a, step = seed + 1, 2
-        while True:
-            b = min(hi, a + step)
-            if b == a:
-                return a
-            if not pred(b):
-                return largest_true(pred, a, b - 1) if b - 1 > a else a
-            a, step = b, step * 2
+        return _gallop_up(pred, seed + 1, hi, 2)
     b, step = seed, 1  # gallop down: pred(b) false
     while True:
         a = max(lo, b - step)
