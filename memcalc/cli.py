@@ -36,6 +36,9 @@ class _Group(TyperGroup):
             sys.exit(2)
         except Exception as e:  # click's (or typer's vendored click's) Exit / Abort / usage errors
             name = type(e).__name__
+            if name == "NoArgsIsHelpError":  # a bare `memcalc`: the help screen as is (click >= 8.2: stderr, exit 2)
+                sys.stderr.write(e.format_message().rstrip("\n") + "\n")  # type: ignore[attr-defined]
+                sys.exit(2)
             if name == "Exit":
                 sys.exit(getattr(e, "exit_code", 0))
             if name == "Abort":
@@ -62,6 +65,21 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from memcalc import __version__
+
+        typer.echo(f"memcalc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring."""
 
 
 class PrecisionOpt(str, Enum):

@@ -8,20 +8,45 @@ keys; cross-field errors show the arithmetic. Presets, Hugging Face configs,
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+import typing
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
 from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+# allow_inf_nan=False: a float field (norm_eps, alpha, dropout, budgets) must be finite.
+_FROZEN = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def _numeric_only(annotation: Any) -> bool:
+    """The annotation is int or float (possibly Optional) or a Literal of integers, not bool."""
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(a, int) and not isinstance(a, bool) for a in args)
+    return typing.get_origin(annotation) is typing.Union and any(a in (int, float) for a in args) and bool not in args
+
+
+class _Spec(BaseModel):
+    """A frozen spec whose numeric fields refuse true/false (pydantic would read them as 1/0)."""
+
+    model_config = _FROZEN
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool) and info.field_name is not None and _numeric_only(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
-class ModelSpec(BaseModel):
+class ModelSpec(_Spec):
     """A decoder-only transformer, described by the shapes that decide its memory."""
 
     model_config = _FROZEN
@@ -128,7 +153,7 @@ class ModelSpec(BaseModel):
         return 1 if self.block == "parallel" else 2
 
 
-class LoraSpec(BaseModel):
+class LoraSpec(_Spec):
     """Low-rank adapters on a frozen base (LoRA; QLoRA when the base is 4-bit)."""
 
     model_config = _FROZEN
@@ -159,7 +184,7 @@ Optimizer = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
 
 
-class TrainingSpec(BaseModel):
+class TrainingSpec(_Spec):
     """One training step: batch, precision, optimizer and memory techniques."""
 
     model_config = _FROZEN
@@ -236,7 +261,7 @@ class TrainingSpec(BaseModel):
 DEFAULT_LOSS_CHUNKS = 8
 
 
-class KernelProfile(BaseModel):
+class KernelProfile(_Spec):
     """What the kernels and the framework's own layers save: PyTorch version, device, layer code.
 
     The estimator and the meta tracer read the same profile.
@@ -273,7 +298,7 @@ class KernelProfile(BaseModel):
     allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")
 
 
-class ExperimentSpec(BaseModel):
+class ExperimentSpec(_Spec):
     """A whole experiment: model, training setup and kernel profile (a --config file)."""
 
     model_config = _FROZEN

@@ -7,6 +7,7 @@ reports can mark what the user did not set.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -60,15 +61,24 @@ class Resolved:
     notes: list[str] = field(default_factory=list)
 
 
+#: the largest K of --checkpoint every-K (more layers than any model has; checked before int())
+MAX_CHECKPOINT_EVERY = 100_000
+
+
 def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
-    """none | full | every-K (K >= 1) | sqrt | selective."""
+    """none | full | every-K (1 <= K <= MAX_CHECKPOINT_EVERY) | sqrt | selective."""
     v = value.strip().lower()
     if v in ("none", "full", "sqrt", "selective"):
         return v, None
     m = re.fullmatch(r"every-?(\d+)", v)
+    if m and (len(m.group(1).lstrip("0")) > len(str(MAX_CHECKPOINT_EVERY)) or int(m.group(1)) > MAX_CHECKPOINT_EVERY):
+        shown = v if len(v) <= 40 else v[:36] + "..."
+        raise UserError(f"--checkpoint {shown}: K must be between 1 and {MAX_CHECKPOINT_EVERY:,}")
     if m and int(m.group(1)) >= 1:
         k = int(m.group(1))
         return ("full", None) if k == 1 else ("every-k", k)
+    if len(value) > 40:
+        value = value[:36] + "..."
     raise UserError(f"unknown --checkpoint {value!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
 
 
@@ -87,6 +97,11 @@ def _check_positive(name: str, v: Optional[float]) -> None:
         raise UserError(f"--{name} must be positive, got {v}")
 
 
+def _check_finite(name: str, v: Optional[float]) -> None:
+    if v is not None and not math.isfinite(v):
+        raise UserError(f"--{name} must be a finite number, got {v}")
+
+
 def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
     from memcalc.inputs.configs import load_config
@@ -94,6 +109,8 @@ def resolve(o: Options) -> Resolved:
     from memcalc.inputs.presets import resolve_model
     from memcalc.inputs.pydantic_errors import pydantic_error_line
 
+    for name in ("lora_alpha", "lora_dropout", "memory_budget"):
+        _check_finite(name.replace("_", "-"), getattr(o, name))
     for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
         _check_positive(name.replace("_", "-"), getattr(o, name))
     if o.zero is not None and o.zero not in (0, 1, 2, 3):
