@@ -11,7 +11,7 @@ import math
 import typing
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
@@ -36,14 +36,36 @@ class _Spec(BaseModel):
 
     model_config = _FROZEN
 
-    @field_validator("*", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _no_bool_numbers(cls, v: Any, info: ValidationInfo) -> Any:
-        if isinstance(v, bool) and info.field_name is not None and _numeric_only(cls.model_fields[info.field_name].annotation):
-            raise ValueError(f"expected a number, got {str(v).lower()}")
-        return v
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for k, v in data.items():
+                if v is True or v is False:
+                    f = cls.model_fields.get(k)
+                    if f is not None and _numeric_only(f.annotation):
+                        raise ValueError(f"{k} = {str(v).lower()}: expected a number, not a boolean")
+        return data
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: PEFT ``target_modules`` names of the same projections (Hugging Face Llama/Mistral/Qwen2 module
+#: names; source: peft TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING and LlamaAttention/LlamaMLP).
+#: GPT-2's fused ``c_attn`` is one q,k,v projection, not one of these: it has no alias.
+LORA_TARGET_ALIASES = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+}
+
+
+def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
+    """LoRA target names lowercased, PEFT aliases mapped (q_proj -> q), duplicates dropped, in order."""
+    out: list[str] = []
+    for n in names:
+        t = n.strip().lower() if isinstance(n, str) else n
+        t = LORA_TARGET_ALIASES.get(t, t)
+        if t not in out:
+            out.append(t)
+    return tuple(out)
 
 
 class ModelSpec(_Spec):
@@ -145,6 +167,11 @@ class ModelSpec(_Spec):
         return int(self.dim_head * self.rotary_pct)
 
     @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The projections this model has, as LoRA target names (a plain MLP has no gate)."""
+        return tuple(t for t in LORA_TARGETS if t != "gate" or self.mlp == "gated")
+
+    @property
     def has_norm_bias(self) -> bool:
         return self.norm == "layernorm" if self.norm_bias is None else self.norm_bias
 
@@ -167,6 +194,11 @@ class LoraSpec(_Spec):
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
     quant_block: int = Field(64, gt=0, description="NF4 block size (elements per absmax constant).")
     double_quant: bool = Field(True, description="Quantise the absmax constants too (QLoRA double quantisation).")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _aliases(cls, v: Any) -> Any:
+        return canonical_targets(v) if isinstance(v, (list, tuple)) else v
 
     @model_validator(mode="after")
     def _check_targets(self) -> "LoraSpec":
@@ -312,6 +344,20 @@ class ExperimentSpec(_Spec):
         None, ge=0, description="A measured max_memory_allocated peak, for comparison."
     )
     published_source: Optional[str] = Field(None, description="Where the published peak comes from.")
+
+    @model_validator(mode="after")
+    def _check_lora_targets(self) -> "ExperimentSpec":
+        lora = self.training.lora
+        missing = [t for t in lora.targets if t not in self.model.lora_targets] if lora is not None else []
+        if missing:
+            raise ValueError(lora_targets_error(self.model, missing))
+        return self
+
+
+def lora_targets_error(model: ModelSpec, missing: "typing.Sequence[str]") -> str:
+    """The message for LoRA targets a model does not have (gate on a plain MLP)."""
+    why = " (its MLP is plain: fc1 = up, fc2 = down, no gate)" if "gate" in missing and model.mlp == "plain" else ""
+    return f"LoRA target(s) {', '.join(missing)} not in {model.name}{why}; its targets: {', '.join(model.lora_targets)}"
 
 
 def sqrt_segments(n_layers: int) -> int:

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
-from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, LORA_TARGET_ALIASES, LORA_TARGETS, ExperimentSpec, ModelSpec,
+                               TrainingSpec, canonical_targets, lora_targets_error)
 
 
 @dataclass
@@ -82,13 +83,22 @@ def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
     raise UserError(f"unknown --checkpoint {value!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
 
 
-def parse_targets(value: str) -> tuple[str, ...]:
+def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, ...]:
+    """``--lora-targets``: comma-separated q,k,v,o,gate,up,down or their PEFT module names
+    (q_proj, ..., down_proj), or all (every projection ``model`` has). With ``model``, a target
+    it does not have (gate on a plain MLP) is an error naming the ones it has."""
     if value.strip().lower() == "all":
-        return LORA_TARGETS
-    ts = tuple(t.strip().lower() for t in value.split(",") if t.strip())
+        return model.lora_targets if model is not None else LORA_TARGETS
+    ts = canonical_targets(t for t in value.split(",") if t.strip())
     bad = [t for t in ts if t not in LORA_TARGETS]
     if bad or not ts:
-        raise UserError(f"unknown --lora-targets {', '.join(bad) or repr(value)}; valid: {', '.join(LORA_TARGETS)} or all")
+        shown = ", ".join(bad) or repr(value)
+        shown = shown if len(shown) <= 60 else shown[:56] + "..."
+        raise UserError(f"unknown --lora-targets {shown}; valid: {', '.join(LORA_TARGETS)} "
+                        f"(or PEFT's {', '.join(LORA_TARGET_ALIASES)}), or all")
+    missing = [t for t in ts if model is not None and t not in model.lora_targets]
+    if missing:
+        raise UserError(f"--lora-targets: {lora_targets_error(model, missing)}")
     return ts
 
 
@@ -178,7 +188,7 @@ def resolve(o: Options) -> Resolved:
         if o.lora_alpha is not None:
             cur["alpha"] = o.lora_alpha
         if o.lora_targets is not None:
-            cur["targets"] = parse_targets(o.lora_targets)
+            cur["targets"] = parse_targets(o.lora_targets, model)
         if o.lora_dropout is not None:
             cur["dropout"] = o.lora_dropout
         if o.qlora:
@@ -213,15 +223,18 @@ def resolve(o: Options) -> Resolved:
             # (other values under full are noted in the estimate's assumptions)
             notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")
     published = base.published_peak_bytes if base is not None and not _changed(base, model, training, profile) else None
-    exp = ExperimentSpec(
-        name=base.name if base is not None else model.name,
-        description=base.description if base is not None else "",
-        model=model,
-        training=training,
-        profile=profile,
-        published_peak_bytes=published,
-        published_source=base.published_source if published is not None else None,
-    )
+    try:
+        exp = ExperimentSpec(
+            name=base.name if base is not None else model.name,
+            description=base.description if base is not None else "",
+            model=model,
+            training=training,
+            profile=profile,
+            published_peak_bytes=published,
+            published_source=base.published_source if published is not None else None,
+        )
+    except ValidationError as e:  # a config's LoRA targets that --model does not have
+        raise UserError(pydantic_error_line(e, "experiment")) from None
     return Resolved(exp, origin, notes)
 
 
