@@ -36,6 +36,9 @@ class _Group(TyperGroup):
             sys.exit(2)
         except Exception as e:  # click's (or typer's vendored click's) Exit / Abort / usage errors
             name = type(e).__name__
+            if name == "NoArgsIsHelpError":  # a bare `memcalc`: the help screen as is (click >= 8.2: stderr, exit 2)
+                sys.stderr.write(e.format_message().rstrip("\n") + "\n")  # type: ignore[attr-defined]
+                sys.exit(2)
             if name == "Exit":
                 sys.exit(getattr(e, "exit_code", 0))
             if name == "Abort":
@@ -62,6 +65,21 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from memcalc import __version__
+
+        typer.echo(f"memcalc {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring."""
 
 
 class PrecisionOpt(str, Enum):
@@ -103,7 +121,7 @@ BUDGET = typer.Option(None, "--memory-budget", help="torch.compile activation_me
 LORA = typer.Option(False, "--lora", help="LoRA adapters on a frozen base (default rank 16, alpha 32, targets q,k,v,o).")
 LORA_RANK = typer.Option(None, "--lora-rank", help="LoRA rank.")
 LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA alpha.")
-LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down, or all.")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down (or PEFT's q_proj, ..., down_proj), or all (every projection the model has).")
 LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the adapter input.")
 QLORA = typer.Option(False, "--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")
 PROFILE = typer.Option(None, "--profile", help="Kernel profile (see `memcalc profiles`); default torch-2.8-cuda.")
@@ -113,6 +131,29 @@ JSON = typer.Option(False, "--json", help="Print only JSON (integer bytes).")
 ZERO = typer.Option(None, "--zero", help="ZeRO stage 0-3 (1: optimizer state, 2: + gradients, 3: + weights sharded over --gpus).")
 GPUS = typer.Option(None, "--gpus", help="Data-parallel GPUs that ZeRO shards over (default 1).")
 OFFLOAD = typer.Option(False, "--offload-optimizer", help="Keep optimizer state and its step on the CPU.")
+
+
+def _check_output(path: Optional[str], flag: str) -> None:
+    """An output file that cannot be written is a one-line error before any work starts:
+    an empty path, a directory, a missing or unwritable folder, an unwritable file."""
+    import os
+    from pathlib import Path
+
+    if path is None:
+        return
+    if not path.strip():
+        raise UserError(f"cannot write {flag} {path!r}: an empty path; give a file path")
+    p = Path(path).expanduser()
+    try:
+        if p.is_dir():
+            raise UserError(f"cannot write {flag} {path}: it is a directory; give a file path")
+        parent = p.parent
+        if not parent.is_dir():
+            raise UserError(f"cannot write {flag} {path}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+            raise UserError(f"cannot write {flag} {path}: permission denied")
+    except OSError as e:  # a name the OS refuses (too long)
+        raise UserError(f"cannot write {flag} {path[:200]}: {e.strerror or e}") from None
 
 
 def _options(**kw: Any):
@@ -136,7 +177,7 @@ def estimate(
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
-    gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`)."),
+    gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a capacity: 48GiB (2**30 bytes each), 24GB (10**9)."),
     as_json: bool = JSON,
     timeline: bool = typer.Option(False, "--timeline", help="Also draw memory across the step (after the tables; ignored with --json)."),
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report to this file."),
@@ -160,6 +201,7 @@ def estimate(
     from memcalc.inputs.resolve import resolve
     from memcalc.render.report import dumps, render, to_json
 
+    _check_output(html, "--html")
     res = resolve(_options(
         model=model, params=params, config=config, batch=batch, seq=seq, grad_accum=grad_accum,
         precision=precision, bf16=bf16, master_weights=master_weights, optimizer=optimizer,
@@ -177,7 +219,7 @@ def estimate(
     est = run_estimate(res.exp)
     if max_batch or max_seq:
         limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
-    if html:
+    if html is not None:
         from memcalc.render.html import estimate_html, write_report
 
         write_report(html, estimate_html(est, res, cards))
@@ -204,7 +246,7 @@ def estimate(
 @app.command()
 def plan(
     model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="Plan for this GPU (see `memcalc gpus`): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
+    gpu: Optional[str] = typer.Option(None, "--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
     seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
     profile: Optional[str] = PROFILE, loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
@@ -395,6 +437,8 @@ def validate(
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
+    for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
+        _check_output(path, flag)
     try:
         from memcalc.validate.command import run_validate
     except ImportError as e:  # torch missing
@@ -417,7 +461,7 @@ def validate(
         items.append((None, resolve(_options(**common)).exp))
     items = [(n or e.name, e) for n, e in items]
     records = run_validate(items, device, as_json, output, scale_layers, snapshot)
-    if html:
+    if html is not None:
         from memcalc.estimate.peak import estimate as run_estimate
         from memcalc.render.html import validate_html, write_report
 

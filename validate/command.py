@@ -143,6 +143,12 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
                  output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None) -> list[dict]:
     """Measure every experiment on ``device`` (default cuda if available, else meta) beside its
     prediction; returns the records (see the module docstring)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        from memcalc.core.errors import UserError
+
+        built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
+        raise UserError(f"--device cuda: no CUDA device is available (torch {torch.__version__}, built with {built}); "
+                        "use --device meta to trace the step instead")
     err = Console(stderr=True)
     dev = device or default_device()
     if device is None:

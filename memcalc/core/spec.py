@@ -8,20 +8,67 @@ keys; cross-field errors show the arithmetic. Presets, Hugging Face configs,
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional
+import typing
+from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
 from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
+# allow_inf_nan=False: a float field (norm_eps, alpha, dropout, budgets) must be finite.
+_FROZEN = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+def _numeric_only(annotation: Any) -> bool:
+    """The annotation is int or float (possibly Optional) or a Literal of integers, not bool."""
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is Literal:
+        return all(isinstance(a, int) and not isinstance(a, bool) for a in args)
+    return typing.get_origin(annotation) is typing.Union and any(a in (int, float) for a in args) and bool not in args
+
+
+class _Spec(BaseModel):
+    """A frozen spec whose numeric fields refuse true/false (pydantic would read them as 1/0)."""
+
+    model_config = _FROZEN
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for k, v in data.items():
+                if v is True or v is False:
+                    f = cls.model_fields.get(k)
+                    if f is not None and _numeric_only(f.annotation):
+                        raise ValueError(f"{k} = {str(v).lower()}: expected a number, not a boolean")
+        return data
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+#: PEFT ``target_modules`` names of the same projections (Hugging Face Llama/Mistral/Qwen2 module
+#: names; source: peft TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING and LlamaAttention/LlamaMLP).
+#: GPT-2's fused ``c_attn`` is one q,k,v projection, not one of these: it has no alias.
+LORA_TARGET_ALIASES = {
+    "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
+    "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+}
 
 
-class ModelSpec(BaseModel):
+def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
+    """LoRA target names lowercased, PEFT aliases mapped (q_proj -> q), duplicates dropped, in order."""
+    out: list[str] = []
+    for n in names:
+        t = n.strip().lower() if isinstance(n, str) else n
+        t = LORA_TARGET_ALIASES.get(t, t)
+        if t not in out:
+            out.append(t)
+    return tuple(out)
+
+
+class ModelSpec(_Spec):
     """A decoder-only transformer, described by the shapes that decide its memory."""
 
     model_config = _FROZEN
@@ -120,6 +167,11 @@ class ModelSpec(BaseModel):
         return int(self.dim_head * self.rotary_pct)
 
     @property
+    def lora_targets(self) -> tuple[str, ...]:
+        """The projections this model has, as LoRA target names (a plain MLP has no gate)."""
+        return tuple(t for t in LORA_TARGETS if t != "gate" or self.mlp == "gated")
+
+    @property
     def has_norm_bias(self) -> bool:
         return self.norm == "layernorm" if self.norm_bias is None else self.norm_bias
 
@@ -128,7 +180,7 @@ class ModelSpec(BaseModel):
         return 1 if self.block == "parallel" else 2
 
 
-class LoraSpec(BaseModel):
+class LoraSpec(_Spec):
     """Low-rank adapters on a frozen base (LoRA; QLoRA when the base is 4-bit)."""
 
     model_config = _FROZEN
@@ -142,6 +194,11 @@ class LoraSpec(BaseModel):
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
     quant_block: int = Field(64, gt=0, description="NF4 block size (elements per absmax constant).")
     double_quant: bool = Field(True, description="Quantise the absmax constants too (QLoRA double quantisation).")
+
+    @field_validator("targets", mode="before")
+    @classmethod
+    def _aliases(cls, v: Any) -> Any:
+        return canonical_targets(v) if isinstance(v, (list, tuple)) else v
 
     @model_validator(mode="after")
     def _check_targets(self) -> "LoraSpec":
@@ -159,7 +216,7 @@ Optimizer = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
 
 
-class TrainingSpec(BaseModel):
+class TrainingSpec(_Spec):
     """One training step: batch, precision, optimizer and memory techniques."""
 
     model_config = _FROZEN
@@ -236,7 +293,7 @@ class TrainingSpec(BaseModel):
 DEFAULT_LOSS_CHUNKS = 8
 
 
-class KernelProfile(BaseModel):
+class KernelProfile(_Spec):
     """What the kernels and the framework's own layers save: PyTorch version, device, layer code.
 
     The estimator and the meta tracer read the same profile.
@@ -273,7 +330,7 @@ class KernelProfile(BaseModel):
     allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")
 
 
-class ExperimentSpec(BaseModel):
+class ExperimentSpec(_Spec):
     """A whole experiment: model, training setup and kernel profile (a --config file)."""
 
     model_config = _FROZEN
@@ -287,6 +344,20 @@ class ExperimentSpec(BaseModel):
         None, ge=0, description="A measured max_memory_allocated peak, for comparison."
     )
     published_source: Optional[str] = Field(None, description="Where the published peak comes from.")
+
+    @model_validator(mode="after")
+    def _check_lora_targets(self) -> "ExperimentSpec":
+        lora = self.training.lora
+        missing = [t for t in lora.targets if t not in self.model.lora_targets] if lora is not None else []
+        if missing:
+            raise ValueError(lora_targets_error(self.model, missing))
+        return self
+
+
+def lora_targets_error(model: ModelSpec, missing: "typing.Sequence[str]") -> str:
+    """The message for LoRA targets a model does not have (gate on a plain MLP)."""
+    why = " (its MLP is plain: fc1 = up, fc2 = down, no gate)" if "gate" in missing and model.mlp == "plain" else ""
+    return f"LoRA target(s) {', '.join(missing)} not in {model.name}{why}; its targets: {', '.join(model.lora_targets)}"
 
 
 def sqrt_segments(n_layers: int) -> int:

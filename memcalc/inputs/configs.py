@@ -13,10 +13,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memcalc.inputs.data_files import list_names, load_named, parse_text
+from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, shorten
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.inputs.profiles import get_profile
-from memcalc.core.spec import ExperimentSpec, KernelProfile
+from memcalc.core.spec import ExperimentSpec
 
 
 def list_configs() -> list[str]:
@@ -25,13 +25,15 @@ def list_configs() -> list[str]:
 
 
 def _raw(name_or_path: str) -> tuple[Any, str]:
+    check_name(name_or_path, "--config")
     p = Path(name_or_path)
-    if p.suffix.lower() in (".yaml", ".yml", ".json") or p.exists():
-        if not p.is_file():
-            raise UserError(f"config file not found: {name_or_path}")
+    kind = path_kind(p)
+    if p.suffix.lower() in (".yaml", ".yml", ".json") or kind != "none":
+        if kind != "file":
+            raise UserError(f"config file not found: {name_or_path if len(name_or_path) <= 200 else shorten(name_or_path, 200)}")
         return parse_text(p.read_text(encoding="utf-8"), str(p)), str(p)
     if name_or_path not in list_configs():
-        raise unknown_name("config", name_or_path, list_configs())
+        raise unknown_name("config", shorten(name_or_path)[1:-1], list_configs())
     return load_named("configs", name_or_path), f"configs/{name_or_path}"
 
 
@@ -52,7 +54,7 @@ def experiment_from_dict(raw: Any, where: str) -> ExperimentSpec:
         raw["profile"] = get_profile(prof)
     elif isinstance(prof, dict) and "base" in prof:
         base = get_profile(prof.pop("base"))
-        raw["profile"] = KernelProfile(**{**base.model_dump(), **prof})
+        raw["profile"] = {**base.model_dump(), **prof}  # validated below, as the experiment's profile
     try:
         return ExperimentSpec(**raw)
     except ValidationError as e:

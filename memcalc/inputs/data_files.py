@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from importlib import resources
 from importlib.resources.abc import Traversable
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -50,6 +51,30 @@ def load_file(name: str) -> Any:
 
 #: libyaml's loader when PyYAML was built with it (several times faster), else the pure one
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+#: the longest --model / --config value taken as a name or path (Linux PATH_MAX)
+MAX_NAME_CHARS = 4096
+
+
+def check_name(value: str, flag: str) -> None:
+    """A UserError for a name or path too long to be one (before any file-system call)."""
+    if len(value) > MAX_NAME_CHARS:
+        raise UserError(f"{flag} value is {len(value):,} characters long; a name or path has at most {MAX_NAME_CHARS:,}")
+
+
+def shorten(value: str, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for an error line."""
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
+
+
+def path_kind(path: Path) -> str:
+    """'file', 'dir' or 'none'; a path the OS refuses to look up (a component over 255 bytes) is 'none'."""
+    try:
+        return "file" if path.is_file() else "dir" if path.is_dir() else "none"
+    except (OSError, ValueError):  # ENAMETOOLONG; ValueError: an embedded NUL byte
+        return "none"
 
 
 def parse_text(text: str, where: str) -> Any:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import difflib
 import re
+from decimal import Decimal
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from memcalc.inputs.data_files import load_file
 from memcalc.core.errors import UserError
+from memcalc.core.units import GB, GiB, TiB
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 _BRANDS = ("nvidia", "geforce", "tesla", "amd", "instinct", "radeon")
@@ -34,7 +36,9 @@ class GPU(BaseModel):
     name: str = Field(..., description="Slug used on the command line, e.g. rtx-4090.")
     display_name: str = Field(..., description="Full product name, e.g. NVIDIA GeForce RTX 4090.")
     aliases: tuple[str, ...] = Field((), description="Other accepted names, e.g. 4090, rtx4090.")
-    vendor: Literal["nvidia", "amd"] = Field(..., description="Vendor.")
+    vendor: Literal["nvidia", "amd", "any"] = Field(
+        ..., description="Vendor; any for a GPU given by its capacity alone (--gpu 48GiB)."
+    )
     architecture: str = Field(..., description="GPU architecture, e.g. Hopper, Ada Lovelace, CDNA 3.")
     memory_type: str = Field(..., description="Device memory technology, e.g. HBM3, GDDR6X.")
     marketed_capacity: float = Field(..., gt=0, description="The capacity figure on the spec sheet (its 'GB').")
@@ -107,11 +111,59 @@ def gpu_names() -> list[str]:
     return [g.name for g in _catalog()]
 
 
+#: ``--gpu 48GiB`` / ``--gpu 24GB``: a capacity instead of a name (GiB = 2**30, GB = 10**9)
+_CAPACITY = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*(gib|gb)\s*$", re.IGNORECASE)
+_UNITS = {"gib": ("GiB", GiB), "gb": ("GB", GB)}
+#: the largest capacity accepted as --gpu SIZE (far above any device)
+MAX_CAPACITY_BYTES = 1024 * TiB
+
+
+def capacity_gpu(value: str) -> Optional[GPU]:
+    """A GPU entry named by its capacity (``48GiB``, ``24GB``, ``80gib``), or None when
+    ``value`` is not a capacity. The capacity is taken as the whole device total; nothing is
+    assumed of the vendor or architecture (bf16 is assumed, fp8 is not; neither moves memory).
+
+    Raises :class:`UserError` for a capacity that is not positive, or above MAX_CAPACITY_BYTES.
+    """
+    m = _CAPACITY.match(value) if isinstance(value, str) else None
+    if not m:
+        return None
+    unit, scale = _UNITS[m.group(2).lower()]
+    number = Decimal(m.group(1))
+    shown = value.strip() if len(value.strip()) <= 40 else value.strip()[:36] + "..."
+    # bound the exponent before any arithmetic (1e400GB)
+    if number > 0 and number.adjusted() + len(str(scale)) - 1 > len(str(MAX_CAPACITY_BYTES)):
+        raise UserError(f"--gpu {shown}: capacity out of range; give at most {MAX_CAPACITY_BYTES // TiB:,} TiB")
+    capacity = int((number * scale).to_integral_value())
+    if capacity <= 0:
+        raise UserError(f"--gpu {shown}: a capacity must be positive")
+    if capacity > MAX_CAPACITY_BYTES:
+        raise UserError(f"--gpu {shown}: capacity out of range; give at most {MAX_CAPACITY_BYTES // TiB:,} TiB")
+    text = f"{number.normalize():f}"
+    return GPU(
+        name=f"{text.replace('.', '-')}{unit.lower()}",
+        display_name=f"{text} {unit} GPU",
+        vendor="any",
+        architecture="unspecified",
+        memory_type="unspecified",
+        marketed_capacity=float(number),
+        marketed_unit=unit,
+        capacity_bytes=capacity,
+        capacity_source=f"--gpu {value.strip()}: {text} x {'2**30' if unit == 'GiB' else '10**9'} bytes, as given",
+        bf16=True,
+        fp8=False,
+    )
+
+
 def get_gpu(name: str) -> GPU:
-    """The GPU called ``name`` (slug, display name or alias; case, spaces and dashes ignored).
+    """The GPU called ``name`` (slug, display name or alias; case, spaces and dashes ignored),
+    or a capacity such as ``48GiB`` or ``24GB`` (:func:`capacity_gpu`).
 
     Raises :class:`UserError` listing the valid names, with close matches when there are any.
     """
+    by_size = capacity_gpu(name)
+    if by_size is not None:
+        return by_size
     idx = _index()
     k = _key(name) if isinstance(name, str) else ""
     if k in idx:
@@ -127,4 +179,4 @@ def get_gpu(name: str) -> GPU:
         close = difflib.get_close_matches(k, list(idx), n=3, cutoff=0.6)
         matches = sorted({idx[c].name for c in close}, key=names.index)
         hint = f" (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else ""
-    raise UserError(f"unknown GPU {name!r}{hint}; valid: {', '.join(names)}")
+    raise UserError(f"unknown GPU {name!r}{hint}; valid: {', '.join(names)}, or a capacity such as 48GiB or 24GB")

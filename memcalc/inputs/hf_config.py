@@ -63,7 +63,8 @@ class _Reader:
         value = self._raw(key, default)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value != int(value) or value <= 0):  # JSON admits NaN and Infinity
             raise UserError(f"{key} in {self.where} must be a positive integer, got {value!r}")
         return int(value)
 

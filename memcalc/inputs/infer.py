@@ -224,14 +224,22 @@ def infer_from_params(n: float) -> tuple[ModelSpec, list[str]]:
 
 
 _COUNT = re.compile(r"^\s*([+-]?(?:\d[\d_,]*(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*$", re.IGNORECASE)
+#: the most decimal digits a count may have before the range check (MAX_PARAMS has 14)
+_MAX_DIGITS = 15
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def _short(value: str, limit: int = 40) -> str:
+    r = repr(value)
+    return r if len(r) <= limit else r[: limit - 4] + "...'"
 
 
 def parse_count(value: str) -> int:
     """A parameter count: ``7e9``, ``7B``, ``1.5b``, ``350M``, ``7000000000``, ``7_000_000_000``, ``1.2T``.
 
     Suffixes K/M/B (or G)/T are decimal (10**3, 10**6, 10**9, 10**12), case-insensitive.
-    Raises :class:`UserError` for anything else, or a count that is not positive.
+    Raises :class:`UserError` for anything else, a count that is not positive, or one
+    with more than 15 digits (far above MAX_PARAMS; checked before any arithmetic).
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = repr(value)
@@ -239,12 +247,18 @@ def parse_count(value: str) -> int:
         raise UserError(f"--params must be a number such as 7e9, 7B or 350M, got {value!r}")
     m = _COUNT.match(value)
     if not m:
-        raise UserError(f"--params {value!r} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M or 7000000000")
+        raise UserError(f"--params {_short(value)} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M or 7000000000")
     try:
         number = Decimal(m.group(1).replace("_", "").replace(",", ""))
     except InvalidOperation:
-        raise UserError(f"--params {value!r} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M") from None
+        raise UserError(f"--params {_short(value)} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M") from None
+    if not number.is_finite():  # pragma: no cover - the pattern admits digits only
+        raise UserError(f"--params must be a finite number, got {value!r}")
+    # Bound the exponent before any arithmetic: 1e999999999 would otherwise expand to a
+    # billion-digit integer (or overflow Decimal's context).
+    if number and number.adjusted() + len(str(_SUFFIX[m.group(2).lower()])) - 1 > _MAX_DIGITS:
+        raise UserError(f"--params {_short(value)} is out of range; give between 1e6 and 1e13 (1M to 10T parameters)")
     count = int((number * _SUFFIX[m.group(2).lower()]).to_integral_value())
     if count <= 0:
-        raise UserError(f"--params must be positive, got {value!r}")
+        raise UserError(f"--params must be positive, got {_short(value)}")
     return count

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from memcalc.inputs.data_files import list_names, load_named, parse_text
+from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, shorten
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
 from memcalc.core.spec import ModelSpec
@@ -39,7 +39,7 @@ def _unknown_preset(name: str) -> UserError:
     close = difflib.get_close_matches(name.lower(), valid, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return UserError(
-        f"unknown model preset {name!r}{hint}; valid: {', '.join(valid)} "
+        f"unknown model preset {shorten(name)}{hint}; valid: {', '.join(valid)} "
         "(or a path to a Hugging Face config.json or a model spec .yaml/.json)"
     )
 
@@ -119,11 +119,13 @@ def resolve_model(value: str) -> ModelSpec:
     if not isinstance(value, str) or not value.strip():
         raise UserError(f"empty --model value {value!r}; give a preset name or a file path (see `memcalc models`)")
     value = value.strip()
+    check_name(value, "--model")
     presets = list_presets()
-    if value in presets or (value.lower() in presets and not Path(value).is_file()):
+    if value in presets or (value.lower() in presets and path_kind(Path(value)) != "file"):
         return load_preset(value)
     path = Path(value).expanduser()
-    if path.is_file():
+    kind = path_kind(path)
+    if kind == "file":
         if not path.name.lower().endswith(_SPEC_SUFFIXES):
             raise UserError(f"model file {value} must be .json, .yaml or .yml")
         try:
@@ -140,11 +142,11 @@ def resolve_model(value: str) -> ModelSpec:
 
             return from_hf_config(raw, _hf_name(raw, path), where=where)
         return model_from_dict(raw, where, default_name=path.stem)
-    if path.is_dir():
+    if kind == "dir":
         cfg = path / "config.json"
         if cfg.is_file():
             return resolve_model(str(cfg))
         raise UserError(f"model directory {value} has no config.json")
     if _looks_like_path(value):
-        raise UserError(f"model file not found: {value}")
+        raise UserError(f"model file not found: {value if len(value) <= 200 else shorten(value, 200)}")
     raise _unknown_preset(value)

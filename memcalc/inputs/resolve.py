@@ -7,6 +7,7 @@ reports can mark what the user did not set.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,7 +16,8 @@ from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
-from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, LORA_TARGETS, ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, LORA_TARGET_ALIASES, LORA_TARGETS, ExperimentSpec, ModelSpec,
+                               TrainingSpec, canonical_targets, lora_targets_error)
 
 
 @dataclass
@@ -60,31 +62,54 @@ class Resolved:
     notes: list[str] = field(default_factory=list)
 
 
+#: the largest K of --checkpoint every-K (more layers than any model has; checked before int())
+MAX_CHECKPOINT_EVERY = 100_000
+
+
 def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
-    """none | full | every-K (K >= 1) | sqrt | selective."""
+    """none | full | every-K (1 <= K <= MAX_CHECKPOINT_EVERY) | sqrt | selective."""
     v = value.strip().lower()
     if v in ("none", "full", "sqrt", "selective"):
         return v, None
     m = re.fullmatch(r"every-?(\d+)", v)
+    if m and (len(m.group(1).lstrip("0")) > len(str(MAX_CHECKPOINT_EVERY)) or int(m.group(1)) > MAX_CHECKPOINT_EVERY):
+        shown = v if len(v) <= 40 else v[:36] + "..."
+        raise UserError(f"--checkpoint {shown}: K must be between 1 and {MAX_CHECKPOINT_EVERY:,}")
     if m and int(m.group(1)) >= 1:
         k = int(m.group(1))
         return ("full", None) if k == 1 else ("every-k", k)
+    if len(value) > 40:
+        value = value[:36] + "..."
     raise UserError(f"unknown --checkpoint {value!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
 
 
-def parse_targets(value: str) -> tuple[str, ...]:
+def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, ...]:
+    """``--lora-targets``: comma-separated q,k,v,o,gate,up,down or their PEFT module names
+    (q_proj, ..., down_proj), or all (every projection ``model`` has). With ``model``, a target
+    it does not have (gate on a plain MLP) is an error naming the ones it has."""
     if value.strip().lower() == "all":
-        return LORA_TARGETS
-    ts = tuple(t.strip().lower() for t in value.split(",") if t.strip())
+        return model.lora_targets if model is not None else LORA_TARGETS
+    ts = canonical_targets(t for t in value.split(",") if t.strip())
     bad = [t for t in ts if t not in LORA_TARGETS]
     if bad or not ts:
-        raise UserError(f"unknown --lora-targets {', '.join(bad) or repr(value)}; valid: {', '.join(LORA_TARGETS)} or all")
+        shown = ", ".join(bad) or repr(value)
+        shown = shown if len(shown) <= 60 else shown[:56] + "..."
+        raise UserError(f"unknown --lora-targets {shown}; valid: {', '.join(LORA_TARGETS)} "
+                        f"(or PEFT's {', '.join(LORA_TARGET_ALIASES)}), or all")
+    missing = [t for t in ts if model is not None and t not in model.lora_targets]
+    if missing:
+        raise UserError(f"--lora-targets: {lora_targets_error(model, missing)}")
     return ts
 
 
 def _check_positive(name: str, v: Optional[float]) -> None:
     if v is not None and v <= 0:
         raise UserError(f"--{name} must be positive, got {v}")
+
+
+def _check_finite(name: str, v: Optional[float]) -> None:
+    if v is not None and not math.isfinite(v):
+        raise UserError(f"--{name} must be a finite number, got {v}")
 
 
 def resolve(o: Options) -> Resolved:
@@ -94,6 +119,8 @@ def resolve(o: Options) -> Resolved:
     from memcalc.inputs.presets import resolve_model
     from memcalc.inputs.pydantic_errors import pydantic_error_line
 
+    for name in ("lora_alpha", "lora_dropout", "memory_budget"):
+        _check_finite(name.replace("_", "-"), getattr(o, name))
     for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
         _check_positive(name.replace("_", "-"), getattr(o, name))
     if o.zero is not None and o.zero not in (0, 1, 2, 3):
@@ -161,7 +188,7 @@ def resolve(o: Options) -> Resolved:
         if o.lora_alpha is not None:
             cur["alpha"] = o.lora_alpha
         if o.lora_targets is not None:
-            cur["targets"] = parse_targets(o.lora_targets)
+            cur["targets"] = parse_targets(o.lora_targets, model)
         if o.lora_dropout is not None:
             cur["dropout"] = o.lora_dropout
         if o.qlora:
@@ -196,15 +223,18 @@ def resolve(o: Options) -> Resolved:
             # (other values under full are noted in the estimate's assumptions)
             notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")
     published = base.published_peak_bytes if base is not None and not _changed(base, model, training, profile) else None
-    exp = ExperimentSpec(
-        name=base.name if base is not None else model.name,
-        description=base.description if base is not None else "",
-        model=model,
-        training=training,
-        profile=profile,
-        published_peak_bytes=published,
-        published_source=base.published_source if published is not None else None,
-    )
+    try:
+        exp = ExperimentSpec(
+            name=base.name if base is not None else model.name,
+            description=base.description if base is not None else "",
+            model=model,
+            training=training,
+            profile=profile,
+            published_peak_bytes=published,
+            published_source=base.published_source if published is not None else None,
+        )
+    except ValidationError as e:  # a config's LoRA targets that --model does not have
+        raise UserError(pydantic_error_line(e, "experiment")) from None
     return Resolved(exp, origin, notes)
 
 
