@@ -19,6 +19,9 @@ from memcalc.inputs.configs import load_config
 from memcalc.estimate.peak import estimate
 from memcalc.render.html import estimate_html, validate_html
 from memcalc.inputs.resolve import Resolved
+
+# starts headless Chromium (seconds per page): left out of the quick lane, run by the full suite
+pytestmark = pytest.mark.slow
 from memcalc.core.units import GiB
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
