@@ -10,7 +10,7 @@ from rich.table import Table
 
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate
-from memcalc.core.units import fmt_auto, fmt_bytes, fmt_count, gib
+from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
@@ -118,9 +118,9 @@ def peak_table(est: Estimate) -> Table:
     t.add_column("MiB", justify="right")
     t.add_column("share", justify="right")
     for name, b in est.components.items():
-        t.add_row(name, f"{gib(b):.3f}", f"{b / 2**20:,.1f}", f"{100 * b / est.peak_bytes:.1f}%")
+        t.add_row(name, f"{gib(b):.3f}", f"{b / MiB:,.1f}", f"{100 * b / est.peak_bytes:.1f}%")
     t.add_row("[bold]total (allocated peak)[/bold]", f"[bold]{gib(est.peak_bytes):.3f}[/bold]",
-              f"{est.peak_bytes / 2**20:,.1f}", "100.0%")
+              f"{est.peak_bytes / MiB:,.1f}", "100.0%")
     return t
 
 
