@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
+from memcalc.core.spec import LOSSES
 from memcalc.core.units import gib
 
 
@@ -95,9 +96,8 @@ OptimizerOpt = Enum("OptimizerOpt", {n.replace("-", "_"): n for n in OPTIMIZER_N
 ImplOpt = Enum("ImplOpt", {n.replace("-", "_"): n for n in IMPLS}, type=str)  # type: ignore[misc]
 
 
-class LossOpt(str, Enum):
-    full = "full"
-    chunked = "chunked"
+#: --loss choices: the profile's cross_entropy values (memcalc.core.spec.LOSSES)
+LossOpt = Enum("LossOpt", {n: n for n in LOSSES}, type=str)  # type: ignore[misc]
 
 
 # -- shared options -------------------------------------------------------------------

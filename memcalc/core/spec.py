@@ -71,8 +71,6 @@ def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
 class ModelSpec(_Spec):
     """A decoder-only transformer, described by the shapes that decide its memory."""
 
-    model_config = _FROZEN
-
     name: str = Field("custom", description="A name for the model, shown in reports.")
     n_layers: int = Field(..., gt=0, description="Number of decoder layers.")
     d_model: int = Field(..., gt=0, description="Hidden size (width of the residual stream).")
@@ -183,8 +181,6 @@ class ModelSpec(_Spec):
 class LoraSpec(_Spec):
     """Low-rank adapters on a frozen base (LoRA; QLoRA when the base is 4-bit)."""
 
-    model_config = _FROZEN
-
     rank: int = Field(16, gt=0, description="Adapter rank r.")
     alpha: float = Field(32.0, gt=0, description="Adapter scaling numerator (scale = alpha / rank).")
     targets: tuple[str, ...] = Field(
@@ -218,8 +214,6 @@ OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
 
 class TrainingSpec(_Spec):
     """One training step: batch, precision, optimizer and memory techniques."""
-
-    model_config = _FROZEN
 
     batch: int = Field(1, gt=0, description="Micro-batch size (sequences per forward pass).")
     seq: int = Field(2048, gt=0, description="Sequence length in tokens.")
@@ -289,6 +283,9 @@ class TrainingSpec(_Spec):
         return self.compile and self.checkpoint == "none"
 
 
+#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks
+LossKind = Literal["full", "chunked"]
+LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 #: torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
 DEFAULT_LOSS_CHUNKS = 8
 
@@ -298,8 +295,6 @@ class KernelProfile(_Spec):
 
     The estimator and the meta tracer read the same profile.
     """
-
-    model_config = _FROZEN
 
     name: str = Field("torch-2.8-cuda", description="Profile name.")
     torch_version: str = Field("2.8", description="PyTorch version emulated (major.minor).")
@@ -316,7 +311,7 @@ class KernelProfile(_Spec):
     mean_saves_input: bool = Field(
         False, description="mean(x*x) backward keeps its input (PyTorch <= 2.1)."
     )
-    cross_entropy: Literal["full", "chunked"] = Field(
+    cross_entropy: LossKind = Field(
         "full", description="Cross-entropy on the full logits, or in chunks that never hold full fp32 logits."
     )
     loss_chunks: int = Field(
@@ -332,8 +327,6 @@ class KernelProfile(_Spec):
 
 class ExperimentSpec(_Spec):
     """A whole experiment: model, training setup and kernel profile (a --config file)."""
-
-    model_config = _FROZEN
 
     name: str = Field("experiment", description="Experiment name.")
     description: str = Field("", description="What the experiment sets.")

@@ -51,9 +51,6 @@ class Ops:
     def dtype_of(t: T) -> DType:
         return {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}[t.itemsize_bits]
 
-    def _nb(self, numel: int, dtype: DType) -> int:
-        return dtype.nbytes(numel)
-
     def _cast_for_matmul(self, x: T) -> tuple[T, bool]:
         """Autocast's cast of an activation to the compute dtype (a copy when it differs)."""
         if self.autocast is None or x.itemsize_bits == self.autocast.bits:
@@ -95,7 +92,7 @@ class Ops:
         odt = self.autocast or self.dtype_of(x)
         y = self.new(rows * out_features, odt)
         saved = []
-        if w.trainable and (b is None or True):
+        if w.trainable:
             saved.append(xc)
         if x.requires_grad and wc is not None:
             saved.append(wc)

@@ -14,6 +14,7 @@ import numpy as np
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
+from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec
@@ -47,17 +48,9 @@ def required_bytes(peak_bytes):
         return p + CUDA_CONTEXT_BYTES + allocator_slack_bytes(p)
     return int(peak_bytes) + CUDA_CONTEXT_BYTES + allocator_slack_bytes(peak_bytes)
 
-PHASE_NAMES = {
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer step": "optimizer step",
-}
-
 
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     """Bytes per trainable parameter of weights, gradients, master copy and optimizer state."""
-    from memcalc.engine.optimizers import state_dtype
-
     tr = exp.training
     w = tr.weight_dtype.bits / 8
     opt = OPTIMIZERS[tr.optimizer].state_bytes_per_param(state_dtype(tr).bits / 8)

@@ -69,6 +69,11 @@ def shorten(value: str, limit: int = 60) -> str:
     return r if len(r) <= limit else r[: limit - 4] + "...'"
 
 
+def clip(text: str, limit: int = 40) -> str:
+    """``text`` as typed, cut to ``limit`` characters for an error line."""
+    return text if len(text) <= limit else text[: limit - 4] + "..."
+
+
 def path_kind(path: Path) -> str:
     """'file', 'dir' or 'none'; a path the OS refuses to look up (a component over 255 bytes) is 'none'."""
     try:

@@ -20,7 +20,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from memcalc.inputs.data_files import load_file
+from memcalc.inputs.data_files import clip, load_file
 from memcalc.core.errors import UserError
 from memcalc.core.units import GB, GiB, TiB
 
@@ -130,7 +130,7 @@ def capacity_gpu(value: str) -> Optional[GPU]:
         return None
     unit, scale = _UNITS[m.group(2).lower()]
     number = Decimal(m.group(1))
-    shown = value.strip() if len(value.strip()) <= 40 else value.strip()[:36] + "..."
+    shown = clip(value.strip())
     # bound the exponent before any arithmetic (1e400GB)
     if number > 0 and number.adjusted() + len(str(scale)) - 1 > len(str(MAX_CAPACITY_BYTES)):
         raise UserError(f"--gpu {shown}: capacity out of range; give at most {MAX_CAPACITY_BYTES // TiB:,} TiB")

@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
+from memcalc.inputs.data_files import shorten
 from memcalc.core.spec import ModelSpec
 from memcalc.core.units import fmt_count
 
@@ -229,11 +230,6 @@ _MAX_DIGITS = 15
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
-def _short(value: str, limit: int = 40) -> str:
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 4] + "...'"
-
-
 def parse_count(value: str) -> int:
     """A parameter count: ``7e9``, ``7B``, ``1.5b``, ``350M``, ``7000000000``, ``7_000_000_000``, ``1.2T``.
 
@@ -247,18 +243,18 @@ def parse_count(value: str) -> int:
         raise UserError(f"--params must be a number such as 7e9, 7B or 350M, got {value!r}")
     m = _COUNT.match(value)
     if not m:
-        raise UserError(f"--params {_short(value)} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M or 7000000000")
+        raise UserError(f"--params {shorten(value, 40)} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M or 7000000000")
     try:
         number = Decimal(m.group(1).replace("_", "").replace(",", ""))
     except InvalidOperation:
-        raise UserError(f"--params {_short(value)} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M") from None
+        raise UserError(f"--params {shorten(value, 40)} is not a parameter count; use e.g. 7e9, 7B, 1.5b, 350M") from None
     if not number.is_finite():  # pragma: no cover - the pattern admits digits only
         raise UserError(f"--params must be a finite number, got {value!r}")
     # Bound the exponent before any arithmetic: 1e999999999 would otherwise expand to a
     # billion-digit integer (or overflow Decimal's context).
     if number and number.adjusted() + len(str(_SUFFIX[m.group(2).lower()])) - 1 > _MAX_DIGITS:
-        raise UserError(f"--params {_short(value)} is out of range; give between 1e6 and 1e13 (1M to 10T parameters)")
+        raise UserError(f"--params {shorten(value, 40)} is out of range; give between 1e6 and 1e13 (1M to 10T parameters)")
     count = int((number * _SUFFIX[m.group(2).lower()]).to_integral_value())
     if count <= 0:
-        raise UserError(f"--params must be positive, got {_short(value)}")
+        raise UserError(f"--params must be positive, got {shorten(value, 40)}")
     return count

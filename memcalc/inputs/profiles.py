@@ -12,7 +12,7 @@ from typing import Optional
 
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.core.kernels import rmsnorm_for_torch
-from memcalc.core.spec import KernelProfile
+from memcalc.core.spec import LOSSES, KernelProfile
 
 PROFILES: dict[str, KernelProfile] = {
     p.name: p
@@ -45,9 +45,6 @@ def get_profile(name: str) -> KernelProfile:
         return PROFILES[name]
     except KeyError:
         raise unknown_name("profile", name, list(PROFILES)) from None
-
-
-LOSSES = ("full", "chunked")
 
 
 def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: Optional[int] = None) -> KernelProfile:

@@ -15,6 +15,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
+from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
 from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, LORA_TARGET_ALIASES, LORA_TARGETS, ExperimentSpec, ModelSpec,
                                TrainingSpec, canonical_targets, lora_targets_error)
@@ -73,14 +74,11 @@ def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
         return v, None
     m = re.fullmatch(r"every-?(\d+)", v)
     if m and (len(m.group(1).lstrip("0")) > len(str(MAX_CHECKPOINT_EVERY)) or int(m.group(1)) > MAX_CHECKPOINT_EVERY):
-        shown = v if len(v) <= 40 else v[:36] + "..."
-        raise UserError(f"--checkpoint {shown}: K must be between 1 and {MAX_CHECKPOINT_EVERY:,}")
+        raise UserError(f"--checkpoint {clip(v)}: K must be between 1 and {MAX_CHECKPOINT_EVERY:,}")
     if m and int(m.group(1)) >= 1:
         k = int(m.group(1))
         return ("full", None) if k == 1 else ("every-k", k)
-    if len(value) > 40:
-        value = value[:36] + "..."
-    raise UserError(f"unknown --checkpoint {value!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
+    raise UserError(f"unknown --checkpoint {clip(value)!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
 
 
 def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, ...]:
