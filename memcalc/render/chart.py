@@ -21,7 +21,7 @@ from rich.style import Style
 from rich.text import Text
 
 from memcalc.engine.result import KINDS, Estimate
-from memcalc.render.timeline_view import Column, bare_peak_label, phase_runs, resample, step_columns
+from memcalc.render.timeline_view import Column, phase_runs, resample, step_columns
 from memcalc.core.units import GiB, gib
 
 #: One colour per kind, shared with the HTML report (Tableau 10).
