@@ -47,15 +47,24 @@ def efficient_lse_len(t: int) -> int:
     return _round(t, EFFICIENT_LSE_ROUND)
 
 
-def choose_attention_kernel(profile_choice: str, sixteen_bit: bool, has_mask: bool) -> str:
+def choose_attention_kernel(profile_choice: str, sixteen_bit: bool, has_mask: bool, enable_gqa: bool = False) -> str:
     """The SDPA kernel CUDA runs (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp
-    ``select_sdp_backend``): ``auto`` = flash for 16-bit inputs without an explicit mask,
-    memory-efficient otherwise; a forced ``flash`` that cannot run (fp32, or a mask) falls
-    back to memory-efficient, as the dispatcher would."""
-    if profile_choice == "auto":
-        return "flash" if sixteen_bit and not has_mask else "efficient"
-    if profile_choice == "flash" and (has_mask or not sixteen_bit):
-        return "efficient"
+    ``select_sdp_backend``): ``auto`` = flash for 16-bit inputs without an explicit mask;
+    otherwise memory-efficient, except that a grouped-query call (``enable_gqa=True``, K/V with
+    fewer heads than Q, as transformers' ``sdpa_attention_forward`` makes it when
+    ``use_gqa_in_sdpa`` holds) cannot use the memory-efficient kernel (its constraints have no
+    ``check_grouped_query_attention``; flash and cuDNN do) and falls to the math kernel, which
+    saves the full attention matrix. A forced ``flash`` that cannot run (fp32, or a mask) falls
+    back the same way, as the dispatcher would. cuDNN attention is not modelled (PyTorch 2.5.1+
+    ranks it below flash and memory-efficient by default)."""
+    if profile_choice == "flash" and sixteen_bit and not has_mask:
+        return "flash"
+    if profile_choice in ("auto", "flash"):
+        if sixteen_bit and not has_mask:
+            return "flash"
+        return "math" if enable_gqa else "efficient"
+    if profile_choice == "efficient" and enable_gqa:
+        return "math"
     return profile_choice
 
 
