@@ -101,7 +101,7 @@ LossOpt = Enum("LossOpt", {n: n for n in LOSSES}, type=str)  # type: ignore[misc
 
 
 # -- shared options -------------------------------------------------------------------
-MODEL = typer.Option(None, "--model", "-m", help="Preset name (see `memcalc models`), or a path to a Hugging Face config.json or a model spec YAML/JSON.")
+MODEL = typer.Option(None, "--model", "-m", help="Preset name (see `memcalc models`), a Hugging Face id ORG/NAME (a preset with that id, else config.json from the local Hugging Face cache, else fetched from the Hub unless HF_HUB_OFFLINE=1), or a path to a Hugging Face config.json or a model spec YAML/JSON.")
 PARAMS = typer.Option(None, "--params", help="Infer a Llama-style decoder with about this many parameters (7e9, 7B, 350M).")
 CONFIG = typer.Option(None, "--config", "-c", help="A reference config name (see `memcalc configs`) or an experiment YAML/JSON; flags override it.")
 BATCH = typer.Option(None, "--batch", "-b", help="Micro-batch size (default 1).")
@@ -304,29 +304,28 @@ def plan(
 
 @app.command()
 def models(as_json: bool = JSON) -> None:
-    """List the model presets with their shapes and parameter counts."""
+    """List the model presets with their Hugging Face ids, shapes and parameter counts.
+
+    `--model ORG/NAME` with a listed Hugging Face id picks that preset.
+    """
     from rich.console import Console
     from rich.table import Table
 
-    from memcalc.engine.params import count_params
-    from memcalc.inputs.presets import list_presets, load_preset
+    from memcalc.inputs.presets import list_presets, preset_summary
     from memcalc.render.report import dumps
 
-    rows = []
-    for name in list_presets():
-        m = load_preset(name)
-        rows.append({"name": name, "params": count_params(m).total, "n_layers": m.n_layers, "d_model": m.d_model,
-                     "n_heads": m.n_heads, "n_kv_heads": m.kv_heads, "d_ff": m.d_ff, "vocab_size": m.vocab_size,
-                     "max_seq_len": m.max_seq_len})
+    rows = [preset_summary(name) for name in list_presets()]
     if as_json:
         typer.echo(dumps(rows))
         return
     t = Table(title="Model presets")
     for col in ("name", "params", "layers", "d_model", "heads (kv)", "d_ff", "vocab", "max seq"):
         t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
+    t.add_column("hf id (--model ORG/NAME)", overflow="fold")
     for r in rows:
         t.add_row(r["name"], f"{r['params']:,}", str(r["n_layers"]), str(r["d_model"]),
-                  f"{r['n_heads']} ({r['n_kv_heads']})", str(r["d_ff"]), str(r["vocab_size"]), str(r["max_seq_len"]))
+                  f"{r['n_heads']} ({r['n_kv_heads']})", str(r["d_ff"]), str(r["vocab_size"]), str(r["max_seq_len"]),
+                  r["hf_id"] or "-")
     Console().print(t)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import ValidationError
 
@@ -19,6 +19,9 @@ from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
 from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, LORA_TARGET_ALIASES, LORA_TARGETS, ExperimentSpec, ModelSpec,
                                TrainingSpec, canonical_targets, lora_targets_error)
+
+if TYPE_CHECKING:
+    from memcalc.inputs.presets import ModelSource
 
 
 @dataclass
@@ -61,6 +64,8 @@ class Resolved:
     exp: ExperimentSpec
     origin: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: where --model's model came from (preset, Hugging Face id, cache, Hub, file); None without --model
+    model_source: Optional["ModelSource"] = None
 
 
 #: the largest K of --checkpoint every-K (more layers than any model has; checked before int())
@@ -114,7 +119,7 @@ def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
     from memcalc.inputs.configs import load_config
     from memcalc.inputs.infer import infer_from_params, parse_count
-    from memcalc.inputs.presets import resolve_model
+    from memcalc.inputs.presets import resolve_model_source
     from memcalc.inputs.pydantic_errors import pydantic_error_line
 
     for name in ("lora_alpha", "lora_dropout", "memory_budget"):
@@ -134,8 +139,9 @@ def resolve(o: Options) -> Resolved:
     if len(sources) > 1:
         raise UserError("give one of --model or --params, not both")
     model: ModelSpec
+    model_source = None
     if o.model:
-        model = resolve_model(o.model)
+        model, model_source = resolve_model_source(o.model)
         origin["model"] = "flag"
     elif o.params:
         model, reasons = infer_from_params(float(parse_count(o.params)))
@@ -233,7 +239,7 @@ def resolve(o: Options) -> Resolved:
         )
     except ValidationError as e:  # a config's LoRA targets that --model does not have
         raise UserError(pydantic_error_line(e, "experiment")) from None
-    return Resolved(exp, origin, notes)
+    return Resolved(exp, origin, notes, model_source)
 
 
 def _changed(base: ExperimentSpec, model: ModelSpec, training: TrainingSpec, profile) -> bool:

@@ -114,14 +114,16 @@ def default_seq(model: ModelSpec, seq: Optional[int]) -> int:
 
 
 def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, list[str]]:
-    """The model ``plan`` is about: ``--model`` (preset or file) or ``--params`` (inferred)."""
+    """The model ``plan`` is about: ``--model`` (preset, Hugging Face id or file) or ``--params`` (inferred);
+    a note says where a model given by Hugging Face id came from."""
     from memcalc.inputs.infer import infer_from_params, parse_count
-    from memcalc.inputs.presets import resolve_model
+    from memcalc.inputs.presets import resolve_model_source
 
     if model and params:
         raise UserError("give one of --model or --params, not both")
     if model:
-        return resolve_model(model), []
+        m, src = resolve_model_source(model)
+        return m, ([f"model from {src.describe()}"] if src.kind not in ("preset", "file") else [])
     if params:
         return infer_from_params(float(parse_count(params)))
     raise UserError("plan needs a model: give --model NAME|config.json or --params N (see `memcalc models`)")

@@ -6,6 +6,7 @@ import json
 from typing import Any, Optional
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from memcalc.inputs.resolve import Resolved
@@ -65,6 +66,9 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
             "training": exp.training.model_dump(),
             "profile": exp.profile.model_dump(),
             "origin": res.origin,
+            # only when --model was not a preset name (keeps the preset documents as they were)
+            **({"model_source": res.model_source.as_json()}
+               if res.model_source is not None and res.model_source.kind != "preset" else {}),
         },
         "inferred": res.notes,
         "assumptions": est.assumptions,
@@ -82,11 +86,13 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     o = res.origin
     t = Table(title=f"Inputs: {exp.name}", show_header=False, title_justify="left")
     t.add_column("input", style="bold")
-    t.add_column("value")
+    t.add_column("value", overflow="fold")  # a long path breaks across lines instead of losing its end
     shape = (f"{m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
              + (f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else "")
              + f", ff {m.d_ff} ({m.mlp} {m.activation}), vocab {m.vocab_size}, {m.norm} {m.norm_placement}-norm, {m.positions}")
     t.add_row("model", f"{m.name}{_mark(o, 'model')}")
+    if res.model_source is not None and res.model_source.kind != "preset":
+        t.add_row("model from", escape(res.model_source.describe()))
     t.add_row("shape", shape)
     t.add_row("parameters", f"{est.params:,} ({fmt_count(est.params)}); trainable {est.trainable_params:,}")
     t.add_row("batch x seq", f"{tr.batch}{_mark(o, 'batch')} x {tr.seq}{_mark(o, 'seq')}, grad accum {tr.grad_accum}{_mark(o, 'grad_accum')}")
