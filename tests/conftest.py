@@ -53,3 +53,16 @@ def preset_exp(model: str, layers: int, budget: float, **kw) -> ExperimentSpec:
 
     exp = resolve(Options(model=model, batch=2, seq=256, memory_budget=budget, **kw)).exp
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers})})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_hugging_face_hub(tmp_path_factory):
+    """No test reaches the Hugging Face Hub or reads the developer's cache: ``--model ORG/NAME``
+    sees an empty cache and offline mode (tests of the cache and the fetch set their own)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setenv("HF_HUB_CACHE", str(tmp_path_factory.mktemp("hf_hub_cache")))
+        mp.setenv("HF_TOKEN_PATH", str(tmp_path_factory.mktemp("hf_home") / "token"))  # no such file: no token
+        for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_ENDPOINT"):
+            mp.delenv(name, raising=False)
+        yield

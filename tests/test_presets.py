@@ -58,7 +58,7 @@ def test_unknown_preset_suggests_and_lists():
 
 def test_preset_summary():
     s = preset_summary("llama-3.1-8b")
-    assert s == {"name": "llama-3.1-8b", "params": 8_030_261_248, "n_layers": 32, "d_model": 4096, "n_heads": 32,
+    assert s == {"name": "llama-3.1-8b", "hf_id": "meta-llama/Llama-3.1-8B", "params": 8_030_261_248, "n_layers": 32, "d_model": 4096, "n_heads": 32,
                  "n_kv_heads": 8, "d_ff": 14336, "vocab_size": 128256, "max_seq_len": 131072}
     assert preset_summary("llama-2-7b")["n_kv_heads"] == 32
 
