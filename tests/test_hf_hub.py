@@ -252,6 +252,14 @@ def test_read_only_cache_still_works(hub, tmp_path):
     (tmp_path / "cache").write_text("a file, not a folder")  # mkdir under it fails
     m, src = resolve_model_source("org/fetched")
     assert count_params(m).total == TINY_PARAMS and src.kind == "hub" and src.path is None
+    assert "(not saved: the cache " in src.describe() and "is not writable" in src.note
+
+
+def test_no_commit_header_is_not_saved(hub, tmp_path):
+    hub.answer = _Resp(json.dumps(TINY).encode(), {})
+    src = resolve_model_source("org/fetched")[1]
+    assert src.path is None and src.note == "the answer had no X-Repo-Commit header"
+    assert not (tmp_path / "cache").exists()
 
 
 # (what the Hub does, message) -- source: huggingface_hub utils/_http.py hf_raise_for_status (X-Error-Code)
@@ -349,3 +357,50 @@ def test_cli_models_lists_ids():
     assert ids["llama-3.1-8b"] == "meta-llama/Llama-3.1-8B" and ids["deep-one-1.6b"] is None
     out = CliRunner().invoke(app, ["models"], env={"COLUMNS": "200"}).stdout
     assert "hf id" in out and "meta-llama/Llama-2-7b-hf" in out
+
+
+def test_real_urllib_against_a_local_hub(tmp_path, monkeypatch):
+    """The real opener, against a Hub stand-in on 127.0.0.1 (HF_ENDPOINT): headers, 401 GatedRepo, 404."""
+    import http.server
+    import threading
+
+    body = json.dumps(TINY).encode()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.path == "/org/served/resolve/main/config.json":
+                self.send_response(200)
+                self.send_header("X-Repo-Commit", COMMIT)
+                self.send_header("ETag", '"' + "b" * 40 + '"')
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            elif self.path.startswith("/org/gated/"):
+                self.send_response(401)
+                self.send_header("X-Error-Code", "GatedRepo")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        for name in ("no_proxy", "NO_PROXY"):  # a proxy in the environment must not see 127.0.0.1
+            monkeypatch.setenv(name, "127.0.0.1,localhost")
+        m, src = resolve_model_source("org/served")
+        assert count_params(m).total == TINY_PARAMS and src.kind == "hub"
+        assert (tmp_path / "models--org--served" / "blobs" / ("b" * 40)).read_bytes() == body
+        with pytest.raises(UserError, match=r"org/gated is gated or private on the Hugging Face Hub \(HTTP 401\)"):
+            resolve_model("org/gated")
+        with pytest.raises(UserError, match=r"the Hub has no model org/nothing \(HTTP 404\)"):
+            resolve_model("org/nothing")
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -206,11 +206,12 @@ def store_config(repo_id: str, commit: str, etag: Optional[str], data: bytes) ->
 
 @dataclass(frozen=True)
 class Fetched:
-    """A config.json fetched from the Hub: its bytes, where it was stored (None if the cache was not writable)."""
+    """A config.json fetched from the Hub: its bytes, where it was stored in the cache, or why not."""
 
     data: bytes
     url: str
     stored: Optional[Path]
+    not_stored: Optional[str] = None
 
 
 def _how_to_pass(repo_id: str) -> str:
@@ -267,10 +268,9 @@ def fetch_config(repo_id: str) -> Fetched:
     if len(data) > MAX_CONFIG_BYTES:
         raise UserError(f"--model {repo_id}: the Hub's config.json is over {MAX_CONFIG_BYTES >> 20} MiB; "
                         f"not a model config; {_how_to_pass(repo_id)}")
-    stored = None
-    if re.fullmatch(r"[0-9a-f]{40}", commit):
-        try:
-            stored = store_config(repo_id, commit, etag, data)
-        except OSError:
-            stored = None  # a read-only cache: use the bytes, fetch again next time
-    return Fetched(data, url, stored)
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):  # the cache's folders are named by commit
+        return Fetched(data, url, None, "the answer had no X-Repo-Commit header")
+    try:
+        return Fetched(data, url, store_config(repo_id, commit, etag, data))
+    except OSError as e:  # a read-only cache: use the bytes, fetch again next time
+        return Fetched(data, url, None, f"the cache {hub_cache()} is not writable: {e.strerror or e}")

@@ -47,6 +47,7 @@ class ModelSource:
     hf_id: Optional[str] = None
     path: Optional[str] = None
     url: Optional[str] = None
+    note: Optional[str] = None
 
     def describe(self) -> str:
         """One line for the inputs table."""
@@ -55,7 +56,7 @@ class ModelSource:
         if self.kind == "hf-cache":
             return f"{self.hf_id}: config.json in the Hugging Face cache, {self.path}"
         if self.kind == "hub":
-            saved = f", saved to {self.path}" if self.path else " (the cache was not writable: not saved)"
+            saved = f", saved to {self.path}" if self.path else f" (not saved: {self.note})"
             return f"{self.hf_id}: config.json fetched from {self.url}{saved}"
         if self.kind == "file":
             return f"file {self.path}"
@@ -64,7 +65,8 @@ class ModelSource:
     def as_json(self) -> dict[str, Any]:
         """The ``inputs.model_source`` object of ``--json``: the set fields."""
         return {k: v for k, v in (("kind", self.kind), ("value", self.value), ("preset", self.preset),
-                                  ("hf_id", self.hf_id), ("path", self.path), ("url", self.url)) if v is not None}
+                                  ("hf_id", self.hf_id), ("path", self.path), ("url", self.url),
+                                  ("note", self.note)) if v is not None}
 
 
 # --------------------------------------------------------------------------- presets
@@ -81,7 +83,7 @@ def _unknown_preset(name: str) -> UserError:
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return UserError(
         f"unknown model preset {shorten(name)}{hint}; valid: {', '.join(valid)} "
-        "(or a path to a Hugging Face config.json or a model spec .yaml/.json)"
+        "(or a Hugging Face id ORG/NAME, or a path to a Hugging Face config.json or a model spec .yaml/.json)"
     )
 
 
@@ -279,7 +281,8 @@ def resolve_hf_id(repo_id: str) -> tuple[ModelSpec, ModelSource]:
             raw = json.loads(got.data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise UserError(f"malformed config.json from {got.url}: {e}") from None
-        src = ModelSource("hub", repo_id, hf_id=repo_id, path=str(got.stored) if got.stored else None, url=got.url)
+        src = ModelSource("hub", repo_id, hf_id=repo_id, path=str(got.stored) if got.stored else None, url=got.url,
+                          note=got.not_stored)
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise UserError(f"{where} is not a Hugging Face model config (a JSON object with model_type)")
     return from_hf_config(raw, name, where=where), src
