@@ -142,6 +142,8 @@ class Family:
     fused: tuple[tuple[str, ...], ...] = field(default=())
     #: a one-line description for error messages
     shape: str = ""
+    #: further LoraConfig arguments the family needs (GPT-2's Conv1D stores weights (in, out))
+    lora_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -152,7 +154,8 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("gpt2", _gpt2_mismatches, _gpt2,
            {"q": ("c_attn",), "k": ("c_attn",), "v": ("c_attn",), "o": ("attn.c_proj",), "up": ("c_fc",),
             "down": ("mlp.c_proj",)}, fused=(("q", "k", "v"),),
-           shape="LayerNorm, plain MLP, learned positions, all biases, fused Conv1D c_attn"),
+           shape="LayerNorm, plain MLP, learned positions, all biases, fused Conv1D c_attn",
+           lora_kwargs={"fan_in_fan_out": True}),
     Family("phi", _phi_mismatches, _phi,
            {"q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("dense",), "up": ("fc1",),
             "down": ("fc2",)},
@@ -220,12 +223,16 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     if lora is not None:
+        import warnings
+
         from peft import LoraConfig, get_peft_model
 
         targets = peft_targets(family, lora)
-        with torch.device(device):
-            model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets,
-                                                     lora_dropout=lora.dropout))
+        cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
+                         **family.lora_kwargs)
+        with torch.device(device), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # PEFT calls transformers 5's deprecated aliases
+            model = get_peft_model(model, cfg)
     model.train()
     return model, family
 

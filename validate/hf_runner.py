@@ -22,7 +22,7 @@ Training setup as HF Trainer (transformers 5.23 ``Trainer.__init__``) makes it:
 - ``use_cache`` stays the config's (True: without checkpointing the forward fills a ``DynamicCache``,
   a ``torch.cat`` copy of each layer's K and V that attention then uses and saves).
 
-Only kernel dispatch is patched (:mod:`.hf_kernels`). QLoRA (bitsandbytes, CUDA only), torch.compile
+Only kernel dispatch is patched (:mod:`.hf_kernels`). QLoRA (bitsandbytes), torch.compile
 off CUDA, ZeRO across GPUs and optimizer offload are ``skipped`` with the reason.
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -57,14 +58,22 @@ def library_versions() -> tuple[Optional[str], Optional[str]]:
     return out[0], out[1]
 
 
+def _has_every_n_layers() -> bool:
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "activation_checkpointing_enable")
+
+
 def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
     """Why ``--framework hf`` cannot run this experiment on ``device`` (None when it can)."""
     tr = exp.training
     if tr.checkpoint in ("sqrt", "selective"):
         return (f"--framework hf: checkpoint {tr.checkpoint} has no Hugging Face equivalent "
                 "(activation_checkpointing_enable checkpoints every layer or every N-th: full, every-K)")
-    if tr.lora is not None and tr.lora.qlora and device != "cuda":
-        return "--framework hf: QLoRA loads the base through bitsandbytes, which needs CUDA; not traced on " + device
+    if tr.checkpoint == "every-k" and not _has_every_n_layers():
+        return "--framework hf: checkpoint every-K needs transformers' activation_checkpointing_enable(every_n_layers)"
+    if tr.lora is not None and tr.lora.qlora:
+        return "--framework hf: QLoRA loads the base through bitsandbytes (CUDA only); the HF validator does not build it"
     return unsupported(exp, device)
 
 
@@ -99,8 +108,10 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # "use_cache=True is incompatible with checkpointing" and the like
     try:
-        _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None, reentrant,
-             kernels_seen)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations PEFT still calls
+            _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None,
+                 reentrant, kernels_seen)
     except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
         meas.status = "oom"
         meas.reason = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
@@ -131,9 +142,12 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     say(f"building {m.name} ({m.n_layers} layers) with transformers on {device}")
     model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device)
     if tr.checkpoint in ("full", "every-k"):
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": reentrant},
-            every_n_layers=tr.checkpoint_every if tr.checkpoint == "every-k" else 1)
+        every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x (every_n_layers)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant},
+                                                  every_n_layers=every)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     meas.params = param_counts(model)[0]
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(trainable, tr)
