@@ -304,3 +304,34 @@ def test_grid_covers_the_families_and_setups():
     assert {e.training.checkpoint for _, e in items} == {"none", "full"}
     assert {e.training.lora.dropout for _, e in items if e.training.lora} == {0.0, 0.05}
     assert all(hf_estimator_spec(e).profile.logits_fp32 for _, e in items)
+
+
+def test_packed_sequence_detection_is_answered_on_meta():
+    """masking_utils.find_packed_sequence_indices calls ``bool()`` on a meta tensor (it cannot); inside
+    hf_patches it answers what unpacked data answers (None), and is restored after."""
+    from transformers import masking_utils
+
+    from memcalc.validate.hf_kernels import hf_patches
+
+    pos = torch.arange(8, device="meta")[None]
+    original = masking_utils.find_packed_sequence_indices
+    with pytest.raises(Exception):
+        original(pos)
+    with hf_patches(torch.nn.Module(), HFKernels(PROFILE)):
+        assert masking_utils.find_packed_sequence_indices(pos) is None
+        real = torch.arange(8)[None]  # real tensors still go to transformers' own function
+        assert masking_utils.find_packed_sequence_indices(real) is None
+        assert masking_utils.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1]])) is not None
+    assert masking_utils.find_packed_sequence_indices is original
+
+
+def test_math_kernel_dropout_saves_a_bool_mask():
+    """The math kernel's ``at::dropout`` is ``native_dropout`` on CUDA: its (B,H,T,T) mask is bool."""
+    B, H, kvH, T, D = 1, 4, 2, 16, 16
+    q = torch.empty((B, H, T, D), device="meta", dtype=torch.float32, requires_grad=True)
+    k = torch.empty((B, kvH, T, D), device="meta", dtype=torch.float32, requires_grad=True)
+    with HFKernels(PROFILE) as mode:
+        saved = _saved(lambda: F.scaled_dot_product_attention(q, k, k, dropout_p=0.1, is_causal=True,
+                                                              enable_gqa=True))
+    assert mode.calls[0][0] == "math"
+    assert ((B, H, T, T), torch.bool) in saved

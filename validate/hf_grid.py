@@ -98,8 +98,12 @@ def run_grid(items: list[tuple[str, ExperimentSpec]], device: str = "meta", prog
         if progress:
             progress(f"[{k + 1}/{len(items)}] {name}")
         meas = measure_hf(exp, device)
-        pred, phase = estimate_hf(exp)
-        gap = None if not meas.measured_bytes else round((pred - meas.measured_bytes) / meas.measured_bytes * 100, 2)
+        try:
+            pred, phase = estimate_hf(exp)
+        except Exception as e:  # an unsupported combination is reported beside the measurement
+            pred, phase = None, f"no estimate: {e}"
+        gap = (None if not meas.measured_bytes or pred is None
+               else round((pred - meas.measured_bytes) / meas.measured_bytes * 100, 2))
         rows.append(dict(config=name, status=meas.status, reason=meas.reason, measured_bytes=meas.measured_bytes,
                          predicted_bytes=pred, error_pct=gap, measured_phase=meas.peak_phase, peak_phase=phase,
                          first_step_bytes=meas.first_step_bytes))
@@ -115,7 +119,8 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.1f}"
         gap = "-" if r["error_pct"] is None else f"{r['error_pct']:+.2f}%"
-        lines.append(f"| {r['config']} | {meas} | {r['predicted_bytes'] / MiB:.1f} | {gap} | "
+        pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MiB:.1f}"
+        lines.append(f"| {r['config']} | {meas} | {pred} | {gap} | "
                      f"{r['measured_phase'] or r['status']} | {r['peak_phase']} |")
     return "\n".join(lines)
 
