@@ -418,6 +418,13 @@ def validate(
     snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
     as_json: bool = JSON,
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
+    framework: str = typer.Option(
+        "plain", "--framework",
+        help="plain: memcalc's PyTorch replica of the model; hf: the real transformers + PEFT step "
+             "(AutoModelForCausalLM.from_config, get_peft_model), only kernel dispatch patched."),
+    reentrant: bool = typer.Option(
+        False, "--reentrant",
+        help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
 ) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
@@ -428,12 +435,16 @@ def validate(
       memcalc validate --all --device meta --output results.json
 
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
+
+      memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
     """
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
+    if framework not in ("plain", "hf"):
+        raise UserError(f"unknown --framework {framework!r}; valid: plain, hf")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
@@ -459,7 +470,8 @@ def validate(
     else:
         items.append((None, resolve(_options(**common)).exp))
     items = [(n or e.name, e) for n, e in items]
-    records = run_validate(items, device, as_json, output, scale_layers, snapshot)
+    records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=framework,
+                           reentrant=reentrant)
     if html is not None:
         from memcalc.estimate.peak import estimate as run_estimate
         from memcalc.render.html import validate_html, write_report

@@ -20,7 +20,8 @@ the scratch buffers CUDA's kernels allocate internally and the meta kernels do n
 (aten/src/ATen/native/transformers/cuda/attention_backward.cu ``_efficient_attention_backward``:
 ``delta`` (B,H,T) fp32, plus an fp32 dq accumulator for 16-bit inputs; FlashAttention-2
 ``mha_bwd``: ``dq_accum`` (B, T rounded to 128, H, D rounded to 32) fp32 and ``softmax_d``
-(B, H, T rounded to 128) fp32). The roundings are :mod:`memcalc.core.kernels`' constants, which
+(B, H, T rounded to 128) fp32; with grouped K/V (fewer heads than q, which flash takes un-expanded)
+also ``dk_expanded`` and ``dv_expanded`` (B, Tk, H, D) in the input dtype). The roundings are :mod:`memcalc.core.kernels`' constants, which
 the estimator uses too. On ``cpu``, where these aten kernels do not exist, forward and
 backward are computed with the math path (transients differ, saved tensors do not).
 
@@ -51,7 +52,8 @@ def choose_kernel(profile_choice: str, compute_dtype: torch.dtype, has_mask: boo
 
 
 def _math_forward(q, k, v, bias, is_causal, scale):
-    return aten._scaled_dot_product_attention_math(q, k, v, bias, 0.0, is_causal, None, scale=scale)[0]
+    gqa = k.shape[-3] != q.shape[-3]  # grouped K/V (flash takes them un-expanded)
+    return aten._scaled_dot_product_attention_math(q, k, v, bias, 0.0, is_causal, None, scale=scale, enable_gqa=gqa)[0]
 
 
 def _math_backward(ctx, grad, q, k, v, bias):
@@ -143,6 +145,8 @@ class FlashAttention(torch.autograd.Function):
             dr = flash_head_dim_rounded(D)
             scratch.append(q.new_empty((B, tr, H, dr), dtype=torch.float32))  # dq_accum
             scratch.append(q.new_empty((B, H, tr), dtype=torch.float32))  # softmax_d
+            if k.shape[1] != H:  # grouped K/V: dk_expanded, dv_expanded (B, Tk, H, D), summed into dk, dv
+                scratch += [q.new_empty((B, k.shape[2], H, D)) for _ in range(2)]
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             grad, q, k, v, out, lse, cq, ck, mq, mk, ctx.dropout_p, ctx.is_causal, rng, unused, scale=ctx.scale
         )

@@ -2,11 +2,17 @@
 
 Each record (a dict of JSON types, bytes as ints) has the keys ``config, device,
 predicted_bytes, measured_bytes, published_bytes, error_pct, published_error_pct,
-peak_phase, measured_phase, first_step_bytes, status, reason, torch_version, seconds``,
+peak_phase, measured_phase, first_step_bytes, status, reason, torch_version, framework,
+transformers_version, peft_version, seconds``,
 plus ``measured_label`` (the layer at the measured peak, meta/cpu), ``reserved_bytes``
 (cuda), ``allocator_sim_bytes`` / ``allocator_sim_reserved_bytes`` (meta/cpu: the CUDA caching
 allocator replayed over the traced allocations, see ``allocator.py``; the allocated figure
 counts whole blocks, so it sits at or above ``measured_bytes``) and ``scale_layers``.
+
+``framework``: ``plain`` traces memcalc's own PyTorch replica of the model (``runner.py``); ``hf``
+traces the real Hugging Face step, transformers + PEFT, unmodified but for kernel dispatch
+(``hf_runner.py``), and compares it with the estimate of :func:`~.hf_grid.hf_estimator_spec`.
+``transformers_version`` / ``peft_version`` are the libraries the trace ran (None when not used).
 
 - ``error_pct`` = (predicted - measured) / measured * 100;
 - ``published_error_pct`` = (measured - published) / published * 100 (how far the
@@ -37,6 +43,10 @@ from memcalc.core.units import gib
 from .runner import Measurement, measure
 
 
+#: ``--framework``: memcalc's replica of the model, or the real transformers + PEFT step
+FRAMEWORKS = ("plain", "hf")
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "meta"
 
@@ -63,6 +73,10 @@ def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers:
     """One record (see the module docstring); the prediction is for the model as measured."""
     target = exp if scale_layers is None else exp.model_copy(
         update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
+    if meas.framework == "hf":
+        from .hf_grid import hf_estimator_spec
+
+        target = hf_estimator_spec(target)
     predicted, pred_phase, why = _predict(target)
     published = exp.published_peak_bytes if scale_layers is None else None
     reason = "; ".join(r for r in (meas.reason, why) if r)
@@ -87,6 +101,9 @@ def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers:
         "status": meas.status,
         "reason": reason,
         "torch_version": meas.torch_version,
+        "framework": meas.framework,
+        "transformers_version": meas.transformers_version,
+        "peft_version": meas.peft_version,
         "seconds": meas.seconds,
     }
 
@@ -140,12 +157,25 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
 
 
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
-                 output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None) -> list[dict]:
+                 output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None,
+                 framework: str = "plain", reentrant: bool = False) -> list[dict]:
     """Measure every experiment on ``device`` (default cuda if available, else meta) beside its
-    prediction; returns the records (see the module docstring)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        from memcalc.core.errors import UserError
+    prediction; returns the records (see the module docstring). ``framework`` ``hf`` runs the
+    transformers + PEFT step (``reentrant``: its activation checkpointing with ``use_reentrant=True``)."""
+    from memcalc.core.errors import UserError
 
+    if framework not in FRAMEWORKS:
+        raise UserError(f"unknown --framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
+    if framework == "hf":
+        try:
+            from .hf_runner import check_hf, measure_hf
+        except ImportError as e:
+            raise UserError(f"--framework hf needs transformers and peft: pip install 'memcalc[validate]' ({e})") from None
+        for _name, e in items:  # a model or LoRA setup HF cannot express: one line, before any trace
+            check_hf(e)
+    elif reentrant:
+        raise UserError("--reentrant sets Hugging Face activation checkpointing: it needs --framework hf")
+    if device == "cuda" and not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
         raise UserError(f"--device cuda: no CUDA device is available (torch {torch.__version__}, built with {built}); "
                         "use --device meta to trace the step instead")
@@ -168,8 +198,12 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
             if snapshot and len(items) > 1:
                 root, ext = os.path.splitext(snapshot)
                 snap = f"{root}-{name}{ext or '.pickle'}"
-            meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
-                           allocator_sim=dev != "cuda")
+            if framework == "hf":
+                meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say, allocator_sim=dev != "cuda",
+                                  reentrant=reentrant)
+            else:
+                meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
+                               allocator_sim=dev != "cuda")
             rec = make_record(name, exp, meas, scale_layers)
             records.append(rec)
             if output:

@@ -54,6 +54,11 @@ class Measurement:
     status: str = "ok"  # ok | skipped | oom
     reason: str = ""
     torch_version: str = torch.__version__
+    #: ``plain`` (memcalc's replica, this module) or ``hf`` (transformers + PEFT, hf_runner.py), with
+    #: the library versions the trace ran (None when not used)
+    framework: str = "plain"
+    transformers_version: Optional[str] = None
+    peft_version: Optional[str] = None
     seconds: float = 0.0
     peak_label: str = ""
     phase_peaks: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,139 @@
+"""A grid of Hugging Face setups: the traced HF step (:func:`~.hf_runner.measure_hf`) beside memcalc's
+estimate of the same ExperimentSpec, one row per setup, the gap per row.
+
+Run ``python -m memcalc.validate.hf_grid`` (``--json`` for the records, ``--only llama`` to filter by
+name). The models are the shipped presets of each family at full width and vocabulary, scaled down in
+depth (4 layers); a meta trace costs the same at any size (about 1.5 s a row).
+
+The estimator side is one function, :func:`hf_estimator_spec`: the ExperimentSpec the estimate is
+computed for. Until the estimator knows the HF framework rules it is the spec with the
+``hf-torch-2.8-cuda`` profile (HF's RMSNorm and fp32 loss upcast); switch it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.inputs.profiles import get_profile
+
+#: the profile the HF trace is compared with, until the estimator has framework rules
+HF_ESTIMATOR_PROFILE = "hf-torch-2.8-cuda"
+
+
+def hf_estimator_spec(exp: ExperimentSpec) -> ExperimentSpec:
+    """The spec memcalc estimates for a traced HF step: ``exp`` with the HF profile (the kernel choice
+    and allocator rounding kept from ``exp``). The one place to switch to the estimator's HF rules."""
+    prof = get_profile(HF_ESTIMATOR_PROFILE).model_copy(
+        update={"attention": exp.profile.attention, "allocator_round_bytes": exp.profile.allocator_round_bytes})
+    return exp.model_copy(update={"profile": prof})
+
+
+def estimate_hf(exp: ExperimentSpec) -> tuple[int, str]:
+    """(peak bytes, peak phase) of memcalc's estimate of the HF step of ``exp``."""
+    from memcalc.estimate.peak import estimate
+
+    est = estimate(hf_estimator_spec(exp), timeline=False)
+    return est.peak_bytes, est.peak_phase
+
+
+# -- the models: the shipped presets' widths and vocabularies, 4 layers ----------------------------
+PRESETS = ("llama-3.1-8b", "tinyllama-1.1b", "mistral-7b", "qwen2.5-7b", "gpt2", "phi-1.5")
+LAYERS = 4
+
+ALL = ("q", "k", "v", "o", "gate", "up", "down")
+
+#: (tuning, precision, checkpoint, lora dropout, batch, seq); tuning: full | qv | all; seq is capped
+#: at the model's maximum (gpt2: 1024)
+SETUPS = (
+    ("full", "fp32", "none", 0.0, 1, 2048),
+    ("full", "bf16", "none", 0.0, 4, 2048),
+    ("full", "amp-bf16", "none", 0.0, 2, 2048),
+    ("full", "bf16", "full", 0.0, 8, 2048),
+    ("qv", "bf16", "none", 0.0, 2, 2048),
+    ("qv", "bf16", "none", 0.05, 1, 1024),
+    ("all", "bf16", "full", 0.05, 2, 1024),
+    ("all", "amp-bf16", "none", 0.0, 1, 1024),
+    ("qv", "fp32", "full", 0.05, 1, 512),
+    ("all", "bf16", "none", 0.0, 4, 512),
+    ("qv", "amp-bf16", "full", 0.05, 2, 2048),
+)
+
+
+def models() -> list[ModelSpec]:
+    """The presets of :data:`PRESETS` with :data:`LAYERS` layers."""
+    from memcalc.inputs.presets import load_preset
+
+    return [load_preset(n).model_copy(update={"n_layers": LAYERS}) for n in PRESETS]
+
+
+def grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
+    """The setups (name, spec); ``only`` keeps names containing it."""
+    out = []
+    for m in models():
+        for tuning, prec, ck, drop, B, T in SETUPS:
+            T = min(T, m.max_seq_len)
+            lora = None
+            if tuning != "full":
+                # GPT-2 fuses q, k, v in c_attn: its "q,v" is the whole c_attn
+                qv = ("q", "k", "v") if m.positions == "learned" else ("q", "v")
+                targets = qv if tuning == "qv" else tuple(t for t in ALL if t in m.lora_targets)
+                lora = LoraSpec(rank=16, alpha=32, targets=targets, dropout=drop)
+            tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora)
+            name = f"{m.name} {tuning}{'' if lora is None else f' d{drop:g}'} {prec} ck={ck} {B}x{T}"
+            if only is None or only in name:
+                out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=get_profile(HF_ESTIMATOR_PROFILE))))
+    return out
+
+
+def run_grid(items: list[tuple[str, ExperimentSpec]], device: str = "meta", progress=None) -> list[dict]:
+    """One record per setup: measured (HF trace) and predicted bytes, the gap in percent, phases."""
+    from .hf_runner import measure_hf
+
+    rows = []
+    for k, (name, exp) in enumerate(items):
+        if progress:
+            progress(f"[{k + 1}/{len(items)}] {name}")
+        meas = measure_hf(exp, device)
+        try:
+            pred, phase = estimate_hf(exp)
+        except Exception as e:  # an unsupported combination is reported beside the measurement
+            pred, phase = None, f"no estimate: {e}"
+        gap = (None if not meas.measured_bytes or pred is None
+               else round((pred - meas.measured_bytes) / meas.measured_bytes * 100, 2))
+        rows.append(dict(config=name, status=meas.status, reason=meas.reason, measured_bytes=meas.measured_bytes,
+                         predicted_bytes=pred, error_pct=gap, measured_phase=meas.peak_phase, peak_phase=phase,
+                         first_step_bytes=meas.first_step_bytes))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A Markdown table of the rows (MiB = 2**20)."""
+    from memcalc.core.units import MiB
+
+    lines = ["| setup | measured MiB | predicted MiB | gap | measured phase | predicted phase |",
+             "|---|---:|---:|---:|---|---|"]
+    for r in rows:
+        meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.1f}"
+        gap = "-" if r["error_pct"] is None else f"{r['error_pct']:+.2f}%"
+        pred = "-" if r["predicted_bytes"] is None else f"{r['predicted_bytes'] / MiB:.1f}"
+        lines.append(f"| {r['config']} | {meas} | {pred} | {gap} | "
+                     f"{r['measured_phase'] or r['status']} | {r['peak_phase']} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="keep setups whose name contains this")
+    ap.add_argument("--json", action="store_true", help="print the records as JSON")
+    args = ap.parse_args(argv)
+    rows = run_grid(grid(args.only), progress=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""The real Hugging Face training step (transformers + PEFT), traced on ``meta`` (or run on ``cpu``/``cuda``).
+
+``measure_hf(exp, device)`` is :func:`~.runner.measure` for ``--framework hf``: the same step (two
+steps, the second measured; the optimizer of the spec from :mod:`.optim`; ``zero_grad(set_to_none=True)``;
+gradient accumulation and fused-optimizer hooks as in :mod:`.runner`), counted by the same
+:class:`~.tracer.StorageTracer`, but the model is ``transformers``' own
+(:func:`~.hf_model.build_hf_model`: ``AutoModelForCausalLM.from_config`` under ``torch.device``, PEFT
+LoRA on top) and the loss is HF's (``model(input_ids=ids, labels=labels).loss``: ``ForCausalLMLoss``
+upcasts the logits to fp32 and shifts the labels). The output object (logits, KV cache) is dropped
+when ``.loss`` is taken, as HF Trainer's ``compute_loss`` drops it before backward.
+
+Training setup as HF Trainer (transformers 5.23 ``Trainer.__init__``) makes it:
+
+- ``--checkpoint full`` / ``every-K``: ``model.activation_checkpointing_enable(
+  activation_checkpointing_kwargs={"use_reentrant": ...}, every_n_layers=1 | K)`` after PEFT is applied
+  (Trainer enables it on the PEFT model); the default is non-reentrant, as ``_activation_checkpointing_enable``
+  chooses when no kwargs are given; ``reentrant=True`` selects the other. That call also registers
+  ``enable_input_require_grads`` (the embedding output requires grad). ``sqrt`` and ``selective``
+  have no HF equivalent: ``skipped``.
+- AMP: the forward and the loss run in an autocast region (Trainer's ``autocast_smart_context_manager``),
+  emulated on meta by :class:`~.hf_kernels.HFKernels`; backward and the optimizer step outside it.
+- ``use_cache`` stays the config's (True: without checkpointing the forward fills a ``DynamicCache``,
+  a ``torch.cat`` copy of each layer's K and V that attention then uses and saves).
+
+Only kernel dispatch is patched (:mod:`.hf_kernels`). QLoRA (bitsandbytes), torch.compile
+off CUDA, ZeRO across GPUs and optimizer offload are ``skipped`` with the reason.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.allocator import CachingAllocatorSim
+
+from .amp import Amp
+from .hf_kernels import HFKernels, hf_patches
+from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
+from .model import torch_dtype
+from .optim import MasterWeights, allow_fused_on, build_optimizer
+from .runner import PHASES, Measurement, _nullcontext, _Probe, unsupported
+from .tracer import StorageTracer
+
+
+def library_versions() -> tuple[Optional[str], Optional[str]]:
+    """(transformers, peft) versions, None where not installed."""
+    out = []
+    for name in ("transformers", "peft"):
+        try:
+            out.append(__import__(name).__version__)
+        except ImportError:
+            out.append(None)
+    return out[0], out[1]
+
+
+def _has_every_n_layers() -> bool:
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "activation_checkpointing_enable")
+
+
+def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
+    """Why ``--framework hf`` cannot run this experiment on ``device`` (None when it can)."""
+    tr = exp.training
+    if tr.checkpoint in ("sqrt", "selective"):
+        return (f"--framework hf: checkpoint {tr.checkpoint} has no Hugging Face equivalent "
+                "(activation_checkpointing_enable checkpoints every layer or every N-th: full, every-K)")
+    if tr.checkpoint == "every-k" and not _has_every_n_layers():
+        return "--framework hf: checkpoint every-K needs transformers' activation_checkpointing_enable(every_n_layers)"
+    if tr.lora is not None and tr.lora.qlora:
+        return "--framework hf: QLoRA loads the base through bitsandbytes (CUDA only); the HF validator does not build it"
+    return unsupported(exp, device)
+
+
+def check_hf(exp: ExperimentSpec) -> None:
+    """Raise the one-line UserError for a model or LoRA setup the HF families cannot express."""
+    fam = choose_family(exp.model)
+    if exp.training.lora is not None:
+        peft_targets(fam, exp.training.lora)
+
+
+def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None,
+               progress: Optional[Callable[[str], None]] = None, debug: bool = False, allocator_sim: bool = False,
+               capacity: Optional[int] = None, reentrant: bool = False,
+               kernels_seen: Optional[list] = None) -> Measurement:
+    """Trace (meta) or measure (cpu, cuda) the HF step of ``exp``; see the module docstring.
+    ``kernels_seen``, when given, receives :attr:`HFKernels.calls` (one entry per SDPA call)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda _msg: None)
+    tv, pv = library_versions()
+    meas = Measurement(device=device)
+    meas.framework, meas.transformers_version = "hf", tv
+    meas.peft_version = pv if exp.training.lora is not None else None
+    why = hf_unsupported(exp, device)
+    if why:
+        meas.status, meas.reason = "skipped", why
+        meas.seconds = round(time.perf_counter() - t0, 3)
+        return meas
+    m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
+    meas.layers = m.n_layers
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # "use_cache=True is incompatible with checkpointing" and the like
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations PEFT still calls
+            _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None,
+                 reentrant, kernels_seen)
+    except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
+        meas.status = "oom"
+        meas.reason = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        gc.collect()
+        if device == "cuda" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    meas.seconds = round(time.perf_counter() - t0, 3)
+    return meas
+
+
+def _decoder_layers(model, n_layers: int):
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == n_layers:
+            return mod
+    return []
+
+
+def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
+         sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list]) -> None:
+    tr = exp.training
+    dev_type = torch.device(device).type
+    if dev_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    amp = Amp(torch_dtype(tr.compute_dtype.value) if tr.is_amp else None)
+    say(f"building {m.name} ({m.n_layers} layers) with transformers on {device}")
+    model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device)
+    if tr.checkpoint in ("full", "every-k"):
+        every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x (every_n_layers)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": reentrant},
+                                                  every_n_layers=every)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    meas.params = param_counts(model)[0]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(trainable, tr)
+    B, T = tr.batch, tr.seq
+    if dev_type == "meta":
+        ids = torch.empty((B, T), dtype=torch.int64, device=device)
+        labels = torch.empty((B, T), dtype=torch.int64, device=device)
+    else:
+        ids = torch.randint(0, m.vocab_size, (B, T), device=device)
+        labels = ids.clone()
+    tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim) if dev_type != "cuda" else None
+    probe = _Probe(device, tracer)
+    hooks = [layer.register_forward_pre_hook(lambda *_a, i=i: probe.label(f"layer {i}"))
+             for i, layer in enumerate(_decoder_layers(model, m.n_layers))]
+    head = model.get_output_embeddings()
+    if head is not None:
+        hooks.append(head.register_forward_pre_hook(lambda *_a: probe.label("head & loss")))
+    if tr.fused_optimizer:
+        if isinstance(opt, MasterWeights):
+            def hook(p):
+                opt.step_param(p)
+                p.grad = None
+        else:
+            def hook(p):  # Forgather optimzer_hook
+                opt.step()
+                opt.zero_grad()
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(hook)
+
+    def step() -> None:
+        loss = None
+        for _ in range(min(tr.grad_accum, 2)):
+            probe.set_phase("forward")
+            with amp.region():
+                loss = model(input_ids=ids, labels=labels).loss
+            if tr.grad_accum > 1:
+                loss = loss / tr.grad_accum
+            probe.set_phase("backward")
+            loss.backward()
+        if not tr.fused_optimizer:
+            probe.set_phase("optimizer step")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        del loss
+
+    kernels = HFKernels(exp.profile, amp)
+    ctx = tracer if tracer is not None else _nullcontext()
+    if tracer is not None:
+        tracer.track(model.parameters())
+        tracer.track(model.buffers())
+        tracer.track([ids, labels])
+        if isinstance(opt, MasterWeights):
+            tracer.track(opt.masters.values())
+    with allow_fused_on(dev_type), hf_patches(model, kernels), kernels, ctx:
+        say("first step (creates optimizer state)")
+        probe.reset()
+        step()
+        meas.first_step_bytes = probe.result()[0]
+        say("measured step")
+        probe.reset()
+        step()
+        peak, phase, label, peaks = probe.result()
+    meas.measured_bytes = peak
+    meas.peak_phase = phase
+    meas.peak_label = label
+    meas.phase_peaks = {k: v for k, v in peaks.items() if k in PHASES}
+    if dev_type == "cuda":
+        meas.reserved_bytes = probe.reserved
+    if sim is not None and tracer is not None:
+        meas.sim_allocated_bytes = sim.peak_allocated
+        meas.sim_reserved_bytes = sim.peak_reserved
+    if tracer is not None and debug:
+        meas.peak_live = sorted(tracer.peak_live, reverse=True)
+    if kernels_seen is not None:
+        kernels_seen.extend(kernels.calls)
+    for h in hooks:
+        h.remove()
+    del model, opt, ids, labels
