@@ -311,6 +311,12 @@ class ModelSpec(_Spec):
         return attn + mlp + (("experts",) if self.moe is not None else ())
 
     @property
+    def attention_lora_targets(self) -> tuple[str, ...]:
+        """The default LoRA targets (q, k, v, o) as this model has them: qkv, o on a fused projection;
+        the MLA projections on DeepSeek."""
+        return tuple(t for t in self.lora_targets if t not in ("gate", "up", "down", "gate_up", "experts"))
+
+    @property
     def has_dense_mlp_layers(self) -> bool:
         """Some layer has the dense MLP of width d_ff (every layer without MoE)."""
         return self.moe is None or any(not self.moe.is_moe_layer(i) for i in range(self.n_layers))
