@@ -147,3 +147,12 @@ def test_issue_done_criterion_estimate_qwen3_30b_a3b_lora() -> None:
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
     assert doc["params"] == 30_532_122_624 + 13_369_344  # base + rank-16 q,k,v,o adapters
+
+
+def test_relabelled_mixtral_is_not_silent(capsys) -> None:
+    """The issue's workaround (model_type edited to llama) now says which keys it drops."""
+    cfg = {**load("mistralai--Mixtral-8x7B-v0.1"), "model_type": "llama"}
+    m = from_hf_config(cfg, "mixtral-as-llama")
+    assert count_params(m).total < 8e9  # a llama reading of it: the experts are gone ...
+    assert "num_local_experts" in capsys.readouterr().err  # ... and the note says why
+    assert count_params(from_hf_config(load("mistralai--Mixtral-8x7B-v0.1"), "mixtral")).total == 46_702_792_704
