@@ -19,6 +19,7 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine import layout_stub
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
@@ -91,6 +92,8 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if layout_stub.needs_stub_attention(m):
+            return layout_stub.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
@@ -129,6 +132,8 @@ class Forward:
 
     def _mlp(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if layout_stub.needs_stub_mlp(m):
+            return layout_stub.mlp(self, h, i)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
@@ -161,6 +166,8 @@ class Forward:
 
     def _layer(self, x: T, i: int) -> T:
         o, m = self.ops, self.m
+        if layout_stub.needs_stub_layer(m):
+            return layout_stub.layer(self, x, i)
         if m.block == "parallel":
             h = self.norm(x, f"layers.{i}.norm1")
             a = self.resid_drop(self.attention(h, i))
