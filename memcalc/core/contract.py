@@ -26,6 +26,9 @@ INERT: dict[str, str] = {
     "KernelProfile.torch_version": "a label: what a version changes is set by the profile's other fields "
                                    "(rmsnorm from memcalc.core.kernels.RMSNORM_BY_TORCH, mean_saves_input, ...)",
     "KernelProfile.device": "only cuda is modelled (the field's one allowed value)",
+    "KernelProfile.framework": "a label: what a framework changes is set by the profile's rule fields "
+                               "(memcalc.inputs.profiles.FRAMEWORKS: rmsnorm, logits_fp32, shift_copy, cross_entropy, "
+                               "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new)",
     "ExperimentSpec.name": "a label shown in reports",
     "ExperimentSpec.description": "a label shown in reports",
     "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",
@@ -50,4 +53,5 @@ CONDITIONAL: dict[str, str] = {
     "LoraSpec.quant_block": "LoRA without qlora (the base is not quantised)",
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
     "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
+    "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
 }
