@@ -405,11 +405,15 @@ def profiles(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
         return
-    t = Table(title="Kernel profiles")
-    for col in ("name", "torch", "RMSNorm", "attention", "logits fp32", "shift copy", "mean keeps input"):
+    t = Table(title="Kernel profiles (framework x PyTorch version; --framework/--torch build any pair)")
+    for col in ("name", "framework", "torch", "RMSNorm", "loss", "LoRA adapters", "grouped K/V", "gelu_new"):
         t.add_column(col)
     for p in PROFILES.values():
-        t.add_row(p.name, p.torch_version, p.rmsnorm, p.attention, str(p.logits_fp32), str(p.shift_copy), str(p.mean_saves_input))
+        loss = (f"{p.cross_entropy}" + (f" ({p.loss_chunks})" if p.cross_entropy == "chunked" else "")
+                + (", fp32 logits" if p.logits_fp32 else "") + (", shifted copy" if p.shift_copy else ""))
+        lora = p.lora_dtype + (", input cast" if p.lora_input_cast else "")
+        t.add_row(p.name, p.framework, p.torch_version + (" (mean keeps input)" if p.mean_saves_input else ""),
+                  p.rmsnorm, loss, lora, "un-expanded" if p.sdpa_gqa else "expanded", p.gelu_new)
     Console().print(t)
 
 

@@ -24,7 +24,8 @@ INERT: dict[str, str] = {
     "LoraSpec.alpha": "a value (the adapter scale alpha / rank), not a shape: the scaling op runs either way",
     "KernelProfile.name": "a label shown in reports",
     "KernelProfile.torch_version": "a label: what a version changes is set by the profile's other fields "
-                                   "(rmsnorm from memcalc.core.kernels.RMSNORM_BY_TORCH, mean_saves_input, ...)",
+                                   "(rmsnorm from memcalc.core.kernels.RMSNORM_BY_TORCH, mean_saves_input, sdpa_gqa; "
+                                   "memcalc.inputs.profiles.profile_for)",
     "KernelProfile.device": "only cuda is modelled (the field's one allowed value)",
     "KernelProfile.framework": "a label: what a framework changes is set by the profile's rule fields "
                                "(memcalc.inputs.profiles.FRAMEWORKS: rmsnorm, logits_fp32, shift_copy, cross_entropy, "
