@@ -18,6 +18,7 @@ from memcalc.engine.sim import Sim
 from memcalc.engine.timeline import weights_and_state_bytes
 from memcalc.estimate.peak import estimate
 from memcalc.inputs.profiles import PROFILES, compose, get_profile, profile_for
+from memcalc.inputs.resolve import Options, resolve
 
 
 def run(args: list[str]):
@@ -68,20 +69,39 @@ PROFILE_ROWS = [
 ]
 
 
+def options(args: list[str]) -> Options:
+    """The estimate command's options for ``args`` (flags as the CLI passes them; no estimate run)."""
+    kw: dict = {}
+    it = iter(args)
+    for a in it:
+        key = a.lstrip("-").replace("-", "_")
+        kw[key] = True if key in ("lora", "qlora", "bf16") else next(it)
+    for k in ("batch", "seq"):
+        if k in kw:
+            kw[k] = int(kw[k])
+    return Options(**kw)
+
+
 @pytest.mark.parametrize("args,framework,torch,name,origin", PROFILE_ROWS)
 def test_framework_and_torch_compose(args, framework, torch, name, origin):
-    d = doc_of(["estimate", *args, "--seq", "128"])
-    p = d["inputs"]["profile"]
-    assert (p["framework"], p["torch_version"], p["name"]) == (framework, torch, name)
-    assert d["inputs"]["origin"]["framework"] == origin
+    res = resolve(options(args))
+    p = res.exp.profile
+    assert (p.framework, p.torch_version, p.name) == (framework, torch, name)
+    assert res.origin["framework"] == origin
+
+
+def test_cli_profile_and_framework_compose():
+    d = doc_of(["estimate", "--model", "gpt2", "--seq", "64", "--profile", "torch-2.9-cuda", "--framework", "hf"])
+    assert d["inputs"]["profile"] == profile_for("hf", "2.9").model_dump()
 
 
 def test_reference_configs_keep_plain_and_their_published_peak():
-    d = doc_of(["estimate", "--config", "control"])
-    assert d["inputs"]["profile"] == get_profile("torch-2.8-cuda").model_dump()
-    assert d["published_peak_bytes"] is not None  # the setup is still the reference one
+    res = resolve(options(["--config", "control"]))
+    assert res.exp.profile == get_profile("torch-2.8-cuda")
+    assert res.exp.published_peak_bytes is not None  # the setup is still the reference one
 
 
+@pytest.mark.slow  # an 8B model at batch 4 x 4096
 def test_issue_example_defaults_to_bf16_and_says_why():
     # source: issue 11's done-criterion
     args = ["estimate", "--model", "llama-3.1-8b", "--qlora", "--checkpoint", "full", "--batch", "4", "--seq", "4096",
@@ -97,24 +117,27 @@ def test_issue_example_defaults_to_bf16_and_says_why():
     assert "hf (default: a preset is a Hugging Face model" in text, text
 
 
+#: a small model, so the quick lane stays quick
+TINY = ["--params", "2e7", "--seq", "64"]
+
 #: (args, precision, reason fragment); source: inputs.resolve's module docstring
 PRECISION_ROWS = [
-    (["--model", "gpt2", "--lora"], "bf16", "LoRA: a bf16 base"),
-    (["--model", "gpt2", "--qlora"], "bf16", "QLoRA computes in bf16"),
-    (["--model", "gpt2"], "fp32", "Hugging Face Trainer runs without --bf16"),
+    (["--lora"], "bf16", "LoRA: a bf16 base"),
+    (["--qlora"], "bf16", "QLoRA computes in bf16"),
+    ([], "fp32", "Hugging Face Trainer runs without --bf16"),
 ]
 
 
 @pytest.mark.parametrize("args,precision,why", PRECISION_ROWS)
 def test_precision_default_and_reason(args, precision, why):
-    d = doc_of(["estimate", *args, "--seq", "128"])
-    assert d["inputs"]["training"]["precision"] == precision
-    assert why in d["inputs"]["reasons"]["precision"]
+    res = resolve(options([*TINY, *args]))
+    assert res.exp.training.precision == precision
+    assert why in res.reasons["precision"]
 
 
 def test_given_precision_has_no_reason():
-    d = doc_of(["estimate", "--model", "gpt2", "--lora", "--precision", "fp16", "--seq", "128"])
-    assert d["inputs"]["training"]["precision"] == "fp16" and "precision" not in d["inputs"]["reasons"]
+    res = resolve(options([*TINY, "--lora", "--precision", "fp16"]))
+    assert res.exp.training.precision == "fp16" and "precision" not in res.reasons
 
 
 #: (args, adapter dtype); source: profiles.FRAMEWORKS lora_dtype and the PEFT / torchtune / litgpt code cited there
@@ -130,9 +153,19 @@ LORA_DTYPE_ROWS = [
 
 @pytest.mark.parametrize("args,adapters", LORA_DTYPE_ROWS)
 def test_lora_dtype_follows_the_framework(args, adapters):
-    d = doc_of(["estimate", "--model", "gpt2", "--lora", "--seq", "128", *args])
-    assert d["inputs"]["adapter_dtype"] == adapters
-    assert d["inputs"]["origin"]["lora_dtype"] == ("flag" if "--lora-dtype" in args else "default")
+    res = resolve(options([*TINY, "--lora", *args]))
+    assert res.exp.adapter_dtype.value == adapters
+    assert res.origin["lora_dtype"] == ("flag" if "--lora-dtype" in args else "default")
+
+
+def test_json_and_text_show_the_defaults_and_why():
+    d = doc_of(["estimate", *TINY, "--qlora"])
+    why = d["inputs"]["reasons"]
+    assert d["inputs"]["training"]["precision"] == "bf16" and "QLoRA computes in bf16" in why["precision"]
+    assert d["inputs"]["adapter_dtype"] == "fp32" and "autocast_adapter_dtype" in why["lora_dtype"]
+    assert d["inputs"]["origin"]["framework"] == "default" and "--params" in why["framework"]
+    text = " ".join(run(["estimate", *TINY, "--qlora"]).stdout.split())
+    assert "bf16 (default: QLoRA: a bf16 base" in text and "hf (default: --params" in text, text
 
 
 def test_help_states_the_defaults():
