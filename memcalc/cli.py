@@ -290,6 +290,10 @@ def plan(
                    framework.value if framework else None, torch)
     if loss is not None or loss_chunks is not None:
         prof = with_loss(prof, loss.value if loss else None, loss_chunks)
+    notes.append(f"kernel profile {prof.name}: framework {prof.framework}"
+                 + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
+                    if profile is None and framework is None else "")
+                 + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
     if gpu is None:
         if show_all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
