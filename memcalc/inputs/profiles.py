@@ -53,7 +53,10 @@ FRAMEWORKS: dict[str, dict] = {
     # - modules/peft/lora.py LoRALinear: ``out + lora_b(lora_a(dropout(x))) * alpha/rank`` with
     #   no cast; the recipes build every parameter in the training dtype (adapters included);
     # - modules/attention.py MultiHeadAttention: k/v ``expand`` + ``reshape`` to every query head
-    #   (a copy) before SDPA.
+    #   (a copy) before SDPA;
+    # - training/_activation_checkpointing.py set_activation_checkpointing:
+    #   ``apply_activation_checkpointing`` with the default ``checkpoint_wrapper``
+    #   (CheckpointImpl.NO_REENTRANT) on each TransformerSelfAttentionLayer = --checkpoint full.
     # Not verified: gelu_new (torchtune has no model using it; fused assumed).
     "torchtune": dict(rmsnorm="composite-legacy", logits_fp32=False, shift_copy=False, cross_entropy="chunked",
                       lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused"),
