@@ -324,3 +324,14 @@ def test_dropout_saves_its_output_not_the_copy():
     drop = estimate(_lora_exp("hf", targets=("q",), dropout=0.1), timeline=False, replay=False).components
     assert drop["saved activations"] == base["saved activations"]
     assert drop["dropout masks"] == 2 * 256 * 256 * 1 and "dropout masks" not in base
+
+
+def test_qlora_targets_cast_their_input_too():
+    # source: peft/tuners/lora/bnb.py Linear4bit.forward: outside autocast x is cast to the adapters'
+    # dtype (saved by lora_A) as in lora.Linear; the base output is cloned and the branch's output
+    # cast back before the add (transients only), so the saved difference is the same as LoRA's
+    rows, d, r = 2 * 256, 256, LoraSpec().rank
+    q32 = estimate(_lora_exp("hf", targets=("q", "k", "v"), qlora=True), timeline=False, replay=False)
+    q16 = estimate(_lora_exp("hf", targets=("q", "k", "v"), qlora=True, dtype="model"), timeline=False, replay=False)
+    more = q32.extra["max_activation_bytes"] - q16.extra["max_activation_bytes"]
+    assert more == 2 * (3 * rows * d * 4 - rows * d * 2 + 3 * rows * r * (4 - 2))

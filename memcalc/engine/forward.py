@@ -62,7 +62,8 @@ class Forward:
         ``result = result + lora_B(lora_A(dropout(x))) * scaling`` (16-bit + fp32 promotes to an
         fp32 sum) and ``result.to(torch_result_dtype)`` (a copy back). lora_A saves its input: the
         cast copy, or with dropout the dropout output (the copy then dies; dropout keeps its mask).
-        Without it (plain, torchtune, litgpt) the branch runs on x as is."""
+        Without it (plain, torchtune, litgpt) the branch runs on x as is. A 4-bit base under PEFT
+        runs ``bnb.Linear4bit.forward`` instead (see below)."""
         o = self.ops
         base = f"layers.{layer}.{name}"
         w = self.p(base + ".weight")
@@ -75,7 +76,20 @@ class Forward:
             return y
         # without the cast rule, fp32 adapters over 16-bit activations still need one (outside
         # autocast a mixed-dtype matmul is an error)
-        cast = self.exp.profile.lora_input_cast or (o.autocast is None and x.itemsize_bits != a_p.weight.itemsize_bits)
+        peft = self.exp.profile.lora_input_cast
+        # PEFT's bnb Linear4bit.forward (peft/tuners/lora/bnb.py) differs for a 4-bit base: the
+        # base output is cloned (``result.clone()``), and the casts happen only outside autocast
+        # (``requires_conversion = not torch.is_autocast_enabled()``), the branch's output being
+        # cast back to the result's dtype before the add
+        quant = peft and qt > 0
+        if quant:
+            y2 = o.clone(y)
+            o.drop(y)
+            y = y2
+        # without the cast rule, fp32 adapters over 16-bit activations still need one (outside
+        # autocast a mixed-dtype matmul is an error)
+        cast = (peft and not (quant and o.autocast is not None)) or (
+            o.autocast is None and x.itemsize_bits != a_p.weight.itemsize_bits)
         xa = o.cast(x, o.dtype_of(a_p.weight)) if cast else o.ref_(x)
         xd = o.dropout(xa, self.lora.dropout)
         o.drop(xa)
@@ -85,9 +99,13 @@ class Forward:
         o.drop(a)
         bs = o.scale(b, self.lora.alpha / self.lora.rank + 1e-12)
         o.drop(b)
+        if quant and cast:  # output.to(expected_dtype) before result + output
+            b2 = o.cast(bs, o.dtype_of(y))
+            o.drop(bs)
+            bs = b2
         out = o.add(y, bs)
         o.drop(bs)
-        if cast and out.itemsize_bits != y.itemsize_bits:
+        if cast and out.itemsize_bits != y.itemsize_bits:  # lora.Linear: result.to(torch_result_dtype)
             back = o.cast(out, o.dtype_of(y))
             o.drop(out)
             out = back

@@ -147,6 +147,12 @@ class Ops:
         self.sim.node("to_copy", [], [x], [], [y])
         return y
 
+    def clone(self, x: T) -> T:
+        """``x.clone()``: a copy in the same dtype; its backward passes the gradient on and saves nothing."""
+        y = self.new(x.numel, self.dtype_of(x))
+        self.sim.node("clone", [], [x], [], [y])
+        return y
+
     def activation(self, x: T, kind: str) -> T:
         """relu saves its result (threshold_backward(grad, result)); silu, gelu and gelu_tanh save
         their input (silu_backward/gelu_backward(grad, self)). gelu_new runs as the profile says:
