@@ -358,8 +358,8 @@ class Ops:
         ``dv_expanded`` (B, T, H, D in the input dtype) before summing them into dk, dv
         (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp ``mha_bwd``). math
         copies k and v to every query head first (attention.cpp
-        ``_scaled_dot_product_attention_math``: ``repeat_interleave`` on dim -3 when
-        ``enable_gqa``): the k copy lives until it is scaled, the v copy is saved by the
+        ``_scaled_dot_product_attention_math`` via ``pre_process_group_query_attention_input``:
+        ``repeat_interleave`` on dim -3 when ``enable_gqa``): the k copy lives until it is scaled, the v copy is saved by the
         second matmul."""
         dt = self.dtype_of(q)
         n_q = B * H * Tq * D
