@@ -74,8 +74,6 @@ class Forward:
         a_p = self.maybe(base + ".lora_A")
         if a_p is None:
             return y
-        # without the cast rule, fp32 adapters over 16-bit activations still need one (outside
-        # autocast a mixed-dtype matmul is an error)
         peft = self.exp.profile.lora_input_cast
         # PEFT's bnb Linear4bit.forward (peft/tuners/lora/bnb.py) differs for a 4-bit base: the
         # base output is cloned (``result.clone()``), and the casts happen only outside autocast
