@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
-from memcalc.core.spec import LOSSES
+from memcalc.core.spec import FRAMEWORKS, LORA_DTYPES, LOSSES
 from memcalc.core.units import gib
 
 
@@ -98,6 +98,9 @@ ImplOpt = Enum("ImplOpt", {n.replace("-", "_"): n for n in IMPLS}, type=str)  # 
 
 #: --loss choices: the profile's cross_entropy values (memcalc.core.spec.LOSSES)
 LossOpt = Enum("LossOpt", {n: n for n in LOSSES}, type=str)  # type: ignore[misc]
+#: --framework and --lora-dtype choices: the spec's (memcalc.core.spec.FRAMEWORKS, LORA_DTYPES)
+FrameworkOpt = Enum("FrameworkOpt", {n: n for n in FRAMEWORKS}, type=str)  # type: ignore[misc]
+LoraDtypeOpt = Enum("LoraDtypeOpt", {n: n for n in LORA_DTYPES}, type=str)  # type: ignore[misc]
 
 
 # -- shared options -------------------------------------------------------------------
@@ -107,7 +110,7 @@ CONFIG = typer.Option(None, "--config", "-c", help="A reference config name (see
 BATCH = typer.Option(None, "--batch", "-b", help="Micro-batch size (default 1).")
 SEQ = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller).")
 ACCUM = typer.Option(None, "--grad-accum", help="Gradient-accumulation micro-steps (default 1).")
-PRECISION = typer.Option(None, "--precision", help="fp32 | bf16 | fp16 (pure 16-bit) | amp-bf16 | amp-fp16 (autocast over fp32 weights).")
+PRECISION = typer.Option(None, "--precision", help="fp32 | bf16 | fp16 (pure 16-bit) | amp-bf16 | amp-fp16 (autocast over fp32 weights). Default: bf16 with --lora/--qlora (a bf16 base; QLoRA computes in bf16), else fp32 (what Hugging Face Trainer runs without --bf16), or the --config's.")
 BF16 = typer.Option(False, "--bf16", help="Short for --precision bf16: weights, grads and optimizer state all bf16.")
 MASTER = typer.Option(False, "--master-weights", help="16-bit weights and grads + fp32 master weights and moments (16 bytes/param with Adam).")
 OPTIMIZER = typer.Option(None, "--optimizer", help="Optimizer (default adamw): " + "; ".join(
@@ -124,7 +127,10 @@ LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA alpha.")
 LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down (or PEFT's q_proj, ..., down_proj); qkv / gate_up on fused projections (c_attn, qkv_proj, query_key_value, gate_up_proj), q_a,q_b,kv_a,kv_b on MLA, experts on MoE; or all (every projection the model has). Default: the attention projections.")
 LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the adapter input.")
 QLORA = typer.Option(False, "--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")
-PROFILE = typer.Option(None, "--profile", help="Kernel profile (see `memcalc profiles`); default torch-2.8-cuda.")
+LORA_DTYPE = typer.Option(None, "--lora-dtype", help="LoRA adapter dtype (weights, grads, optimizer state): fp32, or model (the base's). Default: the framework's (hf: fp32, PEFT's autocast_adapter_dtype=True; plain, torchtune, litgpt: model).")
+PROFILE = typer.Option(None, "--profile", help="Kernel profile by name (see `memcalc profiles`): a (framework, PyTorch version) pair; --framework/--torch replace that part of it. Default: the --config's profile (torch-2.8-cuda, plain, for the reference configs), else hf-torch-2.8-cuda.")
+FRAMEWORK = typer.Option(None, "--framework", help="Whose layer code runs the model: hf (transformers 5.x + PEFT), torchtune, litgpt, or plain (memcalc's own PyTorch replica). Default: plain for a --config (the reference configs), hf for --model and --params (most users run transformers + PEFT). Replaces the framework of --profile/--config's profile.")
+TORCH = typer.Option(None, "--torch", help="PyTorch version whose kernels run (major.minor, 2.1 to 2.13; default 2.8, or the profile's). Replaces the version of --profile/--config's profile.")
 LOSS = typer.Option(None, "--loss", help="Cross-entropy: full, or chunked (the logits rows in --loss-chunks pieces, each upcast to fp32 on its own, as torchtune's CEWithChunkedOutputLoss); overrides the profile.")
 LOSS_CHUNKS = typer.Option(None, "--loss-chunks", help="Chunks of --loss chunked (default 8); overrides the profile.")
 JSON = typer.Option(False, "--json", help="Print only JSON (integer bytes).")
@@ -159,7 +165,7 @@ def _check_output(path: Optional[str], flag: str) -> None:
 def _options(**kw: Any):
     from memcalc.inputs.resolve import Options
 
-    for k in ("precision", "optimizer", "optimizer_impl", "loss"):
+    for k in ("precision", "optimizer", "optimizer_impl", "loss", "framework", "lora_dtype"):
         if kw.get(k) is not None:
             kw[k] = kw[k].value
     return Options(**kw)
@@ -174,7 +180,8 @@ def estimate(
     checkpoint: Optional[str] = CHECKPOINT, fused_optimizer: bool = FUSED, compile: bool = COMPILE,
     memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
-    lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
+    lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, lora_dtype: Optional[LoraDtypeOpt] = LORA_DTYPE,
+    profile: Optional[str] = PROFILE, framework: Optional[FrameworkOpt] = FRAMEWORK, torch: Optional[str] = TORCH,
     zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a capacity: 48GiB (2**30 bytes each), 24GB (10**9)."),
@@ -194,6 +201,8 @@ def estimate(
 
       memcalc estimate --model llama-3.1-8b --qlora --checkpoint full --gpu rtx-4090 --max-batch --max-seq
 
+      memcalc estimate --model llama-3.1-8b --lora --framework torchtune --torch 2.9
+
       memcalc estimate --config control --json
     """
     from memcalc.estimate.peak import estimate as run_estimate
@@ -207,7 +216,8 @@ def estimate(
         precision=precision, bf16=bf16, master_weights=master_weights, optimizer=optimizer,
         optimizer_impl=optimizer_impl, checkpoint=checkpoint, fused_optimizer=fused_optimizer,
         compile=compile, memory_budget=memory_budget, lora=lora, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_targets=lora_targets, lora_dropout=lora_dropout, qlora=qlora, profile=profile,
+        lora_targets=lora_targets, lora_dropout=lora_dropout, qlora=qlora, lora_dtype=lora_dtype, profile=profile,
+        framework=framework, torch=torch,
         zero=zero, gpus=gpus, offload_optimizer=offload_optimizer, loss=loss, loss_chunks=loss_chunks,
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
@@ -248,7 +258,8 @@ def plan(
     model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
     gpu: Optional[str] = typer.Option(None, "--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
     seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
-    profile: Optional[str] = PROFILE, loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    profile: Optional[str] = PROFILE, framework: Optional[FrameworkOpt] = FRAMEWORK, torch: Optional[str] = TORCH,
+    loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
     compile_: bool = typer.Option(False, "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
     as_json: bool = JSON,
@@ -266,7 +277,7 @@ def plan(
       memcalc plan --model llama-3.1-70b
     """
     from memcalc.inputs.gpus import get_gpu
-    from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
+    from memcalc.inputs.profiles import DEFAULT_TORCH, compose, get_profile, profile_for, with_loss
     from memcalc.plan.cluster import plan_cluster
     from memcalc.plan.options import plan_model
     from memcalc.plan.search import plan_gpu
@@ -274,9 +285,15 @@ def plan(
     from memcalc.render.report import dumps
 
     m, notes = plan_model(model, params)
-    prof = get_profile(profile) if profile else None
+    # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
+    prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH),
+                   framework.value if framework else None, torch)
     if loss is not None or loss_chunks is not None:
-        prof = with_loss(prof or get_profile(DEFAULT_PROFILE), loss.value if loss else None, loss_chunks)
+        prof = with_loss(prof, loss.value if loss else None, loss_chunks)
+    notes.append(f"kernel profile {prof.name}: framework {prof.framework}"
+                 + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
+                    if profile is None and framework is None else "")
+                 + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
     if gpu is None:
         if show_all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
@@ -391,11 +408,15 @@ def profiles(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
         return
-    t = Table(title="Kernel profiles")
-    for col in ("name", "torch", "RMSNorm", "attention", "logits fp32", "shift copy", "mean keeps input"):
+    t = Table(title="Kernel profiles (framework x PyTorch version; --framework/--torch build any pair)")
+    for col in ("name", "framework", "torch", "RMSNorm", "loss", "LoRA adapters", "grouped K/V", "gelu_new"):
         t.add_column(col)
     for p in PROFILES.values():
-        t.add_row(p.name, p.torch_version, p.rmsnorm, p.attention, str(p.logits_fp32), str(p.shift_copy), str(p.mean_saves_input))
+        loss = (f"{p.cross_entropy}" + (f" ({p.loss_chunks})" if p.cross_entropy == "chunked" else "")
+                + (", fp32 logits" if p.logits_fp32 else "") + (", shifted copy" if p.shift_copy else ""))
+        lora = p.lora_dtype + (", input cast" if p.lora_input_cast else "")
+        t.add_row(p.name, p.framework, p.torch_version + (" (mean keeps input)" if p.mean_saves_input else ""),
+                  p.rmsnorm, loss, lora, "un-expanded" if p.sdpa_gqa else "expanded", p.gelu_new)
     Console().print(t)
 
 

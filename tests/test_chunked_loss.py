@@ -56,6 +56,10 @@ def _exp(model: dict, precision: str, profile: str, chunks: int, batch: int = 4,
     m = dict(model)
     m = load_preset(m.pop("preset")).model_copy(update=m)
     prof = with_loss(get_profile(profile), "chunked", chunks)
+    if prof.framework == "hf":
+        # the replica in validate/ follows the profile's norm and loss rules; hf's attention,
+        # LoRA and gelu_new rules are traced on the real Hugging Face step, not here
+        prof = prof.model_copy(update=dict(sdpa_gqa=False, gelu_new="fused", lora_input_cast=False, lora_dtype="model"))
     return ExperimentSpec(name=m.name, model=m, training=TrainingSpec(batch=batch, seq=seq, precision=precision),
                           profile=prof)
 

@@ -95,6 +95,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "LoraSpec.qlora": ({**LORA, **BF16}, True),
     "LoraSpec.quant_block": (QLORA, 128),
     "LoraSpec.double_quant": (QLORA, False),
+    "LoraSpec.dtype": ({**LORA, **BF16}, "fp32"),  # fp32 adapters, their grads and state; fp32 input copies
     # -- TrainingSpec
     "TrainingSpec.batch": ({}, 3),
     "TrainingSpec.seq": ({}, 128),
@@ -125,6 +126,11 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "KernelProfile.cross_entropy": (BF16, "chunked"),  # each chunk's log-probabilities saved in fp32
     # fewer chunks: bigger fp32 chunk copies (a vocabulary large enough for the loss to set the peak)
     "KernelProfile.loss_chunks": ({**BF16, "profile": {"cross_entropy": "chunked"}, "model": {"vocab_size": 8192}}, 4),
+    "KernelProfile.lora_dtype": ({**LORA, **BF16}, "fp32"),  # the framework's adapter dtype (LoraSpec.dtype None)
+    # under autocast: o and down get a 16-bit input, which PEFT copies to fp32 before autocast casts it back
+    "KernelProfile.lora_input_cast": ({**LORA, "training": {"precision": "amp-bf16"}}, True),
+    "KernelProfile.sdpa_gqa": ({**BF16, "model": {"n_kv_heads": 2}}, True),  # k, v saved un-expanded
+    "KernelProfile.gelu_new": ({"model": {"activation": "gelu_new"}}, "chain"),  # four saved tensors, not one
 }
 
 
@@ -190,6 +196,7 @@ INERT_CHECK: dict[str, tuple[dict, Any]] = {
     "LoraSpec.alpha": (LORA, 8.0),
     "KernelProfile.name": ({}, "other"),
     "KernelProfile.torch_version": ({}, "2.4"),
+    "KernelProfile.framework": ({}, "hf"),  # the label alone; the rules are the other fields
 }
 
 
@@ -232,6 +239,7 @@ NO_EFFECT = [
     ("TrainingSpec.offload_optimizer", {"training": {"optimizer": "sgd"}}, True),  # source: SGD has no state
     ("LoraSpec.quant_block", LORA, 128),  # source: the base is not quantised
     ("LoraSpec.double_quant", LORA, False),
+    ("LoraSpec.dtype", LORA, "fp32"),  # source: fp32 precision: the adapters are fp32 either way
     ("KernelProfile.loss_chunks", {}, 4),  # source: the full loss is not chunked
 ]
 

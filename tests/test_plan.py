@@ -15,6 +15,7 @@ from memcalc.engine.timeline import simulate, weights_and_state_bytes
 from memcalc.estimate.peak import CUDA_CONTEXT_BYTES, estimate, required_bytes
 from memcalc.plan.fits import fit_gpus, fit_step
 from memcalc.inputs.gpus import get_gpu
+from memcalc.inputs.profiles import get_profile
 from memcalc.plan.cost import relative_cost
 from memcalc.plan.limits import largest_exact, largest_true, largest_true_array
 from memcalc.plan.options import Technique, compile_techniques, techniques
@@ -31,8 +32,14 @@ def run(args: list[str]):
     return CliRunner().invoke(app, args)
 
 
+#: the CLI's profile for a --model preset without --profile/--framework (inputs.resolve: hf)
+CLI_PROFILE = get_profile("hf-torch-2.8-cuda")
+
+
 def required(model, **training) -> int:
-    return estimate(ExperimentSpec(model=model, training=TrainingSpec(**training)), timeline=False).required_bytes
+    """What the CLI's estimate needs for ``model`` under ``training`` (the CLI's default profile)."""
+    return estimate(ExperimentSpec(model=model, training=TrainingSpec(**training), profile=CLI_PROFILE),
+                    timeline=False).required_bytes
 
 
 def training_of(opt: dict, batch: int, seq: int) -> dict:

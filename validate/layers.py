@@ -300,7 +300,7 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
         return F.silu(x)
     if kind == "gelu":
         return F.gelu(x)
-    if kind == "gelu_tanh":
+    if kind in ("gelu_tanh", "gelu_new"):  # gelu_new: the replica runs the fused tanh GELU (profile gelu_new fused)
         return F.gelu(x, approximate="tanh")
     raise ValueError(f"unknown activation {kind!r}")
 

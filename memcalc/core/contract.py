@@ -24,8 +24,12 @@ INERT: dict[str, str] = {
     "LoraSpec.alpha": "a value (the adapter scale alpha / rank), not a shape: the scaling op runs either way",
     "KernelProfile.name": "a label shown in reports",
     "KernelProfile.torch_version": "a label: what a version changes is set by the profile's other fields "
-                                   "(rmsnorm from memcalc.core.kernels.RMSNORM_BY_TORCH, mean_saves_input, ...)",
+                                   "(rmsnorm from memcalc.core.kernels.RMSNORM_BY_TORCH, mean_saves_input, sdpa_gqa; "
+                                   "memcalc.inputs.profiles.profile_for)",
     "KernelProfile.device": "only cuda is modelled (the field's one allowed value)",
+    "KernelProfile.framework": "a label: what a framework changes is set by the profile's rule fields "
+                               "(memcalc.inputs.profiles.FRAMEWORKS: rmsnorm, logits_fp32, shift_copy, cross_entropy, "
+                               "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new)",
     "ExperimentSpec.name": "a label shown in reports",
     "ExperimentSpec.description": "a label shown in reports",
     "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",
@@ -70,4 +74,5 @@ CONDITIONAL: dict[str, str] = {
     "LoraSpec.quant_block": "LoRA without qlora (the base is not quantised)",
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
     "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
+    "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
 }

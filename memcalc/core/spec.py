@@ -158,8 +158,9 @@ class ModelSpec(_Spec):
     mlp: Literal["gated", "plain"] = Field(
         "gated", description="gated: down(act(gate(x)) * up(x)) (SwiGLU style); plain: fc2(act(fc1(x)))."
     )
-    activation: Literal["silu", "gelu", "gelu_tanh", "relu"] = Field(
-        "silu", description="Feed-forward activation function."
+    activation: Literal["silu", "gelu", "gelu_tanh", "gelu_new", "relu"] = Field(
+        "silu", description="Feed-forward activation function (gelu_new: Hugging Face's NewGELUActivation, the tanh "
+        "approximation written as pointwise ops; how it runs is the kernel profile's gelu_new)."
     )
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalisation layer kind.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the normalisation layers.")
@@ -332,6 +333,11 @@ class ModelSpec(_Spec):
         return 4 if self.norm_placement == "sandwich" else 2
 
 
+#: ``--lora-dtype``: the adapters' dtype (fp32, or the base model's weight dtype)
+LoraDType = Literal["fp32", "model"]
+LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)
+
+
 class LoraSpec(_Spec):
     """Low-rank adapters on a frozen base (LoRA; QLoRA when the base is 4-bit)."""
 
@@ -346,6 +352,12 @@ class LoraSpec(_Spec):
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
     quant_block: int = Field(64, gt=0, description="NF4 block size (elements per absmax constant).")
     double_quant: bool = Field(True, description="Quantise the absmax constants too (QLoRA double quantisation).")
+    dtype: Optional[LoraDType] = Field(
+        None,
+        description="Adapter weights (and so their gradients and optimizer state): fp32, or model = the base's "
+        "weight dtype; None = the framework's (the kernel profile's lora_dtype: hf -> fp32, PEFT "
+        "autocast_adapter_dtype=True; plain, torchtune, litgpt -> model).",
+    )
 
     @field_validator("targets", mode="before")
     @classmethod
@@ -444,6 +456,9 @@ LossKind = Literal["full", "chunked"]
 LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 #: torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
 DEFAULT_LOSS_CHUNKS = 8
+#: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
+Framework = Literal["plain", "hf", "torchtune", "litgpt"]
+FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
 
 
 class KernelProfile(_Spec):
@@ -453,6 +468,13 @@ class KernelProfile(_Spec):
     """
 
     name: str = Field("torch-2.8-cuda", description="Profile name.")
+    framework: Framework = Field(
+        "plain",
+        description="Whose layer code runs the model: plain (memcalc's own PyTorch replica, the reference configs' "
+        "build), hf (transformers 5.x + PEFT), torchtune, litgpt. What a framework changes is set by the "
+        "profile's rule fields (rmsnorm, logits_fp32, shift_copy, cross_entropy, lora_dtype, lora_input_cast, "
+        "sdpa_gqa, gelu_new; memcalc.inputs.profiles.FRAMEWORKS).",
+    )
     torch_version: str = Field("2.8", description="PyTorch version emulated (major.minor).")
     device: Literal["cuda"] = Field("cuda", description="Device whose kernels are emulated.")
     attention: Literal["auto", "flash", "efficient", "math"] = Field(
@@ -477,6 +499,28 @@ class KernelProfile(_Spec):
     )
     logits_fp32: bool = Field(False, description="The loss upcasts logits to fp32 first (Hugging Face style).")
     shift_copy: bool = Field(True, description="The loss makes a contiguous copy of the shifted logits.")
+    lora_dtype: LoraDType = Field(
+        "model",
+        description="The framework's adapter dtype when LoRA's own dtype is not set: fp32 (PEFT keeps adapters in "
+        "fp32 over a 16-bit base, autocast_adapter_dtype=True) or model (the base's weight dtype).",
+    )
+    lora_input_cast: bool = Field(
+        False,
+        description="Each LoRA branch casts its input to the adapter weights' dtype first and casts the summed "
+        "result back to the base output's dtype (PEFT lora.Linear.forward: x.to(lora_A.weight.dtype), "
+        "result.to(torch_result_dtype)); a cast that changes the dtype is a copy.",
+    )
+    sdpa_gqa: bool = Field(
+        False,
+        description="Grouped-query K/V reach SDPA un-expanded with enable_gqa=True (transformers "
+        "sdpa_attention_forward when use_gqa_in_sdpa: no explicit mask, head dim <= 256; PyTorch >= 2.5); "
+        "otherwise they are expanded to every query head first (repeat_kv, a copy).",
+    )
+    gelu_new: Literal["fused", "chain"] = Field(
+        "fused",
+        description="How a gelu_new activation runs: fused (F.gelu(approximate='tanh'), saves its input) or chain "
+        "(transformers NewGELUActivation: pow, mul, add, tanh, mul as separate ops, each saving its tensors).",
+    )
     dropout_mask_bytes: int = Field(DROPOUT_MASK_BYTES, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
     allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")
 
@@ -493,6 +537,16 @@ class ExperimentSpec(_Spec):
         None, ge=0, description="A measured max_memory_allocated peak, for comparison."
     )
     published_source: Optional[str] = Field(None, description="Where the published peak comes from.")
+
+    @property
+    def adapter_dtype(self) -> Optional[DType]:
+        """The LoRA adapters' dtype (their weights, gradients and optimizer state): the LoRA spec's
+        ``dtype``, else the framework's (``profile.lora_dtype``); ``model`` = the training's weight
+        dtype. None without LoRA."""
+        lora = self.training.lora
+        if lora is None:
+            return None
+        return DType.fp32 if (lora.dtype or self.profile.lora_dtype) == "fp32" else self.training.weight_dtype
 
     @model_validator(mode="after")
     def _check_lora_targets(self) -> "ExperimentSpec":

@@ -55,7 +55,16 @@ class Forward:
         return self.model.params.get(name)
 
     def proj(self, x: T, layer: int, name: str, short: str, d_out: int) -> T:
-        """A projection, with its LoRA adapter when targeted: y = base(x) + B(A(drop(x))) * s."""
+        """A projection, with its LoRA adapter when targeted: y = base(x) + B(A(drop(x))) * s.
+
+        With the profile's ``lora_input_cast`` (PEFT ``lora.Linear.forward``, peft/tuners/lora/layer.py):
+        ``x = x.to(lora_A.weight.dtype)`` (``_cast_input_dtype``: a copy when the adapters are fp32 over
+        16-bit activations, made per target, so q, k and v each cast the same input), then
+        ``result = result + lora_B(lora_A(dropout(x))) * scaling`` (16-bit + fp32 promotes to an
+        fp32 sum) and ``result.to(torch_result_dtype)`` (a copy back). lora_A saves its input: the
+        cast copy, or with dropout the dropout output (the copy then dies; dropout keeps its mask).
+        Without it (plain, torchtune, litgpt) the branch runs on x as is. A 4-bit base under PEFT
+        runs ``bnb.Linear4bit.forward`` instead (see below)."""
         o = self.ops
         base = f"layers.{layer}.{name}"
         w = self.p(base + ".weight")
@@ -66,15 +75,40 @@ class Forward:
         a_p = self.maybe(base + ".lora_A")
         if a_p is None:
             return y
-        xd = o.dropout(x, self.lora.dropout)
+        peft = self.exp.profile.lora_input_cast
+        # PEFT's bnb Linear4bit.forward (peft/tuners/lora/bnb.py) differs for a 4-bit base: the
+        # base output is cloned (``result.clone()``), and the casts happen only outside autocast
+        # (``requires_conversion = not torch.is_autocast_enabled()``), the branch's output being
+        # cast back to the result's dtype before the add
+        quant = peft and qt > 0
+        if quant:
+            y2 = o.clone(y)
+            o.drop(y)
+            y = y2
+        # without the cast rule, fp32 adapters over 16-bit activations still need one (outside
+        # autocast a mixed-dtype matmul is an error)
+        cast = (peft and not (quant and o.autocast is not None)) or (
+            o.autocast is None and x.itemsize_bits != a_p.weight.itemsize_bits)
+        xa = o.cast(x, o.dtype_of(a_p.weight)) if cast else o.ref_(x)
+        xd = o.dropout(xa, self.lora.dropout)
+        o.drop(xa)
         a = o.linear(xd, self.rows, a_p, None, self.lora.rank)
         o.drop(xd)
         b = o.linear(a, self.rows, self.p(base + ".lora_B"), None, d_out)
         o.drop(a)
         bs = o.scale(b, self.lora.alpha / self.lora.rank + 1e-12)
         o.drop(b)
+        if quant and cast:  # output.to(expected_dtype) before result + output
+            b2 = o.cast(bs, o.dtype_of(y))
+            o.drop(bs)
+            bs = b2
         out = o.add(y, bs)
-        o.drop(y, bs)
+        o.drop(bs)
+        if cast and out.itemsize_bits != y.itemsize_bits:  # lora.Linear: result.to(torch_result_dtype)
+            back = o.cast(out, o.dtype_of(y))
+            o.drop(out)
+            out = back
+        o.drop(y)
         return out
 
     def norm(self, x: T, name: str) -> T:
@@ -112,15 +146,22 @@ class Forward:
             if slopes is not None:
                 bias, bias_bytes = o.alibi_mask(H, self.T, slopes)
                 bias_bytes = bias_bytes * self.B
-        kernel = o.attention_kernel(bias is not None, q)
+        n_rep = m.n_heads // m.kv_heads
+        # transformers passes grouped K/V un-expanded (enable_gqa) when use_gqa_in_sdpa holds:
+        # no explicit mask, head dim <= 256 (integrations/sdpa_attention.py)
+        gqa = n_rep > 1 and self.exp.profile.sdpa_gqa and bias is None and D <= 256
+        kernel = o.attention_kernel(bias is not None, q, enable_gqa=gqa)
         if m.positions == "rope":
             q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
         else:
             q2, k2 = o.ref_(q), o.ref_(k)
-        n_rep = m.n_heads // m.kv_heads
-        k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
+        if gqa:
+            k3, v3 = o.ref_(k2), o.ref_(v)
+        else:
+            k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
         o.drop(k2)
-        out = o.sdpa(q2, k3, v3, self.B, H, self.T, D, bias, bias_bytes, m.attn_dropout, kernel)
+        out = o.sdpa(q2, k3, v3, self.B, H, self.T, D, bias, bias_bytes, m.attn_dropout, kernel,
+                     n_rep=n_rep if gqa else 1)
         o.drop(q2, k3, v3, bias)
         return out
 

@@ -138,12 +138,73 @@ class Ops:
         self.sim.node("mul", saved, [a, b], [], [y])
         return y
 
+    def cast(self, x: T, dtype: DType) -> T:
+        """``x.to(dtype)``: a copy when the dtype changes (``_to_copy``; its backward casts the
+        gradient back and saves nothing), else the same tensor."""
+        if x.itemsize_bits == dtype.bits:
+            return self.sim.ref(x)
+        y = self.new(x.numel, dtype)
+        self.sim.node("to_copy", [], [x], [], [y])
+        return y
+
+    def clone(self, x: T) -> T:
+        """``x.clone()``: a copy in the same dtype; its backward passes the gradient on and saves nothing."""
+        y = self.new(x.numel, self.dtype_of(x))
+        self.sim.node("clone", [], [x], [], [y])
+        return y
+
     def activation(self, x: T, kind: str) -> T:
         """relu saves its result (threshold_backward(grad, result)); silu, gelu and gelu_tanh save
-        their input (silu_backward/gelu_backward(grad, self))."""
+        their input (silu_backward/gelu_backward(grad, self)). gelu_new runs as the profile says:
+        fused (``F.gelu(approximate="tanh")``, saves its input) or as Hugging Face's chain of
+        pointwise ops (:meth:`gelu_new_chain`)."""
+        if kind == "gelu_new" and self.profile.gelu_new == "chain":
+            return self.gelu_new_chain(x)
         y = self.new(x.numel, self.dtype_of(x))
         saved = [y] if kind == "relu" else [x]
         self.sim.node(kind, saved, [x], [], [y])
+        return y
+
+    def gelu_new_chain(self, x: T) -> T:
+        """transformers ``NewGELUActivation.forward`` (activations.py):
+        ``0.5 * x * (1.0 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3.0))))``, op by op, with what
+        autograd saves for each (tools/autograd/derivatives.yaml): ``t1 = 0.5 * x`` (a scalar
+        multiply saves nothing); ``p = pow(x, 3)`` saves x (``pow_backward(grad, self, exponent)``);
+        ``0.044715 * p``, ``x + .``, ``sqrt(2/pi) * .`` save nothing; ``th = tanh(.)`` saves its
+        result; ``1.0 + th`` saves nothing; ``t1 * (1 + th)`` saves both operands. So four
+        x-sized tensors are saved (x, th, t1, 1 + th) where the fused kernel saves one. Under
+        autocast ``pow`` is on CUDA's fp32 list: a 16-bit x is cast to fp32 (the copy is what
+        pow saves), the chain after it runs in fp32 (type promotion), ``t1`` stays in x's dtype and
+        the result is fp32. Ignores the scalar tensors."""
+        n = x.numel
+        dt = self.dtype_of(x)
+        t1 = self.new(n, dt)
+        self.sim.node("mul_scalar", [], [x], [], [t1])
+        xp = x
+        if self.autocast is not None and dt != DType.fp32:
+            xp = self.new(n, DType.fp32)
+            xp.requires_grad = x.requires_grad
+            self.sim.node("to_fp32", [], [x], [], [xp])
+        ct = self.dtype_of(xp)
+        p = self.new(n, ct)
+        self.sim.node("pow", [xp], [xp], [], [p])
+        if xp is not x:
+            self.drop(xp)
+        chain = p
+        for op in ("mul_scalar", "add", "mul_scalar"):  # 0.044715 * p; x + .; sqrt(2/pi) * .
+            nxt = self.new(n, ct)
+            self.sim.node(op, [], [chain] + ([x] if op == "add" else []), [], [nxt])
+            self.drop(chain)
+            chain = nxt
+        th = self.new(n, ct)
+        self.sim.node("tanh", [th], [chain], [], [th])
+        self.drop(chain)
+        one = self.new(n, ct)
+        self.sim.node("add_scalar", [], [th], [], [one])
+        self.drop(th)
+        y = self.new(n, ct if ct.bits >= dt.bits else dt)
+        self.sim.node("mul", [t1, one], [t1, one], [], [y])
+        self.drop(t1, one)
         return y
 
     def dropout(self, x: T, p: float) -> T:
@@ -268,15 +329,16 @@ class Ops:
         return y
 
     # -- attention ------------------------------------------------------------------
-    def attention_kernel(self, has_mask: bool, q: T) -> str:
+    def attention_kernel(self, has_mask: bool, q: T, enable_gqa: bool = False) -> str:
         """Which SDPA kernel runs: the profile's choice, or auto = flash for 16-bit inputs without
-        an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi);
-        a forced flash that cannot run falls back to memory-efficient
+        an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi),
+        except that a grouped-query call (``enable_gqa``) cannot use memory-efficient and takes
+        math; a forced flash that cannot run falls back the same way
         (:func:`memcalc.core.kernels.choose_attention_kernel`, shared with the validator)."""
-        return choose_attention_kernel(self.profile.attention, q.itemsize_bits == 16, has_mask)
+        return choose_attention_kernel(self.profile.attention, q.itemsize_bits == 16, has_mask, enable_gqa)
 
     def sdpa(self, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, bias: Optional[T], bias_bcast_bytes: int,
-             dropout_p: float, kernel: str) -> T:
+             dropout_p: float, kernel: str, n_rep: int = 1) -> T:
         """scaled_dot_product_attention with the kernel CUDA picks.
 
         flash (``_scaled_dot_product_flash_attention``, FA2): saves q, k, v, out and logsumexp
@@ -288,7 +350,17 @@ class Ops:
         ``delta`` (B,H,T fp32), an fp32 dq accumulator when inputs are 16-bit, and, when the bias
         needs a gradient, a gradient of the broadcast (B,H,T,T) bias.
         math (``_scaled_dot_product_attention_math``): materialises (B,H,T,T) scores, saves the
-        pre-scaled q and k copies, the softmax output, v, and the dropout mask."""
+        pre-scaled q and k copies, the softmax output, v, and the dropout mask.
+
+        ``n_rep > 1``: a grouped-query call (``enable_gqa=True``; k and v have H / n_rep heads).
+        flash takes it natively (FA2 ``mha_fwd``/``mha_bwd`` with ``num_heads_k < num_heads``): it
+        saves the un-expanded k and v, and its backward allocates ``dk_expanded`` and
+        ``dv_expanded`` (B, T, H, D in the input dtype) before summing them into dk, dv
+        (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp ``mha_bwd``). math
+        copies k and v to every query head first (attention.cpp
+        ``_scaled_dot_product_attention_math`` via ``pre_process_group_query_attention_input``:
+        ``repeat_interleave`` on dim -3 when ``enable_gqa``): the k copy lives until it is scaled, the v copy is saved by the
+        second matmul."""
         dt = self.dtype_of(q)
         n_q = B * H * Tq * D
         if kernel in ("flash", "efficient"):
@@ -298,6 +370,8 @@ class Ops:
                 tr = flash_seq_rounded(Tq)
                 dr = flash_head_dim_rounded(D)
                 temps = [B * tr * H * dr * 4, B * H * tr * 4]
+                if n_rep > 1:  # dk_expanded, dv_expanded
+                    temps += [dt.nbytes(n_q), dt.nbytes(n_q)]
             else:
                 lse = self.new(B * H * efficient_lse_len(Tq), DType.fp32)
                 temps = [B * H * Tq * 4]
@@ -312,11 +386,17 @@ class Ops:
             self.drop(lse)
             return out
         # math path
+        assert kernel == "math" and (n_rep == 1 or bias is None), kernel
         nTT = B * H * Tq * Tq
         qs = self.new(n_q, dt)
         self.sim.node("mul_scalar", [], [q], [], [qs])
+        if n_rep > 1:  # enable_gqa: repeat_interleave copies of k and v
+            k = self.repeat_kv(k, n_rep)
+            v = self.repeat_kv(v, n_rep)
         ks = self.new(k.numel, dt)
         self.sim.node("mul_scalar", [], [k], [], [ks])
+        if n_rep > 1:
+            self.drop(k)
         scores = self.new(nTT, dt)
         self.sim.node("matmul_qk", [qs, ks], [qs, ks], [], [scores], flops=2 * B * H * Tq * Tq * D)
         self.drop(qs, ks)
@@ -332,6 +412,8 @@ class Ops:
         out = self.new(n_q, dt)
         self.sim.node("matmul_pv", [p, v], [p, v], [], [out], flops=2 * B * H * Tq * Tq * D)
         self.drop(p)
+        if n_rep > 1:
+            self.drop(v)
         return out
 
     def alibi_mask(self, H: int, Tq: int, slopes: Param) -> tuple[T, int]:

@@ -29,9 +29,19 @@ def state_dtype(tr: TrainingSpec) -> DType:
     return DType.fp32 if tr.master_weights else tr.weight_dtype
 
 
+def for_param(p: Param, tr: TrainingSpec) -> TrainingSpec:
+    """The training setup as it applies to one parameter: an fp32 parameter under a 16-bit policy
+    (LoRA adapters kept in fp32 over a 16-bit base, PEFT's default) steps as under fp32: its state
+    (``zeros_like(p)``) and step temporaries are fp32."""
+    if p.weight.itemsize_bits == 32 and tr.weight_dtype != DType.fp32 and not tr.master_weights:
+        return tr.model_copy(update={"precision": "fp32"})
+    return tr
+
+
 def state_bytes(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[str, int]]:
     """State tensors of one trainable parameter, as (category, bytes): the master copy (fp32)
     with master weights, then the optimizer's state by its registry layout (``STATE_LAYOUTS``)."""
+    tr = for_param(p, tr)
     out: list[tuple[str, int]] = []
     if tr.master_weights:
         out.append(("master weights", DType.fp32.nbytes(p.numel)))
@@ -77,6 +87,7 @@ def per_param_temps(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[s
     """The step's temporaries for one parameter as a sequence of events:
     ("alloc", bytes) or ("free", index of the alloc). Used by per-parameter steps
     (for-loop implementations and a step fused into backward)."""
+    tr = for_param(p, tr)
     ev: list[tuple[str, int]] = []
     if tr.master_weights:
         ev.append(("alloc", 4 * p.numel))  # grad.float() for the fp32 master step
@@ -144,7 +155,7 @@ def foreach_temps(trainable: list[Param], tr: TrainingSpec) -> int:
     """The whole-group temporary of a foreach step: ``_foreach_sqrt(exp_avg_sqs)`` for Adam/AdamW
     (one state-sized copy of every tensor at once); none for SGD(-momentum) without weight decay."""
     if OPTIMIZERS[tr.optimizer].step == "adam" and tr.optimizer_impl == "foreach":
-        return sum(state_dtype(tr).nbytes(p.numel) for p in trainable)
+        return sum(state_dtype(for_param(p, tr)).nbytes(p.numel) for p in trainable)
     return 0
 
 

@@ -36,10 +36,12 @@ class Model:
 
 
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
-    """Allocate every parameter at the precision policy's weight dtype (weights exist before the step)."""
+    """Allocate every parameter at the precision policy's weight dtype, LoRA adapters at theirs
+    (:attr:`ExperimentSpec.adapter_dtype`); weights exist before the step."""
     tr = exp.training
     lora = tr.lora
     wdt = tr.weight_dtype
+    adt = exp.adapter_dtype or wdt  # LoRA adapters: fp32 or the base's dtype (ExperimentSpec.adapter_dtype)
     n = tr.gpus
     zero3 = tr.zero >= 3 and n > 1
     params: dict[str, Param] = {}
@@ -47,11 +49,12 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     gather = 0
     for pt in param_inventory(exp.model, lora):
         quant = lora is not None and lora.qlora and pt.quantizable
+        pdt = adt if pt.kind == "lora" else wdt
         if quant:
             full = quantized_bytes(pt.numel, lora.quant_block, lora.double_quant)
             cat = "frozen base weights (NF4)"
         else:
-            full = wdt.nbytes(pt.numel)
+            full = pdt.nbytes(pt.numel)
             cat = "weights" if pt.trainable or lora is None else "frozen base weights"
         nbytes = full
         if zero3 and pt.layer is not None:
@@ -60,8 +63,8 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
             if pt.layer == 0:
                 gather += full
         w = sim.alloc(nbytes, "weights", cat, name=pt.name)
-        w.numel, w.itemsize_bits = pt.numel, (4 if quant else wdt.bits)
-        p = Param(pt.name, w, pt.trainable, wdt.nbytes(pt.numel), pt.layer, pt.numel)
+        w.numel, w.itemsize_bits = pt.numel, (4 if quant else pdt.bits)
+        p = Param(pt.name, w, pt.trainable, pdt.nbytes(pt.numel), pt.layer, pt.numel)
         if tr.zero >= 2 and n > 1:
             p.grad_keep_bytes = shard(p.grad_bytes, n)
         params[pt.name] = p

@@ -50,8 +50,12 @@ def required_bytes(peak_bytes):
 
 
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
-    """Bytes per trainable parameter of weights, gradients, master copy and optimizer state."""
+    """Bytes per trainable parameter of weights, gradients, master copy and optimizer state
+    (LoRA: of the adapters, in :attr:`ExperimentSpec.adapter_dtype`; fp32 adapters step as fp32)."""
     tr = exp.training
+    adt = exp.adapter_dtype
+    if adt is not None and adt.bits == 32 and tr.weight_dtype.bits != 32 and not tr.master_weights:
+        tr = tr.model_copy(update={"precision": "fp32"})
     w = tr.weight_dtype.bits / 8
     opt = OPTIMIZERS[tr.optimizer].state_bytes_per_param(state_dtype(tr).bits / 8)
     return {
@@ -92,6 +96,9 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
         for k in ("quant_block", "double_quant"):
             if getattr(lo, k) != lo_default[k]:
                 notes.append(f"lora {k} has no effect without qlora: the base is not quantised")
+    if lo is not None and lo.dtype is not None and tr.weight_dtype == DType.fp32:
+        notes.append(f"lora dtype {lo.dtype} has no effect with precision {tr.precision}: the weights are fp32, "
+                     "so are the adapters")
     prof = exp.profile
     if prof.cross_entropy == "full" and prof.loss_chunks != DEFAULT_LOSS_CHUNKS:
         notes.append(f"loss_chunks {prof.loss_chunks} has no effect with the full cross-entropy (--loss chunked uses it)")

@@ -31,7 +31,7 @@ _ACTIVATIONS = {
     "swish": "silu",
     "gelu": "gelu",
     "gelu_python": "gelu",
-    "gelu_new": "gelu_tanh",
+    "gelu_new": "gelu_new",
     "gelu_pytorch_tanh": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
     "gelu_tanh": "gelu_tanh",

@@ -1,18 +1,142 @@
-"""Named kernel profiles: what a PyTorch version's kernels and a framework's layers save.
+"""Kernel profiles: what a PyTorch version's kernels and a framework's layers save.
 
-The reference configs pin ``torch-2.8-cuda``, the build the published table was
-measured with. Choose another with ``--profile``; every field can also be set in
-a config file's ``profile:`` mapping. The plain-PyTorch profiles take their RMSNorm from
-:data:`memcalc.core.kernels.RMSNORM_BY_TORCH` (the table the validator follows too).
+A profile is (framework, PyTorch version): :data:`FRAMEWORKS` holds each framework's rules
+with the library source it follows, :func:`profile_for` builds the profile of a pair and
+:func:`compose` applies ``--framework`` / ``--torch`` to a named or configured profile. The
+reference configs pin ``torch-2.8-cuda`` (plain, the build the published table was measured
+with). Every field can also be set in a config file's ``profile:`` mapping. The plain profiles
+take their RMSNorm from :data:`memcalc.core.kernels.RMSNORM_BY_TORCH` (the table the
+validator follows too).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.core.kernels import rmsnorm_for_torch
 from memcalc.core.spec import LOSSES, KernelProfile
+
+#: what each framework's own layer code decides, with the library source each rule follows.
+#: ``rmsnorm`` None = the PyTorch version's ``nn.RMSNorm`` (:func:`rmsnorm_for_torch`).
+FRAMEWORKS: dict[str, dict] = {
+    # memcalc's own PyTorch replica (validate/model.py): nn.RMSNorm; the loss on model-dtype logits
+    # with a shifted contiguous copy (Forgather's layers, the reference experiment's build);
+    # repeat_kv before SDPA; adapters in the base's dtype; gelu_new as the fused tanh GELU.
+    "plain": dict(rmsnorm=None, logits_fp32=False, shift_copy=True, cross_entropy="full", lora_dtype="model",
+                  lora_input_cast=False, sdpa_gqa=False, gelu_new="fused"),
+    # transformers 5.x + PEFT 0.2x:
+    # - LlamaRMSNorm (models/llama/modeling_llama.py): hidden.to(fp32) ... ``self.weight *
+    #   hidden_states.to(input_dtype)``: casts back before the weight multiply (composite-legacy),
+    #   whatever the PyTorch version;
+    # - ForCausalLMLoss (loss/loss_utils.py): ``logits.float()``; labels padded and shifted
+    #   (``nn.functional.pad(labels, (0, 1))``, ``labels[..., 1:]``), the logits are not shifted;
+    # - PEFT (peft/tuners/tuners_utils.py ``cast_adapter_dtype``, ``autocast_adapter_dtype=True``)
+    #   keeps adapters in fp32 over a 16-bit base; lora.Linear.forward (peft/tuners/lora/layer.py)
+    #   casts x to lora_A.weight.dtype (``_cast_input_dtype``) and the result back;
+    # - integrations/sdpa_attention.py ``sdpa_attention_forward``: ``enable_gqa=True`` with K/V
+    #   un-expanded when ``use_gqa_in_sdpa`` (CUDA: no mask, head dim <= 256), else repeat_kv;
+    #   ``enable_gqa`` exists from PyTorch 2.5 on (see :func:`profile_for`);
+    # - activations.py NewGELUActivation (``gelu_new``): pointwise ops, not a fused kernel;
+    # - default attention implementation sdpa; activation checkpointing (modeling_utils.py
+    #   ``_activation_checkpointing_enable``: ``use_reentrant=False`` by default, each decoder
+    #   layer a GradientCheckpointingLayer, modeling_layers.py) = memcalc's --checkpoint full.
+    "hf": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="full",
+               lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain"),
+    # torchtune:
+    # - modules/rms_norm.py RMSNorm: ``x_fp32 = x.float()``; ``(x_fp32 * rsqrt(...)).type_as(x)``
+    #   then ``* self.scale``: casts back before the weight multiply (composite-legacy);
+    # - modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss: 8 chunks, each
+    #   ``.float()``; the recipes shift the labels (``torch.hstack((labels[..., 1:], ignore))``),
+    #   not the logits;
+    # - modules/peft/lora.py LoRALinear: ``out + lora_b(lora_a(dropout(x))) * alpha/rank`` with
+    #   no cast; the recipes build every parameter in the training dtype (adapters included);
+    # - modules/attention.py MultiHeadAttention: k/v ``expand`` + ``reshape`` to every query head
+    #   (a copy) before SDPA;
+    # - training/_activation_checkpointing.py set_activation_checkpointing:
+    #   ``apply_activation_checkpointing`` with the default ``checkpoint_wrapper``
+    #   (CheckpointImpl.NO_REENTRANT) on each TransformerSelfAttentionLayer = --checkpoint full.
+    # Not verified: gelu_new (torchtune has no model using it; fused assumed).
+    "torchtune": dict(rmsnorm="composite-legacy", logits_fp32=False, shift_copy=False, cross_entropy="chunked",
+                      lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused"),
+    # LitGPT:
+    # - litgpt/model.py RMSNorm: ``x.float()``, ``mean(x * x)``, ``(x_normed * weight.float()).to(dtype)``:
+    #   the weight multiply in fp32 (composite);
+    # - litgpt/model.py CausalSelfAttention: ``k.repeat_interleave(q_per_kv, dim=1)`` (a copy)
+    #   before SDPA; GptNeoxMLP: ``F.gelu(x, approximate=config.gelu_approximate)`` (fused);
+    # - litgpt/lora.py LoRALinear: no cast; adapters in the Fabric precision's dtype (``bf16-true``);
+    # - litgpt/utils.py chunked_cross_entropy on model-dtype logits (no fp32 upcast); the shift is
+    #   ``logits[..., :-1, :]`` then ``reshape`` (a copy).
+    # Not modelled: the finetune scripts' head chunking (``lm_head_chunk_size=128``: the loss in
+    # 128-token chunks -- approximate with --loss chunked --loss-chunks T/128) and LoRA on the
+    # fused qkv projection (LoRAQKVLinear's zero-padding): memcalc keeps separate q, k, v.
+    "litgpt": dict(rmsnorm="composite", logits_fp32=False, shift_copy=True, cross_entropy="full",
+                   lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused"),
+}
+
+#: why each framework's adapters have the dtype they have (the inputs table's reason for the default)
+LORA_DTYPE_WHY: dict[str, str] = {
+    "plain": "adapters in the base's dtype (memcalc's replica builds every parameter in the training dtype)",
+    "hf": "PEFT keeps adapters in fp32 over a 16-bit base, autocast_adapter_dtype=True",
+    "torchtune": "adapters in the base's dtype (the recipes build every parameter in the training dtype)",
+    "litgpt": "adapters in the base's dtype (Fabric's bf16-true precision converts every parameter)",
+}
+
+#: the fields :func:`profile_for` sets from the framework and the PyTorch version
+RULE_FIELDS = ("rmsnorm", "mean_saves_input", *FRAMEWORKS["plain"])
+
+#: ``--torch``: the PyTorch versions memcalc has rules for (major.minor, 2.1 .. 2.13)
+TORCH_MIN, TORCH_MAX = (2, 1), (2, 13)
+#: first PyTorch with ``scaled_dot_product_attention(..., enable_gqa=True)``
+SDPA_GQA_SINCE = (2, 5)
+#: last PyTorch whose ``mean(x*x)`` backward keeps its input
+MEAN_SAVES_INPUT_UNTIL = (2, 1)
+
+DEFAULT_TORCH = "2.8"
+
+
+def parse_torch(version: str) -> tuple[int, int]:
+    """``--torch`` as (major, minor); a one-line error outside :data:`TORCH_MIN` .. :data:`TORCH_MAX`."""
+    m = re.fullmatch(r"\s*(\d{1,3})\.(\d{1,3})(?:\.\d+)?\s*", str(version))
+    v = (int(m.group(1)), int(m.group(2))) if m else None
+    if v is None or not TORCH_MIN <= v <= TORCH_MAX:
+        lo, hi = ".".join(map(str, TORCH_MIN)), ".".join(map(str, TORCH_MAX))
+        raise UserError(f"unknown --torch {str(version)[:40]!r}; valid: {lo} to {hi} (major.minor, e.g. 2.8)")
+    return v
+
+
+def profile_name(framework: str, torch: str) -> str:
+    """``torch-2.8-cuda`` for plain, ``hf-torch-2.8-cuda`` for the others."""
+    return ("" if framework == "plain" else f"{framework}-") + f"torch-{torch}-cuda"
+
+
+def profile_for(framework: str, torch: str = DEFAULT_TORCH) -> KernelProfile:
+    """The profile of ``framework``'s layer code on PyTorch ``torch`` (:data:`FRAMEWORKS`); the
+    version decides ``nn.RMSNorm`` (plain), ``mean_saves_input`` (<= 2.1) and whether
+    ``enable_gqa`` exists (>= 2.5)."""
+    if framework not in FRAMEWORKS:
+        raise unknown_name("framework", framework, list(FRAMEWORKS))
+    v = parse_torch(torch)
+    t = f"{v[0]}.{v[1]}"
+    rules = dict(FRAMEWORKS[framework])
+    rules["rmsnorm"] = rules["rmsnorm"] or rmsnorm_for_torch(t)
+    rules["sdpa_gqa"] = rules["sdpa_gqa"] and v >= SDPA_GQA_SINCE
+    return KernelProfile(name=profile_name(framework, t), framework=framework, torch_version=t,
+                         mean_saves_input=v <= MEAN_SAVES_INPUT_UNTIL, **rules)
+
+
+def compose(base: KernelProfile, framework: Optional[str] = None, torch: Optional[str] = None) -> KernelProfile:
+    """``base`` with ``--framework`` and/or ``--torch`` replacing that part of it: the rule fields
+    (:data:`RULE_FIELDS`) and the name come from (framework or base's, torch or base's); the other
+    fields (attention, loss_chunks, the allocator's rounding, ...) stay as ``base`` has them."""
+    if framework is None and torch is None:
+        return base
+    new = profile_for(framework or base.framework, torch or base.torch_version)
+    keep = {k: v for k, v in base.model_dump().items() if k not in RULE_FIELDS}
+    return KernelProfile.model_validate({**keep, **{k: getattr(new, k) for k in ("name", "framework", "torch_version",
+                                                                                 *RULE_FIELDS)}})
+
 
 PROFILES: dict[str, KernelProfile] = {
     p.name: p
@@ -20,19 +144,17 @@ PROFILES: dict[str, KernelProfile] = {
         # PyTorch 2.8 on CUDA with plain PyTorch layers (nn.RMSNorm composite with the weight
         # multiply in fp32; loss on model-dtype logits with a shifted contiguous copy). The
         # reference experiment's build (Forgather's layers).
-        KernelProfile(name="torch-2.8-cuda", torch_version="2.8", rmsnorm=rmsnorm_for_torch("2.8")),
+        profile_for("plain", "2.8"),
         # PyTorch 2.9+: nn.RMSNorm dispatches to the fused _fused_rms_norm kernel on CUDA.
-        KernelProfile(name="torch-2.9-cuda", torch_version="2.9", rmsnorm=rmsnorm_for_torch("2.9")),
+        profile_for("plain", "2.9"),
         # PyTorch 2.4-2.5: composite RMSNorm casts back before the weight multiply.
-        KernelProfile(name="torch-2.4-cuda", torch_version="2.4", rmsnorm=rmsnorm_for_torch("2.4")),
+        profile_for("plain", "2.4"),
         # PyTorch 2.1: mean(x*x) backward keeps its input.
-        KernelProfile(name="torch-2.1-cuda", torch_version="2.1", rmsnorm=rmsnorm_for_torch("2.1"), mean_saves_input=True),
-        # Hugging Face transformers (LlamaRMSNorm casts back before the weight; the loss upcasts
-        # logits to fp32 and shifts the labels, not the logits) on PyTorch 2.8.
-        KernelProfile(
-            name="hf-torch-2.8-cuda", torch_version="2.8", rmsnorm="composite-legacy",
-            logits_fp32=True, shift_copy=False,
-        ),
+        profile_for("plain", "2.1"),
+        # Hugging Face transformers 5.x + PEFT on PyTorch 2.8 (FRAMEWORKS["hf"]).
+        profile_for("hf", "2.8"),
+        profile_for("torchtune", "2.8"),
+        profile_for("litgpt", "2.8"),
     )
 }
 

@@ -2,7 +2,22 @@
 
 Precedence: a flag overrides the config file, which overrides the default.
 Every input is tagged ``flag``, ``config``, ``default`` or ``inferred`` so
-reports can mark what the user did not set.
+reports can mark what the user did not set; every default that depends on the setup
+(framework, PyTorch version, precision, LoRA adapter dtype) carries its reason in
+``Resolved.reasons``.
+
+Defaults that depend on the setup:
+
+- framework: ``plain`` for a ``--config`` experiment (its profile: the reference configs
+  were measured with memcalc's own layers); ``hf`` for a model from ``--model`` (a preset
+  is a Hugging Face model written from its config.json; a config.json or hub id is one)
+  and for ``--params`` (what most users fine-tune with: transformers + PEFT);
+- PyTorch version: the profile's (2.8 unless ``--profile``/the config says otherwise);
+- precision: with LoRA/QLoRA and no precision given, ``bf16`` (a bf16 base; QLoRA computes
+  in bf16, ``bnb_4bit_compute_dtype=torch.bfloat16`` in the QLoRA recipes); full fine-tuning
+  ``fp32`` (what Hugging Face Trainer runs without ``--bf16``/``--fp16``);
+- LoRA adapter dtype: the framework's (``KernelProfile.lora_dtype``: hf fp32, the others the
+  base's dtype).
 """
 
 from __future__ import annotations
@@ -16,9 +31,10 @@ from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile, with_loss
-from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, LORA_TARGET_ALIASES, LORA_TARGETS, ExperimentSpec, ModelSpec,
-                               TrainingSpec, canonical_targets, lora_targets_error)
+from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
+from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS,
+                               ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
+                               lora_targets_error)
 
 if TYPE_CHECKING:
     from memcalc.inputs.presets import ModelSource
@@ -49,7 +65,10 @@ class Options:
     lora_targets: Optional[str] = None
     lora_dropout: Optional[float] = None
     qlora: bool = False
+    lora_dtype: Optional[str] = None
     profile: Optional[str] = None
+    framework: Optional[str] = None
+    torch: Optional[str] = None
     loss: Optional[str] = None
     loss_chunks: Optional[int] = None
     zero: Optional[int] = None
@@ -66,6 +85,8 @@ class Resolved:
     notes: list[str] = field(default_factory=list)
     #: where --model's model came from (preset, Hugging Face id, cache, Hub, file); None without --model
     model_source: Optional["ModelSource"] = None
+    #: input -> why its default is what it is (only for defaults that depend on the setup)
+    reasons: dict[str, str] = field(default_factory=dict)
 
 
 #: the largest K of --checkpoint every-K (more layers than any model has; checked before int())
@@ -153,6 +174,8 @@ def resolve(o: Options) -> Resolved:
     else:
         raise UserError("no model: give --model NAME|config.json, --params N, or --config NAME|FILE (see `memcalc models`)")
 
+    profile, reasons = _profile(o, base, origin)
+
     tr: dict[str, Any] = base.training.model_dump() if base is not None else {}
     tr_origin = {k: "config" for k in tr} if base is not None else {}
 
@@ -184,7 +207,10 @@ def resolve(o: Options) -> Resolved:
     put("gpus", o.gpus)
     if o.offload_optimizer:
         put("offload_optimizer", True)
-    lora_flags = o.lora or o.qlora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout))
+    if o.lora_dtype is not None and o.lora_dtype not in LORA_DTYPES:
+        raise UserError(f"unknown --lora-dtype {clip(o.lora_dtype)!r}; valid: {', '.join(LORA_DTYPES)}")
+    lora_flags = o.lora or o.qlora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets,
+                                                                      o.lora_dropout, o.lora_dtype))
     if lora_flags:
         cur = dict(tr.get("lora") or {})
         if o.lora_rank is not None:
@@ -199,8 +225,27 @@ def resolve(o: Options) -> Resolved:
             cur["dropout"] = o.lora_dropout
         if o.qlora:
             cur["qlora"] = True
+        if o.lora_dtype is not None:
+            cur["dtype"] = o.lora_dtype
         tr["lora"] = cur
         tr_origin["lora"] = "flag"
+    if tr.get("lora") is not None:
+        cur = dict(tr["lora"])
+        if o.lora_dtype is not None:
+            origin["lora_dtype"] = "flag"
+        elif cur.get("dtype") is not None:
+            origin["lora_dtype"] = "config"
+        else:  # None: the framework's (profile.lora_dtype); --json shows the value used as adapter_dtype
+            origin["lora_dtype"] = "default"
+            reasons["lora_dtype"] = f"{profile.framework}: {LORA_DTYPE_WHY[profile.framework]}"
+        tr["lora"] = cur
+        if "precision" not in tr:
+            tr["precision"] = "bf16"
+            tr_origin["precision"] = "default"
+            reasons["precision"] = ("QLoRA: a bf16 base (QLoRA computes in bf16, bnb_4bit_compute_dtype=bfloat16)"
+                                    if cur.get("qlora") else "LoRA: a bf16 base (the model loaded in bfloat16)")
+    elif "precision" not in tr:
+        reasons["precision"] = "full fine-tuning: what Hugging Face Trainer runs without --bf16/--fp16 (fp32 weights)"
     if "seq" not in tr:
         tr["seq"] = min(2048, model.max_seq_len)
         tr_origin["seq"] = "default"
@@ -213,15 +258,6 @@ def resolve(o: Options) -> Resolved:
     for k in TrainingSpec.model_fields:
         origin.setdefault(k, tr_origin.get(k, "default"))
 
-    if o.profile:
-        profile = get_profile(o.profile)
-        origin["profile"] = "flag"
-    elif base is not None:
-        profile = base.profile
-        origin["profile"] = "config"
-    else:
-        profile = get_profile(DEFAULT_PROFILE)
-        origin["profile"] = "default"
     if o.loss is not None or o.loss_chunks is not None:  # flags override the profile's loss fields
         profile = with_loss(profile, o.loss, o.loss_chunks)
         origin.update({k: "flag" for k, v in (("cross_entropy", o.loss), ("loss_chunks", o.loss_chunks)) if v is not None})
@@ -241,7 +277,43 @@ def resolve(o: Options) -> Resolved:
         )
     except ValidationError as e:  # a config's LoRA targets that --model does not have
         raise UserError(pydantic_error_line(e, "experiment")) from None
-    return Resolved(exp, origin, notes, model_source)
+    return Resolved(exp, origin, notes, model_source, reasons)
+
+
+def _model_why(o: Options) -> str:
+    """Why the framework defaults to hf for this model source."""
+    if o.params:
+        return "--params: most fine-tuning runs use Hugging Face transformers + PEFT"
+    from memcalc.inputs.presets import list_presets
+
+    if o.model and o.model.strip().lower() in list_presets():
+        return "a preset is a Hugging Face model (written from its config.json), trained with transformers + PEFT"
+    return "the model comes from a Hugging Face id, config.json or model file, trained with transformers + PEFT"
+
+
+def _profile(o: Options, base: Optional[ExperimentSpec], origin: dict[str, str]) -> tuple[KernelProfile, dict[str, str]]:
+    """The kernel profile: ``--profile NAME`` (or the config's profile, or the default for the model's
+    source), then ``--framework`` / ``--torch`` replace that part of it
+    (:func:`memcalc.inputs.profiles.compose`). Returns it with the reasons of its defaults."""
+    if o.framework is not None and o.framework not in FRAMEWORKS:
+        raise UserError(f"unknown --framework {clip(o.framework)!r}; valid: {', '.join(FRAMEWORKS)}")
+    reasons: dict[str, str] = {}
+    if o.profile:
+        profile = get_profile(o.profile)
+        origin["profile"] = origin["framework"] = origin["torch_version"] = "flag"
+    elif base is not None:  # a --config experiment (with or without --model/--params): its profile
+        profile = base.profile
+        origin["profile"] = origin["framework"] = origin["torch_version"] = "config"
+    else:
+        profile = profile_for("hf", DEFAULT_TORCH)
+        origin["profile"] = origin["framework"] = origin["torch_version"] = "default"
+        reasons["framework"] = _model_why(o)
+        reasons["torch_version"] = "the version the framework rules were checked against"
+    if o.framework is not None or o.torch is not None:
+        profile = compose(profile, o.framework, o.torch)
+        origin["profile"] = "flag"
+        origin.update({k: "flag" for k, v in (("framework", o.framework), ("torch_version", o.torch)) if v is not None})
+    return profile, reasons
 
 
 def _changed(base: ExperimentSpec, model: ModelSpec, training: TrainingSpec, profile) -> bool:

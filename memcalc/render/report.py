@@ -69,6 +69,8 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
             # only when --model was not a preset name (keeps the preset documents as they were)
             **({"model_source": res.model_source.as_json()}
                if res.model_source is not None and res.model_source.kind != "preset" else {}),
+            "reasons": res.reasons,
+            "adapter_dtype": exp.adapter_dtype.value if exp.adapter_dtype is not None else None,
         },
         "inferred": res.notes,
         "assumptions": est.assumptions,
@@ -79,6 +81,13 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
 def _mark(origin: dict[str, str], key: str) -> str:
     m = ORIGIN_MARK.get(origin.get(key, ""), "")
     return f" [dim]({m})[/dim]" if m else ""
+
+
+def _why(res: Resolved, key: str) -> str:
+    """`` (default: reason)`` for a default that depends on the setup, else the plain origin mark."""
+    if res.origin.get(key) == "default" and key in res.reasons:
+        return f" [dim](default: {res.reasons[key]})[/dim]"
+    return _mark(res.origin, key)
 
 
 def inputs_table(est: Estimate, res: Resolved) -> Table:
@@ -105,7 +114,7 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     t.add_row("parameters", f"{est.params:,} ({fmt_count(est.params)}); trainable {est.trainable_params:,}")
     t.add_row("batch x seq", f"{tr.batch}{_mark(o, 'batch')} x {tr.seq}{_mark(o, 'seq')}, grad accum {tr.grad_accum}{_mark(o, 'grad_accum')}")
     prec = tr.precision + (" + fp32 master weights" if tr.master_weights else "")
-    t.add_row("precision", f"{prec}{_mark(o, 'precision')}")
+    t.add_row("precision", f"{prec}{_why(res, 'precision')}")
     t.add_row("optimizer", f"{tr.optimizer} ({tr.optimizer_impl}){_mark(o, 'optimizer')}"
               + (", fused into backward" if tr.fused_optimizer else ""))
     ck = tr.checkpoint + (f" (K={tr.checkpoint_every})" if tr.checkpoint == "every-k" else "")
@@ -114,10 +123,15 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
         t.add_row("compile", f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
     if tr.lora is not None:
         lo = tr.lora
-        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}")
+        adt = exp.adapter_dtype
+        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}"
+                  f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}")
     p = exp.profile
-    t.add_row("kernel profile", f"{p.name}{_mark(o, 'profile')}: RMSNorm {p.rmsnorm}, attention {p.attention}, "
-              f"logits {'fp32' if p.logits_fp32 else 'model dtype'}")
+    t.add_row("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}")
+    t.add_row("kernel profile", f"{p.name}{_mark(o, 'profile')}: RMSNorm {p.rmsnorm}, attention {p.attention}"
+              + (" (grouped K/V un-expanded)" if p.sdpa_gqa and m.kv_heads != m.n_heads else "")
+              + f", logits {'fp32' if p.logits_fp32 else 'model dtype'}"
+              + (f", gelu_new {p.gelu_new}" if m.activation == "gelu_new" else ""))
     if p.cross_entropy == "chunked" or "cross_entropy" in o or "loss_chunks" in o:
         chunks = f" in {p.loss_chunks}{_mark(o, 'loss_chunks')} chunks" if p.cross_entropy == "chunked" else ""
         t.add_row("loss", f"cross-entropy {p.cross_entropy}{_mark(o, 'cross_entropy')}{chunks}")
