@@ -439,10 +439,12 @@ def validate(
     snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
     as_json: bool = JSON,
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
-    framework: str = typer.Option(
-        "plain", "--framework",
-        help="plain: memcalc's PyTorch replica of the model; hf: the real transformers + PEFT step "
-             "(AutoModelForCausalLM.from_config, get_peft_model), only kernel dispatch patched."),
+    framework: Optional[FrameworkOpt] = typer.Option(
+        None, "--framework",
+        help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
+             "of the model) or hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
+             "get_peft_model, only kernel dispatch patched). Default: as for estimate, plain for a --config, "
+             "hf for --model and --params."),
     reentrant: bool = typer.Option(
         False, "--reentrant",
         help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
@@ -464,8 +466,9 @@ def validate(
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
-    if framework not in ("plain", "hf"):
-        raise UserError(f"unknown --framework {framework!r}; valid: plain, hf")
+    if framework is not None and framework.value not in ("plain", "hf"):
+        raise UserError(f"--framework {framework.value}: validate traces plain (memcalc's replica) or hf "
+                        "(transformers + PEFT); estimate models torchtune and litgpt from their sources")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
@@ -482,7 +485,7 @@ def validate(
         master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
-        qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks,
+        qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
     )
     items = []
     if names:
@@ -491,7 +494,11 @@ def validate(
     else:
         items.append((None, resolve(_options(**common)).exp))
     items = [(n or e.name, e) for n, e in items]
-    records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=framework,
+    traced = {e.profile.framework for _, e in items}
+    if not traced <= {"plain", "hf"} or len(traced) > 1:
+        raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
+                        f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
+    records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
                            reentrant=reentrant)
     if html is not None:
         from memcalc.estimate.peak import estimate as run_estimate

@@ -18,18 +18,17 @@ import sys
 from typing import Optional
 
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.inputs.profiles import get_profile
+from memcalc.inputs.profiles import compose, get_profile
 
 #: the profile the HF trace is compared with, until the estimator has framework rules
 HF_ESTIMATOR_PROFILE = "hf-torch-2.8-cuda"
 
 
 def hf_estimator_spec(exp: ExperimentSpec) -> ExperimentSpec:
-    """The spec memcalc estimates for a traced HF step: ``exp`` with the HF profile (the kernel choice
-    and allocator rounding kept from ``exp``). The one place to switch to the estimator's HF rules."""
-    prof = get_profile(HF_ESTIMATOR_PROFILE).model_copy(
-        update={"attention": exp.profile.attention, "allocator_round_bytes": exp.profile.allocator_round_bytes})
-    return exp.model_copy(update={"profile": prof})
+    """The spec memcalc estimates for a traced HF step: ``exp`` with its profile's framework set to
+    ``hf`` (the PyTorch version, kernel choice and allocator rounding kept from ``exp``;
+    :func:`memcalc.inputs.profiles.compose`)."""
+    return exp.model_copy(update={"profile": compose(exp.profile, "hf", None)})
 
 
 def estimate_hf(exp: ExperimentSpec) -> tuple[int, str]:
