@@ -17,8 +17,8 @@ parameter count == :func:`memcalc.engine.params.count_params`).
 
 Choices the ModelSpec does not carry, fixed here: Mistral's ``sliding_window`` is None (the
 estimator assumes no attention mask; Mistral-7B-v0.1's 4096 only matters for longer sequences);
-``gelu_tanh`` is ``gelu_new`` (the composite chain) for gpt2 and phi, as their checkpoints
-name it, and ``gelu_pytorch_tanh`` (one fused kernel) for the Llama-like families.
+ModelSpec's ``gelu_new`` is transformers' ``gelu_new`` (NewGELUActivation, the composite chain) and
+``gelu_tanh`` its ``gelu_pytorch_tanh`` (one fused kernel), in every family.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Callable, Optional
 from memcalc.core.errors import UserError
 from memcalc.core.spec import LoraSpec, ModelSpec
 
-_ACT_LLAMA = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
-_ACT_GPT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+_ACT_LLAMA = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_new", "relu": "relu"}
+_ACT_GPT = _ACT_LLAMA
 
 
 def _want(m: ModelSpec, **expected: Any) -> list[str]:
