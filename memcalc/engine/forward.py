@@ -20,6 +20,8 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.loss import lm_loss
+from memcalc.engine.mla import mla_attention, rope_width
+from memcalc.engine.moe import moe_block
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
 from memcalc.engine.sim import Param, Sim, T
@@ -91,6 +93,8 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
+            return mla_attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
@@ -129,6 +133,8 @@ class Forward:
 
     def _mlp(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if m.moe is not None and m.moe.is_moe_layer(i):  # the sparse block (engine/moe.py)
+            return moe_block(self, h, i)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
@@ -230,7 +236,7 @@ class Forward:
             o.drop(x, pe)
             x = x2
         if m.positions == "rope":
-            self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * m.rotary_dim), "activations", "rope tables")
+            self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
         x = self.resid_drop_embd(x)
         x = self.layers(x)
         sim.mark("final norm & head")

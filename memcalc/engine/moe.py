@@ -1,0 +1,321 @@
+"""The mixture-of-experts block: what its router and experts allocate, save and free, op by op.
+
+Follows transformers 5.23 as it runs by default: the experts of every MoE family carry
+``@use_experts_implementation`` and ``PreTrainedModel.get_correct_experts_implementation`` picks
+``grouped_mm`` (transformers/integrations/moe.py ``grouped_mm_experts_forward``). The routers and
+sparse blocks follow models/{qwen2_moe,qwen3_moe,mixtral,deepseek_v3}/modeling_*.py. The
+validator's replica (``validate/moe.py``) runs the same ops in PyTorch.
+
+With ``N = batch x seq`` tokens, ``k = top_k``, ``S = N x k`` routed rows, ``E`` experts,
+``f = d_ff_expert``, ``d = d_model``, one MoE block holds for backward:
+
+- router: the linear's input (when the router trains), the (N, E) fp32 softmax output (or the
+  sigmoid scores), the top-k indices and the renormalisation's (N, k) copies;
+- the gathered rows ``hidden[perm // k]`` (S, d) when the experts train (the grouped matmul's
+  input), the (S,) int64 gather index, ``perm`` and ``inv_perm`` (S,) int64;
+- the gate/up grouped matmul output (S, 2f) (both chunks are saved views: silu's input and the
+  product's ``up``), the activation (S, f), the product (S, f) (the down matmul's input when the
+  experts train), the down output (S, d) (the routing-weight product's saved operand), the
+  sorted routing weights (S,).
+
+The routing weights' dtype sets the dtype of the weighted output (S, d) and its reordered copy:
+the model dtype for Qwen (``router_top_value.to(router_logits.dtype)``), fp32 for Mixtral and
+DeepSeek-V3 (their routers never cast back), so that (S, d) pair is twice as large there.
+
+Routing: ``MoESpec.routing = "balanced"`` (each expert gets S / E rows). The grouped kernel sizes
+every tensor by S alone, so this assumption moves no byte here; it would matter for the eager
+per-expert loop (``experts_implementation="eager"``: the busiest expert's temporaries) and for
+expert parallelism, neither modelled. Real routing is imbalanced; with the grouped kernel the
+activation bytes are the same, the kernel's time is not.
+
+Ignored: ``output_router_logits`` (False in every family's config: no load-balancing loss, so no
+layer's logits outlive its block); the eager loop, expert parallelism, LoRA on the 3-D expert
+tensors (PEFT ``target_parameters``) and gpt-oss's clamped SwiGLU with expert biases (the
+default ``act(gate) * up`` is used); DeepSeek's group-limited routing temporaries are counted
+with n_group 8, topk_group 4 (V3's config).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from memcalc.core.dtypes import DType
+from memcalc.core.spec import ModelSpec
+from memcalc.engine.sim import Param, T
+
+I64 = DType.int64
+F32 = DType.fp32
+ACT = "activations"
+TMP = "temporaries"
+
+#: model_type -> router kind (the routers of models/<type>/modeling_<type>.py)
+ROUTER_KINDS = ("softmax", "softmax-fp32", "sigmoid")
+
+
+def router_kind(m: ModelSpec) -> str:
+    """``softmax`` (Qwen2/3-MoE: fp32 softmax, weights cast back to the model dtype),
+    ``softmax-fp32`` (Mixtral: weights stay fp32), ``sigmoid`` (DeepSeek-V3: fp32 router linear,
+    sigmoid scores, fp32 weights)."""
+    assert m.moe is not None
+    return getattr(m.moe, "router", "softmax")
+
+
+def deepseek_groups(n_experts: int) -> tuple[int, int]:
+    """(n_group, topk_group) of the group-limited router: V3's 8 and 4 when the experts split
+    into 8 groups of at least 2, else one group (the validator uses the same rule)."""
+    g = 8 if n_experts % 8 == 0 and n_experts >= 16 else 1
+    return g, max(1, g // 2)
+
+
+def family_notes(m: ModelSpec) -> list[str]:
+    """The activation assumptions of the MoE and MLA blocks, for the estimate's notes."""
+    notes = []
+    if m.moe is not None:
+        notes.append(
+            f"MoE routing assumed {m.moe.routing} (each expert gets batch x seq x {m.moe.top_k}/{m.moe.n_experts} "
+            "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
+            "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
+    return notes
+
+
+class _Block:
+    """One MoE block on the forward walk ``fwd`` (:class:`memcalc.engine.forward.Forward`)."""
+
+    def __init__(self, fwd, i: int) -> None:
+        self.fwd, self.i = fwd, i
+        self.o, self.sim = fwd.ops, fwd.sim
+        self.m = fwd.m
+        self.moe = fwd.m.moe
+        self.N = fwd.rows
+
+    # -- helpers ------------------------------------------------------------------------
+    def p(self, name: str) -> Param:
+        return self.fwd.p(f"layers.{self.i}.moe.{name}")
+
+    def new(self, numel: int, dt: DType, kind: str = ACT) -> T:
+        return self.o.new(numel, dt, kind=kind)
+
+    def raw(self, nbytes: int) -> T:
+        """An integer tensor (int32 offsets and histograms: no DType of their own here)."""
+        return self.sim.alloc(nbytes, ACT, self.o.category)
+
+    def node(self, name: str, saved: list[T], grads: list[tuple[T, int]], params: list[Param], outputs: list[T],
+             temps: Optional[list[int]] = None) -> None:
+        """An autograd node; ``grads`` pairs each input with the bytes of the gradient it receives."""
+        live = [(t, b) for t, b in grads if t.requires_grad]
+        self.sim.node(name, saved, [t for t, _ in live], params, outputs, temps=temps or [],
+                      grad_input_bytes=[b for _, b in live])
+
+    def drop(self, *ts: Optional[T]) -> None:
+        self.o.drop(*ts)
+
+    # -- the router ---------------------------------------------------------------------
+    def router(self, x: T, dt: DType) -> tuple[T, T, T]:
+        """(logits, routing weights (N, k), indices (N, k) int64), as the router returns them."""
+        if router_kind(self.m) == "sigmoid":
+            return self._router_sigmoid(x, dt)
+        N, E, k = self.N, self.moe.n_experts, self.moe.top_k
+        o = self.o
+        w = self.p("router.weight")
+        logits = o.linear(x, N, w, None, E)
+        ldt = o.dtype_of(logits)
+        if ldt != F32:  # softmax(logits, dtype=float) / softmax(logits.float()): a cast copy
+            lf = self.new(N * E, F32)
+            self.node("to_fp32", [], [(logits, logits.nbytes)], [], [lf])
+        else:
+            lf = o.ref_(logits)
+        probs = self.new(N * E, F32)
+        self.node("softmax", [probs], [(lf, lf.nbytes)], [], [probs])
+        self.drop(lf)
+        return (logits,) + self._topk_renorm(probs, F32, N * E, cast_to=ldt if router_kind(self.m) == "softmax" else None)
+
+    def _topk_renorm(self, probs: T, pdt: DType, n_in: int, cast_to: Optional[DType]) -> tuple[T, T]:
+        """``topk`` then ``v /= v.sum(-1, keepdim=True)`` (autograd saves a clone of v and the sum)."""
+        N, k = self.N, self.moe.top_k
+        vals = self.new(N * k, pdt)
+        idx = self.new(N * k, I64)
+        # topk backward: new_zeros (N, E) then scatter (N, E): the gradient plus one temporary
+        self.node("topk", [idx], [(probs, pdt.nbytes(n_in))], [], [vals], temps=[pdt.nbytes(n_in)])
+        self.drop(probs)
+        s = self.new(N, pdt)
+        self.node("sum", [], [(vals, vals.nbytes)], [], [s])
+        orig = self.new(N * k, pdt)  # div_'s saved original self
+        self.node("div_", [orig, s], [(vals, vals.nbytes), (s, s.nbytes)], [], [vals],
+                  temps=[vals.nbytes] * 3)
+        self.drop(orig, s)
+        if cast_to is not None and cast_to != pdt:
+            wts = self.new(N * k, cast_to)
+            self.node("to_dtype", [], [(vals, vals.nbytes)], [], [wts])
+            self.drop(vals)
+            vals = wts
+        return vals, idx
+
+    def _router_sigmoid(self, x: T, dt: DType) -> tuple[T, T, T]:
+        """DeepseekV3TopkRouter.forward: ``linear(x.type(fp32), W.type(fp32))``, sigmoid, the
+        group-limited choice (no gradient), ``scores.gather``, renormalised, times the scale."""
+        o, sim = self.o, self.sim
+        N, E, k = self.N, self.moe.n_experts, self.moe.top_k
+        G, TG = deepseek_groups(E)
+        w = self.p("router.weight")
+        xf = o.ref_(x) if dt == F32 else self.new(N * self.m.d_model, F32)
+        if xf is not x:
+            self.node("to_fp32", [], [(x, x.nbytes)], [], [xf])
+        wf_bytes = F32.nbytes(w.numel)
+        wf = self.new(w.numel, F32) if w.weight.itemsize_bits != 32 else None
+        logits = self.new(N * E, F32)
+        saved = ([xf] if w.trainable else []) + ([wf] if wf is not None and xf.requires_grad else [])
+        self.node("router_linear", saved, [(xf, xf.nbytes)], [w], [logits],
+                  temps=[wf_bytes] if wf is not None and w.trainable else [])
+        self.drop(xf, wf)
+        scores = self.new(N * E, F32)
+        self.node("sigmoid", [scores], [(logits, logits.nbytes)], [], [scores])
+        # the choice path: no gradient reaches it (topk indices), so transients with their lifetimes
+        choice = self.new(N * E, F32)
+        top2v, top2i = self.new(N * G * min(2, E // G), F32), self.new(N * G * min(2, E // G), I64)
+        self.drop(top2i)
+        group_scores = self.new(N * G, F32)
+        self.drop(top2v)
+        tgv, group_idx = self.new(N * TG, F32), self.new(N * TG, I64)
+        self.drop(tgv)
+        group_mask = self.new(N * G, F32)
+        score_mask = self.new(N * E, F32)
+        b1 = self.sim.alloc(N * E, ACT, o.category)  # .bool()
+        b2 = self.sim.alloc(N * E, ACT, o.category)  # ~
+        self.drop(b1)
+        choice2 = self.new(N * E, F32)  # masked_fill
+        self.drop(b2, choice)
+        tkv, idx = self.new(N * k, F32), self.new(N * k, I64)
+        self.drop(tkv)
+        wts = self.new(N * k, F32)
+        self.node("gather", [idx], [(scores, scores.nbytes)], [], [wts], temps=[scores.nbytes])
+        s = self.new(N, F32)
+        self.node("sum", [], [(wts, wts.nbytes)], [], [s])
+        den = self.new(N, F32)  # + 1e-20
+        self.node("add_scalar", [], [(s, s.nbytes)], [], [den])
+        self.drop(s)
+        orig = self.new(N * k, F32)
+        self.node("div_", [orig, den], [(wts, wts.nbytes), (den, den.nbytes)], [], [wts], temps=[wts.nbytes] * 3)
+        self.drop(orig)
+        out = self.new(N * k, F32)  # * routed_scaling_factor
+        self.node("mul_scalar", [], [(wts, wts.nbytes)], [], [out])
+        # the router's locals die at its return
+        self.drop(wts, den, choice2, score_mask, group_mask, group_idx, group_scores, scores)
+        return logits, out, idx
+
+    # -- the experts --------------------------------------------------------------------
+    def experts(self, x: T, wts: T, idx: T, dt: DType) -> T:
+        """``grouped_mm_experts_forward`` (see the module docstring); returns the (N, d) output."""
+        o = self.o
+        N, E, k, d, f = self.N, self.moe.n_experts, self.moe.top_k, self.m.d_model, self.moe.d_ff_expert
+        S = N * k
+        gated = self.m.mlp == "gated"
+        up_w = 2 * f if gated else f
+        wdt = o.dtype_of(wts)
+        gu, dn = self.p("experts.gate_up_proj"), self.p("experts.down_proj")
+        ids_g, perm = self.new(S, I64), self.new(S, I64)  # torch.sort
+        gidx = self.new(S, I64)  # perm // top_k
+        sel = self.new(S * d, dt)  # hidden[perm // top_k]
+        # index backward: new_zeros (N, d) + index_put (N, d)
+        self.node("index", [gidx], [(x, dt.nbytes(N * d))], [], [sel], temps=[dt.nbytes(N * d)])
+        self.drop(gidx)
+        wts_g = self.new(S, wdt)  # sample_weights[perm]
+        self.node("index", [perm], [(wts, wts.nbytes)], [], [wts_g], temps=[wdt.nbytes(S)])
+        hist_in = self.raw(4 * S)  # expert_ids_g.int()
+        per_expert = self.raw(4 * E)  # histc
+        offsets = self.raw(4 * E)  # cumsum (int32)
+        proj = self.new(S * up_w, dt)
+        self.node("grouped_mm", ([sel] if gu.trainable else []) + [offsets], [(sel, sel.nbytes)], [gu], [proj])
+        if gated:
+            # chunk(2): two views; act(gate) saves gate, the product saves act(gate) and up: the
+            # whole (S, 2f) projection stays alive through its views
+            gv = self.sim.alloc(0, ACT, o.category)
+            uv = self.sim.alloc(0, ACT, o.category)
+            self.node("chunk", [], [(proj, proj.nbytes)], [], [gv, uv])
+            a = self.new(S * f, dt)
+            self.node(self.m.activation, [a] if self.m.activation == "relu" else [proj], [(gv, dt.nbytes(S * f))],
+                      [], [a])
+            h = self.new(S * f, dt)
+            self.node("mul", [a, proj], [(a, a.nbytes), (uv, dt.nbytes(S * f))], [], [h])
+            self.drop(a, gv, uv)
+        else:
+            h = self.new(S * f, dt)
+            self.node(self.m.activation, [h] if self.m.activation == "relu" else [proj], [(proj, proj.nbytes)], [], [h])
+        self.drop(proj)
+        y = self.new(S * d, dt)
+        self.node("grouped_mm", ([h] if dn.trainable else []) + [offsets], [(h, h.nbytes)], [dn], [y])
+        self.drop(h)
+        pdt = F32 if F32 in (dt, wdt) else dt  # type promotion of proj_out * weights
+        wy = self.new(S * d, pdt)
+        # mul backward: grad * w (cast back to y's dtype when promoted) and grad * y summed to (S, 1)
+        temps = [pdt.nbytes(S * d)] + ([pdt.nbytes(S * d)] if pdt != dt else [])
+        self.node("mul", ([wts_g] if y.requires_grad else []) + ([y] if wts_g.requires_grad else []),
+                  [(y, y.nbytes), (wts_g, wts_g.nbytes)], [], [wy], temps=temps)
+        inv = self.new(S, I64)  # empty_like(perm)
+        ar = self.new(S, I64)  # arange, written into inv_perm by index_put_
+        self.drop(ar)
+        wy2 = self.new(S * d, pdt)  # weighted_out[inv_perm]
+        self.node("index", [inv], [(wy, wy.nbytes)], [], [wy2], temps=[wy.nbytes])
+        self.drop(wy)
+        out = self.new(N * d, pdt)  # view(N, k, d).sum(1); its backward expands, and the view copies
+        self.node("sum", [], [(wy2, wy2.nbytes)], [], [out])
+        if pdt != dt:
+            res = self.new(N * d, dt)
+            self.node("to_dtype", [], [(out, out.nbytes)], [], [res])
+        else:
+            res = o.ref_(out)
+        # locals die at the function's return
+        self.drop(ids_g, perm, sel, wts_g, hist_in, per_expert, offsets, y, inv, wy2, out)
+        return res
+
+    # -- the block ----------------------------------------------------------------------
+    def run(self, h: T) -> T:
+        o, moe = self.o, self.moe
+        dt = o.dtype_of(h)
+        shared = None
+        if moe.shared_expert_gate:  # Qwen2MoeSparseMoeBlock: the shared expert first
+            shared = self.shared(h)
+        logits, wts, idx = self.router(h, dt)
+        y = self.experts(h, wts, idx, dt)
+        if moe.shared_expert_gate:
+            g = self.fwd.proj(h, self.i, "moe.shared_expert_gate", "shared_expert_gate", 1)
+            sg = self.new(self.N, o.dtype_of(g))
+            self.node("sigmoid", [sg], [(g, g.nbytes)], [], [sg])
+            o.drop(g)
+            gs = o.mul(sg, shared)
+            o.drop(sg, shared)
+            z = o.add(y, gs)
+            o.drop(y, gs)
+            y = z
+        elif moe.n_shared_experts:  # DeepseekV3MoE: experts(...) + shared_experts(residuals)
+            s = self.shared(h)
+            z = o.add(y, s)
+            o.drop(y, s)
+            y = z
+        o.drop(logits, wts, idx)
+        return y
+
+    def shared(self, h: T) -> T:
+        """The shared experts: one dense MLP of ``shared_width`` (gate, up, down as the layer's MLP)."""
+        fwd, o, m, i = self.fwd, self.o, self.m, self.i
+        width = self.moe.shared_width
+        pre = "moe.shared_experts"
+        if m.mlp == "gated":
+            g = fwd.proj(h, i, f"{pre}.gate_proj", "gate", width)
+            a = o.activation(g, m.activation)
+            o.drop(g)
+            u = fwd.proj(h, i, f"{pre}.up_proj", "up", width)
+            x = o.mul(a, u)
+            o.drop(a, u)
+            y = fwd.proj(x, i, f"{pre}.down_proj", "down", m.d_model)
+        else:
+            f1 = fwd.proj(h, i, f"{pre}.fc1", "up", width)
+            x = o.activation(f1, m.activation)
+            o.drop(f1)
+            y = fwd.proj(x, i, f"{pre}.fc2", "down", m.d_model)
+        o.drop(x)
+        return y
+
+
+def moe_block(fwd, h: T, i: int) -> T:
+    """The MoE feed-forward block of layer ``i`` on the walk ``fwd``; returns a new reference."""
+    return _Block(fwd, i).run(h)
