@@ -19,7 +19,8 @@ and ``expand_kv``, with integrations/sdpa_attention.py ``sdpa_attention_forward`
   ``check_head_dim_size_flash``), so CUDA runs the memory-efficient kernel, which accepts a
   different value width (``check_head_dim_size_mem_efficient``); transformers 5.23 pads
   nothing for SDPA;
-- ``attn_output.transpose(1, 2).contiguous()`` then ``o_proj``.
+- ``attn_output.transpose(1, 2).contiguous()`` (no copy: the kernels return a transposed view
+  of a (B, T, H, v) buffer) then ``o_proj``.
 
 RoPE tables have ``qk_rope_head_dim`` columns (DeepseekV3Config sets head_dim to it).
 """

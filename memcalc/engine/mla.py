@@ -19,7 +19,8 @@ validator's replica, ``validate/mla.py``, runs the same ops). With ``N = batch x
   ``v != nope + rope`` CUDA runs the memory-efficient kernel (saves q, k, v, out (N, H v), a
   (B, H, T rounded to 32) fp32 logsumexp; backward: dq, dk, dv, ``delta`` and an fp32 dq
   accumulator for 16-bit inputs);
-- the output transposed to (B, T, H v) with ``.contiguous()`` (a copy), then ``o_proj``.
+- the output transposed to (B, T, H v) with ``.contiguous()`` (no copy: the fused kernels
+  return a transposed view of a (B, T, H, v) buffer), then ``o_proj``.
 
 Python locals live until the method returns: the q_b output (``q_states``), the compressed kv,
 the rotated parts and the key's expanded rope view die only then.
@@ -125,11 +126,10 @@ class _MLA:
         self.node("copy_slices", [], [(k_rot, k_rot.nbytes)], [], [key], temps=[kb])
         out = self.sdpa(query, key, kvb, value, B, H, Tq, qk, dv)
         o.drop(query, key)
-        out2 = o.new(N * H * dv, dt)  # transpose(1, 2).contiguous()
-        self.node("contiguous", [], [(out, out.nbytes)], [], [out2])
+        # transpose(1, 2).contiguous() copies nothing: the fused kernels return a transposed view of a
+        # (B, T, H, v) buffer, so the transposed-back output is already contiguous
+        y = fwd.proj(out, i, "attn.o_proj", "o", m.d_model)
         o.drop(out)
-        y = fwd.proj(out2, i, "attn.o_proj", "o", m.d_model)
-        o.drop(out2)
         # the method's locals die at its return
         o.drop(q, ckv, q_rot, k_rot, kvb, q_pass, q_view, k_nope, value)
         return y
