@@ -15,7 +15,7 @@ kernel's tensors are sized by ``S`` alone, so the assumption changes no byte her
 matter for the eager per-expert loop (``experts_implementation="eager"``, per-expert
 temporaries of the busiest expert) and for expert parallelism, neither of which is modelled.
 
-Router kinds (``memcalc.engine.moe.router_kind``):
+Router kinds (``MoESpec.router``):
 
 - ``softmax`` (Qwen2-MoE, Qwen3-MoE ``*TopKRouter``): ``softmax(logits, dtype=float)``, top-k,
   renormalised (``norm_topk_prob``), cast back to the logits' dtype.
@@ -36,14 +36,56 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from memcalc.core.spec import ModelSpec
+from memcalc.engine.moe import deepseek_groups, router_kind
 
 from .layers import MLP, activation
 
 
-def router_kind(m: ModelSpec) -> str:
-    """The router of ``m`` (the same rule as the estimator's, :func:`memcalc.engine.moe.router_kind`)."""
-    from memcalc.engine.moe import router_kind as rk
-    return rk(m)
+class _GroupedMMFallback(torch.autograd.Function):
+    """``torch._grouped_mm`` for non-bf16 inputs: on CUDA the aten kernel falls back to a loop of
+    ``mm`` into one output (aten ``_grouped_mm_fallback``), but its meta registration accepts bf16
+    only. Same allocations: the (S, out) output; saves the input and the weight; backward makes the
+    input's and the weight's gradients."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        if a.device.type == "meta":
+            return a.new_empty((a.shape[0], b.shape[-1]))
+        out = a.new_zeros((a.shape[0], b.shape[-1]))
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            out[start:end] = a[start:end] @ b[g]
+            start = end
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offs = ctx.saved_tensors
+        ga = gb = None
+        if a.device.type == "meta":
+            # empty_like keeps b's (transposed) strides, as grouped_mm's own weight gradient does,
+            # so AccumulateGrad takes it without a contiguous copy
+            ga = torch.empty_like(a) if ctx.needs_input_grad[0] else None
+            gb = torch.empty_like(b) if ctx.needs_input_grad[1] else None
+            return ga, gb, None
+        ga = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
+        gb = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
+        start = 0
+        for g, end in enumerate(offs.tolist()):
+            if ga is not None:
+                ga[start:end] = grad[start:end] @ b[g].T
+            if gb is not None:
+                gb[g] = a[start:end].T @ grad[start:end]
+            start = end
+        return ga, gb, None
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm`` (bf16, and on CPU), else the fallback above (same memory)."""
+    if a.dtype == torch.bfloat16 or a.device.type == "cpu":
+        return F.grouped_mm(a, b, offs=offs)
+    return _GroupedMMFallback.apply(a, b, offs)
 
 
 class Experts(nn.Module):
@@ -84,7 +126,7 @@ class Experts(nn.Module):
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         w = self.amp.lp(self.gate_up_proj)
         # _grouped_linear(is_transposed=False) -> _grouped_mm(input.to(weight.dtype), weight.transpose(-2, -1))
-        proj_out = F.grouped_mm(selected_hidden_states_g.to(w.dtype), w.transpose(-2, -1), offs=offsets)
+        proj_out = grouped_mm(selected_hidden_states_g.to(w.dtype), w.transpose(-2, -1), offsets)
         if self.gated:  # _default_apply_gate
             gate, up = proj_out.chunk(2, dim=-1)
             proj_out = activation(gate, self.act) * up
@@ -92,7 +134,7 @@ class Experts(nn.Module):
         else:
             proj_out = activation(proj_out, self.act)
         w = self.amp.lp(self.down_proj)
-        proj_out = F.grouped_mm(proj_out.to(w.dtype), w.transpose(-2, -1), offs=offsets)
+        proj_out = grouped_mm(proj_out.to(w.dtype), w.transpose(-2, -1), offsets)
         weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm)
         inv_perm[perm] = torch.arange(perm.size(0), device=device)
@@ -116,8 +158,7 @@ class Router(nn.Module):
         self.amp = cfg.amp
         # DeepSeek-V3 group-limited routing: n_group / topk_group (8 / 4 in V3's config), and the
         # e_score_correction_bias buffer (fp32)
-        self.n_group = 8 if moe.n_experts % 8 == 0 and moe.n_experts >= 16 else 1
-        self.topk_group = max(1, self.n_group // 2)
+        self.n_group, self.topk_group = deepseek_groups(moe.n_experts)
         if self.kind == "sigmoid":
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(moe.n_experts, dtype=torch.float32, device=cfg.device), persistent=False)

@@ -48,16 +48,12 @@ F32 = DType.fp32
 ACT = "activations"
 TMP = "temporaries"
 
-#: model_type -> router kind (the routers of models/<type>/modeling_<type>.py)
-ROUTER_KINDS = ("softmax", "softmax-fp32", "sigmoid")
-
-
 def router_kind(m: ModelSpec) -> str:
     """``softmax`` (Qwen2/3-MoE: fp32 softmax, weights cast back to the model dtype),
     ``softmax-fp32`` (Mixtral: weights stay fp32), ``sigmoid`` (DeepSeek-V3: fp32 router linear,
     sigmoid scores, fp32 weights)."""
     assert m.moe is not None
-    return getattr(m.moe, "router", "softmax")
+    return m.moe.router
 
 
 def deepseek_groups(n_experts: int) -> tuple[int, int]:
