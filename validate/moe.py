@@ -105,7 +105,6 @@ class Experts(nn.Module):
         if cfg.init:
             nn.init.normal_(self.gate_up_proj, std=0.02)
             nn.init.normal_(self.down_proj, std=0.02)
-        self.amp = cfg.amp
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -124,7 +123,9 @@ class Experts(nn.Module):
         histc_input = expert_ids_g.float() if device.type in ("cpu", "mps") else expert_ids_g.int()
         tokens_per_expert = torch.histc(histc_input, bins=self.n, min=0, max=self.n - 1)
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
-        w = self.amp.lp(self.gate_up_proj)
+        # grouped_mm is on no autocast list (transformers' _grouped_mm says so): under AMP the
+        # experts run in the fp32 of their weights
+        w = self.gate_up_proj
         # _grouped_linear(is_transposed=False) -> _grouped_mm(input.to(weight.dtype), weight.transpose(-2, -1))
         proj_out = grouped_mm(selected_hidden_states_g.to(w.dtype), w.transpose(-2, -1), offsets)
         if self.gated:  # _default_apply_gate
@@ -133,7 +134,7 @@ class Experts(nn.Module):
             del gate, up  # locals of _default_apply_gate
         else:
             proj_out = activation(proj_out, self.act)
-        w = self.amp.lp(self.down_proj)
+        w = self.down_proj
         proj_out = grouped_mm(proj_out.to(w.dtype), w.transpose(-2, -1), offsets)
         weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm)
@@ -168,7 +169,8 @@ class Router(nn.Module):
         the modeling files."""
         amp = self.amp
         if self.kind == "sigmoid":  # DeepseekV3TopkRouter.forward
-            router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+            # under autocast the linear still runs in the lower precision (both casts are no-ops on fp32)
+            router_logits = F.linear(amp.lp(hidden_states.type(torch.float32)), amp.lp(self.weight.type(torch.float32)))
             scores = router_logits.sigmoid()
             scores_for_choice = scores + self.e_score_correction_bias
             g, per = self.n_group, self.n // self.n_group

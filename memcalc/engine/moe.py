@@ -148,24 +148,30 @@ class _Block:
 
     def _router_sigmoid(self, x: T, dt: DType) -> tuple[T, T, T]:
         """DeepseekV3TopkRouter.forward: ``linear(x.type(fp32), W.type(fp32))``, sigmoid, the
-        group-limited choice (no gradient), ``scores.gather``, renormalised, times the scale."""
+        group-limited choice (no gradient), ``scores.gather``, renormalised, times the scale. Under
+        autocast the linear runs in the autocast dtype, and so do the scores and weights."""
         o, sim = self.o, self.sim
         N, E, k = self.N, self.moe.n_experts, self.moe.top_k
         G, TG = deepseek_groups(E)
         w = self.p("router.weight")
-        xf = o.ref_(x) if dt == F32 else self.new(N * self.m.d_model, F32)
-        if xf is not x:
-            self.node("to_fp32", [], [(x, x.nbytes)], [], [xf])
-        wf_bytes = F32.nbytes(w.numel)
-        wf = self.new(w.numel, F32) if w.weight.itemsize_bits != 32 else None
-        logits = self.new(N * E, F32)
-        saved = ([xf] if w.trainable else []) + ([wf] if wf is not None and xf.requires_grad else [])
-        self.node("router_linear", saved, [(xf, xf.nbytes)], [w], [logits],
-                  temps=[wf_bytes] if wf is not None and w.trainable else [])
-        self.drop(xf, wf)
-        scores = self.new(N * E, F32)
+        if o.autocast is not None:  # .type(fp32) is a no-op on fp32 tensors; autocast's linear casts both
+            logits = o.linear(x, N, w, None, E)
+        else:
+            xf = o.ref_(x) if dt == F32 else self.new(N * self.m.d_model, F32)
+            if xf is not x:
+                self.node("to_fp32", [], [(x, x.nbytes)], [], [xf])
+            wf_bytes = F32.nbytes(w.numel)
+            wf = self.new(w.numel, F32) if w.weight.itemsize_bits != 32 else None
+            logits = self.new(N * E, F32)
+            saved = ([xf] if w.trainable else []) + ([wf] if wf is not None and xf.requires_grad else [])
+            self.node("router_linear", saved, [(xf, xf.nbytes)], [w], [logits],
+                      temps=[wf_bytes] if wf is not None and w.trainable else [])
+            self.drop(xf, wf)
+        sdt = o.dtype_of(logits)  # fp32, or the autocast dtype
+        scores = self.new(N * E, sdt)
         self.node("sigmoid", [scores], [(logits, logits.nbytes)], [], [scores])
-        # the choice path: no gradient reaches it (topk indices), so transients with their lifetimes
+        # the choice path: no gradient reaches it (topk indices), so transients with their lifetimes;
+        # the fp32 correction bias promotes it to fp32
         choice = self.new(N * E, F32)
         top2v, top2i = self.new(N * G * min(2, E // G), F32), self.new(N * G * min(2, E // G), I64)
         self.drop(top2i)
@@ -182,17 +188,17 @@ class _Block:
         self.drop(b2, choice)
         tkv, idx = self.new(N * k, F32), self.new(N * k, I64)
         self.drop(tkv)
-        wts = self.new(N * k, F32)
+        wts = self.new(N * k, sdt)
         self.node("gather", [idx], [(scores, scores.nbytes)], [], [wts], temps=[scores.nbytes])
-        s = self.new(N, F32)
+        s = self.new(N, sdt)
         self.node("sum", [], [(wts, wts.nbytes)], [], [s])
-        den = self.new(N, F32)  # + 1e-20
+        den = self.new(N, sdt)  # + 1e-20
         self.node("add_scalar", [], [(s, s.nbytes)], [], [den])
         self.drop(s)
-        orig = self.new(N * k, F32)
+        orig = self.new(N * k, sdt)
         self.node("div_", [orig, den], [(wts, wts.nbytes), (den, den.nbytes)], [], [wts], temps=[wts.nbytes] * 3)
         self.drop(orig)
-        out = self.new(N * k, F32)  # * routed_scaling_factor
+        out = self.new(N * k, sdt)  # * routed_scaling_factor
         self.node("mul_scalar", [], [(wts, wts.nbytes)], [], [out])
         # the router's locals die at its return
         self.drop(wts, den, choice2, score_mask, group_mask, group_idx, group_scores, scores)
