@@ -19,6 +19,7 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine import layout_stub
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.mla import mla_attention, rope_width
 from memcalc.engine.moe import moe_block
@@ -95,6 +96,8 @@ class Forward:
         o, m = self.ops, self.m
         if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
             return mla_attention(self, h, i)
+        if layout_stub.needs_stub_attention(m):
+            return layout_stub.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
@@ -135,6 +138,8 @@ class Forward:
         o, m = self.ops, self.m
         if m.moe is not None and m.moe.is_moe_layer(i):  # the sparse block (engine/moe.py)
             return moe_block(self, h, i)
+        if layout_stub.needs_stub_mlp(m):
+            return layout_stub.mlp(self, h, i)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
@@ -167,6 +172,8 @@ class Forward:
 
     def _layer(self, x: T, i: int) -> T:
         o, m = self.ops, self.m
+        if layout_stub.needs_stub_layer(m):
+            return layout_stub.layer(self, x, i)
         if m.block == "parallel":
             h = self.norm(x, f"layers.{i}.norm1")
             a = self.resid_drop(self.attention(h, i))
