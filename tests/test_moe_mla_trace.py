@@ -51,7 +51,9 @@ MODELS = {
                               mla=MLASpec(**{**MLA_DIMS, "q_lora_rank": None})),
 }
 
-ATTN = {"mla": ("q_b", "kv_b", "o"), "mla-q": ("q", "kv_b", "o"), "gqa": ("q", "v")}
+ATTN = {"mla": ("q_b", "kv_b", "o"), "mla-q": ("q", "kv_b", "o"), "gqa": ("q", "v"),
+        # PEFT target_parameters on the 3-D expert tensors: the adapted expert stack is materialised
+        "experts": ("q", "v", "experts"), "mla-experts": ("q_b", "kv_b", "o", "experts")}
 
 # (model, training) -- bf16 full fine-tuning and LoRA on attention targets for each family
 GRID = [
@@ -60,6 +62,8 @@ GRID = [
     ("qwen3-moe-like", dict(precision="bf16")),
     ("qwen3-moe-like", dict(precision="bf16", lora=ATTN["gqa"])),
     ("qwen2-moe-like", dict(precision="bf16")),
+    ("mixtral-like", dict(precision="bf16", lora=ATTN["experts"])),
+    ("deepseek-v3-like", dict(precision="bf16", lora=ATTN["mla-experts"])),
     ("deepseek-v3-like", dict(precision="bf16")),
     ("deepseek-v3-like", dict(precision="bf16", lora=ATTN["mla"])),
     ("mla-direct-q", dict(precision="bf16", lora=ATTN["mla-q"])),
@@ -95,17 +99,19 @@ def test_estimate_matches_replica_trace(model, tr):
 
 
 @pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("lora", [None, "attn"])
+@pytest.mark.parametrize("lora", [None, "attn", "experts"])
 def test_replica_parameters_are_the_inventory(model, lora):
-    """The replica's parameter names and shapes are the estimator's inventory (engine.params)."""
+    """The replica's parameter names and shapes are the estimator's inventory (engine.params); an
+    expert tensor's adapter is ``<tensor>_lora_A`` there (a parameter has no children)."""
     m = MODELS[model]
     lo = None
     if lora:
-        lo = LoraSpec(targets=ATTN["mla-q"] if m.mla is not None and m.mla.q_lora_rank is None
-                      else ATTN["mla"] if m.mla is not None else ATTN["gqa"])
+        attn = (ATTN["mla-q"] if m.mla is not None and m.mla.q_lora_rank is None
+                else ATTN["mla"] if m.mla is not None else ATTN["gqa"])
+        lo = LoraSpec(targets=attn + (("experts",) if lora == "experts" and m.moe is not None else ()))
     tr = TrainingSpec(precision="bf16", lora=lo)
     net = build_model(m, tr, KernelProfile(), device="meta")
-    got = {n: (tuple(p.shape), p.requires_grad) for n, p in net.named_parameters()}
+    got = {n.replace("_proj_lora_", "_proj.lora_"): (tuple(p.shape), p.requires_grad) for n, p in net.named_parameters()}
     assert got == {p.name: (p.shape, p.trainable) for p in param_inventory(m, lo)}
 
 

@@ -104,7 +104,7 @@ class DecoderLayer(nn.Module):
         self.m, self.cfg, self.i = m, cfg, i
         self.attn = MLAttention(m, cfg) if m.mla is not None else Attention(m, cfg)
         if m.moe is not None and m.moe.is_moe_layer(i):
-            self.moe = MoEBlock(m, cfg)  # parameters layers.{i}.moe.* (engine.params)
+            self.moe = MoEBlock(m, cfg, i)  # parameters layers.{i}.moe.* (engine.params)
             object.__setattr__(self, "mlp", self.moe)  # forward calls self.mlp; registered once, as moe
         else:
             self.mlp = MLP(m.mlp, m.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,

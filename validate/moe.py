@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.moe import deepseek_groups, router_kind
+from memcalc.engine.params import param_inventory
 
 from .layers import MLP, activation
 
@@ -91,7 +92,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 class Experts(nn.Module):
     """``*Experts`` with 3-D parameters: gate_up_proj (E, 2f, d), down_proj (E, d, f)."""
 
-    def __init__(self, m: ModelSpec, cfg) -> None:
+    def __init__(self, m: ModelSpec, cfg, layer: int) -> None:
         super().__init__()
         moe = m.moe
         assert moe is not None
@@ -105,6 +106,33 @@ class Experts(nn.Module):
         if cfg.init:
             nn.init.normal_(self.gate_up_proj, std=0.02)
             nn.init.normal_(self.down_proj, std=0.02)
+        # LoRA on the expert tensors (PEFT target_parameters): lora_A (r E, in), lora_B (out, r E),
+        # named <tensor>_lora_A / _lora_B here (the inventory's <tensor>.lora_A: a parameter cannot
+        # have children)
+        self.scale = {}
+        if cfg.lora is not None:
+            inv = {p.name.split(".moe.experts.")[-1]: p for p in param_inventory(m, cfg.lora)
+                   if p.layer == layer and ".moe.experts." in p.name and p.kind == "lora"}
+            for name in ("gate_up_proj", "down_proj"):
+                if name + ".lora_A" in inv:
+                    a_shape, b_shape = inv[name + ".lora_A"].shape, inv[name + ".lora_B"].shape
+                    self.register_parameter(name + "_lora_A", nn.Parameter(torch.empty(a_shape, **kw)))
+                    self.register_parameter(name + "_lora_B", nn.Parameter(torch.zeros(b_shape, **kw)))
+                    if cfg.init:
+                        nn.init.normal_(getattr(self, name + "_lora_A"), std=0.02)
+                    self.scale[name] = cfg.lora.alpha / (a_shape[0] // e)
+
+    def weight(self, name: str) -> torch.Tensor:
+        """The expert tensor as the experts see it: with an adapter, PEFT's ``_LoraFactorsProxy``
+        parametrization ``baddbmm(W, B', A', alpha=scale)`` (B' = B reshaped (out, r, E) and permuted
+        to (E, out, r); A' = A reshaped (E, r, in)), a new full-size tensor for the call."""
+        w = getattr(self, name)
+        if name not in self.scale:
+            return w
+        a, b = getattr(self, name + "_lora_A"), getattr(self, name + "_lora_B")
+        lhs = b.reshape(b.shape[0], -1, self.n).permute(2, 0, 1).to(w.dtype)
+        rhs = a.reshape(self.n, -1, a.shape[-1]).to(w.dtype)
+        return torch.baddbmm(w, lhs, rhs, alpha=self.scale[name])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -125,7 +153,7 @@ class Experts(nn.Module):
         offsets = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
         # grouped_mm is on no autocast list (transformers' _grouped_mm says so): under AMP the
         # experts run in the fp32 of their weights
-        w = self.gate_up_proj
+        w_gate_up = w = self.weight("gate_up_proj")  # the parametrization's cache holds it for the call
         # _grouped_linear(is_transposed=False) -> _grouped_mm(input.to(weight.dtype), weight.transpose(-2, -1))
         proj_out = grouped_mm(selected_hidden_states_g.to(w.dtype), w.transpose(-2, -1), offsets)
         if self.gated:  # _default_apply_gate
@@ -134,7 +162,7 @@ class Experts(nn.Module):
             del gate, up  # locals of _default_apply_gate
         else:
             proj_out = activation(proj_out, self.act)
-        w = self.down_proj
+        w_down = w = self.weight("down_proj")
         proj_out = grouped_mm(proj_out.to(w.dtype), w.transpose(-2, -1), offsets)
         weighted_out = proj_out * sample_weights_g.unsqueeze(-1)
         inv_perm = torch.empty_like(perm)
@@ -202,12 +230,12 @@ class MoEBlock(nn.Module):
     """The sparse block: router, routed experts, shared experts (DeepseekV3MoE: added; Qwen2-MoE:
     ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` then added)."""
 
-    def __init__(self, m: ModelSpec, cfg) -> None:
+    def __init__(self, m: ModelSpec, cfg, layer: int) -> None:
         super().__init__()
         moe = m.moe
         assert moe is not None
         self.router = Router(m, cfg)
-        self.experts = Experts(m, cfg)
+        self.experts = Experts(m, cfg, layer)
         self.shared_experts = None
         if moe.n_shared_experts:
             self.shared_experts = MLP(m.mlp, m.activation, cfg.linear, m.d_model, moe.shared_width, False,

@@ -22,6 +22,12 @@ The routing weights' dtype sets the dtype of the weighted output (S, d) and its 
 the model dtype for Qwen (``router_top_value.to(router_logits.dtype)``), fp32 for Mixtral and
 DeepSeek-V3 (their routers never cast back), so that (S, d) pair is twice as large there.
 
+LoRA on the experts (``experts`` targets, or gate/up/down on the families where PEFT converts them,
+``MoESpec.lora_mlp_to_experts``): PEFT's ParamWrapper materialises ``W + B A * scale`` for each
+adapted expert tensor (one ``baddbmm``, the size of the whole expert stack, in the weight dtype)
+and the grouped matmul saves it, with its input: one extra copy of the adapted expert weights per
+MoE layer lives until backward.
+
 Routing: ``MoESpec.routing = "balanced"`` (each expert gets S / E rows). The grouped kernel sizes
 every tensor by S alone, so this assumption moves no byte here; it would matter for the eager
 per-expert loop (``experts_implementation="eager"``: the busiest expert's temporaries) and for
@@ -29,8 +35,8 @@ expert parallelism, neither modelled. Real routing is imbalanced; with the group
 activation bytes are the same, the kernel's time is not.
 
 Ignored: ``output_router_logits`` (False in every family's config: no load-balancing loss, so no
-layer's logits outlive its block); the eager loop, expert parallelism, LoRA on the 3-D expert
-tensors (PEFT ``target_parameters``) and gpt-oss's clamped SwiGLU with expert biases (the
+layer's logits outlive its block); the eager loop, expert parallelism, QLoRA's dequantisation
+(transformers keeps the 3-D experts in the weight dtype) and gpt-oss's clamped SwiGLU with expert biases (the
 default ``act(gate) * up`` is used); DeepSeek's group-limited routing temporaries are counted
 with n_group 8, topk_group 4 (V3's config).
 """
@@ -205,6 +211,21 @@ class _Block:
         return logits, out, idx
 
     # -- the experts --------------------------------------------------------------------
+    def adapted(self, name: str) -> Optional[T]:
+        """PEFT's ParamWrapper on a 3-D expert tensor (``target_parameters``; peft 0.21
+        tuners/lora/layer.py ``_LoraFactorsProxy``): while the experts run, the parameter is the
+        parametrization ``baddbmm(W, B', A', alpha=scale)``, a new tensor the size of the whole
+        expert stack (cached for the call), which the grouped matmul saves. None without an adapter."""
+        pre = f"layers.{self.i}.moe.experts.{name}"
+        a_p = self.fwd.maybe(pre + ".lora_A")
+        if a_p is None:
+            return None
+        w = self.p(f"experts.{name}")
+        wp = self.new(w.numel, self.o.dtype_of(w.weight))
+        # baddbmm backward: the factors' gradients (two small bmm); saves the factors (parameters)
+        self.node("baddbmm", [], [], [a_p, self.fwd.p(pre + ".lora_B")], [wp])
+        return wp
+
     def experts(self, x: T, wts: T, idx: T, dt: DType) -> T:
         """``grouped_mm_experts_forward`` (see the module docstring); returns the (N, d) output."""
         o = self.o
@@ -225,8 +246,9 @@ class _Block:
         hist_in = self.raw(4 * S)  # expert_ids_g.int()
         per_expert = self.raw(4 * E)  # histc
         offsets = self.raw(4 * E)  # cumsum (int32)
+        wgu = self.adapted("gate_up_proj")
         proj = self.new(S * up_w, dt)
-        self.node("grouped_mm", ([sel] if gu.trainable else []) + [offsets], [(sel, sel.nbytes)], [gu], [proj])
+        self.grouped_mm(sel, gu, wgu, offsets, proj)
         if gated:
             # chunk(2): two views; act(gate) saves gate, the product saves act(gate) and up: the
             # whole (S, 2f) projection stays alive through its views
@@ -243,8 +265,9 @@ class _Block:
             h = self.new(S * f, dt)
             self.node(self.m.activation, [h] if self.m.activation == "relu" else [proj], [(proj, proj.nbytes)], [], [h])
         self.drop(proj)
+        wdn = self.adapted("down_proj")
         y = self.new(S * d, dt)
-        self.node("grouped_mm", ([h] if dn.trainable else []) + [offsets], [(h, h.nbytes)], [dn], [y])
+        self.grouped_mm(h, dn, wdn, offsets, y)
         self.drop(h)
         pdt = F32 if F32 in (dt, wdt) else dt  # type promotion of proj_out * weights
         wy = self.new(S * d, pdt)
@@ -266,8 +289,17 @@ class _Block:
         else:
             res = o.ref_(out)
         # locals die at the function's return
-        self.drop(ids_g, perm, sel, wts_g, hist_in, per_expert, offsets, y, inv, wy2, out)
+        self.drop(ids_g, perm, sel, wts_g, hist_in, per_expert, offsets, y, inv, wy2, out, wgu, wdn)
         return res
+
+    def grouped_mm(self, x: T, w: Param, wp: Optional[T], offsets: T, y: T) -> None:
+        """``_grouped_mm(x, W^T, offs)``: saves x when the weight needs a gradient, the weight (a
+        parameter, or the adapted copy ``wp``) when x does, and the offsets; backward makes x's
+        gradient and the weight's (E, in, out)."""
+        if wp is None:
+            self.node("grouped_mm", ([x] if w.trainable else []) + [offsets], [(x, x.nbytes)], [w], [y])
+        else:
+            self.node("grouped_mm", [x, wp, offsets], [(x, x.nbytes), (wp, wp.nbytes)], [], [y])
 
     # -- the block ----------------------------------------------------------------------
     def run(self, h: T) -> T:
