@@ -74,6 +74,26 @@ GRID = [
 ]
 
 
+#: the shipped presets at their real widths, 2-4 layers (the weights dominate: exact to 0.01%)
+PRESET_GRID = [
+    # source: Mixtral's gate/up/down targets become expert adapters in PEFT 0.21 (lora_mlp_to_experts)
+    ("mixtral-8x7b", 2, ("q", "k", "v", "o", "gate", "up", "down")),
+    # source: DeepSeek-V3: 3 dense layers (first_k_dense_replace), then MoE; MLA adapters
+    ("deepseek-v3", 4, ("q_a", "q_b", "kv_a", "kv_b", "o")),
+]
+
+
+@pytest.mark.parametrize("preset,layers,targets", PRESET_GRID, ids=[r[0] for r in PRESET_GRID])
+def test_presets_match_replica_trace(preset, layers, targets):
+    from memcalc.inputs.presets import load_preset
+    m = load_preset(preset).model_copy(update={"n_layers": layers})
+    exp = ExperimentSpec(name=preset, model=m, training=TrainingSpec(batch=1, seq=512, precision="bf16",
+                                                                      lora=LoraSpec(rank=16, targets=targets)))
+    est, meas = estimate(exp, timeline=False), measure(exp, "meta")
+    assert meas.status == "ok", meas.reason
+    assert abs(est.peak_bytes - meas.measured_bytes) <= TOLERANCE_PCT / 100 * meas.measured_bytes
+
+
 def _exp(model: str, tr: dict) -> ExperimentSpec:
     tr = {"batch": 2, "seq": 512, "optimizer": "sgd", **tr}
     if "lora" in tr:

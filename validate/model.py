@@ -158,8 +158,10 @@ class BuildConfig:
 
     def linear(self, short: str, d_in: int, d_out: int, bias: bool) -> Linear:
         lora = self.lora
+        # PEFT moves gate/up/down targets of some MoE types onto the routed experts (engine.params)
+        to_experts = self.m.moe is not None and self.m.moe.lora_mlp_to_experts and short in ("gate", "up", "down")
         return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
-                      lora=lora, target=lora is not None and short in lora.targets, init=self.init)
+                      lora=lora, target=lora is not None and short in lora.targets and not to_experts, init=self.init)
 
     def plain_linear(self, d_in: int, d_out: int, bias: bool) -> Linear:
         return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
