@@ -156,3 +156,25 @@ def test_relabelled_mixtral_is_not_silent(capsys) -> None:
     assert count_params(m).total < 8e9  # a llama reading of it: the experts are gone ...
     assert "num_local_experts" in capsys.readouterr().err  # ... and the note says why
     assert count_params(from_hf_config(load("mistralai--Mixtral-8x7B-v0.1"), "mixtral")).total == 46_702_792_704
+
+
+@pytest.mark.slow
+def test_validator_refuses_layouts_it_does_not_build() -> None:
+    """Until the replica builds the issue-12 layouts, validate says so instead of tracing another model."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, ["validate", "--model", "mixtral-8x7b", "--seq", "64"])
+    assert r.exit_code == 2 and "does not build mixture of experts" in r.output
+
+
+def test_gate_without_up_refused_where_peft_fuses_them() -> None:
+    from pydantic import ValidationError
+
+    from memcalc.core.spec import ExperimentSpec, TrainingSpec
+
+    m = from_hf_config(load("Qwen--Qwen3-30B-A3B"), "q")
+    with pytest.raises(ValidationError, match="gate without up"):
+        ExperimentSpec(model=m, training=TrainingSpec(lora={"targets": ["q", "gate"]}))
+    ExperimentSpec(model=m, training=TrainingSpec(lora={"targets": ["q", "gate", "up"]}))
