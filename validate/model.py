@@ -351,7 +351,8 @@ def param_count(model: Decoder) -> tuple[int, int]:
 
 def unbuilt_features(m: ModelSpec) -> list[str]:
     """ModelSpec features of issue 12 that ``Decoder`` does not build yet (it would trace another model)."""
-    checks = [(m.moe is not None, "mixture of experts"), (m.mla is not None, "multi-head latent attention"),
+    # MoE and MLA are built (validate/moe.py, validate/mla.py); gpt-oss's experts (biases, clamped gate) are not
+    checks = [(m.moe is not None and (m.moe.expert_bias or m.moe.router_bias), "gpt-oss experts (biases, clamped gate)"),
               (m.fused_qkv, "a fused qkv projection"), (m.fused_gate_up, "a fused gate_up projection"),
               (m.qk_norm != "none", f"q/k norms ({m.qk_norm})"), (m.attn_sinks, "attention sinks"),
               (m.norm_placement in ("sandwich", "output"), f"{m.norm_placement} norms"),
