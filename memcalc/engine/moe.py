@@ -46,7 +46,9 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.spec import ModelSpec
+from memcalc.core.spec import ExperimentSpec, ModelSpec
+from memcalc.core.units import fmt_bytes
+from memcalc.engine.params import param_inventory
 from memcalc.engine.sim import Param, T
 
 I64 = DType.int64
@@ -69,14 +71,33 @@ def deepseek_groups(n_experts: int) -> tuple[int, int]:
     return g, max(1, g // 2)
 
 
-def family_notes(m: ModelSpec) -> list[str]:
-    """The activation assumptions of the MoE and MLA blocks, for the estimate's notes."""
+def family_notes(exp: ExperimentSpec) -> list[str]:
+    """The activation assumptions of the MoE and MLA blocks in this setup, for the estimate's notes."""
+    m, tr = exp.model, exp.training
     notes = []
     if m.moe is not None:
+        moe = m.moe
         notes.append(
-            f"MoE routing assumed {m.moe.routing} (each expert gets batch x seq x {m.moe.top_k}/{m.moe.n_experts} "
+            f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
             "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
             "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
+        adapted = [p for p in param_inventory(m, tr.lora) if ".moe.experts." in p.name and p.kind == "lora"]
+        if adapted:
+            n_layers = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
+            per_layer = tr.weight_dtype.nbytes(
+                sum(p.numel for p in param_inventory(m) if p.layer == next(i for i in range(m.n_layers)
+                                                                          if moe.is_moe_layer(i))
+                    and p.kind == "experts"))
+            notes.append(
+                f"LoRA on the routed experts: PEFT materialises W + B A for each adapted expert tensor, and the "
+                f"grouped matmul keeps it for backward: {fmt_bytes(per_layer)} per MoE layer x {n_layers} layers "
+                "of saved activations")
+        if moe.expert_bias:
+            notes.append("gpt-oss experts: the clamped SwiGLU is counted as act(gate) * up (its extra pointwise "
+                         "tensors are not modelled)")
+    if m.mla is not None and tr.checkpoint == "selective":
+        notes.append("checkpoint selective: multi-head latent attention runs its attention core eagerly "
+                     "(not recomputed)")
     return notes
 
 
@@ -119,7 +140,7 @@ class _Block:
         N, E, k = self.N, self.moe.n_experts, self.moe.top_k
         o = self.o
         w = self.p("router.weight")
-        logits = o.linear(x, N, w, None, E)
+        logits = o.linear(x, N, w, self.fwd.maybe(f"layers.{self.i}.moe.router.bias"), E)
         ldt = o.dtype_of(logits)
         if ldt != F32:  # softmax(logits, dtype=float) / softmax(logits.float()): a cast copy
             lf = self.new(N * E, F32)
@@ -247,8 +268,10 @@ class _Block:
         per_expert = self.raw(4 * E)  # histc
         offsets = self.raw(4 * E)  # cumsum (int32)
         wgu = self.adapted("gate_up_proj")
+        bgu = self.bias("gate_up_proj", S, up_w, dt)
         proj = self.new(S * up_w, dt)
         self.grouped_mm(sel, gu, wgu, offsets, proj)
+        self.add_bias(proj, bgu)
         if gated:
             # chunk(2): two views; act(gate) saves gate, the product saves act(gate) and up: the
             # whole (S, 2f) projection stays alive through its views
@@ -266,8 +289,10 @@ class _Block:
             self.node(self.m.activation, [h] if self.m.activation == "relu" else [proj], [(proj, proj.nbytes)], [], [h])
         self.drop(proj)
         wdn = self.adapted("down_proj")
+        bdn = self.bias("down_proj", S, d, dt)
         y = self.new(S * d, dt)
         self.grouped_mm(h, dn, wdn, offsets, y)
+        self.add_bias(y, bdn)
         self.drop(h)
         pdt = F32 if F32 in (dt, wdt) else dt  # type promotion of proj_out * weights
         wy = self.new(S * d, pdt)
@@ -289,8 +314,24 @@ class _Block:
         else:
             res = o.ref_(out)
         # locals die at the function's return
-        self.drop(ids_g, perm, sel, wts_g, hist_in, per_expert, offsets, y, inv, wy2, out, wgu, wdn)
+        self.drop(ids_g, perm, sel, wts_g, hist_in, per_expert, offsets, y, inv, wy2, out, wgu, wdn, bgu, bdn)
         return res
+
+    def bias(self, name: str, S: int, width: int, dt: DType) -> Optional[T]:
+        """gpt-oss's expert biases: ``<name>_bias[expert_ids_g]`` gathers one bias row per routed row
+        (S, width); its backward scatters into the (E, width) bias gradient. None without biases."""
+        b = self.fwd.maybe(f"layers.{self.i}.moe.experts.{name}_bias")
+        if b is None:
+            return None
+        rows = self.new(S * width, dt)
+        self.node("index", [], [], [b], [rows], temps=[dt.nbytes(S * width)])
+        return rows
+
+    def add_bias(self, y: T, b: Optional[T]) -> None:
+        """``out.add_(bias)`` in place: no new tensor; its backward hands the same gradient to both
+        (modelled as a new gradient of y's size, and an empty one for the gathered biases)."""
+        if b is not None:
+            self.node("add_", [], [(y, y.nbytes), (b, 0)], [], [y])
 
     def grouped_mm(self, x: T, w: Param, wp: Optional[T], offsets: T, y: T) -> None:
         """``_grouped_mm(x, W^T, offs)``: saves x when the weight needs a gradient, the weight (a
