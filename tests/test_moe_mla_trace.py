@@ -68,6 +68,9 @@ GRID = [
     ("deepseek-v3-like", dict(precision="bf16", lora=ATTN["mla"])),
     ("mla-direct-q", dict(precision="bf16", lora=ATTN["mla-q"])),
     ("qwen3-moe-like", dict(precision="fp32", batch=1)),
+    # checkpointed layers: the recompute of an MLA + MoE layer, with its early stop
+    ("deepseek-v3-like", dict(precision="bf16", checkpoint="full")),
+    ("qwen2-moe-like", dict(precision="bf16", lora=ATTN["gqa"], checkpoint="full")),
     # AMP: the router linear runs in bf16; grouped_mm is on no autocast list, so the experts run in fp32
     ("qwen3-moe-like", dict(precision="amp-bf16")),
     ("deepseek-v3-like", dict(precision="amp-bf16")),
