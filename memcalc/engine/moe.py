@@ -296,9 +296,10 @@ class _Block:
         self.drop(h)
         pdt = F32 if F32 in (dt, wdt) else dt  # type promotion of proj_out * weights
         wy = self.new(S * d, pdt)
-        # mul backward: grad * w (promoted: an fp32 temporary cast back to y's dtype), then grad * y (a
-        # temporary summed to (S, 1)): one (S, d) temporary alive at a time
-        temps = [pdt.nbytes(S * d)]
+        # mul backward (autograd's MulBackward0, then the engine's validate_outputs): grad * y and
+        # grad * w are both made in the promoted dtype before the engine sums the first to (S, 1) and
+        # casts the second back to y's dtype (the meta trace shows both (S, d) products alive)
+        temps = [pdt.nbytes(S * d)] + ([pdt.nbytes(S * d)] if pdt != dt else [])
         self.node("mul", ([wts_g] if y.requires_grad else []) + ([y] if wts_g.requires_grad else []),
                   [(y, y.nbytes), (wts_g, wts_g.nbytes)], [], [wy], temps=temps)
         inv = self.new(S, I64)  # empty_like(perm)
