@@ -72,6 +72,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "ModelSpec.mla": ({}, MLASpec(**MLA["model"]["mla"])),
     # -- MoESpec, MLASpec (parameter shapes)
     "MoESpec.n_experts": (MOE, 8),
+    "MoESpec.top_k": (MOE, 1),  # routed rows (engine.moe): batch x seq x top_k
+    "MoESpec.router": ({**MOE, **BF16}, "softmax-fp32"),  # fp32 routing weights: fp32 weighted expert outputs
     "MoESpec.d_ff_expert": (MOE, 64),
     "MoESpec.n_shared_experts": (MOE, 1),
     "MoESpec.d_ff_shared": (SHARED, 64),

@@ -165,8 +165,8 @@ def test_validator_refuses_layouts_it_does_not_build() -> None:
 
     from memcalc.cli import app
 
-    r = CliRunner().invoke(app, ["validate", "--model", "mixtral-8x7b", "--seq", "64"])
-    assert r.exit_code == 2 and "does not build mixture of experts" in r.output
+    r = CliRunner().invoke(app, ["validate", "--model", "qwen3-30b-a3b", "--seq", "64"])  # MoE + q/k norms
+    assert r.exit_code == 2 and "does not build q/k norms" in r.output
 
 
 def test_gate_without_up_refused_where_peft_fuses_them() -> None:

@@ -30,10 +30,13 @@ from torch.utils.checkpoint import checkpoint
 
 from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
 from memcalc.engine.loss import chunk_rows
+from memcalc.engine.mla import rope_width
 
 from .amp import Amp
 from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
 from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
+from .mla import MLAttention
+from .moe import MoEBlock
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -99,9 +102,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, m: ModelSpec, cfg: "BuildConfig", i: int) -> None:
         super().__init__()
         self.m, self.cfg, self.i = m, cfg, i
-        self.attn = Attention(m, cfg)
-        self.mlp = MLP(m.mlp, m.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,
-                       forgather_order=m.norm_placement == "post")
+        self.attn = MLAttention(m, cfg) if m.mla is not None else Attention(m, cfg)
+        if m.moe is not None and m.moe.is_moe_layer(i):
+            self.moe = MoEBlock(m, cfg, i)  # parameters layers.{i}.moe.* (engine.params)
+            object.__setattr__(self, "mlp", self.moe)  # forward calls self.mlp; registered once, as moe
+        else:
+            self.mlp = MLP(m.mlp, m.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,
+                           forgather_order=m.norm_placement == "post")
         self.norm1 = cfg.norm()
         if m.block != "parallel":
             self.norm2 = cfg.norm()
@@ -151,8 +158,10 @@ class BuildConfig:
 
     def linear(self, short: str, d_in: int, d_out: int, bias: bool) -> Linear:
         lora = self.lora
+        # PEFT moves gate/up/down targets of some MoE types onto the routed experts (engine.params)
+        to_experts = self.m.moe is not None and self.m.moe.lora_mlp_to_experts and short in ("gate", "up", "down")
         return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
-                      lora=lora, target=lora is not None and short in lora.targets, init=self.init)
+                      lora=lora, target=lora is not None and short in lora.targets and not to_experts, init=self.init)
 
     def plain_linear(self, d_in: int, d_out: int, bias: bool) -> Linear:
         return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
@@ -201,7 +210,7 @@ class Decoder(nn.Module):
             self.embed_positions = nn.Embedding(m.max_seq_len, m.d_model, dtype=cfg.dtype, device=device)
             self.embed_positions.weight.requires_grad_(cfg.full)
         if m.positions == "rope":
-            rot = m.rotary_dim
+            rot = rope_width(m)
             inv = 1.0 / (10000.0 ** (torch.arange(0, rot, 2, dtype=torch.int64, device=device).float() / rot))
             self.register_buffer("inv_freq", inv, persistent=False)
         self.layers = nn.ModuleList([DecoderLayer(m, cfg, i) for i in range(m.n_layers)])
@@ -342,7 +351,8 @@ def param_count(model: Decoder) -> tuple[int, int]:
 
 def unbuilt_features(m: ModelSpec) -> list[str]:
     """ModelSpec features of issue 12 that ``Decoder`` does not build yet (it would trace another model)."""
-    checks = [(m.moe is not None, "mixture of experts"), (m.mla is not None, "multi-head latent attention"),
+    # MoE and MLA are built (validate/moe.py, validate/mla.py); gpt-oss's experts (biases, clamped gate) are not
+    checks = [(m.moe is not None and (m.moe.expert_bias or m.moe.router_bias), "gpt-oss experts (biases, clamped gate)"),
               (m.fused_qkv, "a fused qkv projection"), (m.fused_gate_up, "a fused gate_up projection"),
               (m.qk_norm != "none", f"q/k norms ({m.qk_norm})"), (m.attn_sinks, "attention sinks"),
               (m.norm_placement in ("sandwich", "output"), f"{m.norm_placement} norms"),

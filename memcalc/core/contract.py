@@ -30,6 +30,9 @@ INERT: dict[str, str] = {
     "KernelProfile.framework": "a label: what a framework changes is set by the profile's rule fields "
                                "(memcalc.inputs.profiles.FRAMEWORKS: rmsnorm, logits_fp32, shift_copy, cross_entropy, "
                                "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new)",
+    "MoESpec.routing": "one value (balanced), the stated assumption: transformers' default grouped_mm experts size "
+                       "every routed tensor by batch x seq x top_k alone, so the routing moves no byte "
+                       "(memcalc.engine.moe)",
     "ExperimentSpec.name": "a label shown in reports",
     "ExperimentSpec.description": "a label shown in reports",
     "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",
@@ -59,8 +62,6 @@ PENDING: dict[str, str] = {
     "ModelSpec.fused_qkv": "the same parameter count; activations of the fused projection (and its one LoRA "
                            "adapter) not modelled yet",
     "ModelSpec.fused_gate_up": "the same parameter count; activations of the fused projection not modelled yet",
-    "MoESpec.top_k": "routed-token activations not modelled yet (no parameter changes)",
-    "MoESpec.routing": "one value (balanced) until the MoE activations are modelled",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

@@ -102,6 +102,13 @@ class MoESpec(_Spec):
     routing: Literal["balanced"] = Field(
         "balanced", description="Activation assumption: tokens spread evenly over experts (each gets batch x seq x top_k / n_experts rows)."
     )
+    router: Literal["softmax", "softmax-fp32", "sigmoid"] = Field(
+        "softmax",
+        description="The router's computation, which sets the routing weights' dtype: softmax = Qwen2/3-MoE (fp32 "
+                    "softmax, top-k weights cast back to the model dtype); softmax-fp32 = Mixtral (the weights stay "
+                    "fp32, so the weighted expert outputs are fp32); sigmoid = DeepSeek-V3 (router linear in fp32, "
+                    "sigmoid scores, group-limited top-k, fp32 weights).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":

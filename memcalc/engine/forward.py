@@ -21,6 +21,8 @@ from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import layout_stub
 from memcalc.engine.loss import lm_loss
+from memcalc.engine.mla import mla_attention, rope_width
+from memcalc.engine.moe import moe_block
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
 from memcalc.engine.sim import Param, Sim, T
@@ -126,6 +128,8 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
+            return mla_attention(self, h, i)
         if layout_stub.needs_stub_attention(m):
             return layout_stub.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
@@ -173,6 +177,8 @@ class Forward:
 
     def _mlp(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if m.moe is not None and m.moe.is_moe_layer(i):  # the sparse block (engine/moe.py)
+            return moe_block(self, h, i)
         if layout_stub.needs_stub_mlp(m):
             return layout_stub.mlp(self, h, i)
         if m.mlp == "gated":
@@ -278,7 +284,7 @@ class Forward:
             o.drop(x, pe)
             x = x2
         if m.positions == "rope":
-            self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * m.rotary_dim), "activations", "rope tables")
+            self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
         x = self.resid_drop_embd(x)
         x = self.layers(x)
         sim.mark("final norm & head")

@@ -14,6 +14,7 @@ import numpy as np
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
+from memcalc.engine.moe import family_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
@@ -213,7 +214,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         allocator_slack_bytes=slack,
         required_bytes=required_bytes(peak),
         assumptions=assumptions,
-        notes=no_effect_notes(exp),
+        notes=no_effect_notes(exp) + family_notes(exp),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"recompute": recompute} if recompute else {})},

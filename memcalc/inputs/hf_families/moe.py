@@ -41,7 +41,8 @@ def mixtral(r: "_Reader") -> Fields:
     Parameter(E, d), experts gate_up_proj (E, 2f, d) and down_proj (E, d, f); no biases."""
     f = decoder(r, vocab=32000, hidden=4096, inter=14336, layers=32, heads=32, kv_heads=8, max_pos=4096 * 32, eps=1e-5)
     f["moe"] = dict(n_experts=_experts(r, "num_local_experts", default=8), top_k=r.int("num_experts_per_tok", 2),
-                    d_ff_expert=f["d_ff"], lora_mlp_to_experts=True)
+                    d_ff_expert=f["d_ff"], lora_mlp_to_experts=True,
+                    router="softmax-fp32")  # MixtralTopKRouter: softmax(logits.float()), weights stay fp32
     f.update(sliding(r, default_window=None, default_every=0, n_layers=f["n_layers"]))
     return f
 
@@ -108,7 +109,10 @@ def _deepseek(r: "_Reader", *, v3: bool) -> Fields:
     r.seen.add("n_shared_experts")
     f["moe"] = dict(n_experts=r.int("n_routed_experts", dflt["experts"]), top_k=top_k, d_ff_expert=d_ff_e,
                     n_shared_experts=n_shared, first_dense_layers=r.cfg.get("first_k_dense_replace", dflt["first"]) or 0,
-                    lora_mlp_to_experts=True)
+                    lora_mlp_to_experts=True,
+                    # DeepseekV3TopkRouter / DeepseekV2TopkRouter: the router linear in fp32, fp32 weights
+                    # (V2 softmax-scores them: the same shapes and dtypes as V3's sigmoid)
+                    router="sigmoid")
     r.seen.add("first_k_dense_replace")
     return f
 
