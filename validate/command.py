@@ -11,10 +11,17 @@ counts whole blocks, so it sits at or above ``measured_bytes``) and ``scale_laye
 - ``error_pct`` = (predicted - measured) / measured * 100;
 - ``published_error_pct`` = (measured - published) / published * 100 (how far the
   measurement sits from the published figure; None when ``--scale-layers`` changes the model);
+- ``status``: ``ok``, ``skipped`` (the reason says why this device cannot run it), ``oom``, or
+  ``error``: building or tracing the step raised (an op with no meta kernel such as
+  ``_fused_sgd_``, a partitioner that refuses a budget, the host out of memory); ``reason`` is
+  the exception's type and first line, and the run goes on to the next config;
 - ``--output FILE`` holds a JSON *list* of the records so far, rewritten (atomically) after
   every record, so an interrupted run keeps what finished.
 
 Progress goes to stderr; stdout gets the table, or with ``--json`` only the JSON list.
+SIGINT / SIGTERM stop the run promptly (see ``interrupt.py``): the records that finished are
+printed (valid JSON with ``--json``; ``--output`` already holds them) and the exit status is
+130 / 143.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ from rich.table import Table
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import gib
 
-from .runner import Measurement, measure
+from .interrupt import StopRequested, acknowledge, check as check_stop, stoppable
+from .runner import Measurement, error_reason, measure
 
 
 def default_device() -> str:
@@ -154,6 +162,31 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     if device is None:
         err.print(f"memcalc validate: running on {dev}" + ("" if dev == "cuda" else " (no CUDA device: tracing on the meta device)"))
     records: list[dict] = []
+    stop: Optional[StopRequested] = None
+    with stoppable():
+        try:
+            _run_all(items, dev, output, scale_layers, snapshot, records, err)
+        except StopRequested as e:
+            stop = e
+            while True:  # the repeat timer may fire once more before it is disarmed
+                try:
+                    acknowledge()
+                    break
+                except StopRequested:
+                    pass
+    if stop is not None:
+        err.print(f"memcalc validate: stopped by {stop} after {len(records)} of {len(items)} configs"
+                  + (f"; {output} holds them" if output and records else ""))
+        _finish(records, as_json)
+        sys.stdout.flush()
+        raise SystemExit(stop.exit_code)
+    _finish(records, as_json)
+    return records
+
+
+def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional[str], scale_layers: Optional[int],
+             snapshot: Optional[str], records: list[dict], err: Console) -> None:
+    """Measure each item in turn, appending its record to ``records`` (and to ``output``)."""
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as prog:
         task = prog.add_task("validate", total=len(items))
@@ -168,15 +201,22 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
             if snapshot and len(items) > 1:
                 root, ext = os.path.splitext(snapshot)
                 snap = f"{root}-{name}{ext or '.pickle'}"
-            meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
-                           allocator_sim=dev != "cuda")
-            rec = make_record(name, exp, meas, scale_layers)
+            try:
+                meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
+                               allocator_sim=dev != "cuda")
+                rec = make_record(name, exp, meas, scale_layers)
+            except Exception as e:  # noqa: BLE001 - a config that fails is a record; the run goes on
+                meas = Measurement(device=dev, status="error", reason=error_reason(e))
+                rec = make_record(name, exp, meas, scale_layers)
             records.append(rec)
             if output:
                 _write_json(output, records)
             prog.advance(task)
+            check_stop()
+
+
+def _finish(records: list[dict], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(records, indent=2) + "\n")
     else:
         render_table(records)
-    return records
