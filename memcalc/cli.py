@@ -145,6 +145,7 @@ def _check_output(path: Optional[str], flag: str) -> None:
         raise UserError(f"cannot write {flag} {path!r}: an empty path; give a file path")
     p = Path(path).expanduser()
     try:
+        p = Path(os.path.realpath(p))  # a symlink is written through: check its target
         if p.is_dir():
             raise UserError(f"cannot write {flag} {path}: it is a directory; give a file path")
         parent = p.parent

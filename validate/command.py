@@ -15,8 +15,10 @@ counts whole blocks, so it sits at or above ``measured_bytes``) and ``scale_laye
   ``error``: building or tracing the step raised (an op with no meta kernel such as
   ``_fused_sgd_``, a partitioner that refuses a budget, the host out of memory); ``reason`` is
   the exception's type and first line, and the run goes on to the next config;
+- ``run_id``: ``host:pid:random``, the same for every record of one run;
 - ``--output FILE`` holds a JSON *list* of the records so far, rewritten (atomically) after
-  every record, so an interrupted run keeps what finished.
+  every record, so an interrupted run keeps what finished; runs writing one file at the same
+  time keep each other's records (``output.py``: a lock, read, merge by ``run_id``, replace).
 
 Progress goes to stderr; stdout gets the table, or with ``--json`` only the JSON list.
 SIGINT / SIGTERM stop the run promptly (see ``interrupt.py``): the records that finished are
@@ -29,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from typing import Optional
 
 import torch
@@ -42,6 +43,7 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import gib
 
 from .interrupt import StopRequested, acknowledge, check as check_stop, stoppable
+from .output import RecordFile, new_run_id
 from .runner import Measurement, error_reason, measure
 
 
@@ -97,15 +99,6 @@ def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers:
         "torch_version": meas.torch_version,
         "seconds": meas.seconds,
     }
-
-
-def _write_json(path: str, records: list[dict]) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".validate-", suffix=".json", dir=d)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(records, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _gap_style(pct: Optional[float]) -> str:
@@ -165,7 +158,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     stop: Optional[StopRequested] = None
     with stoppable():
         try:
-            _run_all(items, dev, output, scale_layers, snapshot, records, err)
+            _run_all(items, dev, RecordFile(output) if output else None, scale_layers, snapshot, records, err)
         except StopRequested as e:
             stop = e
             while True:  # the repeat timer may fire once more before it is disarmed
@@ -184,9 +177,10 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     return records
 
 
-def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional[str], scale_layers: Optional[int],
-             snapshot: Optional[str], records: list[dict], err: Console) -> None:
+def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional[RecordFile],
+             scale_layers: Optional[int], snapshot: Optional[str], records: list[dict], err: Console) -> None:
     """Measure each item in turn, appending its record to ``records`` (and to ``output``)."""
+    run_id = output.run_id if output is not None else new_run_id()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as prog:
         task = prog.add_task("validate", total=len(items))
@@ -208,9 +202,10 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
             except Exception as e:  # noqa: BLE001 - a config that fails is a record; the run goes on
                 meas = Measurement(device=dev, status="error", reason=error_reason(e))
                 rec = make_record(name, exp, meas, scale_layers)
+            rec["run_id"] = run_id
             records.append(rec)
-            if output:
-                _write_json(output, records)
+            if output is not None:
+                output.write(records)
             prog.advance(task)
             check_stop()
 
