@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
-from memcalc.core.spec import LOSSES
+from memcalc.core.spec import LOSSES, MAX_LAYERS
 from memcalc.core.units import gib
 
 
@@ -438,6 +438,8 @@ def validate(
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
+    if scale_layers is not None and scale_layers > MAX_LAYERS:
+        raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag)
     try:

@@ -79,6 +79,10 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
     if tr.checkpoint != "every-k" and tr.checkpoint_every != default["checkpoint_every"]:
         notes.append(f"checkpoint_every {tr.checkpoint_every} has no effect with checkpoint {tr.checkpoint}: "
                      "it is the K of every-k")
+    n = exp.model.n_layers
+    if tr.checkpoint == "every-k" and tr.checkpoint_every >= n > 1:
+        notes.append(f"checkpoint every-{tr.checkpoint_every} with {n} layers checkpoints layer 0 only "
+                     f"(layers i with i % {tr.checkpoint_every} == 0); the other {n - 1} keep their activations")
     if tr.memory_budget is not None and tr.compile and not tr.compile_partitions:
         notes.append(f"memory_budget {tr.memory_budget:g} has no effect with checkpoint {tr.checkpoint}: "
                      "torch.compile recomputes the checkpointed regions whole")

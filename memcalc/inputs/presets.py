@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, shorten
+from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, read_user_file, shorten
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
 from memcalc.core.spec import ModelSpec
@@ -128,10 +128,7 @@ def resolve_model(value: str) -> ModelSpec:
     if kind == "file":
         if not path.name.lower().endswith(_SPEC_SUFFIXES):
             raise UserError(f"model file {value} must be .json, .yaml or .yml")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read model file {value}: {e}") from None
+        text = read_user_file(path, "model file")
         where = str(value)
         raw = parse_text(text, where)
         if not isinstance(raw, dict):
