@@ -54,6 +54,13 @@ class _Group(TyperGroup):
         sys.exit(0)
 
 
+#: list tables: a header rule, no edges, padding shared between neighbours (whole names in 80 columns)
+def _compact() -> dict[str, Any]:
+    from rich import box
+
+    return {"box": box.SIMPLE_HEAD, "show_edge": False, "collapse_padding": True}
+
+
 def _err(msg: str) -> None:
     sys.stderr.write(f"memcalc: error: {msg}\n")
 
@@ -184,6 +191,7 @@ def estimate(
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report to this file."),
     max_batch: bool = typer.Option(False, "--max-batch", help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search over estimates)."),
     max_seq: bool = typer.Option(False, "--max-seq", help="Also find the longest sequence (at --batch) that fits the one --gpu, up to the model's maximum."),
+    check: bool = typer.Option(False, "--check", help="With --gpu: exit 3, with a warning on stderr, when the step needs more memory than a --gpu card has (or the caching allocator's replayed reserved peak exceeds it)."),
 ) -> None:
     """Predict the peak memory of one training step, the phase that sets it, and where it fits.
 
@@ -203,6 +211,8 @@ def estimate(
     from memcalc.render.report import dumps, render, to_json
 
     _check_output(html, "--html")
+    if check and not gpu:
+        raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
     res = resolve(_options(
         model=model, params=params, config=config, batch=batch, seq=seq, grad_accum=grad_accum,
         precision=precision, bf16=bf16, master_weights=master_weights, optimizer=optimizer,
@@ -242,6 +252,26 @@ def estimate(
 
             con = Console()
             con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
+    if check:
+        return _check_fits(est, cards)
+
+
+def _check_fits(est: Any, cards: list) -> int:
+    """``estimate --check``: 3 (and one warning line per card) when a card is too small, else 0."""
+    from memcalc.core.units import fmt_bytes
+
+    reserved = est.extra.get("reserved_peak_bytes")
+    short = []
+    for g in cards:
+        if est.required_bytes > g.capacity_bytes:
+            short.append(f"{g.name}: needs {fmt_bytes(est.required_bytes)} (peak + CUDA context + allocator slack), "
+                         f"has {fmt_bytes(g.capacity_bytes)}")
+        elif reserved is not None and reserved > g.capacity_bytes:
+            short.append(f"{g.name}: the caching allocator's replayed reserved peak {fmt_bytes(reserved)} "
+                         f"exceeds its {fmt_bytes(g.capacity_bytes)}")
+    for line in short:
+        sys.stderr.write(f"memcalc: warning: does not fit {line}\n")
+    return 3 if short else 0
 
 
 @app.command()
@@ -322,9 +352,10 @@ def models(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps(rows))
         return
-    t = Table(title="Model presets")
+    t = Table(title="Model presets", **_compact())
     for col in ("name", "params", "layers", "d_model", "heads (kv)", "d_ff", "vocab", "max seq"):
-        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
+        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col in ("name", "params"),
+                     min_width=None if " " in col else len(col))
     for r in rows:
         t.add_row(r["name"], f"{r['params']:,}", str(r["n_layers"]), str(r["d_model"]),
                   f"{r['n_heads']} ({r['n_kv_heads']})", str(r["d_ff"]), str(r["vocab_size"]), str(r["max_seq_len"]))
@@ -350,9 +381,9 @@ def configs(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps(rows))
         return
-    t = Table(title="Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)")
+    t = Table(title="Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)", **_compact())
     for col in ("name", "precision", "checkpoint", "fused", "compile", "published GiB"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col != "published GiB")
     for r in rows:
         comp = "-" if not r["compile"] else ("yes" if r["memory_budget"] is None else f"budget {r['memory_budget']}")
         t.add_row(r["name"], r["precision"], r["checkpoint"], "yes" if r["fused_optimizer"] else "-", comp,
@@ -373,9 +404,9 @@ def gpus(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([g.model_dump() for g in gs]))
         return
-    t = Table(title="GPU catalog")
+    t = Table(title="GPU catalog", **_compact())
     for col in ("name", "GPU", "memory GiB", "bytes"):
-        t.add_column(col, justify="left" if col in ("name", "GPU") else "right")
+        t.add_column(col, justify="left" if col in ("name", "GPU") else "right", no_wrap=col != "GPU")
     for g in gs:
         t.add_row(g.name, getattr(g, "display_name", g.name), f"{gib(g.capacity_bytes):.2f}", f"{g.capacity_bytes:,}")
     Console().print(t)
@@ -393,11 +424,12 @@ def profiles(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
         return
-    t = Table(title="Kernel profiles")
+    t = Table(title="Kernel profiles", **_compact())
     for col in ("name", "torch", "RMSNorm", "attention", "logits fp32", "shift copy", "mean keeps input"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col in ("name", "torch", "RMSNorm", "attention"))
+    yes = {True: "yes", False: "no"}
     for p in PROFILES.values():
-        t.add_row(p.name, p.torch_version, p.rmsnorm, p.attention, str(p.logits_fp32), str(p.shift_copy), str(p.mean_saves_input))
+        t.add_row(p.name, p.torch_version, p.rmsnorm, p.attention, yes[p.logits_fp32], yes[p.shift_copy], yes[p.mean_saves_input])
     Console().print(t)
 
 

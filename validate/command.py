@@ -119,10 +119,18 @@ def _fmt_pct(p: Optional[float]) -> str:
 def render_table(records: list[dict], console: Optional[Console] = None) -> None:
     """The summary table (GiB = 2**30); reasons for skipped/oom rows are listed under it."""
     console = console or Console()
-    t = Table(title="memcalc validate: peak allocated memory, predicted vs measured", box=box.SIMPLE_HEAD)
-    for col, just in (("config", "left"), ("device", "left"), ("pred GiB", "right"), ("meas GiB", "right"),
+    # meta/cpu rows are traced (the step's allocations counted by the tracer), not measured on a GPU
+    traced = all(r["device"] != "cuda" for r in records)
+    scaled = sorted({r["scale_layers"] for r in records if r.get("scale_layers")})
+    what = "traced" if traced else "measured"
+    title = f"memcalc validate: peak allocated memory, predicted vs {what}"
+    if scaled:
+        title += f" (models cut to {', '.join(map(str, scaled))} layer{'s' if scaled != [1] else ''})"
+    t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+    for col, just in (("config", "left"), ("device", "left"), ("pred GiB", "right"),
+                      ("traced GiB" if traced else "meas GiB", "right"),
                       ("pub GiB", "right"), ("gap", "right"), ("vs pub", "right"), ("phase", "left")):
-        t.add_column(col, justify=just, no_wrap=col != "phase", min_width=len(col))
+        t.add_column(col, justify=just, no_wrap=col not in ("config", "phase"), min_width=min(len(col), 8))
     notes = []
     for r in records:
         gap = r["error_pct"]
@@ -135,7 +143,7 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
                   _fmt_gib(r["published_bytes"]), f"[{_gap_style(gap)}]{_fmt_pct(gap)}[/]",
                   _fmt_pct(r["published_error_pct"]), phase)
     console.print(t)
-    console.print("gap = (predicted - measured) / measured; vs pub = (measured - published) / published", style="dim")
+    console.print(f"gap = (predicted - {what}) / {what}; vs pub = ({what} - published) / published", style="dim")
     for n in notes:
         console.print(f"  {n}", style="dim")
 
