@@ -5,6 +5,7 @@ model's context, list tables whole in 80 columns, "wrote FILE" after --html."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,8 @@ def run(args: list[str], **env):
     return CliRunner().invoke(app, args, prog_name="memcalc", env=env or None)
 
 
-TINY = ["--model", "tinyllama-1.1b", "--seq", "256"]
+SPEC = str(Path(__file__).parent / "fixtures" / "tiny-rope.yaml")  # 2 layers, RoPE, max_seq_len 512
+TINY = ["--model", SPEC, "--seq", "256"]
 
 # (flags, text in the inputs table's sharding row, note that says why nothing changes or None)
 SHARDING = [
@@ -48,7 +50,7 @@ def test_offload_reports_host_memory():
     assert "host memory: " in run(["estimate", *TINY, "--offload-optimizer"], COLUMNS="200").stdout
 
 
-@pytest.mark.parametrize("gpu,code", [("h100", 0), ("8GiB", 3)])  # source: the tiny model needs ~9 GiB in fp32
+@pytest.mark.parametrize("gpu,code", [("h100", 0), ("0.2GiB", 3)])  # source: the tiny model needs ~0.5 GiB (CUDA context alone 0.5)
 def test_check_exits_3_when_a_card_is_too_small(gpu, code):
     r = run(["estimate", *TINY, "--gpu", gpu, "--check", "--json"])
     assert r.exit_code == code, r.output
@@ -70,10 +72,10 @@ def test_check_counts_the_reserved_peak():
 
 
 def test_seq_past_a_rope_context_warns_learned_refuses():
-    r = run(["estimate", "--model", "tinyllama-1.1b", "--seq", "4096", "--json"])  # source: max_position_embeddings 2048
+    r = run(["estimate", "--model", SPEC, "--seq", "1024", "--json"])  # source: the fixture's max_seq_len 512
     assert r.exit_code == 0
-    assert any("beyond tinyllama-1.1b's max_seq_len 2,048 (rope" in n for n in json.loads(r.stdout)["notes"])
-    r = run(["estimate", "--model", "gpt2", "--seq", "2048"])
+    assert any("beyond tiny-rope's max_seq_len 512 (rope" in n for n in json.loads(r.stdout)["notes"])
+    r = run(["estimate", "--model", "gpt2", "--seq", "2048", "--batch", "1"])
     assert r.exit_code == 2 and "learned position table (1024)" in r.stderr
 
 
