@@ -488,10 +488,15 @@ def validate(
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks,
     )
-    items = []
+    items: list = []
     if names:
         for n in names:
-            items.append((n, resolve(_options(config=n, **common)).exp))
+            try:
+                items.append((n, resolve(_options(config=n, **common)).exp))
+            except UserError as e:  # one of several configs: its record says why, the others still run
+                if len(names) == 1:
+                    raise
+                items.append((n, e))
     else:
         items.append((None, resolve(_options(**common)).exp))
     items = [(n or e.name, e) for n, e in items]
@@ -501,7 +506,7 @@ def validate(
         from memcalc.render.html import validate_html, write_report
 
         # the estimates' timelines are of the full model: left out when tracing fewer layers
-        ests = {n: run_estimate(e) for n, e in items} if scale_layers is None else None
+        ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
         write_report(html, validate_html(list(records or []), ests))
 
 

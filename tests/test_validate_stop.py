@@ -40,6 +40,21 @@ def test_a_failing_config_is_an_error_record_and_the_run_goes_on(tmp_path: Path)
     assert recs[1]["measured_bytes"] is None and recs[1]["predicted_bytes"] is not None
 
 
+def test_a_config_that_cannot_be_read_is_a_record_among_several(tmp_path: Path):
+    """Input errors of one of several configs (LoRA targets its model lacks) are its record; with
+    one config they stay a one-line error before any work (tests/test_robustness.py)."""
+    bad = tmp_path / "badlora.yaml"
+    bad.write_text("name: badlora\nmodel: gpt2\ntraining:\n  seq: 64\n  lora: {targets: [gate]}\n")
+    r = CliRunner().invoke(app, ["validate", "--config", str(bad), "--config", "control", "--device", "meta",
+                                 "--scale-layers", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    first, second = json.loads(r.stdout)
+    assert first["status"] == "error" and first["reason"].startswith("UserError: ") and "no gate" in first["reason"]
+    assert first["predicted_bytes"] is None and second["status"] == "ok"
+    alone = CliRunner().invoke(app, ["validate", "--config", str(bad), "--device", "meta"])
+    assert alone.exit_code == 2 and alone.stderr.startswith("memcalc: error: ")
+
+
 def test_a_zero_budget_with_nothing_saved_is_a_record():
     """--memory-budget 0 on a one-layer model: PyTorch's partitioner saves nothing; the comparison
     says so instead of dividing by zero."""

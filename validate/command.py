@@ -69,12 +69,15 @@ def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str]:
     return est.peak_bytes, est.peak_phase, ""
 
 
-def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers: Optional[int]) -> dict:
-    """One record (see the module docstring); the prediction is for the model as measured."""
-    target = exp if scale_layers is None else exp.model_copy(
-        update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
-    predicted, pred_phase, why = _predict(target)
-    published = exp.published_peak_bytes if scale_layers is None else None
+def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, scale_layers: Optional[int]) -> dict:
+    """One record (see the module docstring); the prediction is for the model as measured
+    (``exp`` None: a config that could not be read, nothing predicted)."""
+    predicted, pred_phase, why, published = None, None, "", None
+    if exp is not None:
+        target = exp if scale_layers is None else exp.model_copy(
+            update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
+        predicted, pred_phase, why = _predict(target)
+        published = exp.published_peak_bytes if scale_layers is None else None
     reason = "; ".join(r for r in (meas.reason, why) if r)
     return {
         "config": name,
@@ -204,12 +207,14 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                 root, ext = os.path.splitext(snapshot)
                 snap = f"{root}-{name}{ext or '.pickle'}"
             try:
+                if isinstance(exp, Exception):  # a config that could not be read (one of several named)
+                    raise exp
                 meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
                                allocator_sim=dev != "cuda")
                 rec = make_record(name, exp, meas, scale_layers)
             except Exception as e:  # noqa: BLE001 - a config that fails is a record; the run goes on
                 meas = Measurement(device=dev, status="error", reason=error_reason(e))
-                rec = make_record(name, exp, meas, scale_layers)
+                rec = make_record(name, None if isinstance(exp, Exception) else exp, meas, scale_layers)
             rec["run_id"] = run_id
             records.append(rec)
             if output is not None:
