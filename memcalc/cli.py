@@ -474,10 +474,18 @@ def validate(
         raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag)
-    try:
-        from memcalc.validate.command import run_validate
-    except ImportError as e:  # torch missing
-        raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
+    from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
+
+    with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
+        try:
+            from memcalc.validate.command import run_validate
+        except ImportError as e:  # torch missing
+            raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
+        except StopRequested as e:
+            stopped(e)
+            sys.stderr.write(f"memcalc validate: stopped by {e} before any config ran\n")
+            sys.stdout.write("[]\n" if as_json else "")
+            raise SystemExit(e.exit_code) from None
     names = list(config or [])
     if all_configs:
         names += [n for n in list_configs() if n not in names]

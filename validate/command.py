@@ -42,7 +42,7 @@ from rich.table import Table
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import gib
 
-from .interrupt import StopRequested, acknowledge, check as check_stop, stoppable
+from .interrupt import StopRequested, check as check_stop, stoppable, stopped
 from .output import RecordFile, new_run_id
 from .runner import Measurement, error_reason, measure
 
@@ -171,13 +171,8 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
         try:
             _run_all(items, dev, RecordFile(output) if output else None, scale_layers, snapshot, records, err)
         except StopRequested as e:
+            stopped(e)
             stop = e
-            while True:  # the repeat timer may fire once more before it is disarmed
-                try:
-                    acknowledge()
-                    break
-                except StopRequested:
-                    pass
     if stop is not None:
         err.print(f"memcalc validate: stopped by {stop} after {len(records)} of {len(items)} configs"
                   + (f"; {output} holds them" if output and records else ""))

@@ -14,7 +14,8 @@ the run goes on. So, while :func:`stoppable` is active:
 - an interrupt dropped inside a finalizer is not printed (``sys.unraisablehook``).
 
 The caller catches :class:`StopRequested`, prints what finished and exits with
-``128 + signal`` (130 for SIGINT, 143 for SIGTERM).
+``128 + signal`` (130 for SIGINT, 143 for SIGTERM). A signal the parent process ignores (a
+shell's background job ignores SIGINT) stays ignored.
 """
 
 from __future__ import annotations
@@ -58,6 +59,17 @@ def acknowledge() -> None:
         signal.setitimer(signal.ITIMER_REAL, 0, 0)
 
 
+def stopped(_stop: StopRequested) -> None:
+    """Call first thing in the ``except StopRequested`` clause: stops the repeats (retrying if
+    the timer fires once more before it is disarmed)."""
+    while True:
+        try:
+            acknowledge()
+            return
+        except StopRequested:
+            pass
+
+
 def _on_signal(signum, _frame) -> None:
     global _pending
     if _pending is None:
@@ -91,8 +103,9 @@ def stoppable() -> Iterator[None]:
         hook(u)
 
     try:
-        signal.signal(signal.SIGINT, _on_signal)
-        signal.signal(signal.SIGTERM, _on_signal)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            if saved[s] is not signal.SIG_IGN:  # ignored by the parent (a background job, nohup): stays so
+                signal.signal(s, _on_signal)
         if has_alarm:
             signal.signal(signal.SIGALRM, _on_alarm)
         sys.unraisablehook = quiet
