@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
-from memcalc.core.spec import FRAMEWORKS, LORA_DTYPES, LOSSES
+from memcalc.core.spec import FRAMEWORKS, LORA_DTYPES, LOSSES, MAX_LAYERS
 from memcalc.core.units import gib
 
 
@@ -52,6 +52,13 @@ class _Group(TyperGroup):
         if isinstance(rv, int) and rv:
             sys.exit(rv)
         sys.exit(0)
+
+
+#: list tables: a header rule, no edges, padding shared between neighbours (whole names in 80 columns)
+def _compact() -> dict[str, Any]:
+    from rich import box
+
+    return {"box": box.SIMPLE_HEAD, "show_edge": False, "collapse_padding": True}
 
 
 def _err(msg: str) -> None:
@@ -151,6 +158,7 @@ def _check_output(path: Optional[str], flag: str) -> None:
         raise UserError(f"cannot write {flag} {path!r}: an empty path; give a file path")
     p = Path(path).expanduser()
     try:
+        p = Path(os.path.realpath(p))  # a symlink is written through: check its target
         if p.is_dir():
             raise UserError(f"cannot write {flag} {path}: it is a directory; give a file path")
         parent = p.parent
@@ -190,6 +198,7 @@ def estimate(
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report to this file."),
     max_batch: bool = typer.Option(False, "--max-batch", help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search over estimates)."),
     max_seq: bool = typer.Option(False, "--max-seq", help="Also find the longest sequence (at --batch) that fits the one --gpu, up to the model's maximum."),
+    check: bool = typer.Option(False, "--check", help="With --gpu: exit 3, with a warning on stderr, when the step needs more memory than a --gpu card has (or the caching allocator's replayed reserved peak exceeds it)."),
 ) -> None:
     """Predict the peak memory of one training step, the phase that sets it, and where it fits.
 
@@ -211,6 +220,8 @@ def estimate(
     from memcalc.render.report import dumps, render, to_json
 
     _check_output(html, "--html")
+    if check and not gpu:
+        raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
     res = resolve(_options(
         model=model, params=params, config=config, batch=batch, seq=seq, grad_accum=grad_accum,
         precision=precision, bf16=bf16, master_weights=master_weights, optimizer=optimizer,
@@ -251,6 +262,26 @@ def estimate(
 
             con = Console()
             con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
+    if check:
+        return _check_fits(est, cards)
+
+
+def _check_fits(est: Any, cards: list) -> int:
+    """``estimate --check``: 3 (and one warning line per card) when a card is too small, else 0."""
+    from memcalc.core.units import fmt_bytes
+
+    reserved = est.extra.get("reserved_peak_bytes")
+    short = []
+    for g in cards:
+        if est.required_bytes > g.capacity_bytes:
+            short.append(f"{g.name}: needs {fmt_bytes(est.required_bytes)} (peak + CUDA context + allocator slack), "
+                         f"has {fmt_bytes(g.capacity_bytes)}")
+        elif reserved is not None and reserved > g.capacity_bytes:
+            short.append(f"{g.name}: the caching allocator's replayed reserved peak {fmt_bytes(reserved)} "
+                         f"exceeds its {fmt_bytes(g.capacity_bytes)}")
+    for line in short:
+        sys.stderr.write(f"memcalc: warning: does not fit {line}\n")
+    return 3 if short else 0
 
 
 @app.command()
@@ -335,14 +366,13 @@ def models(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps(rows))
         return
-    t = Table(title="Model presets")
-    for col in ("name", "params", "layers", "d_model", "heads (kv)", "d_ff", "vocab", "max seq"):
-        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=col == "name")
-    t.add_column("hf id (--model ORG/NAME)", overflow="fold")
+    t = Table(title="Model presets (--json adds d_ff, vocabulary, max sequence, exact counts)", **_compact())
+    for col in ("name", "params", "layers", "d_model", "heads/kv"):
+        t.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
+    t.add_column("Hugging Face id (--model ORG/NAME)", overflow="fold")
     for r in rows:
-        t.add_row(r["name"], f"{r['params']:,}", str(r["n_layers"]), str(r["d_model"]),
-                  f"{r['n_heads']} ({r['n_kv_heads']})", str(r["d_ff"]), str(r["vocab_size"]), str(r["max_seq_len"]),
-                  r["hf_id"] or "-")
+        t.add_row(r["name"], f"{r['params'] / 1e9:,.2f}B", str(r["n_layers"]), str(r["d_model"]),
+                  f"{r['n_heads']}/{r['n_kv_heads']}", r["hf_id"] or "-")
     Console().print(t)
 
 
@@ -365,9 +395,9 @@ def configs(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps(rows))
         return
-    t = Table(title="Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)")
+    t = Table(title="Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)", **_compact())
     for col in ("name", "precision", "checkpoint", "fused", "compile", "published GiB"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col != "published GiB")
     for r in rows:
         comp = "-" if not r["compile"] else ("yes" if r["memory_budget"] is None else f"budget {r['memory_budget']}")
         t.add_row(r["name"], r["precision"], r["checkpoint"], "yes" if r["fused_optimizer"] else "-", comp,
@@ -388,9 +418,9 @@ def gpus(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([g.model_dump() for g in gs]))
         return
-    t = Table(title="GPU catalog")
+    t = Table(title="GPU catalog", **_compact())
     for col in ("name", "GPU", "memory GiB", "bytes"):
-        t.add_column(col, justify="left" if col in ("name", "GPU") else "right")
+        t.add_column(col, justify="left" if col in ("name", "GPU") else "right", no_wrap=col != "GPU")
     for g in gs:
         t.add_row(g.name, getattr(g, "display_name", g.name), f"{gib(g.capacity_bytes):.2f}", f"{g.capacity_bytes:,}")
     Console().print(t)
@@ -408,15 +438,13 @@ def profiles(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
         return
-    t = Table(title="Kernel profiles (framework x PyTorch version; --framework/--torch build any pair)")
-    for col in ("name", "framework", "torch", "RMSNorm", "loss", "LoRA adapters", "grouped K/V", "gelu_new"):
-        t.add_column(col)
+    t = Table(title="Kernel profiles (--framework/--torch build any pair; --json: every field)", **_compact())
+    for col in ("name", "RMSNorm", "loss", "LoRA", "K/V"):
+        t.add_column(col, no_wrap=True)
     for p in PROFILES.values():
-        loss = (f"{p.cross_entropy}" + (f" ({p.loss_chunks})" if p.cross_entropy == "chunked" else "")
-                + (", fp32 logits" if p.logits_fp32 else "") + (", shifted copy" if p.shift_copy else ""))
-        lora = p.lora_dtype + (", input cast" if p.lora_input_cast else "")
-        t.add_row(p.name, p.framework, p.torch_version + (" (mean keeps input)" if p.mean_saves_input else ""),
-                  p.rmsnorm, loss, lora, "un-expanded" if p.sdpa_gqa else "expanded", p.gelu_new)
+        loss = ("chunked" if p.cross_entropy == "chunked" else "full") + (" fp32" if p.logits_fp32 else "")
+        lora = p.lora_dtype + ("+cast" if p.lora_input_cast else "")
+        t.add_row(p.name, p.rmsnorm, loss, lora, "grouped" if p.sdpa_gqa else "copies")
     Console().print(t)
 
 
@@ -471,12 +499,22 @@ def validate(
                         "(transformers + PEFT); estimate models torchtune and litgpt from their sources")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
+    if scale_layers is not None and scale_layers > MAX_LAYERS:
+        raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag)
-    try:
-        from memcalc.validate.command import run_validate
-    except ImportError as e:  # torch missing
-        raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
+    from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
+
+    with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
+        try:
+            from memcalc.validate.command import run_validate
+        except ImportError as e:  # torch missing
+            raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
+        except StopRequested as e:
+            stopped(e)
+            sys.stderr.write(f"memcalc validate: stopped by {e} before any config ran\n")
+            sys.stdout.write("[]\n" if as_json else "")
+            raise SystemExit(e.exit_code) from None
     names = list(config or [])
     if all_configs:
         names += [n for n in list_configs() if n not in names]
@@ -487,14 +525,19 @@ def validate(
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
     )
-    items = []
+    items: list = []
     if names:
         for n in names:
-            items.append((n, resolve(_options(config=n, **common)).exp))
+            try:
+                items.append((n, resolve(_options(config=n, **common)).exp))
+            except UserError as e:  # one of several configs: its record says why, the others still run
+                if len(names) == 1:
+                    raise
+                items.append((n, e))
     else:
         items.append((None, resolve(_options(**common)).exp))
     items = [(n or e.name, e) for n, e in items]
-    traced = {e.profile.framework for _, e in items}
+    traced = {e.profile.framework for _, e in items if not isinstance(e, UserError)} or {"plain"}
     if not traced <= {"plain", "hf"} or len(traced) > 1:
         raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
                         f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
@@ -505,7 +548,7 @@ def validate(
         from memcalc.render.html import validate_html, write_report
 
         # the estimates' timelines are of the full model: left out when tracing fewer layers
-        ests = {n: run_estimate(e) for n, e in items} if scale_layers is None else None
+        ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
         write_report(html, validate_html(list(records or []), ests))
 
 

@@ -356,7 +356,7 @@ def test_cli_models_lists_ids():
     ids = {r["name"]: r["hf_id"] for r in rows}
     assert ids["llama-3.1-8b"] == "meta-llama/Llama-3.1-8B" and ids["deep-one-1.6b"] is None
     out = CliRunner().invoke(app, ["models"], env={"COLUMNS": "200"}).stdout
-    assert "hf id" in out and "meta-llama/Llama-2-7b-hf" in out
+    assert "Hugging Face id" in out and "meta-llama/Llama-2-7b-hf" in out
 
 
 def test_real_urllib_against_a_local_hub(tmp_path, monkeypatch):

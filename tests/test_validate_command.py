@@ -53,4 +53,4 @@ def test_json_records_and_output_file(tmp_path, capsys):
 def test_table_on_stdout(capsys):
     run_validate([("eager", exp())], "meta", False, None, scale_layers=1)
     out = capsys.readouterr().out
-    assert "eager" in out and "meas GiB" in out and "[" not in out.split("\n")[0]
+    assert "eager" in out and "traced GiB" in out and "predicted vs traced" in out and "[" not in out.split("\n")[0]

@@ -17,10 +17,19 @@ traces the real Hugging Face step, transformers + PEFT, unmodified but for kerne
 - ``error_pct`` = (predicted - measured) / measured * 100;
 - ``published_error_pct`` = (measured - published) / published * 100 (how far the
   measurement sits from the published figure; None when ``--scale-layers`` changes the model);
+- ``status``: ``ok``, ``skipped`` (the reason says why this device cannot run it), ``oom``, or
+  ``error``: building or tracing the step raised (an op with no meta kernel such as
+  ``_fused_sgd_``, a partitioner that refuses a budget, the host out of memory); ``reason`` is
+  the exception's type and first line, and the run goes on to the next config;
+- ``run_id``: ``host:pid:random``, the same for every record of one run;
 - ``--output FILE`` holds a JSON *list* of the records so far, rewritten (atomically) after
-  every record, so an interrupted run keeps what finished.
+  every record, so an interrupted run keeps what finished; runs writing one file at the same
+  time keep each other's records (``output.py``: a lock, read, merge by ``run_id``, replace).
 
 Progress goes to stderr; stdout gets the table, or with ``--json`` only the JSON list.
+SIGINT / SIGTERM stop the run promptly (see ``interrupt.py``): the records that finished are
+printed (valid JSON with ``--json``; ``--output`` already holds them) and the exit status is
+130 / 143.
 """
 
 from __future__ import annotations
@@ -28,7 +37,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from typing import Optional
 
 import torch
@@ -40,7 +48,9 @@ from rich.table import Table
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import gib
 
-from .runner import Measurement, measure
+from .interrupt import StopRequested, check as check_stop, stoppable, stopped
+from .output import RecordFile, new_run_id
+from .runner import Measurement, error_reason, measure
 
 
 #: ``--framework``: memcalc's replica of the model, or the real transformers + PEFT step
@@ -69,16 +79,19 @@ def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str]:
     return est.peak_bytes, est.peak_phase, ""
 
 
-def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers: Optional[int]) -> dict:
-    """One record (see the module docstring); the prediction is for the model as measured."""
-    target = exp if scale_layers is None else exp.model_copy(
-        update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
-    if meas.framework == "hf":
-        from .hf_grid import hf_estimator_spec
+def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, scale_layers: Optional[int]) -> dict:
+    """One record (see the module docstring); the prediction is for the model as measured
+    (``exp`` None: a config that could not be read, nothing predicted)."""
+    predicted, pred_phase, why, published = None, None, "", None
+    if exp is not None:
+        target = exp if scale_layers is None else exp.model_copy(
+            update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
+        if meas.framework == "hf":
+            from .hf_grid import hf_estimator_spec
 
-        target = hf_estimator_spec(target)
-    predicted, pred_phase, why = _predict(target)
-    published = exp.published_peak_bytes if scale_layers is None else None
+            target = hf_estimator_spec(target)
+        predicted, pred_phase, why = _predict(target)
+        published = exp.published_peak_bytes if scale_layers is None else None
     reason = "; ".join(r for r in (meas.reason, why) if r)
     return {
         "config": name,
@@ -108,15 +121,6 @@ def make_record(name: str, exp: ExperimentSpec, meas: Measurement, scale_layers:
     }
 
 
-def _write_json(path: str, records: list[dict]) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".validate-", suffix=".json", dir=d)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(records, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _gap_style(pct: Optional[float]) -> str:
     if pct is None:
         return "dim"
@@ -135,10 +139,18 @@ def _fmt_pct(p: Optional[float]) -> str:
 def render_table(records: list[dict], console: Optional[Console] = None) -> None:
     """The summary table (GiB = 2**30); reasons for skipped/oom rows are listed under it."""
     console = console or Console()
-    t = Table(title="memcalc validate: peak allocated memory, predicted vs measured", box=box.SIMPLE_HEAD)
-    for col, just in (("config", "left"), ("device", "left"), ("pred GiB", "right"), ("meas GiB", "right"),
+    # meta/cpu rows are traced (the step's allocations counted by the tracer), not measured on a GPU
+    traced = all(r["device"] != "cuda" for r in records)
+    scaled = sorted({r["scale_layers"] for r in records if r.get("scale_layers")})
+    what = "traced" if traced else "measured"
+    title = f"memcalc validate: peak allocated memory, predicted vs {what}"
+    if scaled:
+        title += f" (models cut to {', '.join(map(str, scaled))} layer{'s' if scaled != [1] else ''})"
+    t = Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+    for col, just in (("config", "left"), ("device", "left"), ("pred GiB", "right"),
+                      ("traced GiB" if traced else "meas GiB", "right"),
                       ("pub GiB", "right"), ("gap", "right"), ("vs pub", "right"), ("phase", "left")):
-        t.add_column(col, justify=just, no_wrap=col != "phase", min_width=len(col))
+        t.add_column(col, justify=just, no_wrap=col not in ("config", "phase"), min_width=min(len(col), 8))
     notes = []
     for r in records:
         gap = r["error_pct"]
@@ -151,7 +163,7 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
                   _fmt_gib(r["published_bytes"]), f"[{_gap_style(gap)}]{_fmt_pct(gap)}[/]",
                   _fmt_pct(r["published_error_pct"]), phase)
     console.print(t)
-    console.print("gap = (predicted - measured) / measured; vs pub = (measured - published) / published", style="dim")
+    console.print(f"gap = (predicted - {what}) / {what}; vs pub = ({what} - published) / published", style="dim")
     for n in notes:
         console.print(f"  {n}", style="dim")
 
@@ -168,11 +180,12 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
         raise UserError(f"unknown --framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
     if framework == "hf":
         try:
-            from .hf_runner import check_hf, measure_hf
+            from .hf_runner import check_hf
         except ImportError as e:
             raise UserError(f"--framework hf needs transformers and peft: pip install 'memcalc[validate]' ({e})") from None
         for _name, e in items:  # a model or LoRA setup HF cannot express: one line, before any trace
-            check_hf(e)
+            if isinstance(e, ExperimentSpec):
+                check_hf(e)
     elif reentrant:
         raise UserError("--reentrant sets Hugging Face activation checkpointing: it needs --framework hf")
     if device == "cuda" and not torch.cuda.is_available():
@@ -184,6 +197,32 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     if device is None:
         err.print(f"memcalc validate: running on {dev}" + ("" if dev == "cuda" else " (no CUDA device: tracing on the meta device)"))
     records: list[dict] = []
+    stop: Optional[StopRequested] = None
+    with stoppable():
+        try:
+            _run_all(items, dev, RecordFile(output) if output else None, scale_layers, snapshot, records, err,
+                     framework, reentrant)
+        except StopRequested as e:
+            stopped(e)
+            stop = e
+    if stop is not None:
+        err.print(f"memcalc validate: stopped by {stop} after {len(records)} of {len(items)} configs"
+                  + (f"; {output} holds them" if output and records else ""))
+        _finish(records, as_json)
+        sys.stdout.flush()
+        raise SystemExit(stop.exit_code)
+    _finish(records, as_json)
+    return records
+
+
+def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional[RecordFile],
+             scale_layers: Optional[int], snapshot: Optional[str], records: list[dict], err: Console,
+             framework: str = "plain", reentrant: bool = False) -> None:
+    """Measure each item in turn (``framework`` hf: the transformers + PEFT step), appending its record
+    to ``records`` (and to ``output``)."""
+    if framework == "hf":
+        from .hf_runner import measure_hf
+    run_id = output.run_id if output is not None else new_run_id()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as prog:
         task = prog.add_task("validate", total=len(items))
@@ -198,19 +237,29 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
             if snapshot and len(items) > 1:
                 root, ext = os.path.splitext(snapshot)
                 snap = f"{root}-{name}{ext or '.pickle'}"
-            if framework == "hf":
-                meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say, allocator_sim=dev != "cuda",
-                                  reentrant=reentrant)
-            else:
-                meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
-                               allocator_sim=dev != "cuda")
-            rec = make_record(name, exp, meas, scale_layers)
+            try:
+                if isinstance(exp, Exception):  # a config that could not be read (one of several named)
+                    raise exp
+                if framework == "hf":
+                    meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
+                                      allocator_sim=dev != "cuda", reentrant=reentrant)
+                else:
+                    meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
+                                   allocator_sim=dev != "cuda")
+                rec = make_record(name, exp, meas, scale_layers)
+            except Exception as e:  # noqa: BLE001 - a config that fails is a record; the run goes on
+                meas = Measurement(device=dev, status="error", reason=error_reason(e), framework=framework)
+                rec = make_record(name, None if isinstance(exp, Exception) else exp, meas, scale_layers)
+            rec["run_id"] = run_id
             records.append(rec)
-            if output:
-                _write_json(output, records)
+            if output is not None:
+                output.write(records)
             prog.advance(task)
+            check_stop()
+
+
+def _finish(records: list[dict], as_json: bool) -> None:
     if as_json:
         sys.stdout.write(json.dumps(records, indent=2) + "\n")
     else:
         render_table(records)
-    return records

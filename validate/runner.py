@@ -37,6 +37,7 @@ from memcalc.core.spec import ExperimentSpec
 from .model import build_model, param_count
 from .optim import MasterWeights, allow_fused_on, build_optimizer
 from memcalc.engine.allocator import CachingAllocatorSim
+from .interrupt import check as check_stop
 from .tracer import StorageTracer
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -51,7 +52,7 @@ class Measurement:
     first_step_bytes: Optional[int] = None
     peak_phase: Optional[str] = None
     reserved_bytes: Optional[int] = None
-    status: str = "ok"  # ok | skipped | oom
+    status: str = "ok"  # ok | skipped | oom | error (the reason: exception type and message)
     reason: str = ""
     torch_version: str = torch.__version__
     #: ``plain`` (memcalc's replica, this module) or ``hf`` (transformers + PEFT, hf_runner.py), with
@@ -103,10 +104,12 @@ class _Probe:
         self.reserved = 0
 
     def label(self, text: str) -> None:
+        check_stop()  # a safe point for SIGINT/SIGTERM on every device (interrupt.py)
         if self.tracer is not None:
             self.tracer.label = text
 
     def set_phase(self, phase: str) -> None:
+        check_stop()
         if self.tracer is not None:
             self.tracer.set_phase(phase)
         else:
@@ -168,12 +171,21 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
         meas.status = "oom"
         meas.reason = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
         meas.measured_bytes = None
+    except Exception as e:  # noqa: BLE001 - any failure of this config is its record; the run goes on
+        meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
     finally:
         gc.collect()
         if device == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
     meas.seconds = round(time.perf_counter() - t0, 3)
     return meas
+
+
+def error_reason(e: BaseException, limit: int = 300) -> str:
+    """One line: the exception's type and the first line of its message, cut to ``limit``."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    line = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas: Measurement, debug: bool,
@@ -286,8 +298,9 @@ def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Mea
     real = partition(target).saved_bytes
     mine = compiled_plan(target).saved_bytes
     meas.partition_saved_bytes, meas.predicted_saved_bytes = real, mine
+    gap = f"{100 * (mine - real) / real:+.2f}%" if real else "both nothing" if not mine else "PyTorch saves nothing"
     meas.reason += (f"; its saved set was checked instead: PyTorch's partitioner saves {fmt_bytes(real)} "
-                    f"for backward, memcalc {fmt_bytes(mine)} ({100 * (mine - real) / real:+.2f}%)")
+                    f"for backward, memcalc {fmt_bytes(mine)} ({gap})")
 
 
 class _nullcontext:

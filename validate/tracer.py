@@ -39,6 +39,8 @@ from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.core.units import round_up  # noqa: F401  (re-exported: the tracer's rounding)
 from memcalc.engine.allocator import CachingAllocatorSim
 
+from .interrupt import check as _check_stop
+
 #: c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, every block is a multiple of it (one
 #: constant with the estimator: memcalc.core.kernels). ``round_up`` keeps 0 at 0.
 CUDA_ROUND_BYTES = ALLOCATOR_ROUND_BYTES
@@ -135,6 +137,7 @@ class StorageTracer(TorchDispatchMode):
 
     # -- dispatch ---------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        _check_stop()  # a safe point for SIGINT/SIGTERM (interrupt.py): never inside a finalizer
         if self.debug:
             self._op = str(func)
         out = func(*args, **(kwargs or {}))

@@ -47,6 +47,18 @@ class _Spec(BaseModel):
                         raise ValueError(f"{k} = {str(v).lower()}: expected a number, not a boolean")
         return data
 
+#: Upper bounds on sizes, far above real models (so a typo or a fuzzer's 10**30 is one line, and
+#: the step's simulation, about linear in layers, stays within seconds):
+#: layers: the deepest decoder LLMs have 126 (Llama 3.1 405B), DeepNet trained 1,000 (arXiv 2203.00555);
+MAX_LAYERS = 1024
+#: sequence / context: 2**24 = 16,777,216 tokens, 1.6 x Llama 4 Scout's 10M context;
+MAX_SEQ = 2**24
+#: widths (d_model, d_ff, vocab, head_dim): 2**20 = 1,048,576, 4 x Gemma 3's 262,144-token vocabulary
+#: and 19 x the widest FFN of Llama 3.1 405B (53,248);
+MAX_WIDTH = 2**20
+#: micro-batch, accumulation steps, GPUs: 2**20 = 1,048,576 (more than the largest clusters' GPUs).
+MAX_COUNT = 2**20
+
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "q_a", "q_b", "kv_a", "kv_b", "experts")
 #: PEFT ``target_modules`` names of the same projections (Hugging Face module names of each family's
 #: modeling file; source: peft TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING and the modeling_*.py
@@ -150,18 +162,18 @@ class ModelSpec(_Spec):
     """A decoder-only transformer, described by the shapes that decide its memory."""
 
     name: str = Field("custom", description="A name for the model, shown in reports.")
-    n_layers: int = Field(..., gt=0, description="Number of decoder layers.")
-    d_model: int = Field(..., gt=0, description="Hidden size (width of the residual stream).")
-    n_heads: int = Field(..., gt=0, description="Number of query heads.")
+    n_layers: int = Field(..., gt=0, le=MAX_LAYERS, description=f"Number of decoder layers (at most {MAX_LAYERS:,}).")
+    d_model: int = Field(..., gt=0, le=MAX_WIDTH, description=f"Hidden size (width of the residual stream; at most {MAX_WIDTH:,}).")
+    n_heads: int = Field(..., gt=0, le=MAX_WIDTH, description="Number of query heads.")
     n_kv_heads: Optional[int] = Field(
         None, gt=0, description="Number of key/value heads (GQA); defaults to n_heads (full multi-head)."
     )
     head_dim: Optional[int] = Field(
-        None, gt=0, description="Width of one head; defaults to d_model / n_heads."
+        None, gt=0, le=MAX_WIDTH, description="Width of one head; defaults to d_model / n_heads."
     )
-    d_ff: int = Field(..., gt=0, description="Width of the feed-forward hidden layer.")
-    vocab_size: int = Field(..., gt=0, description="Vocabulary size (rows of the embedding).")
-    max_seq_len: int = Field(2048, gt=0, description="Longest sequence the model accepts.")
+    d_ff: int = Field(..., gt=0, le=MAX_WIDTH, description=f"Width of the feed-forward hidden layer (at most {MAX_WIDTH:,}).")
+    vocab_size: int = Field(..., gt=0, le=MAX_WIDTH, description=f"Vocabulary size (rows of the embedding; at most {MAX_WIDTH:,}).")
+    max_seq_len: int = Field(2048, gt=0, le=MAX_SEQ, description=f"Longest sequence the model accepts (at most {MAX_SEQ:,}).")
     mlp: Literal["gated", "plain"] = Field(
         "gated", description="gated: down(act(gate(x)) * up(x)) (SwiGLU style); plain: fc2(act(fc1(x)))."
     )
@@ -390,9 +402,9 @@ OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
 class TrainingSpec(_Spec):
     """One training step: batch, precision, optimizer and memory techniques."""
 
-    batch: int = Field(1, gt=0, description="Micro-batch size (sequences per forward pass).")
-    seq: int = Field(2048, gt=0, description="Sequence length in tokens.")
-    grad_accum: int = Field(1, gt=0, description="Gradient-accumulation micro-steps per optimizer step.")
+    batch: int = Field(1, gt=0, le=MAX_COUNT, description=f"Micro-batch size (sequences per forward pass; at most {MAX_COUNT:,}).")
+    seq: int = Field(2048, gt=0, le=MAX_SEQ, description=f"Sequence length in tokens (at most {MAX_SEQ:,}).")
+    grad_accum: int = Field(1, gt=0, le=MAX_COUNT, description=f"Gradient-accumulation micro-steps per optimizer step (at most {MAX_COUNT:,}).")
     precision: Precision = Field(
         "fp32",
         description="fp32; bf16/fp16 = pure 16-bit (weights, grads, state); amp-* = autocast over fp32 weights.",
@@ -419,7 +431,7 @@ class TrainingSpec(_Spec):
     )
     lora: Optional[LoraSpec] = Field(None, description="LoRA/QLoRA adapters; None = full fine-tuning.")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage (1: optimizer state, 2: +grads, 3: +weights sharded).")
-    gpus: int = Field(1, gt=0, description="Data-parallel GPUs that shard under ZeRO.")
+    gpus: int = Field(1, gt=0, le=MAX_COUNT, description=f"Data-parallel GPUs that shard under ZeRO (at most {MAX_COUNT:,}).")
     offload_optimizer: bool = Field(False, description="Keep optimizer state (and its step) on the CPU.")
 
     @model_validator(mode="after")

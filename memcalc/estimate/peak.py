@@ -9,6 +9,8 @@ allocator's slack (reserved minus allocated).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from memcalc.engine.allocator import CachingAllocatorSim
@@ -84,6 +86,14 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
     if tr.checkpoint != "every-k" and tr.checkpoint_every != default["checkpoint_every"]:
         notes.append(f"checkpoint_every {tr.checkpoint_every} has no effect with checkpoint {tr.checkpoint}: "
                      "it is the K of every-k")
+    m = exp.model
+    if tr.seq > m.max_seq_len and m.positions != "learned":  # learned positions are refused (engine.timeline)
+        notes.append(f"seq {tr.seq:,} is beyond {m.name}'s max_seq_len {m.max_seq_len:,} ({m.positions} "
+                     "positions): the model was not trained on sequences that long; the memory estimate still holds")
+    n = m.n_layers
+    if tr.checkpoint == "every-k" and tr.checkpoint_every >= n > 1:
+        notes.append(f"checkpoint every-{tr.checkpoint_every} with {n} layers checkpoints layer 0 only "
+                     f"(layers i with i % {tr.checkpoint_every} == 0); the other {n - 1} keep their activations")
     if tr.memory_budget is not None and tr.compile and not tr.compile_partitions:
         notes.append(f"memory_budget {tr.memory_budget:g} has no effect with checkpoint {tr.checkpoint}: "
                      "torch.compile recomputes the checkpointed regions whole")
@@ -104,6 +114,21 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
     if prof.cross_entropy == "full" and prof.loss_chunks != DEFAULT_LOSS_CHUNKS:
         notes.append(f"loss_chunks {prof.loss_chunks} has no effect with the full cross-entropy (--loss chunked uses it)")
     return notes
+
+
+def host_optimizer_bytes(exp: ExperimentSpec, trainable_params: int) -> int:
+    """Bytes of host (CPU) memory that ``offload_optimizer`` moves off each GPU: the optimizer
+    state and fp32 master weights of the trainable parameters, at the registry's bytes per
+    parameter (``bytes_per_param``), divided over the ranks under ZeRO >= 1 (DeepSpeed's
+    ZeRO-Offload keeps each rank's partition on the host: Ren et al. 2021, section 4.1). 0
+    without offload. Ignores pinned staging buffers and the host copy of the gradients."""
+    tr = exp.training
+    if not tr.offload_optimizer:
+        return 0
+    bpp = bytes_per_param(exp)
+    total = math.ceil(trainable_params * (bpp["optimizer_state"] + bpp["master_weights"]))
+    div = tr.gpus if tr.zero >= 1 else 1
+    return -(-total // div)
 
 
 def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
@@ -217,6 +242,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         notes=no_effect_notes(exp) + family_notes(exp),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
+               **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)} if exp.training.offload_optimizer else {}),
                **({"recompute": recompute} if recompute else {})},
     )
 

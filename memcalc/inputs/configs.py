@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, shorten
+from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, read_user_file, shorten
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.inputs.profiles import get_profile
 from memcalc.core.spec import ExperimentSpec
@@ -31,7 +31,7 @@ def _raw(name_or_path: str) -> tuple[Any, str]:
     if p.suffix.lower() in (".yaml", ".yml", ".json") or kind != "none":
         if kind != "file":
             raise UserError(f"config file not found: {name_or_path if len(name_or_path) <= 200 else shorten(name_or_path, 200)}")
-        return parse_text(p.read_text(encoding="utf-8"), str(p)), str(p)
+        return parse_text(read_user_file(p, "config file"), str(p)), str(p)
     if name_or_path not in list_configs():
         raise unknown_name("config", shorten(name_or_path)[1:-1], list_configs())
     return load_named("configs", name_or_path), f"configs/{name_or_path}"

@@ -7,6 +7,7 @@ Works from an editable or a non-editable install: files are read through
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -82,14 +83,81 @@ def path_kind(path: Path) -> str:
         return "none"
 
 
+#: Limits on a config, model spec or config.json file (a real one is a few KiB, a few levels
+#: deep, with a few hundred values): the file's size, the values it holds once YAML aliases are
+#: expanded (a "billion laughs" file holds 10**9 from a few lines), and its nesting depth.
+MAX_FILE_BYTES = 2**20
+MAX_VALUES = 100_000
+MAX_DEPTH = 64
+
+
+def read_user_file(path: Path, what: str) -> str:
+    """The text of a file the user named, refused (one line) over MAX_FILE_BYTES or not UTF-8.
+    Reads at most one byte past the limit, so a FIFO or /dev/zero cannot hold it up."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"cannot read {what} {clip(str(path), 200)}: {e.strerror or e}") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UserError(f"{what} {clip(str(path), 200)} is larger than {MAX_FILE_BYTES // 2**20} MiB; "
+                        "a config or model spec is a few KiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"cannot read {what} {clip(str(path), 200)}: not UTF-8 text (byte {e.start})") from None
+
+
+def check_size(value: Any, where: str) -> None:
+    """A UserError when parsed data, with every alias expanded, holds more than MAX_VALUES values
+    or nests deeper than MAX_DEPTH. Walks the object graph (aliases are shared objects, so each is
+    counted at every place it is used) and stops at the first limit: never slow."""
+    stack = [(value, 1)]
+    count = 0
+    while stack:
+        v, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise UserError(f"{where} holds more than {MAX_VALUES:,} values once its YAML aliases are expanded; "
+                            "a config or model spec holds a few hundred")
+        if depth > MAX_DEPTH:
+            raise UserError(f"{where} nests deeper than {MAX_DEPTH} levels")
+        if isinstance(v, dict):
+            stack.extend((x, depth + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1) for x in v)
+
+
+def _flow_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in the text (brackets inside strings count too: an
+    over-estimate, which only matters past MAX_DEPTH)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return 0  # the common case, without the scan
+    depth = top = 0
+    for c in re.sub(r"[^\[\]{}]+", "", text):
+        depth = depth + 1 if c in "[{" else max(0, depth - 1)
+        top = max(top, depth)
+    return top
+
+
 def parse_text(text: str, where: str) -> Any:
-    """Parse YAML or JSON text; a syntax error becomes one-line UserError naming the file."""
+    """Parse YAML or JSON text; a syntax error becomes one-line UserError naming the file, and so
+    does text over the limits (see ``check_size``)."""
+    if len(text) > MAX_FILE_BYTES:
+        raise UserError(f"{where} is larger than {MAX_FILE_BYTES // 2**20} MiB; a config or model spec is a few KiB")
+    if not where.endswith(".json") and _flow_depth(text) > MAX_DEPTH:  # libyaml recurses in C: checked first
+        raise UserError(f"{where} nests deeper than {MAX_DEPTH} levels")
     try:
         if where.endswith(".json"):
-            return json.loads(text)
-        return yaml.load(text, Loader=_LOADER)
+            data = json.loads(text)
+        else:
+            data = yaml.load(text, Loader=_LOADER)
+    except RecursionError:
+        raise UserError(f"{where} nests deeper than {MAX_DEPTH} levels") from None
     except (yaml.YAMLError, json.JSONDecodeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise UserError(f"malformed {where}{at}: {first}") from None
+    check_size(data, where)
+    return data

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from memcalc.inputs import hf_hub
-from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, shorten
+from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, read_user_file, shorten
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
 from memcalc.core.spec import ModelSpec
@@ -264,10 +264,7 @@ def _model_file(value: str, path: Path) -> ModelSpec:
     """A Hugging Face config.json or a file of ModelSpec fields."""
     if not path.name.lower().endswith(_SPEC_SUFFIXES):
         raise UserError(f"model file {value} must be .json, .yaml or .yml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read model file {value}: {e}") from None
+    text = read_user_file(path, "model file")
     where = str(value)
     raw = parse_text(text, where)
     if not isinstance(raw, dict):

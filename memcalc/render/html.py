@@ -243,15 +243,19 @@ def kinds_legend_plain() -> str:
 
 
 def write_report(path: str, text: str) -> None:
-    """Write an HTML report; a path that cannot be written is a user error (one line, exit 2)."""
+    """Write an HTML report and say so on stderr; a path that cannot be written is a user error (one
+    line, exit 2)."""
     from pathlib import Path
 
     from memcalc.core.errors import UserError
+
+    import sys
 
     try:
         Path(path).write_text(text, encoding="utf-8")
     except OSError as err:
         raise UserError(f"cannot write --html {path}: {err.strerror or err}") from None
+    sys.stderr.write(f"memcalc: wrote {path} ({len(text.encode('utf-8')) / 1024:,.0f} KiB)\n")  # stderr: --json stays clean
 
 
 __all__ = ["estimate_html", "validate_html", "write_report"]

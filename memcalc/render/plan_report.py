@@ -111,8 +111,11 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
     from rich.table import Table
 
     c = console or Console()
+    from rich import box
+
+    # SIMPLE_HEAD without edges and with collapsed padding: ten columns fit 80 terminal columns
     t = Table(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
-              title_justify="left")
+              title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right")):

@@ -60,6 +60,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "published_peak_bytes": exp.published_peak_bytes,
         "compiled": est.extra.get("compiled"),
         "recompute": est.extra.get("recompute"),
+        **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
         "gpus": fits_rows(est, gpus),
         "inputs": {
             "model": exp.model.model_dump(),
@@ -119,6 +120,11 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
               + (", fused into backward" if tr.fused_optimizer else ""))
     ck = tr.checkpoint + (f" (K={tr.checkpoint_every})" if tr.checkpoint == "every-k" else "")
     t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}")
+    if tr.zero or tr.gpus > 1 or tr.offload_optimizer or {"zero", "gpus", "offload_optimizer"} & {
+            k for k, v in o.items() if v == "flag"}:
+        shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
+        t.add_row("sharding", f"{shard} over {tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
+                  + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
     if tr.compile:
         t.add_row("compile", f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
     if tr.lora is not None:
@@ -218,6 +224,10 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
         if alloc is not None:
             line += f", with the allocator replay {fmt_bytes(alloc)} ({100 * (alloc - pub) / pub:+.1f}%)"
         c.print(line)
+    host = est.extra.get("host_optimizer_bytes")
+    if host is not None:
+        c.print(f"host memory: {fmt_bytes(host)} of optimizer state (and fp32 master weights) per GPU lives on the CPU "
+                "(--offload-optimizer; not in the GPU peak)")
     c.print(gpu_table(est, gpus))
     for a in est.assumptions:
         c.print(f"[dim]assumption: {a}[/dim]")

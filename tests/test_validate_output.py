@@ -1,0 +1,84 @@
+"""``validate --output FILE`` (validate/output.py, torch-free): written through a symlink, with
+the umask's mode, atomically, and with every concurrent writer's records kept (issue 16)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from memcalc.validate.output import RecordFile
+
+
+def rec(config: str, k: int) -> dict:
+    return {"config": config, "device": "meta", "measured_bytes": k}
+
+
+def test_a_symlink_is_written_through(tmp_path: Path):
+    target = tmp_path / "real.json"
+    target.write_text("[]\n")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    RecordFile(str(link)).write([rec("a", 1)])
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert [r["config"] for r in json.loads(target.read_text())] == ["a"]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])  # source: open(2), 0666 & ~umask
+def test_a_new_file_follows_the_umask(tmp_path: Path, umask: int, mode: int):
+    old = os.umask(umask)
+    try:
+        RecordFile(str(tmp_path / "out.json")).write([rec("a", 1)])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "out.json").stat().st_mode) == mode
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary or lock file left
+
+
+def test_an_existing_file_keeps_its_mode(tmp_path: Path):
+    out = tmp_path / "out.json"
+    out.write_text("[]")
+    out.chmod(0o640)
+    RecordFile(str(out)).write([rec("a", 1)])
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+
+
+def test_records_of_ended_runs_are_replaced_live_ones_kept(tmp_path: Path):
+    out = tmp_path / "out.json"
+    host = socket.gethostname()
+    ended = {**rec("old", 0), "run_id": f"{host}:999999999:dead"}  # no such pid
+    legacy = rec("legacy", 0)  # written before run ids
+    live = {**rec("live", 0), "run_id": f"{host}:{os.getpid()}:other"}  # this process: alive
+    out.write_text(json.dumps([ended, legacy, live]))
+    f = RecordFile(str(out))
+    f.write([rec("mine", 1)])
+    f.write([rec("mine", 1), rec("mine2", 2)])
+    assert [r["config"] for r in json.loads(out.read_text())] == ["live", "mine", "mine2"]
+
+
+def _writer(path: str, name: str, n: int) -> None:
+    f = RecordFile(path)
+    mine = []
+    for k in range(n):
+        mine.append(rec(name, k))
+        f.write(mine)
+
+
+def test_concurrent_writers_keep_every_record(tmp_path: Path):
+    out = str(tmp_path / "out.json")
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_writer, args=(out, f"w{i}", 20)) for i in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    got = json.loads(Path(out).read_text())
+    assert sorted((r["config"], r["measured_bytes"]) for r in got) == sorted(
+        (f"w{i}", k) for i in range(3) for k in range(20))
+    assert len({r["run_id"] for r in got}) == 3
