@@ -19,6 +19,8 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine import attention_variants as av
+from memcalc.engine import block_variants as bv
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
@@ -45,6 +47,7 @@ class Forward:
         self.rows = self.B * self.T
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
+        self.masks: dict[str, T] = {}
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -91,6 +94,8 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks
+            return av.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
@@ -129,6 +134,8 @@ class Forward:
 
     def _mlp(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
+        if m.fused_gate_up:
+            return bv.fused_gate_up_mlp(self, h, i)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
@@ -161,6 +168,8 @@ class Forward:
 
     def _layer(self, x: T, i: int) -> T:
         o, m = self.ops, self.m
+        if bv.is_variant_layer(m):  # sandwich / output norms, two parallel norms, residual multiplier
+            return bv.layer(self, x, i)
         if m.block == "parallel":
             h = self.norm(x, f"layers.{i}.norm1")
             a = self.resid_drop(self.attention(h, i))
@@ -223,6 +232,7 @@ class Forward:
         labels = sim.alloc(self.rows * 8, "activations", "inputs")
         self.ids_labels = (ids, labels)
         x = o.embedding(ids, self.rows, self.p("embed_tokens.weight"), m.d_model)
+        x = bv.scale_embeddings(self, x)
         pos = self.maybe("embed_positions.weight")
         if pos is not None:
             pe = o.embedding(ids, self.T, pos, m.d_model)
@@ -232,6 +242,7 @@ class Forward:
         if m.positions == "rope":
             self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * m.rotary_dim), "activations", "rope tables")
         x = self.resid_drop_embd(x)
+        self.masks = av.build_masks(self)
         x = self.layers(x)
         sim.mark("final norm & head")
         sim.role = "head"
@@ -239,9 +250,11 @@ class Forward:
             h = self.norm(x, "final_norm")
             o.drop(x)
             x = h
+        self.release_masks()
         head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
         logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
         o.drop(x)
+        logits = bv.post_logits(self, logits)
         self.strategy.logits(self, logits)
         sim.role = "loss"
         o.category = "logits & loss"
@@ -257,8 +270,19 @@ class Forward:
         self.ops.drop(x)
         return y
 
+    def release_masks(self, end_of_step: bool = False) -> None:
+        """The attention masks go when the model's forward returns (before the head); with
+        checkpointing every region's recompute closure holds them until its backward (the
+        shared masks: until the first layer's backward, taken as the end of backward)."""
+        if self.tr.checkpoint != "none" and not end_of_step:
+            return
+        for t in self.masks.values():
+            self.sim.unref(t)
+        self.masks = {}
+
     def release_inputs(self) -> None:
         """The batch and the RoPE tables go away with the step."""
+        self.release_masks(end_of_step=True)
         for t in (*self.ids_labels, self.rope_tables):
             self.sim.unref(t)
 
