@@ -47,13 +47,21 @@ class _Spec(BaseModel):
                         raise ValueError(f"{k} = {str(v).lower()}: expected a number, not a boolean")
         return data
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-#: PEFT ``target_modules`` names of the same projections (Hugging Face Llama/Mistral/Qwen2 module
-#: names; source: peft TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING and LlamaAttention/LlamaMLP).
-#: GPT-2's fused ``c_attn`` is one q,k,v projection, not one of these: it has no alias.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "q_a", "q_b", "kv_a", "kv_b", "experts")
+#: PEFT ``target_modules`` names of the same projections (Hugging Face module names of each family's
+#: modeling file; source: peft TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING and the modeling_*.py
+#: attention/MLP classes). A fused projection is one module: GPT-2 ``c_attn``, Phi-3 ``qkv_proj``,
+#: GPT-NeoX/Falcon ``query_key_value`` are ``qkv`` (one adapter, A: r x d, B: (q+2kv) x r);
+#: Phi-3/GLM-4 ``gate_up_proj`` is ``gate_up``. DeepSeek MLA: ``q_a_proj``, ``q_b_proj``,
+#: ``kv_a_proj_with_mqa``, ``kv_b_proj``. ``experts``: the routed experts' 3-D parameters
+#: (transformers 5 stores them as nn.Parameter, which ``target_modules`` never reaches; PEFT 0.21
+#: adapts them only through ``target_parameters`` = experts.gate_up_proj, experts.down_proj,
+#: peft/tuners/lora/layer.py ParamWrapper: A r*E x in, B out x r*E).
 LORA_TARGET_ALIASES = {
     "q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
     "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+    "c_attn": "qkv", "qkv_proj": "qkv", "query_key_value": "qkv", "gate_up_proj": "gate_up",
+    "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b",
 }
 
 
@@ -66,6 +74,62 @@ def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
         if t not in out:
             out.append(t)
     return tuple(out)
+
+
+class MoESpec(_Spec):
+    """Mixture-of-experts feed-forward layers (Mixtral, Qwen-MoE, DeepSeek, gpt-oss)."""
+
+    n_experts: int = Field(..., gt=0, description="Routed experts per MoE layer (num_local_experts / num_experts / n_routed_experts).")
+    top_k: int = Field(..., gt=0, description="Experts each token is routed to (num_experts_per_tok).")
+    d_ff_expert: int = Field(..., gt=0, description="Feed-forward width of one routed expert (moe_intermediate_size).")
+    n_shared_experts: int = Field(0, ge=0, description="Shared experts every token passes through (DeepSeek n_shared_experts; Qwen2-MoE: 1).")
+    d_ff_shared: Optional[int] = Field(
+        None, gt=0,
+        description="Width of the shared-expert MLP (all shared experts as one); defaults to n_shared_experts x d_ff_expert (DeepSeek).",
+    )
+    shared_expert_gate: bool = Field(False, description="A sigmoid gate Linear(d_model, 1) scales the shared expert (Qwen2-MoE).")
+    first_dense_layers: int = Field(0, ge=0, description="The first layers use the dense MLP of width d_ff instead (DeepSeek first_k_dense_replace).")
+    every: int = Field(1, gt=0, description="Every N-th layer is MoE, the others dense (Qwen2-MoE decoder_sparse_step: layer i is MoE when (i + 1) % N == 0).")
+    router_bias: bool = Field(False, description="The router has a bias (gpt-oss).")
+    expert_bias: bool = Field(False, description="The experts' projections have biases (gpt-oss).")
+    routing: Literal["balanced"] = Field(
+        "balanced", description="Activation assumption: tokens spread evenly over experts (each gets batch x seq x top_k / n_experts rows)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "MoESpec":
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k ({self.top_k}) must be <= n_experts ({self.n_experts})")
+        if self.d_ff_shared is not None and not self.n_shared_experts:
+            raise ValueError(f"d_ff_shared ({self.d_ff_shared}) needs n_shared_experts > 0")
+        if self.shared_expert_gate and not self.n_shared_experts:
+            raise ValueError("shared_expert_gate needs n_shared_experts > 0")
+        return self
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the shared-expert MLP (0 without shared experts)."""
+        return self.d_ff_shared if self.d_ff_shared is not None else self.n_shared_experts * self.d_ff_expert
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Layer ``i`` (0-based) has the MoE block (else the dense MLP of width d_ff)."""
+        return i >= self.first_dense_layers and (i + 1) % self.every == 0
+
+
+class MLASpec(_Spec):
+    """DeepSeek-V2/V3 multi-head latent attention: low-rank q and compressed kv projections."""
+
+    q_lora_rank: Optional[int] = Field(
+        None, gt=0, description="Rank of the q compression (q_a_proj, q_a_layernorm, q_b_proj); None = one q_proj (V2-Lite)."
+    )
+    kv_lora_rank: int = Field(..., gt=0, description="Rank of the compressed kv latent (kv_a_proj_with_mqa, kv_a_layernorm).")
+    qk_nope_head_dim: int = Field(..., gt=0, description="Per-head query/key dimensions without rotary embedding.")
+    qk_rope_head_dim: int = Field(..., gt=0, description="Per-head query/key dimensions with rotary embedding (the key part is shared by all heads).")
+    v_head_dim: int = Field(..., gt=0, description="Per-head value dimension.")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 class ModelSpec(_Spec):
@@ -92,8 +156,11 @@ class ModelSpec(_Spec):
     )
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalisation layer kind.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the normalisation layers.")
-    norm_placement: Literal["pre", "post"] = Field(
-        "pre", description="pre: x + f(norm(x)); post: norm(x * residual_scale + f(x)) (DeepNet style)."
+    norm_placement: Literal["pre", "post", "sandwich", "output"] = Field(
+        "pre",
+        description="pre: x + f(norm(x)); post: norm(x * residual_scale + f(x)) (DeepNet style); "
+        "sandwich: x + post_norm(f(pre_norm(x))) (Gemma-2/3, GLM-4: 4 norms a layer); "
+        "output: x + norm(f(x)), no pre-norm (OLMo-2).",
     )
     residual_scale: float = Field(
         1.0, gt=0, description="Multiplier on the residual in post-norm layers (DeepNet alpha); 1.0 = none."
@@ -101,6 +168,50 @@ class ModelSpec(_Spec):
     block: Literal["sequential", "parallel"] = Field(
         "sequential",
         description="sequential: attention then MLP; parallel: x + attn(norm(x)) + mlp(norm(x)) with one norm (GPT-J, phi).",
+    )
+    parallel_norms: Literal[1, 2] = Field(
+        1, description="With a parallel block: one shared norm (phi, Cohere) or one each for attention and MLP "
+        "(GPT-NeoX use_parallel_residual, Falcon new_decoder_architecture)."
+    )
+    qk_norm: Literal["none", "head", "head_unshared", "full"] = Field(
+        "none",
+        description="A norm (of the model's norm kind, no bias) on queries and keys: head = over each head with one "
+        "weight of head_dim (Qwen3, Gemma-3); head_unshared = over each head with a weight per head (Cohere "
+        "use_qk_norm, StableLM qk_layernorm); full = over the whole projection (OLMo-2).",
+    )
+    attn_softcap: Optional[float] = Field(
+        None, gt=0, description="Attention logits capped as c * tanh(s / c) (Gemma-2 attn_logit_softcapping); None = none."
+    )
+    logit_softcap: Optional[float] = Field(
+        None, gt=0, description="Output logits capped as c * tanh(z / c) (Gemma-2 final_logit_softcapping); None = none."
+    )
+    attn_sinks: bool = Field(False, description="A learned sink logit per head per layer joins the softmax (gpt-oss).")
+    sliding_window: Optional[int] = Field(
+        None, gt=0, description="Sliding-window attention span in tokens; None = full attention everywhere."
+    )
+    full_attention_every: int = Field(
+        0, ge=0,
+        description="With a sliding window: 0 = every layer slides; N > 0 = layers with (i + 1) % N == 0 attend "
+        "fully, the others slide (Gemma-2, gpt-oss: 2; Gemma-3: 6).",
+    )
+    embedding_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the embeddings (Gemma: sqrt(d_model); Granite embedding_multiplier); 1.0 = none."
+    )
+    residual_multiplier: float = Field(
+        1.0, gt=0, description="Multiplier on each sublayer output before the residual add (Granite); 1.0 = none."
+    )
+    logit_scale: float = Field(
+        1.0, gt=0, description="Multiplier on the output logits (Cohere logit_scale, Granite 1 / logits_scaling); 1.0 = none."
+    )
+    fused_qkv: bool = Field(
+        False, description="q, k, v are one projection (GPT-2 c_attn, Phi-3 qkv_proj, GPT-NeoX/Falcon query_key_value): LoRA target qkv."
+    )
+    fused_gate_up: bool = Field(
+        False, description="gate and up are one projection (Phi-3, GLM-4 gate_up_proj): LoRA target gate_up."
+    )
+    moe: Optional[MoESpec] = Field(None, description="Mixture-of-experts feed-forward layers; None = dense.")
+    mla: Optional[MLASpec] = Field(
+        None, description="Multi-head latent attention (DeepSeek-V2/V3) instead of q/k/v projections; None = standard attention."
     )
     positions: Literal["rope", "learned", "alibi", "none"] = Field(
         "rope", description="Position encoding: rotary, learned absolute table, ALiBi bias, or none."
@@ -142,6 +253,16 @@ class ModelSpec(_Spec):
             )
         if self.alibi_trainable and self.positions != "alibi":
             raise ValueError(f"alibi_trainable needs positions 'alibi', not {self.positions!r}")
+        if self.parallel_norms == 2 and self.block != "parallel":
+            raise ValueError("parallel_norms 2 needs block 'parallel'")
+        if self.block == "parallel" and self.norm_placement != "pre":
+            raise ValueError(f"a parallel block is pre-norm; norm_placement {self.norm_placement!r} needs block 'sequential'")
+        if self.full_attention_every and self.sliding_window is None:
+            raise ValueError(f"full_attention_every ({self.full_attention_every}) needs a sliding_window")
+        if self.fused_gate_up and self.mlp != "gated":
+            raise ValueError("fused_gate_up needs a gated MLP")
+        if self.mla is not None and (self.fused_qkv or self.qk_norm != "none"):
+            raise ValueError("multi-head latent attention (mla) has no q/k/v projections: no fused_qkv or qk_norm")
         return self
 
     @property
@@ -166,8 +287,26 @@ class ModelSpec(_Spec):
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """The projections this model has, as LoRA target names (a plain MLP has no gate)."""
-        return tuple(t for t in LORA_TARGETS if t != "gate" or self.mlp == "gated")
+        """The projections this model has, as LoRA target names (a plain MLP has no gate; a fused
+        projection is one target; MLA has its own; dense MLP targets only where a dense MLP or a
+        shared expert exists; ``experts`` on MoE models)."""
+        if self.mla is not None:
+            attn = ("q",) if self.mla.q_lora_rank is None else ("q_a", "q_b")
+            attn = attn + ("kv_a", "kv_b", "o")
+        else:
+            attn = ("qkv", "o") if self.fused_qkv else ("q", "k", "v", "o")
+        mlp: tuple[str, ...] = ()
+        if self.moe is None or self.moe.n_shared_experts or self.has_dense_mlp_layers:
+            if self.mlp == "plain":
+                mlp = ("up", "down")
+            else:
+                mlp = ("gate_up", "down") if self.fused_gate_up else ("gate", "up", "down")
+        return attn + mlp + (("experts",) if self.moe is not None else ())
+
+    @property
+    def has_dense_mlp_layers(self) -> bool:
+        """Some layer has the dense MLP of width d_ff (every layer without MoE)."""
+        return self.moe is None or any(not self.moe.is_moe_layer(i) for i in range(self.n_layers))
 
     @property
     def has_norm_bias(self) -> bool:
@@ -175,7 +314,9 @@ class ModelSpec(_Spec):
 
     @property
     def norms_per_layer(self) -> int:
-        return 1 if self.block == "parallel" else 2
+        if self.block == "parallel":
+            return self.parallel_norms
+        return 4 if self.norm_placement == "sandwich" else 2
 
 
 class LoraSpec(_Spec):
@@ -184,7 +325,9 @@ class LoraSpec(_Spec):
     rank: int = Field(16, gt=0, description="Adapter rank r.")
     alpha: float = Field(32.0, gt=0, description="Adapter scaling numerator (scale = alpha / rank).")
     targets: tuple[str, ...] = Field(
-        ("q", "k", "v", "o"), description=f"Projections that get adapters, from {', '.join(LORA_TARGETS)}."
+        ("q", "k", "v", "o"),
+        description=f"Projections that get adapters, from {', '.join(LORA_TARGETS)} (those the model has: "
+        "qkv / gate_up on fused projections, q_a, q_b, kv_a, kv_b on MLA, experts on MoE).",
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
@@ -350,6 +493,12 @@ class ExperimentSpec(_Spec):
 def lora_targets_error(model: ModelSpec, missing: "typing.Sequence[str]") -> str:
     """The message for LoRA targets a model does not have (gate on a plain MLP)."""
     why = " (its MLP is plain: fc1 = up, fc2 = down, no gate)" if "gate" in missing and model.mlp == "plain" else ""
+    if model.fused_qkv and set(missing) & {"q", "k", "v"}:
+        why += " (q, k, v are one fused projection: target qkv)"
+    if model.fused_gate_up and set(missing) & {"gate", "up"}:
+        why += " (gate and up are one fused projection: target gate_up)"
+    if model.moe is not None and set(missing) & {"gate", "up", "down"}:
+        why += " (every layer is MoE without shared experts: its experts are 3-D parameters, target experts)"
     return f"LoRA target(s) {', '.join(missing)} not in {model.name}{why}; its targets: {', '.join(model.lora_targets)}"
 
 

@@ -1,9 +1,12 @@
 """Exact parameter inventory: every parameter tensor of the model, with its shape.
 
-Counts follow the module code of the families we model (Llama/Mistral/Qwen2 in
-Hugging Face transformers, GPT-2, phi, and Forgather's Deep One): embeddings,
-attention with GQA, gated or plain MLP, norms (weight, and bias for LayerNorm),
-projection biases, tied or untied head, trainable ALiBi slopes, LoRA adapters.
+Counts follow the module code of the families we model (the Hugging Face transformers 5
+modeling files of every model_type memcalc.inputs.hf_config reads, and Forgather's Deep One):
+embeddings, attention with GQA (or a fused qkv, or DeepSeek's multi-head latent attention),
+q/k norms, attention sinks, gated, fused or plain MLP, mixture-of-experts blocks (router,
+3-D expert tensors, shared experts), norms (weight, and bias for LayerNorm; 1, 2 or 4 a layer),
+projection biases, tied or untied head, trainable ALiBi slopes, LoRA adapters as PEFT
+shapes them (one adapter on a fused projection).
 QLoRA's frozen 4-bit base is counted in elements here; its storage bytes
 (packed NF4 plus quantisation constants) are computed in :mod:`memcalc.engine.weights`.
 Buffers (RoPE caches, causal masks) are not parameters and are ignored here.
@@ -25,7 +28,8 @@ class ParamTensor:
     shape: tuple[int, ...]
     layer: Optional[int]
     trainable: bool
-    kind: str  # "linear" (2-D weight of a projection), "embedding", "norm", "bias", "slopes", "lora"
+    kind: str  # "linear" (2-D weight of a projection), "experts" (3-D routed-expert weights), "router",
+    #            "embedding", "norm", "bias", "slopes" (ALiBi slopes, attention sinks), "lora"
     quantizable: bool = False  # a frozen 2-D linear weight that QLoRA stores as NF4
 
     @property
@@ -48,25 +52,109 @@ def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec]) -> list[ParamT
             out.append(ParamTensor(f"layers.{i}.{name}.lora_A", (lora.rank, d_in), i, True, "lora"))
             out.append(ParamTensor(f"layers.{i}.{name}.lora_B", (d_out, lora.rank), i, True, "lora"))
 
+    def norm(name: str, shape: tuple[int, ...], bias: bool) -> None:
+        out.append(ParamTensor(f"layers.{i}.{name}.weight", shape, i, full, "norm"))
+        if bias:
+            out.append(ParamTensor(f"layers.{i}.{name}.bias", shape, i, full, "bias"))
+
     d = m.d_model
-    linear("q", "attn.q_proj", d, m.q_dim, m.qkv_bias)
-    linear("k", "attn.k_proj", d, m.kv_dim, m.qkv_bias)
-    linear("v", "attn.v_proj", d, m.kv_dim, m.qkv_bias)
-    linear("o", "attn.o_proj", m.q_dim, d, m.o_bias)
+    _attention(m, i, linear, norm, out, full)
+    if m.moe is not None and m.moe.is_moe_layer(i):
+        _moe(m, i, linear, out, full, lora)
+    else:
+        _mlp(m, "mlp", m.d_ff, m.mlp_bias, linear)
+    for j in range(m.norms_per_layer):
+        norm(f"norm{j + 1}", (d,), m.has_norm_bias)
+    return out
+
+
+def _attention(m: ModelSpec, i: int, linear, norm, out: list[ParamTensor], full: bool) -> None:
+    """Attention parameters: q/k/v (or the fused qkv, or MLA's projections and norms), o, q/k norms,
+    sinks, ALiBi slopes. Source: the modeling_*.py attention classes (LlamaAttention, Phi3Attention,
+    GPTNeoXAttention, DeepseekV3Attention, Qwen3Attention, Olmo2Attention, CohereAttention,
+    StableLmAttention, GptOssAttention)."""
+    d = m.d_model
+    if m.mla is not None:  # DeepseekV3Attention: q_a/kv_a/o biases are attention_bias; q_b, kv_b none
+        a, h = m.mla, m.n_heads
+        if a.q_lora_rank is None:
+            linear("q", "attn.q_proj", d, h * a.qk_head_dim, False)
+        else:
+            linear("q_a", "attn.q_a_proj", d, a.q_lora_rank, m.qkv_bias)
+            norm("attn.q_a_layernorm", (a.q_lora_rank,), m.has_norm_bias)
+            linear("q_b", "attn.q_b_proj", a.q_lora_rank, h * a.qk_head_dim, False)
+        linear("kv_a", "attn.kv_a_proj_with_mqa", d, a.kv_lora_rank + a.qk_rope_head_dim, m.qkv_bias)
+        norm("attn.kv_a_layernorm", (a.kv_lora_rank,), m.has_norm_bias)
+        linear("kv_b", "attn.kv_b_proj", a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), False)
+        linear("o", "attn.o_proj", h * a.v_head_dim, d, m.o_bias)
+    else:
+        if m.fused_qkv:  # one Linear(d, q + 2 kv): one adapter (A: r x d, B: (q + 2 kv) x r)
+            linear("qkv", "attn.qkv_proj", d, m.q_dim + 2 * m.kv_dim, m.qkv_bias)
+        else:
+            linear("q", "attn.q_proj", d, m.q_dim, m.qkv_bias)
+            linear("k", "attn.k_proj", d, m.kv_dim, m.qkv_bias)
+            linear("v", "attn.v_proj", d, m.kv_dim, m.qkv_bias)
+        linear("o", "attn.o_proj", m.q_dim, d, m.o_bias)
+    # q/k norms carry no bias in any family (Qwen3/Gemma3/OLMo-2 RMSNorm, CohereLayerNorm(bias=False),
+    # StableLmLayerNormPerHead(bias=False))
+    qk = {"head": ((m.dim_head,), (m.dim_head,)),
+          "head_unshared": ((m.n_heads, m.dim_head), (m.kv_heads, m.dim_head)),
+          "full": ((m.q_dim,), (m.kv_dim,))}.get(m.qk_norm)
+    if qk is not None:
+        norm("attn.q_norm", qk[0], False)
+        norm("attn.k_norm", qk[1], False)
+    if m.attn_sinks:  # GptOssAttention.sinks: one logit per head
+        out.append(ParamTensor(f"layers.{i}.attn.sinks", (m.n_heads,), i, full, "slopes"))
     if m.positions == "alibi" and m.alibi_trainable:
         out.append(ParamTensor(f"layers.{i}.attn.alibi_slopes", (m.n_heads,), i, full, "slopes"))
+
+
+def _mlp(m: ModelSpec, prefix: str, width: int, bias: bool, linear) -> None:
+    """A dense MLP of hidden width ``width``: gated (gate, up, down; or fused gate_up, down) or plain."""
+    d = m.d_model
     if m.mlp == "gated":
-        linear("gate", "mlp.gate_proj", d, m.d_ff, m.mlp_bias)
-        linear("up", "mlp.up_proj", d, m.d_ff, m.mlp_bias)
-        linear("down", "mlp.down_proj", m.d_ff, d, m.mlp_bias)
+        if m.fused_gate_up:  # Phi3MLP / Glm4MLP gate_up_proj: Linear(d, 2 * d_ff), one adapter
+            linear("gate_up", f"{prefix}.gate_up_proj", d, 2 * width, bias)
+        else:
+            linear("gate", f"{prefix}.gate_proj", d, width, bias)
+            linear("up", f"{prefix}.up_proj", d, width, bias)
+        linear("down", f"{prefix}.down_proj", width, d, bias)
     else:
-        linear("up", "mlp.fc1", d, m.d_ff, m.mlp_bias)
-        linear("down", "mlp.fc2", m.d_ff, d, m.mlp_bias)
-    for j in range(m.norms_per_layer):
-        out.append(ParamTensor(f"layers.{i}.norm{j + 1}.weight", (d,), i, full, "norm"))
-        if m.has_norm_bias:
-            out.append(ParamTensor(f"layers.{i}.norm{j + 1}.bias", (d,), i, full, "bias"))
-    return out
+        linear("up", f"{prefix}.fc1", d, width, bias)
+        linear("down", f"{prefix}.fc2", width, d, bias)
+
+
+def _moe(m: ModelSpec, i: int, linear, out: list[ParamTensor], full: bool, lora: Optional[LoraSpec]) -> None:
+    """One MoE block: router (E x d, a bias on gpt-oss), routed experts stored as 3-D parameters
+    (transformers 5 MixtralExperts / Qwen3MoeExperts / DeepseekV3NaiveMoe / GptOssExperts:
+    gate_up_proj E x 2f x d, down_proj E x d x f, biases E x 2f and E x d on gpt-oss), shared
+    experts as one dense MLP of width ``shared_width`` (DeepseekV3MoE.shared_experts,
+    Qwen2MoeSparseMoeBlock.shared_expert) and Qwen2-MoE's shared_expert_gate Linear(d, 1).
+
+    LoRA: ``target_modules`` reach only nn.Linear modules (shared experts, dense layers), never
+    the 3-D expert parameters; target ``experts`` is PEFT's ``target_parameters`` on
+    experts.gate_up_proj and experts.down_proj, whose ParamWrapper holds lora_A: (r * E) x in and
+    lora_B: out x (r * E) (peft 0.21 tuners/lora/layer.py ParamWrapper.update_layer).
+    QLoRA: the expert tensors are counted as quantizable like every frozen projection weight.
+    """
+    moe = m.moe
+    assert moe is not None
+    d, e, f = m.d_model, moe.n_experts, moe.d_ff_expert
+    out.append(ParamTensor(f"layers.{i}.moe.router.weight", (e, d), i, full, "router"))
+    if moe.router_bias:
+        out.append(ParamTensor(f"layers.{i}.moe.router.bias", (e,), i, full, "bias"))
+    up_width = 2 * f if m.mlp == "gated" else f
+    for name, d_in, d_out in (("gate_up_proj", d, up_width), ("down_proj", f, d)):
+        out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts",
+                               quantizable=not full))
+        if moe.expert_bias:
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}_bias", (e, d_out), i, full, "bias"))
+        if lora is not None and "experts" in lora.targets:
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_A", (lora.rank * e, d_in), i, True, "lora"))
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_B", (d_out, lora.rank * e), i, True, "lora"))
+    if moe.n_shared_experts:
+        _mlp(m, "moe.shared_experts", moe.shared_width, False, linear)
+    if moe.shared_expert_gate:
+        linear("shared_expert_gate", "moe.shared_expert_gate", d, 1, False)
 
 
 def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[ParamTensor]:
