@@ -132,19 +132,13 @@ def split_views(ops: Ops, base: T, sizes: list[int], name: str = "split") -> lis
 
 
 def pin_views(sim: Sim, first_node: int, views: dict[int, tuple[T, T]]) -> None:
-    """After ops on views: a node that saved a view keeps its base's storage alive instead, and a
+    """After ops on views: a node that saved a view keeps its base's storage alive too, and a
     gradient sent to a view has the view's logical size. ``views``: id(view) -> (view, base)."""
     for node in sim.nodes[first_node:]:
-        if any(id(t) in views for t in node.saved):
-            new = []
-            for t in node.saved:
-                if id(t) in views:
-                    base = views[id(t)][1]
-                    sim.ref(base)
-                    sim.unref(t)
-                    t = base
-                new.append(t)
-            node.saved = new
+        bases = {id(views[id(t)][1]): views[id(t)][1] for t in node.saved if id(t) in views}
+        for key, base in bases.items():  # the view (no bytes) stays saved; its base joins it
+            if not any(t is base for t in node.saved):
+                node.saved.append(sim.ref(base))
         if any(id(t) in views for t in node.inputs):
             sizes = node.grad_input_bytes or [t.nbytes for t in node.inputs]
             node.grad_input_bytes = [
@@ -306,30 +300,32 @@ def eager_attention(o: Ops, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, n
         s = o.new(nTT, dt)
         sim.node("mul_scalar", [], [t], [], [s])
         o.drop(t)
-    if mask is not None:
-        a = o.add(s, mask)
+    if mask is not None:  # the mask needs no gradient: the add's backward passes s's through
+        wide = dt if dt.bits >= mask.itemsize_bits else o.dtype_of(mask)
+        a = o.new(nTT, wide)
+        sim.node("add", [], [s, mask], [], [a], grad_input_bytes=[s.nbytes])
         o.drop(s)
         s = a
-        dt = o.dtype_of(s)
+    sdt = o.dtype_of(s)  # the scores' dtype after the mask (an fp32 mask under autocast promotes)
     if sinks is not None:
         nS = B * H * Tq * (Tq + 1)
-        c = o.new(nS, dt)
+        c = o.new(nS, sdt)
         sim.node("cat", [], [s], [sinks], [c], grad_input_bytes=[s.nbytes])
         o.drop(s)
-        mx = o.new(B * H * Tq, dt)
+        mx = o.new(B * H * Tq, sdt)
         idx = o.new(B * H * Tq, DType.int64)
         sim.node("max", [idx], [c], [], [mx])
         o.drop(idx)
-        z = o.new(nS, dt)
+        z = o.new(nS, sdt)
         sim.node("sub", [], [c, mx], [], [z])
         o.drop(c, mx)
-        p = o.new(nS, dt)
+        p = o.new(nS, sdt)
         sim.node("softmax", [p], [z], [], [p])
         o.drop(z)
-        probs = p  # [..., :-1]: a view, bmm reads it in place
+        probs = p  # [..., :-1]: a view, bmm reads it in place (.to(v.dtype): v has the same dtype)
     else:
         src = s
-        if dt != DType.fp32 and compute != DType.fp16:
+        if sdt != DType.fp32 and compute != DType.fp16:
             src = o.new(nTT, DType.fp32)
             sim.node("to_fp32", [], [s], [], [src])
             o.drop(s)
