@@ -111,6 +111,32 @@ def build_masks(fwd: "Forward") -> dict[str, T]:
     return out
 
 
+def hold_masks(fwd: "Forward") -> None:
+    """Under checkpointing a region's recompute closure keeps the masks it was given: each
+    checkpointed layer (or attention core) its own layer type's mask, a ``sqrt`` segment all of
+    them (the closure holds the whole mapping). A mask lives on until the backward of the
+    lowest such region (its last user); the step's end releases any whose region never ran
+    backward. Adds a reference per held mask (the caller drops its own)."""
+    sim, m = fwd.sim, fwd.m
+    regions = [n for n in sim.nodes if n.role == "checkpoint" and n.layer is not None]
+    every = fwd.tr.checkpoint == "sqrt"
+    for kind, t in fwd.masks.items():
+        users = [n for n in regions if every or ("sliding" if layer_slides(m, n.layer) else "full") == kind]
+        if not users:
+            continue
+        last = min(users, key=lambda n: n.layer)
+        held = sim.ref(t)
+        fwd.held_masks.append(held)
+
+        def free(s: Sim, _node, held: T = held) -> None:
+            if any(h is held for h in fwd.held_masks):
+                fwd.held_masks.remove(held)
+                s.unref(held)
+
+        first = last.after_backward
+        last.after_backward = free if first is None else (lambda s, nd, f=first, g=free: (f(s, nd), g(s, nd)))
+
+
 def layer_mask(fwd: "Forward", i: int) -> Optional[T]:
     """The mask layer ``i`` receives (None: causal without a mask)."""
     masks = getattr(fwd, "masks", None) or {}

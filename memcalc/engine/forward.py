@@ -48,6 +48,8 @@ class Forward:
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
         self.masks: dict[str, T] = {}
+        self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
+        self.masks_released = False
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -270,19 +272,25 @@ class Forward:
         self.ops.drop(x)
         return y
 
-    def release_masks(self, end_of_step: bool = False) -> None:
+    def release_masks(self) -> None:
         """The attention masks go when the model's forward returns (before the head); with
-        checkpointing every region's recompute closure holds them until its backward (the
-        shared masks: until the first layer's backward, taken as the end of backward)."""
-        if self.tr.checkpoint != "none" and not end_of_step:
+        checkpointing, a checkpointed region's recompute holds its masks until its backward
+        (:func:`memcalc.engine.attention_variants.hold_masks`)."""
+        if self.masks_released:
             return
+        if self.tr.checkpoint != "none":
+            av.hold_masks(self)
         for t in self.masks.values():
             self.sim.unref(t)
-        self.masks = {}
+        self.masks_released = True  # the mapping stays for the recomputed layers to look up
 
     def release_inputs(self) -> None:
-        """The batch and the RoPE tables go away with the step."""
-        self.release_masks(end_of_step=True)
+        """The batch and the RoPE tables go away with the step (and any mask still held)."""
+        self.release_masks()
+        self.masks = {}
+        for t in self.held_masks:
+            self.sim.unref(t)
+        self.held_masks = []
         for t in (*self.ids_labels, self.rope_tables):
             self.sim.unref(t)
 
