@@ -185,9 +185,13 @@ class Linear(nn.Module):
             y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
         if self.lora_A is None:
             return y
+        # PEFT lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling -- the adapter's
+        # intermediates are temporaries, gone before the next op (no local keeps them alive)
         a = F.linear(amp.lp(dropout(x, self.lora_dropout, self.training)), amp.lp(self.lora_A))
         b = F.linear(amp.lp(a), amp.lp(self.lora_B))
-        return y + b * self.scale
+        del a
+        b = b * self.scale
+        return y + b
 
 
 # -- norms ---------------------------------------------------------------------------------
