@@ -90,6 +90,9 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "MoESpec.every": (MOE, 2),
     "MoESpec.router_bias": (MOE, True),
     "MoESpec.expert_bias": (MOE, True),
+    # PEFT moves gate/up/down onto the experts: the dense first layer loses its adapters, the experts gain them
+    "MoESpec.lora_mlp_to_experts": ({"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128, first_dense_layers=1)},
+                                     "lora": {"targets": ("q", "gate", "up", "down")}}, True),
     "MLASpec.q_lora_rank": (MLA, None),
     "MLASpec.kv_lora_rank": (MLA, 64),
     "MLASpec.qk_nope_head_dim": (MLA, 16),

@@ -81,9 +81,9 @@ def test_explicit_head_dim_is_kept():
 
 def test_unknown_model_type_lists_supported():
     with pytest.raises(UserError) as e:
-        from_hf_config({**load("llama-2-7b"), "model_type": "mixtral"}, "x")
+        from_hf_config({**load("llama-2-7b"), "model_type": "mamba"}, "x")
     msg = str(e.value)
-    assert "'mixtral'" in msg and all(t in msg for t in SUPPORTED_MODEL_TYPES) and "\n" not in msg
+    assert "'mamba'" in msg and all(t in msg for t in SUPPORTED_MODEL_TYPES) and "\n" not in msg
 
 
 def test_missing_key_names_it():

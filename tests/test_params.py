@@ -37,6 +37,28 @@ PUBLISHED_TOTALS = [
     ("phi-1.5", 1_418_270_720),
     # source: Forgather full_deepone.yaml at a0ce9176 (model summary)
     ("deep-one-1.6b", 1_631_455_744),
+    # presets read from data/hf_configs (issue 12). source, every row: transformers 5.23
+    # AutoModelForCausalLM.from_config(config.json) on meta, sum of numel (tests/test_hf_families_exact.py);
+    # the published size in the comment
+    ("deepseek-v3", 671_026_404_352),  # 671B (685B with the MTP layer transformers does not build)
+    ("gemma-2-9b", 9_241_705_984),  # 9.24B
+    ("gemma-3-1b", 999_885_952),  # 1.0B
+    ("gpt-oss-20b", 20_914_757_184),  # 20.9B
+    ("granite-3.1-8b", 8_170_848_256),  # 8.17B
+    ("llama-3.2-1b", 1_235_814_400),  # 1.24B
+    ("llama-3.2-3b", 3_212_749_824),  # 3.21B
+    ("llama-3.3-70b", 70_553_706_496),  # 70.6B
+    ("mistral-7b-v0.3", 7_248_023_552),  # 7.25B
+    ("mixtral-8x7b", 46_702_792_704),  # 46.7B
+    ("olmo-2-7b", 7_298_617_344),  # 7.30B
+    ("phi-4", 14_659_507_200),  # 14.7B
+    ("qwen3-0.6b", 596_049_920),  # 0.6B
+    ("qwen3-14b", 14_768_307_200),  # 14.8B
+    ("qwen3-30b-a3b", 30_532_122_624),  # 30.5B
+    ("qwen3-32b", 32_762_123_264),  # 32.8B
+    ("qwen3-4b", 4_022_468_096),  # 4.0B
+    ("qwen3-8b", 8_190_735_360),  # 8.2B
+    ("smollm3-3b", 3_075_098_624),  # 3.08B
 ]
 
 LORA_TRAINABLE = [

@@ -19,7 +19,11 @@ from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 REPO = Path(__file__).resolve().parents[1]
 EXPECTED = ["deep-one-1.6b", "gpt2", "gpt2-xl", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3.1-70b",
-            "llama-3.1-8b", "mistral-7b", "phi-1.5", "qwen2.5-7b", "tinyllama-1.1b"]
+            "llama-3.1-8b", "mistral-7b", "phi-1.5", "qwen2.5-7b", "tinyllama-1.1b",
+            # read from data/hf_configs (issue 12)
+            "deepseek-v3", "gemma-2-9b", "gemma-3-1b", "gpt-oss-20b", "granite-3.1-8b", "llama-3.2-1b", "llama-3.2-3b",
+            "llama-3.3-70b", "mistral-7b-v0.3", "mixtral-8x7b", "olmo-2-7b", "phi-4", "qwen3-0.6b", "qwen3-14b",
+            "qwen3-30b-a3b", "qwen3-32b", "qwen3-4b", "qwen3-8b", "smollm3-3b"]
 
 
 def test_list_presets():
@@ -205,3 +209,28 @@ def test_error_line_long_input_is_truncated():
     e = _err(lambda: ModelSpec(n_layers="x" * 500, d_model=1, n_heads=1, d_ff=1, vocab_size=1))
     line = pydantic_error_line(e, "m.yaml")
     assert len(line) < 300 and "..." in line
+
+
+HF_PRESETS = [n for n in EXPECTED if "hf_config:" in (REPO / "data" / "models" / f"{n}.yaml").read_text()]
+
+
+@pytest.mark.parametrize("name", HF_PRESETS)
+def test_hf_config_preset_is_its_config(name):
+    """A preset naming a shipped config.json is exactly that config read by hf_config (it cannot drift)."""
+    import yaml
+
+    from memcalc.inputs.hf_config import from_hf_config
+
+    raw = yaml.safe_load((REPO / "data" / "models" / f"{name}.yaml").read_text())
+    assert set(raw) == {"hf_id", "hf_config"} and "/" in raw["hf_id"]
+    cfg = json.loads((REPO / "data" / "hf_configs" / raw["hf_config"]).read_text())
+    assert load_preset(name) == from_hf_config(cfg, name)
+
+
+def test_hf_config_preset_errors(tmp_path, monkeypatch):
+    from memcalc.inputs import presets
+
+    with pytest.raises(UserError, match="not in data/hf_configs"):
+        presets._preset_from_hf_config({"hf_config": "nope.json"}, "x")
+    with pytest.raises(UserError, match="takes only hf_config"):
+        presets._preset_from_hf_config({"hf_config": "Qwen--Qwen3-8B.json", "d_model": 3}, "x")

@@ -243,7 +243,7 @@ BAD_TARGETS = [
     (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "gate"], 2,
      "--lora-targets: LoRA target(s) gate not in gpt2 (its MLP is plain: fc1 = up, fc2 = down, no gate); its targets: q, k, v, o, up, down"),
     (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "q,gate_proj"], 2, "LoRA target(s) gate not in gpt2"),
-    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "c_attn"], 2, "unknown --lora-targets c_attn; valid: q, k, v, o, gate, up, down (or PEFT's q_proj"),
+    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "wte"], 2, "unknown --lora-targets wte; valid: q, k, v, o, gate, up, down, qkv"),
 ]
 
 

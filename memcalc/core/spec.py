@@ -62,6 +62,7 @@ LORA_TARGET_ALIASES = {
     "gate_proj": "gate", "up_proj": "up", "down_proj": "down",
     "c_attn": "qkv", "qkv_proj": "qkv", "query_key_value": "qkv", "gate_up_proj": "gate_up",
     "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b",
+    "w1": "gate", "w3": "up", "w2": "down",  # Mixtral's v4 expert names, which PEFT maps onto the experts
 }
 
 
@@ -92,6 +93,12 @@ class MoESpec(_Spec):
     every: int = Field(1, gt=0, description="Every N-th layer is MoE, the others dense (Qwen2-MoE decoder_sparse_step: layer i is MoE when (i + 1) % N == 0).")
     router_bias: bool = Field(False, description="The router has a bias (gpt-oss).")
     expert_bias: bool = Field(False, description="The experts' projections have biases (gpt-oss).")
+    lora_mlp_to_experts: bool = Field(
+        False,
+        description="PEFT turns the MLP LoRA targets (gate, up, down) of this model type into adapters on the routed "
+        "experts (gate_up at rank 2r, down at r) and adapts no dense or shared-expert MLP (peft 0.21 "
+        "_convert_peft_config_moe for transformers 5: Mixtral, Qwen3-MoE, DeepSeek-V2/V3).",
+    )
     routing: Literal["balanced"] = Field(
         "balanced", description="Activation assumption: tokens spread evenly over experts (each gets batch x seq x top_k / n_experts rows)."
     )
@@ -296,12 +303,18 @@ class ModelSpec(_Spec):
         else:
             attn = ("qkv", "o") if self.fused_qkv else ("q", "k", "v", "o")
         mlp: tuple[str, ...] = ()
-        if self.moe is None or self.moe.n_shared_experts or self.has_dense_mlp_layers:
+        if self.moe is None or self.moe.n_shared_experts or self.has_dense_mlp_layers or self.moe.lora_mlp_to_experts:
             if self.mlp == "plain":
                 mlp = ("up", "down")
             else:
                 mlp = ("gate_up", "down") if self.fused_gate_up else ("gate", "up", "down")
         return attn + mlp + (("experts",) if self.moe is not None else ())
+
+    @property
+    def attention_lora_targets(self) -> tuple[str, ...]:
+        """The default LoRA targets (q, k, v, o) as this model has them: qkv, o on a fused projection;
+        the MLA projections on DeepSeek."""
+        return tuple(t for t in self.lora_targets if t not in ("gate", "up", "down", "gate_up", "experts"))
 
     @property
     def has_dense_mlp_layers(self) -> bool:

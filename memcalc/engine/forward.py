@@ -21,6 +21,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import attention_variants as av
 from memcalc.engine import block_variants as bv
+from memcalc.engine import layout_stub
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
@@ -96,8 +97,10 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
-        if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks
+        if av.is_variant(m) and m.mla is None:  # fused qkv, q/k norms, eager attention, sliding masks
             return av.attention(self, h, i)
+        if layout_stub.needs_stub_attention(m):  # MLA (moemla)
+            return layout_stub.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
@@ -136,8 +139,10 @@ class Forward:
 
     def _mlp(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
-        if m.fused_gate_up:
+        if m.fused_gate_up and m.moe is None:
             return bv.fused_gate_up_mlp(self, h, i)
+        if layout_stub.needs_stub_mlp(m):  # MoE (moemla)
+            return layout_stub.mlp(self, h, i)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)

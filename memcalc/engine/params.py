@@ -44,10 +44,16 @@ def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec]) -> list[ParamT
     full = lora is None
     out: list[ParamTensor] = []
 
+    # PEFT 0.21 on transformers 5 moves the gate/up/down targets of some MoE model types onto the routed
+    # experts (peft/utils/transformers_weight_conversion.py _convert_peft_config_moe): no MLP Linear is adapted
+    to_experts = m.moe is not None and m.moe.lora_mlp_to_experts
+
     def linear(short: str, name: str, d_in: int, d_out: int, bias: bool) -> None:
         out.append(ParamTensor(f"layers.{i}.{name}.weight", (d_out, d_in), i, full, "linear", quantizable=not full))
         if bias:
             out.append(ParamTensor(f"layers.{i}.{name}.bias", (d_out,), i, full, "bias"))
+        if to_experts and short in ("gate", "up", "down"):
+            return
         if lora is not None and short in lora.targets:
             out.append(ParamTensor(f"layers.{i}.{name}.lora_A", (lora.rank, d_in), i, True, "lora"))
             out.append(ParamTensor(f"layers.{i}.{name}.lora_B", (d_out, lora.rank), i, True, "lora"))
@@ -143,18 +149,40 @@ def _moe(m: ModelSpec, i: int, linear, out: list[ParamTensor], full: bool, lora:
     if moe.router_bias:
         out.append(ParamTensor(f"layers.{i}.moe.router.bias", (e,), i, full, "bias"))
     up_width = 2 * f if m.mlp == "gated" else f
+    ranks = _expert_ranks(m, lora)
     for name, d_in, d_out in (("gate_up_proj", d, up_width), ("down_proj", f, d)):
         out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts",
                                quantizable=not full))
         if moe.expert_bias:
             out.append(ParamTensor(f"layers.{i}.moe.experts.{name}_bias", (e, d_out), i, full, "bias"))
-        if lora is not None and "experts" in lora.targets:
-            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_A", (lora.rank * e, d_in), i, True, "lora"))
-            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_B", (d_out, lora.rank * e), i, True, "lora"))
+        r = ranks[name]
+        if r:
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_A", (r * e, d_in), i, True, "lora"))
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_B", (d_out, r * e), i, True, "lora"))
     if moe.n_shared_experts:
         _mlp(m, "moe.shared_experts", moe.shared_width, False, linear)
     if moe.shared_expert_gate:
         linear("shared_expert_gate", "moe.shared_expert_gate", d, 1, False)
+
+
+def _expert_ranks(m: ModelSpec, lora: Optional[LoraSpec]) -> dict[str, int]:
+    """LoRA rank per routed-expert tensor (0 = not adapted): ``experts`` targets both at rank r; with
+    ``lora_mlp_to_experts`` PEFT maps gate + up onto gate_up_proj at rank 2r (their two adapters fused,
+    its rank_pattern) and down onto down_proj at r (peft 0.21 _convert_peft_config_moe)."""
+    if lora is None or m.moe is None:
+        return {"gate_up_proj": 0, "down_proj": 0}
+    t = set(lora.targets)
+    r = lora.rank
+    gu = r if "experts" in t else 0
+    dn = r if "experts" in t else 0
+    if m.moe.lora_mlp_to_experts:
+        if {"gate", "up"} <= t:
+            gu = 2 * r
+        elif t & {"gate", "up"}:
+            gu = max(gu, r)  # PEFT refuses one without the other; counted as one adapter
+        if "down" in t:
+            dn = r
+    return {"gate_up_proj": gu, "down_proj": dn}
 
 
 def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[ParamTensor]:

@@ -54,7 +54,35 @@ def load_preset(name: str) -> ModelSpec:
     if key not in valid:
         raise _unknown_preset(name)
     raw = load_named(_FOLDER, key)
+    if isinstance(raw, dict):
+        raw = {k: v for k, v in raw.items() if k not in _META_KEYS}
+        if "hf_config" in raw:
+            return _preset_from_hf_config(raw, key)
     return model_from_dict(raw, f"{_FOLDER}/{key}.yaml", default_name=key)
+
+
+#: preset keys that describe the preset, not the model (stripped before the spec is built)
+_META_KEYS = ("hf_id",)
+_HF_FOLDER = "hf_configs"
+
+
+def _preset_from_hf_config(raw: dict[str, Any], key: str) -> ModelSpec:
+    """A preset that names a shipped Hugging Face config (``hf_config: ORG--NAME.json`` in
+    ``data/hf_configs``): the spec is that config read by :mod:`memcalc.inputs.hf_config`, so the
+    preset and the published file cannot drift apart."""
+    from memcalc.inputs.hf_config import from_hf_config
+
+    where = f"{_FOLDER}/{key}.yaml"
+    extra = sorted(set(raw) - {"hf_config", "name"})
+    if extra:
+        raise UserError(f"{where}: a preset with hf_config takes only hf_config, name and {', '.join(_META_KEYS)}; "
+                        f"got {', '.join(extra)}")
+    stem = str(raw["hf_config"]).removesuffix(".json")
+    try:
+        cfg = load_named(_HF_FOLDER, stem)
+    except FileNotFoundError:
+        raise UserError(f"{where}: hf_config {raw['hf_config']!r} is not in data/{_HF_FOLDER}") from None
+    return from_hf_config(cfg, str(raw.get("name", key)), where=f"{_HF_FOLDER}/{stem}.json", strict=True)
 
 
 def preset_summary(name: str) -> dict[str, Any]:

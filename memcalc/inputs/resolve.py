@@ -187,6 +187,8 @@ def resolve(o: Options) -> Resolved:
             cur["alpha"] = o.lora_alpha
         if o.lora_targets is not None:
             cur["targets"] = parse_targets(o.lora_targets, model)
+        elif "targets" not in cur and model.attention_lora_targets != ("q", "k", "v", "o"):
+            cur["targets"] = model.attention_lora_targets  # the default q,k,v,o as this model names them
         if o.lora_dropout is not None:
             cur["dropout"] = o.lora_dropout
         if o.qlora:
