@@ -16,12 +16,12 @@ from memcalc.validate.model import build_model, param_count  # noqa: E402
 
 
 def _replicable(name: str) -> bool:
-    """The validator's replica builds the layouts of before issue 12; the new ones (fused projections,
-    q/k norms, sinks, 4-norm/output-norm layers, two parallel norms, MoE, MLA) join it with their
-    activation rules. Their parameter counts are checked against transformers in test_hf_families_exact."""
+    """The validator's replica builds every dense layout (fused projections, q/k norms, sinks,
+    4-norm/output-norm layers, two parallel norms: validate/variants.py); MoE and MLA join it with
+    their activation rules. Their parameter counts are checked against transformers in
+    test_hf_families_exact."""
     m = load_preset(name)
-    return not (m.moe or m.mla or m.fused_qkv or m.fused_gate_up or m.qk_norm != "none" or m.attn_sinks
-                or m.norm_placement in ("sandwich", "output") or m.parallel_norms == 2)
+    return not (m.moe or m.mla)
 
 
 def _presets() -> list[str]:
