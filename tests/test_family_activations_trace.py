@@ -27,6 +27,8 @@ GPT2 = dict(n_kv_heads=4, positions="learned", norm="layernorm", mlp="plain", ac
 BF16 = dict(batch=2, seq=256, precision="bf16")
 FULL = dict(BF16, checkpoint="full")
 SEL = dict(BF16, checkpoint="selective")
+AMP = dict(batch=2, seq=256, precision="amp-bf16")
+FP32 = dict(batch=2, seq=256)
 
 EXACT = 0
 #: The flash kernel saves two 512-byte host-state tensors (rng_state, unused) that the estimator
@@ -54,6 +56,7 @@ ROWS = [
     ("qk-head-fused-rmsnorm", {}, dict(qk_norm="head"), dict(BF16, profile="fused"), EXACT),
     # source: modeling_olmo2.py Olmo2Attention: q_norm(q_proj(x)) over the whole projection
     ("qk-full", {}, dict(qk_norm="full"), BF16, EXACT),
+    ("qk-full-amp", {}, dict(qk_norm="full"), AMP, EXACT),
     # source: modeling_cohere.py CohereAttention use_qk_norm: LayerNorm per head, weight (H, D)
     ("qk-head-unshared-layernorm", dict(norm="layernorm"), dict(qk_norm="head_unshared"), BF16, EXACT),
     ("qk-head-layernorm", dict(norm="layernorm"), dict(qk_norm="head"), BF16, EXACT),
@@ -77,6 +80,10 @@ ROWS = [
     # source: modeling_gpt_oss.py eager_attention_forward: sinks, max subtraction, softmax in bf16
     ("attn-sinks", {}, dict(attn_sinks=True), BF16, 2 * FLASH_STATE),
     ("attn-sinks-full-ckpt", {}, dict(attn_sinks=True), FULL, FLASH_STATE),
+    # autocast: the fp32 eager mask (the embeddings' dtype) promotes the scores; .to(v.dtype) copies
+    ("attn-sinks-amp", {}, dict(attn_sinks=True), AMP, 2 * FLASH_STATE),
+    ("attn-softcap-amp", {}, dict(attn_softcap=50.0), AMP, 2 * FLASH_STATE),
+    ("attn-softcap-fp32", {}, dict(attn_softcap=50.0), FP32, EXACT),  # fp32: memory-efficient, no host state
     # source: masking_utils.py sdpa_mask + sliding_window_causal_mask_function; aten attention.cpp
     # convert_boolean_attn_mask; the memory-efficient kernel saves the converted mask
     ("sliding-all-layers", {}, dict(sliding_window=64), BF16, 2 * FLASH_STATE),
@@ -95,6 +102,7 @@ ROWS = [
     # source: modeling_phi3.py Phi3Attention qkv_proj + slices; the flash kernel keeps the v view
     ("fused-qkv-mha", MHA, dict(fused_qkv=True), BF16, EXACT),
     ("fused-qkv-gqa", {}, dict(fused_qkv=True), BF16, EXACT),
+    ("fused-qkv-mha-fp32", MHA, dict(fused_qkv=True), FP32, EXACT),
     ("fused-qkv-mha-full-ckpt", MHA, dict(fused_qkv=True), FULL, EXACT),
     ("fused-qkv-mha-selective", MHA, dict(fused_qkv=True), SEL, EXACT),
     # source: modeling_gpt2.py GPT2Attention c_attn(x).split(...): learned positions, no RoPE

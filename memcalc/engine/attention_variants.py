@@ -292,7 +292,8 @@ def eager_attention(o: Ops, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, n
     5. ``+ attention_mask``: new (B, H, T, T) (the wider of the two dtypes), saves nothing;
     6. sinks (gpt-oss): ``cat([scores, sinks expanded])`` (B, H, T, T + 1); ``max(-1, keepdim)``
        saves its int64 indices; ``-`` max: new; ``softmax(dtype=the same)`` saves its output; the
-       ``[..., :-1]`` slice is a view (``bmm`` takes it without a copy);
+       ``[..., :-1]`` slice is a view (``bmm`` takes it without a copy), cast to v's dtype (a copy
+       only when they differ: under autocast the fp32 mask made the scores fp32);
        otherwise ``softmax(dtype=float32)``: a bf16 input is first cast to an fp32 copy (fp16 on
        CUDA goes straight to ``_softmax(half_to_float=True)``); the fp32 output is saved; then
        ``.to(query.dtype)``: a new 16-bit copy;
@@ -348,7 +349,11 @@ def eager_attention(o: Ops, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, n
         p = o.new(nS, sdt)
         sim.node("softmax", [p], [z], [], [p])
         o.drop(z)
-        probs = p  # [..., :-1]: a view, bmm reads it in place (.to(v.dtype): v has the same dtype)
+        probs = p  # [..., :-1]: a view, bmm reads it in place
+        if sdt.bits != v3.itemsize_bits:  # .to(value_states.dtype): under autocast an fp32 mask made
+            probs = o.new(nTT, o.dtype_of(v3))  # the scores fp32 and v is 16-bit: a (B, H, T, T) copy
+            sim.node("to_dtype", [], [p], [], [probs])
+            o.drop(p)
     else:
         src = s
         if sdt != DType.fp32 and compute != DType.fp16:
