@@ -1,6 +1,6 @@
 """Attention of the model families beyond Llama: fused q,k,v, q/k norms, eager attention
 (softcapped scores, attention sinks) and sliding-window masks, op by op as transformers 5 runs
-them (the validator's replica, ``validate/model.py`` and ``validate/attention.py``, runs the same ops).
+them (the validator's replica, ``validate/model.py`` and ``validate/variants.py``, runs the same ops).
 
 - **Fused q,k,v** (GPT-2 ``c_attn`` + ``split``, Phi-3 ``qkv_proj`` + slices, GPT-NeoX
   ``query_key_value`` + ``chunk``): one projection output; q, k and v are views of it (no
@@ -30,6 +30,12 @@ them (the validator's replica, ``validate/model.py`` and ``validate/attention.py
   flash out, and ``use_gqa_in_sdpa`` is false (K/V expanded by ``repeat_kv``). This is the rule
   for every framework: PyTorch's SDPA has no window argument (a flash-attn ``window_size`` call
   would keep the memory of plain causal flash); see :func:`sliding_mask_materialised`.
+
+Ignores: tensors of a few elements (0-dim mask constants, the sinks' expand, the aranges of mask
+construction: T int64 each, gone before the layers); a padding ``attention_mask`` (none is passed:
+unpadded batches, so masks are (1, 1, T, T) expanded); Cohere's hand-written ``CohereLayerNorm``
+(modelled as ``native_layer_norm``); transformers' ``DynamicCache`` (``use_cache``: K/V copies
+when a config leaves it on without checkpointing -- a framework rule, not a family's).
 """
 
 from __future__ import annotations
