@@ -121,7 +121,7 @@ BUDGET = typer.Option(None, "--memory-budget", help="torch.compile activation_me
 LORA = typer.Option(False, "--lora", help="LoRA adapters on a frozen base (default rank 16, alpha 32, targets q,k,v,o).")
 LORA_RANK = typer.Option(None, "--lora-rank", help="LoRA rank.")
 LORA_ALPHA = typer.Option(None, "--lora-alpha", help="LoRA alpha.")
-LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down (or PEFT's q_proj, ..., down_proj), or all (every projection the model has).")
+LORA_TARGETS = typer.Option(None, "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down (or PEFT's q_proj, ..., down_proj); qkv / gate_up on fused projections (c_attn, qkv_proj, query_key_value, gate_up_proj), q_a,q_b,kv_a,kv_b on MLA, experts on MoE; or all (every projection the model has). Default: the attention projections.")
 LORA_DROPOUT = typer.Option(None, "--lora-dropout", help="Dropout on the adapter input.")
 QLORA = typer.Option(False, "--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")
 PROFILE = typer.Option(None, "--profile", help="Kernel profile (see `memcalc profiles`); default torch-2.8-cuda.")

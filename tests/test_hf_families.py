@@ -100,3 +100,81 @@ def test_fused_qkv_is_one_adapter() -> None:
     assert m.fused_qkv and "qkv" in m.lora_targets and "q" not in m.lora_targets
     lora = count_params(m, LoraSpec(rank=8, targets=("c_attn",))).lora
     assert lora == 12 * 8 * (768 + 3 * 768)
+
+
+TINY_MOE = {"name": "tiny-moe", "n_layers": 2, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 256,
+            "vocab_size": 512, "max_seq_len": 512, "qk_norm": "head",
+            "moe": {"n_experts": 8, "top_k": 2, "d_ff_expert": 64, "n_shared_experts": 1, "first_dense_layers": 1}}
+
+
+@pytest.mark.slow  # a plan search is ~10 s of CPU even for a tiny model
+def test_plan_runs_on_a_moe_model(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    path = tmp_path / "moe.json"
+    path.write_text(json.dumps(TINY_MOE))
+    r = CliRunner().invoke(app, ["plan", "--model", str(path), "--gpu", "rtx-4090", "--seq", "256", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc
+
+
+def test_moe_flops_count_active_experts_only() -> None:
+    """plan's cost model: the routed experts' weights count at top_k / n_experts."""
+    from memcalc.core.spec import ModelSpec
+    from memcalc.plan.cost import flops_per_token
+
+    m = ModelSpec(**TINY_MOE)
+    dense_only = m.model_copy(update={"moe": None})
+    f_moe = flops_per_token(m, 256)[0]
+    experts = 8 * (2 * 64 * 128 + 64 * 128)  # one MoE layer: gate_up + down of 8 experts
+    router, shared = 8 * 128, 3 * 128 * 64
+    dense_mlp = 3 * 128 * 256
+    assert f_moe == flops_per_token(dense_only, 256)[0] - 2 * dense_mlp + 2 * (router + shared + experts * 2 / 8)
+
+
+@pytest.mark.slow
+def test_issue_done_criterion_estimate_qwen3_30b_a3b_lora() -> None:
+    """Issue 12: `memcalc estimate --model Qwen/Qwen3-30B-A3B --bf16 --lora --json` answers from the preset
+    (the preset name here; the Hugging Face id lookup is memcalc.inputs.hf_hub's)."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, ["estimate", "--model", "qwen3-30b-a3b", "--bf16", "--lora", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["params"] == 30_532_122_624 + 13_369_344  # base + rank-16 q,k,v,o adapters
+
+
+def test_relabelled_mixtral_is_not_silent(capsys) -> None:
+    """The issue's workaround (model_type edited to llama) now says which keys it drops."""
+    cfg = {**load("mistralai--Mixtral-8x7B-v0.1"), "model_type": "llama"}
+    m = from_hf_config(cfg, "mixtral-as-llama")
+    assert count_params(m).total < 8e9  # a llama reading of it: the experts are gone ...
+    assert "num_local_experts" in capsys.readouterr().err  # ... and the note says why
+    assert count_params(from_hf_config(load("mistralai--Mixtral-8x7B-v0.1"), "mixtral")).total == 46_702_792_704
+
+
+@pytest.mark.slow
+def test_validator_refuses_layouts_it_does_not_build() -> None:
+    """Until the replica builds the issue-12 layouts, validate says so instead of tracing another model."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, ["validate", "--model", "mixtral-8x7b", "--seq", "64"])
+    assert r.exit_code == 2 and "does not build mixture of experts" in r.output
+
+
+def test_gate_without_up_refused_where_peft_fuses_them() -> None:
+    from pydantic import ValidationError
+
+    from memcalc.core.spec import ExperimentSpec, TrainingSpec
+
+    m = from_hf_config(load("Qwen--Qwen3-30B-A3B"), "q")
+    with pytest.raises(ValidationError, match="gate without up"):
+        ExperimentSpec(model=m, training=TrainingSpec(lora={"targets": ["q", "gate"]}))
+    ExperimentSpec(model=m, training=TrainingSpec(lora={"targets": ["q", "gate", "up"]}))

@@ -500,6 +500,12 @@ class ExperimentSpec(_Spec):
         missing = [t for t in lora.targets if t not in self.model.lora_targets] if lora is not None else []
         if missing:
             raise ValueError(lora_targets_error(self.model, missing))
+        moe = self.model.moe
+        half = sorted({"gate", "up"} & set(lora.targets)) if lora is not None and moe is not None else []
+        if moe is not None and moe.lora_mlp_to_experts and len(half) == 1:
+            other = "up" if half == ["gate"] else "gate"
+            raise ValueError(f"LoRA target {half[0]} without {other}: PEFT refuses it on {self.model.name}, whose "
+                             "experts hold gate and up as one gate_up_proj (peft _convert_peft_config_moe)")
         return self
 
 

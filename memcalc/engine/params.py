@@ -140,7 +140,11 @@ def _moe(m: ModelSpec, i: int, linear, out: list[ParamTensor], full: bool, lora:
     the 3-D expert parameters; target ``experts`` is PEFT's ``target_parameters`` on
     experts.gate_up_proj and experts.down_proj, whose ParamWrapper holds lora_A: (r * E) x in and
     lora_B: out x (r * E) (peft 0.21 tuners/lora/layer.py ParamWrapper.update_layer).
-    QLoRA: the expert tensors are counted as quantizable like every frozen projection weight.
+    QLoRA: the expert tensors and the router stay in the weight dtype: transformers 5.23 bitsandbytes
+    replaces only ``nn.Linear`` / ``Conv1D`` modules with 4-bit ones (integrations/bitsandbytes.py
+    ``replace_with_bnb_linear``; quantizer_bnb_4bit ``param_needs_quantization``: a Linear4bit's
+    weight), and the experts are 3-D ``nn.Parameter``s. Shared experts and dense layers (nn.Linear)
+    are quantized.
     """
     moe = m.moe
     assert moe is not None
@@ -151,8 +155,7 @@ def _moe(m: ModelSpec, i: int, linear, out: list[ParamTensor], full: bool, lora:
     up_width = 2 * f if m.mlp == "gated" else f
     ranks = _expert_ranks(m, lora)
     for name, d_in, d_out in (("gate_up_proj", d, up_width), ("down_proj", f, d)):
-        out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts",
-                               quantizable=not full))
+        out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts"))
         if moe.expert_bias:
             out.append(ParamTensor(f"layers.{i}.moe.experts.{name}_bias", (e, d_out), i, full, "bias"))
         r = ranks[name]

@@ -51,11 +51,19 @@ COST_MODEL_LINES = (
 
 
 def flops_per_token(model: ModelSpec, seq: int) -> tuple[float, float, float]:
-    """Forward FLOPs per token: (layers' linear matmuls, LM head, attention core at ``seq``)."""
-    lin = sum(p.numel for p in param_inventory(model) if p.kind == "linear")
+    """Forward FLOPs per token: (layers' linear matmuls, LM head, attention core at ``seq``).
+
+    MoE: the router is a linear; a token passes through ``top_k`` of the ``n_experts`` routed
+    experts, so the expert weights count at top_k / n_experts (balanced routing). MLA: the
+    attention core's width is the q/k head width (qk_nope + qk_rope) times the heads."""
+    inv = param_inventory(model)
+    lin = sum(p.numel for p in inv if p.kind in ("linear", "router"))
+    if model.moe is not None:
+        lin += sum(p.numel for p in inv if p.kind == "experts") * model.moe.top_k / model.moe.n_experts
     f_lin = 2.0 * lin
     f_head = 2.0 * model.vocab_size * model.d_model
-    f_attn = 2.0 * model.n_layers * seq * model.q_dim
+    width = model.n_heads * model.mla.qk_head_dim if model.mla is not None else model.q_dim
+    f_attn = 2.0 * model.n_layers * seq * width
     return f_lin, f_head, f_attn
 
 

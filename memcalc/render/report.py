@@ -86,6 +86,14 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     shape = (f"{m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
              + (f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else "")
              + f", ff {m.d_ff} ({m.mlp} {m.activation}), vocab {m.vocab_size}, {m.norm} {m.norm_placement}-norm, {m.positions}")
+    if m.moe is not None:
+        e = m.moe
+        shape += (f"; MoE {e.n_experts} experts of {e.d_ff_expert}, top {e.top_k}"
+                  + (f", {e.n_shared_experts} shared" if e.n_shared_experts else "")
+                  + (f", first {e.first_dense_layers} layers dense" if e.first_dense_layers else "")
+                  + f" ({e.routing} routing assumed)")
+    if m.mla is not None:
+        shape += f"; MLA kv rank {m.mla.kv_lora_rank}, q rank {m.mla.q_lora_rank or 'none'}"
     t.add_row("model", f"{m.name}{_mark(o, 'model')}")
     t.add_row("shape", shape)
     t.add_row("parameters", f"{est.params:,} ({fmt_count(est.params)}); trainable {est.trainable_params:,}")
