@@ -143,3 +143,18 @@ def test_lora_on_fused_qkv_is_one_adapter() -> None:
 
     # peft lora.Linear: one dropout of the input, saved by lora_A, instead of one per projection
     assert acts(ModelSpec(**gqa), ("q", "k", "v")) - acts(m, ("qkv",)) >= L * 2 * B * T * D_MODEL * 2
+
+
+def test_plan_fits_one_side_of_a_sliding_window() -> None:
+    # the step changes shape at T = window (an explicit mask from there on): the fit's three
+    # sequence lengths stay on one side of it, and its peaks equal direct estimates there
+    from memcalc.plan.fits import fit_points, fit_step
+
+    m = ModelSpec(**{**BASE, "max_seq_len": 2048}, sliding_window=768)
+    exp = ExperimentSpec(model=m, training=TrainingSpec(precision="bf16"))
+    assert fit_points(exp) == (768, 1408, 2048)
+    fit = fit_step(exp)
+    for seq in (768, 1024):
+        direct = estimate(exp.model_copy(update={"training": TrainingSpec(precision="bf16", seq=seq, batch=2)}),
+                          timeline=False, replay=False).peak_bytes
+        assert abs(fit.peak(2, seq) - direct) <= 0.001 * direct
