@@ -68,6 +68,16 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "ModelSpec.parallel_norms": ({"model": {"block": "parallel"}}, 2),
     "ModelSpec.qk_norm": ({}, "full"),
     "ModelSpec.attn_sinks": ({}, True),
+    # activations (engine.attention_variants, engine.block_variants)
+    "ModelSpec.attn_softcap": ({}, 30.0),  # eager attention: the (B, H, T, T) scores and probabilities
+    "ModelSpec.logit_softcap": ({}, 30.0),  # tanh of the logits saved
+    "ModelSpec.sliding_window": ({}, 64),  # seq 256 >= 64: an explicit mask per layer
+    "ModelSpec.full_attention_every": ({"model": {"sliding_window": 64}}, 2),  # half the layers lose the mask
+    # the scaled copy of the logits beside the logits outlasts the chunked loss's fp32 chunks
+    "ModelSpec.logit_scale": ({"profile": {"cross_entropy": "chunked"}, "model": {"vocab_size": 8192}}, 0.5),
+    "ModelSpec.fused_qkv": ({}, True),  # flash saves the v view: the whole q,k,v output stays alive
+    # one gradient of the fused output (split_backward) in the recomputed layer's backward
+    "ModelSpec.fused_gate_up": ({"training": {"checkpoint": "full"}}, True),
     "ModelSpec.moe": ({}, MoESpec(**MOE["model"]["moe"])),
     "ModelSpec.mla": ({}, MLASpec(**MLA["model"]["mla"])),
     # -- MoESpec, MLASpec (parameter shapes)
@@ -195,6 +205,8 @@ INERT_CHECK: dict[str, tuple[dict, Any]] = {
     "ModelSpec.name": ({}, "other"),
     "ModelSpec.norm_eps": ({}, 1e-6),
     "ModelSpec.residual_scale": ({"model": {"norm_placement": "post"}}, 0.5),
+    "ModelSpec.embedding_scale": ({}, 2.0),
+    "ModelSpec.residual_multiplier": ({"training": {"checkpoint": "full"}}, 0.5),
     "LoraSpec.alpha": (LORA, 8.0),
     "KernelProfile.name": ({}, "other"),
     "KernelProfile.torch_version": ({}, "2.4"),

@@ -185,9 +185,13 @@ class Linear(nn.Module):
             y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
         if self.lora_A is None:
             return y
+        # PEFT lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling -- the adapter's
+        # intermediates are temporaries, gone before the next op (no local keeps them alive)
         a = F.linear(amp.lp(dropout(x, self.lora_dropout, self.training)), amp.lp(self.lora_A))
         b = F.linear(amp.lp(a), amp.lp(self.lora_B))
-        return y + b * self.scale
+        del a
+        b = b * self.scale
+        return y + b
 
 
 # -- norms ---------------------------------------------------------------------------------
@@ -245,10 +249,11 @@ class RMSNorm(nn.Module):
     """RMSNorm as ``nn.RMSNorm`` computes it under the profile's PyTorch version."""
 
     def __init__(self, d: int, eps: float, amp: Amp, *, mode: str, mean_saves_input: bool, bias: bool,
-                 dtype: torch.dtype, device, trainable: bool = True) -> None:
+                 dtype: torch.dtype, device, trainable: bool = True, shape: Optional[tuple[int, ...]] = None) -> None:
         super().__init__()
         self.eps, self.amp, self.mode, self.mean_saves_input = eps, amp, mode, mean_saves_input
-        self.weight = nn.Parameter(torch.ones((d,), dtype=dtype, device=device), requires_grad=trainable)
+        # shape: (heads, d) for a per-head weight (a q/k norm of Cohere / StableLM), else (d,)
+        self.weight = nn.Parameter(torch.ones(shape or (d,), dtype=dtype, device=device), requires_grad=trainable)
         self.bias = nn.Parameter(torch.zeros((d,), dtype=dtype, device=device), requires_grad=trainable) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -307,12 +312,17 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 class MLP(nn.Module):
     """gated: ``down(act(gate(x)) * up(x))`` (Forgather's GLUFeedforwardLayer computes gate, up,
-    then ``up * act(gate)``; Hugging Face computes gate, act, up); plain: ``fc2(act(fc1(x)))``."""
+    then ``up * act(gate)``; Hugging Face computes gate, act, up); plain: ``fc2(act(fc1(x)))``.
+    fused (Phi3MLP / Glm4MLP): ``gate, up = gate_up_proj(x).chunk(2, -1)``; ``down(up * act(gate))``."""
 
-    def __init__(self, kind: str, act: str, make, d: int, d_ff: int, bias: bool, forgather_order: bool) -> None:
+    def __init__(self, kind: str, act: str, make, d: int, d_ff: int, bias: bool, forgather_order: bool,
+                 fused: bool = False) -> None:
         super().__init__()
-        self.kind, self.act, self.forgather_order = kind, act, forgather_order
-        if kind == "gated":
+        self.kind, self.act, self.forgather_order, self.fused = kind, act, forgather_order, fused
+        if fused:
+            self.gate_up_proj = make("gate_up", d, 2 * d_ff, bias)
+            self.down_proj = make("down", d_ff, d, bias)
+        elif kind == "gated":
             self.gate_proj = make("gate", d, d_ff, bias)
             self.up_proj = make("up", d, d_ff, bias)
             self.down_proj = make("down", d_ff, d, bias)
@@ -323,6 +333,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind != "gated":
             return self.fc2(activation(self.fc1(x), self.act))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            up = up * activation(gate, self.act)
+            del gate
+            return self.down_proj(up)
         if self.forgather_order:
             gate = self.gate_proj(x)
             up = self.up_proj(x)

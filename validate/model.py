@@ -35,6 +35,7 @@ from memcalc.engine.mla import rope_width
 from .amp import Amp
 from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
 from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
+from . import variants
 from .mla import MLAttention
 from .moe import MoEBlock
 
@@ -52,10 +53,18 @@ class Attention(nn.Module):
         super().__init__()
         self.m, self.cfg = m, cfg
         mk = cfg.linear
-        self.q_proj = mk("q", m.d_model, m.q_dim, m.qkv_bias)
-        self.k_proj = mk("k", m.d_model, m.kv_dim, m.qkv_bias)
-        self.v_proj = mk("v", m.d_model, m.kv_dim, m.qkv_bias)
+        if m.fused_qkv:  # Phi3Attention.qkv_proj, GPT-2 c_attn, GPT-NeoX query_key_value
+            self.qkv_proj = mk("qkv", m.d_model, m.q_dim + 2 * m.kv_dim, m.qkv_bias)
+        else:
+            self.q_proj = mk("q", m.d_model, m.q_dim, m.qkv_bias)
+            self.k_proj = mk("k", m.d_model, m.kv_dim, m.qkv_bias)
+            self.v_proj = mk("v", m.d_model, m.kv_dim, m.qkv_bias)
         self.o_proj = mk("o", m.q_dim, m.d_model, m.o_bias)
+        if m.qk_norm != "none":
+            self.q_norm, self.k_norm = cfg.qk_norm(m.n_heads), cfg.qk_norm(m.kv_heads)
+        if m.attn_sinks:  # GptOssAttention.sinks
+            self.sinks = nn.Parameter(torch.zeros((m.n_heads,), dtype=cfg.dtype, device=cfg.device),
+                                      requires_grad=cfg.full)
         if m.positions == "alibi":
             slopes = alibi_slopes_init(m.n_heads, cfg.device).to(cfg.dtype)
             if m.alibi_trainable:
@@ -64,11 +73,31 @@ class Attention(nn.Module):
                 self.register_buffer("alibi_slopes", slopes, persistent=False)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             cos: Optional[torch.Tensor], sin: Optional[torch.Tensor]) -> torch.Tensor:
-        """Positions, mask and kernel on (B,H,T,D) q and (B,kvH,T,D) k, v."""
+             cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+             layer_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Positions, mask and kernel on (B,H,T,D) q and (B,kvH,T,D) k, v; ``layer_mask``: the
+        layer's shared mask (eager float mask, or SDPA's boolean sliding mask)."""
         m, amp = self.m, self.cfg.amp
         T = q.shape[2]
         mask = None
+        if variants.eager(m):  # Gemma-2 softcap, gpt-oss sinks: transformers' eager attention
+            if m.positions == "rope":
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = amp.lp(q), amp.lp(k), amp.lp(v)
+            p = m.attn_dropout if self.training else 0.0
+            out = variants.eager_attention(q, k, v, layer_mask, m.n_heads // m.kv_heads, m.dim_head ** -0.5,
+                                           m.attn_softcap, getattr(self, "sinks", None), p)
+            return out.transpose(1, 2)
+        if layer_mask is not None:  # a sliding layer: the boolean mask through SDPA
+            if m.positions == "rope":
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = amp.lp(q), amp.lp(k), amp.lp(v)
+            n_rep = m.n_heads // m.kv_heads
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            mask = variants.convert_bool_mask(layer_mask, q.dtype)
+            kernel = choose_kernel(self.cfg.profile.attention, q.dtype, True)
+            p = m.attn_dropout if self.training else 0.0
+            return sdpa(q, k, v, mask, kernel, p, is_causal=True)
         if m.positions == "alibi":
             mask = alibi_mask(self.alibi_slopes, T, q.dtype)
         elif m.positions == "rope":
@@ -80,17 +109,33 @@ class Attention(nn.Module):
         p = m.attn_dropout if self.training else 0.0
         return sdpa(q, k, v, mask, kernel, p, is_causal=True)
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B,H,T,D) q and (B,kvH,T,D) k, v: projections (a fused one is split into views), q/k norms
+        (Qwen3: per head on the (B,T,H,D) view; OLMo-2: on the whole projection), transposes."""
         B, T, _ = x.shape
         m = self.m
-        query = self.q_proj(x).view(B, T, m.n_heads, m.dim_head).transpose(1, 2)
-        key = self.k_proj(x).view(B, T, m.kv_heads, m.dim_head).transpose(1, 2)
-        value = self.v_proj(x).view(B, T, m.kv_heads, m.dim_head).transpose(1, 2)
+        if m.fused_qkv:
+            query, key, value = self.qkv_proj(x).split([m.q_dim, m.kv_dim, m.kv_dim], dim=-1)
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if m.qk_norm == "full":
+            query, key = self.q_norm(query), self.k_norm(key)
+        query = query.view(B, T, m.n_heads, m.dim_head)
+        key = key.view(B, T, m.kv_heads, m.dim_head)
+        if m.qk_norm in ("head", "head_unshared"):
+            query, key = self.q_norm(query), self.k_norm(key)
+        value = value.view(B, T, m.kv_heads, m.dim_head)
+        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, cos=None, sin=None, mask=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        m = self.m
+        query, key, value = self.qkv(x)
         if self.cfg.checkpoint_attention:
-            out = checkpoint(self.cfg.amp.wrap(self.core), query, key, value, cos, sin,
+            out = checkpoint(self.cfg.amp.wrap(self.core), query, key, value, cos, sin, mask,
                              use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng)
         else:
-            out = self.core(query, key, value, cos, sin)
+            out = self.core(query, key, value, cos, sin, mask)
         del query, key, value
         out = out.transpose(1, 2).reshape(B, T, m.q_dim)
         return self.o_proj(out)
@@ -108,23 +153,24 @@ class DecoderLayer(nn.Module):
             object.__setattr__(self, "mlp", self.moe)  # forward calls self.mlp; registered once, as moe
         else:
             self.mlp = MLP(m.mlp, m.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,
-                           forgather_order=m.norm_placement == "post")
-        self.norm1 = cfg.norm()
-        if m.block != "parallel":
-            self.norm2 = cfg.norm()
+                           forgather_order=m.norm_placement == "post", fused=m.fused_gate_up)
+        for j in range(m.norms_per_layer):
+            setattr(self, f"norm{j + 1}", cfg.norm())
 
-    def forward(self, x: torch.Tensor, cos=None, sin=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos=None, sin=None, mask=None) -> torch.Tensor:
         m, p = self.m, (self.m.resid_dropout if self.training else 0.0)
+        if m.norm_placement in ("sandwich", "output") or m.parallel_norms == 2 or m.residual_multiplier != 1.0:
+            return variants.variant_layer(self, x, cos, sin, mask)
         if m.block == "parallel":  # phi: x + attn(n) + mlp(n), one norm
             h = self.norm1(x)
-            a = dropout(self.attn(h, cos, sin), p)
+            a = dropout(self.attn(h, cos, sin, mask), p)
             f = dropout(self.mlp(h), p)
             del h
             return a + f + x
         if m.norm_placement == "pre":  # Hugging Face Llama
             residual = x
             h = self.norm1(x)
-            h = dropout(self.attn(h, cos, sin), p)
+            h = dropout(self.attn(h, cos, sin, mask), p)
             x = residual + h
             del h
             residual = x
@@ -134,7 +180,7 @@ class DecoderLayer(nn.Module):
         # Forgather DeepnetLayer.forward (residual_dropout = identity)
         alpha = m.residual_scale
         residual = x
-        x = self.attn(x, cos, sin)
+        x = self.attn(x, cos, sin, mask)
         x = dropout(x, p)
         x = self.norm1((residual * alpha if alpha != 1.0 else residual) + x)
         residual = x
@@ -175,6 +221,20 @@ class BuildConfig:
                            dtype=self.dtype, device=self.device, trainable=self.full)
         return LayerNorm(m.d_model, m.norm_eps, self.amp, bias=m.has_norm_bias, dtype=self.dtype,
                          device=self.device, trainable=self.full)
+
+    def qk_norm(self, heads: int) -> nn.Module:
+        """The q or k norm (no bias): over each head (one weight of head_dim, or one per head) or
+        over the whole projection (heads * head_dim)."""
+        m = self.m
+        d = m.dim_head if m.qk_norm in ("head", "head_unshared") else heads * m.dim_head
+        shape = (heads, m.dim_head) if m.qk_norm == "head_unshared" else (d,)
+        if m.norm == "rmsnorm":
+            return RMSNorm(d, m.norm_eps, self.amp, mode=self.profile.rmsnorm, mean_saves_input=self.profile.mean_saves_input,
+                           bias=False, dtype=self.dtype, device=self.device, trainable=self.full, shape=shape)
+        if m.qk_norm == "head_unshared":
+            return variants.PerHeadLayerNorm(heads, d, m.norm_eps, self.amp, dtype=self.dtype, device=self.device,
+                                             trainable=self.full)
+        return LayerNorm(d, m.norm_eps, self.amp, bias=False, dtype=self.dtype, device=self.device, trainable=self.full)
 
 
 class LMHead(nn.Module):
@@ -233,27 +293,28 @@ class Decoder(nn.Module):
     def _ckpt(self, fn, *args):
         return checkpoint(self.amp.wrap(fn), *args, use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng)
 
-    def run_layers(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        tr, n = self.tr, self.m.n_layers
+    def run_layers(self, x: torch.Tensor, cos, sin, masks: Optional[dict] = None) -> torch.Tensor:
+        tr, n, m = self.tr, self.m.n_layers, self.m
+        masks = masks or {}
         mode = tr.checkpoint
         i = 0
         while i < n:
             self._label(f"layer {i}")
             if mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
-                x = self._ckpt(self.layers[i], x, cos, sin)
+                x = self._ckpt(self.layers[i], x, cos, sin, variants.layer_mask(m, masks, i))
                 step = 1
             elif mode == "sqrt":
                 hi = min(n, i + sqrt_segments(n))
 
                 def segment(h, c, s, lo=i, hi=hi):
                     for j in range(lo, hi):
-                        h = self.layers[j](h, c, s)
+                        h = self.layers[j](h, c, s, variants.layer_mask(m, masks, j))
                     return h
 
                 x = self._ckpt(segment, x, cos, sin)
                 step = hi - i
             else:
-                x = self.layers[i](x, cos, sin)
+                x = self.layers[i](x, cos, sin, variants.layer_mask(m, masks, i))
                 step = 1
             self._mark_backward(x, f"layer {i + step - 1}")
             i += step
@@ -266,6 +327,8 @@ class Decoder(nn.Module):
         B, T = input_ids.shape
         self._label("embedding")
         x = self.embed_tokens(input_ids)
+        if m.embedding_scale != 1.0:  # Gemma normalizer, Granite embedding_multiplier
+            x = x * m.embedding_scale
         if m.positions == "learned":
             pos = torch.arange(T, device=input_ids.device)[None, :]
             x = x + self.embed_positions(pos)
@@ -273,12 +336,22 @@ class Decoder(nn.Module):
         cos = sin = None
         if m.positions == "rope":
             cos, sin = rope_tables(self.inv_freq, T, x.dtype)
-        x = self.run_layers(x, cos, sin)
+        masks = variants.build_masks(m, B, T, x.dtype, x.device)
+        x = self.run_layers(x, cos, sin, masks)
         self._label("head & loss")
         if m.final_norm:
             x = self.final_norm(x)
+        del masks  # the model's forward returns (checkpoint closures may still hold them)
         w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
-        return F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+        logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+        del x
+        if m.logit_scale != 1.0:  # Cohere logit_scale, Granite 1 / logits_scaling
+            logits = logits * m.logit_scale
+        if m.logit_softcap is not None:  # Gemma2ForCausalLM final_logit_softcapping
+            logits = logits / m.logit_softcap
+            logits = torch.tanh(logits)
+            logits = logits * m.logit_softcap
+        return logits
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self.amp.region():
@@ -350,16 +423,11 @@ def param_count(model: Decoder) -> tuple[int, int]:
 
 
 def unbuilt_features(m: ModelSpec) -> list[str]:
-    """ModelSpec features of issue 12 that ``Decoder`` does not build yet (it would trace another model)."""
-    # MoE and MLA are built (validate/moe.py, validate/mla.py); gpt-oss's experts (biases, clamped gate) are not
-    checks = [(m.moe is not None and (m.moe.expert_bias or m.moe.router_bias), "gpt-oss experts (biases, clamped gate)"),
-              (m.fused_qkv, "a fused qkv projection"), (m.fused_gate_up, "a fused gate_up projection"),
-              (m.qk_norm != "none", f"q/k norms ({m.qk_norm})"), (m.attn_sinks, "attention sinks"),
-              (m.norm_placement in ("sandwich", "output"), f"{m.norm_placement} norms"),
-              (m.parallel_norms == 2, "two parallel norms"), (m.attn_softcap is not None, "attention softcap"),
-              (m.logit_softcap is not None, "logit softcap"), (m.sliding_window is not None, "sliding-window attention"),
-              (m.embedding_scale != 1.0, "an embedding scale"), (m.residual_multiplier != 1.0, "a residual multiplier"),
-              (m.logit_scale != 1.0, "a logit scale")]
+    """ModelSpec features of issue 12 that ``Decoder`` does not build yet (it would trace another model).
+    The dense ones (fused projections, q/k norms, sinks and softcaps, norm placements, sliding
+    windows, multipliers) are built (:mod:`.variants`), MoE and MLA too (:mod:`.moe`, :mod:`.mla`);
+    gpt-oss's experts (biases, clamped gate) are not."""
+    checks = [(m.moe is not None and (m.moe.expert_bias or m.moe.router_bias), "gpt-oss experts (biases, clamped gate)")]
     return [name for cond, name in checks if cond]
 
 

@@ -21,6 +21,12 @@ INERT: dict[str, str] = {
     "ModelSpec.residual_scale": "a value: with post-norm, a scale other than 1 adds one transient x * alpha "
                                 "(engine.ops.scale) that is freed before the layer's larger allocations, so it "
                                 "sets no peak",
+    "ModelSpec.embedding_scale": "a value: the scaled copy of the embeddings (engine.block_variants) lives beside "
+                                 "the unscaled one only until the multiply returns, at the start of the forward "
+                                 "(a multiply by a Python scalar saves nothing), so it sets no peak",
+    "ModelSpec.residual_multiplier": "a value: each scaled sublayer output (engine.block_variants) replaces the "
+                                     "unscaled one before the residual add and the multiply saves nothing; the "
+                                     "transient is smaller than the sublayer's own, so it sets no peak",
     "LoraSpec.alpha": "a value (the adapter scale alpha / rank), not a shape: the scaling op runs either way",
     "KernelProfile.name": "a label shown in reports",
     "KernelProfile.torch_version": "a label: what a version changes is set by the profile's other fields "
@@ -52,16 +58,6 @@ NESTED: dict[str, str] = {
 #: the estimate only through their parameters) and their activation rules are still to come
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
-    "ModelSpec.attn_softcap": "activations of the capped attention logits (eager attention) not modelled yet",
-    "ModelSpec.logit_softcap": "activations of the capped output logits not modelled yet",
-    "ModelSpec.sliding_window": "sliding-window attention activations not modelled yet (no parameter changes)",
-    "ModelSpec.full_attention_every": "sliding-window attention activations not modelled yet (no parameter changes)",
-    "ModelSpec.embedding_scale": "the scaled-embedding tensor not modelled yet (a value: no parameter changes)",
-    "ModelSpec.residual_multiplier": "the scaled sublayer outputs not modelled yet (a value: no parameter changes)",
-    "ModelSpec.logit_scale": "the scaled logits not modelled yet (a value: no parameter changes)",
-    "ModelSpec.fused_qkv": "the same parameter count; activations of the fused projection (and its one LoRA "
-                           "adapter) not modelled yet",
-    "ModelSpec.fused_gate_up": "the same parameter count; activations of the fused projection not modelled yet",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

@@ -19,6 +19,8 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine import attention_variants as av
+from memcalc.engine import block_variants as bv
 from memcalc.engine import layout_stub
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.mla import mla_attention, rope_width
@@ -48,6 +50,9 @@ class Forward:
         self.rows = self.B * self.T
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
+        self.masks: dict[str, T] = {}
+        self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
+        self.masks_released = False
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -130,6 +135,8 @@ class Forward:
         o, m = self.ops, self.m
         if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
             return mla_attention(self, h, i)
+        if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
+            return av.attention(self, h, i)
         if layout_stub.needs_stub_attention(m):
             return layout_stub.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
@@ -179,6 +186,8 @@ class Forward:
         o, m = self.ops, self.m
         if m.moe is not None and m.moe.is_moe_layer(i):  # the sparse block (engine/moe.py)
             return moe_block(self, h, i)
+        if m.fused_gate_up:  # Phi-3 / GLM-4 gate_up_proj (engine/block_variants.py)
+            return bv.fused_gate_up_mlp(self, h, i)
         if layout_stub.needs_stub_mlp(m):
             return layout_stub.mlp(self, h, i)
         if m.mlp == "gated":
@@ -213,8 +222,8 @@ class Forward:
 
     def _layer(self, x: T, i: int) -> T:
         o, m = self.ops, self.m
-        if layout_stub.needs_stub_layer(m):
-            return layout_stub.layer(self, x, i)
+        if bv.is_variant_layer(m):  # sandwich / output norms, two parallel norms, residual multiplier
+            return bv.layer(self, x, i)
         if m.block == "parallel":
             h = self.norm(x, f"layers.{i}.norm1")
             a = self.resid_drop(self.attention(h, i))
@@ -277,6 +286,7 @@ class Forward:
         labels = sim.alloc(self.rows * 8, "activations", "inputs")
         self.ids_labels = (ids, labels)
         x = o.embedding(ids, self.rows, self.p("embed_tokens.weight"), m.d_model)
+        x = bv.scale_embeddings(self, x)
         pos = self.maybe("embed_positions.weight")
         if pos is not None:
             pe = o.embedding(ids, self.T, pos, m.d_model)
@@ -286,6 +296,7 @@ class Forward:
         if m.positions == "rope":
             self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
         x = self.resid_drop_embd(x)
+        self.masks = av.build_masks(self)
         x = self.layers(x)
         sim.mark("final norm & head")
         sim.role = "head"
@@ -293,9 +304,11 @@ class Forward:
             h = self.norm(x, "final_norm")
             o.drop(x)
             x = h
+        self.release_masks()
         head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
         logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
         o.drop(x)
+        logits = bv.post_logits(self, logits)
         self.strategy.logits(self, logits)
         sim.role = "loss"
         o.category = "logits & loss"
@@ -311,8 +324,25 @@ class Forward:
         self.ops.drop(x)
         return y
 
+    def release_masks(self) -> None:
+        """The attention masks go when the model's forward returns (before the head); with
+        checkpointing, a checkpointed region's recompute holds its masks until its backward
+        (:func:`memcalc.engine.attention_variants.hold_masks`)."""
+        if self.masks_released:
+            return
+        if self.tr.checkpoint != "none":
+            av.hold_masks(self)
+        for t in self.masks.values():
+            self.sim.unref(t)
+        self.masks_released = True  # the mapping stays for the recomputed layers to look up
+
     def release_inputs(self) -> None:
-        """The batch and the RoPE tables go away with the step."""
+        """The batch and the RoPE tables go away with the step (and any mask still held)."""
+        self.release_masks()
+        self.masks = {}
+        for t in self.held_masks:
+            self.sim.unref(t)
+        self.held_masks = []
         for t in (*self.ids_labels, self.rope_tables):
             self.sim.unref(t)
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.attention_variants import eager
 from memcalc.estimate.peak import required_bytes
 from memcalc.plan.simulations import Trace, step_trace, with_training
 
@@ -132,12 +133,21 @@ class StepFit:
 
 def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
     """The three sequence lengths the fit simulates: T3 = min(2048, max_seq_len) rounded down to
-    a multiple of 128 (where flash attention's 128-row rounding is exact), T3/2 and T3/4."""
+    a multiple of 128 (where flash attention's 128-row rounding is exact), T3/2 and T3/4; for an
+    SDPA sliding window between T3/4 and T3, the window, 4x the window (at most max_seq_len) and
+    their midpoint (the step has one shape on each side of the window)."""
     t3 = min(2048, exp.model.max_seq_len)
     if t3 >= 512:
         t3 -= t3 % 128
     t1 = max(2, t3 // 4)
     t2 = max(t1 + 1, t3 // 2)
+    w = exp.model.sliding_window
+    if w is not None and t1 < w <= t3 and not eager(exp.model) and w + 2 <= exp.model.max_seq_len:
+        # the step changes shape at T = window (SDPA gets an explicit sliding mask from there on,
+        # memcalc.engine.attention_variants): fit at and above it; below the window the fit then
+        # also counts the masks (an over-estimate the direct estimate corrects)
+        t1, t3 = w, min(4 * w, exp.model.max_seq_len)
+        t2 = (t1 + t3) // 2
     if not t1 < t2 < t3:
         raise UserError(f"{exp.model.name}: max_seq_len {exp.model.max_seq_len} is too short to fit in "
                         "sequence length (needs at least 4)")
