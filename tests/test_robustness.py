@@ -236,14 +236,14 @@ def test_peft_target_names(value, targets):
 
 
 def test_all_targets_of_a_plain_mlp():
-    assert parse_targets("all", load_preset("gpt2")) == ("q", "k", "v", "o", "up", "down")
+    assert parse_targets("all", load_preset("gpt2")) == ("qkv", "o", "up", "down")  # source: GPT2Attention c_attn
 
 
 BAD_TARGETS = [
     (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "gate"], 2,
-     "--lora-targets: LoRA target(s) gate not in gpt2 (its MLP is plain: fc1 = up, fc2 = down, no gate); its targets: q, k, v, o, up, down"),
-    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "q,gate_proj"], 2, "LoRA target(s) gate not in gpt2"),
-    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "wte"], 2, "unknown --lora-targets wte; valid: q, k, v, o, gate, up, down, qkv"),
+     "--lora-targets: LoRA target(s) gate not in gpt2 (its MLP is plain: fc1 = up, fc2 = down, no gate); its targets: qkv, o, up, down"),
+    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "q,gate_proj"], 2, "LoRA target(s) q, gate not in gpt2"),
+    (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "wte"], 2, "unknown --lora-targets wte; valid: q, k, v, o, gate, up, down, qkv, gate_up"),
 ]
 
 

@@ -77,8 +77,8 @@ def grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
             T = min(T, m.max_seq_len)
             lora = None
             if tuning != "full":
-                # GPT-2 fuses q, k, v in c_attn: its "q,v" is the whole c_attn
-                qv = ("q", "k", "v") if m.positions == "learned" else ("q", "v")
+                # GPT-2 fuses q, k, v in c_attn: its "q,v" is the whole c_attn (one adapter)
+                qv = ("qkv",) if m.fused_qkv else ("q", "v")
                 targets = qv if tuning == "qv" else tuple(t for t in ALL if t in m.lora_targets)
                 lora = LoraSpec(rank=16, alpha=32, targets=targets, dropout=drop)
             tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora)

@@ -144,6 +144,25 @@ class Family:
     shape: str = ""
     #: further LoraConfig arguments the family needs (GPT-2's Conv1D stores weights (in, out))
     lora_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: the family's q, k, v projection is one module (GPT-2 c_attn): ModelSpec.fused_qkv must say so
+    fused_qkv: bool = False
+
+
+#: ModelSpec fields of the newer families (issue 12) and their defaults: a family registered here
+#: builds none of them, so a model that sets one is not that family (it would trace another model)
+_NEWER_FEATURES = (("fused_gate_up", False), ("qk_norm", "none"), ("attn_softcap", None), ("logit_softcap", None),
+                   ("attn_sinks", False), ("sliding_window", None), ("embedding_scale", 1.0),
+                   ("residual_multiplier", 1.0), ("logit_scale", 1.0), ("parallel_norms", 1), ("moe", None),
+                   ("mla", None))
+
+
+def _feature_mismatches(f: Family, m: ModelSpec) -> list[str]:
+    """What ``m`` sets that family ``f`` does not build (the fields of :data:`_NEWER_FEATURES`, and a
+    fused or separate q, k, v projection)."""
+    out = [f"{k}={getattr(m, k)!r}" for k, default in _NEWER_FEATURES if getattr(m, k) != default]
+    if m.fused_qkv != f.fused_qkv:
+        out.append(f"fused_qkv={m.fused_qkv}")
+    return out
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in (
@@ -152,10 +171,9 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
     Family("mistral", _mistral_mismatches, _mistral, _LLAMA_LORA, shape="llama without biases"),
     Family("qwen2", _qwen2_mismatches, _qwen2, _LLAMA_LORA, shape="llama with q/k/v biases only"),
     Family("gpt2", _gpt2_mismatches, _gpt2,
-           {"q": ("c_attn",), "k": ("c_attn",), "v": ("c_attn",), "o": ("attn.c_proj",), "up": ("c_fc",),
-            "down": ("mlp.c_proj",)}, fused=(("q", "k", "v"),),
-           shape="LayerNorm, plain MLP, learned positions, all biases, fused Conv1D c_attn",
-           lora_kwargs={"fan_in_fan_out": True}),
+           {"qkv": ("c_attn",), "o": ("attn.c_proj",), "up": ("c_fc",), "down": ("mlp.c_proj",)},
+           shape="LayerNorm, plain MLP, learned positions, all biases, fused Conv1D c_attn (fused_qkv)",
+           lora_kwargs={"fan_in_fan_out": True}, fused_qkv=True),
     Family("phi", _phi_mismatches, _phi,
            {"q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("dense",), "up": ("fc1",),
             "down": ("fc2",)},
@@ -169,7 +187,7 @@ def choose_family(m: ModelSpec) -> Family:
     :class:`UserError` naming the closest family's differences when none can."""
     name = m.name.lower().replace("-", "").replace("_", "")
     order = sorted(FAMILIES.values(), key=lambda f: f.model_type not in name)
-    misses = {f.model_type: f.mismatches(m) for f in order}
+    misses = {f.model_type: f.mismatches(m) + _feature_mismatches(f, m) for f in order}
     for f in order:
         if not misses[f.model_type]:
             return f
