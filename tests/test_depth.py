@@ -129,3 +129,13 @@ def test_extrapolate_checks_affinity():
     grow = [_trace(d, 1024, extra=lambda d: 100 * d) for d in SHALLOW_DEPTHS]
     got = extrapolate(grow, SHALLOW_DEPTHS, 40, 512)
     assert got is not None and int(got[0].max()) == _trace(40, 1024, extra=lambda d: 100 * d)[-1][0]
+
+
+def test_uniform_fields_are_the_model_fields():
+    # source: memcalc/core/spec.py ModelSpec: a new field is simulated directly until it is checked
+    # here (a per-layer pattern with a long period is invisible to 3-, 4- and 5-layer copies) and
+    # added to depth.UNIFORM_FIELDS
+    from memcalc.core.spec import ModelSpec
+    from memcalc.plan.depth import UNIFORM_FIELDS
+
+    assert UNIFORM_FIELDS <= set(ModelSpec.model_fields)

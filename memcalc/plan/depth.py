@@ -27,7 +27,7 @@ the three depths (integers, no tolerance), and at depth 5 the three interior lay
 the same bytes with totals exactly affine in the layer index. Anything else falls back to the
 direct simulation (:func:`applies` rules out up front: sqrt and every-K checkpointing, whose
 segments depend on the depth; torch.compile, whose partition is of the whole graph; a model
-spec with per-layer lists; models of at most :data:`MIN_DEPTH` layers). Under ZeRO over several
+field outside :data:`UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under ZeRO over several
 GPUs a request that grows with the depth may be a ceiling division of a sum, which is not
 affine: such steps are simulated directly too. ``tests/test_plan.py`` compares the
 extrapolated peaks with direct simulations.
@@ -53,14 +53,31 @@ _LAYER = re.compile(r"\blayer (\d+)\b")
 _LAYER_RANGE = re.compile(r"\blayers \d")
 
 
+#: The ModelSpec fields known to shape every layer alike. A field not listed here (a model family
+#: added later: mixture-of-experts layers every K, dense first layers, local/global attention
+#: patterns) may make layers differ with a period the three shallow copies cannot see, so a model
+#: that sets one to anything but its default is simulated directly until the field is checked
+#: (tests/test_depth.py) and listed.
+UNIFORM_FIELDS = frozenset({
+    "activation", "alibi_trainable", "attn_dropout", "block", "d_ff", "d_model", "embd_dropout", "final_norm",
+    "head_dim", "lm_head_bias", "max_seq_len", "mlp", "mlp_bias", "n_heads", "n_kv_heads", "n_layers", "name",
+    "norm", "norm_bias", "norm_eps", "norm_placement", "o_bias", "positions", "qkv_bias", "resid_dropout",
+    "residual_scale", "rotary_pct", "tie_embeddings", "vocab_size",
+})
+
+
 def applies(exp: ExperimentSpec) -> bool:
     """Whether ``exp``'s step is a uniform stack that :func:`deep_trace` may extrapolate: eager or
     per-layer checkpointing (none, full, selective) without torch.compile, deep enough to gain,
-    and a model spec without per-layer lists (a future per-layer pattern is not uniform)."""
+    and a model whose fields outside :data:`UNIFORM_FIELDS` are at their defaults."""
     tr = exp.training
-    if exp.model.n_layers <= MIN_DEPTH or tr.compile or tr.checkpoint not in ("none", "full", "selective"):
+    m = exp.model
+    if m.n_layers <= MIN_DEPTH or tr.compile or tr.checkpoint not in ("none", "full", "selective"):
         return False
-    return not any(isinstance(v, (list, tuple, dict, set)) for k, v in exp.model if k != "name")
+    for k, f in type(m).model_fields.items():
+        if k not in UNIFORM_FIELDS and (f.is_required() or getattr(m, k) != f.get_default(call_default_factory=True)):
+            return False
+    return True
 
 
 def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
