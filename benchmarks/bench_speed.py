@@ -84,7 +84,8 @@ def main() -> None:
 
     print(f"{os.cpu_count()} CPUs; best of {a.n} runs each; MEMCALC_WORKERS={os.environ.get('MEMCALC_WORKERS', '(all CPUs)')}")
     bare_w, bare_c, _ = timed([sys.executable, "-c", "import numpy"], max(a.n, 5))
-    print(f"{'python -c \"import numpy\" (bare start)':<58} wall {bare_w:7.3f} s   cpu {bare_c:7.3f} s")
+    bare_label = 'python -c "import numpy" (bare start)'
+    print(f"{bare_label:<58} wall {bare_w:7.3f} s   cpu {bare_c:7.3f} s")
     est_w, est_c, _ = row("estimate --params 7e9 --bf16 --lora", ["estimate", "--params", "7e9", "--bf16", "--lora"],
                           "target wall < 0.2 s", n=max(a.n, 5))
     print(f"  ratio to the bare start: wall {est_w / bare_w:.2f}x, cpu {est_c / bare_c:.2f}x")
@@ -100,10 +101,10 @@ def main() -> None:
     print("growth with depth (layers):")
     depth = [("llama-3.1-8b", 32), ("llama-3.1-70b", 80)] + ([] if a.quick else [(M405, 126)])
     for model, layers in depth:
-        name = Path(model).stem
+        name = Path(model).name.removesuffix(".yaml")
         row(f"  plan --model {name} --gpu h100-80gb ({layers} layers)", ["plan", "--model", model, "--gpu", "h100-80gb"])
     for model, layers in depth:
-        name = Path(model).stem
+        name = Path(model).name.removesuffix(".yaml")
         row(f"  plan --model {name} (cluster table, {layers} layers)", ["plan", "--model", model])
 
     print("growth with the number of options (llama-3.1-8b on rtx-4090):")

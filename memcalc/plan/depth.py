@@ -27,10 +27,11 @@ the three depths (integers, no tolerance), and at depth 5 the three interior lay
 the same bytes with totals exactly affine in the layer index. Anything else falls back to the
 direct simulation (:func:`applies` rules out up front: sqrt and every-K checkpointing, whose
 segments depend on the depth; torch.compile, whose partition is of the whole graph; a model
-field outside :data:`UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under ZeRO over several
-GPUs a request that grows with the depth may be a ceiling division of a sum, which is not
-affine: such steps are simulated directly too. ``tests/test_plan.py`` compares the
-extrapolated peaks with direct simulations.
+field outside :data:`UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under
+ZeRO over N GPUs a request that grows with the depth is a rank's share ``ceil(S / N)`` of a
+sum (the foreach step's temporary), not affine in the depth: the sum ``S`` is read from the same
+step's shallow traces on one GPU and divided at depth ``n``. ``tests/test_depth.py`` compares
+the extrapolated peaks with direct simulations.
 
 Cost: 3 + 4 + 5 = 12 layers simulated instead of ``n``.
 """
@@ -38,7 +39,8 @@ Cost: 3 + 4 + 5 = 12 layers simulated instead of ``n``.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from functools import lru_cache
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -195,14 +197,18 @@ def _affine(rows: list[list[Event]]) -> Optional[np.ndarray]:
 
 
 def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...], n: int,
-                round_bytes: int, sharded: bool = False) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
+                round_bytes: int, shards: int = 1,
+                unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]] = None,
+                ) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
     """The named running totals of the ``n``-layer step from the shallow steps' traces (one per
     depth in ``depths``, consecutive), or None where the checks fail. Returns the totals (int64,
     in a fixed order of the named blocks) and the phase of each. Each allocation's bytes alive
     before it and bytes requested are extrapolated; the request is rounded at depth ``n``
-    (a step temporary the size of all parameters rounds differently at every depth). With
-    ``sharded`` (ZeRO over several GPUs: a request may be a ceiling division of a sum), a
-    request that changes with the depth is not extrapolated: None."""
+    (a step temporary the size of all parameters rounds differently at every depth). Under ZeRO
+    over ``shards`` GPUs a request that changes with the depth is this rank's share of a sum,
+    ``ceil(S / shards)``, which is not affine in the depth: ``unsharded()`` gives the same step's
+    traces on one GPU, whose request is ``S`` itself (checked against the shares at every
+    shallow depth); without it such a step is refused (None)."""
     if any(depths[i + 1] - depths[i] != 1 for i in range(len(depths) - 1)):
         return None
     parsed = [_blocks(tr, d, round_bytes) for tr, d in zip(traces, depths)]
@@ -222,24 +228,40 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
         return None
     parts: list[np.ndarray] = []
     phases: list[str] = []
-    for k in keys:
-        rows = [b[k] for b in blocks]
+    one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
+    def named(rows: list[list[Event]]) -> Optional[list[Optional[np.ndarray]]]:
         if len({len(r) for r in rows}) == 1:
-            got = [_affine(rows)]
-        else:
-            split = _split_grown(rows, depths)
-            if split is None:
-                return None
-            got = [_affine(p) for p in split]
-        for a in got:
+            return [_affine(rows)]
+        split = _split_grown(rows, depths)
+        return None if split is None else [_affine(p) for p in split]
+
+    for k in keys:
+        got = named([b[k] for b in blocks])
+        if got is None:
+            return None
+        for i, a in enumerate(got):
             if a is None:
                 return None
             if a.shape[1] == 0:
                 continue
-            if sharded and np.any(a[1, :, 1] != a[0, :, 1]):
-                return None
             at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 2)
             req = at_n[:, 1]
+            vary = a[1, :, 1] != a[0, :, 1]
+            if shards > 1 and vary.any():
+                if unsharded is None:
+                    return None
+                if not one_gpu:
+                    ts = unsharded()
+                    got1 = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
+                    if got1 is None or any(g is None for g in got1):
+                        return None
+                    one_gpu.append([g[0] for g in got1])  # type: ignore[index]
+                ug = named([b.get(k, []) for b in one_gpu[0]])
+                u = ug[i] if ug is not None and len(ug) == len(got) else None
+                if u is None or u.shape != a.shape or np.any(-(-u[:, vary, 1] // shards) != a[:, vary, 1]):
+                    return None
+                total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
+                req = np.where(vary, -(-total // shards), req)
             parts.append(at_n[:, 0] + -(-req // round_bytes) * round_bytes)
             phases += [k[0]] * a.shape[1]
     if not parts:
@@ -260,5 +282,18 @@ def deep_trace(exp: ExperimentSpec, first_step: bool) -> Optional[tuple[np.ndarr
         r = simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True)
         traces.append(r.alloc_trace or [])
     tr = exp.training
-    return extrapolate(traces, SHALLOW_DEPTHS, exp.model.n_layers, exp.profile.allocator_round_bytes,
-                       sharded=tr.zero >= 1 and tr.gpus > 1)
+    shards = tr.gpus if tr.zero >= 1 else 1
+    return extrapolate(traces, SHALLOW_DEPTHS, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
+                       unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
+                           update={"gpus": 1})}), first_step))
+
+
+@lru_cache(maxsize=64)
+def _one_gpu_traces(exp: ExperimentSpec, first_step: bool) -> Optional[list[list[tuple[int, str, str, int]]]]:
+    """The shallow traces of ``exp`` (on one GPU), shared by every ZeRO degree of the same setup."""
+    if not applies(exp):
+        return None
+    from memcalc.estimate.step import simulate
+
+    return [simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True).alloc_trace or []
+            for d in SHALLOW_DEPTHS]
