@@ -59,11 +59,41 @@ def compiled_plan(exp: ExperimentSpec) -> CompiledPlan:
     return _plan_cached(exp.model_dump_json())
 
 
+#: TrainingSpec fields the recorded forward graph cannot depend on: the optimizer runs after it,
+#: checkpointing and the budget are what the partition decides, accumulation repeats it. Every
+#: other field of the experiment (a later one too) is part of the graph's key.
+_NOT_IN_GRAPH = ("optimizer", "optimizer_impl", "offload_optimizer", "fused_optimizer", "grad_accum", "compile",
+                 "memory_budget", "checkpoint", "checkpoint_every")
+
+
+def graph_key(exp: ExperimentSpec) -> ExperimentSpec:
+    """``exp`` with the fields that cannot change its forward graph at their defaults (names and
+    published figures too): experiments with the same key record the same graph, so
+    ``plan --compile``'s budgets and optimizers share one graph and its default partition."""
+    tf = type(exp.training).model_fields
+    tr = exp.training.model_copy(update={k: tf[k].get_default(call_default_factory=True) for k in _NOT_IN_GRAPH})
+    ef = type(exp).model_fields
+    top = {k: f.get_default(call_default_factory=True) for k, f in ef.items() if k not in ("model", "training", "profile")}
+    return exp.model_copy(update={**top, "training": tr})
+
+
+@lru_cache(maxsize=32)
+def _graph(key: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
+    return record_graph(key)
+
+
+@lru_cache(maxsize=128)
+def _partition(key: ExperimentSpec, budget: float) -> Partition:
+    """The partition of ``key``'s graph at ``budget`` (the partitioner leaves the graph as it is)."""
+    return choose_saved_values_set(_graph(key)[0], budget)
+
+
 def _plan(exp: ExperimentSpec) -> CompiledPlan:
-    g, outputs = record_graph(exp)
+    key = graph_key(exp)
+    g, outputs = _graph(key)
     budget = exp.training.memory_budget if exp.training.memory_budget is not None else 1.0
-    part: Partition = choose_saved_values_set(g, budget)
-    default = part if budget == 1.0 else choose_saved_values_set(g, 1.0)
+    part: Partition = _partition(key, budget)
+    default = part if budget == 1.0 else _partition(key, 1.0)
     by_layer: dict[Optional[int], int] = {}
     for v in part.saved:
         if v.kind != "input":

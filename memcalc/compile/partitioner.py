@@ -38,7 +38,6 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-import numpy as np
 
 INF = float("inf")
 
@@ -283,6 +282,8 @@ def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset
 def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> tuple[float, list[int], list[int]]:
     """``torch/_functorch/_activation_checkpointing/knapsack.py::dp_knapsack``: 0/1 knapsack
     maximising saved runtime with memory quantised to 1e-4; returns (runtime, saved, recomputed)."""
+    import numpy as np  # here: an estimate with checkpointing imports this module, not numpy
+
     S = 10000
     qm = [int(round(m * S)) for m in memory]
     rt = np.asarray(runtime, dtype=np.float32)

@@ -101,9 +101,11 @@ class Sim:
         self.nodes: list[Node] = []
         self.timeline: list[TimelinePoint] = []
         self.record_timeline = True
-        # when a list: (total bytes, phase) after every allocation, for fitting the step in
-        # batch and sequence length event by event (memcalc.plan.fits)
-        self.alloc_trace: Optional[list[tuple[int, str]]] = None
+        # when a list: (total bytes, phase, label, requested bytes) after every allocation, for
+        # fitting the step in batch and sequence length event by event (memcalc.plan.fits) and in
+        # depth (memcalc.plan.depth: the label says which layer an allocation belongs to)
+        self.alloc_trace: Optional[list[tuple[int, str, str, int]]] = None
+        self.trace_label: Optional[str] = None  # the label the trace gives allocations, when not self.label
         # when a list: (uid, bytes) for each allocation and (uid, 0) for each free, in order,
         # for replaying the CUDA caching allocator (memcalc.engine.allocator)
         self.events: Optional[list[tuple[int, int]]] = None
@@ -151,7 +153,7 @@ class Sim:
             self.peak_cats = {k: v for k, v in self.by_cat.items() if v}
             self.peak_kinds = dict(self.by_kind)
         if self.alloc_trace is not None:
-            self.alloc_trace.append((self.total, self.phase))
+            self.alloc_trace.append((self.total, self.phase, self.trace_label or self.label, int(nbytes)))
         return t
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
@@ -232,7 +234,9 @@ class Sim:
             lab = label_of(node)
             if lab != self.label:
                 if node.layer is not None and self.on_layer is not None:
+                    self.trace_label = lab  # the layer's own allocations (a ZeRO-3 regather), in the trace
                     self.on_layer(self, node.layer)
+                    self.trace_label = None
                 self.label = lab
                 self.snapshot_point()
             if node.on_backward is not None:

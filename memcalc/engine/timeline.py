@@ -42,7 +42,7 @@ class SimResult:
     phases: dict[str, int]
     timeline: list[TimelinePoint]
     max_activation_bytes: int
-    alloc_trace: Optional[list[tuple[int, str]]] = None  # (total, phase) after each allocation
+    alloc_trace: Optional[list[tuple[int, str, str, int]]] = None  # (total, phase, label, requested) per allocation
     events: Optional[list[tuple[int, int]]] = None  # allocation events (see Sim.events)
     step_start: int = 0  # index of the step's first event (before it: weights, state)
 

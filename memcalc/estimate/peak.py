@@ -10,8 +10,7 @@ allocator's slack (reserved minus allocated).
 from __future__ import annotations
 
 import math
-
-import numpy as np
+import sys
 
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
@@ -32,11 +31,20 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 ALLOCATOR_SLACK_FRACTION = 0.05
 
 
+def _is_array(x) -> bool:
+    """Whether ``x`` is a numpy array, without importing numpy (``estimate`` never needs it: an
+    array can only exist once the plan has imported numpy)."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(x, np.ndarray)
+
+
 def allocator_slack_bytes(peak_bytes):
     """The caching allocator's slack over an allocated peak: ``floor(peak x``
     :data:`ALLOCATOR_SLACK_FRACTION` ``)`` bytes (an int; a float array of whole numbers for an
     array of peaks, as the plan's vectorised search passes)."""
-    if isinstance(peak_bytes, np.ndarray):
+    if _is_array(peak_bytes):
+        import numpy as np
+
         return np.floor(np.asarray(peak_bytes, dtype=np.float64) * ALLOCATOR_SLACK_FRACTION)
     return int(peak_bytes * ALLOCATOR_SLACK_FRACTION)
 
@@ -46,7 +54,9 @@ def required_bytes(peak_bytes):
     peak + CUDA context (:data:`CUDA_CONTEXT_BYTES`) + allocator slack
     (:func:`allocator_slack_bytes`). Ints stay exact ints; an array of peaks gives a float64
     array (whole numbers), for :mod:`memcalc.plan`'s fits."""
-    if isinstance(peak_bytes, np.ndarray):
+    if _is_array(peak_bytes):
+        import numpy as np
+
         p = np.asarray(peak_bytes, dtype=np.float64)
         return p + CUDA_CONTEXT_BYTES + allocator_slack_bytes(p)
     return int(peak_bytes) + CUDA_CONTEXT_BYTES + allocator_slack_bytes(peak_bytes)

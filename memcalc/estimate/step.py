@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from memcalc.compile.backward import CompiledCheckpointing, CompiledLayers
-from memcalc.compile.compiled import compiled_plan
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.strategy import LayerStrategy
@@ -23,10 +21,13 @@ def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
     saved set under torch.compile without checkpointing; checkpointed regions recomputed whole
     inside a compiled graph; else eager or checkpointed layers."""
     tr = exp.training
-    if tr.compile_partitions:
-        plan = compiled_plan(exp)
-        return lambda: CompiledLayers(plan)
-    if tr.compile:
+    if tr.compile:  # imported only here: an eager estimate needs no partitioner (nor numpy)
+        from memcalc.compile.backward import CompiledCheckpointing, CompiledLayers
+        from memcalc.compile.compiled import compiled_plan
+
+        if tr.compile_partitions:
+            plan = compiled_plan(exp)
+            return lambda: CompiledLayers(plan)
         return lambda: CompiledCheckpointing(tr)
     return lambda: layer_strategy(tr)
 

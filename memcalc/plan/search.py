@@ -250,9 +250,14 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
 
 def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "OptionResult"]) -> tuple[int, int]:
     """(max batch, max seq) of the same setup without compile, when it was planned: a starting
-    guess for the compiled option's search, which gallops from it to the exact answer."""
-    for j, u in enumerate(techs):
-        if u.budget is None and (u.adapters, u.precision, u.optimizer, u.checkpoint, u.fused) == (
-                t.adapters, t.precision, t.optimizer, t.checkpoint, t.fused) and j in results:
-            return results[j].max_batch, results[j].max_seq
+    guess for the compiled option's search, which gallops from it to the exact answer. Below
+    budget 1.0 the partitioner recomputes most of each layer, so the eager setup with full
+    checkpointing is the nearer guess (fewer galloping steps; the answer is the same)."""
+    prefer = ("full", t.checkpoint) if t.budget is not None and t.budget < 1.0 else (t.checkpoint,)
+    for ck in prefer:
+        for j, u in enumerate(techs):
+            if u.budget is None and (u.adapters, u.precision, u.optimizer, u.checkpoint, u.fused) == (
+                    t.adapters, t.precision, t.optimizer, ck, t.fused) and j in results and (
+                    results[j].fits or ck == prefer[-1]):
+                return results[j].max_batch, results[j].max_seq
     return 0, 0

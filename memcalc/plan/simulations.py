@@ -12,6 +12,7 @@ import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import weights_and_state_bytes
+from memcalc.plan.depth import applies, deep_trace
 from memcalc.estimate.step import simulate
 
 
@@ -35,12 +36,22 @@ PEAK_CACHE: dict[tuple[ExperimentSpec, bool], int] = {}
 
 @lru_cache(maxsize=256)
 def step_trace(exp: ExperimentSpec, first_step: bool) -> Trace:
-    """One simulated step with its allocation trace (cached: plans ask for the same points)."""
+    """One simulated step with its allocation trace (cached: plans ask for the same points).
+    A deep uniform stack is simulated at three shallow depths and extrapolated exactly
+    (:func:`memcalc.plan.depth.deep_trace`); otherwise the step is simulated directly."""
+    deep = deep_trace(exp, first_step)
+    if deep is not None:
+        totals, phases = deep
+        peak = int(totals.max())
+        if first_step:
+            phases = ("first step",) * len(phases)
+        _remember(exp, first_step, peak)
+        return Trace(totals.astype(np.float64), phases, peak)
     r = simulate(exp, first_step=first_step, record_timeline=False, trace_allocs=True)
     tr = r.alloc_trace or []
-    phases = tuple("first step" if first_step else ph for _, ph in tr)
+    phases = tuple("first step" if first_step else ph for _, ph, _, _ in tr)
     _remember(exp, first_step, r.peak_bytes)
-    return Trace(np.fromiter((t for t, _ in tr), dtype=np.float64, count=len(tr)), phases, r.peak_bytes)
+    return Trace(np.fromiter((t for t, _, _, _ in tr), dtype=np.float64, count=len(tr)), phases, r.peak_bytes)
 
 
 def _remember(exp: ExperimentSpec, first_step: bool, peak: int) -> None:
@@ -59,6 +70,8 @@ def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
     same number ``estimate()`` takes from the same simulation."""
     key = (exp, first_step)
     if key not in PEAK_CACHE:
+        if applies(exp):
+            return step_trace(exp, first_step).peak_bytes
         _remember(exp, first_step, simulate(exp, first_step=first_step, record_timeline=False).peak_bytes)
     return PEAK_CACHE[key]
 

@@ -1,0 +1,139 @@
+"""Benchmark: how long memcalc's questions take, as a user runs them (a fresh process each time).
+
+One run reports, for each command, the best (minimum) process wall time and the best CPU time
+of the child (user + system, from ``resource.getrusage(RUSAGE_CHILDREN)``; it includes the plan's
+forked workers, and is less disturbed than wall time by other work on a shared machine), over
+``-n`` runs, and the ratios the targets are stated in:
+
+- ``estimate --params 7e9 --bf16 --lora`` over a bare ``python -c "import numpy"`` (target: the
+  estimate under 0.2 s of wall time);
+- ``plan --model llama-3.1-8b --gpu rtx-4090`` (target < 1 s), the cluster table
+  ``plan --model llama-3.1-70b`` (target < 1 s) and ``plan --gpu rtx-4090 --compile`` (< 3 s);
+- configurations per second of ``plan --gpu`` (options x batches x seqs the vectorised search
+  evaluates, from ``plan --json``'s ``evaluated``, over the process wall time);
+- growth with depth (8B 32 layers, 70B 80, 405B 126: ``plan --gpu h100-80gb``, and the cluster
+  table) and with the number of options (``plan --gpu``: the options that fit, ``--all``: every
+  option, ``--compile``: nine compiled options more, estimated directly).
+
+    python benchmarks/bench_speed.py [-n 3] [--quick]
+
+``--quick`` leaves out the 405B and ``--all`` rows. Not a test: the targets live here (CI never
+runs benchmarks; pytest does not collect this folder).
+
+Profile (cProfile, 2-core machine, before the changes of issue 15; MEMCALC_WORKERS=1 so the
+work is in one process): ``plan --model llama-3.1-8b --gpu rtx-4090`` ran 180 simulations of the
+full 32-layer step (120 for the fits: 12 fitted options x 5-6 batch/seq points x steady and
+first step; 60 confirming the printed numbers), 98% of the time; ``Sim.alloc`` alone (1.5 M
+calls) 20%, ``Forward.layer`` 55%, checkpoint recomputation 50%. ``estimate`` (1.07 s): imports
+0.30 s (numpy 0.17 s, pydantic + the specs 0.16 s, typer 0.07 s), the steady and first-step
+simulations 0.16 s, the caching-allocator replay 0.07 s, rendering 0.12 s. After: the plan's
+simulations run on 3-, 4- and 5-layer copies of the model and are extrapolated exactly to the
+real depth (:mod:`memcalc.plan.depth`), compiled graphs and partitions are cached by graph key,
+and ``estimate`` imports neither numpy nor the plan.
+
+Measured on the shared 2-core machine (one run each, main's install and this branch back to back
+at a load of 2-5, CPU = user + system of the process and its workers), before -> after:
+``estimate --params 7e9 --bf16 --lora`` 1.24 -> 0.90 s CPU (1.9 -> 1.4 s wall);
+``plan --model llama-3.1-8b --gpu rtx-4090`` 28.6 -> 17.3 s CPU (44 -> 26 s wall);
+``plan --model llama-3.1-70b`` 29.2 -> 9.1 s CPU (41 -> 13 s wall). The targets (< 1 s, < 0.2 s)
+are not met: see the profile above. What is left for ``plan --gpu``: options with sqrt
+checkpointing (segments of round(sqrt(n)) layers cannot be extrapolated from shallow copies)
+and compiled options are still simulated at full depth, and each remaining option still takes
+about 9-12 simulations for its fit and 4-8 for the confirmations; for ``estimate``, the imports
+of typer, pydantic (with the specs' schemas) and rich alone take about 0.25 s here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+M405 = str(HERE / "llama-3.1-405b.yaml")
+
+
+def _memcalc() -> list[str]:
+    exe = shutil.which("memcalc", path=str(Path(sys.executable).parent)) or shutil.which("memcalc")
+    return [exe] if exe else [sys.executable, "-m", "memcalc.cli"]
+
+
+def timed(cmd: list[str], n: int) -> tuple[float, float, str]:
+    """Best wall and best child CPU seconds of ``n`` runs of ``cmd``, and its last stdout."""
+    walls, cpus, out = [], [], ""
+    for _ in range(n):
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        walls.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append((r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime))
+        if p.returncode:
+            raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()[-500:]}")
+        out = p.stdout
+    return min(walls), min(cpus), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-n", type=int, default=3, help="runs of each command (the minimum is reported)")
+    ap.add_argument("--quick", action="store_true", help="leave out the 405B and --all rows")
+    a = ap.parse_args()
+    mc = _memcalc()
+    rows: list[tuple[str, float, float, str]] = []
+
+    def row(label: str, args: list[str], target: str = "", n: int = a.n) -> tuple[float, float, str]:
+        wall, cpu, out = timed(mc + args, n)
+        rows.append((label, wall, cpu, target))
+        print(f"{label:<58} wall {wall:7.3f} s   cpu {cpu:7.3f} s   {target}", flush=True)
+        return wall, cpu, out
+
+    print(f"{os.cpu_count()} CPUs; best of {a.n} runs each; MEMCALC_WORKERS={os.environ.get('MEMCALC_WORKERS', '(all CPUs)')}")
+    bare_w, bare_c, _ = timed([sys.executable, "-c", "import numpy"], max(a.n, 5))
+    bare_label = 'python -c "import numpy" (bare start)'
+    print(f"{bare_label:<58} wall {bare_w:7.3f} s   cpu {bare_c:7.3f} s")
+    est_w, est_c, _ = row("estimate --params 7e9 --bf16 --lora", ["estimate", "--params", "7e9", "--bf16", "--lora"],
+                          "target wall < 0.2 s", n=max(a.n, 5))
+    print(f"  ratio to the bare start: wall {est_w / bare_w:.2f}x, cpu {est_c / bare_c:.2f}x")
+
+    g8 = ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"]
+    w, c, out = row("plan --model llama-3.1-8b --gpu rtx-4090 (--json)", g8 + ["--json"], "target wall < 1 s")
+    ev = json.loads(out).get("evaluated_configurations", 0)
+    if ev:
+        print(f"  {ev:,} configurations (option x batch x seq): {ev / w:,.0f} per second of wall, {ev / c:,.0f} per CPU second")
+    row("plan --model llama-3.1-70b (cluster table)", ["plan", "--model", "llama-3.1-70b"], "target wall < 1 s")
+    row("plan --model llama-3.1-8b --gpu rtx-4090 --compile", g8 + ["--compile"], "target wall < 3 s")
+
+    print("growth with depth (layers):")
+    depth = [("llama-3.1-8b", 32), ("llama-3.1-70b", 80)] + ([] if a.quick else [(M405, 126)])
+    for model, layers in depth:
+        name = Path(model).name.removesuffix(".yaml")
+        row(f"  plan --model {name} --gpu h100-80gb ({layers} layers)", ["plan", "--model", model, "--gpu", "h100-80gb"])
+    for model, layers in depth:
+        name = Path(model).name.removesuffix(".yaml")
+        row(f"  plan --model {name} (cluster table, {layers} layers)", ["plan", "--model", model])
+
+    print("growth with the number of options (llama-3.1-8b on rtx-4090):")
+    w1, c1, out1 = timed(mc + g8 + ["--json"], 1)
+    n_fit = len(json.loads(out1)["options"])
+    rows.append((f"  options that fit ({n_fit})", w1, c1, ""))
+    print(f"  {'plan --gpu: the options that fit (' + str(n_fit) + ')':<56} wall {w1:7.3f} s   cpu {c1:7.3f} s   "
+          f"{c1 / max(n_fit, 1) * 1000:.0f} ms CPU per option")
+    if not a.quick:
+        w2, c2, out2 = row("  plan --gpu --all: every option", g8 + ["--all", "--json"])
+        n_all = len(json.loads(out2)["options"])
+        print(f"    {n_all} options: {c2 / n_all * 1000:.0f} ms CPU per option")
+    w3, c3, out3 = row("  plan --gpu --compile", g8 + ["--compile", "--json"])
+    n_comp = len(json.loads(out3)["options"])
+    print(f"    {n_comp} options shown ({n_comp - n_fit} compiled ones more): "
+          f"{(c3 - c1) / max(1, n_comp - n_fit) * 1000:.0f} ms CPU per compiled option")
+
+
+if __name__ == "__main__":
+    main()

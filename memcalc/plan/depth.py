@@ -1,0 +1,299 @@
+"""The step of a deep model from three shallow copies of it: exact peaks at a fraction of the cost.
+
+A direct simulation walks every decoder layer, so it costs time in proportion to the depth
+(llama-3.1-8b: 32 layers, 70b: 80, 405b: 126), and the plan asks for hundreds of them. But the
+layers of a stack are identical: layer ``l``'s allocations in forward (and in backward) request
+the same bytes for every interior ``l``, on top of a running total that moves by the same amount
+from one layer to the next (one more layer's saved activations, or gradients). So once each
+allocation is named by where it sits -- its phase, its label with the layer number replaced by
+the layer's place in the stack (first, second, second-to-last, last), and its position inside
+that block -- the bytes alive before it and the bytes it requests are *affine* functions of the
+depth ``n``. :func:`deep_trace` simulates the step at depths 3, 4 and 5 (:data:`SHALLOW_DEPTHS`,
+with ``Sim.alloc_trace``), names the allocations this way, extrapolates both numbers to depth
+``n`` in integers (``x(n) = x(3) + (n - 3) * (x(4) - x(3))``) and rounds the request as the
+allocator does at depth ``n`` (a step temporary the size of all parameters, as the foreach
+optimizer step makes, rounds differently at every depth). Its running total is the sum.
+
+- The layers strictly between the second and the second-to-last are left out: their totals lie
+  between those two layers' (affine in the layer index), so they never set a maximum.
+- A block whose number of allocations grows with the depth (a per-parameter optimizer step) is
+  split the same way into a prefix, one chunk per layer and a suffix.
+- Setup (weights and optimizer state, allocated one by one, never freed) is left out: its
+  highest total is its last, which the step's first allocation exceeds.
+
+Exactness is checked, not assumed: the three shallow steps must have the same named blocks,
+each with the same number of allocations, both numbers of every allocation exactly affine over
+the three depths (integers, no tolerance), and at depth 5 the three interior layers must request
+the same bytes with totals exactly affine in the layer index. Anything else falls back to the
+direct simulation (:func:`applies` rules out up front: sqrt and every-K checkpointing, whose
+segments depend on the depth; torch.compile, whose partition is of the whole graph; a model
+field outside :data:`UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under
+ZeRO over N GPUs a request that grows with the depth is a rank's share ``ceil(S / N)`` of a
+sum (the foreach step's temporary), not affine in the depth: the sum ``S`` is read from the same
+step's shallow traces on one GPU and divided at depth ``n``. ``tests/test_depth.py`` compares
+the extrapolated peaks with direct simulations.
+
+Cost: 3 + 4 + 5 = 12 layers simulated instead of ``n``.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Callable, Optional
+
+import numpy as np
+
+from memcalc.core.spec import ExperimentSpec
+
+#: The depths simulated for one deep step (three points: two define the line, the third checks it).
+SHALLOW_DEPTHS = (3, 4, 5)
+#: Models of at most this many layers are simulated directly (no saving below it).
+MIN_DEPTH = 12
+
+_LAYER = re.compile(r"\blayer (\d+)\b")
+_LAYER_RANGE = re.compile(r"\blayers \d")
+
+
+#: The ModelSpec fields known to shape every layer alike. A field not listed here (a model family
+#: added later: mixture-of-experts layers every K, dense first layers, local/global attention
+#: patterns) may make layers differ with a period the three shallow copies cannot see, so a model
+#: that sets one to anything but its default is simulated directly until the field is checked
+#: (tests/test_depth.py) and listed.
+UNIFORM_FIELDS = frozenset({
+    "activation", "alibi_trainable", "attn_dropout", "block", "d_ff", "d_model", "embd_dropout", "final_norm",
+    "head_dim", "lm_head_bias", "max_seq_len", "mlp", "mlp_bias", "n_heads", "n_kv_heads", "n_layers", "name",
+    "norm", "norm_bias", "norm_eps", "norm_placement", "o_bias", "positions", "qkv_bias", "resid_dropout",
+    "residual_scale", "rotary_pct", "tie_embeddings", "vocab_size",
+})
+
+
+def applies(exp: ExperimentSpec) -> bool:
+    """Whether ``exp``'s step is a uniform stack that :func:`deep_trace` may extrapolate: eager or
+    per-layer checkpointing (none, full, selective) without torch.compile, deep enough to gain,
+    and a model whose fields outside :data:`UNIFORM_FIELDS` are at their defaults."""
+    tr = exp.training
+    m = exp.model
+    if m.n_layers <= MIN_DEPTH or tr.compile or tr.checkpoint not in ("none", "full", "selective"):
+        return False
+    for k, f in type(m).model_fields.items():
+        if k not in UNIFORM_FIELDS and (f.is_required() or getattr(m, k) != f.get_default(call_default_factory=True)):
+            return False
+    return True
+
+
+def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
+    """``exp`` with a ``depth``-layer copy of its model (every other field as given)."""
+    return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": depth})})
+
+
+Event = tuple[int, int]  # (bytes alive before the allocation, bytes requested)
+
+
+def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int) -> Optional[tuple[dict, dict, list]]:
+    """Group a shallow step's allocations by named block (see the module docstring).
+
+    Returns (blocks, interior, setup): blocks maps (phase, label template, place) to the
+    allocations in order, each as (bytes alive before it, bytes requested) (place: "first",
+    "second", "penultimate", "last", or "" outside the layers; depth 3's middle layer is both
+    "second" and "penultimate"); interior maps (phase, template) to {layer: allocations} for the
+    layers strictly inside the stack; setup lists the setup phase's running totals. None: labels
+    this method does not understand (a checkpointed segment of several layers)."""
+    blocks: dict[tuple[str, str, str], list[Event]] = {}
+    interior: dict[tuple[str, str], dict[int, list[Event]]] = {}
+    setup: list[int] = []
+    for total, phase, label, req in trace:
+        if phase == "setup":
+            setup.append(total)
+            continue
+        ev = (total - _round(req, round_bytes), req)
+        if _LAYER_RANGE.search(label):
+            return None
+        found = _LAYER.findall(label)
+        if not found:
+            blocks.setdefault((phase, label, ""), []).append(ev)
+            continue
+        if len(found) > 1:
+            return None
+        mt = _LAYER.search(label)
+        assert mt is not None
+        layer = int(found[0])
+        tmpl = label[:mt.start(1)] + "{}" + label[mt.end(1):]
+        places = []
+        if layer == 0:
+            places.append("first")
+        elif layer == depth - 1:
+            places.append("last")
+        else:
+            interior.setdefault((phase, tmpl), {}).setdefault(layer, []).append(ev)
+            if layer == 1:
+                places.append("second")
+            if layer == depth - 2:
+                places.append("penultimate")
+        for pl in places:
+            blocks.setdefault((phase, tmpl, pl), []).append(ev)
+    return blocks, interior, setup
+
+
+def _round(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _uniform(chunks: list[list[Event]]) -> bool:
+    """Interior chunks (layers 1 .. depth-2): the same requested sizes, and what is alive before
+    each allocation exactly affine in the chunk index (checked where there are three)."""
+    if not chunks:
+        return True
+    if len({len(c) for c in chunks}) != 1:
+        return False
+    a = np.array(chunks, dtype=np.int64)  # (chunks, events, 2)
+    if np.any(a[:, :, 1] != a[0, :, 1]):
+        return False
+    return not (len(a) >= 3 and np.any(np.diff(a[:, :, 0], n=2, axis=0) != 0))
+
+
+def _places(chunks: list[list[Event]], depth: int) -> dict[str, list[Event]]:
+    """The chunks of a stack by place: first, second, penultimate, last."""
+    return {"first": chunks[0], "second": chunks[1], "penultimate": chunks[depth - 2], "last": chunks[depth - 1]}
+
+
+def _split_grown(rows: list[list[Event]], depths: tuple[int, ...]) -> Optional[list[list[list[Event]]]]:
+    """A block whose length grows with the depth (one chunk of events per layer: the per-parameter
+    steps of an optimizer): split it into prefix, first/second/penultimate/last chunk and suffix at
+    every depth, or None. Returns, per part, the events at each depth."""
+    lens = [len(r) for r in rows]
+    k = lens[1] - lens[0]
+    if k <= 0 or any(lens[i + 1] - lens[i] != k * (depths[i + 1] - depths[i]) for i in range(len(lens) - 1)):
+        return None
+    c = lens[0] - k * depths[0]
+    if c < 0:
+        return None
+    for c1 in range(c + 1):
+        parts: list[list[list[Event]]] = [[] for _ in range(6)]
+        ok = True
+        for r, d in zip(rows, depths):
+            chunks = [r[c1 + j * k: c1 + (j + 1) * k] for j in range(d)]
+            if not _uniform(chunks[1:d - 1]):
+                ok = False
+                break
+            pl = _places(chunks, d)
+            for i, part in enumerate([r[:c1], pl["first"], pl["second"], pl["penultimate"], pl["last"], r[c1 + d * k:]]):
+                parts[i].append(part)
+        if ok and all(_affine(p) is not None for p in parts):
+            return parts
+    return None
+
+
+def _affine(rows: list[list[Event]]) -> Optional[np.ndarray]:
+    """Events of one named block at consecutive depths (equal lengths): their (alive before,
+    requested) as an array (depths, events, 2) when both are exactly affine in the depth."""
+    if len({len(r) for r in rows}) != 1:
+        return None
+    a = np.array(rows, dtype=np.int64).reshape(len(rows), -1, 2)
+    diff = np.diff(a, axis=0)
+    if np.any(diff != diff[:1]):
+        return None
+    return a
+
+
+def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...], n: int,
+                round_bytes: int, shards: int = 1,
+                unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]] = None,
+                ) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
+    """The named running totals of the ``n``-layer step from the shallow steps' traces (one per
+    depth in ``depths``, consecutive), or None where the checks fail. Returns the totals (int64,
+    in a fixed order of the named blocks) and the phase of each. Each allocation's bytes alive
+    before it and bytes requested are extrapolated; the request is rounded at depth ``n``
+    (a step temporary the size of all parameters rounds differently at every depth). Under ZeRO
+    over ``shards`` GPUs a request that changes with the depth is this rank's share of a sum,
+    ``ceil(S / shards)``, which is not affine in the depth: ``unsharded()`` gives the same step's
+    traces on one GPU, whose request is ``S`` itself (checked against the shares at every
+    shallow depth); without it such a step is refused (None)."""
+    if any(depths[i + 1] - depths[i] != 1 for i in range(len(depths) - 1)):
+        return None
+    parsed = [_blocks(tr, d, round_bytes) for tr, d in zip(traces, depths)]
+    if any(p is None for p in parsed):
+        return None
+    for (blocks, interior, setup), d in zip(parsed, depths):  # type: ignore[misc]
+        # setup only allocates (weights, state): its highest total is its last, which the
+        # step's first allocation exceeds, so it never sets a maximum
+        if any(b < a for a, b in zip(setup, setup[1:])):
+            return None
+        for by_layer in interior.values():
+            if sorted(by_layer) != list(range(1, d - 1)) or not _uniform([by_layer[i] for i in range(1, d - 1)]):
+                return None
+    blocks = [p[0] for p in parsed]  # type: ignore[index]
+    keys = list(blocks[-1])
+    if any(set(b) != set(keys) for b in blocks):
+        return None
+    parts: list[np.ndarray] = []
+    phases: list[str] = []
+    one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
+    def named(rows: list[list[Event]]) -> Optional[list[Optional[np.ndarray]]]:
+        if len({len(r) for r in rows}) == 1:
+            return [_affine(rows)]
+        split = _split_grown(rows, depths)
+        return None if split is None else [_affine(p) for p in split]
+
+    for k in keys:
+        got = named([b[k] for b in blocks])
+        if got is None:
+            return None
+        for i, a in enumerate(got):
+            if a is None:
+                return None
+            if a.shape[1] == 0:
+                continue
+            at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 2)
+            req = at_n[:, 1]
+            vary = a[1, :, 1] != a[0, :, 1]
+            if shards > 1 and vary.any():
+                if unsharded is None:
+                    return None
+                if not one_gpu:
+                    ts = unsharded()
+                    got1 = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
+                    if got1 is None or any(g is None for g in got1):
+                        return None
+                    one_gpu.append([g[0] for g in got1])  # type: ignore[index]
+                ug = named([b.get(k, []) for b in one_gpu[0]])
+                u = ug[i] if ug is not None and len(ug) == len(got) else None
+                if u is None or u.shape != a.shape or np.any(-(-u[:, vary, 1] // shards) != a[:, vary, 1]):
+                    return None
+                total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
+                req = np.where(vary, -(-total // shards), req)
+            parts.append(at_n[:, 0] + -(-req // round_bytes) * round_bytes)
+            phases += [k[0]] * a.shape[1]
+    if not parts:
+        return None
+    return np.concatenate(parts), tuple(phases)
+
+
+def deep_trace(exp: ExperimentSpec, first_step: bool) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
+    """The running totals (named, see the module docstring) of ``exp``'s steady-state step (or
+    its first step) from :data:`SHALLOW_DEPTHS`-layer copies, or None where :func:`applies` says no
+    or the checks fail (then simulate directly). Their maximum is the direct simulation's peak."""
+    if not applies(exp):
+        return None
+    from memcalc.estimate.step import simulate
+
+    traces = []
+    for d in SHALLOW_DEPTHS:
+        r = simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True)
+        traces.append(r.alloc_trace or [])
+    tr = exp.training
+    shards = tr.gpus if tr.zero >= 1 else 1
+    return extrapolate(traces, SHALLOW_DEPTHS, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
+                       unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
+                           update={"gpus": 1})}), first_step))
+
+
+@lru_cache(maxsize=64)
+def _one_gpu_traces(exp: ExperimentSpec, first_step: bool) -> Optional[list[list[tuple[int, str, str, int]]]]:
+    """The shallow traces of ``exp`` (on one GPU), shared by every ZeRO degree of the same setup."""
+    if not applies(exp):
+        return None
+    from memcalc.estimate.step import simulate
+
+    return [simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True).alloc_trace or []
+            for d in SHALLOW_DEPTHS]

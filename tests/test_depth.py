@@ -1,0 +1,141 @@
+"""memcalc.plan.depth: the step of a deep model extrapolated from 3-, 4- and 5-layer copies must
+have exactly the peak of the direct simulation, or fall back to it."""
+
+from __future__ import annotations
+
+import pytest
+
+from memcalc.core.spec import ExperimentSpec
+from memcalc.estimate.peak import estimate
+from memcalc.estimate.step import simulate
+from memcalc.inputs.profiles import PROFILES, with_loss
+from memcalc.plan.cluster import cluster_setups
+from memcalc.plan.depth import SHALLOW_DEPTHS, applies, deep_trace, extrapolate
+from memcalc.plan.options import Technique, techniques
+from memcalc.plan.simulations import estimated_peak, with_training
+
+from conftest import tiny_llama
+
+DEPTH = 13  # deeper than depth.MIN_DEPTH, odd (no accidental periodicity with the shallow depths)
+
+# Small decoders of each family the engine walks. source: memcalc/engine/forward.py (the blocks)
+FAMILIES = {
+    "llama": tiny_llama(n_layers=DEPTH),
+    "deep-one": tiny_llama(name="tiny-alibi", n_layers=DEPTH, n_kv_heads=None, positions="alibi",
+                           alibi_trainable=True, norm_placement="post", residual_scale=2.0, activation="relu",
+                           max_seq_len=2048),
+    "gpt2": tiny_llama(name="tiny-gpt2", n_layers=DEPTH, n_kv_heads=None, positions="learned", norm="layernorm",
+                       mlp="plain", activation="gelu", tie_embeddings=True, qkv_bias=True, o_bias=True,
+                       mlp_bias=True, max_seq_len=1024, attn_dropout=0.1, resid_dropout=0.1),
+    "phi": tiny_llama(name="tiny-phi", n_layers=DEPTH, n_kv_heads=None, block="parallel", norm="layernorm",
+                      mlp="plain", activation="gelu_tanh", rotary_pct=0.5, qkv_bias=True, o_bias=True,
+                      mlp_bias=True, max_seq_len=2048),
+}
+#: (batch, seq) points, including sequences that are not multiples of the attention kernels'
+#: roundings. source: memcalc/core/kernels.py (FLASH_SEQ_ROUND 128, EFFICIENT_LSE_ROUND 32)
+POINTS = ((1, 512), (3, 333))
+#: the quick lane keeps these technique keys; the slow lane runs all 112
+QUICK = {"none/bf16+master/adafactor/full/fused", "qlora/bf16/adamw/selective"}
+
+
+def _peaks(exp: ExperimentSpec) -> list[tuple[int, int]]:
+    out = []
+    for first in (False, True):
+        deep = deep_trace(exp, first)
+        direct = simulate(exp, first_step=first, record_timeline=False).peak_bytes
+        out.append((None if deep is None else int(deep[0].max()), direct))
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("tech", [pytest.param(t, marks=[] if t.key() in QUICK else [pytest.mark.slow])
+                                  for t in techniques()], ids=Technique.key)
+def test_extrapolated_peak_is_the_direct_peak(family, tech):
+    # source: memcalc.engine.timeline.simulate on the full-depth model; tolerance: none (bytes)
+    m = FAMILIES[family]
+    for b, t in POINTS[:1] if tech.key() in QUICK else POINTS:  # the quick lane: one point
+        exp = ExperimentSpec(model=m, training=tech.training(b, min(t, m.max_seq_len)))
+        for deep, direct in _peaks(exp):
+            if tech.checkpoint == "sqrt":
+                assert deep is None  # segments depend on the depth: simulated directly
+            else:
+                assert deep == direct, (family, tech.key(), b, t)
+
+
+@pytest.mark.parametrize("profile", [pytest.param(p, marks=[] if p == "torch-2.8-cuda" else [pytest.mark.slow])
+                                     for p in PROFILES])
+def test_extrapolated_peak_every_profile(profile):
+    # source: memcalc.engine.timeline.simulate; the profiles change norms, attention, loss, dropout masks
+    prof = PROFILES[profile]
+    m = FAMILIES["llama"]
+    for tech in (Technique("none", "16", "adamw", "none", False), Technique("lora", "16", "adamw", "full", False)):
+        for p in (prof, with_loss(prof, "chunked", 3)):
+            exp = ExperimentSpec(model=m, training=tech.training(2, 1000), profile=p)
+            for deep, direct in _peaks(exp):
+                assert deep == direct, (profile, p.cross_entropy, tech.key())
+
+
+@pytest.mark.parametrize("gpus", [8, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow),
+                                  pytest.param(64, marks=pytest.mark.slow)])
+def test_extrapolated_peak_zero3_cluster_setups(gpus):
+    # source: memcalc.engine.timeline.simulate of plan's cluster setups (ZeRO-3, layers gathered);
+    # a step that cannot be extrapolated exactly (a sharded sum) falls back, never differs
+    m = FAMILIES["llama"]
+    for setup in cluster_setups(m, 700, PROFILES["torch-2.8-cuda"]).values():
+        for exp in setup.values():
+            exp = with_training(exp, gpus=gpus)
+            for deep, direct in _peaks(exp):
+                assert deep is None or deep == direct, (exp.name, exp.training.checkpoint, gpus)
+
+
+def test_plan_peaks_are_estimate_peaks():
+    # source: estimate(): the plan's estimated_peak (extrapolated) equals its peak_bytes
+    m = FAMILIES["llama"]
+    for tech in (Technique("none", "16+master", "adamw", "selective", True), Technique("qlora", "16", "adamw", "full", False)):
+        exp = ExperimentSpec(model=m, training=tech.training(2, 999))
+        assert applies(exp)
+        assert estimated_peak(exp) == estimate(exp, timeline=False).peak_bytes
+
+
+def test_what_is_simulated_directly():
+    m = FAMILIES["llama"]
+    base = Technique("none", "16", "adamw", "none", False).training(1, 256)
+    assert applies(ExperimentSpec(model=m, training=base))
+    for update in ({"checkpoint": "sqrt"}, {"checkpoint": "every-k", "checkpoint_every": 2}, {"compile": True}):
+        assert not applies(ExperimentSpec(model=m, training=base.model_copy(update=update))), update
+    assert not applies(ExperimentSpec(model=tiny_llama(n_layers=12), training=base))  # too shallow to gain
+
+
+def _trace(depth: int, per_layer: int, extra=lambda d: 0) -> list[tuple[int, str, str, int]]:
+    """A synthetic step: setup, one allocation per layer in forward, and a last one."""
+    out, total = [], 1000
+    for i in range(depth):
+        total += per_layer
+        out.append((total, "forward", f"fwd layer {i}", per_layer))
+    req = 512 + extra(depth)
+    out.append((total + -(-req // 512) * 512, "backward", "backward start", req))  # rounded, as Sim.alloc does
+    return out
+
+
+def test_extrapolate_checks_affinity():
+    # source: the module docstring of memcalc.plan.depth (affine in the depth, else None)
+    traces = [_trace(d, 1024) for d in SHALLOW_DEPTHS]
+    got = extrapolate(traces, SHALLOW_DEPTHS, 40, 512)
+    assert got is not None and int(got[0].max()) == _trace(40, 1024)[-1][0]
+    # a request that is not affine in the depth: refused
+    bent = [_trace(d, 1024, extra=lambda d: 512 * d * d) for d in SHALLOW_DEPTHS]
+    assert extrapolate(bent, SHALLOW_DEPTHS, 40, 512) is None
+    # a request that grows with the depth is rounded at the real depth (a foreach temporary)
+    grow = [_trace(d, 1024, extra=lambda d: 100 * d) for d in SHALLOW_DEPTHS]
+    got = extrapolate(grow, SHALLOW_DEPTHS, 40, 512)
+    assert got is not None and int(got[0].max()) == _trace(40, 1024, extra=lambda d: 100 * d)[-1][0]
+
+
+def test_uniform_fields_are_the_model_fields():
+    # source: memcalc/core/spec.py ModelSpec: a new field is simulated directly until it is checked
+    # here (a per-layer pattern with a long period is invisible to 3-, 4- and 5-layer copies) and
+    # added to depth.UNIFORM_FIELDS
+    from memcalc.core.spec import ModelSpec
+    from memcalc.plan.depth import UNIFORM_FIELDS
+
+    assert UNIFORM_FIELDS <= set(ModelSpec.model_fields)
