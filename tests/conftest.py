@@ -51,7 +51,7 @@ def preset_exp(model: str, layers: int, budget: float, **kw) -> ExperimentSpec:
     """A preset under torch.compile at ``budget``, batch 2 x seq 256, with fewer layers."""
     from memcalc.inputs.resolve import Options, resolve
 
-    exp = resolve(Options(model=model, batch=2, seq=256, memory_budget=budget, **kw)).exp
+    exp = resolve(Options(model=model, batch=2, seq=256, memory_budget=budget, **{"framework": "plain", **kw})).exp
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers})})
 
 

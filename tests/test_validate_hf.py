@@ -40,7 +40,7 @@ TINY = {
     "qwen2": ModelSpec(name="tiny-qwen2", **_LLAMA, qkv_bias=True),
     "gpt2": ModelSpec(name="tiny-gpt2", n_layers=1, d_model=64, n_heads=4, d_ff=256, vocab_size=256, max_seq_len=128,
                       positions="learned", tie_embeddings=True, attn_dropout=0.1, resid_dropout=0.1,
-                      embd_dropout=0.1, **_PLAIN),
+                      embd_dropout=0.1, fused_qkv=True, **_PLAIN),
     "phi": ModelSpec(name="tiny-phi", n_layers=1, d_model=64, n_heads=4, d_ff=256, vocab_size=256, max_seq_len=128,
                      block="parallel", rotary_pct=0.5, lm_head_bias=True, **_PLAIN),
 }
@@ -99,20 +99,20 @@ def test_peft_trainable_count(model_type, targets):
     assert (total, trainable) == (want.total, want.trainable)
 
 
-def test_gpt2_fused_qkv_adapter_is_smaller_than_three():
-    """GPT-2's c_attn is one (d, 3d) Conv1D: PEFT puts one A (r, d) and one B (3d, r) on it, where
-    memcalc counts three pairs (r, d) + (d, r): 2 * r * d fewer per layer (a gap the estimator has)."""
+def test_gpt2_fused_qkv_adapter_is_one():
+    """GPT-2's c_attn is one (d, 3d) Conv1D: PEFT puts one A (r, d) and one B (3d, r) on it, as
+    memcalc's fused_qkv target ``qkv`` counts (r * d + 3d * r per layer)."""
     m, r = TINY["gpt2"], 4
-    lora = LoraSpec(rank=r, targets=("q", "k", "v"))
+    lora = LoraSpec(rank=r, targets=("qkv",))
     model, _ = build_hf_model(m, lora, torch.bfloat16)
-    assert param_counts(model)[1] == count_params(m, lora).trainable - 2 * r * m.d_model * m.n_layers
+    assert param_counts(model)[1] == count_params(m, lora).trainable == (r * m.d_model + 3 * m.d_model * r) * m.n_layers
     assert peft_targets(FAMILIES["gpt2"], lora) == ["c_attn"]
 
 
 def test_inexpressible_model_and_targets_are_one_line_errors():
     with pytest.raises(UserError, match="none of the Hugging Face families.*supported: llama"):
         choose_family(load_preset("deep-one-1.6b"))
-    with pytest.raises(UserError, match="fuses q, k, v in one module"):
+    with pytest.raises(UserError, match="gpt2 has no LoRA target q, v"):
         peft_targets(FAMILIES["gpt2"], LoraSpec(targets=("q", "v")))
 
 
@@ -242,8 +242,8 @@ def test_cli_framework_hf_json():
 
 
 def test_cli_plain_records_name_the_framework():
-    r = run(["validate", "--model", "tinyllama-1.1b", "--bf16", "--seq", "64", "--scale-layers", "1",
-             "--device", "meta", "--json"])
+    r = run(["validate", "--framework", "plain", "--model", "tinyllama-1.1b", "--bf16", "--seq", "64",
+             "--scale-layers", "1", "--device", "meta", "--json"])
     assert r.exit_code == 0, r.output
     (rec,) = json.loads(r.stdout)
     assert rec["framework"] == "plain" and rec["transformers_version"] is None and rec["peft_version"] is None
@@ -251,12 +251,15 @@ def test_cli_plain_records_name_the_framework():
 
 # (args, exit code, message)
 BAD = [
-    (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2, "unknown --framework 'keras'"),
+    (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2, "'keras' is not one of"),
+    (["validate", "--framework", "torchtune", "--model", "gpt2", "--device", "meta"], 2,
+     "validate traces plain (memcalc's replica) or hf"),
     (["validate", "--framework", "hf", "--config", "control", "--device", "meta"], 2,
      "none of the Hugging Face families"),
     (["validate", "--framework", "hf", "--model", "gpt2", "--lora", "--lora-targets", "q,v", "--device", "meta"], 2,
-     "gpt2 fuses q, k, v in one module (c_attn)"),
-    (["validate", "--reentrant", "--model", "gpt2", "--device", "meta"], 2, "needs --framework hf"),
+     "q, k, v are one fused projection: target qkv"),
+    (["validate", "--reentrant", "--framework", "plain", "--model", "gpt2", "--device", "meta"], 2,
+     "needs --framework hf"),
 ]
 
 
