@@ -76,9 +76,11 @@ class MLAttention(nn.Module):
                        bias=m.has_norm_bias, dtype=cfg.dtype, device=cfg.device, trainable=cfg.full)
 
     def forward(self, hidden_states: torch.Tensor, cos: Optional[torch.Tensor] = None,
-                sin: Optional[torch.Tensor] = None) -> torch.Tensor:
+                sin: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """DeepseekV3Attention.forward, its local names kept: a Python local holds its tensor until
-        the method returns (q_states and compressed_kv stay alive through the attention call)."""
+        the method returns (q_states and compressed_kv stay alive through the attention call).
+        ``mask``: the decoder passes its sliding-window mask to every attention; DeepSeek has none."""
+        assert mask is None, "DeepSeek's MLA layers have no sliding window"
         a, m, amp = self.a, self.m, self.cfg.amp
         batch_size, seq_length = hidden_states.shape[:-1]
         nope, rope, dv = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim

@@ -21,7 +21,6 @@ from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import attention_variants as av
 from memcalc.engine import block_variants as bv
-from memcalc.engine import layout_stub
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.mla import mla_attention, rope_width
 from memcalc.engine.moe import moe_block
@@ -137,8 +136,6 @@ class Forward:
             return mla_attention(self, h, i)
         if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
             return av.attention(self, h, i)
-        if layout_stub.needs_stub_attention(m):
-            return layout_stub.attention(self, h, i)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
@@ -188,8 +185,6 @@ class Forward:
             return moe_block(self, h, i)
         if m.fused_gate_up:  # Phi-3 / GLM-4 gate_up_proj (engine/block_variants.py)
             return bv.fused_gate_up_mlp(self, h, i)
-        if layout_stub.needs_stub_mlp(m):
-            return layout_stub.mlp(self, h, i)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
