@@ -116,3 +116,31 @@ def test_any_command_line_exits_cleanly(args):
     assert "Traceback" not in r.output, args
     if r.exit_code == 2:
         assert r.stderr.count("\n") == 1 and r.stderr.startswith("memcalc: error: "), (args, r.stderr)
+    if r.exit_code == 0 and args[0] == "estimate" and "--json" not in args:
+        _json_invariants(args)
+
+
+def _byte_fields(doc, path="") -> list[tuple[str, object]]:
+    """Every (path, value) of a key ending in ``_bytes``, at any depth."""
+    out: list[tuple[str, object]] = []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            if isinstance(k, str) and k.endswith("_bytes"):
+                out.append((f"{path}.{k}", v))
+            out += _byte_fields(v, f"{path}.{k}")
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _byte_fields(v, f"{path}[{i}]")
+    return out
+
+
+def _json_invariants(args: list[str]) -> None:
+    """The same command with --json: bytes are integers (never floats), and the components of the
+    peak add up to it (both groupings)."""
+    r = CliRunner().invoke(app, [*args, "--json"], prog_name="memcalc")
+    assert r.exit_code in (0, 3), (args, r.exit_code, r.stderr[-300:])
+    doc = json.loads(r.stdout)
+    bad = [(p, v) for p, v in _byte_fields(doc) if v is not None and (isinstance(v, bool) or not isinstance(v, int))]
+    assert not bad, (args, bad[:5])
+    assert sum(doc["components"].values()) == doc["peak_bytes"], args
+    assert sum(doc["components_by_kind"].values()) == doc["peak_bytes"], args
