@@ -32,7 +32,7 @@ GRID = [
     ("gpt2", 2, dict(batch=4, seq=1024, checkpoint="full")),
     ("gpt2", 3, dict(batch=2, seq=512, precision="bf16", fused_optimizer=True)),
     ("gpt2-xl", 2, dict(batch=2, seq=512, precision="bf16", fused_optimizer=True)),
-    ("gpt2-xl", 2, dict(batch=2, seq=256, precision="amp-fp16", lora=dict(rank=8, targets=("q", "v")))),
+    ("gpt2-xl", 2, dict(batch=2, seq=256, precision="amp-fp16", lora=dict(rank=8, targets=("qkv",)))),
     ("tinyllama-1.1b", 2, dict(batch=4, seq=1024, precision="bf16")),
     ("tinyllama-1.1b", 2, dict(batch=4, seq=1024, precision="bf16", lora=dict(rank=16))),
     ("tinyllama-1.1b", 2, dict(batch=4, seq=1024, precision="bf16", lora=dict(rank=16, qlora=True))),

@@ -38,7 +38,7 @@ def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[s
         out["lora"][ck] = ExperimentSpec(
             name=f"{model.name} LoRA", model=model, profile=profile,
             training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
-                                  checkpoint=ck, lora=LoraSpec(rank=LORA_RANK)))
+                                  checkpoint=ck, lora=LoraSpec(rank=LORA_RANK, targets=model.attention_lora_targets)))
     return out
 
 

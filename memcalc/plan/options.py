@@ -47,10 +47,13 @@ class Technique:
         comp = [] if self.budget is None else [f"compile{self.budget:g}"]
         return "/".join([self.adapters, pr, self.optimizer, self.checkpoint] + (["fused"] if self.fused else []) + comp)
 
-    def training(self, batch: int, seq: int, half: str = "bf16") -> TrainingSpec:
+    def training(self, batch: int, seq: int, half: str = "bf16",
+                 targets: tuple[str, ...] = ("q", "k", "v", "o")) -> TrainingSpec:
+        """The training setup of this option; ``targets``: the model's attention projections as LoRA
+        targets (``ModelSpec.attention_lora_targets``: qkv, o on a fused projection)."""
         lora = None
         if self.adapters != "none":
-            lora = LoraSpec(rank=LORA_RANK, qlora=self.adapters == "qlora")
+            lora = LoraSpec(rank=LORA_RANK, qlora=self.adapters == "qlora", targets=targets)
         return TrainingSpec(
             batch=batch, seq=seq, precision=self.precision_name(half), master_weights=self.precision == "16+master",
             optimizer=self.optimizer, checkpoint=self.checkpoint, fused_optimizer=self.fused, lora=lora,

@@ -174,8 +174,8 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     half = "bf16" if getattr(gpu, "bf16", True) else "fp16"
     cap = int(gpu.capacity_bytes)
     techs = list(options) if options is not None else techniques()
-    exps = [ExperimentSpec(name=f"{model.name} {t.key(half)}", model=model, training=t.training(1, seq, half),
-                           profile=profile) for t in techs]
+    exps = [ExperimentSpec(name=f"{model.name} {t.key(half)}", model=model, profile=profile,
+                           training=t.training(1, seq, half, model.attention_lora_targets)) for t in techs]
     notes = []
     if half == "fp16":
         notes.append(f"{getattr(gpu, 'display_name', gpu.name)} has no bf16: 16-bit options use fp16 (same memory)")
