@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from memcalc.core.kernels import choose_attention_kernel
 from memcalc.core.spec import KernelProfile
+from memcalc.engine.mla import mla_attention_kernel
 
 from .amp import Amp
 from .attention import EfficientAttention, FlashAttention, align_mask
@@ -183,6 +184,8 @@ class HFKernels(TorchFunctionMode):
         if mask is not None and mask.dtype == torch.bool:
             mask = bool_mask_to_additive(mask, query.dtype)
         kernel = choose_attention_kernel(self.profile.attention, query.dtype in _LOW, mask is not None, gqa)
+        # DeepSeek MLA: q/k and v of different head dims (flash cannot run them; memcalc.engine.mla)
+        kernel = mla_attention_kernel(kernel, query.shape[-1], value.shape[-1])
         self.calls.append((kernel, query.dtype, gqa, mask is not None))
         sc = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
         if kernel == "flash":
