@@ -11,6 +11,10 @@ This is the inverse of :mod:`memcalc.inputs.hf_config` (config.json -> ModelSpec
   module names PEFT matches (``target_modules``); several memcalc targets that name one fused
   module (GPT-2's ``c_attn`` = q, k, v) must be asked together.
 
+A preset read from a shipped config.json (``data/models/*.yaml`` with ``hf_config``) needs none of
+this: when the ModelSpec is that preset's model, :func:`choose_family` returns a family whose config is
+the published file cut to the traced depth (:mod:`.hf_presets`), any ``model_type`` transformers knows.
+
 To add a family: write its two functions and one :class:`Family` record, and add the record to
 :data:`FAMILIES` (the tests round-trip every family: ModelSpec -> config -> ``from_config``
 parameter count == :func:`memcalc.engine.params.count_params`).
