@@ -99,8 +99,10 @@ def patch_peft_meta_autocast() -> None:
     """PEFT 0.21 folds an expert adapter into its 3-D parameter under
     ``torch.autocast(device_type=W.device.type, enabled=False)``
     (peft/tuners/lora/layer.py ``_LoraFactorsProxy.forward``); ``torch.autocast("meta")`` raises
-    (no autocast dtype for meta). Autocast does nothing on meta, so on meta the fold runs without
-    the context; on every other device PEFT's own forward runs. Installed once, idempotent."""
+    (no autocast dtype for meta). On meta the fold runs with torch-function modes off instead, so
+    the validator's autocast emulation (:class:`~.hf_kernels.HFKernels`) leaves it in W's dtype as
+    ``enabled=False`` does on CUDA (the dispatch-level tracer still sees it); on every other device
+    PEFT's own forward runs. Installed once, idempotent."""
     import torch
     from peft.tuners.lora import layer
 
@@ -111,7 +113,8 @@ def patch_peft_meta_autocast() -> None:
 
     def forward(self, W):
         if W.device.type == "meta":
-            return torch.baddbmm(W, self.lhs, self.rhs, alpha=self.scaling)
+            with torch._C.DisableTorchFunction():
+                return torch.baddbmm(W, self.lhs, self.rhs, alpha=self.scaling)
         return original(self, W)
 
     forward._memcalc_meta = True  # type: ignore[attr-defined]
