@@ -114,3 +114,24 @@ def test_changed_preset_is_one_line_error() -> None:
     with pytest.raises(UserError, match="none of the Hugging Face families") as e:
         choose_family(q.model_copy(update={"d_ff": q.d_ff + 64}))
     assert "\n" not in str(e.value)
+
+
+# (preset, LoRA targets, dropout, skipped?); source: peft/tuners/lora/layer.py ParamWrapper.__init__
+# ("does not work with lora_dropout != 0"); PEFT 0.21 maps Mixtral's / Qwen3-MoE's gate, up, down onto it
+EXPERT_DROPOUT = [
+    ("mixtral-8x7b", ("q", "v", "gate", "up", "down"), 0.05, True),
+    ("qwen3-30b-a3b", ("q", "v", "experts"), 0.05, True),
+    ("qwen3-30b-a3b", ("q", "v"), 0.05, False),
+    ("qwen3-30b-a3b", ("q", "v", "experts"), 0.0, False),
+]
+
+
+@pytest.mark.parametrize("preset,targets,dropout,skipped", EXPERT_DROPOUT)
+def test_expert_adapters_with_dropout_are_skipped(preset, targets, dropout, skipped) -> None:
+    from memcalc.validate.hf_runner import hf_unsupported
+
+    m = load_preset(preset).model_copy(update={"n_layers": 2})
+    tr = TrainingSpec(batch=1, seq=256, precision="bf16", lora=LoraSpec(targets=targets, dropout=dropout))
+    exp = ExperimentSpec(name=preset, model=m, training=tr, profile=get_profile(HF_ESTIMATOR_PROFILE))
+    why = hf_unsupported(exp, "meta")
+    assert (why is not None and "refuses lora_dropout != 0" in why) == skipped, why
