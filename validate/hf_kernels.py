@@ -44,6 +44,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from memcalc.core.kernels import choose_attention_kernel
 from memcalc.core.spec import KernelProfile
+from memcalc.engine.mla import mla_attention_kernel
 
 from .amp import Amp
 from .attention import EfficientAttention, FlashAttention, align_mask
@@ -127,6 +128,8 @@ class HFKernels(TorchFunctionMode):
             return self.sdpa(*args, **kwargs)
         if func is F.dropout:
             return self.dropout(*args, **kwargs)
+        if func in _GROUPED_MM:
+            return self.grouped_mm(func, *args, **kwargs)
         if self.amp.active:
             if func in LOWER_PRECISION:
                 args, kwargs = self._cast(self.amp.lp, args, kwargs)
@@ -171,6 +174,20 @@ class HFKernels(TorchFunctionMode):
         out = torch.native_dropout(input, p, True)[0]
         return input.copy_(out) if inplace else out
 
+    @staticmethod
+    def grouped_mm(func, *args, **kwargs):
+        """transformers' MoE experts (integrations/moe.py ``_grouped_mm``: ``grouped_mm(a, b, offs=offs)``)
+        on a non-bf16 input on meta: the meta registration of ``_grouped_mm`` accepts bf16 only, CUDA
+        runs its mm-loop fallback; :class:`~.moe._GroupedMMFallback` makes the same allocations (as the
+        replica's :func:`~.moe.grouped_mm`). Any other call runs as it is."""
+        a, offs = args[0], kwargs.get("offs")
+        plain = all(v is None for k, v in kwargs.items() if k != "offs")  # no bias, no out_dtype
+        if len(args) == 2 and plain and offs is not None and a.device.type == "meta" and a.dtype != torch.bfloat16:
+            from .moe import _GroupedMMFallback
+
+            return _GroupedMMFallback.apply(a, args[1], offs)
+        return func(*args, **kwargs)
+
     def sdpa(self, query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
              scale: Optional[float] = None, enable_gqa: bool = False):
         """The SDPA kernel CUDA's dispatcher picks (see the module docstring)."""
@@ -183,6 +200,8 @@ class HFKernels(TorchFunctionMode):
         if mask is not None and mask.dtype == torch.bool:
             mask = bool_mask_to_additive(mask, query.dtype)
         kernel = choose_attention_kernel(self.profile.attention, query.dtype in _LOW, mask is not None, gqa)
+        # DeepSeek MLA: q/k and v of different head dims (flash cannot run them; memcalc.engine.mla)
+        kernel = mla_attention_kernel(kernel, query.shape[-1], value.shape[-1])
         self.calls.append((kernel, query.dtype, gqa, mask is not None))
         sc = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
         if kernel == "flash":
@@ -192,6 +211,10 @@ class HFKernels(TorchFunctionMode):
             bias = align_mask(mask, B, H, T, key.shape[-2]) if mask is not None else None
             return EfficientAttention.apply(query, key, value, bias, dropout_p, is_causal and mask is None, sc)
         return math_attention(query, key, value, mask, dropout_p, is_causal and mask is None, sc, gqa)
+
+
+#: torch's grouped matmul entry points (F.grouped_mm from torch 2.9)
+_GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f is not None)
 
 
 # -- transformers' own code paths that cannot run on meta -----------------------------------

@@ -11,6 +11,10 @@ This is the inverse of :mod:`memcalc.inputs.hf_config` (config.json -> ModelSpec
   module names PEFT matches (``target_modules``); several memcalc targets that name one fused
   module (GPT-2's ``c_attn`` = q, k, v) must be asked together.
 
+A preset read from a shipped config.json (``data/models/*.yaml`` with ``hf_config``) needs none of
+this: when the ModelSpec is that preset's model, :func:`choose_family` returns a family whose config is
+the published file cut to the traced depth (:mod:`.hf_presets`), any ``model_type`` transformers knows.
+
 To add a family: write its two functions and one :class:`Family` record, and add the record to
 :data:`FAMILIES` (the tests round-trip every family: ModelSpec -> config -> ``from_config``
 parameter count == :func:`memcalc.engine.params.count_params`).
@@ -146,6 +150,8 @@ class Family:
     lora_kwargs: dict[str, Any] = field(default_factory=dict)
     #: the family's q, k, v projection is one module (GPT-2 c_attn): ModelSpec.fused_qkv must say so
     fused_qkv: bool = False
+    #: memcalc targets reached through PEFT's ``target_parameters`` (MoE experts), not modules
+    lora_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 #: ModelSpec fields of the newer families (issue 12) and their defaults: a family registered here
@@ -181,10 +187,29 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
 )}
 
 
+def preset_family(m: ModelSpec) -> Optional[Family]:
+    """The family of a preset read from a shipped config.json when ``m`` is that preset's model
+    (:mod:`.hf_presets`): its config is the published file, cut to ``m.n_layers``."""
+    from . import hf_presets
+
+    hit = hf_presets.find_preset(m)
+    if hit is None:
+        return None
+    name, raw = hit
+    mt = raw["model_type"]
+    return Family(mt, lambda _m: [], lambda mm: hf_presets.config_kwargs(raw, mm.n_layers),
+                  hf_presets.lora_modules(mt), shape=f"preset {name}, data/hf_configs", fused_qkv=m.fused_qkv,
+                  lora_params=dict(hf_presets.EXPERT_PARAMS))
+
+
 def choose_family(m: ModelSpec) -> Family:
-    """The family that expresses ``m``: one whose ``model_type`` is in the model's name first
+    """The family that expresses ``m``: a preset's own config.json when ``m`` is such a preset's
+    model (:func:`preset_family`), else one whose ``model_type`` is in the model's name first
     (``mistral-7b`` -> mistral), else the first in :data:`FAMILIES` order; a one-line
     :class:`UserError` naming the closest family's differences when none can."""
+    pf = preset_family(m)
+    if pf is not None:
+        return pf
     name = m.name.lower().replace("-", "").replace("_", "")
     order = sorted(FAMILIES.values(), key=lambda f: f.model_type not in name)
     misses = {f.model_type: f.mismatches(m) + _feature_mismatches(f, m) for f in order}
@@ -245,11 +270,19 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
 
         from peft import LoraConfig, get_peft_model
 
+        from .hf_presets import patch_peft_meta_autocast
+
+        patch_peft_meta_autocast()
         targets = peft_targets(family, lora)
+        params = [p for t in lora.targets for p in family.lora_params.get(t, ())]
+        extra = dict(family.lora_kwargs, **({"target_parameters": params} if params else {}))
         cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
-                         **family.lora_kwargs)
+                         **extra)
         with torch.device(device), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # PEFT calls transformers 5's deprecated aliases
+            # PEFT's v4 -> v5 MoE conversion adds rank/alpha patterns for the fused expert parameter,
+            # which no *module* matches (it is reached through target_parameters)
+            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
             model = get_peft_model(model, cfg)
     model.train()
     return model, family

@@ -74,7 +74,19 @@ def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
         return "--framework hf: checkpoint every-K needs transformers' activation_checkpointing_enable(every_n_layers)"
     if tr.lora is not None and tr.lora.qlora:
         return "--framework hf: QLoRA loads the base through bitsandbytes (CUDA only); the HF validator does not build it"
+    if tr.lora is not None and tr.lora.dropout and _adapts_experts(exp.model, tr.lora.targets):
+        return ("--framework hf: PEFT adapts MoE experts through lora.ParamWrapper, which refuses lora_dropout != 0 "
+                "(peft/tuners/lora/layer.py ParamWrapper.__init__); use --lora-dropout 0 or targets "
+                "without the experts (and, where PEFT maps gate/up/down onto them, without those)")
     return unsupported(exp, device)
+
+
+def _adapts_experts(m, targets) -> bool:
+    """LoRA reaches the 3-D expert parameters: target ``experts``, or gate/up/down on a family whose
+    MLP names PEFT 0.21 converts to expert adapters (``MoeSpec.lora_mlp_to_experts``)."""
+    if m.moe is None:
+        return False
+    return "experts" in targets or (m.moe.lora_mlp_to_experts and bool({"gate", "up", "down"} & set(targets)))
 
 
 def check_hf(exp: ExperimentSpec) -> None:

@@ -159,6 +159,16 @@ def _preset_from_hf_config(raw: dict[str, Any], key: str) -> ModelSpec:
     return from_hf_config(cfg, str(raw.get("name", key)), where=f"{_HF_FOLDER}/{stem}.json", strict=True)
 
 
+def preset_hf_config(name: str) -> Optional[dict[str, Any]]:
+    """The shipped Hugging Face config.json (a fresh dict) that preset ``name`` is read from
+    (``hf_config: ORG--NAME.json``), or None for a preset written as ModelSpec fields."""
+    raw = load_named(_FOLDER, _preset_key(name))
+    if not (isinstance(raw, dict) and "hf_config" in raw):
+        return None
+    cfg = load_named(_HF_FOLDER, str(raw["hf_config"]).removesuffix(".json"))
+    return json.loads(json.dumps(cfg))
+
+
 def preset_summary(name: str) -> dict[str, Any]:
     """One row of the ``memcalc models`` table: name, Hugging Face id, exact parameter count and shapes."""
     m = load_preset(name)

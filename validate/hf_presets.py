@@ -1,0 +1,121 @@
+"""The transformers model of a preset read from a shipped Hugging Face config.json
+(``data/models/<name>.yaml`` with ``hf_config``; :func:`memcalc.inputs.presets.preset_hf_config`).
+
+When the ModelSpec being validated is such a preset's model (equal to what
+:func:`memcalc.inputs.hf_config.from_hf_config` reads from the config, except possibly ``n_layers``
+and ``name``: ``--scale-layers``), the model is built from the published config itself
+(``AutoConfig.for_model(model_type, **config)``), not from an inverse mapping: every family
+transformers knows (Qwen3, Gemma-2/3, OLMo-2, SmolLM3, Granite, Phi-3/4, Mixtral, Qwen3-MoE,
+DeepSeek-V3, gpt-oss, ...) is then the real one.
+
+The depth is the ModelSpec's ``n_layers``; what else in a config counts layers is cut to match:
+per-layer lists (``layer_types``: Gemma-3, gpt-oss; ``no_rope_layers``: SmolLM3) keep their first
+``n_layers`` entries; index lists (``mlp_only_layers``: Qwen2/3-MoE) keep the indices below
+``n_layers``; a count (``first_k_dense_replace``: DeepSeek) needs no change (more dense layers
+than layers = every layer dense, as memcalc's ``MoeSpec.first_dense_layers`` reads it).
+The stored quantization format (``quantization_config``: gpt-oss MXFP4, DeepSeek FP8) and the
+remote-code map (``auto_map``) are dropped: training builds the plain transformers modules.
+
+LoRA: memcalc's targets as the module names of each family's ``modeling_*.py`` (transformers
+5.23); ``experts`` is PEFT's ``target_parameters`` on the 3-D expert tensors; Mixtral's MLP
+targets are its v4 names ``w1``/``w3``/``w2``, which PEFT 0.21 converts to expert adapters
+(peft/utils/transformers_weight_conversion.py ``_convert_peft_config_moe``), as Qwen3-MoE's and
+DeepSeek's ``gate_proj``/``up_proj``/``down_proj`` (memcalc: ``MoeSpec.lora_mlp_to_experts``).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Optional
+
+from memcalc.core.spec import ModelSpec
+
+#: config keys holding one entry per layer (cut to n_layers)
+_PER_LAYER = ("layer_types", "no_rope_layers")
+#: config keys holding layer indices (keep those below n_layers)
+_LAYER_INDICES = ("mlp_only_layers",)
+#: config keys the training model does not use
+_DROPPED = ("model_type", "quantization_config", "auto_map")
+
+_BASE = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+         "down": "down_proj", "qkv": "qkv_proj", "gate_up": "gate_up_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
+         "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj"}
+#: per model_type: the module names that differ from _BASE (source: each modeling_*.py)
+_RENAMED: dict[str, dict[str, str]] = {
+    "mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
+    "gpt_neox": {"qkv": "query_key_value", "o": "dense", "up": "dense_h_to_4h", "down": "dense_4h_to_h"},
+    "falcon": {"qkv": "query_key_value", "o": "dense", "up": "dense_h_to_4h", "down": "dense_4h_to_h"},
+    "starcoder2": {"up": "c_fc", "down": "c_proj"},
+}
+#: memcalc target -> PEFT target_parameters
+EXPERT_PARAMS = {"experts": ("experts.gate_up_proj", "experts.down_proj")}
+
+
+def lora_modules(model_type: str) -> dict[str, tuple[str, ...]]:
+    """memcalc LoRA target -> PEFT ``target_modules`` names for ``model_type`` (``experts``: none,
+    it is reached through :data:`EXPERT_PARAMS`)."""
+    names = dict(_BASE, **_RENAMED.get(model_type, {}))
+    return {**{t: (n,) for t, n in names.items()}, "experts": ()}
+
+
+def config_kwargs(raw: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """``raw`` (a config.json) as keyword arguments of its configuration class with ``n_layers`` layers
+    (see the module docstring for what is cut)."""
+    full = raw["num_hidden_layers"]
+    out = {k: v for k, v in raw.items() if k not in _DROPPED}
+    out["num_hidden_layers"] = n_layers
+    for k in _PER_LAYER:
+        if isinstance(out.get(k), list):
+            assert len(out[k]) == full, (k, len(out[k]), full)
+            out[k] = out[k][:n_layers]
+    for k in _LAYER_INDICES:
+        if isinstance(out.get(k), list):
+            out[k] = [i for i in out[k] if i < n_layers]
+    return out
+
+
+@lru_cache(maxsize=1)
+def _hf_config_presets() -> tuple[tuple[str, ModelSpec, dict[str, Any]], ...]:
+    from memcalc.inputs.presets import list_presets, load_preset, preset_hf_config
+
+    out = []
+    for name in list_presets():
+        raw = preset_hf_config(name)
+        if raw is not None:
+            out.append((name, load_preset(name), raw))
+    return tuple(out)
+
+
+def find_preset(m: ModelSpec) -> Optional[tuple[str, dict[str, Any]]]:
+    """(preset name, its config.json) when ``m`` is that preset's model up to ``n_layers`` and ``name``;
+    else None."""
+    for name, spec, raw in _hf_config_presets():
+        if m.model_copy(update={"n_layers": spec.n_layers, "name": spec.name}) == spec:
+            return name, raw
+    return None
+
+
+def patch_peft_meta_autocast() -> None:
+    """PEFT 0.21 folds an expert adapter into its 3-D parameter under
+    ``torch.autocast(device_type=W.device.type, enabled=False)``
+    (peft/tuners/lora/layer.py ``_LoraFactorsProxy.forward``); ``torch.autocast("meta")`` raises
+    (no autocast dtype for meta). On meta the fold runs with torch-function modes off instead, so
+    the validator's autocast emulation (:class:`~.hf_kernels.HFKernels`) leaves it in W's dtype as
+    ``enabled=False`` does on CUDA (the dispatch-level tracer still sees it); on every other device
+    PEFT's own forward runs. Installed once, idempotent."""
+    import torch
+    from peft.tuners.lora import layer
+
+    proxy = getattr(layer, "_LoraFactorsProxy", None)
+    if proxy is None or getattr(proxy.forward, "_memcalc_meta", False):
+        return
+    original = proxy.forward
+
+    def forward(self, W):
+        if W.device.type == "meta":
+            with torch._C.DisableTorchFunction():
+                return torch.baddbmm(W, self.lhs, self.rhs, alpha=self.scaling)
+        return original(self, W)
+
+    forward._memcalc_meta = True  # type: ignore[attr-defined]
+    proxy.forward = forward
