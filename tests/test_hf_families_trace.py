@@ -44,14 +44,34 @@ FAMILIES = [
     ("qwen3-30b-a3b", "qwen3_moe", 2),
     ("deepseek-v3", "deepseek_v3", 4),  # MLA; first_k_dense_replace 3, then a MoE layer
     ("gpt-oss-20b", "gpt_oss", 2),  # eager attention (sinks), layer_types cut to 2
+    # the model types no preset covers: their shipped config.json itself (data/hf_configs/<stem>.json)
+    ("CohereForAI--aya-23-8B", "cohere", 2),  # per-head LayerNorm q/k norms, parallel block, logit_scale
+    ("EleutherAI--pythia-160m", "gpt_neox", 2),  # fused query_key_value, two parallel norms
+    ("Qwen--Qwen1.5-MoE-A2.7B-Chat", "qwen2_moe", 2),  # shared expert with a sigmoid gate
+    ("THUDM--GLM-4-9B-0414", "glm4", 2),  # sandwich norms, fused gate_up_proj
+    ("bigcode--starcoder2-7b", "starcoder2", 2),  # LayerNorm, plain MLP, sliding window
+    ("deepseek-ai--DeepSeek-V2-Lite", "deepseek_v2", 2),  # MLA without q_lora_rank; 1 dense layer, then MoE
+    ("google--gemma-2b", "gemma", 2),
+    ("stabilityai--stablelm-2-zephyr-1_6b", "stablelm", 2),
+    ("tiiuae--falcon-7b", "falcon", 2),  # multi-query, parallel attention
 ]
 
 #: rows whose gap exceeds TOLERANCE_PCT: (preset, lora) -> reason (none at present)
 XFAIL: dict[tuple[str, bool], str] = {}
 
 
+def _model(name: str):
+    """A preset, or (a name with ``--``) the model of a shipped config.json no preset names."""
+    if "--" not in name:
+        return load_preset(name)
+    from memcalc.inputs.data_files import load_named
+    from memcalc.inputs.hf_config import from_hf_config
+
+    return from_hf_config(load_named("hf_configs", name), name)
+
+
 def _exp(preset: str, layers: int, lora: bool, precision: str = "bf16") -> ExperimentSpec:
-    m = load_preset(preset).model_copy(update={"n_layers": layers})
+    m = _model(preset).model_copy(update={"n_layers": layers})
     spec = LoraSpec(rank=16, alpha=32, targets=tuple(m.lora_targets)) if lora else None
     tr = TrainingSpec(batch=1, seq=256, precision=precision, lora=spec)
     return ExperimentSpec(name=f"{preset} {'lora' if lora else 'full'}", model=m, training=tr,
@@ -102,7 +122,7 @@ def test_preset_lookup() -> None:
     assert find_preset(q)[0] == "qwen3-0.6b"
     assert find_preset(q.model_copy(update={"n_layers": 3, "name": "mine"}))[0] == "qwen3-0.6b"
     assert find_preset(q.model_copy(update={"d_ff": q.d_ff + 64})) is None
-    assert find_preset(load_preset("tinyllama-1.1b")) is None
+    assert find_preset(load_preset("tinyllama-1.1b")) is None  # llama: the hand-written family builds it
     assert preset_hf_config("tinyllama-1.1b") is None
     assert preset_hf_config("qwen3-0.6b")["model_type"] == "qwen3"
 
@@ -135,3 +155,11 @@ def test_expert_adapters_with_dropout_are_skipped(preset, targets, dropout, skip
     exp = ExperimentSpec(name=preset, model=m, training=tr, profile=get_profile(HF_ESTIMATOR_PROFILE))
     why = hf_unsupported(exp, "meta")
     assert (why is not None and "refuses lora_dropout != 0" in why) == skipped, why
+
+
+def test_hand_written_types_are_the_registry() -> None:
+    """hf_presets skips the shipped configs of the hand-written families' types: the two lists agree."""
+    from memcalc.validate.hf_model import FAMILIES as REGISTRY
+    from memcalc.validate.hf_presets import _HAND_WRITTEN
+
+    assert set(_HAND_WRITTEN) == set(REGISTRY)

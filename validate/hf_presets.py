@@ -25,6 +25,8 @@ DeepSeek's ``gate_proj``/``up_proj``/``down_proj`` (memcalc: ``MoeSpec.lora_mlp_
 
 from __future__ import annotations
 
+import json
+
 from functools import lru_cache
 from typing import Any, Optional
 
@@ -61,9 +63,10 @@ def lora_modules(model_type: str) -> dict[str, tuple[str, ...]]:
 def config_kwargs(raw: dict[str, Any], n_layers: int) -> dict[str, Any]:
     """``raw`` (a config.json) as keyword arguments of its configuration class with ``n_layers`` layers
     (see the module docstring for what is cut)."""
-    full = raw["num_hidden_layers"]
+    key = "num_hidden_layers" if "num_hidden_layers" in raw else "n_layer"  # GPT2Config: n_layer
+    full = raw[key]
     out = {k: v for k, v in raw.items() if k not in _DROPPED}
-    out["num_hidden_layers"] = n_layers
+    out[key] = n_layers
     for k in _PER_LAYER:
         if isinstance(out.get(k), list):
             assert len(out[k]) == full, (k, len(out[k]), full)
@@ -74,21 +77,40 @@ def config_kwargs(raw: dict[str, Any], n_layers: int) -> dict[str, Any]:
     return out
 
 
+#: the model types of hf_model.FAMILIES (kept here: hf_model imports this module)
+_HAND_WRITTEN = ("llama", "mistral", "qwen2", "gpt2", "phi")
+
+
 @lru_cache(maxsize=1)
 def _hf_config_presets() -> tuple[tuple[str, ModelSpec, dict[str, Any]], ...]:
     from memcalc.inputs.presets import list_presets, load_preset, preset_hf_config
+
+    from memcalc.inputs.data_files import list_names, load_named
+    from memcalc.inputs.hf_config import from_hf_config
 
     out = []
     for name in list_presets():
         raw = preset_hf_config(name)
         if raw is not None:
             out.append((name, load_preset(name), raw))
+    # then every shipped config.json (data/hf_configs) of a model type that has no hand-written family
+    # in hf_model.FAMILIES (those build every model of their type): the model of one no preset names
+    for stem in list_names("hf_configs"):
+        raw = json.loads(json.dumps(load_named("hf_configs", stem)))
+        if raw.get("model_type") in _HAND_WRITTEN:
+            continue
+        try:
+            spec = from_hf_config(raw, stem)
+        except Exception:  # noqa: BLE001 - a fixture the reader refuses names no model to match
+            continue
+        out.append((stem, spec, raw))
     return tuple(out)
 
 
 def find_preset(m: ModelSpec) -> Optional[tuple[str, dict[str, Any]]]:
-    """(preset name, its config.json) when ``m`` is that preset's model up to ``n_layers`` and ``name``;
-    else None."""
+    """(preset name, its config.json) when ``m`` is that preset's model up to ``n_layers`` and ``name``,
+    else (a shipped config's stem, the config) when ``m`` is the model of a config.json in
+    ``data/hf_configs`` that no preset names; else None."""
     for name, spec, raw in _hf_config_presets():
         if m.model_copy(update={"n_layers": spec.n_layers, "name": spec.name}) == spec:
             return name, raw
