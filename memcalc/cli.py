@@ -112,7 +112,7 @@ LoraDtypeOpt = Enum("LoraDtypeOpt", {n: n for n in LORA_DTYPES}, type=str)  # ty
 
 # -- shared options -------------------------------------------------------------------
 MODEL = typer.Option(None, "--model", "-m", help="Preset name (see `memcalc models`), a Hugging Face id ORG/NAME (a preset with that id, else config.json from the local Hugging Face cache, else fetched from the Hub unless HF_HUB_OFFLINE=1), or a path to a Hugging Face config.json or a model spec YAML/JSON.")
-PARAMS = typer.Option(None, "--params", help="Infer a Llama-style decoder with about this many parameters (7e9, 7B, 350M).")
+PARAMS = typer.Option(None, "--params", help="Infer a Llama-style decoder with about this many parameters (7e9, 7B, 350M), or a mixture of experts as TOTAL-A<ACTIVE> (30B-A3B: top-8 routing, balanced).")
 CONFIG = typer.Option(None, "--config", "-c", help="A reference config name (see `memcalc configs`) or an experiment YAML/JSON; flags override it.")
 BATCH = typer.Option(None, "--batch", "-b", help="Micro-batch size (default 1).")
 SEQ = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller).")

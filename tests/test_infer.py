@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -108,3 +109,44 @@ def test_parse_count_rejects_non_numeric(text):
 def test_parse_count_rejects_non_positive(text):
     with pytest.raises(UserError, match="positive"):
         parse_count(text)
+
+
+# -- --params TOTAL-A<ACTIVE>: a mixture of experts ------------------------------------------------
+#: the inferred total and active counts land within this of what was asked
+MOE_TOLERANCE = 0.03
+
+
+@pytest.mark.parametrize("value,total,active", [
+    ("30B-A3B", 30e9, 3e9),  # source: Qwen/Qwen3-30B-A3B's name (30.5B total, 3.3B active)
+    ("235B-A22B", 235e9, 22e9),  # source: Qwen/Qwen3-235B-A22B's name
+    ("47B-A13B", 47e9, 13e9),  # source: Mixtral-8x7B (46.7B total, 12.9B active)
+    ("16B-a2.4b", 16e9, 2.4e9),  # source: DeepSeek-V2-Lite (15.7B total, 2.4B active); lower case
+    ("120B-A5B", 120e9, 5e9),  # source: gpt-oss-120b (117B total, 5.1B active)
+])
+def test_moe_params_land_near_total_and_active(value, total, active):
+    from memcalc.inputs.infer import MOE_TOP_K, infer_params
+
+    m, reasons = infer_params(value)
+    assert m.moe is not None and m.moe.top_k == MOE_TOP_K and m.moe.n_experts % 8 == 0
+    got_total = count_params(m).total
+    got_active = got_total - m.n_layers * (m.moe.n_experts - m.moe.top_k) * 3 * m.d_model * m.moe.d_ff_expert
+    assert abs(got_total - total) / total <= MOE_TOLERANCE
+    assert abs(got_active - active) / active <= MOE_TOLERANCE
+    assert reasons[0].startswith("inferred: Llama-style mixture of experts") and "active" in reasons[0]
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["estimate", "--params", "3B-A30B"], 2, "the active count must be below the total"),
+    (["estimate", "--params", "30B-Ax"], 2, "--params 'x' is not a parameter count"),
+    (["estimate", "--params", "30B-A3B", "--bf16", "--lora", "--seq", "256", "--json"], 0, ""),
+])
+def test_moe_params_cli(args, code, message):
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == code, r.output
+    assert message in r.stderr
+    if code == 0:
+        assert json.loads(r.stdout)["inferred"][0].startswith("inferred: Llama-style mixture of experts")

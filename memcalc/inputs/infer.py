@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
 from memcalc.inputs.data_files import shorten
-from memcalc.core.spec import ModelSpec
+from memcalc.core.spec import ModelSpec, MoESpec
 from memcalc.core.units import fmt_count
 
 VOCAB = 32000
@@ -258,3 +258,73 @@ def parse_count(value: str) -> int:
     if count <= 0:
         raise UserError(f"--params must be positive, got {shorten(value, 40)}")
     return count
+
+
+# -- mixture of experts: --params TOTAL-A<ACTIVE> -------------------------------------------------
+_MOE = re.compile(r"^\s*(.+?)\s*-\s*a\s*(.+?)\s*$", re.IGNORECASE)
+#: Qwen3-MoE's routing (Qwen3-30B-A3B, Qwen3-235B-A22B config.json: num_experts_per_tok 8); the
+#: routed experts' width is the dense rule's d_ff / top_k, so the active FFN equals the dense one
+#: (Qwen3-30B-A3B: 8 x 768 = 6144 at d_model 2048), in steps of 64
+MOE_TOP_K = 8
+MOE_FF_STEP = 64
+MOE_EXPERT_STEP = 8
+
+
+def infer_params(value: str) -> tuple[ModelSpec, list[str]]:
+    """``--params``: a count (``7e9``, ``7B``: :func:`infer_from_params`) or a mixture of experts given
+    as ``TOTAL-A<ACTIVE>`` (``30B-A3B``, as Qwen names its MoE checkpoints: :func:`infer_moe`)."""
+    if isinstance(value, str):
+        m = _MOE.match(value)
+        if m:
+            return infer_moe(parse_count(m.group(1)), parse_count(m.group(2)))
+    return infer_from_params(float(parse_count(value)))
+
+
+def infer_moe(total: int, active: int) -> tuple[ModelSpec, list[str]]:
+    """A Llama-style mixture of experts with about ``total`` parameters of which about ``active`` are
+    used per token, and one line per choice made.
+
+    The dense backbone (width, depth, attention) is :func:`infer_from_params` of ``active``; every
+    layer's MLP becomes ``n_experts`` routed experts, top-8 (:data:`MOE_TOP_K`), each of width
+    ``d_ff / 8`` (so the active FFN is the dense one's), with a router Linear(d_model, n_experts);
+    ``n_experts`` (a multiple of 8) brings the total to ``total``. Routing is assumed balanced
+    (``MoESpec.routing``). Ignores shared experts and dense first layers (DeepSeek), which a
+    count cannot tell.
+    """
+    if not active < total:
+        raise UserError(f"--params {fmt_count(total)}-A{fmt_count(active)}: the active count must be below the "
+                        f"total (TOTAL-A<ACTIVE>, e.g. 30B-A3B)")
+    dense, _ = infer_from_params(float(active))
+    d, n_layers = dense.d_model, dense.n_layers
+    rule_ff = max(MOE_FF_STEP, round(dense.d_ff / MOE_TOP_K / MOE_FF_STEP) * MOE_FF_STEP)
+
+    def model(n_experts: int, ff: int) -> ModelSpec:
+        return dense.model_copy(update={
+            "name": f"llama-style-moe-{fmt_count(total)}-a{fmt_count(active)}",
+            "moe": MoESpec(n_experts=n_experts, top_k=MOE_TOP_K, d_ff_expert=ff)})
+
+    best = None
+    # the expert width within -25%/+25% of the rule (steps of 64), the expert count (a multiple of 8)
+    # that brings the total closest: the pair with the smallest sum of the two relative errors wins
+    for ff in range(max(MOE_FF_STEP, rule_ff * 3 // 4 // MOE_FF_STEP * MOE_FF_STEP), rule_ff * 5 // 4 + 1, MOE_FF_STEP):
+        base = count_params(model(MOE_TOP_K, ff)).total  # top_k experts: what every token uses
+        per_expert = n_layers * (3 * d * ff + d)  # three projections and one router column per layer
+        n_experts = MOE_TOP_K + max(0, round((total - base) / per_expert / MOE_EXPERT_STEP) * MOE_EXPERT_STEP)
+        got_total = base + (n_experts - MOE_TOP_K) * per_expert
+        got_active = got_total - n_layers * (n_experts - MOE_TOP_K) * 3 * d * ff
+        score = abs(got_total - total) / total + abs(got_active - active) / active
+        if best is None or score < best[0]:
+            best = (score, n_experts, ff, got_total, got_active)
+    assert best is not None
+    _, n_experts, ff, got_total, got_active = best
+    m = model(n_experts, ff)
+    assert count_params(m).total == got_total, (count_params(m).total, got_total)
+    reasons = [
+        f"inferred: Llama-style mixture of experts, {n_layers} layers x {d}, {n_experts} experts of ff {ff}, "
+        f"top-{MOE_TOP_K}: {fmt_count(got_total)} params ({100 * (got_total - total) / total:+.1f}%), "
+        f"{fmt_count(got_active)} active ({100 * (got_active - active) / active:+.1f}%)",
+        f"assumed: the backbone of a dense {fmt_count(active)} model (vocab {dense.vocab_size}, head_dim "
+        f"{HEAD_DIM}), every layer sparse, top-{MOE_TOP_K} routing over experts of the dense ff / "
+        f"{MOE_TOP_K} (Qwen3-MoE's ratio), no shared experts, tokens spread evenly over the experts",
+    ]
+    return m, reasons

@@ -139,7 +139,7 @@ def _check_finite(name: str, v: Optional[float]) -> None:
 def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
     from memcalc.inputs.configs import load_config
-    from memcalc.inputs.infer import infer_from_params, parse_count
+    from memcalc.inputs.infer import infer_params
     from memcalc.inputs.presets import resolve_model_source
     from memcalc.inputs.pydantic_errors import pydantic_error_line
 
@@ -165,7 +165,7 @@ def resolve(o: Options) -> Resolved:
         model, model_source = resolve_model_source(o.model)
         origin["model"] = "flag"
     elif o.params:
-        model, reasons = infer_from_params(float(parse_count(o.params)))
+        model, reasons = infer_params(o.params)
         notes.extend(reasons)
         origin["model"] = "inferred"
     elif base is not None:

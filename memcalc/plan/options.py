@@ -119,7 +119,7 @@ def default_seq(model: ModelSpec, seq: Optional[int]) -> int:
 def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, list[str]]:
     """The model ``plan`` is about: ``--model`` (preset, Hugging Face id or file) or ``--params`` (inferred);
     a note says where a model given by Hugging Face id came from."""
-    from memcalc.inputs.infer import infer_from_params, parse_count
+    from memcalc.inputs.infer import infer_params
     from memcalc.inputs.presets import resolve_model_source
 
     if model and params:
@@ -128,5 +128,5 @@ def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, 
         m, src = resolve_model_source(model)
         return m, ([f"model from {src.describe()}"] if src.kind not in ("preset", "file") else [])
     if params:
-        return infer_from_params(float(parse_count(params)))
+        return infer_params(params)
     raise UserError("plan needs a model: give --model NAME|config.json or --params N (see `memcalc models`)")
