@@ -43,7 +43,7 @@ from .hf_kernels import HFKernels, hf_patches
 from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
 from .model import torch_dtype
 from .optim import MasterWeights, allow_fused_on, build_optimizer
-from .runner import PHASES, Measurement, _nullcontext, _Probe, unsupported
+from .runner import PHASES, Measurement, _nullcontext, _Probe, register_fused_step, unsupported
 from .tracer import StorageTracer
 
 
@@ -178,16 +178,7 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     if head is not None:
         hooks.append(head.register_forward_pre_hook(lambda *_a: probe.label("head & loss")))
     if tr.fused_optimizer:
-        if isinstance(opt, MasterWeights):
-            def hook(p):
-                opt.step_param(p)
-                p.grad = None
-        else:
-            def hook(p):  # Forgather optimzer_hook
-                opt.step()
-                opt.zero_grad()
-        for p in trainable:
-            p.register_post_accumulate_grad_hook(hook)
+        register_fused_step(opt, trainable)
 
     def step() -> None:
         loss = None

@@ -78,6 +78,22 @@ class Measurement:
         return asdict(self)
 
 
+def register_fused_step(opt, trainable) -> None:
+    """Optimizer-in-backward: a ``register_post_accumulate_grad_hook`` on every trainable parameter
+    that steps the optimizer and drops the gradient (Forgather's ``optimzer_hook``; for
+    :class:`MasterWeights`, that parameter's own step)."""
+    if isinstance(opt, MasterWeights):
+        def hook(p):
+            opt.step_param(p)
+            p.grad = None
+    else:
+        def hook(p):  # Forgather optimzer_hook
+            opt.step()
+            opt.zero_grad()
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(hook)
+
+
 def unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
     """Why this experiment cannot be run on this device (None when it can)."""
     tr = exp.training
@@ -223,16 +239,7 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
     # graph into pieces (and change what it saves), so a compiled step reports no phase
     model.on_label = None if tr.compile else probe.label
     if tr.fused_optimizer:
-        if isinstance(opt, MasterWeights):
-            def hook(p):
-                opt.step_param(p)
-                p.grad = None
-        else:
-            def hook(p):  # Forgather optimzer_hook
-                opt.step()
-                opt.zero_grad()
-        for p in trainable:
-            p.register_post_accumulate_grad_hook(hook)
+        register_fused_step(opt, trainable)
 
     def step() -> None:
         loss = None
