@@ -16,6 +16,10 @@ from memcalc.plan.simulations import estimated_peak, with_training
 
 from conftest import tiny_llama
 
+# the whole file runs in the slow lane: its quick rows are a subset of the slow grid, and the quick
+# lane must stay under 30 s (tests/test_plan.py keeps plan's exactness checks there)
+pytestmark = pytest.mark.slow
+
 DEPTH = 13  # deeper than depth.MIN_DEPTH, odd (no accidental periodicity with the shallow depths)
 
 # Small decoders of each family the engine walks. source: memcalc/engine/forward.py (the blocks)

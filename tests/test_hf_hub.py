@@ -132,6 +132,7 @@ def test_cache_case_insensitive(cache):
     assert src.kind == "hf-cache" and src.hf_id == "org/name"  # the cache's spelling
 
 
+@pytest.mark.slow  # about 0.5 s: the quick lane stays under 30 s
 def test_cache_under_hf_home(tmp_path, monkeypatch):
     shutil.copytree(CACHE, tmp_path / "hub")
     monkeypatch.delenv("HF_HUB_CACHE")
@@ -359,6 +360,7 @@ def test_cli_models_lists_ids():
     assert "Hugging Face id" in out and "meta-llama/Llama-2-7b-hf" in out
 
 
+@pytest.mark.slow  # about 0.5 s: the quick lane stays under 30 s
 def test_real_urllib_against_a_local_hub(tmp_path, monkeypatch):
     """The real opener, against a Hub stand-in on 127.0.0.1 (HF_ENDPOINT): headers, 401 GatedRepo, 404."""
     import http.server

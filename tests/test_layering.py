@@ -14,6 +14,8 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "memcalc"
 TORCH_SIDE = ("torch", "transformers", "peft")  # source: .importlinter, contract no-torch
@@ -99,6 +101,7 @@ def test_every_stage_is_scanned():
         assert f"memcalc.{stage}" in names
 
 
+@pytest.mark.slow  # a subprocess; lint-imports (.ci/run) checks the same contract statically
 def test_no_module_imports_torch():
     bad = [(path, name) for path, found in _package_imports().items()
            for name, _ in found if any(_is(name, t) for t in TORCH_SIDE)]
@@ -133,6 +136,7 @@ print(json.dumps({"code": r.exit_code, "after_import": after_import, "after_run"
 """
 
 
+@pytest.mark.slow  # a subprocess; lint-imports (.ci/run) checks the same contract statically
 def test_importing_and_running_the_cli_loads_no_torch():
     # a fresh interpreter: import the CLI, then run an estimate through it; neither loads torch
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
