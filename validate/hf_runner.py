@@ -43,7 +43,7 @@ from .hf_kernels import HFKernels, hf_patches
 from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
 from .model import torch_dtype
 from .optim import MasterWeights, allow_fused_on, build_optimizer
-from .runner import PHASES, Measurement, _nullcontext, _Probe, register_fused_step, unsupported
+from .runner import Measurement, _nullcontext, _Probe, fill_measurement, register_fused_step, unsupported
 from .tracer import StorageTracer
 
 
@@ -213,17 +213,7 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
         probe.reset()
         step()
         peak, phase, label, peaks = probe.result()
-    meas.measured_bytes = peak
-    meas.peak_phase = phase
-    meas.peak_label = label
-    meas.phase_peaks = {k: v for k, v in peaks.items() if k in PHASES}
-    if dev_type == "cuda":
-        meas.reserved_bytes = probe.reserved
-    if sim is not None and tracer is not None:
-        meas.sim_allocated_bytes = sim.peak_allocated
-        meas.sim_reserved_bytes = sim.peak_reserved
-    if tracer is not None and debug:
-        meas.peak_live = sorted(tracer.peak_live, reverse=True)
+    fill_measurement(meas, (peak, phase, label, peaks), probe, dev_type, sim, tracer, debug)
     if kernels_seen is not None:
         kernels_seen.extend(kernels.calls)
     for h in hooks:

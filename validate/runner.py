@@ -78,6 +78,24 @@ class Measurement:
         return asdict(self)
 
 
+def fill_measurement(meas: "Measurement", result: tuple, probe: "_Probe", dev_type: str,
+                     sim: Optional[CachingAllocatorSim], tracer: Optional[StorageTracer], debug: bool) -> None:
+    """Record the measured step's ``probe.result()`` (peak, phase, label, per-phase peaks) in ``meas``,
+    with the CUDA reserved peak, the allocator replay's peaks and (``debug``) what was alive at the peak."""
+    peak, phase, label, peaks = result
+    meas.measured_bytes = peak
+    meas.peak_phase = phase
+    meas.peak_label = label
+    meas.phase_peaks = {k: v for k, v in peaks.items() if k in PHASES}
+    if dev_type == "cuda":
+        meas.reserved_bytes = probe.reserved
+    if sim is not None and tracer is not None:
+        meas.sim_allocated_bytes = sim.peak_allocated
+        meas.sim_reserved_bytes = sim.peak_reserved
+    if tracer is not None and debug:
+        meas.peak_live = sorted(tracer.peak_live, reverse=True)
+
+
 def register_fused_step(opt, trainable) -> None:
     """Optimizer-in-backward: a ``register_post_accumulate_grad_hook`` on every trainable parameter
     that steps the optimizer and drops the gradient (Forgather's ``optimzer_hook``; for
@@ -277,17 +295,7 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         if snapshot and dev_type == "cuda":
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
-    meas.measured_bytes = peak
-    meas.peak_phase = phase
-    meas.peak_label = label
-    meas.phase_peaks = {k: v for k, v in peaks.items() if k in PHASES}
-    if dev_type == "cuda":
-        meas.reserved_bytes = probe.reserved
-    if sim is not None and tracer is not None:
-        meas.sim_allocated_bytes = sim.peak_allocated
-        meas.sim_reserved_bytes = sim.peak_reserved
-    if tracer is not None and debug:
-        meas.peak_live = sorted(tracer.peak_live, reverse=True)
+    fill_measurement(meas, (peak, phase, label, peaks), probe, dev_type, sim, tracer, debug)
     model.on_label = None
     del model, opt, ids, labels
 
