@@ -58,6 +58,9 @@ NESTED: dict[str, str] = {
 #: the estimate only through their parameters) and their activation rules are still to come
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
+    "TrainingSpec.sharding": "issue 13: FSDP2 / FSDP1 / DeepSpeed mechanics (buffer lifetimes, buckets) are being modelled",
+    "TrainingSpec.tp": "issue 13: tensor parallelism is being modelled",
+    "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

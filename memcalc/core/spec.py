@@ -399,6 +399,11 @@ Optimizer = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
 
 
+#: ``--sharding``: whose code shards the ZeRO stage over the data-parallel GPUs
+Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
+SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
+
+
 class TrainingSpec(_Spec):
     """One training step: batch, precision, optimizer and memory techniques."""
 
@@ -433,6 +438,16 @@ class TrainingSpec(_Spec):
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage (1: optimizer state, 2: +grads, 3: +weights sharded).")
     gpus: int = Field(1, gt=0, le=MAX_COUNT, description=f"Data-parallel GPUs that shard under ZeRO (at most {MAX_COUNT:,}).")
     offload_optimizer: bool = Field(False, description="Keep optimizer state (and its step) on the CPU.")
+    sharding: Sharding = Field(
+        "fsdp2",
+        description="How the ZeRO stage runs over the data-parallel GPUs: fsdp2 (torch.distributed fully_shard per "
+        "layer and root; zero 3 = reshard_after_forward=True, zero 2 = False), fsdp1 (FullyShardedDataParallel "
+        "FULL_SHARD / SHARD_GRAD_OP), or deepspeed (ZeRO-2/3 with its reduce and prefetch buckets).",
+    )
+    tp: int = Field(1, gt=0, le=MAX_COUNT, description="Tensor-parallel degree: Megatron-style column/row parallel "
+                    "linears (DTensor parallelize_module); the GPUs of one replica. Total GPUs = gpus x tp.")
+    sequence_parallel: bool = Field(
+        False, description="With tp > 1: norms and dropout run on sequence shards (Megatron sequence parallelism).")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingSpec":

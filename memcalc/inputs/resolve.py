@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
-from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS,
+from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
                                lora_targets_error)
 
@@ -74,6 +74,9 @@ class Options:
     zero: Optional[int] = None
     gpus: Optional[int] = None
     offload_optimizer: bool = False
+    sharding: Optional[str] = None
+    tp: Optional[int] = None
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -145,7 +148,7 @@ def resolve(o: Options) -> Resolved:
 
     for name in ("lora_alpha", "lora_dropout", "memory_budget"):
         _check_finite(name.replace("_", "-"), getattr(o, name))
-    for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus"):
+    for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "tp"):
         _check_positive(name.replace("_", "-"), getattr(o, name))
     if o.zero is not None and o.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero must be 0, 1, 2 or 3, got {o.zero}")
@@ -205,6 +208,12 @@ def resolve(o: Options) -> Resolved:
     put("memory_budget", o.memory_budget)
     put("zero", o.zero)
     put("gpus", o.gpus)
+    if o.sharding is not None and o.sharding not in SHARDINGS:
+        raise UserError(f"unknown --sharding {clip(o.sharding)!r}; valid: {', '.join(SHARDINGS)}")
+    put("sharding", o.sharding)
+    put("tp", o.tp)
+    if o.sequence_parallel:
+        put("sequence_parallel", True)
     if o.offload_optimizer:
         put("offload_optimizer", True)
     if o.lora_dtype is not None and o.lora_dtype not in LORA_DTYPES:
