@@ -147,6 +147,8 @@ OFFLOAD = typer.Option(False, "--offload-optimizer", help="Keep optimizer state 
 SHARDING = typer.Option(None, "--sharding", help="How --zero runs over --gpus: fsdp2 (default; fully_shard per layer and root, --zero 3 reshards after forward, --zero 2 does not), fsdp1, or deepspeed.")
 TP = typer.Option(None, "--tp", help="Tensor-parallel degree (Megatron-style column/row parallel linears); GPUs in all = --gpus x --tp.")
 SEQ_PARALLEL = typer.Option(False, "--sequence-parallel", help="With --tp: norms and dropout on sequence shards.")
+ACT_OFFLOAD = typer.Option(False, "--activation-offload", help="Saved activations go to host memory in forward and come back for backward (torchtune's OffloadActivations); the host memory is reported.")
+DORA = typer.Option(False, "--dora", help="DoRA (PEFT use_dora=True): LoRA plus a trainable magnitude vector per target (implies --lora).")
 
 
 def _check_output(path: Optional[str], flag: str) -> None:
@@ -195,6 +197,7 @@ def estimate(
     profile: Optional[str] = PROFILE, framework: Optional[FrameworkOpt] = FRAMEWORK, torch: Optional[str] = TORCH,
     zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
     sharding: Optional[str] = SHARDING, tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
+    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a capacity: 48GiB (2**30 bytes each), 24GB (10**9)."),
     as_json: bool = JSON,
@@ -234,7 +237,7 @@ def estimate(
         lora_targets=lora_targets, lora_dropout=lora_dropout, qlora=qlora, lora_dtype=lora_dtype, profile=profile,
         framework=framework, torch=torch,
         zero=zero, gpus=gpus, offload_optimizer=offload_optimizer, loss=loss, loss_chunks=loss_chunks,
-        sharding=sharding, tp=tp, sequence_parallel=sequence_parallel,
+        sharding=sharding, tp=tp, sequence_parallel=sequence_parallel, activation_offload=activation_offload, dora=dora,
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None

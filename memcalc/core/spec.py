@@ -371,6 +371,9 @@ class LoraSpec(_Spec):
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
     quant_block: int = Field(64, gt=0, description="NF4 block size (elements per absmax constant).")
     double_quant: bool = Field(True, description="Quantise the absmax constants too (QLoRA double quantisation).")
+    dora: bool = Field(
+        False, description="DoRA (weight-decomposed LoRA, PEFT use_dora=True): a trainable magnitude vector per "
+        "target and the column norm of W + scale * B @ A in every forward.")
     dtype: Optional[LoraDType] = Field(
         None,
         description="Adapter weights (and so their gradients and optimizer state): fp32, or model = the base's "
@@ -448,6 +451,9 @@ class TrainingSpec(_Spec):
                     "linears (DTensor parallelize_module); the GPUs of one replica. Total GPUs = gpus x tp.")
     sequence_parallel: bool = Field(
         False, description="With tp > 1: norms and dropout run on sequence shards (Megatron sequence parallelism).")
+    activation_offload: bool = Field(
+        False, description="Move saved activations to host memory during forward and back for backward "
+        "(torchtune OffloadActivations); the host memory it needs is reported.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingSpec":

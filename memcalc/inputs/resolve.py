@@ -77,6 +77,8 @@ class Options:
     sharding: Optional[str] = None
     tp: Optional[int] = None
     sequence_parallel: bool = False
+    activation_offload: bool = False
+    dora: bool = False
 
 
 @dataclass
@@ -214,11 +216,13 @@ def resolve(o: Options) -> Resolved:
     put("tp", o.tp)
     if o.sequence_parallel:
         put("sequence_parallel", True)
+    if o.activation_offload:
+        put("activation_offload", True)
     if o.offload_optimizer:
         put("offload_optimizer", True)
     if o.lora_dtype is not None and o.lora_dtype not in LORA_DTYPES:
         raise UserError(f"unknown --lora-dtype {clip(o.lora_dtype)!r}; valid: {', '.join(LORA_DTYPES)}")
-    lora_flags = o.lora or o.qlora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets,
+    lora_flags = o.lora or o.qlora or o.dora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets,
                                                                       o.lora_dropout, o.lora_dtype))
     if lora_flags:
         cur = dict(tr.get("lora") or {})
@@ -234,6 +238,8 @@ def resolve(o: Options) -> Resolved:
             cur["dropout"] = o.lora_dropout
         if o.qlora:
             cur["qlora"] = True
+        if o.dora:
+            cur["dora"] = True
         if o.lora_dtype is not None:
             cur["dtype"] = o.lora_dtype
         tr["lora"] = cur
