@@ -1,0 +1,374 @@
+"""The Python API: :func:`estimate`, :func:`plan` and :func:`measure`, with the CLI's inputs.
+
+Keyword arguments are named like the command-line flags (``--lora-rank`` is ``lora_rank=``),
+that is like the fields of :class:`memcalc.inputs.resolve.Options`, which every keyword this
+module does not consume is forwarded to (so a flag added there works here at once). Results
+hold integer bytes; ``to_dict()`` is exactly the ``--json`` document of the same command.
+Bad input raises :class:`memcalc.UserError` (a :class:`ValueError`) with the one line the CLI
+prints after ``memcalc: error:``.
+
+>>> import memcalc
+>>> r = memcalc.estimate(model="llama-3.1-8b", precision="bf16", lora=True, gpu="rtx-4090")
+>>> isinstance(r.peak_bytes, int), r.phase in r.to_dict()["phases"]
+(True, True)
+>>> r.fits
+{'rtx-4090': True}
+>>> memcalc.estimate(model="llama-3.1-8b", checkpoint="every-0")
+Traceback (most recent call last):
+...
+memcalc.core.errors.UserError: unknown --checkpoint 'every-0'; valid: none, full, every-K (e.g. every-2), sqrt, selective
+
+Never imports torch; :func:`measure` hands over to ``memcalc.validate.measure`` (torch) when it
+is called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
+
+from memcalc.core.errors import UserError
+
+if TYPE_CHECKING:
+    from memcalc.core.spec import ExperimentSpec
+    from memcalc.engine.result import Estimate
+    from memcalc.inputs.resolve import Options, Resolved
+
+__all__ = ["EstimateResult", "PlanResult", "UserError", "estimate", "plan", "measure", "options_from"]
+
+#: choices the CLI checks with its enums (typer), checked here with the same lists
+_PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")  # source: memcalc.cli.PrecisionOpt
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES
+    from memcalc.core.spec import FRAMEWORKS, LORA_DTYPES, LOSSES
+
+    return {"precision": _PRECISIONS, "optimizer": OPTIMIZER_NAMES, "optimizer_impl": IMPLS, "loss": LOSSES,
+            "framework": FRAMEWORKS, "lora_dtype": LORA_DTYPES}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_choice(name: str, value: Any, valid: Sequence[str]) -> Any:
+    value = getattr(value, "value", value)  # an enum member, as the CLI passes
+    if value is not None and value not in valid:
+        raise UserError(f"unknown {_flag(name)} {value!r}; valid: {', '.join(valid)}")
+    return value
+
+
+def options_from(**kwargs: Any) -> "Options":
+    """The :class:`~memcalc.inputs.resolve.Options` of these keyword arguments (flag names with
+    ``_`` for ``-``); a name that is not an option is a :class:`TypeError` listing the valid ones.
+
+    ``model=`` may also be a Hugging Face config as a dict (``model.config.to_dict()``); it is read
+    by the same reader as a config.json file.
+
+    >>> options_from(model="gpt2", batch=2).batch
+    2
+    """
+    from memcalc.inputs.resolve import Options
+
+    valid = {f.name for f in fields(Options)}
+    bad = sorted(set(kwargs) - valid)
+    if bad:
+        raise TypeError(f"unknown argument{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
+                        f"valid: {', '.join(sorted(valid))}")
+    for name, choices in _choices().items():
+        if name in kwargs:
+            kwargs[name] = _check_choice(name, kwargs[name], choices)
+    return Options(**kwargs)
+
+
+def _resolve(spec: "Optional[ExperimentSpec]", kwargs: dict[str, Any]) -> "Resolved":
+    """The experiment and where its inputs came from: ``spec`` as given, or the options resolved as
+    the CLI resolves its flags."""
+    from pydantic import ValidationError
+
+    from memcalc.inputs.resolve import Resolved, resolve
+
+    if spec is not None:
+        if kwargs:
+            raise UserError(f"give spec= or options ({', '.join(sorted(kwargs))}), not both")
+        from memcalc.core.spec import ExperimentSpec
+
+        if not isinstance(spec, ExperimentSpec):
+            raise UserError(f"spec= must be a memcalc.core.spec.ExperimentSpec, not {type(spec).__name__}")
+        return Resolved(spec, origin={k: "spec" for k in ("model", "profile", *spec.training.model_dump())})
+    model = kwargs.get("model")
+    try:
+        if isinstance(model, Mapping):
+            return _resolve_config_dict(dict(model), kwargs)
+        return resolve(options_from(**kwargs))
+    except ValidationError as e:  # as the CLI: one line
+        from memcalc.inputs.pydantic_errors import pydantic_error_line
+
+        raise UserError(pydantic_error_line(e, "input")) from None
+
+
+def _resolve_config_dict(cfg: dict[str, Any], kwargs: dict[str, Any]) -> "Resolved":
+    """``model=`` a Hugging Face config dict: written to a temporary ``NAME/config.json`` and read as
+    ``--model PATH`` would be; the source becomes ``{"kind": "hf-config", "value": NAME}``."""
+    from memcalc.inputs.presets import ModelSource
+    from memcalc.inputs.resolve import resolve
+
+    given = cfg.get("_name_or_path")
+    name = (given.strip().rstrip("/").rsplit("/", 1)[-1] if isinstance(given, str) and given.strip()
+            else str(cfg.get("model_type") or "model"))
+    name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip(".") or "model"
+    with tempfile.TemporaryDirectory(prefix="memcalc-") as tmp:
+        folder = os.path.join(tmp, name)
+        os.mkdir(folder)
+        path = os.path.join(folder, "config.json")
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(cfg, f, default=str)
+        res = resolve(options_from(**{**kwargs, "model": path}))
+    res.model_source = ModelSource("hf-config", name)
+    return res
+
+
+def _cards(gpu: Union[None, str, Sequence[str]]) -> list:
+    from memcalc.inputs.gpus import get_gpu, list_gpus
+
+    if gpu is None:
+        return list_gpus()
+    return [get_gpu(g) for g in ([gpu] if isinstance(gpu, str) else gpu)]
+
+
+@dataclass(frozen=True)
+class EstimateResult:
+    """One predicted training step (integer bytes), as ``memcalc estimate`` shows it.
+
+    ``estimate`` is the engine's :class:`~memcalc.engine.result.Estimate` (timeline, phases,
+    first step); ``resolved`` the experiment with where each input came from; ``cards`` the
+    GPUs the fits are for (``gpu=``, else the catalog).
+    """
+
+    estimate: "Estimate"
+    resolved: "Resolved"
+    cards: tuple
+    limits: Optional[dict] = None
+
+    @property
+    def spec(self) -> "ExperimentSpec":
+        """The experiment that was estimated."""
+        return self.estimate.experiment
+
+    @property
+    def peak_bytes(self) -> int:
+        """Peak allocated bytes of the step (``torch.cuda.max_memory_allocated`` over a run)."""
+        return self.estimate.peak_bytes
+
+    @property
+    def phase(self) -> str:
+        """The phase that sets the peak (forward, backward, optimizer step, ...)."""
+        return self.estimate.peak_phase
+
+    @property
+    def peak_at(self) -> str:
+        """Where in the step the peak is (e.g. ``bwd layer 0``)."""
+        return self.estimate.peak_label
+
+    @property
+    def required_bytes(self) -> int:
+        """What a GPU must have: peak + CUDA context + allocator slack."""
+        return self.estimate.required_bytes
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Bytes alive at the peak by kind: weights, optimizer_state, gradients, activations,
+        temporaries (sums to :attr:`peak_bytes`)."""
+        return dict(self.estimate.components_by_kind)
+
+    @property
+    def components(self) -> dict[str, int]:
+        """Bytes alive at the peak by component name (sums to :attr:`peak_bytes`)."""
+        return dict(self.estimate.components)
+
+    @property
+    def params(self) -> int:
+        return self.estimate.params
+
+    @property
+    def trainable_params(self) -> int:
+        return self.estimate.trainable_params
+
+    @cached_property
+    def gpus(self) -> list[dict[str, Any]]:
+        """Per GPU: name, capacity_bytes, fits, headroom_bytes (the ``gpus`` rows of ``--json``)."""
+        from memcalc.render.report import fits_rows
+
+        return fits_rows(self.estimate, list(self.cards))
+
+    @property
+    def fits(self) -> dict[str, bool]:
+        """GPU name -> whether :attr:`required_bytes` fits its capacity."""
+        return {r["name"]: r["fits"] for r in self.gpus}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``memcalc estimate --json`` document of the same inputs (JSON types, integer bytes)."""
+        from memcalc.render.report import dumps, to_json
+
+        doc = to_json(self.estimate, self.resolved, list(self.cards))
+        if self.limits:
+            doc.update({k: self.limits[k] for k in ("max_batch", "max_seq") if k in self.limits}, limits=self.limits)
+        return json.loads(dumps(doc))
+
+    def __repr__(self) -> str:
+        from memcalc.core.units import fmt_bytes
+
+        return (f"EstimateResult({self.spec.name}: peak {fmt_bytes(self.peak_bytes)} ({self.peak_bytes:,} bytes) "
+                f"in {self.phase}, requires {fmt_bytes(self.required_bytes)})")
+
+
+def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, Sequence[str]] = None,
+             max_batch: bool = False, max_seq: bool = False, **options: Any) -> EstimateResult:
+    """Predict the peak memory of one training step: ``memcalc estimate`` as a function.
+
+    ``options`` are the flags of ``memcalc estimate`` (``model``, ``params``, ``config``, ``batch``,
+    ``seq``, ``grad_accum``, ``precision``, ``lora``, ``qlora``, ``checkpoint``, ``zero``, ``gpus``,
+    ...; see :class:`memcalc.inputs.resolve.Options`), or ``spec=`` an
+    :class:`~memcalc.core.spec.ExperimentSpec`. ``gpu`` restricts the fits to these GPUs (names or
+    capacities such as ``"24GB"``); ``max_batch`` / ``max_seq`` also search the largest batch /
+    sequence that fits the one ``gpu``.
+
+    >>> r = estimate(model="gpt2", batch=2, seq=512, precision="bf16", gpu=["24GB"])
+    >>> r.peak_bytes == sum(r.breakdown.values())
+    True
+    >>> r.to_dict()["peak_bytes"] == r.peak_bytes
+    True
+    >>> estimate(model="gpt2", batch=0)
+    Traceback (most recent call last):
+    ...
+    memcalc.core.errors.UserError: --batch must be positive, got 0
+    """
+    from memcalc.estimate.peak import estimate as run_estimate
+
+    res = _resolve(spec, options)
+    cards = tuple(_cards(gpu))
+    limits, limit_gpu = None, None
+    if max_batch or max_seq:
+        from memcalc.plan.limits import check_one_gpu, estimate_limits
+
+        limit_gpu = check_one_gpu([gpu] if isinstance(gpu, str) else gpu, "--max-batch" if max_batch else "--max-seq")
+    est = run_estimate(res.exp)
+    if limit_gpu is not None:
+        limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
+    return EstimateResult(est, res, cards, limits)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """``memcalc plan`` as an object: ``raw`` is the plan (:class:`memcalc.plan.search.GpuPlan` with
+    ``gpu=``, else :class:`memcalc.plan.cluster.ClusterPlan`)."""
+
+    raw: Any
+
+    @property
+    def gpu_plan(self) -> bool:
+        """Whether this is the plan for one GPU (``gpu=``) rather than the per-GPU counts."""
+        from memcalc.plan.search import GpuPlan
+
+        return isinstance(self.raw, GpuPlan)
+
+    @property
+    def options(self) -> list[dict[str, Any]]:
+        """One GPU: every technique combination (fits, peak_bytes, required_bytes, max_batch, ...);
+        else one row per GPU (min_gpus_full, min_gpus_lora, ...)."""
+        doc = self.to_dict()
+        return doc["options"] if self.gpu_plan else doc["gpus"]
+
+    @property
+    def fitting(self) -> list[dict[str, Any]]:
+        """One GPU: the combinations that fit (empty for the per-GPU counts)."""
+        return [o for o in self.options if o.get("fits")] if self.gpu_plan else []
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``memcalc plan --json`` document of the same inputs."""
+        from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json
+        from memcalc.render.report import dumps
+
+        return json.loads(dumps(gpu_plan_json(self.raw) if self.gpu_plan else cluster_plan_json(self.raw)))
+
+
+def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = None, *, gpu: Optional[str] = None,
+         seq: Optional[int] = None, profile: Optional[str] = None, framework: Optional[str] = None,
+         torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
+         all: bool = False, compile: bool = False) -> PlanResult:
+    """Which GPU, how many, with which techniques: ``memcalc plan`` as a function.
+
+    With ``gpu``: every technique combination on that GPU (``all=True`` keeps those that do not
+    fit; ``compile=True`` adds torch.compile budgets). Without: for each catalog GPU, how many a
+    full fine-tune and a LoRA run need.
+
+    >>> p = plan(model="gpt2", gpu="rtx-4090", seq=512)
+    >>> p.to_dict()["gpu"]["name"], all(o["fits"] for o in p.fitting)
+    ('rtx-4090', True)
+    """
+    # the same steps as memcalc.cli.plan (tests/test_api.py checks the documents are equal)
+    from memcalc.inputs.gpus import get_gpu
+    from memcalc.inputs.profiles import DEFAULT_TORCH, compose, get_profile, profile_for, with_loss
+    from memcalc.plan.options import plan_model
+
+    framework = _check_choice("framework", framework, _choices()["framework"])
+    loss = _check_choice("loss", loss, _choices()["loss"])
+    m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
+    prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH), framework, torch)
+    if loss is not None or loss_chunks is not None:
+        prof = with_loss(prof, loss, loss_chunks)
+    notes.append(f"kernel profile {prof.name}: framework {prof.framework}"
+                 + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
+                    if profile is None and framework is None else "")
+                 + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
+    if gpu is None:
+        if all:
+            raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
+        if compile:
+            raise UserError("--compile adds torch.compile options to the plan for one GPU; give --gpu too")
+        from memcalc.plan.cluster import plan_cluster
+
+        cp = plan_cluster(m, seq, prof)
+        cp.notes[:0] = notes
+        return PlanResult(cp)
+    from memcalc.plan.search import plan_gpu
+
+    options = None
+    if compile:
+        from memcalc.plan.options import compile_techniques, techniques
+
+        options = techniques() + compile_techniques()
+    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=all, options=options)
+    gp.notes[:0] = notes
+    return PlanResult(gp)
+
+
+def measure(spec: "Optional[ExperimentSpec]" = None, *, output: Optional[str] = None, name: Optional[str] = None,
+            quiet: bool = False, **options: Any):
+    """Measure a real training loop beside memcalc's estimate of the same setup (a context manager).
+
+    Takes the inputs of :func:`estimate`; call ``m.step()`` after every optimizer step. On CUDA,
+    each step's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` is recorded (the peak
+    is reset after each); at the end, predicted vs measured and the gap are printed and, with
+    ``output``, a record in ``memcalc validate --output``'s format is written. Without CUDA the
+    estimate is still built and the record written, with ``measured_bytes`` null. Needs torch::
+
+        with memcalc.measure(model="llama-3.1-8b", batch=4, seq=2048, lora=True, output="run.json") as m:
+            for batch in loader:
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                m.step()
+        print(m.record["measured_bytes"], m.record["predicted_bytes"], m.record["error_pct"])
+    """
+    try:
+        from memcalc.validate.measure import Measure
+    except ImportError as e:  # torch missing
+        raise UserError(f"measure() needs torch: pip install 'memcalc[validate]' ({e})") from None
+    return Measure(spec=spec, output=output, name=name, quiet=quiet, **options)
