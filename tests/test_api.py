@@ -1,0 +1,200 @@
+"""The Python API (memcalc.api) against the CLI: the same inputs give the same documents and the same
+one-line errors; `import memcalc` stays cheap and torch-free."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import memcalc
+from memcalc.cli import app
+from memcalc.inputs.resolve import Options
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_json(args: list[str]) -> dict:
+    r = CliRunner().invoke(app, [*args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def cli_error(args: list[str]) -> str:
+    """The message of the CLI's one error line (after ``memcalc: error: ``)."""
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.startswith("memcalc: error: ")]
+    assert len(lines) == 1, r.output
+    return lines[0][len("memcalc: error: "):]
+
+
+_SLOW = pytest.mark.slow  # full-size models or searches: seconds each, twice (API and CLI)
+
+# (API keyword arguments, the same setup as `memcalc estimate` flags)
+SAME_AS_CLI = [
+    # source: issue 14's done-criterion
+    pytest.param(dict(model="llama-3.1-8b", precision="bf16", lora=True),
+                 ["--model", "llama-3.1-8b", "--precision", "bf16", "--lora"], marks=_SLOW),
+    # source: README quick start (a small model, checkpointing, two GPUs by name and capacity)
+    (dict(model="gpt2", batch=2, seq=512, checkpoint="full", gpu=["rtx-4090", "24GB"]),
+     ["--model", "gpt2", "--batch", "2", "--seq", "512", "--checkpoint", "full", "--gpu", "rtx-4090", "--gpu", "24GB"]),
+    # source: --params inference with QLoRA on every projection
+    pytest.param(dict(params="1.5b", qlora=True, lora_targets="all", gpu="rtx-4090"),
+                 ["--params", "1.5b", "--qlora", "--lora-targets", "all", "--gpu", "rtx-4090"], marks=_SLOW),
+    # source: a shipped reference config (its published peak is kept)
+    pytest.param(dict(config="control"), ["--config", "control"], marks=_SLOW),
+    # source: ZeRO-3 over 4 GPUs with an 8-bit optimizer and a framework profile
+    (dict(model="gpt2", seq=256, zero=3, gpus=4, optimizer="adamw-8bit", framework="torchtune", gpu="t4"),
+     ["--model", "gpt2", "--seq", "256", "--zero", "3", "--gpus", "4", "--optimizer", "adamw-8bit",
+      "--framework", "torchtune", "--gpu", "t4"]),
+    # source: estimate --max-batch (the limits join the document)
+    pytest.param(dict(model="gpt2", seq=256, gpu="rtx-4090", max_batch=True),
+                 ["--model", "gpt2", "--seq", "256", "--gpu", "rtx-4090", "--max-batch"], marks=_SLOW),
+]
+
+
+@pytest.mark.parametrize("kwargs,args", SAME_AS_CLI, ids=lambda x: None if isinstance(x, list) else ",".join(x))
+def test_estimate_to_dict_equals_cli_json(kwargs, args):
+    r = memcalc.estimate(**kwargs)
+    doc = cli_json(["estimate", *args])
+    assert r.to_dict() == doc
+    assert isinstance(r.peak_bytes, int) and r.peak_bytes == doc["peak_bytes"]
+    assert r.phase == doc["peak_phase"]
+    assert r.breakdown == doc["components_by_kind"] and sum(r.breakdown.values()) == r.peak_bytes
+    assert r.fits == {g["name"]: g["fits"] for g in doc["gpus"]}
+    assert r.required_bytes == doc["required_bytes"]
+
+
+# (API keyword arguments, `memcalc estimate` flags): both refuse the input with the same line
+SAME_ERROR = [
+    (dict(model="llama-9"), ["--model", "llama-9"]),  # source: tests/test_cli.py BAD_INPUT (unknown preset)
+    (dict(model="gpt2", batch=0), ["--model", "gpt2", "--batch", "0"]),
+    (dict(model="gpt2", checkpoint="every-x"), ["--model", "gpt2", "--checkpoint", "every-x"]),
+    (dict(model="gpt2", zero=4), ["--model", "gpt2", "--zero", "4"]),
+    (dict(model="gpt2", seq=4096), ["--model", "gpt2", "--seq", "4096"]),
+    (dict(model="gpt2", fused_optimizer=True, grad_accum=4),  # a pydantic cross-field error, one line
+     ["--model", "gpt2", "--fused-optimizer", "--grad-accum", "4"]),
+    (dict(model="gpt2", gpu="gtx-480"), ["--model", "gpt2", "--gpu", "gtx-480"]),
+    (dict(), []),  # no model
+    (dict(model="gpt2", params="7e9"), ["--model", "gpt2", "--params", "7e9"]),
+    (dict(model="gpt2", lora=True, lora_targets="q,z"), ["--model", "gpt2", "--lora", "--lora-targets", "q,z"]),
+]
+
+
+@pytest.mark.parametrize("kwargs,args", SAME_ERROR, ids=lambda x: None if isinstance(x, list) else ",".join(x) or "none")
+def test_bad_input_raises_user_error_with_the_cli_message(kwargs, args):
+    with pytest.raises(memcalc.UserError) as e:
+        memcalc.estimate(**kwargs)
+    assert str(e.value) == cli_error(["estimate", *args])
+    assert isinstance(e.value, ValueError)
+
+
+# (API keyword arguments, the message): choices the CLI leaves to its option parser
+CHOICE_ERRORS = [
+    (dict(model="gpt2", precision="fp8"), "unknown --precision 'fp8'; valid: fp32, bf16, fp16, amp-bf16, amp-fp16"),
+    (dict(model="gpt2", optimizer="adamax"), "unknown --optimizer 'adamax'; valid: adamw, adam, sgd"),
+    (dict(model="gpt2", framework="jax"), "unknown --framework 'jax'; valid: plain, hf, torchtune, litgpt"),
+    (dict(model="gpt2", loss="half"), "unknown --loss 'half'; valid: full, chunked"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", CHOICE_ERRORS)
+def test_bad_choice_lists_the_valid_ones(kwargs, message):
+    with pytest.raises(memcalc.UserError, match="^" + message.replace("(", r"\(")):
+        memcalc.estimate(**kwargs)
+
+
+def test_unknown_argument_is_a_type_error_listing_the_options():
+    with pytest.raises(TypeError, match="unknown argument modle; valid: .*model"):
+        memcalc.estimate(modle="gpt2")
+
+
+def test_every_option_is_accepted_by_name():
+    # a field added to Options (a new flag) is an API keyword at once: forwarded, not listed here
+    for f in dataclasses.fields(Options):
+        memcalc.options_from(**{f.name: f.default})
+
+
+def test_spec_gives_the_same_estimate_as_its_options():
+    from memcalc.inputs.resolve import resolve
+
+    exp = resolve(Options(model="gpt2", batch=2, seq=256, lora=True)).exp
+    by_spec = memcalc.estimate(spec=exp)
+    assert by_spec.peak_bytes == memcalc.estimate(model="gpt2", batch=2, seq=256, lora=True).peak_bytes
+    assert by_spec.spec == exp
+    with pytest.raises(memcalc.UserError, match="not both"):
+        memcalc.estimate(spec=exp, batch=4)
+
+
+def test_a_hugging_face_config_dict_is_a_model():
+    # source: data/hf_configs/HuggingFaceTB--SmolLM2-135M-Instruct.json, given as a dict and as a file
+    path = ROOT / "data" / "hf_configs" / "HuggingFaceTB--SmolLM2-135M-Instruct.json"
+    cfg = json.loads(path.read_text())
+    r = memcalc.estimate(model=dict(cfg, _name_or_path="HuggingFaceTB/SmolLM2-135M"), seq=128, lora=True)
+    assert r.peak_bytes == memcalc.estimate(model=str(path), seq=128, lora=True).peak_bytes
+    assert r.to_dict()["inputs"]["model_source"] == {"kind": "hf-config", "value": "SmolLM2-135M"}
+
+
+def test_stages_stay_modules_and_are_callable():
+    import memcalc.estimate.peak as peak
+    import memcalc.plan.search  # noqa: F401
+
+    assert memcalc.estimate.peak is peak  # the stage package is still the package
+    assert memcalc.estimate(model="gpt2", seq=128).peak_bytes > 0
+
+
+# (fresh interpreter code, what it must print last): `import memcalc` is cheap and torch-free
+IMPORT_PROBE = ("import sys; sys.modules['torch'] = None; import memcalc; "
+                "print(sorted(m for m in ('numpy', 'rich', 'typer', 'torch', 'pydantic') if sys.modules.get(m)))")
+
+
+def test_import_memcalc_loads_no_heavy_module():
+    out = subprocess.run([sys.executable, "-c", IMPORT_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.slow  # a fresh interpreter that estimates an 8B model (about 1 s)
+def test_done_criterion_runs_without_torch():
+    # source: issue 14 "Done when": the exact one-liner, with torch made unimportable
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "import memcalc; print(memcalc.estimate(model='llama-3.1-8b', precision='bf16', lora=True).peak_bytes)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().isdigit()
+    assert int(out.stdout) == memcalc.estimate(model="llama-3.1-8b", precision="bf16", lora=True).peak_bytes
+
+
+def test_measure_is_reachable_without_torch_until_called():
+    code = ("import sys; sys.modules['torch'] = None; import memcalc, memcalc.integrations.transformers as t\n"
+            "try:\n    memcalc.measure(model='gpt2')\nexcept memcalc.UserError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("measure() needs torch")
+
+
+@pytest.mark.slow  # the plan for every catalog GPU (seconds)
+def test_cluster_plan_to_dict_equals_cli_json():
+    # source: memcalc plan without --gpu
+    assert memcalc.plan(model="gpt2", seq=512).to_dict() == cli_json(["plan", "--model", "gpt2", "--seq", "512"])
+
+
+@pytest.mark.slow  # a plan search on a full-size model (a minute on 2 cores)
+def test_gpu_plan_to_dict_equals_the_snapshot():
+    # source: tests/snapshots/plan-llama8b-4090.json (= `memcalc plan --model llama-3.1-8b --gpu rtx-4090 --json`)
+    p = memcalc.plan(model="llama-3.1-8b", gpu="rtx-4090")
+    assert p.to_dict() == json.loads((ROOT / "tests" / "snapshots" / "plan-llama8b-4090.json").read_text())
+    assert p.fitting and all(o["fits"] for o in p.fitting)
+
+
+def test_plan_bad_input_raises_user_error():
+    with pytest.raises(memcalc.UserError, match="--all lists the combinations"):
+        memcalc.plan(model="gpt2", all=True)
+    with pytest.raises(memcalc.UserError, match="plan needs a model"):
+        memcalc.plan()
