@@ -6,7 +6,7 @@
 >>> trainer.train()                                                     # doctest: +SKIP
 memcalc: predicted 30.571 GiB (peak in backward), measured 29.904 GiB (max_memory_allocated over 10 steps), gap +2.23%
 
-At ``on_train_begin`` the callback reads the model's config (``model.config.to_dict()``, read by
+At ``on_train_begin`` the callback reads the model's config (``model.config`` as its config.json, read by
 memcalc's Hugging Face config reader), the ``TrainingArguments`` (:func:`options_from_hf`) and the
 PEFT config of a ``PeftModel``, and estimates that setup; at every ``on_step_end`` it records
 ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` and resets the peak; at
@@ -66,7 +66,9 @@ def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
       TRL's ``max_length`` / ``max_seq_length`` when present;
     - precision: the weights' dtype, with ``bf16``/``fp16`` autocast over fp32 weights as
       ``amp-bf16``/``amp-fp16`` (autocast over 16-bit weights computes in those weights' dtype);
-    - ``gradient_checkpointing`` -> checkpoint full; ``torch_compile`` -> compile;
+    - ``activation_checkpointing`` (alias ``gradient_checkpointing``) -> checkpoint full, or every-K
+      with ``activation_checkpointing_kwargs={"every_n_layers": K}``, and its ``offload`` ->
+      activation_offload (transformers 5.23 training_args.py); ``torch_compile`` -> compile;
     - ``optim`` -> :data:`HF_OPTIMIZERS`;
     - PEFT: r, lora_alpha, lora_dropout, target_modules, use_dora; ``load_in_4bit`` -> QLoRA.
 
@@ -75,7 +77,7 @@ def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
     the reverse) so the two mappings cannot drift.
 
     >>> opts, notes = options_from_hf({"per_device_train_batch_size": 4, "bf16": True,
-    ...                                "gradient_checkpointing": True, "optim": "adamw_torch_fused"},
+    ...                                "activation_checkpointing": True, "optim": "adamw_torch_fused"},
     ...                               model_dtype="float32")
     >>> opts == {"batch": 4, "grad_accum": 1, "precision": "amp-bf16", "checkpoint": "full",
     ...          "optimizer": "adamw", "optimizer_impl": "fused"}
@@ -101,8 +103,15 @@ def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
             notes.append(f"{'bf16' if bf16 else 'fp16'} autocast over {dt} weights: estimated as pure {dt}")
     else:
         o["precision"] = "amp-bf16" if bf16 else "amp-fp16" if fp16 else "fp32"
-    if args.get("gradient_checkpointing"):
-        o["checkpoint"] = "full"
+    ckpt = args.get("activation_checkpointing")
+    ckpt = args.get("gradient_checkpointing") if ckpt is None else ckpt  # the alias before transformers 5.2x
+    kw = args.get("activation_checkpointing_kwargs") or args.get("gradient_checkpointing_kwargs") or {}
+    kw = kw if isinstance(kw, Mapping) else {}
+    if ckpt:
+        every = kw.get("every_n_layers") or 1
+        o["checkpoint"] = "full" if int(every) == 1 else f"every-{int(every)}"
+        if kw.get("offload"):
+            o["activation_offload"] = True
     if args.get("torch_compile"):
         o["compile"] = True
     optim = str(getattr(args.get("optim"), "value", args.get("optim")) or "adamw_torch")
