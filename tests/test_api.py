@@ -198,3 +198,62 @@ def test_plan_bad_input_raises_user_error():
         memcalc.plan(model="gpt2", all=True)
     with pytest.raises(memcalc.UserError, match="plan needs a model"):
         memcalc.plan()
+
+
+# (TrainingArguments / SFTConfig fields, weights dtype, PEFT config, 4-bit base, the memcalc options they mean)
+HF_RUNS = [
+    # source: transformers 5.23 training_args.py defaults (batch 8, optim adamw_torch, fp32 weights, no autocast)
+    ({}, "float32", None, False, dict(batch=8, grad_accum=1, precision="fp32", optimizer="adamw", optimizer_impl="foreach")),
+    # source: bf16=True autocasts; over fp32 weights that is memcalc's amp-bf16
+    ({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "bf16": True, "optim": "adamw_torch_fused"},
+     "float32", None, False, dict(batch=4, grad_accum=2, precision="amp-bf16", optimizer="adamw", optimizer_impl="fused")),
+    # source: a model loaded in bfloat16 trains in bf16 whatever the autocast flag; the deprecated alias still counts
+    ({"per_device_train_batch_size": 1, "bf16": True, "gradient_checkpointing": True, "optim": "adafactor"},
+     "bfloat16", None, False, dict(batch=1, grad_accum=1, precision="bf16", checkpoint="full", optimizer="adafactor")),
+    # source: transformers 5.23 activation_checkpointing_kwargs (every_n_layers, offload)
+    ({"per_device_train_batch_size": 2, "activation_checkpointing": True,
+      "activation_checkpointing_kwargs": {"every_n_layers": 2, "offload": True}, "optim": "adamw_8bit", "max_length": 1024},
+     "bfloat16", None, False, dict(batch=2, grad_accum=1, seq=1024, precision="bf16", checkpoint="every-2",
+                                   activation_offload=True, optimizer="adamw-8bit")),
+    # source: a PEFT LoraConfig.to_dict() over a bitsandbytes 4-bit base (QLoRA), target_modules a set, DoRA
+    ({"per_device_train_batch_size": 2, "bf16": True, "optim": "paged_adamw_8bit"}, "bfloat16",
+     {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": {"v_proj", "q_proj"},
+      "use_dora": True}, True,
+     dict(batch=2, grad_accum=1, precision="bf16", optimizer="adamw-8bit", lora=True, lora_rank=16, lora_alpha=32.0,
+          lora_dropout=0.05, lora_targets="q_proj,v_proj", dora=True, qlora=True)),
+    # source: PEFT's "all-linear" shortcut is memcalc's `all`
+    ({"per_device_train_batch_size": 1, "optim": "rmsprop"}, "float32", {"r": 8, "target_modules": "all-linear"}, False,
+     dict(batch=1, grad_accum=1, precision="fp32", lora=True, lora_rank=8, lora_targets="all")),
+]
+
+
+@pytest.mark.parametrize("args,dtype,peft,four_bit,expected", HF_RUNS)
+def test_hf_training_arguments_map_to_memcalc_options(args, dtype, peft, four_bit, expected):
+    from memcalc.integrations.transformers import options_from_hf
+
+    opts, notes = options_from_hf(args, dtype, peft, four_bit)
+    assert opts == expected
+    memcalc.options_from(**opts)  # every key is an estimate keyword
+    if args.get("optim") in ("rmsprop", "paged_adamw_8bit"):
+        assert any(args["optim"] in n for n in notes)  # approximated or not modelled: said so
+
+
+def test_the_callback_module_is_torch_free_until_used():
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+            "import memcalc.integrations.transformers as t\n"
+            "try:\n    t.MemcalcCallback\nexcept memcalc.UserError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", "import memcalc\n" + code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("MemcalcCallback needs torch and transformers")
+
+
+@pytest.mark.slow  # estimates an 8B model twice (the package's and the module's examples)
+@pytest.mark.parametrize("module", ["memcalc", "memcalc.api", "memcalc.integrations.transformers"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
