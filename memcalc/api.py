@@ -69,8 +69,9 @@ def options_from(**kwargs: Any) -> "Options":
     """The :class:`~memcalc.inputs.resolve.Options` of these keyword arguments (flag names with
     ``_`` for ``-``); a name that is not an option is a :class:`TypeError` listing the valid ones.
 
-    ``model=`` may also be a Hugging Face config as a dict (``model.config.to_dict()``); it is read
-    by the same reader as a config.json file.
+    ``model=`` may also be a Hugging Face config as a dict (a parsed config.json) or a transformers
+    ``PretrainedConfig`` (``model.config``), passed to :func:`estimate`; it is read by the same
+    reader as a config.json file.
 
     >>> options_from(model="gpt2", batch=2).batch
     2
@@ -104,6 +105,10 @@ def _resolve(spec: "Optional[ExperimentSpec]", kwargs: dict[str, Any]) -> "Resol
             raise UserError(f"spec= must be a memcalc.core.spec.ExperimentSpec, not {type(spec).__name__}")
         return Resolved(spec, origin={k: "spec" for k in ("model", "profile", *spec.training.model_dump())})
     model = kwargs.get("model")
+    if not isinstance(model, (str, Mapping)) and callable(getattr(model, "to_json_string", None)):
+        # a transformers PretrainedConfig: what save_pretrained writes as config.json (keys that differ
+        # from the class's defaults; memcalc's readers take those defaults for the rest)
+        model = json.loads(model.to_json_string(use_diff=True))
     try:
         if isinstance(model, Mapping):
             return _resolve_config_dict(dict(model), kwargs)

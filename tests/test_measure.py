@@ -191,3 +191,11 @@ def test_callback_on_cuda_fills_the_measurement(tmp_path):
     assert rec["status"] == "ok" and rec["steps"] == 2 and len(rec["step_peak_bytes"]) == 2
     assert rec["measured_bytes"] == max(rec["step_peak_bytes"]) and rec["error_pct"] is not None
     assert rec["predicted_bytes"] == same_setup_by_hand().peak_bytes
+
+
+def test_a_transformers_config_object_is_a_model():
+    # source: PretrainedConfig.to_json_string(use_diff=True), what save_pretrained writes as config.json
+    cfg = tiny_config()
+    by_object = memcalc.estimate(model=cfg, batch=BATCH, seq=SEQ, lora=True)
+    by_dict = memcalc.estimate(model=json.loads(cfg.to_json_string(use_diff=True)), batch=BATCH, seq=SEQ, lora=True)
+    assert by_object.peak_bytes == by_dict.peak_bytes and by_object.spec.model.n_layers == 2
