@@ -126,11 +126,16 @@ class MemcalcCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
-        self.options, self.notes = self.setup(args, model)
-        est, why = self._estimate(self.options)
+        try:
+            self.options, self.notes = self.setup(args, model)
+            est, why = self._estimate(self.options)
+        except Exception as e:  # noqa: BLE001 - a model memcalc cannot read must not stop training
+            est, why = None, f"{type(e).__name__}: {e}"
         if est is None and not self.quiet:
             print(f"memcalc: warning: no estimate for this run: {why}", file=sys.stderr, flush=True)
         name = self.name or (est.spec.name if est is not None else str(self._cfg.get("model_type") or "model"))
+        if getattr(args, "world_size", 1) > 1:  # one record per process, each its own GPU's
+            name += f" (rank {args.process_index} of {args.world_size})"
         self.recorder = Recorder(est, name, self.output, "callback", self.notes, self.quiet, why)
         self._hook = model.register_forward_pre_hook(self._observe, with_kwargs=True)
         self.recorder.start()
@@ -145,8 +150,11 @@ class MemcalcCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self._rebuild_for_seen_shape()
-        self.recorder.finish()
+        try:
+            self._rebuild_for_seen_shape()
+            self.recorder.finish()
+        except Exception as e:  # noqa: BLE001 - the run has finished; report, do not fail it
+            print(f"memcalc: warning: no record: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _rebuild_for_seen_shape(self) -> None:
         """The estimate for the batch and sequence the model was actually given (when not fixed)."""
