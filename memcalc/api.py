@@ -26,8 +26,11 @@ is called.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, fields
 from functools import cached_property
@@ -135,7 +138,15 @@ def _resolve_config_dict(cfg: dict[str, Any], kwargs: dict[str, Any]) -> "Resolv
         path = os.path.join(folder, "config.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(cfg, f, default=str)
-        res = resolve(options_from(**{**kwargs, "model": path}))
+        shown = f"<{name} config dict>"  # messages name the dict, not the temporary file
+        notes = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(notes):  # the reader's note on keys it does not read
+                res = resolve(options_from(**{**kwargs, "model": path}))
+        except UserError as e:
+            raise UserError(str(e).replace(path, shown)) from None
+        finally:
+            sys.stderr.write(notes.getvalue().replace(path, shown))
     res.model_source = ModelSource("hf-config", name)
     return res
 

@@ -257,3 +257,10 @@ def test_docstring_examples(module):
     mod = importlib.import_module(module)
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_config_dict_is_named_in_errors_not_its_temporary_file():
+    # source: memcalc/inputs/hf_config.py _Reader (a missing required key)
+    with pytest.raises(memcalc.UserError) as e:
+        memcalc.estimate(model={"model_type": "llama", "hidden_size": 64, "_name_or_path": "org/tiny"})
+    assert str(e.value) == "Hugging Face config <tiny config dict> (model_type llama) lacks 'num_attention_heads'"
