@@ -264,3 +264,13 @@ def test_a_config_dict_is_named_in_errors_not_its_temporary_file():
     with pytest.raises(memcalc.UserError) as e:
         memcalc.estimate(model={"model_type": "llama", "hidden_size": 64, "_name_or_path": "org/tiny"})
     assert str(e.value) == "Hugging Face config <tiny config dict> (model_type llama) lacks 'num_attention_heads'"
+
+
+def test_every_package_is_installed():
+    # pyproject lists packages explicitly: a subpackage missing there is missing from a wheel install
+    # (memcalc.integrations, and memcalc.inputs.hf_families before it was added: `--model` of a config failed)
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "memcalc").rglob("__init__.py")}
+    assert found - listed == set()
