@@ -133,12 +133,12 @@ def test_spec_gives_the_same_estimate_as_its_options():
 
 
 def test_a_hugging_face_config_dict_is_a_model():
-    # source: data/hf_configs/HuggingFaceTB--SmolLM2-135M-Instruct.json, given as a dict and as a file
-    path = ROOT / "data" / "hf_configs" / "HuggingFaceTB--SmolLM2-135M-Instruct.json"
+    # source: data/hf_configs/EleutherAI--pythia-160m.json, given as a dict and as a file
+    path = ROOT / "data" / "hf_configs" / "EleutherAI--pythia-160m.json"
     cfg = json.loads(path.read_text())
-    r = memcalc.estimate(model=dict(cfg, _name_or_path="HuggingFaceTB/SmolLM2-135M"), seq=128, lora=True)
+    r = memcalc.estimate(model=dict(cfg, _name_or_path="EleutherAI/pythia-160m"), seq=128, lora=True)
     assert r.peak_bytes == memcalc.estimate(model=str(path), seq=128, lora=True).peak_bytes
-    assert r.to_dict()["inputs"]["model_source"] == {"kind": "hf-config", "value": "SmolLM2-135M"}
+    assert r.to_dict()["inputs"]["model_source"] == {"kind": "hf-config", "value": "pythia-160m"}
 
 
 def test_stages_stay_modules_and_are_callable():
