@@ -120,14 +120,14 @@ def precision(r: Reader, bf16_key: str, fp16_key: str, dtype: Any) -> None:
         if dt == "fp32":
             r.set("precision", f"amp-{half}", f"{flag}+{key}", "float32")
         elif dt in ("bf16", "fp16"):
-            r.set("precision", dt, key, dt)  # the weights' dtype; autocast then computes in it too
+            r.set("precision", dt, key, r.get(key))  # the weights' dtype; autocast then computes in it too
         else:
             r.set("precision", half, flag, True)
             if dt is None:
                 r.rec.note(f"{flag}: true and no torch_dtype: the model is taken as loaded in {half} (transformers 5 "
                            f"loads a checkpoint's own dtype); give --precision amp-{half} for fp32 weights")
     elif dt in ("bf16", "fp16", "fp32"):
-        r.set("precision", dt, key, dt)
+        r.set("precision", dt, key, r.get(key))
 
 
 def checkpointing(r: Reader, key: str) -> None:

@@ -71,10 +71,10 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
     glob = r.get("train.global_batch_size")
     if glob is not None:
         g = int_value(glob, f"{src}:train.global_batch_size")
-        per_rank = g // gpus
-        if per_rank < micro or per_rank % micro:
-            raise UserError(f"{src}:train.global_batch_size {g}: per device {g} / {gpus} = {per_rank}, not a multiple "
-                            f"of train.micro_batch_size {micro}")
+        per_rank = g // gpus  # litgpt/args.py: batch_size(devices) = global_batch_size // devices
+        if per_rank // micro < 1:  # gradient_accumulation_iters asserts > 0
+            raise UserError(f"{src}:train.global_batch_size {g}: per device {g} // {gpus} = {per_rank}, less than "
+                            f"train.micro_batch_size {micro}")
         r.set("grad_accum", per_rank // micro, "train.global_batch_size", g)
     if r.has("train.max_seq_length"):
         r.set("seq", int_value(r.get("train.max_seq_length"), f"{src}:train.max_seq_length"), "train.max_seq_length")
