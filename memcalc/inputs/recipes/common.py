@@ -11,6 +11,7 @@ memcalc cannot model is a :class:`~memcalc.core.errors.UserError` naming the val
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -184,20 +185,27 @@ def model_for_hub_id(repo_id: str, where: str, rec: Recipe) -> str:
     the preset whose id has the same repository name (a re-upload such as NousResearch/Llama-3.2-1B,
     or an ``-Instruct`` variant of the same architecture), said in a note; else the id itself, which
     ``--model`` resolves from the local Hugging Face cache or the Hub (or fails with one line)."""
-    from memcalc.inputs.presets import preset_for_hf_id, preset_hf_ids
-
     rid = repo_id.strip()
-    found = preset_for_hf_id(rid)
+    ids = _preset_ids()
+    found = next((p for p, hid in ids.items() if hid.lower() == rid.lower()), None)  # as presets.preset_for_hf_id
     if found is not None:
         return found
     want = _base_name(rid)
-    same = sorted(p for p, hid in preset_hf_ids().items() if _base_name(hid) == want)
+    same = sorted(p for p, hid in ids.items() if _base_name(hid) == want)
     if len(same) == 1:
-        hid = preset_hf_ids()[same[0]]
+        hid = ids[same[0]]
         rec.note(f"{where} {rid}: preset {same[0]} (Hugging Face id {hid}: the same model under another "
                  "organisation or as its instruct variant)")
         return same[0]
     return rid
+
+
+@functools.lru_cache(maxsize=1)
+def _preset_ids() -> dict[str, str]:
+    """Preset name -> Hugging Face id (the shipped presets do not change while memcalc runs)."""
+    from memcalc.inputs.presets import preset_hf_ids
+
+    return preset_hf_ids()
 
 
 def _base_name(repo_id: str) -> str:
