@@ -301,3 +301,22 @@ def test_torchtune_distributed_and_offload(tmp_path, monkeypatch):
     tr = res.exp.training
     assert (tr.zero, tr.sharding, tr.activation_offload, tr.seq) == (3, "fsdp2", True, 1024)
     assert any("packed" in n for n in res.notes)
+
+
+@NEEDS_TECHNIQUES
+def test_lora_on_head_and_paged_optimizer(tmp_path, monkeypatch):
+    """apply_lora_to_output -> the head target; bitsandbytes PagedAdamW -> paged-adamw (techniques branch names)."""
+    p = _write(tmp_path, "tt.yaml", TT_HEAD + "  apply_lora_to_output: True\noptimizer:\n"
+               "  _component_: bitsandbytes.optim.PagedAdamW\n")
+    tr = resolved(["--recipe", p], monkeypatch).exp.training
+    assert "head" in tr.lora.targets and tr.optimizer == "paged-adamw"
+
+
+def test_litgpt_model_name_and_devices(tmp_path, monkeypatch):
+    """model_name (older LitGPT configs) and devices 4: FSDP over 4 GPUs, every block checkpointed."""
+    p = _write(tmp_path, "lit.yaml", "model_name: Llama-3.2-1B\ndevices: 4\nprecision: bf16-mixed\n"
+               "train:\n  global_batch_size: 32\n  micro_batch_size: 2\n  max_seq_length: 256\n")
+    tr = resolved(["--recipe", p], monkeypatch).exp.training
+    # source: litgpt/finetune/full.py FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})
+    assert (tr.gpus, tr.zero, tr.sharding, tr.checkpoint, tr.grad_accum, tr.precision) == (
+        4, 3, "fsdp1", "full", 4, "amp-bf16")

@@ -20,7 +20,7 @@ _HF_KEYS = {"per_device_train_batch_size", "model_name_or_path", "optim", "gradi
             "per_device_eval_batch_size", "evaluation_strategy", "eval_strategy", "save_strategy"}
 _AXOLOTL_KEYS = {"base_model", "micro_batch_size", "sequence_len", "sample_packing", "lora_target_linear",
                  "num_epochs", "adapter", "datasets", "dataset_prepared_path"}
-_LITGPT_KEYS = {"checkpoint_dir", "out_dir", "lora_query", "lora_value", "lora_projection", "lora_head"}
+_LITGPT_KEYS = {"checkpoint_dir", "out_dir", "model_name", "lora_query", "lora_value", "lora_projection", "lora_head"}
 
 
 def _has_torchtune_component(raw: Any) -> bool:

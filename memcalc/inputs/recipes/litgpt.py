@@ -48,6 +48,9 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
             raise UserError(f"{src}:checkpoint_dir: expected checkpoints/ORG/NAME, got {clip(repr(ckpt))}")
         hub_id = "/".join(parts[-2:])
         r.set("model", model_for_hub_id(hub_id, f"{src}:checkpoint_dir", rec), "checkpoint_dir", ckpt)
+    elif r.has("model_name"):  # older configs: a LitGPT model name (litgpt/config.py), e.g. Llama-3.2-1B
+        name = str(r.get("model_name"))
+        r.set("model", model_for_hub_id(name, f"{src}:model_name", rec), "model_name", name)
     if r.has("precision"):
         r.set("precision", choice(r.get("precision"), PRECISIONS, f"{src}:precision"), "precision", r.get("precision"))
     quant = r.get("quantize")
