@@ -1,7 +1,8 @@
 """From command-line options to one ExperimentSpec, remembering where each input came from.
 
-Precedence: a flag overrides the config file, which overrides the default.
-Every input is tagged ``flag``, ``config``, ``default`` or ``inferred`` so
+Precedence: flag > recipe (``--recipe``: its values fill the Options the user left unset,
+memcalc.inputs.recipes) > config file > default.
+Every input is tagged ``flag``, ``recipe FILE:KEY``, ``config``, ``default`` or ``inferred`` so
 reports can mark what the user did not set; every default that depends on the setup
 (framework, PyTorch version, precision, LoRA adapter dtype) carries its reason in
 ``Resolved.reasons``.

@@ -34,7 +34,7 @@ ORIGIN_KEYS = {
 GROUPS = ({"model", "params", "config"}, {"precision", "bf16"}, {"profile", "framework"})
 
 
-def _read(path: str, rec_kinds: list[str]) -> tuple[str, dict]:
+def _read(path: str) -> tuple[str, dict]:
     p = Path(path).expanduser()
     kind = path_kind(p)
     if kind != "file":
@@ -50,7 +50,7 @@ def load_recipe(paths: Sequence[str], adapter_config: Optional[str] = None) -> R
 
     readers = {"torchtune": torchtune.read, "hf": hf.read, "axolotl": axolotl.read, "litgpt": litgpt.read}
     files = list(paths) + ([adapter_config] if adapter_config else [])
-    parsed = [(f, *_read(f, [])) for f in files]
+    parsed = [(f, *_read(f)) for f in files]
     if adapter_config and parsed[-1][1] != "peft":
         raise UserError(f"--adapter-config {clip(adapter_config, 200)}: not a PEFT adapter config "
                         f"(it looks like a {DESCRIBE[parsed[-1][1]]})")

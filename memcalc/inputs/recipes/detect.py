@@ -17,7 +17,9 @@ DESCRIBE = {
 
 _HF_KEYS = {"per_device_train_batch_size", "model_name_or_path", "optim", "gradient_checkpointing_kwargs",
             "max_seq_length", "max_length", "use_peft", "lr_scheduler_type", "num_train_epochs", "logging_steps",
-            "per_device_eval_batch_size", "evaluation_strategy", "eval_strategy", "save_strategy"}
+            "per_device_eval_batch_size", "evaluation_strategy", "eval_strategy", "save_strategy", "output_dir",
+            "gradient_accumulation_steps", "gradient_checkpointing", "bf16", "fp16", "deepspeed", "fsdp",
+            "peft_config"}
 _AXOLOTL_KEYS = {"base_model", "micro_batch_size", "sequence_len", "sample_packing", "lora_target_linear",
                  "num_epochs", "adapter", "datasets", "dataset_prepared_path"}
 _LITGPT_KEYS = {"checkpoint_dir", "out_dir", "model_name", "lora_query", "lora_value", "lora_projection", "lora_head"}
