@@ -320,3 +320,18 @@ def test_litgpt_model_name_and_devices(tmp_path, monkeypatch):
     # source: litgpt/finetune/full.py FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})
     assert (tr.gpus, tr.zero, tr.sharding, tr.checkpoint, tr.grad_accum, tr.precision) == (
         4, 3, "fsdp1", "full", 4, "amp-bf16")
+
+
+def test_plan_takes_model_seq_framework_from_recipe(monkeypatch):
+    """plan --recipe: the recipe's model, sequence length and framework reach the search (not run here)."""
+    import memcalc.plan.search as search
+
+    got = []
+
+    def spy(model, gpu, seq, prof, **kw):
+        got.append((model.name, seq, prof.framework))
+        raise _Stop
+
+    monkeypatch.setattr(search, "plan_gpu", spy)
+    CliRunner().invoke(app, ["plan", "--recipe", LITGPT, "--gpu", "rtx-4090"])
+    assert got == [("llama-3.2-1b", 512, "litgpt")]
