@@ -148,6 +148,8 @@ SHARDING = typer.Option(None, "--sharding", help="How --zero runs over --gpus: f
 TP = typer.Option(None, "--tp", help="Tensor-parallel degree (Megatron-style column/row parallel linears); GPUs in all = --gpus x --tp.")
 SEQ_PARALLEL = typer.Option(False, "--sequence-parallel", help="With --tp: norms and dropout on sequence shards.")
 ACT_OFFLOAD = typer.Option(False, "--activation-offload", help="Saved activations go to host memory in forward and come back for backward (torchtune's OffloadActivations); the host memory is reported.")
+RECIPE = typer.Option(None, "--recipe", help="A training setup file: a torchtune recipe YAML, Hugging Face TrainingArguments / TRL SFTConfig (JSON or YAML), an axolotl YAML or a LitGPT config; repeat it to add a PEFT adapter_config.json. Its memory-relevant keys set the inputs (origin: recipe FILE:KEY); flags override them; keys that do not affect memory are listed as ignored.")
+ADAPTER_CONFIG = typer.Option(None, "--adapter-config", help="A PEFT adapter_config.json (LoraConfig) for a Hugging Face / TRL or axolotl --recipe, or on its own with --model.")
 DORA = typer.Option(False, "--dora", help="DoRA (PEFT use_dora=True): LoRA plus a trainable magnitude vector per target (implies --lora).")
 
 
@@ -199,6 +201,7 @@ def estimate(
     sharding: Optional[str] = SHARDING, tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
     activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a capacity: 48GiB (2**30 bytes each), 24GB (10**9)."),
     as_json: bool = JSON,
     timeline: bool = typer.Option(False, "--timeline", help="Also draw memory across the step (after the tables; ignored with --json)."),
@@ -220,6 +223,8 @@ def estimate(
       memcalc estimate --model llama-3.1-8b --lora --framework torchtune --torch 2.9
 
       memcalc estimate --config control --json
+
+      memcalc estimate --recipe 8B_lora_single_device.yaml --gpu rtx-4090
     """
     from memcalc.estimate.peak import estimate as run_estimate
     from memcalc.inputs.gpus import get_gpu, list_gpus
@@ -238,6 +243,7 @@ def estimate(
         framework=framework, torch=torch,
         zero=zero, gpus=gpus, offload_optimizer=offload_optimizer, loss=loss, loss_chunks=loss_chunks,
         sharding=sharding, tp=tp, sequence_parallel=sequence_parallel, activation_offload=activation_offload, dora=dora,
+        recipe=recipe or None, adapter_config=adapter_config,
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None
@@ -254,6 +260,8 @@ def estimate(
         write_report(html, estimate_html(est, res, cards))
     if as_json:
         doc = to_json(est, res, cards)
+        if res.recipe is not None:
+            doc["recipe"] = res.recipe
         if limits:
             doc.update({k: limits[k] for k in ("max_batch", "max_seq") if k in limits}, limits=limits)
         typer.echo(dumps(doc))
@@ -299,6 +307,7 @@ def plan(
     seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
     profile: Optional[str] = PROFILE, framework: Optional[FrameworkOpt] = FRAMEWORK, torch: Optional[str] = TORCH,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
     show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
     compile_: bool = typer.Option(False, "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
     as_json: bool = JSON,
@@ -323,7 +332,24 @@ def plan(
     from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
     from memcalc.render.report import dumps
 
+    rec = None
+    if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
+        from memcalc.inputs.recipes import load_recipe
+
+        rec = load_recipe(recipe or [], adapter_config)
+        v = rec.values
+        if model is None and params is None:
+            model = v.get("model")
+        seq = seq if seq is not None else v.get("seq")
+        if profile is None and framework is None and "framework" in v:
+            framework = FrameworkOpt(v["framework"])
+        if loss is None and loss_chunks is None and "loss" in v:
+            loss, loss_chunks = LossOpt(v["loss"]), v.get("loss_chunks")
     m, notes = plan_model(model, params)
+    if rec is not None:
+        notes[:0] = rec.lines() + ["recipe: plan takes the model, sequence length, framework and loss from it and "
+                                   "searches the rest (batch, precision, optimizer, checkpointing, LoRA/QLoRA); "
+                                   "`memcalc estimate --recipe` gives the recipe's own setup"]
     # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
     prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH),
                    framework.value if framework else None, torch)
@@ -341,7 +367,7 @@ def plan(
         cp = plan_cluster(m, seq, prof)
         cp.notes[:0] = notes
         if as_json:
-            typer.echo(dumps(cluster_plan_json(cp)))
+            typer.echo(dumps({**cluster_plan_json(cp), **({"recipe": rec.as_json()} if rec else {})}))
         else:
             render_cluster_plan(cp)
         return
@@ -353,7 +379,7 @@ def plan(
     gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)
     gp.notes[:0] = notes
     if as_json:
-        typer.echo(dumps(gpu_plan_json(gp)))
+        typer.echo(dumps({**gpu_plan_json(gp), **({"recipe": rec.as_json()} if rec else {})}))
     else:
         render_gpu_plan(gp)
 
@@ -469,6 +495,7 @@ def validate(
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
@@ -532,6 +559,7 @@ def validate(
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
+        recipe=recipe or None, adapter_config=adapter_config,
     )
     items: list = []
     if names:

@@ -1,7 +1,8 @@
 """From command-line options to one ExperimentSpec, remembering where each input came from.
 
-Precedence: a flag overrides the config file, which overrides the default.
-Every input is tagged ``flag``, ``config``, ``default`` or ``inferred`` so
+Precedence: flag > recipe (``--recipe``: its values fill the Options the user left unset,
+memcalc.inputs.recipes) > config file > default.
+Every input is tagged ``flag``, ``recipe FILE:KEY``, ``config``, ``default`` or ``inferred`` so
 reports can mark what the user did not set; every default that depends on the setup
 (framework, PyTorch version, precision, LoRA adapter dtype) carries its reason in
 ``Resolved.reasons``.
@@ -79,6 +80,10 @@ class Options:
     sequence_parallel: bool = False
     activation_offload: bool = False
     dora: bool = False
+    #: --recipe FILE (repeatable: a training recipe and a PEFT adapter config) and --adapter-config FILE:
+    #: their values fill the fields above that the user left unset (memcalc.inputs.recipes)
+    recipe: Optional[list[str]] = None
+    adapter_config: Optional[str] = None
 
 
 @dataclass
@@ -92,6 +97,8 @@ class Resolved:
     model_source: Optional["ModelSource"] = None
     #: input -> why its default is what it is (only for defaults that depend on the setup)
     reasons: dict[str, str] = field(default_factory=dict)
+    #: the recipe read (--recipe): its kind, files, key -> option mapping, ignored and unread keys; None without
+    recipe: Optional[dict[str, Any]] = None
 
 
 #: the largest K of --checkpoint every-K (more layers than any model has; checked before int())
@@ -148,6 +155,11 @@ def resolve(o: Options) -> Resolved:
     from memcalc.inputs.presets import resolve_model_source
     from memcalc.inputs.pydantic_errors import pydantic_error_line
 
+    recipe = None
+    if o.recipe or o.adapter_config:  # the recipe's values under the flags (memcalc.inputs.recipes)
+        from memcalc.inputs.recipes import apply_recipe
+
+        o, recipe, from_recipe = apply_recipe(o)
     for name in ("lora_alpha", "lora_dropout", "memory_budget"):
         _check_finite(name.replace("_", "-"), getattr(o, name))
     for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "tp"):
@@ -292,7 +304,15 @@ def resolve(o: Options) -> Resolved:
         )
     except ValidationError as e:  # a config's LoRA targets that --model does not have
         raise UserError(pydantic_error_line(e, "experiment")) from None
-    return Resolved(exp, origin, notes, model_source, reasons)
+    if recipe is None:
+        return Resolved(exp, origin, notes, model_source, reasons)
+    from memcalc.inputs.recipes import ORIGIN_KEYS
+
+    for opt in (k for k in recipe.values if k in from_recipe):  # origin "recipe FILE:KEY" for what the recipe set
+        for key in ORIGIN_KEYS.get(opt, ()):
+            if origin.get(key) not in (None, "default") and not origin[key].startswith("recipe"):
+                origin[key] = f"recipe {recipe.keys[opt]}"
+    return Resolved(exp, origin, recipe.lines() + notes, model_source, reasons, recipe.as_json())
 
 
 def _model_why(o: Options) -> str:

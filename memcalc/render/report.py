@@ -80,7 +80,8 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
 
 
 def _mark(origin: dict[str, str], key: str) -> str:
-    m = ORIGIN_MARK.get(origin.get(key, ""), "")
+    v = origin.get(key, "")
+    m = ORIGIN_MARK.get(v, escape(v) if v.startswith("recipe ") else "")  # --recipe: "recipe FILE:KEY"
     return f" [dim]({m})[/dim]" if m else ""
 
 

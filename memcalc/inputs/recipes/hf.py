@@ -1,0 +1,250 @@
+"""Hugging Face ``TrainingArguments`` / TRL ``SFTConfig`` (+ TRL ``ModelConfig``) as JSON or YAML, and
+PEFT ``adapter_config.json`` / ``LoraConfig`` -> Options.
+
+Field names and defaults follow transformers 5.23 ``training_args.py`` (``per_device_train_batch_size``
+default 8; ``optim`` default ``adamw_torch_fused`` from PyTorch 2.8, the profile's version),
+TRL's ``SFTConfig`` (``max_length``, formerly ``max_seq_length``; ``packing``) and ``ModelConfig``
+(``model_name_or_path``, ``torch_dtype``/``dtype``, ``use_peft``, ``lora_r``, ``lora_alpha``,
+``lora_dropout``, ``lora_target_modules``, ``use_dora``, ``load_in_4bit``, ``load_in_8bit``), and PEFT's
+``LoraConfig`` (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``use_dora``,
+``modules_to_save``, ``rank_pattern``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memcalc.core.errors import UserError
+from memcalc.inputs.data_files import clip
+from memcalc.inputs.recipes.common import (HF_OPTIMIZERS, Reader, Recipe, bool_value, choice, float_value, int_value,
+                                           model_for_hub_id, peft_targets, set_deepspeed, set_fsdp)
+
+#: TrainingArguments.per_device_train_batch_size's default (transformers training_args.py)
+HF_DEFAULT_BATCH = 8
+
+#: the model's load dtype (``torch_dtype`` / ``dtype``) -> 16-bit or not
+TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "auto": "auto", "bf16": "bf16",
+                "fp16": "fp16", "fp32": "fp32"}
+
+IGNORE = (
+    "output_dir", "overwrite_output_dir", "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs",
+    "warmup_ratio", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm",
+    "num_train_epochs", "max_steps", "logging_*", "log_level*", "save_*", "eval_*", "evaluation_strategy",
+    "do_train", "do_eval", "do_predict", "per_device_eval_batch_size", "hub_*", "push_to_hub", "report_to",
+    "seed", "data_seed", "run_name", "remove_unused_columns", "dataloader_*", "model_revision", "revision",
+    "dataset_*", "chat_template*", "preprocessing_num_workers", "trust_remote_code", "tf32", "label_names",
+    "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "disable_tqdm", "ddp_*",
+    "completion_only_loss", "assistant_only_loss", "eos_token", "pad_token", "group_by_length", "optim_args",
+    "neftune_noise_alpha", "include_*", "prediction_loss_only", "use_cpu", "local_rank", "resume_from_checkpoint",
+    "use_flash_attention_2", "task_type", "peft_type", "base_model_name_or_path", "inference_mode", "bias",
+    "fan_in_fan_out", "init_lora_weights", "auto_mapping", "layers_pattern", "layers_to_transform",
+    "use_rslora", "lora_task_type", "env.*", "bf16_full_eval", "fp16_full_eval", "torch_empty_cache_steps",
+    "peft_version", "loftq_config", "megatron_*", "revision", "lora_bias", "exclude_modules",
+    "bnb_4bit_quant_storage", "model_init_kwargs",
+)
+
+
+def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
+    """TrainingArguments / SFTConfig (with TRL ModelConfig keys, or an embedded ``peft_config``)."""
+    r = Reader(raw, rec, src, IGNORE)
+    r.set("framework", "hf", "(Hugging Face Trainer)", "hf")
+    if r.has("model_name_or_path"):
+        mid = r.get("model_name_or_path")
+        r.set("model", model_for_hub_id(str(mid), f"{src}:model_name_or_path", rec), "model_name_or_path", mid)
+    if r.has("per_device_train_batch_size"):
+        r.set("batch", int_value(r.get("per_device_train_batch_size"), f"{src}:per_device_train_batch_size"),
+              "per_device_train_batch_size")
+    else:
+        r.set("batch", HF_DEFAULT_BATCH, "per_device_train_batch_size (TrainingArguments default)")
+    if r.has("gradient_accumulation_steps"):
+        r.set("grad_accum", int_value(r.get("gradient_accumulation_steps"), f"{src}:gradient_accumulation_steps"),
+              "gradient_accumulation_steps")
+    checkpointing(r, "gradient_checkpointing")
+    for k in ("max_length", "max_seq_length"):
+        if r.has(k):
+            r.set("seq", int_value(r.get(k), f"{src}:{k}"), k)
+            break
+    packing(r, "packing")
+    precision(r, "bf16", "fp16", dtype_of(r))
+    optim = r.get("optim")
+    name, impl = choice(optim, HF_OPTIMIZERS, f"{src}:optim") if optim is not None else ("adamw", "fused")
+    r.set("optimizer", name, "optim" if optim is not None else "optim (TrainingArguments default: adamw_torch_fused)",
+          optim)
+    if impl:
+        r.set("optimizer_impl", impl, "optim" if optim is not None else "optim (default)", optim)
+    if r.has("torch_compile") and bool_value(r.get("torch_compile"), f"{src}:torch_compile"):
+        r.set("compile", True, "torch_compile")
+    for k in ("use_liger_kernel", "use_liger"):
+        if r.has(k) and bool_value(r.get(k), f"{src}:{k}"):
+            raise UserError(f"{src}:{k}: Liger's fused kernels (fused linear cross-entropy, RMSNorm, SwiGLU) "
+                            "are not modelled; remove it")
+    if r.has("deepspeed"):
+        set_deepspeed(r, r.get("deepspeed"), "deepspeed", src)
+    fsdp = r.get("fsdp")
+    if fsdp not in (None, "", []):
+        set_fsdp(r, fsdp, "fsdp", "fsdp_config")
+    attention(r, "attn_implementation")
+    _trl_peft(r)
+    if isinstance(raw.get("peft_config"), dict):
+        r.read.add("peft_config")
+        peft(raw["peft_config"], rec, src, "peft_config.")
+    r.finish()
+
+
+def dtype_of(r: Reader) -> Any:
+    """The model's load dtype (TRL ModelConfig ``torch_dtype``/``dtype``, or ``model_init_kwargs``), or None."""
+    for k in ("torch_dtype", "dtype", "model_init_kwargs.torch_dtype", "model_init_kwargs.dtype"):
+        if r.has(k):
+            return (k, choice(r.get(k), TORCH_DTYPES, f"{r.src}:{k}"))
+    return None
+
+
+def precision(r: Reader, bf16_key: str, fp16_key: str, dtype: Any) -> None:
+    """``bf16``/``fp16`` (Trainer: autocast) over the model's load dtype: 16-bit weights -> pure 16-bit
+    (``bf16``/``fp16``: weights, gradients, state in that dtype, as the model was loaded); fp32 weights
+    (``float32``, or no dtype with full fine-tuning) -> ``amp-bf16``/``amp-fp16``; none -> the default,
+    with its reason."""
+    src = r.src
+    bf = r.get(bf16_key)
+    fp = r.get(fp16_key)
+    bf16 = bf is not None and (bf == "auto" or bool_value(bf, f"{src}:{bf16_key}"))
+    fp16 = fp is not None and bool_value(fp, f"{src}:{fp16_key}")
+    if bf == "auto":
+        r.rec.note(f"{bf16_key}: auto means bf16 on GPUs that support it (Ampere and newer); the estimate is bf16")
+    if bf16 and fp16:
+        raise UserError(f"{src}: {bf16_key} and {fp16_key} are both set; choose one")
+    key, dt = dtype if dtype else (None, None)
+    if bf16 or fp16:
+        half = "bf16" if bf16 else "fp16"
+        flag = bf16_key if bf16 else fp16_key
+        if dt == "fp32":
+            r.set("precision", f"amp-{half}", f"{flag}+{key}", "float32")
+        elif dt in ("bf16", "fp16"):
+            r.set("precision", dt, key, r.get(key))  # the weights' dtype; autocast then computes in it too
+        else:
+            r.set("precision", half, flag, True)
+            if dt is None:
+                r.rec.note(f"{flag}: true and no torch_dtype: the model is taken as loaded in {half} (transformers 5 "
+                           f"loads a checkpoint's own dtype); give --precision amp-{half} for fp32 weights")
+    elif dt in ("bf16", "fp16", "fp32"):
+        r.set("precision", dt, key, r.get(key))
+
+
+def checkpointing(r: Reader, key: str) -> None:
+    src = r.src
+    if r.has(key):
+        on = bool_value(r.get(key), f"{src}:{key}")
+        r.set("checkpoint", "full" if on else "none", key, on)
+        kw = f"{key}_kwargs.use_reentrant"
+        if on and r.has(kw) and bool_value(r.get(kw), f"{src}:{kw}"):
+            r.rec.note(f"{kw}: true: reentrant checkpointing is modelled as the non-reentrant kind (the same "
+                       "saved inputs per layer); `memcalc validate --reentrant` traces it")
+        r.get(f"{key}_kwargs")
+
+
+def attention(r: Reader, key: str) -> None:
+    """flash_attention_2 / sdpa: memcalc models SDPA's flash kernel (what FA2 saves: the output and its
+    logsumexp); eager attention saves the full score matrices, modelled only for the families whose
+    modeling file forces it."""
+    v = r.get(key)
+    if v is not None and str(v) == "eager":
+        r.rec.note(f"{key}: eager: the estimate uses SDPA's kernels (eager attention saves the (B, H, T, T) "
+                   "scores and probabilities per layer: more memory than estimated)")
+
+
+def packing(r: Reader, key: str) -> None:
+    if r.has(key) and bool_value(r.get(key), f"{r.src}:{key}"):
+        r.rec.note(f"{key}: sequences are packed to the maximum length, so the estimate at that length is the "
+                   "step's memory (without packing it is the worst case)")
+
+
+def _trl_peft(r: Reader) -> None:
+    """TRL ``ModelConfig``'s PEFT keys (``use_peft`` turns them on; ``load_in_4bit`` is QLoRA)."""
+    src = r.src
+    use = r.has("use_peft") and bool_value(r.get("use_peft"), f"{src}:use_peft")
+    q4 = r.has("load_in_4bit") and bool_value(r.get("load_in_4bit"), f"{src}:load_in_4bit")
+    if r.has("load_in_8bit") and bool_value(r.get("load_in_8bit"), f"{src}:load_in_8bit"):
+        raise UserError(f"{src}:load_in_8bit: an 8-bit (LLM.int8) base is not modelled; valid: load_in_4bit "
+                        "(QLoRA, NF4) or a 16-bit base")
+    lora_keys = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "use_dora")
+    if not use and not q4:
+        for k in lora_keys:
+            if r.has(k):
+                r.rec.note(f"{k} is set but use_peft is not: TRL trains the whole model; the LoRA keys are ignored")
+        return
+    if not use:
+        raise UserError(f"{src}:load_in_4bit without use_peft: a 4-bit base cannot be fully fine-tuned; "
+                        "set use_peft: true")
+    r.set("lora", True, "use_peft")
+    if r.get("lora_modules_to_save"):
+        raise UserError(f"{src}:lora_modules_to_save: fully trained module copies are not modelled; remove it")
+    if q4:
+        r.set("qlora", True, "load_in_4bit")
+        _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
+    if r.has("lora_r"):
+        r.set("lora_rank", int_value(r.get("lora_r"), f"{src}:lora_r"), "lora_r")
+    else:  # TRL ModelConfig.lora_r default
+        r.set("lora_rank", 16, "lora_r (TRL ModelConfig default)")
+    if r.has("lora_alpha"):
+        r.set("lora_alpha", float_value(r.get("lora_alpha"), f"{src}:lora_alpha"), "lora_alpha")
+    else:
+        r.set("lora_alpha", 32.0, "lora_alpha (TRL ModelConfig default)")
+    if r.has("lora_dropout"):
+        d = float_value(r.get("lora_dropout"), f"{src}:lora_dropout")
+        if d:
+            r.set("lora_dropout", d, "lora_dropout")
+    else:
+        r.set("lora_dropout", 0.05, "lora_dropout (TRL ModelConfig default)")
+    if r.has("lora_target_modules"):
+        t = r.get("lora_target_modules")
+        r.set("lora_targets", peft_targets(t, f"{src}:lora_target_modules"), "lora_target_modules", t)
+    if r.has("use_dora") and bool_value(r.get("use_dora"), f"{src}:use_dora"):
+        r.set("dora", True, "use_dora")
+
+
+def _nf4(r: Reader, type_key: str, nested_key: str) -> None:
+    src = r.src
+    if r.has(type_key) and r.get(type_key) != "nf4":
+        raise UserError(f"{src}:{type_key}: {clip(repr(r.get(type_key)))} is not modelled; valid: nf4")
+    if r.has(nested_key) and not bool_value(r.get(nested_key), f"{src}:{nested_key}"):
+        r.rec.note(f"{nested_key}: false: memcalc's QLoRA double-quantises the absmax constants (0.37 bits per "
+                   "weight less than without); the difference is not modelled")
+
+
+def read_adapter(raw: dict[str, Any], rec: Recipe, src: str) -> None:
+    """A PEFT ``adapter_config.json`` on its own (``--adapter-config`` or a second ``--recipe``)."""
+    r = Reader(raw, rec, src, IGNORE + ("r", "lora_alpha", "lora_dropout", "target_modules", "use_dora",
+                                         "modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters",
+                                         "trainable_token_indices", "layer_replication", "qalora_group_size",
+                                         "lora_ga_config", "corda_config", "eva_config", "use_qalora", "arrow_config",
+                                         "alora_invocation_tokens", "ensure_weight_tying"))
+    r.finish()
+    peft(raw, rec, src, "")
+
+
+def peft(cfg: dict[str, Any], rec: Recipe, src: str, prefix: str) -> None:
+    """PEFT LoraConfig keys -> LoRA options (PEFT defaults: r 8, lora_alpha 8, lora_dropout 0)."""
+    where = f"{src}:{prefix}"
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise UserError(f"{where}peft_type: {clip(repr(cfg.get('peft_type')))} is not modelled; valid: LORA")
+
+    def put(option: str, value: Any, key: str, raw: Any = None) -> None:
+        rec.set(option, value, src, prefix + key, raw)
+
+    put("lora", True, "peft_type", cfg.get("peft_type", "LORA"))
+    put("lora_rank", int_value(cfg.get("r", 8), f"{where}r"), "r" if "r" in cfg else "r (PEFT default)")
+    put("lora_alpha", float_value(cfg.get("lora_alpha", 8), f"{where}lora_alpha"),
+        "lora_alpha" if "lora_alpha" in cfg else "lora_alpha (PEFT default)")
+    d = float_value(cfg.get("lora_dropout") or 0, f"{where}lora_dropout")
+    if d:
+        put("lora_dropout", d, "lora_dropout")
+    if cfg.get("target_modules") is not None:
+        put("lora_targets", peft_targets(cfg["target_modules"], f"{where}target_modules"), "target_modules",
+            cfg["target_modules"])
+    if cfg.get("use_dora") is not None and bool_value(cfg["use_dora"], f"{where}use_dora"):
+        put("dora", True, "use_dora")
+    for k in ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters", "trainable_token_indices",
+              "layer_replication"):
+        if cfg.get(k):
+            raise UserError(f"{where}{k}: {clip(repr(cfg[k]))} is not modelled (memcalc adapts every target "
+                            "alike, with nothing else trainable); remove it")
