@@ -38,6 +38,7 @@ from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
 from . import variants
 from .mla import MLAttention
 from .moe import MoEBlock
+from .offload import OffloadActivations
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -279,6 +280,8 @@ class Decoder(nn.Module):
         self.lm_head = LMHead(m, cfg)
         #: called with a label ("layer 3", "head & loss") as forward and backward reach it
         self.on_label: Optional[Callable[[str], None]] = None
+        #: torchtune's OffloadActivations around the forward up to the head (offload.py)
+        self.offload: Optional[OffloadActivations] = OffloadActivations() if tr.activation_offload else None
 
     # -- helpers ----------------------------------------------------------------------
     def _label(self, text: str) -> None:
@@ -326,6 +329,8 @@ class Decoder(nn.Module):
         m, amp = self.m, self.amp
         B, T = input_ids.shape
         self._label("embedding")
+        if self.offload is not None:
+            self.offload.__enter__()
         x = self.embed_tokens(input_ids)
         if m.embedding_scale != 1.0:  # Gemma normalizer, Granite embedding_multiplier
             x = x * m.embedding_scale
@@ -342,6 +347,8 @@ class Decoder(nn.Module):
         if m.final_norm:
             x = self.final_norm(x)
         del masks  # the model's forward returns (checkpoint closures may still hold them)
+        if self.offload is not None:  # torchtune: a NoOpManager around the output head
+            self.offload.__exit__(None, None, None)
         w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
         logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
         del x

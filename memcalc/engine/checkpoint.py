@@ -67,9 +67,14 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out], on_backward=recompute)
     node.fwd_label = f"fwd {label}"
     node.layer, node.role = layer, "checkpoint"
-    for t in ins:
+    saved = list(ins)
+    if sim.offload is not None and sim.offload.active:
+        # torch.utils.checkpoint saves the inputs with save_for_backward (_NoopSaveInputs), so an
+        # outer saved-tensor hook (activation offloading) packs them (memcalc.engine.offload)
+        saved, node.offloaded = sim.offload.pack(sim, saved)
+    for t in saved:
         sim.ref(t)
-    node.saved = list(ins)
+    node.saved = saved
     out.producer = node
     sim.nodes.append(node)
     return out

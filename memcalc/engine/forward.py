@@ -277,6 +277,8 @@ class Forward:
         sim, o, m = self.sim, self.ops, self.m
         sim.mark("inputs", "forward")
         sim.layer, sim.role = None, "embedding"
+        if sim.offload is not None:  # torchtune wraps the model's forward in OffloadActivations
+            sim.offload.active = True
         ids = sim.alloc(self.rows * 8, "activations", "inputs")
         labels = sim.alloc(self.rows * 8, "activations", "inputs")
         self.ids_labels = (ids, labels)
@@ -300,6 +302,8 @@ class Forward:
             o.drop(x)
             x = h
         self.release_masks()
+        if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside
+            sim.offload.active = False
         head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
         logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
         o.drop(x)

@@ -21,6 +21,7 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.forward import Forward
+from memcalc.engine.offload import ActivationOffload
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.result import TimelinePoint
@@ -45,6 +46,8 @@ class SimResult:
     alloc_trace: Optional[list[tuple[int, str, str, int]]] = None  # (total, phase, label, requested) per allocation
     events: Optional[list[tuple[int, int]]] = None  # allocation events (see Sim.events)
     step_start: int = 0  # index of the step's first event (before it: weights, state)
+    #: activation offloading: (raw bytes, pinned host bytes, tensors) offloaded in one forward
+    host_offload: Optional[tuple[int, int, int]] = None
 
 
 def check_supported(exp: ExperimentSpec) -> None:
@@ -59,6 +62,9 @@ def check_supported(exp: ExperimentSpec) -> None:
         )
     if tr.seq < 2:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
+    if tr.activation_offload and tr.compile:
+        raise UserError("activation offloading under torch.compile is not modelled (the compiled graph saves "
+                        "its tensors as a whole); drop --compile or --activation-offload")
 
 
 def _label_of(node: Node) -> str:
@@ -112,6 +118,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     model, opt = weights_and_state(sim, exp, create_state=not first_step)
     sim.mark("step start", "setup")
     step_start = len(sim.events) if sim.events is not None else 0
+    if tr.activation_offload:
+        sim.offload = ActivationOffload()
 
     micro = min(tr.grad_accum, 2)
     strategies = [strategy() for _ in range(micro)]
@@ -171,4 +179,7 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         alloc_trace=sim.alloc_trace,
         events=sim.events,
         step_start=step_start,
+        host_offload=(sim.offload.max_host_bytes, sim.offload.max_pinned_bytes,
+                      sim.offload.max_offloaded_tensors)
+        if sim.offload is not None else None,
     )

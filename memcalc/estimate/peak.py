@@ -16,6 +16,7 @@ from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.moe import family_notes
+from memcalc.estimate.techniques import technique_assumptions, technique_extra
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
@@ -227,6 +228,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
 
         rf, ff = checkpoint_recompute_flops(exp)
         recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}
+    assumptions += technique_assumptions(exp, steady)
     if tr.compile and not compiled:
         assumptions.append(
             f"torch.compile with checkpointing ({tr.checkpoint}): checkpointed regions are recomputed "
@@ -253,7 +255,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)} if exp.training.offload_optimizer else {}),
-               **({"recompute": recompute} if recompute else {})},
+               **({"recompute": recompute} if recompute else {}),
+               **technique_extra(steady, first)},
     )
 
 

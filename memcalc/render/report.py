@@ -16,6 +16,27 @@ from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
 
+
+#: ``extra`` keys of the techniques (activation offloading, paged optimizers), all integers, in --json
+TECHNIQUE_KEYS = ("host_activation_bytes", "host_activation_raw_bytes", "offloaded_tensors", "paged_optimizer_bytes")
+
+
+def technique_lines(est: Estimate) -> list[str]:
+    """One text line per technique whose memory lies outside the GPU peak."""
+    out = []
+    host = est.extra.get("host_activation_bytes")
+    if host is not None:
+        out.append(f"host memory: {fmt_bytes(host)} pinned for offloaded activations "
+                   f"({est.extra['offloaded_tensors']:,} tensors, {fmt_bytes(est.extra['host_activation_raw_bytes'])}; "
+                   "--activation-offload; not in the GPU peak)")
+    paged = est.extra.get("paged_optimizer_bytes")
+    if paged is not None:
+        out.append(f"paged optimizer state: {fmt_bytes(paged)} in CUDA unified memory (cudaMallocManaged), outside "
+                   "the caching allocator: not in the GPU peak; it uses free GPU memory and pages to the host under "
+                   "pressure")
+    return out
+
+
 def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
     """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative)."""
     return [
@@ -61,6 +82,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "compiled": est.extra.get("compiled"),
         "recompute": est.extra.get("recompute"),
         **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
+        **{k: est.extra[k] for k in TECHNIQUE_KEYS if k in est.extra},
         "gpus": fits_rows(est, gpus),
         "inputs": {
             "model": exp.model.model_dump(),
@@ -228,6 +250,8 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     if host is not None:
         c.print(f"host memory: {fmt_bytes(host)} of optimizer state (and fp32 master weights) per GPU lives on the CPU "
                 "(--offload-optimizer; not in the GPU peak)")
+    for line in technique_lines(est):
+        c.print(line)
     c.print(gpu_table(est, gpus))
     for a in est.assumptions:
         c.print(f"[dim]assumption: {a}[/dim]")

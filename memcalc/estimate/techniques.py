@@ -1,0 +1,41 @@
+"""What the estimate says about the techniques issue 14 added: activation offloading's host memory.
+
+Kept apart from :mod:`memcalc.estimate.peak` so that each technique's report is one place: the
+``extra`` keys (integer bytes, shown by ``--json``) and the assumption lines the text report prints.
+"""
+
+from __future__ import annotations
+
+from memcalc.core.spec import ExperimentSpec
+from memcalc.core.units import fmt_bytes
+from memcalc.engine.offload import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
+from memcalc.engine.timeline import SimResult
+
+
+def technique_extra(steady: SimResult, first: SimResult) -> dict:
+    """``extra`` entries: ``host_activation_bytes`` (the pinned host memory activation offloading
+    needs, power-of-two blocks of PyTorch's caching host allocator), ``host_activation_raw_bytes``
+    (the offloaded tensors' own bytes) and ``offloaded_tensors`` (per forward)."""
+    out: dict = {}
+    ho = [r.host_offload for r in (steady, first) if r.host_offload is not None]
+    if ho:
+        out["host_activation_bytes"] = max(h[1] for h in ho)
+        out["host_activation_raw_bytes"] = max(h[0] for h in ho)
+        out["offloaded_tensors"] = max(h[2] for h in ho)
+    return out
+
+
+def technique_assumptions(exp: ExperimentSpec, steady: SimResult) -> list[str]:
+    """The assumption lines of the techniques in use."""
+    out: list[str] = []
+    tr = exp.training
+    if tr.activation_offload and steady.host_offload is not None:
+        raw, pinned, n = steady.host_offload
+        out.append(
+            f"activation offloading (torchtune OffloadActivations, streams on): {n:,} saved tensors of at least "
+            f"{MIN_OFFLOAD_BYTES} bytes per forward ({fmt_bytes(raw)}) go to pinned host memory, "
+            f"{fmt_bytes(pinned)} in power-of-two host blocks (not in the GPU peak); the output head and the loss "
+            f"keep theirs on the GPU; weight views saved by F.linear are offloaded too (no nn.Parameter); the "
+            f"{MAX_FWD_STASH} latest offloaded tensors stay until their copy is done, and in backward each reloaded "
+            "tensor lives until the next reloading node has run")
+    return out
