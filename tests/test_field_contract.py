@@ -125,6 +125,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.zero": ({"training": {"gpus": 4}}, 3),
     "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
     "TrainingSpec.offload_optimizer": ({}, True),
+    # LoRA: the frozen base's saved weight views go to the host and come back in backward
+    "TrainingSpec.activation_offload": (LORA, True),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),

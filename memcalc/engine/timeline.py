@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.forward import Forward
@@ -48,13 +49,20 @@ class SimResult:
     step_start: int = 0  # index of the step's first event (before it: weights, state)
     #: activation offloading: (raw bytes, pinned host bytes, tensors) offloaded in one forward
     host_offload: Optional[tuple[int, int, int]] = None
+    #: bitsandbytes paged optimizer state (CUDA unified memory, not in the peak); None when not paged
+    paged_state_bytes: Optional[int] = None
 
 
 def check_supported(exp: ExperimentSpec) -> None:
     tr = exp.training
     if tr.fused_optimizer and tr.grad_accum > 1:
+        # torchtune recipes (full_finetune_single_device.py and the others) raise the same for
+        # optimizer_in_bwd with gradient_accumulation_steps > 1: "Gradient accumulation is not
+        # supported with optimizer in bwd"
         raise UserError(
-            f"a fused optimizer steps inside backward, so it cannot accumulate gradients (grad_accum {tr.grad_accum}); drop one"
+            f"a fused optimizer (optimizer in backward) steps inside backward, so it cannot accumulate gradients "
+            f"(grad_accum {tr.grad_accum}); torchtune refuses it too (\"Gradient accumulation is not supported with "
+            f"optimizer in bwd\"): set grad_accum 1 or drop --fused-optimizer"
         )
     if tr.seq > exp.model.max_seq_len and exp.model.positions == "learned":
         raise UserError(
@@ -182,4 +190,5 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         host_offload=(sim.offload.max_host_bytes, sim.offload.max_pinned_bytes,
                       sim.offload.max_offloaded_tensors)
         if sim.offload is not None else None,
+        paged_state_bytes=opt.paged_bytes if OPTIMIZERS[tr.optimizer].paged else None,
     )

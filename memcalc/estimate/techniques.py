@@ -6,6 +6,7 @@ Kept apart from :mod:`memcalc.estimate.peak` so that each technique's report is 
 
 from __future__ import annotations
 
+from memcalc.core.optimizers import BNB_PAGED_MIN_NUMEL, OPTIMIZERS
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import fmt_bytes
 from memcalc.engine.offload import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
@@ -22,6 +23,9 @@ def technique_extra(steady: SimResult, first: SimResult) -> dict:
         out["host_activation_bytes"] = max(h[1] for h in ho)
         out["host_activation_raw_bytes"] = max(h[0] for h in ho)
         out["offloaded_tensors"] = max(h[2] for h in ho)
+    paged = [r.paged_state_bytes for r in (steady, first) if r.paged_state_bytes is not None]
+    if paged:
+        out["paged_optimizer_bytes"] = max(paged)
     return out
 
 
@@ -38,4 +42,11 @@ def technique_assumptions(exp: ExperimentSpec, steady: SimResult) -> list[str]:
             f"keep theirs on the GPU; weight views saved by F.linear are offloaded too (no nn.Parameter); the "
             f"{MAX_FWD_STASH} latest offloaded tensors stay until their copy is done, and in backward each reloaded "
             "tensor lives until the next reloading node has run")
+    if OPTIMIZERS[tr.optimizer].paged and steady.paged_state_bytes is not None:
+        out.append(
+            f"{tr.optimizer}: {fmt_bytes(steady.paged_state_bytes)} of optimizer state (the moments of parameters of at "
+            f"least {BNB_PAGED_MIN_NUMEL:,} elements) is paged: bitsandbytes allocates it with cudaMallocManaged, "
+            "outside PyTorch's caching allocator, so max_memory_allocated and this peak do not include it; it "
+            "occupies free GPU memory and pages to the host when the GPU runs short (the fits check counts the "
+            "peak only)")
     return out
