@@ -469,6 +469,7 @@ def validate(
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
@@ -532,6 +533,7 @@ def validate(
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
+        activation_offload=activation_offload, dora=dora,
     )
     items: list = []
     if names:

@@ -250,6 +250,15 @@ class LMHead(nn.Module):
                 nn.init.normal_(self.weight, std=0.02)
         self.bias = (nn.Parameter(torch.zeros((m.vocab_size,), dtype=cfg.dtype, device=cfg.device),
                                   requires_grad=cfg.full) if m.lm_head_bias else None)
+        lora = cfg.lora
+        self.lora_A = self.lora_B = None
+        self.lora_dropout, self.scale = 0.0, 0.0
+        if lora is not None and "head" in lora.targets:  # LoRA target head (PEFT lm_head): A r x d, B vocab x r
+            self.lora_A = nn.Parameter(torch.empty((lora.rank, m.d_model), dtype=cfg.dtype, device=cfg.device))
+            self.lora_B = nn.Parameter(torch.zeros((m.vocab_size, lora.rank), dtype=cfg.dtype, device=cfg.device))
+            if cfg.init:
+                nn.init.normal_(self.lora_A, std=0.02)
+            self.lora_dropout, self.scale = lora.dropout, lora.alpha / lora.rank
 
 
 class Decoder(nn.Module):
@@ -351,6 +360,14 @@ class Decoder(nn.Module):
             self.offload.__exit__(None, None, None)
         w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
         logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+        head = self.lm_head
+        if head.lora_A is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
+            a = F.linear(amp.lp(dropout(x, head.lora_dropout, self.training)), amp.lp(head.lora_A))
+            b = F.linear(amp.lp(a), amp.lp(head.lora_B))
+            del a
+            b = b * head.scale
+            logits = logits + b
+            del b
         del x
         if m.logit_scale != 1.0:  # Cohere logit_scale, Granite 1 / logits_scaling
             logits = logits * m.logit_scale

@@ -46,6 +46,12 @@ class OffloadActivations:
         self._hooks = None
         return False
 
+    def close(self) -> None:
+        """Leave the context if inside it (the output head's pre-hook: the head and the loss keep
+        their saved tensors on the device)."""
+        if self._hooks is not None:
+            self.__exit__(None, None, None)
+
     def pack(self, t: torch.Tensor) -> int:
         """``pack_tensor``: offload what is big enough and no parameter/buffer instance."""
         if not self.first_backward_call:  # a new forward after a backward

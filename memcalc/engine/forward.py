@@ -60,7 +60,8 @@ class Forward:
     def maybe(self, name: str) -> Optional[Param]:
         return self.model.params.get(name)
 
-    def proj(self, x: T, layer: int, name: str, short: str, d_out: int) -> T:
+    def proj(self, x: T, layer: Optional[int], name: str, short: str, d_out: int, base: Optional[str] = None,
+             weight: Optional[str] = None) -> T:
         """A projection, with its LoRA adapter when targeted: y = base(x) + B(A(drop(x))) * s.
 
         With the profile's ``lora_input_cast`` (PEFT ``lora.Linear.forward``, peft/tuners/lora/layer.py):
@@ -72,8 +73,8 @@ class Forward:
         Without it (plain, torchtune, litgpt) the branch runs on x as is. A 4-bit base under PEFT
         runs ``bnb.Linear4bit.forward`` instead (see below)."""
         o = self.ops
-        base = f"layers.{layer}.{name}"
-        w = self.p(base + ".weight")
+        base = base or f"layers.{layer}.{name}"  # the output head: "lm_head" (its weight may be the embedding's)
+        w = self.p(weight or base + ".weight")
         qt = 0
         if self.lora is not None and self.lora.qlora and w.weight.itemsize_bits == 4:
             qt = self.model.compute.nbytes(w.numel)
@@ -304,8 +305,9 @@ class Forward:
         self.release_masks()
         if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside
             sim.offload.active = False
-        head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
-        logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
+        weight = "lm_head.weight" if self.maybe("lm_head.weight") is not None else "embed_tokens.weight"
+        # the head as a projection: with LoRA target head, its adapter branch is a vocab-wide B output
+        logits = self.proj(x, None, "lm_head", "head", m.vocab_size, base="lm_head", weight=weight)
         o.drop(x)
         logits = bv.post_logits(self, logits)
         self.strategy.logits(self, logits)
