@@ -21,6 +21,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import attention_variants as av
 from memcalc.engine import block_variants as bv
+from memcalc.engine.dora import dora_branch
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.mla import mla_attention, rope_width
 from memcalc.engine.moe import moe_block
@@ -97,6 +98,10 @@ class Forward:
         cast = (peft and not (quant and o.autocast is not None)) or (
             o.autocast is None and x.itemsize_bits != a_p.weight.itemsize_bits)
         xa = o.cast(x, o.dtype_of(a_p.weight)) if cast else o.ref_(x)
+        if self.lora.dora:  # PEFT DoraLinearVariant (engine/dora.py)
+            bs = dora_branch(self, xa, y, w, a_p, self.p(base + ".lora_B"), self.p(base + ".lora_magnitude"), d_out, qt)
+            o.drop(xa)
+            return self._lora_out(y, bs, cast, quant)
         xd = o.dropout(xa, self.lora.dropout)
         o.drop(xa)
         a = o.linear(xd, self.rows, a_p, None, self.lora.rank)
@@ -105,6 +110,11 @@ class Forward:
         o.drop(a)
         bs = o.scale(b, self.lora.alpha / self.lora.rank + 1e-12)
         o.drop(b)
+        return self._lora_out(y, bs, cast, quant)
+
+    def _lora_out(self, y: T, bs: T, cast: bool, quant: bool) -> T:
+        """``result + branch`` and the cast back to the result's dtype (lora.Linear.forward)."""
+        o = self.ops
         if quant and cast:  # output.to(expected_dtype) before result + output
             b2 = o.cast(bs, o.dtype_of(y))
             o.drop(bs)

@@ -57,6 +57,8 @@ def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec]) -> list[ParamT
         if lora is not None and short in lora.targets:
             out.append(ParamTensor(f"layers.{i}.{name}.lora_A", (lora.rank, d_in), i, True, "lora"))
             out.append(ParamTensor(f"layers.{i}.{name}.lora_B", (d_out, lora.rank), i, True, "lora"))
+            if lora.dora:  # PEFT DoraLinearLayer.weight: the magnitude vector, one per output row
+                out.append(ParamTensor(f"layers.{i}.{name}.lora_magnitude", (d_out,), i, True, "lora"))
 
     def norm(name: str, shape: tuple[int, ...], bias: bool) -> None:
         out.append(ParamTensor(f"layers.{i}.{name}.weight", shape, i, full, "norm"))
@@ -211,6 +213,8 @@ def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[Param
         # (peft/tuners/lora/model.py: the embedding is adapted instead only with ensure_weight_tying)
         out.append(ParamTensor("lm_head.lora_A", (lora.rank, d), None, True, "lora"))
         out.append(ParamTensor("lm_head.lora_B", (m.vocab_size, lora.rank), None, True, "lora"))
+        if lora.dora:
+            out.append(ParamTensor("lm_head.lora_magnitude", (m.vocab_size,), None, True, "lora"))
     return out
 
 
