@@ -259,6 +259,8 @@ class LMHead(nn.Module):
             if cfg.init:
                 nn.init.normal_(self.lora_A, std=0.02)
             self.lora_dropout, self.scale = lora.dropout, lora.alpha / lora.rank
+        if lora is not None and "head" in lora.targets and lora.dora:
+            self.lora_magnitude = nn.Parameter(torch.ones((m.vocab_size,), dtype=cfg.dtype, device=cfg.device))
 
 
 class Decoder(nn.Module):
