@@ -105,6 +105,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "LoraSpec.targets": (LORA, ("q", "v")),
     "LoraSpec.dropout": (LORA, 0.1),
     "LoraSpec.qlora": ({**LORA, **BF16}, True),
+    "LoraSpec.dora": (LORA, True),  # magnitude vectors, the weight-norm temporaries, saved base and lora results
     "LoraSpec.quant_block": (QLORA, 128),
     "LoraSpec.double_quant": (QLORA, False),
     "LoraSpec.dtype": ({**LORA, **BF16}, "fp32"),  # fp32 adapters, their grads and state; fp32 input copies

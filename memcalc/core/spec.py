@@ -399,6 +399,10 @@ class LoraSpec(_Spec):
             raise ValueError(f"unknown LoRA target(s) {', '.join(bad)}; valid: {', '.join(LORA_TARGETS)}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target")
+        if self.dora and "experts" in self.targets:
+            # peft/tuners/lora/layer.py ParamWrapper.update_layer: "lora.ParamWrapper does not work with use_dora=True."
+            raise ValueError("DoRA cannot adapt the MoE experts: PEFT's ParamWrapper (target_parameters) refuses "
+                             "use_dora=True; drop the experts target or --dora")
         return self
 
 
