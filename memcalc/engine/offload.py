@@ -122,6 +122,22 @@ class ActivationOffload:
         self.host_bytes = self.pinned_bytes = self.offloaded_tensors = 0
 
 
+def rope_region_inputs(fwd) -> list[T]:
+    """While offloading: the RoPE cos/sin tables a checkpointed layer receives as inputs (Hugging
+    Face passes ``position_embeddings`` into every decoder layer; ``(1, T, rotary width)`` in the
+    hidden states' dtype, ``LlamaRotaryEmbedding.forward``). torch.utils.checkpoint saves them with the
+    layer input, so the offload hook copies them to the host per region; on the GPU they exist
+    anyway (shared by all layers), so they are host-only blocks here (no device bytes)."""
+    off = offload_of(fwd.sim)
+    if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None:
+        return []
+    from memcalc.engine.mla import rope_width
+
+    bits = fwd.model.params["embed_tokens.weight"].weight.itemsize_bits
+    n = fwd.T * rope_width(fwd.m)
+    return [T(0, "activations", "rope tables", numel=n, itemsize_bits=bits) for _ in range(2)]
+
+
 def offload_of(sim: Sim) -> Optional[ActivationOffload]:
     """The step's offloader while its context is active (None otherwise)."""
     off = getattr(sim, "offload", None)
