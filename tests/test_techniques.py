@@ -160,3 +160,17 @@ def test_dora_costs_memory():
     dexp = exp.model_copy(update={"training": exp.training.model_copy(
         update={"lora": exp.training.lora.model_copy(update={"dora": True})})})
     assert estimate(dexp, timeline=False).peak_bytes > estimate(exp, timeline=False).peak_bytes
+
+
+def test_fits_says_when_paged_state_pages_out():
+    from types import SimpleNamespace
+
+    from memcalc.render.report import fits_rows
+
+    est = _est(dict(batch=1, seq=64, precision="bf16", optimizer="paged-adamw"), BIG_VOCAB)
+    paged = est.extra["paged_optimizer_bytes"]
+    roomy = SimpleNamespace(name="roomy", capacity_bytes=est.required_bytes + paged)
+    tight = SimpleNamespace(name="tight", capacity_bytes=est.required_bytes + paged - 1)
+    rows = fits_rows(est, [roomy, tight])
+    assert [r["fits"] for r in rows] == [True, True]  # the paged state is not part of the required bytes
+    assert [r["paged_state_resident"] for r in rows] == [True, False]

@@ -38,13 +38,17 @@ def technique_lines(est: Estimate) -> list[str]:
 
 
 def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
-    """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative)."""
+    """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative).
+    With a paged optimizer: whether its unified-memory state also stays resident in the headroom
+    (``paged_state_resident``; when not, it pages to the host: the step still fits, slower)."""
+    paged = est.extra.get("paged_optimizer_bytes")
     return [
         {
             "name": g.name,
             "capacity_bytes": g.capacity_bytes,
             "fits": est.required_bytes <= g.capacity_bytes,
             "headroom_bytes": g.capacity_bytes - est.required_bytes,
+            **({"paged_state_resident": est.required_bytes + paged <= g.capacity_bytes} if paged is not None else {}),
         }
         for g in gpus
     ]
@@ -211,8 +215,9 @@ def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
     t.add_column("headroom", justify="right")
     for g, row in zip(gpus, fits_rows(est, gpus)):
         ok = row["fits"]
+        paging = ok and row.get("paged_state_resident") is False  # the paged optimizer state pages to the host
         t.add_row(getattr(g, "display_name", g.name), fmt_bytes(g.capacity_bytes),
-                  "[green]yes[/green]" if ok else "[red]no[/red]",
+                  "[yellow]yes, state pages out[/yellow]" if paging else "[green]yes[/green]" if ok else "[red]no[/red]",
                   ("" if ok else "-") + fmt_auto(abs(row["headroom_bytes"])))
     return t
 
