@@ -16,7 +16,7 @@ from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.moe import family_notes
-from memcalc.estimate.techniques import technique_assumptions, technique_extra
+from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
@@ -251,7 +251,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         allocator_slack_bytes=slack,
         required_bytes=required_bytes(peak),
         assumptions=assumptions,
-        notes=no_effect_notes(exp) + family_notes(exp),
+        notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(technique_extra(steady, first)),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)} if exp.training.offload_optimizer else {}),

@@ -50,3 +50,19 @@ def technique_assumptions(exp: ExperimentSpec, steady: SimResult) -> list[str]:
             "occupies free GPU memory and pages to the host when the GPU runs short (the fits check counts the "
             "peak only)")
     return out
+
+
+def technique_notes(extra: dict) -> list[str]:
+    """Short notes for memory the techniques need outside the GPU peak (the estimate's ``notes``)."""
+    out = []
+    if "host_activation_bytes" in extra:
+        out.append(f"activation offloading needs {fmt_bytes(extra['host_activation_bytes'])} of pinned host memory "
+                   f"({extra['offloaded_tensors']:,} saved tensors per forward); not in the GPU peak")
+    if extra.get("paged_optimizer_bytes") == 0:
+        out.append(f"the paged optimizer pages nothing here: every trainable tensor has fewer than "
+                   f"{BNB_PAGED_MIN_NUMEL:,} elements (bitsandbytes pages only larger ones), so its state is "
+                   "ordinary GPU memory, in the peak")
+    elif "paged_optimizer_bytes" in extra:
+        out.append(f"{fmt_bytes(extra['paged_optimizer_bytes'])} of paged optimizer state lives in CUDA unified memory, "
+                   "outside the GPU peak: resident in free GPU memory, paged to the host when short")
+    return out
