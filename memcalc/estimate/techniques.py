@@ -42,6 +42,13 @@ def technique_assumptions(exp: ExperimentSpec, steady: SimResult) -> list[str]:
             f"keep theirs on the GPU; weight views saved by F.linear are offloaded too (no nn.Parameter); the "
             f"{MAX_FWD_STASH} latest offloaded tensors stay until their copy is done, and in backward each reloaded "
             "tensor lives until the next reloading node has run")
+    if tr.lora is not None and tr.lora.dora:
+        out.append(
+            "DoRA as PEFT runs it (DoraLinearVariant / DoraLinearLayer.forward) for every framework: per target and "
+            "forward an in x in identity through the adapters, a copy of W in the adapter input's dtype and "
+            "W + s B A live until the layer's DoRA term is made; base and adapter outputs are saved for the "
+            "magnitude's gradient (torchtune's DoRALinear makes the same tensors, in another order, and never "
+            "recomputes the base output under dropout)")
     if OPTIMIZERS[tr.optimizer].paged and steady.paged_state_bytes is not None:
         out.append(
             f"{tr.optimizer}: {fmt_bytes(steady.paged_state_bytes)} of optimizer state (the moments of parameters of at "
