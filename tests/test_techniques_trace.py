@@ -113,3 +113,26 @@ def test_print_table():
     for ident, e, m, he, hm in _results:
         host = f"{he / 2**30:.4f}/{hm / 2**30:.4f}" if he else "-"
         print(f" {e / 2**30:13.4f} {m / 2**30:12.4f} {100 * (e - m) / m:+7.2f}%   {host:>18s}   {ident}")
+
+
+# (preset, LoRA) -- trainable parameters counted by memcalc and by PEFT 0.21 on the real model
+COUNT_ROWS = [
+    ("tinyllama-1.1b", dict(rank=8, targets=("q", "v", "head"))),  # source: PEFT lm_head adapter, untied head
+    ("qwen3-0.6b", dict(rank=8, targets=("q", "v", "head"))),  # source: tied embeddings: PEFT adapts lm_head alone
+    ("tinyllama-1.1b", dict(rank=8, targets=ALL, dora=True)),  # source: DoraLinearLayer.weight per target
+    ("tinyllama-1.1b", dict(rank=4, targets=("q", "head"), dora=True)),  # source: DoRA on lm_head too
+]
+
+
+@pytest.mark.parametrize("preset,lora", COUNT_ROWS)
+def test_head_and_dora_parameters_match_peft(preset, lora):
+    from memcalc.core.spec import LoraSpec
+    from memcalc.engine.params import count_params
+    from memcalc.validate.hf_model import build_hf_model, param_counts
+
+    m = load_preset(preset).model_copy(update={"n_layers": 2})
+    spec = LoraSpec(**lora)
+    model, _ = build_hf_model(m, spec, torch.bfloat16, "meta")
+    total, trainable = param_counts(model)
+    counts = count_params(m, spec)
+    assert (counts.total, counts.trainable) == (total, trainable)
