@@ -100,7 +100,9 @@ class ActivationOffload:
         stashed = {tid for tid, _ in self.fwd_stash}
         for tid, t in node.offloaded:
             if tid not in stashed:
-                g = sim.alloc(t.nbytes, "activations", "reloaded activations")
+                # a weight view comes back whole (a ZeRO-3 shard's block holds only its part)
+                n = max(t.nbytes, raw_bytes(t)) if t.kind == "weights" else t.nbytes
+                g = sim.alloc(n, "activations", "reloaded activations")
                 self.bwd_cur.append(g)
 
     def after_node(self, sim: Sim) -> None:
