@@ -469,12 +469,12 @@ def validate(
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
-    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
     as_json: bool = JSON,
+    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
     framework: Optional[FrameworkOpt] = typer.Option(
         None, "--framework",
@@ -528,12 +528,12 @@ def validate(
     if all_configs:
         names += [n for n in list_configs() if n not in names]
     common = dict(
+        activation_offload=activation_offload, dora=dora,
         model=model, params=params, batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, bf16=bf16,
         master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
-        activation_offload=activation_offload, dora=dora,
     )
     items: list = []
     if names:
