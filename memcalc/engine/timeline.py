@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from memcalc.core.errors import UserError
-from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.core.spec import ExperimentSpec
+from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.forward import Forward
 from memcalc.engine.offload import ActivationOffload

@@ -180,6 +180,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)
         a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
         alloc_extra = {"allocator_peak_bytes": max(a_steady, a_first), "reserved_peak_bytes": max(r_steady, r_first)}
+    alloc_extra.update(technique_extra(steady, first))  # offloaded activations' host bytes, paged state
     top = steady if steady.peak_bytes >= first.peak_bytes else first
     which = "steady state" if top is steady else "first step"
     counts = count_params(exp.model, exp.training.lora)
@@ -255,8 +256,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)} if exp.training.offload_optimizer else {}),
-               **({"recompute": recompute} if recompute else {}),
-               **technique_extra(steady, first)},
+               **({"recompute": recompute} if recompute else {})},
     )
 
 

@@ -83,10 +83,10 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "allocator_slack_bytes": est.allocator_slack_bytes,
         "bytes_per_param": est.bytes_per_param,
         "published_peak_bytes": exp.published_peak_bytes,
+        **{k: est.extra[k] for k in TECHNIQUE_KEYS if k in est.extra},
         "compiled": est.extra.get("compiled"),
         "recompute": est.extra.get("recompute"),
         **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
-        **{k: est.extra[k] for k in TECHNIQUE_KEYS if k in est.extra},
         "gpus": fits_rows(est, gpus),
         "inputs": {
             "model": exp.model.model_dump(),
