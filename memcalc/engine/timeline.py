@@ -22,9 +22,9 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.forward import Forward
-from memcalc.engine.offload import ActivationOffload
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
+from memcalc.engine.offload import ActivationOffload
 from memcalc.engine.result import TimelinePoint
 from memcalc.engine.sharding import LayerGather
 from memcalc.engine.sim import Node, Param, Sim

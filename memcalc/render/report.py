@@ -231,6 +231,8 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
         c.print(f"[yellow]note:[/yellow] {n}")
     c.print(peak_table(est))
     c.print(phases_table(est))
+    for line in technique_lines(est):  # memory outside the GPU peak: pinned host, unified memory
+        c.print(line)
     c.print(bpp_table(est))
     comp, rec = est.extra.get("compiled"), est.extra.get("recompute")
     if comp:
@@ -255,8 +257,6 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     if host is not None:
         c.print(f"host memory: {fmt_bytes(host)} of optimizer state (and fp32 master weights) per GPU lives on the CPU "
                 "(--offload-optimizer; not in the GPU peak)")
-    for line in technique_lines(est):
-        c.print(line)
     c.print(gpu_table(est, gpus))
     for a in est.assumptions:
         c.print(f"[dim]assumption: {a}[/dim]")
