@@ -145,7 +145,8 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     t.add_row("optimizer", f"{tr.optimizer} ({tr.optimizer_impl}){_mark(o, 'optimizer')}"
               + (", fused into backward" if tr.fused_optimizer else ""))
     ck = tr.checkpoint + (f" (K={tr.checkpoint_every})" if tr.checkpoint == "every-k" else "")
-    t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}")
+    t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}"
+              + (f"; saved activations offloaded to host memory{_mark(o, 'activation_offload')}" if tr.activation_offload else ""))
     if tr.zero or tr.gpus > 1 or tr.offload_optimizer or {"zero", "gpus", "offload_optimizer"} & {
             k for k, v in o.items() if v == "flag"}:
         shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
@@ -156,7 +157,7 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     if tr.lora is not None:
         lo = tr.lora
         adt = exp.adapter_dtype
-        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}"
+        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'}{' + DoRA' if lo.dora else ''} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}"
                   f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}")
     p = exp.profile
     t.add_row("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}")
