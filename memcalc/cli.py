@@ -501,6 +501,7 @@ def validate(
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
     snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
     as_json: bool = JSON,
+    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
     html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
     framework: Optional[FrameworkOpt] = typer.Option(
         None, "--framework",
@@ -554,6 +555,7 @@ def validate(
     if all_configs:
         names += [n for n in list_configs() if n not in names]
     common = dict(
+        activation_offload=activation_offload, dora=dora,
         model=model, params=params, batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, bf16=bf16,
         master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,

@@ -105,6 +105,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "LoraSpec.targets": (LORA, ("q", "v")),
     "LoraSpec.dropout": (LORA, 0.1),
     "LoraSpec.qlora": ({**LORA, **BF16}, True),
+    "LoraSpec.dora": (LORA, True),  # magnitude vectors, the weight-norm temporaries, saved base and lora results
     "LoraSpec.quant_block": (QLORA, 128),
     "LoraSpec.double_quant": (QLORA, False),
     "LoraSpec.dtype": ({**LORA, **BF16}, "fp32"),  # fp32 adapters, their grads and state; fp32 input copies
@@ -125,6 +126,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.zero": ({"training": {"gpus": 4}}, 3),
     "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
     "TrainingSpec.offload_optimizer": ({}, True),
+    # LoRA: the frozen base's saved weight views go to the host and come back in backward
+    "TrainingSpec.activation_offload": (LORA, True),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),

@@ -27,7 +27,7 @@ def test_records_are_well_formed() -> None:
         assert rec.name == name and rec.display and rec.help and rec.source
         assert rec.impls and set(rec.impls) <= set(IMPLS), name
         assert rec.state in STATE_LAYOUTS and rec.step in STEP_KINDS, name
-        assert (rec.moments > 0) == (rec.state in ("like_param", "blockwise_8bit")), name
+        assert (rec.moments > 0) == (rec.state in ("like_param", "blockwise_8bit", "fp32")), name
 
 
 def test_spec_and_cli_accept_every_name() -> None:
@@ -53,7 +53,7 @@ def test_engine_simulates_every_valid_combination(name: str, impl: str) -> None:
         has_state = OPTIMIZERS[name].state != "none"
         assert (state_bytes > 0) == has_state or est.peak_phase != "optimizer step", (name, impl, est.components)
         bpp = bytes_per_param(exp)["optimizer_state"]
-        assert (bpp > 0) == (OPTIMIZERS[name].state in ("like_param", "blockwise_8bit"))
+        assert (bpp > 0) == (OPTIMIZERS[name].state in ("like_param", "blockwise_8bit", "fp32"))
 
 
 @pytest.mark.parametrize("name,impl", INVALID)

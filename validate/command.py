@@ -110,6 +110,8 @@ def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, sca
         "allocator_sim_reserved_bytes": meas.sim_reserved_bytes,
         "partition_saved_bytes": meas.partition_saved_bytes,
         "predicted_saved_bytes": meas.predicted_saved_bytes,
+        # --activation-offload: the pinned host bytes the traced hooks offloaded (estimate --json: host_activation_bytes)
+        **({"host_activation_bytes": meas.host_activation_bytes} if meas.host_activation_bytes is not None else {}),
         "scale_layers": scale_layers,
         "status": meas.status,
         "reason": reason,

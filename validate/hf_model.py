@@ -226,6 +226,9 @@ def choose_family(m: ModelSpec) -> Family:
 def peft_targets(family: Family, lora: LoraSpec) -> list[str]:
     """PEFT ``target_modules`` for memcalc's LoRA targets, in order, each module once."""
     asked = set(lora.targets)
+    if "head" in asked:  # every CausalLM's output projection is the module lm_head
+        rest = lora.model_copy(update={"targets": tuple(t for t in lora.targets if t != "head")}) if len(asked) > 1 else None
+        return (peft_targets(family, rest) if rest is not None else []) + ["lm_head"]
     for group in family.fused:
         got = asked & set(group)
         if got and got != set(group):
@@ -277,7 +280,7 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
         params = [p for t in lora.targets for p in family.lora_params.get(t, ())]
         extra = dict(family.lora_kwargs, **({"target_parameters": params} if params else {}))
         cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
-                         **extra)
+                         use_dora=lora.dora, **extra)
         with torch.device(device), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # PEFT calls transformers 5's deprecated aliases
             # PEFT's v4 -> v5 MoE conversion adds rank/alpha patterns for the fused expert parameter,

@@ -40,6 +40,7 @@ from memcalc.engine.allocator import CachingAllocatorSim
 
 from .amp import Amp
 from .hf_kernels import HFKernels, hf_patches
+from .offload import OffloadActivations
 from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
 from .model import torch_dtype
 from .optim import MasterWeights, allow_fused_on, build_optimizer
@@ -179,13 +180,22 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
         hooks.append(head.register_forward_pre_hook(lambda *_a: probe.label("head & loss")))
     if tr.fused_optimizer:
         register_fused_step(opt, trainable)
+    # torchtune get_act_offloading_ctx_manager on an HF model: OffloadActivations around the forward,
+    # nothing offloaded from lm_head on (here the loss runs inside the forward, so the context closes there)
+    offload = OffloadActivations() if tr.activation_offload else None
+    if offload is not None and head is not None:
+        hooks.append(head.register_forward_pre_hook(lambda *_a: offload.close()))
 
     def step() -> None:
         loss = None
         for _ in range(min(tr.grad_accum, 2)):
             probe.set_phase("forward")
             with amp.region():
+                if offload is not None:
+                    offload.__enter__()
                 loss = model(input_ids=ids, labels=labels).loss
+                if offload is not None:
+                    offload.close()
             if tr.grad_accum > 1:
                 loss = loss / tr.grad_accum
             probe.set_phase("backward")
@@ -214,6 +224,8 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
         step()
         peak, phase, label, peaks = probe.result()
     fill_measurement(meas, (peak, phase, label, peaks), probe, dev_type, sim, tracer, debug)
+    if offload is not None:
+        meas.host_activation_bytes = offload.max_pinned_bytes
     if kernels_seen is not None:
         kernels_seen.extend(kernels.calls)
     for h in hooks:

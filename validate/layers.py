@@ -174,6 +174,9 @@ class Linear(nn.Module):
             self.scale = lora.alpha / lora.rank
         else:
             self.lora_A = self.lora_B = None
+        self.lora_magnitude = None
+        if lora is not None and target and lora.dora:  # PEFT DoraLinearLayer.weight (one per output row)
+            self.lora_magnitude = nn.Parameter(torch.ones((d_out,), dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amp = self.amp
@@ -185,6 +188,8 @@ class Linear(nn.Module):
             y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
         if self.lora_A is None:
             return y
+        if self.lora_magnitude is not None:
+            return y + self._dora(x, y)
         # PEFT lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling -- the adapter's
         # intermediates are temporaries, gone before the next op (no local keeps them alive)
         a = F.linear(amp.lp(dropout(x, self.lora_dropout, self.training)), amp.lp(self.lora_A))
@@ -192,6 +197,32 @@ class Linear(nn.Module):
         del a
         b = b * self.scale
         return y + b
+
+
+    def _dora(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """peft/tuners/lora/variants.py ``DoraLinearVariant.forward`` and dora.py
+        ``DoraLinearLayer.forward`` line for line (engine twin: memcalc/engine/dora.py)."""
+        eye = torch.eye(self.d_in, device=x.device, dtype=self.lora_A.dtype)  # get_lora_weight
+        lora_weight = F.linear(F.linear(eye, self.lora_A), self.lora_B).T
+        lora_weight = lora_weight.to(x.dtype)
+        if self.nf4 is not None:  # dequantize_module_weight
+            weight = dequantize_nf4(self.nf4, self.weight_packed, self.weight_absmax,
+                                    getattr(self, "weight_absmax2", None), torch.bfloat16)
+        else:
+            weight = self.weight
+        weight = weight.to(x.dtype)
+        w2 = weight + self.scale * lora_weight.detach()  # get_weight_norm
+        weight_norm = torch.linalg.norm(w2, dim=1).to(w2.dtype)
+        del w2
+        weight_norm = weight_norm.detach()
+        mag_norm_scale = (self.lora_magnitude / weight_norm).view(1, -1)
+        if self.lora_dropout and self.training:
+            x = dropout(x, self.lora_dropout, self.training)
+            base_result = F.linear(x, weight)
+        else:
+            base_result = result
+        lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scale
 
 
 # -- norms ---------------------------------------------------------------------------------

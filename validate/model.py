@@ -38,6 +38,7 @@ from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
 from . import variants
 from .mla import MLAttention
 from .moe import MoEBlock
+from .offload import OffloadActivations
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -249,6 +250,17 @@ class LMHead(nn.Module):
                 nn.init.normal_(self.weight, std=0.02)
         self.bias = (nn.Parameter(torch.zeros((m.vocab_size,), dtype=cfg.dtype, device=cfg.device),
                                   requires_grad=cfg.full) if m.lm_head_bias else None)
+        lora = cfg.lora
+        self.lora_A = self.lora_B = None
+        self.lora_dropout, self.scale = 0.0, 0.0
+        if lora is not None and "head" in lora.targets:  # LoRA target head (PEFT lm_head): A r x d, B vocab x r
+            self.lora_A = nn.Parameter(torch.empty((lora.rank, m.d_model), dtype=cfg.dtype, device=cfg.device))
+            self.lora_B = nn.Parameter(torch.zeros((m.vocab_size, lora.rank), dtype=cfg.dtype, device=cfg.device))
+            if cfg.init:
+                nn.init.normal_(self.lora_A, std=0.02)
+            self.lora_dropout, self.scale = lora.dropout, lora.alpha / lora.rank
+        if lora is not None and "head" in lora.targets and lora.dora:
+            self.lora_magnitude = nn.Parameter(torch.ones((m.vocab_size,), dtype=cfg.dtype, device=cfg.device))
 
 
 class Decoder(nn.Module):
@@ -279,6 +291,8 @@ class Decoder(nn.Module):
         self.lm_head = LMHead(m, cfg)
         #: called with a label ("layer 3", "head & loss") as forward and backward reach it
         self.on_label: Optional[Callable[[str], None]] = None
+        #: torchtune's OffloadActivations around the forward up to the head (offload.py)
+        self.offload: Optional[OffloadActivations] = OffloadActivations() if tr.activation_offload else None
 
     # -- helpers ----------------------------------------------------------------------
     def _label(self, text: str) -> None:
@@ -326,6 +340,8 @@ class Decoder(nn.Module):
         m, amp = self.m, self.amp
         B, T = input_ids.shape
         self._label("embedding")
+        if self.offload is not None:
+            self.offload.__enter__()
         x = self.embed_tokens(input_ids)
         if m.embedding_scale != 1.0:  # Gemma normalizer, Granite embedding_multiplier
             x = x * m.embedding_scale
@@ -342,8 +358,18 @@ class Decoder(nn.Module):
         if m.final_norm:
             x = self.final_norm(x)
         del masks  # the model's forward returns (checkpoint closures may still hold them)
+        if self.offload is not None:  # torchtune: a NoOpManager around the output head
+            self.offload.__exit__(None, None, None)
         w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
         logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+        head = self.lm_head
+        if head.lora_A is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
+            a = F.linear(amp.lp(dropout(x, head.lora_dropout, self.training)), amp.lp(head.lora_A))
+            b = F.linear(amp.lp(a), amp.lp(head.lora_B))
+            del a
+            b = b * head.scale
+            logits = logits + b
+            del b
         del x
         if m.logit_scale != 1.0:  # Cohere logit_scale, Granite 1 / logits_scaling
             logits = logits * m.logit_scale

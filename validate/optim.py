@@ -17,6 +17,10 @@ spec accepts); a test checks that every record has one.
   absmax per 256-element block for tensors of at least 4096 elements (``min_8bit_size``),
   fp32 moments below; the update is one in-place kernel, so no temporaries are allocated
   (the numerics are not reproduced).
+- ``paged-adamw`` / ``paged-adamw-8bit``: bitsandbytes ``PagedAdamW`` / ``PagedAdamW8bit`` memory:
+  the same state, but the moment buffers of parameters of at least 1e5 elements are CUDA unified
+  memory (``F.get_paged``), outside the caching allocator; the stand-in allocates them outside the
+  tracer (:func:`_unified`).
 - ``master_weights``: 16-bit parameters and gradients, fp32 master copies and fp32 moments;
   each gradient is copied to fp32 for the step (``grad.float()``), the master is stepped by a
   fused (temporary-free) kernel like apex/DeepSpeed FusedAdam, then copied back.
@@ -32,7 +36,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memcalc.core.errors import UserError
-from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, get_optimizer
+from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, get_optimizer
 from memcalc.core.spec import TrainingSpec
 
 
@@ -181,6 +185,44 @@ class AdamW8bit(Optimizer):
         return loss
 
 
+# -- paged AdamW (memory of bitsandbytes' PagedAdamW / PagedAdamW8bit) ----------------------
+def _unified(shape, dtype, device) -> Tensor:
+    """A buffer outside PyTorch's caching allocator: bitsandbytes ``F.get_paged`` takes it from
+    ``cudaMallocManaged``, which ``max_memory_allocated`` never sees. Stand-in: allocated with the
+    tracer's dispatch mode switched off, so the device count leaves it out (bitsandbytes cannot run
+    on meta)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
+class PagedAdamW8bit(AdamW8bit):
+    """bitsandbytes ``PagedAdamW8bit`` (``paged=True``): ``Optimizer8bit.get_state_buffer`` pages a
+    state buffer when the parameter has at least 1e5 elements; absmax stays an ordinary tensor."""
+
+    BITS = 8
+
+    def _init_state(self, p: Tensor, state: dict) -> None:
+        state["step"] = 0
+        n = p.numel()
+        eight = self.BITS == 8 and n >= self.MIN_8BIT_SIZE
+        dtype = torch.uint8 if eight else torch.float32
+        for k in ("state1", "state2"):
+            state[k] = (_unified(p.shape, dtype, p.device) if n >= BNB_PAGED_MIN_NUMEL
+                        else torch.zeros_like(p, dtype=dtype))
+        if eight:
+            blocks = -(-n // self.BLOCK)
+            state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+            state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=p.device)
+
+
+class PagedAdamW(PagedAdamW8bit):
+    """bitsandbytes ``PagedAdamW`` (``optim_bits=32``): fp32 moments, paged as above."""
+
+    BITS = 32
+
+
 # -- master weights ------------------------------------------------------------------------
 class MasterWeights:
     """fp32 masters beside 16-bit parameters (see the module docstring). Quacks like an
@@ -243,6 +285,8 @@ BUILDERS: dict[str, Callable[[list[Tensor], str, bool], Optimizer]] = {
     "adafactor": lambda ps, impl, m: Adafactor(ps, lr=2e-4, weight_decay=0.01),
     "lion": lambda ps, impl, m: Lion(ps),
     "adamw-8bit": lambda ps, impl, m: AdamW8bit(ps),
+    "paged-adamw": lambda ps, impl, m: PagedAdamW(ps),
+    "paged-adamw-8bit": lambda ps, impl, m: PagedAdamW8bit(ps),
 }
 
 

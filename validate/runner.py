@@ -72,6 +72,8 @@ class Measurement:
     #: and what memcalc's own partitioner saves, for the model as measured
     partition_saved_bytes: Optional[int] = None
     predicted_saved_bytes: Optional[int] = None
+    #: activation offloading: pinned host bytes its hooks offloaded in one forward (validate/offload.py)
+    host_activation_bytes: Optional[int] = None
     peak_live: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
@@ -296,6 +298,8 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
     fill_measurement(meas, (peak, phase, label, peaks), probe, dev_type, sim, tracer, debug)
+    if model.offload is not None:
+        meas.host_activation_bytes = model.offload.max_pinned_bytes
     model.on_label = None
     del model, opt, ids, labels
 

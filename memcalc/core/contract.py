@@ -61,8 +61,6 @@ PENDING: dict[str, str] = {
     "TrainingSpec.sharding": "issue 13: FSDP2 / FSDP1 / DeepSpeed mechanics (buffer lifetimes, buckets) are being modelled",
     "TrainingSpec.tp": "issue 13: tensor parallelism is being modelled",
     "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
-    "TrainingSpec.activation_offload": "issue 14: activation offloading (torchtune OffloadActivations) is being modelled",
-    "LoraSpec.dora": "issue 14: DoRA's magnitude vectors and weight-norm activations are being modelled",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

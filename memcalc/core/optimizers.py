@@ -27,7 +27,7 @@ DEFAULT_IMPL = "foreach"
 #: How the state of one parameter is laid out (``memcalc.engine.optimizers.state_bytes``):
 #: none; ``moments`` tensors like the parameter (in the state dtype); Adafactor's factored
 #: second moment (a row and a column vector for matrices); bitsandbytes' blockwise 8-bit.
-StateLayout = Literal["none", "like_param", "factored", "blockwise_8bit"]
+StateLayout = Literal["none", "like_param", "factored", "blockwise_8bit", "fp32"]
 #: Which temporaries the step makes (``memcalc.engine.optimizers.per_param_temps``).
 StepKind = Literal["none", "adam", "lion", "adafactor"]
 
@@ -36,6 +36,10 @@ StepKind = Literal["none", "adam", "lion", "adafactor"]
 BNB_BLOCK = 256
 #: bitsandbytes ``min_8bit_size``: tensors with fewer elements keep 32-bit state.
 BNB_MIN_8BIT_SIZE = 4096
+#: bitsandbytes paged optimizers page a state buffer only for parameters of at least this many
+#: elements (bitsandbytes/optim/optimizer.py ``Optimizer8bit.get_state_buffer``: ``p.numel() < 1e5``
+#: -> ``torch.zeros_like``, else ``F.get_paged``: cudaMallocManaged unified memory)
+BNB_PAGED_MIN_NUMEL = 100_000
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,9 @@ class OptimizerRecord:
     impls: tuple[str, ...]  # implementations that exist, from IMPLS
     plan_order: Optional[int]  # position in `memcalc plan`'s search; None = not searched
     source: str  # the code the state and temporaries follow
+    #: bitsandbytes paged state: the moment buffers of large parameters live in CUDA unified memory
+    #: (outside PyTorch's caching allocator; they page to the host under memory pressure)
+    paged: bool = False
 
     @property
     def has_foreach(self) -> bool:
@@ -70,6 +77,8 @@ class OptimizerRecord:
             return self.moments * state_itemsize
         if self.state == "blockwise_8bit":
             return self.moments * (1 + 4 / BNB_BLOCK)
+        if self.state == "fp32":
+            return self.moments * 4.0
         return 0.0
 
 
@@ -94,6 +103,14 @@ OPTIMIZERS: dict[str, OptimizerRecord] = {
         OptimizerRecord("adamw-8bit", "AdamW-8bit", "bitsandbytes AdamW8bit, blockwise 8-bit moments",
                         "blockwise_8bit", 2, "none", ("for-loop",), 1,
                         "bitsandbytes bitsandbytes/optim/optimizer.py Optimizer8bit (blockwise, min_8bit_size 4096)"),
+        OptimizerRecord("paged-adamw", "PagedAdamW", "bitsandbytes PagedAdamW (paged_adamw_32bit), fp32 moments in "
+                        "unified memory", "fp32", 2, "none", ("for-loop",), None,
+                        "bitsandbytes bitsandbytes/optim/adamw.py PagedAdamW (optim_bits=32, is_paged=True); "
+                        "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True),
+        OptimizerRecord("paged-adamw-8bit", "PagedAdamW-8bit", "bitsandbytes PagedAdamW8bit, blockwise 8-bit moments in "
+                        "unified memory", "blockwise_8bit", 2, "none", ("for-loop",), None,
+                        "bitsandbytes bitsandbytes/optim/adamw.py PagedAdamW8bit (optim_bits=8, is_paged=True); "
+                        "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True),
     )
 }
 

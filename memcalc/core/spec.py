@@ -59,7 +59,12 @@ MAX_WIDTH = 2**20
 #: micro-batch, accumulation steps, GPUs: 2**20 = 1,048,576 (more than the largest clusters' GPUs).
 MAX_COUNT = 2**20
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "q_a", "q_b", "kv_a", "kv_b", "experts")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "q_a", "q_b", "kv_a", "kv_b", "experts",
+                "head")
+#: LoRA on the output projection: PEFT ``target_modules=["lm_head"]``, torchtune ``apply_lora_to_output``,
+#: LitGPT ``lora_head``. Every model has it (also with tied embeddings: PEFT 0.21 adapts the lm_head module
+#: itself, A: r x d, B: vocab x r, unless ``ensure_weight_tying``), so it is no per-model target.
+HEAD_TARGET = "head"
 #: PEFT ``target_modules`` names of the same projections (Hugging Face module names of each family's
 #: modeling file; source: peft TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING and the modeling_*.py
 #: attention/MLP classes). A fused projection is one module: GPT-2 ``c_attn``, Phi-3 ``qkv_proj``,
@@ -75,6 +80,7 @@ LORA_TARGET_ALIASES = {
     "c_attn": "qkv", "qkv_proj": "qkv", "query_key_value": "qkv", "gate_up_proj": "gate_up",
     "q_a_proj": "q_a", "q_b_proj": "q_b", "kv_a_proj_with_mqa": "kv_a", "kv_b_proj": "kv_b",
     "w1": "gate", "w3": "up", "w2": "down",  # Mixtral's v4 expert names, which PEFT maps onto the experts
+    "lm_head": "head", "output": "head",  # PEFT / torchtune names of the output projection
 }
 
 
@@ -393,6 +399,10 @@ class LoraSpec(_Spec):
             raise ValueError(f"unknown LoRA target(s) {', '.join(bad)}; valid: {', '.join(LORA_TARGETS)}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target")
+        if self.dora and "experts" in self.targets:
+            # peft/tuners/lora/layer.py ParamWrapper.update_layer: "lora.ParamWrapper does not work with use_dora=True."
+            raise ValueError("DoRA cannot adapt the MoE experts: PEFT's ParamWrapper (target_parameters) refuses "
+                             "use_dora=True; drop the experts target or --dora")
         return self
 
 
@@ -591,7 +601,7 @@ class ExperimentSpec(_Spec):
     @model_validator(mode="after")
     def _check_lora_targets(self) -> "ExperimentSpec":
         lora = self.training.lora
-        missing = [t for t in lora.targets if t not in self.model.lora_targets] if lora is not None else []
+        missing = [t for t in lora.targets if t not in self.model.lora_targets and t != HEAD_TARGET] if lora is not None else []
         if missing:
             raise ValueError(lora_targets_error(self.model, missing))
         moe = self.model.moe

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from memcalc.core.spec import TrainingSpec, sqrt_segments
+from memcalc.engine.offload import rope_region_inputs
 from memcalc.engine.ops import Ops
 from memcalc.engine.sim import Node, Sim, T
 from memcalc.engine.strategy import LayerStrategy, Walk
@@ -67,9 +68,14 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out], on_backward=recompute)
     node.fwd_label = f"fwd {label}"
     node.layer, node.role = layer, "checkpoint"
-    for t in ins:
+    saved = list(ins)
+    if sim.offload is not None and sim.offload.active:
+        # torch.utils.checkpoint saves the inputs with save_for_backward (_NoopSaveInputs), so an
+        # outer saved-tensor hook (activation offloading) packs them (memcalc.engine.offload)
+        saved, node.offloaded = sim.offload.pack(sim, saved)
+    for t in saved:
         sim.ref(t)
-    node.saved = list(ins)
+    node.saved = saved
     out.producer = node
     sim.nodes.append(node)
     return out
@@ -91,11 +97,12 @@ class Checkpointing(LayerStrategy):
             yield lo, min(n_layers, lo + seg)
 
     def run(self, fwd: Walk, x: T, lo: int, hi: int) -> T:
+        ins = lambda: [x] + rope_region_inputs(fwd)  # noqa: E731 (RoPE tables: only while offloading)
         if self.mode == "sqrt":
-            return checkpoint(fwd.sim, fwd.ops, lambda: [x], lambda: super(Checkpointing, self).run(fwd, x, lo, hi),
+            return checkpoint(fwd.sim, fwd.ops, ins, lambda: super(Checkpointing, self).run(fwd, x, lo, hi),
                               f"layers {lo}-{hi - 1}", lo)
         if self.mode == "full" or (self.mode == "every-k" and lo % self.every == 0):
-            return checkpoint(fwd.sim, fwd.ops, lambda: [x], lambda: fwd.layer(x, lo), f"layer {lo}", lo)
+            return checkpoint(fwd.sim, fwd.ops, ins, lambda: fwd.layer(x, lo), f"layer {lo}", lo)
         return fwd.layer(x, lo)
 
     def core_attention(self, fwd: Walk, q: T, k: T, v: T, i: int, fn: Callable[[], T]) -> T:

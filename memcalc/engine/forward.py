@@ -21,6 +21,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import attention_variants as av
 from memcalc.engine import block_variants as bv
+from memcalc.engine.dora import dora_branch
 from memcalc.engine.loss import lm_loss
 from memcalc.engine.mla import mla_attention, rope_width
 from memcalc.engine.moe import moe_block
@@ -60,7 +61,8 @@ class Forward:
     def maybe(self, name: str) -> Optional[Param]:
         return self.model.params.get(name)
 
-    def proj(self, x: T, layer: int, name: str, short: str, d_out: int) -> T:
+    def proj(self, x: T, layer: Optional[int], name: str, short: str, d_out: int, base: Optional[str] = None,
+             weight: Optional[str] = None) -> T:
         """A projection, with its LoRA adapter when targeted: y = base(x) + B(A(drop(x))) * s.
 
         With the profile's ``lora_input_cast`` (PEFT ``lora.Linear.forward``, peft/tuners/lora/layer.py):
@@ -72,8 +74,8 @@ class Forward:
         Without it (plain, torchtune, litgpt) the branch runs on x as is. A 4-bit base under PEFT
         runs ``bnb.Linear4bit.forward`` instead (see below)."""
         o = self.ops
-        base = f"layers.{layer}.{name}"
-        w = self.p(base + ".weight")
+        base = base or f"layers.{layer}.{name}"  # the output head: "lm_head" (its weight may be the embedding's)
+        w = self.p(weight or base + ".weight")
         qt = 0
         if self.lora is not None and self.lora.qlora and w.weight.itemsize_bits == 4:
             qt = self.model.compute.nbytes(w.numel)
@@ -96,6 +98,10 @@ class Forward:
         cast = (peft and not (quant and o.autocast is not None)) or (
             o.autocast is None and x.itemsize_bits != a_p.weight.itemsize_bits)
         xa = o.cast(x, o.dtype_of(a_p.weight)) if cast else o.ref_(x)
+        if self.lora.dora:  # PEFT DoraLinearVariant (engine/dora.py)
+            bs = dora_branch(self, xa, y, w, a_p, self.p(base + ".lora_B"), self.p(base + ".lora_magnitude"), d_out, qt)
+            o.drop(xa)
+            return self._lora_out(y, bs, cast, quant)
         xd = o.dropout(xa, self.lora.dropout)
         o.drop(xa)
         a = o.linear(xd, self.rows, a_p, None, self.lora.rank)
@@ -104,6 +110,11 @@ class Forward:
         o.drop(a)
         bs = o.scale(b, self.lora.alpha / self.lora.rank + 1e-12)
         o.drop(b)
+        return self._lora_out(y, bs, cast, quant)
+
+    def _lora_out(self, y: T, bs: T, cast: bool, quant: bool) -> T:
+        """``result + branch`` and the cast back to the result's dtype (lora.Linear.forward)."""
+        o = self.ops
         if quant and cast:  # output.to(expected_dtype) before result + output
             b2 = o.cast(bs, o.dtype_of(y))
             o.drop(bs)
@@ -277,6 +288,8 @@ class Forward:
         sim, o, m = self.sim, self.ops, self.m
         sim.mark("inputs", "forward")
         sim.layer, sim.role = None, "embedding"
+        if sim.offload is not None:  # torchtune wraps the model's forward in OffloadActivations
+            sim.offload.active = True
         ids = sim.alloc(self.rows * 8, "activations", "inputs")
         labels = sim.alloc(self.rows * 8, "activations", "inputs")
         self.ids_labels = (ids, labels)
@@ -300,8 +313,11 @@ class Forward:
             o.drop(x)
             x = h
         self.release_masks()
-        head = self.maybe("lm_head.weight") or self.p("embed_tokens.weight")
-        logits = o.linear(x, self.rows, head, self.maybe("lm_head.bias"), m.vocab_size)
+        if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside
+            sim.offload.active = False
+        weight = "lm_head.weight" if self.maybe("lm_head.weight") is not None else "embed_tokens.weight"
+        # the head as a projection: with LoRA target head, its adapter branch is a vocab-wide B output
+        logits = self.proj(x, None, "lm_head", "head", m.vocab_size, base="lm_head", weight=weight)
         o.drop(x)
         logits = bv.post_logits(self, logits)
         self.strategy.logits(self, logits)

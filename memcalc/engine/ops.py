@@ -96,6 +96,10 @@ class Ops:
             saved.append(xc)
         if x.requires_grad and wc is not None:
             saved.append(wc)
+        elif x.requires_grad and self.sim.offload is not None and self.sim.offload.active:
+            # the saved ``weight.t()`` view costs nothing on the GPU, but activation offloading
+            # packs it (a view is no nn.Parameter; memcalc.engine.offload)
+            saved.append(w.weight)
         params = [w] + ([b] if b is not None else [])
         temps = [quant_transient_bytes] if quant_transient_bytes and x.requires_grad else []
         if x_cast:  # grad arrives in the compute dtype, then _to_copy casts it back

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, get_args
 
 from memcalc.core.dtypes import DType
-from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, OPTIMIZERS, StateLayout, StepKind
+from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS, StateLayout, StepKind
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import TrainingSpec
@@ -46,8 +46,27 @@ def state_bytes(p: Param, shape_rows: int, tr: TrainingSpec) -> list[tuple[str, 
     if tr.master_weights:
         out.append(("master weights", DType.fp32.nbytes(p.numel)))
     rec = OPTIMIZERS[tr.optimizer]
+    if rec.paged:
+        return out + _paged_state(p.numel, rec.state, rec.moments)
     out += [("optimizer state", b) for b in STATE_LAYOUTS[rec.state](p.numel, shape_rows, rec.moments, tr)]
     return out
+
+
+#: the category of state bytes in CUDA unified memory (not allocated through the caching allocator)
+PAGED = "paged optimizer state"
+
+
+def _paged_state(n: int, layout: str, moments: int) -> list[tuple[str, int]]:
+    """bitsandbytes paged Adam state of one parameter (bitsandbytes/optim/optimizer.py
+    ``Optimizer2State.init_state``): ``state1``/``state2`` from ``get_state_buffer`` -- paged
+    (cudaMallocManaged, category :data:`PAGED`) for parameters of at least ``BNB_PAGED_MIN_NUMEL``
+    elements, an ordinary device tensor below; fp32 for 32-bit state and for tensors under
+    ``min_8bit_size``, else uint8 plus an fp32 ``absmax`` per 256-element block (``torch.zeros`` on
+    the device: never paged). Ignored: the shared 256-entry quantisation maps."""
+    cat = PAGED if n >= BNB_PAGED_MIN_NUMEL else "optimizer state"
+    if layout == "fp32" or n < BNB_MIN_8BIT_SIZE:
+        return [(cat, 4 * n)] * moments
+    return [(cat, n)] * moments + [("optimizer state", 4 * -(-n // BNB_BLOCK))] * moments
 
 
 def _no_state(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
@@ -78,8 +97,14 @@ def _blockwise_8bit(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[i
 
 
 #: state layout (``OptimizerRecord.state``) -> bytes of each state tensor of one parameter
+def _fp32(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
+    """bitsandbytes 32-bit state (``optim_bits=32``): fp32 moments whatever the parameter's dtype."""
+    return [4 * n] * moments
+
+
 STATE_LAYOUTS: dict[str, Callable[[int, int, int, TrainingSpec], list[int]]] = {
     "none": _no_state, "like_param": _like_param, "factored": _factored, "blockwise_8bit": _blockwise_8bit,
+    "fp32": _fp32,
 }
 
 
@@ -178,6 +203,7 @@ class OptimizerSim:
         # ZeRO-1+ shards state (and so the step's work) over the ranks; offload moves both to the CPU
         self.div = tr.gpus if tr.zero >= 1 else 1
         self.on_gpu = not tr.offload_optimizer
+        self.paged_bytes = 0  # bitsandbytes paged state: unified memory, outside the allocator (PAGED)
 
     def create_state(self, p: Param) -> None:
         if p.name in self.state:
@@ -185,8 +211,9 @@ class OptimizerSim:
         if not self.on_gpu:
             self.state[p.name] = []
             return
-        self.state[p.name] = [self.sim.alloc(shard(b, self.div), STATE, cat)
-                              for cat, b in state_bytes(p, self.rows_of[p.name], self.tr)]
+        st = state_bytes(p, self.rows_of[p.name], self.tr)
+        self.paged_bytes += sum(shard(b, self.div) for cat, b in st if cat == PAGED)
+        self.state[p.name] = [self.sim.alloc(shard(b, self.div), STATE, cat) for cat, b in st if cat != PAGED]
 
     def create_all(self) -> None:
         for p in self.params:

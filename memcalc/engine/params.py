@@ -6,7 +6,7 @@ embeddings, attention with GQA (or a fused qkv, or DeepSeek's multi-head latent 
 q/k norms, attention sinks, gated, fused or plain MLP, mixture-of-experts blocks (router,
 3-D expert tensors, shared experts), norms (weight, and bias for LayerNorm; 1, 2 or 4 a layer),
 projection biases, tied or untied head, trainable ALiBi slopes, LoRA adapters as PEFT
-shapes them (one adapter on a fused projection).
+shapes them (one adapter on a fused projection; on the output head with target ``head``).
 QLoRA's frozen 4-bit base is counted in elements here; its storage bytes
 (packed NF4 plus quantisation constants) are computed in :mod:`memcalc.engine.weights`.
 Buffers (RoPE caches, causal masks) are not parameters and are ignored here.
@@ -57,6 +57,8 @@ def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec]) -> list[ParamT
         if lora is not None and short in lora.targets:
             out.append(ParamTensor(f"layers.{i}.{name}.lora_A", (lora.rank, d_in), i, True, "lora"))
             out.append(ParamTensor(f"layers.{i}.{name}.lora_B", (d_out, lora.rank), i, True, "lora"))
+            if lora.dora:  # PEFT DoraLinearLayer.weight: the magnitude vector, one per output row
+                out.append(ParamTensor(f"layers.{i}.{name}.lora_magnitude", (d_out,), i, True, "lora"))
 
     def norm(name: str, shape: tuple[int, ...], bias: bool) -> None:
         out.append(ParamTensor(f"layers.{i}.{name}.weight", shape, i, full, "norm"))
@@ -205,6 +207,14 @@ def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[Param
         out.append(ParamTensor("lm_head.weight", (m.vocab_size, d), None, full, "embedding"))
     if m.lm_head_bias:
         out.append(ParamTensor("lm_head.bias", (m.vocab_size,), None, full, "bias"))
+    if lora is not None and "head" in lora.targets:
+        # LoRA on the output projection (PEFT lm_head, torchtune apply_lora_to_output, LitGPT lora_head):
+        # A: r x d, B: vocab x r; with tied embeddings PEFT 0.21 still adapts the lm_head module alone
+        # (peft/tuners/lora/model.py: the embedding is adapted instead only with ensure_weight_tying)
+        out.append(ParamTensor("lm_head.lora_A", (lora.rank, d), None, True, "lora"))
+        out.append(ParamTensor("lm_head.lora_B", (m.vocab_size, lora.rank), None, True, "lora"))
+        if lora.dora:
+            out.append(ParamTensor("lm_head.lora_magnitude", (m.vocab_size,), None, True, "lora"))
     return out
 
 

@@ -79,6 +79,7 @@ class Node:
     flops: int = 0  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
     layer: Optional[int] = None  # decoder layer the op belongs to (None: embedding, head, loss)
     role: str = ""  # which part of the model issued it: embedding, attention, mlp, norm, head, loss
+    offloaded: list = field(default_factory=list)  # (pack id, tensor) moved to host (engine/offload.py)
 
 
 class Sim:
@@ -125,6 +126,9 @@ class Sim:
         # called with every op as the forward code issues it, before autograd filtering
         # (memcalc.compile.compiled records the forward graph this way)
         self.recorder: Optional[Callable[..., None]] = None
+        # activation offloading (memcalc.engine.offload.ActivationOffload): while its ``active`` is
+        # set, saved tensors are packed to host memory and come back in backward
+        self.offload = None
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
@@ -197,6 +201,9 @@ class Sim:
         params = [p for p in params if p.trainable]
         if not self.grad_enabled or (not inputs and not params):
             return None
+        off: list = []
+        if self.offload is not None and self.offload.active and saved:
+            saved, off = self.offload.pack(self, saved)
         for t in saved:
             self.ref(t)
         if saved:
@@ -204,6 +211,7 @@ class Sim:
         for p in params:
             p.uses += 1
         n = Node(name, saved, inputs, params, outputs, **kw)
+        n.offloaded = off
         n.fwd_label = self.label
         n.layer, n.role = self.layer, self.role
         for o in outputs:
@@ -222,6 +230,8 @@ class Sim:
         """Run backward from ``loss`` over all registered nodes (reverse creation order)."""
         loss.grad_buffer = self.alloc(loss_grad_bytes, "temporaries", "activation gradients")
         self.run_nodes(self.nodes, label_of)
+        if self.offload is not None:
+            self.offload.end_backward(self)
 
     def run_nodes(self, nodes: list[Node], label_of: Callable[[Node], str]) -> None:
         """Backward over ``nodes`` in reverse order; nodes no gradient reaches just release."""
@@ -239,6 +249,8 @@ class Sim:
                     self.trace_label = None
                 self.label = lab
                 self.snapshot_point()
+            if node.offloaded:  # saved tensors come back from host memory first (before a recompute)
+                self.offload.unpack(self, node)
             if node.on_backward is not None:
                 node.on_backward(self, node)
             self._run_node(node)
@@ -267,6 +279,8 @@ class Sim:
                 self.unref(o.grad_buffer)
                 o.grad_buffer = None
         self._release_node(node)
+        if self.offload is not None and self.offload.hook_due:  # the unpacking node's post-hook
+            self.offload.after_node(self)
         for inp, g in zip(node.inputs, new_grads):
             if inp.grad_buffer is None:
                 inp.grad_buffer = g

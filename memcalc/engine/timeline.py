@@ -19,10 +19,12 @@ from typing import Callable, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
+from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.forward import Forward
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
+from memcalc.engine.offload import ActivationOffload
 from memcalc.engine.result import TimelinePoint
 from memcalc.engine.sharding import LayerGather
 from memcalc.engine.sim import Node, Param, Sim
@@ -45,13 +47,22 @@ class SimResult:
     alloc_trace: Optional[list[tuple[int, str, str, int]]] = None  # (total, phase, label, requested) per allocation
     events: Optional[list[tuple[int, int]]] = None  # allocation events (see Sim.events)
     step_start: int = 0  # index of the step's first event (before it: weights, state)
+    #: activation offloading: (raw bytes, pinned host bytes, tensors) offloaded in one forward
+    host_offload: Optional[tuple[int, int, int]] = None
+    #: bitsandbytes paged optimizer state (CUDA unified memory, not in the peak); None when not paged
+    paged_state_bytes: Optional[int] = None
 
 
 def check_supported(exp: ExperimentSpec) -> None:
     tr = exp.training
     if tr.fused_optimizer and tr.grad_accum > 1:
+        # torchtune recipes (full_finetune_single_device.py and the others) raise the same for
+        # optimizer_in_bwd with gradient_accumulation_steps > 1: "Gradient accumulation is not
+        # supported with optimizer in bwd"
         raise UserError(
-            f"a fused optimizer steps inside backward, so it cannot accumulate gradients (grad_accum {tr.grad_accum}); drop one"
+            f"a fused optimizer (optimizer in backward) steps inside backward, so it cannot accumulate gradients "
+            f"(grad_accum {tr.grad_accum}); torchtune refuses it too (\"Gradient accumulation is not supported with "
+            f"optimizer in bwd\"): set grad_accum 1 or drop --fused-optimizer"
         )
     if tr.seq > exp.model.max_seq_len and exp.model.positions == "learned":
         raise UserError(
@@ -59,6 +70,9 @@ def check_supported(exp: ExperimentSpec) -> None:
         )
     if tr.seq < 2:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
+    if tr.activation_offload and tr.compile:
+        raise UserError("activation offloading under torch.compile is not modelled (the compiled graph saves "
+                        "its tensors as a whole); drop --compile or --activation-offload")
 
 
 def _label_of(node: Node) -> str:
@@ -112,6 +126,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     model, opt = weights_and_state(sim, exp, create_state=not first_step)
     sim.mark("step start", "setup")
     step_start = len(sim.events) if sim.events is not None else 0
+    if tr.activation_offload:
+        sim.offload = ActivationOffload()
 
     micro = min(tr.grad_accum, 2)
     strategies = [strategy() for _ in range(micro)]
@@ -171,4 +187,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         alloc_trace=sim.alloc_trace,
         events=sim.events,
         step_start=step_start,
+        host_offload=(sim.offload.max_host_bytes, sim.offload.max_pinned_bytes,
+                      sim.offload.max_offloaded_tensors)
+        if sim.offload is not None else None,
+        paged_state_bytes=opt.paged_bytes if OPTIMIZERS[tr.optimizer].paged else None,
     )

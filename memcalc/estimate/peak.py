@@ -16,6 +16,7 @@ from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.moe import family_notes
+from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
@@ -179,6 +180,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)
         a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
         alloc_extra = {"allocator_peak_bytes": max(a_steady, a_first), "reserved_peak_bytes": max(r_steady, r_first)}
+    alloc_extra.update(technique_extra(steady, first))  # offloaded activations' host bytes, paged state
     top = steady if steady.peak_bytes >= first.peak_bytes else first
     which = "steady state" if top is steady else "first step"
     counts = count_params(exp.model, exp.training.lora)
@@ -227,6 +229,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
 
         rf, ff = checkpoint_recompute_flops(exp)
         recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}
+    assumptions += technique_assumptions(exp, steady)
     if tr.compile and not compiled:
         assumptions.append(
             f"torch.compile with checkpointing ({tr.checkpoint}): checkpointed regions are recomputed "
@@ -249,7 +252,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         allocator_slack_bytes=slack,
         required_bytes=required_bytes(peak),
         assumptions=assumptions,
-        notes=no_effect_notes(exp) + family_notes(exp),
+        notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(technique_extra(steady, first)),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)} if exp.training.offload_optimizer else {}),

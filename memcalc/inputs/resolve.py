@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
-from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
+from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
                                lora_targets_error)
 
@@ -132,7 +132,7 @@ def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, .
         shown = shown if len(shown) <= 60 else shown[:56] + "..."
         raise UserError(f"unknown --lora-targets {shown}; valid: {', '.join(LORA_TARGETS)} "
                         f"(or PEFT's {', '.join(LORA_TARGET_ALIASES)}), or all")
-    missing = [t for t in ts if model is not None and t not in model.lora_targets]
+    missing = [t for t in ts if model is not None and t not in model.lora_targets and t != HEAD_TARGET]
     if missing:
         raise UserError(f"--lora-targets: {lora_targets_error(model, missing)}")
     return ts

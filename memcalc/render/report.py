@@ -16,14 +16,39 @@ from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
 
+
+#: ``extra`` keys of the techniques (activation offloading, paged optimizers), all integers, in --json
+TECHNIQUE_KEYS = ("host_activation_bytes", "host_activation_raw_bytes", "offloaded_tensors", "paged_optimizer_bytes")
+
+
+def technique_lines(est: Estimate) -> list[str]:
+    """One text line per technique whose memory lies outside the GPU peak."""
+    out = []
+    host = est.extra.get("host_activation_bytes")
+    if host is not None:
+        out.append(f"host memory: {fmt_bytes(host)} pinned for offloaded activations "
+                   f"({est.extra['offloaded_tensors']:,} tensors, {fmt_bytes(est.extra['host_activation_raw_bytes'])}; "
+                   "--activation-offload; not in the GPU peak)")
+    paged = est.extra.get("paged_optimizer_bytes")
+    if paged is not None:
+        out.append(f"paged optimizer state: {fmt_bytes(paged)} in CUDA unified memory (cudaMallocManaged), outside "
+                   "the caching allocator: not in the GPU peak; it uses free GPU memory and pages to the host under "
+                   "pressure")
+    return out
+
+
 def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
-    """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative)."""
+    """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative).
+    With a paged optimizer: whether its unified-memory state also stays resident in the headroom
+    (``paged_state_resident``; when not, it pages to the host: the step still fits, slower)."""
+    paged = est.extra.get("paged_optimizer_bytes")
     return [
         {
             "name": g.name,
             "capacity_bytes": g.capacity_bytes,
             "fits": est.required_bytes <= g.capacity_bytes,
             "headroom_bytes": g.capacity_bytes - est.required_bytes,
+            **({"paged_state_resident": est.required_bytes + paged <= g.capacity_bytes} if paged is not None else {}),
         }
         for g in gpus
     ]
@@ -58,6 +83,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "allocator_slack_bytes": est.allocator_slack_bytes,
         "bytes_per_param": est.bytes_per_param,
         "published_peak_bytes": exp.published_peak_bytes,
+        **{k: est.extra[k] for k in TECHNIQUE_KEYS if k in est.extra},
         "compiled": est.extra.get("compiled"),
         "recompute": est.extra.get("recompute"),
         **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
@@ -120,7 +146,8 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     t.add_row("optimizer", f"{tr.optimizer} ({tr.optimizer_impl}){_mark(o, 'optimizer')}"
               + (", fused into backward" if tr.fused_optimizer else ""))
     ck = tr.checkpoint + (f" (K={tr.checkpoint_every})" if tr.checkpoint == "every-k" else "")
-    t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}")
+    t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}"
+              + (f"; saved activations offloaded to host memory{_mark(o, 'activation_offload')}" if tr.activation_offload else ""))
     if tr.zero or tr.gpus > 1 or tr.offload_optimizer or {"zero", "gpus", "offload_optimizer"} & {
             k for k, v in o.items() if v == "flag"}:
         shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
@@ -131,7 +158,7 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     if tr.lora is not None:
         lo = tr.lora
         adt = exp.adapter_dtype
-        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}"
+        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'}{' + DoRA' if lo.dora else ''} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}"
                   f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}")
     p = exp.profile
     t.add_row("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}")
@@ -190,8 +217,9 @@ def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
     t.add_column("headroom", justify="right")
     for g, row in zip(gpus, fits_rows(est, gpus)):
         ok = row["fits"]
+        paging = ok and row.get("paged_state_resident") is False  # the paged optimizer state pages to the host
         t.add_row(getattr(g, "display_name", g.name), fmt_bytes(g.capacity_bytes),
-                  "[green]yes[/green]" if ok else "[red]no[/red]",
+                  "[yellow]yes, state pages out[/yellow]" if paging else "[green]yes[/green]" if ok else "[red]no[/red]",
                   ("" if ok else "-") + fmt_auto(abs(row["headroom_bytes"])))
     return t
 
@@ -205,6 +233,8 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
         c.print(f"[yellow]note:[/yellow] {n}")
     c.print(peak_table(est))
     c.print(phases_table(est))
+    for line in technique_lines(est):  # memory outside the GPU peak: pinned host, unified memory
+        c.print(line)
     c.print(bpp_table(est))
     comp, rec = est.extra.get("compiled"), est.extra.get("recompute")
     if comp:

@@ -1,0 +1,146 @@
+"""Activation offloading: saved tensors go to pinned host memory in forward and come back for backward.
+
+Follows torchtune ``torchtune/training/_activation_offloading.py`` ``OffloadActivations`` (a
+``torch.autograd.graph.saved_tensors_hooks``) with its defaults (``use_pin_memory=True``,
+``use_streams=True`` on PyTorch >= 2.5, ``max_fwd_stash_size=5``, ``min_offload_size=1024``) as
+``get_act_offloading_ctx_manager`` applies it: around the model's forward, with a ``NoOpManager``
+around the output head (its saved tensors stay on the GPU), the loss outside.
+
+``pack_tensor`` (every tensor autograd saves, in order, one id each):
+- at least ``min_offload_size`` bytes (``element_size() * nelement()``) and not an
+  ``nn.Parameter`` / ``nn.Buffer`` instance: a pinned host copy is made and autograd keeps only
+  the id, so the GPU tensor lives only as long as Python references it and the forward stash
+  holds it: the stash keeps each offloaded tensor until an offloaded pack ``max_fwd_stash_size``
+  ids later (the stream's copy must finish). A *view* of a parameter is no ``nn.Parameter``
+  (``F.linear`` saves ``weight.t()`` for the input's gradient), so frozen and trainable weights
+  saved that way are offloaded too (one host copy per save) and reloaded in backward;
+- otherwise (small tensors, a parameter saved directly as a norm weight is) it stays as is.
+
+``unpack_tensor_with_streams`` (backward): a tensor still in the forward stash is used as is;
+otherwise a GPU copy comes back (``.to("cuda")``) and is kept in ``bwd_tensor_stash`` until the
+node *after* the next reloading node has run: at its first unpack a node takes the ids stashed
+so far, and its post-hook deletes them once it has run; the first such hook also empties the
+forward stash; what is left goes at the end of backward (``queue_callback``).
+
+Host memory: each pinned copy comes from PyTorch's caching host allocator, which rounds every
+request up to a power of two (aten/src/ATen/core/CachingHostAllocator.h ``PowerOf2Ceil``) and
+caches freed blocks, so the pinned memory a step needs is the sum over one forward's offloaded
+tensors, rounded so. Ignored: the CPU side's ``psutil`` check and stream timing (the memory is
+counted as if every copy completed in order).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from memcalc.engine.sim import Node, Sim, T
+
+#: torchtune OffloadActivations defaults (min_offload_size, max_fwd_stash_size)
+MIN_OFFLOAD_BYTES = 1024
+MAX_FWD_STASH = 5
+
+
+def pinned_bytes(n: int) -> int:
+    """A pinned host allocation of ``n`` bytes: rounded up to a power of two (CachingHostAllocator)."""
+    return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+def raw_bytes(t: T) -> int:
+    """The tensor's own bytes (``element_size() * nelement()``), before the device allocator's rounding."""
+    return t.numel * t.itemsize_bits // 8 if t.numel else t.nbytes
+
+
+class ActivationOffload:
+    """The pack/unpack bookkeeping of one step's forward and backward passes on a :class:`Sim`."""
+
+    def __init__(self) -> None:
+        self.active = False  # inside the offloading context (the model's forward, not the head)
+        self.next_id = 0
+        self.fwd_stash: list[tuple[int, T]] = []
+        self.bwd_prev: list[T] = []  # reloaded by earlier nodes, freed after the current one runs
+        self.bwd_cur: list[T] = []
+        self.hook_due = False  # a node unpacked offloaded tensors; its post-hook has not run yet
+        self.host_bytes = 0  # raw bytes offloaded in the current forward
+        self.pinned_bytes = 0
+        self.max_host_bytes = 0
+        self.max_pinned_bytes = 0
+        self.offloaded_tensors = 0  # in the current forward
+        self.max_offloaded_tensors = 0
+
+    def pack(self, sim: Sim, saved: list[T]) -> tuple[list[T], list[tuple[int, T]]]:
+        """Split a node's saved tensors into those autograd keeps on the GPU and those offloaded
+        (id and the GPU tensor, which only the forward stash still references)."""
+        keep: list[T] = []
+        off: list[tuple[int, T]] = []
+        for t in saved:
+            self.next_id += 1
+            n = raw_bytes(t)
+            if n < MIN_OFFLOAD_BYTES:
+                keep.append(t)
+                continue
+            tid = self.next_id
+            while self.fwd_stash and self.fwd_stash[0][0] <= tid - MAX_FWD_STASH:
+                sim.unref(self.fwd_stash.pop(0)[1])
+            self.fwd_stash.append((tid, sim.ref(t)))
+            off.append((tid, t))
+            self.host_bytes += n
+            self.pinned_bytes += pinned_bytes(n)
+            self.offloaded_tensors += 1
+            self.max_offloaded_tensors = max(self.max_offloaded_tensors, self.offloaded_tensors)
+            self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
+            self.max_pinned_bytes = max(self.max_pinned_bytes, self.pinned_bytes)
+        return keep, off
+
+    def unpack(self, sim: Sim, node: Node) -> None:
+        """Before ``node``'s backward: its offloaded tensors come back (unless still stashed). A
+        checkpoint node unpacks its inputs before recomputing; the hook then sits on the first
+        recomputed node to run (the autograd node current at the unpack)."""
+        self.bwd_prev, self.bwd_cur = self.bwd_prev + self.bwd_cur, []
+        self.hook_due = True
+        stashed = {tid for tid, _ in self.fwd_stash}
+        for tid, t in node.offloaded:
+            if tid not in stashed:
+                # a weight view comes back whole (a ZeRO-3 shard's block holds only its part)
+                n = max(t.nbytes, raw_bytes(t)) if t.kind == "weights" else t.nbytes
+                g = sim.alloc(n, "activations", "reloaded activations")
+                self.bwd_cur.append(g)
+
+    def after_node(self, sim: Sim) -> None:
+        """The unpacking node's post-hook: the forward stash empties, the earlier nodes' reloads go."""
+        self.hook_due = False
+        for _, t in self.fwd_stash:
+            sim.unref(t)
+        self.fwd_stash = []
+        for t in self.bwd_prev:
+            sim.unref(t)
+        self.bwd_prev = []
+
+    def end_backward(self, sim: Sim) -> None:
+        """The callback queued at the end of backward frees what is still stashed; the host
+        copies' blocks return to the caching host allocator (reused by the next forward)."""
+        for t in self.bwd_prev + self.bwd_cur + [t for _, t in self.fwd_stash]:
+            sim.unref(t)
+        self.bwd_prev, self.bwd_cur, self.fwd_stash = [], [], []
+        self.host_bytes = self.pinned_bytes = self.offloaded_tensors = 0
+
+
+def rope_region_inputs(fwd) -> list[T]:
+    """While offloading: the RoPE cos/sin tables a checkpointed layer receives as inputs (Hugging
+    Face passes ``position_embeddings`` into every decoder layer; ``(1, T, rotary width)`` in the
+    hidden states' dtype, ``LlamaRotaryEmbedding.forward``). torch.utils.checkpoint saves them with the
+    layer input, so the offload hook copies them to the host per region; on the GPU they exist
+    anyway (shared by all layers), so they are host-only blocks here (no device bytes)."""
+    off = offload_of(fwd.sim)
+    if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None:
+        return []
+    from memcalc.engine.mla import rope_width
+
+    bits = fwd.model.params["embed_tokens.weight"].weight.itemsize_bits
+    n = fwd.T * rope_width(fwd.m)
+    return [T(0, "activations", "rope tables", numel=n, itemsize_bits=bits) for _ in range(2)]
+
+
+def offload_of(sim: Sim) -> Optional[ActivationOffload]:
+    """The step's offloader while its context is active (None otherwise)."""
+    off = getattr(sim, "offload", None)
+    return off if off is not None and off.active else None

@@ -1,0 +1,176 @@
+"""Issue 14's techniques without torch: the CLI's errors, the registry's paged records, and what the
+estimate reports (activation offloading's host memory, paged optimizer state, LoRA on the head, DoRA).
+
+The estimate-vs-trace checks of the same techniques are in ``tests/test_techniques_trace.py`` (slow).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.core.optimizers import BNB_BLOCK, BNB_PAGED_MIN_NUMEL, OPTIMIZERS
+from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.engine.offload import pinned_bytes
+from memcalc.engine.optimizers import PAGED, state_bytes
+from memcalc.engine.params import count_params
+from memcalc.engine.sim import Param, T
+from memcalc.estimate.peak import estimate
+from memcalc.render.report import technique_lines
+
+SMALL = ["--model", "gpt2", "--seq", "128"]
+TINY = ModelSpec(name="tiny", n_layers=2, d_model=64, n_heads=4, d_ff=128, vocab_size=1000, max_seq_len=64)
+#: an embedding of 1000 x 128 = 128,000 elements: above bitsandbytes' paging threshold (1e5)
+BIG_VOCAB = TINY.model_copy(update={"d_model": 128, "d_ff": 256})
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+# (args, exit code, message)
+ERRORS = [
+    # source: torchtune recipes raise for optimizer_in_bwd with gradient_accumulation_steps > 1
+    (["estimate", *SMALL, "--fused-optimizer", "--grad-accum", "4"], 2,
+     "Gradient accumulation is not supported with optimizer in bwd"),
+    # source: memcalc does not model saved-tensor hooks inside a compiled graph
+    (["estimate", *SMALL, "--compile", "--activation-offload"], 2, "activation offloading under torch.compile"),
+    # source: peft/tuners/lora/layer.py ParamWrapper refuses use_dora=True
+    (["estimate", "--model", "qwen3-30b-a3b", "--lora", "--lora-targets", "experts", "--dora"], 2,
+     "PEFT's ParamWrapper (target_parameters) refuses use_dora=True"),
+    # source: the registry's names are the CLI's choices
+    (["estimate", *SMALL, "--optimizer", "adamx"], 2, "'paged-adamw', 'paged-adamw-8bit'"),
+    # source: a target name outside LORA_TARGETS and its aliases
+    (["estimate", *SMALL, "--lora", "--lora-targets", "q,heads"], 2, "unknown --lora-targets heads"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", ERRORS)
+def test_technique_errors_are_one_line_exit_2(args, code, message):
+    r = run(args)
+    assert r.exit_code == code, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def _json(args: list[str]) -> dict:
+    r = run(["estimate", *args, "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output)
+
+
+def _est(training: dict, model: ModelSpec = None):
+    return estimate(ExperimentSpec(model=model or TINY, training=TrainingSpec(**training)), timeline=False, replay=False)
+
+
+def test_activation_offload_reports_integer_host_bytes():
+    d = _json([*SMALL, "--lora", "--activation-offload"])
+    assert isinstance(d["host_activation_bytes"], int) and d["host_activation_bytes"] > 0
+    assert d["host_activation_bytes"] >= d["host_activation_raw_bytes"]  # power-of-two host blocks
+    assert d["offloaded_tensors"] > 0
+
+
+def test_activation_offload_moves_saved_tensors_off_the_gpu():
+    tr = dict(batch=4, seq=64, precision="bf16", lora=LoraSpec(rank=8))
+    base, off = _est(tr), _est({**tr, "activation_offload": True})
+    assert "host_activation_bytes" not in base.extra
+    assert off.extra["host_activation_bytes"] > 0
+    assert off.extra["max_activation_bytes"] < base.extra["max_activation_bytes"]
+    assert any("pinned for offloaded activations" in line for line in technique_lines(off))
+
+
+@pytest.mark.parametrize("n,pinned", [
+    (1024, 1024),  # source: CachingHostAllocator rounds up to a power of two (PowerOf2Ceil)
+    (1025, 2048),
+    (3 * 2**20, 4 * 2**20),
+])
+def test_pinned_blocks_are_powers_of_two(n, pinned):
+    assert pinned_bytes(n) == pinned
+
+
+def test_paged_records():
+    for name in ("paged-adamw", "paged-adamw-8bit"):
+        rec = OPTIMIZERS[name]
+        assert rec.paged and "bitsandbytes" in rec.source and rec.moments == 2
+    assert not OPTIMIZERS["adamw-8bit"].paged
+
+
+def _param(n: int) -> Param:
+    return Param("w", T(2 * n, "weights", "weights", numel=n, itemsize_bits=16), True, 2 * n, 0, n)
+
+
+# (optimizer, elements, paged bytes, bytes on the device) -- bitsandbytes/optim/optimizer.py
+PAGED_ROWS = [
+    ("paged-adamw", 4096 * 4096, 2 * 4 * 4096 * 4096, 0),  # source: fp32 state1/state2 via get_paged (>= 1e5)
+    ("paged-adamw", 50_000, 0, 2 * 4 * 50_000),  # source: get_state_buffer: numel < 1e5 -> zeros_like
+    ("paged-adamw-8bit", 4096 * 4096, 2 * 4096 * 4096, 2 * 4 * (4096 * 4096 // BNB_BLOCK)),  # source: absmax never paged
+    ("paged-adamw-8bit", 2048, 0, 2 * 4 * 2048),  # source: below min_8bit_size 4096: fp32 state, not paged
+]
+
+
+@pytest.mark.parametrize("name,n,paged,device", PAGED_ROWS)
+def test_paged_state_split(name, n, paged, device):
+    tr = TrainingSpec(precision="bf16", optimizer=name)
+    st = state_bytes(_param(n), 4096, tr)
+    assert sum(b for c, b in st if c == PAGED) == paged
+    assert sum(b for c, b in st if c != PAGED) == device
+    assert n >= BNB_PAGED_MIN_NUMEL or paged == 0
+
+
+def test_paged_state_is_outside_the_peak():
+    eight = _est(dict(batch=1, seq=64, precision="bf16", optimizer="adamw-8bit"), BIG_VOCAB)
+    paged = _est(dict(batch=1, seq=64, precision="bf16", optimizer="paged-adamw-8bit"), BIG_VOCAB)
+    assert isinstance(paged.extra["paged_optimizer_bytes"], int) and paged.extra["paged_optimizer_bytes"] > 0
+    assert paged.peak_bytes < eight.peak_bytes
+    assert "paged_optimizer_bytes" not in eight.extra
+    assert any("cudaMallocManaged" in a for a in paged.assumptions)
+    assert any("unified memory" in line for line in technique_lines(paged))
+
+
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_head_target_parameters(tie):
+    # source: PEFT lm_head adapter A: r x d, B: vocab x r, also with tied embeddings (no ensure_weight_tying)
+    m = TINY.model_copy(update={"tie_embeddings": tie})
+    base = count_params(m, LoraSpec(rank=8, targets=("q", "v"))).trainable
+    head = count_params(m, LoraSpec(rank=8, targets=("q", "v", "head"))).trainable
+    assert head - base == 8 * 64 + 1000 * 8
+
+
+def test_head_target_aliases_and_flag():
+    assert LoraSpec(targets=("q_proj", "lm_head")).targets == ("q", "head")
+    d = _json([*SMALL, "--lora", "--lora-targets", "qkv,head"])
+    assert d["inputs"]["training"]["lora"]["targets"] == ["qkv", "head"]
+
+
+def test_dora_magnitude_vectors():
+    # source: PEFT DoraLinearLayer.weight: one magnitude per output row of each target
+    lora = LoraSpec(rank=8, targets=("q", "v"))
+    plain = count_params(TINY, lora).trainable
+    dora = count_params(TINY, lora.model_copy(update={"dora": True})).trainable
+    assert dora - plain == TINY.n_layers * (TINY.q_dim + TINY.kv_dim)
+
+
+def test_dora_costs_memory():
+    exp = ExperimentSpec(model=TINY, training=TrainingSpec(batch=2, seq=64, precision="bf16", lora=LoraSpec(rank=8)))
+    dexp = exp.model_copy(update={"training": exp.training.model_copy(
+        update={"lora": exp.training.lora.model_copy(update={"dora": True})})})
+    assert estimate(dexp, timeline=False).peak_bytes > estimate(exp, timeline=False).peak_bytes
+
+
+def test_fits_says_when_paged_state_pages_out():
+    from types import SimpleNamespace
+
+    from memcalc.render.report import fits_rows
+
+    est = _est(dict(batch=1, seq=64, precision="bf16", optimizer="paged-adamw"), BIG_VOCAB)
+    paged = est.extra["paged_optimizer_bytes"]
+    roomy = SimpleNamespace(name="roomy", capacity_bytes=est.required_bytes + paged)
+    tight = SimpleNamespace(name="tight", capacity_bytes=est.required_bytes + paged - 1)
+    rows = fits_rows(est, [roomy, tight])
+    assert [r["fits"] for r in rows] == [True, True]  # the paged state is not part of the required bytes
+    assert [r["paged_state_resident"] for r in rows] == [True, False]
