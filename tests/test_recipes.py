@@ -30,7 +30,6 @@ AX_LORA = str(FIX / "axolotl_llama-3_lora-1b.yml")
 AX_QLORA = str(FIX / "axolotl_mistral_qlora.yml")
 LITGPT = str(FIX / "litgpt_llama-3.2-1B_lora.yaml")
 
-NEEDS_TECHNIQUES = pytest.mark.xfail(reason="needs the techniques branch", strict=False)
 HAS_DEEPSPEED_OPTION = "deepspeed" in {f.name for f in dataclasses.fields(Options)}
 
 
@@ -69,7 +68,7 @@ SAME_AS_FLAGS = [
     # source: torchtune full_finetune_single_device: PagedAdamW8bit stepped in backward (optimizer_in_bwd)
     pytest.param(TT_FULL, "--model llama-3.1-8b --framework torchtune --batch 2 --grad-accum 1 --checkpoint full "
                  "--optimizer paged-adamw-8bit --fused-optimizer --precision bf16 --loss chunked",
-                 id="torchtune-8B-full", marks=NEEDS_TECHNIQUES),
+                 id="torchtune-8B-full"),
     # source: alignment-handbook zephyr SFT QLoRA: TRL ModelConfig (load_in_4bit, lora_*) + SFTConfig; optim default adamw_torch_fused
     pytest.param(TRL_QLORA, "--model mistral-7b --framework hf --qlora --lora-rank 16 --lora-alpha 16 "
                  "--lora-dropout 0.05 --lora-targets q,k,v,o,gate,up,down --batch 4 --grad-accum 2 --seq 2048 "
@@ -303,7 +302,6 @@ def test_torchtune_distributed_and_offload(tmp_path, monkeypatch):
     assert any("packed" in n for n in res.notes)
 
 
-@NEEDS_TECHNIQUES
 def test_lora_on_head_and_paged_optimizer(tmp_path, monkeypatch):
     """apply_lora_to_output -> the head target; bitsandbytes PagedAdamW -> paged-adamw (techniques branch names)."""
     p = _write(tmp_path, "tt.yaml", TT_HEAD + "  apply_lora_to_output: True\noptimizer:\n"
