@@ -65,7 +65,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
         w = sim.alloc(nbytes, "weights", cat, name=pt.name)
         w.numel, w.itemsize_bits = pt.numel, (4 if quant else pdt.bits)
         p = Param(pt.name, w, pt.trainable, pdt.nbytes(pt.numel), pt.layer, pt.numel)
-        if tr.zero >= 2 and n > 1:
+        if tr.zero >= 2 and n > 1 and tr.sharding != "deepspeed":  # DeepSpeed: its buckets (engine.deepspeed)
             p.grad_keep_bytes = shard(p.grad_bytes, n)
         params[pt.name] = p
         order.append(p)

@@ -1,0 +1,204 @@
+"""DeepSpeed ZeRO-2 / ZeRO-3 on one rank: its buffers and their lifetimes (sharding ``deepspeed``).
+
+Followed from DeepSpeed 0.19's source (deepspeed/runtime/zero/stage_1_and_2.py and stage3.py,
+cited by function); every size is this rank's, in bytes:
+
+- **flat 16-bit weights** (ZeRO-2): ``bit16_groups_flat``, all trainable parameters flattened
+  into one buffer padded to ``2 * N`` elements (``nccl_start_alignment_factor = 2``,
+  ``flatten_dense_tensors_aligned``); the parameters are views into it. memcalc keeps them as
+  the weights of :func:`memcalc.engine.weights.make_params`.
+- **fp32 master partition**: ``single_partition_of_fp32_groups`` (``__init__``: the rank's
+  slice of the flat buffer, ``.clone().float()``), ``partition_size = flat / N`` elements, and
+  the optimizer state created over that one tensor (``torch.optim.AdamW``: ``exp_avg``,
+  ``exp_avg_sq``); the step's temporaries are those of the same optimizer over one tensor.
+- **reduce bucket** (``setup_buckets``): at a micro-step's first gradient hook,
+  ``reduce_bucket_size`` elements in the weights' dtype, twice with ``overlap_comm``
+  (double buffering), released at the end of backward (``_release_ipg_buffers``). With
+  ``contiguous_gradients`` each gradient is copied into it (``reduce_independent_p_g_buckets_
+  and_remove_grads``) and autograd's own gradient is freed; a gradient larger than the bucket
+  stays where it is until the next reduction.
+- **reduction**: when the next gradient would overflow the bucket, and at the end of backward
+  (``independent_gradient_partition_epilogue``), ``average_tensor`` all-reduces the bucket
+  through ``allreduce_bucket``, whose ``flatten`` copies the bucket's gradients (a transient of
+  the bucket's elements when it holds more than one gradient).
+- **gradient partition** (``copy_grads_in_partition``): at the first reduction, one buffer of
+  the *whole* size of every parameter that overlaps this rank's partition
+  (``params_in_partition``), in the weights' dtype, kept until the optimizer step.
+- **step** (``step``): the gradient norm casts each gradient slice of the partition to fp64
+  one at a time (``get_grad_norm_direct``, ``get_norm_dtype``); the partition's gradients are
+  flattened (a copy unless they are one slice) and cast to fp32 (``single_grad_partition``,
+  a new tensor unless they are fp32 already); the gradient partition is freed; the optimizer
+  steps the fp32 partition; its fp32 gradient is freed; the 16-bit partition is copied back
+  and all-gathered in place.
+
+ZeRO-3 (stage3.py) keeps the 16-bit weights partitioned (``ds_tensor``), all-gathers a
+module's parameters when it runs and releases them after, with small parameters (at most
+``stage3_param_persistence_threshold`` elements) kept whole on every rank; its reduce bucket
+(``__reduce_and_partition_ipg_grads``) holds ``reduce_bucket_size`` elements and its gradient
+partitions are one flat fp32 buffer (``grad_partitions_flat_buffer``).
+
+Not modelled: gradient accumulation's extra buffers (micro-steps repeat the first),
+``round_robin_gradients``, pipeline or tensor parallel groups, MoE expert groups, NVMe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from memcalc.core.dtypes import DType
+from memcalc.core.spec import DeepSpeedSpec, ExperimentSpec
+from memcalc.engine.sim import Param, Sim, T
+
+#: stage_1_and_2.py ``nccl_start_alignment_factor``: 4-byte alignment / sizeof(fp16)
+NCCL_START_ALIGNMENT_FACTOR = 2
+#: deepspeed/runtime/zero/utils.py ``get_norm_dtype``: gradient norms accumulate in fp64
+NORM_BYTES = 8
+
+
+def uses_deepspeed(exp: ExperimentSpec) -> bool:
+    """This step runs DeepSpeed ZeRO-2/3 over more than one rank (the mechanics below apply)."""
+    tr = exp.training
+    return tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1
+
+
+def ds_spec(exp: ExperimentSpec) -> DeepSpeedSpec:
+    """The DeepSpeed settings of ``exp``: its config, or DeepSpeed's defaults for its stage."""
+    tr = exp.training
+    return tr.deepspeed or DeepSpeedSpec(stage=3 if tr.zero >= 3 else 2)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How DeepSpeed splits the flat trainable parameters over ``n`` ranks (stage_1_and_2.py
+    ``__init__``: ``flatten_dense_tensors_aligned``, ``get_data_parallel_partitions``,
+    ``get_partition_info``), for rank ``rank``."""
+
+    flat_numel: int
+    partition_numel: int
+    #: elements of each trainable parameter inside this rank's partition (0 = none)
+    pieces: tuple[int, ...]
+    #: summed whole size of the parameters that overlap the partition (``params_in_partition``)
+    overlap_numel: int
+
+
+def partition(numels: list[int], n: int, rank: int = 0) -> Partition:
+    """See :class:`Partition`; the flat buffer is padded to a multiple of ``2 * n`` elements."""
+    total = sum(numels)
+    align = NCCL_START_ALIGNMENT_FACTOR * n
+    flat = -(-total // align) * align
+    part = flat // n
+    lo, hi = rank * part, (rank + 1) * part
+    pieces, overlap, start = [], 0, 0
+    for k in numels:
+        end = start + k
+        inside = max(0, min(end, hi) - max(start, lo))
+        pieces.append(inside)
+        if inside:
+            overlap += k
+        start = end
+    return Partition(flat, part, tuple(pieces), overlap)
+
+
+class DeepSpeedZero2:
+    """ZeRO-2's optimizer side on the simulator: the fp32 master partition and its state, the
+    reduce bucket, the gradient partition and the step (see the module docstring). Used by
+    :mod:`memcalc.engine.timeline` in place of :class:`memcalc.engine.optimizers.OptimizerSim`;
+    ``grad_ready`` is the simulator's gradient hook."""
+
+    def __init__(self, sim: Sim, exp: ExperimentSpec, params: list[Param]) -> None:
+        from memcalc.engine.optimizers import OptimizerSim
+
+        tr = exp.training
+        self.sim, self.ds = sim, ds_spec(exp)
+        self.wdt: DType = tr.weight_dtype
+        self.trainable = [p for p in params if p.trainable]
+        self.part = partition([p.numel for p in self.trainable], tr.gpus)
+        self.in_part = {p.name for p, k in zip(self.trainable, self.part.pieces) if k}
+        pn = self.part.partition_numel
+        # the fp32 master partition, and the client optimizer over that one tensor
+        self.master = sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)")
+        self.flat = Param("fp32 partition", self.master, True, DType.fp32.nbytes(pn), None, pn)
+        inner = tr.model_copy(update=dict(precision="fp32", master_weights=False, zero=0, gpus=1,
+                                          sharding="fsdp2", deepspeed=None, offload_optimizer=False))
+        self.opt = OptimizerSim(sim, inner, [self.flat], {self.flat.name: 0})
+        self.buckets: list[T] = []
+        self.elements = 0
+        self.bucket_params: list[Param] = []
+        self.grad_partition: Optional[T] = None
+
+    # -- OptimizerSim's interface ------------------------------------------------------
+    def create_all(self) -> None:
+        self.opt.create_all()
+
+    def grad_ready(self, sim: Sim, p: Param) -> None:
+        """``reduce_independent_p_g_buckets_and_remove_grads`` for one parameter's gradient."""
+        if not p.trainable or p.grad is None:
+            return
+        size = self.ds.reduce_bucket_size
+        if not self.buckets and self.ds.contiguous_gradients:  # setup_buckets
+            for _ in range(2 if self.ds.overlap else 1):
+                self.buckets.append(sim.alloc(self.wdt.nbytes(size), "gradients", "reduce bucket (DeepSpeed)"))
+        if self.elements + p.numel > size and self.bucket_params:
+            self._reduce()
+        if self.ds.contiguous_gradients and p.numel <= size:
+            sim.unref(p.grad)  # copied into the bucket; the parameter's .grad is a view of it
+            p.grad = None
+        self.elements += p.numel
+        self.bucket_params.append(p)
+
+    def _reduce(self) -> None:
+        """``reduce_ipg_grads``: the all-reduce's flattened copy, then this rank's gradients into
+        the gradient partition; the others' are dropped."""
+        sim = self.sim
+        if len(self.bucket_params) > 1:
+            sim.transient(self.wdt.nbytes(self.elements), "temporaries", "all-reduce flatten (DeepSpeed)")
+        for p in self.bucket_params:
+            mine = p.name in self.in_part
+            if self.ds.contiguous_gradients:
+                if mine and self.grad_partition is None:
+                    self.grad_partition = sim.alloc(self.wdt.nbytes(self.part.overlap_numel), "gradients",
+                                                    "gradient partition (DeepSpeed)")
+                if p.grad is not None:  # a gradient larger than the bucket
+                    sim.unref(p.grad)
+                    p.grad = None
+            elif not mine and p.grad is not None:
+                sim.unref(p.grad)
+                p.grad = None
+        self.elements = 0
+        self.bucket_params = []
+
+    def end_backward(self) -> None:
+        """``independent_gradient_partition_epilogue``: reduce what is left, free the buckets."""
+        if self.bucket_params:
+            self._reduce()
+        for b in self.buckets:
+            self.sim.unref(b)
+        self.buckets = []
+
+    def step_all(self) -> None:
+        """``step``: norm, the fp32 gradient partition, the optimizer, then the frees."""
+        sim = self.sim
+        pieces = [k for k in self.part.pieces if k]
+        if pieces:
+            sim.transient(max(pieces) * NORM_BYTES, "temporaries", "gradient norm in fp64 (DeepSpeed)")
+        pn = self.part.partition_numel
+        flat = sim.alloc(self.wdt.nbytes(pn), "temporaries", "flattened gradient partition") if len(pieces) > 1 else None
+        grad32 = None
+        if self.wdt != DType.fp32 or flat is None:
+            grad32 = sim.alloc(DType.fp32.nbytes(pn), "gradients", "fp32 gradient partition (DeepSpeed)")
+        else:
+            grad32, flat = flat, None
+        if flat is not None:
+            sim.unref(flat)
+        if self.grad_partition is not None:
+            sim.unref(self.grad_partition)
+            self.grad_partition = None
+        for p in self.trainable:  # free_grad_in_param_list
+            if p.grad is not None:
+                sim.unref(p.grad)
+                p.grad = None
+        self.flat.grad = grad32
+        self.opt.step_all()
+        sim.unref(grad32)
+        self.flat.grad = None
