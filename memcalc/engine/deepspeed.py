@@ -116,11 +116,16 @@ class DeepSpeedZero2:
         self.part = partition([p.numel for p in self.trainable], tr.gpus)
         self.in_part = {p.name for p, k in zip(self.trainable, self.part.pieces) if k}
         pn = self.part.partition_numel
+        #: offload_optimizer: the fp32 partition, its gradient, state and step live on the host
+        #: (stage_1_and_2.py ``cpu_offload``: gradients are copied out of the bucket to a pinned
+        #: host buffer, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``)
+        self.offload = tr.offload_optimizer
         # the fp32 master partition, and the client optimizer over that one tensor
-        self.master = sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)")
+        self.master = (T(0, "optimizer_state", "fp32 master partition (DeepSpeed, host)") if self.offload else
+                       sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)"))
         self.flat = Param("fp32 partition", self.master, True, DType.fp32.nbytes(pn), None, pn)
         inner = tr.model_copy(update=dict(precision="fp32", master_weights=False, zero=0, gpus=1,
-                                          sharding="fsdp2", deepspeed=None, offload_optimizer=False))
+                                          sharding="fsdp2", deepspeed=None))
         self.opt = OptimizerSim(sim, inner, [self.flat], {self.flat.name: 0})
         self.buckets: list[T] = []
         self.elements = 0
@@ -156,7 +161,7 @@ class DeepSpeedZero2:
         for p in self.bucket_params:
             mine = p.name in self.in_part
             if self.ds.contiguous_gradients:
-                if mine and self.grad_partition is None:
+                if mine and self.grad_partition is None and not self.offload:
                     self.grad_partition = sim.alloc(self.wdt.nbytes(self.part.overlap_numel), "gradients",
                                                     "gradient partition (DeepSpeed)")
                 if p.grad is not None:  # a gradient larger than the bucket
@@ -179,6 +184,12 @@ class DeepSpeedZero2:
     def step_all(self) -> None:
         """``step``: norm, the fp32 gradient partition, the optimizer, then the frees."""
         sim = self.sim
+        if self.offload:  # the step runs on the host; the 16-bit partition is copied back in place
+            for p in self.trainable:
+                if p.grad is not None:
+                    sim.unref(p.grad)
+                    p.grad = None
+            return
         pieces = [k for k in self.part.pieces if k]
         if pieces:
             sim.transient(max(pieces) * NORM_BYTES, "temporaries", "gradient norm in fp64 (DeepSpeed)")
