@@ -20,7 +20,7 @@ cited by function); every size is this rank's, in bytes:
 - **reduction**: when the next gradient would overflow the bucket, and at the end of backward
   (``independent_gradient_partition_epilogue``), ``average_tensor`` all-reduces the bucket
   through ``allreduce_bucket``, whose ``flatten`` copies the bucket's gradients (a transient of
-  the bucket's elements when it holds more than one gradient).
+  the bucket's elements when, split at the ranks' partition boundaries, it is more than one piece).
 - **gradient partition** (``copy_grads_in_partition``): at the first reduction, one buffer of
   the *whole* size of every parameter that overlaps this rank's partition
   (``params_in_partition``), in the weights' dtype, kept until the optimizer step.
@@ -80,6 +80,13 @@ class Partition:
     pieces: tuple[int, ...]
     #: summed whole size of the parameters that overlap the partition (``params_in_partition``)
     overlap_numel: int
+    #: each parameter's first element in the flat buffer
+    starts: tuple[int, ...] = ()
+
+    def ranks_spanned(self, i: int, numel: int) -> int:
+        """How many ranks' partitions parameter ``i`` (``numel`` elements) crosses."""
+        s = self.starts[i]
+        return (s + max(numel, 1) - 1) // self.partition_numel - s // self.partition_numel + 1
 
 
 def partition(numels: list[int], n: int, rank: int = 0) -> Partition:
@@ -89,15 +96,16 @@ def partition(numels: list[int], n: int, rank: int = 0) -> Partition:
     flat = -(-total // align) * align
     part = flat // n
     lo, hi = rank * part, (rank + 1) * part
-    pieces, overlap, start = [], 0, 0
+    pieces, overlap, start, starts = [], 0, 0, []
     for k in numels:
+        starts.append(start)
         end = start + k
         inside = max(0, min(end, hi) - max(start, lo))
         pieces.append(inside)
         if inside:
             overlap += k
         start = end
-    return Partition(flat, part, tuple(pieces), overlap)
+    return Partition(flat, part, tuple(pieces), overlap, tuple(starts))
 
 
 class DeepSpeedZero2:
@@ -115,6 +123,7 @@ class DeepSpeedZero2:
         self.trainable = [p for p in params if p.trainable]
         self.part = partition([p.numel for p in self.trainable], tr.gpus)
         self.in_part = {p.name for p, k in zip(self.trainable, self.part.pieces) if k}
+        self.index = {p.name: i for i, p in enumerate(self.trainable)}
         pn = self.part.partition_numel
         #: offload_optimizer: the fp32 partition, its gradient, state and step live on the host
         #: (stage_1_and_2.py ``cpu_offload``: gradients are copied out of the bucket to a pinned
@@ -156,7 +165,10 @@ class DeepSpeedZero2:
         """``reduce_ipg_grads``: the all-reduce's flattened copy, then this rank's gradients into
         the gradient partition; the others' are dropped."""
         sim = self.sim
-        if len(self.bucket_params) > 1:
+        # average_tensor splits the bucket at the ranks' partition boundaries; allreduce_bucket's
+        # flatten copies the pieces unless there is only one
+        pieces = sum(self.part.ranks_spanned(self.index[p.name], p.numel) for p in self.bucket_params)
+        if pieces > 1:
             sim.transient(self.wdt.nbytes(self.elements), "temporaries", "all-reduce flatten (DeepSpeed)")
         for p in self.bucket_params:
             mine = p.name in self.in_part
