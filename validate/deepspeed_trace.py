@@ -43,6 +43,8 @@ def deepspeed_unsupported(exp: ExperimentSpec) -> Optional[str]:
         return f"the DeepSpeed tracer runs ZeRO-2/3 with sharding deepspeed (got sharding {tr.sharding}, zero {tr.zero})"
     if tr.precision.startswith("amp-"):
         return "DeepSpeed runs fp32 or bf16/fp16 weights (bf16.enabled / fp16.enabled), not autocast (amp-*)"
+    if tr.precision == "fp16":
+        return "DeepSpeed's CPU accelerator, which the trace runs on, refuses fp16 (is_fp16_supported); bf16 and fp32 run"
     if tr.optimizer not in ("adamw", "adam"):
         return f"the DeepSpeed tracer runs AdamW / Adam (DeepSpeed's own optimizers), not {tr.optimizer}"
     if tr.lora is not None:
