@@ -62,6 +62,11 @@ def uses_deepspeed(exp: ExperimentSpec) -> bool:
     return tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1
 
 
+def deepspeed_optimizer(sim: Sim, exp: ExperimentSpec, params: list[Param]) -> "DeepSpeedZero2":
+    """The optimizer side of ``exp``'s DeepSpeed stage, on ``sim``."""
+    return (DeepSpeedZero3 if exp.training.zero >= 3 else DeepSpeedZero2)(sim, exp, params)
+
+
 def ds_spec(exp: ExperimentSpec) -> DeepSpeedSpec:
     """The DeepSpeed settings of ``exp``: its config, or DeepSpeed's defaults for its stage."""
     tr = exp.training
@@ -221,6 +226,187 @@ class DeepSpeedZero2:
             if p.grad is not None:
                 sim.unref(p.grad)
                 p.grad = None
+        self.flat.grad = grad32
+        self.opt.step_all()
+        sim.unref(grad32)
+        self.flat.grad = None
+
+
+class _Gathers:
+    """ZeRO-3's gathered 16-bit weights at layer granularity (partitioned_param_coordinator.py):
+    a layer's parameters are all-gathered (whole, ``numel`` elements of the weights' dtype, one
+    tensor each: partition_parameters.py ``AllGatherCoalescedHandle.wait``) when it runs, with the
+    next layers prefetched up to ``stage3_prefetch_bucket_size`` elements (``fetch_sub_module``,
+    bounded by ``stage3_max_live_parameters``); after its forward a layer is released unless the
+    parameters met before its backward reuse it are fewer than ``stage3_max_reuse_distance``
+    elements (``__params_to_release``); after its backward it is released. Embedding and head
+    are the root module's: fetched when the step starts, released when its backward ends;
+    parameters of at most ``stage3_param_persistence_threshold`` elements are never released
+    (``ds_persist``, allocated whole by :class:`DeepSpeedZero3`)."""
+
+    def __init__(self, sim: Sim, ds: DeepSpeedSpec, wdt: DType, layer_numel: list[int], embed_numel: int,
+                 head_numel: int) -> None:
+        self.sim, self.ds, self.wdt = sim, ds, wdt
+        self.layer_numel, self.embed_numel, self.head_numel = layer_numel, embed_numel, head_numel
+        self.live: dict[object, T] = {}  # "embed" / "head" / layer index -> gathered block
+        self.in_backward = False
+        n = len(layer_numel)
+        after = [sum(layer_numel[i + 1:]) for i in range(n)]
+        #: elements met between a layer's forward and its backward: the later layers and the head, twice
+        self.reuse_gap = [2 * after[i] for i in range(n)]
+
+    def _numel(self, key) -> int:
+        return {"embed": self.embed_numel, "head": self.head_numel}.get(key, 0) if isinstance(key, str) \
+            else self.layer_numel[key]
+
+    def _get(self, key) -> None:
+        if key not in self.live and self._numel(key):
+            self.live[key] = self.sim.alloc(self.wdt.nbytes(self._numel(key)), "weights",
+                                            "all-gathered weights (DeepSpeed ZeRO-3)")
+
+    def _drop(self, key) -> None:
+        t = self.live.pop(key, None)
+        if t is not None:
+            self.sim.unref(t)
+
+    def _prefetch(self, order: list) -> None:
+        """Gather ahead along ``order`` up to the prefetch bucket (and the live-parameter limit)."""
+        budget = min(self.ds.prefetch_bucket_size,
+                     self.ds.max_live_parameters - sum(self._numel(k) for k in self.live))
+        done = 0
+        for key in order:
+            if done >= budget:
+                break
+            if key not in self.live:
+                self._get(key)
+            done += self._numel(key)
+
+    def forward_enter(self, i: int) -> None:
+        if i == 0:  # the root's parameters: fetched with the root module, released when its backward ends
+            self._get("embed")
+            self._get("head")
+        self._get(i)
+        for j in range(i):
+            if self.reuse_gap[j] >= self.ds.max_reuse_distance:
+                self._drop(j)
+        self._prefetch(list(range(i + 1, len(self.layer_numel))) + ["head"])
+
+    def backward_enter(self, i: int) -> None:
+        self.in_backward = True
+        for j in [k for k in self.live if isinstance(k, int) and k > i]:
+            self._drop(j)
+        self._get(i)
+        self._prefetch(list(range(i - 1, -1, -1)) + ["embed"])
+
+    def release(self) -> None:
+        """After the layers' forward (the head runs next), or at the end of backward (all go)."""
+        if self.in_backward:
+            for k in list(self.live):
+                self._drop(k)
+            self.in_backward = False
+            return
+        n = len(self.layer_numel)
+        if n and self.reuse_gap[n - 1] >= self.ds.max_reuse_distance:
+            self._drop(n - 1)
+
+    def release_layers(self) -> None:
+        """Every layer's post-backward hook has run: only the root's parameters stay."""
+        for k in [k for k in self.live if isinstance(k, int)]:
+            self._drop(k)
+
+
+class DeepSpeedZero3(DeepSpeedZero2):
+    """ZeRO-3 on the simulator (stage3.py): per-parameter partitions (``ceil(numel / N)``
+    elements each, ``partition_numel``), the fp32 master partition and its state, the reduce
+    bucket allocated once at start (``__init__``: one ``reduce_bucket_size`` buffer with
+    ``contiguous_gradients``), the flat gradient partition buffer (``grad_partitions_flat_buffer``,
+    the weights' dtype), persistent small parameters whole, the gathers (:class:`_Gathers`);
+    in backward each gradient is copied into the bucket and freed, a full bucket is
+    reduce-scattered (``reduce_scatter_coalesced`` flattens a copy of it); the step casts each
+    gradient partition to fp64 for the norm (``get_grad_norm_direct``), flattens the partitions
+    and casts them to fp32 (``_prepare_fp32_grad_for_sub_group``), steps, frees."""
+
+    def __init__(self, sim: Sim, exp: ExperimentSpec, params: list[Param]) -> None:
+        from memcalc.engine.optimizers import OptimizerSim
+
+        tr = exp.training
+        self.sim, self.ds = sim, ds_spec(exp)
+        self.wdt = tr.weight_dtype
+        n = tr.gpus
+        self.trainable = [p for p in params if p.trainable]
+        self.pns = [-(-p.numel // n) for p in self.trainable]
+        pn = sum(self.pns)
+        self.offload = tr.offload_optimizer
+        persist = [p for p in params if p.numel <= self.ds.param_persistence_threshold]
+        self.persistent = [sim.alloc(self.wdt.nbytes(p.numel), "weights", "persistent small parameters (DeepSpeed)")
+                           for p in persist]
+        self.master = (T(0, "optimizer_state", "fp32 master partition (DeepSpeed, host)") if self.offload else
+                       sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)"))
+        self.flat = Param("fp32 partition", self.master, True, DType.fp32.nbytes(pn), None, pn)
+        inner = tr.model_copy(update=dict(precision="fp32", master_weights=False, zero=0, gpus=1,
+                                          sharding="fsdp2", deepspeed=None))
+        self.opt = OptimizerSim(sim, inner, [self.flat], {self.flat.name: 0})
+        self.buckets = ([sim.alloc(self.wdt.nbytes(self.ds.reduce_bucket_size), "gradients", "reduce bucket (DeepSpeed)")]
+                        if self.ds.contiguous_gradients else [])
+        self.grad_partition = (None if self.offload else
+                               sim.alloc(self.wdt.nbytes(pn), "gradients", "gradient partition (DeepSpeed)"))
+        self.elements = 0
+        self.bucket_params: list[Param] = []
+        keep = {id(p) for p in persist}
+        layers = max([p.layer for p in params if p.layer is not None], default=-1) + 1
+        layer_numel = [0] * layers
+        root = {"embed": 0, "head": 0}
+        for p in params:
+            if id(p) in keep:
+                continue
+            if p.layer is not None:
+                layer_numel[p.layer] += p.numel
+            else:
+                root["embed" if "embed" in p.name else "head"] += p.numel
+        self.gather = _Gathers(sim, self.ds, self.wdt, layer_numel, root["embed"], root["head"])
+
+    def grad_ready(self, sim: Sim, p: Param) -> None:
+        """``reduce_independent_p_g_buckets_and_remove_grads`` (stage3.py)."""
+        if not p.trainable or p.grad is None:
+            return
+        size = self.ds.reduce_bucket_size
+        if self.elements + p.numel > size and self.bucket_params:
+            self._reduce()
+        if self.ds.contiguous_gradients and self.elements + p.numel <= size:
+            sim.unref(p.grad)  # __add_grad_to_ipg_bucket: copied in, .grad is a view of the bucket
+            p.grad = None
+        self.elements += p.numel
+        self.bucket_params.append(p)
+
+    def _reduce(self) -> None:
+        """``__reduce_and_partition_ipg_grads``: ``reduce_scatter_coalesced`` flattens a copy of the
+        bucket; the partitions land in the flat gradient buffer (no new block)."""
+        self.sim.transient(self.wdt.nbytes(self.elements), "temporaries", "reduce-scatter flatten (DeepSpeed)")
+        for p in self.bucket_params:
+            if p.grad is not None:
+                self.sim.unref(p.grad)
+                p.grad = None
+        self.elements = 0
+        self.bucket_params = []
+
+    def end_backward(self) -> None:
+        """The layers are released in their post-backward hooks, then the epilogue reduces the rest."""
+        self.gather.release_layers()
+        if self.bucket_params:
+            self._reduce()
+
+    def step_all(self) -> None:
+        sim = self.sim
+        if self.offload:
+            return
+        if self.pns:
+            sim.transient(max(self.pns) * NORM_BYTES, "temporaries", "gradient norm in fp64 (DeepSpeed)")
+        pn = sum(self.pns)
+        flat = sim.alloc(self.wdt.nbytes(pn), "temporaries", "flattened gradient partition")
+        grad32 = flat
+        if self.wdt != DType.fp32:
+            grad32 = sim.alloc(DType.fp32.nbytes(pn), "gradients", "fp32 gradient partition (DeepSpeed)")
+            sim.unref(flat)
         self.flat.grad = grad32
         self.opt.step_all()
         sim.unref(grad32)

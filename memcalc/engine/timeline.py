@@ -20,7 +20,7 @@ from typing import Callable, Optional
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
-from memcalc.engine.deepspeed import DeepSpeedZero2, uses_deepspeed
+from memcalc.engine.deepspeed import DeepSpeedZero2, DeepSpeedZero3, deepspeed_optimizer, uses_deepspeed
 from memcalc.engine.forward import Forward
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
@@ -77,7 +77,7 @@ def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tupl
     :class:`memcalc.engine.optimizers.OptimizerSim`)."""
     model = make_params(sim, exp)
     rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, exp.training.lora)}
-    opt = (DeepSpeedZero2(sim, exp, model.order) if uses_deepspeed(exp)  # its own optimizer side (engine.deepspeed)
+    opt = (deepspeed_optimizer(sim, exp, model.order) if uses_deepspeed(exp)  # its own optimizer side (engine.deepspeed)
            else OptimizerSim(sim, exp.training, model.order, rows_of))
     if create_state:
         opt.create_all()
@@ -137,7 +137,10 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     if isinstance(opt, DeepSpeedZero2):
         sim.grad_ready = opt.grad_ready
     gather = None
-    if model.layer_gather_bytes:
+    if isinstance(opt, DeepSpeedZero3):  # DeepSpeed's own gathers (engine.deepspeed)
+        gather = opt.gather
+        sim.on_layer = lambda s, i: gather.backward_enter(i)
+    elif model.layer_gather_bytes:
         gather = LayerGather(sim, model.layer_gather_bytes, exp.model.n_layers)
         sim.on_layer = lambda s, i: gather.backward_enter(i)
     for layers in strategies:
