@@ -38,6 +38,17 @@ GRID = [
     ("gpt2", 2, 2, 4, dict(seq=256, **MIXED), dict(contiguous_gradients=False)),
     # source: batch 4, 16 ranks, a 1e7 bucket
     ("gpt2", 2, 2, 16, dict(batch=4, seq=256, **MIXED), dict(reduce_bucket_size=10_000_000)),
+    # -- ZeRO-3
+    # source: DeepSpeed defaults: the whole model is within stage3_max_reuse_distance (1e9), so every layer stays
+    # gathered from its forward to its backward; the 5e8 bucket exists from the start
+    ("tinyllama-1.1b", 2, 3, 4, dict(seq=256, **MIXED), {}),
+    # source: fp32, a 5e7 bucket the head's gradient does not fit (it is reduce-scattered on its own, uncopied)
+    ("tinyllama-1.1b", 2, 3, 4, dict(seq=256, precision="fp32"), dict(reduce_bucket_size=50_000_000)),
+    # source: stage3_max_reuse_distance 0 releases each layer after its forward; full checkpointing, 2 ranks
+    ("tinyllama-1.1b", 3, 3, 2, dict(seq=512, checkpoint="full", **MIXED), dict(max_reuse_distance=0)),
+    # source: 16 ranks, batch 4, a persistence threshold of 1e6 keeps GPT-2's attention and norm parameters whole
+    ("gpt2", 2, 3, 16, dict(batch=4, seq=256, **MIXED), dict(reduce_bucket_size=10_000_000,
+                                                           param_persistence_threshold=1_000_000)),
 ]
 
 

@@ -36,6 +36,9 @@ SHARED = {"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128, n_shared_
 #: DeepSpeed ZeRO-2 over 4 GPUs (memcalc.engine.deepspeed)
 DS2 = {"training": {"zero": 2, "gpus": 4, "sharding": "deepspeed", "precision": "bf16", "master_weights": True,
                     "deepspeed": {"stage": 2, "reduce_bucket_size": 10**6}}}
+#: DeepSpeed ZeRO-3 over 4 GPUs, no parameter small enough to stay whole
+DS3 = {"training": {"zero": 3, "gpus": 4, "sharding": "deepspeed", "precision": "bf16", "master_weights": True,
+                    "deepspeed": {"stage": 3, "reduce_bucket_size": 10**6, "param_persistence_threshold": 0}}}
 MLA = {"model": {"mla": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)}}
 
 #: "Spec.field" -> (setup where the field matters, the perturbed value). The base value is the
@@ -130,6 +133,10 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "DeepSpeedSpec.reduce_bucket_size": (DS2, 2 * 10**6),  # the bucket's bytes (stage_1_and_2.py setup_buckets)
     "DeepSpeedSpec.overlap_comm": (DS2, True),  # a second bucket
     "DeepSpeedSpec.contiguous_gradients": (DS2, False),  # no bucket: gradients stay until reduced
+    "DeepSpeedSpec.prefetch_bucket_size": (DS3, 0),  # no layer gathered ahead
+    "DeepSpeedSpec.max_live_parameters": (DS3, 0),  # no room to prefetch
+    "DeepSpeedSpec.max_reuse_distance": (DS3, 0),  # layers released after their forward
+    "DeepSpeedSpec.param_persistence_threshold": (DS3, 10**5),  # every parameter of the tiny model stays whole
     "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
     "TrainingSpec.offload_optimizer": ({}, True),
     # -- KernelProfile

@@ -69,11 +69,8 @@ PENDING: dict[str, str] = {
     "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
     "TrainingSpec.activation_offload": "issue 14: activation offloading (torchtune OffloadActivations) is being modelled",
     "LoraSpec.dora": "issue 14: DoRA's magnitude vectors and weight-norm activations are being modelled",
-    "DeepSpeedSpec.prefetch_bucket_size": "issue 13: DeepSpeed ZeRO-3's gathers are traced, their model is to come",
-    "DeepSpeedSpec.max_live_parameters": "issue 13: DeepSpeed ZeRO-3's gathers are traced, their model is to come",
-    "DeepSpeedSpec.max_reuse_distance": "issue 13: DeepSpeed ZeRO-3's gathers are traced, their model is to come",
-    "DeepSpeedSpec.param_persistence_threshold": "issue 13: DeepSpeed ZeRO-3's gathers are traced, their model is to come",
-    "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload is to come",
+    "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload (16-bit partitions on the host) "
+                                   "is to come",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

@@ -332,7 +332,7 @@ class DeepSpeedZero3(DeepSpeedZero2):
         tr = exp.training
         self.sim, self.ds = sim, ds_spec(exp)
         self.wdt = tr.weight_dtype
-        n = tr.gpus
+        n = self.n = tr.gpus
         self.trainable = [p for p in params if p.trainable]
         self.pns = [-(-p.numel // n) for p in self.trainable]
         pn = sum(self.pns)
@@ -379,9 +379,14 @@ class DeepSpeedZero3(DeepSpeedZero2):
         self.bucket_params.append(p)
 
     def _reduce(self) -> None:
-        """``__reduce_and_partition_ipg_grads``: ``reduce_scatter_coalesced`` flattens a copy of the
-        bucket; the partitions land in the flat gradient buffer (no new block)."""
-        self.sim.transient(self.wdt.nbytes(self.elements), "temporaries", "reduce-scatter flatten (DeepSpeed)")
+        """``__reduce_and_partition_ipg_grads``: ``reduce_scatter_coalesced`` (comm/coalesced_collectives.py)
+        interleaves the gradients' rank chunks, each padded to ``ceil(numel / N)``, into one new
+        buffer, unless the bucket is one gradient that divides evenly; the partitions land in the
+        flat gradient buffer (no new block)."""
+        ps = self.bucket_params
+        if not (len(ps) == 1 and ps[0].numel % self.n == 0):
+            padded = sum(-(-p.numel // self.n) * self.n for p in ps)
+            self.sim.transient(self.wdt.nbytes(padded), "temporaries", "reduce-scatter flatten (DeepSpeed)")
         for p in self.bucket_params:
             if p.grad is not None:
                 self.sim.unref(p.grad)
