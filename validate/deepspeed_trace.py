@@ -53,9 +53,9 @@ def deepspeed_unsupported(exp: ExperimentSpec) -> Optional[str]:
         return "the DeepSpeed tracer runs an eager step with the optimizer after backward"
     if tr.offload_optimizer or (tr.deepspeed is not None and tr.deepspeed.offload_param):
         return "offload keeps state in host memory, which the CPU trace cannot tell from device memory"
-    try:
-        import deepspeed  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:  # not imported here: it is slow and logs on import
         return "deepspeed is not installed (pip install 'memcalc[deepspeed]')"
     return None
 

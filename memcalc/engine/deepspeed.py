@@ -31,13 +31,17 @@ cited by function); every size is this rank's, in bytes:
   steps the fp32 partition; its fp32 gradient is freed; the 16-bit partition is copied back
   and all-gathered in place.
 
-ZeRO-3 (stage3.py) keeps the 16-bit weights partitioned (``ds_tensor``), all-gathers a
-module's parameters when it runs and releases them after, with small parameters (at most
-``stage3_param_persistence_threshold`` elements) kept whole on every rank; its reduce bucket
-(``__reduce_and_partition_ipg_grads``) holds ``reduce_bucket_size`` elements and its gradient
-partitions are one flat fp32 buffer (``grad_partitions_flat_buffer``).
+ZeRO-3 (stage3.py, :class:`DeepSpeedZero3`) keeps each 16-bit weight partitioned
+(``ceil(numel / N)`` elements, ``ds_tensor``), all-gathers a layer's parameters when it runs
+(prefetching ahead, keeping those reused within ``stage3_max_reuse_distance`` elements) and
+releases them after, with small parameters (at most ``stage3_param_persistence_threshold``
+elements) kept whole on every rank; its reduce bucket exists from the start and its gradient
+partitions are one flat buffer (``grad_partitions_flat_buffer``).
 
-Not modelled: gradient accumulation's extra buffers (micro-steps repeat the first),
+Not modelled: gradient accumulation's extra buffers (micro-steps repeat the first); ZeRO-3's
+gathers are followed per layer, not per module (DeepSpeed releases and prefetches module by
+module: with a small ``stage3_max_reuse_distance`` and prefetch bucket the estimate can be
+several percent low), and the coalesced all-gather's transient flat buffer; ``offload_param``;
 ``round_robin_gradients``, pipeline or tensor parallel groups, MoE expert groups, NVMe.
 """
 
