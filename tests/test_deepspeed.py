@@ -38,6 +38,9 @@ GRID = [
     ("gpt2", 2, 2, 4, dict(seq=256, **MIXED), dict(contiguous_gradients=False)),
     # source: batch 4, 16 ranks, a 1e7 bucket
     ("gpt2", 2, 2, 16, dict(batch=4, seq=256, **MIXED), dict(reduce_bucket_size=10_000_000)),
+    # source: gradient accumulation 4 (two micro-steps traced, the second the boundary): the gradient partition
+    # stays across micro-steps, the bucket is made again in each
+    ("gpt2", 2, 2, 4, dict(seq=256, grad_accum=4, **MIXED), dict(reduce_bucket_size=10_000_000)),
     # -- ZeRO-3
     # source: DeepSpeed defaults: the whole model is within stage3_max_reuse_distance (1e9), so every layer stays
     # gathered from its forward to its backward; the 5e8 bucket exists from the start

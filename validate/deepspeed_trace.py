@@ -71,7 +71,8 @@ def ds_config(exp: ExperimentSpec) -> dict:
           "contiguous_gradients": ds.contiguous_gradients, "stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
           "stage3_max_live_parameters": ds.max_live_parameters, "stage3_max_reuse_distance": ds.max_reuse_distance,
           "stage3_param_persistence_threshold": ds.param_persistence_threshold}
-    return {"train_micro_batch_size_per_gpu": tr.batch, "gradient_accumulation_steps": tr.grad_accum,
+    # micro-steps after the second repeat it (as memcalc's timeline assumes): two run, the second is the boundary
+    return {"train_micro_batch_size_per_gpu": tr.batch, "gradient_accumulation_steps": min(tr.grad_accum, 2),
             "zero_optimization": zo, "bf16": {"enabled": tr.precision == "bf16"},
             "fp16": {"enabled": tr.precision == "fp16"}, "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9, "wall_clock_breakdown": False}
@@ -228,11 +229,8 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
                 probe.set_phase("backward")
                 engine.backward(loss)
                 del loss
-                if tr.grad_accum > 1:
-                    engine.step()  # an accumulation boundary only at the last micro-step
-            probe.set_phase("optimizer step")
-            if tr.grad_accum == 1:
-                engine.step()
+                probe.set_phase("optimizer step")
+                engine.step()  # steps only at the accumulation boundary (the last micro-step)
 
         say("first step (creates optimizer state)")
         probe.reset()

@@ -38,7 +38,10 @@ releases them after, with small parameters (at most ``stage3_param_persistence_t
 elements) kept whole on every rank; its reduce bucket exists from the start and its gradient
 partitions are one flat buffer (``grad_partitions_flat_buffer``).
 
-Not modelled: gradient accumulation's extra buffers (micro-steps repeat the first); ZeRO-3's
+Gradient accumulation runs as the timeline runs it (micro-steps after the second repeat it;
+the gradient partitions persist across micro-steps, the ZeRO-2 bucket is made again in each).
+
+Not modelled: ZeRO-3's
 gathers are followed per layer, not per module (DeepSpeed releases and prefetches module by
 module: with a small ``stage3_max_reuse_distance`` and prefetch bucket the estimate can be
 several percent low), and the coalesced all-gather's transient flat buffer; ``offload_param``;
