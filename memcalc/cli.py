@@ -145,6 +145,7 @@ ZERO = typer.Option(None, "--zero", help="ZeRO stage 0-3 (1: optimizer state, 2:
 GPUS = typer.Option(None, "--gpus", help="Data-parallel GPUs that ZeRO shards over (default 1).")
 OFFLOAD = typer.Option(False, "--offload-optimizer", help="Keep optimizer state and its step on the CPU.")
 SHARDING = typer.Option(None, "--sharding", help="How --zero runs over --gpus: fsdp2 (default; fully_shard per layer and root, --zero 3 reshards after forward, --zero 2 does not), fsdp1, or deepspeed.")
+DEEPSPEED = typer.Option(None, "--deepspeed", help="A DeepSpeed config (ds_config.json): sharding deepspeed with its ZeRO stage (2 or 3), buckets, prefetch limits, bf16/fp16, micro-batch and accumulation; \"auto\" values as Hugging Face fills them.")
 TP = typer.Option(None, "--tp", help="Tensor-parallel degree (Megatron-style column/row parallel linears); GPUs in all = --gpus x --tp.")
 SEQ_PARALLEL = typer.Option(False, "--sequence-parallel", help="With --tp: norms and dropout on sequence shards.")
 ACT_OFFLOAD = typer.Option(False, "--activation-offload", help="Saved activations go to host memory in forward and come back for backward (torchtune's OffloadActivations); the host memory is reported.")
@@ -199,7 +200,7 @@ def estimate(
     profile: Optional[str] = PROFILE, framework: Optional[FrameworkOpt] = FRAMEWORK, torch: Optional[str] = TORCH,
     zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, offload_optimizer: bool = OFFLOAD,
     sharding: Optional[str] = SHARDING, tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
-    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
+    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA, deepspeed: Optional[str] = DEEPSPEED,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
     gpu: Optional[List[str]] = typer.Option(None, "--gpu", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a capacity: 48GiB (2**30 bytes each), 24GB (10**9)."),
@@ -244,6 +245,7 @@ def estimate(
         zero=zero, gpus=gpus, offload_optimizer=offload_optimizer, loss=loss, loss_chunks=loss_chunks,
         sharding=sharding, tp=tp, sequence_parallel=sequence_parallel, activation_offload=activation_offload, dora=dora,
         recipe=recipe or None, adapter_config=adapter_config,
+        deepspeed=deepspeed,
     ))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None
@@ -496,6 +498,8 @@ def validate(
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
+    zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, sharding: Optional[str] = SHARDING,
+    deepspeed: Optional[str] = DEEPSPEED,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
@@ -524,6 +528,8 @@ def validate(
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
 
       memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
+
+      memcalc validate --model tinyllama-1.1b --deepspeed ds_config.json --gpus 8 --seq 512 --scale-layers 2
     """
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
@@ -562,6 +568,7 @@ def validate(
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
         recipe=recipe or None, adapter_config=adapter_config,
+        zero=zero, gpus=gpus, sharding=sharding, deepspeed=deepspeed,
     )
     items: list = []
     if names:

@@ -15,10 +15,11 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.core.contract import CONDITIONAL, INERT, NESTED, PENDING
-from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, MLASpec, ModelSpec, MoESpec, TrainingSpec
+from memcalc.core.spec import (DeepSpeedSpec, ExperimentSpec, KernelProfile, LoraSpec, MLASpec, ModelSpec, MoESpec,
+                               TrainingSpec)
 from memcalc.estimate.peak import estimate
 
-SPECS = (ModelSpec, MoESpec, MLASpec, LoraSpec, TrainingSpec, KernelProfile, ExperimentSpec)
+SPECS = (ModelSpec, MoESpec, MLASpec, LoraSpec, TrainingSpec, KernelProfile, ExperimentSpec, DeepSpeedSpec)
 
 #: A small decoder: 4 layers (so every-k and sqrt differ), shapes big enough that a changed
 #: tensor is not hidden by the allocator's 512-byte rounding.
@@ -32,6 +33,12 @@ LORA = {"lora": {}}
 QLORA = {"lora": {"qlora": True}, "training": {"precision": "bf16"}}
 MOE = {"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128)}}
 SHARED = {"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128, n_shared_experts=1)}}
+#: DeepSpeed ZeRO-2 over 4 GPUs (memcalc.engine.deepspeed)
+DS2 = {"training": {"zero": 2, "gpus": 4, "sharding": "deepspeed", "precision": "bf16", "master_weights": True,
+                    "deepspeed": {"stage": 2, "reduce_bucket_size": 10**6}}}
+#: DeepSpeed ZeRO-3 over 4 GPUs, no parameter small enough to stay whole
+DS3 = {"training": {"zero": 3, "gpus": 4, "sharding": "deepspeed", "precision": "bf16", "master_weights": True,
+                    "deepspeed": {"stage": 3, "reduce_bucket_size": 10**6, "param_persistence_threshold": 0}}}
 MLA = {"model": {"mla": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)}}
 
 #: "Spec.field" -> (setup where the field matters, the perturbed value). The base value is the
@@ -124,6 +131,13 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.memory_budget": ({"training": {"compile": True}}, 0.0),
     "TrainingSpec.lora": ({}, LoraSpec()),
     "TrainingSpec.zero": ({"training": {"gpus": 4}}, 3),
+    "DeepSpeedSpec.reduce_bucket_size": (DS2, 2 * 10**6),  # the bucket's bytes (stage_1_and_2.py setup_buckets)
+    "DeepSpeedSpec.overlap_comm": (DS2, True),  # a second bucket
+    "DeepSpeedSpec.contiguous_gradients": (DS2, False),  # no bucket: gradients stay until reduced
+    "DeepSpeedSpec.prefetch_bucket_size": (DS3, 0),  # no layer gathered ahead
+    "DeepSpeedSpec.max_live_parameters": (DS3, 0),  # no room to prefetch
+    "DeepSpeedSpec.max_reuse_distance": (DS3, 0),  # layers released after their forward
+    "DeepSpeedSpec.param_persistence_threshold": (DS3, 10**5),  # every parameter of the tiny model stays whole
     "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
     "TrainingSpec.offload_optimizer": ({}, True),
     # LoRA: the frozen base's saved weight views go to the host and come back in backward
@@ -164,6 +178,9 @@ def perturbed(exp: ExperimentSpec, key: str, value: Any) -> ExperimentSpec:
         part = "moe" if cls == "MoESpec" else "mla"
         sub = type(getattr(exp.model, part))(**{**getattr(exp.model, part).model_dump(), name: value})
         return exp.model_copy(update={"model": ModelSpec(**{**exp.model.model_dump(), part: sub})})
+    if cls == "DeepSpeedSpec":
+        ds = DeepSpeedSpec(**{**exp.training.deepspeed.model_dump(), name: value})
+        return exp.model_copy(update={"training": TrainingSpec(**{**exp.training.model_dump(), "deepspeed": ds})})
     if cls == "LoraSpec":
         lora = LoraSpec(**{**exp.training.lora.model_dump(), name: value})
         return exp.model_copy(update={"training": TrainingSpec(**{**exp.training.model_dump(), "lora": lora})})
@@ -236,7 +253,8 @@ def test_field_changes_the_estimate_or_is_inert(key: str) -> None:
     cls, name = key.split(".")
     current = getattr(base.training.lora if cls == "LoraSpec" else
                       {"ModelSpec": base.model, "TrainingSpec": base.training, "KernelProfile": base.profile,
-                       "MoESpec": base.model.moe, "MLASpec": base.model.mla}[cls], name)
+                       "MoESpec": base.model.moe, "MLASpec": base.model.mla,
+                       "DeepSpeedSpec": base.training.deepspeed}[cls], name)
     assert current != value, f"{key}: the perturbed value equals the setup's"
     assert numbers(perturbed(base, key, value)) != numbers(base), (
         f"{key} = {value!r} changed no estimated number (setup {setup}): list it in INERT with the reason, "

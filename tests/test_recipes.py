@@ -8,7 +8,6 @@ the estimate is a pure function of it, and comparing specs keeps this file well 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -30,7 +29,6 @@ AX_LORA = str(FIX / "axolotl_llama-3_lora-1b.yml")
 AX_QLORA = str(FIX / "axolotl_mistral_qlora.yml")
 LITGPT = str(FIX / "litgpt_llama-3.2-1B_lora.yaml")
 
-HAS_DEEPSPEED_OPTION = "deepspeed" in {f.name for f in dataclasses.fields(Options)}
 
 
 class _Stop(Exception):
@@ -261,11 +259,14 @@ def test_bad_recipe(tmp_path, name, text, code, message):
     assert "Traceback" not in r.output
 
 
-@pytest.mark.skipif(HAS_DEEPSPEED_OPTION, reason="Options.deepspeed exists: the recipe's deepspeed key maps to it")
-def test_deepspeed_key_refused_until_its_option_exists(tmp_path):
-    p = _write(tmp_path, "sft.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\ndeepspeed: ds_z3.json\n")
-    r = CliRunner().invoke(app, ["estimate", "--recipe", p])
-    assert r.exit_code == 2 and "sft.yaml:deepspeed = ds_z3.json: DeepSpeed configs are not read" in r.output
+def test_deepspeed_key_reads_the_config(tmp_path):
+    # source: HF TrainingArguments.deepspeed names a DeepSpeed JSON; transformers' ds_config_zero3.json fixture
+    ds = Path(__file__).parent / "fixtures" / "deepspeed" / "ds_config_zero3.json"
+    p = _write(tmp_path, "sft.yaml", f"model_name_or_path: Qwen/Qwen2.5-7B\nbf16: true\ndeepspeed: {ds}\n")
+    r = CliRunner().invoke(app, ["estimate", "--recipe", p, "--gpus", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    tr = json.loads(r.output)["inputs"]["training"]
+    assert (tr["sharding"], tr["zero"], tr["gpus"]) == ("deepspeed", 3, 8)
 
 
 # (args, exit code, message)

@@ -242,7 +242,11 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
             try:
                 if isinstance(exp, Exception):  # a config that could not be read (one of several named)
                     raise exp
-                if framework == "hf":
+                if exp.training.sharding == "deepspeed" and exp.training.zero >= 2 and exp.training.gpus > 1:
+                    from .deepspeed_trace import trace_deepspeed  # one rank on the fake process group
+
+                    meas = trace_deepspeed(exp, scale_layers=scale_layers, progress=say)
+                elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
                                       allocator_sim=dev != "cuda", reentrant=reentrant)
                 else:

@@ -43,6 +43,11 @@ INERT: dict[str, str] = {
     "ExperimentSpec.description": "a label shown in reports",
     "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",
     "ExperimentSpec.published_source": "comparison data (where the measured peak comes from)",
+    "DeepSpeedSpec.stage": "mirrors TrainingSpec.zero (the spec requires them equal: a config's stage sets both); "
+                           "zero is the field perturbed",
+    "DeepSpeedSpec.allgather_bucket_size": "ZeRO-2 all-gathers the updated partitions into its flat 16-bit buffer in "
+                                           "place (stage_1_and_2.py step: all_gather_dp_groups), no buffer of this "
+                                           "size is made; ZeRO-3 gathers by its prefetch bucket instead",
 }
 
 #: "Spec.field" -> the spec class whose fields are checked one by one instead.
@@ -52,6 +57,7 @@ NESTED: dict[str, str] = {
     "ExperimentSpec.profile": "KernelProfile",
     "ModelSpec.moe": "MoESpec",
     "ModelSpec.mla": "MLASpec",
+    "TrainingSpec.deepspeed": "DeepSpeedSpec",
 }
 
 #: "Spec.field" -> what is not modelled yet. These fields change no parameter shape (or change
@@ -61,6 +67,8 @@ PENDING: dict[str, str] = {
     "TrainingSpec.sharding": "issue 13: FSDP2 / FSDP1 / DeepSpeed mechanics (buffer lifetimes, buckets) are being modelled",
     "TrainingSpec.tp": "issue 13: tensor parallelism is being modelled",
     "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
+    "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload (16-bit partitions on the host) "
+                                   "is to come",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

@@ -417,6 +417,43 @@ Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 
 
+class DeepSpeedSpec(_Spec):
+    """DeepSpeed ZeRO's own settings (a ``ds_config.json``'s ``zero_optimization``), with the
+    defaults of deepspeed/runtime/zero/config.py ``DeepSpeedZeroConfig`` (0.19). Sizes are in
+    elements, as DeepSpeed counts them. Read by :mod:`memcalc.inputs.deepspeed_config`; modelled
+    by :mod:`memcalc.engine.deepspeed`."""
+
+    stage: Literal[2, 3] = Field(2, description="zero_optimization.stage: 2 shards fp32 master weights, optimizer "
+                                 "state and gradients; 3 also the 16-bit weights.")
+    reduce_bucket_size: int = Field(500_000_000, gt=0, le=10**12, description="zero_optimization.reduce_bucket_size: "
+                                    "elements reduced at once (the gradient bucket; DeepSpeed default 5e8).")
+    allgather_bucket_size: int = Field(500_000_000, ge=0, le=10**12, description="zero_optimization."
+                                       "allgather_bucket_size: elements all-gathered at once after a ZeRO-2 step "
+                                       "(default 5e8).")
+    overlap_comm: Optional[bool] = Field(None, description="zero_optimization.overlap_comm: reduce on a side stream "
+                                         "(ZeRO-3 keeps two reduce buckets, ZeRO-2 keeps the ipg buckets until the "
+                                         "step); None = DeepSpeed's default (true under stage 3, false under 2).")
+    contiguous_gradients: bool = Field(True, description="zero_optimization.contiguous_gradients: ZeRO-2 copies each "
+                                       "reduced gradient partition into one preallocated flat buffer.")
+    prefetch_bucket_size: int = Field(50_000_000, ge=0, le=10**12, description="zero_optimization."
+                                      "stage3_prefetch_bucket_size: elements ZeRO-3 prefetches ahead (default 5e7).")
+    max_live_parameters: int = Field(1_000_000_000, ge=0, le=10**13, description="zero_optimization."
+                                     "stage3_max_live_parameters: gathered elements ZeRO-3 keeps alive (default 1e9).")
+    max_reuse_distance: int = Field(1_000_000_000, ge=0, le=10**13, description="zero_optimization."
+                                    "stage3_max_reuse_distance: a parameter reused within this many elements stays "
+                                    "gathered (default 1e9).")
+    param_persistence_threshold: int = Field(100_000, ge=0, le=10**13, description="zero_optimization."
+                                             "stage3_param_persistence_threshold: ZeRO-3 keeps parameters of at most "
+                                             "this many elements whole on every rank (default 1e5).")
+    offload_param: bool = Field(False, description="zero_optimization.offload_param.device cpu/nvme: ZeRO-3 keeps the "
+                                "16-bit weight partitions in host memory.")
+
+    @property
+    def overlap(self) -> bool:
+        """overlap_comm as DeepSpeed resolves it (config.py ``overlap_comm_valid``)."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+
 class TrainingSpec(_Spec):
     """One training step: batch, precision, optimizer and memory techniques."""
 
@@ -464,6 +501,9 @@ class TrainingSpec(_Spec):
     activation_offload: bool = Field(
         False, description="Move saved activations to host memory during forward and back for backward "
         "(torchtune OffloadActivations); the host memory it needs is reported.")
+    deepspeed: Optional[DeepSpeedSpec] = Field(
+        None, description="DeepSpeed ZeRO settings (from --deepspeed ds_config.json); used with sharding deepspeed. "
+        "None = DeepSpeed's defaults for the --zero stage.")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainingSpec":
@@ -476,6 +516,9 @@ class TrainingSpec(_Spec):
         bad_impl = impl_error(self.optimizer, self.optimizer_impl)
         if bad_impl:
             raise ValueError(bad_impl)
+        if self.deepspeed is not None and (self.sharding != "deepspeed" or self.zero != self.deepspeed.stage):
+            raise ValueError(f"a DeepSpeed config (ZeRO stage {self.deepspeed.stage}) needs sharding deepspeed and "
+                             f"zero {self.deepspeed.stage}, not sharding {self.sharding} and zero {self.zero}")
         return self
 
     @property

@@ -21,6 +21,7 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.checkpoint import layer_strategy
+from memcalc.engine.deepspeed import DeepSpeedZero2, DeepSpeedZero3, deepspeed_optimizer, uses_deepspeed
 from memcalc.engine.forward import Forward
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
@@ -68,6 +69,9 @@ def check_supported(exp: ExperimentSpec) -> None:
         raise UserError(
             f"seq ({tr.seq}) exceeds {exp.model.name}'s learned position table ({exp.model.max_seq_len})"
         )
+    if tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1 and (tr.fused_optimizer or tr.compile):
+        raise UserError("DeepSpeed ZeRO runs the optimizer after backward, uncompiled, in memcalc's model; "
+                        "drop --fused-optimizer / --compile with --sharding deepspeed")
     if tr.seq < 2:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
     if tr.activation_offload and tr.compile:
@@ -80,14 +84,15 @@ def _label_of(node: Node) -> str:
     return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
 
 
-def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tuple[Model, OptimizerSim]:
+def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tuple[Model, "OptimizerSim | DeepSpeedZero2"]:
     """What exists before a step's forward, allocated on ``sim``: the weights
     (:func:`memcalc.engine.weights.make_params`) and the optimizer, with its state when
     ``create_state`` (a steady-state step; the first step creates it inside the step, see
     :class:`memcalc.engine.optimizers.OptimizerSim`)."""
     model = make_params(sim, exp)
     rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, exp.training.lora)}
-    opt = OptimizerSim(sim, exp.training, model.order, rows_of)
+    opt = (deepspeed_optimizer(sim, exp, model.order) if uses_deepspeed(exp)  # its own optimizer side (engine.deepspeed)
+           else OptimizerSim(sim, exp.training, model.order, rows_of))
     if create_state:
         opt.create_all()
     return model, opt
@@ -145,8 +150,13 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         else:
             sim.grad_ready = hook
 
+    if isinstance(opt, DeepSpeedZero2):
+        sim.grad_ready = opt.grad_ready
     gather = None
-    if model.layer_gather_bytes:
+    if isinstance(opt, DeepSpeedZero3):  # DeepSpeed's own gathers (engine.deepspeed)
+        gather = opt.gather
+        sim.on_layer = lambda s, i: gather.backward_enter(i)
+    elif model.layer_gather_bytes:
         gather = LayerGather(sim, model.layer_gather_bytes, exp.model.n_layers)
         sim.on_layer = lambda s, i: gather.backward_enter(i)
     for layers in strategies:
@@ -156,6 +166,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         sim.mark("backward start", "backward")
         sim.backward(loss, 4, _label_of)
         layers.end_backward(fwd)
+        if isinstance(opt, DeepSpeedZero2):
+            opt.end_backward()
         for p in deferred:
             hook(sim, p)
         deferred.clear()

@@ -57,15 +57,15 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
             full = pdt.nbytes(pt.numel)
             cat = "weights" if pt.trainable or lora is None else "frozen base weights"
         nbytes = full
-        if zero3 and pt.layer is not None:
+        if zero3 and (pt.layer is not None or tr.sharding == "deepspeed"):  # DeepSpeed shards the root too
             nbytes = shard(full, n)
             cat += f" (ZeRO-3 shard 1/{n})"
-            if pt.layer == 0:
+            if pt.layer == 0 and tr.sharding != "deepspeed":  # DeepSpeed gathers its own way (engine.deepspeed)
                 gather += full
         w = sim.alloc(nbytes, "weights", cat, name=pt.name)
         w.numel, w.itemsize_bits = pt.numel, (4 if quant else pdt.bits)
         p = Param(pt.name, w, pt.trainable, pdt.nbytes(pt.numel), pt.layer, pt.numel)
-        if tr.zero >= 2 and n > 1:
+        if tr.zero >= 2 and n > 1 and tr.sharding != "deepspeed":  # DeepSpeed: its buckets (engine.deepspeed)
             p.grad_keep_bytes = shard(p.grad_bytes, n)
         params[pt.name] = p
         order.append(p)

@@ -79,6 +79,8 @@ class Options:
     tp: Optional[int] = None
     sequence_parallel: bool = False
     activation_offload: bool = False
+    #: path of a DeepSpeed config (``--deepspeed``; HF TrainingArguments' ``deepspeed``): implies sharding deepspeed
+    deepspeed: Optional[str] = None
     dora: bool = False
     #: --recipe FILE (repeatable: a training recipe and a PEFT adapter config) and --adapter-config FILE:
     #: their values fill the fields above that the user left unset (memcalc.inputs.recipes)
@@ -226,6 +228,8 @@ def resolve(o: Options) -> Resolved:
         raise UserError(f"unknown --sharding {clip(o.sharding)!r}; valid: {', '.join(SHARDINGS)}")
     put("sharding", o.sharding)
     put("tp", o.tp)
+    if o.deepspeed is not None:
+        _apply_deepspeed(o, model, tr, tr_origin, notes)
     if o.sequence_parallel:
         put("sequence_parallel", True)
     if o.activation_offload:
@@ -313,6 +317,34 @@ def resolve(o: Options) -> Resolved:
             if origin.get(key) not in (None, "default") and not origin[key].startswith("recipe"):
                 origin[key] = f"recipe {recipe.keys[opt]}"
     return Resolved(exp, origin, recipe.lines() + notes, model_source, reasons, recipe.as_json())
+
+
+def _apply_deepspeed(o: Options, model: ModelSpec, tr: dict, tr_origin: dict, notes: list) -> None:
+    """``--deepspeed FILE`` (memcalc.inputs.deepspeed_config): sharding deepspeed, the file's ZeRO stage,
+    buffers, precision, micro-batch and accumulation. A flag that contradicts the file is an error
+    showing both; a value the file leaves "auto" keeps the flag's."""
+    from memcalc.inputs.deepspeed_config import read_deepspeed
+
+    ds = read_deepspeed(o.deepspeed, model.d_model)
+    if o.zero is not None and o.zero != ds.stage:
+        raise UserError(f"--zero {o.zero} conflicts with --deepspeed {o.deepspeed} (zero_optimization.stage {ds.stage})")
+    if o.sharding is not None and o.sharding != "deepspeed":
+        raise UserError(f"--sharding {o.sharding} conflicts with --deepspeed {o.deepspeed} (sharding deepspeed)")
+    flag_prec = "bf16" if o.bf16 else o.precision
+    for key, flag, shown in (("precision", flag_prec, "--precision"), ("batch", o.batch, "--batch"),
+                             ("grad_accum", o.grad_accum, "--grad-accum")):
+        if key in ds.training and flag is not None and flag != ds.training[key]:
+            raise UserError(f"{shown} {flag} conflicts with --deepspeed {o.deepspeed} ({key} {ds.training[key]})")
+    for key, value in ds.training.items():
+        tr[key] = value
+        tr_origin[key] = "config"
+    tr.update(sharding="deepspeed", zero=ds.stage, deepspeed=ds.spec)
+    if tr.get("precision") in ("bf16", "fp16") and not tr.get("master_weights"):
+        # ZeRO keeps an fp32 partition under bf16/fp16 (stage_1_and_2.py single_partition_of_fp32_groups)
+        tr["master_weights"] = True
+        tr_origin["master_weights"] = "config"
+    tr_origin.update(sharding="config", zero="config", deepspeed="config")
+    notes.extend(ds.notes)
 
 
 def _model_why(o: Options) -> str:

@@ -247,15 +247,8 @@ def peft_targets(value: Any, where: str) -> str:
 
 def set_deepspeed(r: Reader, value: Any, key: str, recipe_path: str) -> None:
     """A DeepSpeed config named by the recipe -> ``Options.deepspeed`` (its path; a relative path is
-    looked up from the working directory, as the trainers do, else beside the recipe).
-
-    MERGE SWITCH: the "deepspeed" branch adds ``Options.deepspeed`` and its reader. Until it is merged
-    this refuses the key with one line (a DeepSpeed run is never estimated silently as a plain one);
-    once the field exists, the mapping below switches on by itself."""
-    from dataclasses import fields
-
-    from memcalc.inputs.resolve import Options
-
+    looked up from the working directory, as the trainers do, else beside the recipe); the config is
+    read by :mod:`memcalc.inputs.deepspeed_config` (stage, buckets, precision)."""
     if isinstance(value, dict):
         raise UserError(f"{r.src}:{key}: an inline DeepSpeed config is not supported; save it as a JSON file "
                         "and name the file")
@@ -264,9 +257,6 @@ def set_deepspeed(r: Reader, value: Any, key: str, recipe_path: str) -> None:
     path = Path(value).expanduser()
     if not path.is_absolute() and not path.exists() and (Path(recipe_path).parent / path).exists():
         path = Path(recipe_path).parent / path
-    if "deepspeed" not in {f.name for f in fields(Options)}:
-        raise UserError(f"{r.src}:{key} = {clip(value, 80)}: DeepSpeed configs are not read by this build of "
-                        "memcalc yet; remove the key and give --zero N --gpus N --sharding deepspeed instead")
     r.set("deepspeed", str(path), key, value)
 
 

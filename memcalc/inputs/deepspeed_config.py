@@ -1,0 +1,194 @@
+"""``--deepspeed ds_config.json``: a DeepSpeed config read into the training spec.
+
+What each key becomes (every key changes the estimate or is listed as ignored, with why):
+
+- ``zero_optimization``: its stage (2 or 3) and buffer sizes become
+  :class:`memcalc.core.spec.DeepSpeedSpec`; ``offload_optimizer.device`` cpu/nvme becomes
+  ``TrainingSpec.offload_optimizer``; ``offload_param.device`` cpu/nvme ``DeepSpeedSpec.offload_param``.
+- ``bf16.enabled`` / ``fp16.enabled``: precision bf16 / fp16 with fp32 master weights (ZeRO
+  keeps its fp32 partition, stage_1_and_2.py ``single_partition_of_fp32_groups``); neither: fp32.
+- ``train_micro_batch_size_per_gpu`` / ``gradient_accumulation_steps``: batch / grad_accum.
+- ``"auto"``: resolved as Hugging Face's integration resolves it
+  (transformers/integrations/deepspeed.py ``HfTrainerDeepSpeedConfig``): ``trainer_config_process``
+  fills micro-batch, accumulation and bf16/fp16 from the trainer's arguments (here: the
+  corresponding memcalc flags), ``trainer_config_finalize`` fills ``reduce_bucket_size =
+  hidden_size**2``, ``stage3_prefetch_bucket_size = int(0.9 * hidden_size**2)`` and
+  ``stage3_param_persistence_threshold = 10 * hidden_size``.
+
+A key memcalc does not model is listed in one note (``IGNORED`` has the reasons); a bad value
+is a :class:`~memcalc.core.errors.UserError` (exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from memcalc.core.errors import UserError
+
+#: zero_optimization keys read into DeepSpeedSpec (DeepSpeed's name -> the spec's field)
+ZERO_KEYS = {
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+}
+
+#: keys that cannot change the estimate, with the reason (zero_optimization's and top-level)
+IGNORED = {
+    "reduce_scatter": "reduce-scatter or all-reduce of the bucket: the same bucket and flatten copy",
+    "allgather_partitions": "all-gather or broadcast of the updated partitions: in place into the flat buffer",
+    "round_robin_gradients": "reorders gradient partitions over ranks; not modelled",
+    "sub_group_size": "ZeRO-3 optimizer sub-groups (1e9 elements by default) exceed the models traced; not modelled",
+    "stage3_gather_16bit_weights_on_model_save": "acts only when a checkpoint is saved",
+    "stage3_gather_fp16_weights_on_model_save": "acts only when a checkpoint is saved",
+    "gather_16bit_weights_on_model_save": "acts only when a checkpoint is saved",
+    "elastic_checkpoint": "acts only when a checkpoint is saved",
+    "ignore_unused_parameters": "every parameter of a decoder is used",
+    "load_from_fp32_weights": "acts only when a checkpoint is loaded",
+    "cpu_offload_use_pin_memory": "host memory pinning: the host side, not the GPU's",
+    "memory_efficient_linear": "ZeRO-3's own linear autograd function saves what nn.Linear saves",
+    "train_batch_size": "derived: micro-batch x accumulation x GPUs",
+    "optimizer": "the optimizer comes from --optimizer / --optimizer-impl (DeepSpeed's FusedAdam: --optimizer-impl fused)",
+    "scheduler": "a learning-rate schedule allocates no tensors",
+    "gradient_clipping": "clipping scales the gradient partition in place (unscale_and_clip_grads)",
+    "steps_per_print": "logging",
+    "wall_clock_breakdown": "logging",
+    "zero_allow_untested_optimizer": "a permission, not a buffer",
+    "zero_force_ds_cpu_optimizer": "a permission, not a buffer",
+    "tensorboard": "logging", "wandb": "logging", "csv_monitor": "logging", "comms_logger": "logging",
+    "flops_profiler": "profiling", "prescale_gradients": "a scale, applied in place",
+    "gradient_predivide_factor": "a scale, applied in place",
+    "dump_state": "logging", "activation_checkpointing": "DeepSpeed's own checkpointing API is not used by "
+    "Hugging Face models (they call torch.utils.checkpoint: --checkpoint)",
+}
+
+#: HF's trainer_config_finalize: the keys it fills from the model's hidden size
+AUTO_FROM_HIDDEN = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+@dataclass
+class DeepSpeedInputs:
+    """What a DeepSpeed config sets: DeepSpeedSpec fields and training fields (None = not set,
+    or "auto" left to memcalc's own flag), with one-line notes."""
+
+    stage: int
+    spec: dict[str, Any]
+    training: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+
+def _is_auto(v: Any) -> bool:
+    return isinstance(v, str) and v.strip().lower() == "auto"
+
+
+def _int(path: str, key: str, v: Any, low: int = 0) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
+        raise UserError(f"{path}: {key} must be a whole number, got {json.dumps(v)}")
+    if v < low:
+        raise UserError(f"{path}: {key} must be at least {low}, got {int(v)}")
+    return int(v)
+
+
+def _bool(path: str, key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise UserError(f"{path}: {key} must be true or false, got {json.dumps(v)}")
+    return v
+
+
+def _enabled(path: str, raw: dict, name: str) -> Optional[bool]:
+    """``bf16.enabled`` / ``fp16.enabled``: True/False, or None for "auto" or absent."""
+    sec = raw.get(name)
+    if sec is None:
+        return None
+    if not isinstance(sec, dict):
+        raise UserError(f"{path}: {name} must be an object like {{\"enabled\": true}}, got {json.dumps(sec)}")
+    v = sec.get("enabled", False)
+    return None if _is_auto(v) else _bool(path, f"{name}.enabled", v)
+
+
+def _offload(path: str, zo: dict, key: str) -> bool:
+    sec = zo.get(key)
+    if sec is None:
+        return False
+    if not isinstance(sec, dict):
+        raise UserError(f"{path}: zero_optimization.{key} must be an object like {{\"device\": \"cpu\"}}")
+    dev = sec.get("device", "none")
+    if dev not in ("none", "cpu", "nvme", None):
+        raise UserError(f"{path}: zero_optimization.{key}.device must be none, cpu or nvme, got {json.dumps(dev)}")
+    return dev in ("cpu", "nvme")
+
+
+def load_json(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--deepspeed {path}: no such file")
+    try:
+        raw = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"--deepspeed {path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"--deepspeed {path}: a DeepSpeed config is a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_deepspeed(path: str, hidden_size: int) -> DeepSpeedInputs:
+    """Read ``path`` (see the module docstring); ``hidden_size`` fills HF's "auto" buffer sizes."""
+    raw = load_json(path)
+    zo = raw.get("zero_optimization")
+    if not isinstance(zo, dict) or "stage" not in zo:
+        raise UserError(f"--deepspeed {path}: needs zero_optimization.stage (2 or 3); memcalc models DeepSpeed ZeRO-2/3")
+    stage = zo["stage"]
+    if isinstance(stage, bool) or stage not in (2, 3):
+        raise UserError(f"--deepspeed {path}: zero_optimization.stage must be 2 or 3 (the stages memcalc models), "
+                        f"got {json.dumps(stage)}")
+    spec: dict[str, Any] = {"stage": stage}
+    autos: list[str] = []
+    for key, fld in ZERO_KEYS.items():
+        if key not in zo:
+            continue
+        v = zo[key]
+        if _is_auto(v):
+            if key not in AUTO_FROM_HIDDEN:
+                raise UserError(f"--deepspeed {path}: zero_optimization.{key} is \"auto\", which Hugging Face fills only "
+                                f"for {', '.join(AUTO_FROM_HIDDEN)}, the batch, accumulation and bf16/fp16")
+            v = AUTO_FROM_HIDDEN[key](hidden_size)
+            autos.append(f"{key}={v:,}")
+        if key in ("overlap_comm", "contiguous_gradients"):
+            spec[fld] = _bool(path, f"zero_optimization.{key}", v)
+        else:
+            spec[fld] = _int(path, f"zero_optimization.{key}", v, low=1 if key == "reduce_bucket_size" else 0)
+    spec["offload_param"] = _offload(path, zo, "offload_param")
+    training: dict[str, Any] = {"offload_optimizer": _offload(path, zo, "offload_optimizer") or None}
+    bf16, fp16 = _enabled(path, raw, "bf16"), _enabled(path, raw, "fp16")
+    if bf16 and fp16:
+        raise UserError(f"--deepspeed {path}: bf16.enabled and fp16.enabled are both true; DeepSpeed takes one")
+    if bf16 or fp16:
+        training.update(precision="bf16" if bf16 else "fp16", master_weights=True)
+    elif not ("bf16" in raw and bf16 is None) and not ("fp16" in raw and fp16 is None):  # neither on, neither "auto"
+        training["precision"] = "fp32"
+    for key, fld in (("train_micro_batch_size_per_gpu", "batch"), ("gradient_accumulation_steps", "grad_accum")):
+        if key in raw and not _is_auto(raw[key]):
+            training[fld] = _int(path, key, raw[key], low=1)
+    notes = []
+    if autos:
+        notes.append(f"DeepSpeed \"auto\" values filled as Hugging Face's integration does (hidden size {hidden_size}): "
+                     + ", ".join(autos))
+    known = set(ZERO_KEYS) | {"stage", "offload_optimizer", "offload_param"}
+    ign = [k for k in zo if k not in known]
+    top = [k for k in raw if k not in ("zero_optimization", "bf16", "fp16", "train_micro_batch_size_per_gpu",
+                                       "gradient_accumulation_steps")]
+    listed = [f"zero_optimization.{k}" for k in ign] + top
+    if listed:
+        notes.append("DeepSpeed config keys ignored (no effect on the estimate): " + ", ".join(listed))
+    return DeepSpeedInputs(stage, spec, {k: v for k, v in training.items() if v is not None}, notes)
