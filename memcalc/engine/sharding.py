@@ -15,6 +15,7 @@ and DDP's gradient buckets are not modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 def shard(n_bytes: int, gpus: int) -> int:
@@ -53,11 +54,14 @@ def model_state_bytes(n_params: int, zero: int, gpus: int, weight_bytes: int = 2
 
 
 class LayerGather:
-    """ZeRO-3 (FSDP) all-gathers: a layer's weights are gathered whole (``layer_bytes``, the
-    weight dtype) for its forward and again for its backward, with the next layer in that
-    direction prefetched (FSDP's forward and backward prefetch), and freed once the walk has
-    moved past them. The decoder walk calls :meth:`forward_enter`; the timeline calls
-    :meth:`backward_enter` when backward reaches a layer."""
+    """The generic ZeRO-3 all-gathers (the ZeRO paper's stage 3, used where no framework's own
+    mechanics are modelled: ``--sharding fsdp1`` and ``deepspeed`` for now; ``fsdp2`` is
+    :class:`memcalc.engine.fsdp.FSDP2`): a layer's weights are gathered whole (``layer_bytes``,
+    the weight dtype) for its forward and again for its backward, with the next layer in that
+    direction prefetched, and freed once the walk has moved past them. The decoder walk calls
+    :meth:`forward_enter` per region and :meth:`layer_enter` / :meth:`layer_exit` per layer; the
+    timeline calls :meth:`backward_enter` when backward reaches a layer (``None``: outside the
+    layers) and the other hooks (no-ops here) around the step."""
 
     def __init__(self, sim, layer_bytes: int, n_layers: int) -> None:
         self.sim = sim
@@ -76,8 +80,27 @@ class LayerGather:
     def forward_enter(self, i: int) -> None:
         self.keep([i, i + 1] if i + 1 < self.n_layers else [i])
 
-    def backward_enter(self, i: int) -> None:
-        self.keep([i, i - 1] if i > 0 else [i])
+    def backward_enter(self, i: Optional[int]) -> None:
+        if i is not None:
+            self.keep([i, i - 1] if i > 0 else [i])
+
+    def layer_enter(self, i: int) -> None:
+        """A layer's forward starts (the region hook gathers)."""
+
+    def layer_exit(self, i: int) -> None:
+        """A layer's forward ends."""
+
+    def before_forward(self) -> None:
+        """The model's forward starts."""
+
+    def after_forward(self) -> None:
+        """The model's forward (and loss) returned."""
+
+    def backward_start(self) -> None:
+        """Backward starts at the loss."""
+
+    def end_backward(self) -> None:
+        """Backward has reached the embedding."""
 
     def release(self) -> None:
         self.keep([])

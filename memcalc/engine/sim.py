@@ -57,6 +57,10 @@ class Param:
     numel: int
     grad: Optional[T] = None
     grad_keep_bytes: Optional[int] = None  # the gradient shard kept after a reduce-scatter (ZeRO-2/3)
+    # FSDP2 (memcalc.engine.fsdp): AccumulateGrad fills the unsharded parameter's .grad, which waits
+    # for its unit's post-backward reduce-scatter (which then sets ``grad`` to the shard)
+    deferred_reduce: bool = False
+    unsharded_grad: Optional[T] = None
     uses: int = 0  # nodes of the current graph that will send this parameter a gradient
     pending: Optional[T] = None  # AccumulateGrad's input buffer while more contributions are due
 
@@ -119,9 +123,11 @@ class Sim:
         # the model (Forward sets both; every node records them)
         self.layer: Optional[int] = None
         self.role = ""
-        # called when backward moves on to a node of a decoder layer under a new label (ZeRO-3
-        # regathers there)
-        self.on_layer: Optional[Callable[["Sim", int], None]] = None
+        # called when backward moves on to a node of another decoder layer, or from a layer to a node
+        # outside the layers (``None``): ZeRO-3 regathers there, FSDP2 runs its post- and
+        # pre-backward hooks there
+        self.on_layer: Optional[Callable[["Sim", Optional[int]], None]] = None
+        self.bwd_layer: Optional[int] = None  # the decoder layer backward is in
         # called with every op as the forward code issues it, before autograd filtering
         # (memcalc.compile.compiled records the forward graph this way)
         self.recorder: Optional[Callable[..., None]] = None
@@ -221,6 +227,7 @@ class Sim:
     def backward(self, loss: T, loss_grad_bytes: int, label_of: Callable[[Node], str]) -> None:
         """Run backward from ``loss`` over all registered nodes (reverse creation order)."""
         loss.grad_buffer = self.alloc(loss_grad_bytes, "temporaries", "activation gradients")
+        self.bwd_layer = None
         self.run_nodes(self.nodes, label_of)
 
     def run_nodes(self, nodes: list[Node], label_of: Callable[[Node], str]) -> None:
@@ -232,11 +239,13 @@ class Sim:
                 self._release_node(node)
                 continue
             lab = label_of(node)
-            if lab != self.label:
-                if node.layer is not None and self.on_layer is not None:
+            if node.layer != self.bwd_layer:
+                if self.on_layer is not None:
                     self.trace_label = lab  # the layer's own allocations (a ZeRO-3 regather), in the trace
                     self.on_layer(self, node.layer)
                     self.trace_label = None
+                self.bwd_layer = node.layer
+            if lab != self.label:
                 self.label = lab
                 self.snapshot_point()
             if node.on_backward is not None:
@@ -284,6 +293,12 @@ class Sim:
                 g, p.pending = total, None
             if p.uses > 0:  # AccumulateGrad waits for the other uses
                 p.pending = g
+                continue
+            if p.deferred_reduce:  # FSDP2: the unit's post-backward reduces it (engine.fsdp)
+                if p.unsharded_grad is None:
+                    p.unsharded_grad = g
+                else:
+                    self.unref(g)
                 continue
             if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
                 shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")
