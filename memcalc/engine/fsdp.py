@@ -1,9 +1,12 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on one rank, op by op over the timeline.
 
-The setup modelled is the one torchtitan and PyTorch's FSDP2 tutorial use: ``fully_shard`` on
-every decoder layer, then on the root module (embedding, final norm, head: one more unit), with
-``reshard_after_forward`` True (``--zero 3``) or False (``--zero 2``) on the layers and the
-default (None: not resharded) on the root. Every rank holds its dim-0 shard of every
+The setup modelled is torchtitan's (``torchtitan/models/llama3/infra/parallelize.py``
+``apply_fsdp``): ``fully_shard`` on every decoder layer, then on the root module (embedding,
+final norm, head: one more unit), with ``reshard_after_forward`` True (``--zero 3``) or False
+(``--zero 2``) passed explicitly to both (torchtitan passes ``not pp_enabled`` to the root; an
+explicit value turns off the root's automatic "do not reshard", ``_fully_shard.py``
+``auto_reshard_after_forward``), so under zero 3 the root too is resharded after forward and
+all-gathered again when backward starts. Every rank holds its dim-0 shard of every
 parameter (zero 2 and zero 3 alike: FSDP2 always shards parameters at rest). What follows is
 read from torch 2.13, ``torch/distributed/fsdp/_fully_shard/``:
 
@@ -194,19 +197,20 @@ class FSDP2:
             sim.unref(t)
 
     def wait_for_unshard(self, u: Unit, forward: bool) -> None:
-        """``wait_for_unshard`` -> ``foreach_all_gather_copy_out``: in forward, first free the
-        previous unit's kept all-gather output; allocate the unsharded parameters; keep this
-        output (forward) or free it (backward)."""
+        """``wait_for_unshard`` -> ``foreach_all_gather_copy_out``: allocate the unsharded
+        parameters; in forward then free the previous unit's kept all-gather output and keep this
+        one, in backward free this one."""
         if u.ag_out is None:
             return
         sim = self.sim
-        if forward and self.ag_state is not None:
-            sim.unref(self.ag_state)
-            self.ag_state = None
         u.unsharded = [sim.alloc(self.n * self._param_dtype_bytes(p, s), "weights", CAT_UNSHARDED)
                        for p, s in zip(u.params, u.shard_numels)]
         u.resharded = False
         if forward:
+            # ``if prev_all_gather_state := self.comm_ctx.all_gather_state``: the local name keeps
+            # the previous output alive until wait_for_unshard returns, after this copy-out
+            if self.ag_state is not None:
+                sim.unref(self.ag_state)
             self.ag_state = u.ag_out
         else:
             sim.unref(u.ag_out)
@@ -248,9 +252,10 @@ class FSDP2:
         """After the layers: nothing (the last all-gather output waits for the root's post-forward)."""
 
     def after_forward(self) -> None:
-        """The root's post-forward: the root is not resharded (``reshard_after_forward`` None on
-        the root: ``_lazy_init`` clears its ``post_forward_mesh_info``); the kept all-gather
-        output is freed."""
+        """The root's post-forward (after the loss, which the model's forward returns): the root
+        reshards like the layers, then the kept all-gather output is freed."""
+        if self.pol.reshard_after_forward:
+            self.reshard(self.root)
         if self.ag_state is not None:
             self.sim.unref(self.ag_state)
             self.ag_state = None
@@ -258,9 +263,12 @@ class FSDP2:
 
     # -- backward -----------------------------------------------------------------------
     def backward_start(self) -> None:
-        """The root's pre-backward (at the loss): prefetch the last layer."""
+        """The root's pre-backward (at the loss): all-gather the root again if it was resharded,
+        then prefetch the last layer."""
         self.in_backward = True
         self.current = None
+        self.unshard(self.root)
+        self.wait_for_unshard(self.root, forward=False)
         self._prefetch_before(self.root)
 
     def _prefetch_before(self, u: Unit) -> None:
@@ -297,8 +305,13 @@ class FSDP2:
             return
         shard = sum(s for _, s in with_grad)
         rs_in = sim.alloc(self.n * pol.reduce.nbytes(shard), "temporaries", CAT_RS)
+        # ``unsharded_grads.clear()`` frees the gradients, but the loop variable ``unsharded_grad``
+        # of foreach_reduce's Shard(i > 0) check still holds the last one until it returns: the
+        # root's last parameter is the head, so its gradient outlives the reduce-scatter output
+        last = with_grad[-1][0].unsharded_grad
         for p, _ in with_grad:
-            sim.unref(p.unsharded_grad)
+            if p.unsharded_grad is not last:
+                sim.unref(p.unsharded_grad)
             p.unsharded_grad = None
         out = sim.alloc(pol.reduce.nbytes(shard), "gradients", "gradient shards (FSDP2)")
         if pol.reduce != pol.orig:  # _to_dtype_if_needed(reduce_output, orig_dtype)
@@ -315,6 +328,7 @@ class FSDP2:
                 sim.grad_ready(sim, p)
         if out is not None:
             sim.unref(out)
+        sim.unref(last)
         self.rs_state = rs_in
 
     def end_backward(self) -> None:
@@ -337,3 +351,28 @@ def host_bytes(exp: ExperimentSpec, shard_weight_bytes: int, shard_grad_bytes: i
     """Host (CPU) bytes per rank under FSDP2's ``CPUOffloadPolicy``: the parameter shards, the
     gradient shards and the optimizer state (pinned staging ignored)."""
     return shard_weight_bytes + shard_grad_bytes + state_bytes
+
+
+def host_offload_bytes(exp: ExperimentSpec) -> int:
+    """Host (CPU) bytes per rank under FSDP2's ``CPUOffloadPolicy`` (``--offload-optimizer`` with
+    FSDP2): every parameter's padded shard and every trainable one's gradient shard in the
+    original dtype (``FSDPParam._init_sharded_param`` moves the shard to the CPU;
+    ``foreach_reduce`` copies each gradient shard there), plus the optimizer state of the shards
+    (the optimizer steps on the CPU). Pinned staging and the host allocator's rounding ignored."""
+    from memcalc.engine.optimizers import state_bytes
+    from memcalc.engine.params import param_inventory
+
+    tr = exp.training
+    pol = policy(tr)
+    opt_tr = optimizer_training(tr)
+    total = 0
+    for pt in param_inventory(exp.model, tr.lora):
+        s = padded_shard_numel(pt.shape, tr.gpus)
+        total += pol.orig.nbytes(s)
+        if pt.trainable:
+            total += pol.orig.nbytes(s)
+            w = T(0, "weights", "", itemsize_bits=pol.orig.bits)
+            fake = Param(pt.name, w, True, pol.orig.nbytes(s), pt.layer, s)
+            rows = -(-pt.shape[0] // tr.gpus) if len(pt.shape) == 2 else 0
+            total += sum(b for _, b in state_bytes(fake, rows, opt_tr))
+    return total

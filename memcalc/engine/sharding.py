@@ -104,3 +104,18 @@ class LayerGather:
 
     def release(self) -> None:
         self.keep([])
+
+
+def sharding_mechanics(tr) -> str:
+    """Whose mechanics the estimate runs for ``tr``'s ZeRO stage, in words (the inputs table):
+    FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), or the generic
+    ZeRO arithmetic where a framework's own is not modelled; empty when nothing is sharded."""
+    from memcalc.engine import fsdp
+
+    if tr.gpus <= 1 or tr.zero == 0:
+        return ""
+    if fsdp.fsdp2_active(tr):
+        return f"FSDP2, {fsdp.policy(tr).describe()}"
+    if tr.zero == 1 and tr.sharding in ("fsdp2", "fsdp1"):
+        return "DDP + ZeroRedundancyOptimizer: FSDP has no stage 1"
+    return f"{tr.sharding}: generic ZeRO model (its own buffers not modelled)"

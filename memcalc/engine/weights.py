@@ -70,6 +70,8 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
             nbytes = -(-full * elems // pt.numel) if quant else (
                 pdt if pt.kind == "lora" else f2_orig).nbytes(elems)
             cat += f" (FSDP2 shard 1/{n})"
+            if tr.offload_optimizer:  # CPUOffloadPolicy: the shards live in host memory
+                nbytes = 0
         elif zero3 and pt.layer is not None:
             nbytes = shard(full, n)
             cat += f" (ZeRO-3 shard 1/{n})"
