@@ -30,8 +30,9 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     out.requires_grad = True
 
     def recompute(s: Sim, node: Node) -> None:
-        saved_nodes, saved_phase = s.nodes, s.phase
+        saved_nodes, saved_phase, saved_layer = s.nodes, s.phase, s.layer
         s.phase = "backward"
+        s.layer = layer  # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
         s.label = f"bwd {label} (recompute)"
         # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
         # is recomputed (early stop): a dry run without memory finds that point.
@@ -55,6 +56,7 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         sub = s.nodes
         s.nodes = saved_nodes
         s.phase = saved_phase
+        s.layer = saved_layer
         # the recomputed output is discarded; its gradient is the region output's gradient
         out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
         s.unref(out2)
