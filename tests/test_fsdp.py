@@ -138,3 +138,13 @@ def test_json_has_host_offload_bytes():
     r = CliRunner().invoke(app, _ARGS + ["--zero", "3", "--gpus", "8", "--offload-optimizer", "--json"])
     doc = json.loads(r.stdout)
     assert isinstance(doc["host_offload_bytes"], int) and doc["host_offload_bytes"] > 0
+
+
+def test_plan_states_its_sharding():
+    # source: issue 13 "plan states which sharding its counts assume": text and --json
+    r = CliRunner().invoke(app, ["plan", "--model", "gpt2", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["sharding"] == "fsdp2" and "FSDP2" in doc["sharding_mechanics"]
+    r = CliRunner().invoke(app, ["plan", "--model", "gpt2"], env={"COLUMNS": "300"})
+    assert "sharding assumed: ZeRO-3 by fsdp2" in r.output
