@@ -105,14 +105,26 @@ def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int) -> T:
         ops.sim.ref(x)
     dt = ops.dtype_of(x)
     rows = B * Tq
+    view_of = None
     if ops.profile.shift_copy:
         rows = B * (Tq - 1)
-        xs = ops.new(rows * V, dt, "logits & loss")
+        if B == 1:
+            # logits[..., :-1, :] of a contiguous (1, T, V) tensor is itself contiguous, so
+            # .contiguous() returns that view (TensorBase.contiguous: no copy when
+            # is_contiguous()): no new bytes, and the logits stay alive under it
+            xs = ops.sim.alloc(0, "activations", "logits & loss")
+            xs.numel, xs.itemsize_bits = rows * V, dt.bits
+            view_of = x
+        else:
+            xs = ops.new(rows * V, dt, "logits & loss")
         ops.sim.node("shift_slice", [], [x], [], [xs], grad_input_bytes=[x.nbytes])
-        ops.drop(x)
+        if view_of is None:
+            ops.drop(x)
         x = xs
     if ops.profile.cross_entropy == "chunked":
-        return chunked_cross_entropy(ops, x, rows, V)
+        loss = chunked_cross_entropy(ops, x, rows, V)
+        ops.drop(view_of)
+        return loss
     lsm = ops.new(rows * V, dt, "logits & loss")
     ops.sim.node("log_softmax", [lsm], [x], [], [lsm])
     if ops.autocast is not None and dt != DType.fp32:
@@ -123,6 +135,7 @@ def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int) -> T:
         ops.drop(lsm)
         lsm = l32
     ops.drop(x)  # the caller's shifted logits live until cross_entropy returns
+    ops.drop(view_of)
     loss = ops.sim.alloc(4, "activations", "logits & loss")
     loss.numel, loss.itemsize_bits = 1, dt.bits
     ops.sim.node("nll_loss", [], [lsm], [], [loss])
