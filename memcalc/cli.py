@@ -124,7 +124,7 @@ OPTIMIZER = typer.Option(None, "--optimizer", help="Optimizer (default adamw): "
     f"{r.name} = {r.help}" for r in OPTIMIZERS.values()) + ".")
 IMPL = typer.Option(None, "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default): " + "; ".join(
     f"{r.name}: {', '.join(r.impls)}" for r in OPTIMIZERS.values() if r.impls != IMPLS) + "; the others: all.")
-CHECKPOINT = typer.Option(None, "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective.")
+CHECKPOINT = typer.Option(None, "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective | selective-op (torchtitan).")
 FUSED = typer.Option(False, "--fused-optimizer", help="Step the optimizer in post-accumulate-grad hooks during backward.")
 COMPILE = typer.Option(False, "--compile", help="torch.compile the model.")
 BUDGET = typer.Option(None, "--memory-budget", help="torch.compile activation_memory_budget in [0, 1] (implies --compile).")

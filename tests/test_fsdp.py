@@ -140,6 +140,7 @@ def test_json_has_host_offload_bytes():
     assert isinstance(doc["host_offload_bytes"], int) and doc["host_offload_bytes"] > 0
 
 
+@pytest.mark.slow  # a cluster plan: seconds
 def test_plan_states_its_sharding():
     # source: issue 13 "plan states which sharding its counts assume": text and --json
     r = CliRunner().invoke(app, ["plan", "--model", "gpt2", "--json"])
@@ -148,3 +149,15 @@ def test_plan_states_its_sharding():
     assert doc["sharding"] == "fsdp2" and "FSDP2" in doc["sharding_mechanics"]
     r = CliRunner().invoke(app, ["plan", "--model", "gpt2"], env={"COLUMNS": "300"})
     assert "sharding assumed: ZeRO-3 by fsdp2" in r.output
+
+
+@pytest.mark.parametrize("args,code,message", [
+    # source: torchtitan's op-level policy is a --checkpoint mode (inputs/resolve.py parse_checkpoint)
+    (["estimate", "--params", "1e8", "--seq", "128", "--checkpoint", "selective-op", "--gpu", "rtx-4090"], 0,
+     "selective-op"),
+    (["estimate", "--params", "1e8", "--checkpoint", "selective-ops"], 2, "selective-op"),
+])
+def test_selective_op_cli(args, code, message):
+    r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})
+    assert r.exit_code == code, r.output
+    assert message in r.output

@@ -43,6 +43,7 @@ class T:
     producer: Optional["Node"] = None
     name: str = ""
     uid: int = 0  # identity in the allocation event log
+    seq: int = 0  # Sim.alloc_count when it was allocated (which op made it)
 
 
 @dataclass(eq=False)
@@ -119,6 +120,7 @@ class Sim:
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
+        self.ghost_at: set[int] = set()  # allocations at these counts take no memory (a cached output)
         # where the forward code is: the decoder layer (None outside the layers) and the part of
         # the model (Forward sets both; every node records them)
         self.layer: Optional[int] = None
@@ -136,10 +138,10 @@ class Sim:
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
         """Allocate a block (rounded up); returns it with one reference."""
         self.alloc_count += 1
-        if self.ghost_after is not None and self.alloc_count > self.ghost_after:
-            return T(0, kind, category, requires_grad=requires_grad, name=name)
+        if (self.ghost_after is not None and self.alloc_count > self.ghost_after) or self.alloc_count in self.ghost_at:
+            return T(0, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
         n = round_up(int(nbytes), self.round_bytes)
-        t = T(n, kind, category, requires_grad=requires_grad, name=name)
+        t = T(n, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
         if self.events is not None and n:
             self._uid += 1
             t.uid = self._uid
@@ -166,6 +168,16 @@ class Sim:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
         t = self.alloc(nbytes, kind, category)
         self.unref(t)
+
+    def adopt(self, dst: T, src: T) -> None:
+        """``dst`` (allocated as a ghost, no bytes) becomes the memory of ``src``, which gives up
+        its bytes and one reference: a selective checkpoint's recompute returns the output it
+        cached in forward instead of computing a new one (torch/utils/checkpoint.py
+        ``_CachingTorchDispatchMode``: ``storage[func].pop(0)``)."""
+        assert dst.nbytes == 0 and src.alive
+        dst.nbytes, dst.kind, dst.category, dst.uid = src.nbytes, src.kind, src.category, src.uid
+        src.nbytes, src.uid = 0, 0
+        self.unref(src)
 
     def ref(self, t: T) -> T:
         assert t.alive, f"reference to a freed tensor {t.name}"
