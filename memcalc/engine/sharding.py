@@ -1,15 +1,20 @@
-"""ZeRO / FSDP sharding: what each GPU holds of weights, gradients and optimizer state.
+"""ZeRO sharding: what each GPU holds of weights, gradients and optimizer state.
 
 Stages follow Rajbhandari et al. 2020 ("ZeRO", Table 1): stage 1 shards the
 optimizer state (including fp32 master weights), stage 2 also the gradients,
-stage 3 also the weights, each over ``gpus`` data-parallel ranks. The timeline
-uses PyTorch FSDP's mechanics (no large fixed buckets): a gradient is produced
-whole, reduce-scattered, and only its shard kept; under stage 3 a layer's
-weights are all-gathered (whole, in the weight dtype) for its forward and again
-for its backward, with the next layer prefetched. Embedding, final norm and
-head stay whole (FSDP's root unit). CPU offload keeps optimizer state, and the
-step, on the CPU. DeepSpeed's reduce/all-gather buckets (``reduce_bucket_size``)
-and DDP's gradient buckets are not modelled.
+stage 3 also the weights, each over ``gpus`` data-parallel ranks
+(:func:`model_state_bytes`). Who runs the stage is ``TrainingSpec.sharding``:
+FSDP2 (the default) is simulated op by op in :mod:`memcalc.engine.fsdp` (every
+parameter sharded, root included; per-unit all-gather, copy-out and
+reduce-scatter buffers; :func:`sharding_mechanics` names it in the inputs
+table). Elsewhere (``fsdp1`` and ``deepspeed`` until their own mechanics are
+modelled, and stage 1 / 2 without FSDP2) the generic model applies: a gradient
+is produced whole, reduce-scattered, and only its shard kept; under stage 3 a
+layer's weights are all-gathered whole for its forward and again for its
+backward, with the next layer prefetched (:class:`LayerGather`), while the
+embedding, final norm and head stay whole. CPU offload keeps optimizer state,
+and the step, on the CPU. DeepSpeed's reduce/all-gather buckets, FSDP1's flat
+parameters and DDP's gradient buckets are not modelled.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import sys
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
-from memcalc.engine.fsdp import fsdp2_active, host_offload_bytes
+from memcalc.engine.fsdp import fsdp2_active, host_offload_bytes, optimizer_training
 from memcalc.engine.moe import family_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
@@ -65,8 +65,10 @@ def required_bytes(peak_bytes):
 
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     """Bytes per trainable parameter of weights, gradients, master copy and optimizer state
-    (LoRA: of the adapters, in :attr:`ExperimentSpec.adapter_dtype`; fp32 adapters step as fp32)."""
-    tr = exp.training
+    (LoRA: of the adapters, in :attr:`ExperimentSpec.adapter_dtype`; fp32 adapters step as fp32).
+    Under FSDP2 with ``--master-weights`` the shards and gradient shards are fp32 and the optimizer
+    steps them (no separate master copy: :func:`memcalc.engine.fsdp.optimizer_training`)."""
+    tr = optimizer_training(exp.training)
     adt = exp.adapter_dtype
     if adt is not None and adt.bits == 32 and tr.weight_dtype.bits != 32 and not tr.master_weights:
         tr = tr.model_copy(update={"precision": "fp32"})
