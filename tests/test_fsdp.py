@@ -56,7 +56,7 @@ def test_policy_dtypes(precision, master, orig, param, reduce):
     assert (pol.orig, pol.param, pol.reduce) == (orig, param, reduce)
 
 
-@pytest.mark.parametrize("zero,gpus,sharding,active", [
+@pytest.mark.parametrize("zero,gpus,sharding,active", [  # FSDP2 only (FSDP1: engine.fsdp1)
     (3, 8, "fsdp2", True), (2, 8, "fsdp2", True),
     (3, 1, "fsdp2", False),  # source: one GPU, nothing to shard
     (1, 8, "fsdp2", False),  # source: FSDP has no stage 1 (DDP + ZeroRedundancyOptimizer instead)
@@ -123,7 +123,10 @@ _ARGS = ["estimate", "--params", "1e8", "--seq", "128", "--bf16", "--master-weig
      "ZeRO-3 over 8 GPUs (FSDP2, reshard after forward, MixedPrecisionPolicy bf16/fp32)"),
     (_ARGS + ["--zero", "2", "--gpus", "8"], 0, "(FSDP2, no reshard after forward"),
     (_ARGS + ["--zero", "1", "--gpus", "8"], 0, "FSDP has no stage 1"),
-    (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "fsdp1"], 0, "generic ZeRO model"),
+    (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "fsdp1"], 0,
+     "(FSDP1, FULL_SHARD, flat parameters, MixedPrecision bf16/fp32)"),
+    (_ARGS + ["--zero", "2", "--gpus", "8", "--sharding", "fsdp1"], 0, "(FSDP1, SHARD_GRAD_OP"),
+    (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "deepspeed"], 0, "generic ZeRO model"),
     (_ARGS + ["--zero", "3", "--gpus", "8", "--offload-optimizer"], 0, "FSDP2 CPUOffloadPolicy"),
     (_ARGS + ["--zero", "3", "--sharding", "fsdp1"], 0, "sharding fsdp1 has no effect"),
     (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "nope"], 2, "fsdp2"),

@@ -1,4 +1,5 @@
-"""The FSDP2 estimate (memcalc.engine.fsdp) against one rank of FSDP2's real code (issue 13).
+"""The FSDP2 estimate (memcalc.engine.fsdp) against one rank of FSDP2's real code (issue 13), and
+FSDP1's (memcalc.engine.fsdp1) against FullyShardedDataParallel's.
 
 Each row traces rank 0 of an N-rank FSDP2 step in one process on PyTorch's fake process group
 (``memcalc.validate.sharded.trace_rank``: ``fully_shard`` per layer and on the root, fake tensors,
@@ -62,6 +63,11 @@ GRID = [
     ("tinyllama-1.1b", 2, dict(precision="amp-bf16", zero=3, gpus=4)),  # source: trace_rank, autocast
     ("tinyllama-1.1b", 2, dict(**BF16, zero=3, gpus=4, lora=dict(rank=16))),  # source: trace_rank, LoRA
     ("gpt2", 2, dict(**FP32, zero=3, gpus=4)),  # source: trace_rank, tied embedding and head
+    # FSDP1 (engine/fsdp1.py): FullyShardedDataParallel, flat parameters, FULL_SHARD / SHARD_GRAD_OP
+    ("tinyllama-1.1b", 2, dict(**BF16, zero=3, gpus=4, sharding="fsdp1")),  # source: trace_rank, FSDP1
+    ("tinyllama-1.1b", 2, dict(**MP, zero=3, gpus=8, checkpoint="full", sharding="fsdp1")),  # source: trace_rank
+    ("tinyllama-1.1b", 2, dict(**FP32, zero=2, gpus=3, sharding="fsdp1")),  # source: trace_rank, padded flat
+    ("gpt2", 2, dict(**FP32, zero=3, gpus=4, batch=2, sharding="fsdp1")),  # source: trace_rank, FSDP1, tied head
 ]
 
 _results: list[tuple[str, int, int, str, str]] = []
@@ -81,8 +87,9 @@ def _id(row) -> str:
 def test_grid_covers_the_issue():
     # issue 13: at least 24 FSDP2 setups, 2-16 ranks, fp32 / pure bf16 / MixedPrecisionPolicy,
     # checkpointing none and full, reshard after forward on and off
-    assert len(GRID) >= 24 and len({_id(r) for r in GRID}) == len(GRID)
-    trs = [r[2] for r in GRID]
+    assert len({_id(r) for r in GRID}) == len(GRID)
+    trs = [r[2] for r in GRID if r[2].get("sharding", "fsdp2") == "fsdp2"]
+    assert len(trs) >= 24
     assert {t["gpus"] for t in trs} >= {2, 4, 8, 16}
     assert {t["zero"] for t in trs} == {2, 3}
     assert {t.get("checkpoint", "none") for t in trs} >= {"none", "full"}

@@ -59,7 +59,7 @@ def states_at_step():
     """Per (stage, sharding): weights, gradients and optimizer state alive when the optimizer step
     starts (steady state, batch 1 x 512; activations are gone by then)."""
     out = {}
-    for stage, sharding in ((0, "fsdp2"), (1, "fsdp2"), (2, "fsdp1"), (3, "fsdp1"), (2, "fsdp2"), (3, "fsdp2")):
+    for stage, sharding in ((0, "fsdp2"), (1, "fsdp2"), (2, "deepspeed"), (3, "deepspeed"), (2, "fsdp2"), (3, "fsdp2")):
         exp = ExperimentSpec(model=MODEL_7B5, training=TrainingSpec(
             batch=1, seq=512, precision="bf16", master_weights=True, zero=stage, gpus=N_D, sharding=sharding))
         est = estimate(exp)
@@ -69,12 +69,12 @@ def states_at_step():
 
 
 @pytest.mark.slow  # six timelines of the 7.5B model; the formula rows above stay fast
-@pytest.mark.parametrize("stage,sharding", [(0, "fsdp2"), (1, "fsdp2"), (2, "fsdp1")])
+@pytest.mark.parametrize("stage,sharding", [(0, "fsdp2"), (1, "fsdp2"), (2, "deepspeed")])
 def test_timeline_model_states_match_zero_formula(states_at_step, stage, sharding):
     # source: ZeRO paper Table 1 arithmetic (K = 12: fp32 master + momentum + variance) for this
     # model's exact parameter count; the timeline shards tensor by tensor (ceil per tensor and
     # 512-byte allocator rounding), so it may exceed the formula by a little. Stages 0 and 1 (no
-    # FSDP runs) and the generic ZeRO model (fsdp1 for now) follow the paper.
+    # FSDP runs) and the generic ZeRO model (deepspeed until its buckets are modelled) follow the paper.
     k = states_at_step[stage, sharding]
     ms = model_state_bytes(COUNTS.total, stage, N_D)
     tl = k["weights"] + k["gradients"] + k["optimizer_state"]
@@ -105,10 +105,10 @@ def test_fsdp2_shards_everything_at_rest(states_at_step, stage):
 @pytest.mark.slow
 def test_generic_zero3_keeps_embedding_and_head_whole(states_at_step):
     # source: the generic ZeRO-3 model (memcalc/engine/sharding.py LayerGather, used for --sharding
-    # fsdp1 until FSDP1's flat parameters are modelled) shards the decoder layers 1/N_d and leaves the
+    # deepspeed until its buckets are modelled) shards the decoder layers 1/N_d and leaves the
     # embedding, final norm and LM head whole. The ZeRO formula shards everything, so at stage 3 the
     # timeline holds the root weights' other 63/64 on top.
-    k = states_at_step[3, "fsdp1"]
+    k = states_at_step[3, "deepspeed"]
     ms = model_state_bytes(COUNTS.total, 3, N_D)
     root = 2 * (COUNTS.embedding + COUNTS.head + MODEL_7B5.d_model)  # bf16 embedding, head, final norm
     expected = ms.total_bytes + root - root // N_D

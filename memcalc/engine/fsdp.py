@@ -121,10 +121,15 @@ def policy(tr: TrainingSpec) -> Policy:
     return Policy(orig, par, red, tr.zero >= 3, tr.offload_optimizer)
 
 
+def fsdp_active(tr: TrainingSpec) -> bool:
+    """FSDP2 or FSDP1 (``engine.fsdp1``) runs the step: ZeRO 2 or 3 over more than one GPU."""
+    return tr.sharding in ("fsdp2", "fsdp1") and tr.zero >= 2 and tr.gpus > 1
+
+
 def optimizer_training(tr: TrainingSpec) -> TrainingSpec:
-    """The setup as the optimizer sees it under FSDP2: with the mixed-precision policy it steps
+    """The setup as the optimizer sees it under FSDP: with the mixed-precision policy it steps
     fp32 shards with fp32 gradients, exactly an fp32 step (no master copy, foreach as usual)."""
-    if fsdp2_active(tr) and tr.master_weights:
+    if fsdp_active(tr) and tr.master_weights:
         return tr.model_copy(update={"precision": "fp32", "master_weights": False})
     return tr
 
@@ -139,6 +144,7 @@ class Unit:
     unsharded: list[T] = field(default_factory=list)
     ag_out: Optional[T] = None  # all-gather output, between unshard and copy-out
     resharded: bool = True
+    flat: int = 0  # FSDP1: this rank's elements of the unit's flat parameter (engine.fsdp1)
 
 
 class FSDP2:

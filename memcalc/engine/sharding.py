@@ -6,15 +6,16 @@ stage 3 also the weights, each over ``gpus`` data-parallel ranks
 (:func:`model_state_bytes`). Who runs the stage is ``TrainingSpec.sharding``:
 FSDP2 (the default) is simulated op by op in :mod:`memcalc.engine.fsdp` (every
 parameter sharded, root included; per-unit all-gather, copy-out and
-reduce-scatter buffers; :func:`sharding_mechanics` names it in the inputs
-table). Elsewhere (``fsdp1`` and ``deepspeed`` until their own mechanics are
-modelled, and stage 1 / 2 without FSDP2) the generic model applies: a gradient
+reduce-scatter buffers), FSDP1 in :mod:`memcalc.engine.fsdp1` (flat parameters);
+:func:`sharding_mechanics` names which in the inputs table. Elsewhere
+(``deepspeed`` until its own mechanics are modelled, and stage 1) the generic
+model applies: a gradient
 is produced whole, reduce-scattered, and only its shard kept; under stage 3 a
 layer's weights are all-gathered whole for its forward and again for its
 backward, with the next layer prefetched (:class:`LayerGather`), while the
 embedding, final norm and head stay whole. CPU offload keeps optimizer state,
-and the step, on the CPU. DeepSpeed's reduce/all-gather buckets, FSDP1's flat
-parameters and DDP's gradient buckets are not modelled.
+and the step, on the CPU. DeepSpeed's reduce/all-gather buckets and DDP's
+gradient buckets are not modelled.
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def model_state_bytes(n_params: int, zero: int, gpus: int, weight_bytes: int = 2
 
 class LayerGather:
     """The generic ZeRO-3 all-gathers (the ZeRO paper's stage 3, used where no framework's own
-    mechanics are modelled: ``--sharding fsdp1`` and ``deepspeed`` for now; ``fsdp2`` is
-    :class:`memcalc.engine.fsdp.FSDP2`): a layer's weights are gathered whole (``layer_bytes``,
+    mechanics are modelled: ``--sharding deepspeed`` for now; ``fsdp2`` and ``fsdp1`` are
+    :mod:`memcalc.engine.fsdp` and :mod:`memcalc.engine.fsdp1`): a layer's weights are gathered whole (``layer_bytes``,
     the weight dtype) for its forward and again for its backward, with the next layer in that
     direction prefetched, and freed once the walk has moved past them. The decoder walk calls
     :meth:`forward_enter` per region and :meth:`layer_enter` / :meth:`layer_exit` per layer; the
@@ -121,6 +122,12 @@ def sharding_mechanics(tr) -> str:
         return ""
     if fsdp.fsdp2_active(tr):
         return f"FSDP2, {fsdp.policy(tr).describe()}"
+    if fsdp.fsdp_active(tr):  # FSDP1 (engine.fsdp1)
+        pol = fsdp.policy(tr)
+        how = ["FULL_SHARD" if pol.reshard_after_forward else "SHARD_GRAD_OP", "flat parameters"]
+        if pol.cast or pol.reduce != pol.param:
+            how.append(f"MixedPrecision {pol.param.value}/{pol.reduce.value}")
+        return "FSDP1, " + ", ".join(how)
     if tr.zero == 1 and tr.sharding in ("fsdp2", "fsdp1"):
         return "DDP + ZeroRedundancyOptimizer: FSDP has no stage 1"
     return f"{tr.sharding}: generic ZeRO model (its own buffers not modelled)"

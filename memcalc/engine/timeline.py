@@ -22,6 +22,7 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.forward import Forward
 from memcalc.engine.fsdp import FSDP2, optimizer_training
+from memcalc.engine.fsdp1 import FSDP1
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.result import TimelinePoint
@@ -92,8 +93,10 @@ def weights_and_state_bytes(exp: ExperimentSpec) -> int:
 
 def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model):
     """What gathers and reduces the sharded state during the step: FSDP2's per-unit buffers
-    (:class:`memcalc.engine.fsdp.FSDP2`), the generic ZeRO-3 layer gathers
+    (:class:`memcalc.engine.fsdp.FSDP2`), FSDP1's flat units (:class:`memcalc.engine.fsdp1.FSDP1`), the generic ZeRO-3 layer gathers
     (:class:`memcalc.engine.sharding.LayerGather`), or None (nothing sharded or gathered)."""
+    if model.fsdp1:
+        return FSDP1(sim, exp, model.order, model.shapes)
     if model.fsdp2:
         return FSDP2(sim, exp, model.order, model.shapes)
     if model.layer_gather_bytes:

@@ -38,7 +38,8 @@ class Model:
     compute: DType
     layer_gather_bytes: int = 0  # ZeRO-3: one layer's weights all-gathered whole (0 = not sharded)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter shapes (FSDP2 shards by rows)
-    fsdp2: bool = False  # FSDP2 runs the step (engine.fsdp)
+    fsdp2: bool = False  # FSDP2 (or, with fsdp1, FSDP1) runs the step (engine.fsdp, engine.fsdp1)
+    fsdp1: bool = False
 
 
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
@@ -49,7 +50,8 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     wdt = tr.weight_dtype
     adt = exp.adapter_dtype or wdt  # LoRA adapters: fp32 or the base's dtype (ExperimentSpec.adapter_dtype)
     n = tr.gpus
-    f2 = fsdp.fsdp2_active(tr)
+    f2 = fsdp.fsdp_active(tr)  # FSDP2 or FSDP1: every parameter sharded in the original dtype
+    f1 = f2 and tr.sharding == "fsdp1"
     f2_orig = fsdp.policy(tr).orig if f2 else None
     zero3 = tr.zero >= 3 and n > 1 and not f2
     params: dict[str, Param] = {}
@@ -65,11 +67,11 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
             full = pdt.nbytes(pt.numel)
             cat = "weights" if pt.trainable or lora is None else "frozen base weights"
         nbytes = full
-        if f2:  # this rank's padded row shard, in the original dtype (engine.fsdp)
-            elems = fsdp.padded_shard_numel(pt.shape, n)
+        if f2:  # this rank's padded row shard (FSDP1: its share of the flat shard), original dtype
+            elems = -(-pt.numel // n) if f1 else fsdp.padded_shard_numel(pt.shape, n)
             nbytes = -(-full * elems // pt.numel) if quant else (
                 pdt if pt.kind == "lora" else f2_orig).nbytes(elems)
-            cat += f" (FSDP2 shard 1/{n})"
+            cat += f" (FSDP{1 if f1 else 2} shard 1/{n})"
             if tr.offload_optimizer:  # CPUOffloadPolicy: the shards live in host memory
                 nbytes = 0
         elif zero3 and pt.layer is not None:
@@ -85,4 +87,4 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
         params[pt.name] = p
         order.append(p)
     shapes = {pt.name: pt.shape for pt in param_inventory(exp.model, lora)} if f2 else {}
-    return Model(exp.model, params, order, tr.compute_dtype, gather, shapes, f2)
+    return Model(exp.model, params, order, tr.compute_dtype, gather, shapes, f2, f1)

@@ -15,7 +15,7 @@ import sys
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
-from memcalc.engine.fsdp import fsdp2_active, host_offload_bytes, optimizer_training
+from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.moe import family_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
@@ -66,7 +66,7 @@ def required_bytes(peak_bytes):
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     """Bytes per trainable parameter of weights, gradients, master copy and optimizer state
     (LoRA: of the adapters, in :attr:`ExperimentSpec.adapter_dtype`; fp32 adapters step as fp32).
-    Under FSDP2 with ``--master-weights`` the shards and gradient shards are fp32 and the optimizer
+    Under FSDP2 / FSDP1 with ``--master-weights`` the shards and gradient shards are fp32 and the optimizer
     steps them (no separate master copy: :func:`memcalc.engine.fsdp.optimizer_training`)."""
     tr = optimizer_training(exp.training)
     adt = exp.adapter_dtype
@@ -263,9 +263,9 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)}
-                  if exp.training.offload_optimizer and not fsdp2_active(exp.training) else {}),
+                  if exp.training.offload_optimizer and not fsdp_active(exp.training) else {}),
                **({"host_offload_bytes": host_offload_bytes(exp)}
-                  if exp.training.offload_optimizer and fsdp2_active(exp.training) else {}),
+                  if exp.training.offload_optimizer and fsdp_active(exp.training) else {}),
                **({"recompute": recompute} if recompute else {})},
     )
 
