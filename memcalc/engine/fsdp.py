@@ -353,12 +353,6 @@ class FSDP2:
         self.in_backward = False
 
 
-def host_bytes(exp: ExperimentSpec, shard_weight_bytes: int, shard_grad_bytes: int, state_bytes: int) -> int:
-    """Host (CPU) bytes per rank under FSDP2's ``CPUOffloadPolicy``: the parameter shards, the
-    gradient shards and the optimizer state (pinned staging ignored)."""
-    return shard_weight_bytes + shard_grad_bytes + state_bytes
-
-
 def host_offload_bytes(exp: ExperimentSpec) -> int:
     """Host (CPU) bytes per rank under FSDP2's ``CPUOffloadPolicy`` (``--offload-optimizer`` with
     FSDP2): every parameter's padded shard and every trainable one's gradient shard in the
