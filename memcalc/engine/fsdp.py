@@ -68,7 +68,6 @@ from memcalc.engine.sim import Param, Sim, T
 CAT_UNSHARDED = "unsharded parameters (FSDP2)"
 CAT_AG = "all-gather buffers (FSDP2)"
 CAT_RS = "reduce-scatter buffers (FSDP2)"
-CAT_UGRAD = "unsharded gradients (FSDP2)"
 
 
 def fsdp2_active(tr: TrainingSpec) -> bool:

@@ -33,8 +33,12 @@ only), ``limit_all_gathers``'s rate limiting (it delays, it does not allocate).
 from __future__ import annotations
 
 from memcalc.core.spec import ExperimentSpec, TrainingSpec
-from memcalc.engine.fsdp import CAT_UNSHARDED, CAT_RS, FSDP2, Unit
+from memcalc.engine.fsdp import FSDP2, Unit
 from memcalc.engine.sim import Param, Sim
+
+#: sim categories (the breakdown's names)
+CAT_UNSHARDED = "unsharded flat parameters (FSDP1)"
+CAT_RS = "reduce-scatter buffers (FSDP1)"
 
 
 def fsdp1_active(tr: TrainingSpec) -> bool:
