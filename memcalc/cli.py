@@ -124,7 +124,7 @@ OPTIMIZER = typer.Option(None, "--optimizer", help="Optimizer (default adamw): "
     f"{r.name} = {r.help}" for r in OPTIMIZERS.values()) + ".")
 IMPL = typer.Option(None, "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default): " + "; ".join(
     f"{r.name}: {', '.join(r.impls)}" for r in OPTIMIZERS.values() if r.impls != IMPLS) + "; the others: all.")
-CHECKPOINT = typer.Option(None, "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective.")
+CHECKPOINT = typer.Option(None, "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective | selective-op (torchtitan).")
 FUSED = typer.Option(False, "--fused-optimizer", help="Step the optimizer in post-accumulate-grad hooks during backward.")
 COMPILE = typer.Option(False, "--compile", help="torch.compile the model.")
 BUDGET = typer.Option(None, "--memory-budget", help="torch.compile activation_memory_budget in [0, 1] (implies --compile).")
@@ -498,7 +498,6 @@ def validate(
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
-    zero: Optional[int] = ZERO, gpus: Optional[int] = GPUS, sharding: Optional[str] = SHARDING,
     deepspeed: Optional[str] = DEEPSPEED,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
@@ -516,6 +515,18 @@ def validate(
     reentrant: bool = typer.Option(
         False, "--reentrant",
         help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
+    gpus: Optional[int] = typer.Option(
+        None, "--gpus",
+        help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
+             "process group, fake tensors (--device meta or cpu; nothing is allocated)."),
+    zero: Optional[int] = typer.Option(
+        None, "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
+                             "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
+    sharding: Optional[str] = typer.Option(
+        None, "--sharding", help="With --gpus: fsdp2 (default; fully_shard per layer and root), fsdp1 "
+                                 "(FullyShardedDataParallel, one unit per layer) or deepspeed (ZeRO-2/3 with "
+                                 "DeepSpeed's defaults, or the buckets of --deepspeed)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="With --gpus: which rank to trace (default 0)."),
 ) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
@@ -530,6 +541,8 @@ def validate(
       memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
 
       memcalc validate --model tinyllama-1.1b --deepspeed ds_config.json --gpus 8 --seq 512 --scale-layers 2
+
+      memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
     """
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
@@ -545,6 +558,14 @@ def validate(
         raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag)
+    _check_sharded_flags(gpus, zero, sharding, rank)
+    if gpus is not None and gpus > 1:
+        if device == "cuda":
+            raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
+                            "on CUDA; trace one rank with --device meta")
+        if framework is None:  # the sharded trace builds the replica: its estimate uses the plain rules too
+            framework = FrameworkOpt("plain")
+            sys.stderr.write("memcalc validate: --gpus traces memcalc's PyTorch replica (--framework plain)\n")
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 
     with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
@@ -587,7 +608,7 @@ def validate(
         raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
                         f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
     records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
-                           reentrant=reentrant)
+                           reentrant=reentrant, rank=rank or 0)
     if html is not None:
         from memcalc.estimate.peak import estimate as run_estimate
         from memcalc.render.html import validate_html, write_report
@@ -595,6 +616,32 @@ def validate(
         # the estimates' timelines are of the full model: left out when tracing fewer layers
         ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
         write_report(html, validate_html(list(records or []), ests))
+
+
+def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],
+                         rank: Optional[int]) -> None:
+    """validate's sharded flags go together: --gpus N (N >= 2) with --zero 2 or 3."""
+    from memcalc.core.spec import SHARDINGS
+
+    if sharding is not None and sharding not in SHARDINGS:
+        raise UserError(f"unknown --sharding {sharding!r}; valid: {', '.join(SHARDINGS)}")
+    if sharding == "deepspeed":
+        raise UserError("--sharding deepspeed: validate traces fsdp2 and fsdp1 here; DeepSpeed ZeRO needs the "
+                        "DeepSpeed tracer (issue 13), not in this build")
+    if gpus is None or gpus == 1:
+        given = [f"{f} {v}" for f, v in (("--zero", zero or None), ("--sharding", sharding), ("--rank", rank))
+                 if v is not None]
+        if given:
+            raise UserError(f"{' '.join(given)} without --gpus: validate traces one rank of a sharded step; "
+                            f"give --gpus N (N >= 2) with --zero 2 or 3")
+        return
+    if gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {gpus}")
+    if zero not in (2, 3):
+        raise UserError(f"--gpus {gpus} needs --zero 2 or 3 for validate (got {'none' if zero is None else zero}): "
+                        "it traces one rank of an FSDP step; data parallel without sharding is one GPU's step")
+    if rank is not None and not 0 <= rank < gpus:
+        raise UserError(f"--rank {rank} is not a rank of --gpus {gpus} (valid: 0..{gpus - 1})")
 
 
 def main() -> None:

@@ -139,6 +139,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "DeepSpeedSpec.max_reuse_distance": (DS3, 0),  # layers released after their forward
     "DeepSpeedSpec.param_persistence_threshold": (DS3, 10**5),  # every parameter of the tiny model stays whole
     "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
+    # FSDP2's per-unit buffers (engine.fsdp) vs the generic ZeRO-3 layer gathers (engine.sharding)
+    "TrainingSpec.sharding": ({"training": {"zero": 3, "gpus": 4}}, "fsdp1"),
     "TrainingSpec.offload_optimizer": ({}, True),
     # LoRA: the frozen base's saved weight views go to the host and come back in backward
     "TrainingSpec.activation_offload": (LORA, True),
@@ -268,6 +270,7 @@ NO_EFFECT = [
     ("TrainingSpec.zero", {"training": {"gpus": 1}}, 3),  # source: one GPU, nothing to shard
     ("TrainingSpec.zero", {"training": {"gpus": 4, "offload_optimizer": True}}, 1),  # source: stage-1 state on the CPU
     ("TrainingSpec.gpus", {"training": {"zero": 0}}, 4),  # source: plain data parallelism
+    ("TrainingSpec.sharding", {"training": {"zero": 3, "gpus": 1}}, "fsdp1"),  # source: one GPU, nothing sharded
     ("TrainingSpec.checkpoint_every", {"training": {"checkpoint": "full"}}, 3),  # source: K only for every-k
     ("TrainingSpec.memory_budget", {"training": {"compile": True, "checkpoint": "full"}}, 0.5),
     ("TrainingSpec.optimizer_impl", {"training": {"optimizer": "sgd"}}, "for-loop"),  # source: SGD makes no temporaries

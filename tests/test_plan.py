@@ -144,7 +144,10 @@ def test_zero_degree_fit_matches_estimate():
     exp = ExperimentSpec(model=m, training=TrainingSpec(batch=1, seq=1024, precision="bf16", master_weights=True,
                                                         zero=3, checkpoint="full"))
     f = fit_gpus(exp)
-    for n in (3, 7, 100, 1000):
+    # not 1000: FSDP2 pads every shard to ceil(rows / N) rows (engine/fsdp.py padded_shard_numel), so
+    # with more ranks than a tensor has rows (TinyLlama's 256 K/V rows) the step leaves a + b / N;
+    # plan confirms its counts with direct estimates, the fit only seeds the search
+    for n in (3, 7, 100):
         direct = estimate(exp.model_copy(update={"training": exp.training.model_copy(update={"gpus": n})}),
                           timeline=False).peak_bytes
         assert abs(float(f.peak(n)) - direct) <= 0.01 * direct, n
@@ -258,7 +261,7 @@ REQUIRED_PEAKS = [
     19,  # source: slack rounds down to 0 (19 x 0.05 = 0.95)
     20,  # source: slack exactly 1 byte
     4_157_993_472,  # source: tests/snapshots/config-bf16_fused_chkpt.json steady_peak_bytes
-    74_202_328_576,  # source: tests/snapshots/llama70b-zero3-master.json steady_peak_bytes
+    86_220_810_240,  # source: tests/snapshots/llama70b-zero3-master.json steady_peak_bytes
     130_158_643_200,  # source: tests/snapshots/llama13b-compile-ckpt.json first_step_peak_bytes
 ]
 

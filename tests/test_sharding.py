@@ -56,25 +56,26 @@ COUNTS = count_params(MODEL_7B5)
 
 @pytest.fixture(scope="module")
 def states_at_step():
-    """Per stage: weights, gradients and optimizer state alive when the optimizer step starts
-    (steady state, batch 1 x 512; activations are gone by then)."""
+    """Per (stage, sharding): weights, gradients and optimizer state alive when the optimizer step
+    starts (steady state, batch 1 x 512; activations are gone by then)."""
     out = {}
-    for stage in (0, 1, 2, 3):
+    for stage, sharding in ((0, "fsdp2"), (1, "fsdp2"), (2, "deepspeed"), (3, "deepspeed"), (2, "fsdp2"), (3, "fsdp2")):
         exp = ExperimentSpec(model=MODEL_7B5, training=TrainingSpec(
-            batch=1, seq=512, precision="bf16", master_weights=True, zero=stage, gpus=N_D))
+            batch=1, seq=512, precision="bf16", master_weights=True, zero=stage, gpus=N_D, sharding=sharding))
         est = estimate(exp)
         pt = next(p for p in est.timeline if p.phase == "optimizer step")
-        out[stage] = pt.by_kind
+        out[stage, sharding] = pt.by_kind
     return out
 
 
-@pytest.mark.slow  # four timelines of the 7.5B model; the formula rows above stay fast
-@pytest.mark.parametrize("stage", [0, 1, 2])
-def test_timeline_model_states_match_zero_formula(states_at_step, stage):
+@pytest.mark.slow  # six timelines of the 7.5B model; the formula rows above stay fast
+@pytest.mark.parametrize("stage,sharding", [(0, "fsdp2"), (1, "fsdp2"), (2, "deepspeed")])
+def test_timeline_model_states_match_zero_formula(states_at_step, stage, sharding):
     # source: ZeRO paper Table 1 arithmetic (K = 12: fp32 master + momentum + variance) for this
     # model's exact parameter count; the timeline shards tensor by tensor (ceil per tensor and
-    # 512-byte allocator rounding), so it may exceed the formula by a little
-    k = states_at_step[stage]
+    # 512-byte allocator rounding), so it may exceed the formula by a little. Stages 0 and 1 (no
+    # FSDP runs) and the generic ZeRO model (deepspeed until its buckets are modelled) follow the paper.
+    k = states_at_step[stage, sharding]
     ms = model_state_bytes(COUNTS.total, stage, N_D)
     tl = k["weights"] + k["gradients"] + k["optimizer_state"]
     assert k["activations"] == 0
@@ -84,14 +85,30 @@ def test_timeline_model_states_match_zero_formula(states_at_step, stage):
 
 
 @pytest.mark.slow
-def test_timeline_zero3_keeps_embedding_and_head_whole(states_at_step):
-    # source: PyTorch FSDP wraps each decoder layer as a unit and leaves the embedding, final norm
-    # and LM head in the root unit; in memcalc's timeline (memcalc/sharding.py) the root unit's
-    # weights stay whole while the layers are sharded 1/N_d. The ZeRO formula shards everything,
-    # so at stage 3 the timeline holds the root weights' other 63/64 on top. The gathered layer
-    # buffers (two layers' bf16 weights, all-gathered for forward/backward) are freed by the time
-    # the optimizer step starts, so they do not appear here.
-    k = states_at_step[3]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fsdp2_shards_everything_at_rest(states_at_step, stage):
+    # source: torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam._init_sharded_param (every
+    # parameter, root ones included, is a dim-0 shard at rest; reshard_after_forward=False, zero 2, only
+    # keeps them unsharded between forward and backward) and _fsdp_api.py MixedPrecisionPolicy (fp32
+    # shards, param_dtype bf16, reduce_dtype fp32: fp32 gradient shards, no separate master copy):
+    # 4 + 4 + 8 bytes per parameter over N_d, which is the ZeRO paper's stage-3 total (2 + 2 + 12)
+    k = states_at_step[stage, "fsdp2"]
+    ms = model_state_bytes(COUNTS.total, 3, N_D)
+    assert k["activations"] == 0
+    tl = k["weights"] + k["gradients"] + k["optimizer_state"]
+    assert abs(tl - ms.total_bytes) / ms.total_bytes < 0.01
+    assert abs(k["weights"] - 4 * COUNTS.total / N_D) / (4 * COUNTS.total / N_D) < 0.01
+    assert abs(k["gradients"] - 4 * COUNTS.total / N_D) / (4 * COUNTS.total / N_D) < 0.01
+    assert abs(k["optimizer_state"] - 8 * COUNTS.total / N_D) / (8 * COUNTS.total / N_D) < 0.01
+
+
+@pytest.mark.slow
+def test_generic_zero3_keeps_embedding_and_head_whole(states_at_step):
+    # source: the generic ZeRO-3 model (memcalc/engine/sharding.py LayerGather, used for --sharding
+    # deepspeed until its buckets are modelled) shards the decoder layers 1/N_d and leaves the
+    # embedding, final norm and LM head whole. The ZeRO formula shards everything, so at stage 3 the
+    # timeline holds the root weights' other 63/64 on top.
+    k = states_at_step[3, "deepspeed"]
     ms = model_state_bytes(COUNTS.total, 3, N_D)
     root = 2 * (COUNTS.embedding + COUNTS.head + MODEL_7B5.d_model)  # bf16 embedding, head, final norm
     expected = ms.total_bytes + root - root // N_D

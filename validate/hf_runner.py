@@ -68,7 +68,7 @@ def _has_every_n_layers() -> bool:
 def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
     """Why ``--framework hf`` cannot run this experiment on ``device`` (None when it can)."""
     tr = exp.training
-    if tr.checkpoint in ("sqrt", "selective"):
+    if tr.checkpoint in ("sqrt", "selective", "selective-op"):
         return (f"--framework hf: checkpoint {tr.checkpoint} has no Hugging Face equivalent "
                 "(activation_checkpointing_enable checkpoints every layer or every N-th: full, every-K)")
     if tr.checkpoint == "every-k" and not _has_every_n_layers():

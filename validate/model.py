@@ -43,6 +43,32 @@ from .offload import OffloadActivations
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def op_sac_context():
+    """torchtitan's op-level selective activation checkpointing (``--checkpoint selective-op``):
+    ``_save_list`` = {mm, flash and memory-efficient SDPA} and ``_custom_policy`` (MUST_SAVE a
+    listed op's output except every second mm, counted per forward / recompute; PREFER_RECOMPUTE
+    the rest) through ``create_selective_checkpoint_contexts``
+    (torchtitan/distributed/activation_checkpoint.py before its name-based rewrite). The
+    estimator's twin is ``memcalc.engine.checkpoint.OpSaver``."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    mm = torch.ops.aten.mm.default
+    save = {mm, torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default, torch.ops.aten.max.default}
+    meta: dict = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+        if func == mm:
+            meta[key] += 1
+        to_save = func in save and not (func == mm and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if to_save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
@@ -304,8 +330,10 @@ class Decoder(nn.Module):
             cb = self.on_label
             t.register_hook(lambda g: cb(text))
 
-    def _ckpt(self, fn, *args):
-        return checkpoint(self.amp.wrap(fn), *args, use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng)
+    def _ckpt(self, fn, *args, context_fn=None):
+        kw = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(self.amp.wrap(fn), *args, use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng,
+                          **kw)
 
     def run_layers(self, x: torch.Tensor, cos, sin, masks: Optional[dict] = None) -> torch.Tensor:
         tr, n, m = self.tr, self.m.n_layers, self.m
@@ -316,6 +344,10 @@ class Decoder(nn.Module):
             self._label(f"layer {i}")
             if mode == "full" or (mode == "every-k" and i % tr.checkpoint_every == 0):
                 x = self._ckpt(self.layers[i], x, cos, sin, variants.layer_mask(m, masks, i))
+                step = 1
+            elif mode == "selective-op":
+                x = self._ckpt(self.layers[i], x, cos, sin, variants.layer_mask(m, masks, i),
+                               context_fn=op_sac_context)
                 step = 1
             elif mode == "sqrt":
                 hi = min(n, i + sqrt_segments(n))

@@ -64,7 +64,6 @@ NESTED: dict[str, str] = {
 #: the estimate only through their parameters) and their activation rules are still to come
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
-    "TrainingSpec.sharding": "issue 13: FSDP2 / FSDP1 / DeepSpeed mechanics (buffer lifetimes, buckets) are being modelled",
     "TrainingSpec.tp": "issue 13: tensor parallelism is being modelled",
     "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
     "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload (16-bit partitions on the host) "
@@ -75,6 +74,7 @@ PENDING: dict[str, str] = {
 CONDITIONAL: dict[str, str] = {
     "TrainingSpec.zero": "one GPU (nothing to shard); stage 1 with offload_optimizer (the state is on the CPU)",
     "TrainingSpec.gpus": "zero 0 (plain data parallelism: a whole copy per GPU)",
+    "TrainingSpec.sharding": "one GPU or zero 0 (nothing is sharded, so no framework's sharding runs)",
     "TrainingSpec.checkpoint_every": "any checkpoint mode but every-k",
     "TrainingSpec.memory_budget": "compile with checkpointing (the regions are recomputed whole)",
     "TrainingSpec.optimizer_impl": "optimizers whose step makes no temporaries (sgd, sgd-momentum)",

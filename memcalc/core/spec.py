@@ -472,9 +472,9 @@ class TrainingSpec(_Spec):
     optimizer_impl: OptimizerImpl = Field(
         DEFAULT_IMPL, description="Optimizer implementation (CUDA default for AdamW is foreach; for an optimizer without one, its own step)."
     )
-    checkpoint: Literal["none", "full", "every-k", "sqrt", "selective"] = Field(
+    checkpoint: Literal["none", "full", "every-k", "sqrt", "selective", "selective-op"] = Field(
         "none",
-        description="Activation checkpointing: full = every layer, every-k = every K-th layer, sqrt = segments of ~sqrt(n) layers, selective = attention internals only.",
+        description="Activation checkpointing: full = every layer, every-k = every K-th layer, sqrt = segments of ~sqrt(n) layers, selective = attention internals only, selective-op = torchtitan's op-level policy (every layer, keeping every other matmul output and the attention outputs).",
     )
     checkpoint_every: int = Field(2, gt=0, description="K for --checkpoint every-K.")
     fused_optimizer: bool = Field(

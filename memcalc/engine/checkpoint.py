@@ -6,7 +6,8 @@ back-propagated (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_gene
 Non-reentrant checkpointing stops recomputing once the last tensor the region saves has been
 recomputed (early stop, ``_StopRecomputationError``), so allocations after that point cost
 nothing. Modes: ``full`` (every layer), ``every-k`` (every K-th layer), ``sqrt`` (segments of
-about sqrt(n) layers, ``checkpoint_sequential``), ``selective`` (the attention core only).
+about sqrt(n) layers, ``checkpoint_sequential``), ``selective`` (the attention core only),
+``selective-op`` (every layer, keeping torchtitan's op-level selection of outputs: :class:`OpSaver`).
 """
 
 from __future__ import annotations
@@ -20,19 +21,102 @@ from memcalc.engine.sim import Node, Sim, T
 from memcalc.engine.strategy import LayerStrategy, Walk
 
 
+class OpSaver:
+    """torchtitan's op-level selective activation checkpointing policy for one region
+    (``torchtitan/distributed/activation_checkpoint.py`` before its name-based rewrite, and
+    ``torchtitan/models/llama3/parallelize.py``: ``_save_list`` = {``aten.mm``, the flash and
+    memory-efficient SDPA ops, ``aten.max``, the reduce-scatter}, ``_custom_policy``: MUST_SAVE an
+    op in the list except every second ``mm`` (``mm_count % 2 == 0``, counted per region and per
+    forward/recompute), PREFER_RECOMPUTE the rest), run through
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts``: in forward the outputs of
+    the saved ops are cached (kept alive) until the recompute pops them in order instead of
+    computing them again. A linear is an ``mm`` when it has no bias (``addmm`` otherwise) and a
+    16-bit or fp32 weight (a 4-bit base runs bitsandbytes' matmul); attention is saved on the
+    flash and memory-efficient kernels (the math path's matmuls are ``bmm``, not listed).
+
+    Installed as the simulator's op recorder (chaining the one already there). Modes: ``cache``
+    (the first forward: keep a reference to each saved op's new tensors), ``locate`` (the
+    recompute's dry run: where those tensors are allocated), ``adopt`` (the recompute: the
+    ghost allocations take the cached tensors' memory, :meth:`Sim.adopt`)."""
+
+    def __init__(self, sim: Sim) -> None:
+        self.sim = sim
+        self.cache: list[list[T]] = []
+        self.locs: list[list[int]] = []
+        self.mode = "cache"
+        self.prev = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.mm_count = 0
+        self.mark = self.sim.alloc_count
+        self.i = 0
+
+    def start(self, mode: str) -> None:
+        self.mode = mode
+        self._reset()
+        self.prev = self.sim.recorder
+        self.sim.recorder = self
+
+    def stop(self) -> None:
+        self.sim.recorder = self.prev
+
+    def _saved(self, name: str, params: list) -> bool:
+        if name == "linear":
+            if len(params) != 1 or params[0].weight.itemsize_bits < 8:
+                return False
+            self.mm_count += 1
+            return self.mm_count % 2 == 1
+        return name in ("sdpa_flash", "sdpa_efficient")
+
+    def __call__(self, name: str, saved: list[T], inputs: list[T], params: list, outputs: list[T], kw: dict) -> None:
+        if self.prev is not None:
+            self.prev(name, saved, inputs, params, outputs, kw)
+        mark, self.mark = self.mark, self.sim.alloc_count
+        if not self._saved(name, params):
+            return
+        seen: set[int] = set()
+        new = [t for t in [*outputs, *saved] if t.seq > mark and not (id(t) in seen or seen.add(id(t)))]
+        if self.mode == "cache":
+            self.cache.append([self.sim.ref(t) for t in new])
+        elif self.mode == "locate":
+            self.locs.append([t.seq for t in new])
+        elif self.i < len(self.cache):
+            stop = self.sim.ghost_after
+            for dst, src in zip(new, self.cache[self.i]):
+                if src.alive and src.nbytes and (stop is None or dst.seq <= stop):
+                    self.sim.adopt(dst, src)
+        self.i += 1
+
+    def release(self) -> None:
+        """The region's backward is over: cached outputs the recompute never reached go."""
+        for ts in self.cache:
+            for t in ts:
+                if t.alive and t.refs:
+                    self.sim.unref(t)
+        self.cache = []
+
+
 def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[], T], label: str,
-               layer: int) -> T:
+               layer: int, save_ops: bool = False) -> T:
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
-    ``layer``: the decoder layer the region starts at (the checkpoint node carries it)."""
+    ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
+    ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`)."""
     ins = inputs()
+    saver = OpSaver(sim) if save_ops else None
+    if saver is not None:
+        saver.start("cache")
     sim.grad_enabled = False
     out = fn()
     sim.grad_enabled = True
+    if saver is not None:
+        saver.stop()
     out.requires_grad = True
 
     def recompute(s: Sim, node: Node) -> None:
-        saved_nodes, saved_phase = s.nodes, s.phase
+        saved_nodes, saved_phase, saved_layer = s.nodes, s.phase, s.layer
         s.phase = "backward"
+        s.layer = layer  # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
         s.label = f"bwd {label} (recompute)"
         # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
         # is recomputed (early stop): a dry run without memory finds that point.
@@ -40,7 +124,12 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         c0 = s.alloc_count
         s.ghost_after = c0
         s.last_save_count = c0
+        if saver is not None:
+            saver.locs = []
+            saver.start("locate")
         dry = fn()
+        if saver is not None:
+            saver.stop()
         ops.exit_autocast()
         for n in s.nodes:
             for p in n.params:
@@ -49,18 +138,28 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         s.unref(dry)
         stop = s.last_save_count - c0
         s.nodes = []
-        s.ghost_after = s.alloc_count + stop
+        c1 = s.alloc_count
+        s.ghost_after = c1 + stop
+        if saver is not None:  # the cached outputs' allocations take no memory: they adopt the cache
+            s.ghost_at = {c1 + q - c0 for group in saver.locs[:len(saver.cache)] for q in group}
+            saver.start("adopt")
         out2 = fn()
+        if saver is not None:
+            saver.stop()
+            s.ghost_at = set()
         ops.exit_autocast()
         s.ghost_after = None
         sub = s.nodes
         s.nodes = saved_nodes
         s.phase = saved_phase
+        s.layer = saved_layer
         # the recomputed output is discarded; its gradient is the region output's gradient
         out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
         s.unref(out2)
         # back-propagate the region now; the checkpoint node itself then has no work left
         s.run_nodes(sub, lambda n: f"bwd {label}")
+        if saver is not None:
+            saver.release()
         out2.grad_buffer = None
         node.outputs = []
         node.inputs = []
@@ -98,6 +197,9 @@ class Checkpointing(LayerStrategy):
 
     def run(self, fwd: Walk, x: T, lo: int, hi: int) -> T:
         ins = lambda: [x] + rope_region_inputs(fwd)  # noqa: E731 (RoPE tables: only while offloading)
+        if self.mode == "selective-op":
+            return checkpoint(fwd.sim, fwd.ops, ins, lambda: fwd.layer(x, lo), f"layer {lo}", lo,
+                              save_ops=True)
         if self.mode == "sqrt":
             return checkpoint(fwd.sim, fwd.ops, ins, lambda: super(Checkpointing, self).run(fwd, x, lo, hi),
                               f"layers {lo}-{hi - 1}", lo)

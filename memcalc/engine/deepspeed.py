@@ -298,7 +298,9 @@ class _Gathers:
                 self._drop(j)
         self._prefetch(list(range(i + 1, len(self.layer_numel))) + ["head"])
 
-    def backward_enter(self, i: int) -> None:
+    def backward_enter(self, i: Optional[int]) -> None:
+        if i is None:  # backward outside the layers (the root's ops): DeepSpeed's hooks are per layer
+            return
         self.in_backward = True
         for j in [k for k in self.live if isinstance(k, int) and k > i]:
             self._drop(j)
@@ -320,6 +322,26 @@ class _Gathers:
         """Every layer's post-backward hook has run: only the root's parameters stay."""
         for k in [k for k in self.live if isinstance(k, int)]:
             self._drop(k)
+
+    # The walk's other hooks (memcalc.engine.sharding.LayerGather's interface): DeepSpeed acts only
+    # at the region and backward hooks above, and at DeepSpeedZero3.end_backward.
+    def layer_enter(self, i: int) -> None:
+        """A layer's forward starts (nothing more than forward_enter did)."""
+
+    def layer_exit(self, i: int) -> None:
+        """A layer's forward ends (its release is decided at the next forward_enter)."""
+
+    def before_forward(self) -> None:
+        """The model's forward starts."""
+
+    def after_forward(self) -> None:
+        """The model's forward (and loss) returned."""
+
+    def backward_start(self) -> None:
+        """Backward starts at the loss."""
+
+    def end_backward(self) -> None:
+        """Backward has reached the embedding (DeepSpeedZero3.end_backward releases the layers)."""
 
 
 class DeepSpeedZero3(DeepSpeedZero2):

@@ -222,7 +222,11 @@ class Forward:
         """One decoder layer; takes a reference to x and returns a new output reference."""
         where = self.sim.layer, self.sim.role
         self.sim.layer, self.sim.role = i, "layer"
+        if self.gather is not None:  # FSDP2's per-layer pre- and post-forward (engine.fsdp)
+            self.gather.layer_enter(i)
         y = self._layer(x, i)
+        if self.gather is not None:
+            self.gather.layer_exit(i)
         self.sim.layer, self.sim.role = where
         return y
 

@@ -1,20 +1,27 @@
-"""ZeRO / FSDP sharding: what each GPU holds of weights, gradients and optimizer state.
+"""ZeRO sharding: what each GPU holds of weights, gradients and optimizer state.
 
 Stages follow Rajbhandari et al. 2020 ("ZeRO", Table 1): stage 1 shards the
 optimizer state (including fp32 master weights), stage 2 also the gradients,
-stage 3 also the weights, each over ``gpus`` data-parallel ranks. The timeline
-uses PyTorch FSDP's mechanics (no large fixed buckets): a gradient is produced
-whole, reduce-scattered, and only its shard kept; under stage 3 a layer's
-weights are all-gathered (whole, in the weight dtype) for its forward and again
-for its backward, with the next layer prefetched. Embedding, final norm and
-head stay whole (FSDP's root unit). CPU offload keeps optimizer state, and the
-step, on the CPU. DeepSpeed's reduce/all-gather buckets (``reduce_bucket_size``)
-and DDP's gradient buckets are not modelled.
+stage 3 also the weights, each over ``gpus`` data-parallel ranks
+(:func:`model_state_bytes`). Who runs the stage is ``TrainingSpec.sharding``:
+FSDP2 (the default) is simulated op by op in :mod:`memcalc.engine.fsdp` (every
+parameter sharded, root included; per-unit all-gather, copy-out and
+reduce-scatter buffers), FSDP1 in :mod:`memcalc.engine.fsdp1` (flat parameters);
+:func:`sharding_mechanics` names which in the inputs table. Elsewhere
+(``deepspeed`` until its own mechanics are modelled, and stage 1) the generic
+model applies: a gradient
+is produced whole, reduce-scattered, and only its shard kept; under stage 3 a
+layer's weights are all-gathered whole for its forward and again for its
+backward, with the next layer prefetched (:class:`LayerGather`), while the
+embedding, final norm and head stay whole. CPU offload keeps optimizer state,
+and the step, on the CPU. DeepSpeed's reduce/all-gather buckets and DDP's
+gradient buckets are not modelled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 def shard(n_bytes: int, gpus: int) -> int:
@@ -53,11 +60,14 @@ def model_state_bytes(n_params: int, zero: int, gpus: int, weight_bytes: int = 2
 
 
 class LayerGather:
-    """ZeRO-3 (FSDP) all-gathers: a layer's weights are gathered whole (``layer_bytes``, the
-    weight dtype) for its forward and again for its backward, with the next layer in that
-    direction prefetched (FSDP's forward and backward prefetch), and freed once the walk has
-    moved past them. The decoder walk calls :meth:`forward_enter`; the timeline calls
-    :meth:`backward_enter` when backward reaches a layer."""
+    """The generic ZeRO-3 all-gathers (the ZeRO paper's stage 3, used where no framework's own
+    mechanics are modelled: ``--sharding deepspeed`` for now; ``fsdp2`` and ``fsdp1`` are
+    :mod:`memcalc.engine.fsdp` and :mod:`memcalc.engine.fsdp1`): a layer's weights are gathered whole (``layer_bytes``,
+    the weight dtype) for its forward and again for its backward, with the next layer in that
+    direction prefetched, and freed once the walk has moved past them. The decoder walk calls
+    :meth:`forward_enter` per region and :meth:`layer_enter` / :meth:`layer_exit` per layer; the
+    timeline calls :meth:`backward_enter` when backward reaches a layer (``None``: outside the
+    layers) and the other hooks (no-ops here) around the step."""
 
     def __init__(self, sim, layer_bytes: int, n_layers: int) -> None:
         self.sim = sim
@@ -76,8 +86,48 @@ class LayerGather:
     def forward_enter(self, i: int) -> None:
         self.keep([i, i + 1] if i + 1 < self.n_layers else [i])
 
-    def backward_enter(self, i: int) -> None:
-        self.keep([i, i - 1] if i > 0 else [i])
+    def backward_enter(self, i: Optional[int]) -> None:
+        if i is not None:
+            self.keep([i, i - 1] if i > 0 else [i])
+
+    def layer_enter(self, i: int) -> None:
+        """A layer's forward starts (the region hook gathers)."""
+
+    def layer_exit(self, i: int) -> None:
+        """A layer's forward ends."""
+
+    def before_forward(self) -> None:
+        """The model's forward starts."""
+
+    def after_forward(self) -> None:
+        """The model's forward (and loss) returned."""
+
+    def backward_start(self) -> None:
+        """Backward starts at the loss."""
+
+    def end_backward(self) -> None:
+        """Backward has reached the embedding."""
 
     def release(self) -> None:
         self.keep([])
+
+
+def sharding_mechanics(tr) -> str:
+    """Whose mechanics the estimate runs for ``tr``'s ZeRO stage, in words (the inputs table):
+    FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), or the generic
+    ZeRO arithmetic where a framework's own is not modelled; empty when nothing is sharded."""
+    from memcalc.engine import fsdp
+
+    if tr.gpus <= 1 or tr.zero == 0:
+        return ""
+    if fsdp.fsdp2_active(tr):
+        return f"FSDP2, {fsdp.policy(tr).describe()}"
+    if fsdp.fsdp_active(tr):  # FSDP1 (engine.fsdp1)
+        pol = fsdp.policy(tr)
+        how = ["FULL_SHARD" if pol.reshard_after_forward else "SHARD_GRAD_OP", "flat parameters"]
+        if pol.cast or pol.reduce != pol.param:
+            how.append(f"MixedPrecision {pol.param.value}/{pol.reduce.value}")
+        return "FSDP1, " + ", ".join(how)
+    if tr.zero == 1 and tr.sharding in ("fsdp2", "fsdp1"):
+        return "DDP + ZeroRedundancyOptimizer: FSDP has no stage 1"
+    return f"{tr.sharding}: generic ZeRO model (its own buffers not modelled)"

@@ -43,6 +43,7 @@ class T:
     producer: Optional["Node"] = None
     name: str = ""
     uid: int = 0  # identity in the allocation event log
+    seq: int = 0  # Sim.alloc_count when it was allocated (which op made it)
 
 
 @dataclass(eq=False)
@@ -57,6 +58,10 @@ class Param:
     numel: int
     grad: Optional[T] = None
     grad_keep_bytes: Optional[int] = None  # the gradient shard kept after a reduce-scatter (ZeRO-2/3)
+    # FSDP2 (memcalc.engine.fsdp): AccumulateGrad fills the unsharded parameter's .grad, which waits
+    # for its unit's post-backward reduce-scatter (which then sets ``grad`` to the shard)
+    deferred_reduce: bool = False
+    unsharded_grad: Optional[T] = None
     uses: int = 0  # nodes of the current graph that will send this parameter a gradient
     pending: Optional[T] = None  # AccumulateGrad's input buffer while more contributions are due
 
@@ -116,13 +121,16 @@ class Sim:
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
+        self.ghost_at: set[int] = set()  # allocations at these counts take no memory (a cached output)
         # where the forward code is: the decoder layer (None outside the layers) and the part of
         # the model (Forward sets both; every node records them)
         self.layer: Optional[int] = None
         self.role = ""
-        # called when backward moves on to a node of a decoder layer under a new label (ZeRO-3
-        # regathers there)
-        self.on_layer: Optional[Callable[["Sim", int], None]] = None
+        # called when backward moves on to a node of another decoder layer, or from a layer to a node
+        # outside the layers (``None``): ZeRO-3 regathers there, FSDP2 runs its post- and
+        # pre-backward hooks there
+        self.on_layer: Optional[Callable[["Sim", Optional[int]], None]] = None
+        self.bwd_layer: Optional[int] = None  # the decoder layer backward is in
         # called with every op as the forward code issues it, before autograd filtering
         # (memcalc.compile.compiled records the forward graph this way)
         self.recorder: Optional[Callable[..., None]] = None
@@ -134,10 +142,10 @@ class Sim:
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
         """Allocate a block (rounded up); returns it with one reference."""
         self.alloc_count += 1
-        if self.ghost_after is not None and self.alloc_count > self.ghost_after:
-            return T(0, kind, category, requires_grad=requires_grad, name=name)
+        if (self.ghost_after is not None and self.alloc_count > self.ghost_after) or self.alloc_count in self.ghost_at:
+            return T(0, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
         n = round_up(int(nbytes), self.round_bytes)
-        t = T(n, kind, category, requires_grad=requires_grad, name=name)
+        t = T(n, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
         if self.events is not None and n:
             self._uid += 1
             t.uid = self._uid
@@ -164,6 +172,16 @@ class Sim:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
         t = self.alloc(nbytes, kind, category)
         self.unref(t)
+
+    def adopt(self, dst: T, src: T) -> None:
+        """``dst`` (allocated as a ghost, no bytes) becomes the memory of ``src``, which gives up
+        its bytes and one reference: a selective checkpoint's recompute returns the output it
+        cached in forward instead of computing a new one (torch/utils/checkpoint.py
+        ``_CachingTorchDispatchMode``: ``storage[func].pop(0)``)."""
+        assert dst.nbytes == 0 and src.alive
+        dst.nbytes, dst.kind, dst.category, dst.uid = src.nbytes, src.kind, src.category, src.uid
+        src.nbytes, src.uid = 0, 0
+        self.unref(src)
 
     def ref(self, t: T) -> T:
         assert t.alive, f"reference to a freed tensor {t.name}"
@@ -229,6 +247,7 @@ class Sim:
     def backward(self, loss: T, loss_grad_bytes: int, label_of: Callable[[Node], str]) -> None:
         """Run backward from ``loss`` over all registered nodes (reverse creation order)."""
         loss.grad_buffer = self.alloc(loss_grad_bytes, "temporaries", "activation gradients")
+        self.bwd_layer = None
         self.run_nodes(self.nodes, label_of)
         if self.offload is not None:
             self.offload.end_backward(self)
@@ -242,11 +261,13 @@ class Sim:
                 self._release_node(node)
                 continue
             lab = label_of(node)
-            if lab != self.label:
-                if node.layer is not None and self.on_layer is not None:
+            if node.layer != self.bwd_layer:
+                if self.on_layer is not None:
                     self.trace_label = lab  # the layer's own allocations (a ZeRO-3 regather), in the trace
                     self.on_layer(self, node.layer)
                     self.trace_label = None
+                self.bwd_layer = node.layer
+            if lab != self.label:
                 self.label = lab
                 self.snapshot_point()
             if node.offloaded:  # saved tensors come back from host memory first (before a recompute)
@@ -298,6 +319,12 @@ class Sim:
                 g, p.pending = total, None
             if p.uses > 0:  # AccumulateGrad waits for the other uses
                 p.pending = g
+                continue
+            if p.deferred_reduce:  # FSDP2: the unit's post-backward reduces it (engine.fsdp)
+                if p.unsharded_grad is None:
+                    p.unsharded_grad = g
+                else:
+                    self.unref(g)
                 continue
             if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
                 shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")

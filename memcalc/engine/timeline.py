@@ -23,6 +23,8 @@ from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.deepspeed import DeepSpeedZero2, DeepSpeedZero3, deepspeed_optimizer, uses_deepspeed
 from memcalc.engine.forward import Forward
+from memcalc.engine.fsdp import FSDP2, optimizer_training
+from memcalc.engine.fsdp1 import FSDP1
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.offload import ActivationOffload
@@ -92,7 +94,7 @@ def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tupl
     model = make_params(sim, exp)
     rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, exp.training.lora)}
     opt = (deepspeed_optimizer(sim, exp, model.order) if uses_deepspeed(exp)  # its own optimizer side (engine.deepspeed)
-           else OptimizerSim(sim, exp.training, model.order, rows_of))
+           else OptimizerSim(sim, optimizer_training(exp.training), model.order, rows_of))
     if create_state:
         opt.create_all()
     return model, opt
@@ -106,6 +108,19 @@ def weights_and_state_bytes(exp: ExperimentSpec) -> int:
     sim.record_timeline = False
     weights_and_state(sim, exp, create_state=True)
     return sim.total
+
+
+def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model):
+    """What gathers and reduces the sharded state during the step: FSDP2's per-unit buffers
+    (:class:`memcalc.engine.fsdp.FSDP2`), FSDP1's flat units (:class:`memcalc.engine.fsdp1.FSDP1`), the generic ZeRO-3 layer gathers
+    (:class:`memcalc.engine.sharding.LayerGather`), or None (nothing sharded or gathered)."""
+    if model.fsdp1:
+        return FSDP1(sim, exp, model.order, model.shapes)
+    if model.fsdp2:
+        return FSDP2(sim, exp, model.order, model.shapes)
+    if model.layer_gather_bytes:
+        return LayerGather(sim, model.layer_gather_bytes, exp.model.n_layers)
+    return None
 
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
@@ -152,22 +167,27 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
 
     if isinstance(opt, DeepSpeedZero2):
         sim.grad_ready = opt.grad_ready
-    gather = None
-    if isinstance(opt, DeepSpeedZero3):  # DeepSpeed's own gathers (engine.deepspeed)
-        gather = opt.gather
-        sim.on_layer = lambda s, i: gather.backward_enter(i)
-    elif model.layer_gather_bytes:
-        gather = LayerGather(sim, model.layer_gather_bytes, exp.model.n_layers)
+    # DeepSpeed ZeRO-3 gathers its own way (engine.deepspeed); FSDP2/FSDP1/generic ZeRO-3 otherwise
+    gather = opt.gather if isinstance(opt, DeepSpeedZero3) else sharded_runtime(sim, exp, model)
+    if gather is not None:
         sim.on_layer = lambda s, i: gather.backward_enter(i)
     for layers in strategies:
         sim.nodes = []
+        if gather is not None:
+            gather.before_forward()
         fwd = Forward(sim, exp, model, layers, gather)
         loss = fwd.run()
+        if gather is not None:
+            gather.after_forward()
         sim.mark("backward start", "backward")
+        if gather is not None:
+            gather.backward_start()
         sim.backward(loss, 4, _label_of)
         layers.end_backward(fwd)
         if isinstance(opt, DeepSpeedZero2):
             opt.end_backward()
+        if gather is not None:
+            gather.end_backward()
         for p in deferred:
             hook(sim, p)
         deferred.clear()

@@ -15,6 +15,7 @@ import sys
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS
+from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.moe import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
@@ -65,8 +66,10 @@ def required_bytes(peak_bytes):
 
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     """Bytes per trainable parameter of weights, gradients, master copy and optimizer state
-    (LoRA: of the adapters, in :attr:`ExperimentSpec.adapter_dtype`; fp32 adapters step as fp32)."""
-    tr = exp.training
+    (LoRA: of the adapters, in :attr:`ExperimentSpec.adapter_dtype`; fp32 adapters step as fp32).
+    Under FSDP2 / FSDP1 with ``--master-weights`` the shards and gradient shards are fp32 and the optimizer
+    steps them (no separate master copy: :func:`memcalc.engine.fsdp.optimizer_training`)."""
+    tr = optimizer_training(exp.training)
     adt = exp.adapter_dtype
     if adt is not None and adt.bits == 32 and tr.weight_dtype.bits != 32 and not tr.master_weights:
         tr = tr.model_copy(update={"precision": "fp32"})
@@ -91,6 +94,13 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
         notes.append(f"zero {tr.zero} has no effect with one GPU: nothing to shard (set gpus)")
     if tr.zero == 1 and tr.gpus > 1 and tr.offload_optimizer:
         notes.append("zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU")
+    if tr.sharding != default["sharding"] and (tr.gpus == 1 or tr.zero == 0):
+        notes.append(f"sharding {tr.sharding} has no effect with zero {tr.zero} on {tr.gpus} GPU"
+                     f"{'s' if tr.gpus > 1 else ''}: nothing is sharded")
+    if tr.zero == 1 and tr.gpus > 1 and tr.sharding in ("fsdp2", "fsdp1"):
+        notes.append(f"zero 1 under {tr.sharding}: FSDP has no stage 1 (it always shards the parameters); estimated "
+                     "as DDP + ZeroRedundancyOptimizer, the ZeRO paper's stage 1 (optimizer state sharded, whole "
+                     "weights and gradients; DDP's gradient buckets not modelled)")
     if tr.gpus > 1 and tr.zero == 0:
         notes.append(f"gpus {tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
                      "every GPU (the estimate is per GPU)")
@@ -255,7 +265,10 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(technique_extra(steady, first)),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
-               **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)} if exp.training.offload_optimizer else {}),
+               **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)}
+                  if exp.training.offload_optimizer and not fsdp_active(exp.training) else {}),
+               **({"host_offload_bytes": host_offload_bytes(exp)}
+                  if exp.training.offload_optimizer and fsdp_active(exp.training) else {}),
                **({"recompute": recompute} if recompute else {})},
     )
 

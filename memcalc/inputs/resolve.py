@@ -108,9 +108,9 @@ MAX_CHECKPOINT_EVERY = 100_000
 
 
 def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
-    """none | full | every-K (1 <= K <= MAX_CHECKPOINT_EVERY) | sqrt | selective."""
+    """none | full | every-K (1 <= K <= MAX_CHECKPOINT_EVERY) | sqrt | selective | selective-op."""
     v = value.strip().lower()
-    if v in ("none", "full", "sqrt", "selective"):
+    if v in ("none", "full", "sqrt", "selective", "selective-op"):
         return v, None
     m = re.fullmatch(r"every-?(\d+)", v)
     if m and (len(m.group(1).lstrip("0")) > len(str(MAX_CHECKPOINT_EVERY)) or int(m.group(1)) > MAX_CHECKPOINT_EVERY):
@@ -118,7 +118,7 @@ def parse_checkpoint(value: str) -> tuple[str, Optional[int]]:
     if m and int(m.group(1)) >= 1:
         k = int(m.group(1))
         return ("full", None) if k == 1 else ("every-k", k)
-    raise UserError(f"unknown --checkpoint {clip(value)!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective")
+    raise UserError(f"unknown --checkpoint {clip(value)!r}; valid: none, full, every-K (e.g. every-2), sqrt, selective, selective-op")
 
 
 def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, ...]:

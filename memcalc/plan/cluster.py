@@ -1,6 +1,7 @@
 """``memcalc plan --model M`` (:func:`plan_cluster`): for every GPU in the catalog, the fewest
-GPUs for a full fine-tune and for a LoRA run at batch 1 per GPU (ZeRO-3 over N GPUs), fitted in N
-(:func:`memcalc.plan.fits.fit_gpus`) and confirmed with direct estimates."""
+GPUs for a full fine-tune and for a LoRA run at batch 1 per GPU (ZeRO-3 over N GPUs run by FSDP2,
+:data:`SHARDING`: :mod:`memcalc.engine.fsdp`), fitted in N (:func:`memcalc.plan.fits.fit_gpus`)
+and confirmed with direct estimates."""
 
 from __future__ import annotations
 
@@ -20,25 +21,33 @@ from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor
 
 #: The catalog search for ``plan --model M`` (no --gpu) covers 1..GPU_CAP GPUs.
 GPU_CAP = 1024
+#: Whose sharding the counts assume (``TrainingSpec.sharding``), and in words (text and --json).
+SHARDING = "fsdp2"
+SHARDING_TEXT = ("FSDP2 (torch fully_shard per decoder layer and on the root, torchtitan-style): every parameter "
+                 "sharded, each layer all-gathered for its forward and again for its backward (reshard after "
+                 "forward), gradients reduce-scattered per layer; MixedPrecisionPolicy bf16 parameters / fp32 "
+                 "reduce over fp32 shards for the full fine-tune")
 
 
 def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[str, dict[str, ExperimentSpec]]:
     """The two multi-GPU setups (per GPU: batch 1 x ``seq``), each with checkpointing none and full.
 
-    full: bf16 weights and gradients + fp32 master weights and AdamW moments (16 B/param),
-    ZeRO-3 over the GPUs, no offload. lora: bf16 frozen base, rank-16 adapters on q,k,v,o,
-    AdamW, ZeRO-3 (sharding the frozen base) over the GPUs.
+    full: ``--bf16 --master-weights`` (16 B/param: under FSDP2 fp32 shards, fp32 gradient shards and
+    fp32 AdamW moments, bf16 all-gathers), ZeRO-3 over the GPUs run by FSDP2 (:data:`SHARDING`), no
+    offload. lora: bf16 frozen base, rank-16 adapters on q,k,v,o, AdamW, ZeRO-3 (FSDP2, sharding the
+    frozen base too) over the GPUs.
     """
     out: dict[str, dict[str, ExperimentSpec]] = {"full": {}, "lora": {}}
     for ck in ("none", "full"):
         out["full"][ck] = ExperimentSpec(
             name=f"{model.name} full fine-tune", model=model, profile=profile,
             training=TrainingSpec(batch=1, seq=seq, precision="bf16", master_weights=True, optimizer="adamw",
-                                  zero=3, gpus=1, checkpoint=ck))
+                                  zero=3, gpus=1, checkpoint=ck, sharding=SHARDING))
         out["lora"][ck] = ExperimentSpec(
             name=f"{model.name} LoRA", model=model, profile=profile,
             training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
-                                  checkpoint=ck, lora=LoraSpec(rank=LORA_RANK, targets=model.attention_lora_targets)))
+                                  checkpoint=ck, sharding=SHARDING,
+                                  lora=LoraSpec(rank=LORA_RANK, targets=model.attention_lora_targets)))
     return out
 
 
@@ -87,6 +96,8 @@ class ClusterPlan:
     rows: list[ClusterRow]
     params: int
     notes: list[str] = field(default_factory=list)
+    sharding: str = SHARDING  # whose sharding the counts assume (TrainingSpec.sharding)
+    sharding_text: str = SHARDING_TEXT
 
 
 def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[KernelProfile] = None,
@@ -160,11 +171,13 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
             reqs[s] = required_bytes(estimated_peak(e)) if confirm else int(req[s][ck][n - 1])
         rows.append(ClusterRow(g, mins, cks, reqs))
     notes = [
-        f"full fine-tune: bf16 weights and gradients + fp32 master weights and AdamW moments (16 bytes/param), "
-        f"ZeRO-3 over N GPUs (FSDP mechanics: layers all-gathered one at a time, embedding and head whole), no offload, "
-        f"batch 1 x seq {seq} per GPU, activation checkpointing none if it fits at that count, else full",
-        f"LoRA: bf16 frozen base, rank {LORA_RANK} adapters on q,k,v,o, AdamW; ZeRO-3 shards the frozen base when one GPU "
-        f"is not enough; checkpointing as above",
+        f"sharding: ZeRO-3 over N GPUs by {SHARDING_TEXT}; the root unit (embedding, final norm, head) is "
+        "all-gathered whole on every GPU and the head's gradient waits for the end of backward, so a per-GPU floor "
+        "remains however many GPUs",
+        f"full fine-tune: bf16 compute with fp32 shards, gradient shards and AdamW moments (16 bytes/param over N), "
+        f"no offload, batch 1 x seq {seq} per GPU, activation checkpointing none if it fits at that count, else full",
+        f"LoRA: bf16 frozen base, rank {LORA_RANK} adapters on q,k,v,o, AdamW; FSDP2 shards the frozen base when one "
+        f"GPU is not enough; checkpointing as above",
         f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
         "and nodes of 8, so the next power of two is shown too",
     ]

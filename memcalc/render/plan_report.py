@@ -102,8 +102,8 @@ def render_gpu_plan(p: GpuPlan, console=None) -> None:
 
 
 def cluster_plan_json(p: ClusterPlan) -> dict[str, Any]:
-    return {"model": p.model.name, "params": p.params, "seq": p.seq, "gpus": [r.as_dict() for r in p.rows],
-            "notes": p.notes}
+    return {"model": p.model.name, "params": p.params, "seq": p.seq, "sharding": p.sharding,
+            "sharding_mechanics": p.sharding_text, "gpus": [r.as_dict() for r in p.rows], "notes": p.notes}
 
 
 def render_cluster_plan(p: ClusterPlan, console=None) -> None:
@@ -128,5 +128,6 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
                       r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
         t.add_row(*cells)
     c.print(t)
+    c.print(f"sharding assumed: ZeRO-3 by {p.sharding} (--sharding {p.sharding})")
     for n in p.notes:
         c.print(f"[dim]{n}[/dim]")

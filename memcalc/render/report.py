@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from memcalc.engine.sharding import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
@@ -87,6 +88,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "compiled": est.extra.get("compiled"),
         "recompute": est.extra.get("recompute"),
         **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
+        **({"host_offload_bytes": est.extra["host_offload_bytes"]} if "host_offload_bytes" in est.extra else {}),
         "gpus": fits_rows(est, gpus),
         "inputs": {
             "model": exp.model.model_dump(),
@@ -151,7 +153,9 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
     if tr.zero or tr.gpus > 1 or tr.offload_optimizer or {"zero", "gpus", "offload_optimizer"} & {
             k for k, v in o.items() if v == "flag"}:
         shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
+        how = sharding_mechanics(tr)
         t.add_row("sharding", f"{shard} over {tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
+                  + (f" ({how}){_mark(o, 'sharding')}" if how else "")
                   + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
     if tr.compile:
         t.add_row("compile", f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
@@ -259,6 +263,10 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     if host is not None:
         c.print(f"host memory: {fmt_bytes(host)} of optimizer state (and fp32 master weights) per GPU lives on the CPU "
                 "(--offload-optimizer; not in the GPU peak)")
+    host = est.extra.get("host_offload_bytes")
+    if host is not None:
+        c.print(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
+                "lives on the CPU (FSDP2 CPUOffloadPolicy, --offload-optimizer; not in the GPU peak)")
     c.print(gpu_table(est, gpus))
     for a in est.assumptions:
         c.print(f"[dim]assumption: {a}[/dim]")
