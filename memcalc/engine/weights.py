@@ -13,6 +13,7 @@ from memcalc.core.spec import ExperimentSpec, ModelSpec
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim
+from memcalc.engine.tensor_parallel import local_experiment
 
 
 def quantized_bytes(numel: int, block: int, double_quant: bool) -> int:
@@ -47,7 +48,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     params: dict[str, Param] = {}
     order: list[Param] = []
     gather = 0
-    for pt in param_inventory(exp.model, lora):
+    for pt in param_inventory(local_experiment(exp).model, lora):  # tensor parallelism: this rank's shards
         quant = lora is not None and lora.qlora and pt.quantizable
         pdt = adt if pt.kind == "lora" else wdt
         if quant:
