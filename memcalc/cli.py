@@ -469,6 +469,7 @@ def validate(
     lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
     lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
@@ -496,6 +497,8 @@ def validate(
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
 
       memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
+
+      memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
@@ -533,6 +536,7 @@ def validate(
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
     )
+    common.update(tp=tp, sequence_parallel=sequence_parallel)  # traced on the fake process group (validate/sharded/tp.py)
     items: list = []
     if names:
         for n in names:
@@ -549,6 +553,8 @@ def validate(
     if not traced <= {"plain", "hf"} or len(traced) > 1:
         raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
                         f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
+    if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
+        raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
     records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
                            reentrant=reentrant)
     if html is not None:

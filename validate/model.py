@@ -350,7 +350,7 @@ class Decoder(nn.Module):
         if m.final_norm:
             x = self.final_norm(x)
         del masks  # the model's forward returns (checkpoint closures may still hold them)
-        logits = self.lm_head(x, self.embed_tokens.weight if m.tie_embeddings else None)
+        logits = self.lm_head(x, weight=self.embed_tokens.weight if m.tie_embeddings else None)
         del x
         if m.logit_scale != 1.0:  # Cohere logit_scale, Granite 1 / logits_scaling
             logits = logits * m.logit_scale

@@ -157,3 +157,11 @@ class TensorParallel:
         backward, a second input-sized tensor alive beside it (a backward temporary of the node)."""
         if not self.sp and y.producer is not None and x.requires_grad:
             y.producer.temps.append(x.nbytes)
+
+
+def grad_numel(name: str, numel: int, tp: int) -> int:
+    """Elements of a parameter's gradient on one rank. The vocabulary-parallel embedding's is the
+    whole table: DTensor's ``embedding_dense_backward`` strategy gives the ``Shard(0)`` weight a
+    ``Replicate`` gradient (torch 2.13: ``RowwiseParallel`` ``tok_embeddings``, output ``Replicate`` or
+    ``Shard(1)``; checked on the fake process group), kept as ``.grad`` until the optimizer step."""
+    return numel * tp if tp > 1 and name == "embed_tokens.weight" else numel

@@ -13,7 +13,7 @@ from memcalc.core.spec import ExperimentSpec, ModelSpec
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim
-from memcalc.engine.tensor_parallel import local_experiment
+from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
 
 def quantized_bytes(numel: int, block: int, double_quant: bool) -> int:
@@ -65,7 +65,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
                 gather += full
         w = sim.alloc(nbytes, "weights", cat, name=pt.name)
         w.numel, w.itemsize_bits = pt.numel, (4 if quant else pdt.bits)
-        p = Param(pt.name, w, pt.trainable, pdt.nbytes(pt.numel), pt.layer, pt.numel)
+        p = Param(pt.name, w, pt.trainable, pdt.nbytes(grad_numel(pt.name, pt.numel, tr.tp)), pt.layer, pt.numel)
         if tr.zero >= 2 and n > 1:
             p.grad_keep_bytes = shard(p.grad_bytes, n)
         params[pt.name] = p

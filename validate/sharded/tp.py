@@ -89,8 +89,9 @@ def _replicate_norm(module: nn.Module, mesh) -> None:
 
 
 def tp_plan_supported(m: ModelSpec) -> list[str]:
-    """What of ``m`` the traced plan does not build (beyond the estimator's own refusals)."""
-    return ["tied embeddings (the head borrows the vocabulary-sharded embedding)"] if m.tie_embeddings else []
+    """What of ``m`` the traced plan does not build (beyond the estimator's own refusals): nothing yet.
+    A tied head borrows the embedding's ``Shard(0)`` weight, which is the head's colwise layout too."""
+    return []
 
 
 def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
@@ -173,7 +174,7 @@ def make_tracer(round_bytes: int, debug: bool = False):
     return _LocalShardTracer("meta", round_bytes, debug=debug)
 
 
-def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False):
+def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False, device: str = "meta"):
     """Trace rank 0 of a ``tp``-way tensor-parallel step (``gpus`` data-parallel replicas, each
     a whole copy, unless ZeRO shards them: that is FSDP2's and refused here) on ``meta``: two
     steps, the second measured (see the module docstring)."""
@@ -188,7 +189,7 @@ def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False):
     from memcalc.engine.tensor_parallel import check
 
     from ..model import build_model, param_count
-    from ..optim import MasterWeights, build_optimizer
+    from ..optim import MasterWeights, allow_fused_on, build_optimizer
     from ..runner import Measurement, _Probe, error_reason, fill_measurement
 
     t0 = time.perf_counter()
@@ -198,6 +199,8 @@ def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False):
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
     why = tp_plan_supported(m)
+    if device != "meta":
+        why.append(f"tensor parallelism is traced on meta (one rank of a fake process group), not on {device}")
     if tr.zero and tr.gpus > 1:
         why.append(f"ZeRO-{tr.zero} over {tr.gpus} data-parallel ranks with TP (2-D FSDP2 x TP) needs the FSDP2 harness")
     if why:
@@ -243,7 +246,7 @@ def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False):
             tracer.track([ids, labels])
             if isinstance(opt, MasterWeights):
                 tracer.track(opt.masters.values())
-            with tracer:
+            with allow_fused_on("meta"), tracer:
                 say("first step (creates optimizer state)")
                 probe.reset()
                 step()
