@@ -59,8 +59,6 @@ NESTED: dict[str, str] = {
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
     "TrainingSpec.sharding": "issue 13: FSDP2 / FSDP1 / DeepSpeed mechanics (buffer lifetimes, buckets) are being modelled",
-    "TrainingSpec.tp": "issue 13: tensor parallelism is being modelled",
-    "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
     "TrainingSpec.activation_offload": "issue 14: activation offloading (torchtune OffloadActivations) is being modelled",
     "LoraSpec.dora": "issue 14: DoRA's magnitude vectors and weight-norm activations are being modelled",
 }
@@ -77,4 +75,5 @@ CONDITIONAL: dict[str, str] = {
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
     "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
     "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
+    "TrainingSpec.sequence_parallel": "tp 1 (no tensor-parallel group to shard the sequence over)",
 }

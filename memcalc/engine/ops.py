@@ -244,8 +244,7 @@ class Ops:
             xf.requires_grad = x.requires_grad
             self.sim.node("to_fp32", [], [x], [], [xf])
         sq = self.new(n, fp32)  # pow(xf, 2)
-        # pow_backward(grad, self, 2) = grad * (2 * self.pow(1)): the pow(1) copy and 2 * it (fp32) beside its result
-        self.sim.node("pow", [xf], [xf], [], [sq], temps=[2 * n * fp32.itemsize])
+        self.sim.node("pow", [xf], [xf], [], [sq])
         ms = self.new(rows, fp32)  # mean(-1, keepdim)
         self.sim.node("mean", [sq] if self.profile.mean_saves_input else [], [sq], [], [ms])
         self.drop(sq)
