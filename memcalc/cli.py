@@ -485,6 +485,17 @@ def validate(
     reentrant: bool = typer.Option(
         False, "--reentrant",
         help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
+    gpus: Optional[int] = typer.Option(
+        None, "--gpus",
+        help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
+             "process group, fake tensors (--device meta or cpu; nothing is allocated)."),
+    zero: Optional[int] = typer.Option(
+        None, "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
+                             "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
+    sharding: Optional[str] = typer.Option(
+        None, "--sharding", help="With --gpus: fsdp2 (default; fully_shard per layer and root) or fsdp1 "
+                                 "(FullyShardedDataParallel, one unit per layer)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="With --gpus: which rank to trace (default 0)."),
 ) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
@@ -497,6 +508,8 @@ def validate(
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
 
       memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
+
+      memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
 
       memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
@@ -514,6 +527,14 @@ def validate(
         raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag)
+    _check_sharded_flags(gpus, zero, sharding, rank)
+    if gpus is not None and gpus > 1:
+        if device == "cuda":
+            raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
+                            "on CUDA; trace one rank with --device meta")
+        if framework is None:  # the sharded trace builds the replica: its estimate uses the plain rules too
+            framework = FrameworkOpt("plain")
+            sys.stderr.write("memcalc validate: --gpus traces memcalc's PyTorch replica (--framework plain)\n")
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 
     with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
@@ -535,6 +556,7 @@ def validate(
         fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
         lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
         qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
+        gpus=gpus, zero=zero, sharding=sharding,
     )
     common.update(tp=tp, sequence_parallel=sequence_parallel)  # traced on the fake process group (validate/sharded/tp.py)
     items: list = []
@@ -556,7 +578,7 @@ def validate(
     if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
         raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
     records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
-                           reentrant=reentrant)
+                           reentrant=reentrant, rank=rank or 0)
     if html is not None:
         from memcalc.estimate.peak import estimate as run_estimate
         from memcalc.render.html import validate_html, write_report
@@ -564,6 +586,32 @@ def validate(
         # the estimates' timelines are of the full model: left out when tracing fewer layers
         ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
         write_report(html, validate_html(list(records or []), ests))
+
+
+def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],
+                         rank: Optional[int]) -> None:
+    """validate's sharded flags go together: --gpus N (N >= 2) with --zero 2 or 3."""
+    from memcalc.core.spec import SHARDINGS
+
+    if sharding is not None and sharding not in SHARDINGS:
+        raise UserError(f"unknown --sharding {sharding!r}; valid: {', '.join(SHARDINGS)}")
+    if sharding == "deepspeed":
+        raise UserError("--sharding deepspeed: validate traces fsdp2 and fsdp1 here; DeepSpeed ZeRO needs the "
+                        "DeepSpeed tracer (issue 13), not in this build")
+    if gpus is None or gpus == 1:
+        given = [f"{f} {v}" for f, v in (("--zero", zero or None), ("--sharding", sharding), ("--rank", rank))
+                 if v is not None]
+        if given:
+            raise UserError(f"{' '.join(given)} without --gpus: validate traces one rank of a sharded step; "
+                            f"give --gpus N (N >= 2) with --zero 2 or 3")
+        return
+    if gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {gpus}")
+    if zero not in (2, 3):
+        raise UserError(f"--gpus {gpus} needs --zero 2 or 3 for validate (got {'none' if zero is None else zero}): "
+                        "it traces one rank of an FSDP step; data parallel without sharding is one GPU's step")
+    if rank is not None and not 0 <= rank < gpus:
+        raise UserError(f"--rank {rank} is not a rank of --gpus {gpus} (valid: 0..{gpus - 1})")
 
 
 def main() -> None:

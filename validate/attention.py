@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from memcalc.core.kernels import (ATTENTION_KERNELS, choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded,
                                   flash_seq_rounded)
 
+from .devices import kernel_device
+
 aten = torch.ops.aten
 
 KERNELS = ATTENTION_KERNELS
@@ -74,7 +76,7 @@ class EfficientAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale: float):
         ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
         B, H, T, _ = q.shape
-        if q.device.type == "cpu":
+        if kernel_device(q) == "cpu":
             out = _math_forward(q, k, v, bias, is_causal, scale)
             lse = q.new_empty((B, H, efficient_lse_len(T)), dtype=torch.float32)
             seed = offset = q.new_empty((), dtype=torch.int64)
@@ -82,19 +84,20 @@ class EfficientAttention(torch.autograd.Function):
             out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
                 q, k, v, bias, True, dropout_p, is_causal, scale=scale
             )
-            if q.device.type == "meta":  # CUDA keeps the philox seed/offset on the host
-                seed, offset = torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64)
+            if kernel_device(q) == "meta":  # CUDA keeps the philox seed/offset on the host
+                # torch.tensor: host data (under a fake mode, a lift_fresh the rank tracer skips)
+                seed, offset = torch.tensor(0, dtype=torch.int64), torch.tensor(0, dtype=torch.int64)
         ctx.save_for_backward(q, k, v, bias, out, lse, seed, offset)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
-        if q.device.type == "cpu":
+        if kernel_device(q) == "cpu":
             dq, dk, dv, db = _math_backward(ctx, grad, q, k, v, bias)
             return dq, dk, dv, db, None, None, None
         scratch = []
-        if q.device.type != "cuda":
+        if kernel_device(q) != "cuda":
             B, H, T, D = q.shape
             scratch.append(q.new_empty((B, H, T), dtype=torch.float32))  # delta
             if q.dtype != torch.float32:
@@ -115,7 +118,7 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale: float):
         ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
         B, H, T, _ = q.shape
-        if q.device.type == "cpu":
+        if kernel_device(q) == "cpu":
             out = _math_forward(q, k, v, None, is_causal, scale)
             lse = q.new_empty((B, H, T), dtype=torch.float32)
             rng = q.new_empty((2,), dtype=torch.int64)
@@ -132,14 +135,14 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         q, k, v = saved[:3]
-        if q.device.type == "cpu":
+        if kernel_device(q) == "cpu":
             ctx.needs_input_grad = tuple(ctx.needs_input_grad[:3]) + (False,)
             dq, dk, dv, _ = _math_backward(ctx, grad, q, k, v, None)
             return dq, dk, dv, None, None, None
         out, lse, rng, unused = saved[3:]
         cq, ck, mq, mk = ctx.meta
         scratch = []
-        if q.device.type != "cuda":
+        if kernel_device(q) != "cuda":
             B, H, T, D = q.shape
             tr = flash_seq_rounded(T)
             dr = flash_head_dim_rounded(D)

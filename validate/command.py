@@ -26,6 +26,11 @@ traces the real Hugging Face step, transformers + PEFT, unmodified but for kerne
   every record, so an interrupted run keeps what finished; runs writing one file at the same
   time keep each other's records (``output.py``: a lock, read, merge by ``run_id``, replace).
 
+``--gpus N --zero {2,3} --sharding {fsdp2,fsdp1} [--rank R]`` (an experiment with ``gpus`` > 1)
+traces one rank of the sharded step on PyTorch's fake process group (``sharded/``); its records
+add ``sharding, gpus, zero, rank, mixed_precision, reshard_after_forward | strategy,
+baseline_bytes, fsdp_tracker_bytes, fsdp_tracker_note, kernels`` (``sharded/command.py``).
+
 Progress goes to stderr; stdout gets the table, or with ``--json`` only the JSON list.
 SIGINT / SIGTERM stop the run promptly (see ``interrupt.py``): the records that finished are
 printed (valid JSON with ``--json``; ``--output`` already holds them) and the exit status is
@@ -168,16 +173,29 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
         console.print(f"  {n}", style="dim")
 
 
+def sharded_items(items: list) -> bool:
+    """Whether these experiments are sharded over several GPUs (traced one rank at a time)."""
+    # with --tp the tensor-parallel trace runs them, 2-D FSDP2 x TP included (sharded/tp.py)
+    return any(isinstance(e, ExperimentSpec) and e.training.gpus > 1 and e.training.tp == 1 for _n, e in items)
+
+
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
                  output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None,
-                 framework: str = "plain", reentrant: bool = False) -> list[dict]:
+                 framework: str = "plain", reentrant: bool = False, rank: int = 0) -> list[dict]:
     """Measure every experiment on ``device`` (default cuda if available, else meta) beside its
     prediction; returns the records (see the module docstring). ``framework`` ``hf`` runs the
-    transformers + PEFT step (``reentrant``: its activation checkpointing with ``use_reentrant=True``)."""
+    transformers + PEFT step (``reentrant``: its activation checkpointing with ``use_reentrant=True``).
+    Experiments with ``gpus`` > 1 trace rank ``rank`` of the sharded step (default device meta)."""
     from memcalc.core.errors import UserError
 
     if framework not in FRAMEWORKS:
         raise UserError(f"unknown --framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
+    sharded = sharded_items(items)
+    if sharded:
+        from .sharded.command import check_sharded_run
+
+        check_sharded_run(items, device, framework, rank)
+        device = device or "meta"
     if framework == "hf":
         try:
             from .hf_runner import check_hf
@@ -201,7 +219,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     with stoppable():
         try:
             _run_all(items, dev, RecordFile(output) if output else None, scale_layers, snapshot, records, err,
-                     framework, reentrant)
+                     framework, reentrant, rank if sharded else None)
         except StopRequested as e:
             stopped(e)
             stop = e
@@ -217,11 +235,13 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
 
 def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional[RecordFile],
              scale_layers: Optional[int], snapshot: Optional[str], records: list[dict], err: Console,
-             framework: str = "plain", reentrant: bool = False) -> None:
-    """Measure each item in turn (``framework`` hf: the transformers + PEFT step), appending its record
-    to ``records`` (and to ``output``)."""
+             framework: str = "plain", reentrant: bool = False, rank: Optional[int] = None) -> None:
+    """Measure each item in turn (``framework`` hf: the transformers + PEFT step; ``rank`` given: rank
+    ``rank`` of a sharded step), appending its record to ``records`` (and to ``output``)."""
     if framework == "hf":
         from .hf_runner import measure_hf
+    if rank is not None:
+        from .sharded.command import measure_sharded
     run_id = output.run_id if output is not None else new_run_id()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
                   transient=True) as prog:
@@ -240,13 +260,17 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
             try:
                 if isinstance(exp, Exception):  # a config that could not be read (one of several named)
                     raise exp
-                if framework == "hf":
+                extra: dict = {}
+                if rank is not None:
+                    meas, extra = measure_sharded(exp, dev, rank, scale_layers, progress=say)
+                elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
                                       allocator_sim=dev != "cuda", reentrant=reentrant)
                 else:
                     meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
                                    allocator_sim=dev != "cuda")
                 rec = make_record(name, exp, meas, scale_layers)
+                rec.update(extra)
             except Exception as e:  # noqa: BLE001 - a config that fails is a record; the run goes on
                 meas = Measurement(device=dev, status="error", reason=error_reason(e), framework=framework)
                 rec = make_record(name, None if isinstance(exp, Exception) else exp, meas, scale_layers)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from memcalc.core.spec import LoraSpec
 
 from .amp import Amp
+from .devices import kernel_device
 
 aten = torch.ops.aten
 
@@ -90,7 +91,7 @@ def dequantize_nf4(q: NF4Weight, packed: torch.Tensor, absmax: torch.Tensor, abs
     output is allocated: on ``meta`` nothing else is; on real devices the codes are expanded
     in chunks of 64K elements (a transient of about 1.5 MiB)."""
     out = torch.empty(q.shape, dtype=dtype, device=packed.device)
-    if packed.device.type == "meta":
+    if kernel_device(packed) == "meta":
         return out
     flat = out.view(-1)
     code = torch.tensor(NF4_CODE, dtype=torch.float32, device=packed.device)
@@ -218,7 +219,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, eps: float):
         d = x.shape[-1]
-        if x.device.type == "meta":
+        if kernel_device(x) == "meta":
             y = torch.empty_like(x)
             rstd = x.new_empty(x.shape[:-1] + (1,), dtype=torch.float32)
         else:
@@ -234,7 +235,7 @@ class _FusedRMSNorm(torch.autograd.Function):
     def backward(ctx, g):
         x, rstd, w = ctx.saved_tensors
         need_w = w is not None and ctx.needs_input_grad[1]
-        if x.device.type == "cpu":  # no CPU kernel: the decomposition's formula
+        if kernel_device(x) == "cpu":  # no CPU kernel: the decomposition's formula
             xf, gf = x.float(), g.float()
             x_hat = xf * rstd
             gx_hat = gf * w.float() if w is not None else gf

@@ -39,6 +39,7 @@ from memcalc.core.spec import ModelSpec
 from memcalc.engine.moe import deepseek_groups, router_kind
 from memcalc.engine.params import param_inventory
 
+from .devices import kernel_device
 from .layers import MLP, activation
 
 
@@ -51,7 +52,7 @@ class _GroupedMMFallback(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, offs):
         ctx.save_for_backward(a, b, offs)
-        if a.device.type == "meta":
+        if kernel_device(a) == "meta":
             return a.new_empty((a.shape[0], b.shape[-1]))
         out = a.new_zeros((a.shape[0], b.shape[-1]))
         start = 0
@@ -64,7 +65,7 @@ class _GroupedMMFallback(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, offs = ctx.saved_tensors
         ga = gb = None
-        if a.device.type == "meta":
+        if kernel_device(a) == "meta":
             # empty_like keeps b's (transposed) strides, as grouped_mm's own weight gradient does,
             # so AccumulateGrad takes it without a contiguous copy
             ga = torch.empty_like(a) if ctx.needs_input_grad[0] else None
@@ -84,7 +85,7 @@ class _GroupedMMFallback(torch.autograd.Function):
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``F.grouped_mm`` (bf16, and on CPU), else the fallback above (same memory)."""
-    if a.dtype == torch.bfloat16 or a.device.type == "cpu":
+    if a.dtype == torch.bfloat16 or kernel_device(a) == "cpu":
         return F.grouped_mm(a, b, offs=offs)
     return _GroupedMMFallback.apply(a, b, offs)
 

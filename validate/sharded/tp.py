@@ -133,20 +133,24 @@ def _local(t):
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def make_tracer(round_bytes: int, debug: bool = False):
-    """A :class:`..tracer.StorageTracer` on ``meta`` that counts a DTensor by its local shard (a
-    DTensor is a wrapper whose own storage reports the global size; the rank holds
-    ``_local_tensor``). DTensor's sharding propagation runs below this mode on its own fake
-    tensors, so its full-size temporaries are not seen."""
+def make_tracer(round_bytes: int, debug: bool = False, device_type: str = "meta", fake_mode=None):
+    """A tracer that counts a DTensor by its local shard (a DTensor is a wrapper whose own storage
+    reports the global size; the rank holds ``_local_tensor``): :class:`.rank_tracer.RankTracer`
+    (which also follows FSDP2's ``UntypedStorage.resize_``) on ``device_type``.
+
+    DTensor's sharding propagation runs below the mode on its own fake tensors, so its full-size
+    temporaries are not seen -- except inside loss parallel's handlers
+    (torch/distributed/tensor/parallel/loss.py ``customized_loss_ops``), which run inside DTensor's
+    dispatch too but make real temporaries on the local shards (``x - max``, ``exp(...)``, the
+    zeroed gradient): each handler runs with the mode pushed again, and the propagation's fake
+    tensors met there (a fake tensor of another fake mode than ``fake_mode``, the trace's own) are
+    skipped."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from ..tracer import StorageTracer
+    from .rank_tracer import RankTracer
 
-    class _LocalShardTracer(StorageTracer):
+    class _TPTracer(RankTracer):
         def __enter__(self):
-            # loss parallel's handlers (torch/distributed/tensor/parallel/loss.py customized_loss_ops)
-            # run inside DTensor's dispatch, below this mode: each runs with the mode pushed again, so
-            # the temporaries it makes on the local shards (x - max, exp(...), the zeroed gradient) count
             from torch.distributed.tensor.parallel import loss as tp_loss
 
             self._handlers = dict(tp_loss.customized_loss_ops)
@@ -163,67 +167,114 @@ def make_tracer(round_bytes: int, debug: bool = False):
                 tp_loss.customized_loss_ops.update(self._handlers)
 
         def _reentered(self, fn, op_call, args, kwargs):
-            with self:
+            with _Push(self):
                 return fn(op_call, args, kwargs)
 
         def _add(self, t: torch.Tensor) -> None:
-            if isinstance(t, FakeTensor):  # DTensor's sharding propagation (full-size fake tensors)
+            t = _local(t)
+            if isinstance(t, FakeTensor) and t.fake_mode is not fake_mode:  # DTensor's sharding propagation
                 return
-            super()._add(_local(t))
+            super()._add(t)
 
-    return _LocalShardTracer("meta", round_bytes, debug=debug)
+    return _TPTracer(device_type, round_bytes, debug=debug)
+
+
+class _Push:
+    """The tracer's dispatch mode pushed again (without its ``resize_`` wrapper a second time)."""
+
+    def __init__(self, mode) -> None:
+        self.mode = mode
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import _push_mode
+
+        _push_mode(self.mode)
+
+    def __exit__(self, *exc):
+        from torch.utils._python_dispatch import _pop_mode
+
+        _pop_mode()
+        return False
 
 
 def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False, device: str = "meta"):
-    """Trace rank 0 of a ``tp``-way tensor-parallel step (``gpus`` data-parallel replicas, each
-    a whole copy, unless ZeRO shards them: that is FSDP2's and refused here) on ``meta``: two
-    steps, the second measured (see the module docstring)."""
+    """Trace rank 0 of a ``tp``-way tensor-parallel step: two steps, the second measured (a
+    :class:`..runner.Measurement`). ``gpus`` > 1 with ``zero`` 2/3: 2-D FSDP2 x TP, torchtitan's
+    order (``parallelize_llama``: ``apply_tp`` on the ``tp`` mesh dimension, then ``apply_fsdp``
+    on ``dp``), traced as the FSDP2 harness traces (fake tensors on ``cpu``, ``fake_dist``,
+    ``fsdp2.apply_fsdp2``); otherwise on ``meta`` (each data-parallel replica a whole TP group)."""
     import time
-
-    import torch.distributed as dist
-    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import loss_parallel
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from memcalc.engine.tensor_parallel import check
 
-    from ..model import build_model, param_count
-    from ..optim import MasterWeights, allow_fused_on, build_optimizer
-    from ..runner import Measurement, _Probe, error_reason, fill_measurement
+    from ..runner import Measurement, error_reason
 
     t0 = time.perf_counter()
-    say = progress or (lambda _msg: None)
     tr = exp.training
-    meas = Measurement(device="meta")
+    meas = Measurement(device=device)
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
     why = tp_plan_supported(m)
     if device != "meta":
         why.append(f"tensor parallelism is traced on meta (one rank of a fake process group), not on {device}")
-    if tr.zero and tr.gpus > 1:
-        why.append(f"ZeRO-{tr.zero} over {tr.gpus} data-parallel ranks with TP (2-D FSDP2 x TP) needs the FSDP2 harness")
+    if tr.zero and tr.gpus > 1 and tr.sharding != "fsdp2":
+        why.append(f"--sharding {tr.sharding} with --tp: 2-D data x tensor parallelism is traced with FSDP2 only")
     if why:
         meas.status, meas.reason = "skipped", "; ".join(why)
         return meas
     try:
         check(exp)
-        world = tr.gpus * tr.tp
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-        try:
-            mesh = init_device_mesh("cpu", (tr.gpus, tr.tp), mesh_dim_names=("dp", "tp"))
-            torch.manual_seed(0)
-            say(f"building {m.name} ({m.n_layers} layers), tp {tr.tp}{' (sequence parallel)' if tr.sequence_parallel else ''}")
-            model = build_model(m, tr, exp.profile, device="meta")
-            meas.params = param_count(model)[0]
-            apply_tp(model, mesh["tp"], tr.sequence_parallel)
+        _trace(exp, m, meas, progress or (lambda _msg: None), debug)
+    except Exception as e:  # noqa: BLE001 - the record says why, as runner.measure does
+        meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
+    meas.seconds = round(time.perf_counter() - t0, 3)
+    return meas
+
+
+def _trace(exp, m, meas, say, debug: bool) -> None:
+    import contextlib
+    import gc
+
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from ..devices import fake_as_meta
+    from ..model import build_model, param_count
+    from ..optim import MasterWeights, allow_fused_on, build_optimizer
+    from ..runner import _Probe, fill_measurement
+    from .fake_dist import DEVICE, fake_world
+    from .fsdp2 import apply_fsdp2, precision_plan
+    from .rank_tracer import local_tensors
+
+    tr = exp.training
+    fsdp = tr.zero in (2, 3) and tr.gpus > 1
+    plan = precision_plan(tr) if fsdp else None
+    build = plan.build if fsdp else tr
+    fake = None
+    if fsdp:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake = FakeTensorMode()
+    in_fake = fake if fake is not None else contextlib.nullcontext()
+    dev = DEVICE if fsdp else "meta"
+    with fake_world(tr.gpus * tr.tp, 0, shape=(tr.gpus, tr.tp), names=("dp", "tp")) as mesh:
+        say(f"building {m.name} ({m.n_layers} layers), tp {tr.tp}"
+            + (" (sequence parallel)" if tr.sequence_parallel else "")
+            + (f" x FSDP2 zero {tr.zero} over {tr.gpus}" if fsdp else ""))
+        torch.manual_seed(0)
+        with in_fake:
+            model = build_model(m, build, exp.profile, device="meta")
+        meas.params = param_count(model)[0]
+        apply_tp(model, mesh["tp"], tr.sequence_parallel)
+        if fsdp:
+            apply_fsdp2(model, mesh["dp"], tr.zero, plan)
+            with fake:
+                model.to_empty(device=DEVICE)
+        with in_fake, fake_as_meta(fsdp), allow_fused_on("meta"):
+            ids = torch.zeros((tr.batch, tr.seq), dtype=torch.int64, device=dev)
+            labels = ids.clone()
             trainable = [p for p in model.parameters() if p.requires_grad]
-            opt = build_optimizer(trainable, tr)
-            ids = torch.empty((tr.batch, tr.seq), dtype=torch.int64, device="meta")
-            labels = torch.empty((tr.batch, tr.seq), dtype=torch.int64, device="meta")
-            tracer = make_tracer(exp.profile.allocator_round_bytes, debug)
+            opt = build_optimizer(trainable, build)
+            tracer = make_tracer(exp.profile.allocator_round_bytes, debug, "cpu" if fsdp else "meta", fake)
             probe = _Probe("meta", tracer)
             model.on_label = probe.label
 
@@ -241,24 +292,21 @@ def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False, devic
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            tracer.track(model.parameters())
-            tracer.track(model.buffers())
+            tracer.track(local_tensors(model.parameters()))
+            tracer.track(local_tensors(model.buffers()))
             tracer.track([ids, labels])
             if isinstance(opt, MasterWeights):
-                tracer.track(opt.masters.values())
-            with allow_fused_on("meta"), tracer:
+                tracer.track(local_tensors(opt.masters.values()))
+            with tracer:
                 say("first step (creates optimizer state)")
                 probe.reset()
                 step()
                 meas.first_step_bytes = probe.result()[0]
                 say("measured step")
+                gc.collect()
                 probe.reset()
                 step()
             fill_measurement(meas, probe.result(), probe, "meta", None, tracer, debug)
             model.on_label = None
-        finally:
-            dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001 - the record says why, as runner.measure does
-        meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
-    meas.seconds = round(time.perf_counter() - t0, 3)
-    return meas
+            del model, opt, trainable
+            gc.collect()

@@ -1,0 +1,74 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) applied as torchtitan applies it.
+
+``fully_shard`` on every decoder layer, then on the root module (embedding, final norm, head and
+anything left), on a 1-D mesh (torchtitan ``parallelize_llama`` ``apply_fsdp``). The unit of
+each all-gather and reduce-scatter is one layer's parameters; the root unit holds the rest.
+
+- ``zero`` 3: ``reshard_after_forward=True``: each layer frees its unsharded parameters after its
+  forward and all-gathers them again in backward; ``zero`` 2: ``False``: they stay from forward
+  to the end of that layer's backward (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``
+  ``fully_shard`` docstring). The root is never resharded after forward
+  (``_fsdp_state.py`` ``FSDPState._lazy_init``: "For the root, do not reshard after forward").
+- Precision (``precision_plan``): ``fp32`` everything fp32; pure ``bf16``: the model built in bf16,
+  no policy; ``bf16`` with ``master_weights``: fp32 shards, gradient shards and optimizer state,
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (torchtitan's default
+  ``mixed_precision_param="bfloat16"``, ``mixed_precision_reduce="float32"``): parameters are
+  all-gathered in bf16 (``_fsdp_param.py`` ``FSDPParam.init_all_gather_outputs`` with
+  ``param_dtype``), the unsharded bf16 gradients are cast to fp32 before the reduce-scatter
+  (``_fsdp_collectives.py`` ``foreach_reduce``). Autocast precisions (``amp-*``) keep fp32 weights
+  and no policy (the model casts itself, ``amp.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from memcalc.core.spec import TrainingSpec
+
+#: what ``--zero`` means under FSDP2
+RESHARD_AFTER_FORWARD = {3: True, 2: False}
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    """How the model is built and wrapped for a TrainingSpec's precision."""
+
+    build: TrainingSpec  # the spec the model is built from (its weight dtype is the shards')
+    param_dtype: Optional[torch.dtype]  # MixedPrecisionPolicy.param_dtype (None: no policy)
+    reduce_dtype: Optional[torch.dtype]
+    name: str  # what the record says ran
+
+    def policy(self):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.param_dtype is None:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=self.reduce_dtype)
+
+
+def precision_plan(tr: TrainingSpec) -> PrecisionPlan:
+    """The precision mapping of the module docstring."""
+    p = tr.precision
+    if tr.master_weights and p in ("bf16", "fp16"):
+        low = torch.bfloat16 if p == "bf16" else torch.float16
+        build = tr.model_copy(update={"precision": "fp32", "master_weights": False})
+        return PrecisionPlan(build, low, torch.float32,
+                             f"MixedPrecisionPolicy(param_dtype={p}, reduce_dtype=fp32) over fp32 shards")
+    if p.startswith("amp-"):
+        return PrecisionPlan(tr, None, None, f"autocast {p[4:]} (emulated) over fp32 shards, no policy")
+    return PrecisionPlan(tr, None, None, f"pure {p}: {p} shards, no policy")
+
+
+def apply_fsdp2(model: nn.Module, mesh, zero: int, plan: PrecisionPlan) -> None:
+    """``fully_shard`` each of ``model.layers`` and the root (see the module docstring)."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = RESHARD_AFTER_FORWARD[zero]
+    policy = plan.policy()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
