@@ -82,9 +82,6 @@ def check(exp: ExperimentSpec) -> None:
             raise UserError(f"--tp {tp} must divide {what} ({n}): {n} / {tp} = {n / tp:g} "
                             f"(remainder {n % tp}); each rank holds {what} / tp (torchtitan shards the "
                             "rows of every column-parallel weight evenly and views whole local heads)")
-    if tr.sequence_parallel and tr.seq % tp:
-        raise UserError(f"--sequence-parallel shards the sequence over --tp {tp}: seq ({tr.seq}) / {tp} = "
-                        f"{tr.seq / tp:g} (remainder {tr.seq % tp}); torchtitan requires seq divisible by tp")
 
 
 def local_model(m: ModelSpec, tp: int) -> ModelSpec:
@@ -123,8 +120,16 @@ class TensorParallel:
 
     @staticmethod
     def of(exp: ExperimentSpec, rows: int) -> Optional["TensorParallel"]:
+        """The collectives of ``exp``'s step (None without tensor parallelism); with sequence
+        parallelism ``seq`` must divide by ``tp`` (torchtitan's ``parallelize_llama`` asserts it)."""
         tr = exp.training
-        return TensorParallel(tr.tp, tr.sequence_parallel, rows) if tr.tp > 1 else None
+        tp = tr.tp
+        if tp == 1:
+            return None
+        if tr.sequence_parallel and tr.seq % tp:
+            raise UserError(f"--sequence-parallel shards the sequence over --tp {tp}: seq ({tr.seq}) / {tp} = "
+                            f"{tr.seq / tp:g} (remainder {tr.seq % tp}); torchtitan requires seq divisible by tp")
+        return TensorParallel(tp, tr.sequence_parallel, rows)
 
     def _new(self, fwd, like: "T", numel: int) -> "T":
         return fwd.ops.new(numel, fwd.ops.dtype_of(like))

@@ -13,6 +13,7 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
+from memcalc.plan.layouts import search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, fits_in, largest_exact
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
@@ -67,6 +68,7 @@ class ClusterRow:
     min_gpus: dict[str, Optional[int]]  # setup -> fewest GPUs (None: more than GPU_CAP)
     checkpoint: dict[str, Optional[str]]  # setup -> checkpointing used at that count
     required_bytes: dict[str, Optional[int]]  # setup -> per-GPU required bytes at that count
+    layout: dict[str, Optional[dict]] = field(default_factory=dict)  # setup -> {"dp", "tp"} (plan/layouts.py)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.gpu.name, "display_name": getattr(self.gpu, "display_name", self.gpu.name),
@@ -77,6 +79,7 @@ class ClusterRow:
             d[f"min_gpus_{s}_pow2"] = next_pow2(n)
             d[f"checkpoint_{s}"] = self.checkpoint[s]
             d[f"required_bytes_{s}"] = self.required_bytes[s]
+            d[f"layout_{s}"] = self.layout.get(s)
         return d
 
 
@@ -159,12 +162,16 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
             e = with_training(by_ck[ck], gpus=n)
             reqs[s] = required_bytes(estimated_peak(e)) if confirm else int(req[s][ck][n - 1])
         rows.append(ClusterRow(g, mins, cks, reqs))
+    search_layouts(rows, setups["full"], GPU_CAP, confirm)  # data x tensor parallel (plan/layouts.py)
     notes = [
         f"full fine-tune: bf16 weights and gradients + fp32 master weights and AdamW moments (16 bytes/param), "
         f"ZeRO-3 over N GPUs (FSDP mechanics: layers all-gathered one at a time, embedding and head whole), no offload, "
         f"batch 1 x seq {seq} per GPU, activation checkpointing none if it fits at that count, else full",
         f"LoRA: bf16 frozen base, rank {LORA_RANK} adapters on q,k,v,o, AdamW; ZeRO-3 shards the frozen base when one GPU "
         f"is not enough; checkpointing as above",
+        "tp: the full fine-tune's count as dp x tp = FSDP2 (ZeRO-3) over dp = full / tp data-parallel ranks x tensor "
+        "parallelism with sequence parallelism over tp (torchtitan's 2-D layout; tp 2/4/8, within a node), batch 1 "
+        "per data-parallel rank (--json: layout_full); LoRA runs ZeRO-3 alone",
         f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
         "and nodes of 8, so the next power of two is shown too",
     ]
