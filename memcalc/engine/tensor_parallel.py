@@ -112,11 +112,16 @@ class TensorParallel:
     docstring). ``rows`` is ``B x T``; ``seq_rows`` the rows of the residual stream on this rank
     (``B x T / tp`` with sequence parallelism)."""
 
-    def __init__(self, tp: int, sequence_parallel: bool, rows: int) -> None:
+    def __init__(self, tp: int, sequence_parallel: bool, rows: int, batch: int = 1) -> None:
         self.tp = tp
         self.sp = sequence_parallel
         self.rows = rows
         self.seq_rows = rows // tp if sequence_parallel else rows
+        #: sequence parallelism gathers and scatters along dim 1: funcol's all-gather returns its
+        #: dim-0 buffer re-concatenated (``_maybe_view_chunk_cat``: a view only when batch is 1), the
+        #: reduce-scatter first concatenates its input's chunks on dim 0 (``_chunk_or_narrow_cat``,
+        #: a copy) -- torch/distributed/_functional_collectives.py, torch/_utils.py
+        self.gather_copy = batch > 1
 
     @staticmethod
     def of(exp: ExperimentSpec, rows: int) -> Optional["TensorParallel"]:
@@ -129,7 +134,7 @@ class TensorParallel:
         if tr.sequence_parallel and tr.seq % tp:
             raise UserError(f"--sequence-parallel shards the sequence over --tp {tp}: seq ({tr.seq}) / {tp} = "
                             f"{tr.seq / tp:g} (remainder {tr.seq % tp}); torchtitan requires seq divisible by tp")
-        return TensorParallel(tp, tr.sequence_parallel, rows)
+        return TensorParallel(tp, tr.sequence_parallel, rows, tr.batch)
 
     def _new(self, fwd, like: "T", numel: int) -> "T":
         return fwd.ops.new(numel, fwd.ops.dtype_of(like))
@@ -139,9 +144,13 @@ class TensorParallel:
         all-reduced (a new tensor; ``_c10d_functional.all_reduce`` is out of place) or, with
         sequence parallelism, reduce-scattered to ``B x T / tp`` rows. The partial goes; the
         backward hands it a gradient of its own size (DTensor's redistribute backward)."""
+        cat = fwd.sim.alloc(partial.nbytes, "temporaries", "tensor-parallel collectives") if self.sp else None
         out = self._new(fwd, partial, partial.numel // self.rows * self.seq_rows)
+        fwd.sim.unref(cat)
+        # backward: the gradient all-gathered (with sequence parallelism: its dim-0 buffer beside the cat)
         fwd.sim.node("tp_all_reduce" if not self.sp else "tp_reduce_scatter", [], [partial], [], [out],
-                     grad_input_bytes=[partial.nbytes])
+                     grad_input_bytes=[partial.nbytes],
+                     temps=[partial.nbytes] if self.sp and self.gather_copy else [])
         fwd.ops.drop(partial)
         return out
 
@@ -152,8 +161,13 @@ class TensorParallel:
         it: the same tensor (``DTensor.from_local``, no copy)."""
         if not self.sp:
             return fwd.ops.ref_(x)
-        full = self._new(fwd, x, x.numel // self.seq_rows * self.rows)
-        fwd.sim.node("tp_all_gather", [], [x], [], [full])
+        n = x.numel // self.seq_rows * self.rows
+        buf = fwd.sim.alloc(fwd.ops.dtype_of(x).nbytes(n), "temporaries", "tensor-parallel collectives") \
+            if self.gather_copy else None
+        full = self._new(fwd, x, n)
+        fwd.sim.unref(buf)
+        # backward: the summed gradient's chunks concatenated on dim 0 (a copy), then reduce-scattered
+        fwd.sim.node("tp_all_gather", [], [x], [], [full], temps=[full.nbytes])
         return full
 
     def colwise(self, fwd, y: "T", x: "T") -> None:

@@ -279,6 +279,7 @@ def _trace(exp, m, meas, say, debug: bool) -> None:
             model.on_label = probe.label
 
             def step() -> None:
+                tracer.scopes.clear()  # the optimizer's record_function scopes of the step before
                 with loss_parallel():
                     for _ in range(min(tr.grad_accum, 2)):
                         probe.set_phase("forward")
