@@ -499,6 +499,7 @@ def validate(
     loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
     recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
     deepspeed: Optional[str] = DEEPSPEED,
+    tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
     device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
     scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
@@ -543,6 +544,8 @@ def validate(
       memcalc validate --model tinyllama-1.1b --deepspeed ds_config.json --gpus 8 --seq 512 --scale-layers 2
 
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
+
+      memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
@@ -591,6 +594,7 @@ def validate(
         recipe=recipe or None, adapter_config=adapter_config,
         zero=zero, gpus=gpus, sharding=sharding, deepspeed=deepspeed,
     )
+    common.update(tp=tp, sequence_parallel=sequence_parallel)  # traced on the fake process group (validate/sharded/tp.py)
     items: list = []
     if names:
         for n in names:
@@ -607,6 +611,8 @@ def validate(
     if not traced <= {"plain", "hf"} or len(traced) > 1:
         raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
                         f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
+    if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
+        raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
     records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
                            reentrant=reentrant, rank=rank or 0)
     if html is not None:

@@ -144,6 +144,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.offload_optimizer": ({}, True),
     # LoRA: the frozen base's saved weight views go to the host and come back in backward
     "TrainingSpec.activation_offload": (LORA, True),
+    "TrainingSpec.tp": ({}, 2),
+    "TrainingSpec.sequence_parallel": ({"training": {"tp": 2}}, True),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),
@@ -279,6 +281,7 @@ NO_EFFECT = [
     ("LoraSpec.double_quant", LORA, False),
     ("LoraSpec.dtype", LORA, "fp32"),  # source: fp32 precision: the adapters are fp32 either way
     ("KernelProfile.loss_chunks", {}, 4),  # source: the full loss is not chunked
+    ("TrainingSpec.sequence_parallel", {}, True),  # source: tp 1, no tensor-parallel group
 ]
 
 

@@ -177,7 +177,8 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
 
 def sharded_items(items: list) -> bool:
     """Whether these experiments are sharded over several GPUs (traced one rank at a time)."""
-    return any(isinstance(e, ExperimentSpec) and e.training.gpus > 1 for _n, e in items)
+    # with --tp the tensor-parallel trace runs them, 2-D FSDP2 x TP included (sharded/tp.py)
+    return any(isinstance(e, ExperimentSpec) and e.training.gpus > 1 and e.training.tp == 1 for _n, e in items)
 
 
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,

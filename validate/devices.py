@@ -33,6 +33,7 @@ def fake_as_meta(on: bool = True) -> Iterator[None]:
 
 
 def _as_meta(t: torch.Tensor) -> bool:
+    t = getattr(t, "_local_tensor", t)  # a DTensor (tensor parallelism): its local shard decides
     return _FAKE_AS_META[0] and t.device.type == "cpu" and isinstance(t, FakeTensor)
 
 

@@ -147,11 +147,12 @@ class Attention(nn.Module):
             query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if m.qk_norm == "full":
             query, key = self.q_norm(query), self.k_norm(key)
-        query = query.view(B, T, m.n_heads, m.dim_head)
-        key = key.view(B, T, m.kv_heads, m.dim_head)
+        # -1 heads: a tensor-parallel rank holds n_heads / tp of them (as torchtitan's Attention views)
+        query = query.view(B, T, -1, m.dim_head)
+        key = key.view(B, T, -1, m.dim_head)
         if m.qk_norm in ("head", "head_unshared"):
             query, key = self.q_norm(query), self.k_norm(key)
-        value = value.view(B, T, m.kv_heads, m.dim_head)
+        value = value.view(B, T, -1, m.dim_head)
         return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos=None, sin=None, mask=None) -> torch.Tensor:
@@ -164,7 +165,7 @@ class Attention(nn.Module):
         else:
             out = self.core(query, key, value, cos, sin, mask)
         del query, key, value
-        out = out.transpose(1, 2).reshape(B, T, m.q_dim)
+        out = out.transpose(1, 2).reshape(B, T, -1)
         return self.o_proj(out)
 
 
@@ -287,6 +288,13 @@ class LMHead(nn.Module):
             self.lora_dropout, self.scale = lora.dropout, lora.alpha / lora.rank
         if lora is not None and "head" in lora.targets and lora.dora:
             self.lora_magnitude = nn.Parameter(torch.ones((m.vocab_size,), dtype=cfg.dtype, device=cfg.device))
+        self.amp = cfg.amp
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits; ``weight``: the tied embedding's (else this head's own)."""
+        amp = self.amp
+        w = self.weight if weight is None else weight
+        return F.linear(amp.lp(x), amp.lp(w), amp.lp(self.bias))
 
 
 class Decoder(nn.Module):
@@ -392,8 +400,7 @@ class Decoder(nn.Module):
         del masks  # the model's forward returns (checkpoint closures may still hold them)
         if self.offload is not None:  # torchtune: a NoOpManager around the output head
             self.offload.__exit__(None, None, None)
-        w = self.lm_head.weight if not m.tie_embeddings else self.embed_tokens.weight
-        logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
+        logits = self.lm_head(x, weight=self.embed_tokens.weight if m.tie_embeddings else None)
         head = self.lm_head
         if head.lora_A is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
             a = F.linear(amp.lp(dropout(x, head.lora_dropout, self.training)), amp.lp(head.lora_A))

@@ -189,6 +189,10 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     caching allocator (``capacity``: the GPU's usable bytes) and reports its allocated and
     reserved peaks in ``sim_allocated_bytes`` / ``sim_reserved_bytes``.
     """
+    if exp.training.tp > 1:  # tensor parallelism: one rank on the fake process group (sharded/tp.py)
+        from .sharded.tp import measure_tp
+
+        return measure_tp(exp, scale_layers, progress, debug, device=device)
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     meas = Measurement(device=device)

@@ -64,8 +64,6 @@ NESTED: dict[str, str] = {
 #: the estimate only through their parameters) and their activation rules are still to come
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
-    "TrainingSpec.tp": "issue 13: tensor parallelism is being modelled",
-    "TrainingSpec.sequence_parallel": "issue 13: sequence parallelism (with tp) is being modelled",
     "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload (16-bit partitions on the host) "
                                    "is to come",
 }
@@ -83,4 +81,5 @@ CONDITIONAL: dict[str, str] = {
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
     "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
     "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
+    "TrainingSpec.sequence_parallel": "tp 1 (no tensor-parallel group to shard the sequence over)",
 }

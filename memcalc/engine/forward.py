@@ -29,6 +29,7 @@ from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import LayerGather
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.tensor_parallel import TensorParallel, local_experiment
 from memcalc.engine.weights import Model
 
 
@@ -37,6 +38,7 @@ class Forward:
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
                  gather: Optional[LayerGather] = None) -> None:
+        exp = local_experiment(exp)  # tensor parallelism: the decoder one rank runs (engine.tensor_parallel)
         self.sim = sim
         self.strategy = strategy
         self.gather = gather
@@ -48,6 +50,8 @@ class Forward:
         self.B = self.tr.batch
         self.T = self.tr.seq
         self.rows = self.B * self.T
+        self.tp = TensorParallel.of(exp, self.rows)  # its collectives (None without tensor parallelism)
+        self.seq_rows = self.tp.seq_rows if self.tp else self.rows  # rows of the residual stream on this rank
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
         self.masks: dict[str, T] = {}
@@ -80,6 +84,8 @@ class Forward:
         if self.lora is not None and self.lora.qlora and w.weight.itemsize_bits == 4:
             qt = self.model.compute.nbytes(w.numel)
         y = o.linear(x, self.rows, w, self.maybe(base + ".bias"), d_out, quant_transient_bytes=qt)
+        if self.tp and short not in ("o", "down"):
+            self.tp.colwise(self, y, x)
         a_p = self.maybe(base + ".lora_A")
         if a_p is None:
             return y
@@ -131,8 +137,8 @@ class Forward:
     def norm(self, x: T, name: str) -> T:
         o = self.ops
         if self.m.norm == "rmsnorm":
-            return o.rmsnorm(x, self.rows, self.m.d_model, self.p(name + ".weight"))
-        return o.layernorm(x, self.rows, self.m.d_model, self.p(name + ".weight"), self.maybe(name + ".bias"))
+            return o.rmsnorm(x, self.seq_rows, self.m.d_model, self.p(name + ".weight"))
+        return o.layernorm(x, self.seq_rows, self.m.d_model, self.p(name + ".weight"), self.maybe(name + ".bias"))
 
     # -- blocks -----------------------------------------------------------------------
     def attention(self, h: T, i: int) -> T:
@@ -147,14 +153,16 @@ class Forward:
             return mla_attention(self, h, i)
         if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
             return av.attention(self, h, i)
+        h = self.tp.gather(self, h) if self.tp else o.ref_(h)
         q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
         k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
         v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
+        o.drop(h)
         out = self.strategy.core_attention(self, q, k, v, i, lambda: self.core_attention(q, k, v, i))
         o.drop(q, k, v)
         y = self.proj(out, i, "attn.o_proj", "o", m.d_model)
         o.drop(out)
-        return y
+        return self.tp.reduce(self, y) if self.tp else y
 
     def core_attention(self, q: T, k: T, v: T, i: int) -> T:
         o, m = self.ops, self.m
@@ -174,7 +182,9 @@ class Forward:
             q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
         else:
             q2, k2 = o.ref_(q), o.ref_(k)
-        if gqa:
+        if gqa or m.kv_heads == 1:
+            # one kv head (MQA, or a tensor-parallel rank's share): repeat_kv's reshape of the
+            # (B, 1, n_rep, T, D) expand is a view (stride 0 over the heads), no copy
             k3, v3 = o.ref_(k2), o.ref_(v)
         else:
             k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
@@ -196,6 +206,7 @@ class Forward:
             return moe_block(self, h, i)
         if m.fused_gate_up:  # Phi-3 / GLM-4 gate_up_proj (engine/block_variants.py)
             return bv.fused_gate_up_mlp(self, h, i)
+        h = self.tp.gather(self, h) if self.tp else o.ref_(h)
         if m.mlp == "gated":
             g = self.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
             u = self.proj(h, i, "mlp.up_proj", "up", m.d_ff)
@@ -210,8 +221,8 @@ class Forward:
             o.drop(f)
             x = a
             y = self.proj(x, i, "mlp.fc2", "down", m.d_model)
-        o.drop(x)
-        return y
+        o.drop(x, h)
+        return self.tp.reduce(self, y) if self.tp else y
 
     def resid_drop(self, x: T) -> T:
         y = self.ops.dropout(x, self.m.resid_dropout)
@@ -298,6 +309,8 @@ class Forward:
         labels = sim.alloc(self.rows * 8, "activations", "inputs")
         self.ids_labels = (ids, labels)
         x = o.embedding(ids, self.rows, self.p("embed_tokens.weight"), m.d_model)
+        if self.tp:  # vocabulary-parallel embedding: its Partial output reduced
+            x = self.tp.reduce(self, x)
         x = bv.scale_embeddings(self, x)
         pos = self.maybe("embed_positions.weight")
         if pos is not None:
@@ -320,6 +333,10 @@ class Forward:
         if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside
             sim.offload.active = False
         weight = "lm_head.weight" if self.maybe("lm_head.weight") is not None else "embed_tokens.weight"
+        if self.tp:  # the head is column-parallel on the vocabulary
+            h = self.tp.gather(self, x)
+            o.drop(x)
+            x = h
         # the head as a projection: with LoRA target head, its adapter branch is a vocab-wide B output
         logits = self.proj(x, None, "lm_head", "head", m.vocab_size, base="lm_head", weight=weight)
         o.drop(x)
@@ -327,7 +344,7 @@ class Forward:
         self.strategy.logits(self, logits)
         sim.role = "loss"
         o.category = "logits & loss"
-        loss = lm_loss(o, logits, self.B, self.T, m.vocab_size)
+        loss = lm_loss(o, logits, self.B, self.T, m.vocab_size, self.tp is not None)
         o.category = "saved activations"
         o.drop(logits)
         o.exit_autocast()

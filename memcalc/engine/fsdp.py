@@ -360,12 +360,13 @@ def host_offload_bytes(exp: ExperimentSpec) -> int:
     (the optimizer steps on the CPU). Pinned staging and the host allocator's rounding ignored."""
     from memcalc.engine.optimizers import state_bytes
     from memcalc.engine.params import param_inventory
+    from memcalc.engine.tensor_parallel import local_experiment
 
     tr = exp.training
     pol = policy(tr)
     opt_tr = optimizer_training(tr)
     total = 0
-    for pt in param_inventory(exp.model, tr.lora):
+    for pt in param_inventory(local_experiment(exp).model, tr.lora):  # with TP: this rank's shards
         s = padded_shard_numel(pt.shape, tr.gpus)
         total += pol.orig.nbytes(s)
         if pt.trainable:

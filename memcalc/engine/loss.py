@@ -89,13 +89,23 @@ def chunked_cross_entropy(ops: Ops, x: T, rows: int, V: int) -> T:
     return loss
 
 
-def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int) -> T:
+def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int, loss_parallel: bool = False) -> T:
     """Causal LM loss on (B,T,V) logits: optional fp32 upcast (HF), optional shifted
     contiguous copy (``logits[..., :-1, :].contiguous()``; its backward, slice_backward,
     allocates a full zero (B,T,V) gradient), then cross_entropy = log_softmax (saves its
     output) + nll_loss (saves target and total_weight; backward allocates a zero
     (N,V) gradient and scatters into it). ``cross_entropy="chunked"``: the rows in
-    ``loss_chunks`` pieces after the upcast and the shift (:func:`chunked_cross_entropy`)."""
+    ``loss_chunks`` pieces after the upcast and the shift (:func:`chunked_cross_entropy`).
+
+    ``loss_parallel`` (tensor parallelism, ``V`` this rank's vocabulary shard): DTensor's
+    ``loss_parallel()`` handlers (torch/distributed/tensor/parallel/loss.py ``_log_softmax``) run
+    log_softmax in fp32 (``elementwise_dtypes``' computation dtype): a 16-bit x is copied to fp32,
+    then ``x - max``, ``exp(x - max)`` and the fp32 result are made and the result is cast back (three
+    fp32 logits-sized tensors alive as the output is allocated); an fp32 x keeps ``x - max`` and
+    ``exp(x - max)`` before the output. And
+    ``_nll_loss_and_log_softmax_backward`` as ``(zeros_like(x) + exp(x)) * grad`` in nll_loss's
+    backward (two more logits-sized tensors beside its result; log_softmax's backward then only
+    casts). The chunked loss ignores it."""
     x = logits
     if ops.profile.logits_fp32 and x.itemsize_bits != 32:
         xf = ops.new(x.numel, DType.fp32, "logits & loss")
@@ -117,7 +127,15 @@ def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int) -> T:
         x = xs
     if ops.profile.cross_entropy == "chunked":
         return chunked_cross_entropy(ops, x, rows, V)
+    held = None
+    if loss_parallel:  # fp32 x: x - max (held) and exp(.) before the output; 16-bit x: its fp32 copy,
+        # x - max and exp(.) (fp32) before, then the copy, x - max and the fp32 result held as it is cast
+        f = DType.fp32.nbytes(rows * V)
+        hold, before = (f, 2 * f) if dt == DType.fp32 else (3 * f, 3 * f)
+        held = ops.sim.alloc(hold, "temporaries", "logits & loss")
+        ops.sim.transient(before - hold, "temporaries", "logits & loss")
     lsm = ops.new(rows * V, dt, "logits & loss")
+    ops.sim.unref(held)
     # the gradient w.r.t. the (shifted) logits is a whole (rows, V) tensor, also when they are a view
     ops.sim.node("log_softmax", [lsm], [x], [], [lsm], grad_input_bytes=[dt.nbytes(rows * V)])
     if ops.autocast is not None and dt != DType.fp32:
@@ -130,6 +148,6 @@ def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int) -> T:
     ops.drop(x)  # the caller's shifted logits live until cross_entropy returns
     loss = ops.sim.alloc(4, "activations", "logits & loss")
     loss.numel, loss.itemsize_bits = 1, dt.bits
-    ops.sim.node("nll_loss", [], [lsm], [], [loss])
+    ops.sim.node("nll_loss", [], [lsm], [], [loss], temps=[2 * lsm.nbytes] if loss_parallel else [])
     ops.drop(lsm)
     return loss

@@ -17,6 +17,7 @@ from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim
+from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
 
 def quantized_bytes(numel: int, block: int, double_quant: bool) -> int:
@@ -57,7 +58,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     params: dict[str, Param] = {}
     order: list[Param] = []
     gather = 0
-    for pt in param_inventory(exp.model, lora):
+    for pt in param_inventory(local_experiment(exp).model, lora):  # tensor parallelism: this rank's shards
         quant = lora is not None and lora.qlora and pt.quantizable
         pdt = adt if pt.kind == "lora" else wdt
         if quant:
@@ -81,10 +82,10 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
                 gather += full
         w = sim.alloc(nbytes, "weights", cat, name=pt.name)
         w.numel, w.itemsize_bits = pt.numel, (4 if quant else pdt.bits)
-        p = Param(pt.name, w, pt.trainable, pdt.nbytes(pt.numel), pt.layer, pt.numel)
+        p = Param(pt.name, w, pt.trainable, pdt.nbytes(grad_numel(pt.name, pt.numel, tr.tp)), pt.layer, pt.numel)
         if tr.zero >= 2 and n > 1 and not f2 and tr.sharding != "deepspeed":  # DeepSpeed: its buckets (engine.deepspeed)
             p.grad_keep_bytes = shard(p.grad_bytes, n)
         params[pt.name] = p
         order.append(p)
-    shapes = {pt.name: pt.shape for pt in param_inventory(exp.model, lora)} if f2 else {}
+    shapes = {pt.name: pt.shape for pt in param_inventory(local_experiment(exp).model, lora)} if f2 else {}  # TP: local shapes
     return Model(exp.model, params, order, tr.compute_dtype, gather, shapes, f2, f1)

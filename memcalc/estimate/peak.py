@@ -104,6 +104,9 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
     if tr.gpus > 1 and tr.zero == 0:
         notes.append(f"gpus {tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
                      "every GPU (the estimate is per GPU)")
+    if tr.sequence_parallel and tr.tp == 1:
+        notes.append("sequence_parallel has no effect with tp 1: there is no tensor-parallel group to shard the "
+                     "sequence over (set tp)")
     if tr.checkpoint != "every-k" and tr.checkpoint_every != default["checkpoint_every"]:
         notes.append(f"checkpoint_every {tr.checkpoint_every} has no effect with checkpoint {tr.checkpoint}: "
                      "it is the K of every-k")

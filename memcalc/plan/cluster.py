@@ -14,6 +14,7 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
+from memcalc.plan.layouts import search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, fits_in, largest_exact
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
@@ -76,6 +77,7 @@ class ClusterRow:
     min_gpus: dict[str, Optional[int]]  # setup -> fewest GPUs (None: more than GPU_CAP)
     checkpoint: dict[str, Optional[str]]  # setup -> checkpointing used at that count
     required_bytes: dict[str, Optional[int]]  # setup -> per-GPU required bytes at that count
+    layout: dict[str, Optional[dict]] = field(default_factory=dict)  # setup -> {"dp", "tp"} (plan/layouts.py)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.gpu.name, "display_name": getattr(self.gpu, "display_name", self.gpu.name),
@@ -86,6 +88,7 @@ class ClusterRow:
             d[f"min_gpus_{s}_pow2"] = next_pow2(n)
             d[f"checkpoint_{s}"] = self.checkpoint[s]
             d[f"required_bytes_{s}"] = self.required_bytes[s]
+            d[f"layout_{s}"] = self.layout.get(s)
         return d
 
 
@@ -170,6 +173,7 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
             e = with_training(by_ck[ck], gpus=n)
             reqs[s] = required_bytes(estimated_peak(e)) if confirm else int(req[s][ck][n - 1])
         rows.append(ClusterRow(g, mins, cks, reqs))
+    search_layouts(rows, setups["full"], GPU_CAP, confirm)  # data x tensor parallel (plan/layouts.py)
     notes = [
         f"sharding: ZeRO-3 over N GPUs by {SHARDING_TEXT}; the root unit (embedding, final norm, head) is "
         "all-gathered whole on every GPU and the head's gradient waits for the end of backward, so a per-GPU floor "
@@ -178,6 +182,9 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
         f"no offload, batch 1 x seq {seq} per GPU, activation checkpointing none if it fits at that count, else full",
         f"LoRA: bf16 frozen base, rank {LORA_RANK} adapters on q,k,v,o, AdamW; FSDP2 shards the frozen base when one "
         f"GPU is not enough; checkpointing as above",
+        "tp: the full fine-tune's count as dp x tp = FSDP2 (ZeRO-3) over dp = full / tp data-parallel ranks x tensor "
+        "parallelism with sequence parallelism over tp (torchtitan's 2-D layout; tp 2/4/8, within a node), batch 1 "
+        "per data-parallel rank (--json: layout_full); LoRA runs ZeRO-3 alone",
         f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
         "and nodes of 8, so the next power of two is shown too",
     ]

@@ -116,7 +116,7 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
     # SIMPLE_HEAD without edges and with collapsed padding: ten columns fit 80 terminal columns
     t = Table(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
               title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
-    for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("pow2", "right"),
+    for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("tp", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right")):
         t.add_column(col, justify=just, no_wrap=True)
@@ -124,7 +124,11 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
         cells = [r.gpu.name, f"{gib(r.gpu.capacity_bytes):.1f}"]
         for s in ("full", "lora"):
             n = r.min_gpus[s]
-            cells += [f">{GPU_CAP}" if n is None else str(n), "-" if n is None else str(next_pow2(n)),
+            cells += [f">{GPU_CAP}" if n is None else str(n)]
+            if s == "full":  # the tensor-parallel degree of that count: dp = full / tp (plan/layouts.py)
+                lay = r.layout.get(s)
+                cells.append("-" if lay is None else str(lay["tp"]))
+            cells += ["-" if n is None else str(next_pow2(n)),
                       r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
         t.add_row(*cells)
     c.print(t)

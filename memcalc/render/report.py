@@ -159,6 +159,10 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
                   + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
     if tr.compile:
         t.add_row("compile", f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
+    if tr.tp > 1 or tr.sequence_parallel:  # per rank of a tensor-parallel group (engine/tensor_parallel.py)
+        t.add_row("tensor parallel", f"TP {tr.tp}{_mark(o, 'tp')}"
+                  + (f" (sequence parallel{_mark(o, 'sequence_parallel')})" if tr.sequence_parallel else "")
+                  + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
     if tr.lora is not None:
         lo = tr.lora
         adt = exp.adapter_dtype

@@ -1,0 +1,109 @@
+"""Data-parallel x tensor-parallel layouts for ``memcalc plan --model M``'s fewest-GPU answers.
+
+A full fine-tune on ``dp x tp`` GPUs runs FSDP2 (ZeRO-3) over ``dp`` data-parallel ranks and
+Megatron-style tensor parallelism with sequence parallelism over ``tp`` (torchtitan's 2-D layout:
+``apply_tp`` then ``apply_fsdp``; :mod:`memcalc.engine.tensor_parallel`), batch 1 per data-parallel
+rank. Each rank holds ``1/(dp x tp)`` of the sharded model states either way, but TP with SP also
+divides the activations by ``tp``, so when activations are what does not fit, a TP layout needs
+fewer GPUs than ZeRO-3 alone.
+
+:func:`search_layouts` tries ``tp`` in :data:`TP_DEGREES` (the degrees that fit in one 8-GPU
+node, where TP's per-layer collectives stay on NVLink) that the model allows
+(:func:`memcalc.engine.tensor_parallel.check`), fits each one's per-GPU requirement in ``dp``
+(:func:`memcalc.plan.fits.fit_gpus`, the depth-extrapolated simulations of ``plan/depth.py``), and
+keeps the layout with the fewest GPUs in all (the smaller ``tp`` on a tie: less communication),
+confirmed with direct estimates when ``confirm``. LoRA runs are not searched: the tensor-parallel
+model covers full fine-tuning only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from memcalc.core.errors import UserError
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.tensor_parallel import check
+from memcalc.estimate.peak import required_bytes
+from memcalc.plan.fits import fit_gpus
+from memcalc.plan.limits import fits_in
+from memcalc.plan.simulations import estimated_peak, with_training
+
+#: tensor-parallel degrees searched: within one 8-GPU node (NVLink), as torchtitan's recipes use
+TP_DEGREES = (2, 4, 8)
+
+
+def tp_degrees(exp: ExperimentSpec) -> list[int]:
+    """The degrees of :data:`TP_DEGREES` the model and setup allow."""
+    out = []
+    for tp in TP_DEGREES:
+        try:
+            check(with_training(exp, tp=tp, sequence_parallel=True))
+        except UserError:
+            continue
+        out.append(tp)
+    return out
+
+
+def layout_of(dp: Optional[int], tp: int) -> Optional[dict[str, int]]:
+    """The layout as ``--json`` shows it: ``{"dp": ..., "tp": ...}`` (None when nothing fits)."""
+    return None if dp is None else {"dp": dp, "tp": tp}
+
+
+def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int) -> Optional[int]:
+    """The fewest data-parallel ranks (1..n_max) at which ``exp`` fits ``cap``: one checked directly
+    (weights and state alone usually rule it out at once), 2..n_max from the fit in ``dp``."""
+    if fits_in(with_training(exp, gpus=1), cap):  # one tensor-parallel group, no ZeRO
+        return 1
+    if n_max < 2:
+        return None
+    req = fit_gpus(exp, n_fit).required(np.arange(1, n_max + 1))  # NaN at 1 (the fit is over 2..n_fit)
+    ok = np.nonzero(req[1:] <= cap)[0]
+    return int(ok[0]) + 2 if len(ok) else None
+
+
+def _confirmed(exp: ExperimentSpec, cap: int, n: int, n_max: int) -> Optional[int]:
+    """The fitted count ``n`` made exact with direct estimates: up while it does not fit, down while
+    the one below fits."""
+    while n <= n_max and not fits_in(with_training(exp, gpus=n), cap):
+        n += 1
+    while n > 1 and fits_in(with_training(exp, gpus=n - 1), cap):
+        n -= 1
+    return n if n <= n_max else None
+
+
+def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int, confirm: bool = True) -> None:
+    """For each :class:`memcalc.plan.cluster.ClusterRow`, replace the full fine-tune's fewest-GPU
+    answer with the best ``dp x tp`` layout when one needs fewer GPUs in all, and record the
+    layout (``row.layout[setup]``, ``tp`` 1 for ZeRO-3 alone). ``full`` maps checkpointing
+    ``none``/``full`` to the full fine-tune's setup. The layouts are compared by their fitted
+    counts; only the winner is confirmed with direct estimates (``confirm``)."""
+    base = full["full"]
+    degrees = tp_degrees(base)
+    for row in rows:
+        n = row.min_gpus.get("full")
+        row.layout["full"] = layout_of(n, 1)
+        row.layout["lora"] = layout_of(row.min_gpus.get("lora"), 1)
+        cap = int(row.gpu.capacity_bytes)
+        cands = []  # (total, tp, dp)
+        for tp in degrees:
+            bound = n_max // tp if n is None else min(n_max // tp, (n - 1) // tp)
+            if bound < 1:
+                continue
+            dp = _fewest_dp(with_training(base, tp=tp, sequence_parallel=True), cap, bound, n_max)
+            if dp is not None:
+                cands.append((dp * tp, tp, dp))
+        for total, tp, dp in sorted(cands):
+            exp = with_training(base, tp=tp, sequence_parallel=True)
+            if confirm and dp > 1:
+                dp = _confirmed(exp, cap, dp, n_max // tp)
+                if dp is None or (n is not None and dp * tp >= n):
+                    continue
+            exps = {ck: with_training(e, tp=tp, sequence_parallel=True, gpus=dp) for ck, e in full.items()}
+            ck = "none" if fits_in(exps["none"], cap) else "full"
+            row.min_gpus["full"] = dp * tp
+            row.checkpoint["full"] = ck
+            row.required_bytes["full"] = required_bytes(estimated_peak(exps[ck]))
+            row.layout["full"] = layout_of(dp, tp)
+            break
