@@ -92,6 +92,25 @@ def test_extrapolated_peak_zero3_cluster_setups(gpus):
                 assert deep is None or deep == direct, (exp.name, exp.training.checkpoint, gpus)
 
 
+@pytest.mark.parametrize("sharding,zero,gpus,precision,master,checkpoint", [
+    # source: memcalc.engine.fsdp / fsdp1: every parameter sharded on its own (padded rows), so the
+    # step's sums over parameters are affine in the depth and the deep step extrapolates exactly
+    ("fsdp2", 3, 8, "bf16", True, "full"),
+    ("fsdp2", 3, 3, "fp32", False, "none"),
+    ("fsdp2", 2, 16, "bf16", False, "none"),
+    ("fsdp2", 3, 64, "bf16", True, "selective"),
+    ("fsdp1", 3, 8, "bf16", False, "full"),
+])
+def test_fsdp_steps_extrapolate_exactly(sharding, zero, gpus, precision, master, checkpoint):
+    m = FAMILIES["llama"]
+    tr = Technique("none", "16+master" if master else "16", "adamw", checkpoint, False).training(2, 700)
+    tr = tr.model_copy(update={"precision": precision, "master_weights": master, "zero": zero, "gpus": gpus,
+                               "sharding": sharding})
+    exp = ExperimentSpec(model=m, training=tr)
+    for deep, direct in _peaks(exp):
+        assert deep == direct, (sharding, zero, gpus)
+
+
 def test_plan_peaks_are_estimate_peaks():
     # source: estimate(): the plan's estimated_peak (extrapolated) equals its peak_bytes
     m = FAMILIES["llama"]

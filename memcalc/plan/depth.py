@@ -28,9 +28,11 @@ the same bytes with totals exactly affine in the layer index. Anything else fall
 direct simulation (:func:`applies` rules out up front: sqrt and every-K checkpointing, whose
 segments depend on the depth; torch.compile, whose partition is of the whole graph; a model
 field outside :data:`UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under
-ZeRO over N GPUs a request that grows with the depth is a rank's share ``ceil(S / N)`` of a
-sum (the foreach step's temporary), not affine in the depth: the sum ``S`` is read from the same
-step's shallow traces on one GPU and divided at depth ``n``. ``tests/test_depth.py`` compares
+ZeRO over N GPUs with one flat partition (DeepSpeed, the generic ZeRO model) a request that
+grows with the depth is a rank's share ``ceil(S / N)`` of a sum (the foreach step's temporary),
+not affine in the depth: the sum ``S`` is read from the same step's shallow traces on one GPU and
+divided at depth ``n``. FSDP2 and FSDP1 shard parameter by parameter, so such a sum is affine
+in the depth and extrapolates like any other request. ``tests/test_depth.py`` compares
 the extrapolated peaks with direct simulations.
 
 Cost: 3 + 4 + 5 = 12 layers simulated instead of ``n``.
@@ -45,6 +47,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.fsdp import fsdp_active
 
 #: The depths simulated for one deep step (three points: two define the line, the third checks it).
 SHALLOW_DEPTHS = (3, 4, 5)
@@ -282,7 +285,10 @@ def deep_trace(exp: ExperimentSpec, first_step: bool) -> Optional[tuple[np.ndarr
         r = simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True)
         traces.append(r.alloc_trace or [])
     tr = exp.training
-    shards = tr.gpus if tr.zero >= 1 else 1
+    # FSDP2/FSDP1 shard each parameter on its own (padded rows, engine.fsdp): a sum over the
+    # parameters of their shards is affine in the depth like any other request; a flat ZeRO
+    # partition (ceil(S / N) of the whole sum) is not, and takes the one-GPU traces' S
+    shards = tr.gpus if tr.zero >= 1 and not fsdp_active(tr) else 1
     return extrapolate(traces, SHALLOW_DEPTHS, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
                        unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
                            update={"gpus": 1})}), first_step))
