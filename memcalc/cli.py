@@ -531,7 +531,6 @@ def validate(
                             "on CUDA; trace one rank with --device meta")
         if framework is None:  # the sharded trace builds the replica: its estimate uses the plain rules too
             framework = FrameworkOpt("plain")
-            sys.stderr.write("memcalc validate: --gpus traces memcalc's PyTorch replica (--framework plain)\n")
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 
     with stoppable():  # importing torch takes seconds: a signal then stops cleanly too

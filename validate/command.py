@@ -211,7 +211,10 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
                         "use --device meta to trace the step instead")
     err = Console(stderr=True)
     dev = device or default_device()
-    if device is None:
+    if sharded:
+        err.print(f"memcalc validate: tracing rank {rank} of a sharded step in one process (fake process group, "
+                  f"fake tensors on cpu; memcalc's PyTorch replica of the model)")
+    elif device is None:
         err.print(f"memcalc validate: running on {dev}" + ("" if dev == "cuda" else " (no CUDA device: tracing on the meta device)"))
     records: list[dict] = []
     stop: Optional[StopRequested] = None

@@ -168,7 +168,7 @@ def _steps(exp: ExperimentSpec, model, inner, plan, fake, in_fake, out: dict, ti
                 loss = model(ids, labels)
                 if tr.grad_accum > 1:
                     loss = loss / tr.grad_accum
-                tracer.set_phase("backward", "")
+                tracer.set_phase("backward", tracer.label)
                 loss.backward()
             tracer.set_phase("optimizer step", "")
             opt.step()
