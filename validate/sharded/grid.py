@@ -105,13 +105,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=None)
+    ap.add_argument("--force", action="store_true", help="trace again setups whose file exists")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     for s in grid(a.quick):
         if a.only and a.only not in s.name:
             continue
         path = os.path.join(a.out, s.name + ".json")
-        if os.path.exists(path):
+        if os.path.exists(path) and not a.force:
             continue
         t0 = time.time()
         try:

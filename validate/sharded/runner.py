@@ -90,6 +90,8 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
     - ``timeline`` (``timeline=True``): ``[event, label, bytes, live_bytes]`` for every
       allocation (``alloc``), free (``free``, negative bytes) and ``resize`` of the measured step;
       ``label`` is ``phase label [fsdp scope]``, e.g. ``backward layer 2 [reduce-scatter]``;
+      beside it, ``timeline_ids`` (one storage's alloc, resizes and free share an id: lifetimes) and
+      ``timeline_ops`` (the op that made or resized it; ``""`` for a free);
     - ``peak_live`` (``debug=True``): the storages alive at the peak, ``[bytes, "op @ where"]``.
 
     ``real``: real CPU tensors instead of fake ones (small models only: it allocates). ``cuda_kernels``
@@ -208,7 +210,9 @@ def _steps(exp: ExperimentSpec, model, inner, plan, fake, in_fake, out: dict, ti
                                         "it counts DTensor's sharding-propagation temporaries of step 1 and does "
                                         "not round to 512-byte blocks off CUDA")
         if events is not None:
-            out["timeline"] = [list(e) for e in events]
+            out["timeline"] = [list(e[:4]) for e in events]
+            out["timeline_ids"] = [e[4] for e in events]
+            out["timeline_ops"] = [e[5] for e in events]
         if debug:
             out["peak_live"] = sorted(([b, w] for b, w, _ in tracer.peak_live), reverse=True)
         del opt, ids, labels, trainable
