@@ -148,3 +148,58 @@ def test_cli_traces_one_rank_and_writes_records(tmp_path):
     assert (rec["sharding"], rec["gpus"], rec["zero"], rec["rank"], rec["strategy"]) == ("fsdp1", 4, 2, 3, "SHARD_GRAD_OP")
     assert isinstance(rec["measured_bytes"], int) and rec["measured_bytes"] > rec["baseline_bytes"] > 0
     assert rec["mixed_precision"].startswith("pure fp32") and rec["framework"] == "plain"
+
+
+# -- the 2-D mesh for tensor parallelism --------------------------------------------------------
+TP_MESHES = [
+    # (dp, tp); source: ColwiseParallel shards a weight's rows (Shard(0)) and RowwiseParallel its columns
+    # (Shard(1)) over "tp" (torch/distributed/tensor/parallel/style.py); fully_shard then shards dim 0 over "dp"
+    (1, 4),
+    (2, 2),
+]
+
+
+@pytest.mark.parametrize("dp,tp", TP_MESHES)
+def test_a_2d_mesh_parallelized_module_counts_local_shards(dp, tp):
+    import torch.nn as nn
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from memcalc.validate.sharded.fake_dist import fake_world
+    from memcalc.validate.sharded.rank_tracer import RankTracer, local_tensors
+
+    d, f = 256, 1024
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(f, d, bias=False)
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up(x)))
+
+    with fake_world(dp * tp, rank=1, shape=(dp, tp), names=("dp", "tp")) as mesh:
+        assert mesh.mesh_dim_names == ("dp", "tp") and tuple(mesh.shape) == (dp, tp)
+        fake = FakeTensorMode()
+        with fake, torch.device("meta"):
+            model = MLP()
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if dp > 1:
+            fully_shard(model, mesh=mesh["dp"])
+        with fake:
+            model.to_empty(device="cpu")
+            x = torch.zeros(2, 64, d)
+            tracer = RankTracer("cpu")
+            tracer.track(local_tensors(model.parameters()))
+            assert tracer.current == 2 * d * f * 4 // (dp * tp)  # each rank holds 1/(dp*tp) of the weights
+            tracer.track([x])
+            base = tracer.current
+            tracer.timeline = []
+            with tracer:
+                model(x).square().mean().backward()
+    ops = {e[5] for e in tracer.timeline if e[0] == "alloc"}
+    assert "_c10d_functional.all_reduce.default" in ops  # RowwiseParallel's partial sum, seen as an op
+    assert tracer.unknown_resizes == 0
+    # the row-parallel output is the full (2, 64, d) activation on every rank; the up projection's is 1/tp
+    assert tracer.record.bytes >= base + 2 * 64 * f * 4 // tp
