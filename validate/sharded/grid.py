@@ -47,7 +47,7 @@ class Setup:
     @property
     def name(self) -> str:
         return (f"{self.sharding}-{self.shape}-L{self.layers}-g{self.gpus}-z{self.zero}-{self.precision}-"
-                f"ck{self.checkpoint}-b{self.batch}s{self.seq}")
+                f"ck{self.checkpoint}-b{self.batch}s{self.seq}" + (f"-r{self.rank}" if self.rank else ""))
 
     def options(self) -> dict:
         return dict(SHAPES[self.shape], batch=self.batch, seq=self.seq, framework="plain", gpus=self.gpus,
@@ -76,6 +76,10 @@ def grid(quick: bool = False) -> list[Setup]:
     for p in ("fp32", "bf16", "mp"):
         for ck in ("none", "full"):
             out.append(Setup("7b", 4, 8, 3, p, ck))
+    for g in (2, 16):
+        for ck in ("none", "full"):
+            out.append(Setup("7b", 4, g, 3, "mp", ck))
+    out += [Setup("7b", 2, 8, 3, "mp", "none", rank=5), Setup("7b", 2, 8, 2, "bf16", "full", batch=2, seq=1024)]
     for g in (2, 8):
         for p in ("fp32", "mp"):
             for z in (3, 2):
