@@ -114,7 +114,8 @@ class RankTracer(StorageTracer):
                 self._ids[key] = self._next_id
                 self._next_id += 1
             sid = self._ids[key]
-            self.timeline.append((kind, self.where(), nbytes, self.current, sid, self._op if kind != "free" else ""))
+            op = {"free": "", "resize": "UntypedStorage.resize_"}.get(kind, self._op)
+            self.timeline.append((kind, self.where(), nbytes, self.current, sid, op))
 
     # -- accounting -------------------------------------------------------------------
     def _free(self, key: int, _ref: weakref.ref) -> None:

@@ -91,7 +91,7 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
       allocation (``alloc``), free (``free``, negative bytes) and ``resize`` of the measured step;
       ``label`` is ``phase label [fsdp scope]``, e.g. ``backward layer 2 [reduce-scatter]``;
       beside it, ``timeline_ids`` (one storage's alloc, resizes and free share an id: lifetimes) and
-      ``timeline_ops`` (the op that made or resized it; ``""`` for a free);
+      ``timeline_ops`` (the op that made it; ``UntypedStorage.resize_`` for a resize, ``""`` for a free);
     - ``peak_live`` (``debug=True``): the storages alive at the peak, ``[bytes, "op @ where"]``.
 
     ``real``: real CPU tensors instead of fake ones (small models only: it allocates). ``cuda_kernels``
