@@ -164,6 +164,12 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
             phase = f"{r['measured_phase']} (pred. {r['peak_phase']})"
         if r["reason"]:
             notes.append(f"{r['config']}: {r['reason']}")
+        if r.get("sharding"):  # a sharded record: which rank of what ran (sharded/command.py)
+            tracker = r.get("fsdp_tracker_bytes")
+            notes.append(f"{r['config']}: rank {r['rank']} of {r['gpus']} GPUs, {r['sharding']} --zero {r['zero']}, "
+                         f"{r.get('mixed_precision') or '-'}"
+                         + (f"; FSDPMemTracker {_fmt_gib(tracker)} GiB (counts DTensor propagation temporaries)"
+                            if tracker else ""))
         t.add_row(r["config"], r["device"], _fmt_gib(r["predicted_bytes"]), _fmt_gib(r["measured_bytes"]),
                   _fmt_gib(r["published_bytes"]), f"[{_gap_style(gap)}]{_fmt_pct(gap)}[/]",
                   _fmt_pct(r["published_error_pct"]), phase)
