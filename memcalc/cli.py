@@ -487,7 +487,8 @@ def validate(
     gpus: Optional[int] = typer.Option(
         None, "--gpus",
         help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
-             "process group, fake tensors (--device meta or cpu; nothing is allocated)."),
+             "process group, fake tensors (--device meta or cpu; nothing is allocated); memcalc's replica unless "
+             "--framework hf (FSDP2 only)."),
     zero: Optional[int] = typer.Option(
         None, "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
                              "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
@@ -529,7 +530,7 @@ def validate(
         if device == "cuda":
             raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
                             "on CUDA; trace one rank with --device meta")
-        if framework is None:  # the sharded trace builds the replica: its estimate uses the plain rules too
+        if framework is None:  # the sharded trace builds the replica unless --framework hf (FSDP2 only) is given
             framework = FrameworkOpt("plain")
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 

@@ -122,7 +122,8 @@ BAD_CLI = [
     (CLI + ["--gpus", "4", "--zero", "1"], 2, "--gpus 4 needs --zero 2 or 3 for validate (got 1)"),
     (CLI + ["--gpus", "4", "--zero", "3", "--rank", "4"], 2, "--rank 4 is not a rank of --gpus 4 (valid: 0..3)"),
     (CLI + ["--rank", "1"], 2, "--rank 1 without --gpus"),
-    (CLI + ["--gpus", "4", "--zero", "3", "--framework", "hf"], 2, "pass --framework plain"),
+    (CLI + ["--gpus", "4", "--zero", "3", "--sharding", "fsdp1", "--framework", "hf"], 2,
+     "--framework hf with --sharding fsdp1: the Hugging Face model is traced under FSDP2 only"),
     (CLI + ["--gpus", "4", "--zero", "3", "--compile"], 2, "--compile: the sharded trace runs eager"),
 ]
 
@@ -203,3 +204,24 @@ def test_a_2d_mesh_parallelized_module_counts_local_shards(dp, tp):
     assert tracer.unknown_resizes == 0
     # the row-parallel output is the full (2, 64, d) activation on every rank; the up projection's is 1/tp
     assert tracer.record.bytes >= base + 2 * 64 * f * 4 // tp
+
+
+HF_TOL = 0.005  # the replica follows the HF step's rules (profile "hf"); what is left is bookkeeping of a few storages
+
+
+@pytest.mark.parametrize("zero", [3, 2])
+def test_the_hugging_face_model_under_fsdp2_matches_the_replica(zero):
+    """``framework="hf"``: transformers' LlamaForCausalLM under FSDP2 (validate/sharded/hf.py), traced like the
+    replica; with the hf profile both run the same step, so their per-rank peaks agree."""
+    from memcalc.inputs.resolve import Options, resolve
+
+    exp = resolve(Options(model="llama-2-7b", framework="hf", batch=2, seq=64, gpus=4, zero=zero, bf16=True,
+                          master_weights=True)).exp
+    exp = exp.model_copy(update={"model": exp.model.model_copy(update=dict(
+        n_layers=2, d_model=128, n_heads=4, n_kv_heads=4, d_ff=344, vocab_size=1000))})
+    hf = trace_rank(exp, framework="hf")
+    plain = trace_rank(exp, framework="plain")
+    assert hf["framework"] == "hf" and hf["params"] == plain["params"]
+    # transformers' LlamaRotaryEmbedding keeps a second buffer, original_inv_freq (modeling_llama.py): one block
+    assert hf["baseline_bytes"] - plain["baseline_bytes"] == 512
+    assert abs(hf["peak_bytes"] - plain["peak_bytes"]) <= HF_TOL * plain["peak_bytes"], (hf["peak_bytes"], plain["peak_bytes"])

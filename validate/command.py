@@ -218,8 +218,9 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     err = Console(stderr=True)
     dev = device or default_device()
     if sharded:
+        what = "transformers' model" if framework == "hf" else "memcalc's PyTorch replica of the model"
         err.print(f"memcalc validate: tracing rank {rank} of a sharded step in one process (fake process group, "
-                  f"fake tensors on cpu; memcalc's PyTorch replica of the model)")
+                  f"fake tensors on cpu; {what})")
     elif device is None:
         err.print(f"memcalc validate: running on {dev}" + ("" if dev == "cuda" else " (no CUDA device: tracing on the meta device)"))
     records: list[dict] = []
@@ -270,7 +271,7 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                     raise exp
                 extra: dict = {}
                 if rank is not None:
-                    meas, extra = measure_sharded(exp, dev, rank, scale_layers, progress=say)
+                    meas, extra = measure_sharded(exp, dev, rank, scale_layers, progress=say, framework=framework)
                 elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
                                       allocator_sim=dev != "cuda", reentrant=reentrant)
