@@ -8,6 +8,8 @@ per-rank estimate of the same experiment at the traced depth, when it runs: ``pr
 ``peak_phase``, and ``error_pct`` = (predicted - traced) / traced * 100). A file already there is
 kept (a rerun finishes the rest).
 
+``fsdp2-hf-*``: transformers' LlamaForCausalLM of the same shape (``framework="hf"``, ``hf.py``).
+
 Shapes: ``7b`` is Llama-2-7B's layer (d 4096, 32 heads, ff 11008, vocab 32000; the ``llama-2-7b``
 preset) cut to 2 (or 4) layers, batch 1 x 2048; ``small`` is d 1024, 16 heads, ff 2816,
 vocab 32000, 2 layers, batch 1 x 512 (quick runs).
@@ -43,14 +45,15 @@ class Setup:
     batch: int = 1
     seq: int = 2048
     rank: int = 0
+    framework: str = "plain"
 
     @property
     def name(self) -> str:
-        return (f"{self.sharding}-{self.shape}-L{self.layers}-g{self.gpus}-z{self.zero}-{self.precision}-"
+        return (f"{self.sharding}{'-hf' if self.framework == 'hf' else ''}-{self.shape}-L{self.layers}-g{self.gpus}-z{self.zero}-{self.precision}-"
                 f"ck{self.checkpoint}-b{self.batch}s{self.seq}" + (f"-r{self.rank}" if self.rank else ""))
 
     def options(self) -> dict:
-        return dict(SHAPES[self.shape], batch=self.batch, seq=self.seq, framework="plain", gpus=self.gpus,
+        return dict(SHAPES[self.shape], batch=self.batch, seq=self.seq, framework=self.framework, gpus=self.gpus,
                     zero=self.zero, sharding=self.sharding, checkpoint=self.checkpoint, **PRECISIONS[self.precision])
 
     def experiment(self):
@@ -80,6 +83,9 @@ def grid(quick: bool = False) -> list[Setup]:
         for ck in ("none", "full"):
             out.append(Setup("7b", 4, g, 3, "mp", ck))
     out += [Setup("7b", 2, 8, 3, "mp", "none", rank=5), Setup("7b", 2, 8, 2, "bf16", "full", batch=2, seq=1024)]
+    for z in (3, 2):
+        for ck in ("none", "full"):
+            out.append(Setup("7b", 2, 8, z, "mp", ck, framework="hf"))
     for g in (2, 8):
         for p in ("fp32", "mp"):
             for z in (3, 2):
@@ -97,8 +103,13 @@ def run_setup(s: Setup) -> dict:
     from .runner import trace_rank
 
     exp = s.experiment()
-    trace = trace_rank(exp, s.rank, timeline=True)
-    predicted, phase, why = _predict(exp)
+    trace = trace_rank(exp, s.rank, timeline=True, framework=s.framework)
+    target = exp
+    if s.framework == "hf":
+        from memcalc.validate.hf_grid import hf_estimator_spec
+
+        target = hf_estimator_spec(exp)
+    predicted, phase, why = _predict(target)
     est = {"predicted_bytes": predicted, "peak_phase": phase, "error_pct": _pct(predicted, trace["peak_bytes"]),
            "note": why or "memcalc's estimate of the same experiment (model at the traced depth) when traced"}
     return {"name": s.name, "setup": {**s.__dict__, "options": s.options()}, "trace": trace, "estimate": est}
