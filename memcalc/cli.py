@@ -596,8 +596,8 @@ def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Opt
         given = [f"{f} {v}" for f, v in (("--zero", zero or None), ("--sharding", sharding), ("--rank", rank))
                  if v is not None]
         if given:
-            raise UserError(f"{' '.join(given)} without --gpus: validate traces one rank of a sharded step; "
-                            f"give --gpus N (N >= 2) with --zero 2 or 3")
+            raise UserError(f"{' '.join(given)} needs --gpus N (N >= 2): validate traces one rank of a sharded step; "
+                            "add it, with --zero 2 or 3")
         return
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")

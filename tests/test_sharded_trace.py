@@ -114,14 +114,15 @@ def test_bad_setups_are_user_errors():
 CLI = ["validate", "--model", "llama-2-7b", "--seq", "64", "--scale-layers", "1"]
 BAD_CLI = [
     # (args, exit code, message)
-    (CLI + ["--zero", "3"], 2, "--zero 3 without --gpus: validate traces one rank of a sharded step"),
+    (CLI + ["--zero", "3"], 2, "--zero 3 needs --gpus N (N >= 2): validate traces one rank of a sharded step"),
+    (CLI + ["--gpus", "1", "--sharding", "fsdp1"], 2, "--sharding fsdp1 needs --gpus N (N >= 2)"),
     (CLI + ["--gpus", "4", "--zero", "3", "--sharding", "ddp"], 2, "unknown --sharding 'ddp'; valid: fsdp2, fsdp1, deepspeed"),
     (CLI + ["--gpus", "4", "--zero", "3", "--sharding", "deepspeed"], 2, "DeepSpeed ZeRO needs the DeepSpeed tracer"),
     (CLI + ["--gpus", "4", "--zero", "3", "--device", "cuda"], 2, "cannot measure 4 ranks on CUDA; trace one rank with --device meta"),
     (CLI + ["--gpus", "4"], 2, "--gpus 4 needs --zero 2 or 3"),
     (CLI + ["--gpus", "4", "--zero", "1"], 2, "--gpus 4 needs --zero 2 or 3 for validate (got 1)"),
     (CLI + ["--gpus", "4", "--zero", "3", "--rank", "4"], 2, "--rank 4 is not a rank of --gpus 4 (valid: 0..3)"),
-    (CLI + ["--rank", "1"], 2, "--rank 1 without --gpus"),
+    (CLI + ["--rank", "1"], 2, "--rank 1 needs --gpus N (N >= 2)"),
     (CLI + ["--gpus", "4", "--zero", "3", "--sharding", "fsdp1", "--framework", "hf"], 2,
      "--framework hf with --sharding fsdp1: the Hugging Face model is traced under FSDP2 only"),
     (CLI + ["--gpus", "4", "--zero", "3", "--compile"], 2, "--compile: the sharded trace runs eager"),
