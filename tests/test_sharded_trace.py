@@ -18,7 +18,7 @@ from typer.testing import CliRunner  # noqa: E402
 from memcalc.cli import app  # noqa: E402
 from memcalc.core.errors import UserError  # noqa: E402
 from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec  # noqa: E402
-from memcalc.validate.sharded import trace_rank  # noqa: E402
+from memcalc.validate.sharded import lifetimes, trace_rank  # noqa: E402
 
 TINY = ModelSpec(name="tiny-llama", n_layers=2, d_model=128, n_heads=4, n_kv_heads=4, d_ff=344, vocab_size=1000,
                  max_seq_len=1024)
@@ -100,6 +100,11 @@ def test_timeline_labels_collectives_and_layers():
     for part in ("forward layer 0", "backward layer 1", "[all-gather", "[reduce-scatter]", "optimizer step"):
         assert part in labels, part
     assert max(live for *_, live in events) == r["peak_bytes"]
+    # unsharded parameters are FSDP2's resized storages: each layer's grow at its all-gather copy-out and
+    # shrink at its reshard; the root's (embedding, head) live from the first forward to the end of backward
+    rows = [row for row in lifetimes(r) if row["op"] == "UntypedStorage.resize_"]
+    assert rows and all(row["died"] is not None for row in rows)
+    assert any(row["born"].startswith("forward") and row["died"].startswith("backward") for row in rows)
     assert r["phase"] in ("forward", "backward", "optimizer step") and r["label"]
 
 
