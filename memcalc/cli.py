@@ -519,7 +519,8 @@ def validate(
     gpus: Optional[int] = typer.Option(
         None, "--gpus",
         help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
-             "process group, fake tensors (--device meta or cpu; nothing is allocated)."),
+             "process group, fake tensors (--device meta or cpu; nothing is allocated); memcalc's replica unless "
+             "--framework hf (FSDP2 only)."),
     zero: Optional[int] = typer.Option(
         None, "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
                              "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
@@ -566,9 +567,8 @@ def validate(
         if device == "cuda":
             raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
                             "on CUDA; trace one rank with --device meta")
-        if framework is None:  # the sharded trace builds the replica: its estimate uses the plain rules too
+        if framework is None:  # the sharded trace builds the replica unless --framework hf (FSDP2 only) is given
             framework = FrameworkOpt("plain")
-            sys.stderr.write("memcalc validate: --gpus traces memcalc's PyTorch replica (--framework plain)\n")
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 
     with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
@@ -638,8 +638,8 @@ def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Opt
         given = [f"{f} {v}" for f, v in (("--zero", zero or None), ("--sharding", sharding), ("--rank", rank))
                  if v is not None]
         if given:
-            raise UserError(f"{' '.join(given)} without --gpus: validate traces one rank of a sharded step; "
-                            f"give --gpus N (N >= 2) with --zero 2 or 3")
+            raise UserError(f"{' '.join(given)} needs --gpus N (N >= 2): validate traces one rank of a sharded step; "
+                            "add it, with --zero 2 or 3")
         return
     if gpus < 1:
         raise UserError(f"--gpus must be at least 1, got {gpus}")

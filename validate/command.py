@@ -166,6 +166,12 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
             phase = f"{r['measured_phase']} (pred. {r['peak_phase']})"
         if r["reason"]:
             notes.append(f"{r['config']}: {r['reason']}")
+        if r.get("sharding"):  # a sharded record: which rank of what ran (sharded/command.py)
+            tracker = r.get("fsdp_tracker_bytes")
+            notes.append(f"{r['config']}: rank {r['rank']} of {r['gpus']} GPUs, {r['sharding']} --zero {r['zero']}, "
+                         f"{r.get('mixed_precision') or '-'}"
+                         + (f"; FSDPMemTracker {_fmt_gib(tracker)} GiB (counts DTensor propagation temporaries)"
+                            if tracker else ""))
         t.add_row(r["config"], r["device"], _fmt_gib(r["predicted_bytes"]), _fmt_gib(r["measured_bytes"]),
                   _fmt_gib(r["published_bytes"]), f"[{_gap_style(gap)}]{_fmt_pct(gap)}[/]",
                   _fmt_pct(r["published_error_pct"]), phase)
@@ -214,7 +220,11 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
                         "use --device meta to trace the step instead")
     err = Console(stderr=True)
     dev = device or default_device()
-    if device is None:
+    if sharded:
+        what = "transformers' model" if framework == "hf" else "memcalc's PyTorch replica of the model"
+        err.print(f"memcalc validate: tracing rank {rank} of a sharded step in one process (fake process group, "
+                  f"fake tensors on cpu; {what})")
+    elif device is None:
         err.print(f"memcalc validate: running on {dev}" + ("" if dev == "cuda" else " (no CUDA device: tracing on the meta device)"))
     records: list[dict] = []
     stop: Optional[StopRequested] = None
@@ -268,7 +278,7 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
 
                     meas = trace_deepspeed(exp, scale_layers=scale_layers, progress=say)
                 elif rank is not None:
-                    meas, extra = measure_sharded(exp, dev, rank, scale_layers, progress=say)
+                    meas, extra = measure_sharded(exp, dev, rank, scale_layers, progress=say, framework=framework)
                 elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
                                       allocator_sim=dev != "cuda", reentrant=reentrant)

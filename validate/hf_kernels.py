@@ -48,6 +48,7 @@ from memcalc.engine.mla import mla_attention_kernel
 
 from .amp import Amp
 from .attention import EfficientAttention, FlashAttention, align_mask
+from .devices import kernel_device
 
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -182,7 +183,7 @@ class HFKernels(TorchFunctionMode):
         replica's :func:`~.moe.grouped_mm`). Any other call runs as it is."""
         a, offs = args[0], kwargs.get("offs")
         plain = all(v is None for k, v in kwargs.items() if k != "offs")  # no bias, no out_dtype
-        if len(args) == 2 and plain and offs is not None and a.device.type == "meta" and a.dtype != torch.bfloat16:
+        if len(args) == 2 and plain and offs is not None and kernel_device(a) == "meta" and a.dtype != torch.bfloat16:
             from .moe import _GroupedMMFallback
 
             return _GroupedMMFallback.apply(a, args[1], offs)
@@ -220,7 +221,7 @@ _GROUPED_MM = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "
 # -- transformers' own code paths that cannot run on meta -----------------------------------
 def _unpacked_sequences(original):
     def find_packed_sequence_indices(position_ids: torch.Tensor):
-        if position_ids.device.type != "meta":
+        if kernel_device(position_ids) != "meta":
             return original(position_ids)
         # the same ops as masking_utils.find_packed_sequence_indices; their answer is the one
         # unpacked data gives (every row counts 0, 1, 2, ...): no packing

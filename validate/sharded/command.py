@@ -29,9 +29,6 @@ def check_sharded_run(items: list, device: Optional[str], framework: str, rank: 
     """One clear line for what the sharded trace cannot run, before any trace starts."""
     import torch
 
-    if framework != "plain":
-        raise UserError("--gpus: the sharded trace builds memcalc's PyTorch replica of the model; pass "
-                        "--framework plain (the Hugging Face model under FSDP is not traced yet)")
     for _name, exp in items:
         if not isinstance(exp, ExperimentSpec):
             continue
@@ -43,18 +40,26 @@ def check_sharded_run(items: list, device: Optional[str], framework: str, rank: 
                             "with --device meta")
         if not 0 <= rank < tr.gpus:
             raise UserError(f"--rank {rank} is not a rank of --gpus {tr.gpus} (valid: 0..{tr.gpus - 1})")
-        check_sharded(exp)
+        sharding = check_sharded(exp)
+        if framework == "hf" and sharding != "fsdp2":
+            raise UserError(f"--framework hf with --sharding {sharding}: the Hugging Face model is traced under FSDP2 "
+                            "only; use --framework plain (memcalc's replica) for FSDP1")
 
 
 def measure_sharded(exp: ExperimentSpec, device: str, rank: int = 0, scale_layers: Optional[int] = None,
-                    progress: Optional[Callable[[str], None]] = None) -> tuple[Measurement, dict]:
+                    progress: Optional[Callable[[str], None]] = None, framework: str = "plain") -> tuple[Measurement, dict]:
     """Trace rank ``rank`` of ``exp`` (``runner.trace_rank``, with FSDPMemTracker on FSDP2): the
     Measurement validate's record is made from, and the sharded fields (:data:`FIELDS`)."""
-    meas = Measurement(device=device, framework="plain")
+    meas = Measurement(device=device, framework=framework)
+    if framework == "hf":
+        from ..hf_runner import library_versions
+
+        meas.transformers_version, meas.peft_version = library_versions()
     tr = exp.training
     extra: dict = {"sharding": tr.sharding, "gpus": tr.gpus, "zero": tr.zero, "rank": rank}
     try:
-        r = trace_rank(exp, rank, scale_layers, fsdp_tracker=tr.sharding == "fsdp2", progress=progress)
+        r = trace_rank(exp, rank, scale_layers, fsdp_tracker=tr.sharding == "fsdp2", progress=progress,
+                       framework=framework)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - a setup that fails is its record; the run goes on

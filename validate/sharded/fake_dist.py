@@ -11,6 +11,16 @@ caller, so FSDP's all-gather, reduce-scatter and prefetch buffers are made and f
 ``world``), builds a 1-D mesh ``(world,)`` or a 2-D one (``shape=(dp, tp)``, ``names=("dp", "tp")``
 for FSDP x tensor parallelism) and destroys the group on exit, so several traces of different
 sizes run one after another in one process.
+
+Tensor parallelism on the 2-D mesh (``tests/test_sharded_trace.py``
+``test_a_2d_mesh_parallelized_module_counts_local_shards``): build the model under
+``FakeTensorMode()`` *and* ``torch.device("meta")``; ``parallelize_module(model, mesh["tp"], plan)``
+(its DTensor parameters keep fake meta local shards); ``fully_shard(..., mesh=mesh["dp"])`` for
+FSDP x TP; then, inside the fake mode, ``model.to_empty(device="cpu")`` (DTensor parameters swap,
+plain fake ones do not). :class:`~.rank_tracer.RankTracer` counts each 2-D DTensor by its local
+shard (1/(dp*tp) of a weight); the collectives ``parallelize_module``'s input/output hooks run
+(``_c10d_functional.all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` and
+``wait_tensor``) are ops on plain local tensors, so their outputs are counted like any other.
 """
 
 from __future__ import annotations

@@ -1,14 +1,19 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) applied as torchtitan applies it.
 
 ``fully_shard`` on every decoder layer, then on the root module (embedding, final norm, head and
-anything left), on a 1-D mesh (torchtitan ``parallelize_llama`` ``apply_fsdp``). The unit of
-each all-gather and reduce-scatter is one layer's parameters; the root unit holds the rest.
+anything left), on a 1-D mesh (torchtitan ``parallelize_llama`` ``apply_fsdp``, and the FSDP2
+tutorial). The unit of each all-gather and reduce-scatter is one layer's parameters; the root
+unit holds the rest.
 
-- ``zero`` 3: ``reshard_after_forward=True``: each layer frees its unsharded parameters after its
-  forward and all-gathers them again in backward; ``zero`` 2: ``False``: they stay from forward
-  to the end of that layer's backward (``torch/distributed/fsdp/_fully_shard/_fully_shard.py``
-  ``fully_shard`` docstring). The root is never resharded after forward
-  (``_fsdp_state.py`` ``FSDPState._lazy_init``: "For the root, do not reshard after forward").
+- ``zero`` 3: the layers get ``reshard_after_forward=True``: each layer frees its unsharded
+  parameters after its forward and all-gathers them again in backward; ``zero`` 2: ``False``: they
+  stay from forward to the end of that layer's backward
+  (``torch/distributed/fsdp/_fully_shard/_fully_shard.py`` ``fully_shard`` docstring).
+- The root gets FSDP2's default (``reshard_after_forward=None``), as torchtitan's
+  ``fully_shard(model, **fsdp_config)`` does: a root so left is never resharded after forward
+  (``_fsdp_state.py`` ``FSDPState._lazy_init``: "For the root, do not reshard after forward since
+  for training, the parameters would be freed and all-gathered immediately"), so its unsharded
+  parameters (embedding, final norm, head) live from the first forward to the end of backward.
 - Precision (``precision_plan``): ``fp32`` everything fp32; pure ``bf16``: the model built in bf16,
   no policy; ``bf16`` with ``master_weights``: fp32 shards, gradient shards and optimizer state,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (torchtitan's default
@@ -71,4 +76,4 @@ def apply_fsdp2(model: nn.Module, mesh, zero: int, plan: PrecisionPlan) -> None:
     policy = plan.policy()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: FSDP2's default, kept unsharded (docstring)

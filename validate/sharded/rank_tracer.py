@@ -36,7 +36,8 @@ Labels: the runner sets ``phase`` (forward, backward, optimizer step) and the mo
 ... in ``_fsdp_param_group.py``), whose enter/exit are dispatcher ops
 (``profiler::_record_function_enter_new`` / ``_record_function_exit``): the innermost open scope
 is kept in ``scope`` and recorded with every event. ``timeline`` (a list, or None) receives
-``(event, label, bytes, live_bytes)`` for every allocation, free and resize.
+``(event, label, bytes, live_bytes, storage id, op)`` for every allocation, free and resize
+(the id is the same for one storage's alloc, resizes and free within a recording).
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ SCOPES = (
     ("post_forward", "post-forward (reshard)"),
     ("root_post_backward", "root post-backward"),
     ("root_pre_forward", "root pre-forward"),
-    ("FSDP::", "fsdp"),
 )
 
 
@@ -81,7 +81,7 @@ def scope_event(name: str) -> str:
     for key, event in SCOPES:
         if key in name:
             return event
-    return name
+    return name.replace("FSDP::", "").split(" (")[0]
 
 
 class RankTracer(StorageTracer):
@@ -89,8 +89,11 @@ class RankTracer(StorageTracer):
 
     def __init__(self, device_type: str = "cpu", round_bytes: int = CUDA_ROUND_BYTES, debug: bool = False) -> None:
         super().__init__(device_type, round_bytes, debug=debug)
-        self.scopes: list[tuple[int, str]] = []  # (id of the RecordFunction handle, name)
-        self.timeline: Optional[list[tuple[str, str, int, int]]] = None
+        self.scopes: list[tuple[int, str]] = []  # (0, name) of each open record_function scope
+        #: ``(event, label, bytes, live_bytes, storage id, op)`` while recording (see ``runner.trace_rank``)
+        self.timeline: Optional[list[tuple[str, str, int, int, int, str]]] = None
+        self._ids: dict[int, int] = {}
+        self._next_id = 0
         self._saved_resize = None
         #: resizes of storages the tracer never saw made (diagnostic: should stay 0)
         self.unknown_resizes = 0
@@ -105,9 +108,14 @@ class RankTracer(StorageTracer):
         out = f"{self.phase} {self.label}".strip()
         return f"{out} [{scope_event(self.scope)}]" if self.scopes else out
 
-    def _event(self, kind: str, nbytes: int) -> None:
+    def _event(self, kind: str, nbytes: int, key: int) -> None:
         if self.timeline is not None:
-            self.timeline.append((kind, self.where(), nbytes, self.current))
+            if key not in self._ids:
+                self._ids[key] = self._next_id
+                self._next_id += 1
+            sid = self._ids[key]
+            op = {"free": "", "resize": "UntypedStorage.resize_"}.get(kind, self._op)
+            self.timeline.append((kind, self.where(), nbytes, self.current, sid, op))
 
     # -- accounting -------------------------------------------------------------------
     def _free(self, key: int, _ref: weakref.ref) -> None:
@@ -115,7 +123,8 @@ class RankTracer(StorageTracer):
         if entry is not None:
             self.current -= entry[0]
             if entry[0]:
-                self._event("free", -entry[0])
+                self._event("free", -entry[0], key)
+            self._ids.pop(key, None)  # an address can be reused by a later storage: a new id then
 
     def _peak_check(self) -> None:
         rec = self.record
@@ -143,7 +152,7 @@ class RankTracer(StorageTracer):
         if self.debug:
             self._origin[key] = f"{self._op} @ {self.where()}"
         if nbytes:
-            self._event("alloc", nbytes)
+            self._event("alloc", nbytes, key)
         self._peak_check()
 
     def _resized(self, st: torch.UntypedStorage) -> None:
@@ -158,7 +167,7 @@ class RankTracer(StorageTracer):
             return
         self._live[st._cdata] = (nbytes, entry[1], entry[2])
         self.current += delta
-        self._event("resize", delta)
+        self._event("resize", delta, st._cdata)
         if delta > 0:
             self._peak_check()
 
@@ -186,18 +195,14 @@ class RankTracer(StorageTracer):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         _check_stop()
         name = str(func)
-        if self.debug:
-            self._op = name
+        self._op = name
         out = func(*args, **(kwargs or {}))
         if name.startswith(_ENTER):
-            self.scopes.append((id(out), str(args[0])))
+            self.scopes.append((0, str(args[0])))
             return out
-        if name.startswith(_EXIT):
-            handle = id(args[0]) if args else None
-            for i in range(len(self.scopes) - 1, -1, -1):
-                if self.scopes[i][0] == handle:
-                    del self.scopes[i:]
-                    break
+        if name.startswith(_EXIT):  # the scopes are ``with`` blocks: the last one opened closes
+            if self.scopes:
+                self.scopes.pop()
             return out
         if name in _HOST_OPS:
             return out

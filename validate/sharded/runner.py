@@ -72,7 +72,8 @@ def check_sharded(exp: ExperimentSpec, sharding: Optional[str] = None) -> str:
 
 
 def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] = None, timeline: bool = False, *,
-               sharding: Optional[str] = None, real: bool = False, cuda_kernels: bool = True, fsdp_tracker: bool = False,
+               sharding: Optional[str] = None, framework: str = "plain", real: bool = False, cuda_kernels: bool = True,
+               fsdp_tracker: bool = False,
                debug: bool = False, progress: Optional[Callable[[str], None]] = None) -> dict:
     """Trace rank ``rank`` of ``exp.training.gpus`` for one steady-state step of ``exp``.
 
@@ -90,9 +91,12 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
     - ``timeline`` (``timeline=True``): ``[event, label, bytes, live_bytes]`` for every
       allocation (``alloc``), free (``free``, negative bytes) and ``resize`` of the measured step;
       ``label`` is ``phase label [fsdp scope]``, e.g. ``backward layer 2 [reduce-scatter]``;
+      beside it, ``timeline_ids`` (one storage's alloc, resizes and free share an id: lifetimes) and
+      ``timeline_ops`` (the op that made it; ``UntypedStorage.resize_`` for a resize, ``""`` for a free);
     - ``peak_live`` (``debug=True``): the storages alive at the peak, ``[bytes, "op @ where"]``.
 
-    ``real``: real CPU tensors instead of fake ones (small models only: it allocates). ``cuda_kernels``
+    ``framework``: ``plain`` (memcalc's replica, ``validate/model.py``) or ``hf`` (transformers + PEFT,
+    FSDP2 only: ``hf.py``). ``real``: real CPU tensors instead of fake ones (small models only: it allocates). ``cuda_kernels``
     (fake tensors only): pick the kernels CUDA runs, as on ``meta``; False takes the CPU path, as
     real tensors do (the guard test compares the two).
     """
@@ -102,7 +106,11 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
     sharding = check_sharded(exp, sharding)
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     plan = precision_plan(tr)
-    out: dict = {"sharding": sharding, "gpus": tr.gpus, "zero": tr.zero, "rank": rank,
+    if framework not in ("plain", "hf"):
+        raise UserError(f"unknown framework {framework!r}; valid: plain, hf")
+    if framework == "hf" and real:
+        raise UserError("framework hf is traced on fake tensors only")
+    out: dict = {"sharding": sharding, "gpus": tr.gpus, "zero": tr.zero, "rank": rank, "framework": framework,
                  "mixed_precision": plan.name, "layers": m.n_layers, "real_tensors": real,
                  "kernels": "cuda (as on meta)" if cuda_kernels and not real else "cpu",
                  "torch_version": torch.__version__}
@@ -121,12 +129,20 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
         torch.manual_seed(0)
         # FSDP2: on meta, then to_empty (below); FSDP1 flattens plain tensors, so its fake model is
         # built on cpu directly (to_empty cannot swap plain fake parameters)
-        with in_fake:
-            model = build_model(m, plan.build, exp.profile,
-                                device="meta" if fake is not None and sharding == "fsdp2" else DEVICE)
-        out["params"] = param_count(model)[0]
-        inner = model
-        if sharding == "fsdp2":
+        if framework == "hf":
+            from .hf import build_hf_sharded
+
+            model, layers, out["params"] = build_hf_sharded(exp, m, plan, fake, mesh, tr.zero, sharding)
+            inner = None
+        else:
+            with in_fake:
+                model = build_model(m, plan.build, exp.profile,
+                                    device="meta" if fake is not None and sharding == "fsdp2" else DEVICE)
+            out["params"] = param_count(model)[0]
+            inner, layers = model, None
+        if framework == "hf":
+            pass  # wrapped and moved by build_hf_sharded
+        elif sharding == "fsdp2":
             apply_fsdp2(model, mesh, tr.zero, plan)
             if fake is not None:
                 with fake:
@@ -135,18 +151,19 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
             with in_fake:
                 model = apply_fsdp1(model, mesh, tr.zero, plan)
         try:
-            _steps(exp, model, inner, plan, fake, in_fake, out, timeline, fsdp_tracker and sharding == "fsdp2",
-                   debug, say, cuda_kernels)
+            _steps(exp, model, inner, layers, plan, fake, in_fake, out, timeline,
+                   fsdp_tracker and sharding == "fsdp2", debug, say, cuda_kernels)
         finally:
-            inner.on_label = None
-            del model, inner
+            if inner is not None:
+                inner.on_label = None
+            del model, inner, layers
             gc.collect()
     out["seconds"] = round(time.perf_counter() - t0, 3)
     return out
 
 
-def _steps(exp: ExperimentSpec, model, inner, plan, fake, in_fake, out: dict, timeline: bool, fsdp_tracker: bool,
-           debug: bool, say, cuda_kernels: bool) -> None:
+def _steps(exp: ExperimentSpec, model, inner, layers, plan, fake, in_fake, out: dict, timeline: bool,
+           fsdp_tracker: bool, debug: bool, say, cuda_kernels: bool) -> None:
     tr = exp.training
     B, T = tr.batch, tr.seq
     with in_fake, fake_as_meta(fake is not None and cuda_kernels), allow_fused_on("meta" if fake is not None else DEVICE):
@@ -159,16 +176,27 @@ def _steps(exp: ExperimentSpec, model, inner, plan, fake, in_fake, out: dict, ti
         tracer.track(local_tensors(model.parameters()))
         tracer.track(local_tensors(model.buffers()))
         tracer.track([ids, labels])
-        inner.on_label = lambda text: setattr(tracer, "label", text)
+        set_label = lambda text: setattr(tracer, "label", text)  # noqa: E731
+        hooks: list = []
+        extra = contextlib.nullcontext()
+        if inner is not None:  # the replica labels its own layers
+            inner.on_label = set_label
+
+            def forward(i, y):
+                return model(i, y)
+        else:
+            from .hf import hf_step_parts
+
+            forward, extra, hooks = hf_step_parts(exp, model, layers, set_label)
 
         def step() -> None:
             loss = None
             for _ in range(min(tr.grad_accum, 2)):
                 tracer.set_phase("forward", "")
-                loss = model(ids, labels)
+                loss = forward(ids, labels)
                 if tr.grad_accum > 1:
                     loss = loss / tr.grad_accum
-                tracer.set_phase("backward", "")
+                tracer.set_phase("backward", tracer.label)
                 loss.backward()
             tracer.set_phase("optimizer step", "")
             opt.step()
@@ -180,7 +208,7 @@ def _steps(exp: ExperimentSpec, model, inner, plan, fake, in_fake, out: dict, ti
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             mt = FSDPMemTracker(model, opt)
-        with mt, tracer:
+        with mt, extra, tracer:
             say("first step (creates optimizer state)")
             tracer.reset_peak()
             step()
@@ -208,9 +236,13 @@ def _steps(exp: ExperimentSpec, model, inner, plan, fake, in_fake, out: dict, ti
                                         "it counts DTensor's sharding-propagation temporaries of step 1 and does "
                                         "not round to 512-byte blocks off CUDA")
         if events is not None:
-            out["timeline"] = [list(e) for e in events]
+            out["timeline"] = [list(e[:4]) for e in events]
+            out["timeline_ids"] = [e[4] for e in events]
+            out["timeline_ops"] = [e[5] for e in events]
         if debug:
             out["peak_live"] = sorted(([b, w] for b, w, _ in tracer.peak_live), reverse=True)
+        for h in hooks:
+            h.remove()
         del opt, ids, labels, trainable
 
 
