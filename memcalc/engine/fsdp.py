@@ -1,12 +1,13 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on one rank, op by op over the timeline.
 
 The setup modelled is torchtitan's (``torchtitan/models/llama3/infra/parallelize.py``
-``apply_fsdp``): ``fully_shard`` on every decoder layer, then on the root module (embedding,
-final norm, head: one more unit), with ``reshard_after_forward`` True (``--zero 3``) or False
-(``--zero 2``) passed explicitly to both (torchtitan passes ``not pp_enabled`` to the root; an
-explicit value turns off the root's automatic "do not reshard", ``_fully_shard.py``
-``auto_reshard_after_forward``), so under zero 3 the root too is resharded after forward and
-all-gathered again when backward starts. Every rank holds its dim-0 shard of every
+``apply_fsdp``): ``fully_shard`` on every decoder layer with ``reshard_after_forward`` True
+(``--zero 3``) or False (``--zero 2``), then ``fully_shard(model, **fsdp_config)`` on the root
+module (embedding, final norm, head: one more unit) with FSDP2's default, which for the root is
+"do not reshard after forward" (``_fsdp_state.py`` ``FSDPState._lazy_init``: the root's
+parameters would be all-gathered again at once for backward), so the root stays unsharded from
+its pre-forward to its reduce-scatter at the end of backward, under zero 2 and zero 3 alike.
+Every rank holds its dim-0 shard of every
 parameter (zero 2 and zero 3 alike: FSDP2 always shards parameters at rest). What follows is
 read from torch 2.13, ``torch/distributed/fsdp/_fully_shard/``:
 
@@ -258,9 +259,8 @@ class FSDP2:
 
     def after_forward(self) -> None:
         """The root's post-forward (after the loss, which the model's forward returns): the root
-        reshards like the layers, then the kept all-gather output is freed."""
-        if self.pol.reshard_after_forward:
-            self.reshard(self.root)
+        keeps its unsharded parameters (FSDP2's default for the root, see the module docstring),
+        and the kept all-gather output is freed."""
         if self.ag_state is not None:
             self.sim.unref(self.ag_state)
             self.ag_state = None
@@ -268,8 +268,8 @@ class FSDP2:
 
     # -- backward -----------------------------------------------------------------------
     def backward_start(self) -> None:
-        """The root's pre-backward (at the loss): all-gather the root again if it was resharded,
-        then prefetch the last layer."""
+        """The root's pre-backward (at the loss): the root is still unsharded (its unshard is a
+        no-op then), then prefetch the last layer."""
         self.in_backward = True
         self.current = None
         self.unshard(self.root)

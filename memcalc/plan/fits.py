@@ -169,6 +169,8 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
 
     def solve(points, first_step, cols):
         traces = [step_trace(with_training(exp, batch=b, seq=t), first_step) for b, t in points]
+        if len({len(t.totals) for t in traces}) > 1:  # some points extrapolated in depth, some not
+            traces = [step_trace(with_training(exp, batch=b, seq=t), first_step, True) for b, t in points]
         Y, phases = _stack(traces, exp.name)
         X = bt_features([p[0] for p in points], [p[1] for p in points], scale)[:, cols]
         c, *_ = np.linalg.lstsq(X, Y, rcond=None)
@@ -229,6 +231,9 @@ def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     should be >= 1 for N to matter). Cached per experiment within the process."""
     steady = [step_trace(with_training(exp, gpus=n), False) for n in GPU_FIT_POINTS]
     first = [step_trace(with_training(exp, gpus=n), True) for n in GPU_FIT_POINTS]
+    if len({len(t.totals) for t in steady + first}) > 1:  # some points extrapolated in depth, some not
+        steady = [step_trace(with_training(exp, gpus=n), False, True) for n in GPU_FIT_POINTS]
+        first = [step_trace(with_training(exp, gpus=n), True, True) for n in GPU_FIT_POINTS]
     ys, ph_s = _stack(steady, exp.name)
     yf, ph_f = _stack(first, exp.name)
     Y = np.concatenate([ys, yf], axis=1)

@@ -35,11 +35,13 @@ PEAK_CACHE: dict[tuple[ExperimentSpec, bool], int] = {}
 
 
 @lru_cache(maxsize=256)
-def step_trace(exp: ExperimentSpec, first_step: bool) -> Trace:
+def step_trace(exp: ExperimentSpec, first_step: bool, direct: bool = False) -> Trace:
     """One simulated step with its allocation trace (cached: plans ask for the same points).
     A deep uniform stack is simulated at three shallow depths and extrapolated exactly
-    (:func:`memcalc.plan.depth.deep_trace`); otherwise the step is simulated directly."""
-    deep = deep_trace(exp, first_step)
+    (:func:`memcalc.plan.depth.deep_trace`); otherwise, or with ``direct``, the step is simulated
+    directly (a fit over several points needs the same kind of trace at each: the extrapolated
+    trace names fewer allocations than the direct one)."""
+    deep = None if direct else deep_trace(exp, first_step)
     if deep is not None:
         totals, phases = deep
         peak = int(totals.max())
