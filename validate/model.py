@@ -289,6 +289,11 @@ class LMHead(nn.Module):
         if lora is not None and "head" in lora.targets and lora.dora:
             self.lora_magnitude = nn.Parameter(torch.ones((m.vocab_size,), dtype=cfg.dtype, device=cfg.device))
         self.amp = cfg.amp
+        #: the decoder calls this module (True) or F.linear on its weight (False, the replica's way
+        #: since before tensor parallelism: DeepSpeed ZeRO-3 then keeps the head gathered for the
+        #: whole step, which engine/deepspeed.py models). validate/sharded/tp.py sets it: DTensor's
+        #: ColwiseParallel acts through the module's forward hooks.
+        self.call_module = False
 
     def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The logits; ``weight``: the tied embedding's (else this head's own)."""
@@ -400,7 +405,12 @@ class Decoder(nn.Module):
         del masks  # the model's forward returns (checkpoint closures may still hold them)
         if self.offload is not None:  # torchtune: a NoOpManager around the output head
             self.offload.__exit__(None, None, None)
-        logits = self.lm_head(x, weight=self.embed_tokens.weight if m.tie_embeddings else None)
+        tied = self.embed_tokens.weight if m.tie_embeddings else None
+        if self.lm_head.call_module:  # tensor parallelism: the module's hooks (validate/sharded/tp.py)
+            logits = self.lm_head(x, weight=tied)
+        else:
+            w = self.lm_head.weight if tied is None else tied
+            logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
         head = self.lm_head
         if head.lora_A is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
             a = F.linear(amp.lp(dropout(x, head.lora_dropout, self.training)), amp.lp(head.lora_A))

@@ -141,17 +141,23 @@ class StorageTracer(TorchDispatchMode):
         if self.debug:
             self._op = str(func)
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):
-            self._add(out)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self._add(o)
-                elif isinstance(o, (tuple, list)):
-                    for oo in o:
-                        if isinstance(oo, torch.Tensor):
-                            self._add(oo)
+        for_each_output(out, self._add)
         return out
+
+
+def for_each_output(out, add) -> None:
+    """Call ``add`` on every tensor an op returned: a tensor, or tensors in a (nested, two deep)
+    tuple or list, as ATen ops return them."""
+    if isinstance(out, torch.Tensor):
+        add(out)
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            if isinstance(o, torch.Tensor):
+                add(o)
+            elif isinstance(o, (tuple, list)):
+                for oo in o:
+                    if isinstance(oo, torch.Tensor):
+                        add(oo)
 
 
 def tensors_of_optimizer(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

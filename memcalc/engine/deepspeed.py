@@ -56,6 +56,7 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import DeepSpeedSpec, ExperimentSpec
 from memcalc.engine.sim import Param, Sim, T
+from memcalc.engine.sharding import GatherHooks
 
 #: stage_1_and_2.py ``nccl_start_alignment_factor``: 4-byte alignment / sizeof(fp16)
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -239,7 +240,7 @@ class DeepSpeedZero2:
         self.flat.grad = None
 
 
-class _Gathers:
+class _Gathers(GatherHooks):
     """ZeRO-3's gathered 16-bit weights at layer granularity (partitioned_param_coordinator.py):
     a layer's parameters are all-gathered (whole, ``numel`` elements of the weights' dtype, one
     tensor each: partition_parameters.py ``AllGatherCoalescedHandle.wait``) when it runs, with the
@@ -322,26 +323,6 @@ class _Gathers:
         """Every layer's post-backward hook has run: only the root's parameters stay."""
         for k in [k for k in self.live if isinstance(k, int)]:
             self._drop(k)
-
-    # The walk's other hooks (memcalc.engine.sharding.LayerGather's interface): DeepSpeed acts only
-    # at the region and backward hooks above, and at DeepSpeedZero3.end_backward.
-    def layer_enter(self, i: int) -> None:
-        """A layer's forward starts (nothing more than forward_enter did)."""
-
-    def layer_exit(self, i: int) -> None:
-        """A layer's forward ends (its release is decided at the next forward_enter)."""
-
-    def before_forward(self) -> None:
-        """The model's forward starts."""
-
-    def after_forward(self) -> None:
-        """The model's forward (and loss) returned."""
-
-    def backward_start(self) -> None:
-        """Backward starts at the loss."""
-
-    def end_backward(self) -> None:
-        """Backward has reached the embedding (DeepSpeedZero3.end_backward releases the layers)."""
 
 
 class DeepSpeedZero3(DeepSpeedZero2):

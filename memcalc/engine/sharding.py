@@ -59,7 +59,31 @@ def model_state_bytes(n_params: int, zero: int, gpus: int, weight_bytes: int = 2
     )
 
 
-class LayerGather:
+class GatherHooks:
+    """The hooks the decoder walk and the timeline call on whatever gathers sharded weights
+    (:class:`LayerGather`, FSDP's runtimes, DeepSpeed's gathers); each does nothing unless the
+    runtime needs it."""
+
+    def layer_enter(self, i: int) -> None:
+        """A layer's forward starts (the region hook gathers)."""
+
+    def layer_exit(self, i: int) -> None:
+        """A layer's forward ends."""
+
+    def before_forward(self) -> None:
+        """The model's forward starts."""
+
+    def after_forward(self) -> None:
+        """The model's forward (and loss) returned."""
+
+    def backward_start(self) -> None:
+        """Backward starts at the loss."""
+
+    def end_backward(self) -> None:
+        """Backward has reached the embedding."""
+
+
+class LayerGather(GatherHooks):
     """The generic ZeRO-3 all-gathers (the ZeRO paper's stage 3, used where no framework's own
     mechanics are modelled: ``--sharding deepspeed`` for now; ``fsdp2`` and ``fsdp1`` are
     :mod:`memcalc.engine.fsdp` and :mod:`memcalc.engine.fsdp1`): a layer's weights are gathered whole (``layer_bytes``,
@@ -89,24 +113,6 @@ class LayerGather:
     def backward_enter(self, i: Optional[int]) -> None:
         if i is not None:
             self.keep([i, i - 1] if i > 0 else [i])
-
-    def layer_enter(self, i: int) -> None:
-        """A layer's forward starts (the region hook gathers)."""
-
-    def layer_exit(self, i: int) -> None:
-        """A layer's forward ends."""
-
-    def before_forward(self) -> None:
-        """The model's forward starts."""
-
-    def after_forward(self) -> None:
-        """The model's forward (and loss) returned."""
-
-    def backward_start(self) -> None:
-        """Backward starts at the loss."""
-
-    def end_backward(self) -> None:
-        """Backward has reached the embedding."""
 
     def release(self) -> None:
         self.keep([])

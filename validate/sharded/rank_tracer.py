@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor
 from memcalc.core.units import round_up
 
 from ..interrupt import check as _check_stop
-from ..tracer import CUDA_ROUND_BYTES, StorageTracer
+from ..tracer import CUDA_ROUND_BYTES, StorageTracer, for_each_output
 
 _ENTER = "profiler._record_function_enter_new"
 _EXIT = "profiler._record_function_exit"
@@ -206,16 +206,7 @@ class RankTracer(StorageTracer):
             return out
         if name in _HOST_OPS:
             return out
-        if isinstance(out, torch.Tensor):
-            self._add(out)
-        elif isinstance(out, (tuple, list)):
-            for o in out:
-                if isinstance(o, torch.Tensor):
-                    self._add(o)
-                elif isinstance(o, (tuple, list)):
-                    for oo in o:
-                        if isinstance(oo, torch.Tensor):
-                            self._add(oo)
+        for_each_output(out, self._add)
         return out
 
 

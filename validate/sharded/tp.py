@@ -98,6 +98,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """torchtitan's ``apply_tp`` on the replica (see the module docstring's table)."""
     sp = sequence_parallel
     resid = Shard(1) if sp else Replicate()
+    model.lm_head.call_module = True  # ColwiseParallel works through the head module's hooks
     parallelize_module(model, tp_mesh, {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid),
         "lm_head": _Colwise(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False),
