@@ -65,7 +65,7 @@ NESTED: dict[str, str] = {
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
     "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload (16-bit partitions on the host) "
-                                   "is to come",
+                                   "is to come; the estimate's notes say it is not modelled",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.

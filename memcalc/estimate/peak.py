@@ -104,6 +104,9 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
     if tr.gpus > 1 and tr.zero == 0:
         notes.append(f"gpus {tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
                      "every GPU (the estimate is per GPU)")
+    if tr.deepspeed is not None and tr.deepspeed.offload_param:
+        notes.append("DeepSpeed offload_param is not modelled yet: the estimate keeps the 16-bit parameter "
+                     "partitions on the GPU, as without it (an over-estimate by about that partition)")
     if tr.sequence_parallel and tr.tp == 1:
         notes.append("sequence_parallel has no effect with tp 1: there is no tensor-parallel group to shard the "
                      "sequence over (set tp)")
