@@ -18,7 +18,7 @@ prints after ``memcalc: error:``.
 >>> memcalc.estimate(model="llama-3.1-8b", checkpoint="every-0")
 Traceback (most recent call last):
 ...
-memcalc.core.errors.UserError: unknown --checkpoint 'every-0'; valid: none, full, every-K (e.g. every-2), sqrt, selective
+memcalc.core.errors.UserError: unknown --checkpoint 'every-0'; valid: none, full, every-K (e.g. every-2), sqrt, selective, selective-op
 
 Never imports torch; :func:`measure` hands over to ``memcalc.validate.measure`` (torch) when it
 is called.
