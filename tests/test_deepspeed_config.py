@@ -113,6 +113,7 @@ GOOD = [
 ]
 
 
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 @pytest.mark.parametrize("args,text", GOOD)
 def test_good_configs(args, text):
     r = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4", "--seq", "128", *args])

@@ -126,11 +126,12 @@ _ARGS = ["estimate", "--params", "1e8", "--seq", "128", "--bf16", "--master-weig
     (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "fsdp1"], 0,
      "(FSDP1, FULL_SHARD, flat parameters, MixedPrecision bf16/fp32)"),
     (_ARGS + ["--zero", "2", "--gpus", "8", "--sharding", "fsdp1"], 0, "(FSDP1, SHARD_GRAD_OP"),
-    (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "deepspeed"], 0, "generic ZeRO model"),
+    (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "deepspeed"], 0, "DeepSpeed: flat fp32 partition, reduce buckets, per-layer gathers"),
     (_ARGS + ["--zero", "3", "--gpus", "8", "--offload-optimizer"], 0, "FSDP2 CPUOffloadPolicy"),
     (_ARGS + ["--zero", "3", "--sharding", "fsdp1"], 0, "sharding fsdp1 has no effect"),
     (_ARGS + ["--zero", "3", "--gpus", "8", "--sharding", "nope"], 2, "fsdp2"),
 ])
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_cli_rows(args, code, message):
     r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})  # table cells on one line
     assert r.exit_code == code, r.output

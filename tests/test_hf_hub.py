@@ -101,6 +101,7 @@ def test_preset_ids_are_valid_and_unique():
     assert "deep-one-1.6b" not in ids  # no published checkpoint
 
 
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_hf_id_is_metadata_not_a_spec_field():
     for name in list_presets():
         raw = load_named("models", name)
@@ -352,6 +353,7 @@ def test_plan_notes_the_source(cache):
     assert plan_model("gpt2", None)[1] == []  # a preset by name: no note, as before
 
 
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_cli_models_lists_ids():
     rows = json.loads(run(["models", "--json"]).stdout)
     ids = {r["name"]: r["hf_id"] for r in rows}

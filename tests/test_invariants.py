@@ -77,6 +77,7 @@ def test_checkpointing_never_raises_activation_memory(m, b, t, ck, precision):
 @SETTINGS
 @given(m=models, s=setups, b=st.integers(1, 4), t=st.integers(2, 512),
        precision=st.sampled_from(["fp32", "bf16", "amp-bf16", "amp-fp16"]), lora=st.booleans())
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_components_add_up(m, s, b, t, precision, lora):
     kw = dict(s)
     if lora:

@@ -111,6 +111,7 @@ def test_no_module_imports_torch():
     assert bad == [], f"memcalc/ must not import the torch side: {bad}"
 
 
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_only_the_entry_points_import_validate_and_only_lazily():
     found = _package_imports()
     entry = [str(p.relative_to(ROOT)) for p in VALIDATE_ENTRY_POINTS]

@@ -40,6 +40,7 @@ def test_sharding_flags_are_shown_and_explained(flags, row, note):
         assert note in r.stdout
 
 
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_offload_reports_host_memory():
     # source: AdamW fp32 state = 8 bytes/param (exp_avg, exp_avg_sq), on the CPU under offload
     doc = json.loads(run(["estimate", *TINY, "--offload-optimizer", "--json"]).stdout)

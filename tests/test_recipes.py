@@ -259,6 +259,7 @@ def test_bad_recipe(tmp_path, name, text, code, message):
     assert "Traceback" not in r.output
 
 
+@pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_deepspeed_key_reads_the_config(tmp_path):
     # source: HF TrainingArguments.deepspeed names a DeepSpeed JSON; transformers' ds_config_zero3.json fixture
     ds = Path(__file__).parent / "fixtures" / "deepspeed" / "ds_config_zero3.json"

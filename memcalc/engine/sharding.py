@@ -120,8 +120,8 @@ class LayerGather(GatherHooks):
 
 def sharding_mechanics(tr) -> str:
     """Whose mechanics the estimate runs for ``tr``'s ZeRO stage, in words (the inputs table):
-    FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), or the generic
-    ZeRO arithmetic where a framework's own is not modelled; empty when nothing is sharded."""
+    FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), FSDP1's, DeepSpeed's
+    (:mod:`memcalc.engine.deepspeed`), or the ZeRO paper's stage 1; empty when nothing is sharded."""
     from memcalc.engine import fsdp
 
     if tr.gpus <= 1 or tr.zero == 0:
@@ -136,4 +136,7 @@ def sharding_mechanics(tr) -> str:
         return "FSDP1, " + ", ".join(how)
     if tr.zero == 1 and tr.sharding in ("fsdp2", "fsdp1"):
         return "DDP + ZeroRedundancyOptimizer: FSDP has no stage 1"
-    return f"{tr.sharding}: generic ZeRO model (its own buffers not modelled)"
+    if tr.zero >= 2:  # engine.deepspeed
+        return ("DeepSpeed: flat fp32 partition, reduce buckets" +
+                (", per-layer gathers with prefetch" if tr.zero >= 3 else ", gradient partition"))
+    return "DeepSpeed ZeRO-1: the ZeRO paper's stage 1 (optimizer state sharded; its buckets not modelled)"
