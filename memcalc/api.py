@@ -334,19 +334,14 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     """
     # the same steps as memcalc.cli.plan (tests/test_api.py checks the documents are equal)
     from memcalc.inputs.gpus import get_gpu
-    from memcalc.inputs.profiles import DEFAULT_TORCH, compose, get_profile, profile_for, with_loss
+    from memcalc.inputs.profiles import plan_profile
     from memcalc.plan.options import plan_model
 
     framework = _check_choice("framework", framework, _choices()["framework"])
     loss = _check_choice("loss", loss, _choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
-    prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH), framework, torch)
-    if loss is not None or loss_chunks is not None:
-        prof = with_loss(prof, loss, loss_chunks)
-    notes.append(f"kernel profile {prof.name}: framework {prof.framework}"
-                 + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
-                    if profile is None and framework is None else "")
-                 + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
+    prof, note = plan_profile(profile, framework, torch, loss, loss_chunks)
+    notes.append(note)
     if gpu is None:
         if all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")

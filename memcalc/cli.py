@@ -327,7 +327,7 @@ def plan(
       memcalc plan --model llama-3.1-70b
     """
     from memcalc.inputs.gpus import get_gpu
-    from memcalc.inputs.profiles import DEFAULT_TORCH, compose, get_profile, profile_for, with_loss
+    from memcalc.inputs.profiles import plan_profile
     from memcalc.plan.cluster import plan_cluster
     from memcalc.plan.options import plan_model
     from memcalc.plan.search import plan_gpu
@@ -353,14 +353,9 @@ def plan(
                                    "searches the rest (batch, precision, optimizer, checkpointing, LoRA/QLoRA); "
                                    "`memcalc estimate --recipe` gives the recipe's own setup"]
     # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
-    prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH),
-                   framework.value if framework else None, torch)
-    if loss is not None or loss_chunks is not None:
-        prof = with_loss(prof, loss.value if loss else None, loss_chunks)
-    notes.append(f"kernel profile {prof.name}: framework {prof.framework}"
-                 + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
-                    if profile is None and framework is None else "")
-                 + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
+    prof, note = plan_profile(profile, framework.value if framework else None, torch,
+                              loss.value if loss else None, loss_chunks)
+    notes.append(note)
     if gpu is None:
         if show_all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")

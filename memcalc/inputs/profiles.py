@@ -186,3 +186,18 @@ def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: O
     if not upd:
         return profile
     return KernelProfile.model_validate({**profile.model_dump(), **upd})
+
+
+def plan_profile(profile: Optional[str] = None, framework: Optional[str] = None, torch: Optional[str] = None,
+                 loss: Optional[str] = None, loss_chunks: Optional[int] = None) -> tuple[KernelProfile, str]:
+    """``memcalc plan``'s kernel profile (``--profile`` or the hf default of estimate's ``--model``,
+    with ``--framework``/``--torch``/``--loss``/``--loss-chunks`` over it) and the note saying
+    which it is and why; the CLI and the Python API both call this."""
+    prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH), framework, torch)
+    if loss is not None or loss_chunks is not None:
+        prof = with_loss(prof, loss, loss_chunks)
+    note = (f"kernel profile {prof.name}: framework {prof.framework}"
+            + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
+               if profile is None and framework is None else "")
+            + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
+    return prof, note
