@@ -128,8 +128,6 @@ class DeepSpeedZero2:
     ``grad_ready`` is the simulator's gradient hook."""
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, params: list[Param]) -> None:
-        from memcalc.engine.optimizers import OptimizerSim
-
         tr = exp.training
         self.sim, self.ds = sim, ds_spec(exp)
         self.wdt: DType = tr.weight_dtype
@@ -142,13 +140,7 @@ class DeepSpeedZero2:
         #: (stage_1_and_2.py ``cpu_offload``: gradients are copied out of the bucket to a pinned
         #: host buffer, ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``)
         self.offload = tr.offload_optimizer
-        # the fp32 master partition, and the client optimizer over that one tensor
-        self.master = (T(0, "optimizer_state", "fp32 master partition (DeepSpeed, host)") if self.offload else
-                       sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)"))
-        self.flat = Param("fp32 partition", self.master, True, DType.fp32.nbytes(pn), None, pn)
-        inner = tr.model_copy(update=dict(precision="fp32", master_weights=False, zero=0, gpus=1,
-                                          sharding="fsdp2", deepspeed=None))
-        self.opt = OptimizerSim(sim, inner, [self.flat], {self.flat.name: 0})
+        self._master_partition(sim, tr, pn)
         self.buckets: list[T] = []
         self.elements = 0
         self.bucket_params: list[Param] = []
@@ -197,6 +189,18 @@ class DeepSpeedZero2:
                 p.grad = None
         self.elements = 0
         self.bucket_params = []
+
+    def _master_partition(self, sim: Sim, tr, pn: int) -> None:
+        """The fp32 master partition of ``pn`` elements (on the host with offload), and the client
+        optimizer over that one tensor (an fp32 step, one flat parameter)."""
+        from memcalc.engine.optimizers import OptimizerSim
+
+        self.master = (T(0, "optimizer_state", "fp32 master partition (DeepSpeed, host)") if self.offload else
+                       sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)"))
+        self.flat = Param("fp32 partition", self.master, True, DType.fp32.nbytes(pn), None, pn)
+        inner = tr.model_copy(update=dict(precision="fp32", master_weights=False, zero=0, gpus=1,
+                                          sharding="fsdp2", deepspeed=None))
+        self.opt = OptimizerSim(sim, inner, [self.flat], {self.flat.name: 0})
 
     def end_backward(self) -> None:
         """``independent_gradient_partition_epilogue``: reduce what is left, free the buckets."""
@@ -337,8 +341,6 @@ class DeepSpeedZero3(DeepSpeedZero2):
     and casts them to fp32 (``_prepare_fp32_grad_for_sub_group``), steps, frees."""
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, params: list[Param]) -> None:
-        from memcalc.engine.optimizers import OptimizerSim
-
         tr = exp.training
         self.sim, self.ds = sim, ds_spec(exp)
         self.wdt = tr.weight_dtype
@@ -350,12 +352,7 @@ class DeepSpeedZero3(DeepSpeedZero2):
         persist = [p for p in params if p.numel <= self.ds.param_persistence_threshold]
         self.persistent = [sim.alloc(self.wdt.nbytes(p.numel), "weights", "persistent small parameters (DeepSpeed)")
                            for p in persist]
-        self.master = (T(0, "optimizer_state", "fp32 master partition (DeepSpeed, host)") if self.offload else
-                       sim.alloc(DType.fp32.nbytes(pn), "optimizer_state", "fp32 master partition (DeepSpeed)"))
-        self.flat = Param("fp32 partition", self.master, True, DType.fp32.nbytes(pn), None, pn)
-        inner = tr.model_copy(update=dict(precision="fp32", master_weights=False, zero=0, gpus=1,
-                                          sharding="fsdp2", deepspeed=None))
-        self.opt = OptimizerSim(sim, inner, [self.flat], {self.flat.name: 0})
+        self._master_partition(sim, tr, pn)
         self.buckets = ([sim.alloc(self.wdt.nbytes(self.ds.reduce_bucket_size), "gradients", "reduce bucket (DeepSpeed)")]
                         if self.ds.contiguous_gradients else [])
         self.grad_partition = (None if self.offload else
