@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.sharding import Share
 from memcalc.estimate.peak import estimate
 from memcalc.estimate.step import simulate
 from memcalc.inputs.profiles import PROFILES, with_loss
@@ -100,6 +101,10 @@ def test_extrapolated_peak_zero3_cluster_setups(gpus):
     ("fsdp2", 2, 16, "bf16", False, "none"),
     ("fsdp2", 3, 64, "bf16", True, "selective"),
     ("fsdp1", 3, 8, "bf16", False, "full"),
+    # source: memcalc.engine.optimizers (the foreach step's temporary is ceil(S / N) of the whole
+    # state, an engine.sharding.Share: extrapolated through S, exact at a degree that does not divide S)
+    ("fsdp2", 3, 7, "bf16", False, "none"),
+    ("fsdp2", 3, 137, "bf16", True, "full"),
 ])
 def test_fsdp_steps_extrapolate_exactly(sharding, zero, gpus, precision, master, checkpoint):
     m = FAMILIES["llama"]
@@ -109,6 +114,17 @@ def test_fsdp_steps_extrapolate_exactly(sharding, zero, gpus, precision, master,
     exp = ExperimentSpec(model=m, training=tr)
     for deep, direct in _peaks(exp):
         assert deep == direct, (sharding, zero, gpus)
+
+
+@pytest.mark.parametrize("gpus", [7, 13])
+def test_cluster_setups_extrapolate_at_any_degree(gpus):
+    # source: plan's cluster setups (FSDP2, ZeRO-3) at degrees that do not divide the foreach step's
+    # sum: extrapolated (not simulated directly) and exact
+    m = FAMILIES["llama"]
+    for setup in cluster_setups(m, 700, PROFILES["torch-2.8-cuda"]).values():
+        for exp in setup.values():
+            for deep, direct in _peaks(with_training(exp, gpus=gpus)):
+                assert deep == direct, (exp.name, exp.training.checkpoint, gpus)
 
 
 def test_plan_peaks_are_estimate_peaks():
@@ -152,6 +168,25 @@ def test_extrapolate_checks_affinity():
     grow = [_trace(d, 1024, extra=lambda d: 100 * d) for d in SHALLOW_DEPTHS]
     got = extrapolate(grow, SHALLOW_DEPTHS, 40, 512)
     assert got is not None and int(got[0].max()) == _trace(40, 1024, extra=lambda d: 100 * d)[-1][0]
+
+
+def _share_trace(depth: int, parts: int, shared: bool) -> list[tuple[int, str, str, int]]:
+    """A step whose last request is a rank's share ceil(S / parts) of S = 1000 + 333 * depth."""
+    out = _trace(depth, 1024)[:-1]
+    req = Share(1000 + 333 * depth, parts)
+    out.append((out[-1][0] + -(-req // 512) * 512, "optimizer step", "optimizer step", req if shared else int(req)))
+    return out
+
+
+def test_extrapolate_divides_a_share_at_the_real_depth():
+    # source: memcalc.engine.sharding.Share: ceil((1000 + 333 d) / 7) is not affine in d; its whole is
+    want = _share_trace(40, 7, True)[-1][0]
+    shares = [_share_trace(d, 7, True) for d in SHALLOW_DEPTHS]
+    got = extrapolate(shares, SHALLOW_DEPTHS, 40, 512, shards=7)
+    assert got is not None and int(got[0].max()) == want
+    # the same requests as plain ints (nothing says what they are shares of): refused, not guessed
+    plain = [_share_trace(d, 7, False) for d in SHALLOW_DEPTHS]
+    assert extrapolate(plain, SHALLOW_DEPTHS, 40, 512, shards=7) is None
 
 
 def test_uniform_fields_are_the_model_fields():

@@ -24,9 +24,25 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+class Share(int):
+    """``ceil(whole / parts)`` bytes, a rank's share of ``whole``: an int that remembers what it
+    is a share of, so that the plan's depth extrapolation (:mod:`memcalc.plan.depth`) can
+    extrapolate the whole (a sum over the layers, affine in the depth) and divide at the real
+    depth, where the share itself is not affine."""
+
+    whole: int
+    parts: int
+
+    def __new__(cls, whole: int, parts: int) -> "Share":
+        self = super().__new__(cls, -(-whole // parts))
+        self.whole, self.parts = whole, parts
+        return self
+
+
 def shard(n_bytes: int, gpus: int) -> int:
-    """This rank's share of ``n_bytes`` (ceil division: the last rank pads)."""
-    return -(-n_bytes // gpus)
+    """This rank's share of ``n_bytes`` (ceil division: the last rank pads); a :class:`Share`
+    when ``gpus`` > 1."""
+    return Share(n_bytes, gpus) if gpus > 1 else -(-n_bytes // gpus)
 
 
 @dataclass(frozen=True)

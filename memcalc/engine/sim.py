@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from memcalc.engine.result import KINDS, TimelinePoint
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.core.units import round_up
+from memcalc.engine.sharding import Share
 
 
 @dataclass(eq=False, slots=True)
@@ -165,7 +166,9 @@ class Sim:
             self.peak_cats = {k: v for k, v in self.by_cat.items() if v}
             self.peak_kinds = dict(self.by_kind)
         if self.alloc_trace is not None:
-            self.alloc_trace.append((self.total, self.phase, self.trace_label or self.label, int(nbytes)))
+            # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
+            self.alloc_trace.append((self.total, self.phase, self.trace_label or self.label,
+                                     nbytes if type(nbytes) is Share else int(nbytes)))
         return t
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:

@@ -19,7 +19,9 @@ optimizer step makes, rounds differently at every depth). Its running total is t
 - A block whose number of allocations grows with the depth (a per-parameter optimizer step) is
   split the same way into a prefix, one chunk per layer and a suffix.
 - Setup (weights and optimizer state, allocated one by one, never freed) is left out: its
-  highest total is its last, which the step's first allocation exceeds.
+  highest total is its last, which the step's next allocation exceeds. What the step allocates
+  at its start, before the forward (FSDP2's root unit all-gathered, with its all-gather buffer
+  freed after the copy-out: not monotone), is a named block like the others.
 
 Exactness is checked, not assumed: the three shallow steps must have the same named blocks,
 each with the same number of allocations, both numbers of every allocation exactly affine over
@@ -47,12 +49,15 @@ from typing import Callable, Optional
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.fsdp import fsdp_active
+from memcalc.engine.sharding import Share
 
 #: The depths simulated for one deep step (three points: two define the line, the third checks it).
 SHALLOW_DEPTHS = (3, 4, 5)
 #: Models of at most this many layers are simulated directly (no saving below it).
 MIN_DEPTH = 12
+
+#: The label of the allocations a step makes at its start, before the forward (timeline.py).
+STEP_START = "step start"
 
 _LAYER = re.compile(r"\blayer (\d+)\b")
 _LAYER_RANGE = re.compile(r"\blayers \d")
@@ -90,7 +95,12 @@ def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": depth})})
 
 
-Event = tuple[int, int]  # (bytes alive before the allocation, bytes requested)
+#: (bytes alive before the allocation, bytes requested, the whole it is a share of, the number of
+#: shares): a request that is a ZeRO rank's share ``ceil(whole / shares)`` (an
+#: :class:`memcalc.engine.sharding.Share`, e.g. a foreach optimizer step over sharded state) is
+#: extrapolated through its whole, which is affine in the depth; any other has whole = request,
+#: shares = 1.
+Event = tuple[int, int, int, int]
 
 
 def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int) -> Optional[tuple[dict, dict, list]]:
@@ -106,10 +116,13 @@ def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int
     interior: dict[tuple[str, str], dict[int, list[Event]]] = {}
     setup: list[int] = []
     for total, phase, label, req in trace:
-        if phase == "setup":
+        if phase == "setup" and label != STEP_START:
             setup.append(total)
             continue
-        ev = (total - _round(req, round_bytes), req)
+        if isinstance(req, Share):
+            ev = (total - _round(req, round_bytes), req, req.whole, req.parts)
+        else:
+            ev = (total - _round(req, round_bytes), req, req, 1)
         if _LAYER_RANGE.search(label):
             return None
         found = _LAYER.findall(label)
@@ -187,14 +200,19 @@ def _split_grown(rows: list[list[Event]], depths: tuple[int, ...]) -> Optional[l
     return None
 
 
-def _affine(rows: list[list[Event]]) -> Optional[np.ndarray]:
+def _affine(rows: list[list[Event]], requests: bool = True) -> Optional[np.ndarray]:
     """Events of one named block at consecutive depths (equal lengths): their (alive before,
-    requested) as an array (depths, events, 2) when both are exactly affine in the depth."""
+    requested) as an array (depths, events, 2) when both are exactly affine in the depth (with
+    ``requests`` false, the bytes alive before each; the caller checks the requests)."""
     if len({len(r) for r in rows}) != 1:
         return None
-    a = np.array(rows, dtype=np.int64).reshape(len(rows), -1, 2)
-    diff = np.diff(a, axis=0)
-    if np.any(diff != diff[:1]):
+    a = np.array(rows, dtype=np.int64).reshape(len(rows), -1, 4)
+    bad = np.diff(a, axis=0)
+    bad = bad != bad[:1]  # (depths - 1, events, 4): not affine
+    # the request itself need not be affine: a share's whole is (checked below), or, without
+    # ``requests``, the caller checks it
+    check_whole = (a[0, :, 3] > 1) | requests
+    if np.any(bad[..., 0]) or np.any(bad[..., 3]) or np.any(bad[..., 2] & check_whole):
         return None
     return a
 
@@ -232,14 +250,28 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     parts: list[np.ndarray] = []
     phases: list[str] = []
     one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
-    def named(rows: list[list[Event]]) -> Optional[list[Optional[np.ndarray]]]:
+    def named(rows: list[list[Event]], requests: bool = True) -> Optional[list[Optional[np.ndarray]]]:
         if len({len(r) for r in rows}) == 1:
-            return [_affine(rows)]
+            return [_affine(rows, requests)]
         split = _split_grown(rows, depths)
-        return None if split is None else [_affine(p) for p in split]
+        return None if split is None else [_affine(p, requests) for p in split]
+
+    def _one_gpu_requests(k, i: int, parts_n: int, shape) -> Optional[np.ndarray]:
+        """Block ``k``'s part ``i`` on one GPU (same shape, exactly affine), or None."""
+        if not one_gpu:
+            ts = unsharded()  # type: ignore[misc]
+            got1 = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
+            one_gpu.append(None if got1 is None or any(g is None for g in got1) else [g[0] for g in got1])
+        if one_gpu[0] is None:
+            return None
+        ug = named([b.get(k, []) for b in one_gpu[0]])
+        u = ug[i] if ug is not None and len(ug) == parts_n else None
+        return u if u is not None and u.shape == shape else None
 
     for k in keys:
-        got = named([b[k] for b in blocks])
+        # under ZeRO a request may be a rank's share ceil(S / N) of a sum S affine in the depth:
+        # not affine itself, so only the bytes alive before are required affine here
+        got = named([b[k] for b in blocks], requests=shards == 1)
         if got is None:
             return None
         for i, a in enumerate(got):
@@ -247,24 +279,24 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
                 return None
             if a.shape[1] == 0:
                 continue
-            at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 2)
-            req = at_n[:, 1]
-            vary = a[1, :, 1] != a[0, :, 1]
+            at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 4)
+            shares = a[0, :, 3]
+            req = np.where(shares > 1, -(-at_n[:, 2] // np.maximum(shares, 1)), at_n[:, 1])
+            vary = (a[1, :, 1] != a[0, :, 1]) & (shares == 1)
             if shards > 1 and vary.any():
-                if unsharded is None:
+                # each varying request is either ceil(S / N) of the one-GPU step's request S (a
+                # flat partition's share, a foreach step over the shards: S is extrapolated, then
+                # divided at depth n) or, failing that, exactly affine itself (per-parameter
+                # shards summed: FSDP's padded rows); anything else is refused
+                affine_req = np.all(np.diff(a[:, :, 1], n=2, axis=0) == 0, axis=0) if len(a) >= 3 else np.ones_like(vary)
+                u = _one_gpu_requests(k, i, len(got), a.shape) if unsharded is not None else None
+                share = (np.zeros_like(vary) if u is None else
+                         np.all(-(-u[:, :, 1] // shards) == a[:, :, 1], axis=0))
+                if np.any(vary & ~share & ~affine_req):
                     return None
-                if not one_gpu:
-                    ts = unsharded()
-                    got1 = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
-                    if got1 is None or any(g is None for g in got1):
-                        return None
-                    one_gpu.append([g[0] for g in got1])  # type: ignore[index]
-                ug = named([b.get(k, []) for b in one_gpu[0]])
-                u = ug[i] if ug is not None and len(ug) == len(got) else None
-                if u is None or u.shape != a.shape or np.any(-(-u[:, vary, 1] // shards) != a[:, vary, 1]):
-                    return None
-                total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
-                req = np.where(vary, -(-total // shards), req)
+                if u is not None:
+                    total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
+                    req = np.where(vary & share, -(-total // shards), req)
             parts.append(at_n[:, 0] + -(-req // round_bytes) * round_bytes)
             phases += [k[0]] * a.shape[1]
     if not parts:
@@ -285,10 +317,10 @@ def deep_trace(exp: ExperimentSpec, first_step: bool) -> Optional[tuple[np.ndarr
         r = simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True)
         traces.append(r.alloc_trace or [])
     tr = exp.training
-    # FSDP2/FSDP1 shard each parameter on its own (padded rows, engine.fsdp): a sum over the
-    # parameters of their shards is affine in the depth like any other request; a flat ZeRO
-    # partition (ceil(S / N) of the whole sum) is not, and takes the one-GPU traces' S
-    shards = tr.gpus if tr.zero >= 1 and not fsdp_active(tr) else 1
+    # a request that grows with the depth under ZeRO is a rank's share ceil(S / N) of a sum (a flat
+    # partition, the foreach step's temporary), not affine in the depth: it takes the one-GPU
+    # traces' S; FSDP's per-parameter shards summed are affine and extrapolate as they are
+    shards = tr.gpus if tr.zero >= 1 else 1
     return extrapolate(traces, SHALLOW_DEPTHS, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
                        unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
                            update={"gpus": 1})}), first_step))

@@ -229,11 +229,13 @@ GPU_FIT_POINTS = (2, 8, 64)
 def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     """Fit ``exp``'s peak in the data-parallel degree N >= 2 (its ``gpus`` is ignored; ``zero``
     should be >= 1 for N to matter). Cached per experiment within the process."""
-    steady = [step_trace(with_training(exp, gpus=n), False) for n in GPU_FIT_POINTS]
-    first = [step_trace(with_training(exp, gpus=n), True) for n in GPU_FIT_POINTS]
-    if len({len(t.totals) for t in steady + first}) > 1:  # some points extrapolated in depth, some not
-        steady = [step_trace(with_training(exp, gpus=n), False, True) for n in GPU_FIT_POINTS]
-        first = [step_trace(with_training(exp, gpus=n), True, True) for n in GPU_FIT_POINTS]
+    def traces(first_step: bool) -> list[Trace]:
+        got = [step_trace(with_training(exp, gpus=n), first_step) for n in GPU_FIT_POINTS]
+        if len({len(t.totals) for t in got}) > 1:  # some points extrapolated in depth, some not
+            got = [step_trace(with_training(exp, gpus=n), first_step, True) for n in GPU_FIT_POINTS]
+        return got
+
+    steady, first = traces(False), traces(True)  # (the two kinds of step have different lengths)
     ys, ph_s = _stack(steady, exp.name)
     yf, ph_f = _stack(first, exp.name)
     Y = np.concatenate([ys, yf], axis=1)
