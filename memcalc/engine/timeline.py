@@ -100,6 +100,20 @@ def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tupl
     return model, opt
 
 
+def first_step_within_steady(exp: ExperimentSpec) -> bool:
+    """Whether the first step's peak is at most the steady step's, without simulating it.
+
+    Outside DeepSpeed (whose optimizer side is its own, :mod:`memcalc.engine.deepspeed`) the two
+    steps run the same events in the same order with the same sizes except the optimizer state:
+    the steady step allocates it in setup, the first step creates each tensor of it inside the
+    step (:meth:`memcalc.engine.optimizers.OptimizerSim.create_state`, which does nothing for
+    state that exists). So at every event the first step's live bytes are the steady step's less
+    the state not yet created, and its peak cannot be higher. ``estimate()`` checks this on every
+    estimate it makes (an internal invariant); the plan relies on it to skip first-step
+    simulations (:func:`memcalc.plan.simulations.estimated_peak`)."""
+    return not uses_deepspeed(exp)
+
+
 def weights_and_state_bytes(exp: ExperimentSpec) -> int:
     """Bytes allocated at the start of a steady-state step of ``exp`` (weights plus optimizer
     state, each rounded as the allocator does): a lower bound of its peak that needs no forward

@@ -21,6 +21,7 @@ from memcalc.estimate.techniques import technique_assumptions, technique_extra, 
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
+from memcalc.engine.timeline import first_step_within_steady
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec
 from memcalc.estimate.step import simulate
 from memcalc.core.units import MiB
@@ -197,6 +198,9 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
         alloc_extra = {"allocator_peak_bytes": max(a_steady, a_first), "reserved_peak_bytes": max(r_steady, r_first)}
     alloc_extra.update(technique_extra(steady, first))  # offloaded activations' host bytes, paged state
+    assert first.peak_bytes <= steady.peak_bytes or not first_step_within_steady(exp), (
+        f"{exp.name}: first step {first.peak_bytes} > steady step {steady.peak_bytes} bytes "
+        "(memcalc.engine.timeline.first_step_within_steady does not hold)")
     top = steady if steady.peak_bytes >= first.peak_bytes else first
     which = "steady state" if top is steady else "first step"
     counts = count_params(exp.model, exp.training.lora)

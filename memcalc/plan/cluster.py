@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.engine.timeline import first_step_within_steady
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
@@ -199,5 +200,5 @@ def _simulate_job(job: tuple[ExperimentSpec, bool]) -> None:
     """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache."""
     exp, both = job
     simulated_peak(exp, False)
-    if both:
+    if both and not first_step_within_steady(exp):
         simulated_peak(exp, True)

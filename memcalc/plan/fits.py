@@ -18,7 +18,9 @@ backward the peak moves from the start (logit gradients, large at big ``B x T``)
 (all gradients alive, which wins at small ``B x T``), so a fitted phase is the maximum of the
 few allocations that can set its peak anywhere in the domain (typically 1-3 per phase). Phases:
 ``setup``/``forward``/``backward``/``optimizer step`` of the steady-state step and the whole
-``first step`` (no optimizer state yet), as :func:`memcalc.estimate.peak.estimate` takes both.
+``first step`` (no optimizer state yet), as :func:`memcalc.estimate.peak.estimate` takes both;
+the first step only where it can be the higher
+(:func:`memcalc.engine.timeline.first_step_within_steady`: under DeepSpeed).
 
 The fit is linear in ``B`` (exact: two batch sizes) and, when the simulated allocations show
 no curvature in ``T`` at batch 1 (three sequence lengths), linear in ``T`` too (flash and
@@ -41,6 +43,7 @@ import numpy as np
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.attention_variants import eager
+from memcalc.engine.timeline import first_step_within_steady
 from memcalc.estimate.peak import required_bytes
 from memcalc.plan.simulations import Trace, step_trace, with_training
 
@@ -102,7 +105,7 @@ class StepFit:
 
     ``phases[name]`` is a (K, 6) array: that phase's peak is the maximum over its K rows of
     ``row . bt_features(B, T, t_scale)``. ``peak`` is the maximum over phases (the steady step's
-    phases and the first step), as ``estimate()`` reports it.
+    phases and, under DeepSpeed, the first step), as ``estimate()`` reports it.
     """
 
     exp: ExperimentSpec
@@ -159,8 +162,9 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
     """Fit ``exp``'s step (its own batch and seq are ignored) in batch and sequence length.
 
     Simulates the steady-state step at (1, T1), (2, T1), (1, T3), (2, T3) and (1, T2) (see
-    :func:`fit_points`), and at (2, T2) too when the totals curve in T; the first step at the
-    same points less (1, T2) when they do not. Cached per experiment within the process.
+    :func:`fit_points`), and at (2, T2) too when the totals curve in T; the first step (only
+    where it can set the peak) at the same points less (1, T2) when they do not. Cached per
+    experiment within the process.
     """
     t1, t2, t3 = fit_points(exp)
     scale = float(t3)
@@ -185,9 +189,12 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
     if quadratic:
         pts.append((2, t2))
         coef_s, ph_s, _ = solve(pts, False, list(range(len(FEATURES))))
-    # the first step runs the same forward and backward, so the same terms
-    coef_f, ph_f, _ = solve(pts if quadratic else pts[:4], True, list(range(len(FEATURES))) if quadratic else lin)
-    coef = np.concatenate([coef_s, coef_f])
+    # the first step runs the same forward and backward, so the same terms; it is fitted only where
+    # it can set the peak (memcalc.engine.timeline.first_step_within_steady)
+    coef, phases_all = coef_s, ph_s
+    if not first_step_within_steady(exp):
+        coef_f, ph_f, _ = solve(pts if quadratic else pts[:4], True, list(range(len(FEATURES))) if quadratic else lin)
+        coef, phases_all = np.concatenate([coef_s, coef_f]), ph_s + ph_f
     t_max = exp.model.max_seq_len
     bs = np.unique(np.round(np.geomspace(BATCH_DOMAIN[0], BATCH_DOMAIN[1], 25)))
     ts = np.unique(np.concatenate([np.round(np.geomspace(2, max(t_max, 4), 25)), [t1, t2, t3]]))
@@ -195,7 +202,7 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
     corners = None if quadratic else bt_features(
         np.array([BATCH_DOMAIN[0], BATCH_DOMAIN[1]])[:, None], np.array([2, max(t_max, 4)])[None, :], scale
     ).reshape(-1, len(FEATURES))
-    phases = _candidates(coef, ph_s + ph_f, grid, corners)
+    phases = _candidates(coef, phases_all, grid, corners)
     return StepFit(exp, phases, scale, t_max, quadratic, tuple(pts))
 
 
@@ -235,17 +242,19 @@ def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
             got = [step_trace(with_training(exp, gpus=n), first_step, True) for n in GPU_FIT_POINTS]
         return got
 
-    steady, first = traces(False), traces(True)  # (the two kinds of step have different lengths)
-    ys, ph_s = _stack(steady, exp.name)
-    yf, ph_f = _stack(first, exp.name)
-    Y = np.concatenate([ys, yf], axis=1)
+    # (the two kinds of step have different lengths; the first step only where it can set the peak:
+    # memcalc.engine.timeline.first_step_within_steady)
+    Y, phases = _stack(traces(False), exp.name)
+    if not first_step_within_steady(exp):
+        yf, ph_f = _stack(traces(True), exp.name)
+        Y, phases = np.concatenate([Y, yf], axis=1), phases + ph_f
     n = np.array(GPU_FIT_POINTS, dtype=np.float64)
     X = np.stack([np.ones_like(n), 1.0 / n], axis=-1)
     coef, *_ = np.linalg.lstsq(X, Y, rcond=None)
     ns = np.arange(2, n_max + 1, dtype=np.float64)
     grid = np.stack([np.ones_like(ns), 1.0 / ns], axis=-1)
     corners = np.array([[1.0, 1.0 / 2], [1.0, 1.0 / n_max]])  # a + b/N is linear in 1/N
-    cands = _candidates(coef.T, ph_s + ph_f, grid, corners)
+    cands = _candidates(coef.T, phases, grid, corners)
     return GpusFit(exp, np.concatenate(list(cands.values())))
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.timeline import weights_and_state_bytes
+from memcalc.engine.timeline import first_step_within_steady, weights_and_state_bytes
 from memcalc.plan.depth import applies, deep_trace
 from memcalc.estimate.step import simulate
 
@@ -80,7 +80,11 @@ def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
 
 def estimated_peak(exp: ExperimentSpec) -> int:
     """``estimate(exp).peak_bytes``: the higher of the simulated steady-state and first steps, from
-    the same simulations estimate() runs (cached, so fit points are not simulated twice)."""
+    the same simulations estimate() runs (cached, so fit points are not simulated twice). Where
+    the first step cannot be the higher (:func:`memcalc.engine.timeline.first_step_within_steady`,
+    checked by every estimate), it is not simulated."""
+    if first_step_within_steady(exp):
+        return simulated_peak(exp, False)
     return max(simulated_peak(exp, False), simulated_peak(exp, True))
 
 
