@@ -10,14 +10,17 @@ closed form from a handful of simulations (every allocation's running total is a
 a + b*B + c*T + d*B*T + e*T^2 + f*B*T^2; a phase's peak is the maximum over the few
 allocations that can set it), and :func:`evaluate_grid` evaluates options x batches x seqs in
 one numpy expression. Options whose weights and optimizer state alone exceed the card are
-discarded before fitting. Every number printed for a fitting option (its batch-1 peak, max
-batch, max seq) is then confirmed with a direct estimate: the fitted answer must fit and the
-next integer must not, otherwise a binary search around it finds the exact one.
+discarded before any simulation; the rest get their exact batch-1 peak (the simulation is one of
+the fit's points), and those that fit are fitted, one fit per group of options that differ only
+in the fused step (:func:`fit_groups`: the fit only seeds the exact searches). Every number
+printed for a fitting option (its batch-1 peak, max batch, max seq) comes from direct estimates:
+the fitted answer must fit and the next integer must not, otherwise a galloping search from it
+finds the exact one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -104,16 +107,35 @@ def seq_grid(model: ModelSpec, seq: int) -> np.ndarray:
     return np.unique(np.concatenate([g, [seq, hi]])).astype(np.int64)
 
 
-def _fit_option(job: tuple[ExperimentSpec, int, bool]):
-    """Fit one option, unless (``always`` false) its steady step at batch 1 already exceeds ``cap``.
-    That first simulation is one of the fit's own points when the plan's seq is a fit sequence."""
+def _b1_peak(job: tuple[ExperimentSpec, int, bool]) -> Optional[int]:
+    """One option's exact peak at batch 1 and the plan's seq (what ``estimate()`` gives), or None
+    when (``always`` false) its steady step alone already exceeds ``cap``. That simulation keeps
+    its allocation trace when the plan's seq is a fit sequence: it is one of the fit's own points."""
     exp, cap, always = job
-    if not always:
-        b1 = exp.training.batch == 1 and exp.training.seq in fit_points(exp)
-        peak = trace_peak(exp) if b1 else simulated_peak(exp)
-        if required_bytes(peak) > cap:
-            return None
+    b1 = exp.training.batch == 1 and exp.training.seq in fit_points(exp)
+    peak = trace_peak(exp) if b1 else simulated_peak(exp)
+    if not always and required_bytes(peak) > cap:
+        return None
+    return estimated_peak(exp)
+
+
+def _fit_job(exp: ExperimentSpec):
     return fit_step(exp)
+
+
+def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]:
+    """For each option index in ``idx``, the option whose fit seeds its search: options that differ
+    only in the fused optimizer step share one fit (the unfused one's where both are planned). The
+    fit only seeds the exact searches (:func:`_confirm_option`), so a seed that is a little off
+    costs a few more direct estimates, never a different answer."""
+    groups: dict[Technique, list[int]] = {}
+    for i in idx:
+        groups.setdefault(replace(techs[i], fused=False), []).append(i)
+    out: dict[int, int] = {}
+    for members in groups.values():
+        rep = next((i for i in members if not techs[i].fused), members[0])
+        out.update({i: rep for i in members})
+    return out
 
 
 def _confirm_option(job: tuple[ExperimentSpec, int, int, int]) -> tuple[int, int, int]:
@@ -185,9 +207,13 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     #    Compiled options are not fitted (see compile_techniques): they are estimated directly.
     compiled = [i for i, t in enumerate(techs) if t.budget is not None]
     floor_ok = [i for i, e in enumerate(exps) if techs[i].budget is None and required_bytes(state_floor(e)) <= cap]
-    # 2. fit the rest in (batch, seq) and evaluate the whole grid at once
-    got = parallel_map(_fit_option, [(exps[i], cap, include_all) for i in floor_ok])
-    fitted = {i: f for i, f in zip(floor_ok, got) if f is not None}
+    # 2. the exact peak at batch 1 of the rest; fit those (one fit per group of options that differ
+    #    only in the fused step) in (batch, seq) and evaluate the whole grid at once
+    b1 = dict(zip(floor_ok, parallel_map(_b1_peak, [(exps[i], cap, include_all) for i in floor_ok])))
+    rep_of = fit_groups(techs, [i for i in floor_ok if b1[i] is not None])
+    reps = sorted(set(rep_of.values()))
+    fit_of = dict(zip(reps, parallel_map(_fit_job, [exps[r] for r in reps])))
+    fitted = {i: fit_of[r] for i, r in rep_of.items()}
     to_fit = sorted(fitted)
     results: dict[int, OptionResult] = {}
     evaluated = 0
@@ -197,8 +223,9 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
         req = evaluate_grid(stack, bs, ts)  # (O, nB, nT)
         evaluated = req.size
         ok = req <= cap
+        peak_b1 = np.array([b1[i] for i in to_fit], dtype=np.int64)  # exact (direct estimates)
+        fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peak_b1], dtype=bool)
         j_seq = int(np.searchsorted(ts, seq))
-        fit_b1 = ok[:, 0, j_seq]
         # bracket from the grid, then bisect on the fitted closed form to the exact integer
         n_b = ok[:, :, j_seq].sum(axis=1)  # the grid batches are sorted and the peak grows with batch
         lo_b = np.where(n_b > 0, bs[np.maximum(n_b - 1, 0)], 1)
@@ -212,9 +239,8 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
         ones = np.ones(stack.n)
         ms = largest_true_array(lambda t: required_bytes(stack.peaks_at(ones, t)) <= cap, lo_t, hi_t)
         ms = np.where(n_t > 0, np.maximum(ms, 2), 0)
-        peak_b1 = stack.peaks_at(ones, np.full(stack.n, seq))
         for k, i in enumerate(to_fit):
-            p = int(round(peak_b1[k]))
+            p = int(peak_b1[k])
             results[i] = OptionResult(techs[i], p, required_bytes(p), bool(fit_b1[k]), int(mb[k]), int(ms[k]),
                                       None, False)
     # 2b. compiled options: direct estimates, seeded with the same setup's eager answers
