@@ -17,7 +17,7 @@ from memcalc.plan.fits import fit_gpus, fit_step
 from memcalc.inputs.gpus import get_gpu
 from memcalc.inputs.profiles import get_profile
 from memcalc.plan.cost import relative_cost
-from memcalc.plan.limits import largest_exact, largest_true, largest_true_array
+from memcalc.plan.limits import largest_by_value, largest_true, largest_true_array
 from memcalc.plan.options import Technique, compile_techniques, techniques
 from memcalc.plan.search import StackedFits, batch_grid, evaluate_grid, plan_gpu, seq_grid
 from memcalc.render.plan_report import render_gpu_plan
@@ -230,19 +230,39 @@ def test_plan_all_fits_flags_match_direct_estimates():
     assert p.options[0].technique.label() in text
 
 
-@pytest.mark.parametrize("threshold", [0, 1, 2, 3, 17, 64, 99, 100])
-@pytest.mark.parametrize("seed", [None, 1, 2, 16, 17, 18, 50, 100])
-def test_largest_exact_search(threshold, seed):
-    # source: definition: the largest x in [1, 100] with x <= threshold (0 when none)
+# value shapes the search must be exact for (it decides on ok alone; values only steer).
+# source: definition (x fits when its value is at most LINE)
+LINE = 1000.0
+VALUES = {
+    "linear": lambda x: 10.0 * x,  # the required bytes of a batch
+    "quadratic": lambda x: 0.1 * x * x + x,  # attention scores in the sequence
+    "flat": lambda x: 0.0 if x <= 37 else 2000.0,  # a step: no slope to follow
+    "misleading": lambda x: 999.0 if x <= 77 else 1001.0 + 1e6 * (x % 2),  # values that point the wrong way
+}
+
+
+@pytest.mark.parametrize("shape", list(VALUES))
+@pytest.mark.parametrize("seed", [None, 1, 2, 16, 17, 18, 50, 99, 100])
+@pytest.mark.parametrize("lo,hi", [(1, 100), (2, 100), (1, 1), (5, 7)])
+def test_largest_by_value_is_exact(shape, seed, lo, hi):
+    # source: definition: the largest x in [lo, hi] whose value is at most LINE (lo - 1 when none)
+    f = VALUES[shape]
+    want = max([x for x in range(lo, hi + 1) if f(x) <= LINE], default=lo - 1)
+    assert largest_by_value(lambda x: (f(x) <= LINE, f(x)), lo, hi, LINE, seed) == want
+
+
+@pytest.mark.parametrize("seed,most", [(100, 2), (99, 3), (101, 2), (50, 4), (1, 4), (None, 4), (10**6, 4)])
+def test_largest_by_value_follows_the_values(seed, most):
+    # source: a linear requirement (answer 100 on [1, 10**6]): a right guess costs two probes (it fits,
+    # the next does not); a wrong one a few secant steps, not 2 log2(distance) ~ 40 probes
     calls = []
 
-    def pred(x):
+    def probe(x):
         calls.append(x)
-        return x <= threshold
+        return 10 * x <= 1000, 10.0 * x
 
-    assert largest_exact(pred, 1, 100, seed) == threshold
-    if seed == threshold and 1 <= threshold < 100:
-        assert len(calls) == 2  # a right guess costs two checks: it fits, the next does not
+    assert largest_by_value(probe, 1, 10**6, LINE, seed) == 100
+    assert len(calls) <= most, calls
 
 
 def test_largest_true_array_matches_scalar():

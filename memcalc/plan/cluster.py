@@ -6,7 +6,7 @@ and confirmed with direct estimates."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
 from memcalc.plan.layouts import search_layouts
-from memcalc.plan.limits import CONFIRM_MARGIN, fits_in, largest_exact
+from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, largest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
@@ -53,14 +53,15 @@ def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[s
     return out
 
 
-def _smallest_n(pred: Callable[[int], bool], seed: int, hi: int) -> Optional[int]:
-    """The smallest N in [1, hi] with pred(N), where pred is monotone for N >= 2 (N = 1 has no
-    gathered layer buffers, so it is checked on its own); ``seed`` is the fitted answer."""
-    if pred(1):
+def _smallest_n(one: bool, probe: Probe, seed: int, hi: int, cap: int) -> Optional[int]:
+    """The smallest N in [1, hi] that fits: 1 when ``one`` (N = 1 has no gathered layer buffers, so
+    it is checked on its own), else the smallest N in [2, hi] whose ``probe(N)`` fits (false, then
+    true, as N grows; :func:`memcalc.plan.limits.largest_by_value` over the reflected range, whose
+    values then grow); ``seed`` is the fitted answer."""
+    if one:
         return 1
-    neg = lambda n: not pred(n)  # noqa: E731  -- true, then false, over N >= 2
-    last_bad = largest_exact(neg, 2, hi, seed - 1 if 2 <= seed - 1 <= hi else None)
-    return last_bad + 1 if last_bad < hi else None
+    x = largest_by_value(lambda x: probe(hi + 2 - x), 2, hi, cap, hi + 2 - seed if 2 <= seed <= hi else None)
+    return None if x < 2 else hi + 2 - x
 
 
 def next_pow2(n: Optional[int]) -> Optional[int]:
@@ -157,7 +158,8 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
             # the fewest N with checkpointing full (the frugal one): fitted, then exact
             seed = seed_of(s, cap)
             if confirm:
-                n = _smallest_n(lambda k: fits_at(s, "full", int(k), cap), seed or GPU_CAP, GPU_CAP)
+                probe = fit_probe(lambda k, e=by_ck["full"]: with_training(e, gpus=int(k)), cap)
+                n = _smallest_n(fits_at(s, "full", 1, cap), probe, seed or GPU_CAP, GPU_CAP, cap)
             else:
                 n = 1 if fits_at(s, "full", 1, cap) else seed
             mins[s] = n

@@ -4,6 +4,7 @@ and sequence (:func:`max_batch`, :func:`max_seq`, also ``estimate --max-batch/--
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -68,56 +69,121 @@ def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.where(todo, a, res)
 
 
-def _gallop_up(pred: Callable[[int], bool], a: int, hi: int, step: int) -> int:
-    """The largest x in [a, hi] with pred(x), given pred(a): steps of ``step``, doubling, then bisection."""
-    while True:
-        b = min(hi, a + step)
-        if b == a:
-            return a
-        if not pred(b):
-            return largest_true(pred, a, b - 1) if b - 1 > a else a
-        a, step = b, step * 2
+Probe = Callable[[int], tuple[bool, float]]
 
 
-def largest_exact(pred: Callable[[int], bool], lo: int, hi: int, seed: Optional[int] = None) -> int:
-    """The largest x in [lo, hi] with pred(x) (pred monotone: true, then false), ``lo - 1`` if none.
-    With a ``seed`` (a fitted guess) it checks seed and seed + 1 first and gallops outward only
-    when the guess is off."""
-    if seed is None or seed < lo or seed > hi:
-        if not pred(lo):
+def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None) -> int:
+    """The largest x in [lo, hi] whose ``probe(x)`` is ``(True, ...)``, ``lo - 1`` if none.
+
+    ``probe(x)`` returns (ok, value): ok is true up to some x and false after it (monotone), and is
+    decided by the value crossing ``line`` (the required bytes against a card's capacity; a lower
+    bound of the value is fine where ok is false). The answer is decided by ``ok`` alone, so it
+    is exact whatever the values; they only choose where to look next. From the ``seed`` (a
+    fitted guess) it checks the guess and its neighbour; when the guess is off it steps to where
+    the line through the last two values meets ``line`` (a secant step, falling back to doubling
+    steps when the values do not help), then narrows the bracket by regula falsi. A smooth
+    requirement is found in a few probes where a search on ok alone takes about 2 log2(distance)."""
+    seen: dict[int, tuple[bool, float]] = {}
+
+    def at(x: int) -> tuple[int, bool, float]:
+        if x not in seen:
+            seen[x] = probe(x)
+        return (x,) + seen[x]
+
+    def cross(p: tuple[int, bool, float], q: tuple[int, bool, float]) -> Optional[float]:
+        if q[0] == p[0] or q[2] == p[2]:
+            return None
+        return p[0] + (line - p[2]) * (q[0] - p[0]) / (q[2] - p[2])
+
+    x = at(lo if seed is None else min(max(seed, lo), hi))
+    if x[1]:  # fits: step up until something does not
+        if x[0] == hi:
+            return hi
+        a = at(x[0] + 1)
+        if not a[1]:
+            return x[0]
+        prev, gap = x, 1
+        while True:
+            t = cross(prev, a)
+            guess = math.floor(t) + 1 if t is not None and t >= a[0] else a[0] + 2 * gap
+            n = at(min(hi, max(guess, a[0] + 1)))
+            if not n[1]:
+                b = n
+                break
+            if n[0] == hi:
+                return hi
+            gap, prev, a = max(2 * gap, n[0] - a[0]), a, n
+    else:  # does not fit: step down until something does
+        if x[0] == lo:
             return lo - 1
-        return _gallop_up(pred, lo, hi, 1)
-    if pred(seed):
-        if seed == hi or not pred(seed + 1):
-            return seed
-        return _gallop_up(pred, seed + 1, hi, 2)
-    b, step = seed, 1  # gallop down: pred(b) false
-    while True:
-        a = max(lo, b - step)
-        if pred(a):
-            return largest_true(pred, a, b - 1) if b - 1 > a else a
-        if a == lo:
-            return lo - 1
-        b, step = a, step * 2
+        b = at(x[0] - 1)
+        if b[1]:
+            return b[0]
+        prev, gap = x, 1
+        while True:
+            t = cross(b, prev)
+            guess = math.floor(t) if t is not None and t < b[0] else b[0] - 2 * gap
+            n = at(max(lo, min(guess, b[0] - 1)))
+            if n[1]:
+                a = n
+                break
+            if n[0] == lo:
+                return lo - 1
+            gap, prev, b = max(2 * gap, b[0] - n[0]), b, n
+    # a fits, b does not: regula falsi on the values (Illinois: an end kept twice in a row has its
+    # distance to the line halved, so a curved requirement does not converge from one side only);
+    # an exact interpolation lands on the answer, and the next step then checks its neighbour
+    fa, fb = a[2] - line, b[2] - line
+    kept = 0  # +1: the fitting end moved last, -1: the other
+    while b[0] - a[0] > 1:
+        t = a[0] + (b[0] - a[0]) * (-fa / (fb - fa)) if fb > fa else (a[0] + b[0]) / 2
+        n = at(min(max(math.floor(t), a[0] + 1), b[0] - 1))
+        if n[1]:
+            a, fa = n, n[2] - line
+            if kept == 1:
+                fb /= 2
+            kept = 1
+        else:
+            b, fb = n, n[2] - line
+            if kept == -1:
+                fa /= 2
+            kept = -1
+    return a[0]
+
+
+def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int) -> Probe:
+    """``probe(x)``: whether the estimate of ``exp_at(x)`` fits ``capacity_bytes`` (as
+    :func:`fits_in`), with its required bytes, or a lower bound of them where a shortcut already
+    rules it out (weights and state alone, or the steady step alone)."""
+    def probe(x: int) -> tuple[bool, float]:
+        e = exp_at(x)
+        need = required_bytes(state_floor(e))
+        if need > capacity_bytes:
+            return False, float(need)
+        need = required_bytes(simulated_peak(e))
+        if need > capacity_bytes:
+            return False, float(need)
+        need = required_bytes(estimated_peak(e))
+        return need <= capacity_bytes, float(need)
+
+    return probe
 
 
 def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None) -> int:
     """The largest batch (at ``exp``'s seq, everything else as given) whose required bytes fit
-    ``capacity_bytes``; 0 if batch 1 does not fit; at most :data:`BATCH_CAP`. Exact: a galloping
-    binary search over direct estimates (the estimate is monotone in batch)."""
-    return largest_exact(lambda b: fits_in(with_training(exp, batch=int(b)), capacity_bytes), 1, BATCH_CAP, seed)
+    ``capacity_bytes``; 0 if batch 1 does not fit; at most :data:`BATCH_CAP`. Exact: a search over
+    direct estimates (the estimate is monotone in batch), :func:`largest_by_value`."""
+    probe = fit_probe(lambda b: with_training(exp, batch=int(b)), capacity_bytes)
+    return largest_by_value(probe, 1, BATCH_CAP, capacity_bytes, seed)
 
 
 def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None) -> int:
     """The largest sequence (at ``exp``'s batch) whose required bytes fit ``capacity_bytes``, at most
-    the model's ``max_seq_len``; 0 if not even 2 tokens fit. Exact: binary search over direct
-    estimates (monotone in seq)."""
+    the model's ``max_seq_len``; 0 if not even 2 tokens fit. Exact: a search over direct estimates
+    (monotone in seq), :func:`largest_by_value`, from the seed or else from the middle of the range."""
     hi = exp.model.max_seq_len
-    if seed is None:  # bisect between 2 and the model's maximum
-        pred = lambda t: fits_in(with_training(exp, seq=int(t)), capacity_bytes)  # noqa: E731
-        r = largest_true(pred, 2, hi)
-        return r if r >= 2 else 0
-    r = largest_exact(lambda t: fits_in(with_training(exp, seq=int(t)), capacity_bytes), 2, hi, seed)
+    probe = fit_probe(lambda t: with_training(exp, seq=int(t)), capacity_bytes)
+    r = largest_by_value(probe, 2, hi, capacity_bytes, seed if seed is not None else (2 + hi) // 2)
     return r if r >= 2 else 0
 
 
