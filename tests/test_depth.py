@@ -197,3 +197,19 @@ def test_uniform_fields_are_the_model_fields():
     from memcalc.plan.depth import UNIFORM_FIELDS
 
     assert UNIFORM_FIELDS <= set(ModelSpec.model_fields)
+
+
+@pytest.mark.parametrize("update", [
+    # source: memcalc.engine.weights / optimizers: per-parameter tensors and shards, rounded one by one
+    {}, {"zero": 3, "gpus": 7}, {"zero": 2, "gpus": 3, "sharding": "fsdp1"}, {"zero": 1, "gpus": 13},
+    {"optimizer": "adamw-8bit"}, {"lora": None, "precision": "fp32"},
+])
+def test_state_floor_extrapolates_exactly(update):
+    # source: memcalc.engine.timeline.weights_and_state_bytes on the full-depth model; tolerance: none
+    from memcalc.engine.timeline import weights_and_state_bytes
+    from memcalc.plan.simulations import state_floor
+
+    tr = Technique("lora", "16", "adamw", "none", False).training(1, 2).model_copy(update=update)
+    exp = ExperimentSpec(model=FAMILIES["llama"], training=tr)
+    assert applies(exp)
+    assert state_floor(exp) == weights_and_state_bytes(exp)

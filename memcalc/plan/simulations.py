@@ -12,7 +12,8 @@ import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, weights_and_state_bytes
-from memcalc.plan.depth import applies, deep_trace
+from memcalc.engine.deepspeed import uses_deepspeed
+from memcalc.plan.depth import SHALLOW_DEPTHS, applies, deep_trace, shallow
 from memcalc.estimate.step import simulate
 
 
@@ -99,4 +100,12 @@ def state_floor(exp: ExperimentSpec) -> int:
 
 @lru_cache(maxsize=512)
 def _state_floor_of(exp: ExperimentSpec) -> int:
+    """Weights plus state; for a uniform stack from the 3-, 4- and 5-layer copies: every layer
+    allocates the same tensors (each rounded on its own, nothing freed), so the bytes are affine in
+    the depth (checked over the three; not under DeepSpeed, whose flat partition is a share of the
+    whole model, :mod:`memcalc.plan.depth`)."""
+    if applies(exp) and not uses_deepspeed(exp):
+        f = [weights_and_state_bytes(shallow(exp, d)) for d in SHALLOW_DEPTHS]
+        if f[2] - f[1] == f[1] - f[0]:
+            return f[0] + (exp.model.n_layers - SHALLOW_DEPTHS[0]) * (f[1] - f[0])
     return weights_and_state_bytes(exp)
