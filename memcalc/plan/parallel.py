@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from memcalc.core.errors import UserError
 from memcalc.plan import simulations
@@ -33,16 +33,23 @@ def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, dict
     return out, {k: v for k, v in simulations.PEAK_CACHE.items() if k not in before}
 
 
-def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any],
+                 heavy: Optional[Callable[[Any], bool]] = None) -> list[Any]:
     """``[fn(x) for x in items]`` over forked worker processes (each simulation is pure Python, so
     processes, not threads); the simulated peaks they find are merged into this process's cache.
-    Serial when there is one CPU, one item, or no ``fork``. ``fn`` must be a module-level function."""
+    Serial when there is one CPU, one item, or no ``fork``. ``fn`` must be a module-level function.
+    ``heavy(x)``: the items known to take longest (simulated at full depth), handed out first so
+    that no worker is left with one at the end while the others wait."""
     items = list(items)
     n = min(workers(), len(items))
     if n <= 1 or not sys.platform.startswith("linux"):  # fork is the cheap, safe start method there
         return [fn(x) for x in items]
+    order = sorted(range(len(items)), key=lambda i: not heavy(items[i])) if heavy else list(range(len(items)))
     with mp.get_context("fork").Pool(n) as pool:
-        out = pool.map(_run_keeping_peaks, [(fn, x) for x in items], chunksize=1)
+        out = pool.map(_run_keeping_peaks, [(fn, items[i]) for i in order], chunksize=1)
     for _, peaks in out:
         simulations.PEAK_CACHE.update(peaks)
-    return [r for r, _ in out]
+    got: list[Any] = [None] * len(items)
+    for i, (r, _) in zip(order, out):
+        got[i] = r
+    return got

@@ -33,6 +33,7 @@ from memcalc.plan.fits import fit_points, fit_step
 from memcalc.plan.limits import BATCH_CAP, CONFIRM_MARGIN, largest_true_array, max_batch, max_seq
 from memcalc.plan.options import Technique, default_seq, techniques
 from memcalc.plan.parallel import parallel_map
+from memcalc.plan.depth import applies
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, trace_peak
 
 
@@ -119,10 +120,6 @@ def _b1_peak(job: tuple[ExperimentSpec, int, bool]) -> Optional[int]:
     return estimated_peak(exp)
 
 
-def _fit_job(exp: ExperimentSpec):
-    return fit_step(exp)
-
-
 def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]:
     """For each option index in ``idx``, the option whose fit seeds its search: options that differ
     only in the fused optimizer step share one fit (the unfused one's where both are planned). The
@@ -136,6 +133,50 @@ def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]
         rep = next((i for i in members if not techs[i].fused), members[0])
         out.update({i: rep for i in members})
     return out
+
+
+def _seeds(stack: StackedFits, bs: np.ndarray, ts: np.ndarray, seq: int, cap: int, fit_b1: np.ndarray,
+           max_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The fitted (max batch at ``seq``, max seq at batch 1) of every option of ``stack``, and the
+    number of (option, batch, seq) configurations evaluated: the grid brackets each answer, then
+    a bisection on the fitted closed form finds the integer."""
+    req = evaluate_grid(stack, bs, ts)  # (O, nB, nT)
+    ok = req <= cap
+    j_seq = int(np.searchsorted(ts, seq))
+    n_b = ok[:, :, j_seq].sum(axis=1)  # the grid batches are sorted and the peak grows with batch
+    lo_b = np.where(n_b > 0, bs[np.maximum(n_b - 1, 0)], 1)
+    hi_b = np.where(n_b < len(bs), bs[np.minimum(n_b, len(bs) - 1)] - 1, BATCH_CAP)
+    seqs_o = np.full(stack.n, seq)
+    mb = largest_true_array(lambda b: required_bytes(stack.peaks_at(b, seqs_o)) <= cap, lo_b, hi_b)
+    mb = np.where(fit_b1, np.maximum(mb, 1), 0)
+    n_t = ok[:, 0, :].sum(axis=1)
+    lo_t = np.where(n_t > 0, ts[np.maximum(n_t - 1, 0)], 2)
+    hi_t = np.where(n_t < len(ts), ts[np.minimum(n_t, len(ts) - 1)] - 1, max_len)
+    ones = np.ones(stack.n)
+    ms = largest_true_array(lambda t: required_bytes(stack.peaks_at(ones, t)) <= cap, lo_t, hi_t)
+    ms = np.where(n_t > 0, np.maximum(ms, 2), 0)
+    return mb, ms, int(req.size)
+
+
+def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
+    """One group of options that differ only in the fused step (:func:`fit_groups`; its first is
+    the one fitted): the fit, each option's seeds, and its exact answers from direct estimates
+    where they are printed (it fits, is near the line, or ``include_all`` shows a max seq). Returns
+    (peak, fits, max batch, max seq, confirmed) per option and the configurations evaluated."""
+    members, peaks, cap, seq, bs, ts, confirm, include_all = job
+    stack = StackedFits.of([fit_step(members[0])] * len(members))
+    fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peaks], dtype=bool)
+    mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len)
+    rows = []
+    for k, e in enumerate(members):
+        p, b, t = int(peaks[k]), int(mb[k]), int(ms[k])
+        need = required_bytes(p)
+        if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or (include_all and t > 0)):
+            p, b, t = _confirm_option((e, cap, b, t))
+            rows.append((p, required_bytes(p) <= cap, b, t, True))
+        else:
+            rows.append((p, bool(fit_b1[k]), b, t, False))
+    return rows, evaluated
 
 
 def _confirm_option(job: tuple[ExperimentSpec, int, int, int]) -> tuple[int, int, int]:
@@ -209,40 +250,22 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     floor_ok = [i for i, e in enumerate(exps) if techs[i].budget is None and required_bytes(state_floor(e)) <= cap]
     # 2. the exact peak at batch 1 of the rest; fit those (one fit per group of options that differ
     #    only in the fused step) in (batch, seq) and evaluate the whole grid at once
-    b1 = dict(zip(floor_ok, parallel_map(_b1_peak, [(exps[i], cap, include_all) for i in floor_ok])))
+    b1 = dict(zip(floor_ok, parallel_map(_b1_peak, [(exps[i], cap, include_all) for i in floor_ok],
+                                         heavy=lambda job: not applies(job[0]))))
     rep_of = fit_groups(techs, [i for i in floor_ok if b1[i] is not None])
-    reps = sorted(set(rep_of.values()))
-    fit_of = dict(zip(reps, parallel_map(_fit_job, [exps[r] for r in reps])))
-    fitted = {i: fit_of[r] for i, r in rep_of.items()}
-    to_fit = sorted(fitted)
+    groups: dict[int, list[int]] = {}
+    for i in sorted(rep_of):
+        groups.setdefault(rep_of[i], []).append(i)
+    bs, ts = batch_grid(), seq_grid(model, seq)
+    jobs = [([exps[r]] + [exps[i] for i in g if i != r], [b1[r]] + [b1[i] for i in g if i != r], cap, seq, bs, ts,
+             confirm, include_all) for r, g in groups.items()]
     results: dict[int, OptionResult] = {}
     evaluated = 0
-    if to_fit:
-        stack = StackedFits.of([fitted[i] for i in to_fit])
-        bs, ts = batch_grid(), seq_grid(model, seq)
-        req = evaluate_grid(stack, bs, ts)  # (O, nB, nT)
-        evaluated = req.size
-        ok = req <= cap
-        peak_b1 = np.array([b1[i] for i in to_fit], dtype=np.int64)  # exact (direct estimates)
-        fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peak_b1], dtype=bool)
-        j_seq = int(np.searchsorted(ts, seq))
-        # bracket from the grid, then bisect on the fitted closed form to the exact integer
-        n_b = ok[:, :, j_seq].sum(axis=1)  # the grid batches are sorted and the peak grows with batch
-        lo_b = np.where(n_b > 0, bs[np.maximum(n_b - 1, 0)], 1)
-        hi_b = np.where(n_b < len(bs), bs[np.minimum(n_b, len(bs) - 1)] - 1, BATCH_CAP)
-        seqs_o = np.full(stack.n, seq)
-        mb = largest_true_array(lambda b: required_bytes(stack.peaks_at(b, seqs_o)) <= cap, lo_b, hi_b)
-        mb = np.where(fit_b1, np.maximum(mb, 1), 0)
-        n_t = ok[:, 0, :].sum(axis=1)
-        lo_t = np.where(n_t > 0, ts[np.maximum(n_t - 1, 0)], 2)
-        hi_t = np.where(n_t < len(ts), ts[np.minimum(n_t, len(ts) - 1)] - 1, model.max_seq_len)
-        ones = np.ones(stack.n)
-        ms = largest_true_array(lambda t: required_bytes(stack.peaks_at(ones, t)) <= cap, lo_t, hi_t)
-        ms = np.where(n_t > 0, np.maximum(ms, 2), 0)
-        for k, i in enumerate(to_fit):
-            p = int(peak_b1[k])
-            results[i] = OptionResult(techs[i], p, required_bytes(p), bool(fit_b1[k]), int(mb[k]), int(ms[k]),
-                                      None, False)
+    for (r, g), (rows, n_eval) in zip(groups.items(), parallel_map(_plan_group, jobs,
+                                                                   heavy=lambda job: not applies(job[0][0]))):
+        evaluated += n_eval
+        for i, (p, fits, mb, ms, done) in zip([r] + [i for i in g if i != r], rows):
+            results[i] = OptionResult(techs[i], p, required_bytes(p), fits, mb, ms, None, done)
     # 2b. compiled options: direct estimates, seeded with the same setup's eager answers
     for i, (p, mb, ms) in zip(compiled, parallel_map(_confirm_option, [
             (exps[i], cap, *_eager_seeds(techs[i], techs, results)) for i in compiled])):
@@ -253,14 +276,6 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     rest = [i for i in range(len(exps)) if i not in results and i not in compiled] if include_all else []
     for i, p in zip(rest, parallel_map(estimated_peak, [exps[i] for i in rest])):
         results[i] = OptionResult(techs[i], p, required_bytes(p), False, 0, 0, None, True)
-    # 4. confirm what is printed with direct estimates (fitting options, and those near the line)
-    todo = [i for i, r in results.items() if confirm and not r.confirmed and (
-        r.fits or abs(r.required_bytes - cap) <= CONFIRM_MARGIN * cap or (include_all and r.max_seq > 0))]
-    exact = parallel_map(_confirm_option, [(exps[i], cap, results[i].max_batch, results[i].max_seq) for i in todo])
-    for i, (p, mb, ms) in zip(todo, exact):
-        r = results[i]
-        r.peak_bytes, r.required_bytes = p, required_bytes(p)
-        r.fits, r.max_batch, r.max_seq, r.confirmed = r.required_bytes <= cap, mb, ms, True
     for i, r in results.items():
         frac = 0.0
         if r.technique.budget is not None:
