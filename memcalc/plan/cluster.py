@@ -15,7 +15,7 @@ from memcalc.engine.timeline import first_step_within_steady
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
-from memcalc.plan.layouts import search_layouts
+from memcalc.plan.layouts import layout_setups, search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, largest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
@@ -118,7 +118,11 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     setups = cluster_setups(model, seq, profile)
     ns = np.arange(1, GPU_CAP + 1)
     keys = [(s, ck) for s, cks in setups.items() for ck in cks]
-    fitted = parallel_map(_fit_gpus_job, [setups[s][ck] for s, ck in keys])
+    # the fits in N of the four setups and of the full fine-tune at each tensor-parallel degree
+    # (plan/layouts.py), in one parallel map
+    tp_exps = layout_setups(setups["full"]["full"])
+    fitted = parallel_map(_fit_gpus_job, [setups[s][ck] for s, ck in keys] + tp_exps)
+    tp_fits, fitted = dict(zip(tp_exps, fitted[len(keys):])), fitted[:len(keys)]
     req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
     for (s, ck), f in zip(keys, fitted):
         req[s][ck] = f.required(ns)  # NaN at N = 1: a different step, checked directly
@@ -176,7 +180,7 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
             e = with_training(by_ck[ck], gpus=n)
             reqs[s] = required_bytes(estimated_peak(e)) if confirm else int(req[s][ck][n - 1])
         rows.append(ClusterRow(g, mins, cks, reqs))
-    search_layouts(rows, setups["full"], GPU_CAP, confirm)  # data x tensor parallel (plan/layouts.py)
+    search_layouts(rows, setups["full"], GPU_CAP, confirm, tp_fits)  # data x tensor parallel (plan/layouts.py)
     notes = [
         f"sharding: ZeRO-3 over N GPUs by {SHARDING_TEXT}; the root unit (embedding, final norm, head) is "
         "all-gathered whole on every GPU and the head's gradient waits for the end of backward, so a per-GPU floor "

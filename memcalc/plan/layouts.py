@@ -26,7 +26,7 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.tensor_parallel import check
 from memcalc.estimate.peak import required_bytes
-from memcalc.plan.fits import fit_gpus
+from memcalc.plan.fits import GpusFit, fit_gpus
 from memcalc.plan.limits import fit_probe, fits_in, largest_by_value
 from memcalc.plan.simulations import estimated_peak, with_training
 
@@ -51,14 +51,20 @@ def layout_of(dp: Optional[int], tp: int) -> Optional[dict[str, int]]:
     return None if dp is None else {"dp": dp, "tp": tp}
 
 
-def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int) -> Optional[int]:
+def layout_setups(base: ExperimentSpec) -> list[ExperimentSpec]:
+    """The full fine-tune at each tensor-parallel degree the search tries (``gpus`` as in ``base``):
+    what :func:`search_layouts` fits in the data-parallel degree."""
+    return [with_training(base, tp=tp, sequence_parallel=True) for tp in tp_degrees(base)]
+
+
+def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int, fit: Optional[GpusFit] = None) -> Optional[int]:
     """The fewest data-parallel ranks (1..n_max) at which ``exp`` fits ``cap``: one checked directly
     (weights and state alone usually rule it out at once), 2..n_max from the fit in ``dp``."""
     if fits_in(with_training(exp, gpus=1), cap):  # one tensor-parallel group, no ZeRO
         return 1
     if n_max < 2:
         return None
-    req = fit_gpus(exp, n_fit).required(np.arange(1, n_max + 1))  # NaN at 1 (the fit is over 2..n_fit)
+    req = (fit or fit_gpus(exp, n_fit)).required(np.arange(1, n_max + 1))  # NaN at 1 (the fit is over 2..n_fit)
     ok = np.nonzero(req[1:] <= cap)[0]
     return int(ok[0]) + 2 if len(ok) else None
 
@@ -74,12 +80,14 @@ def _confirmed(exp: ExperimentSpec, cap: int, n: int, n_max: int) -> Optional[in
     return None if x < 2 else n_max + 2 - x
 
 
-def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int, confirm: bool = True) -> None:
+def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int, confirm: bool = True,
+                   fits: Optional[dict[ExperimentSpec, GpusFit]] = None) -> None:
     """For each :class:`memcalc.plan.cluster.ClusterRow`, replace the full fine-tune's fewest-GPU
     answer with the best ``dp x tp`` layout when one needs fewer GPUs in all, and record the
     layout (``row.layout[setup]``, ``tp`` 1 for ZeRO-3 alone). ``full`` maps checkpointing
     ``none``/``full`` to the full fine-tune's setup. The layouts are compared by their fitted
-    counts; only the winner is confirmed with direct estimates (``confirm``)."""
+    counts; only the winner is confirmed with direct estimates (``confirm``). ``fits``: the fits in
+    ``dp`` of :func:`layout_setups` already made (fitted here otherwise)."""
     base = full["full"]
     degrees = tp_degrees(base)
     for row in rows:
@@ -92,7 +100,8 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
             bound = n_max // tp if n is None else min(n_max // tp, (n - 1) // tp)
             if bound < 1:
                 continue
-            dp = _fewest_dp(with_training(base, tp=tp, sequence_parallel=True), cap, bound, n_max)
+            e = with_training(base, tp=tp, sequence_parallel=True)
+            dp = _fewest_dp(e, cap, bound, n_max, (fits or {}).get(e))
             if dp is not None:
                 cands.append((dp * tp, tp, dp))
         for total, tp, dp in sorted(cands):
