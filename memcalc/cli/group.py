@@ -56,6 +56,16 @@ class _Group(TyperGroup):
             sys.exit(rv)
         sys.exit(0)
 
+    def get_help_option(self, ctx):  # type: ignore[no-untyped-def]
+        """The group's ``--help``, defaulting to False instead of None: typer coerces an option's
+        non-boolean value through a pydantic TypeAdapter, so a None here imported pydantic (a
+        tenth of a second) for ``memcalc estimate --help``; the help callback reads both as "not
+        asked"."""
+        opt = super().get_help_option(ctx)
+        if opt is not None and opt.default is None:
+            opt.default = False
+        return opt
+
 
 #: list tables: a header rule, no edges, padding shared between neighbours (whole names in 80 columns)
 def _compact() -> dict[str, Any]:

@@ -1,18 +1,22 @@
-"""Rendering: rich tables and JSON for an estimate. No arithmetic beyond unit conversion."""
+"""Rendering: rich tables and JSON for an estimate. No arithmetic beyond unit conversion.
+
+rich is imported by the functions that build tables, never at module level: ``estimate --json``
+(``to_json``, ``dumps``) loads no rich (``tests/test_lazy_imports.py``).
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.engine.sharding import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
@@ -108,6 +112,8 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
 
 
 def _mark(origin: dict[str, str], key: str) -> str:
+    from rich.markup import escape
+
     v = origin.get(key, "")
     m = ORIGIN_MARK.get(v, escape(v) if v.startswith("recipe ") else "")  # --recipe: "recipe FILE:KEY"
     return f" [dim]({m})[/dim]" if m else ""
@@ -121,6 +127,9 @@ def _why(res: Resolved, key: str) -> str:
 
 
 def inputs_table(est: Estimate, res: Resolved) -> Table:
+    from rich.markup import escape
+    from rich.table import Table
+
     exp, tr, m = est.experiment, est.experiment.training, est.experiment.model
     o = res.origin
     t = Table(title=f"Inputs: {exp.name}", show_header=False, title_justify="left")
@@ -181,6 +190,8 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
 
 
 def peak_table(est: Estimate) -> Table:
+    from rich.table import Table
+
     t = Table(title=f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}",
               title_justify="left")
     t.add_column("component")
@@ -195,6 +206,8 @@ def peak_table(est: Estimate) -> Table:
 
 
 def phases_table(est: Estimate) -> Table:
+    from rich.table import Table
+
     t = Table(title="Peak of each phase (steady-state step)", title_justify="left")
     t.add_column("phase")
     t.add_column("GiB", justify="right")
@@ -207,6 +220,8 @@ def phases_table(est: Estimate) -> Table:
 
 
 def bpp_table(est: Estimate) -> Table:
+    from rich.table import Table
+
     t = Table(title="Bytes per trainable parameter", title_justify="left")
     for k in est.bytes_per_param:
         t.add_column(k.replace("_", " "), justify="right")
@@ -217,6 +232,8 @@ def bpp_table(est: Estimate) -> Table:
 
 
 def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
+    from rich.table import Table
+
     t = Table(title=f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack",
               title_justify="left")
     t.add_column("GPU")
@@ -233,6 +250,8 @@ def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
 
 
 def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None) -> None:
+    from rich.console import Console
+
     c = console or Console()
     c.print(inputs_table(est, res))
     for n in res.notes:
