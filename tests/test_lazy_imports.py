@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the modules watched: each is what a command may leave unloaded
 WATCHED = ("pydantic", "memcalc.core.spec", "rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client",
            "memcalc.inputs.presets", "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph",
-           "memcalc.estimate.peak")
+           "memcalc.estimate.peak", "memcalc.render.report")
 
 PROBE = """
 import contextlib, io, json, sys
@@ -55,9 +55,9 @@ STAGES = [
     (["estimate", "--model", "gpt2", "--seq", "64", "--json"],
      ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.plan.search"),
      ("memcalc.inputs.presets",)),
-    # the tables need rich, and nothing more than --json does
+    # the tables, to a pipe: laid out without rich (memcalc.render.plain), nothing more than --json
     (["estimate", "--params", "125M", "--seq", "64"],
-     ("yaml", "numpy", "memcalc.inputs.hf_hub", "memcalc.plan.search"), ("rich",)),
+     ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "memcalc.plan.search"), ("memcalc.render.report",)),
 ]
 
 
