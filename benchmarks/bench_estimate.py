@@ -12,23 +12,27 @@ one's so that the load of a shared machine falls on both alike, and prints the r
 Not a test: speed targets live here.
 
 Where the time goes (``python -X importtime`` and cProfile, 2-core shared machine, bytecode
-cached; ``estimate --params 7e9 --bf16 --lora``, about 0.85 s): the two full-depth simulations
-and the caching-allocator replay about 0.3 s (``memcalc.engine``); importing pydantic about 0.13 s
-(typer >= 0.2x imports it too: it coerces every option value through a pydantic TypeAdapter, 30 of
-them for ``estimate``, about 25 ms) and building the spec models about 0.04 s; typer 0.07 s and
-building the click commands 0.02 s; the engine's modules 0.03 s; rich 0.04 s to import and 0.06 s
-to lay out the tables; Python itself with the editable install's finder 0.05 s. Without cached
-bytecode (``PYTHONDONTWRITEBYTECODE=1``, as on this machine) memcalc's own modules are compiled
-from source on every run: about 0.1 s more.
+cached; ``estimate --params 7e9 --bf16 --lora``): the two full-depth simulations and the
+caching-allocator replay about 0.3 s (``memcalc.engine``); importing pydantic about 0.13 s
+(typer >= 0.2x imports it too: it coerces every option value, given or not, through a pydantic
+TypeAdapter, 30 of them for ``estimate``, about 25 ms) and building the spec models about
+0.04 s (importing ``pydantic.plugin._loader`` also imports ``importlib.metadata``, 25 ms; the
+entry-point scan that ``PYDANTIC_DISABLE_PLUGINS`` skips is only 10 ms of it, so it is left
+on); typer 0.07 s and building the click commands 0.02 s; the engine's modules 0.03 s; Python
+itself with the editable install's finder 0.05 s. Without cached bytecode
+(``PYTHONDONTWRITEBYTECODE=1``, as on the development machine) memcalc's own modules are
+compiled from source on every run: about 0.1 s more.
 
-What issue 15 changed in the start-up (``estimate-fast``): ``memcalc.cli`` is a package whose
-import loads typer and memcalc's pydantic-free core only (the option choices come from
-``memcalc.core.choices``); each command imports the pipeline it runs; ``--params`` no longer
-imports the presets, the Hugging Face hub client (http, ssl, email) or YAML; the shipped YAML
-files are read from ``data/_parsed.json`` while their text is unchanged (no YAML parser);
-``--json`` imports no rich; the group's ``--help`` option defaults to False, so that typer does
-not import pydantic to coerce it (``memcalc estimate --help``). ``tests/test_lazy_imports.py``
-keeps it so.
+What issue 15 changed in the start-up (``estimate-fast``), all without changing a printed byte:
+``memcalc.cli`` is a package whose import loads typer and memcalc's pydantic-free core only (the
+option choices come from ``memcalc.core.choices``); each command imports the pipeline it runs;
+``--params`` no longer imports the presets, the Hugging Face hub client (http, ssl, email) or
+YAML; the shipped YAML files are read from ``data/_parsed.json`` while their text is unchanged
+(no YAML parser, 35 ms); ``--json`` imports no rich; the text report is laid out without rich
+where rich would print no styles (a pipe, a file: ``memcalc.render.plain``, byte for byte rich's
+layout; importing rich and laying out its tables took 0.1 s), in a terminal rich prints it as
+before; the group's ``--help`` option defaults to False, so that typer does not import pydantic
+to coerce it (``memcalc estimate --help``). ``tests/test_lazy_imports.py`` keeps it so.
 """
 
 from __future__ import annotations

@@ -102,6 +102,8 @@ def plain_width() -> Optional[int]:
     columns = os.environ.get("COLUMNS")
     if columns is not None and columns.isdigit():
         width = int(columns)
+        if width < 8:  # rich then lays out to COLUMNS as given, even 0: left to rich
+            return None
     return width or 80
 
 
