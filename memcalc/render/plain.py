@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 #: the markup memcalc's report uses (rich prints no style when it writes plain text)
@@ -36,22 +35,25 @@ class Unsupported(Exception):
     """Something the plain renderer does not lay out exactly as rich does: use rich."""
 
 
-@dataclass
 class Column:
-    header: str
-    justify: str = "left"
-    style: Optional[str] = None
-    overflow: str = "ellipsis"  # rich Column's default
+    """A column: its header, justify, style and overflow (rich Column's default: ellipsis)."""
+
+    __slots__ = ("header", "justify", "style", "overflow")
+
+    def __init__(self, header: str, justify: str = "left", style: Optional[str] = None,
+                 overflow: str = "ellipsis") -> None:
+        self.header, self.justify, self.style, self.overflow = header, justify, style, overflow
 
 
-@dataclass
 class TableSpec:
-    """A rich ``Table(title=..., title_justify="left")`` with the default box and padding."""
+    """A rich ``Table(title=..., title_justify="left")`` with the default box and padding.
+    (Plain classes, not dataclasses: a dataclass costs about a millisecond to define.)"""
 
-    title: str
-    columns: list[Column] = field(default_factory=list)
-    rows: list[list[str]] = field(default_factory=list)
-    show_header: bool = True
+    def __init__(self, title: str, show_header: bool = True) -> None:
+        self.title = title
+        self.show_header = show_header
+        self.columns: list[Column] = []
+        self.rows: list[list[str]] = []
 
     def add_column(self, header: str, **kw: Any) -> None:
         self.columns.append(Column(header, **kw))
