@@ -3,7 +3,7 @@
 Importing rich and laying out its tables is about a tenth of a second of ``memcalc estimate``
 (issue 15). When rich would write plain text (stdout is no terminal and no variable forces one:
 a pipe, a file, a CI log), :func:`render_plain` lays out the same tables and lines itself, following
-rich 13-15's algorithms (``rich/table.py`` column widths and rows, ``rich/_wrap.py`` word wrap,
+rich's algorithms (rich 15.0: ``rich/table.py`` column widths and rows, ``rich/_wrap.py`` word wrap,
 ``rich/containers.py`` justify, ``rich/text.py`` truncate, ``rich/box.py`` boxes). It handles
 printable ASCII and memcalc's own markup tags only, and returns None for anything else (a
 terminal, a non-UTF-8 stdout, a tab, a ``[`` or an emoji code left after the tags, a column too
