@@ -11,12 +11,12 @@ only; each command imports the pipeline it runs when it runs (``tests/test_lazy_
 
 from __future__ import annotations
 
-from memcalc.cli.group import _Group, _err, app
-from memcalc.cli.options import FrameworkOpt, ImplOpt, LoraDtypeOpt, LossOpt, OptimizerOpt, PrecisionOpt
+from memcalc.cli.group import app
+from memcalc.cli.options import FrameworkOpt, ImplOpt, LoraDtypeOpt, LossOpt, OptimizerOpt, PrecisionOpt  # noqa: F401
 
 # the commands register on `app` as they are imported, in the order `memcalc --help` lists them
 from memcalc.cli import estimate_cmd, plan_cmd, listing, validate_cmd  # noqa: E402,F401  isort: skip
-from memcalc.cli.estimate_cmd import _check_fits, estimate  # noqa: E402
+from memcalc.cli.estimate_cmd import _check_fits, estimate  # noqa: E402,F401  (tests use _check_fits)
 from memcalc.cli.listing import configs, gpus, models, profiles  # noqa: E402
 from memcalc.cli.plan_cmd import plan  # noqa: E402
 from memcalc.cli.validate_cmd import validate  # noqa: E402
