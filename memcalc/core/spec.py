@@ -13,6 +13,9 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+# the closed vocabularies (Literal types and their values) live in memcalc.core.choices, pydantic-free,
+# so that the CLI builds its choices without importing this module
+from memcalc.core.choices import FRAMEWORKS, LORA_DTYPES, LOSSES, SHARDINGS, Framework, LoraDType, LossKind, Sharding  # noqa: F401
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
 from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
@@ -358,11 +361,6 @@ class ModelSpec(_Spec):
         return 4 if self.norm_placement == "sandwich" else 2
 
 
-#: ``--lora-dtype``: the adapters' dtype (fp32, or the base model's weight dtype)
-LoraDType = Literal["fp32", "model"]
-LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)
-
-
 class LoraSpec(_Spec):
     """Low-rank adapters on a frozen base (LoRA; QLoRA when the base is 4-bit)."""
 
@@ -410,11 +408,6 @@ Precision = Literal["fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"]
 #: the names of memcalc.core.optimizers.OPTIMIZERS (the registry)
 Optimizer = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
-
-
-#: ``--sharding``: whose code shards the ZeRO stage over the data-parallel GPUs
-Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
-SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 
 
 class DeepSpeedSpec(_Spec):
@@ -544,14 +537,8 @@ class TrainingSpec(_Spec):
         return self.compile and self.checkpoint == "none"
 
 
-#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks
-LossKind = Literal["full", "chunked"]
-LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 #: torchtune CEWithChunkedOutputLoss(num_output_chunks=8)
 DEFAULT_LOSS_CHUNKS = 8
-#: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
-Framework = Literal["plain", "hf", "torchtune", "litgpt"]
-FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
 
 
 class KernelProfile(_Spec):

@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 from pydantic import ValidationError
 
-from memcalc.inputs import hf_hub
 from memcalc.inputs.data_files import check_name, list_names, load_named, parse_text, path_kind, read_user_file, shorten
 from memcalc.core.errors import UserError
 from memcalc.engine.params import count_params
@@ -198,7 +197,7 @@ def model_from_dict(raw: Any, where: str, default_name: Optional[str] = None) ->
         raise UserError(f"{where} must be a mapping of model fields, not {type(raw).__name__}")
     raw = dict(raw)
     hid = raw.pop(HF_ID_KEY, None)  # metadata: the checkpoint a preset (or a copy of one) describes
-    if hid is not None and not (isinstance(hid, str) and hf_hub.is_repo_id(hid.strip())):
+    if hid is not None and not (isinstance(hid, str) and _hf_hub().is_repo_id(hid.strip())):
         raise UserError(f"{HF_ID_KEY} in {where} must be a Hugging Face id ORG/NAME, got {shorten(str(hid))}")
     if default_name is not None and "name" not in raw:
         raw["name"] = default_name
@@ -208,6 +207,14 @@ def model_from_dict(raw: Any, where: str, default_name: Optional[str] = None) ->
         raise UserError(pydantic_error_line(e, where)) from None
     except TypeError as e:  # a non-string key, e.g. `1: 2` in YAML
         raise UserError(f"invalid model spec {where}: {e}") from None
+
+
+def _hf_hub():
+    """:mod:`memcalc.inputs.hf_hub`, imported when a Hugging Face id is in play (it loads the
+    HTTP client: a preset or ``--params`` estimate never needs it)."""
+    from memcalc.inputs import hf_hub
+
+    return hf_hub
 
 
 def _looks_like_path(value: str) -> bool:
@@ -234,7 +241,7 @@ def is_hf_id(value: str) -> bool:
     spec-file suffix (.json/.yaml/.yml), no existing file or folder of that name, and the
     form of a Hub id (huggingface_hub's rules)."""
     return (value.count("/") == 1 and not value.lower().endswith(_SPEC_SUFFIXES)
-            and path_kind(Path(value).expanduser()) == "none" and hf_hub.is_repo_id(value))
+            and path_kind(Path(value).expanduser()) == "none" and _hf_hub().is_repo_id(value))
 
 
 def resolve_model_source(value: str) -> tuple[ModelSpec, ModelSource]:
@@ -292,6 +299,7 @@ def resolve_hf_id(repo_id: str) -> tuple[ModelSpec, ModelSource]:
     (2) its ``config.json`` in the local Hugging Face cache (offline); (3) its ``config.json``
     fetched from the Hub and saved into the cache (unless ``HF_HUB_OFFLINE=1``; see
     :mod:`memcalc.inputs.hf_hub`); otherwise one line saying how to pass the file."""
+    from memcalc.inputs import hf_hub
     from memcalc.inputs.hf_config import from_hf_config
 
     preset = preset_for_hf_id(repo_id)

@@ -152,11 +152,8 @@ def _check_finite(name: str, v: Optional[float]) -> None:
 
 def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
-    from memcalc.inputs.configs import load_config
-    from memcalc.inputs.infer import infer_params
-    from memcalc.inputs.presets import resolve_model_source
-    from memcalc.inputs.pydantic_errors import pydantic_error_line
-
+    # each model source is imported when it is used (--params never loads the presets, the
+    # Hugging Face hub client or YAML): the estimate's start-up time
     recipe = None
     if o.recipe or o.adapter_config:  # the recipe's values under the flags (memcalc.inputs.recipes)
         from memcalc.inputs.recipes import apply_recipe
@@ -174,6 +171,8 @@ def resolve(o: Options) -> Resolved:
     notes: list[str] = []
     base: Optional[ExperimentSpec] = None
     if o.config:
+        from memcalc.inputs.configs import load_config
+
         base = load_config(o.config)
     sources = [s for s in ("model", "params") if getattr(o, s)]
     if len(sources) > 1:
@@ -181,9 +180,13 @@ def resolve(o: Options) -> Resolved:
     model: ModelSpec
     model_source = None
     if o.model:
+        from memcalc.inputs.presets import resolve_model_source
+
         model, model_source = resolve_model_source(o.model)
         origin["model"] = "flag"
     elif o.params:
+        from memcalc.inputs.infer import infer_params
+
         model, reasons = infer_params(o.params)
         notes.extend(reasons)
         origin["model"] = "inferred"
@@ -285,6 +288,8 @@ def resolve(o: Options) -> Resolved:
     try:
         training = TrainingSpec(**tr)
     except ValidationError as e:
+        from memcalc.inputs.pydantic_errors import pydantic_error_line
+
         raise UserError(pydantic_error_line(e, "training options")) from None
     for k in TrainingSpec.model_fields:
         origin.setdefault(k, tr_origin.get(k, "default"))
@@ -307,6 +312,8 @@ def resolve(o: Options) -> Resolved:
             published_source=base.published_source if published is not None else None,
         )
     except ValidationError as e:  # a config's LoRA targets that --model does not have
+        from memcalc.inputs.pydantic_errors import pydantic_error_line
+
         raise UserError(pydantic_error_line(e, "experiment")) from None
     if recipe is None:
         return Resolved(exp, origin, notes, model_source, reasons)

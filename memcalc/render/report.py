@@ -1,18 +1,26 @@
-"""Rendering: rich tables and JSON for an estimate. No arithmetic beyond unit conversion."""
+"""Rendering: rich tables and JSON for an estimate. No arithmetic beyond unit conversion.
+
+Each table is written once, as a :class:`memcalc.render.plain.TableSpec`; ``render`` prints the
+report without rich when rich would print it without styles (:mod:`memcalc.render.plain`: same
+bytes, a tenth of a second less), else through rich. rich is imported only then, never at module
+level: ``estimate --json`` (``to_json``, ``dumps``) loads no rich (``tests/test_lazy_imports.py``).
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
-
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
+import sys
+from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.engine.sharding import sharding_mechanics
+from memcalc.render.plain import TableSpec, plain_width, render_plain
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
@@ -107,6 +115,15 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
     }
 
 
+def escape(text: str) -> str:
+    """rich's ``markup.escape``, importing rich only when ``text`` has something to escape."""
+    if "[" not in text and not text.endswith("\\"):
+        return text
+    from rich.markup import escape as rich_escape
+
+    return rich_escape(text)
+
+
 def _mark(origin: dict[str, str], key: str) -> str:
     v = origin.get(key, "")
     m = ORIGIN_MARK.get(v, escape(v) if v.startswith("recipe ") else "")  # --recipe: "recipe FILE:KEY"
@@ -121,9 +138,13 @@ def _why(res: Resolved, key: str) -> str:
 
 
 def inputs_table(est: Estimate, res: Resolved) -> Table:
+    return _inputs_spec(est, res).to_rich()
+
+
+def _inputs_spec(est: Estimate, res: Resolved) -> TableSpec:
     exp, tr, m = est.experiment, est.experiment.training, est.experiment.model
     o = res.origin
-    t = Table(title=f"Inputs: {exp.name}", show_header=False, title_justify="left")
+    t = TableSpec(title=f"Inputs: {exp.name}", show_header=False)
     t.add_column("input", style="bold")
     t.add_column("value", overflow="fold")  # a long path breaks across lines instead of losing its end
     shape = (f"{m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
@@ -181,8 +202,11 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
 
 
 def peak_table(est: Estimate) -> Table:
-    t = Table(title=f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}",
-              title_justify="left")
+    return _peak_spec(est).to_rich()
+
+
+def _peak_spec(est: Estimate) -> TableSpec:
+    t = TableSpec(title=f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}")
     t.add_column("component")
     t.add_column("GiB", justify="right")
     t.add_column("MiB", justify="right")
@@ -195,7 +219,11 @@ def peak_table(est: Estimate) -> Table:
 
 
 def phases_table(est: Estimate) -> Table:
-    t = Table(title="Peak of each phase (steady-state step)", title_justify="left")
+    return _phases_spec(est).to_rich()
+
+
+def _phases_spec(est: Estimate) -> TableSpec:
+    t = TableSpec(title="Peak of each phase (steady-state step)")
     t.add_column("phase")
     t.add_column("GiB", justify="right")
     for name, b in est.phases.items():
@@ -207,7 +235,11 @@ def phases_table(est: Estimate) -> Table:
 
 
 def bpp_table(est: Estimate) -> Table:
-    t = Table(title="Bytes per trainable parameter", title_justify="left")
+    return _bpp_spec(est).to_rich()
+
+
+def _bpp_spec(est: Estimate) -> TableSpec:
+    t = TableSpec(title="Bytes per trainable parameter")
     for k in est.bytes_per_param:
         t.add_column(k.replace("_", " "), justify="right")
     t.add_column("total", justify="right")
@@ -217,8 +249,11 @@ def bpp_table(est: Estimate) -> Table:
 
 
 def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
-    t = Table(title=f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack",
-              title_justify="left")
+    return _gpu_spec(est, gpus).to_rich()
+
+
+def _gpu_spec(est: Estimate, gpus: list[Any]) -> TableSpec:
+    t = TableSpec(title=f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack")
     t.add_column("GPU")
     t.add_column("memory", justify="right")
     t.add_column("fits", justify="center")
@@ -233,28 +268,47 @@ def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
 
 
 def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None) -> None:
-    c = console or Console()
-    c.print(inputs_table(est, res))
+    """Print the report: on ``console``, else on stdout (without rich where it prints no styles)."""
+    items = report_items(est, res, gpus)
+    if console is None:
+        width = plain_width()
+        text = render_plain(items, width) if width is not None else None
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        from rich.console import Console
+
+        console = Console()
+    for item in items:
+        console.print(item.to_rich() if isinstance(item, TableSpec) else item)
+
+
+def report_items(est: Estimate, res: Resolved, gpus: list[Any]) -> list[Any]:
+    """The report in order: tables (:class:`TableSpec`) and lines of rich markup."""
+    out: list[Any] = []
+    add = out.append
+    add(_inputs_spec(est, res))
     for n in res.notes:
-        c.print(f"[yellow]note:[/yellow] {n}")
+        add(f"[yellow]note:[/yellow] {n}")
     for n in est.notes:
-        c.print(f"[yellow]note:[/yellow] {n}")
-    c.print(peak_table(est))
-    c.print(phases_table(est))
+        add(f"[yellow]note:[/yellow] {n}")
+    add(_peak_spec(est))
+    add(_phases_spec(est))
     for line in technique_lines(est):  # memory outside the GPU peak: pinned host, unified memory
-        c.print(line)
-    c.print(bpp_table(est))
+        add(line)
+    add(_bpp_spec(est))
     comp, rec = est.extra.get("compiled"), est.extra.get("recompute")
     if comp:
-        c.print(f"torch.compile (memory budget {comp['memory_budget']:g}, {comp['decided_by']}): saves "
+        add(f"torch.compile (memory budget {comp['memory_budget']:g}, {comp['decided_by']}): saves "
                 f"{fmt_bytes(comp['saved_bytes'])} for backward (budget 1.0 saves {fmt_bytes(comp['default_saved_bytes'])}); "
                 f"backward recomputes {recompute_pct(rec):.1f}% of the forward FLOPs and keeps "
                 f"{fmt_bytes(comp['recomputed_in_backward_bytes'])} of the recomputed chain")
     elif rec:
-        c.print(f"recomputation: {rec['by']} runs {recompute_pct(rec):.1f}% of the forward FLOPs again in backward")
+        add(f"recomputation: {rec['by']} runs {recompute_pct(rec):.1f}% of the forward FLOPs again in backward")
     alloc = est.extra.get("allocator_peak_bytes")
     if alloc is not None:
-        c.print(f"caching-allocator replay: max_memory_allocated {fmt_bytes(alloc)} (whole cached blocks; "
+        add(f"caching-allocator replay: max_memory_allocated {fmt_bytes(alloc)} (whole cached blocks; "
                 f"live tensors {fmt_bytes(est.peak_bytes)}), max_memory_reserved {fmt_bytes(est.extra['reserved_peak_bytes'])}")
     if est.experiment.published_peak_bytes:
         pub = est.experiment.published_peak_bytes
@@ -262,18 +316,19 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
                 f"({100 * (est.peak_bytes - pub) / pub:+.1f}%)")
         if alloc is not None:
             line += f", with the allocator replay {fmt_bytes(alloc)} ({100 * (alloc - pub) / pub:+.1f}%)"
-        c.print(line)
+        add(line)
     host = est.extra.get("host_optimizer_bytes")
     if host is not None:
-        c.print(f"host memory: {fmt_bytes(host)} of optimizer state (and fp32 master weights) per GPU lives on the CPU "
+        add(f"host memory: {fmt_bytes(host)} of optimizer state (and fp32 master weights) per GPU lives on the CPU "
                 "(--offload-optimizer; not in the GPU peak)")
     host = est.extra.get("host_offload_bytes")
     if host is not None:
-        c.print(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
+        add(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
                 "lives on the CPU (FSDP2 CPUOffloadPolicy, --offload-optimizer; not in the GPU peak)")
-    c.print(gpu_table(est, gpus))
+    add(_gpu_spec(est, gpus))
     for a in est.assumptions:
-        c.print(f"[dim]assumption: {a}[/dim]")
+        add(f"[dim]assumption: {a}[/dim]")
+    return out
 
 
 def dumps(doc: Any) -> str:

@@ -1,0 +1,30 @@
+"""The ``memcalc`` command line.
+
+Every bad input ends as one line on stderr and exit code 2: typer/click usage
+errors, :class:`~memcalc.core.errors.UserError`, and pydantic validation errors.
+
+One module per command (``estimate_cmd``, ``plan_cmd``, ``listing``: models, configs, gpus,
+profiles; ``validate_cmd``), the options they share in ``options``, the application and its
+error handling in ``group``. Importing this package loads typer and memcalc's pydantic-free core
+only; each command imports the pipeline it runs when it runs (``tests/test_lazy_imports.py``).
+"""
+
+from __future__ import annotations
+
+from memcalc.cli.group import app
+from memcalc.cli.options import FrameworkOpt, ImplOpt, LoraDtypeOpt, LossOpt, OptimizerOpt, PrecisionOpt  # noqa: F401
+
+# the commands register on `app` as they are imported, in the order `memcalc --help` lists them
+from memcalc.cli import estimate_cmd, plan_cmd, listing, validate_cmd  # noqa: E402,F401  isort: skip
+from memcalc.cli.estimate_cmd import _check_fits, estimate  # noqa: E402,F401  (tests use _check_fits)
+from memcalc.cli.listing import configs, gpus, models, profiles  # noqa: E402
+from memcalc.cli.plan_cmd import plan  # noqa: E402
+from memcalc.cli.validate_cmd import validate  # noqa: E402
+
+__all__ = ["app", "main", "estimate", "plan", "models", "configs", "gpus", "profiles", "validate",
+           "PrecisionOpt", "OptimizerOpt", "ImplOpt", "LossOpt", "FrameworkOpt", "LoraDtypeOpt"]
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,5 @@
+"""``python -m memcalc.cli``: the ``memcalc`` command."""
+
+from memcalc.cli import main
+
+main()

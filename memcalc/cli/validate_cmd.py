@@ -1,0 +1,187 @@
+"""``memcalc validate``: run the step on CUDA or trace it on the meta device, beside the estimate.
+
+The only command that imports :mod:`memcalc.validate` (torch), lazily
+(``tests/test_layering.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from memcalc.cli.group import app
+from memcalc.cli.options import (ACCUM, ACT_OFFLOAD, ADAPTER_CONFIG, BATCH, BF16, BUDGET, CHECKPOINT, COMPILE, DEEPSPEED,
+                                 DORA, FUSED, IMPL, JSON, LORA, LORA_ALPHA, LORA_DROPOUT, LORA_RANK, LORA_TARGETS, LOSS,
+                                 LOSS_CHUNKS, MASTER, MODEL, OPTIMIZER, PARAMS, PRECISION, PROFILE, QLORA, RECIPE, SEQ,
+                                 SEQ_PARALLEL, TP, FrameworkOpt, ImplOpt, LossOpt, OptimizerOpt, PrecisionOpt,
+                                 _check_output, _options)
+from memcalc.core.errors import UserError
+
+
+@app.command()
+def validate(
+    config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="Reference config name or file (repeatable)."),
+    all_configs: bool = typer.Option(False, "--all", help="Every shipped reference config."),
+    model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
+    batch: Optional[int] = BATCH, seq: Optional[int] = SEQ, grad_accum: Optional[int] = ACCUM,
+    precision: Optional[PrecisionOpt] = PRECISION, bf16: bool = BF16, master_weights: bool = MASTER,
+    optimizer: Optional[OptimizerOpt] = OPTIMIZER, optimizer_impl: Optional[ImplOpt] = IMPL,
+    checkpoint: Optional[str] = CHECKPOINT, fused_optimizer: bool = FUSED, compile: bool = COMPILE,
+    memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
+    lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
+    lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
+    loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
+    recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
+    deepspeed: Optional[str] = DEEPSPEED,
+    tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
+    device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
+    scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
+    snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
+    as_json: bool = JSON,
+    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
+    html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
+    framework: Optional[FrameworkOpt] = typer.Option(
+        None, "--framework",
+        help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
+             "of the model) or hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
+             "get_peft_model, only kernel dispatch patched). Default: as for estimate, plain for a --config, "
+             "hf for --model and --params."),
+    reentrant: bool = typer.Option(
+        False, "--reentrant",
+        help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
+    gpus: Optional[int] = typer.Option(
+        None, "--gpus",
+        help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
+             "process group, fake tensors (--device meta or cpu; nothing is allocated); memcalc's replica unless "
+             "--framework hf (FSDP2 only)."),
+    zero: Optional[int] = typer.Option(
+        None, "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
+                             "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
+    sharding: Optional[str] = typer.Option(
+        None, "--sharding", help="With --gpus: fsdp2 (default; fully_shard per layer and root), fsdp1 "
+                                 "(FullyShardedDataParallel, one unit per layer) or deepspeed (ZeRO-2/3 with "
+                                 "DeepSpeed's defaults, or the buckets of --deepspeed)."),
+    rank: Optional[int] = typer.Option(None, "--rank", help="With --gpus: which rank to trace (default 0)."),
+) -> None:
+    """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
+
+    Examples:
+
+      memcalc validate --config fused --device meta
+
+      memcalc validate --all --device meta --output results.json
+
+      memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
+
+      memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
+
+      memcalc validate --model tinyllama-1.1b --deepspeed ds_config.json --gpus 8 --seq 512 --scale-layers 2
+
+      memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
+
+      memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
+    """
+    from memcalc.core.spec import MAX_LAYERS
+    from memcalc.inputs.configs import list_configs
+    from memcalc.inputs.resolve import resolve
+
+    if device is not None and device not in ("cuda", "meta", "cpu"):
+        raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
+    if framework is not None and framework.value not in ("plain", "hf"):
+        raise UserError(f"--framework {framework.value}: validate traces plain (memcalc's replica) or hf "
+                        "(transformers + PEFT); estimate models torchtune and litgpt from their sources")
+    if scale_layers is not None and scale_layers <= 0:
+        raise UserError(f"--scale-layers must be positive, got {scale_layers}")
+    if scale_layers is not None and scale_layers > MAX_LAYERS:
+        raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
+    for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
+        _check_output(path, flag)
+    _check_sharded_flags(gpus, zero, sharding, rank)
+    if gpus is not None and gpus > 1:
+        if device == "cuda":
+            raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
+                            "on CUDA; trace one rank with --device meta")
+        if framework is None:  # the sharded trace builds the replica unless --framework hf (FSDP2 only) is given
+            framework = FrameworkOpt("plain")
+    from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
+
+    with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
+        try:
+            from memcalc.validate.command import run_validate
+        except ImportError as e:  # torch missing
+            raise UserError(f"validate needs torch: pip install 'memcalc[validate]' ({e})") from None
+        except StopRequested as e:
+            stopped(e)
+            sys.stderr.write(f"memcalc validate: stopped by {e} before any config ran\n")
+            sys.stdout.write("[]\n" if as_json else "")
+            raise SystemExit(e.exit_code) from None
+    names = list(config or [])
+    if all_configs:
+        names += [n for n in list_configs() if n not in names]
+    common = dict(
+        activation_offload=activation_offload, dora=dora,
+        model=model, params=params, batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, bf16=bf16,
+        master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
+        fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
+        qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
+        recipe=recipe or None, adapter_config=adapter_config,
+        zero=zero, gpus=gpus, sharding=sharding, deepspeed=deepspeed,
+    )
+    common.update(tp=tp, sequence_parallel=sequence_parallel)  # traced on the fake process group (validate/sharded/tp.py)
+    items: list = []
+    if names:
+        for n in names:
+            try:
+                items.append((n, resolve(_options(config=n, **common)).exp))
+            except UserError as e:  # one of several configs: its record says why, the others still run
+                if len(names) == 1:
+                    raise
+                items.append((n, e))
+    else:
+        items.append((None, resolve(_options(**common)).exp))
+    items = [(n or e.name, e) for n, e in items]
+    traced = {e.profile.framework for _, e in items if not isinstance(e, UserError)} or {"plain"}
+    if not traced <= {"plain", "hf"} or len(traced) > 1:
+        raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
+                        f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
+    if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
+        raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
+    records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
+                           reentrant=reentrant, rank=rank or 0)
+    if html is not None:
+        from memcalc.estimate.peak import estimate as run_estimate
+        from memcalc.render.html import validate_html, write_report
+
+        # the estimates' timelines are of the full model: left out when tracing fewer layers
+        ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
+        write_report(html, validate_html(list(records or []), ests))
+
+
+def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],
+                         rank: Optional[int]) -> None:
+    """validate's sharded flags go together: --gpus N (N >= 2) with --zero 2 or 3."""
+    from memcalc.core.spec import SHARDINGS
+
+    if sharding is not None and sharding not in SHARDINGS:
+        raise UserError(f"unknown --sharding {sharding!r}; valid: {', '.join(SHARDINGS)}")
+    if sharding == "deepspeed":
+        raise UserError("--sharding deepspeed: validate traces fsdp2 and fsdp1 here; DeepSpeed ZeRO needs the "
+                        "DeepSpeed tracer (issue 13), not in this build")
+    if gpus is None or gpus == 1:
+        given = [f"{f} {v}" for f, v in (("--zero", zero or None), ("--sharding", sharding), ("--rank", rank))
+                 if v is not None]
+        if given:
+            raise UserError(f"{' '.join(given)} needs --gpus N (N >= 2): validate traces one rank of a sharded step; "
+                            "add it, with --zero 2 or 3")
+        return
+    if gpus < 1:
+        raise UserError(f"--gpus must be at least 1, got {gpus}")
+    if zero not in (2, 3):
+        raise UserError(f"--gpus {gpus} needs --zero 2 or 3 for validate (got {'none' if zero is None else zero}): "
+                        "it traces one rank of an FSDP step; data parallel without sharding is one GPU's step")
+    if rank is not None and not 0 <= rank < gpus:
+        raise UserError(f"--rank {rank} is not a rank of --gpus {gpus} (valid: 0..{gpus - 1})")

@@ -1,0 +1,27 @@
+"""The spec's closed vocabularies (``Literal`` types and their values), without pydantic.
+
+:mod:`memcalc.core.spec` imports every name here and builds its models from them; the command
+line builds its option choices from the same tuples without importing the spec models (and
+pydantic), so ``memcalc --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+#: ``--lora-dtype``: the adapters' dtype (fp32, or the base model's weight dtype)
+LoraDType = Literal["fp32", "model"]
+LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)
+
+#: ``--sharding``: whose code shards the ZeRO stage over the data-parallel GPUs
+Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
+SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
+
+#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks
+LossKind = Literal["full", "chunked"]
+LOSSES: tuple[str, ...] = typing.get_args(LossKind)
+
+#: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
+Framework = Literal["plain", "hf", "torchtune", "litgpt"]
+FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
