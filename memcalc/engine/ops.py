@@ -19,6 +19,8 @@ from memcalc.core.spec import KernelProfile
 
 ACT = "activations"
 TMP = "temporaries"
+#: a tensor's dtype from its width (:meth:`Ops.dtype_of`)
+_DTYPE_OF_BITS = {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}
 
 
 class Ops:
@@ -33,15 +35,17 @@ class Ops:
 
     # -- basics ---------------------------------------------------------------------
     def new(self, numel: int, dtype: DType, category: Optional[str] = None, kind: str = ACT) -> T:
-        t = self.sim.alloc(dtype.nbytes(numel), kind, category or self.category)
+        bits = dtype.bits
+        t = self.sim.alloc(-(-numel * bits // 8), kind, category or self.category)  # dtype.nbytes(numel)
         t.numel = numel
-        t.itemsize_bits = dtype.bits
+        t.itemsize_bits = bits
         return t
 
     def drop(self, *ts: Optional[T]) -> None:
         """A Python reference goes away."""
+        unref = self.sim.unref
         for t in ts:
-            self.sim.unref(t)
+            unref(t)
 
     def ref_(self, t: T) -> T:
         """A second Python reference to the same tensor (a view or an alias)."""
@@ -49,7 +53,7 @@ class Ops:
 
     @staticmethod
     def dtype_of(t: T) -> DType:
-        return {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}[t.itemsize_bits]
+        return _DTYPE_OF_BITS[t.itemsize_bits]
 
     def _cast_for_matmul(self, x: T) -> tuple[T, bool]:
         """Autocast's cast of an activation to the compute dtype (a copy when it differs)."""

@@ -19,31 +19,43 @@ Views are modelled by sharing a tensor object (no new bytes).
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from memcalc.engine.result import KINDS, TimelinePoint
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
-from memcalc.core.units import round_up
 
 
-@dataclass(eq=False, slots=True)
 class T:
-    """A block of memory: ``nbytes`` already rounded to the allocator granularity."""
+    """A block of memory: ``nbytes`` already rounded to the allocator granularity.
 
-    nbytes: int
-    kind: str  # one of result.KINDS
-    category: str  # finer name shown in the breakdown
-    requires_grad: bool = False
-    refs: int = 1
-    alive: bool = True
-    numel: int = 0  # elements, for ops that size their outputs from inputs
-    itemsize_bits: int = 32
-    grad_buffer: Optional["T"] = None  # accumulated gradient w.r.t. this tensor (backward)
-    producer: Optional["Node"] = None
-    name: str = ""
-    uid: int = 0  # identity in the allocation event log
-    seq: int = 0  # Sim.alloc_count when it was allocated (which op made it)
+    A plain class with slots and a hand-written ``__init__`` rather than a dataclass: the
+    simulator makes one per allocation (hundreds of thousands per plan), and a call with three
+    positional arguments costs a third of the dataclass's keyword call."""
+
+    __slots__ = ("nbytes", "kind", "category", "requires_grad", "refs", "alive", "numel", "itemsize_bits",
+                 "grad_buffer", "producer", "name", "uid", "seq")
+
+    def __init__(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, refs: int = 1,
+                 alive: bool = True, numel: int = 0, itemsize_bits: int = 32, grad_buffer: Optional["T"] = None,
+                 producer: Optional["Node"] = None, name: str = "", uid: int = 0, seq: int = 0) -> None:
+        self.nbytes = nbytes
+        self.kind = kind  # one of result.KINDS
+        self.category = category  # finer name shown in the breakdown
+        self.requires_grad = requires_grad
+        self.refs = refs
+        self.alive = alive
+        self.numel = numel  # elements, for ops that size their outputs from inputs
+        self.itemsize_bits = itemsize_bits
+        self.grad_buffer = grad_buffer  # accumulated gradient w.r.t. this tensor (backward)
+        self.producer = producer
+        self.name = name
+        self.uid = uid  # identity in the allocation event log
+        self.seq = seq  # Sim.alloc_count when it was allocated (which op made it)
+
+    def __repr__(self) -> str:
+        return (f"T(nbytes={self.nbytes}, kind={self.kind!r}, category={self.category!r}, name={self.name!r}, "
+                f"refs={self.refs}, alive={self.alive}, seq={self.seq})")
 
 
 @dataclass(eq=False)
@@ -66,25 +78,35 @@ class Param:
     pending: Optional[T] = None  # AccumulateGrad's input buffer while more contributions are due
 
 
-@dataclass(eq=False)
 class Node:
-    """An autograd node: saved tensors, the inputs it sends gradients to, the params it grads."""
+    """An autograd node: saved tensors, the inputs it sends gradients to, the params it grads.
 
-    name: str
-    saved: list[T]
-    inputs: list[T]  # activation inputs requiring grad (each receives a grad of its own size)
-    params: list[Param]
-    outputs: list[T]
-    temps: list[int] = field(default_factory=list)  # transient backward allocations (bytes, unrounded)
-    grad_input_bytes: Optional[list[int]] = None  # override sizes of grads sent to inputs
-    on_backward: Optional[Callable[["Sim", "Node"], None]] = None  # e.g. checkpoint recompute
-    after_backward: Optional[Callable[["Sim", "Node"], None]] = None  # once its backward has run
-    done: bool = False
-    fwd_label: str = ""
-    flops: int = 0  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
-    layer: Optional[int] = None  # decoder layer the op belongs to (None: embedding, head, loss)
-    role: str = ""  # which part of the model issued it: embedding, attention, mlp, norm, head, loss
-    offloaded: list = field(default_factory=list)  # (pack id, tensor) moved to host (engine/offload.py)
+    A plain class with slots (one is made per recorded op; see :class:`T`)."""
+
+    __slots__ = ("name", "saved", "inputs", "params", "outputs", "temps", "grad_input_bytes", "on_backward",
+                 "after_backward", "done", "fwd_label", "flops", "layer", "role", "offloaded")
+
+    def __init__(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
+                 temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None,
+                 on_backward: Optional[Callable[["Sim", "Node"], None]] = None,
+                 after_backward: Optional[Callable[["Sim", "Node"], None]] = None, done: bool = False,
+                 fwd_label: str = "", flops: int = 0, layer: Optional[int] = None, role: str = "",
+                 offloaded: Optional[list] = None) -> None:
+        self.name = name
+        self.saved = saved
+        self.inputs = inputs  # activation inputs requiring grad (each receives a grad of its own size)
+        self.params = params
+        self.outputs = outputs
+        self.temps = [] if temps is None else temps  # transient backward allocations (bytes, unrounded)
+        self.grad_input_bytes = grad_input_bytes  # override sizes of grads sent to inputs
+        self.on_backward = on_backward  # e.g. checkpoint recompute
+        self.after_backward = after_backward  # once its backward has run
+        self.done = done
+        self.fwd_label = fwd_label
+        self.flops = flops  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
+        self.layer = layer  # decoder layer the op belongs to (None: embedding, head, loss)
+        self.role = role  # which part of the model issued it: embedding, attention, mlp, norm, head, loss
+        self.offloaded = [] if offloaded is None else offloaded  # (pack id, tensor) moved to host (engine/offload.py)
 
 
 class Sim:
@@ -92,6 +114,7 @@ class Sim:
 
     def __init__(self, round_bytes: int = ALLOCATOR_ROUND_BYTES) -> None:
         self.round_bytes = round_bytes
+        self._round = max(round_bytes, 1)  # round_up leaves sizes as they are below 2, as does rounding to 1
         self.total = 0
         self.by_kind: dict[str, int] = {k: 0 for k in KINDS}
         self.by_cat: dict[str, int] = defaultdict(int)
@@ -140,33 +163,56 @@ class Sim:
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
-        """Allocate a block (rounded up); returns it with one reference."""
-        self.alloc_count += 1
-        if (self.ghost_after is not None and self.alloc_count > self.ghost_after) or self.alloc_count in self.ghost_at:
-            return T(0, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
-        n = round_up(int(nbytes), self.round_bytes)
-        t = T(n, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
-        if self.events is not None and n:
-            self._uid += 1
-            t.uid = self._uid
-            self.events.append((t.uid, n))
-        self.total += n
-        self.by_kind[kind] += n
+        """Allocate a block (rounded up); returns it with one reference.
+
+        The hot path of every simulation (hundreds of thousands of calls per plan): the rounding is
+        :func:`memcalc.core.units.round_up` inline, and a new peak copies the breakdown dicts with
+        ``dict.copy`` (zero entries are dropped once, in :meth:`peak_categories`)."""
+        c = self.alloc_count + 1
+        self.alloc_count = c
+        ga = self.ghost_after
+        if (ga is not None and c > ga) or (self.ghost_at and c in self.ghost_at):
+            t = T(0, kind, category, requires_grad)
+            t.seq = c
+            if name:
+                t.name = name
+            return t
+        req = int(nbytes)
+        rb = self._round
+        n = -(-req // rb) * rb
+        t = T(n, kind, category, requires_grad)
+        t.seq = c
+        if name:
+            t.name = name
+        ev = self.events
+        if ev is not None and n:
+            uid = self._uid = self._uid + 1
+            t.uid = uid
+            ev.append((uid, n))
+        total = self.total = self.total + n
+        by_kind = self.by_kind
+        by_kind[kind] += n
         self.by_cat[category] += n
-        if kind == "activations" and self.by_kind[kind] > self.max_activations:
-            self.max_activations = self.by_kind[kind]
-        cur = self.phase_peaks.get(self.phase, 0)
-        if self.total > cur:
-            self.phase_peaks[self.phase] = self.total
-        if self.total > self.peak:
-            self.peak = self.total
-            self.peak_phase = self.phase
+        if kind == "activations" and by_kind[kind] > self.max_activations:
+            self.max_activations = by_kind[kind]
+        phase = self.phase
+        pp = self.phase_peaks
+        if total > pp.get(phase, 0):
+            pp[phase] = total
+        if total > self.peak:
+            self.peak = total
+            self.peak_phase = phase
             self.peak_label = self.label
-            self.peak_cats = {k: v for k, v in self.by_cat.items() if v}
-            self.peak_kinds = dict(self.by_kind)
+            self.peak_cats = self.by_cat.copy()
+            self.peak_kinds = by_kind.copy()
         if self.alloc_trace is not None:
-            self.alloc_trace.append((self.total, self.phase, self.trace_label or self.label, int(nbytes)))
+            self.alloc_trace.append((total, phase, self.trace_label or self.label, req))
         return t
+
+    def peak_categories(self) -> dict[str, int]:
+        """What was alive at the peak, by category (those with bytes), in the order the categories
+        first appeared."""
+        return {k: v for k, v in self.peak_cats.items() if v}
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
@@ -191,15 +237,17 @@ class Sim:
     def unref(self, t: Optional[T]) -> None:
         if t is None:
             return
-        assert t.alive and t.refs > 0, f"double free of {t.name}"
-        t.refs -= 1
-        if t.refs == 0:
+        refs = t.refs
+        assert t.alive and refs > 0, f"double free of {t.name}"
+        t.refs = refs = refs - 1
+        if refs == 0:
             t.alive = False
+            n = t.nbytes
             if t.uid and self.events is not None:
                 self.events.append((t.uid, 0))
-            self.total -= t.nbytes
-            self.by_kind[t.kind] -= t.nbytes
-            self.by_cat[t.category] -= t.nbytes
+            self.total -= n
+            self.by_kind[t.kind] -= n
+            self.by_cat[t.category] -= n
 
     def mark(self, label: str, phase: Optional[str] = None) -> None:
         """Set the current label (and phase) and record a timeline point."""
@@ -215,23 +263,28 @@ class Sim:
         """Register a node if anything needs a gradient; takes a reference on each saved tensor."""
         if self.recorder is not None:
             self.recorder(name, saved, inputs, params, outputs, kw)
+        if not self.grad_enabled:
+            return None
         inputs = [t for t in inputs if t.requires_grad]
         params = [p for p in params if p.trainable]
-        if not self.grad_enabled or (not inputs and not params):
+        if not inputs and not params:
             return None
         off: list = []
-        if self.offload is not None and self.offload.active and saved:
-            saved, off = self.offload.pack(self, saved)
-        for t in saved:
-            self.ref(t)
         if saved:
-            self.last_save_count = self.alloc_count
+            if self.offload is not None and self.offload.active:
+                saved, off = self.offload.pack(self, saved)
+            for t in saved:  # self.ref(t), inline
+                assert t.alive, f"reference to a freed tensor {t.name}"
+                t.refs += 1
+            if saved:
+                self.last_save_count = self.alloc_count
         for p in params:
             p.uses += 1
         n = Node(name, saved, inputs, params, outputs, **kw)
         n.offloaded = off
         n.fwd_label = self.label
-        n.layer, n.role = self.layer, self.role
+        n.layer = self.layer
+        n.role = self.role
         for o in outputs:
             o.requires_grad = True
             o.producer = n
