@@ -36,16 +36,17 @@ class Ops:
     # -- basics ---------------------------------------------------------------------
     def new(self, numel: int, dtype: DType, category: Optional[str] = None, kind: str = ACT) -> T:
         bits = dtype.bits
-        t = self.sim.alloc(-(-numel * bits // 8), kind, category or self.category)  # dtype.nbytes(numel)
-        t.numel = numel
-        t.itemsize_bits = bits
-        return t
+        return self.sim.alloc(-(-numel * bits // 8), kind, category or self.category, False, "", numel, bits)
 
     def drop(self, *ts: Optional[T]) -> None:
         """A Python reference goes away."""
         unref = self.sim.unref
         for t in ts:
-            unref(t)
+            if t is not None and t.refs > 1:  # another reference remains: nothing is freed (Sim.unref, inline)
+                assert t.alive, f"double free of {t.name}"
+                t.refs -= 1
+            else:
+                unref(t)
 
     def ref_(self, t: T) -> T:
         """A second Python reference to the same tensor (a view or an alias)."""

@@ -19,6 +19,7 @@ Views are modelled by sharing a tensor object (no new bytes).
 from __future__ import annotations
 
 from collections import defaultdict
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -109,6 +110,11 @@ class Node:
         self.offloaded = [] if offloaded is None else offloaded  # (pack id, tensor) moved to host (engine/offload.py)
 
 
+_new = object.__new__
+_requires_grad = attrgetter("requires_grad")
+_trainable = attrgetter("trainable")
+
+
 class Sim:
     """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``."""
 
@@ -124,6 +130,7 @@ class Sim:
         self.peak_label = ""
         self.peak_cats: dict[str, int] = {}
         self.peak_kinds: dict[str, int] = {}
+        self._peak_open = False  # a new peak whose breakdown is not copied yet (alloc, _snap_peak)
         self.phase = "setup"
         self.label = ""
         self.phase_peaks: dict[str, int] = {}
@@ -162,33 +169,45 @@ class Sim:
         self.offload = None
 
     # -- allocation -----------------------------------------------------------------
-    def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
-        """Allocate a block (rounded up); returns it with one reference.
+    def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "",
+              numel: int = 0, itemsize_bits: int = 32) -> T:
+        """Allocate a block (rounded up); returns it with one reference (``numel`` and
+        ``itemsize_bits`` describe its elements, for ops that size outputs from inputs).
 
-        The hot path of every simulation (hundreds of thousands of calls per plan): the rounding is
-        :func:`memcalc.core.units.round_up` inline, and a new peak copies the breakdown dicts with
-        ``dict.copy`` (zero entries are dropped once, in :meth:`peak_categories`)."""
+        The hot path of every simulation (hundreds of thousands of calls per plan): the block is
+        made without a call to ``T.__init__`` (the same fields, set here), the rounding is
+        :func:`memcalc.core.units.round_up` inline, and a new peak's breakdown is copied only when
+        memory next goes down (:meth:`_snap_peak`)."""
         c = self.alloc_count + 1
         self.alloc_count = c
+        t = _new(T)
+        t.kind = kind
+        t.category = category
+        t.requires_grad = requires_grad
+        t.refs = 1
+        t.alive = True
+        t.numel = numel
+        t.itemsize_bits = itemsize_bits
+        t.grad_buffer = None
+        t.producer = None
+        t.name = name
+        t.seq = c
         ga = self.ghost_after
         if (ga is not None and c > ga) or (self.ghost_at and c in self.ghost_at):
-            t = T(0, kind, category, requires_grad)
-            t.seq = c
-            if name:
-                t.name = name
+            t.nbytes = 0
+            t.uid = 0
             return t
         req = int(nbytes)
         rb = self._round
         n = -(-req // rb) * rb
-        t = T(n, kind, category, requires_grad)
-        t.seq = c
-        if name:
-            t.name = name
+        t.nbytes = n
         ev = self.events
         if ev is not None and n:
             uid = self._uid = self._uid + 1
             t.uid = uid
             ev.append((uid, n))
+        else:
+            t.uid = 0
         total = self.total = self.total + n
         by_kind = self.by_kind
         by_kind[kind] += n
@@ -203,16 +222,32 @@ class Sim:
             self.peak = total
             self.peak_phase = phase
             self.peak_label = self.label
-            self.peak_cats = self.by_cat.copy()
-            self.peak_kinds = by_kind.copy()
+            self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
         if self.alloc_trace is not None:
             self.alloc_trace.append((total, phase, self.trace_label or self.label, req))
         return t
 
+    def _snap_peak(self) -> None:
+        """Copy what is alive, by category and kind, as the peak's breakdown. Called before the
+        first free after a new peak: until then only allocations happened, and each one that
+        adds bytes is a new peak itself (a category that first appears with no bytes has no
+        entry in :meth:`peak_categories`), so this is what was alive at the peak."""
+        self.peak_cats = self.by_cat.copy()
+        self.peak_kinds = self.by_kind.copy()
+        self._peak_open = False
+
     def peak_categories(self) -> dict[str, int]:
         """What was alive at the peak, by category (those with bytes), in the order the categories
         first appeared."""
+        if self._peak_open:
+            self._snap_peak()
         return {k: v for k, v in self.peak_cats.items() if v}
+
+    def peak_kinds_alive(self) -> dict[str, int]:
+        """What was alive at the peak, by kind (every kind)."""
+        if self._peak_open:
+            self._snap_peak()
+        return dict(self.peak_kinds)
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
@@ -242,6 +277,8 @@ class Sim:
         t.refs = refs = refs - 1
         if refs == 0:
             t.alive = False
+            if self._peak_open:
+                self._snap_peak()
             n = t.nbytes
             if t.uid and self.events is not None:
                 self.events.append((t.uid, 0))
@@ -265,8 +302,8 @@ class Sim:
             self.recorder(name, saved, inputs, params, outputs, kw)
         if not self.grad_enabled:
             return None
-        inputs = [t for t in inputs if t.requires_grad]
-        params = [p for p in params if p.trainable]
+        inputs = list(filter(_requires_grad, inputs))
+        params = list(filter(_trainable, params)) if params else []
         if not inputs and not params:
             return None
         off: list = []
@@ -280,7 +317,21 @@ class Sim:
                 self.last_save_count = self.alloc_count
         for p in params:
             p.uses += 1
-        n = Node(name, saved, inputs, params, outputs, **kw)
+        n = _new(Node)  # Node(name, saved, inputs, params, outputs, **kw) without the call
+        n.name = name
+        n.saved = saved
+        n.inputs = inputs
+        n.params = params
+        n.outputs = outputs
+        n.temps = []
+        n.grad_input_bytes = None
+        n.on_backward = None
+        n.after_backward = None
+        n.done = False
+        n.flops = 0
+        if kw:
+            for k, v in kw.items():
+                setattr(n, k, v)
         n.offloaded = off
         n.fwd_label = self.label
         n.layer = self.layer
@@ -310,7 +361,10 @@ class Sim:
         for node in reversed(nodes):
             if node.done:
                 continue
-            if not any(o.grad_buffer is not None for o in node.outputs):
+            for o in node.outputs:  # does a gradient reach the node?
+                if o.grad_buffer is not None:
+                    break
+            else:
                 self._release_node(node)
                 continue
             lab = label_of(node)
@@ -336,23 +390,34 @@ class Sim:
             self.unref(t)
         node.saved = []
         node.done = True
+        for o in node.outputs:
+            o.producer = None
 
     def _run_node(self, node: Node) -> None:
         """One node's backward: workspace, input gradients and weight gradients are allocated;
         then the node's incoming gradients and saved tensors are released; then the
         AccumulateGrad of each parameter runs (highest priority in the engine's ready queue),
         and with it any post-accumulate-grad hook (a fused optimizer step)."""
-        temps = [self.alloc(b, "temporaries", "backward workspace") for b in node.temps]
-        sizes = node.grad_input_bytes or [t.nbytes for t in node.inputs]
-        new_grads = [self.alloc(b, "temporaries", "activation gradients") for b in sizes]
-        pgrads = [self.alloc(p.grad_bytes, "gradients", "gradients") for p in node.params]
+        alloc, unref = self.alloc, self.unref
+        temps = [alloc(b, "temporaries", "backward workspace") for b in node.temps] if node.temps else ()
+        sizes = node.grad_input_bytes
+        if sizes:
+            new_grads = [alloc(b, "temporaries", "activation gradients") for b in sizes]
+        else:
+            new_grads = [alloc(t.nbytes, "temporaries", "activation gradients") for t in node.inputs]
+        pgrads = [alloc(p.grad_bytes, "gradients", "gradients") for p in node.params] if node.params else ()
         for t in temps:
-            self.unref(t)
+            unref(t)
         for o in node.outputs:
             if o.grad_buffer is not None:
-                self.unref(o.grad_buffer)
+                unref(o.grad_buffer)
                 o.grad_buffer = None
-        self._release_node(node)
+        for t in node.saved:  # self._release_node(node), inline
+            unref(t)
+        node.saved = []
+        node.done = True
+        for o in node.outputs:
+            o.producer = None
         if self.offload is not None and self.offload.hook_due:  # the unpacking node's post-hook
             self.offload.after_node(self)
         for inp, g in zip(node.inputs, new_grads):
@@ -389,6 +454,15 @@ class Sim:
                 self.unref(g)
             if self.grad_ready is not None:
                 self.grad_ready(self, p)
+
+    def release_graph(self) -> None:
+        """Drop the simulator's references to the step's graph and hooks once the step is over,
+        so that reference counting frees them (the hooks' closures refer back to the simulator:
+        without this the whole graph waits for the cyclic garbage collector)."""
+        self.nodes = []
+        self.grad_ready = None
+        self.on_layer = None
+        self.recorder = None
 
     def snapshot_point(self) -> None:
         if self.record_timeline:
