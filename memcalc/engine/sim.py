@@ -306,7 +306,7 @@ class Sim:
         params = list(filter(_trainable, params)) if params else []
         if not inputs and not params:
             return None
-        off: list = []
+        off: list | tuple = ()  # nothing offloaded (read only: engine/offload.py iterates it)
         if saved:
             if self.offload is not None and self.offload.active:
                 saved, off = self.offload.pack(self, saved)

@@ -83,8 +83,17 @@ def check_supported(exp: ExperimentSpec) -> None:
 
 
 def _label_of(node: Node) -> str:
-    lab = getattr(node, "fwd_label", "") or ""
-    return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
+    lab = node.fwd_label or ""
+    got = _BWD_LABELS.get(lab)
+    if got is None:
+        if len(_BWD_LABELS) > 4096:
+            _BWD_LABELS.clear()
+        got = _BWD_LABELS[lab] = lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
+    return got
+
+
+#: backward labels by forward label (_label_of: once per node of every step, from a few distinct labels)
+_BWD_LABELS: dict[str, str] = {}
 
 
 def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tuple[Model, "OptimizerSim | DeepSpeedZero2"]:
