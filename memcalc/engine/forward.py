@@ -57,6 +57,7 @@ class Forward:
         self.masks: dict[str, T] = {}
         self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
         self.masks_released = False
+        self._projs: dict[tuple, tuple] = {}  # proj's parameters by (layer, name, base, weight)
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -78,15 +79,19 @@ class Forward:
         Without it (plain, torchtune, litgpt) the branch runs on x as is. A 4-bit base under PEFT
         runs ``bnb.Linear4bit.forward`` instead (see below)."""
         o = self.ops
-        base = base or f"layers.{layer}.{name}"  # the output head: "lm_head" (its weight may be the embedding's)
-        w = self.p(weight or base + ".weight")
+        key = (layer, name, base, weight)
+        got = self._projs.get(key)
+        if got is None:  # the projection's parameters, looked up once per step (a layer is walked 1-3 times)
+            base = base or f"layers.{layer}.{name}"  # the output head: "lm_head" (its weight may be the embedding's)
+            got = self._projs[key] = (base, self.p(weight or base + ".weight"), self.maybe(base + ".bias"),
+                                      self.maybe(base + ".lora_A"))
+        base, w, bias, a_p = got
         qt = 0
         if self.lora is not None and self.lora.qlora and w.weight.itemsize_bits == 4:
             qt = self.model.compute.nbytes(w.numel)
-        y = o.linear(x, self.rows, w, self.maybe(base + ".bias"), d_out, quant_transient_bytes=qt)
+        y = o.linear(x, self.rows, w, bias, d_out, quant_transient_bytes=qt)
         if self.tp and short not in ("o", "down"):
             self.tp.colwise(self, y, x)
-        a_p = self.maybe(base + ".lora_A")
         if a_p is None:
             return y
         peft = self.exp.profile.lora_input_cast

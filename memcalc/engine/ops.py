@@ -89,9 +89,12 @@ class Ops:
         Under autocast x and W are cast to the compute dtype; the casts are what is saved.
         QLoRA: the 4-bit weight is dequantised to a transient full-size copy in forward and
         again in backward (bitsandbytes MatMul4Bit saves only the packed weight)."""
-        xc, x_cast = self._cast_for_matmul(x)
-        # a 4-bit weight is dequantised straight to the compute dtype (no autocast copy)
-        wc = None if quant_transient_bytes else self._cast_weight(w)[0]
+        if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
+            xc, x_cast, wc = x, False, None
+        else:
+            xc, x_cast = self._cast_for_matmul(x)
+            # a 4-bit weight is dequantised straight to the compute dtype (no autocast copy)
+            wc = None if quant_transient_bytes else self._cast_weight(w)[0]
         if quant_transient_bytes:
             self.sim.transient(quant_transient_bytes, TMP, "dequantised weight")
         odt = self.autocast or self.dtype_of(x)

@@ -12,8 +12,13 @@ accumulated at once (AccumulateGrad runs first among ready nodes), so a
 post-accumulate-grad hook (the fused optimizer) frees them right away.
 
 Every allocation updates the running total, the per-kind totals, the per-phase
-maxima and, when it raises the peak, a snapshot of what is alive by category.
-Views are modelled by sharing a tensor object (no new bytes).
+maxima and, when it raises the peak, the peak; what is alive there by category and
+kind is copied when memory next goes down (every allocation before that is a new
+peak itself). Views are modelled by sharing a tensor object (no new bytes).
+
+This is the hot path of every estimate and plan (a plan simulates hundreds of steps):
+blocks and nodes are slotted classes that :meth:`Sim.alloc` and :meth:`Sim.node` fill in
+without an ``__init__`` call, and the few helpers the op code calls per tensor are inline.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 class T:
     """A block of memory: ``nbytes`` already rounded to the allocator granularity.
 
-    A plain class with slots and a hand-written ``__init__`` rather than a dataclass: the
-    simulator makes one per allocation (hundreds of thousands per plan), and a call with three
-    positional arguments costs a third of the dataclass's keyword call."""
+    A plain class with slots rather than a dataclass: the simulator makes one per allocation
+    (hundreds of thousands per plan); :meth:`Sim.alloc` sets the same fields without calling
+    ``__init__`` (keep the two in step)."""
 
     __slots__ = ("nbytes", "kind", "category", "requires_grad", "refs", "alive", "numel", "itemsize_bits",
                  "grad_buffer", "producer", "name", "uid", "seq")
@@ -82,7 +87,8 @@ class Param:
 class Node:
     """An autograd node: saved tensors, the inputs it sends gradients to, the params it grads.
 
-    A plain class with slots (one is made per recorded op; see :class:`T`)."""
+    A plain class with slots (one is made per recorded op); :meth:`Sim.node` sets the same
+    fields without calling ``__init__`` (keep the two in step)."""
 
     __slots__ = ("name", "saved", "inputs", "params", "outputs", "temps", "grad_input_bytes", "on_backward",
                  "after_backward", "done", "fwd_label", "flops", "layer", "role", "offloaded")
