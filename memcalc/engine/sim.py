@@ -216,10 +216,10 @@ class Sim:
             t.uid = 0
         total = self.total = self.total + n
         by_kind = self.by_kind
-        by_kind[kind] += n
+        k = by_kind[kind] = by_kind[kind] + n
         self.by_cat[category] += n
-        if kind == "activations" and by_kind[kind] > self.max_activations:
-            self.max_activations = by_kind[kind]
+        if kind == "activations" and k > self.max_activations:
+            self.max_activations = k
         phase = self.phase
         pp = self.phase_peaks
         if total > pp.get(phase, 0):
@@ -302,10 +302,21 @@ class Sim:
             self.timeline.append(TimelinePoint(len(self.timeline), label, self.phase, dict(self.by_kind)))
 
     # -- autograd -------------------------------------------------------------------
-    def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T], **kw) -> Optional[Node]:
-        """Register a node if anything needs a gradient; takes a reference on each saved tensor."""
+    def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
+             temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None, flops: int = 0,
+             **kw) -> Optional[Node]:
+        """Register a node if anything needs a gradient; takes a reference on each saved tensor.
+        ``temps``, ``grad_input_bytes``, ``flops`` and any other keyword set the :class:`Node`'s
+        fields of those names (the recorder hears the ones given)."""
         if self.recorder is not None:
-            self.recorder(name, saved, inputs, params, outputs, kw)
+            heard = dict(kw)
+            if temps is not None:
+                heard["temps"] = temps
+            if grad_input_bytes is not None:
+                heard["grad_input_bytes"] = grad_input_bytes
+            if flops:
+                heard["flops"] = flops
+            self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
             return None
         inputs = list(filter(_requires_grad, inputs))
@@ -329,12 +340,12 @@ class Sim:
         n.inputs = inputs
         n.params = params
         n.outputs = outputs
-        n.temps = []
-        n.grad_input_bytes = None
+        n.temps = [] if temps is None else temps
+        n.grad_input_bytes = grad_input_bytes
         n.on_backward = None
         n.after_backward = None
         n.done = False
-        n.flops = 0
+        n.flops = flops
         if kw:
             for k, v in kw.items():
                 setattr(n, k, v)
