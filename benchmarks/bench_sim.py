@@ -4,7 +4,8 @@ runs it (timeline and allocator events), for a handful of the plan's options on 
 
     python benchmarks/bench_sim.py [-n 5] [--profile]
 
-The lower of two means of ``-n`` runs in a row (``time.process_time``), in ms. Not a test (pytest does not collect this folder).
+The lower of two means of ``-n`` runs in a row (``time.process_time``), in ms. Not a test (pytest
+does not collect this folder). ``benchmarks/sim_equality.py`` checks that the results stay the same.
 """
 
 from __future__ import annotations
