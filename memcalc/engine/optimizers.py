@@ -251,8 +251,33 @@ class OptimizerSim:
         self.state[p.name] = out
 
     def create_all(self) -> None:
+        """:meth:`create_state` for every parameter in order, the allocations made in one run
+        (:meth:`Sim.alloc_many`: nothing is freed in between)."""
+        if not self.on_gpu:
+            for p in self.params:
+                self.create_state(p)
+            return
+        div = self.div
+        rows: list[tuple[int, str, str, int, int]] = []
+        counts: list[tuple[Param, int]] = []
+        seen: set[str] = set()
         for p in self.params:
-            self.create_state(p)
+            if p.name in self.state or p.name in seen:  # create_state makes a name's state once
+                continue
+            seen.add(p.name)
+            k = 0
+            for cat, b in self._state_of(p):
+                if cat == PAGED:
+                    self.paged_bytes += shard(b, div)
+                else:
+                    rows.append((shard(b, div), cat, "", 0, 32))
+                    k += 1
+            counts.append((p, k))
+        blocks = self.sim.alloc_many(STATE, rows)
+        i = 0
+        for p, k in counts:
+            self.state[p.name] = blocks[i:i + k]
+            i += k
 
     def run_events(self, events: list[tuple[str, int]]) -> None:
         if not self.on_gpu:

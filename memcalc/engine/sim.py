@@ -255,6 +255,72 @@ class Sim:
             self._snap_peak()
         return dict(self.peak_kinds)
 
+    def alloc_many(self, kind: str, rows: list[tuple[int, str, str, int, int]]) -> list[T]:
+        """``alloc(nbytes, kind, category, False, name, numel, itemsize_bits)`` for each row
+        ``(nbytes, category, name, numel, itemsize_bits)`` in order, with nothing freed in between:
+        the same blocks, trace, events, peak and breakdown, with the per-kind and per-category
+        totals, the phase's maximum and the peak updated once at the end (the weights and the
+        optimizer state before a step: hundreds of allocations in a row). Activations (whose
+        running maximum is tracked) and ghost allocations take :meth:`alloc` one by one."""
+        if kind == "activations" or self.ghost_after is not None or self.ghost_at:
+            return [self.alloc(nb, kind, cat, False, name, numel, bits) for nb, cat, name, numel, bits in rows]
+        out: list[T] = []
+        rb = self._round
+        c = self.alloc_count
+        total = self.total
+        ev = self.events
+        uid = self._uid
+        trace = self.alloc_trace
+        phase = self.phase
+        label = self.trace_label or self.label
+        sums: dict[str, int] = {}  # bytes by category, in the order the categories first appear
+        for nb, cat, name, numel, bits in rows:
+            c += 1
+            req = int(nb)
+            n = -(-req // rb) * rb
+            t = _new(T)
+            t.nbytes = n
+            t.kind = kind
+            t.category = cat
+            t.requires_grad = False
+            t.refs = 1
+            t.alive = True
+            t.numel = numel
+            t.itemsize_bits = bits
+            t.grad_buffer = None
+            t.producer = None
+            t.name = name
+            t.seq = c
+            if ev is not None and n:
+                uid += 1
+                t.uid = uid
+                ev.append((uid, n))
+            else:
+                t.uid = 0
+            total += n
+            sums[cat] = sums.get(cat, 0) + n
+            if trace is not None:
+                trace.append((total, phase, label, req))
+            out.append(t)
+        added = total - self.total
+        self.alloc_count = c
+        self._uid = uid
+        self.total = total
+        self.by_kind[kind] += added
+        by_cat = self.by_cat
+        for cat, n in sums.items():
+            by_cat[cat] += n
+        if rows:  # totals only grew: the last one is the batch's highest
+            pp = self.phase_peaks
+            if total > pp.get(phase, 0):
+                pp[phase] = total
+            if total > self.peak:
+                self.peak = total
+                self.peak_phase = phase
+                self.peak_label = self.label
+                self._peak_open = True
+        return out
+
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
         t = self.alloc(nbytes, kind, category)

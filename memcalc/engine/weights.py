@@ -60,9 +60,9 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
         tr.offload_optimizer, tr.tp)
     params: dict[str, Param] = {}
     order: list[Param] = []
-    alloc = sim.alloc
-    for name, nbytes, cat, numel, bits, trainable, grad_bytes, layer, keep in rows:
-        w = alloc(nbytes, "weights", cat, False, name, numel, bits)
+    blocks = sim.alloc_many("weights", [(nbytes, cat, name, numel, bits)
+                                        for name, nbytes, cat, numel, bits, _, _, _, _ in rows])
+    for (name, nbytes, cat, numel, bits, trainable, grad_bytes, layer, keep), w in zip(rows, blocks):
         p = Param(name, w, trainable, grad_bytes, layer, numel)
         if keep is not None:
             p.grad_keep_bytes = keep
