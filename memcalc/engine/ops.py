@@ -21,6 +21,9 @@ ACT = "activations"
 TMP = "temporaries"
 #: a tensor's dtype from its width (:meth:`Ops.dtype_of`)
 _DTYPE_OF_BITS = {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}
+#: ``DType.fp32`` (a class attribute of an Enum goes through EnumType.__getattr__'s slow path: the ops
+#: read it per call). Widths below are ``bits // 8``: every dtype here is a whole-byte one (dtype_of).
+FP32 = DType.fp32
 
 
 class Ops:
@@ -193,8 +196,8 @@ class Ops:
         t1 = self.new(n, dt)
         self.sim.node("mul_scalar", [], [x], [], [t1])
         xp = x
-        if self.autocast is not None and dt != DType.fp32:
-            xp = self.new(n, DType.fp32)
+        if self.autocast is not None and dt != FP32:
+            xp = self.new(n, FP32)
             xp.requires_grad = x.requires_grad
             self.sim.node("to_fp32", [], [x], [], [xp])
         ct = self.dtype_of(xp)
@@ -244,12 +247,12 @@ class Ops:
         dt = self.dtype_of(x)
         n = rows * d
         if self.profile.rmsnorm == "fused":
-            rstd = self.new(rows, DType.fp32)
+            rstd = self.new(rows, FP32)
             y = self.new(n, dt)
             self.sim.node("rmsnorm_fused", [x, rstd], [x], [w], [y], temps=[n * 4])
             self.drop(rstd)
             return y
-        fp32 = DType.fp32 if self.profile.norm_upcast else dt
+        fp32 = FP32 if self.profile.norm_upcast else dt
         upcast = dt != fp32 and dt.bits != fp32.bits
         xf = self.new(n, fp32) if upcast else self.sim.ref(x)
         if upcast:
@@ -264,7 +267,7 @@ class Ops:
         self.sim.node("rsqrt", [r], [ms], [], [r])
         self.drop(ms)
         xn = self.new(n, fp32)  # xf * r
-        self.sim.node("mul", [xf, r], [xf, r], [], [xn], temps=[n * fp32.itemsize])
+        self.sim.node("mul", [xf, r], [xf, r], [], [xn], temps=[n * (fp32.bits // 8)])
         self.drop(xf, r)
         if self.profile.rmsnorm == "composite-legacy":
             # PyTorch 2.4-2.5: (xf * r).type_as(x) * w -- the weight multiply runs in x's dtype
@@ -273,14 +276,14 @@ class Ops:
                 self.sim.node("to_dtype", [], [xn], [], [xt])
             self.drop(xn)
             y = self.new(n, dt)
-            self.sim.node("mul_weight", [xt] if w.trainable else [], [xt], [w], [y], temps=[n * dt.itemsize])
+            self.sim.node("mul_weight", [xt] if w.trainable else [], [xt], [w], [y], temps=[n * (dt.bits // 8)])
             self.drop(xt)
             return y
         # PyTorch 2.6-2.8: ((xf * r) * w).type_as(x) -- the weight multiply runs in fp32 and
         # saves the fp32 normalised tensor; only the result is cast back
         y32 = self.new(n, fp32)
         # x * w saves x only for w's gradient (a frozen norm weight keeps nothing here)
-        self.sim.node("mul_weight", [xn] if w.trainable else [], [xn], [w], [y32], temps=[n * fp32.itemsize])
+        self.sim.node("mul_weight", [xn] if w.trainable else [], [xn], [w], [y32], temps=[n * (fp32.bits // 8)])
         self.drop(xn)
         if not upcast:
             return y32
@@ -294,12 +297,12 @@ class Ops:
         Under autocast layer_norm runs in fp32 (a cast copy of a 16-bit input is what is saved)."""
         src = x
         if self.autocast is not None and x.itemsize_bits != 32:
-            src = self.new(x.numel, DType.fp32)
+            src = self.new(x.numel, FP32)
             src.requires_grad = x.requires_grad
             self.sim.node("to_fp32", [], [x], [], [src])
         dt = self.dtype_of(src)
-        mean = self.new(rows, DType.fp32)
-        rstd = self.new(rows, DType.fp32)
+        mean = self.new(rows, FP32)
+        rstd = self.new(rows, FP32)
         y = self.new(rows * d, dt)
         params = [w] + ([b] if b is not None else [])
         self.sim.node("layer_norm", [src, mean, rstd], [src], params, [y], temps=[rows * d * 4])
@@ -329,7 +332,7 @@ class Ops:
         else:
             y = self.new(n, dt)
             self.drop(a, s)
-        self.sim.node("rope", [], [x], [], [y], temps=[nr * dt.itemsize, nr * dt.itemsize])
+        self.sim.node("rope", [], [x], [], [y], temps=[nr * (dt.bits // 8), nr * (dt.bits // 8)])
         return y
 
     def repeat_kv(self, x: T, n_rep: int) -> T:
@@ -378,16 +381,16 @@ class Ops:
         if kernel in ("flash", "efficient"):
             out = self.new(n_q, dt)
             if kernel == "flash":
-                lse = self.new(B * H * Tq, DType.fp32)
+                lse = self.new(B * H * Tq, FP32)
                 tr = flash_seq_rounded(Tq)
                 dr = flash_head_dim_rounded(D)
                 temps = [B * tr * H * dr * 4, B * H * tr * 4]
                 if n_rep > 1:  # dk_expanded, dv_expanded
                     temps += [dt.nbytes(n_q), dt.nbytes(n_q)]
             else:
-                lse = self.new(B * H * efficient_lse_len(Tq), DType.fp32)
+                lse = self.new(B * H * efficient_lse_len(Tq), FP32)
                 temps = [B * H * Tq * 4]
-                if dt != DType.fp32:
+                if dt != FP32:
                     temps.append(n_q * 4)
             saved = [q, k, v, out, lse] + ([bias] if bias is not None else [])
             inputs = [q, k, v] + ([bias] if bias is not None else [])
