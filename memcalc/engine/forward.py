@@ -58,6 +58,11 @@ class Forward:
         self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
         self.masks_released = False
         self._projs: dict[tuple, tuple] = {}  # proj's parameters by (layer, name, base, weight)
+        # what the layer walk asks of the (frozen) model spec for every layer, read once
+        m = self.m
+        self._variant_layer = bv.is_variant_layer(m)
+        self._variant_attention = m.mla is not None or av.is_variant(m)
+        self._q_dim, self._kv_dim, self._dim_head, self._kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -154,14 +159,15 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
-        if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
-            return mla_attention(self, h, i)
-        if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
+        if self._variant_attention:
+            if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
+                return mla_attention(self, h, i)
+            # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
             return av.attention(self, h, i)
         h = self.tp.gather(self, h) if self.tp else o.ref_(h)
-        q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
-        k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
-        v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
+        q = self.proj(h, i, "attn.q_proj", "q", self._q_dim)
+        k = self.proj(h, i, "attn.k_proj", "k", self._kv_dim)
+        v = self.proj(h, i, "attn.v_proj", "v", self._kv_dim)
         o.drop(h)
         out = self.strategy.core_attention(self, q, k, v, i, lambda: self.core_attention(q, k, v, i))
         o.drop(q, k, v)
@@ -171,14 +177,14 @@ class Forward:
 
     def core_attention(self, q: T, k: T, v: T, i: int) -> T:
         o, m = self.ops, self.m
-        H, D = m.n_heads, m.dim_head
+        H, D = m.n_heads, self._dim_head
         bias, bias_bytes = None, 0
         if m.positions == "alibi":
             slopes = self.maybe(f"layers.{i}.attn.alibi_slopes")
             if slopes is not None:
                 bias, bias_bytes = o.alibi_mask(H, self.T, slopes)
                 bias_bytes = bias_bytes * self.B
-        n_rep = m.n_heads // m.kv_heads
+        n_rep = m.n_heads // self._kv_heads
         # transformers passes grouped K/V un-expanded (enable_gqa) when use_gqa_in_sdpa holds:
         # no explicit mask, head dim <= 256 (integrations/sdpa_attention.py)
         gqa = n_rep > 1 and self.exp.profile.sdpa_gqa and bias is None and D <= 256
@@ -187,7 +193,7 @@ class Forward:
             q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
         else:
             q2, k2 = o.ref_(q), o.ref_(k)
-        if gqa or m.kv_heads == 1:
+        if gqa or self._kv_heads == 1:
             # one kv head (MQA, or a tensor-parallel rank's share): repeat_kv's reshape of the
             # (B, 1, n_rep, T, D) expand is a view (stride 0 over the heads), no copy
             k3, v3 = o.ref_(k2), o.ref_(v)
@@ -248,7 +254,7 @@ class Forward:
 
     def _layer(self, x: T, i: int) -> T:
         o, m = self.ops, self.m
-        if bv.is_variant_layer(m):  # sandwich / output norms, two parallel norms, residual multiplier
+        if self._variant_layer:  # sandwich / output norms, two parallel norms, residual multiplier
             return bv.layer(self, x, i)
         if m.block == "parallel":
             h = self.norm(x, f"layers.{i}.norm1")

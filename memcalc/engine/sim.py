@@ -469,6 +469,8 @@ class Sim:
                 node.after_backward(self, node)
 
     def _release_node(self, node: Node) -> None:
+        """The node is done: its saved tensors are released; its outputs forget it (their
+        ``producer`` is read only in forward), which leaves no reference cycle behind."""
         for t in node.saved:
             self.unref(t)
         node.saved = []
@@ -492,15 +494,19 @@ class Sim:
         for t in temps:
             unref(t)
         for o in node.outputs:
-            if o.grad_buffer is not None:
-                unref(o.grad_buffer)
+            o.producer = None  # (as _release_node does; nothing reads it after forward)
+            g = o.grad_buffer
+            if g is not None:
+                unref(g)
                 o.grad_buffer = None
         for t in node.saved:  # self._release_node(node), inline
-            unref(t)
+            if t.refs > 1:  # unref(t) frees nothing
+                assert t.alive, f"double free of {t.name}"
+                t.refs -= 1
+            else:
+                unref(t)
         node.saved = []
         node.done = True
-        for o in node.outputs:
-            o.producer = None
         if self.offload is not None and self.offload.hook_due:  # the unpacking node's post-hook
             self.offload.after_node(self)
         for inp, g in zip(node.inputs, new_grads):
