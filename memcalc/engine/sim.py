@@ -229,8 +229,9 @@ class Sim:
             self.peak_phase = phase
             self.peak_label = self.label
             self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
-        if self.alloc_trace is not None:
-            self.alloc_trace.append((total, phase, self.trace_label or self.label, req))
+        trace = self.alloc_trace
+        if trace is not None:
+            trace.append((total, phase, self.trace_label or self.label, req))
         return t
 
     def _snap_peak(self) -> None:
@@ -385,8 +386,17 @@ class Sim:
             self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
             return None
-        inputs = list(filter(_requires_grad, inputs))
-        params = list(filter(_trainable, params)) if params else []
+        # the inputs that require grad and the trainable params (new lists; one element is the common case)
+        if len(inputs) == 1:
+            inputs = [inputs[0]] if inputs[0].requires_grad else []
+        else:
+            inputs = list(filter(_requires_grad, inputs))
+        if not params:
+            params = []
+        elif len(params) == 1:
+            params = [params[0]] if params[0].trainable else []
+        else:
+            params = list(filter(_trainable, params))
         if not inputs and not params:
             return None
         off: list | tuple = ()  # nothing offloaded (read only: engine/offload.py iterates it)
