@@ -236,6 +236,9 @@ class Forward:
         return self.tp.reduce(self, y) if self.tp else y
 
     def resid_drop(self, x: T) -> T:
+        if self.m.resid_dropout <= 0:  # dropout(x, 0) is x: a new reference, then x's dropped (nothing changes)
+            assert x.alive, f"reference to a freed tensor {x.name}"
+            return x
         y = self.ops.dropout(x, self.m.resid_dropout)
         self.ops.drop(x)
         return y

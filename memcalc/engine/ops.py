@@ -52,8 +52,10 @@ class Ops:
                 unref(t)
 
     def ref_(self, t: T) -> T:
-        """A second Python reference to the same tensor (a view or an alias)."""
-        return self.sim.ref(t)
+        """A second Python reference to the same tensor (a view or an alias): ``Sim.ref``, inline."""
+        assert t.alive, f"reference to a freed tensor {t.name}"
+        t.refs += 1
+        return t
 
     @staticmethod
     def dtype_of(t: T) -> DType:
