@@ -494,13 +494,29 @@ class Sim:
         AccumulateGrad of each parameter runs (highest priority in the engine's ready queue),
         and with it any post-accumulate-grad hook (a fused optimizer step)."""
         alloc, unref = self.alloc, self.unref
-        temps = [alloc(b, "temporaries", "backward workspace") for b in node.temps] if node.temps else ()
+        # (one element is the common case: made without a comprehension's frame)
+        temps = node.temps
+        if not temps:
+            temps = ()
+        elif len(temps) == 1:
+            temps = [alloc(temps[0], "temporaries", "backward workspace")]
+        else:
+            temps = [alloc(b, "temporaries", "backward workspace") for b in temps]
         sizes = node.grad_input_bytes
+        inputs = node.inputs
         if sizes:
             new_grads = [alloc(b, "temporaries", "activation gradients") for b in sizes]
+        elif len(inputs) == 1:
+            new_grads = [alloc(inputs[0].nbytes, "temporaries", "activation gradients")]
         else:
-            new_grads = [alloc(t.nbytes, "temporaries", "activation gradients") for t in node.inputs]
-        pgrads = [alloc(p.grad_bytes, "gradients", "gradients") for p in node.params] if node.params else ()
+            new_grads = [alloc(t.nbytes, "temporaries", "activation gradients") for t in inputs]
+        params = node.params
+        if not params:
+            pgrads: list[T] | tuple = ()
+        elif len(params) == 1:
+            pgrads = [alloc(params[0].grad_bytes, "gradients", "gradients")]
+        else:
+            pgrads = [alloc(p.grad_bytes, "gradients", "gradients") for p in params]
         for t in temps:
             unref(t)
         for o in node.outputs:
