@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
 from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import shard
