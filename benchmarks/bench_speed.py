@@ -31,6 +31,21 @@ simulations run on 3-, 4- and 5-layer copies of the model and are extrapolated e
 real depth (:mod:`memcalc.plan.depth`), compiled graphs and partitions are cached by graph key,
 and ``estimate`` imports neither numpy nor the plan.
 
+The simulator itself (``benchmarks/bench_sim.py``: CPU time of one simulated llama-3.1-8b step for
+six plan options, the branch point and the change alternated in the same minutes): full depth
+577-585 -> 295-301 ms (1.95x), 3-layer copies 55.4-55.7 -> 30.1-30.6 ms (1.8x), ``estimate``'s two
+steps 1207-1225 -> 624-637 ms (1.9x); the caching-allocator replay 1.35x; ``MEMCALC_WORKERS=1 plan
+--model llama-3.1-8b --gpu rtx-4090`` 20.1 -> 11.2 s CPU; every byte the same
+(``benchmarks/sim_equality.py``, 41 setups). How: blocks and autograd nodes are slotted classes
+that ``Sim.alloc`` / ``Sim.node`` fill in without ``__init__`` calls; the peak's breakdown is
+copied only before memory next goes down; the cyclic GC is paused during a step (whose reference
+cycles are broken at its end); weights and optimizer state are allocated in one run
+(``Sim.alloc_many``) from rows worked out once per model and setup; ``DType.fp32`` and
+``DType.bits`` no longer go through Enum lookups per op; the layer walk reads its model properties
+and parameters once per step; ``plan.depth._blocks`` parses each distinct label once (3x). Left:
+each allocation still costs about 3 us of Python bookkeeping here, and a checkpointed layer's
+forward code runs three times (forward, the recompute's early-stop dry run, the recompute).
+
 Measured on the shared 2-core machine (one run each, main's install and this branch back to back
 at a load of 2-5, CPU = user + system of the process and its workers), before -> after:
 ``estimate --params 7e9 --bf16 --lora`` 1.24 -> 0.90 s CPU (1.9 -> 1.4 s wall);

@@ -8,6 +8,10 @@ from enum import Enum
 class DType(str, Enum):
     """A tensor element type. ``bits`` is the storage width; bytes are computed from bits."""
 
+    #: the storage width in bits: a plain attribute of each member (set below from ``_BITS``), read
+    #: on every simulated allocation (a property would look the member up by hash each time)
+    bits: int
+
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
@@ -16,10 +20,6 @@ class DType(str, Enum):
     bool_ = "bool"
     int64 = "int64"
     nf4 = "nf4"
-
-    @property
-    def bits(self) -> int:
-        return _BITS[self]
 
     @property
     def itemsize(self) -> int:
@@ -43,3 +43,7 @@ _BITS = {
     DType.int64: 64,
     DType.nf4: 4,
 }
+
+for _member, _bits in _BITS.items():
+    _member.bits = _bits
+del _member, _bits

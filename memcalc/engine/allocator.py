@@ -24,7 +24,7 @@ Rules reproduced:
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from typing import Optional
 
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
@@ -64,7 +64,9 @@ class CachingAllocatorSim:
 
     def __init__(self, capacity: Optional[int] = None) -> None:
         self.capacity = capacity
-        self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: [], False: []}  # sorted (size, addr)
+        self._small: list[tuple[int, int, _Block]] = []  # the small pool's free blocks, sorted (size, addr)
+        self._large: list[tuple[int, int, _Block]] = []
+        self._pools: dict[bool, list[tuple[int, int, _Block]]] = {True: self._small, False: self._large}
         self._segments: dict[int, _Block] = {}  # segment id -> first block
         self._seg_size: dict[int, int] = {}
         self._next_addr = 1 << 30
@@ -76,11 +78,11 @@ class CachingAllocatorSim:
 
     # -- pools ----------------------------------------------------------------------------
     def _insert(self, b: _Block) -> None:
-        bisect.insort(self._pools[b.small], (b.size, b.addr, b))
+        insort(self._small if b.small else self._large, (b.size, b.addr, b))
 
     def _remove(self, b: _Block) -> None:
-        pool = self._pools[b.small]
-        i = bisect.bisect_left(pool, (b.size, b.addr))
+        pool = self._small if b.small else self._large
+        i = bisect_left(pool, (b.size, b.addr))
         while pool[i][2] is not b:
             i += 1
         pool.pop(i)
@@ -95,7 +97,8 @@ class CachingAllocatorSim:
         self._segments[seg] = b
         self._seg_size[seg] = size
         self.reserved += size
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        if self.reserved > self.peak_reserved:
+            self.peak_reserved = self.reserved
         return b
 
     def _release_cached(self) -> None:
@@ -110,10 +113,10 @@ class CachingAllocatorSim:
         """A block for a request of ``nbytes`` (None for zero bytes, as CUDA returns nullptr)."""
         if nbytes == 0:
             return None
-        size = round_size(nbytes)
+        size = MIN_BLOCK if nbytes < MIN_BLOCK else -(-nbytes // MIN_BLOCK) * MIN_BLOCK  # round_size, inline
         small = size <= SMALL_SIZE
-        pool = self._pools[small]
-        i = bisect.bisect_left(pool, (size, -1))
+        pool = self._small if small else self._large
+        i = bisect_left(pool, (size, -1))
         if i < len(pool):
             b = pool.pop(i)[2]
         else:
@@ -128,8 +131,9 @@ class CachingAllocatorSim:
             b.size = size
             self._insert(rest)
         b.free = False
-        self.allocated += b.size
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        allocated = self.allocated = self.allocated + b.size
+        if allocated > self.peak_allocated:
+            self.peak_allocated = allocated
         return b
 
     def free(self, b: Optional[_Block]) -> None:
@@ -137,23 +141,23 @@ class CachingAllocatorSim:
             return
         self.allocated -= b.size
         b.free = True
-        for nb in (b.prev, b.next):
-            if nb is not None and nb.free:
-                self._remove(nb)
-                if nb is b.prev:
-                    nb.size += b.size
-                    nb.next = b.next
-                    if b.next is not None:
-                        b.next.prev = nb
-                    if self._segments.get(b.seg) is b:
-                        self._segments[b.seg] = nb
-                    b = nb
-                else:
-                    b.size += nb.size
-                    b.next = nb.next
-                    if nb.next is not None:
-                        nb.next.prev = b
-        self._insert(b)
+        prev, nxt = b.prev, b.next
+        if prev is not None and prev.free:  # merge into the free block before it
+            self._remove(prev)
+            prev.size += b.size
+            prev.next = nxt
+            if nxt is not None:
+                nxt.prev = prev
+            if self._segments.get(b.seg) is b:
+                self._segments[b.seg] = prev
+            b = prev
+        if nxt is not None and nxt.free:  # take in the free block after it
+            self._remove(nxt)
+            b.size += nxt.size
+            b.next = nxt.next
+            if nxt.next is not None:
+                nxt.next.prev = b
+        insort(self._small if b.small else self._large, (b.size, b.addr, b))  # self._insert(b)
 
     def reset_peak(self) -> None:
         """``torch.cuda.reset_peak_memory_stats``."""

@@ -157,7 +157,8 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
         s.unref(out2)
         # back-propagate the region now; the checkpoint node itself then has no work left
-        s.run_nodes(sub, lambda n: f"bwd {label}")
+        bwd_label = f"bwd {label}"
+        s.run_nodes(sub, lambda n: bwd_label)
         if saver is not None:
             saver.release()
         out2.grad_buffer = None

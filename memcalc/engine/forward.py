@@ -57,6 +57,12 @@ class Forward:
         self.masks: dict[str, T] = {}
         self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
         self.masks_released = False
+        self._projs: dict[tuple, tuple] = {}  # proj's parameters by (layer, name, base, weight)
+        # what the layer walk asks of the (frozen) model spec for every layer, read once
+        m = self.m
+        self._variant_layer = bv.is_variant_layer(m)
+        self._variant_attention = m.mla is not None or av.is_variant(m)
+        self._q_dim, self._kv_dim, self._dim_head, self._kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -78,15 +84,19 @@ class Forward:
         Without it (plain, torchtune, litgpt) the branch runs on x as is. A 4-bit base under PEFT
         runs ``bnb.Linear4bit.forward`` instead (see below)."""
         o = self.ops
-        base = base or f"layers.{layer}.{name}"  # the output head: "lm_head" (its weight may be the embedding's)
-        w = self.p(weight or base + ".weight")
+        key = (layer, name, base, weight)
+        got = self._projs.get(key)
+        if got is None:  # the projection's parameters, looked up once per step (a layer is walked 1-3 times)
+            base = base or f"layers.{layer}.{name}"  # the output head: "lm_head" (its weight may be the embedding's)
+            got = self._projs[key] = (base, self.p(weight or base + ".weight"), self.maybe(base + ".bias"),
+                                      self.maybe(base + ".lora_A"))
+        base, w, bias, a_p = got
         qt = 0
         if self.lora is not None and self.lora.qlora and w.weight.itemsize_bits == 4:
             qt = self.model.compute.nbytes(w.numel)
-        y = o.linear(x, self.rows, w, self.maybe(base + ".bias"), d_out, quant_transient_bytes=qt)
+        y = o.linear(x, self.rows, w, bias, d_out, quant_transient_bytes=qt)
         if self.tp and short not in ("o", "down"):
             self.tp.colwise(self, y, x)
-        a_p = self.maybe(base + ".lora_A")
         if a_p is None:
             return y
         peft = self.exp.profile.lora_input_cast
@@ -149,14 +159,15 @@ class Forward:
 
     def _attention(self, h: T, i: int) -> T:
         o, m = self.ops, self.m
-        if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
-            return mla_attention(self, h, i)
-        if av.is_variant(m):  # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
+        if self._variant_attention:
+            if m.mla is not None:  # DeepSeek multi-head latent attention (engine/mla.py)
+                return mla_attention(self, h, i)
+            # fused qkv, q/k norms, eager attention, sliding masks (engine/attention_variants.py)
             return av.attention(self, h, i)
         h = self.tp.gather(self, h) if self.tp else o.ref_(h)
-        q = self.proj(h, i, "attn.q_proj", "q", m.q_dim)
-        k = self.proj(h, i, "attn.k_proj", "k", m.kv_dim)
-        v = self.proj(h, i, "attn.v_proj", "v", m.kv_dim)
+        q = self.proj(h, i, "attn.q_proj", "q", self._q_dim)
+        k = self.proj(h, i, "attn.k_proj", "k", self._kv_dim)
+        v = self.proj(h, i, "attn.v_proj", "v", self._kv_dim)
         o.drop(h)
         out = self.strategy.core_attention(self, q, k, v, i, lambda: self.core_attention(q, k, v, i))
         o.drop(q, k, v)
@@ -166,14 +177,14 @@ class Forward:
 
     def core_attention(self, q: T, k: T, v: T, i: int) -> T:
         o, m = self.ops, self.m
-        H, D = m.n_heads, m.dim_head
+        H, D = m.n_heads, self._dim_head
         bias, bias_bytes = None, 0
         if m.positions == "alibi":
             slopes = self.maybe(f"layers.{i}.attn.alibi_slopes")
             if slopes is not None:
                 bias, bias_bytes = o.alibi_mask(H, self.T, slopes)
                 bias_bytes = bias_bytes * self.B
-        n_rep = m.n_heads // m.kv_heads
+        n_rep = m.n_heads // self._kv_heads
         # transformers passes grouped K/V un-expanded (enable_gqa) when use_gqa_in_sdpa holds:
         # no explicit mask, head dim <= 256 (integrations/sdpa_attention.py)
         gqa = n_rep > 1 and self.exp.profile.sdpa_gqa and bias is None and D <= 256
@@ -182,7 +193,7 @@ class Forward:
             q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
         else:
             q2, k2 = o.ref_(q), o.ref_(k)
-        if gqa or m.kv_heads == 1:
+        if gqa or self._kv_heads == 1:
             # one kv head (MQA, or a tensor-parallel rank's share): repeat_kv's reshape of the
             # (B, 1, n_rep, T, D) expand is a view (stride 0 over the heads), no copy
             k3, v3 = o.ref_(k2), o.ref_(v)
@@ -225,6 +236,9 @@ class Forward:
         return self.tp.reduce(self, y) if self.tp else y
 
     def resid_drop(self, x: T) -> T:
+        if self.m.resid_dropout <= 0:  # dropout(x, 0) is x: a new reference, then x's dropped (nothing changes)
+            assert x.alive, f"reference to a freed tensor {x.name}"
+            return x
         y = self.ops.dropout(x, self.m.resid_dropout)
         self.ops.drop(x)
         return y
@@ -243,7 +257,7 @@ class Forward:
 
     def _layer(self, x: T, i: int) -> T:
         o, m = self.ops, self.m
-        if bv.is_variant_layer(m):  # sandwich / output norms, two parallel norms, residual multiplier
+        if self._variant_layer:  # sandwich / output norms, two parallel norms, residual multiplier
             return bv.layer(self, x, i)
         if m.block == "parallel":
             h = self.norm(x, f"layers.{i}.norm1")

@@ -19,6 +19,11 @@ from memcalc.core.spec import KernelProfile
 
 ACT = "activations"
 TMP = "temporaries"
+#: a tensor's dtype from its width (:meth:`Ops.dtype_of`)
+_DTYPE_OF_BITS = {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}
+#: ``DType.fp32`` (a class attribute of an Enum goes through EnumType.__getattr__'s slow path: the ops
+#: read it per call). Widths below are ``bits // 8``: every dtype here is a whole-byte one (dtype_of).
+FP32 = DType.fp32
 
 
 class Ops:
@@ -33,23 +38,28 @@ class Ops:
 
     # -- basics ---------------------------------------------------------------------
     def new(self, numel: int, dtype: DType, category: Optional[str] = None, kind: str = ACT) -> T:
-        t = self.sim.alloc(dtype.nbytes(numel), kind, category or self.category)
-        t.numel = numel
-        t.itemsize_bits = dtype.bits
-        return t
+        bits = dtype.bits
+        return self.sim.alloc(-(-numel * bits // 8), kind, category or self.category, False, "", numel, bits)
 
     def drop(self, *ts: Optional[T]) -> None:
         """A Python reference goes away."""
+        unref = self.sim.unref
         for t in ts:
-            self.sim.unref(t)
+            if t is not None and t.refs > 1:  # another reference remains: nothing is freed (Sim.unref, inline)
+                assert t.alive, f"double free of {t.name}"
+                t.refs -= 1
+            else:
+                unref(t)
 
     def ref_(self, t: T) -> T:
-        """A second Python reference to the same tensor (a view or an alias)."""
-        return self.sim.ref(t)
+        """A second Python reference to the same tensor (a view or an alias): ``Sim.ref``, inline."""
+        assert t.alive, f"reference to a freed tensor {t.name}"
+        t.refs += 1
+        return t
 
     @staticmethod
     def dtype_of(t: T) -> DType:
-        return {32: DType.fp32, 16: DType.bf16, 8: DType.uint8, 64: DType.int64}[t.itemsize_bits]
+        return _DTYPE_OF_BITS[t.itemsize_bits]
 
     def _cast_for_matmul(self, x: T) -> tuple[T, bool]:
         """Autocast's cast of an activation to the compute dtype (a copy when it differs)."""
@@ -84,9 +94,12 @@ class Ops:
         Under autocast x and W are cast to the compute dtype; the casts are what is saved.
         QLoRA: the 4-bit weight is dequantised to a transient full-size copy in forward and
         again in backward (bitsandbytes MatMul4Bit saves only the packed weight)."""
-        xc, x_cast = self._cast_for_matmul(x)
-        # a 4-bit weight is dequantised straight to the compute dtype (no autocast copy)
-        wc = None if quant_transient_bytes else self._cast_weight(w)[0]
+        if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
+            xc, x_cast, wc = x, False, None
+        else:
+            xc, x_cast = self._cast_for_matmul(x)
+            # a 4-bit weight is dequantised straight to the compute dtype (no autocast copy)
+            wc = None if quant_transient_bytes else self._cast_weight(w)[0]
         if quant_transient_bytes:
             self.sim.transient(quant_transient_bytes, TMP, "dequantised weight")
         odt = self.autocast or self.dtype_of(x)
@@ -185,8 +198,8 @@ class Ops:
         t1 = self.new(n, dt)
         self.sim.node("mul_scalar", [], [x], [], [t1])
         xp = x
-        if self.autocast is not None and dt != DType.fp32:
-            xp = self.new(n, DType.fp32)
+        if self.autocast is not None and dt != FP32:
+            xp = self.new(n, FP32)
             xp.requires_grad = x.requires_grad
             self.sim.node("to_fp32", [], [x], [], [xp])
         ct = self.dtype_of(xp)
@@ -236,12 +249,12 @@ class Ops:
         dt = self.dtype_of(x)
         n = rows * d
         if self.profile.rmsnorm == "fused":
-            rstd = self.new(rows, DType.fp32)
+            rstd = self.new(rows, FP32)
             y = self.new(n, dt)
             self.sim.node("rmsnorm_fused", [x, rstd], [x], [w], [y], temps=[n * 4])
             self.drop(rstd)
             return y
-        fp32 = DType.fp32 if self.profile.norm_upcast else dt
+        fp32 = FP32 if self.profile.norm_upcast else dt
         upcast = dt != fp32 and dt.bits != fp32.bits
         xf = self.new(n, fp32) if upcast else self.sim.ref(x)
         if upcast:
@@ -256,7 +269,7 @@ class Ops:
         self.sim.node("rsqrt", [r], [ms], [], [r])
         self.drop(ms)
         xn = self.new(n, fp32)  # xf * r
-        self.sim.node("mul", [xf, r], [xf, r], [], [xn], temps=[n * fp32.itemsize])
+        self.sim.node("mul", [xf, r], [xf, r], [], [xn], temps=[n * (fp32.bits // 8)])
         self.drop(xf, r)
         if self.profile.rmsnorm == "composite-legacy":
             # PyTorch 2.4-2.5: (xf * r).type_as(x) * w -- the weight multiply runs in x's dtype
@@ -265,14 +278,14 @@ class Ops:
                 self.sim.node("to_dtype", [], [xn], [], [xt])
             self.drop(xn)
             y = self.new(n, dt)
-            self.sim.node("mul_weight", [xt] if w.trainable else [], [xt], [w], [y], temps=[n * dt.itemsize])
+            self.sim.node("mul_weight", [xt] if w.trainable else [], [xt], [w], [y], temps=[n * (dt.bits // 8)])
             self.drop(xt)
             return y
         # PyTorch 2.6-2.8: ((xf * r) * w).type_as(x) -- the weight multiply runs in fp32 and
         # saves the fp32 normalised tensor; only the result is cast back
         y32 = self.new(n, fp32)
         # x * w saves x only for w's gradient (a frozen norm weight keeps nothing here)
-        self.sim.node("mul_weight", [xn] if w.trainable else [], [xn], [w], [y32], temps=[n * fp32.itemsize])
+        self.sim.node("mul_weight", [xn] if w.trainable else [], [xn], [w], [y32], temps=[n * (fp32.bits // 8)])
         self.drop(xn)
         if not upcast:
             return y32
@@ -286,12 +299,12 @@ class Ops:
         Under autocast layer_norm runs in fp32 (a cast copy of a 16-bit input is what is saved)."""
         src = x
         if self.autocast is not None and x.itemsize_bits != 32:
-            src = self.new(x.numel, DType.fp32)
+            src = self.new(x.numel, FP32)
             src.requires_grad = x.requires_grad
             self.sim.node("to_fp32", [], [x], [], [src])
         dt = self.dtype_of(src)
-        mean = self.new(rows, DType.fp32)
-        rstd = self.new(rows, DType.fp32)
+        mean = self.new(rows, FP32)
+        rstd = self.new(rows, FP32)
         y = self.new(rows * d, dt)
         params = [w] + ([b] if b is not None else [])
         self.sim.node("layer_norm", [src, mean, rstd], [src], params, [y], temps=[rows * d * 4])
@@ -321,7 +334,7 @@ class Ops:
         else:
             y = self.new(n, dt)
             self.drop(a, s)
-        self.sim.node("rope", [], [x], [], [y], temps=[nr * dt.itemsize, nr * dt.itemsize])
+        self.sim.node("rope", [], [x], [], [y], temps=[nr * (dt.bits // 8), nr * (dt.bits // 8)])
         return y
 
     def repeat_kv(self, x: T, n_rep: int) -> T:
@@ -370,16 +383,16 @@ class Ops:
         if kernel in ("flash", "efficient"):
             out = self.new(n_q, dt)
             if kernel == "flash":
-                lse = self.new(B * H * Tq, DType.fp32)
+                lse = self.new(B * H * Tq, FP32)
                 tr = flash_seq_rounded(Tq)
                 dr = flash_head_dim_rounded(D)
                 temps = [B * tr * H * dr * 4, B * H * tr * 4]
                 if n_rep > 1:  # dk_expanded, dv_expanded
                     temps += [dt.nbytes(n_q), dt.nbytes(n_q)]
             else:
-                lse = self.new(B * H * efficient_lse_len(Tq), DType.fp32)
+                lse = self.new(B * H * efficient_lse_len(Tq), FP32)
                 temps = [B * H * Tq * 4]
-                if dt != DType.fp32:
+                if dt != FP32:
                     temps.append(n_q * 4)
             saved = [q, k, v, out, lse] + ([bias] if bias is not None else [])
             inputs = [q, k, v] + ([bias] if bias is not None else [])

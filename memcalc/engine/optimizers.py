@@ -180,7 +180,15 @@ def foreach_temps(trainable: list[Param], tr: TrainingSpec) -> int:
     """The whole-group temporary of a foreach step: ``_foreach_sqrt(exp_avg_sqs)`` for Adam/AdamW
     (one state-sized copy of every tensor at once); none for SGD(-momentum) without weight decay."""
     if OPTIMIZERS[tr.optimizer].step == "adam" and tr.optimizer_impl == "foreach":
-        return sum(state_dtype(for_param(p, tr)).nbytes(p.numel) for p in trainable)
+        dtypes: dict[int, DType] = {}  # for_param depends on the parameter only through its width
+        total = 0
+        for p in trainable:
+            bits = p.weight.itemsize_bits
+            dt = dtypes.get(bits)
+            if dt is None:
+                dt = dtypes[bits] = state_dtype(for_param(p, tr))
+            total += dt.nbytes(p.numel)
+        return total
     return 0
 
 
@@ -204,6 +212,26 @@ class OptimizerSim:
         self.div = tr.gpus if tr.zero >= 1 else 1
         self.on_gpu = not tr.offload_optimizer
         self.paged_bytes = 0  # bitsandbytes paged state: unified memory, outside the allocator (PAGED)
+        # state_bytes / per_param_temps depend on the parameter only through its size, rows and
+        # width: computed once per (numel, rows, bits) -- a deep stack repeats a few shapes
+        self._states: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
+        self._temps: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
+
+    def _state_of(self, p: Param) -> list[tuple[str, int]]:
+        rows = self.rows_of[p.name]
+        key = (p.numel, rows, p.weight.itemsize_bits)
+        st = self._states.get(key)
+        if st is None:
+            st = self._states[key] = state_bytes(p, rows, self.tr)
+        return st
+
+    def _temps_of(self, p: Param) -> list[tuple[str, int]]:
+        rows = self.rows_of[p.name]
+        key = (p.numel, rows, p.weight.itemsize_bits)
+        ev = self._temps.get(key)
+        if ev is None:
+            ev = self._temps[key] = per_param_temps(p, rows, self.tr)
+        return ev
 
     def create_state(self, p: Param) -> None:
         if p.name in self.state:
@@ -211,13 +239,45 @@ class OptimizerSim:
         if not self.on_gpu:
             self.state[p.name] = []
             return
-        st = state_bytes(p, self.rows_of[p.name], self.tr)
-        self.paged_bytes += sum(shard(b, self.div) for cat, b in st if cat == PAGED)
-        self.state[p.name] = [self.sim.alloc(shard(b, self.div), STATE, cat) for cat, b in st if cat != PAGED]
+        st = self._state_of(p)
+        div = self.div
+        alloc = self.sim.alloc
+        out = []
+        for cat, b in st:
+            if cat == PAGED:
+                self.paged_bytes += shard(b, div)
+            else:
+                out.append(alloc(shard(b, div), STATE, cat))
+        self.state[p.name] = out
 
     def create_all(self) -> None:
+        """:meth:`create_state` for every parameter in order, the allocations made in one run
+        (:meth:`Sim.alloc_many`: nothing is freed in between)."""
+        if not self.on_gpu:
+            for p in self.params:
+                self.create_state(p)
+            return
+        div = self.div
+        rows: list[tuple[int, str, str, int, int]] = []
+        counts: list[tuple[Param, int]] = []
+        seen: set[str] = set()
         for p in self.params:
-            self.create_state(p)
+            if p.name in self.state or p.name in seen:  # create_state makes a name's state once
+                continue
+            seen.add(p.name)
+            k = 0
+            for cat, b in self._state_of(p):
+                if cat == PAGED:
+                    self.paged_bytes += shard(b, div)
+                else:
+                    rows.append((shard(b, div), cat, "", 0, 32))
+                    k += 1
+            counts.append((p, k))
+        blocks = self.sim.alloc_many(STATE, rows)
+        i = 0
+        for p, k in counts:
+            self.state[p.name] = blocks[i:i + k]
+            i += k
 
     def run_events(self, events: list[tuple[str, int]]) -> None:
         if not self.on_gpu:
@@ -234,7 +294,7 @@ class OptimizerSim:
     def step_param(self, p: Param) -> None:
         """One parameter's step (for-loop implementations, or a step in a backward hook)."""
         self.create_state(p)
-        self.run_events(per_param_temps(p, self.rows_of[p.name], self.tr))
+        self.run_events(self._temps_of(p))
 
     def step_all(self) -> None:
         """optimizer.step() after backward: foreach (all state first, one group temporary) or per parameter."""

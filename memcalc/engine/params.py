@@ -15,6 +15,7 @@ Buffers (RoPE caches, causal masks) are not parameters and are ignored here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property, lru_cache
 from typing import Optional
 
 from memcalc.core.spec import LoraSpec, ModelSpec
@@ -32,7 +33,7 @@ class ParamTensor:
     #            "embedding", "norm", "bias", "slopes" (ALiBi slopes, attention sinks), "lora"
     quantizable: bool = False  # a frozen 2-D linear weight that QLoRA stores as NF4
 
-    @property
+    @cached_property
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -191,7 +192,18 @@ def _expert_ranks(m: ModelSpec, lora: Optional[LoraSpec]) -> dict[str, int]:
 
 
 def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[ParamTensor]:
-    """Every parameter tensor, in module order (embedding, layers, final norm, head)."""
+    """Every parameter tensor, in module order (embedding, layers, final norm, head). A new list
+    each call; the (frozen) tensors are built once per (model, LoRA spec): every simulated step
+    asks for them two or three times."""
+    return list(_inventory(m, lora))
+
+
+@lru_cache(maxsize=64)
+def _inventory(m: ModelSpec, lora: Optional[LoraSpec]) -> tuple[ParamTensor, ...]:
+    return tuple(_build_inventory(m, lora))
+
+
+def _build_inventory(m: ModelSpec, lora: Optional[LoraSpec]) -> list[ParamTensor]:
     full = lora is None
     d = m.d_model
     out = [ParamTensor("embed_tokens.weight", (m.vocab_size, d), None, full, "embedding")]

@@ -12,80 +12,32 @@ accumulated at once (AccumulateGrad runs first among ready nodes), so a
 post-accumulate-grad hook (the fused optimizer) frees them right away.
 
 Every allocation updates the running total, the per-kind totals, the per-phase
-maxima and, when it raises the peak, a snapshot of what is alive by category.
-Views are modelled by sharing a tensor object (no new bytes).
+maxima and, when it raises the peak, the peak; what is alive there by category and
+kind is copied when memory next goes down (every allocation before that is a new
+peak itself). Views are modelled by sharing a tensor object (no new bytes).
+
+This is the hot path of every estimate and plan (a plan simulates hundreds of steps):
+blocks and nodes are slotted classes that :meth:`Sim.alloc` and :meth:`Sim.node` fill in
+without an ``__init__`` call, and the few helpers the op code calls per tensor are inline.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable, Optional
 
+from memcalc.engine.blocks import Node, Param, T
 from memcalc.engine.result import KINDS, TimelinePoint
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
-from memcalc.core.units import round_up
 from memcalc.engine.sharding import Share
 
-
-@dataclass(eq=False, slots=True)
-class T:
-    """A block of memory: ``nbytes`` already rounded to the allocator granularity."""
-
-    nbytes: int
-    kind: str  # one of result.KINDS
-    category: str  # finer name shown in the breakdown
-    requires_grad: bool = False
-    refs: int = 1
-    alive: bool = True
-    numel: int = 0  # elements, for ops that size their outputs from inputs
-    itemsize_bits: int = 32
-    grad_buffer: Optional["T"] = None  # accumulated gradient w.r.t. this tensor (backward)
-    producer: Optional["Node"] = None
-    name: str = ""
-    uid: int = 0  # identity in the allocation event log
-    seq: int = 0  # Sim.alloc_count when it was allocated (which op made it)
+__all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.blocks
 
 
-@dataclass(eq=False)
-class Param:
-    """A parameter: its storage, whether it trains, and its gradient's size in bytes."""
-
-    name: str
-    weight: T
-    trainable: bool
-    grad_bytes: int
-    layer: Optional[int]
-    numel: int
-    grad: Optional[T] = None
-    grad_keep_bytes: Optional[int] = None  # the gradient shard kept after a reduce-scatter (ZeRO-2/3)
-    # FSDP2 (memcalc.engine.fsdp): AccumulateGrad fills the unsharded parameter's .grad, which waits
-    # for its unit's post-backward reduce-scatter (which then sets ``grad`` to the shard)
-    deferred_reduce: bool = False
-    unsharded_grad: Optional[T] = None
-    uses: int = 0  # nodes of the current graph that will send this parameter a gradient
-    pending: Optional[T] = None  # AccumulateGrad's input buffer while more contributions are due
-
-
-@dataclass(eq=False)
-class Node:
-    """An autograd node: saved tensors, the inputs it sends gradients to, the params it grads."""
-
-    name: str
-    saved: list[T]
-    inputs: list[T]  # activation inputs requiring grad (each receives a grad of its own size)
-    params: list[Param]
-    outputs: list[T]
-    temps: list[int] = field(default_factory=list)  # transient backward allocations (bytes, unrounded)
-    grad_input_bytes: Optional[list[int]] = None  # override sizes of grads sent to inputs
-    on_backward: Optional[Callable[["Sim", "Node"], None]] = None  # e.g. checkpoint recompute
-    after_backward: Optional[Callable[["Sim", "Node"], None]] = None  # once its backward has run
-    done: bool = False
-    fwd_label: str = ""
-    flops: int = 0  # forward FLOPs of the op (matmuls and attention; 0 for pointwise ops)
-    layer: Optional[int] = None  # decoder layer the op belongs to (None: embedding, head, loss)
-    role: str = ""  # which part of the model issued it: embedding, attention, mlp, norm, head, loss
-    offloaded: list = field(default_factory=list)  # (pack id, tensor) moved to host (engine/offload.py)
+_new = object.__new__
+_requires_grad = attrgetter("requires_grad")
+_trainable = attrgetter("trainable")
 
 
 class Sim:
@@ -93,6 +45,7 @@ class Sim:
 
     def __init__(self, round_bytes: int = ALLOCATOR_ROUND_BYTES) -> None:
         self.round_bytes = round_bytes
+        self._round = max(round_bytes, 1)  # round_up leaves sizes as they are below 2, as does rounding to 1
         self.total = 0
         self.by_kind: dict[str, int] = {k: 0 for k in KINDS}
         self.by_cat: dict[str, int] = defaultdict(int)
@@ -102,6 +55,7 @@ class Sim:
         self.peak_label = ""
         self.peak_cats: dict[str, int] = {}
         self.peak_kinds: dict[str, int] = {}
+        self._peak_open = False  # a new peak whose breakdown is not copied yet (alloc, _snap_peak)
         self.phase = "setup"
         self.label = ""
         self.phase_peaks: dict[str, int] = {}
@@ -140,36 +94,153 @@ class Sim:
         self.offload = None
 
     # -- allocation -----------------------------------------------------------------
-    def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "") -> T:
-        """Allocate a block (rounded up); returns it with one reference."""
-        self.alloc_count += 1
-        if (self.ghost_after is not None and self.alloc_count > self.ghost_after) or self.alloc_count in self.ghost_at:
-            return T(0, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
-        n = round_up(int(nbytes), self.round_bytes)
-        t = T(n, kind, category, requires_grad=requires_grad, name=name, seq=self.alloc_count)
-        if self.events is not None and n:
-            self._uid += 1
-            t.uid = self._uid
-            self.events.append((t.uid, n))
-        self.total += n
-        self.by_kind[kind] += n
+    def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "",
+              numel: int = 0, itemsize_bits: int = 32) -> T:
+        """Allocate a block (rounded up); returns it with one reference (``numel`` and
+        ``itemsize_bits`` describe its elements, for ops that size outputs from inputs).
+
+        The hot path of every simulation (hundreds of thousands of calls per plan): the block is
+        made without a call to ``T.__init__`` (the same fields, set here), the rounding is
+        :func:`memcalc.core.units.round_up` inline, and a new peak's breakdown is copied only when
+        memory next goes down (:meth:`_snap_peak`)."""
+        c = self.alloc_count + 1
+        self.alloc_count = c
+        t = _new(T)
+        t.kind = kind
+        t.category = category
+        t.requires_grad = requires_grad
+        t.refs = 1
+        t.alive = True
+        t.numel = numel
+        t.itemsize_bits = itemsize_bits
+        t.grad_buffer = None
+        t.producer = None
+        t.name = name
+        t.seq = c
+        ga = self.ghost_after
+        if (ga is not None and c > ga) or (self.ghost_at and c in self.ghost_at):
+            t.nbytes = 0
+            t.uid = 0
+            return t
+        req = int(nbytes)
+        rb = self._round
+        n = -(-req // rb) * rb
+        t.nbytes = n
+        ev = self.events
+        if ev is not None and n:
+            uid = self._uid = self._uid + 1
+            t.uid = uid
+            ev.append((uid, n))
+        else:
+            t.uid = 0
+        total = self.total = self.total + n
+        by_kind = self.by_kind
+        k = by_kind[kind] = by_kind[kind] + n
         self.by_cat[category] += n
-        if kind == "activations" and self.by_kind[kind] > self.max_activations:
-            self.max_activations = self.by_kind[kind]
-        cur = self.phase_peaks.get(self.phase, 0)
-        if self.total > cur:
-            self.phase_peaks[self.phase] = self.total
-        if self.total > self.peak:
-            self.peak = self.total
-            self.peak_phase = self.phase
+        if kind == "activations" and k > self.max_activations:
+            self.max_activations = k
+        phase = self.phase
+        pp = self.phase_peaks
+        if total > pp.get(phase, 0):
+            pp[phase] = total
+        if total > self.peak:
+            self.peak = total
+            self.peak_phase = phase
             self.peak_label = self.label
-            self.peak_cats = {k: v for k, v in self.by_cat.items() if v}
-            self.peak_kinds = dict(self.by_kind)
-        if self.alloc_trace is not None:
+            self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
+        trace = self.alloc_trace
+        if trace is not None:
             # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
-            self.alloc_trace.append((self.total, self.phase, self.trace_label or self.label,
-                                     nbytes if type(nbytes) is Share else int(nbytes)))
+            trace.append((total, phase, self.trace_label or self.label, nbytes if type(nbytes) is Share else req))
         return t
+
+    def _snap_peak(self) -> None:
+        """Copy what is alive, by category and kind, as the peak's breakdown. Called before the
+        first free after a new peak: until then only allocations happened, and each one that
+        adds bytes is a new peak itself (a category that first appears with no bytes has no
+        entry in :meth:`peak_categories`), so this is what was alive at the peak."""
+        self.peak_cats = self.by_cat.copy()
+        self.peak_kinds = self.by_kind.copy()
+        self._peak_open = False
+
+    def peak_categories(self) -> dict[str, int]:
+        """What was alive at the peak, by category (those with bytes), in the order the categories
+        first appeared."""
+        if self._peak_open:
+            self._snap_peak()
+        return {k: v for k, v in self.peak_cats.items() if v}
+
+    def peak_kinds_alive(self) -> dict[str, int]:
+        """What was alive at the peak, by kind (every kind)."""
+        if self._peak_open:
+            self._snap_peak()
+        return dict(self.peak_kinds)
+
+    def alloc_many(self, kind: str, rows: list[tuple[int, str, str, int, int]]) -> list[T]:
+        """``alloc(nbytes, kind, category, False, name, numel, itemsize_bits)`` for each row
+        ``(nbytes, category, name, numel, itemsize_bits)`` in order, with nothing freed in between:
+        the same blocks, trace, events, peak and breakdown, with the per-kind and per-category
+        totals, the phase's maximum and the peak updated once at the end (the weights and the
+        optimizer state before a step: hundreds of allocations in a row). Activations (whose
+        running maximum is tracked) and ghost allocations take :meth:`alloc` one by one."""
+        if kind == "activations" or self.ghost_after is not None or self.ghost_at:
+            return [self.alloc(nb, kind, cat, False, name, numel, bits) for nb, cat, name, numel, bits in rows]
+        out: list[T] = []
+        rb = self._round
+        c = self.alloc_count
+        total = self.total
+        ev = self.events
+        uid = self._uid
+        trace = self.alloc_trace
+        phase = self.phase
+        label = self.trace_label or self.label
+        sums: dict[str, int] = {}  # bytes by category, in the order the categories first appear
+        for nb, cat, name, numel, bits in rows:
+            c += 1
+            req = int(nb)
+            n = -(-req // rb) * rb
+            t = _new(T)
+            t.nbytes = n
+            t.kind = kind
+            t.category = cat
+            t.requires_grad = False
+            t.refs = 1
+            t.alive = True
+            t.numel = numel
+            t.itemsize_bits = bits
+            t.grad_buffer = None
+            t.producer = None
+            t.name = name
+            t.seq = c
+            if ev is not None and n:
+                uid += 1
+                t.uid = uid
+                ev.append((uid, n))
+            else:
+                t.uid = 0
+            total += n
+            sums[cat] = sums.get(cat, 0) + n
+            if trace is not None:
+                trace.append((total, phase, label, req))
+            out.append(t)
+        added = total - self.total
+        self.alloc_count = c
+        self._uid = uid
+        self.total = total
+        self.by_kind[kind] += added
+        by_cat = self.by_cat
+        for cat, n in sums.items():
+            by_cat[cat] += n
+        if rows:  # totals only grew: the last one is the batch's highest
+            pp = self.phase_peaks
+            if total > pp.get(phase, 0):
+                pp[phase] = total
+            if total > self.peak:
+                self.peak = total
+                self.peak_phase = phase
+                self.peak_label = self.label
+                self._peak_open = True
+        return out
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
@@ -194,15 +265,19 @@ class Sim:
     def unref(self, t: Optional[T]) -> None:
         if t is None:
             return
-        assert t.alive and t.refs > 0, f"double free of {t.name}"
-        t.refs -= 1
-        if t.refs == 0:
+        refs = t.refs
+        assert t.alive and refs > 0, f"double free of {t.name}"
+        t.refs = refs = refs - 1
+        if refs == 0:
             t.alive = False
+            if self._peak_open:
+                self._snap_peak()
+            n = t.nbytes
             if t.uid and self.events is not None:
                 self.events.append((t.uid, 0))
-            self.total -= t.nbytes
-            self.by_kind[t.kind] -= t.nbytes
-            self.by_cat[t.category] -= t.nbytes
+            self.total -= n
+            self.by_kind[t.kind] -= n
+            self.by_cat[t.category] -= n
 
     def mark(self, label: str, phase: Optional[str] = None) -> None:
         """Set the current label (and phase) and record a timeline point."""
@@ -214,27 +289,66 @@ class Sim:
             self.timeline.append(TimelinePoint(len(self.timeline), label, self.phase, dict(self.by_kind)))
 
     # -- autograd -------------------------------------------------------------------
-    def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T], **kw) -> Optional[Node]:
-        """Register a node if anything needs a gradient; takes a reference on each saved tensor."""
+    def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
+             temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None, flops: int = 0,
+             **kw) -> Optional[Node]:
+        """Register a node if anything needs a gradient; takes a reference on each saved tensor.
+        ``temps``, ``grad_input_bytes``, ``flops`` and any other keyword set the :class:`Node`'s
+        fields of those names (the recorder hears the ones given)."""
         if self.recorder is not None:
-            self.recorder(name, saved, inputs, params, outputs, kw)
-        inputs = [t for t in inputs if t.requires_grad]
-        params = [p for p in params if p.trainable]
-        if not self.grad_enabled or (not inputs and not params):
+            heard = dict(kw)
+            if temps is not None:
+                heard["temps"] = temps
+            if grad_input_bytes is not None:
+                heard["grad_input_bytes"] = grad_input_bytes
+            if flops:
+                heard["flops"] = flops
+            self.recorder(name, saved, inputs, params, outputs, heard)
+        if not self.grad_enabled:
             return None
-        off: list = []
-        if self.offload is not None and self.offload.active and saved:
-            saved, off = self.offload.pack(self, saved)
-        for t in saved:
-            self.ref(t)
+        # the inputs that require grad and the trainable params (new lists; one element is the common case)
+        if len(inputs) == 1:
+            inputs = [inputs[0]] if inputs[0].requires_grad else []
+        else:
+            inputs = list(filter(_requires_grad, inputs))
+        if not params:
+            params = []
+        elif len(params) == 1:
+            params = [params[0]] if params[0].trainable else []
+        else:
+            params = list(filter(_trainable, params))
+        if not inputs and not params:
+            return None
+        off: list | tuple = ()  # nothing offloaded (read only: engine/offload.py iterates it)
         if saved:
-            self.last_save_count = self.alloc_count
+            if self.offload is not None and self.offload.active:
+                saved, off = self.offload.pack(self, saved)
+            for t in saved:  # self.ref(t), inline
+                assert t.alive, f"reference to a freed tensor {t.name}"
+                t.refs += 1
+            if saved:
+                self.last_save_count = self.alloc_count
         for p in params:
             p.uses += 1
-        n = Node(name, saved, inputs, params, outputs, **kw)
+        n = _new(Node)  # Node(name, saved, inputs, params, outputs, **kw) without the call
+        n.name = name
+        n.saved = saved
+        n.inputs = inputs
+        n.params = params
+        n.outputs = outputs
+        n.temps = [] if temps is None else temps
+        n.grad_input_bytes = grad_input_bytes
+        n.on_backward = None
+        n.after_backward = None
+        n.done = False
+        n.flops = flops
+        if kw:
+            for k, v in kw.items():
+                setattr(n, k, v)
         n.offloaded = off
         n.fwd_label = self.label
-        n.layer, n.role = self.layer, self.role
+        n.layer = self.layer
+        n.role = self.role
         for o in outputs:
             o.requires_grad = True
             o.producer = n
@@ -260,7 +374,10 @@ class Sim:
         for node in reversed(nodes):
             if node.done:
                 continue
-            if not any(o.grad_buffer is not None for o in node.outputs):
+            for o in node.outputs:  # does a gradient reach the node?
+                if o.grad_buffer is not None:
+                    break
+            else:
                 self._release_node(node)
                 continue
             lab = label_of(node)
@@ -282,27 +399,60 @@ class Sim:
                 node.after_backward(self, node)
 
     def _release_node(self, node: Node) -> None:
+        """The node is done: its saved tensors are released; its outputs forget it (their
+        ``producer`` is read only in forward), which leaves no reference cycle behind."""
         for t in node.saved:
             self.unref(t)
         node.saved = []
         node.done = True
+        for o in node.outputs:
+            o.producer = None
 
     def _run_node(self, node: Node) -> None:
         """One node's backward: workspace, input gradients and weight gradients are allocated;
         then the node's incoming gradients and saved tensors are released; then the
         AccumulateGrad of each parameter runs (highest priority in the engine's ready queue),
         and with it any post-accumulate-grad hook (a fused optimizer step)."""
-        temps = [self.alloc(b, "temporaries", "backward workspace") for b in node.temps]
-        sizes = node.grad_input_bytes or [t.nbytes for t in node.inputs]
-        new_grads = [self.alloc(b, "temporaries", "activation gradients") for b in sizes]
-        pgrads = [self.alloc(p.grad_bytes, "gradients", "gradients") for p in node.params]
+        alloc, unref = self.alloc, self.unref
+        # (one element is the common case: made without a comprehension's frame)
+        temps = node.temps
+        if not temps:
+            temps = ()
+        elif len(temps) == 1:
+            temps = [alloc(temps[0], "temporaries", "backward workspace")]
+        else:
+            temps = [alloc(b, "temporaries", "backward workspace") for b in temps]
+        sizes = node.grad_input_bytes
+        inputs = node.inputs
+        if sizes:
+            new_grads = [alloc(b, "temporaries", "activation gradients") for b in sizes]
+        elif len(inputs) == 1:
+            new_grads = [alloc(inputs[0].nbytes, "temporaries", "activation gradients")]
+        else:
+            new_grads = [alloc(t.nbytes, "temporaries", "activation gradients") for t in inputs]
+        params = node.params
+        if not params:
+            pgrads: list[T] | tuple = ()
+        elif len(params) == 1:
+            pgrads = [alloc(params[0].grad_bytes, "gradients", "gradients")]
+        else:
+            pgrads = [alloc(p.grad_bytes, "gradients", "gradients") for p in params]
         for t in temps:
-            self.unref(t)
+            unref(t)
         for o in node.outputs:
-            if o.grad_buffer is not None:
-                self.unref(o.grad_buffer)
+            o.producer = None  # (as _release_node does; nothing reads it after forward)
+            g = o.grad_buffer
+            if g is not None:
+                unref(g)
                 o.grad_buffer = None
-        self._release_node(node)
+        for t in node.saved:  # self._release_node(node), inline
+            if t.refs > 1:  # unref(t) frees nothing
+                assert t.alive, f"double free of {t.name}"
+                t.refs -= 1
+            else:
+                unref(t)
+        node.saved = []
+        node.done = True
         if self.offload is not None and self.offload.hook_due:  # the unpacking node's post-hook
             self.offload.after_node(self)
         for inp, g in zip(node.inputs, new_grads):
@@ -339,6 +489,15 @@ class Sim:
                 self.unref(g)
             if self.grad_ready is not None:
                 self.grad_ready(self, p)
+
+    def release_graph(self) -> None:
+        """Drop the simulator's references to the step's graph and hooks once the step is over,
+        so that reference counting frees them (the hooks' closures refer back to the simulator:
+        without this the whole graph waits for the cyclic garbage collector)."""
+        self.nodes = []
+        self.grad_ready = None
+        self.on_layer = None
+        self.recorder = None
 
     def snapshot_point(self) -> None:
         if self.record_timeline:

@@ -115,26 +115,22 @@ def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int
     blocks: dict[tuple[str, str, str], list[Event]] = {}
     interior: dict[tuple[str, str], dict[int, list[Event]]] = {}
     setup: list[int] = []
+    parsed: dict[str, Optional[tuple[Optional[int], str]]] = {}  # label -> (layer, template); labels repeat
     for total, phase, label, req in trace:
         if phase == "setup" and label != STEP_START:
             setup.append(total)
             continue
-        if isinstance(req, Share):
-            ev = (total - _round(req, round_bytes), req, req.whole, req.parts)
-        else:
-            ev = (total - _round(req, round_bytes), req, req, 1)
-        if _LAYER_RANGE.search(label):
+        before = total - -(-req // round_bytes) * round_bytes  # total - _round(req)
+        ev = (before, req, req.whole, req.parts) if type(req) is Share else (before, req, req, 1)
+        got = parsed.get(label, _UNSEEN)
+        if got is _UNSEEN:
+            got = parsed[label] = _parse_label(label)
+        if got is None:
             return None
-        found = _LAYER.findall(label)
-        if not found:
+        layer, tmpl = got
+        if layer is None:
             blocks.setdefault((phase, label, ""), []).append(ev)
             continue
-        if len(found) > 1:
-            return None
-        mt = _LAYER.search(label)
-        assert mt is not None
-        layer = int(found[0])
-        tmpl = label[:mt.start(1)] + "{}" + label[mt.end(1):]
         places = []
         if layer == 0:
             places.append("first")
@@ -149,6 +145,25 @@ def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int
         for pl in places:
             blocks.setdefault((phase, tmpl, pl), []).append(ev)
     return blocks, interior, setup
+
+
+_UNSEEN = object()
+
+
+def _parse_label(label: str) -> Optional[tuple[Optional[int], str]]:
+    """An allocation label as :func:`_blocks` names it: (None, label) outside the layers, (layer,
+    the label with the layer number replaced by ``{}``) inside one, or None for a label it does not
+    understand (a segment of several layers)."""
+    if _LAYER_RANGE.search(label):
+        return None
+    found = _LAYER.findall(label)
+    if not found:
+        return None, label
+    if len(found) > 1:
+        return None
+    mt = _LAYER.search(label)
+    assert mt is not None
+    return int(found[0]), label[:mt.start(1)] + "{}" + label[mt.end(1):]
 
 
 def _round(n: int, m: int) -> int:
