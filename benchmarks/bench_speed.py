@@ -16,8 +16,11 @@ forked workers, and is less disturbed than wall time by other work on a shared m
   option, ``--compile``: nine compiled options more, estimated directly).
 
     python benchmarks/bench_speed.py [-n 3] [--quick]
+    python benchmarks/bench_speed.py --count
 
-``--quick`` leaves out the 405B and ``--all`` rows. Not a test: the targets live here (CI never
+``--quick`` leaves out the 405B and ``--all`` rows. ``--count`` times nothing: it runs the four
+target commands in-process and counts the simulated steps, the decoder layers walked in them and
+their CPU time (the work itself, undisturbed by other load on a shared machine). Not a test: the targets live here (CI never
 runs benchmarks; pytest does not collect this folder).
 
 Profile (cProfile, 2-core machine, before the changes of issue 15; MEMCALC_WORKERS=1 so the
@@ -107,11 +110,59 @@ def timed(cmd: list[str], n: int) -> tuple[float, float, str]:
     return min(walls), min(cpus), out
 
 
+def count_simulations(args: list[str]) -> tuple[int, int, float]:
+    """Run ``memcalc ARGS`` in this process (MEMCALC_WORKERS=1) and count what the time goes into,
+    a measure no other load on the machine disturbs: simulated steps (every caller's, through
+    ``memcalc.estimate.step``), the decoder layers walked in them, and the command's CPU seconds."""
+    os.environ["MEMCALC_WORKERS"] = "1"
+    import contextlib
+    import io
+
+    import memcalc.estimate.step as step
+    from memcalc.cli import app
+
+    real = step.simulate_with
+    n = layers = 0
+
+    def counted(exp, *a, **k):
+        nonlocal n, layers
+        n += 1
+        layers += exp.model.n_layers
+        return real(exp, *a, **k)
+
+    step.simulate_with = counted
+    t0 = time.process_time()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            try:
+                app(args, standalone_mode=False)
+            except SystemExit:
+                pass
+    finally:
+        step.simulate_with = real
+    return n, layers, time.process_time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-n", type=int, default=3, help="runs of each command (the minimum is reported)")
     ap.add_argument("--quick", action="store_true", help="leave out the 405B and --all rows")
+    ap.add_argument("--count", action="store_true",
+                    help="instead of timing: the simulated steps and layers walked per command (in-process)")
+    ap.add_argument("--count-one", help=argparse.SUPPRESS)  # one --count row (JSON list of arguments)
     a = ap.parse_args()
+    if a.count_one:
+        n, layers, cpu = count_simulations(json.loads(a.count_one))
+        print(f"{' '.join(json.loads(a.count_one)):<58} {n:5d} simulated steps  {layers:7,d} layers walked  "
+              f"{cpu:6.2f} s CPU in all", flush=True)
+        return
+    if a.count:  # each command in a fresh process: nothing cached from the one before
+        for args in (["estimate", "--params", "7e9", "--bf16", "--lora"],
+                     ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"],
+                     ["plan", "--model", "llama-3.1-70b"],
+                     ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090", "--compile"]):
+            subprocess.run([sys.executable, __file__, "--count-one", json.dumps(args)], check=True)
+        return
     mc = _memcalc()
     rows: list[tuple[str, float, float, str]] = []
 
