@@ -49,8 +49,43 @@ and parameters once per step; ``plan.depth._blocks`` parses each distinct label 
 each allocation still costs about 3 us of Python bookkeeping here, and a checkpointed layer's
 forward code runs three times (forward, the recompute's early-stop dry run, the recompute).
 
+The plan's own work (2026-11-23, ``--count``; same answers, the snapshots byte for byte), session
+start -> now: ``plan --model llama-3.1-8b --gpu rtx-4090`` 400 -> 206 simulated steps (3,224 ->
+1,636 layers walked), 21.2 -> 5.9 s CPU; ``plan --model llama-3.1-70b`` 536 -> 267 steps (9,364 ->
+1,068 layers), 39.5 -> 3.8 s CPU; ``plan --gpu rtx-4090 --compile`` 588 -> 249 steps, 108 -> 24 s
+CPU. How (besides the simulator above): (1) every step of the cluster table is extrapolated in
+depth: ``fit_gpus`` compared the steady and first-step traces' lengths together (always
+different, so each fit ran at full depth), FSDP2's root all-gather at the step's start is a named
+block, and a ZeRO share ``ceil(S / N)`` is an ``engine.sharding.Share`` that ``plan/depth.py``
+extrapolates through ``S`` (degrees that do not divide ``S`` ran at full depth); (2) no first-step
+simulations where the first step cannot set the peak (``engine.timeline.first_step_within_steady``:
+the same events less the optimizer state not yet created; asserted by every ``estimate()``); (3)
+the exact searches follow the required bytes (``plan.limits.largest_by_value``: secant steps from
+the fitted guess, regula falsi in the bracket) instead of galloping on fits/does-not-fit alone:
+``--compile``'s searches went from 133 to 43 compiled steps; (4) one (batch, seq) fit per group of
+options that differ only in the fused step, fitted and confirmed in one worker job, full-depth
+jobs handed out first; (5) the weights-plus-state floor of a uniform stack from shallow copies.
+
+Where that leaves the targets (``bench_speed.py --quick -n 3``, this 2-core machine, idle, which
+is slower than the CI-class machine of the issue: a bare ``python -c "import numpy"`` 0.17 s):
+``estimate --params 7e9 --bf16 --lora`` 0.77 s wall (target 0.2 s), ``plan --model llama-3.1-8b
+--gpu rtx-4090`` 3.6 s (target 1 s), ``plan --model llama-3.1-70b`` 3.3 s (target 1 s),
+``--compile`` 15.8 s (target 3 s). Not met. What is left is structural: a printed answer is exact
+only if direct estimates show it fits and the next integer does not, and each direct estimate
+walks the step op by op in Python (about 3 us per allocation after the changes above; 10-30 ms
+for one 3-, 4- and 5-layer set). ``plan --gpu`` on an 8B model still needs ~60 such sets (the
+batch-1 peak of every option that passes the state floor, a fit per group, two or three probes
+per printed answer) plus 29 full-depth steps for the sqrt-checkpointed options (segments of
+round(sqrt(n)) layers cannot be extrapolated from shallow copies: the shallow copies would be
+deeper than the model). Reaching 1 s needs the step evaluated without re-walking it: record each
+option's allocation tape once (sizes as exact functions of batch, sequence, depth and the
+sharding degree, frees by reference) and evaluate it for many points at once with numpy; the
+depth extrapolation and ``Share`` are the first pieces of that. ``--compile`` also spends about
+0.3 s per step in the pure-Python min-cut of a whole-model graph per (batch, seq).
+
 Measured on the shared 2-core machine (one run each, main's install and this branch back to back
-at a load of 2-5, CPU = user + system of the process and its workers), before -> after:
+at a load of 2-5, CPU = user + system of the process and its workers), before -> after (an
+earlier session):
 ``estimate --params 7e9 --bf16 --lora`` 1.24 -> 0.90 s CPU (1.9 -> 1.4 s wall);
 ``plan --model llama-3.1-8b --gpu rtx-4090`` 28.6 -> 17.3 s CPU (44 -> 26 s wall);
 ``plan --model llama-3.1-70b`` 29.2 -> 9.1 s CPU (41 -> 13 s wall). The targets (< 1 s, < 0.2 s)
