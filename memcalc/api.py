@@ -335,18 +335,15 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     # the same steps as memcalc.cli.plan (tests/test_api.py checks the documents are equal)
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_profile
-    from memcalc.plan.options import plan_model
+    from memcalc.plan.options import check_one_gpu_flags, plan_model
 
     framework = _check_choice("framework", framework, _choices()["framework"])
     loss = _check_choice("loss", loss, _choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
     prof, note = plan_profile(profile, framework, torch, loss, loss_chunks)
     notes.append(note)
+    check_one_gpu_flags(gpu, all, compile)
     if gpu is None:
-        if all:
-            raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
-        if compile:
-            raise UserError("--compile adds torch.compile options to the plan for one GPU; give --gpu too")
         from memcalc.plan.cluster import plan_cluster
 
         cp = plan_cluster(m, seq, prof)

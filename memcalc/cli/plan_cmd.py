@@ -9,7 +9,6 @@ import typer
 from memcalc.cli.group import app
 from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHUNKS, MODEL, PARAMS, PROFILE, RECIPE, TORCH,
                                  FrameworkOpt, LossOpt)
-from memcalc.core.errors import UserError
 
 
 @app.command()
@@ -39,7 +38,7 @@ def plan(
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_profile
     from memcalc.plan.cluster import plan_cluster
-    from memcalc.plan.options import plan_model
+    from memcalc.plan.options import check_one_gpu_flags, plan_model
     from memcalc.plan.search import plan_gpu
     from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
     from memcalc.render.report import dumps
@@ -66,11 +65,8 @@ def plan(
     prof, note = plan_profile(profile, framework.value if framework else None, torch,
                               loss.value if loss else None, loss_chunks)
     notes.append(note)
+    check_one_gpu_flags(gpu, show_all, compile_)
     if gpu is None:
-        if show_all:
-            raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
-        if compile_:
-            raise UserError("--compile adds torch.compile options to the plan for one GPU; give --gpu too")
         cp = plan_cluster(m, seq, prof)
         cp.notes[:0] = notes
         if as_json:

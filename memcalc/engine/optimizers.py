@@ -217,21 +217,20 @@ class OptimizerSim:
         self._states: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
         self._temps: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
 
-    def _state_of(self, p: Param) -> list[tuple[str, int]]:
+    def _by_shape(self, cache: dict, fn: Callable[[Param, int, TrainingSpec], list[tuple[str, int]]],
+                  p: Param) -> list[tuple[str, int]]:
         rows = self.rows_of[p.name]
         key = (p.numel, rows, p.weight.itemsize_bits)
-        st = self._states.get(key)
-        if st is None:
-            st = self._states[key] = state_bytes(p, rows, self.tr)
-        return st
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = fn(p, rows, self.tr)
+        return got
+
+    def _state_of(self, p: Param) -> list[tuple[str, int]]:
+        return self._by_shape(self._states, state_bytes, p)
 
     def _temps_of(self, p: Param) -> list[tuple[str, int]]:
-        rows = self.rows_of[p.name]
-        key = (p.numel, rows, p.weight.itemsize_bits)
-        ev = self._temps.get(key)
-        if ev is None:
-            ev = self._temps[key] = per_param_temps(p, rows, self.tr)
-        return ev
+        return self._by_shape(self._temps, per_param_temps, p)
 
     def create_state(self, p: Param) -> None:
         if p.name in self.state:

@@ -116,6 +116,16 @@ def default_seq(model: ModelSpec, seq: Optional[int]) -> int:
     return seq
 
 
+def check_one_gpu_flags(gpu: Optional[object], show_all: bool, compile_: bool) -> None:
+    """``--all`` and ``--compile`` are about the options on one GPU: an error without ``--gpu``
+    (the CLI and the Python API both call this)."""
+    if gpu is None:
+        if show_all:
+            raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
+        if compile_:
+            raise UserError("--compile adds torch.compile options to the plan for one GPU; give --gpu too")
+
+
 def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, list[str]]:
     """The model ``plan`` is about: ``--model`` (preset, Hugging Face id or file) or ``--params`` (inferred);
     a note says where a model given by Hugging Face id came from."""
