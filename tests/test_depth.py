@@ -178,6 +178,15 @@ def _share_trace(depth: int, parts: int, shared: bool) -> list[tuple[int, str, s
     return out
 
 
+def test_a_share_is_its_int_and_pickles():
+    # source: definition: ceil(1000 / 7) = 143; pickle round trip keeps what it is a share of
+    import pickle
+
+    s = Share(1000, 7)
+    back = pickle.loads(pickle.dumps(s))
+    assert (s, s.whole, s.parts) == (143, 1000, 7) and (back, back.whole, back.parts) == (143, 1000, 7)
+
+
 def test_extrapolate_divides_a_share_at_the_real_depth():
     # source: memcalc.engine.sharding.Share: ceil((1000 + 333 d) / 7) is not affine in d; its whole is
     want = _share_trace(40, 7, True)[-1][0]

@@ -38,6 +38,9 @@ class Share(int):
         self.whole, self.parts = whole, parts
         return self
 
+    def __getnewargs__(self) -> tuple[int, int]:  # pickling (the plan's worker processes)
+        return self.whole, self.parts
+
 
 def shard(n_bytes: int, gpus: int) -> int:
     """This rank's share of ``n_bytes`` (ceil division: the last rank pads); a :class:`Share`
