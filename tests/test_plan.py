@@ -17,7 +17,7 @@ from memcalc.plan.fits import fit_gpus, fit_step
 from memcalc.inputs.gpus import get_gpu
 from memcalc.inputs.profiles import get_profile
 from memcalc.plan.cost import relative_cost
-from memcalc.plan.limits import largest_by_value, largest_true, largest_true_array
+from memcalc.plan.limits import largest_by_value, largest_true_array, smallest_by_value
 from memcalc.plan.options import Technique, compile_techniques, techniques
 from memcalc.plan.search import StackedFits, batch_grid, evaluate_grid, plan_gpu, seq_grid
 from memcalc.render.plan_report import render_gpu_plan
@@ -251,6 +251,14 @@ def test_largest_by_value_is_exact(shape, seed, lo, hi):
     assert largest_by_value(lambda x: (f(x) <= LINE, f(x)), lo, hi, LINE, seed) == want
 
 
+@pytest.mark.parametrize("seed", [None, 2, 9, 10, 11, 64])
+@pytest.mark.parametrize("first", [2, 10, 64, 65])
+def test_smallest_by_value_is_exact(seed, first):
+    # source: definition: the smallest N in [2, 64] with 1000 / N <= 1000 / first (None when first > 64)
+    need = lambda n: (n >= first, 1000.0 / n)  # noqa: E731  -- bytes per GPU fall as GPUs grow
+    assert smallest_by_value(need, 2, 64, 1000.0 / first, seed) == (first if first <= 64 else None)
+
+
 @pytest.mark.parametrize("seed,most", [(100, 2), (99, 3), (101, 2), (50, 4), (1, 4), (None, 4), (10**6, 4)])
 def test_largest_by_value_follows_the_values(seed, most):
     # source: a linear requirement (answer 100 on [1, 10**6]): a right guess costs two probes (it fits,
@@ -271,7 +279,8 @@ def test_largest_true_array_matches_scalar():
     lo = rng.integers(1, 50, size=50)
     hi = lo + rng.integers(0, 100, size=50)
     got = largest_true_array(lambda x: x <= thr, lo, hi)
-    want = [largest_true(lambda x, t=t: x <= t, a, b) for t, a, b in zip(thr, lo, hi)]
+    # source: definition: the largest x in [a, b] with x <= t, a - 1 when none
+    want = [max([x for x in range(a, b + 1) if x <= t], default=a - 1) for t, a, b in zip(thr, lo, hi)]
     assert got.tolist() == want
 
 

@@ -11,12 +11,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.engine.timeline import first_step_within_steady
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
 from memcalc.plan.layouts import layout_setups, search_layouts
-from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, largest_by_value
+from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, smallest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
@@ -55,13 +54,9 @@ def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[s
 
 def _smallest_n(one: bool, probe: Probe, seed: int, hi: int, cap: int) -> Optional[int]:
     """The smallest N in [1, hi] that fits: 1 when ``one`` (N = 1 has no gathered layer buffers, so
-    it is checked on its own), else the smallest N in [2, hi] whose ``probe(N)`` fits (false, then
-    true, as N grows; :func:`memcalc.plan.limits.largest_by_value` over the reflected range, whose
-    values then grow); ``seed`` is the fitted answer."""
-    if one:
-        return 1
-    x = largest_by_value(lambda x: probe(hi + 2 - x), 2, hi, cap, hi + 2 - seed if 2 <= seed <= hi else None)
-    return None if x < 2 else hi + 2 - x
+    it is checked on its own), else the smallest N in [2, hi] whose ``probe(N)`` fits
+    (:func:`memcalc.plan.limits.smallest_by_value`); ``seed`` is the fitted answer."""
+    return 1 if one else smallest_by_value(probe, 2, hi, cap, seed)
 
 
 def next_pow2(n: Optional[int]) -> Optional[int]:
@@ -205,6 +200,7 @@ def _fit_gpus_job(exp: ExperimentSpec):
 def _simulate_job(job: tuple[ExperimentSpec, bool]) -> None:
     """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache."""
     exp, both = job
-    simulated_peak(exp, False)
-    if both and not first_step_within_steady(exp):
-        simulated_peak(exp, True)
+    if both:
+        estimated_peak(exp)  # (the first step only where it can set the peak)
+    else:
+        simulated_peak(exp)

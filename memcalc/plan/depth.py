@@ -120,7 +120,7 @@ def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int
         if phase == "setup" and label != STEP_START:
             setup.append(total)
             continue
-        before = total - -(-req // round_bytes) * round_bytes  # total - _round(req)
+        before = total - -(-req // round_bytes) * round_bytes  # the request rounded as Sim.alloc does
         ev = (before, req, req.whole, req.parts) if type(req) is Share else (before, req, req, 1)
         got = parsed.get(label, _UNSEEN)
         if got is _UNSEEN:
@@ -164,10 +164,6 @@ def _parse_label(label: str) -> Optional[tuple[Optional[int], str]]:
     mt = _LAYER.search(label)
     assert mt is not None
     return int(found[0]), label[:mt.start(1)] + "{}" + label[mt.end(1):]
-
-
-def _round(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def _uniform(chunks: list[list[Event]]) -> bool:
@@ -216,9 +212,10 @@ def _split_grown(rows: list[list[Event]], depths: tuple[int, ...]) -> Optional[l
 
 
 def _affine(rows: list[list[Event]], requests: bool = True) -> Optional[np.ndarray]:
-    """Events of one named block at consecutive depths (equal lengths): their (alive before,
-    requested) as an array (depths, events, 2) when both are exactly affine in the depth (with
-    ``requests`` false, the bytes alive before each; the caller checks the requests)."""
+    """Events of one named block at consecutive depths (equal lengths) as an array (depths, events,
+    4) of :data:`Event` rows, when the bytes alive before each, its share count and (for a share)
+    its whole are exactly affine in the depth, and so is the request itself unless ``requests`` is
+    false (then the caller checks it)."""
     if len({len(r) for r in rows}) != 1:
         return None
     a = np.array(rows, dtype=np.int64).reshape(len(rows), -1, 4)

@@ -65,6 +65,15 @@ def bt_features(B, T, t_scale: float) -> np.ndarray:
     return np.stack([one, B, t, B * t, t * t, B * t * t], axis=-1)
 
 
+def _traces(exps: Sequence[ExperimentSpec], first_step: bool) -> list[Trace]:
+    """The step traces of ``exps`` (fit points), all of one kind: depth-extrapolated where every
+    point allows it, else all simulated directly (the two name different numbers of allocations)."""
+    got = [step_trace(e, first_step) for e in exps]
+    if len({len(t.totals) for t in got}) > 1:  # some points extrapolated in depth, some not
+        got = [step_trace(e, first_step, True) for e in exps]
+    return got
+
+
 def _stack(traces: Sequence[Trace], what: str) -> tuple[np.ndarray, tuple[str, ...]]:
     n = {len(t.totals) for t in traces}
     if len(n) != 1 or len({t.phases for t in traces}) != 1:
@@ -172,10 +181,7 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
     lin = [0, 1, 2, 3]
 
     def solve(points, first_step, cols):
-        traces = [step_trace(with_training(exp, batch=b, seq=t), first_step) for b, t in points]
-        if len({len(t.totals) for t in traces}) > 1:  # some points extrapolated in depth, some not
-            traces = [step_trace(with_training(exp, batch=b, seq=t), first_step, True) for b, t in points]
-        Y, phases = _stack(traces, exp.name)
+        Y, phases = _stack(_traces([with_training(exp, batch=b, seq=t) for b, t in points], first_step), exp.name)
         X = bt_features([p[0] for p in points], [p[1] for p in points], scale)[:, cols]
         c, *_ = np.linalg.lstsq(X, Y, rcond=None)
         coef = np.zeros((Y.shape[1], len(FEATURES)))
@@ -236,17 +242,12 @@ GPU_FIT_POINTS = (2, 8, 64)
 def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     """Fit ``exp``'s peak in the data-parallel degree N >= 2 (its ``gpus`` is ignored; ``zero``
     should be >= 1 for N to matter). Cached per experiment within the process."""
-    def traces(first_step: bool) -> list[Trace]:
-        got = [step_trace(with_training(exp, gpus=n), first_step) for n in GPU_FIT_POINTS]
-        if len({len(t.totals) for t in got}) > 1:  # some points extrapolated in depth, some not
-            got = [step_trace(with_training(exp, gpus=n), first_step, True) for n in GPU_FIT_POINTS]
-        return got
-
     # (the two kinds of step have different lengths; the first step only where it can set the peak:
     # memcalc.engine.timeline.first_step_within_steady)
-    Y, phases = _stack(traces(False), exp.name)
+    points = [with_training(exp, gpus=n) for n in GPU_FIT_POINTS]
+    Y, phases = _stack(_traces(points, False), exp.name)
     if not first_step_within_steady(exp):
-        yf, ph_f = _stack(traces(True), exp.name)
+        yf, ph_f = _stack(_traces(points, True), exp.name)
         Y, phases = np.concatenate([Y, yf], axis=1), phases + ph_f
     n = np.array(GPU_FIT_POINTS, dtype=np.float64)
     X = np.stack([np.ones_like(n), 1.0 / n], axis=-1)

@@ -27,7 +27,7 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.tensor_parallel import check
 from memcalc.estimate.peak import required_bytes
 from memcalc.plan.fits import GpusFit, fit_gpus
-from memcalc.plan.limits import fit_probe, fits_in, largest_by_value
+from memcalc.plan.limits import fit_probe, fits_in, smallest_by_value
 from memcalc.plan.simulations import estimated_peak, with_training
 
 #: tensor-parallel degrees searched: within one 8-GPU node (NVLink), as torchtitan's recipes use
@@ -71,13 +71,10 @@ def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int, fit: Optio
 
 def _confirmed(exp: ExperimentSpec, cap: int, n: int, n_max: int) -> Optional[int]:
     """The fitted count ``n`` made exact with direct estimates: the fewest data-parallel ranks in
-    2..n_max that fit (:func:`memcalc.plan.limits.largest_by_value` over the reflected range, from
-    ``n``), or None."""
+    2..n_max that fit (:func:`memcalc.plan.limits.smallest_by_value`, from ``n``), or None."""
     if n_max < 2:
         return None
-    probe = fit_probe(lambda k: with_training(exp, gpus=int(k)), cap)
-    x = largest_by_value(lambda x: probe(n_max + 2 - x), 2, n_max, cap, n_max + 2 - n if 2 <= n <= n_max else None)
-    return None if x < 2 else n_max + 2 - x
+    return smallest_by_value(fit_probe(lambda k: with_training(exp, gpus=int(k)), cap), 2, n_max, cap, n)
 
 
 def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int, confirm: bool = True,

@@ -21,35 +21,26 @@ CONFIRM_MARGIN = 0.02
 
 
 def fits_in(exp: ExperimentSpec, capacity_bytes: int) -> bool:
-    """Whether ``estimate(exp).required_bytes <= capacity_bytes``. Two exact shortcuts come first:
-    weights plus optimizer state (no forward pass) and the steady-state step alone; when either
-    does not fit, the estimate (at least as high) cannot either."""
-    if required_bytes(state_floor(exp)) > capacity_bytes:  # weights + state alone: no simulation
-        return False
-    if required_bytes(simulated_peak(exp)) > capacity_bytes:
-        return False
-    return required_bytes(estimated_peak(exp)) <= capacity_bytes
+    """Whether ``estimate(exp).required_bytes <= capacity_bytes`` (:func:`need`'s verdict)."""
+    return need(exp, capacity_bytes)[0]
 
 
-def largest_true(pred, lo: int, hi: int) -> int:
-    """The largest integer x in [lo, hi] with ``pred(x)`` true, for a predicate that is true up to
-    some point and false after it; ``lo - 1`` if ``pred(lo)`` is false. Vectorised callers pass
-    arrays of lo/hi; see :func:`largest_true_array`."""
-    if not pred(lo):
-        return lo - 1
-    if pred(hi):
-        return hi
-    while hi - lo > 1:  # pred(lo) true, pred(hi) false
-        mid = (lo + hi) // 2
-        if pred(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
+def need(exp: ExperimentSpec, capacity_bytes: int) -> tuple[bool, float]:
+    """Whether ``estimate(exp)`` fits ``capacity_bytes``, with its required bytes. Two exact
+    shortcuts come first: weights plus optimizer state (no forward pass) and the steady-state step
+    alone; when either does not fit, the estimate (at least as high) cannot either, and the
+    shortcut's bytes (a lower bound of the estimate's) come back instead."""
+    for peak in (lambda: state_floor(exp), lambda: simulated_peak(exp)):
+        got = required_bytes(peak())
+        if got > capacity_bytes:
+            return False, float(got)
+    got = required_bytes(estimated_peak(exp))
+    return got <= capacity_bytes, float(got)
 
 
 def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """:func:`largest_true` for many monotone predicates at once: ``pred(x)`` takes an int array
+    """The largest x in [lo, hi] with ``pred(x)`` true (``lo - 1`` if none), for many predicates that
+    are each true up to some point and false after it, by bisection: ``pred(x)`` takes an int array
     (one candidate per row) and returns a bool array."""
     lo = np.asarray(lo, dtype=np.int64).copy()
     hi = np.asarray(hi, dtype=np.int64).copy()
@@ -151,22 +142,18 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     return a[0]
 
 
-def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int) -> Probe:
-    """``probe(x)``: whether the estimate of ``exp_at(x)`` fits ``capacity_bytes`` (as
-    :func:`fits_in`), with its required bytes, or a lower bound of them where a shortcut already
-    rules it out (weights and state alone, or the steady step alone)."""
-    def probe(x: int) -> tuple[bool, float]:
-        e = exp_at(x)
-        need = required_bytes(state_floor(e))
-        if need > capacity_bytes:
-            return False, float(need)
-        need = required_bytes(simulated_peak(e))
-        if need > capacity_bytes:
-            return False, float(need)
-        need = required_bytes(estimated_peak(e))
-        return need <= capacity_bytes, float(need)
+def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None) -> Optional[int]:
+    """The smallest x in [lo, hi] whose ``probe(x)`` is ``(True, ...)``, None if none, where ok is
+    false and then true as x grows and the value falls (the required bytes per GPU as the GPUs
+    grow): :func:`largest_by_value` over the reflected range ``lo + hi - x``."""
+    x = largest_by_value(lambda x: probe(lo + hi - x), lo, hi, line,
+                         lo + hi - seed if seed is not None and lo <= seed <= hi else None)
+    return None if x < lo else lo + hi - x
 
-    return probe
+
+def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int) -> Probe:
+    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes``."""
+    return lambda x: need(exp_at(x), capacity_bytes)
 
 
 def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None) -> int:

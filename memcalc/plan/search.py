@@ -14,8 +14,8 @@ discarded before any simulation; the rest get their exact batch-1 peak (the simu
 the fit's points), and those that fit are fitted, one fit per group of options that differ only
 in the fused step (:func:`fit_groups`: the fit only seeds the exact searches). Every number
 printed for a fitting option (its batch-1 peak, max batch, max seq) comes from direct estimates:
-the fitted answer must fit and the next integer must not, otherwise a galloping search from it
-finds the exact one.
+the fitted answer must fit and the next integer must not, otherwise a search from it that follows
+the required bytes (:func:`memcalc.plan.limits.largest_by_value`) finds the exact one.
 """
 
 from __future__ import annotations
@@ -253,18 +253,19 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     b1 = dict(zip(floor_ok, parallel_map(_b1_peak, [(exps[i], cap, include_all) for i in floor_ok],
                                          heavy=lambda job: not applies(job[0]))))
     rep_of = fit_groups(techs, [i for i in floor_ok if b1[i] is not None])
-    groups: dict[int, list[int]] = {}
+    groups: dict[int, list[int]] = {r: [r] for r in sorted(set(rep_of.values()))}  # the fitted one first
     for i in sorted(rep_of):
-        groups.setdefault(rep_of[i], []).append(i)
+        if i != rep_of[i]:
+            groups[rep_of[i]].append(i)
     bs, ts = batch_grid(), seq_grid(model, seq)
-    jobs = [([exps[r]] + [exps[i] for i in g if i != r], [b1[r]] + [b1[i] for i in g if i != r], cap, seq, bs, ts,
-             confirm, include_all) for r, g in groups.items()]
+    jobs = [([exps[i] for i in g], [b1[i] for i in g], cap, seq, bs, ts, confirm, include_all)
+            for g in groups.values()]
     results: dict[int, OptionResult] = {}
     evaluated = 0
-    for (r, g), (rows, n_eval) in zip(groups.items(), parallel_map(_plan_group, jobs,
-                                                                   heavy=lambda job: not applies(job[0][0]))):
+    for g, (rows, n_eval) in zip(groups.values(), parallel_map(_plan_group, jobs,
+                                                               heavy=lambda job: not applies(job[0][0]))):
         evaluated += n_eval
-        for i, (p, fits, mb, ms, done) in zip([r] + [i for i in g if i != r], rows):
+        for i, (p, fits, mb, ms, done) in zip(g, rows):
             results[i] = OptionResult(techs[i], p, required_bytes(p), fits, mb, ms, None, done)
     # 2b. compiled options: direct estimates, seeded with the same setup's eager answers
     for i, (p, mb, ms) in zip(compiled, parallel_map(_confirm_option, [
