@@ -323,18 +323,25 @@ class FSDP2:
             cast = sim.alloc(pol.orig.nbytes(shard), "gradients", "gradient shards (FSDP2)")
             sim.unref(out)
             out = cast
-        if pol.offload:  # new_sharded_grad.to("cpu"): the GPU copy dies with the function
+        self._hand_out(out, [p for p, _ in with_grad])
+        sim.unref(last)
+        self.rs_state = rs_in
+
+    def _hand_out(self, out: T, params: list[Param]) -> None:
+        """The reduced gradient shard ``out`` (this call's reference) becomes each parameter's
+        ``.grad`` (where it has none), and each parameter's gradient is then ready (the optimizer
+        hook); under CPU offload (``new_sharded_grad.to("cpu")``) the GPU copy dies here."""
+        sim = self.sim
+        if self.pol.offload:
             sim.unref(out)
             out = None
-        for p, _ in with_grad:
+        for p in params:
             if out is not None and p.grad is None:
                 p.grad = sim.ref(out)
             if sim.grad_ready is not None:
                 sim.grad_ready(sim, p)
         if out is not None:
             sim.unref(out)
-        sim.unref(last)
-        self.rs_state = rs_in
 
     def end_backward(self) -> None:
         """The final callback: the last layer's post-backward if it has not run, the root's

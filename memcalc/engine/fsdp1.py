@@ -107,17 +107,7 @@ class FSDP1(FSDP2):
             live.append(sim.alloc(pol.reduce.nbytes(total), "gradients", "unsharded gradients (FSDP1)"))
         if self.n * u.flat != total:  # F.pad to N x shard
             live.append(sim.alloc(pol.reduce.nbytes(self.n * u.flat), "temporaries", CAT_RS))
-        out = sim.alloc(pol.reduce.nbytes(u.flat), "gradients", "gradient shards (FSDP1)")
-        if pol.offload:
-            sim.unref(out)
-            out = None
-        for p in with_grad:
-            if out is not None and p.grad is None:
-                p.grad = sim.ref(out)
-            if sim.grad_ready is not None:
-                sim.grad_ready(sim, p)
-        if out is not None:
-            sim.unref(out)
+        self._hand_out(sim.alloc(pol.reduce.nbytes(u.flat), "gradients", "gradient shards (FSDP1)"), with_grad)
         for t in live:
             sim.unref(t)
 
