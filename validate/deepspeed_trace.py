@@ -189,7 +189,7 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .model import build_model, param_count
-    from .runner import _Probe, fill_measurement
+    from .runner import _Probe, fill_measurement, two_steps
     from .tracer import StorageTracer
 
     tr = exp.training
@@ -232,14 +232,7 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
                 probe.set_phase("optimizer step")
                 engine.step()  # steps only at the accumulation boundary (the last micro-step)
 
-        say("first step (creates optimizer state)")
-        probe.reset()
-        step()
-        meas.first_step_bytes = probe.result()[0]
-        say("measured step")
-        probe.reset()
-        step()
-        fill_measurement(meas, probe.result(), probe, "cpu", None, tracer, debug)
+        fill_measurement(meas, two_steps(meas, probe, step, say), probe, "cpu", None, tracer, debug)
     return meas
 
 

@@ -44,7 +44,7 @@ from .offload import OffloadActivations
 from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
 from .model import torch_dtype
 from .optim import MasterWeights, allow_fused_on, build_optimizer
-from .runner import Measurement, _nullcontext, _Probe, fill_measurement, register_fused_step, unsupported
+from .runner import Measurement, _nullcontext, _Probe, fill_measurement, register_fused_step, two_steps, unsupported
 from .tracer import StorageTracer
 
 
@@ -215,15 +215,8 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
         if isinstance(opt, MasterWeights):
             tracer.track(opt.masters.values())
     with allow_fused_on(dev_type), hf_patches(model, kernels), kernels, ctx:
-        say("first step (creates optimizer state)")
-        probe.reset()
-        step()
-        meas.first_step_bytes = probe.result()[0]
-        say("measured step")
-        probe.reset()
-        step()
-        peak, phase, label, peaks = probe.result()
-    fill_measurement(meas, (peak, phase, label, peaks), probe, dev_type, sim, tracer, debug)
+        result = two_steps(meas, probe, step, say)
+    fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)
     if offload is not None:
         meas.host_activation_bytes = offload.max_pinned_bytes
     if kernels_seen is not None:

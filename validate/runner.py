@@ -80,6 +80,22 @@ class Measurement:
         return asdict(self)
 
 
+def two_steps(meas: "Measurement", probe: "_Probe", step: Callable[[], None], say: Callable[[str], None],
+              before_measured: Callable[[], None] = lambda: None) -> tuple:
+    """Run the first step (it creates the optimizer state; its peak goes to
+    ``meas.first_step_bytes``), then ``before_measured()`` and the measured step; returns the
+    measured step's ``probe.result()``."""
+    say("first step (creates optimizer state)")
+    probe.reset()
+    step()
+    meas.first_step_bytes = probe.result()[0]
+    say("measured step")
+    before_measured()
+    probe.reset()
+    step()
+    return probe.result()
+
+
 def fill_measurement(meas: "Measurement", result: tuple, probe: "_Probe", dev_type: str,
                      sim: Optional[CachingAllocatorSim], tracer: Optional[StorageTracer], debug: bool) -> None:
     """Record the measured step's ``probe.result()`` (peak, phase, label, per-phase peaks) in ``meas``,

@@ -241,7 +241,7 @@ def _trace(exp, m, meas, say, debug: bool) -> None:
     from ..devices import fake_as_meta
     from ..model import build_model, param_count
     from ..optim import MasterWeights, allow_fused_on, build_optimizer
-    from ..runner import _Probe, fill_measurement
+    from ..runner import _Probe, fill_measurement, two_steps
     from .fake_dist import DEVICE, fake_world
     from .fsdp2 import apply_fsdp2, precision_plan
     from .rank_tracer import local_tensors
@@ -300,15 +300,8 @@ def _trace(exp, m, meas, say, debug: bool) -> None:
             if isinstance(opt, MasterWeights):
                 tracer.track(local_tensors(opt.masters.values()))
             with tracer:
-                say("first step (creates optimizer state)")
-                probe.reset()
-                step()
-                meas.first_step_bytes = probe.result()[0]
-                say("measured step")
-                gc.collect()
-                probe.reset()
-                step()
-            fill_measurement(meas, probe.result(), probe, "meta", None, tracer, debug)
+                result = two_steps(meas, probe, step, say, before_measured=gc.collect)
+            fill_measurement(meas, result, probe, "meta", None, tracer, debug)
             model.on_label = None
             del model, opt, trainable
             gc.collect()
