@@ -17,9 +17,9 @@ from typing import Any
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import (HF_OPTIMIZERS, Reader, Recipe, bool_value, choice, float_value, int_value,
+from memcalc.inputs.recipes.common import (HF_OPTIMIZERS, Reader, Recipe, bool_value, choice, int_value,
                                            model_for_hub_id, peft_targets, set_deepspeed, set_fsdp)
-from memcalc.inputs.recipes.hf import attention, packing
+from memcalc.inputs.recipes.hf import attention, lora_settings, packing
 
 IGNORE = (
     "base_model_config", "model_type", "tokenizer_type", "tokenizer_config", "is_*_derived_model", "strict",
@@ -132,18 +132,7 @@ def _lora(r: Reader) -> None:
     r.set("lora", True, "adapter", adapter)
     if qlora:
         r.set("qlora", True, "adapter", adapter)
-    if r.has("lora_r"):
-        r.set("lora_rank", int_value(r.get("lora_r"), f"{src}:lora_r"), "lora_r")
-    else:
-        r.set("lora_rank", 8, "lora_r (axolotl default)")
-    if r.has("lora_alpha"):
-        r.set("lora_alpha", float_value(r.get("lora_alpha"), f"{src}:lora_alpha"), "lora_alpha")
-    else:
-        r.set("lora_alpha", 16.0, "lora_alpha (axolotl default)")
-    if r.has("lora_dropout"):
-        d = float_value(r.get("lora_dropout"), f"{src}:lora_dropout")
-        if d:
-            r.set("lora_dropout", d, "lora_dropout")
+    lora_settings(r, 8, 16.0, None, "axolotl")
     linear = r.has("lora_target_linear") and bool_value(r.get("lora_target_linear"), f"{src}:lora_target_linear")
     mods = r.get("lora_target_modules")
     if linear:  # every linear layer but the head (PEFT all-linear); lora_target_modules adds nothing to it

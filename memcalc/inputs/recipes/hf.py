@@ -12,7 +12,7 @@ TRL's ``SFTConfig`` (``max_length``, formerly ``max_seq_length``; ``packing``) a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
@@ -181,20 +181,7 @@ def _trl_peft(r: Reader) -> None:
     if q4:
         r.set("qlora", True, "load_in_4bit")
         _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
-    if r.has("lora_r"):
-        r.set("lora_rank", int_value(r.get("lora_r"), f"{src}:lora_r"), "lora_r")
-    else:  # TRL ModelConfig.lora_r default
-        r.set("lora_rank", 16, "lora_r (TRL ModelConfig default)")
-    if r.has("lora_alpha"):
-        r.set("lora_alpha", float_value(r.get("lora_alpha"), f"{src}:lora_alpha"), "lora_alpha")
-    else:
-        r.set("lora_alpha", 32.0, "lora_alpha (TRL ModelConfig default)")
-    if r.has("lora_dropout"):
-        d = float_value(r.get("lora_dropout"), f"{src}:lora_dropout")
-        if d:
-            r.set("lora_dropout", d, "lora_dropout")
-    else:
-        r.set("lora_dropout", 0.05, "lora_dropout (TRL ModelConfig default)")
+    lora_settings(r, 16, 32.0, 0.05, "TRL ModelConfig")  # TRL ModelConfig's defaults
     if r.has("lora_target_modules"):
         t = r.get("lora_target_modules")
         r.set("lora_targets", peft_targets(t, f"{src}:lora_target_modules"), "lora_target_modules", t)
@@ -248,3 +235,23 @@ def peft(cfg: dict[str, Any], rec: Recipe, src: str, prefix: str) -> None:
         if cfg.get(k):
             raise UserError(f"{where}{k}: {clip(repr(cfg[k]))} is not modelled (memcalc adapts every target "
                             "alike, with nothing else trainable); remove it")
+
+
+def lora_settings(r: Reader, rank: int, alpha: float, dropout: Optional[float], whose: str) -> None:
+    """``lora_r``, ``lora_alpha`` and ``lora_dropout`` (TRL's and axolotl's names), each with
+    ``whose`` default when absent (``dropout`` None: no dropout set); a dropout of 0 sets none."""
+    src = r.src
+    if r.has("lora_r"):
+        r.set("lora_rank", int_value(r.get("lora_r"), f"{src}:lora_r"), "lora_r")
+    else:
+        r.set("lora_rank", rank, f"lora_r ({whose} default)")
+    if r.has("lora_alpha"):
+        r.set("lora_alpha", float_value(r.get("lora_alpha"), f"{src}:lora_alpha"), "lora_alpha")
+    else:
+        r.set("lora_alpha", alpha, f"lora_alpha ({whose} default)")
+    if r.has("lora_dropout"):
+        d = float_value(r.get("lora_dropout"), f"{src}:lora_dropout")
+        if d:
+            r.set("lora_dropout", d, "lora_dropout")
+    elif dropout is not None:
+        r.set("lora_dropout", dropout, f"lora_dropout ({whose} default)")
