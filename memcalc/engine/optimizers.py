@@ -11,7 +11,7 @@ keyed by those kinds (``STATE_LAYOUTS``, ``STEP_KINDS``), never by optimizer nam
 
 from __future__ import annotations
 
-from typing import Callable, get_args
+from typing import Callable, Optional, get_args
 
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS, StateLayout, StepKind
@@ -216,6 +216,11 @@ class OptimizerSim:
         # width: computed once per (numel, rows, bits) -- a deep stack repeats a few shapes
         self._states: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
         self._temps: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
+        # when a list (a steady-state step recording its events): (index into the simulator's events,
+        # the state blocks) where a first step would create each parameter's state, i.e. the first
+        # create_state call for it inside the step (memcalc.engine.timeline.first_step_of)
+        self.created_at: Optional[list[tuple[int, list[T]]]] = None
+        self._created: set[str] = set()
 
     def _by_shape(self, cache: dict, fn: Callable[[Param, int, TrainingSpec], list[tuple[str, int]]],
                   p: Param) -> list[tuple[str, int]]:
@@ -234,6 +239,9 @@ class OptimizerSim:
 
     def create_state(self, p: Param) -> None:
         if p.name in self.state:
+            if self.created_at is not None and p.name not in self._created:
+                self._created.add(p.name)
+                self.created_at.append((len(self.sim.events or ()), self.state[p.name]))
             return
         if not self.on_gpu:
             self.state[p.name] = []

@@ -70,6 +70,9 @@ class Sim:
         # when a list: (uid, bytes) for each allocation and (uid, 0) for each free, in order,
         # for replaying the CUDA caching allocator (memcalc.engine.allocator)
         self.events: Optional[list[tuple[int, int]]] = None
+        # with ``events``: (index into events, phase) where each phase begins (Sim.mark), so that a
+        # step's first-step twin can be derived from its events (memcalc.engine.timeline)
+        self.event_phases: list[tuple[int, str]] = []
         self._uid = 0
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
@@ -284,6 +287,8 @@ class Sim:
         if phase is not None:
             self.phase = phase
             self.phase_peaks.setdefault(phase, self.total)
+            if self.events is not None:
+                self.event_phases.append((len(self.events), phase))
         self.label = label
         if self.record_timeline:
             self.timeline.append(TimelinePoint(len(self.timeline), label, self.phase, dict(self.by_kind)))

@@ -15,7 +15,9 @@ frees its gradient at once.
 from __future__ import annotations
 
 import gc
+from bisect import bisect_left
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Optional
 
 from memcalc.core.errors import UserError
@@ -55,6 +57,12 @@ class SimResult:
     host_offload: Optional[tuple[int, int, int]] = None
     #: bitsandbytes paged optimizer state (CUDA unified memory, not in the peak); None when not paged
     paged_state_bytes: Optional[int] = None
+    #: with ``events``: (index into events, phase) where each phase begins
+    event_phases: Optional[list[tuple[int, str]]] = None
+    #: a steady-state step with ``events`` outside DeepSpeed: the uids of the optimizer state allocated
+    #: in setup, and (index into events, [(uid, bytes)]) where a first step would create each
+    #: parameter's state instead (:func:`first_step_of`)
+    state_moves: Optional[tuple[frozenset[int], list[tuple[int, list[tuple[int, int]]]]]] = None
 
 
 def check_supported(exp: ExperimentSpec) -> None:
@@ -186,6 +194,10 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
     model, opt = weights_and_state(sim, exp, create_state=not first_step)
     sim.mark("step start", "setup")
     step_start = len(sim.events) if sim.events is not None else 0
+    twin = events and not first_step and isinstance(opt, OptimizerSim)
+    if twin:  # where a first step would create the state (first_step_of)
+        setup_state = frozenset(t.uid for ts in opt.state.values() for t in ts if t.uid)
+        opt.created_at = []
     if tr.activation_offload:
         sim.offload = ActivationOffload()
 
@@ -263,6 +275,72 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
                       sim.offload.max_offloaded_tensors)
         if sim.offload is not None else None,
         paged_state_bytes=opt.paged_bytes if OPTIMIZERS[tr.optimizer].paged else None,
+        event_phases=sim.event_phases if events else None,
+        state_moves=(setup_state, [(i, [(t.uid, t.nbytes) for t in ts if t.uid]) for i, ts in opt.created_at])
+        if twin else None,
     )
     sim.release_graph()
     return result
+
+
+def first_step_of(steady: SimResult) -> Optional[SimResult]:
+    """The first step of a steady-state step simulated with ``events`` (outside DeepSpeed), without
+    simulating it: the same events in the same order with the same sizes, except the optimizer
+    state, which the steady step allocates in setup and the first step creates inside the step, each
+    parameter's at the first :meth:`memcalc.engine.optimizers.OptimizerSim.create_state` call for it
+    (:func:`first_step_within_steady`). So the first step's events are the steady step's with the
+    state's allocations moved from setup to those points (a parameter whose state the step never
+    creates has none), and its running totals, peak and peak phase follow from them. Gives what
+    ``estimate()`` reads of a first step: the peak, its phase, the events (the caching-allocator
+    replay) and the offloading / paged-state figures (the same events make the same ones; paged
+    state counts the steady step's, the higher, as ``estimate()`` takes the maximum); the peak's
+    breakdown and label are left empty (the first step cannot be the higher outside DeepSpeed).
+    ``tests/test_first_step.py`` compares it with simulated first steps. None without the
+    recorded moves (DeepSpeed, or a step simulated without events)."""
+    if steady.state_moves is None or steady.events is None or steady.event_phases is None:
+        return None
+    setup_state, moves = steady.state_moves
+    evs, start = steady.events, steady.step_start
+    # the events: setup less the state, then the step with each parameter's state where it is made
+    out = [e for e in evs[:start] if e[0] not in setup_state]
+    step_start = len(out)
+    made_at = [i for i, _ in moves]  # ascending; every index is in the step (recorded after setup)
+    inserted = [0]  # inserted[k]: state events made before the k-th move's index
+    prev = start
+    for i, made in moves:
+        out += evs[prev:i]
+        out += made
+        prev = i
+        inserted.append(inserted[-1] + len(made))
+    out += evs[prev:]
+
+    def derived(m: int) -> int:
+        """Where the steady step's event index ``m`` lands (a phase mark there precedes any state
+        made at the same index: the optimizer step's phase begins, then its state is made)."""
+        if m <= start:
+            return m - sum(1 for e in evs[:m] if e[0] in setup_state)
+        return m - (start - step_start) + inserted[bisect_left(made_at, m)]
+
+    # running totals (a free gives back its allocation's bytes) and, per phase stretch, the highest
+    # total an allocation reaches (Sim.alloc: the peak is the first highest; Sim.mark starts a
+    # phase's peak at the total when it begins)
+    size = {uid: n for uid, n in out if n}
+    totals = list(accumulate(n or -size[uid] for uid, n in out))
+    alloc_totals = [t if e[1] else 0 for t, e in zip(totals, out)]
+    cuts = [(derived(m), ph) for m, ph in steady.event_phases] + [(len(out), "")]
+    phases: dict[str, int] = {}
+    peak = 0
+    peak_phase = ""
+    for (a, ph), (b, _) in zip(cuts, cuts[1:]):
+        phases.setdefault(ph, totals[a - 1] if a else 0)
+        if a < b:
+            top = max(alloc_totals[a:b])
+            if top > phases[ph]:
+                phases[ph] = top
+            if top > peak:
+                peak, peak_phase = top, ph
+    return SimResult(
+        peak_bytes=peak, peak_phase=peak_phase, peak_label="", peak_categories={}, peak_kinds={},
+        phases={k: v for k, v in phases.items() if k != "setup"}, timeline=[], max_activation_bytes=steady.max_activation_bytes,
+        events=out, step_start=step_start, host_offload=steady.host_offload,
+        paged_state_bytes=steady.paged_state_bytes)

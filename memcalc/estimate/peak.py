@@ -1,7 +1,7 @@
 """estimate(experiment) -> Estimate: the peak over the step's timeline, and what sets it.
 
-Runs the steady-state step and the first step (where optimizer state is
-created) on the simulator; the reported peak is the higher of the two, as a
+Runs the steady-state step on the simulator and takes the first step (where optimizer state is
+created) from it, or simulates that too under DeepSpeed; the reported peak is the higher of the two, as a
 ``torch.cuda.max_memory_allocated`` reading over a run would be. The memory a
 GPU must have adds two stated overheads: the CUDA context and the caching
 allocator's slack (reserved minus allocated).
@@ -21,7 +21,7 @@ from memcalc.estimate.techniques import technique_assumptions, technique_extra, 
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
-from memcalc.engine.timeline import first_step_within_steady
+from memcalc.engine.timeline import first_step_of, first_step_within_steady
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec
 from memcalc.estimate.step import simulate
 from memcalc.core.units import MiB
@@ -190,8 +190,10 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     ``replay`` (default: as ``timeline``) also replays the caching allocator over the steady
     step and the first step, for ``allocator_peak_bytes`` and ``reserved_peak_bytes``."""
     replay = timeline if replay is None else replay
-    steady = simulate(exp, first_step=False, record_timeline=timeline, events=replay)
-    first = simulate(exp, first_step=True, record_timeline=False, events=replay)
+    # the first step follows from the steady step's events where it runs the same ones (not under
+    # DeepSpeed: memcalc.engine.timeline.first_step_of); otherwise it is simulated too
+    steady = simulate(exp, first_step=False, record_timeline=timeline, events=True)
+    first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay)
     alloc_extra: dict = {}
     if replay:
         a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)

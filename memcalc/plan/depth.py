@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
+from itertools import repeat
 from typing import Callable, Optional
 
 import numpy as np
@@ -103,51 +104,80 @@ def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
 Event = tuple[int, int, int, int]
 
 
-def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int) -> Optional[tuple[dict, dict, list]]:
+def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int) -> Optional[tuple[dict, dict, np.ndarray]]:
     """Group a shallow step's allocations by named block (see the module docstring).
 
     Returns (blocks, interior, setup): blocks maps (phase, label template, place) to the
-    allocations in order, each as (bytes alive before it, bytes requested) (place: "first",
+    allocations in order, an int64 array (allocations, 4) of :data:`Event` rows (place: "first",
     "second", "penultimate", "last", or "" outside the layers; depth 3's middle layer is both
     "second" and "penultimate"); interior maps (phase, template) to {layer: allocations} for the
-    layers strictly inside the stack; setup lists the setup phase's running totals. None: labels
-    this method does not understand (a checkpointed segment of several layers)."""
-    blocks: dict[tuple[str, str, str], list[Event]] = {}
-    interior: dict[tuple[str, str], dict[int, list[Event]]] = {}
-    setup: list[int] = []
-    parsed: dict[str, Optional[tuple[Optional[int], str]]] = {}  # label -> (layer, template); labels repeat
-    for total, phase, label, req in trace:
+    layers strictly inside the stack; setup holds the setup phase's running totals. None: labels
+    this method does not understand (a checkpointed segment of several layers).
+
+    Each (phase, label) pair is one block (a label names one layer, or none), so the events are
+    grouped by that pair with one stable sort; only the distinct labels are parsed."""
+    empty = np.empty((0, 4), dtype=np.int64)
+    if not trace:
+        return {}, {}, empty[:, 0]
+    tot, phs, labs, reqs = zip(*trace)
+    pair_id: dict[tuple[str, str], int] = {}
+    gid = np.fromiter([pair_id.setdefault(k, len(pair_id)) for k in zip(phs, labs)], dtype=np.int64, count=len(trace))
+    req = np.fromiter(reqs, dtype=np.int64, count=len(trace))
+    whole, parts = req, np.ones_like(req)
+    shared = np.flatnonzero(np.fromiter(map(isinstance, reqs, repeat(Share)), dtype=bool, count=len(trace)))
+    if len(shared):
+        whole, parts = req.copy(), parts.copy()
+        whole[shared] = [reqs[i].whole for i in shared]
+        parts[shared] = [reqs[i].parts for i in shared]
+    total = np.fromiter(tot, dtype=np.int64, count=len(trace))
+    before = total - -(-req // round_bytes) * round_bytes  # the request rounded as Sim.alloc does
+    ev = np.stack([before, req, whole, parts], axis=1)
+    setup_mask = np.zeros(len(pair_id), dtype=bool)
+    order = np.argsort(gid, kind="stable")
+    cuts = np.searchsorted(gid[order], np.arange(1, len(pair_id)))
+    rows = np.split(ev[order], cuts)
+    blocks: dict[tuple[str, str, str], np.ndarray] = {}
+    interior: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for (phase, label), g in pair_id.items():
         if phase == "setup" and label != STEP_START:
-            setup.append(total)
+            setup_mask[g] = True
             continue
-        before = total - -(-req // round_bytes) * round_bytes  # the request rounded as Sim.alloc does
-        ev = (before, req, req.whole, req.parts) if type(req) is Share else (before, req, req, 1)
-        got = parsed.get(label, _UNSEEN)
-        if got is _UNSEEN:
-            got = parsed[label] = _parse_label(label)
+        got = _parse(label)
         if got is None:
             return None
         layer, tmpl = got
         if layer is None:
-            blocks.setdefault((phase, label, ""), []).append(ev)
+            blocks[(phase, label, "")] = rows[g]
             continue
-        places = []
         if layer == 0:
-            places.append("first")
+            blocks[(phase, tmpl, "first")] = rows[g]
         elif layer == depth - 1:
-            places.append("last")
+            blocks[(phase, tmpl, "last")] = rows[g]
         else:
-            interior.setdefault((phase, tmpl), {}).setdefault(layer, []).append(ev)
+            interior.setdefault((phase, tmpl), {})[layer] = rows[g]
             if layer == 1:
-                places.append("second")
+                blocks[(phase, tmpl, "second")] = rows[g]
             if layer == depth - 2:
-                places.append("penultimate")
-        for pl in places:
-            blocks.setdefault((phase, tmpl, pl), []).append(ev)
-    return blocks, interior, setup
+                blocks[(phase, tmpl, "penultimate")] = rows[g]
+    return blocks, interior, total[setup_mask[gid]]
+
+
+#: Parsed labels, shared by every trace (labels repeat across steps and setups).
+_PARSED: dict[str, Optional[tuple[Optional[int], str]]] = {}
+
+
+def _parse(label: str) -> Optional[tuple[Optional[int], str]]:
+    """:func:`_parse_label`, cached."""
+    got = _PARSED.get(label, _UNSEEN)
+    if got is _UNSEEN:
+        if len(_PARSED) > 100_000:
+            _PARSED.clear()
+        got = _PARSED[label] = _parse_label(label)
+    return got
 
 
 _UNSEEN = object()
+_NO_EVENTS = np.empty((0, 4), dtype=np.int64)
 
 
 def _parse_label(label: str) -> Optional[tuple[Optional[int], str]]:
@@ -250,7 +280,7 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     for (blocks, interior, setup), d in zip(parsed, depths):  # type: ignore[misc]
         # setup only allocates (weights, state): its highest total is its last, which the
         # step's first allocation exceeds, so it never sets a maximum
-        if any(b < a for a, b in zip(setup, setup[1:])):
+        if np.any(np.diff(setup) < 0):
             return None
         for by_layer in interior.values():
             if sorted(by_layer) != list(range(1, d - 1)) or not _uniform([by_layer[i] for i in range(1, d - 1)]):
@@ -276,7 +306,7 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
             one_gpu.append(None if got1 is None or any(g is None for g in got1) else [g[0] for g in got1])
         if one_gpu[0] is None:
             return None
-        ug = named([b.get(k, []) for b in one_gpu[0]])
+        ug = named([b.get(k, _NO_EVENTS) for b in one_gpu[0]])
         u = ug[i] if ug is not None and len(ug) == parts_n else None
         return u if u is not None and u.shape == shape else None
 
