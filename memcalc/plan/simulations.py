@@ -33,10 +33,26 @@ class Trace:
 
 #: Simulated peaks by (experiment, first_step): fit points and direct checks share them.
 PEAK_CACHE: dict[tuple[ExperimentSpec, bool], int] = {}
+#: Step traces by (experiment, first_step, direct) (:func:`step_trace`). Like the peaks, the traces a
+#: plan's worker process simulates come back to the parent (:mod:`memcalc.plan.parallel`), so that
+#: a later stage in another worker (a fit whose first point is an option's batch-1 step) reuses them.
+TRACE_CACHE: dict[tuple[ExperimentSpec, bool, bool], Trace] = {}
+#: At most this many traces are kept (a few MB each at most).
+TRACE_CACHE_SIZE = 512
 
 
-@lru_cache(maxsize=256)
 def step_trace(exp: ExperimentSpec, first_step: bool, direct: bool = False) -> Trace:
+    """:func:`_step_trace`, cached in :data:`TRACE_CACHE`."""
+    key = (exp, first_step, direct)
+    got = TRACE_CACHE.get(key)
+    if got is None:
+        if len(TRACE_CACHE) >= TRACE_CACHE_SIZE:
+            TRACE_CACHE.clear()
+        got = TRACE_CACHE[key] = _step_trace(exp, first_step, direct)
+    return got
+
+
+def _step_trace(exp: ExperimentSpec, first_step: bool, direct: bool = False) -> Trace:
     """One simulated step with its allocation trace (cached: plans ask for the same points).
     A deep uniform stack is simulated at three shallow depths and extrapolated exactly
     (:func:`memcalc.plan.depth.deep_trace`); otherwise, or with ``direct``, the step is simulated
