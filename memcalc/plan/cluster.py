@@ -14,7 +14,7 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
-from memcalc.plan.layouts import layout_setups, search_layouts
+from memcalc.plan.layouts import layout_probes, layout_setups, search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, smallest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
@@ -145,6 +145,8 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
                 jobs.add((with_training(by_ck["full"], gpus=n), True))
                 if req[s]["none"][n - 1] <= cap:
                     jobs.add((with_training(by_ck["none"], gpus=n), True))
+        jobs |= layout_probes(setups["full"], {int(g.capacity_bytes): seed_of("full", int(g.capacity_bytes))
+                                               for g in cards}, GPU_CAP, tp_fits)
         jobs = {j for j in jobs if required_bytes(state_floor(j[0])) <= max(int(g.capacity_bytes) for g in cards)}
         parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
     rows = []

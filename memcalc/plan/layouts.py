@@ -69,6 +69,39 @@ def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int, fit: Optio
     return int(ok[0]) + 2 if len(ok) else None
 
 
+def layout_probes(full: dict[str, ExperimentSpec], caps: dict[int, Optional[int]], n_max: int,
+                  fits: dict[ExperimentSpec, GpusFit]) -> set[tuple[ExperimentSpec, bool]]:
+    """The steps :func:`search_layouts` is likely to ask about, for simulating ahead in parallel
+    (``(experiment, whether its first step too)``, as ``plan_cluster``'s other probes): per card
+    capacity (mapped to the fitted fewest GPUs without tensor parallelism, None: none fit), the
+    layout the search confirms first: the tensor-parallel degree whose fitted fewest data-parallel
+    ranks ``dp`` give the fewest GPUs, fewer than ZeRO-3 alone; then ``dp``, ``dp - 1`` (what
+    confirms it) and checkpointing none at ``dp``. A guess: the search itself decides, simulating
+    what is missing."""
+    out: set[tuple[ExperimentSpec, bool]] = set()
+    base = full["full"]
+    best: dict[int, tuple[int, int, ExperimentSpec]] = {}  # cap -> (dp x tp, tp, dp): the first confirmed
+    for tp in tp_degrees(base):
+        e = with_training(base, tp=tp, sequence_parallel=True)
+        fit = fits.get(e)
+        hi = n_max // tp
+        if fit is None or hi < 2:
+            continue
+        req = fit.required(np.arange(2, hi + 1))
+        for cap, n in caps.items():
+            ok = np.nonzero(req <= cap)[0]
+            if len(ok) and (n is None or (int(ok[0]) + 2) * tp < n):  # fewer GPUs than ZeRO-3 alone
+                dp = int(ok[0]) + 2
+                best[cap] = min(best.get(cap, (dp * tp, tp, dp)), (dp * tp, tp, dp))
+    for _, tp, dp in best.values():
+        e = with_training(base, tp=tp, sequence_parallel=True)
+        out.add((with_training(e, gpus=dp), True))
+        if dp > 2:
+            out.add((with_training(e, gpus=dp - 1), False))
+        out.add((with_training(full["none"], tp=tp, sequence_parallel=True, gpus=dp), True))
+    return out
+
+
 def _confirmed(exp: ExperimentSpec, cap: int, n: int, n_max: int) -> Optional[int]:
     """The fitted count ``n`` made exact with direct estimates: the fewest data-parallel ranks in
     2..n_max that fit (:func:`memcalc.plan.limits.smallest_by_value`, from ``n``), or None."""
