@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.engine.timeline import simulate, weights_and_state_bytes
+from memcalc.engine.timeline import floor_bytes, simulate, weights_and_state_bytes
 from memcalc.estimate.peak import CUDA_CONTEXT_BYTES, estimate, required_bytes
 from memcalc.plan.fits import fit_gpus, fit_step
 from memcalc.inputs.gpus import get_gpu
@@ -319,6 +319,21 @@ def test_weights_and_state_bytes_is_what_the_step_starts_with(tech):
             alive.pop(uid)
     assert weights_and_state_bytes(exp) == sum(alive.values()) > 0
     assert weights_and_state_bytes(exp) <= r.peak_bytes
+
+
+@pytest.mark.parametrize("tech", techniques()[::9], ids=lambda t: t.key())
+def test_floor_is_alive_before_the_optimizer_step(tech):
+    """The plan's no-forward floor (weights, state and, before an unfused step, every gradient) is
+    at most what is alive when backward ends (the instant it describes), and so at most the peak."""
+    exp = ExperimentSpec(model=tiny_llama(), training=tech.training(2, 64))
+    r = simulate(exp, first_step=False, record_timeline=True)
+    end = [p for p in r.timeline if p.label == "backward end"][-1]
+    floor = floor_bytes(exp)
+    assert floor <= sum(end.by_kind.values()) <= r.peak_bytes
+    grads = floor - weights_and_state_bytes(exp)
+    assert (grads > 0) == (not tech.fused)  # every option here trains something, on one GPU
+    if grads:  # every trainable parameter's gradient is alive there
+        assert end.by_kind["gradients"] >= grads
 
 
 # --------------------------------------------------------------------------- plan (catalog)

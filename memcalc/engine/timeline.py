@@ -142,6 +142,31 @@ def weights_and_state_bytes(exp: ExperimentSpec) -> int:
     return sim.total
 
 
+def grads_all_alive(exp: ExperimentSpec) -> bool:
+    """Whether every trainable parameter's whole gradient is alive at once with the weights and
+    the optimizer state in a steady-state step (after the last backward, before the optimizer
+    step): an unfused step (a fused one frees each gradient as it steps it) whose gradients are
+    neither sharded (ZeRO over several GPUs, DeepSpeed) nor moved to the host (optimizer offload)."""
+    tr = exp.training
+    return (not tr.fused_optimizer and not tr.offload_optimizer and not uses_deepspeed(exp)
+            and (tr.zero == 0 or tr.gpus == 1))
+
+
+def floor_bytes(exp: ExperimentSpec) -> int:
+    """A lower bound of the steady step's peak that needs no forward pass: the weights and optimizer
+    state (:func:`weights_and_state_bytes`) plus, where they are all alive together
+    (:func:`grads_all_alive`), every trainable parameter's gradient, each rounded as the allocator
+    rounds it (``Param.grad_bytes``; the moment before the optimizer step)."""
+    sim = Sim(exp.profile.allocator_round_bytes)
+    sim.record_timeline = False
+    model, _ = weights_and_state(sim, exp, create_state=True)
+    total = sim.total
+    if grads_all_alive(exp):
+        rb = max(exp.profile.allocator_round_bytes, 1)
+        total += sum(-(-p.grad_bytes // rb) * rb for p in model.order if p.trainable)
+    return total
+
+
 def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model):
     """What gathers and reduces the sharded state during the step: FSDP2's per-unit buffers
     (:class:`memcalc.engine.fsdp.FSDP2`), FSDP1's flat units (:class:`memcalc.engine.fsdp1.FSDP1`), the generic ZeRO-3 layer gathers

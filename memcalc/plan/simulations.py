@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.timeline import first_step_within_steady, weights_and_state_bytes
+from memcalc.engine.timeline import first_step_within_steady, floor_bytes
 from memcalc.engine.deepspeed import uses_deepspeed
 from memcalc.plan.depth import SHALLOW_DEPTHS, applies, deep_trace, shallow
 from memcalc.estimate.step import simulate
@@ -106,22 +106,22 @@ def estimated_peak(exp: ExperimentSpec) -> int:
 
 
 def state_floor(exp: ExperimentSpec) -> int:
-    """Weights plus optimizer state at the start of a steady-state step
-    (:func:`memcalc.engine.timeline.weights_and_state_bytes`): a lower bound of the peak that
-    needs no forward pass. Batch, seq, checkpointing and the fused step do not change it, so they
-    are fixed for the cache."""
-    tr = exp.training.model_copy(update={"batch": 1, "seq": 2, "checkpoint": "none", "fused_optimizer": False})
+    """Weights plus optimizer state (plus every gradient, where all are alive together before an
+    unfused optimizer step: :func:`memcalc.engine.timeline.floor_bytes`): a lower bound of the
+    steady step's peak that needs no forward pass. Batch, seq and checkpointing do not change it,
+    so they are fixed for the cache."""
+    tr = exp.training.model_copy(update={"batch": 1, "seq": 2, "checkpoint": "none"})
     return _state_floor_of(ExperimentSpec(model=exp.model, training=tr, profile=exp.profile))
 
 
 @lru_cache(maxsize=512)
 def _state_floor_of(exp: ExperimentSpec) -> int:
-    """Weights plus state; for a uniform stack from the 3-, 4- and 5-layer copies: every layer
-    allocates the same tensors (each rounded on its own, nothing freed), so the bytes are affine in
-    the depth (checked over the three; not under DeepSpeed, whose flat partition is a share of the
-    whole model, :mod:`memcalc.plan.depth`)."""
+    """The floor; for a uniform stack from the 3-, 4- and 5-layer copies: every layer allocates the
+    same weights, state and gradients (each rounded on its own, nothing freed), so the bytes are
+    affine in the depth (checked over the three; not under DeepSpeed, whose flat partition is a
+    share of the whole model, :mod:`memcalc.plan.depth`)."""
     if applies(exp) and not uses_deepspeed(exp):
-        f = [weights_and_state_bytes(shallow(exp, d)) for d in SHALLOW_DEPTHS]
+        f = [floor_bytes(shallow(exp, d)) for d in SHALLOW_DEPTHS]
         if f[2] - f[1] == f[1] - f[0]:
             return f[0] + (exp.model.n_layers - SHALLOW_DEPTHS[0]) * (f[1] - f[0])
-    return weights_and_state_bytes(exp)
+    return floor_bytes(exp)
