@@ -63,6 +63,10 @@ class SimResult:
     #: in setup, and (index into events, [(uid, bytes)]) where a first step would create each
     #: parameter's state instead (:func:`first_step_of`)
     state_moves: Optional[tuple[frozenset[int], list[tuple[int, list[tuple[int, int]]]]]] = None
+    #: an unfused step simulated with ``fused_twin``: where each gradient became ready
+    #: (:class:`GradReady`), from which :func:`fused_twin_of` derives the same step with the
+    #: optimizer fused into backward
+    grads_ready: Optional[list["GradReady"]] = None
 
 
 def check_supported(exp: ExperimentSpec) -> None:
@@ -182,12 +186,14 @@ def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model):
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
              trace_allocs: bool = False, events: bool = False,
-             strategy: Optional[Callable[[], LayerStrategy]] = None) -> SimResult:
+             strategy: Optional[Callable[[], LayerStrategy]] = None, fused_twin: bool = False) -> SimResult:
     """Simulate one optimizer step of ``exp``; see the module docstring for what it covers.
     ``trace_allocs`` also returns the running total (and phase) after every allocation.
     ``strategy`` makes the layer strategy of each micro-step (default: eager, or
     checkpointing as the spec asks); a compiled step needs one from :mod:`memcalc.compile`
-    (:func:`memcalc.estimate.step.simulate` chooses).
+    (:func:`memcalc.estimate.step.simulate` chooses). ``fused_twin`` (with ``trace_allocs``, where
+    :func:`fused_twin_applies`) also records where each gradient becomes ready, for
+    :func:`fused_twin_of`.
 
     Python's cyclic garbage collector is paused while the step runs: the simulation makes tens of
     thousands of objects that live until it ends, which the collector would otherwise traverse
@@ -196,14 +202,15 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     if paused:
         gc.disable()
     try:
-        return _simulate(exp, first_step, record_timeline, trace_allocs, events, strategy)
+        return _simulate(exp, first_step, record_timeline, trace_allocs, events, strategy,
+                         fused_twin and trace_allocs and not first_step and fused_twin_applies(exp))
     finally:
         if paused:
             gc.enable()
 
 
 def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trace_allocs: bool, events: bool,
-              strategy: Optional[Callable[[], LayerStrategy]]) -> SimResult:
+              strategy: Optional[Callable[[], LayerStrategy]], fused_twin: bool = False) -> SimResult:
     check_supported(exp)
     tr = exp.training
     if strategy is None:
@@ -244,6 +251,16 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
 
     if isinstance(opt, DeepSpeedZero2):
         sim.grad_ready = opt.grad_ready
+    grads_ready: Optional[list[GradReady]] = None
+    if fused_twin:  # where a fused step would step and free each gradient (fused_twin_of)
+        grads_ready = []
+        assert sim.grad_ready is None and isinstance(opt, OptimizerSim)
+
+        def ready(s: Sim, p: Param) -> None:
+            grads_ready.append(GradReady(len(s.alloc_trace), s.total, s.label, s.phase,  # type: ignore[union-attr,arg-type]
+                                         opt._temps_of(p), p.grad.nbytes))  # type: ignore[union-attr]
+
+        sim.grad_ready = ready
     # DeepSpeed ZeRO-3 gathers its own way (engine.deepspeed); FSDP2/FSDP1/generic ZeRO-3 otherwise
     gather = opt.gather if isinstance(opt, DeepSpeedZero3) else sharded_runtime(sim, exp, model)
     if gather is not None:
@@ -303,6 +320,7 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
         event_phases=sim.event_phases if events else None,
         state_moves=(setup_state, [(i, [(t.uid, t.nbytes) for t in ts if t.uid]) for i, ts in opt.created_at])
         if twin else None,
+        grads_ready=grads_ready,
     )
     sim.release_graph()
     return result
@@ -369,3 +387,84 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
         phases={k: v for k, v in phases.items() if k != "setup"}, timeline=[], max_activation_bytes=steady.max_activation_bytes,
         events=out, step_start=step_start, host_offload=steady.host_offload,
         paged_state_bytes=steady.paged_state_bytes)
+
+
+@dataclass(frozen=True)
+class GradReady:
+    """An unfused step's gradient becoming ready (AccumulateGrad, :meth:`Sim._run_node`): where a
+    fused step would run that parameter's optimizer step (:meth:`OptimizerSim.step_param`) and
+    free its gradient."""
+
+    trace_at: int  # allocations traced before it
+    total: int  # bytes alive then (the new gradient included)
+    label: str
+    phase: str
+    temps: list[tuple[str, int]]  # the parameter's step temporaries (per_param_temps)
+    grad_bytes: int  # the gradient's block
+
+
+def fused_twin_applies(exp: ExperimentSpec) -> bool:
+    """Whether :func:`fused_twin_of` may derive ``exp``'s step with a fused optimizer from its
+    unfused one: a single-GPU eager step (no ZeRO sharding, DeepSpeed, tensor parallelism or
+    torch.compile, whose gradients leave the backward together), one micro-step, the optimizer
+    state on the GPU, the steady state (a fused first step makes its state inside backward)."""
+    tr = exp.training
+    return (not tr.fused_optimizer and tr.grad_accum == 1 and not tr.compile and not tr.offload_optimizer
+            and tr.tp == 1 and (tr.zero == 0 or tr.gpus == 1) and not uses_deepspeed(exp)
+            and not tr.activation_offload)
+
+
+def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
+    """The steady step with the optimizer fused into backward, from the same step unfused (simulated
+    with ``fused_twin``), without simulating it. The two run the same events up to each gradient
+    becoming ready; there the fused step runs that parameter's step temporaries
+    (``per_param_temps``, allocated and freed in order, the rest freed at the end:
+    :meth:`OptimizerSim.run_events`) and frees the gradient (the hook in :func:`_simulate`), and it
+    has no optimizer-step phase. So every later total is the unfused one less the gradients freed
+    so far, and the temporaries' totals follow from the total when the gradient was ready.
+
+    Gives the allocation trace (``alloc_trace``), the peak, its phase and label: what the plan
+    reads; the phase peaks, breakdown, events and timeline are left empty.
+    ``tests/test_fused_twin.py`` compares it with simulated fused steps. None without the
+    records."""
+    ready, trace = unfused.grads_ready, unfused.alloc_trace
+    if ready is None or trace is None:
+        return None
+    rb = max(round_bytes, 1)
+    out: list[tuple[int, str, str, int]] = []
+    freed = 0
+    k = 0
+
+    def step(g: GradReady) -> None:
+        nonlocal freed
+        cur = g.total - freed
+        live: dict[int, int] = {}
+        for i, (what, val) in enumerate(g.temps):
+            if what == "alloc":
+                n = -(-val // rb) * rb
+                live[i] = n
+                cur += n
+                out.append((cur, g.phase, g.label, val))
+            else:
+                cur -= live.pop(val)
+        freed += g.grad_bytes
+
+    end = len(trace)
+    while end and trace[end - 1][1] == "optimizer step":  # the unfused step's last phase
+        end -= 1
+    for i in range(end):
+        while k < len(ready) and ready[k].trace_at == i:
+            step(ready[k])
+            k += 1
+        total, phase, label, req = trace[i]
+        out.append((total - freed, phase, label, req))
+    while k < len(ready):
+        step(ready[k])
+        k += 1
+    peak, peak_phase, peak_label = 0, "", ""
+    for total, phase, label, _ in out:
+        if total > peak:
+            peak, peak_phase, peak_label = total, phase, label
+    return SimResult(peak_bytes=peak, peak_phase=peak_phase, peak_label=peak_label, peak_categories={},
+                     peak_kinds={}, phases={}, timeline=[], max_activation_bytes=unfused.max_activation_bytes,
+                     alloc_trace=out)

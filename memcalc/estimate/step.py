@@ -33,7 +33,7 @@ def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
 
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
-             trace_allocs: bool = False, events: bool = False) -> SimResult:
+             trace_allocs: bool = False, events: bool = False, fused_twin: bool = False) -> SimResult:
     """:func:`memcalc.engine.timeline.simulate` with the strategy :func:`strategy_for` picks."""
     return simulate_with(exp, first_step=first_step, record_timeline=record_timeline, trace_allocs=trace_allocs,
-                         events=events, strategy=strategy_for(exp))
+                         events=events, strategy=strategy_for(exp), fused_twin=fused_twin)

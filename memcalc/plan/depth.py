@@ -352,12 +352,9 @@ def deep_trace(exp: ExperimentSpec, first_step: bool) -> Optional[tuple[np.ndarr
     or the checks fail (then simulate directly). Their maximum is the direct simulation's peak."""
     if not applies(exp):
         return None
-    from memcalc.estimate.step import simulate
+    from memcalc.plan.steps import traced_step
 
-    traces = []
-    for d in SHALLOW_DEPTHS:
-        r = simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True)
-        traces.append(r.alloc_trace or [])
+    traces = [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in SHALLOW_DEPTHS]
     tr = exp.training
     # a request that grows with the depth under ZeRO is a rank's share ceil(S / N) of a sum (a flat
     # partition, the foreach step's temporary), not affine in the depth: it takes the one-GPU
@@ -373,7 +370,6 @@ def _one_gpu_traces(exp: ExperimentSpec, first_step: bool) -> Optional[list[list
     """The shallow traces of ``exp`` (on one GPU), shared by every ZeRO degree of the same setup."""
     if not applies(exp):
         return None
-    from memcalc.estimate.step import simulate
+    from memcalc.plan.steps import traced_step
 
-    return [simulate(shallow(exp, d), first_step=first_step, record_timeline=False, trace_allocs=True).alloc_trace or []
-            for d in SHALLOW_DEPTHS]
+    return [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in SHALLOW_DEPTHS]

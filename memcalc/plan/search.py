@@ -120,6 +120,11 @@ def _b1_peak(job: tuple[ExperimentSpec, int, bool]) -> Optional[int]:
     return estimated_peak(exp)
 
 
+def _b1_peaks(jobs: list[tuple[ExperimentSpec, int, bool]]) -> list[Optional[int]]:
+    """:func:`_b1_peak` of each job, in one process (an option and its fused twin)."""
+    return [_b1_peak(j) for j in jobs]
+
+
 def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]:
     """For each option index in ``idx``, the option whose fit seeds its search: options that differ
     only in the fused optimizer step share one fit (the unfused one's where both are planned). The
@@ -250,8 +255,16 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     floor_ok = [i for i, e in enumerate(exps) if techs[i].budget is None and required_bytes(state_floor(e)) <= cap]
     # 2. the exact peak at batch 1 of the rest; fit those (one fit per group of options that differ
     #    only in the fused step) in (batch, seq) and evaluate the whole grid at once
-    b1 = dict(zip(floor_ok, parallel_map(_b1_peak, [(exps[i], cap, include_all) for i in floor_ok],
-                                         heavy=lambda job: not applies(job[0]))))
+    #    (an option and its fused twin in one job: the fused step is derived from the unfused one,
+    #    memcalc.plan.steps)
+    pairs: dict[Technique, list[int]] = {}
+    for i in sorted(floor_ok, key=lambda i: techs[i].fused):
+        pairs.setdefault(replace(techs[i], fused=False), []).append(i)
+    b1: dict[int, Optional[int]] = {}
+    for idx, peaks in zip(pairs.values(), parallel_map(_b1_peaks, [[(exps[i], cap, include_all) for i in idx]
+                                                                    for idx in pairs.values()],
+                                                        heavy=lambda jobs: not applies(jobs[0][0]))):
+        b1.update(zip(idx, peaks))
     rep_of = fit_groups(techs, [i for i in floor_ok if b1[i] is not None])
     groups: dict[int, list[int]] = {r: [r] for r in sorted(set(rep_of.values()))}  # the fitted one first
     for i in sorted(rep_of):

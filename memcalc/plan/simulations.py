@@ -14,7 +14,7 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
 from memcalc.engine.deepspeed import uses_deepspeed
 from memcalc.plan.depth import SHALLOW_DEPTHS, applies, deep_trace, shallow
-from memcalc.estimate.step import simulate
+from memcalc.plan.steps import traced_step
 
 
 def with_training(exp: ExperimentSpec, **training: Any) -> ExperimentSpec:
@@ -66,7 +66,7 @@ def _step_trace(exp: ExperimentSpec, first_step: bool, direct: bool = False) -> 
             phases = ("first step",) * len(phases)
         _remember(exp, first_step, peak)
         return Trace(totals.astype(np.float64), phases, peak)
-    r = simulate(exp, first_step=first_step, record_timeline=False, trace_allocs=True)
+    r = traced_step(exp, first_step)
     tr = r.alloc_trace or []
     phases = tuple("first step" if first_step else ph for _, ph, _, _ in tr)
     _remember(exp, first_step, r.peak_bytes)
@@ -91,7 +91,7 @@ def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
     if key not in PEAK_CACHE:
         if applies(exp):
             return step_trace(exp, first_step).peak_bytes
-        _remember(exp, first_step, simulate(exp, first_step=first_step, record_timeline=False).peak_bytes)
+        _remember(exp, first_step, traced_step(exp, first_step).peak_bytes)
     return PEAK_CACHE[key]
 
 
