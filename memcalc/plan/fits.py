@@ -55,6 +55,13 @@ BATCH_DOMAIN = (1, 1 << 16)
 CURVATURE_TOL = 2e-6
 
 
+def sorted_unique(a) -> np.ndarray:
+    """``np.unique(a)`` for a plain array: sorted, without repeats. (numpy 2's ``np.unique`` imports
+    ``numpy.ma`` on its first call, ~40 ms of a plan's start.)"""
+    a = np.sort(np.asarray(a).ravel())
+    return a[np.concatenate(([True], a[1:] != a[:-1]))] if len(a) else a
+
+
 def bt_features(B, T, t_scale: float) -> np.ndarray:
     """Feature matrix (..., 6) for batch ``B`` and sequence ``T`` (T scaled by ``t_scale``
     so the coefficients stay well conditioned); broadcasts B against T."""
@@ -100,7 +107,7 @@ def _candidates(coef: np.ndarray, phases: tuple[str, ...], grid: np.ndarray,
     for name in dict.fromkeys(phases):
         idx = np.flatnonzero((ph == name) & keep)
         vals = grid @ coef[idx].T  # (G, k)
-        best = np.unique(idx[np.argmax(vals, axis=1)])
+        best = sorted_unique(idx[np.argmax(vals, axis=1)])
         out[name] = coef[best]
     return out
 
@@ -202,8 +209,8 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
         coef_f, ph_f, _ = solve(pts if quadratic else pts[:4], True, list(range(len(FEATURES))) if quadratic else lin)
         coef, phases_all = np.concatenate([coef_s, coef_f]), ph_s + ph_f
     t_max = exp.model.max_seq_len
-    bs = np.unique(np.round(np.geomspace(BATCH_DOMAIN[0], BATCH_DOMAIN[1], 25)))
-    ts = np.unique(np.concatenate([np.round(np.geomspace(2, max(t_max, 4), 25)), [t1, t2, t3]]))
+    bs = sorted_unique(np.round(np.geomspace(BATCH_DOMAIN[0], BATCH_DOMAIN[1], 25)))
+    ts = sorted_unique(np.concatenate([np.round(np.geomspace(2, max(t_max, 4), 25)), [t1, t2, t3]]))
     grid = bt_features(bs[:, None], ts[None, :], scale).reshape(-1, len(FEATURES))
     corners = None if quadratic else bt_features(
         np.array([BATCH_DOMAIN[0], BATCH_DOMAIN[1]])[:, None], np.array([2, max(t_max, 4)])[None, :], scale
@@ -259,4 +266,4 @@ def fit_gpus(exp: ExperimentSpec, n_max: int = 1024) -> GpusFit:
     return GpusFit(exp, np.concatenate(list(cands.values())))
 
 
-__all__ = ["FEATURES", "StepFit", "GpusFit", "fit_step", "fit_gpus", "bt_features", "fit_points"]
+__all__ = ["FEATURES", "StepFit", "GpusFit", "fit_step", "fit_gpus", "bt_features", "fit_points", "sorted_unique"]

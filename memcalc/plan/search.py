@@ -29,7 +29,7 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.cost import relative_cost
-from memcalc.plan.fits import fit_points, fit_step
+from memcalc.plan.fits import fit_points, fit_step, sorted_unique
 from memcalc.plan.limits import BATCH_CAP, CONFIRM_MARGIN, largest_true_array, max_batch, max_seq
 from memcalc.plan.options import Technique, default_seq, techniques
 from memcalc.plan.parallel import parallel_map
@@ -98,14 +98,14 @@ def evaluate_grid(stack: StackedFits, batches: np.ndarray, seqs: np.ndarray) -> 
 
 def batch_grid() -> np.ndarray:
     """Batches on the search grid: 1..64, then about 12% apart up to :data:`BATCH_CAP`."""
-    return np.unique(np.concatenate([np.arange(1, 65), np.round(np.geomspace(64, BATCH_CAP, 64))])).astype(np.int64)
+    return sorted_unique(np.concatenate([np.arange(1, 65), np.round(np.geomspace(64, BATCH_CAP, 64))])).astype(np.int64)
 
 
 def seq_grid(model: ModelSpec, seq: int) -> np.ndarray:
     """Sequence lengths on the search grid: about 9% apart from 2 to the model's maximum, plus ``seq``."""
     hi = model.max_seq_len
     g = np.round(np.geomspace(2, max(hi, 3), 96))
-    return np.unique(np.concatenate([g, [seq, hi]])).astype(np.int64)
+    return sorted_unique(np.concatenate([g, [seq, hi]])).astype(np.int64)
 
 
 def _b1_peak(job: tuple[ExperimentSpec, int, bool]) -> Optional[int]:
