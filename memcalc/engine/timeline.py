@@ -18,6 +18,7 @@ import gc
 from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import itemgetter
 from typing import Callable, Optional
 
 from memcalc.core.errors import UserError
@@ -433,7 +434,6 @@ def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
     rb = max(round_bytes, 1)
     out: list[tuple[int, str, str, int]] = []
     freed = 0
-    k = 0
 
     def step(g: GradReady) -> None:
         nonlocal freed
@@ -452,19 +452,21 @@ def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
     end = len(trace)
     while end and trace[end - 1][1] == "optimizer step":  # the unfused step's last phase
         end -= 1
-    for i in range(end):
-        while k < len(ready) and ready[k].trace_at == i:
-            step(ready[k])
-            k += 1
-        total, phase, label, req = trace[i]
-        out.append((total - freed, phase, label, req))
-    while k < len(ready):
-        step(ready[k])
-        k += 1
+    at = 0
+    for g in ready:  # the trace between gradients, less what has been freed (in order)
+        stop = min(g.trace_at, end)
+        if freed:
+            out += [(t - freed, ph, lab, req) for t, ph, lab, req in trace[at:stop]]
+        else:
+            out += trace[at:stop]
+        at = max(at, stop)
+        step(g)
+    out += [(t - freed, ph, lab, req) for t, ph, lab, req in trace[at:end]]
     peak, peak_phase, peak_label = 0, "", ""
-    for total, phase, label, _ in out:
-        if total > peak:
-            peak, peak_phase, peak_label = total, phase, label
+    if out:
+        top = max(out, key=itemgetter(0))  # the first highest, as Sim.alloc keeps it
+        if top[0] > 0:
+            peak, peak_phase, peak_label = top[0], top[1], top[2]
     return SimResult(peak_bytes=peak, peak_phase=peak_phase, peak_label=peak_label, peak_categories={},
                      peak_kinds={}, phases={}, timeline=[], max_activation_bytes=unfused.max_activation_bytes,
                      alloc_trace=out)
