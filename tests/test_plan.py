@@ -223,6 +223,15 @@ def test_plan_all_fits_flags_match_direct_estimates():
                 > FAKE.capacity_bytes
         else:
             assert o.max_batch == 0 and o.relative_cost is None
+        # every row is exact under --all, fitting or not: its max seq at batch 1 too
+        assert o.confirmed, o.technique.key()
+        tr = o.technique.training
+        if o.max_seq:
+            assert estimate(ExperimentSpec(model=m, training=tr(1, o.max_seq)), timeline=False).required_bytes \
+                <= FAKE.capacity_bytes
+        if o.max_seq < m.max_seq_len:
+            assert estimate(ExperimentSpec(model=m, training=tr(1, max(o.max_seq + 1, 2))),
+                            timeline=False).required_bytes > FAKE.capacity_bytes, o.technique.key()
     con = Console(record=True, width=160)
     render_gpu_plan(p, con)
     text = con.export_text()

@@ -29,12 +29,12 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.cost import relative_cost
-from memcalc.plan.fits import fit_points, fit_step, sorted_unique
+from memcalc.plan.fits import StepFit, fit_points, fit_step, sorted_unique
 from memcalc.plan.limits import BATCH_CAP, CONFIRM_MARGIN, largest_true_array, max_batch, max_seq
 from memcalc.plan.options import Technique, default_seq, techniques
 from memcalc.plan.parallel import parallel_map
 from memcalc.plan.depth import applies
-from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, trace_peak
+from memcalc.plan.simulations import estimated_peak, phase_peaks_of, simulated_peak, state_floor, trace_peak
 
 
 @dataclass(frozen=True)
@@ -127,12 +127,14 @@ def _b1_peaks(jobs: list[tuple[ExperimentSpec, int, bool]]) -> list[Optional[int
 
 def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]:
     """For each option index in ``idx``, the option whose fit seeds its search: options that differ
-    only in the fused optimizer step share one fit (the unfused one's where both are planned). The
-    fit only seeds the exact searches (:func:`_confirm_option`), so a seed that is a little off
-    costs a few more direct estimates, never a different answer."""
+    only in the optimizer and the fused optimizer step share one fit (an unfused one's where one is
+    planned), moved to each option's own exact batch-1 peak (:func:`_plan_group`): they run the
+    same forward and backward, and differ mostly by optimizer state and gradients, which do not
+    grow with batch or sequence. The fit only seeds the exact searches (:func:`_confirm_option`),
+    so a seed that is a little off costs a few more direct estimates, never a different answer."""
     groups: dict[Technique, list[int]] = {}
     for i in idx:
-        groups.setdefault(replace(techs[i], fused=False), []).append(i)
+        groups.setdefault(replace(techs[i], fused=False, optimizer=""), []).append(i)
     out: dict[int, int] = {}
     for members in groups.values():
         rep = next((i for i in members if not techs[i].fused), members[0])
@@ -164,33 +166,62 @@ def _seeds(stack: StackedFits, bs: np.ndarray, ts: np.ndarray, seq: int, cap: in
 
 
 def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
-    """One group of options that differ only in the fused step (:func:`fit_groups`; its first is
-    the one fitted): the fit, each option's seeds, and its exact answers from direct estimates
-    where they are printed (it fits, is near the line, or ``include_all`` shows a max seq). Returns
+    """One group of options that share a fit (:func:`fit_groups`; its first is the one fitted): the
+    fit, each option's seeds, and its exact answers from direct estimates where they are printed
+    (it fits, is near the line, or ``include_all`` shows every option). Returns
     (peak, fits, max batch, max seq, confirmed) per option and the configurations evaluated."""
     members, peaks, cap, seq, bs, ts, confirm, include_all = job
-    stack = StackedFits.of([fit_step(members[0])] * len(members))
+    fit = fit_step(members[0])
+    stack = StackedFits.of([fit] + [_moved(fit, e, int(p), seq) for e, p in zip(members[1:], peaks[1:])])
     fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peaks], dtype=bool)
     mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len)
     rows = []
     for k, e in enumerate(members):
         p, b, t = int(peaks[k]), int(mb[k]), int(ms[k])
         need = required_bytes(p)
-        if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or (include_all and t > 0)):
-            p, b, t = _confirm_option((e, cap, b, t))
+        if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or include_all):
+            p, b, t = _confirm_option((e, cap, b, t, include_all))
             rows.append((p, required_bytes(p) <= cap, b, t, True))
         else:
             rows.append((p, bool(fit_b1[k]), b, t, False))
     return rows, evaluated
 
 
-def _confirm_option(job: tuple[ExperimentSpec, int, int, int]) -> tuple[int, int, int]:
-    """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers."""
-    e, cap, mb, ms = job
+def _moved(fit: StepFit, exp: ExperimentSpec, peak: int, seq: int) -> StepFit:
+    """``fit`` (another option's, of the same forward and backward) moved to ``exp``'s own exact
+    peaks at batch 1 and ``seq``: each phase's rows by the difference at that point, from ``exp``'s
+    batch-1 trace when the plan has it (a phase ``exp``'s step does not run, such as the optimizer
+    step of a fused one, is dropped), else all rows by the difference of the peaks. Only seeds."""
+    own = phase_peaks_of(exp)
+    at = {k: float(v[0]) for k, v in fit.phase_peaks(np.array([1.0]), np.array([float(seq)])).items()}
+    if own is None:
+        delta = peak - max(at.values())
+        phases = {k: _shift(c, delta) for k, c in fit.phases.items()}
+    else:
+        phases = {k: _shift(c, own[k] - at[k]) for k, c in fit.phases.items() if k in own}
+    return replace(fit, phases=phases or fit.phases)
+
+
+def _shift(rows: np.ndarray, delta: float) -> np.ndarray:
+    out = rows.copy()
+    out[:, 0] += delta
+    return out
+
+
+def _confirm_option(job: tuple) -> tuple[int, int, int]:
+    """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers:
+    ``(experiment, capacity, max batch seed, max seq seed[, every])``. Where batch 1 does not fit at
+    the plan's seq, the max seq (at batch 1) is searched when the seed says some seq fits, or always
+    with ``every`` (``plan --all``: from seq 2, one estimate when not even that fits)."""
+    e, cap, mb, ms = job[:4]
+    every = len(job) > 4 and job[4]
     p = estimated_peak(e)
     ok = required_bytes(p) <= cap
     b = max_batch(e, cap, seed=mb if mb > 0 else None) if ok else 0
-    t = max_seq(e, cap, seed=ms if ms >= 2 else None) if (ok or ms > 0) else 0
+    if ok or ms > 0:
+        t = max_seq(e, cap, seed=ms if ms >= 2 else None)
+    else:
+        t = max_seq(e, cap, seed=2) if every else 0
     return p, b, t
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -77,6 +77,19 @@ def _remember(exp: ExperimentSpec, first_step: bool, peak: int) -> None:
     if len(PEAK_CACHE) > 200_000:
         PEAK_CACHE.clear()
     PEAK_CACHE[(exp, first_step)] = peak
+
+
+def phase_peaks_of(exp: ExperimentSpec) -> Optional[dict[str, int]]:
+    """The highest running total of each phase of ``exp``'s steady step, from its trace when this
+    process has it (:data:`TRACE_CACHE`), else None."""
+    tr = TRACE_CACHE.get((exp, False, False)) or TRACE_CACHE.get((exp, False, True))
+    if tr is None:
+        return None
+    out: dict[str, int] = {}
+    for t, ph in zip(tr.totals.tolist(), tr.phases):
+        if t > out.get(ph, -1):
+            out[ph] = int(t)
+    return out
 
 
 def trace_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
