@@ -75,6 +75,15 @@ class Sim:
         self.grad_enabled = True  # False inside a checkpointed region's first forward
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
+        # a checkpointed region's first forward (grad disabled) counts where its recompute's last
+        # saving node will be (memcalc.engine.checkpoint): node() then does to the outputs'
+        # ``requires_grad`` and to ``last_save_count`` what it will do in the recompute, making no node
+        self.counting_saves = False
+        # allocations made by a sharded runtime's per-layer forward hooks (FSDP's unshard), which
+        # a checkpointed region's recompute does not repeat; ``last_save_hooks`` is its value at
+        # ``last_save_count``
+        self.hook_allocs = 0
+        self.last_save_hooks = 0
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
         self.ghost_at: set[int] = set()  # allocations at these counts take no memory (a cached output)
         # where the forward code is: the decoder layer (None outside the layers) and the part of
@@ -305,6 +314,8 @@ class Sim:
                 heard["flops"] = flops
             self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
+            if self.counting_saves:
+                self._count_save(saved, inputs, params, outputs)
             return None
         # the inputs that require grad and the trainable params (new lists; one element is the common case)
         if len(inputs) == 1:
@@ -354,6 +365,26 @@ class Sim:
             o.producer = n
         self.nodes.append(n)
         return n
+
+    def _count_save(self, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T]) -> None:
+        """What :meth:`node` does with grad enabled, short of making the node: when an input needs
+        a gradient or a parameter trains, the outputs need one, and a node that saves something
+        moves ``last_save_count`` (and ``last_save_hooks``) to here. (Activation offloading is
+        inactive in a recompute, so ``saved`` is what the node would keep.)"""
+        for t in inputs:
+            if t.requires_grad:
+                break
+        else:
+            for p in params:
+                if p.trainable:
+                    break
+            else:
+                return
+        for o in outputs:
+            o.requires_grad = True
+        if saved:
+            self.last_save_count = self.alloc_count
+            self.last_save_hooks = self.hook_allocs
 
     def note_op(self, name: str, inputs: list[T], params: list[Param], outputs: list[T]) -> None:
         """An op whose autograd bookkeeping another node does (autocast's casts): only the
