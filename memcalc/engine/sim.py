@@ -85,7 +85,8 @@ class Sim:
         self.hook_allocs = 0
         self.last_save_hooks = 0
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
-        self.ghost_at: set[int] = set()  # allocations at these counts take no memory (a cached output)
+        # allocations at these counts take no memory (a cached output); set only while ghost_after is
+        self.ghost_at: set[int] = set()
         # where the forward code is: the decoder layer (None outside the layers) and the part of
         # the model (Forward sets both; every node records them)
         self.layer: Optional[int] = None
@@ -112,8 +113,7 @@ class Sim:
         made without a call to ``T.__init__`` (the same fields, set here), the rounding is
         :func:`memcalc.core.units.round_up` inline, and a new peak's breakdown is copied only when
         memory next goes down (:meth:`_snap_peak`)."""
-        c = self.alloc_count + 1
-        self.alloc_count = c
+        c = self.alloc_count = self.alloc_count + 1
         t = _new(T)
         t.kind = kind
         t.category = category
@@ -127,11 +127,11 @@ class Sim:
         t.name = name
         t.seq = c
         ga = self.ghost_after
-        if (ga is not None and c > ga) or (self.ghost_at and c in self.ghost_at):
+        if ga is not None and (c > ga or c in self.ghost_at):  # (ghost_at is set only along with ghost_after)
             t.nbytes = 0
             t.uid = 0
             return t
-        req = int(nbytes)
+        req = nbytes if type(nbytes) is int else int(nbytes)
         rb = self._round
         n = -(-req // rb) * rb
         t.nbytes = n
@@ -146,17 +146,17 @@ class Sim:
         by_kind = self.by_kind
         k = by_kind[kind] = by_kind[kind] + n
         self.by_cat[category] += n
-        if kind == "activations" and k > self.max_activations:
+        if k > self.max_activations and kind == "activations":
             self.max_activations = k
         phase = self.phase
         pp = self.phase_peaks
         if total > pp.get(phase, 0):
             pp[phase] = total
-        if total > self.peak:
-            self.peak = total
-            self.peak_phase = phase
-            self.peak_label = self.label
-            self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
+            if total > self.peak:  # (a phase's peak is never above the peak)
+                self.peak = total
+                self.peak_phase = phase
+                self.peak_label = self.label
+                self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
         trace = self.alloc_trace
         if trace is not None:
             # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
