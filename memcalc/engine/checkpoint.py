@@ -102,6 +102,7 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
     ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
     ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`)."""
+    assert sim.grad_enabled and not sim.counting_saves, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
     if saver is not None:
