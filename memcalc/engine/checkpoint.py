@@ -5,7 +5,9 @@ the whole region is recomputed (all its saved tensors alive at once) and then
 back-propagated (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_generator``).
 Non-reentrant checkpointing stops recomputing once the last tensor the region saves has been
 recomputed (early stop, ``_StopRecomputationError``), so allocations after that point cost
-nothing. Modes: ``full`` (every layer), ``every-k`` (every K-th layer), ``sqrt`` (segments of
+nothing; the region's first forward counts where that point is (its ops are the recompute's),
+except under torchtitan's op-level policy and activation offloading, where a dry run in backward
+finds it. Modes: ``full`` (every layer), ``every-k`` (every K-th layer), ``sqrt`` (segments of
 about sqrt(n) layers, ``checkpoint_sequential``), ``selective`` (the attention core only),
 ``selective-op`` (every layer, keeping torchtitan's op-level selection of outputs: :class:`OpSaver`).
 """
