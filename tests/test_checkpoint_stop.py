@@ -49,12 +49,7 @@ def _digest(exp) -> tuple:
             [(p.label, p.phase, sorted(p.by_kind.items())) for p in r.timeline])
 
 
-QUICK = {1, 2, 3, 4, 5, 12, 13}  # the rest in the slow lane (the quick lane stays short)
-
-
-@pytest.mark.parametrize("opts,counted", [pytest.param(*row, marks=[] if i in QUICK else [pytest.mark.slow])
-                                          for i, row in enumerate(SETUPS)],
-                         ids=[f"{o['model']}-{o['checkpoint']}-{i}" for i, (o, _) in enumerate(SETUPS)])
+@pytest.mark.parametrize("opts,counted", SETUPS, ids=[f"{o['model']}-{o['checkpoint']}-{i}" for i, (o, _) in enumerate(SETUPS)])
 def test_counted_stop_is_the_dry_runs(opts, counted, monkeypatch):
     exp = _exp(opts)
     runs = []
