@@ -6,6 +6,29 @@ runs it (timeline and allocator events), for a handful of the plan's options on 
 
 The lower of two means of ``-n`` runs in a row (``time.process_time``), in ms. Not a test (pytest
 does not collect this folder). ``benchmarks/sim_equality.py`` checks that the results stay the same.
+
+Checkpointed steps (2026-11-23, branch ckpt-fast; the branch point and the change alternated in the
+same minutes, four rounds each of ``-n 5``, ms, full depth / 3-layer copy): a checkpointed region's
+forward code ran three times (the first forward, a dry run in backward that only found where the
+recompute may stop, the recompute); the first forward now counts that point itself
+(``memcalc.engine.checkpoint``: ``Sim.node`` with grad disabled does to ``requires_grad`` and
+``last_save_count`` what it will do in the recompute, ``Sim.hook_allocs`` leaves out FSDP's
+forward-only unshard), so the dry run is left to ``selective-op`` and activation offloading; and
+``Sim.alloc`` lost a few tests per call. none/bf16/adamw/none 28.8-29.1 -> 28.3-29.1 (no
+checkpointing: unchanged); bf16+master/full/fused 48.0-51.3 -> 39.3-44.8 (1.18x); amp/8-bit/selective
+37.0-37.9 -> 34.3-35.3 (1.08x); fp32/adafactor/sqrt 50.6-52.6 -> 39.8-42.7 (1.25x); lora/full
+67.3-72.3 -> 50.9-56.4 (1.30x); qlora/sqrt/fused 74.1-84.5 -> 56.3-61.5 (1.35x); total 312.6-320.7 ->
+251.5-266.4 ms (1.22x), 3-layer copies 32.5-35.6 -> 26.2-28.7 (1.24x), ``estimate``'s two steps
+654-727 -> 538-586 (1.23x). ``MEMCALC_WORKERS=1`` CPU (``bench_speed.py --count``, two rounds):
+``plan --model llama-3.1-8b --gpu rtx-4090`` 5.67-6.26 -> 4.80-4.81 s (1.25x), ``plan --model
+llama-3.1-70b`` 3.62-3.77 -> 3.49-3.72 s, ``plan --gpu rtx-4090 --compile`` (each compiled layer a
+checkpointed region) 26.7-31.0 -> 25.0-28.4 s. Every byte the same: ``sim_equality.py`` 59/59
+setups identical (18 checkpointed setups added), and with ``memcalc.engine.checkpoint.CHECK_STOP``
+the dry run runs too and agrees with the counted stop in all 59 setups, full depth and 3 layers,
+steady and first step (``tests/test_checkpoint_stop.py`` keeps 14 of them). Left: the
+first forward and the recompute still run the op code twice (a replay of the first forward's
+allocations would need a sound key for identical layers), and every allocation still costs about
+2.5 us of Python (``Sim.alloc``: a slotted block, its totals, the trace), a third of a step.
 """
 
 from __future__ import annotations

@@ -65,6 +65,26 @@ SETUPS: list[dict[str, Any]] = [
     dict(model="qwen2.5-7b", bf16=True, optimizer_impl="fused", seq=512, profile="hf-torch-2.8-cuda"),
     dict(config="control"),
     dict(config="memory_budget_05"),
+    # checkpointing across the rest (memcalc.engine.checkpoint counts the early stop in the first
+    # forward): autocast copies of frozen weights, layer hooks inside sqrt segments, offloading
+    dict(model="llama-3.1-8b", lora=True, precision="amp-bf16", checkpoint="full", seq=512),
+    dict(model="llama-3.1-8b", qlora=True, precision="amp-bf16", checkpoint="sqrt", seq=256),
+    dict(model="llama-3.1-8b", bf16=True, activation_offload=True, checkpoint="full", seq=512),
+    dict(model="llama-3.1-8b", lora=True, activation_offload=True, checkpoint="full", seq=256),
+    dict(model="llama-3.1-8b", bf16=True, zero=3, gpus=4, sharding="fsdp2", seq=512, checkpoint="sqrt"),
+    dict(model="llama-3.1-8b", bf16=True, zero=3, gpus=4, sharding="fsdp1", seq=512, checkpoint="sqrt"),
+    dict(model="llama-3.1-8b", bf16=True, zero=3, gpus=8, sharding="deepspeed", seq=512, checkpoint="sqrt"),
+    dict(model="llama-3.1-8b", bf16=True, tp=2, checkpoint="full", seq=512),
+    dict(model="llama-3.1-8b", lora=True, dora=True, precision="amp-bf16", checkpoint="full", seq=256),
+    dict(model="llama-3.1-8b", precision="amp-bf16", checkpoint="selective-op", seq=512),
+    dict(model="llama-3.1-8b", lora=True, compile=True, checkpoint="sqrt", seq=512),
+    dict(model="deep-one-1.6b", checkpoint="full", seq=512),
+    dict(model="phi-1.5", lora=True, precision="bf16", checkpoint="sqrt", seq=512),
+    dict(model="phi-4", bf16=True, checkpoint="full", seq=256),
+    dict(model="gemma-2-9b", bf16=True, seq=512, framework="hf", checkpoint="sqrt"),
+    dict(model="gpt-oss-20b", bf16=True, seq=256, checkpoint="full"),
+    dict(model="qwen3-30b-a3b", lora=True, bf16=True, seq=256, checkpoint="sqrt"),
+    dict(model="deepseek-v3", bf16=True, seq=128, checkpoint="selective", zero=3, gpus=64, sharding="fsdp2"),
 ]
 
 

@@ -5,14 +5,16 @@ the whole region is recomputed (all its saved tensors alive at once) and then
 back-propagated (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_generator``).
 Non-reentrant checkpointing stops recomputing once the last tensor the region saves has been
 recomputed (early stop, ``_StopRecomputationError``), so allocations after that point cost
-nothing. Modes: ``full`` (every layer), ``every-k`` (every K-th layer), ``sqrt`` (segments of
+nothing; the region's first forward counts where that point is (its ops are the recompute's),
+except under torchtitan's op-level policy and activation offloading, where a dry run in backward
+finds it. Modes: ``full`` (every layer), ``every-k`` (every K-th layer), ``sqrt`` (segments of
 about sqrt(n) layers, ``checkpoint_sequential``), ``selective`` (the attention core only),
 ``selective-op`` (every layer, keeping torchtitan's op-level selection of outputs: :class:`OpSaver`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 from memcalc.core.spec import TrainingSpec, sqrt_segments
 from memcalc.engine.offload import rope_region_inputs
@@ -102,13 +104,27 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
     ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
     ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`)."""
+    assert sim.grad_enabled and not sim.counting_saves, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
     if saver is not None:
         saver.start("cache")
+    # where the recompute may stop: counted by this forward, whose ops are the recompute's (the
+    # layer hooks' allocations aside: Sim.hook_allocs), node() doing to requires_grad what it will
+    # do then (Sim._count_save). None: a dry run finds it (torchtitan's op-level policy, whose
+    # cache must not see the recompute's requires_grad; offloading, which saves more in forward)
+    stop: Optional[int] = None
+    count = saver is None and not (sim.offload is not None and sim.offload.active)
+    if count:
+        f0, h0 = sim.alloc_count, sim.hook_allocs
+        sim.last_save_count, sim.last_save_hooks = f0, h0
+        sim.counting_saves = True
     sim.grad_enabled = False
     out = fn()
     sim.grad_enabled = True
+    if count:
+        sim.counting_saves = False
+        stop = (sim.last_save_count - f0) - (sim.last_save_hooks - h0)
     if saver is not None:
         saver.stop()
     out.requires_grad = True
@@ -119,31 +135,22 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         s.layer = layer  # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
         s.label = f"bwd {label} (recompute)"
         # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
-        # is recomputed (early stop): a dry run without memory finds that point.
-        s.nodes = []
-        c0 = s.alloc_count
-        s.ghost_after = c0
-        s.last_save_count = c0
-        if saver is not None:
-            saver.locs = []
-            saver.start("locate")
-        dry = fn()
-        if saver is not None:
-            saver.stop()
-        ops.exit_autocast()
-        for n in s.nodes:
-            for p in n.params:
-                p.uses -= 1
-            s._release_node(n)
-        s.unref(dry)
-        stop = s.last_save_count - c0
+        # is recomputed (early stop): the first forward counted where (stop), or a dry run without
+        # memory finds that point.
+        here = stop
+        if here is None or CHECK_STOP:
+            here = _dry_run(s, ops, fn, saver)
+            assert stop is None or stop == here, (label, stop, here)
         s.nodes = []
         c1 = s.alloc_count
-        s.ghost_after = c1 + stop
+        s.ghost_after = c1 + here
         if saver is not None:  # the cached outputs' allocations take no memory: they adopt the cache
-            s.ghost_at = {c1 + q - c0 for group in saver.locs[:len(saver.cache)] for q in group}
+            s.ghost_at = {c1 + q for group in saver.locs[:len(saver.cache)] for q in group}
             saver.start("adopt")
+        h1 = s.hook_allocs
         out2 = fn()
+        # the counted stop leaves out the forward's layer-hook allocations: the recompute makes none
+        assert stop is None or s.hook_allocs == h1, f"{label}: a layer hook allocated during the recompute"
         if saver is not None:
             saver.stop()
             s.ghost_at = set()
@@ -179,6 +186,35 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     out.producer = node
     sim.nodes.append(node)
     return out
+
+
+#: run the dry run where the first forward counted the stop too, and check that both agree (tests)
+CHECK_STOP = False
+
+
+def _dry_run(s: Sim, ops: Ops, fn: Callable[[], T], saver: Optional[OpSaver]) -> int:
+    """Run the region once without memory (every allocation a ghost) and release what it made;
+    returns how many allocations the recompute makes up to its last node that saves something
+    (``saver``: where the cached ops' outputs are allocated, relative to the start, goes to
+    ``saver.locs``)."""
+    s.nodes = []
+    c0 = s.alloc_count
+    s.ghost_after = c0
+    s.last_save_count = c0
+    if saver is not None:
+        saver.locs = []
+        saver.start("locate")
+    dry = fn()
+    if saver is not None:
+        saver.stop()
+        saver.locs = [[q - c0 for q in group] for group in saver.locs]
+    ops.exit_autocast()
+    for n in s.nodes:
+        for p in n.params:
+            p.uses -= 1
+        s._release_node(n)
+    s.unref(dry)
+    return s.last_save_count - c0
 
 
 class Checkpointing(LayerStrategy):

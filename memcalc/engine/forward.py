@@ -247,11 +247,17 @@ class Forward:
         """One decoder layer; takes a reference to x and returns a new output reference."""
         where = self.sim.layer, self.sim.role
         self.sim.layer, self.sim.role = i, "layer"
-        if self.gather is not None:  # FSDP2's per-layer pre- and post-forward (engine.fsdp)
-            self.gather.layer_enter(i)
+        gather = self.gather
+        if gather is not None:  # FSDP2's per-layer pre- and post-forward (engine.fsdp)
+            sim = self.sim
+            c = sim.alloc_count
+            gather.layer_enter(i)
+            sim.hook_allocs += sim.alloc_count - c  # (a checkpointed region's recompute skips them)
         y = self._layer(x, i)
-        if self.gather is not None:
-            self.gather.layer_exit(i)
+        if gather is not None:
+            c = sim.alloc_count
+            gather.layer_exit(i)
+            sim.hook_allocs += sim.alloc_count - c
         self.sim.layer, self.sim.role = where
         return y
 

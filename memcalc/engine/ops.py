@@ -31,6 +31,7 @@ class Ops:
 
     def __init__(self, sim: Sim, profile: KernelProfile, autocast: Optional[DType] = None) -> None:
         self.sim = sim
+        self._alloc = sim.alloc  # (new's one call, bound once)
         self.profile = profile
         self.autocast = autocast
         self.autocast_cache: list[T] = []
@@ -39,7 +40,7 @@ class Ops:
     # -- basics ---------------------------------------------------------------------
     def new(self, numel: int, dtype: DType, category: Optional[str] = None, kind: str = ACT) -> T:
         bits = dtype.bits
-        return self.sim.alloc(-(-numel * bits // 8), kind, category or self.category, False, "", numel, bits)
+        return self._alloc(-(-numel * bits // 8), kind, category or self.category, False, "", numel, bits)
 
     def drop(self, *ts: Optional[T]) -> None:
         """A Python reference goes away."""

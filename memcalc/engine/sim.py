@@ -78,8 +78,18 @@ class Sim:
         self.grad_enabled = True  # False inside a checkpointed region's first forward
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
+        # a checkpointed region's first forward (grad disabled) counts where its recompute's last
+        # saving node will be (memcalc.engine.checkpoint): node() then does to the outputs'
+        # ``requires_grad`` and to ``last_save_count`` what it will do in the recompute, making no node
+        self.counting_saves = False
+        # allocations made by a sharded runtime's per-layer forward hooks (FSDP's unshard), which
+        # a checkpointed region's recompute does not repeat; ``last_save_hooks`` is its value at
+        # ``last_save_count``
+        self.hook_allocs = 0
+        self.last_save_hooks = 0
         self.ghost_after: Optional[int] = None  # allocations past this count take no memory
-        self.ghost_at: set[int] = set()  # allocations at these counts take no memory (a cached output)
+        # allocations at these counts take no memory (a cached output); set only while ghost_after is
+        self.ghost_at: set[int] = set()
         # where the forward code is: the decoder layer (None outside the layers) and the part of
         # the model (Forward sets both; every node records them)
         self.layer: Optional[int] = None
@@ -106,8 +116,7 @@ class Sim:
         made without a call to ``T.__init__`` (the same fields, set here), the rounding is
         :func:`memcalc.core.units.round_up` inline, and a new peak's breakdown is copied only when
         memory next goes down (:meth:`_snap_peak`)."""
-        c = self.alloc_count + 1
-        self.alloc_count = c
+        c = self.alloc_count = self.alloc_count + 1
         t = _new(T)
         t.kind = kind
         t.category = category
@@ -121,11 +130,11 @@ class Sim:
         t.name = name
         t.seq = c
         ga = self.ghost_after
-        if (ga is not None and c > ga) or (self.ghost_at and c in self.ghost_at):
+        if ga is not None and (c > ga or c in self.ghost_at):  # (ghost_at is set only along with ghost_after)
             t.nbytes = 0
             t.uid = 0
             return t
-        req = int(nbytes)
+        req = nbytes if type(nbytes) is int else int(nbytes)
         rb = self._round
         n = -(-req // rb) * rb
         t.nbytes = n
@@ -140,17 +149,17 @@ class Sim:
         by_kind = self.by_kind
         k = by_kind[kind] = by_kind[kind] + n
         self.by_cat[category] += n
-        if kind == "activations" and k > self.max_activations:
+        if k > self.max_activations and kind == "activations":
             self.max_activations = k
         phase = self.phase
         pp = self.phase_peaks
         if total > pp.get(phase, 0):
             pp[phase] = total
-        if total > self.peak:
-            self.peak = total
-            self.peak_phase = phase
-            self.peak_label = self.label
-            self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
+            if total > self.peak:  # (a phase's peak is never above the peak)
+                self.peak = total
+                self.peak_phase = phase
+                self.peak_label = self.label
+                self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
         trace = self.alloc_trace
         if trace is not None:
             # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
@@ -310,6 +319,8 @@ class Sim:
                 heard["flops"] = flops
             self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
+            if self.counting_saves:
+                self._count_save(saved, inputs, params, outputs)
             return None
         # the inputs that require grad and the trainable params (new lists; one element is the common case)
         if len(inputs) == 1:
@@ -359,6 +370,26 @@ class Sim:
             o.producer = n
         self.nodes.append(n)
         return n
+
+    def _count_save(self, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T]) -> None:
+        """What :meth:`node` does with grad enabled, short of making the node: when an input needs
+        a gradient or a parameter trains, the outputs need one, and a node that saves something
+        moves ``last_save_count`` (and ``last_save_hooks``) to here. (Activation offloading is
+        inactive in a recompute, so ``saved`` is what the node would keep.)"""
+        for t in inputs:
+            if t.requires_grad:
+                break
+        else:
+            for p in params:
+                if p.trainable:
+                    break
+            else:
+                return
+        for o in outputs:
+            o.requires_grad = True
+        if saved:
+            self.last_save_count = self.alloc_count
+            self.last_save_hooks = self.hook_allocs
 
     def note_op(self, name: str, inputs: list[T], params: list[Param], outputs: list[T]) -> None:
         """An op whose autograd bookkeeping another node does (autocast's casts): only the
