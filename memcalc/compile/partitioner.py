@@ -34,12 +34,11 @@ no view nodes), RNG functionalisation and collectives.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from memcalc.compile.mincut import Network
 
-INF = float("inf")
 
 #: op kinds: "input" (a graph input: parameter or batch), "compute" (compute-intensive:
 #: matmul, attention), "random" (dropout), "other" (outside the recomputable allowlist but
@@ -79,8 +78,13 @@ class MinCutOptions:
     ban_if_reduction: bool = True
 
 
+#: graph shape -> id (never cleared: ids stay unique; one entry per distinct graph shape seen)
+_SHAPES: dict[tuple, int] = {}
+
+
 class Graph:
-    """Forward values in topological order, with users and ``dist_from_bw`` filled in."""
+    """Forward values in topological order, with users and ``dist_from_bw`` filled in. The values
+    must not change once the graph is built: the partitioner caches its cuts on the graph."""
 
     def __init__(self, values: list[Value]) -> None:
         self.values = values
@@ -97,6 +101,32 @@ class Graph:
             for u in v.users:
                 d = min(d, u.dist_from_bw + 1)
             v.dist_from_bw = d
+        # the partitioner's caches: (options, dont_ban) -> (saved, banned), and the below
+        self._cuts: dict[tuple, tuple[list[Value], list[Value]]] = {}
+        self._shape: Optional[int] = None
+        self._weights: Optional[list[float]] = None
+        self._aux: Optional[dict[Value, list[Value]]] = None
+
+    def shape(self) -> int:
+        """An id of what the flow network depends on besides the ban (each value's kind, flags and
+        args): graphs of one shape share it."""
+        if self._shape is None:
+            shape = tuple((v.kind, v.bw_read, v.bw_materialized, v.param, v.extern_aux,
+                           tuple(a.order for a in v.args)) for v in self.values)
+            self._shape = _SHAPES.setdefault(shape, len(_SHAPES))
+        return self._shape
+
+    def weights(self) -> list[float]:
+        """Each value's ``_weight``, by order."""
+        if self._weights is None:
+            self._weights = [_weight(v) for v in self.values]
+        return self._weights
+
+    def aux(self) -> dict[Value, list[Value]]:
+        """``_aux_of`` this graph."""
+        if self._aux is None:
+            self._aux = _aux_of(self)
+        return self._aux
 
     @property
     def inputs(self) -> list[Value]:
@@ -137,96 +167,6 @@ def _weight(v: Value) -> float:
     return float(w if _materialized(v) else 2 * w)
 
 
-class _Flow:
-    """Dinic's max-flow on a small graph (capacities: floats, ``INF`` allowed)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.adj: list[list[int]] = [[] for _ in range(n)]
-        self.to: list[int] = []
-        self.cap: list[float] = []
-
-    def add(self, u: int, v: int, c: float) -> None:
-        self.adj[u].append(len(self.to))
-        self.to.append(v)
-        self.cap.append(c)
-        self.adj[v].append(len(self.to))
-        self.to.append(u)
-        self.cap.append(0.0)
-
-    def _bfs(self, s: int, t: int) -> Optional[list[int]]:
-        level = [-1] * self.n
-        level[s] = 0
-        q = deque([s])
-        while q:
-            u = q.popleft()
-            for e in self.adj[u]:
-                if self.cap[e] > 0 and level[self.to[e]] < 0:
-                    level[self.to[e]] = level[u] + 1
-                    q.append(self.to[e])
-        return level if level[t] >= 0 else None
-
-    def max_flow(self, s: int, t: int) -> float:
-        total = 0.0
-        while True:
-            level = self._bfs(s, t)
-            if level is None:
-                return total
-            it = [0] * self.n
-            while True:
-                f = self._dfs(s, t, INF, level, it)
-                if f <= 0:
-                    break
-                if f == INF:
-                    raise ValueError("the cut is unbounded (a value must be both saved and recomputed)")
-                total += f
-
-    def _dfs(self, s: int, t: int, f: float, level: list[int], it: list[int]) -> float:
-        # iterative DFS along the level graph
-        path: list[int] = []
-        u = s
-        while True:
-            if u == t:
-                push = min([f] + [self.cap[e] for e in path])
-                for e in path:
-                    self.cap[e] -= push
-                    self.cap[e ^ 1] += push
-                return push
-            adj = self.adj[u]
-            while it[u] < len(adj):
-                e = adj[it[u]]
-                v = self.to[e]
-                if self.cap[e] > 0 and level[v] == level[u] + 1:
-                    break
-                it[u] += 1
-            else:
-                if not path:
-                    return 0.0
-                level[u] = -1  # dead end
-                e = path.pop()
-                u = self.to[e ^ 1]
-                it[u] += 1
-                continue
-            e = adj[it[u]]
-            path.append(e)
-            u = self.to[e]
-
-    def reaches(self, t: int) -> list[bool]:
-        """Nodes that can still reach ``t`` in the residual graph (networkx's ``minimum_cut``
-        takes these as the sink side; everything else is the source side)."""
-        seen = [False] * self.n
-        seen[t] = True
-        q = deque([t])
-        while q:
-            v = q.popleft()
-            for e in self.adj[v]:
-                u = self.to[e]
-                if self.cap[e ^ 1] > 0 and not seen[u]:  # e ^ 1 runs u -> v
-                    seen[u] = True
-                    q.append(u)
-        return seen
-
-
 def _aux_of(g: Graph) -> dict[Value, list[Value]]:
     """Multi-output kernels: main value -> its extra outputs (``extern_aux``)."""
     aux: dict[Value, list[Value]] = {}
@@ -246,37 +186,68 @@ def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset
     output of a banned kernel is saved where the backward reads it, and none is recomputed
     from another. Here the main value stands for the tuple plus its first output: its extra
     outputs hang off a tuple node placed in front of it."""
+    key = (opts, dont_ban)
+    hit = g._cuts.get(key)
+    if hit is None:
+        banned = _banned(g, opts, dont_ban)
+        net_key = (g.shape(), tuple(v.order for v in banned))
+        net = _NETWORKS.get(net_key)
+        if net is None:
+            if len(_NETWORKS) >= 256:
+                _NETWORKS.clear()
+            net = _NETWORKS[net_key] = _network(g, banned)
+        sink = net.sink_side(g.weights())
+        saved = [v for v in g.values if not sink[2 * v.order] and sink[2 * v.order + 1]]
+        hit = g._cuts[key] = (saved, banned)
+    return list(hit[0]), list(hit[1])
+
+
+#: (graph shape, banned values' orders) -> its flow network (which arcs are infinite, and the
+#: pieces it falls into; the capacities are the graph's weights, looked up per solve)
+_NETWORKS: dict[tuple, Network] = {}
+
+
+def _banned(g: Graph, opts: MinCutOptions, dont_ban: frozenset) -> list[Value]:
+    """The values tied to the source (may not be recomputed), in forward order."""
+    aux = g.aux()
+    banned: list[Value] = []
+    for v in g.values:
+        if v.extern_aux and v.args and v.args[0] in aux:
+            continue  # a getitem: its kernel (the tuple) carries the ban
+        reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
+        if reason and v not in dont_ban:
+            banned.append(v)
+    return banned
+
+
+def _network(g: Graph, banned: list[Value]) -> Network:
+    """The flow network of ``solve_min_cut``. Nodes: ``2 * order`` a value's in, ``+ 1`` its out,
+    then source, sink and the tuple nodes; arcs: tail, head, and -1 (infinite) or the value whose
+    weight is the capacity."""
     n = len(g.values)
-    aux = _aux_of(g)
+    aux = g.aux()
     tuple_of = {m: 2 * n + 2 + k for k, m in enumerate(aux)}
     SRC, SNK = 2 * n, 2 * n + 1
-    fl = _Flow(2 * n + 2 + len(tuple_of))
-    banned: list[Value] = []
+    tied = set(banned)
+    arcs: list[tuple[int, int, int]] = []
+    add = arcs.append
     for v in g.values:
         i_in, i_out = 2 * v.order, 2 * v.order + 1
         if v.bw_read:
-            fl.add(i_out, SNK, INF)
-        if v.extern_aux and v.args and v.args[0] in tuple_of:
-            reason = None  # a getitem: its kernel (the tuple) carries the ban
-        else:
-            reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
+            add((i_out, SNK, -1))
         entry = i_in
         if v in tuple_of:  # args -> tuple -> (main, aux...)
             entry = tuple_of[v]
-            fl.add(entry, i_in, INF)
+            add((entry, i_in, -1))
             for a in aux[v]:
-                fl.add(entry, 2 * a.order, INF)
-        if reason and v not in dont_ban:
-            banned.append(v)
-            fl.add(SRC, entry, INF)
-        fl.add(i_in, i_out, _weight(v))
+                add((entry, 2 * a.order, -1))
+        if v in tied:
+            add((SRC, entry, -1))
+        add((i_in, i_out, v.order))
         for u in v.users:
             if not (u.extern_aux and u.args and u.args[0] is v and v in tuple_of):
-                fl.add(i_out, tuple_of.get(u, 2 * u.order), INF)
-    fl.max_flow(SRC, SNK)
-    sink_side = fl.reaches(SNK)
-    saved = [v for v in g.values if not sink_side[2 * v.order] and sink_side[2 * v.order + 1]]
-    return saved, banned
+                add((i_out, tuple_of.get(u, 2 * u.order), -1))
+    return Network(2 * n + 2 + len(tuple_of), arcs, SRC, SNK)
 
 
 def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> tuple[float, list[int], list[int]]:
