@@ -49,22 +49,49 @@ def _closure(start: int, adj: list[list[int]], n: int) -> list[bool]:
     return seen
 
 
-class Network:
-    """A flow network whose finite capacities are given per solve.
+class Shape:
+    """A family of flow networks that differ only in which nodes the source feeds (by infinite
+    arcs) and in their finite capacities.
 
     ``arcs``: (tail, head, ref) with ``ref`` -1 for an infinite arc, else the index of its
-    capacity in the vector :meth:`sink_side` takes. The merging and splitting described in the
-    module doc depend only on which arcs are infinite, so they are done once here."""
+    capacity in the vector :meth:`Network.sink_side` takes. What only the infinite arcs into the
+    sink decide (the nodes merged into it) is worked out once here."""
 
     def __init__(self, n: int, arcs: Sequence[tuple[int, int, int]], s: int, t: int) -> None:
-        fwd: list[list[int]] = [[] for _ in range(n)]
+        self.n, self.arcs, self.s, self.t = n, list(arcs), s, t
+        self.fwd: list[list[int]] = [[] for _ in range(n)]
         bwd: list[list[int]] = [[] for _ in range(n)]
         for u, v, r in arcs:
             if r < 0:
-                fwd[u].append(v)
+                self.fwd[u].append(v)
                 bwd[v].append(u)
-        src = _closure(s, fwd, n)  # on the source side of every finite cut
-        snk = _closure(t, bwd, n)  # on the sink side of every finite cut
+        self.snk = _closure(t, bwd, n)  # on the sink side of every finite cut
+
+    def network(self, fed: Sequence[int]) -> "Network":
+        """The network with infinite arcs from the source to ``fed``."""
+        src = [False] * self.n  # on the source side of every finite cut
+        src[self.s] = True
+        stack = [self.s]
+        for v in fed:
+            if not src[v]:
+                src[v] = True
+                stack.append(v)
+        fwd = self.fwd
+        while stack:
+            u = stack.pop()
+            for v in fwd[u]:
+                if not src[v]:
+                    src[v] = True
+                    stack.append(v)
+        return Network(self.n, self.arcs + [(self.s, v, -1) for v in fed], src, self.snk)
+
+
+class Network:
+    """A flow network whose finite capacities are given per solve (see :class:`Shape`), merged and
+    split as the module doc says: which arcs are infinite decides that, so it is done once here.
+    ``src`` / ``snk``: the nodes the source reaches along infinite arcs / that reach the sink."""
+
+    def __init__(self, n: int, arcs: Sequence[tuple[int, int, int]], src: list[bool], snk: list[bool]) -> None:
         self.unbounded = any(a and b for a, b in zip(src, snk))
         self.base = snk
         # what is left once src is merged into s and snk into t: arcs between free nodes, from

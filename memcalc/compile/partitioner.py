@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from memcalc.compile.mincut import Network
+from memcalc.compile.mincut import Network, Shape
 
 
 #: op kinds: "input" (a graph input: parameter or batch), "compute" (compute-intensive:
@@ -193,15 +193,21 @@ def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset
         net_key = (g.shape(), tuple(v.order for v in banned))
         net = _NETWORKS.get(net_key)
         if net is None:
+            shape = _FLOW_SHAPES.get(g.shape())
+            if shape is None:
+                shape = _FLOW_SHAPES[g.shape()] = _flow_shape(g)
             if len(_NETWORKS) >= 256:
                 _NETWORKS.clear()
-            net = _NETWORKS[net_key] = _network(g, banned)
+            entry = _entries(g)
+            net = _NETWORKS[net_key] = shape.network([entry[v.order] for v in banned])
         sink = net.sink_side(g.weights())
         saved = [v for v in g.values if not sink[2 * v.order] and sink[2 * v.order + 1]]
         hit = g._cuts[key] = (saved, banned)
     return list(hit[0]), list(hit[1])
 
 
+#: graph shape -> the arcs of its flow networks but the source's (see _flow_shape)
+_FLOW_SHAPES: dict[int, Shape] = {}
 #: (graph shape, banned values' orders) -> its flow network (which arcs are infinite, and the
 #: pieces it falls into; the capacities are the graph's weights, looked up per solve)
 _NETWORKS: dict[tuple, Network] = {}
@@ -220,34 +226,40 @@ def _banned(g: Graph, opts: MinCutOptions, dont_ban: frozenset) -> list[Value]:
     return banned
 
 
-def _network(g: Graph, banned: list[Value]) -> Network:
-    """The flow network of ``solve_min_cut``. Nodes: ``2 * order`` a value's in, ``+ 1`` its out,
-    then source, sink and the tuple nodes; arcs: tail, head, and -1 (infinite) or the value whose
-    weight is the capacity."""
+def _entries(g: Graph) -> list[int]:
+    """Per value (by order), the node a source arc ties when it is banned: its in-node, or the
+    tuple node in front of a multi-output kernel."""
+    n = len(g.values)
+    entry = [2 * i for i in range(n)]
+    for k, m in enumerate(g.aux()):
+        entry[m.order] = 2 * n + 2 + k
+    return entry
+
+
+def _flow_shape(g: Graph) -> Shape:
+    """The flow network of ``solve_min_cut`` without the source's arcs. Nodes: ``2 * order`` a
+    value's in, ``+ 1`` its out, then source, sink and the tuple nodes; arcs: tail, head, and -1
+    (infinite) or the value whose weight is the capacity."""
     n = len(g.values)
     aux = g.aux()
     tuple_of = {m: 2 * n + 2 + k for k, m in enumerate(aux)}
     SRC, SNK = 2 * n, 2 * n + 1
-    tied = set(banned)
     arcs: list[tuple[int, int, int]] = []
     add = arcs.append
     for v in g.values:
         i_in, i_out = 2 * v.order, 2 * v.order + 1
         if v.bw_read:
             add((i_out, SNK, -1))
-        entry = i_in
         if v in tuple_of:  # args -> tuple -> (main, aux...)
             entry = tuple_of[v]
             add((entry, i_in, -1))
             for a in aux[v]:
                 add((entry, 2 * a.order, -1))
-        if v in tied:
-            add((SRC, entry, -1))
         add((i_in, i_out, v.order))
         for u in v.users:
             if not (u.extern_aux and u.args and u.args[0] is v and v in tuple_of):
                 add((i_out, tuple_of.get(u, 2 * u.order), -1))
-    return Network(2 * n + 2 + len(tuple_of), arcs, SRC, SNK)
+    return Shape(2 * n + 2 + len(tuple_of), arcs, SRC, SNK)
 
 
 def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> tuple[float, list[int], list[int]]:
