@@ -106,6 +106,7 @@ class Graph:
         self._shape: Optional[int] = None
         self._weights: Optional[list[float]] = None
         self._aux: Optional[dict[Value, list[Value]]] = None
+        self._tied: dict[MinCutOptions, list[Value]] = {}  # options -> the values they ban
 
     def shape(self) -> int:
         """An id of what the flow network depends on besides the ban (each value's kind, flags and
@@ -215,15 +216,14 @@ _NETWORKS: dict[tuple, Network] = {}
 
 def _banned(g: Graph, opts: MinCutOptions, dont_ban: frozenset) -> list[Value]:
     """The values tied to the source (may not be recomputed), in forward order."""
-    aux = g.aux()
-    banned: list[Value] = []
-    for v in g.values:
-        if v.extern_aux and v.args and v.args[0] in aux:
-            continue  # a getitem: its kernel (the tuple) carries the ban
-        reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
-        if reason and v not in dont_ban:
-            banned.append(v)
-    return banned
+    tied = g._tied.get(opts)
+    if tied is None:
+        aux = g.aux()
+        tied = g._tied[opts] = [
+            v for v in g.values
+            if not (v.extern_aux and v.args and v.args[0] in aux)  # a getitem: its kernel (the tuple) carries the ban
+            and (v.kind == "input" or _ban_reason(v, opts))]
+    return [v for v in tied if v not in dont_ban] if dont_ban else list(tied)
 
 
 def _entries(g: Graph) -> list[int]:
