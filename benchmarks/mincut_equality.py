@@ -203,7 +203,22 @@ def compare(g: Graph, rng: random.Random, n_random: int) -> tuple[int, float, fl
         t_new += t2 - t1
         if [v.order for v in got[0]] != [v.order for v in want[0]] or [v.order for v in got[1]] != [v.order for v in want[1]]:
             raise AssertionError(f"different cuts: {opts}, {len(dont)} banned values allowed")
+    new_solver = P.solve_min_cut
+    for budget in BUDGETS:
+        P.solve_min_cut = reference_min_cut
+        try:
+            want_p = P.choose_saved_values_set(g, budget)
+        finally:
+            P.solve_min_cut = new_solver
+        got_p = P.choose_saved_values_set(g, budget)
+        if ([v.order for v in got_p.saved], [v.order for v in got_p.recomputed], got_p.how) != \
+                ([v.order for v in want_p.saved], [v.order for v in want_p.recomputed], want_p.how):
+            raise AssertionError(f"different partitions at budget {budget}")
     return len(cases), t_ref, t_new
+
+
+#: the budgets whose whole partition (saved, recomputed, which branch decided) is compared
+BUDGETS = (1.0, 0.6, 0.5, 0.1, 0.05, 0.0)
 
 
 def main() -> None:
@@ -223,7 +238,8 @@ def main() -> None:
         total += k
         t_ref += r
         t_new += n
-        print(f"{name:55s} {len(g.values):5d} values  {k:2d} cuts identical  reference {r:6.2f} s  new {n:6.2f} s")
+        print(f"{name:30s} {len(g.values):5d} values  {k:2d} cuts and {len(BUDGETS)} partitions identical"
+              f"  reference {r:5.2f} s  new {n:5.2f} s")
     print(f"all {total} cuts identical; CPU: reference {t_ref:.2f} s, new {t_new:.2f} s ({t_ref / max(t_new, 1e-9):.1f}x)")
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from memcalc.compile.mincut import INF, Shape
-from memcalc.compile.partitioner import Graph, MinCutOptions, Value, solve_min_cut
+from memcalc.compile.partitioner import Graph, MinCutOptions, Value, _weight, solve_min_cut
 
 _spec = importlib.util.spec_from_file_location(
     "mincut_equality", Path(__file__).resolve().parents[1] / "benchmarks" / "mincut_equality.py")
@@ -99,6 +99,7 @@ def test_random_graphs(seed):
     knapsack's cuts); asked twice (the second answer comes from the graph's cache)."""
     rng = random.Random(seed)
     g = Graph(_random_graph(rng))
+    assert g.weights() == [_weight(v) for v in g.values]  # factors cached per shape
     for opts in (DEFAULT, MORE, AGGRESSIVE):
         try:
             _, banned = ref.reference_min_cut(g, opts)

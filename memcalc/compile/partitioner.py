@@ -80,6 +80,8 @@ class MinCutOptions:
 
 #: graph shape -> id (never cleared: ids stay unique; one entry per distinct graph shape seen)
 _SHAPES: dict[tuple, int] = {}
+#: graph shape id -> per value: (a parameter?, 1.1 ** dist_from_bw as _weight takes it, 1 or 2)
+_WEIGHT_FACTORS: dict[int, list[tuple[bool, float, int]]] = {}
 
 
 class Graph:
@@ -118,9 +120,17 @@ class Graph:
         return self._shape
 
     def weights(self) -> list[float]:
-        """Each value's ``_weight``, by order."""
+        """Each value's ``_weight``, by order (its factors, which depend on the shape only, are
+        worked out once per shape)."""
         if self._weights is None:
-            self._weights = [_weight(v) for v in self.values]
+            factors = _WEIGHT_FACTORS.get(self.shape())
+            if factors is None:
+                factors = _WEIGHT_FACTORS[self.shape()] = [
+                    (v.param, 1.1 ** max(min(v.dist_from_bw, 100), 1), 1 if _materialized(v) else 2)
+                    for v in self.values]
+            # as _weight: 0 for a parameter, else int(bytes x 1.1**dist), doubled if not materialised
+            self._weights = [0.0 if param else float(int(v.nbytes * m) * k)
+                             for v, (param, m, k) in zip(self.values, factors)]
         return self._weights
 
     def aux(self) -> dict[Value, list[Value]]:
