@@ -1,28 +1,32 @@
 """The sink side of a minimum s-t cut, solved piece by piece (exactly).
 
-:func:`sink_side` answers what the partitioner asks of a max-flow: which nodes can still reach
-the sink in the residual graph of a maximum flow (networkx's ``minimum_cut`` takes these as the
-sink side, torch's partitioner saves the values whose edge crosses into it). That set does not
-depend on which maximum flow is found: it is the smallest sink side among all minimum cuts (for
-any maximum flow ``f``, the nodes that reach ``t`` in ``G_f`` form a minimum cut's sink side, and
-every minimum cut's sink side contains them). So it depends only on the capacity of every cut,
-and any change to the network that keeps the capacity of every finite cut keeps it. Three such
-changes make the partitioner's networks (a value is an edge ``in -> out``, all others infinite)
-fall apart into small pieces:
+:meth:`Network.sink_side` answers what the partitioner asks of a max-flow: which nodes can
+still reach the sink in the residual graph of a maximum flow (networkx's ``minimum_cut`` takes
+these as the sink side; torch's partitioner saves the values whose edge crosses into it). That
+set does not depend on which maximum flow is found: it is the smallest sink side among all
+minimum cuts (for any maximum flow ``f``, the nodes that reach ``t`` in ``G_f`` form a minimum
+cut's sink side, and every minimum cut's sink side contains them). So it depends only on the
+capacity of every cut, and any change to the network that keeps the capacity of every finite
+cut keeps it. These make the partitioner's networks (a value is an edge ``in -> out`` of its
+weight, every other arc infinite) fall apart into small pieces:
 
 - nodes that ``s`` reaches along infinite arcs are on the source side of every finite cut, and
   nodes that reach ``t`` along infinite arcs on the sink side: they are merged into ``s`` and
   ``t`` (a cut that separates them from ``s`` or ``t`` is infinite in both networks);
-- then an arc out of ``t`` or into ``s`` never crosses a finite cut forwards, and an arc of
-  capacity 0 never counts: they go;
+- then an arc out of ``t`` or into ``s`` never crosses a finite cut forwards, and an arc
+  ``s -> t`` crosses every cut (a constant): they go; parallel arcs become one arc of their
+  summed capacity;
 - what is left falls apart into pieces joined only through ``s`` and ``t``; the minimum cut is
   the union of each piece's own, and so is the sink side (a residual path to ``t`` never passes
   through ``s``, which cannot reach ``t`` after a maximum flow).
 
-A decoder's layers give identical pieces (same shape, same capacities), so each distinct piece
-is solved once (Dinic's algorithm on the piece) and its answer cached by its exact arcs and
-capacities. Capacities are integers (floats holding integers, ``inf`` for infinite arcs), so
-sums are exact and ``> 0`` tests are exact.
+Which arcs are infinite decides all of that (:class:`Shape`, :class:`Network`, built once per
+graph shape and ban); the finite capacities are looked up per solve. A decoder's layers give
+identical pieces (same arcs, same capacities), so each distinct piece is solved once (Dinic's
+algorithm on the piece) and its answer cached by its exact shape and capacities. Capacities are
+integers (floats holding integers below 2**53, ``inf`` for infinite arcs), so sums and ``> 0``
+tests are exact, and every answer is the one a whole-network max-flow gives
+(``tests/test_mincut.py``, ``benchmarks/mincut_equality.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Optional, Sequence
 
 INF = float("inf")
 
-#: piece (its arcs, in local numbering) -> which of its nodes reach the sink; bounded
+#: (piece shape id, its arcs' capacities) -> which of its nodes reach the sink; bounded
 _PIECES: dict[tuple, tuple[bool, ...]] = {}
 _MAX_PIECES = 200_000
 
