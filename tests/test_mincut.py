@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from memcalc.compile.mincut import INF, Shape
+from memcalc.compile.mincut import INF, Interner, Shape
 from memcalc.compile.partitioner import Graph, MinCutOptions, Value, _weight, solve_min_cut
 
 _spec = importlib.util.spec_from_file_location(
@@ -130,3 +130,38 @@ def test_real_graphs(name, options):
 
     g, _ = record_graph(resolve(options_from(compile=True, **options)).exp)
     ref.compare(g, random.Random(15), 3)  # AssertionError on a difference
+
+
+def _resized(values: list[Value], rng: random.Random) -> list[Value]:
+    """The same graph (kinds, flags, args) with other sizes: a new batch or sequence length."""
+    new: dict[Value, Value] = {}
+    for v in values:
+        c = Value(v.name, rng.choice([4, 64, 1024, 4096, 2**20]), v.kind, [new[a] for a in v.args],
+                  flops=v.flops, param=v.param, extern_aux=v.extern_aux)
+        c.bw_read, c.bw_materialized = v.bw_read, v.bw_materialized
+        new[v] = c
+    return list(new.values())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_same_shape_other_sizes(seed):
+    """Graphs of one shape share their flow networks and weight factors (cached by shape) while
+    their capacities differ: every cut still the former solver's."""
+    rng = random.Random(1000 + seed)
+    values = _random_graph(rng)
+    for _ in range(4):
+        g = Graph(_resized(values, rng))
+        assert g.weights() == [_weight(v) for v in g.values]
+        for opts in (DEFAULT, MORE, AGGRESSIVE):
+            want = ref.reference_min_cut(g, opts)
+            saved, banned = solve_min_cut(g, opts)
+            assert [v.order for v in saved] == [v.order for v in want[0]]
+            assert [v.order for v in banned] == [v.order for v in want[1]]
+
+
+def test_interner_ids_stay_unique_when_cleared():
+    ids = Interner(limit=2)
+    a, b = ids("a"), ids("b")
+    assert ids("a") == a and a != b
+    c = ids("c")  # the table is full: cleared, "c" gets a fresh id
+    assert c not in (a, b) and ids("a") not in (a, b, c)

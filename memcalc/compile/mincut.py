@@ -31,7 +31,8 @@ tests are exact, and every answer is the one a whole-network max-flow gives
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import itertools
+from typing import Hashable, Optional, Sequence
 
 INF = float("inf")
 
@@ -148,7 +149,7 @@ class Network:
         for group, pa in zip(members, per):
             pa.sort()
             ends = tuple(e for e, _ in pa)
-            sid = _SHAPES.setdefault((len(group), ends), len(_SHAPES))
+            sid = _PIECE_SHAPES((len(group), ends))
             self.pieces.append((group, sid, ends, [rs for _, rs in pa]))
 
     def sink_side(self, caps: Sequence[float]) -> list[bool]:
@@ -172,9 +173,27 @@ class Network:
         return out
 
 
-#: a piece's shape (its nodes, its arcs' ends in local numbering) -> an id for _PIECES' keys;
-#: never cleared (ids stay unique), one entry per distinct piece of the graphs seen
-_SHAPES: dict[tuple, int] = {}
+class Interner:
+    """Ids for hashable keys: equal keys get one id while remembered. Ids are never reused, so the
+    table may be cleared (at ``limit`` keys): a key seen again then gets a new id, which only
+    misses the caches keyed by ids, never hits a wrong entry."""
+
+    def __init__(self, limit: int) -> None:
+        self.ids: dict[Hashable, int] = {}
+        self.fresh = itertools.count()
+        self.limit = limit
+
+    def __call__(self, key: Hashable) -> int:
+        i = self.ids.get(key)
+        if i is None:
+            if len(self.ids) >= self.limit:
+                self.ids.clear()
+            i = self.ids[key] = next(self.fresh)
+        return i
+
+
+#: a piece's shape (its nodes, its arcs' ends in local numbering) -> an id for _PIECES' keys
+_PIECE_SHAPES = Interner(50_000)
 
 
 def _solve_piece(m: int, arcs: Sequence[tuple[int, int, float]]) -> tuple[bool, ...]:

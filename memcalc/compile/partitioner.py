@@ -53,9 +53,9 @@ simulator's. Every answer is the former solver's (``tests/test_mincut.py``,
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Hashable, Optional
 
-from memcalc.compile.mincut import Network, Shape
+from memcalc.compile.mincut import Interner, Network, Shape
 
 
 #: op kinds: "input" (a graph input: parameter or batch), "compute" (compute-intensive:
@@ -96,10 +96,18 @@ class MinCutOptions:
     ban_if_reduction: bool = True
 
 
-#: graph shape -> id (never cleared: ids stay unique; one entry per distinct graph shape seen)
-_SHAPES: dict[tuple, int] = {}
+#: graph shape -> id (see Graph.shape)
+_SHAPES = Interner(64)
 #: graph shape id -> per value: (a parameter?, 1.1 ** dist_from_bw as _weight takes it, 1 or 2)
 _WEIGHT_FACTORS: dict[int, list[tuple[bool, float, int]]] = {}
+
+
+def _put(cache: dict, key: Hashable, value: Any, limit: int = 64) -> Any:
+    """``cache[key] = value``, the cache emptied first when it holds ``limit`` entries."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 class Graph:
@@ -134,7 +142,7 @@ class Graph:
         if self._shape is None:
             shape = tuple((v.kind, v.bw_read, v.bw_materialized, v.param, v.extern_aux,
                            tuple(a.order for a in v.args)) for v in self.values)
-            self._shape = _SHAPES.setdefault(shape, len(_SHAPES))
+            self._shape = _SHAPES(shape)
         return self._shape
 
     def weights(self) -> list[float]:
@@ -143,9 +151,9 @@ class Graph:
         if self._weights is None:
             factors = _WEIGHT_FACTORS.get(self.shape())
             if factors is None:
-                factors = _WEIGHT_FACTORS[self.shape()] = [
+                factors = _put(_WEIGHT_FACTORS, self.shape(), [
                     (v.param, 1.1 ** max(min(v.dist_from_bw, 100), 1), 1 if _materialized(v) else 2)
-                    for v in self.values]
+                    for v in self.values])
             # as _weight: 0 for a parameter, else int(bytes x 1.1**dist), doubled if not materialised
             self._weights = [0.0 if param else float(int(v.nbytes * m) * k)
                              for v, (param, m, k) in zip(self.values, factors)]
@@ -224,11 +232,9 @@ def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset
         if net is None:
             shape = _FLOW_SHAPES.get(g.shape())
             if shape is None:
-                shape = _FLOW_SHAPES[g.shape()] = _flow_shape(g)
-            if len(_NETWORKS) >= 256:
-                _NETWORKS.clear()
+                shape = _put(_FLOW_SHAPES, g.shape(), _flow_shape(g), 16)
             entry = _entries(g)
-            net = _NETWORKS[net_key] = shape.network([entry[v.order] for v in banned])
+            net = _put(_NETWORKS, net_key, shape.network([entry[v.order] for v in banned]), 256)
         sink = net.sink_side(g.weights())
         saved = [v for v in g.values if not sink[2 * v.order] and sink[2 * v.order + 1]]
         hit = g._cuts[key] = (saved, banned)
