@@ -14,6 +14,7 @@ backward graph spends recomputing.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
@@ -55,8 +56,20 @@ def _plan_cached(exp_json: str) -> CompiledPlan:
 
 
 def compiled_plan(exp: ExperimentSpec) -> CompiledPlan:
-    """The saved set under ``torch.compile`` at the experiment's memory budget (1.0 if unset)."""
-    return _plan_cached(exp.model_dump_json())
+    """The saved set under ``torch.compile`` at the experiment's memory budget (1.0 if unset).
+
+    Python's cyclic garbage collector is paused meanwhile, as during a simulated step
+    (``memcalc.engine.timeline.simulate``): recording the graph and partitioning it make tens of
+    thousands of objects that live on in the caches, which full collections would traverse
+    again and again (in ``plan --compile``, a sixth of the time)."""
+    paused = gc.isenabled()
+    if paused:
+        gc.disable()
+    try:
+        return _plan_cached(exp.model_dump_json())
+    finally:
+        if paused:
+            gc.enable()
 
 
 #: TrainingSpec fields the recorded forward graph cannot depend on: the optimizer runs after it,
@@ -100,9 +113,10 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
             by_layer[v.layer] = by_layer.get(v.layer, 0) + v.nbytes
     saved = set(part.saved)
     extra = {i: by_layer.get(i, 0) - (out.nbytes if out in saved else 0) for i, out in outputs.items()}
-    steps = _backward_steps(g, part, len(outputs))
+    realized = _realized_values(key)
+    steps = _backward_steps(g, part, len(outputs), realized)
     held = chain_hold(steps, set(outputs.values()))
-    pool = mlp_pool(g, part, steps)
+    pool = mlp_pool(g, part, steps, realized)
     return CompiledPlan(
         budget=budget,
         how=part.how,
@@ -139,9 +153,19 @@ def _realized(v: Value) -> bool:
     return any(not _attention_mask_only(v, u) for u in readers)
 
 
-def _backward_steps(g: Graph, part: Partition, n_layers: int) -> dict[Value, tuple[int, int]]:
+@lru_cache(maxsize=32)
+def _realized_values(key: ExperimentSpec) -> frozenset:
+    """The values of ``key``'s graph that ``_realized`` holds for (it depends on the graph only)."""
+    return frozenset(v for v in _graph(key)[0].values if _realized(v))
+
+
+def _backward_steps(g: Graph, part: Partition, n_layers: int,
+                    realized: Optional[frozenset] = None) -> dict[Value, tuple[int, int]]:
     """For each value the compiled backward materialises: (the step that computes it, the last
-    step that reads it); see chain_hold."""
+    step that reads it); see chain_hold. ``realized``: ``_realized_values`` (worked out here if
+    not given)."""
+    if realized is None:
+        realized = frozenset(v for v in g.values if _realized(v))
     saved = set(part.saved)
     head = n_layers
     last = max((v.order for v in g.values if v.layer is not None), default=-1)
@@ -171,7 +195,7 @@ def _backward_steps(g: Graph, part: Partition, n_layers: int) -> dict[Value, tup
                 inline.add(x)
                 stack.append((x, True))
                 stack.extend((a, False) for a in x.args)
-            elif _realized(x):
+            elif x in realized:
                 computed_at[x] = s
                 last_use[x] = s
 
@@ -208,7 +232,8 @@ def chain_hold(steps: dict[Value, tuple[int, int]], layer_outputs: set) -> dict[
     return held
 
 
-def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]]) -> dict[int, int]:
+def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]],
+             realized: Optional[frozenset] = None) -> dict[int, int]:
     """Per layer i >= 1, the bytes of MLP-width buffers that stay allocated, dead, through the
     layer's attention backward because layer i-1's MLP backward will reuse them.
 
@@ -230,7 +255,7 @@ def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]]) -> 
 
     Budget 0.05 on 32 layers: one buffer at layers 31-28 (their successors' values come from
     the chain), four at 27, six below; budget 1.0: three everywhere. ``steps``:
-    ``_backward_steps``."""
+    ``_backward_steps``; ``realized``: ``_realized_values`` (worked out here if not given)."""
     saved = set(part.saved)
     width: dict[int, int] = {}
     distinct: dict[int, int] = {}
@@ -249,7 +274,7 @@ def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]]) -> 
             inner.add(v)
             if v.kind == "pointwise":
                 stack.extend(a for a in v.args if not a.param)
-        real = [v for v in inner if _realized(v)]
+        real = [v for v in inner if (v in realized if realized is not None else _realized(v))]
         if not real:
             continue
         i = down.layer

@@ -25,6 +25,8 @@ OTHER = {"embedding"}
 RANDOM = {"dropout"}
 #: the eager loss after the compiled region (memcalc.engine.loss.lm_loss)
 LOSS = {"shift_slice", "loss_split", "log_softmax", "nll_loss"}
+#: op name -> kind (anything else is pointwise)
+_KIND = {**{n: "compute" for n in COMPUTE}, **{n: "other" for n in OTHER}, **{n: "random" for n in RANDOM}}
 
 
 class _Recorder:
@@ -55,33 +57,41 @@ class _Recorder:
         if self.done or name in LOSS:
             self.done = True
             return
-        kind = "compute" if name in COMPUTE else "other" if name in OTHER else "random" if name in RANDOM else "pointwise"
-        args = [self.get(t, "input") for t in inputs]
+        kind = _KIND.get(name, "pointwise")
+        of = self.of
+        args = []
+        for t in inputs:
+            v = of.get(id(t))
+            args.append(v if v is not None else self.get(t, "input"))
         pvals = []
         for p in params:
-            pv = self.of.get(id(p.weight))
+            pv = of.get(id(p.weight))
             if pv is None:
                 pv = self.value(p.weight, p.name, "input", [], param=True)
             pvals.append(pv)
-        needs_grad = any(t.requires_grad for t in inputs) or any(p.trainable for p in params)
+        inputs_grad = any(t.requires_grad for t in inputs)
+        needs_grad = inputs_grad or any(p.trainable for p in params)
         outs = [self.value(o, name, kind, args + pvals, flops=kw.get("flops", 0) if i == 0 else 0)
                 for i, o in enumerate(outputs)]
         main = outs[0] if outs else None
         if not needs_grad:
             return
+        copies = set()
         for t in saved:
-            v = self.of.get(id(t))
+            v = of.get(id(t))
             if v is None:  # a tensor the op made besides its output (logsumexp, rstd, a mask)
                 v = self.value(t, name + " (aux)", "pointwise", [main] if main is not None else args)
                 v.extern_aux = kind in ("compute", "other")
             v.bw_read = True
             if kind == "compute":
                 v.bw_materialized = True  # read by a matmul / attention backward kernel
-        copies = {self.of[id(t)].args[0] for t in saved if self.of[id(t)].name == "to_copy" and self.of[id(t)].args}
-        for pv in pvals:
-            # grad_input = g W reads the weight, or (autocast) the saved low-precision copy of it
-            if any(t.requires_grad for t in inputs) and pv not in copies:
-                pv.bw_read = True
+            if v.name == "to_copy" and v.args:
+                copies.add(v.args[0])
+        if inputs_grad:
+            for pv in pvals:
+                # grad_input = g W reads the weight, or (autocast) the saved low-precision copy of it
+                if pv not in copies:
+                    pv.bw_read = True
 
 
 class _Recording(LayerStrategy):

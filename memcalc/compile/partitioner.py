@@ -30,16 +30,33 @@ Ignored: the ``used_far_apart`` and ``long_fusible_chains`` heuristics (they
 keep some pointwise values that feed far-away users; in a decoder the values
 they would keep are already kept as matmul inputs), views (memcalc's graph has
 no view nodes), RNG functionalisation and collectives.
+
+Speed (issue 15, ``MEMCALC_WORKERS=1 plan --model llama-3.1-8b --gpu rtx-4090 --compile``, CPU
+time in one process, 2-core machine under load, the branch point and the change alternated):
+the plan asks for 43 compiled points over 30 recorded graphs (3 shapes). Before, a Dinic
+max-flow over each whole network (a LoRA graph: 4,540 nodes, 7,419 arcs) for each of 166 cuts:
+``compiled_plan`` 18.3-20.5 s of 26.7-29.8 s (cProfile: 66 of 102 s in ``solve_min_cut``).
+After, 3.5-4.0 s of 12.4-14.0 s (2.1x in all): the cut is solved piece by piece
+(:mod:`memcalc.compile.mincut`: merged along infinite arcs, split into ~360 pieces, the ~20
+distinct ones solved; the residual stream through every layer is the one large piece), cuts are
+cached per graph (166 asked, 114 solved: budgets 0.5 and 0.1 share the default and the two
+aggressive cuts), the networks' arcs once per graph shape and ban, the weight factors once per
+shape, and the GC is paused while ``compiled_plan`` works (2 s of full collections). Left: the
+30 graph recordings (1.6 s, half of it the forward walk), the cuts (1.3 s: the residual
+stream's piece again at each new batch and sequence, 25 networks built), ``_backward_steps``
+(0.4 s); the plan's 43 full-depth compiled steps (3.3 s) and 206 eager ones (4 s) are the
+simulator's. Every answer is the former solver's (``tests/test_mincut.py``,
+``benchmarks/mincut_equality.py``: 108 cuts and 72 partitions on 12 setups, the snapshots,
+``plan --compile --json`` byte for byte).
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Hashable, Optional
 
+from memcalc.compile.mincut import Interner, Network, Shape
 
-INF = float("inf")
 
 #: op kinds: "input" (a graph input: parameter or batch), "compute" (compute-intensive:
 #: matmul, attention), "random" (dropout), "other" (outside the recomputable allowlist but
@@ -79,8 +96,23 @@ class MinCutOptions:
     ban_if_reduction: bool = True
 
 
+#: graph shape -> id (see Graph.shape)
+_SHAPES = Interner(64)
+#: graph shape id -> per value: (a parameter?, 1.1 ** dist_from_bw as _weight takes it, 1 or 2)
+_WEIGHT_FACTORS: dict[int, list[tuple[bool, float, int]]] = {}
+
+
+def _put(cache: dict, key: Hashable, value: Any, limit: int = 64) -> Any:
+    """``cache[key] = value``, the cache emptied first when it holds ``limit`` entries."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 class Graph:
-    """Forward values in topological order, with users and ``dist_from_bw`` filled in."""
+    """Forward values in topological order, with users and ``dist_from_bw`` filled in. The values
+    must not change once the graph is built: the partitioner caches its cuts on the graph."""
 
     def __init__(self, values: list[Value]) -> None:
         self.values = values
@@ -97,6 +129,41 @@ class Graph:
             for u in v.users:
                 d = min(d, u.dist_from_bw + 1)
             v.dist_from_bw = d
+        # the partitioner's caches: (options, dont_ban) -> (saved, banned), and the below
+        self._cuts: dict[tuple, tuple[list[Value], list[Value]]] = {}
+        self._shape: Optional[int] = None
+        self._weights: Optional[list[float]] = None
+        self._aux: Optional[dict[Value, list[Value]]] = None
+        self._tied: dict[MinCutOptions, list[Value]] = {}  # options -> the values they ban
+
+    def shape(self) -> int:
+        """An id of what the flow network depends on besides the ban (each value's kind, flags and
+        args): graphs of one shape share it."""
+        if self._shape is None:
+            shape = tuple((v.kind, v.bw_read, v.bw_materialized, v.param, v.extern_aux,
+                           tuple(a.order for a in v.args)) for v in self.values)
+            self._shape = _SHAPES(shape)
+        return self._shape
+
+    def weights(self) -> list[float]:
+        """Each value's ``_weight``, by order (its factors, which depend on the shape only, are
+        worked out once per shape)."""
+        if self._weights is None:
+            factors = _WEIGHT_FACTORS.get(self.shape())
+            if factors is None:
+                factors = _put(_WEIGHT_FACTORS, self.shape(), [
+                    (v.param, 1.1 ** max(min(v.dist_from_bw, 100), 1), 1 if _materialized(v) else 2)
+                    for v in self.values])
+            # as _weight: 0 for a parameter, else int(bytes x 1.1**dist), doubled if not materialised
+            self._weights = [0.0 if param else float(int(v.nbytes * m) * k)
+                             for v, (param, m, k) in zip(self.values, factors)]
+        return self._weights
+
+    def aux(self) -> dict[Value, list[Value]]:
+        """``_aux_of`` this graph."""
+        if self._aux is None:
+            self._aux = _aux_of(self)
+        return self._aux
 
     @property
     def inputs(self) -> list[Value]:
@@ -137,96 +204,6 @@ def _weight(v: Value) -> float:
     return float(w if _materialized(v) else 2 * w)
 
 
-class _Flow:
-    """Dinic's max-flow on a small graph (capacities: floats, ``INF`` allowed)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.adj: list[list[int]] = [[] for _ in range(n)]
-        self.to: list[int] = []
-        self.cap: list[float] = []
-
-    def add(self, u: int, v: int, c: float) -> None:
-        self.adj[u].append(len(self.to))
-        self.to.append(v)
-        self.cap.append(c)
-        self.adj[v].append(len(self.to))
-        self.to.append(u)
-        self.cap.append(0.0)
-
-    def _bfs(self, s: int, t: int) -> Optional[list[int]]:
-        level = [-1] * self.n
-        level[s] = 0
-        q = deque([s])
-        while q:
-            u = q.popleft()
-            for e in self.adj[u]:
-                if self.cap[e] > 0 and level[self.to[e]] < 0:
-                    level[self.to[e]] = level[u] + 1
-                    q.append(self.to[e])
-        return level if level[t] >= 0 else None
-
-    def max_flow(self, s: int, t: int) -> float:
-        total = 0.0
-        while True:
-            level = self._bfs(s, t)
-            if level is None:
-                return total
-            it = [0] * self.n
-            while True:
-                f = self._dfs(s, t, INF, level, it)
-                if f <= 0:
-                    break
-                if f == INF:
-                    raise ValueError("the cut is unbounded (a value must be both saved and recomputed)")
-                total += f
-
-    def _dfs(self, s: int, t: int, f: float, level: list[int], it: list[int]) -> float:
-        # iterative DFS along the level graph
-        path: list[int] = []
-        u = s
-        while True:
-            if u == t:
-                push = min([f] + [self.cap[e] for e in path])
-                for e in path:
-                    self.cap[e] -= push
-                    self.cap[e ^ 1] += push
-                return push
-            adj = self.adj[u]
-            while it[u] < len(adj):
-                e = adj[it[u]]
-                v = self.to[e]
-                if self.cap[e] > 0 and level[v] == level[u] + 1:
-                    break
-                it[u] += 1
-            else:
-                if not path:
-                    return 0.0
-                level[u] = -1  # dead end
-                e = path.pop()
-                u = self.to[e ^ 1]
-                it[u] += 1
-                continue
-            e = adj[it[u]]
-            path.append(e)
-            u = self.to[e]
-
-    def reaches(self, t: int) -> list[bool]:
-        """Nodes that can still reach ``t`` in the residual graph (networkx's ``minimum_cut``
-        takes these as the sink side; everything else is the source side)."""
-        seen = [False] * self.n
-        seen[t] = True
-        q = deque([t])
-        while q:
-            v = q.popleft()
-            for e in self.adj[v]:
-                u = self.to[e]
-                if self.cap[e ^ 1] > 0 and not seen[u]:  # e ^ 1 runs u -> v
-                    seen[u] = True
-                    q.append(u)
-        return seen
-
-
 def _aux_of(g: Graph) -> dict[Value, list[Value]]:
     """Multi-output kernels: main value -> its extra outputs (``extern_aux``)."""
     aux: dict[Value, list[Value]] = {}
@@ -246,37 +223,77 @@ def solve_min_cut(g: Graph, opts: MinCutOptions, dont_ban: frozenset = frozenset
     output of a banned kernel is saved where the backward reads it, and none is recomputed
     from another. Here the main value stands for the tuple plus its first output: its extra
     outputs hang off a tuple node placed in front of it."""
+    key = (opts, dont_ban)
+    hit = g._cuts.get(key)
+    if hit is None:
+        banned = _banned(g, opts, dont_ban)
+        net_key = (g.shape(), tuple(v.order for v in banned))
+        net = _NETWORKS.get(net_key)
+        if net is None:
+            shape = _FLOW_SHAPES.get(g.shape())
+            if shape is None:
+                shape = _put(_FLOW_SHAPES, g.shape(), _flow_shape(g), 16)
+            entry = _entries(g)
+            net = _put(_NETWORKS, net_key, shape.network([entry[v.order] for v in banned]), 256)
+        sink = net.sink_side(g.weights())
+        saved = [v for v in g.values if not sink[2 * v.order] and sink[2 * v.order + 1]]
+        hit = g._cuts[key] = (saved, banned)
+    return list(hit[0]), list(hit[1])
+
+
+#: graph shape -> the arcs of its flow networks but the source's (see _flow_shape)
+_FLOW_SHAPES: dict[int, Shape] = {}
+#: (graph shape, banned values' orders) -> its flow network (which arcs are infinite, and the
+#: pieces it falls into; the capacities are the graph's weights, looked up per solve)
+_NETWORKS: dict[tuple, Network] = {}
+
+
+def _banned(g: Graph, opts: MinCutOptions, dont_ban: frozenset) -> list[Value]:
+    """The values tied to the source (may not be recomputed), in forward order."""
+    tied = g._tied.get(opts)
+    if tied is None:
+        aux = g.aux()
+        tied = g._tied[opts] = [
+            v for v in g.values
+            if not (v.extern_aux and v.args and v.args[0] in aux)  # a getitem: its kernel (the tuple) carries the ban
+            and (v.kind == "input" or _ban_reason(v, opts))]
+    return [v for v in tied if v not in dont_ban] if dont_ban else list(tied)
+
+
+def _entries(g: Graph) -> list[int]:
+    """Per value (by order), the node a source arc ties when it is banned: its in-node, or the
+    tuple node in front of a multi-output kernel."""
     n = len(g.values)
-    aux = _aux_of(g)
+    entry = [2 * i for i in range(n)]
+    for k, m in enumerate(g.aux()):
+        entry[m.order] = 2 * n + 2 + k
+    return entry
+
+
+def _flow_shape(g: Graph) -> Shape:
+    """The flow network of ``solve_min_cut`` without the source's arcs. Nodes: ``2 * order`` a
+    value's in, ``+ 1`` its out, then source, sink and the tuple nodes; arcs: tail, head, and -1
+    (infinite) or the value whose weight is the capacity."""
+    n = len(g.values)
+    aux = g.aux()
     tuple_of = {m: 2 * n + 2 + k for k, m in enumerate(aux)}
     SRC, SNK = 2 * n, 2 * n + 1
-    fl = _Flow(2 * n + 2 + len(tuple_of))
-    banned: list[Value] = []
+    arcs: list[tuple[int, int, int]] = []
+    add = arcs.append
     for v in g.values:
         i_in, i_out = 2 * v.order, 2 * v.order + 1
         if v.bw_read:
-            fl.add(i_out, SNK, INF)
-        if v.extern_aux and v.args and v.args[0] in tuple_of:
-            reason = None  # a getitem: its kernel (the tuple) carries the ban
-        else:
-            reason = "primal input" if v.kind == "input" else _ban_reason(v, opts)
-        entry = i_in
+            add((i_out, SNK, -1))
         if v in tuple_of:  # args -> tuple -> (main, aux...)
             entry = tuple_of[v]
-            fl.add(entry, i_in, INF)
+            add((entry, i_in, -1))
             for a in aux[v]:
-                fl.add(entry, 2 * a.order, INF)
-        if reason and v not in dont_ban:
-            banned.append(v)
-            fl.add(SRC, entry, INF)
-        fl.add(i_in, i_out, _weight(v))
+                add((entry, 2 * a.order, -1))
+        add((i_in, i_out, v.order))
         for u in v.users:
             if not (u.extern_aux and u.args and u.args[0] is v and v in tuple_of):
-                fl.add(i_out, tuple_of.get(u, 2 * u.order), INF)
-    fl.max_flow(SRC, SNK)
-    sink_side = fl.reaches(SNK)
-    saved = [v for v in g.values if not sink_side[2 * v.order] and sink_side[2 * v.order + 1]]
-    return saved, banned
+                add((i_out, tuple_of.get(u, 2 * u.order), -1))
+    return Shape(2 * n + 2 + len(tuple_of), arcs, SRC, SNK)
 
 
 def dp_knapsack(memory: list[float], runtime: list[float], max_memory: float) -> tuple[float, list[int], list[int]]:
