@@ -134,12 +134,23 @@ def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]
     so a seed that is a little off costs a few more direct estimates, never a different answer."""
     groups: dict[Technique, list[int]] = {}
     for i in idx:
-        groups.setdefault(replace(techs[i], fused=False, optimizer=""), []).append(i)
+        t = techs[i]
+        groups.setdefault(replace(t, fused=False, optimizer="", checkpoint=_FIT_CHECKPOINT.get(t.checkpoint, t.checkpoint)),
+                          []).append(i)
     out: dict[int, int] = {}
     for members in groups.values():
-        rep = next((i for i in members if not techs[i].fused), members[0])
+        # the fitted one: a step the depth extrapolation covers (sqrt segments are simulated at full
+        # depth), unfused where there is one
+        rep = min(members, key=lambda i: (techs[i].checkpoint in _FULL_DEPTH, techs[i].fused))
         out.update({i: rep for i in members})
     return out
+
+
+#: Checkpointing modes whose options take their seeds from another mode's fit: sqrt segments keep
+#: about as much as per-layer checkpointing, and their steps cannot be extrapolated in depth
+#: (each is simulated whole), while per-layer ones can.
+_FIT_CHECKPOINT = {"sqrt": "full"}
+_FULL_DEPTH = ("sqrt",)
 
 
 def _seeds(stack: StackedFits, bs: np.ndarray, ts: np.ndarray, seq: int, cap: int, fit_b1: np.ndarray,
