@@ -18,6 +18,7 @@ from memcalc.plan.layouts import layout_probes, layout_setups, search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, smallest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
+from memcalc.engine.timeline import first_step_within_steady
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
 
 #: The catalog search for ``plan --model M`` (no --gpu) covers 1..GPU_CAP GPUs.
@@ -147,7 +148,9 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
                     jobs.add((with_training(by_ck["none"], gpus=n), True))
         jobs |= layout_probes(setups["full"], {int(g.capacity_bytes): seed_of("full", int(g.capacity_bytes))
                                                for g in cards}, GPU_CAP, tp_fits)
-        jobs = {j for j in jobs if required_bytes(state_floor(j[0])) <= max(int(g.capacity_bytes) for g in cards)}
+        # (the first step only where it can set the peak: otherwise one job per step, not two)
+        jobs = {(e, both and not first_step_within_steady(e)) for e, both in jobs
+                if required_bytes(state_floor(e)) <= max(int(g.capacity_bytes) for g in cards)}
         parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
     rows = []
     for g in cards:
