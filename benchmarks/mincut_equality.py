@@ -12,8 +12,14 @@ so must the whole answer of ``choose_saved_values_set`` at several budgets. It p
 time of both solvers.
 
     python benchmarks/mincut_equality.py [--quick]
+    python benchmarks/mincut_equality.py --dump plans.pkl      # in one checkout
+    python benchmarks/mincut_equality.py --against plans.pkl   # in another
 
-``--quick``: two graphs instead of all (about 20 s). Exit code 1 on any difference.
+``--quick``: two graphs instead of all (about 20 s). ``--dump`` / ``--against``: the whole
+``compiled_plan`` (saved bytes per layer, what the backward holds across steps, the MLP pool,
+recompute FLOPs, which branch decided) of every case at seven budgets, written by one checkout
+and compared by another (84 plans; the branch point of issue 15's change and the change gave the
+same). Exit code 1 on any difference.
 """
 
 from __future__ import annotations
@@ -221,10 +227,44 @@ def compare(g: Graph, rng: random.Random, n_random: int) -> tuple[int, float, fl
 BUDGETS = (1.0, 0.6, 0.5, 0.1, 0.05, 0.0)
 
 
+#: the budgets of --dump / --against
+PLAN_BUDGETS = (1.0, 0.6, 0.5, 0.3, 0.1, 0.05, 0.0)
+
+
+def plans() -> list:
+    """(case, budget, compiled_plan as a dict) for every case and budget."""
+    import dataclasses
+
+    from memcalc.api import options_from
+    from memcalc.compile.compiled import compiled_plan
+    from memcalc.inputs.resolve import resolve
+
+    return [(name, b, dataclasses.asdict(compiled_plan(resolve(options_from(compile=True, memory_budget=b, **kw)).exp)))
+            for name, kw in CASES for b in PLAN_BUDGETS]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--dump", metavar="FILE", help="write every case's compiled plans to FILE")
+    ap.add_argument("--against", metavar="FILE", help="compare every case's compiled plans with FILE")
     a = ap.parse_args()
+    if a.dump or a.against:
+        import pickle
+
+        got = plans()
+        if a.dump:
+            with open(a.dump, "wb") as f:
+                pickle.dump(got, f)
+            print(f"{len(got)} compiled plans written to {a.dump}")
+            return
+        with open(a.against, "rb") as f:
+            want = pickle.load(f)
+        bad = [(n, b) for (n, b, p), (_, _, q) in zip(got, want) if p != q] + ([("count", len(got))] if len(got) != len(want) else [])
+        for n, b in bad:
+            print(f"DIFFERENT: {n} at budget {b}", file=sys.stderr)
+        print(f"{len(got) - len(bad)} of {len(got)} compiled plans identical")
+        sys.exit(1 if bad else 0)
     rng = random.Random(15)
     total = 0
     t_ref = t_new = 0.0
