@@ -11,6 +11,23 @@ from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHU
                                  FrameworkOpt, LossOpt)
 
 
+#: The variables that size the BLAS and OpenMP thread pools numpy starts with.
+BLAS_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def _one_blas_thread() -> None:
+    """One BLAS thread for the plan (unless the user set the variables, or numpy is loaded already):
+    its matrices are a few rows by a few thousand, while an idle BLAS thread pool spins on the CPUs
+    the plan's worker processes simulate on (about 0.5 s of CPU and 0.1-0.2 s of wall time on a
+    2-core machine, benchmarks/bench_speed.py)."""
+    import os
+    import sys
+
+    if "numpy" not in sys.modules:
+        for var in BLAS_THREAD_VARS:
+            os.environ.setdefault(var, "1")
+
+
 @app.command()
 def plan(
     model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
@@ -35,6 +52,7 @@ def plan(
 
       memcalc plan --model llama-3.1-70b
     """
+    _one_blas_thread()
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_profile
     from memcalc.plan.cluster import plan_cluster
