@@ -11,7 +11,14 @@ only; each command imports the pipeline it runs when it runs (``tests/test_lazy_
 
 from __future__ import annotations
 
-from memcalc.cli.group import app
+import os
+
+# pydantic looks up its plugins (the ``pydantic`` entry points of every installed distribution) the
+# first time it builds a validator, about 20-30 ms of every command here; the command line has no
+# use for them (typer turns them off for its own validators too). A user's setting wins.
+os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+
+from memcalc.cli.group import app  # noqa: E402
 from memcalc.cli.options import FrameworkOpt, ImplOpt, LoraDtypeOpt, LossOpt, OptimizerOpt, PrecisionOpt  # noqa: F401
 
 # the commands register on `app` as they are imported, in the order `memcalc --help` lists them
