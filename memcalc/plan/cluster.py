@@ -148,9 +148,10 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
                     jobs.add((with_training(by_ck["none"], gpus=n), True))
         jobs |= layout_probes(setups["full"], {int(g.capacity_bytes): seed_of("full", int(g.capacity_bytes))
                                                for g in cards}, GPU_CAP, tp_fits)
-        # (the first step only where it can set the peak: otherwise one job per step, not two)
-        jobs = {(e, both and not first_step_within_steady(e)) for e, both in jobs
-                if required_bytes(state_floor(e)) <= max(int(g.capacity_bytes) for g in cards)}
+        # (the first step only where it can set the peak: otherwise one job per step, not two; a step
+        # whose weights and state alone exceed every card is not simulated, decided in the worker)
+        top = max(int(g.capacity_bytes) for g in cards)
+        jobs = {(e, both and not first_step_within_steady(e), top) for e, both in jobs}
         parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
     rows = []
     for g in cards:
@@ -202,9 +203,12 @@ def _fit_gpus_job(exp: ExperimentSpec):
     return fit_gpus(exp, GPU_CAP)
 
 
-def _simulate_job(job: tuple[ExperimentSpec, bool]) -> None:
-    """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache."""
-    exp, both = job
+def _simulate_job(job: tuple[ExperimentSpec, bool, int]) -> None:
+    """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache, unless
+    its weights and state alone exceed ``job[2]`` bytes (every card)."""
+    exp, both, top = job
+    if required_bytes(state_floor(exp)) > top:
+        return
     if both:
         estimated_peak(exp)  # (the first step only where it can set the peak)
     else:

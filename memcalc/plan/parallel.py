@@ -26,12 +26,16 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, dict, dict]:
+#: What a worker's job adds to these caches comes back to the parent process.
+_SHARED = ("PEAK_CACHE", "TRACE_CACHE", "FLOOR_CACHE")
+
+
+def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, list[dict]]:
     fn, arg = job
-    before, traced = set(simulations.PEAK_CACHE), set(simulations.TRACE_CACHE)
+    before = [set(getattr(simulations, name)) for name in _SHARED]
     out = fn(arg)
-    return (out, {k: v for k, v in simulations.PEAK_CACHE.items() if k not in before},
-            {k: v for k, v in simulations.TRACE_CACHE.items() if k not in traced})
+    return out, [{k: v for k, v in getattr(simulations, name).items() if k not in seen}
+                 for name, seen in zip(_SHARED, before)]
 
 
 def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any],
@@ -39,7 +43,7 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any],
     """``[fn(x) for x in items]`` over forked worker processes (each simulation is pure Python, so
     processes, not threads); the simulated peaks they find are merged into this process's cache.
     Serial when there is one CPU, one item, or no ``fork``. The step traces they simulate
-    come back too (:data:`memcalc.plan.simulations.TRACE_CACHE`). ``fn`` must be a module-level function.
+    and floors come back too (:data:`_SHARED`). ``fn`` must be a module-level function.
     ``heavy(x)``: the items known to take longest (simulated at full depth), handed out first so
     that no worker is left with one at the end while the others wait."""
     items = list(items)
@@ -49,10 +53,10 @@ def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any],
     order = sorted(range(len(items)), key=lambda i: not heavy(items[i])) if heavy else list(range(len(items)))
     with mp.get_context("fork").Pool(n) as pool:
         out = pool.map(_run_keeping_peaks, [(fn, items[i]) for i in order], chunksize=1)
-    for _, peaks, traces in out:
-        simulations.PEAK_CACHE.update(peaks)
-        simulations.TRACE_CACHE.update(traces)
+    for _, added in out:
+        for name, new in zip(_SHARED, added):
+            getattr(simulations, name).update(new)
     got: list[Any] = [None] * len(items)
-    for i, (r, _, _) in zip(order, out):
+    for i, (r, _) in zip(order, out):
         got[i] = r
     return got

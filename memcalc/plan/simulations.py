@@ -5,7 +5,6 @@ weights-plus-state floor that rules an option out without a forward pass."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Optional
 
 import numpy as np
@@ -124,10 +123,20 @@ def state_floor(exp: ExperimentSpec) -> int:
     steady step's peak that needs no forward pass. Batch, seq and checkpointing do not change it,
     so they are fixed for the cache."""
     tr = exp.training.model_copy(update={"batch": 1, "seq": 2, "checkpoint": "none"})
-    return _state_floor_of(ExperimentSpec(model=exp.model, training=tr, profile=exp.profile))
+    key = ExperimentSpec(model=exp.model, training=tr, profile=exp.profile)
+    got = FLOOR_CACHE.get(key)
+    if got is None:
+        if len(FLOOR_CACHE) > 100_000:
+            FLOOR_CACHE.clear()
+        got = FLOOR_CACHE[key] = _state_floor_of(key)
+    return got
 
 
-@lru_cache(maxsize=512)
+#: Floors by setup (:func:`state_floor`); like the peaks, those a worker works out come back to the
+#: parent (:mod:`memcalc.plan.parallel`).
+FLOOR_CACHE: dict[ExperimentSpec, int] = {}
+
+
 def _state_floor_of(exp: ExperimentSpec) -> int:
     """The floor; for a uniform stack from the 3-, 4- and 5-layer copies: every layer allocates the
     same weights, state and gradients (each rounded on its own, nothing freed), so the bytes are
