@@ -37,6 +37,12 @@ def _reference_sink_side(n: int, arcs: list[tuple[int, int, float]], s: int, t: 
     return fl.reaches(t)
 
 
+def _seeds(n: int, quick: int) -> list:
+    """Seeds 0..n-1, the first ``quick`` in the quick lane and the rest marked slow (the quick lane
+    has a 30 s budget)."""
+    return [s if s < quick else pytest.param(s, marks=pytest.mark.slow) for s in range(n)]
+
+
 def _random_network(rng: random.Random) -> tuple[int, list[tuple[int, int, int]], list[float], list[int]]:
     """n nodes (source n-2, sink n-1), arcs (tail, head, ref: -1 infinite or an index into the
     capacities, several arcs may share one), capacities (some 0), the nodes the source feeds."""
@@ -52,7 +58,7 @@ def _random_network(rng: random.Random) -> tuple[int, list[tuple[int, int, int]]
     return n, arcs, caps, fed
 
 
-@pytest.mark.parametrize("seed", range(120))
+@pytest.mark.parametrize("seed", _seeds(120, quick=30))
 def test_random_networks(seed):
     """sink_side against Dinic over the whole network and a residual search from the sink, on
     random networks (parallel and opposite arcs, zero capacities, unbounded flows)."""
@@ -92,7 +98,7 @@ def _random_graph(rng: random.Random) -> list[Value]:
     return values
 
 
-@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.parametrize("seed", _seeds(60, quick=15))
 def test_random_graphs(seed):
     """solve_min_cut against the former solver on random graphs: default, more aggressive and
     aggressive options, and a random part of the banned values allowed to be recomputed (the
@@ -143,7 +149,7 @@ def _resized(values: list[Value], rng: random.Random) -> list[Value]:
     return list(new.values())
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", _seeds(20, quick=5))
 def test_same_shape_other_sizes(seed):
     """Graphs of one shape share their flow networks and weight factors (cached by shape) while
     their capacities differ: every cut still the former solver's."""
