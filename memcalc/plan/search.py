@@ -177,13 +177,13 @@ def _seeds(stack: StackedFits, bs: np.ndarray, ts: np.ndarray, seq: int, cap: in
 
 
 def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
-    """One group of options that share a fit (:func:`fit_groups`; its first is the one fitted): the
-    fit, each option's seeds, and its exact answers from direct estimates where they are printed
-    (it fits, is near the line, or ``include_all`` shows every option). Returns
+    """Options that share a fit (:func:`fit_groups`; ``job[0]`` is the fitted option): the fit, each
+    option's seeds, and its exact answers from direct estimates where they are printed (it fits, is
+    near the line, or ``include_all`` shows every option). Returns
     (peak, fits, max batch, max seq, confirmed) per option and the configurations evaluated."""
-    members, peaks, cap, seq, bs, ts, confirm, include_all = job
-    fit = fit_step(members[0])
-    stack = StackedFits.of([fit] + [_moved(fit, e, int(p), seq) for e, p in zip(members[1:], peaks[1:])])
+    fitted, members, peaks, cap, seq, bs, ts, confirm, include_all = job
+    fit = fit_step(fitted)
+    stack = StackedFits.of([fit if e == fitted else _moved(fit, e, int(p), seq) for e, p in zip(members, peaks)])
     fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peaks], dtype=bool)
     mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len)
     rows = []
@@ -313,12 +313,21 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
         if i != rep_of[i]:
             groups[rep_of[i]].append(i)
     bs, ts = batch_grid(), seq_grid(model, seq)
-    jobs = [([exps[i] for i in g], [b1[i] for i in g], cap, seq, bs, ts, confirm, include_all)
-            for g in groups.values()]
+    # one job per option and its fused twin (they share simulated steps, memcalc.plan.steps), each
+    # with its group's fitted option (a worker fits it once for all the jobs it runs); jobs with
+    # full-depth steps first
+    parts = []
+    for r, g in groups.items():
+        by_pair: dict[Technique, list[int]] = {}
+        for i in g:
+            by_pair.setdefault(replace(techs[i], fused=False), []).append(i)
+        parts += [(r, sub) for sub in by_pair.values()]
+    jobs = [(exps[r], [exps[i] for i in sub], [b1[i] for i in sub], cap, seq, bs, ts, confirm, include_all)
+            for r, sub in parts]
     results: dict[int, OptionResult] = {}
     evaluated = 0
-    for g, (rows, n_eval) in zip(groups.values(), parallel_map(_plan_group, jobs,
-                                                               heavy=lambda job: not applies(job[0][0]))):
+    for (_, g), (rows, n_eval) in zip(parts, parallel_map(_plan_group, jobs, heavy=lambda job: not all(
+            applies(e) for e in job[1]))):
         evaluated += n_eval
         for i, (p, fits, mb, ms, done) in zip(g, rows):
             results[i] = OptionResult(techs[i], p, required_bytes(p), fits, mb, ms, None, done)
