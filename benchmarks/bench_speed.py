@@ -23,90 +23,86 @@ target commands in-process and counts the simulated steps, the decoder layers wa
 their CPU time (the work itself, undisturbed by other load on a shared machine). Not a test: the targets live here (CI never
 runs benchmarks; pytest does not collect this folder).
 
-Profile (cProfile, 2-core machine, before the changes of issue 15; MEMCALC_WORKERS=1 so the
-work is in one process): ``plan --model llama-3.1-8b --gpu rtx-4090`` ran 180 simulations of the
-full 32-layer step (120 for the fits: 12 fitted options x 5-6 batch/seq points x steady and
-first step; 60 confirming the printed numbers), 98% of the time; ``Sim.alloc`` alone (1.5 M
-calls) 20%, ``Forward.layer`` 55%, checkpoint recomputation 50%. ``estimate`` (1.07 s): imports
-0.30 s (numpy 0.17 s, pydantic + the specs 0.16 s, typer 0.07 s), the steady and first-step
-simulations 0.16 s, the caching-allocator replay 0.07 s, rendering 0.12 s. After: the plan's
-simulations run on 3-, 4- and 5-layer copies of the model and are extrapolated exactly to the
-real depth (:mod:`memcalc.plan.depth`), compiled graphs and partitions are cached by graph key,
-and ``estimate`` imports neither numpy nor the plan.
+Where the targets stand (issue 15; ``--quick -n 3`` on this project's 2-core sandbox with nothing
+else running, bytecode cached as for a user; its bare ``python -c "import numpy"`` takes
+0.17-0.23 s, and its timings move by 20-30% from one hour to the next). Wall time, best of 3:
 
-The simulator itself (``benchmarks/bench_sim.py``: CPU time of one simulated llama-3.1-8b step for
-six plan options, the branch point and the change alternated in the same minutes): full depth
-577-585 -> 295-301 ms (1.95x), 3-layer copies 55.4-55.7 -> 30.1-30.6 ms (1.8x), ``estimate``'s two
-steps 1207-1225 -> 624-637 ms (1.9x); the caching-allocator replay 1.35x; ``MEMCALC_WORKERS=1 plan
---model llama-3.1-8b --gpu rtx-4090`` 20.1 -> 11.2 s CPU; every byte the same
-(``benchmarks/sim_equality.py``, 41 setups). How: blocks and autograd nodes are slotted classes
-that ``Sim.alloc`` / ``Sim.node`` fill in without ``__init__`` calls; the peak's breakdown is
-copied only before memory next goes down; the cyclic GC is paused during a step (whose reference
-cycles are broken at its end); weights and optimizer state are allocated in one run
-(``Sim.alloc_many``) from rows worked out once per model and setup; ``DType.fp32`` and
-``DType.bits`` no longer go through Enum lookups per op; the layer walk reads its model properties
-and parameters once per step; ``plan.depth._blocks`` parses each distinct label once (3x). Left:
-each allocation still costs about 3 us of Python bookkeeping here, and a checkpointed layer's
-forward code runs three times (forward, the recompute's early-stop dry run, the recompute).
+=====================================================  ==========  ==========  ==========  ======
+command                                                session 2   session 3   now         target
+                                                       start       start
+=====================================================  ==========  ==========  ==========  ======
+``estimate --params 7e9 --bf16 --lora``                1.06 s      0.60 s      @EST@       0.2 s
+``plan --model llama-3.1-8b --gpu rtx-4090``           10.7 s      3.4 s       @P8@        1 s
+``plan --model llama-3.1-70b``                         30.4 s      3.0 s       @P70@       1 s
+``plan --model llama-3.1-8b --gpu rtx-4090 --compile`` 144 s       14.3 s      @PC@        3 s
+=====================================================  ==========  ==========  ==========  ======
 
-The plan's own work (2026-11-23, ``--count``; same answers, the snapshots byte for byte), session
-start -> now: ``plan --model llama-3.1-8b --gpu rtx-4090`` 400 -> 206 simulated steps (3,224 ->
-1,636 layers walked), 21.2 -> 5.9 s CPU; ``plan --model llama-3.1-70b`` 536 -> 267 steps (9,364 ->
-1,068 layers), 39.5 -> 3.8 s CPU; ``plan --gpu rtx-4090 --compile`` 588 -> 249 steps, 108 -> 24 s
-CPU. How (besides the simulator above): (1) every step of the cluster table is extrapolated in
-depth: ``fit_gpus`` compared the steady and first-step traces' lengths together (always
-different, so each fit ran at full depth), FSDP2's root all-gather at the step's start is a named
-block, and a ZeRO share ``ceil(S / N)`` is an ``engine.sharding.Share`` that ``plan/depth.py``
-extrapolates through ``S`` (degrees that do not divide ``S`` ran at full depth); (2) no first-step
-simulations where the first step cannot set the peak (``engine.timeline.first_step_within_steady``:
-the same events less the optimizer state not yet created; asserted by every ``estimate()``); (3)
-the exact searches follow the required bytes (``plan.limits.largest_by_value``: secant steps from
-the fitted guess, regula falsi in the bracket) instead of galloping on fits/does-not-fit alone:
-``--compile``'s searches went from 133 to 43 compiled steps; (4) one (batch, seq) fit per group of
-options that differ only in the fused step, fitted and confirmed in one worker job, full-depth
-jobs handed out first; (5) the weights-plus-state floor of a uniform stack from shallow copies.
+``--count`` (simulated steps, layers walked, CPU of one process with ``MEMCALC_WORKERS=1``):
+@COUNT@
 
-Where that leaves the targets (``bench_speed.py --quick -n 3``, this 2-core machine, idle, which
-is slower than the CI-class machine of the issue: a bare ``python -c "import numpy"`` 0.17 s;
-bytecode cached, as for a user): ``estimate --params 7e9 --bf16 --lora`` 0.60 s wall (target
-0.2 s; 0.77 s when every module is compiled from source), ``plan --model llama-3.1-8b --gpu
-rtx-4090`` 3.4 s (target 1 s), ``plan --model llama-3.1-70b`` 3.0 s (target 1 s), ``--compile``
-14.3 s (target 3 s). At the session's start: 1.06 s, 10.7 s, 30.4 s and 144 s. Not met. What is left is structural: a printed answer is exact
-only if direct estimates show it fits and the next integer does not, and each direct estimate
-walks the step op by op in Python (about 3 us per allocation after the changes above; 10-30 ms
-for one 3-, 4- and 5-layer set). ``plan --gpu`` on an 8B model still needs ~60 such sets (the
-batch-1 peak of every option that passes the state floor, a fit per group, two or three probes
-per printed answer) plus 29 full-depth steps for the sqrt-checkpointed options (segments of
-round(sqrt(n)) layers cannot be extrapolated from shallow copies: the shallow copies would be
-deeper than the model). Reaching 1 s needs the step evaluated without re-walking it: record each
-option's allocation tape once (sizes as exact functions of batch, sequence, depth and the
-sharding degree, frees by reference) and evaluate it for many points at once with numpy; the
-depth extrapolation and ``Share`` are the first pieces of that. ``--compile`` also spends about
-0.3 s per step in the pure-Python min-cut of a whole-model graph per (batch, seq).
+Not met. What the time goes into now is in "What is left" below.
 
-Measured on the shared 2-core machine (one run each, main's install and this branch back to back
-at a load of 2-5, CPU = user + system of the process and its workers), before -> after (an
-earlier session):
-``estimate --params 7e9 --bf16 --lora`` 1.24 -> 0.90 s CPU (1.9 -> 1.4 s wall);
-``plan --model llama-3.1-8b --gpu rtx-4090`` 28.6 -> 17.3 s CPU (44 -> 26 s wall);
-``plan --model llama-3.1-70b`` 29.2 -> 9.1 s CPU (41 -> 13 s wall). The targets (< 1 s, < 0.2 s)
-are not met: see the profile above. What is left for ``plan --gpu``: options with sqrt
-checkpointing (segments of round(sqrt(n)) layers cannot be extrapolated from shallow copies)
-and compiled options are still simulated at full depth, and each remaining option still takes
-about 9-12 simulations for its fit and 4-8 for the confirmations; for ``estimate``, the imports
-of typer, pydantic (with the specs' schemas) and rich alone take about 0.25 s here.
+How the answers stay exact and fast (every printed number is what a direct estimate gives; the
+snapshots compare ``plan --json`` and ``estimate --json`` byte for byte, and the tests named below
+compare each shortcut with the simulation it replaces):
 
-``estimate``'s start-up (estimate-fast; details and the remaining profile in
-``bench_estimate.py``): the CLI is a package that imports only typer and the pydantic-free core
-until a command runs; ``--params`` no longer loads the presets, the Hugging Face hub client or
-YAML; shipped YAML is read from ``data/_parsed.json`` (kept in sync by a test); ``--json``
-imports no rich; the text report is laid out without rich where rich would print no styles
-(``memcalc.render.plain``, byte-identical; a terminal still gets rich). Best of 7, interleaved with
-the code before, same machine: ``estimate --params 7e9 --bf16 --lora`` 1.06 -> 0.89 s wall
-(0.93 -> 0.76 s with bytecode cached), ``estimate --model llama-3.1-8b --json`` 0.81 -> 0.72 s,
-``memcalc --help`` 0.41 -> 0.18 s, ``estimate --help`` 0.41 -> 0.18 s. What is left of the
-estimate is the two full-depth simulations and the allocator replay (about 0.3 s, sim-fast),
-pydantic (0.13 s; typer 0.2x imports it too, for every option value) and typer (0.1 s).
+1. *Steps in depth* (``memcalc.plan.depth``): a uniform stack's step from its 3-, 4- and 5-layer
+   copies, extrapolated exactly (``tests/test_depth.py``); ZeRO shares through
+   ``engine.sharding.Share``; FSDP2's step-start gather a named block.
+2. *Steps not simulated at all*:
+   - the first step from the steady one (``engine.timeline.first_step_of``: the same events with
+     the optimizer state moved from setup to where the step makes it; ``tests/test_first_step.py``),
+     so ``estimate`` simulates one step, not two; the plan skips first steps that cannot set the
+     peak (``first_step_within_steady``);
+   - a fused-optimizer step from the unfused one (``engine.timeline.fused_twin_of``: the same trace
+     up to each gradient becoming ready, where the fused step runs that parameter's temporaries and
+     frees it; ``tests/test_fused_twin.py``, 130 setups), in ``plan/steps.py``: the plan's grid is
+     half fused twins, so the 8B rtx-4090 plan went from 206 to 126 simulated steps;
+   - options ruled out by a floor with no forward pass: weights, state and, before an unfused
+     single-GPU step, every gradient (``engine.timeline.floor_bytes``; ``test_plan.py``).
+3. *Fewer probes*: one fit seeds every option of a setup whatever its optimizer or fused step,
+   moved per phase to the option's own batch-1 trace (``search._moved``), and sqrt-checkpointed
+   options take their seeds from the per-layer checkpointed fit (their own steps run at full
+   depth); the exact searches follow the required bytes (``plan.limits.largest_by_value``: secant,
+   then Illinois regula falsi). ``plan --params 1.5b --gpu a100-80gb``: 1152 -> 766 steps.
+4. *Cheaper steps* (``bench_sim.py``): slotted blocks and nodes, the GC paused, a checkpointed
+   region's early stop counted in its first forward instead of a dry run (1.2-1.35x on
+   checkpointed steps); ``torch.compile``'s min cut solved piece by piece and cached
+   (``compile/mincut.py``, ``benchmarks/mincut_equality.py``: the compile path 5x cheaper).
+5. *Workers*: an option and its fused twin in one job; the traces, peaks and floors a worker works
+   out come back to the parent; the cluster table's likely probes (ZeRO counts and the first
+   tensor-parallel layout per card) prefetched in parallel; one BLAS thread (an idle OpenBLAS pool
+   spins on the workers' cores).
+6. *Process start*: the CLI imports each command's pipeline when it runs; no numpy in
+   ``estimate``; the text report without rich where rich prints no styles; shipped YAML from
+   ``data/_parsed.json``; pydantic's plugin scan off; ``np.unique`` (which loads ``numpy.ma``) not
+   used.
+
+What is left (profiles of this session's end):
+
+- ``estimate``: the process is mostly imports (typer, pydantic and the specs, the engine: about
+  0.45 s here), the one full-depth simulation (~50 ms) and the caching-allocator replay of the
+  steady step twice and the first step once (~60 ms; printed, so it stays).
+- ``plan --gpu``: two stages of worker jobs; 8B on the rtx-4090 simulates 126 steps, of which the
+  sqrt-checkpointed options' 16 full-depth ones are about half the CPU (segments of
+  round(sqrt(n)) layers cannot be extrapolated from copies shallower than the model: a copy with
+  three segments has 3 x 6 layers). Each printed answer still needs the direct estimates that
+  show it fits and the next integer does not; below that, an answer without confirmations needs
+  every request as an exact function of batch and sequence (flash attention rounds rows to 128,
+  the memory-efficient kernel its logsumexp to 32: not polynomials).
+- ``plan --model``: the fits in the ZeRO degree (21 shallow triples) and ~60 prefetched probes;
+  about 0.3 s of serial searches where a fitted count was off by more than one.
+- ``plan --compile``: nine compiled options searched by direct estimates at full depth (the
+  partition is of the whole graph, and under a memory budget a knapsack over every layer decides
+  it, so shallow copies do not extrapolate), each new (batch, seq) recording and partitioning
+  its graph again.
+
+History. Session 1 (one run each, load 2-5): ``estimate`` 1.24 -> 0.90 s CPU, ``plan --model
+llama-3.1-8b --gpu rtx-4090`` 28.6 -> 17.3 s CPU, ``plan --model llama-3.1-70b`` 29.2 -> 9.1 s
+CPU. Session 2: the depth extrapolation, the searches following the required bytes, the
+simulator's hot path (``bench_sim.py``), ``estimate``'s start-up (``bench_estimate.py``: the CLI
+package imports only typer and the pydantic-free core until a command runs). Session 3: items 2,
+3, 5 and the rest of 6 above, the counted early stop and the piecewise min cut.
 """
 
 from __future__ import annotations
