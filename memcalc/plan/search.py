@@ -219,6 +219,14 @@ def _shift(rows: np.ndarray, delta: float) -> np.ndarray:
     return out
 
 
+def _confirm_compiled(job: tuple) -> tuple[int, int, int, float]:
+    """:func:`_confirm_option` of a compiled option, and the fraction of its forward that its
+    partition recomputes at batch 1 (for the cost model; the worker has the partition at hand)."""
+    from memcalc.compile.compiled import compiled_plan
+
+    return (*_confirm_option(job), compiled_plan(job[0]).recompute_pct / 100)
+
+
 def _confirm_option(job: tuple) -> tuple[int, int, int]:
     """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers:
     ``(experiment, capacity, max batch seed, max seq seed[, every])``. Where batch 1 does not fit at
@@ -332,9 +340,11 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
         for i, (p, fits, mb, ms, done) in zip(g, rows):
             results[i] = OptionResult(techs[i], p, required_bytes(p), fits, mb, ms, None, done)
     # 2b. compiled options: direct estimates, seeded with the same setup's eager answers
-    for i, (p, mb, ms) in zip(compiled, parallel_map(_confirm_option, [
+    recompute: dict[int, float] = {}
+    for i, (p, mb, ms, frac) in zip(compiled, parallel_map(_confirm_compiled, [
             (exps[i], cap, *_eager_seeds(techs[i], techs, results)) for i in compiled])):
         r = OptionResult(techs[i], p, required_bytes(p), required_bytes(p) <= cap, mb, ms, None, True)
+        recompute[i] = frac
         if r.fits or include_all:
             results[i] = r
     # 3. options that cannot fit: exact batch-1 numbers only when all are shown
@@ -342,12 +352,7 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     for i, p in zip(rest, parallel_map(estimated_peak, [exps[i] for i in rest])):
         results[i] = OptionResult(techs[i], p, required_bytes(p), False, 0, 0, None, True)
     for i, r in results.items():
-        frac = 0.0
-        if r.technique.budget is not None:
-            from memcalc.compile.compiled import compiled_plan
-
-            frac = compiled_plan(exps[i]).recompute_pct / 100
-        r.relative_cost = relative_cost(r.technique, model, seq, r.max_batch, frac)
+        r.relative_cost = relative_cost(r.technique, model, seq, r.max_batch, recompute.get(i, 0.0))
     shown = [results[i] for i in sorted(results) if include_all or results[i].fits]
     shown.sort(key=lambda r: (not r.fits, r.relative_cost if r.relative_cost is not None else float("inf"),
                               r.required_bytes))
