@@ -28,8 +28,8 @@ else running, bytecode cached as for a user; its bare ``python -c "import numpy"
 0.17-0.23 s, and its timings move by 20-30% from one hour to the next). Wall time, best of 3:
 
 =====================================================  ==========  ==========  ==========  ======
-command                                                session 2   session 3   now         target
-                                                       start       start
+command                                                stop 20     stop 20     now         target
+                                                       start       end
 =====================================================  ==========  ==========  ==========  ======
 ``estimate --params 7e9 --bf16 --lora``                1.06 s      0.60 s      @EST@       0.2 s
 ``plan --model llama-3.1-8b --gpu rtx-4090``           10.7 s      3.4 s       @P8@        1 s
@@ -97,11 +97,11 @@ What is left (profiles of this session's end):
   it, so shallow copies do not extrapolate), each new (batch, seq) recording and partitioning
   its graph again.
 
-History. Session 1 (one run each, load 2-5): ``estimate`` 1.24 -> 0.90 s CPU, ``plan --model
+History. Before stop 20 (one run each, load 2-5): ``estimate`` 1.24 -> 0.90 s CPU, ``plan --model
 llama-3.1-8b --gpu rtx-4090`` 28.6 -> 17.3 s CPU, ``plan --model llama-3.1-70b`` 29.2 -> 9.1 s
-CPU. Session 2: the depth extrapolation, the searches following the required bytes, the
+CPU. Stop 20: the depth extrapolation, the searches following the required bytes, the
 simulator's hot path (``bench_sim.py``), ``estimate``'s start-up (``bench_estimate.py``: the CLI
-package imports only typer and the pydantic-free core until a command runs). Session 3: items 2,
+package imports only typer and the pydantic-free core until a command runs). Stop 21: items 2,
 3, 5 and the rest of 6 above, the counted early stop and the piecewise min cut.
 """
 

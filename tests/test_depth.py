@@ -214,11 +214,12 @@ def test_uniform_fields_are_the_model_fields():
     {"optimizer": "adamw-8bit"}, {"lora": None, "precision": "fp32"},
 ])
 def test_state_floor_extrapolates_exactly(update):
-    # source: memcalc.engine.timeline.weights_and_state_bytes on the full-depth model; tolerance: none
-    from memcalc.engine.timeline import weights_and_state_bytes
+    # source: memcalc.engine.timeline.floor_bytes (weights, state and, before an unfused single-GPU
+    # step, every gradient) on the full-depth model; tolerance: none
+    from memcalc.engine.timeline import floor_bytes
     from memcalc.plan.simulations import state_floor
 
     tr = Technique("lora", "16", "adamw", "none", False).training(1, 2).model_copy(update=update)
     exp = ExperimentSpec(model=FAMILIES["llama"], training=tr)
     assert applies(exp)
-    assert state_floor(exp) == weights_and_state_bytes(exp)
+    assert state_floor(exp) == floor_bytes(exp)
