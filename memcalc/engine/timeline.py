@@ -24,6 +24,7 @@ from typing import Callable, Optional
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.optimizers import OPTIMIZERS
+from memcalc.core.units import round_up
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.deepspeed import DeepSpeedZero2, DeepSpeedZero3, deepspeed_optimizer, uses_deepspeed
 from memcalc.engine.forward import Forward
@@ -146,10 +147,15 @@ def weights_and_state_bytes(exp: ExperimentSpec) -> int:
     """Bytes allocated at the start of a steady-state step of ``exp`` (weights plus optimizer
     state, each rounded as the allocator does): a lower bound of its peak that needs no forward
     pass (:mod:`memcalc.plan` discards options with it)."""
+    return _setup(exp)[0].total
+
+
+def _setup(exp: ExperimentSpec) -> tuple[Sim, Model]:
+    """A simulator holding what a steady-state step of ``exp`` starts with, and the model."""
     sim = Sim(exp.profile.allocator_round_bytes)
     sim.record_timeline = False
-    weights_and_state(sim, exp, create_state=True)
-    return sim.total
+    model, _ = weights_and_state(sim, exp, create_state=True)
+    return sim, model
 
 
 def grads_all_alive(exp: ExperimentSpec) -> bool:
@@ -167,13 +173,11 @@ def floor_bytes(exp: ExperimentSpec) -> int:
     state (:func:`weights_and_state_bytes`) plus, where they are all alive together
     (:func:`grads_all_alive`), every trainable parameter's gradient, each rounded as the allocator
     rounds it (``Param.grad_bytes``; the moment before the optimizer step)."""
-    sim = Sim(exp.profile.allocator_round_bytes)
-    sim.record_timeline = False
-    model, _ = weights_and_state(sim, exp, create_state=True)
+    sim, model = _setup(exp)
     total = sim.total
     if grads_all_alive(exp):
-        rb = max(exp.profile.allocator_round_bytes, 1)
-        total += sum(-(-p.grad_bytes // rb) * rb for p in model.order if p.trainable)
+        rb = exp.profile.allocator_round_bytes
+        total += sum(round_up(p.grad_bytes, rb) for p in model.order if p.trainable)
     return total
 
 
@@ -436,7 +440,6 @@ def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
     ready, trace = unfused.grads_ready, unfused.alloc_trace
     if ready is None or trace is None:
         return None
-    rb = max(round_bytes, 1)
     out: list[tuple[int, str, str, int]] = []
     freed = 0
 
@@ -446,7 +449,7 @@ def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
         live: dict[int, int] = {}
         for i, (what, val) in enumerate(g.temps):
             if what == "alloc":
-                n = -(-val // rb) * rb
+                n = round_up(val, round_bytes)
                 live[i] = n
                 cur += n
                 out.append((cur, g.phase, g.label, val))
