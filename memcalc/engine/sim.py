@@ -32,12 +32,28 @@ from memcalc.engine.result import KINDS, TimelinePoint
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.engine.sharding import Share
 
-__all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.blocks
+__all__ = ["Node", "Param", "PeakAbove", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.blocks
 
 
 _new = object.__new__
 _requires_grad = attrgetter("requires_grad")
 _trainable = attrgetter("trainable")
+
+
+#: ``Sim.stop_above`` when a step runs to its end.
+NO_LIMIT = 1 << 126
+
+
+class PeakAbove(Exception):
+    """A step's running total passed :attr:`Sim.stop_above` (the bytes that fit a card): its peak
+    is at least ``total`` bytes, and the rest of the step was not simulated. ``grads_ready``: the
+    gradients that had become ready by then (none: a fused optimizer step, which differs from the
+    unfused one only from the first ready gradient on, passes the same total too)."""
+
+    def __init__(self, total: int, grads_ready: int) -> None:
+        super().__init__(total, grads_ready)
+        self.total = total
+        self.grads_ready = grads_ready
 
 
 class Sim:
@@ -56,6 +72,10 @@ class Sim:
         self.peak_cats: dict[str, int] = {}
         self.peak_kinds: dict[str, int] = {}
         self._peak_open = False  # a new peak whose breakdown is not copied yet (alloc, _snap_peak)
+        # a new peak above this raises PeakAbove: a search that only needs to know that a step
+        # does not fit a card stops there (memcalc.plan.limits.need)
+        self.stop_above = NO_LIMIT
+        self.grads_ready = 0  # gradients ready so far (for PeakAbove)
         self.phase = "setup"
         self.label = ""
         self.phase_peaks: dict[str, int] = {}
@@ -160,6 +180,8 @@ class Sim:
                 self.peak_phase = phase
                 self.peak_label = self.label
                 self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
+                if total > self.stop_above:
+                    raise PeakAbove(total, self.grads_ready)
         trace = self.alloc_trace
         if trace is not None:
             # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
@@ -252,6 +274,8 @@ class Sim:
                 self.peak_phase = phase
                 self.peak_label = self.label
                 self._peak_open = True
+                if total > self.stop_above:
+                    raise PeakAbove(total, self.grads_ready)
         return out
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
@@ -523,6 +547,7 @@ class Sim:
                 p.grad = g
             else:  # accumulate into the existing .grad in place
                 self.unref(g)
+            self.grads_ready += 1
             if self.grad_ready is not None:
                 self.grad_ready(self, p)
 

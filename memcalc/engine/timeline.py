@@ -196,14 +196,17 @@ def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model):
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
              trace_allocs: bool = False, events: bool = False,
-             strategy: Optional[Callable[[], LayerStrategy]] = None, fused_twin: bool = False) -> SimResult:
+             strategy: Optional[Callable[[], LayerStrategy]] = None, fused_twin: bool = False,
+             stop_above: Optional[int] = None) -> SimResult:
     """Simulate one optimizer step of ``exp``; see the module docstring for what it covers.
     ``trace_allocs`` also returns the running total (and phase) after every allocation.
     ``strategy`` makes the layer strategy of each micro-step (default: eager, or
     checkpointing as the spec asks); a compiled step needs one from :mod:`memcalc.compile`
     (:func:`memcalc.estimate.step.simulate` chooses). ``fused_twin`` (with ``trace_allocs``, where
     :func:`fused_twin_applies`) also records where each gradient becomes ready, for
-    :func:`fused_twin_of`.
+    :func:`fused_twin_of`. ``stop_above``: stop, raising :class:`memcalc.engine.sim.PeakAbove`,
+    as soon as the running total passes this many bytes (the step does not fit: its peak is all
+    a caller asks about, and only whether it passes).
 
     Python's cyclic garbage collector is paused while the step runs: the simulation makes tens of
     thousands of objects that live until it ends, which the collector would otherwise traverse
@@ -213,20 +216,23 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         gc.disable()
     try:
         return _simulate(exp, first_step, record_timeline, trace_allocs, events, strategy,
-                         fused_twin and trace_allocs and not first_step and fused_twin_applies(exp))
+                         fused_twin and trace_allocs and not first_step and fused_twin_applies(exp), stop_above)
     finally:
         if paused:
             gc.enable()
 
 
 def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trace_allocs: bool, events: bool,
-              strategy: Optional[Callable[[], LayerStrategy]], fused_twin: bool = False) -> SimResult:
+              strategy: Optional[Callable[[], LayerStrategy]], fused_twin: bool = False,
+              stop_above: Optional[int] = None) -> SimResult:
     check_supported(exp)
     tr = exp.training
     if strategy is None:
         assert not tr.compile, "a compiled step needs the compiled layer strategy (memcalc.estimate.step)"
         strategy = lambda: layer_strategy(tr)  # noqa: E731
     sim = Sim(exp.profile.allocator_round_bytes)
+    if stop_above is not None:
+        sim.stop_above = stop_above
     sim.record_timeline = record_timeline
     if trace_allocs:
         sim.alloc_trace = []

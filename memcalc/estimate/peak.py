@@ -52,6 +52,17 @@ def allocator_slack_bytes(peak_bytes):
     return int(peak_bytes * ALLOCATOR_SLACK_FRACTION)
 
 
+def largest_peak_within(capacity_bytes: int) -> int:
+    """The highest allocated peak whose :func:`required_bytes` fit ``capacity_bytes`` (-1 if none):
+    a step whose running total passes it does not fit, whatever the rest of the step does."""
+    p = int((capacity_bytes - CUDA_CONTEXT_BYTES) / (1 + ALLOCATOR_SLACK_FRACTION))
+    while p >= 0 and required_bytes(p) > capacity_bytes:
+        p -= 1
+    while required_bytes(p + 1) <= capacity_bytes:
+        p += 1
+    return max(p, -1)
+
+
 def required_bytes(peak_bytes):
     """The bytes a GPU must have for an allocated peak (``torch.cuda.max_memory_allocated``):
     peak + CUDA context (:data:`CUDA_CONTEXT_BYTES`) + allocator slack
@@ -285,4 +296,4 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     )
 
 
-__all__ = ["estimate", "required_bytes", "allocator_slack_bytes", "Estimate", "DType"]
+__all__ = ["estimate", "largest_peak_within", "required_bytes", "allocator_slack_bytes", "Estimate", "DType"]

@@ -11,7 +11,8 @@ import numpy as np
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
-from memcalc.estimate.peak import required_bytes
+from memcalc.engine.sim import PeakAbove
+from memcalc.estimate.peak import largest_peak_within, required_bytes
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
 
 #: Largest batch the search considers.
@@ -25,15 +26,23 @@ def fits_in(exp: ExperimentSpec, capacity_bytes: int) -> bool:
     return need(exp, capacity_bytes)[0]
 
 
-def need(exp: ExperimentSpec, capacity_bytes: int) -> tuple[bool, float]:
+def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True) -> tuple[bool, float]:
     """Whether ``estimate(exp)`` fits ``capacity_bytes``, with its required bytes. Two exact
     shortcuts come first: weights plus optimizer state (no forward pass) and the steady-state step
     alone; when either does not fit, the estimate (at least as high) cannot either, and the
-    shortcut's bytes (a lower bound of the estimate's) come back instead."""
-    for peak in (lambda: state_floor(exp), lambda: simulated_peak(exp)):
-        got = required_bytes(peak())
-        if got > capacity_bytes:
-            return False, float(got)
+    shortcut's bytes (a lower bound of the estimate's) come back instead. Without ``exact`` (a
+    caller that only asks whether it fits) a step simulated directly stops as soon as it passes
+    the card (:func:`memcalc.estimate.peak.largest_peak_within`), and the bytes that come back for
+    a step that does not fit are those at that moment (a lower bound too)."""
+    got = required_bytes(state_floor(exp))
+    if got > capacity_bytes:
+        return False, float(got)
+    try:
+        got = required_bytes(simulated_peak(exp, stop_above=None if exact else largest_peak_within(capacity_bytes)))
+    except PeakAbove as e:
+        return False, float(required_bytes(e.total))
+    if got > capacity_bytes:
+        return False, float(got)
     got = required_bytes(estimated_peak(exp))
     return got <= capacity_bytes, float(got)
 
@@ -63,7 +72,8 @@ def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 Probe = Callable[[int], tuple[bool, float]]
 
 
-def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None) -> int:
+def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None,
+                     known: Sequence[tuple[int, bool, float]] = (), last: Optional[Probe] = None) -> int:
     """The largest x in [lo, hi] whose ``probe(x)`` is ``(True, ...)``, ``lo - 1`` if none.
 
     ``probe(x)`` returns (ok, value): ok is true up to some x and false after it (monotone), and is
@@ -73,12 +83,23 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     fitted guess) it checks the guess and its neighbour; when the guess is off it steps to where
     the line through the last two values meets ``line`` (a secant step, falling back to doubling
     steps when the values do not help), then narrows the bracket by regula falsi. A smooth
-    requirement is found in a few probes where a search on ok alone takes about 2 log2(distance)."""
-    seen: dict[int, tuple[bool, float]] = {}
+    requirement is found in a few probes where a search on ok alone takes about 2 log2(distance).
+
+    ``known``: points whose ``probe(x)`` is already at hand (x, ok, value), e.g. the option's own
+    batch-1 estimate. Where the line through the nearest of them and the seed's value meets
+    ``line`` more than :data:`JUMP_FRACTION` of the seed away (a rough guess: a compiled option
+    seeded with its eager twin's answer), the search steps there at once instead of first checking
+    the seed's neighbour (which settles an exact seed in two probes).
+
+    ``last``: the same verdicts as ``probe``, for a point just above one that fits (where a
+    verdict of "does not fit" ends the search, so its value is not needed and may be any lower
+    bound past ``line``: :func:`need` without ``exact``)."""
+    seen: dict[int, tuple[bool, float]] = {k[0]: (k[1], k[2]) for k in known}
 
     def at(x: int) -> tuple[int, bool, float]:
         if x not in seen:
-            seen[x] = probe(x)
+            below = seen.get(x - 1)
+            seen[x] = (last if last is not None and below is not None and below[0] else probe)(x)
         return (x,) + seen[x]
 
     def cross(p: tuple[int, bool, float], q: tuple[int, bool, float]) -> Optional[float]:
@@ -87,13 +108,17 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
         return p[0] + (line - p[2]) * (q[0] - p[0]) / (q[2] - p[2])
 
     x = at(lo if seed is None else min(max(seed, lo), hi))
+    far = _far_guess(x, known, cross)
     if x[1]:  # fits: step up until something does not
         if x[0] == hi:
             return hi
-        a = at(x[0] + 1)
-        if not a[1]:
-            return x[0]
-        prev, gap = x, 1
+        if far is not None and far[1] > x[0]:  # the seed is far below the answer: no neighbour check
+            prev, a, gap = far[0], x, 1
+        else:
+            a = at(x[0] + 1)
+            if not a[1]:
+                return x[0]
+            prev, gap = x, 1
         while True:
             t = cross(prev, a)
             guess = math.floor(t) + 1 if t is not None and t >= a[0] else a[0] + 2 * gap
@@ -107,10 +132,13 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     else:  # does not fit: step down until something does
         if x[0] == lo:
             return lo - 1
-        b = at(x[0] - 1)
-        if b[1]:
-            return b[0]
-        prev, gap = x, 1
+        if far is not None and far[1] < x[0]:  # the seed is far above the answer: no neighbour check
+            prev, b, gap = far[0], x, 1
+        else:
+            b = at(x[0] - 1)
+            if b[1]:
+                return b[0]
+            prev, gap = x, 1
         while True:
             t = cross(b, prev)
             guess = math.floor(t) if t is not None and t < b[0] else b[0] - 2 * gap
@@ -124,6 +152,9 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     # a fits, b does not: regula falsi on the values (Illinois: an end kept twice in a row has its
     # distance to the line halved, so a curved requirement does not converge from one side only);
     # an exact interpolation lands on the answer, and the next step then checks its neighbour
+    # the tightest bracket seen (a known point may lie inside the one the steps above found)
+    a = max((p for p in map(lambda x: (x,) + seen[x], seen) if p[1] and a[0] <= p[0] < b[0]), default=a)
+    b = min((p for p in map(lambda x: (x,) + seen[x], seen) if not p[1] and a[0] < p[0] <= b[0]), default=b)
     fa, fb = a[2] - line, b[2] - line
     kept = 0  # +1: the fitting end moved last, -1: the other
     while b[0] - a[0] > 1:
@@ -142,36 +173,69 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     return a[0]
 
 
-def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None) -> Optional[int]:
+#: A known point's line jumps past the seed's neighbour check when it puts the answer more than this
+#: fraction of the seed (and more than 2) away from the seed.
+JUMP_FRACTION = 0.02
+
+
+def _far_guess(x: tuple[int, bool, float], known: Sequence[tuple[int, bool, float]],
+               cross: Callable) -> Optional[tuple[tuple[int, bool, float], float]]:
+    """(the known point nearest the seed ``x``, where the line through both meets the capacity),
+    when that is far from the seed (:data:`JUMP_FRACTION`); else None."""
+    near = [k for k in known if k[0] != x[0] and k[2] != x[2]]
+    if not near:
+        return None
+    k = min(near, key=lambda p: abs(p[0] - x[0]))
+    t = cross(k, x)
+    if t is None or abs(t - x[0]) <= max(2.0, JUMP_FRACTION * abs(x[0])):
+        return None
+    return k, t
+
+
+def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None,
+                      last: Optional[Probe] = None) -> Optional[int]:
     """The smallest x in [lo, hi] whose ``probe(x)`` is ``(True, ...)``, None if none, where ok is
     false and then true as x grows and the value falls (the required bytes per GPU as the GPUs
     grow): :func:`largest_by_value` over the reflected range ``lo + hi - x``."""
     x = largest_by_value(lambda x: probe(lo + hi - x), lo, hi, line,
-                         lo + hi - seed if seed is not None and lo <= seed <= hi else None)
+                         lo + hi - seed if seed is not None and lo <= seed <= hi else None,
+                         last=None if last is None else lambda x: last(lo + hi - x))
     return None if x < lo else lo + hi - x
 
 
-def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int) -> Probe:
-    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes``."""
-    return lambda x: need(exp_at(x), capacity_bytes)
+def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int, exact: bool = True) -> Probe:
+    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``: as there)."""
+    return lambda x: need(exp_at(x), capacity_bytes, exact)
 
 
-def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None) -> int:
+def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False) -> int:
     """The largest batch (at ``exp``'s seq, everything else as given) whose required bytes fit
     ``capacity_bytes``; 0 if batch 1 does not fit; at most :data:`BATCH_CAP`. Exact: a search over
-    direct estimates (the estimate is monotone in batch), :func:`largest_by_value`."""
-    probe = fit_probe(lambda b: with_training(exp, batch=int(b)), capacity_bytes)
-    return largest_by_value(probe, 1, BATCH_CAP, capacity_bytes, seed)
+    direct estimates (the estimate is monotone in batch), :func:`largest_by_value`; ``anchored``:
+    ``exp``'s own batch is a known point of it (:func:`_own_point`)."""
+    at = lambda b: with_training(exp, batch=int(b))  # noqa: E731
+    known = _own_point(exp, exp.training.batch, capacity_bytes) if anchored else ()
+    return largest_by_value(fit_probe(at, capacity_bytes), 1, BATCH_CAP, capacity_bytes, seed, known,
+                            last=fit_probe(at, capacity_bytes, exact=False))
 
 
-def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None) -> int:
+def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False) -> int:
     """The largest sequence (at ``exp``'s batch) whose required bytes fit ``capacity_bytes``, at most
     the model's ``max_seq_len``; 0 if not even 2 tokens fit. Exact: a search over direct estimates
-    (monotone in seq), :func:`largest_by_value`, from the seed or else from the middle of the range."""
+    (monotone in seq), :func:`largest_by_value`, from the seed or else from the middle of the range;
+    ``anchored``: ``exp``'s own seq is a known point of it (:func:`_own_point`)."""
     hi = exp.model.max_seq_len
-    probe = fit_probe(lambda t: with_training(exp, seq=int(t)), capacity_bytes)
-    r = largest_by_value(probe, 2, hi, capacity_bytes, seed if seed is not None else (2 + hi) // 2)
+    at = lambda t: with_training(exp, seq=int(t))  # noqa: E731
+    known = _own_point(exp, exp.training.seq, capacity_bytes) if anchored else ()
+    r = largest_by_value(fit_probe(at, capacity_bytes), 2, hi, capacity_bytes,
+                         seed if seed is not None else (2 + hi) // 2, known, last=fit_probe(at, capacity_bytes, exact=False))
     return r if r >= 2 else 0
+
+
+def _own_point(exp: ExperimentSpec, x: int, capacity_bytes: int) -> tuple[tuple[int, bool, float]]:
+    """``exp`` itself as a known point ``(x, *need(exp))`` of a search over its batch or seq (its
+    estimate is at hand: the plan has just made it)."""
+    return ((x, *need(exp, capacity_bytes)),)
 
 
 def check_one_gpu(gpu: Optional[Sequence[str]], flag: str):

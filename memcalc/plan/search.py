@@ -236,9 +236,9 @@ def _confirm_option(job: tuple) -> tuple[int, int, int]:
     every = len(job) > 4 and job[4]
     p = estimated_peak(e)
     ok = required_bytes(p) <= cap
-    b = max_batch(e, cap, seed=mb if mb > 0 else None) if ok else 0
+    b = max_batch(e, cap, seed=mb if mb > 0 else None, anchored=True) if ok else 0
     if ok or ms > 0:
-        t = max_seq(e, cap, seed=ms if ms >= 2 else None)
+        t = max_seq(e, cap, seed=ms if ms >= 2 else None, anchored=True)
     else:
         t = max_seq(e, cap, seed=2) if every else 0
     return p, b, t

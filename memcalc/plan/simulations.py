@@ -96,14 +96,17 @@ def trace_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
     return step_trace(exp, first_step).peak_bytes
 
 
-def simulated_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
+def simulated_peak(exp: ExperimentSpec, first_step: bool = False, stop_above: Optional[int] = None) -> int:
     """The allocated peak of one simulated step (steady state, or the first step), cached; the
-    same number ``estimate()`` takes from the same simulation."""
+    same number ``estimate()`` takes from the same simulation. ``stop_above``: a step simulated
+    directly stops as soon as its running total passes this many bytes, raising
+    :class:`memcalc.engine.sim.PeakAbove` (whose total is a lower bound of the peak); a step
+    extrapolated in depth (cheap: shallow copies) runs whole."""
     key = (exp, first_step)
     if key not in PEAK_CACHE:
         if applies(exp):
             return step_trace(exp, first_step).peak_bytes
-        _remember(exp, first_step, traced_step(exp, first_step).peak_bytes)
+        _remember(exp, first_step, traced_step(exp, first_step, stop_above).peak_bytes)
     return PEAK_CACHE[key]
 
 
