@@ -12,11 +12,19 @@ only; each command imports the pipeline it runs when it runs (``tests/test_lazy_
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 # pydantic looks up its plugins (the ``pydantic`` entry points of every installed distribution) the
 # first time it builds a validator, about 20-30 ms of every command here; the command line has no
 # use for them (typer turns them off for its own validators too). A user's setting wins.
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
+if os.environ["PYDANTIC_DISABLE_PLUGINS"] in ("__all__", "1", "true") and "pydantic.plugin._loader" not in sys.modules:
+    # with every plugin off, pydantic's loader returns no plugins without looking; but importing it
+    # imports importlib.metadata (about 18 ms). Its one function, as it answers then:
+    _loader = types.ModuleType("pydantic.plugin._loader")
+    _loader.get_plugins = lambda: ()  # type: ignore[attr-defined]
+    sys.modules["pydantic.plugin._loader"] = _loader
 
 from memcalc.cli.group import app  # noqa: E402
 from memcalc.cli.options import FrameworkOpt, ImplOpt, LoraDtypeOpt, LossOpt, OptimizerOpt, PrecisionOpt  # noqa: F401

@@ -23,6 +23,10 @@ from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor
 
 #: The catalog search for ``plan --model M`` (no --gpu) covers 1..GPU_CAP GPUs.
 GPU_CAP = 1024
+#: Where one GPU more lowers the fitted per-GPU requirement by less than this fraction of the card
+#: (near the floor that sharding cannot divide), the next FLAT_SPAN counts are simulated ahead too.
+FLAT = 0.002
+FLAT_SPAN = 5
 #: Whose sharding the counts assume (``TrainingSpec.sharding``), and in words (text and --json).
 SHARDING = "fsdp2"
 SHARDING_TEXT = ("FSDP2 (torch fully_shard per decoder layer and on the root, torchtitan-style): every parameter "
@@ -138,12 +142,18 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
             cap = int(g.capacity_bytes)
             for s, by_ck in setups.items():
                 jobs.add((with_training(by_ck["full"], gpus=1), False))
+                jobs.add((with_training(by_ck["none"], gpus=1), False))
                 n = seed_of(s, cap)
-                if n is None:
+                if n is None:  # the search starts from the most GPUs
+                    jobs.add((with_training(by_ck["full"], gpus=GPU_CAP), False))
                     continue
                 if n > 2:
                     jobs.add((with_training(by_ck["full"], gpus=n - 1), False))
                 jobs.add((with_training(by_ck["full"], gpus=n), True))
+                if n > 2 and req[s]["full"][n - 1] - req[s]["full"][n] < FLAT * cap:
+                    # near the per-GPU floor one GPU more moves the requirement so little that the
+                    # fitted count is a few off: the counts just above it too
+                    jobs |= {(with_training(by_ck["full"], gpus=k), False) for k in range(n + 1, min(n + FLAT_SPAN, GPU_CAP) + 1)}
                 if req[s]["none"][n - 1] <= cap:
                     jobs.add((with_training(by_ck["none"], gpus=n), True))
         jobs |= layout_probes(setups["full"], {int(g.capacity_bytes): seed_of("full", int(g.capacity_bytes))

@@ -76,13 +76,15 @@ def layout_probes(full: dict[str, ExperimentSpec], caps: dict[int, Optional[int]
     capacity (mapped to the fitted fewest GPUs without tensor parallelism, None: none fit), the
     layout the search confirms first: the tensor-parallel degree whose fitted fewest data-parallel
     ranks ``dp`` give the fewest GPUs, fewer than ZeRO-3 alone; then ``dp``, ``dp - 1`` (what
-    confirms it) and checkpointing none at ``dp``. A guess: the search itself decides, simulating
+    confirms it) and checkpointing none at ``dp``; and every degree's single group (``dp`` 1, which
+    the search checks first). A guess: the search itself decides, simulating
     what is missing."""
     out: set[tuple[ExperimentSpec, bool]] = set()
     base = full["full"]
     best: dict[int, tuple[int, int, ExperimentSpec]] = {}  # cap -> (dp x tp, tp, dp): the first confirmed
     for tp in tp_degrees(base):
         e = with_training(base, tp=tp, sequence_parallel=True)
+        out.add((with_training(e, gpus=1), False))  # one tensor-parallel group, checked first (_fewest_dp)
         fit = fits.get(e)
         hi = n_max // tp
         if fit is None or hi < 2:
