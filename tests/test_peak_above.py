@@ -129,3 +129,24 @@ def _plain(exp, cap, field, lo, hi):
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def test_scaled_seeds_of_a_fit_at_its_own_peak_are_its_seeds():
+    # source: definition: scaling a fit to the peak it already has at batch 1 changes nothing, so the
+    # seeds are the fit's own largest batch and sequence within the card (bisection on the fit)
+    import numpy as np
+
+    from memcalc.plan.fits import fit_step
+    from memcalc.plan.search import _scaled_seeds
+
+    exp = _exp(dict(model="llama-3.1-8b", lora=True, bf16=True, checkpoint="full"))
+    fit = fit_step(exp)
+    cap = 24 * GiB
+    own = int(fit.peak(np.array([1.0]), np.array([float(exp.training.seq)]))[0])
+    mb, ms = _scaled_seeds(fit, exp, own, cap)
+    req = lambda b, t: float(fit.required(np.array([float(b)]), np.array([float(t)]))[0])  # noqa: E731
+    assert req(mb, exp.training.seq) <= cap < req(mb + 1, exp.training.seq)
+    assert req(1, ms) <= cap < req(1, ms + 1)
+    # a higher peak at batch 1 (more saved per token) gives lower seeds
+    mb2, ms2 = _scaled_seeds(fit, exp, int(own * 1.1), cap)
+    assert mb2 <= mb and ms2 < ms

@@ -29,7 +29,7 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec
 from memcalc.estimate.peak import required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.cost import relative_cost
-from memcalc.plan.fits import StepFit, fit_points, fit_step, sorted_unique
+from memcalc.plan.fits import StepFit, bt_features, fit_points, fit_step, sorted_unique
 from memcalc.plan.limits import BATCH_CAP, CONFIRM_MARGIN, largest_true_array, max_batch, max_seq
 from memcalc.plan.options import Technique, default_seq, techniques
 from memcalc.plan.parallel import parallel_map
@@ -183,7 +183,12 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
     (peak, fits, max batch, max seq, confirmed) per option and the configurations evaluated."""
     fitted, members, peaks, cap, seq, bs, ts, confirm, include_all = job
     fit = fit_step(fitted)
-    stack = StackedFits.of([fit if e == fitted else _moved(fit, e, int(p), seq) for e, p in zip(members, peaks)])
+    # a member with the fitted one's checkpointing differs by optimizer state and gradients (moved);
+    # sqrt segments (fitted by per-layer checkpointing) save a different amount per token (scaled)
+    fits_ = [fit if e == fitted else
+             _scaled(fit, int(p), seq) if e.training.checkpoint != fitted.training.checkpoint else
+             _moved(fit, e, int(p), seq) for e, p in zip(members, peaks)]
+    stack = StackedFits.of(fits_)
     fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peaks], dtype=bool)
     mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len)
     rows = []
@@ -192,9 +197,9 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
         need = required_bytes(p)
         if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or include_all):
             p, b, t = _confirm_option((e, cap, b, t, include_all))
-            rows.append((p, required_bytes(p) <= cap, b, t, True))
+            rows.append((p, required_bytes(p) <= cap, b, t, True, fits_[k]))
         else:
-            rows.append((p, bool(fit_b1[k]), b, t, False))
+            rows.append((p, bool(fit_b1[k]), b, t, False, fits_[k]))
     return rows, evaluated
 
 
@@ -224,7 +229,10 @@ def _confirm_compiled(job: tuple) -> tuple[int, int, int, float]:
     partition recomputes at batch 1 (for the cost model; the worker has the partition at hand)."""
     from memcalc.compile.compiled import compiled_plan
 
-    return (*_confirm_option(job), compiled_plan(job[0]).recompute_pct / 100)
+    e, cap, mb, ms, fit = job
+    if fit is not None:
+        mb, ms = _scaled_seeds(fit, e, estimated_peak(e), cap)
+    return (*_confirm_option((e, cap, mb, ms)), compiled_plan(e).recompute_pct / 100)
 
 
 def _confirm_option(job: tuple) -> tuple[int, int, int]:
@@ -333,16 +341,19 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     jobs = [(exps[r], [exps[i] for i in sub], [b1[i] for i in sub], cap, seq, bs, ts, confirm, include_all)
             for r, sub in parts]
     results: dict[int, OptionResult] = {}
+    fit_of: dict[int, StepFit] = {}
     evaluated = 0
     for (_, g), (rows, n_eval) in zip(parts, parallel_map(_plan_group, jobs, heavy=lambda job: not all(
             applies(e) for e in job[1]))):
         evaluated += n_eval
-        for i, (p, fits, mb, ms, done) in zip(g, rows):
+        for i, (p, fits, mb, ms, done, fit) in zip(g, rows):
             results[i] = OptionResult(techs[i], p, required_bytes(p), fits, mb, ms, None, done)
-    # 2b. compiled options: direct estimates, seeded with the same setup's eager answers
+            fit_of[i] = fit
+    # 2b. compiled options: direct estimates, seeded with the same setup's eager fit, scaled to the
+    #     compiled step's own batch-1 peak
     recompute: dict[int, float] = {}
     for i, (p, mb, ms, frac) in zip(compiled, parallel_map(_confirm_compiled, [
-            (exps[i], cap, *_eager_seeds(techs[i], techs, results)) for i in compiled])):
+            (exps[i], cap, *_eager_seeds(techs[i], techs, results, fit_of)) for i in compiled])):
         r = OptionResult(techs[i], p, required_bytes(p), required_bytes(p) <= cap, mb, ms, None, True)
         recompute[i] = frac
         if r.fits or include_all:
@@ -359,10 +370,12 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     return GpuPlan(model, gpu, seq, half, shown, evaluated, notes, considered=len(techs))
 
 
-def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "OptionResult"]) -> tuple[int, int]:
-    """(max batch, max seq) of the same setup without compile, when it was planned: a starting
-    guess for the compiled option's search, which gallops from it to the exact answer. Below
-    budget 1.0 the partitioner recomputes most of each layer, so the eager setup with full
+def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "OptionResult"],
+                 fit_of: Optional[dict[int, StepFit]] = None) -> tuple[int, int, Optional[StepFit]]:
+    """(max batch, max seq, fit) of the same setup without compile, when it was planned: a starting
+    guess for the compiled option's search, which gallops from it to the exact answer (the fit,
+    scaled to the compiled step's own batch-1 peak, gives a nearer one: :func:`_scaled_seeds`).
+    Below budget 1.0 the partitioner recomputes most of each layer, so the eager setup with full
     checkpointing is the nearer guess (fewer galloping steps; the answer is the same)."""
     prefer = ("full", t.checkpoint) if t.budget is not None and t.budget < 1.0 else (t.checkpoint,)
     for ck in prefer:
@@ -370,5 +383,38 @@ def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "O
             if u.budget is None and (u.adapters, u.precision, u.optimizer, u.checkpoint, u.fused) == (
                     t.adapters, t.precision, t.optimizer, ck, t.fused) and j in results and (
                     results[j].fits or ck == prefer[-1]):
-                return results[j].max_batch, results[j].max_seq
-    return 0, 0
+                return results[j].max_batch, results[j].max_seq, (fit_of or {}).get(j)
+    return 0, 0, None
+
+
+def _scaled(fit: StepFit, peak: int, seq: int) -> StepFit:
+    """``fit`` (another setup's) with what grows with batch and sequence scaled, one factor for all
+    its rows, so that its peak at batch 1 and ``seq`` is ``peak``: for a setup that keeps the same
+    weights and state but saves a different amount per token (sqrt segments against per-layer
+    checkpointing, a compiled step against the eager one). Only seeds."""
+    f = bt_features(1, seq, fit.t_scale)
+    rows = fit.coefficients
+    top = rows[int(np.argmax(rows @ f))]
+    grows = float(top @ f - top[0])
+    if grows <= 0:
+        return fit
+    scaled = rows.copy()
+    scaled[:, 1:] *= max((peak - top[0]) / grows, 1e-3)
+    return replace(fit, phases={"all": scaled})
+
+
+def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int) -> tuple[int, int]:
+    """(max batch at ``exp``'s seq, max seq at batch 1) by ``fit`` (another setup's: the same one
+    without compile) with what grows with batch and sequence scaled so that its peak at batch 1
+    is ``peak``, ``exp``'s own: compiled and eager steps keep the same weights and state, and
+    their saved activations (a different set, the partitioner's) grow alike with the tokens.
+    Only a seed: the searches are exact whatever it is."""
+    seq = exp.training.seq
+    stack = StackedFits.of([_scaled(fit, peak, seq)])
+    one = np.ones(1)
+    ok = lambda b: required_bytes(stack.peaks_at(b, np.full(1, seq))) <= cap  # noqa: E731
+    mb = int(largest_true_array(ok, np.ones(1, dtype=np.int64), np.full(1, BATCH_CAP))[0]) if ok(one)[0] else 0
+    hi = exp.model.max_seq_len
+    ms = int(largest_true_array(lambda t: required_bytes(stack.peaks_at(one, t)) <= cap,
+                                np.full(1, 2), np.full(1, hi))[0])
+    return max(mb, 0), (ms if ms >= 2 else 0)
