@@ -201,9 +201,9 @@ def test_extrapolate_divides_a_share_at_the_real_depth():
 def test_uniform_fields_are_the_model_fields():
     # source: memcalc/core/spec.py ModelSpec: a new field is simulated directly until it is checked
     # here (a per-layer pattern with a long period is invisible to 3-, 4- and 5-layer copies) and
-    # added to depth.UNIFORM_FIELDS
+    # added to memcalc.engine.uniform.UNIFORM_FIELDS
     from memcalc.core.spec import ModelSpec
-    from memcalc.plan.depth import UNIFORM_FIELDS
+    from memcalc.engine.uniform import UNIFORM_FIELDS
 
     assert UNIFORM_FIELDS <= set(ModelSpec.model_fields)
 

@@ -61,8 +61,10 @@ def test_records_of_ended_runs_are_replaced_live_ones_kept(tmp_path: Path):
     assert [r["config"] for r in json.loads(out.read_text())] == ["live", "mine", "mine2"]
 
 
-def _writer(path: str, name: str, n: int) -> None:
+def _writer(path: str, name: str, n: int, started=None) -> None:
     f = RecordFile(path)
+    if started is not None:  # every run has started (read the file) before any writes
+        started.wait(30)
     mine = []
     for k in range(n):
         mine.append(rec(name, k))
@@ -72,7 +74,10 @@ def _writer(path: str, name: str, n: int) -> None:
 def test_concurrent_writers_keep_every_record(tmp_path: Path):
     out = str(tmp_path / "out.json")
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_writer, args=(out, f"w{i}", 20)) for i in range(3)]
+    # runs that are all going at once (a run that starts after another has ended replaces that
+    # one's records, by design: on a loaded machine a writer could otherwise start that late)
+    started = ctx.Barrier(3)
+    procs = [ctx.Process(target=_writer, args=(out, f"w{i}", 20, started)) for i in range(3)]
     for p in procs:
         p.start()
     for p in procs:

@@ -11,11 +11,14 @@ and matmul and attention inputs are read by non-fusible backward kernels. The pa
 
 from __future__ import annotations
 
+from typing import Optional
+
 from memcalc.compile.partitioner import Graph, Value
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.forward import Forward
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.uniform import layers_alike
 from memcalc.engine.weights import make_params
 
 #: forward ops outside the recomputable allowlist that are compute-intensive (matmuls, attention)
@@ -107,8 +110,120 @@ class _Recording(LayerStrategy):
         return y
 
 
+#: The depth recorded for a deep stack whose layers are all alike (:func:`_built_deep`): layers 0 and
+#: 1, layers 2 and 3 (the second must repeat the first exactly: the rule the deep graph is built
+#: by) and the last.
+SHALLOW_GRAPH_DEPTH = 5
+#: Stacks of more layers than this are recorded at SHALLOW_GRAPH_DEPTH and built out.
+MIN_BUILT_DEPTH = 8
+
+
 def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
-    """The compiled region's forward as a partitioner graph, and each layer's output value."""
+    """The compiled region's forward as a partitioner graph, and each layer's output value.
+
+    A deep stack whose layers are all alike (:func:`memcalc.engine.uniform.layers_alike`) is
+    recorded at :data:`SHALLOW_GRAPH_DEPTH` layers and built out to its depth (:func:`_built_deep`:
+    the same values, sizes and edges as the recording of every layer, at a sixth of the cost for
+    32 layers); anything the check there does not accept is recorded whole."""
+    if exp.model.n_layers > MIN_BUILT_DEPTH and layers_alike(exp.model):
+        shallow = exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": SHALLOW_GRAPH_DEPTH})})
+        got = _built_deep(*_record(shallow), exp.model.n_layers)
+        if got is not None:
+            return got
+    return _record(exp)
+
+
+def _blocks_of(values: list[Value], depth: int) -> Optional[tuple[list[Value], list[list[Value]], list[Value]]]:
+    """(the values before the layers, each layer's values, the values after), or None where a layer's
+    values are not contiguous in the recording."""
+    layer_of = [v.layer for v in values]
+    inside = [i for i, lay in enumerate(layer_of) if lay is not None]
+    if not inside:
+        return None
+    lo, hi = inside[0], inside[-1] + 1
+    blocks: list[list[Value]] = [[] for _ in range(depth)]
+    expect = 0
+    for v in values[lo:hi]:
+        if v.layer is None or not 0 <= v.layer < depth:
+            return None
+        if v.layer != expect:
+            if v.layer != expect + 1 or not blocks[expect]:
+                return None
+            expect += 1
+        blocks[v.layer].append(v)
+    if expect != depth - 1 or any(v.layer is not None for v in values[:lo] + values[hi:]):
+        return None
+    return values[:lo], blocks, values[hi:]
+
+
+def _rel(block: list[Value], prev: list[Value], layer: int) -> list[tuple]:
+    """A layer's values relative to its place: each one's fields (its name with the layer number
+    as ``{}``) and its inputs as (own, index), (previous layer, index) or (elsewhere, the value)."""
+    own = {id(v): i for i, v in enumerate(block)}
+    before = {id(v): i for i, v in enumerate(prev)}
+    tag = f"layers.{layer}."
+    out = []
+    for v in block:
+        args = tuple(("own", own[id(a)]) if id(a) in own else ("prev", before[id(a)]) if id(a) in before
+                     else ("abs", id(a)) for a in v.args)
+        out.append((v.name.replace(tag, "layers.{}."), v.nbytes, v.kind, v.flops, v.bw_read, v.bw_materialized,
+                    v.param, v.extern_aux, args))
+    return out
+
+
+def _clone(template: list[Value], t_prev: list[Value], t: int, prev: list[Value], layer: int) -> list[Value]:
+    """Layer ``template`` (layer ``t``, reading ``t_prev``) as layer ``layer`` reading ``prev`` (a layer
+    laid out as ``t_prev``): new values, inputs mapped by position; inputs outside the two layers
+    (the embedding's output, tables made once) are shared."""
+    own = {id(v): i for i, v in enumerate(template)}
+    before = {id(v): i for i, v in enumerate(t_prev)}
+    tag, new_tag = f"layers.{t}.", f"layers.{layer}."
+    out: list[Value] = []
+    for v in template:
+        args = [out[own[id(a)]] if id(a) in own else prev[before[id(a)]] if id(a) in before else a for a in v.args]
+        out.append(Value(v.name.replace(tag, new_tag), v.nbytes, v.kind, args, flops=v.flops, bw_read=v.bw_read,
+                         bw_materialized=v.bw_materialized, param=v.param, layer=layer, extern_aux=v.extern_aux))
+    return out
+
+
+def _built_deep(g: Graph, outputs: dict[int, Value], n: int) -> Optional[tuple[Graph, dict[int, Value]]]:
+    """The graph of an ``n``-layer stack from its :data:`SHALLOW_GRAPH_DEPTH`-layer recording ``g``:
+    layers 0-2 as recorded, layers 3..n-2 copies of layer 3, the last layer and what follows it
+    (final norm, head) as recorded, each copy reading the one before it. Checked first: layer 3
+    reads layer 2 exactly as layer 2 reads layer 1 (the same values, sizes, flags and inputs by
+    position), and nothing after the layers reads a layer but the last. None otherwise."""
+    k = SHALLOW_GRAPH_DEPTH
+    parts = _blocks_of(g.values, k)
+    if parts is None:
+        return None
+    pre, blocks, post = parts
+    if _rel(blocks[2], blocks[1], 2) != _rel(blocks[3], blocks[2], 3):
+        return None
+    inner = {id(v) for b in blocks[:-1] for v in b}
+    if any(id(a) in inner for v in post for a in v.args):
+        return None
+    where = {id(v): (lay, i) for lay, b in enumerate(blocks) for i, v in enumerate(b)}
+    if any(where.get(id(outputs[lay]), (None,))[0] != lay for lay in range(k)):
+        return None
+    layers = blocks[:3]
+    for lay in range(3, n - 1):
+        layers.append(_clone(blocks[3], blocks[2], 3, layers[-1], lay))
+    layers.append(_clone(blocks[k - 1], blocks[k - 2], k - 1, layers[-1], n - 1))
+    last_of = {id(v): i for i, v in enumerate(blocks[k - 1])}
+    tail: list[Value] = []
+    tail_of: dict[int, Value] = {}
+    for v in post:  # final norm and head: the last layer's values by position, their own as copied
+        args = [layers[-1][last_of[id(a)]] if id(a) in last_of else tail_of.get(id(a), a) for a in v.args]
+        c = Value(v.name, v.nbytes, v.kind, args, flops=v.flops, bw_read=v.bw_read,
+                  bw_materialized=v.bw_materialized, param=v.param, layer=None, extern_aux=v.extern_aux)
+        tail_of[id(v)] = c
+        tail.append(c)
+    outs = {lay: layers[lay][where[id(outputs[min(lay, 3) if lay < n - 1 else k - 1])][1]] for lay in range(n)}
+    return Graph(pre + [v for b in layers for v in b] + tail), outs
+
+
+def _record(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
+    """The graph as the decoder walk records it, every layer."""
     eager = exp.model_copy(update={"training": exp.training.model_copy(
         update={"compile": False, "memory_budget": None, "checkpoint": "none", "fused_optimizer": False})})
     sim = Sim(exp.profile.allocator_round_bytes)

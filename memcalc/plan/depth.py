@@ -29,7 +29,7 @@ the three depths (integers, no tolerance), and at depth 5 the three interior lay
 the same bytes with totals exactly affine in the layer index. Anything else falls back to the
 direct simulation (:func:`applies` rules out up front: sqrt and every-K checkpointing, whose
 segments depend on the depth; torch.compile, whose partition is of the whole graph; a model
-field outside :data:`UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under
+field outside :data:`memcalc.engine.uniform.UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under
 ZeRO over N GPUs with one flat partition (DeepSpeed, the generic ZeRO model) a request that
 grows with the depth is a rank's share ``ceil(S / N)`` of a sum (the foreach step's temporary),
 not affine in the depth: the sum ``S`` is read from the same step's shallow traces on one GPU and
@@ -51,6 +51,7 @@ import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.sharding import Share
+from memcalc.engine.uniform import layers_alike
 
 #: The depths simulated for one deep step (three points: two define the line, the third checks it).
 SHALLOW_DEPTHS = (3, 4, 5)
@@ -64,31 +65,15 @@ _LAYER = re.compile(r"\blayer (\d+)\b")
 _LAYER_RANGE = re.compile(r"\blayers \d")
 
 
-#: The ModelSpec fields known to shape every layer alike. A field not listed here (a model family
-#: added later: mixture-of-experts layers every K, dense first layers, local/global attention
-#: patterns) may make layers differ with a period the three shallow copies cannot see, so a model
-#: that sets one to anything but its default is simulated directly until the field is checked
-#: (tests/test_depth.py) and listed.
-UNIFORM_FIELDS = frozenset({
-    "activation", "alibi_trainable", "attn_dropout", "block", "d_ff", "d_model", "embd_dropout", "final_norm",
-    "head_dim", "lm_head_bias", "max_seq_len", "mlp", "mlp_bias", "n_heads", "n_kv_heads", "n_layers", "name",
-    "norm", "norm_bias", "norm_eps", "norm_placement", "o_bias", "positions", "qkv_bias", "resid_dropout",
-    "residual_scale", "rotary_pct", "tie_embeddings", "vocab_size",
-})
-
-
 def applies(exp: ExperimentSpec) -> bool:
     """Whether ``exp``'s step is a uniform stack that :func:`deep_trace` may extrapolate: eager or
     per-layer checkpointing (none, full, selective) without torch.compile, deep enough to gain,
-    and a model whose fields outside :data:`UNIFORM_FIELDS` are at their defaults."""
+    and a model whose fields outside :data:`memcalc.engine.uniform.UNIFORM_FIELDS` are at their defaults."""
     tr = exp.training
     m = exp.model
     if m.n_layers <= MIN_DEPTH or tr.compile or tr.checkpoint not in ("none", "full", "selective"):
         return False
-    for k, f in type(m).model_fields.items():
-        if k not in UNIFORM_FIELDS and (f.is_required() or getattr(m, k) != f.get_default(call_default_factory=True)):
-            return False
-    return True
+    return layers_alike(m)
 
 
 def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
