@@ -96,10 +96,13 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     bound past ``line``: :func:`need` without ``exact``)."""
     seen: dict[int, tuple[bool, float]] = {k[0]: (k[1], k[2]) for k in known}
 
+    probed: list[tuple[int, bool, float]] = []  # the points probed here, in order
+
     def at(x: int) -> tuple[int, bool, float]:
         if x not in seen:
             below = seen.get(x - 1)
             seen[x] = (last if last is not None and below is not None and below[0] else probe)(x)
+            probed.append((x,) + seen[x])
         return (x,) + seen[x]
 
     def cross(p: tuple[int, bool, float], q: tuple[int, bool, float]) -> Optional[float]:
@@ -150,15 +153,22 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
                 return lo - 1
             gap, prev, b = max(2 * gap, b[0] - n[0]), b, n
     # a fits, b does not: regula falsi on the values (Illinois: an end kept twice in a row has its
-    # distance to the line halved, so a curved requirement does not converge from one side only);
-    # an exact interpolation lands on the answer, and the next step then checks its neighbour
-    # the tightest bracket seen (a known point may lie inside the one the steps above found)
+    # distance to the line halved, so a curved requirement does not converge from one side only),
+    # except where the last two values probed lie on one side of the line: then the line through
+    # those two, while it meets ``line`` inside the bracket (a local slope: a requirement with a
+    # step in it, a compiled partition that changes with the size, is straight on each side). An
+    # exact interpolation lands on the answer, and the next step then checks its neighbour.
+    # The tightest bracket seen first (a known point may lie inside the one the steps above found).
     a = max((p for p in map(lambda x: (x,) + seen[x], seen) if p[1] and a[0] <= p[0] < b[0]), default=a)
     b = min((p for p in map(lambda x: (x,) + seen[x], seen) if not p[1] and a[0] < p[0] <= b[0]), default=b)
     fa, fb = a[2] - line, b[2] - line
     kept = 0  # +1: the fitting end moved last, -1: the other
     while b[0] - a[0] > 1:
         t = a[0] + (b[0] - a[0]) * (-fa / (fb - fa)) if fb > fa else (a[0] + b[0]) / 2
+        if len(probed) >= 2 and probed[-1][1] == probed[-2][1]:
+            s = cross(probed[-2], probed[-1])
+            if s is not None and a[0] < s < b[0]:
+                t = s
         n = at(min(max(math.floor(t), a[0] + 1), b[0] - 1))
         if n[1]:
             a, fa = n, n[2] - line

@@ -352,8 +352,10 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     # 2b. compiled options: direct estimates, seeded with the same setup's eager fit, scaled to the
     #     compiled step's own batch-1 peak
     recompute: dict[int, float] = {}
+    # (jobs whose eager setup fits first: their searches run the most estimates)
     for i, (p, mb, ms, frac) in zip(compiled, parallel_map(_confirm_compiled, [
-            (exps[i], cap, *_eager_seeds(techs[i], techs, results, fit_of)) for i in compiled])):
+            (exps[i], cap, *_eager_seeds(techs[i], techs, results, fit_of)) for i in compiled],
+            heavy=lambda job: job[2] > 0 or job[3] > 0)):
         r = OptionResult(techs[i], p, required_bytes(p), required_bytes(p) <= cap, mb, ms, None, True)
         recompute[i] = frac
         if r.fits or include_all:
