@@ -112,16 +112,19 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
 
     x = at(lo if seed is None else min(max(seed, lo), hi))
     far = _far_guess(x, known, cross)
+    # where the values do not help (the same at both points: a phase that does not grow with x,
+    # such as the optimizer step, sets them), steps of twice the last, from a fiftieth of the seed
+    first_gap = max(1, int(abs(x[0]) * JUMP_FRACTION) // 2)
     if x[1]:  # fits: step up until something does not
         if x[0] == hi:
             return hi
         if far is not None and far[1] > x[0]:  # the seed is far below the answer: no neighbour check
-            prev, a, gap = far[0], x, 1
+            prev, a, gap = far[0], x, first_gap
         else:
             a = at(x[0] + 1)
             if not a[1]:
                 return x[0]
-            prev, gap = x, 1
+            prev, gap = x, first_gap
         while True:
             t = cross(prev, a)
             guess = math.floor(t) + 1 if t is not None and t >= a[0] else a[0] + 2 * gap
@@ -136,12 +139,12 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
         if x[0] == lo:
             return lo - 1
         if far is not None and far[1] < x[0]:  # the seed is far above the answer: no neighbour check
-            prev, b, gap = far[0], x, 1
+            prev, b, gap = far[0], x, first_gap
         else:
             b = at(x[0] - 1)
             if b[1]:
                 return b[0]
-            prev, gap = x, 1
+            prev, gap = x, first_gap
         while True:
             t = cross(b, prev)
             guess = math.floor(t) if t is not None and t < b[0] else b[0] - 2 * gap

@@ -186,7 +186,7 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
     # a member with the fitted one's checkpointing differs by optimizer state and gradients (moved);
     # sqrt segments (fitted by per-layer checkpointing) save a different amount per token (scaled)
     fits_ = [fit if e == fitted else
-             _scaled(fit, int(p), seq) if e.training.checkpoint != fitted.training.checkpoint else
+             _scaled(fit, int(p), seq, phase_peaks_of(e)) if e.training.checkpoint != fitted.training.checkpoint else
              _moved(fit, e, int(p), seq) for e, p in zip(members, peaks)]
     stack = StackedFits.of(fits_)
     fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peaks], dtype=bool)
@@ -389,20 +389,32 @@ def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "O
     return 0, 0, None
 
 
-def _scaled(fit: StepFit, peak: int, seq: int) -> StepFit:
-    """``fit`` (another setup's) with what grows with batch and sequence scaled, one factor for all
-    its rows, so that its peak at batch 1 and ``seq`` is ``peak``: for a setup that keeps the same
-    weights and state but saves a different amount per token (sqrt segments against per-layer
-    checkpointing, a compiled step against the eager one). Only seeds."""
+def _scaled(fit: StepFit, peak: int, seq: int, own: Optional[dict[str, int]] = None) -> StepFit:
+    """``fit`` (another setup's) with what grows with batch and sequence scaled so that its peak at
+    batch 1 and ``seq`` is ``peak``: for a setup that keeps the same weights and state but saves a
+    different amount per token (sqrt segments against per-layer checkpointing, a compiled step
+    against the eager one). With ``own`` (that setup's peak in each phase, from its batch-1 trace)
+    phase by phase, a phase that hardly grows (the optimizer step) moved instead; else one factor
+    for all rows. Only seeds."""
     f = bt_features(1, seq, fit.t_scale)
-    rows = fit.coefficients
-    top = rows[int(np.argmax(rows @ f))]
-    grows = float(top @ f - top[0])
-    if grows <= 0:
-        return fit
-    scaled = rows.copy()
-    scaled[:, 1:] *= max((peak - top[0]) / grows, 1e-3)
-    return replace(fit, phases={"all": scaled})
+    if own is None:
+        parts, targets = {"all": fit.coefficients}, {"all": peak}
+    else:
+        parts, targets = {k: c for k, c in fit.phases.items() if k in own}, own
+    out: dict[str, np.ndarray] = {}
+    for k, rows in parts.items():
+        vals = rows @ f
+        top = rows[int(np.argmax(vals))]
+        at, grows = float(vals.max()), float(vals.max() - top[0])
+        scaled = rows.copy()
+        if grows > 0.01 * abs(at) and targets[k] > top[0]:
+            scaled[:, 1:] *= (targets[k] - top[0]) / grows
+        elif own is not None:
+            scaled[:, 0] += targets[k] - at
+        else:
+            return fit
+        out[k] = scaled
+    return replace(fit, phases=out or fit.phases)
 
 
 def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int) -> tuple[int, int]:
