@@ -150,3 +150,20 @@ def test_scaled_seeds_of_a_fit_at_its_own_peak_are_its_seeds():
     # a higher peak at batch 1 (more saved per token) gives lower seeds
     mb2, ms2 = _scaled_seeds(fit, exp, int(own * 1.1), cap)
     assert mb2 <= mb and ms2 < ms
+
+
+@pytest.mark.parametrize("seq", [512, 2048, 8192])
+def test_steering_value_keeps_the_verdict(seq):
+    # source: definition (memcalc/plan/limits.py need, steer): the verdict is the estimate's; the
+    # bytes are those of the peak outside the flat phases where they agree with it
+    from memcalc.plan.simulations import FLAT_PHASES
+
+    exp = _exp(dict(model="llama-3.1-8b", bf16=True, checkpoint="sqrt", optimizer="adamw", seq=seq))
+    r = simulate(exp, first_step=False, record_timeline=False)
+    growing = max(v for k, v in r.phases.items() if k not in FLAT_PHASES)
+    for cap in (required_bytes(r.peak_bytes), required_bytes(growing), required_bytes(growing) - 1):
+        steps.SIM_CACHE.clear()
+        ok, value = need(exp, cap, steer=True)
+        assert ok == need(exp, cap)[0]
+        if (required_bytes(growing) <= cap) == ok:
+            assert value == required_bytes(growing)

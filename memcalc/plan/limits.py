@@ -13,7 +13,7 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.sim import PeakAbove
 from memcalc.estimate.peak import largest_peak_within, required_bytes
-from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
+from memcalc.plan.simulations import estimated_peak, growing_peak, simulated_peak, state_floor, with_training
 
 #: Largest batch the search considers.
 BATCH_CAP = 1 << 16
@@ -26,14 +26,18 @@ def fits_in(exp: ExperimentSpec, capacity_bytes: int) -> bool:
     return need(exp, capacity_bytes)[0]
 
 
-def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True) -> tuple[bool, float]:
+def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bool = False) -> tuple[bool, float]:
     """Whether ``estimate(exp)`` fits ``capacity_bytes``, with its required bytes. Two exact
     shortcuts come first: weights plus optimizer state (no forward pass) and the steady-state step
     alone; when either does not fit, the estimate (at least as high) cannot either, and the
     shortcut's bytes (a lower bound of the estimate's) come back instead. Without ``exact`` (a
     caller that only asks whether it fits) a step simulated directly stops as soon as it passes
     the card (:func:`memcalc.estimate.peak.largest_peak_within`), and the bytes that come back for
-    a step that does not fit are those at that moment (a lower bound too)."""
+    a step that does not fit are those at that moment (a lower bound too).
+
+    ``steer`` (a search over batch or sequence): the bytes that come back are those of the step's
+    peak outside the phases that do not grow with them (:func:`memcalc.plan.simulations.growing_peak`)
+    where that agrees with the verdict, so that a search follows what moves."""
     got = required_bytes(state_floor(exp))
     if got > capacity_bytes:
         return False, float(got)
@@ -41,10 +45,14 @@ def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True) -> tuple[
         got = required_bytes(simulated_peak(exp, stop_above=None if exact else largest_peak_within(capacity_bytes)))
     except PeakAbove as e:
         return False, float(required_bytes(e.total))
-    if got > capacity_bytes:
-        return False, float(got)
-    got = required_bytes(estimated_peak(exp))
-    return got <= capacity_bytes, float(got)
+    if got <= capacity_bytes:
+        got = required_bytes(estimated_peak(exp))
+    ok = got <= capacity_bytes
+    if steer:
+        g = growing_peak(exp)
+        if g is not None and (required_bytes(g) <= capacity_bytes) == ok:
+            return ok, float(required_bytes(g))
+    return ok, float(got)
 
 
 def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -216,9 +224,10 @@ def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optiona
     return None if x < lo else lo + hi - x
 
 
-def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int, exact: bool = True) -> Probe:
-    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``: as there)."""
-    return lambda x: need(exp_at(x), capacity_bytes, exact)
+def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int, exact: bool = True,
+              steer: bool = False) -> Probe:
+    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``, ``steer``: as there)."""
+    return lambda x: need(exp_at(x), capacity_bytes, exact, steer)
 
 
 def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False) -> int:
@@ -228,8 +237,8 @@ def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = No
     ``exp``'s own batch is a known point of it (:func:`_own_point`)."""
     at = lambda b: with_training(exp, batch=int(b))  # noqa: E731
     known = _own_point(exp, exp.training.batch, capacity_bytes) if anchored else ()
-    return largest_by_value(fit_probe(at, capacity_bytes), 1, BATCH_CAP, capacity_bytes, seed, known,
-                            last=fit_probe(at, capacity_bytes, exact=False))
+    return largest_by_value(fit_probe(at, capacity_bytes, steer=True), 1, BATCH_CAP, capacity_bytes, seed, known,
+                            last=fit_probe(at, capacity_bytes, exact=False, steer=True))
 
 
 def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False) -> int:
@@ -240,15 +249,16 @@ def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None
     hi = exp.model.max_seq_len
     at = lambda t: with_training(exp, seq=int(t))  # noqa: E731
     known = _own_point(exp, exp.training.seq, capacity_bytes) if anchored else ()
-    r = largest_by_value(fit_probe(at, capacity_bytes), 2, hi, capacity_bytes,
-                         seed if seed is not None else (2 + hi) // 2, known, last=fit_probe(at, capacity_bytes, exact=False))
+    r = largest_by_value(fit_probe(at, capacity_bytes, steer=True), 2, hi, capacity_bytes,
+                         seed if seed is not None else (2 + hi) // 2, known,
+                         last=fit_probe(at, capacity_bytes, exact=False, steer=True))
     return r if r >= 2 else 0
 
 
 def _own_point(exp: ExperimentSpec, x: int, capacity_bytes: int) -> tuple[tuple[int, bool, float]]:
     """``exp`` itself as a known point ``(x, *need(exp))`` of a search over its batch or seq (its
     estimate is at hand: the plan has just made it)."""
-    return ((x, *need(exp, capacity_bytes)),)
+    return ((x, *need(exp, capacity_bytes, steer=True)),)
 
 
 def check_one_gpu(gpu: Optional[Sequence[str]], flag: str):

@@ -13,7 +13,7 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
 from memcalc.engine.deepspeed import uses_deepspeed
 from memcalc.plan.depth import SHALLOW_DEPTHS, applies, deep_trace, shallow
-from memcalc.plan.steps import traced_step
+from memcalc.plan.steps import SIM_CACHE, traced_step
 
 
 def with_training(exp: ExperimentSpec, **training: Any) -> ExperimentSpec:
@@ -89,6 +89,26 @@ def phase_peaks_of(exp: ExperimentSpec) -> Optional[dict[str, int]]:
         if t > out.get(ph, -1):
             out[ph] = int(t)
     return out
+
+
+#: Phases whose bytes do not grow with batch or sequence (weights, state, gradients, the step's
+#: temporaries): :func:`growing_peak` leaves them out.
+FLAT_PHASES = ("setup", "optimizer step")
+
+
+def growing_peak(exp: ExperimentSpec) -> Optional[int]:
+    """The highest total of ``exp``'s steady step outside :data:`FLAT_PHASES`, from the step this
+    process has simulated or extrapolated (None if it has not): what moves with batch and sequence,
+    for a search to follow where a flat phase sets the peak (a full fine-tune's optimizer step
+    with every gradient alive, at small sizes)."""
+    pp = phase_peaks_of(exp)
+    if pp is None:
+        r = SIM_CACHE.get((exp.model, exp.training, exp.profile, False))
+        pp = None if r is None else r.phases
+    if not pp:
+        return None
+    vals = [v for k, v in pp.items() if k not in FLAT_PHASES]
+    return max(vals) if vals else None
 
 
 def trace_peak(exp: ExperimentSpec, first_step: bool = False) -> int:
