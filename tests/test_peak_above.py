@@ -161,8 +161,11 @@ def test_steering_value_keeps_the_verdict(seq):
     exp = _exp(dict(model="llama-3.1-8b", bf16=True, checkpoint="sqrt", optimizer="adamw", seq=seq))
     r = simulate(exp, first_step=False, record_timeline=False)
     growing = max(v for k, v in r.phases.items() if k not in FLAT_PHASES)
+    from memcalc.plan.simulations import PEAK_CACHE
+
     for cap in (required_bytes(r.peak_bytes), required_bytes(growing), required_bytes(growing) - 1):
         steps.SIM_CACHE.clear()
+        PEAK_CACHE.clear()
         ok, value = need(exp, cap, steer=True)
         assert ok == need(exp, cap)[0]
         if (required_bytes(growing) <= cap) == ok:
