@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the modules watched: each is what a command may leave unloaded
 WATCHED = ("pydantic", "memcalc.core.spec", "rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client",
            "memcalc.inputs.presets", "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph",
-           "memcalc.estimate.peak", "memcalc.render.report")
+           "memcalc.estimate.peak", "memcalc.render.report", "importlib.metadata")
 
 PROBE = """
 import contextlib, io, json, sys
@@ -46,10 +46,10 @@ STAGES = [
     # typer coerces a None option value through pydantic: the group's --help defaults to False
     (["estimate", "--help"], WATCHED, ()),
     # --json: no rich; --params: no presets, no hub client, no YAML; an eager estimate: no numpy,
-    # no plan, no compile graph
+    # no plan, no compile graph; pydantic's plugins off, no plugin loader (importlib.metadata)
     (["estimate", "--params", "125M", "--seq", "64", "--json"],
      ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.inputs.presets",
-      "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph"),
+      "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph", "importlib.metadata"),
      ("pydantic", "memcalc.core.spec", "memcalc.estimate.peak")),
     # a preset by name: read from data/_parsed.json (no YAML parser), no hub client
     (["estimate", "--model", "gpt2", "--seq", "64", "--json"],
