@@ -137,7 +137,7 @@ class _Block:
         """(logits, routing weights (N, k), indices (N, k) int64), as the router returns them."""
         if router_kind(self.m) == "sigmoid":
             return self._router_sigmoid(x, dt)
-        N, E, k = self.N, self.moe.n_experts, self.moe.top_k
+        N, E = self.N, self.moe.n_experts
         o = self.o
         w = self.p("router.weight")
         logits = o.linear(x, N, w, self.fwd.maybe(f"layers.{self.i}.moe.router.bias"), E)
@@ -177,7 +177,7 @@ class _Block:
         """DeepseekV3TopkRouter.forward: ``linear(x.type(fp32), W.type(fp32))``, sigmoid, the
         group-limited choice (no gradient), ``scores.gather``, renormalised, times the scale. Under
         autocast the linear runs in the autocast dtype, and so do the scores and weights."""
-        o, sim = self.o, self.sim
+        o = self.o
         N, E, k = self.N, self.moe.n_experts, self.moe.top_k
         G, TG = deepseek_groups(E)
         w = self.p("router.weight")
