@@ -170,8 +170,9 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     # step in it, a compiled partition that changes with the size, is straight on each side). An
     # exact interpolation lands on the answer, and the next step then checks its neighbour.
     # The tightest bracket seen first (a known point may lie inside the one the steps above found).
-    a = max((p for p in map(lambda x: (x,) + seen[x], seen) if p[1] and a[0] <= p[0] < b[0]), default=a)
-    b = min((p for p in map(lambda x: (x,) + seen[x], seen) if not p[1] and a[0] < p[0] <= b[0]), default=b)
+    pts = [(x,) + v for x, v in seen.items()]
+    a = max((p for p in pts if p[1] and a[0] <= p[0] < b[0]), default=a)
+    b = min((p for p in pts if not p[1] and a[0] < p[0] <= b[0]), default=b)
     fa, fb = a[2] - line, b[2] - line
     kept = 0  # +1: the fitting end moved last, -1: the other
     while b[0] - a[0] > 1:
@@ -213,14 +214,12 @@ def _far_guess(x: tuple[int, bool, float], known: Sequence[tuple[int, bool, floa
     return k, t
 
 
-def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None,
-                      last: Optional[Probe] = None) -> Optional[int]:
+def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None) -> Optional[int]:
     """The smallest x in [lo, hi] whose ``probe(x)`` is ``(True, ...)``, None if none, where ok is
     false and then true as x grows and the value falls (the required bytes per GPU as the GPUs
     grow): :func:`largest_by_value` over the reflected range ``lo + hi - x``."""
     x = largest_by_value(lambda x: probe(lo + hi - x), lo, hi, line,
-                         lo + hi - seed if seed is not None and lo <= seed <= hi else None,
-                         last=None if last is None else lambda x: last(lo + hi - x))
+                         lo + hi - seed if seed is not None and lo <= seed <= hi else None)
     return None if x < lo else lo + hi - x
 
 

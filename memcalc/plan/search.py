@@ -426,9 +426,9 @@ def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int) -> tup
     seq = exp.training.seq
     stack = StackedFits.of([_scaled(fit, peak, seq)])
     one = np.ones(1)
-    ok = lambda b: required_bytes(stack.peaks_at(b, np.full(1, seq))) <= cap  # noqa: E731
-    mb = int(largest_true_array(ok, np.ones(1, dtype=np.int64), np.full(1, BATCH_CAP))[0]) if ok(one)[0] else 0
-    hi = exp.model.max_seq_len
+    # (largest_true_array gives lo - 1 where nothing fits: batch 0, seq 1)
+    mb = int(largest_true_array(lambda b: required_bytes(stack.peaks_at(b, np.full(1, seq))) <= cap,
+                                np.ones(1), np.full(1, BATCH_CAP))[0])
     ms = int(largest_true_array(lambda t: required_bytes(stack.peaks_at(one, t)) <= cap,
-                                np.full(1, 2), np.full(1, hi))[0])
-    return max(mb, 0), (ms if ms >= 2 else 0)
+                                np.full(1, 2), np.full(1, exp.model.max_seq_len))[0])
+    return mb, (ms if ms >= 2 else 0)
