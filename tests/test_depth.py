@@ -11,9 +11,10 @@ from memcalc.estimate.peak import estimate
 from memcalc.estimate.step import simulate
 from memcalc.inputs.profiles import PROFILES, with_loss
 from memcalc.plan.cluster import cluster_setups
-from memcalc.plan.depth import SHALLOW_DEPTHS, applies, deep_trace, extrapolate
+from memcalc.plan.depth import CHECKED, CHECKED_DEPTHS, SHALLOW_DEPTHS, applies, deep_trace, extrapolate, shallow, structure_key
 from memcalc.plan.options import Technique, techniques
 from memcalc.plan.simulations import estimated_peak, with_training
+from memcalc.plan.steps import SIM_CACHE
 
 from conftest import tiny_llama
 
@@ -143,6 +144,48 @@ def test_what_is_simulated_directly():
     for update in ({"checkpoint": "sqrt"}, {"checkpoint": "every-k", "checkpoint_every": 2}, {"compile": True}):
         assert not applies(ExperimentSpec(model=m, training=base.model_copy(update=update))), update
     assert not applies(ExperimentSpec(model=tiny_llama(n_layers=12), training=base))  # too shallow to gain
+
+
+@pytest.mark.parametrize("tech,base,others", [
+    # source: memcalc.plan.depth.deep_trace at SHALLOW_DEPTHS (three depths) and the direct
+    # simulation, for the same structure at other sizes and GPU counts; tolerance: none (bytes)
+    (Technique("none", "16+master", "adamw", "full", False), {"zero": 3, "gpus": 8},
+     [{"gpus": 5}, {"gpus": 137, "seq": 333}, {"gpus": 2, "batch": 3}]),  # plan's cluster table: FSDP2 over N
+    (Technique("lora", "16", "adamw", "none", False), {"zero": 3, "gpus": 3}, [{"gpus": 64, "seq": 999}]),
+    (Technique("none", "16", "adamw", "none", False), {"zero": 1, "gpus": 7, "sharding": "fsdp1"},
+     [{"gpus": 13}]),  # a foreach step's Share of the sharded state
+    (Technique("lora", "16", "adamw", "none", False), {}, [{"batch": 3, "seq": 333}, {"batch": 8, "seq": 64}]),
+    (Technique("none", "fp32", "adafactor", "selective", True), {}, [{"batch": 2, "seq": 1000}]),
+    (Technique("qlora", "16", "adamw", "full", False), {}, [{"batch": 5, "seq": 129}]),
+])
+def test_two_depths_once_the_structure_is_checked(tech, base, others):
+    m = FAMILIES["llama"]
+    exp = ExperimentSpec(model=m, training=tech.training(1, 512).model_copy(update=base))
+    CHECKED.clear()
+    for first in (False, True):
+        deep_trace(exp, first)  # three depths: the structure is checked and recorded
+        assert structure_key(exp, first) in CHECKED
+        for upd in others:
+            e = with_training(exp, **upd)
+            assert structure_key(e, first) in CHECKED
+            two = deep_trace(e, first)
+            assert (shallow(e, SHALLOW_DEPTHS[-1]).model, e.training, e.profile, first) not in SIM_CACHE  # two depths
+            three = deep_trace(e, first, SHALLOW_DEPTHS)
+            direct = simulate(e, first_step=first, record_timeline=False).peak_bytes
+            assert two is not None and three is not None and two[1] == three[1]
+            assert two[0].tolist() == three[0].tolist() and int(two[0].max()) == direct, (tech.key(), upd, first)
+    assert deep_trace(exp, False, CHECKED_DEPTHS)[0].tolist() == deep_trace(exp, False, SHALLOW_DEPTHS)[0].tolist()
+
+
+def test_deepspeed_steps_always_take_three_depths():
+    # source: memcalc.engine.deepspeed: buckets cut by bytes (a boundary may move with the sizes), so
+    # no DeepSpeed structure is recorded as checked
+    tr = Technique("none", "16", "adamw", "none", False).training(1, 256).model_copy(
+        update={"zero": 2, "gpus": 4, "sharding": "deepspeed"})
+    exp = ExperimentSpec(model=FAMILIES["llama"], training=tr)
+    CHECKED.clear()
+    deep_trace(exp, False)
+    assert not CHECKED
 
 
 def _trace(depth: int, per_layer: int, extra=lambda d: 0) -> list[tuple[int, str, str, int]]:

@@ -51,6 +51,7 @@ import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.sharding import Share
+from memcalc.engine.deepspeed import uses_deepspeed
 from memcalc.engine.uniform import layers_alike
 
 #: The depths simulated for one deep step (three points: two define the line, the third checks it).
@@ -331,30 +332,63 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     return np.concatenate(parts), tuple(phases)
 
 
-def deep_trace(exp: ExperimentSpec, first_step: bool) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
+def structure_key(exp: ExperimentSpec, first_step: bool) -> tuple:
+    """What a step's named blocks depend on: the setup with its batch, sequence and GPU count left
+    out (one GPU apart from several: a single GPU gathers nothing). Every layer of a uniform stack
+    allocates the same blocks whatever the sizes and the degree; only their bytes change."""
+    tr = exp.training
+    return (exp.model, tr.model_copy(update={"batch": 1, "seq": 1, "gpus": min(tr.gpus, 2)}), exp.profile, first_step)
+
+
+#: Structures (:func:`structure_key`) whose step has passed the three-depth check: their other
+#: sizes and GPU counts take the two-depth extrapolation (:data:`CHECKED_DEPTHS`). A plan's worker
+#: processes send what they add back to the parent (``memcalc.plan.parallel``).
+CHECKED: dict[tuple, bool] = {}
+#: The depths simulated for a step whose structure has been checked at :data:`SHALLOW_DEPTHS`.
+CHECKED_DEPTHS = SHALLOW_DEPTHS[:2]
+
+
+def deep_trace(exp: ExperimentSpec, first_step: bool,
+               depths: Optional[tuple[int, ...]] = None) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
     """The running totals (named, see the module docstring) of ``exp``'s steady-state step (or
     its first step) from :data:`SHALLOW_DEPTHS`-layer copies, or None where :func:`applies` says no
-    or the checks fail (then simulate directly). Their maximum is the direct simulation's peak."""
+    or the checks fail (then simulate directly). Their maximum is the direct simulation's peak.
+
+    A step whose structure (:func:`structure_key`: the same setup at another batch, sequence or
+    GPU count) has passed the three-depth check takes two depths, :data:`CHECKED_DEPTHS`: the line
+    through them is the one the third point confirmed for its structure, and the checks that two
+    depths allow still run (the same named blocks, the interior layers alike). Not under DeepSpeed,
+    whose buckets are cut by bytes (a bucket boundary may fall elsewhere at another size): always
+    three depths there. ``depths`` forces the depths (``tests/test_depth.py`` compares the two)."""
     if not applies(exp):
         return None
     from memcalc.plan.steps import traced_step
 
-    traces = [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in SHALLOW_DEPTHS]
+    key = None if uses_deepspeed(exp) else structure_key(exp, first_step)
+    if depths is None:
+        depths = CHECKED_DEPTHS if key in CHECKED else SHALLOW_DEPTHS
+    traces = [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in depths]
     tr = exp.training
     # a request that grows with the depth under ZeRO is a rank's share ceil(S / N) of a sum (a flat
     # partition, the foreach step's temporary), not affine in the depth: it takes the one-GPU
     # traces' S; FSDP's per-parameter shards summed are affine and extrapolate as they are
     shards = tr.gpus if tr.zero >= 1 else 1
-    return extrapolate(traces, SHALLOW_DEPTHS, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
-                       unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
-                           update={"gpus": 1})}), first_step))
+    got = extrapolate(traces, depths, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
+                      unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
+                          update={"gpus": 1})}), first_step, depths))
+    if got is not None and key is not None and len(depths) == len(SHALLOW_DEPTHS):
+        if len(CHECKED) > 100_000:
+            CHECKED.clear()
+        CHECKED[key] = True
+    return got
 
 
 @lru_cache(maxsize=64)
-def _one_gpu_traces(exp: ExperimentSpec, first_step: bool) -> Optional[list[list[tuple[int, str, str, int]]]]:
+def _one_gpu_traces(exp: ExperimentSpec, first_step: bool,
+                    depths: tuple[int, ...] = SHALLOW_DEPTHS) -> Optional[list[list[tuple[int, str, str, int]]]]:
     """The shallow traces of ``exp`` (on one GPU), shared by every ZeRO degree of the same setup."""
     if not applies(exp):
         return None
     from memcalc.plan.steps import traced_step
 
-    return [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in SHALLOW_DEPTHS]
+    return [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in depths]

@@ -26,8 +26,9 @@ def workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-#: What a worker's job adds to these caches comes back to the parent process.
-_SHARED = ("PEAK_CACHE", "TRACE_CACHE", "FLOOR_CACHE")
+#: What a worker's job adds to these caches of :mod:`memcalc.plan.simulations` comes back to the
+#: parent process (``DEPTH_CHECKED``: the structures checked at three depths, plan/depth.py).
+_SHARED = ("PEAK_CACHE", "TRACE_CACHE", "FLOOR_CACHE", "DEPTH_CHECKED")
 
 
 def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, list[dict]]:
