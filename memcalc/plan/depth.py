@@ -245,6 +245,32 @@ def _affine(rows: list[list[Event]], requests: bool = True) -> Optional[np.ndarr
     return a
 
 
+def _not_affine(a: np.ndarray, requests: bool) -> bool:
+    """Whether any event of ``a`` (depths, events, 4) breaks :func:`_affine`'s rules: the bytes
+    alive before it, its share count and (for a share, or with ``requests``) its whole exactly
+    affine in the depth. Elementwise, so one call checks many blocks laid end to end."""
+    bad = np.diff(a, axis=0)
+    bad = bad != bad[:1]
+    check_whole = (a[0, :, 3] > 1) | requests
+    return bool(np.any(bad[..., 0]) or np.any(bad[..., 3]) or np.any(bad[..., 2] & check_whole))
+
+
+def _interior_alike(interior: dict[tuple[str, str], dict[int, np.ndarray]], depth: int) -> bool:
+    """:func:`_uniform` for every interior template of a ``depth``-layer step at once: each has the
+    layers 1 .. depth-2 with as many allocations, requesting the same bytes, with the bytes alive
+    before each exactly affine in the layer index (where there are three)."""
+    layers = list(range(1, depth - 1))
+    for by_layer in interior.values():
+        if sorted(by_layer) != layers or len({len(by_layer[i]) for i in layers}) != 1:
+            return False
+    if len(layers) < 2 or not interior:
+        return True
+    a = np.stack([np.concatenate([by_layer[i] for by_layer in interior.values()]) for i in layers])
+    if np.any(a[:, :, 1] != a[0, :, 1]):
+        return False
+    return not (len(layers) >= 3 and np.any(np.diff(a[:, :, 0], n=2, axis=0) != 0))
+
+
 def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...], n: int,
                 round_bytes: int, shards: int = 1,
                 unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]] = None,
@@ -257,7 +283,11 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     over ``shards`` GPUs a request that changes with the depth is this rank's share of a sum,
     ``ceil(S / shards)``, which is not affine in the depth: ``unsharded()`` gives the same step's
     traces on one GPU, whose request is ``S`` itself (checked against the shares at every
-    shallow depth); without it such a step is refused (None)."""
+    shallow depth); without it such a step is refused (None).
+
+    The named blocks are laid end to end (a block whose length grows with the depth split into
+    its parts first), so the checks and the extrapolation are a few array operations over every
+    allocation at once; only blocks with a request that varies under ZeRO are looked at one by one."""
     if any(depths[i + 1] - depths[i] != 1 for i in range(len(depths) - 1)):
         return None
     parsed = [_blocks(tr, d, round_bytes) for tr, d in zip(traces, depths)]
@@ -266,70 +296,80 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     for (blocks, interior, setup), d in zip(parsed, depths):  # type: ignore[misc]
         # setup only allocates (weights, state): its highest total is its last, which the
         # step's first allocation exceeds, so it never sets a maximum
-        if np.any(np.diff(setup) < 0):
+        if np.any(np.diff(setup) < 0) or not _interior_alike(interior, d):
             return None
-        for by_layer in interior.values():
-            if sorted(by_layer) != list(range(1, d - 1)) or not _uniform([by_layer[i] for i in range(1, d - 1)]):
-                return None
     blocks = [p[0] for p in parsed]  # type: ignore[index]
     keys = list(blocks[-1])
     if any(set(b) != set(keys) for b in blocks):
         return None
-    parts: list[np.ndarray] = []
+    # the blocks as segments end to end: (key, part, parts of the key, start, end), and their rows
+    segs: list[tuple[tuple[str, str, str], int, int, int, int]] = []
+    rows_at: list[list[np.ndarray]] = [[] for _ in depths]
     phases: list[str] = []
-    one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
-    def named(rows: list[list[Event]], requests: bool = True) -> Optional[list[Optional[np.ndarray]]]:
-        if len({len(r) for r in rows}) == 1:
-            return [_affine(rows, requests)]
-        split = _split_grown(rows, depths)
-        return None if split is None else [_affine(p, requests) for p in split]
-
-    def _one_gpu_requests(k, i: int, parts_n: int, shape) -> Optional[np.ndarray]:
-        """Block ``k``'s part ``i`` on one GPU (same shape, exactly affine), or None."""
-        if not one_gpu:
-            ts = unsharded()  # type: ignore[misc]
-            got1 = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
-            one_gpu.append(None if got1 is None or any(g is None for g in got1) else [g[0] for g in got1])
-        if one_gpu[0] is None:
-            return None
-        ug = named([b.get(k, _NO_EVENTS) for b in one_gpu[0]])
-        u = ug[i] if ug is not None and len(ug) == parts_n else None
-        return u if u is not None and u.shape == shape else None
-
+    at = 0
     for k in keys:
-        # under ZeRO a request may be a rank's share ceil(S / N) of a sum S affine in the depth:
-        # not affine itself, so only the bytes alive before are required affine here
-        got = named([b[k] for b in blocks], requests=shards == 1)
-        if got is None:
+        rows = [b[k] for b in blocks]
+        parts = [rows] if len({len(r) for r in rows}) == 1 else _split_grown(rows, depths)
+        if parts is None:
             return None
-        for i, a in enumerate(got):
-            if a is None:
-                return None
-            if a.shape[1] == 0:
-                continue
-            at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 4)
-            shares = a[0, :, 3]
-            req = np.where(shares > 1, -(-at_n[:, 2] // np.maximum(shares, 1)), at_n[:, 1])
-            vary = (a[1, :, 1] != a[0, :, 1]) & (shares == 1)
-            if shards > 1 and vary.any():
-                # each varying request is either ceil(S / N) of the one-GPU step's request S (a
-                # flat partition's share, a foreach step over the shards: S is extrapolated, then
-                # divided at depth n) or, failing that, exactly affine itself (per-parameter
-                # shards summed: FSDP's padded rows); anything else is refused
-                affine_req = np.all(np.diff(a[:, :, 1], n=2, axis=0) == 0, axis=0) if len(a) >= 3 else np.ones_like(vary)
-                u = _one_gpu_requests(k, i, len(got), a.shape) if unsharded is not None else None
-                share = (np.zeros_like(vary) if u is None else
-                         np.all(-(-u[:, :, 1] // shards) == a[:, :, 1], axis=0))
-                if np.any(vary & ~share & ~affine_req):
-                    return None
-                if u is not None:
-                    total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
-                    req = np.where(vary & share, -(-total // shards), req)
-            parts.append(at_n[:, 0] + -(-req // round_bytes) * round_bytes)
-            phases += [k[0]] * a.shape[1]
-    if not parts:
+        for i, part in enumerate(parts):
+            m = len(part[0])
+            if m:
+                segs.append((k, i, len(parts), at, at + m))
+                for j, r in enumerate(part):
+                    rows_at[j].append(np.asarray(r, dtype=np.int64).reshape(-1, 4))
+                phases.extend(repeat(k[0], m))
+                at += m
+    if not segs:
         return None
-    return np.concatenate(parts), tuple(phases)
+    a = np.stack([np.concatenate(r) for r in rows_at])  # (depths, events, 4)
+    # under ZeRO a request may be a rank's share ceil(S / N) of a sum S affine in the depth: not
+    # affine itself, so only the bytes alive before are required affine here
+    if _not_affine(a, requests=shards == 1):
+        return None
+    at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 4)
+    shares = a[0, :, 3]
+    req = np.where(shares > 1, -(-at_n[:, 2] // np.maximum(shares, 1)), at_n[:, 1])
+    vary = (a[1, :, 1] != a[0, :, 1]) & (shares == 1)
+    if shards > 1 and vary.any():
+        # each varying request is either ceil(S / N) of the one-GPU step's request S (a flat
+        # partition's share, a foreach step over the shards: S is extrapolated, then divided at
+        # depth n) or, failing that, exactly affine itself (per-parameter shards summed: FSDP's
+        # padded rows); anything else is refused
+        affine_req = np.all(np.diff(a[:, :, 1], n=2, axis=0) == 0, axis=0) if len(a) >= 3 else np.ones_like(vary)
+        share = np.zeros_like(vary)
+        one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
+        for k, i, parts_n, lo, hi in segs:
+            if unsharded is None or not vary[lo:hi].any():
+                continue
+            u = _one_gpu_requests(one_gpu, unsharded, depths, round_bytes, k, i, parts_n, (len(a), hi - lo, 4))
+            if u is None:
+                continue
+            share[lo:hi] = np.all(-(-u[:, :, 1] // shards) == a[:, lo:hi, 1], axis=0)
+            total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
+            req[lo:hi] = np.where(vary[lo:hi] & share[lo:hi], -(-total // shards), req[lo:hi])
+        if np.any(vary & ~share & ~affine_req):
+            return None
+    return at_n[:, 0] + -(-req // round_bytes) * round_bytes, tuple(phases)
+
+
+def _one_gpu_requests(cache: list, unsharded: Callable[[], Optional[list[list[tuple[int, str, str, int]]]]],
+                      depths: tuple[int, ...], round_bytes: int, k: tuple[str, str, str], i: int, parts_n: int,
+                      shape: tuple[int, ...]) -> Optional[np.ndarray]:
+    """Block ``k``'s part ``i`` (of ``parts_n``) in the one-GPU step's traces (``unsharded()``,
+    parsed once into ``cache``): the same shape, every number exactly affine, or None."""
+    if not cache:
+        ts = unsharded()
+        got = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
+        cache.append(None if got is None or any(g is None for g in got) else [g[0] for g in got])
+    if cache[0] is None:
+        return None
+    rows = [b.get(k, _NO_EVENTS) for b in cache[0]]
+    parts = [rows] if len({len(r) for r in rows}) == 1 else _split_grown(rows, depths)
+    if parts is None or len(parts) != parts_n:
+        return None
+    u = _affine(parts[i])
+    return u if u is not None and u.shape == shape else None
 
 
 def structure_key(exp: ExperimentSpec, first_step: bool) -> tuple:
