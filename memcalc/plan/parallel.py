@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import sys
+from itertools import islice
 from typing import Any, Callable, Optional, Sequence
 
 from memcalc.core.errors import UserError
@@ -33,10 +34,20 @@ _SHARED = ("PEAK_CACHE", "TRACE_CACHE", "FLOOR_CACHE", "DEPTH_CHECKED")
 
 def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, list[dict]]:
     fn, arg = job
-    before = [set(getattr(simulations, name)) for name in _SHARED]
+    caches = [getattr(simulations, name) for name in _SHARED]
+    before = [(len(c), next(iter(c), None)) for c in caches]
     out = fn(arg)
-    return out, [{k: v for k, v in getattr(simulations, name).items() if k not in seen}
-                 for name, seen in zip(_SHARED, before)]
+    return out, [_added(c, n, first) for c, (n, first) in zip(caches, before)]
+
+
+def _added(cache: dict, n: int, first: Any) -> dict:
+    """The entries ``cache`` gained since it held ``n`` with ``first`` its first key: a dict keeps
+    its keys in the order they came, so they are the ones after the first ``n`` (found without
+    hashing every key, a spec's hash walks all its fields); all of them if it was cleared since (a
+    full cache starts over: its first key is another one, or it holds fewer)."""
+    if len(cache) >= n and (n == 0 or next(iter(cache)) is first):
+        return dict(islice(cache.items(), n, None))
+    return dict(cache)
 
 
 def parallel_map(fn: Callable[[Any], Any], items: Sequence[Any],
