@@ -266,3 +266,7 @@ def test_state_floor_extrapolates_exactly(update):
     exp = ExperimentSpec(model=FAMILIES["llama"], training=tr)
     assert applies(exp)
     assert state_floor(exp) == floor_bytes(exp)
+    if tr.gpus > 1:  # the same setup at other GPU counts: two depths, checked structure
+        for g in (2, 5, 64):
+            e = with_training(exp, gpus=g)
+            assert state_floor(e) == floor_bytes(e), g

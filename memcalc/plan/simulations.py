@@ -12,7 +12,7 @@ import numpy as np
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
 from memcalc.engine.deepspeed import uses_deepspeed
-from memcalc.plan.depth import CHECKED as DEPTH_CHECKED, SHALLOW_DEPTHS, applies, deep_trace, shallow
+from memcalc.plan.depth import CHECKED as DEPTH_CHECKED, CHECKED_DEPTHS, SHALLOW_DEPTHS, applies, deep_trace, shallow, structure_key
 from memcalc.plan.steps import SIM_CACHE, traced_step
 
 
@@ -163,10 +163,15 @@ FLOOR_CACHE: dict[ExperimentSpec, int] = {}
 def _state_floor_of(exp: ExperimentSpec) -> int:
     """The floor; for a uniform stack from the 3-, 4- and 5-layer copies: every layer allocates the
     same weights, state and gradients (each rounded on its own, nothing freed), so the bytes are
-    affine in the depth (checked over the three; not under DeepSpeed, whose flat partition is a
+    affine in the depth (checked over the three; over the 3- and 4-layer copies alone once the
+    same setup at another GPU count was checked; not under DeepSpeed, whose flat partition is a
     share of the whole model, :mod:`memcalc.plan.depth`)."""
     if applies(exp) and not uses_deepspeed(exp):
-        f = [floor_bytes(shallow(exp, d)) for d in SHALLOW_DEPTHS]
-        if f[2] - f[1] == f[1] - f[0]:
-            return f[0] + (exp.model.n_layers - SHALLOW_DEPTHS[0]) * (f[1] - f[0])
+        # (two depths where the same setup at another GPU count was checked at three, as for steps)
+        key = ("floor", *structure_key(exp, False))
+        depths = CHECKED_DEPTHS if key in DEPTH_CHECKED else SHALLOW_DEPTHS
+        f = [floor_bytes(shallow(exp, d)) for d in depths]
+        if len(f) == 2 or f[2] - f[1] == f[1] - f[0]:
+            DEPTH_CHECKED[key] = True
+            return f[0] + (exp.model.n_layers - depths[0]) * (f[1] - f[0])
     return floor_bytes(exp)
