@@ -70,7 +70,10 @@ def test_plain_report_is_what_rich_prints_at_every_width(reports):
 @pytest.mark.parametrize("line", [
     "a [link] in brackets",  # rich markup it would parse
     "tab\there",
-    "caf\u00e9 (not ASCII: rich measures cells)",
+    "\u5bbd wide (two cells: rich measures them)",  # source: rich/cells.py, East Asian wide characters
+    "a soft hy\u00adphen",  # source: rich/cells.py _SINGLE_CELL_UNICODE_RANGES skips U+00AD
+    "\u2192 an arrow",  # source: rich/cells.py, U+2192 lies outside _SINGLE_CELL_UNICODE_RANGES
+    "[dim]a note[/red]",  # source: rich/markup.py render raises MarkupError on a closing tag with nothing open
     "an emoji code :smile: here",
     "a path C:\\\\x",
 ])

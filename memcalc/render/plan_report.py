@@ -1,8 +1,16 @@
-"""``memcalc plan`` and ``estimate --max-batch/--max-seq`` for people: rich tables and notes, and
-the ``--json`` documents of the plans (:mod:`memcalc.plan`)."""
+"""``memcalc plan`` and ``estimate --max-batch/--max-seq`` for people: tables and notes, and the
+``--json`` documents of the plans (:mod:`memcalc.plan`).
+
+Each report is a list of :class:`memcalc.render.plain.TableSpec` tables and lines of rich markup
+(``gpu_plan_items``, ``cluster_plan_items``, ``limits_lines``), printed like the estimate's report
+(:func:`memcalc.render.report.render`): without rich where rich would print no styles (stdout a
+pipe or a file; the same bytes, tens of milliseconds less), else through rich, and on ``console``
+when one is given. rich is imported only then.
+"""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from memcalc.core.spec import ModelSpec
@@ -13,35 +21,57 @@ from memcalc.plan.cost import COST_MODEL_LINES
 from memcalc.plan.limits import BATCH_CAP
 from memcalc.plan.options import LORA_RANK, techniques
 from memcalc.plan.search import GpuPlan
+from memcalc.render.plain import TableSpec, plain_width, render_plain
 
 
-def render_limits(lim: dict[str, Any], gpu: Any, model: ModelSpec, console=None) -> None:
-    from rich.console import Console
+def print_items(items: list[Any], console: Any = None) -> None:
+    """Print tables (:class:`TableSpec`) and markup lines in order: on ``console``, else on stdout,
+    without rich where it prints no styles (as :func:`memcalc.render.report.render`)."""
+    if console is None:
+        width = plain_width()
+        text = render_plain(items, width) if width is not None else None
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        from rich.console import Console
 
-    c = console or Console()
+        console = Console()
+    for item in items:
+        console.print(item.to_rich() if isinstance(item, TableSpec) else item)
+
+
+def limits_lines(lim: dict[str, Any], gpu: Any, model: ModelSpec) -> list[str]:
+    """``estimate --max-batch/--max-seq``'s lines of markup."""
+    out = []
     name = getattr(gpu, "display_name", gpu.name)
     cap = fmt_bytes(lim["capacity_bytes"])
     if "max_batch" in lim:
         b = lim["max_batch"]
         if b == 0:
-            c.print(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [red]0[/red] "
-                    "(batch 1 does not fit)")
+            out.append(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [red]0[/red] "
+                       "(batch 1 does not fit)")
         else:
             nxt = lim["next_batch_required_bytes"]
             why = f"; batch {b + 1} needs {fmt_bytes(nxt)}" if nxt is not None else f" (the search stops at {BATCH_CAP:,})"
-            c.print(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [green]{b:,}[/green] "
-                    f"(needs {fmt_bytes(lim['max_batch_required_bytes'])}{why})")
+            out.append(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [green]{b:,}[/green] "
+                       f"(needs {fmt_bytes(lim['max_batch_required_bytes'])}{why})")
     if "max_seq" in lim:
         t = lim["max_seq"]
         if t == 0:
-            c.print(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [red]0[/red] "
-                    "(not even 2 tokens fit)")
+            out.append(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [red]0[/red] "
+                       "(not even 2 tokens fit)")
         else:
             nxt = lim["next_seq_required_bytes"]
             why = (f"; seq {t + 1} needs {fmt_bytes(nxt)}" if nxt is not None
                    else f"; {model.name}'s maximum sequence length")
-            c.print(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [green]{t:,}[/green] "
-                    f"(needs {fmt_bytes(lim['max_seq_required_bytes'])}{why})")
+            out.append(f"[bold]max seq[/bold] at batch {lim['max_seq_batch']} on {name} ({cap}): [green]{t:,}[/green] "
+                       f"(needs {fmt_bytes(lim['max_seq_required_bytes'])}{why})")
+    return out
+
+
+def render_limits(lim: dict[str, Any], gpu: Any, model: ModelSpec, console=None) -> None:
+    print_items(limits_lines(lim, gpu, model), console)
 
 
 def gpu_plan_json(p: GpuPlan) -> dict[str, Any]:
@@ -65,18 +95,19 @@ def _gib(n: Optional[int]) -> str:
 
 
 def render_gpu_plan(p: GpuPlan, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    print_items(gpu_plan_items(p), console)
 
-    c = console or Console()
+
+def gpu_plan_items(p: GpuPlan) -> list[Any]:
+    """The one-GPU plan in order: its table (a caption under it), then lines of markup."""
     g = p.gpu
     n_all = p.considered or len(techniques())
     title = (f"{p.model.name} on {getattr(g, 'display_name', g.name)} ({fmt_bytes(g.capacity_bytes)}): "
              f"{len(p.fitting)} of {n_all} technique combinations fit at batch 1 x seq {p.seq}")
-    t = Table(title=title, title_justify="left",
-              caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
-                      "cost: relative step time per token at the max batch (lower is better)",
-              caption_justify="left")
+    t = TableSpec(title=title,
+                  caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
+                          "cost: relative step time per token at the max batch (lower is better)",
+                  caption_justify="left")
     for col, just in (("#", "right"), ("option", "left"), ("peak", "right"), ("needs", "right"),
                       ("max batch", "right"), ("max seq", "right"), ("cost", "right")):
         t.add_column(col, justify=just, no_wrap=col != "option")
@@ -87,18 +118,19 @@ def render_gpu_plan(p: GpuPlan, console=None) -> None:
         t.add_row(str(k) if o.fits else "-", o.technique.label(p.half), _gib(o.peak_bytes), _gib(o.required_bytes),
                   mb if o.fits else "0", ms if o.max_seq else "0",
                   "-" if o.relative_cost is None else f"{o.relative_cost:.2f}", style=style)
-    c.print(t)
+    out: list[Any] = [t]
     if not p.fitting:
-        c.print("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
-                f"{p.model.name}` for a multi-GPU count")
-    c.print(f"[dim]peak = allocated peak; needs = peak + CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB + "
-            f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%}; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
-            f"numbers of fitting options confirmed by direct estimates (max seq capped at the model's "
-            f"{p.model.max_seq_len:,})[/dim]")
+        out.append("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
+                   f"{p.model.name}` for a multi-GPU count")
+    out.append(f"[dim]peak = allocated peak; needs = peak + CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB + "
+               f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%}; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
+               f"numbers of fitting options confirmed by direct estimates (max seq capped at the model's "
+               f"{p.model.max_seq_len:,})[/dim]")
     for line in COST_MODEL_LINES:
-        c.print(f"[dim]cost model: {line}[/dim]")
+        out.append(f"[dim]cost model: {line}[/dim]")
     for n in p.notes:
-        c.print(f"[yellow]note:[/yellow] {n}")
+        out.append(f"[yellow]note:[/yellow] {n}")
+    return out
 
 
 def cluster_plan_json(p: ClusterPlan) -> dict[str, Any]:
@@ -107,15 +139,14 @@ def cluster_plan_json(p: ClusterPlan) -> dict[str, Any]:
 
 
 def render_cluster_plan(p: ClusterPlan, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    print_items(cluster_plan_items(p), console)
 
-    c = console or Console()
-    from rich import box
 
+def cluster_plan_items(p: ClusterPlan) -> list[Any]:
+    """The multi-GPU plan in order: its table, then lines of markup."""
     # SIMPLE_HEAD without edges and with collapsed padding: ten columns fit 80 terminal columns
-    t = Table(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
-              title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
+    t = TableSpec(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
+                  box="simple_head", show_edge=False, collapse_padding=True)
     for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("tp", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right")):
@@ -131,7 +162,6 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
             cells += ["-" if n is None else str(next_pow2(n)),
                       r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
         t.add_row(*cells)
-    c.print(t)
-    c.print(f"sharding assumed: ZeRO-3 by {p.sharding} (--sharding {p.sharding})")
-    for n in p.notes:
-        c.print(f"[dim]{n}[/dim]")
+    out: list[Any] = [t, f"sharding assumed: ZeRO-3 by {p.sharding} (--sharding {p.sharding})"]
+    out += [f"[dim]{n}[/dim]" for n in p.notes]
+    return out
