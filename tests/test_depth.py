@@ -270,3 +270,16 @@ def test_state_floor_extrapolates_exactly(update):
         for g in (2, 5, 64):
             e = with_training(exp, gpus=g)
             assert state_floor(e) == floor_bytes(e), g
+
+
+def test_one_gpu_traces_two_depths_are_the_first_two_of_three():
+    # source: memcalc.plan.steps.traced_step of the 3- and 4-layer copies on one GPU
+    from memcalc.plan.depth import ONE_GPU_TRACES, _one_gpu_traces
+    from memcalc.plan.steps import traced_step
+
+    exp = ExperimentSpec(model=FAMILIES["llama"], training=Technique("none", "16", "adamw", "none", False).training(1, 256))
+    ONE_GPU_TRACES.clear()
+    three = _one_gpu_traces(exp, False, SHALLOW_DEPTHS)
+    two = _one_gpu_traces(exp, False, CHECKED_DEPTHS)
+    assert two == three[:2] == [traced_step(shallow(exp, d)).alloc_trace for d in CHECKED_DEPTHS]
+    assert (exp, False, CHECKED_DEPTHS) not in ONE_GPU_TRACES  # read from the three-depth entry

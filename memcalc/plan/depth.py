@@ -43,7 +43,6 @@ Cost: 3 + 4 + 5 = 12 layers simulated instead of ``n``.
 from __future__ import annotations
 
 import re
-from functools import lru_cache
 from itertools import repeat
 from typing import Callable, Optional
 
@@ -423,12 +422,30 @@ def deep_trace(exp: ExperimentSpec, first_step: bool,
     return got
 
 
-@lru_cache(maxsize=64)
+#: The one-GPU shallow traces by (setup on one GPU, first step, depths) (:func:`_one_gpu_traces`),
+#: shared by every ZeRO degree of the setup; a plan's workers send theirs back to the parent
+#: (``memcalc.plan.parallel``), so that the next stage's workers start with them.
+ONE_GPU_TRACES: dict[tuple[ExperimentSpec, bool, tuple[int, ...]], Optional[list]] = {}
+#: At most this many are kept.
+ONE_GPU_TRACES_SIZE = 64
+
+
 def _one_gpu_traces(exp: ExperimentSpec, first_step: bool,
                     depths: tuple[int, ...] = SHALLOW_DEPTHS) -> Optional[list[list[tuple[int, str, str, int]]]]:
-    """The shallow traces of ``exp`` (on one GPU), shared by every ZeRO degree of the same setup."""
-    if not applies(exp):
-        return None
-    from memcalc.plan.steps import traced_step
+    """The shallow traces of ``exp`` (on one GPU), shared by every ZeRO degree of the same setup
+    (cached in :data:`ONE_GPU_TRACES`)."""
+    key = (exp, first_step, depths)
+    if key in ONE_GPU_TRACES:
+        return ONE_GPU_TRACES[key]
+    full = ONE_GPU_TRACES.get((exp, first_step, SHALLOW_DEPTHS), ())
+    if full != () and depths == SHALLOW_DEPTHS[:len(depths)]:  # the first of the three depths
+        return None if full is None else full[:len(depths)]
+    got = None
+    if applies(exp):
+        from memcalc.plan.steps import traced_step
 
-    return [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in depths]
+        got = [traced_step(shallow(exp, d), first_step).alloc_trace or [] for d in depths]
+    if len(ONE_GPU_TRACES) >= ONE_GPU_TRACES_SIZE:
+        ONE_GPU_TRACES.clear()
+    ONE_GPU_TRACES[key] = got
+    return got
