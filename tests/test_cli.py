@@ -183,3 +183,22 @@ def test_technique_flags_run(flag):
         args += ["--bf16"]
     r = run(args)
     assert r.exit_code == 0, r.output
+
+
+def test_main_builds_only_the_command_it_runs(monkeypatch):
+    # source: memcalc.cli.main (typer builds every registered command's parameters on each run)
+    import sys
+
+    import memcalc.cli as cli
+
+    seen = []
+    monkeypatch.setattr(type(cli.app), "__call__",
+                        lambda self, *a, **k: seen.append([c.callback.__name__ for c in self.registered_commands]))
+    n = len(cli.app.registered_commands)
+    for argv in (["memcalc", "gpus"], ["memcalc", "estimate", "--params", "7e9"], ["memcalc", "--help"],
+                 ["memcalc", "estimat"], ["memcalc"]):
+        monkeypatch.setattr(sys, "argv", argv)
+        cli.main()
+    assert seen[:2] == [["gpus"], ["estimate"]]
+    assert all(len(s) == n for s in seen[2:]) and n == 7
+    assert len(cli.app.registered_commands) == n  # restored
