@@ -24,24 +24,16 @@ from memcalc.plan.cluster import GPU_CAP, ClusterPlan, ClusterRow
 from memcalc.plan.limits import BATCH_CAP
 from memcalc.plan.options import Technique
 from memcalc.plan.search import GpuPlan, OptionResult
-from memcalc.render import plain, plan_report
+from memcalc.render import plain
 from memcalc.render.plain import BOXES, TableSpec, render_plain
 from memcalc.render.plan_report import (cluster_plan_items, gpu_plan_items, limits_lines, render_cluster_plan,
                                         render_gpu_plan, render_limits)
 
+from conftest import rich_output
+
 GiB = 1 << 30
 #: console widths: narrow (columns squeezed to their padding, or left to rich), the default 80, wide
 WIDTHS = (24, 52, 80, 131, 200)
-
-
-def _rich(items: list, width: int) -> str:
-    from rich.console import Console
-
-    buf = io.StringIO()
-    c = Console(file=buf, width=width)
-    for it in items:
-        c.print(it.to_rich() if isinstance(it, TableSpec) else it)
-    return buf.getvalue()
 
 
 def _option(tech: Technique, peak_gib: float, fits: bool, max_batch: int, max_seq: int,
@@ -131,7 +123,7 @@ def test_plain_plan_is_what_rich_prints(reports, kind, width):
         got = render_plain(items, width)
         if got is not None:
             laid_out += 1
-            assert got == _rich(items, width)
+            assert got == rich_output(items, width)
     assert laid_out == len(reports[kind]), "the plain renderer gave a plan to rich"
 
 
@@ -141,7 +133,7 @@ def test_plain_plan_is_what_rich_prints_at_every_width(reports, kind):
     for width in range(8, 221):
         for items in reports[kind]:
             got = render_plain(items, width)
-            assert got is None or got == _rich(items, width), width
+            assert got is None or got == rich_output(items, width), width
 
 
 def test_both_plans_are_laid_out_without_rich_at_80(reports):
@@ -158,7 +150,7 @@ def test_a_plan_squeezed_below_its_columns_is_what_rich_prints(reports, kind, wi
     items = reports[kind][0]
     got = render_plain(items, width)
     assert got is not None and "\u2026" in got
-    assert got == _rich(items, width)
+    assert got == rich_output(items, width)
 
 
 @pytest.mark.parametrize("render, plans", [
@@ -168,14 +160,14 @@ def test_a_plan_squeezed_below_its_columns_is_what_rich_prints(reports, kind, wi
 def test_render_prints_the_same_plan_without_importing_rich(monkeypatch, capsys, render, plans):
     p = plans()[0]
     items = cluster_plan_items(p) if render is render_cluster_plan else gpu_plan_items(p)
-    want = _rich(items, 80)
-    monkeypatch.setattr(plan_report, "plain_width", lambda: 80)
+    want = rich_output(items, 80)
+    monkeypatch.setattr(plain, "plain_width", lambda: 80)
     for mod in [m for m in sys.modules if m == "rich" or m.startswith("rich.")] + ["rich"]:
         monkeypatch.setitem(sys.modules, mod, None)  # an import of rich raises ImportError
     render(p)
     assert capsys.readouterr().out == want
     monkeypatch.undo()
-    monkeypatch.setattr(plan_report, "plain_width", lambda: None)  # the rich path
+    monkeypatch.setattr(plain, "plain_width", lambda: None)  # the rich path
     render(p)
     assert capsys.readouterr().out == want
 
@@ -186,10 +178,10 @@ def test_a_console_given_prints_through_rich():
     p = _cluster_plans()[0]
     buf = io.StringIO()
     render_cluster_plan(p, Console(file=buf, width=80))
-    assert buf.getvalue() == _rich(cluster_plan_items(p), 80)
+    assert buf.getvalue() == rich_output(cluster_plan_items(p), 80)
     buf = io.StringIO()
     render_limits(*_limits()[0], console=Console(file=buf, width=80))
-    assert buf.getvalue() == _rich(limits_lines(*_limits()[0]), 80)
+    assert buf.getvalue() == rich_output(limits_lines(*_limits()[0]), 80)
 
 
 def test_to_rich_builds_the_tables_the_plans_print():
@@ -258,7 +250,7 @@ def test_table_options_are_what_rich_prints(box, show_edge, collapse, header, ca
     t = _table(box, show_edge, collapse, header, caption_justify)
     for width in (8, 12, 20, 31, 45, 80):
         got = render_plain([t], width)
-        assert got is not None and got == _rich([t], width), width
+        assert got is not None and got == rich_output([t], width), width
 
 
 def test_gpu_cap_and_batch_cap_show_in_the_tables(reports):

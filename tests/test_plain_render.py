@@ -3,7 +3,6 @@ rich prints without styles, at every width; anything it does not lay out itself 
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,10 @@ from memcalc.estimate.peak import estimate
 from memcalc.inputs.gpus import get_gpu, list_gpus
 from memcalc.inputs.resolve import Options, resolve
 from memcalc.render import plain
-from memcalc.render.plain import TableSpec, plain_width, render_plain
+from memcalc.render.plain import plain_width, render_plain
 from memcalc.render.report import render, report_items
+
+from conftest import rich_output
 
 HF_GPT2 = str(Path(__file__).parent / "fixtures" / "hf" / "gpt2.json")
 
@@ -25,16 +26,6 @@ SETUPS = [
 ]
 #: console widths: narrow (columns fold or fall back to rich), the default 80, wide
 WIDTHS = (24, 52, 80, 131)
-
-
-def _rich(items: list, width: int) -> str:
-    from rich.console import Console
-
-    buf = io.StringIO()
-    c = Console(file=buf, width=width)
-    for it in items:
-        c.print(it.to_rich() if isinstance(it, TableSpec) else it)
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +46,7 @@ def test_plain_report_is_what_rich_prints(reports, width):
         got = render_plain(items, width)
         if got is not None:
             laid_out += 1
-            assert got == _rich(items, width)
+            assert got == rich_output(items, width)
     assert laid_out or width < 30, "the plain renderer gave every report to rich"
 
 
@@ -64,7 +55,7 @@ def test_plain_report_is_what_rich_prints_at_every_width(reports):
     for width in range(8, 161, 3):
         for items in reports:
             got = render_plain(items, width)
-            assert got is None or got == _rich(items, width), width
+            assert got is None or got == rich_output(items, width), width
 
 
 @pytest.mark.parametrize("line", [
@@ -97,6 +88,6 @@ def test_render_prints_the_same_report_either_way(reports, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     render(est, res, cards)
     fast = capsys.readouterr().out
-    monkeypatch.setattr("memcalc.render.report.plain_width", lambda: None)  # the rich path
+    monkeypatch.setattr("memcalc.render.plain.plain_width", lambda: None)  # the rich path
     render(est, res, cards)
-    assert capsys.readouterr().out == fast == _rich(report_items(est, res, cards), 80)
+    assert capsys.readouterr().out == fast == rich_output(report_items(est, res, cards), 80)

@@ -401,3 +401,20 @@ def render_plain(items: list[Any], console_width: int) -> Optional[str]:
     except Unsupported:
         return None
     return "".join(line + "\n" for line in out)
+
+
+def print_items(items: list[Any], console: Any = None) -> None:
+    """Print tables (:class:`TableSpec`) and markup lines in order: on ``console``, else on stdout,
+    without rich where it prints no styles (the estimate's report and the plan's tables)."""
+    if console is None:
+        width = plain_width()
+        text = render_plain(items, width) if width is not None else None
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        from rich.console import Console
+
+        console = Console()
+    for item in items:
+        console.print(item.to_rich() if isinstance(item, TableSpec) else item)

@@ -10,7 +10,6 @@ when one is given. rich is imported only then.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from memcalc.core.spec import ModelSpec
@@ -21,24 +20,7 @@ from memcalc.plan.cost import COST_MODEL_LINES
 from memcalc.plan.limits import BATCH_CAP
 from memcalc.plan.options import LORA_RANK, techniques
 from memcalc.plan.search import GpuPlan
-from memcalc.render.plain import TableSpec, plain_width, render_plain
-
-
-def print_items(items: list[Any], console: Any = None) -> None:
-    """Print tables (:class:`TableSpec`) and markup lines in order: on ``console``, else on stdout,
-    without rich where it prints no styles (as :func:`memcalc.render.report.render`)."""
-    if console is None:
-        width = plain_width()
-        text = render_plain(items, width) if width is not None else None
-        if text is not None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            return
-        from rich.console import Console
-
-        console = Console()
-    for item in items:
-        console.print(item.to_rich() if isinstance(item, TableSpec) else item)
+from memcalc.render.plain import TableSpec, print_items
 
 
 def limits_lines(lim: dict[str, Any], gpu: Any, model: ModelSpec) -> list[str]:

@@ -9,11 +9,10 @@ level: ``estimate --json`` (``to_json``, ``dumps``) loads no rich (``tests/test_
 from __future__ import annotations
 
 import json
-import sys
 from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.engine.sharding import sharding_mechanics
-from memcalc.render.plain import TableSpec, plain_width, render_plain
+from memcalc.render.plain import TableSpec, print_items
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
@@ -269,19 +268,7 @@ def _gpu_spec(est: Estimate, gpus: list[Any]) -> TableSpec:
 
 def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None) -> None:
     """Print the report: on ``console``, else on stdout (without rich where it prints no styles)."""
-    items = report_items(est, res, gpus)
-    if console is None:
-        width = plain_width()
-        text = render_plain(items, width) if width is not None else None
-        if text is not None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            return
-        from rich.console import Console
-
-        console = Console()
-    for item in items:
-        console.print(item.to_rich() if isinstance(item, TableSpec) else item)
+    print_items(report_items(est, res, gpus), console)
 
 
 def report_items(est: Estimate, res: Resolved, gpus: list[Any]) -> list[Any]:
