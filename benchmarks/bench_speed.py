@@ -26,31 +26,34 @@ runs benchmarks; pytest does not collect this folder).
 Where the targets stand (issue 15; ``--quick -n 5`` on this project's 2-core sandbox with nothing
 else running, bytecode cached as for a user; its bare ``python -c "import numpy"`` takes
 0.11-0.23 s, and its timings move by 20-30% from one hour to the next, so each column was taken
-in one sitting; stop 22's "start" and "end" columns are the same hour's runs of the two commits,
-alternated). Wall time, best of the runs:
+in one sitting). Wall time, best of the runs:
 
-=====================================================  ==========  ==========  ==========  ======
-command                                                stop 20     stop 21     stop 22     target
-                                                       start       end         end
-=====================================================  ==========  ==========  ==========  ======
-``estimate --params 7e9 --bf16 --lora``                1.06 s      0.37 s      0.35 s      0.2 s
-``plan --model llama-3.1-8b --gpu rtx-4090``           10.7 s      1.21 s      1.04 s      1 s
-``plan --model llama-3.1-70b``                         30.4 s      1.27 s      1.21 s      1 s
-``plan --model llama-3.1-8b --gpu rtx-4090 --compile`` 144 s       2.90 s      2.19 s      3 s
-=====================================================  ==========  ==========  ==========  ======
+=====================================================  ==========  ==========  ==========  ==========  ======
+command                                                stop 20     stop 21     stop 22     stop 23     target
+                                                       start       end         end         end
+=====================================================  ==========  ==========  ==========  ==========  ======
+``estimate --params 7e9 --bf16 --lora``                1.06 s      0.37 s      0.35 s      0.32 s      0.2 s
+``plan --model llama-3.1-8b --gpu rtx-4090``           10.7 s      1.21 s      1.04 s      0.81 s      1 s
+``plan --model llama-3.1-70b``                         30.4 s      1.27 s      1.21 s      0.91 s      1 s
+``plan --model llama-3.1-8b --gpu rtx-4090 --compile`` 144 s       2.90 s      2.19 s      2.07 s      3 s
+=====================================================  ==========  ==========  ==========  ==========  ======
 
 (The stop 20 column was taken on a slower hour of the same machine: bare numpy 0.17-0.23 s there,
-0.11-0.12 s for the other two. The 8B plan above with ``--json``, as this script runs it. This
-script's own run at stop 22's end, best of 5, an hour later: 0.31 s, 0.94 s, 1.28 s, 2.29 s.) ``--count`` (simulated steps, layers walked, CPU of one process
-with ``MEMCALC_WORKERS=1``), stop 21 end -> stop 22 end: ``estimate`` 1 step; 8B rtx-4090 plan
-124 -> 119 steps, 944 -> 784 layers, 1.28 -> 1.00 s CPU (best of 5, alternated); 70B cluster 267
--> 279 steps (counts simulated ahead in parallel instead of one by one after), 1.58 s CPU;
-``--compile`` 167 -> 155 steps, 2,320 -> 1,936 layers, 4.9 -> 3.45 s CPU. Also ``plan --model
-llama-3.1-8b --gpu h100-80gb`` 963 -> 909 steps, 7.6 -> 6.8 s CPU; ``plan --params 1.5b --gpu
-a100-80gb`` (47 s when the issue was filed) 3.6 s wall.
+0.11-0.12 s for the others. Up to stop 22 the 8B plan with ``--json``; from stop 23 as a user runs
+it, printing its table. Stop 23's column alternates its code with stop 22's in one sitting, best of
+5: estimate 0.30 -> 0.30 s, 8B 0.97 -> 0.81 s, 70B 1.23 -> 0.91 s, compile 2.20 -> 2.07 s; this
+script's own run that hour, whose single runs swing by a tenth of a second: 0.32, 0.95, 0.96,
+2.07 s.) ``--count`` (simulated steps, layers walked, CPU of one process with
+``MEMCALC_WORKERS=1``), stop 21 end -> stop 22 end -> stop 23 end: ``estimate`` 1 step; 8B
+rtx-4090 plan 124 -> 119 -> 92 steps, 944 -> 784 -> 649 layers, 1.28 -> 1.00 -> 0.79 s CPU (best
+of 3, alternated); 70B cluster 267 -> 279 -> 199 steps, 1,116 -> 716 layers at stop 23, 1.58 ->
+1.45 -> 0.91 s CPU; ``--compile`` 167 -> 155 -> 128 steps, 2,320 -> 1,936 -> 1,801 layers, 4.9 ->
+3.25 -> 2.89 s CPU. Also ``plan --model llama-3.1-8b --gpu h100-80gb`` 963 -> 909 -> 683 steps,
+7.6 -> 6.7 -> 5.3 s CPU; ``plan --params 1.5b --gpu a100-80gb`` (47 s when the issue was filed)
+3.6 s wall at stop 22.
 
-Met here: ``--compile``, and the 8B plan on some hours (0.94-1.04 s). Not met: the 70B cluster
-table (about a fifth over) and ``estimate`` (half again over): see "What is left".
+Met here: the 8B plan, the 70B cluster table (by a tenth: its worst single runs reach 1.0 s on a
+busy hour) and ``--compile``. Not met: ``estimate`` (0.3 s against 0.2 s): see "What is left".
 
 How the answers stay exact and fast (every printed number is what a direct estimate gives; the
 snapshots compare ``plan --json`` and ``estimate --json`` byte for byte, and the tests named below
@@ -58,7 +61,13 @@ compare each shortcut with the simulation it replaces):
 
 1. *Steps in depth* (``memcalc.plan.depth``): a uniform stack's step from its 3-, 4- and 5-layer
    copies, extrapolated exactly (``tests/test_depth.py``); ZeRO shares through
-   ``engine.sharding.Share``; FSDP2's step-start gather a named block.
+   ``engine.sharding.Share``; FSDP2's step-start gather a named block. Once a setup's structure
+   (the setup without its batch, sequence and GPU count) has passed the three-depth check, its
+   other sizes and counts take the 3- and 4-layer copies alone (``depth.structure_key``,
+   ``CHECKED``; not under DeepSpeed, whose buckets are cut by bytes), and so do their
+   weights-and-state floors; the named blocks are checked and extrapolated laid end to end, in a
+   few array operations (1.6 -> 0.95 ms a step). Compared with three depths in about 4,200 random steps
+   and with the old extrapolation in 1,480: the same totals.
 2. *Steps not simulated at all*:
    - the first step from the steady one (``engine.timeline.first_step_of``: the same events with
      the optimizer state moved from setup to where the step makes it; ``tests/test_first_step.py``),
@@ -94,36 +103,44 @@ compare each shortcut with the simulation it replaces):
    compiled forward graph of a stack of alike layers recorded at five layers and built out
    (``compile/graph.py``, ``tests/test_graph_built.py``: 52 -> 23 ms per (batch, seq) at 32
    layers, every value and edge the same).
-5. *Workers*: an option and its fused twin in one job; the traces, peaks and floors a worker works
-   out come back to the parent; the cluster table's likely probes (ZeRO counts and the first
+5. *Workers*: an option and its fused twin in one job; the traces, peaks, floors, checked
+   structures and one-GPU shallow traces a worker works out come back to the parent (found by
+   their place in each cache, not by hashing every spec key before and after a job); the cluster table's likely probes (ZeRO counts and the first
    tensor-parallel layout per card) prefetched in parallel; one BLAS thread (an idle OpenBLAS pool
    spins on the workers' cores).
 6. *Process start*: the CLI imports each command's pipeline when it runs; no numpy in
    ``estimate``; the text report without rich where rich prints no styles; shipped YAML from
    ``data/_parsed.json``; pydantic's plugin scan off, and its plugin loader (which imports
    ``importlib.metadata``, ~18 ms) replaced by its one answer when every plugin is off;
-   ``np.unique`` (which loads ``numpy.ma``) not used.
+   ``np.unique`` (which loads ``numpy.ma``) not used; the plan's tables without rich too (~50-60
+   ms of a plan); ``main()`` builds only the command it runs (typer builds every command's
+   parameters on each run, ~10 ms).
 
-What is left (profiles of stop 22's end):
+What is left (profiles of stop 23's end):
 
-- ``estimate`` (0.31 s here): a bare Python start is 0.045 s, the imports about 0.2 s (typer and
-  pydantic with their dependencies ~0.11 s, the spec models' class creation ~18 ms, the engine
-  ~17 ms), the one full-depth simulation and the caching-allocator replay (steady step twice, the
-  first step once: printed, so it stays) ~0.06 s. Reaching 0.2 s on this machine needs a command
-  line without typer or specs without pydantic's class-time schema building; neither is a speed
-  question alone (the brief asks for pydantic specs), so it is left here. (Typer builds every
-  command's parameters for each run, ~10 ms; the allocator replay is ~1.7 us per event.)
-- ``plan --gpu`` (0.94-1.04 s): two stages of worker jobs after 0.3 s of imports; the fits (5 points,
-  three shallow steps each) and about two estimates per printed number; the sqrt options' four
-  full-depth estimates (two cut short). Below that, an answer without confirmations needs every
-  request as an exact function of batch and sequence (flash attention rounds rows to 128, the
-  memory-efficient kernel its logsumexp to 32: not polynomials).
-- ``plan --model`` (1.21 s): 0.3 s imports, the fits in N (7 jobs, ~0.2 s), ~80 steps simulated
-  ahead (each three shallow FSDP2 steps, ~14 ms; ~0.6 s on two cores), the render. Cheaper needs
-  the per-GPU requests as exact functions of N (an FSDP2 shard is ``ceil(rows / N)`` rows and its
-  all-gather ``N`` padded shards: a tape of symbolic sizes in the engine, evaluated for every N
-  at once), which would replace most of those 80 steps.
-- ``plan --compile`` (2.19 s): nine compiled options searched by direct estimates at full depth
+- ``estimate`` (0.30-0.32 s here): ``python -c "import memcalc.core.spec"`` alone takes 0.15 s
+  (pydantic, whose first model loads its schema machinery, ~45 ms, and the nine spec models'
+  class-time schemas), typer 0.025 s more, the interpreter 0.02 s: about 0.2 s before memcalc
+  reads an argument. Then memcalc's other imports (~30 ms, of which its 15 dataclasses' generated
+  methods ~12 ms), typer's parsing (~10 ms), the one full-depth simulation (~20 ms), the caching
+  allocator replay (steady step twice, the first step once: printed, so it stays; ~27 ms at
+  ~0.9 us an event) and the report (~3 ms). Reaching 0.2 s on this machine needs specs without
+  pydantic's class-time schema building or a command line without typer; neither is a speed
+  question alone (the brief asks for pydantic specs), so it is left here. Tried and dropped: the
+  replay as one loop over locals, and integer-keyed pools (5-8% of the replay each).
+- ``plan --gpu`` (0.81-0.95 s): 0.25 s of imports, then two stages of worker jobs. The sqrt options
+  are most of the work (their segments depend on the depth, so they are simulated at full depth:
+  ~45 ms a batch-1 job, ~0.22 s a LoRA or QLoRA group's search). Below that, an answer without
+  confirmations needs every request as an exact function of batch and sequence (flash attention
+  rounds rows to 128, the memory-efficient kernel its logsumexp to 32: not polynomials).
+- ``plan --model`` (0.91-0.96 s): 0.25 s imports, the fits in N (7 jobs, ~0.16 s), 80 steps
+  simulated ahead (two shallow FSDP2 steps each, ~9 ms; ~0.4 s on two cores; 69 of them read),
+  the table (~3 ms). Cheaper needs the per-GPU requests as exact functions of N (an FSDP2 shard
+  is ``ceil(rows / N)`` rows and its all-gather ``N`` padded shards: a tape of symbolic sizes in
+  the engine, evaluated for every N at once), which would replace the fits and most of the 80
+  steps. Fewer fit points (2 instead of 3) and a narrower flat window were tried: 20-30 ms at most,
+  and the fit also decides checkpointing none or full away from the card's line, so it stays.
+- ``plan --compile`` (2.07 s): nine compiled options searched by direct estimates at full depth
   (the partition is of the whole graph, and under a memory budget a knapsack over every layer
   decides it, so shallow copies do not extrapolate); each new (batch, seq) records (five layers,
   built out) and partitions its graph again; budget options' requirement has steps where the
@@ -136,7 +153,9 @@ simulator's hot path (``bench_sim.py``), ``estimate``'s start-up (``bench_estima
 package imports only typer and the pydantic-free core until a command runs). Stop 21: items 2,
 3, 5 and the rest of 6 above, the counted early stop and the piecewise min cut. Stop 22: 3 and 3b
 (scaled seeds, known points, steps cut short, steering, the cluster's prefetch), the built
-compiled graph, the plugin loader.
+compiled graph, the plugin loader. Stop 23: two depths once checked, the extrapolation laid end to
+end, the one-GPU traces and checked structures sent back from the workers, the plan's tables
+without rich, one command built.
 """
 
 from __future__ import annotations
