@@ -121,7 +121,14 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     # the fits in N of the four setups and of the full fine-tune at each tensor-parallel degree
     # (plan/layouts.py), in one parallel map
     tp_exps = layout_setups(setups["full"]["full"])
-    fitted = parallel_map(_fit_gpus_job, [setups[s][ck] for s, ck in keys] + tp_exps)
+    top = max(int(g.capacity_bytes) for g in cards)
+    # with them, the one-GPU steps the searches check first (they need no fit): they fill the
+    # workers' idle time at the end of the fits
+    ones = {(with_training(e, gpus=1), False, top) for e in [by[ck] for by in setups.values() for ck in by] + tp_exps}
+    ones = sorted(ones, key=lambda j: j[0].name) if confirm else []
+    fitted = parallel_map(_fit_or_simulate_job, [("fit", e) for e in [setups[s][ck] for s, ck in keys] + tp_exps]
+                          + [("simulate", j) for j in ones], heavy=lambda j: j[0] == "fit")
+    fitted = fitted[:len(keys) + len(tp_exps)]
     tp_fits, fitted = dict(zip(tp_exps, fitted[len(keys):])), fitted[:len(keys)]
     req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
     for (s, ck), f in zip(keys, fitted):
@@ -160,8 +167,7 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
                                                for g in cards}, GPU_CAP, tp_fits)
         # (the first step only where it can set the peak: otherwise one job per step, not two; a step
         # whose weights and state alone exceed every card is not simulated, decided in the worker)
-        top = max(int(g.capacity_bytes) for g in cards)
-        jobs = {(e, both and not first_step_within_steady(e), top) for e, both in jobs}
+        jobs = {(e, both and not first_step_within_steady(e), top) for e, both in jobs} - set(ones)
         parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
     rows = []
     for g in cards:
@@ -211,6 +217,13 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
 
 def _fit_gpus_job(exp: ExperimentSpec):
     return fit_gpus(exp, GPU_CAP)
+
+
+def _fit_or_simulate_job(job: tuple[str, Any]):
+    """A job of the first stage: a fit in N (``("fit", experiment)``) or a step to simulate
+    (``("simulate", (experiment, first step too, bytes))``, :func:`_simulate_job`)."""
+    kind, arg = job
+    return _fit_gpus_job(arg) if kind == "fit" else _simulate_job(arg)
 
 
 def _simulate_job(job: tuple[ExperimentSpec, bool, int]) -> None:
