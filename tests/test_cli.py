@@ -192,8 +192,10 @@ def test_main_builds_only_the_command_it_runs(monkeypatch):
     import memcalc.cli as cli
 
     seen = []
+    left = []
     monkeypatch.setattr(type(cli.app), "__call__",
                         lambda self, *a, **k: seen.append([c.callback.__name__ for c in self.registered_commands]))
+    monkeypatch.setattr(cli, "_leave", left.append)  # (the real one ends the process)
     n = len(cli.app.registered_commands)
     for argv in (["memcalc", "gpus"], ["memcalc", "estimate", "--params", "7e9"], ["memcalc", "--help"],
                  ["memcalc", "estimat"], ["memcalc"]):
@@ -202,3 +204,26 @@ def test_main_builds_only_the_command_it_runs(monkeypatch):
     assert seen[:2] == [["gpus"], ["estimate"]]
     assert all(len(s) == n for s in seen[2:]) and n == 7
     assert len(cli.app.registered_commands) == n  # restored
+    assert left == [0] * 5
+
+
+@pytest.mark.parametrize("args,code", [
+    # source: memcalc.cli._leave: the process's status and every byte of its output as the command
+    # gives them in-process (CliRunner), though the interpreter's teardown is skipped
+    (["estimate", "--params", "125M", "--seq", "64", "--gpu", "t4", "--json"], 0),
+    (["estimate", "--params", "7e9", "--gpu", "t4", "--check"], 3),
+    (["estimate", "--params", "125M", "--batch", "0"], 2),
+    (["gpus"], 0),
+])
+def test_the_console_script_exits_with_all_its_output(args, code):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR")}
+    p = subprocess.run([sys.executable, "-m", "memcalc.cli", *args], capture_output=True, text=True, env=env)
+    r = CliRunner().invoke(app, args)
+    assert p.returncode == r.exit_code == code
+    assert p.stdout == r.stdout
+    if code == 2:
+        assert p.stderr.startswith("memcalc: error:") and p.stderr.count("\n") == 1

@@ -24,7 +24,9 @@ WATCHED = ("pydantic", "memcalc.core.spec", "rich", "yaml", "numpy", "memcalc.in
 
 PROBE = """
 import contextlib, io, json, sys
+import memcalc.cli
 from memcalc.cli import main
+memcalc.cli._leave = sys.exit  # (the real one ends the process: the stages share it here)
 WATCHED = {watched!r}
 for argv in {stages!r}:  # one interpreter, the stages in order: each sees what the earlier ones loaded
     sys.argv = ["memcalc", *argv]
