@@ -227,3 +227,23 @@ def test_the_console_script_exits_with_all_its_output(args, code):
     assert p.stdout == r.stdout
     if code == 2:
         assert p.stderr.startswith("memcalc: error:") and p.stderr.count("\n") == 1
+
+
+def test_the_console_script_collects_garbage_less_often(monkeypatch):
+    # source: pyproject.toml [project.scripts] and memcalc/__main__.py (GC_THRESHOLDS)
+    import gc
+    from pathlib import Path
+
+    import memcalc.__main__ as entry
+    import memcalc.cli as cli
+
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert 'memcalc = "memcalc.__main__:main"' in text
+    before = gc.get_threshold()
+    ran = []
+    monkeypatch.setattr(cli, "main", lambda: ran.append(gc.get_threshold()))
+    try:
+        entry.main()
+    finally:
+        gc.set_threshold(*before)
+    assert ran == [entry.GC_THRESHOLDS] and entry.GC_THRESHOLDS[0] > before[0]
