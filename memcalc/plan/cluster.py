@@ -121,15 +121,15 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     # the fits in N of the four setups and of the full fine-tune at each tensor-parallel degree
     # (plan/layouts.py), in one parallel map
     tp_exps = layout_setups(setups["full"]["full"])
+    fit_exps = [setups[s][ck] for s, ck in keys] + tp_exps
     top = max(int(g.capacity_bytes) for g in cards)
     # with them, the one-GPU steps the searches check first (they need no fit): they fill the
     # workers' idle time at the end of the fits
-    ones = {(with_training(e, gpus=1), False, top) for e in [by[ck] for by in setups.values() for ck in by] + tp_exps}
-    ones = sorted(ones, key=lambda j: j[0].name) if confirm else []
-    fitted = parallel_map(_fit_or_simulate_job, [("fit", e) for e in [setups[s][ck] for s, ck in keys] + tp_exps]
-                          + [("simulate", j) for j in ones], heavy=lambda j: j[0] == "fit")
-    fitted = fitted[:len(keys) + len(tp_exps)]
-    tp_fits, fitted = dict(zip(tp_exps, fitted[len(keys):])), fitted[:len(keys)]
+    ones = sorted({(with_training(e, gpus=1), False, top) for e in fit_exps},
+                  key=lambda j: (j[0].name, j[0].training.tp, j[0].training.checkpoint)) if confirm else []
+    got = parallel_map(_fit_or_simulate_job, [("fit", e) for e in fit_exps] + [("simulate", j) for j in ones],
+                       heavy=lambda j: j[0] == "fit")
+    fitted, tp_fits = got[:len(keys)], dict(zip(tp_exps, got[len(keys):len(fit_exps)]))
     req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
     for (s, ck), f in zip(keys, fitted):
         req[s][ck] = f.required(ns)  # NaN at N = 1: a different step, checked directly
