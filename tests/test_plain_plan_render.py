@@ -257,3 +257,29 @@ def test_gpu_cap_and_batch_cap_show_in_the_tables(reports):
     # the rows above exercise the ">" and "+" cells: checks that the made-up rows still reach them
     assert f">{GPU_CAP}" in render_plain(reports["cluster"][0], 80)
     assert f"{BATCH_CAP:,}+" in render_plain(reports["gpu"][0], 131)
+
+
+@pytest.mark.parametrize("cmd", ["models", "configs", "gpus", "profiles"])
+@pytest.mark.parametrize("width", [24, 60, 80, 131])
+def test_listings_print_what_rich_prints(cmd, width, monkeypatch):
+    # source: rich's Table(title centred, box SIMPLE_HEAD, show_edge=False, collapse_padding=True),
+    # what memcalc/cli/listing.py printed through rich before
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    for k in plain._TERMINAL_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("COLUMNS", str(width))
+    laid_out = []
+    real = plain.render_plain
+    monkeypatch.setattr(plain, "render_plain", lambda items, w: laid_out.append(real(items, w)) or laid_out[-1])
+    fast = CliRunner().invoke(app, [cmd])
+    monkeypatch.setattr(plain, "plain_width", lambda: None)  # the rich path
+    slow = CliRunner().invoke(app, [cmd])
+    assert fast.exit_code == slow.exit_code == 0
+    assert fast.stdout == slow.stdout
+    assert width < 60 or laid_out[0] is not None  # laid out without rich where it fits
+    if cmd == "gpus" and width == 80:  # the title centred over the table, as the listings always had it
+        first = fast.stdout.splitlines()[0]
+        assert first.strip() == "GPU catalog" and first.startswith(" " * 20)

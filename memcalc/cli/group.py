@@ -8,7 +8,6 @@ and each command's ``--help`` start fast.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import typer
 from typer.core import TyperGroup
@@ -65,13 +64,6 @@ class _Group(TyperGroup):
         if opt is not None and opt.default is None:
             opt.default = False
         return opt
-
-
-#: list tables: a header rule, no edges, padding shared between neighbours (whole names in 80 columns)
-def _compact() -> dict[str, Any]:
-    from rich import box
-
-    return {"box": box.SIMPLE_HEAD, "show_edge": False, "collapse_padding": True}
 
 
 def _err(msg: str) -> None:

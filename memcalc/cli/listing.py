@@ -5,9 +5,24 @@ from __future__ import annotations
 
 import typer
 
-from memcalc.cli.group import _compact, app
+from memcalc.cli.group import app
 from memcalc.cli.options import JSON
 from memcalc.core.units import gib
+
+
+def _table(title: str):
+    """A listing table: a header rule, no edges, padding shared between neighbours (whole names in
+    80 columns), the title centred; printed without rich where rich would print no styles
+    (:func:`memcalc.render.plain.print_items`)."""
+    from memcalc.render.plain import TableSpec
+
+    return TableSpec(title, box="simple_head", show_edge=False, collapse_padding=True, title_justify="center")
+
+
+def _print(t) -> None:
+    from memcalc.render.plain import print_items
+
+    print_items([t])
 
 
 @app.command()
@@ -16,9 +31,6 @@ def models(as_json: bool = JSON) -> None:
 
     `--model ORG/NAME` with a listed Hugging Face id picks that preset.
     """
-    from rich.console import Console
-    from rich.table import Table
-
     from memcalc.inputs.presets import list_presets, preset_summary
     from memcalc.render.report import dumps
 
@@ -26,22 +38,19 @@ def models(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps(rows))
         return
-    t = Table(title="Model presets (--json adds d_ff, vocabulary, max sequence, exact counts)", **_compact())
+    t = _table("Model presets (--json adds d_ff, vocabulary, max sequence, exact counts)")
     for col in ("name", "params", "layers", "d_model", "heads/kv"):
         t.add_column(col, justify="left" if col == "name" else "right", no_wrap=True)
     t.add_column("Hugging Face id (--model ORG/NAME)", overflow="fold")
     for r in rows:
         t.add_row(r["name"], f"{r['params'] / 1e9:,.2f}B", str(r["n_layers"]), str(r["d_model"]),
                   f"{r['n_heads']}/{r['n_kv_heads']}", r["hf_id"] or "-")
-    Console().print(t)
+    _print(t)
 
 
 @app.command()
 def configs(as_json: bool = JSON) -> None:
     """List the shipped reference configs and their published peaks."""
-    from rich.console import Console
-    from rich.table import Table
-
     from memcalc.inputs.configs import list_configs, load_config
     from memcalc.render.report import dumps
 
@@ -55,22 +64,19 @@ def configs(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps(rows))
         return
-    t = Table(title="Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)", **_compact())
+    t = _table("Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)")
     for col in ("name", "precision", "checkpoint", "fused", "compile", "published GiB"):
         t.add_column(col, no_wrap=col != "published GiB")
     for r in rows:
         comp = "-" if not r["compile"] else ("yes" if r["memory_budget"] is None else f"budget {r['memory_budget']}")
         t.add_row(r["name"], r["precision"], r["checkpoint"], "yes" if r["fused_optimizer"] else "-", comp,
                   f"{gib(r['published_peak_bytes']):.3f}")
-    Console().print(t)
+    _print(t)
 
 
 @app.command()
 def gpus(as_json: bool = JSON) -> None:
     """List the GPU catalog (capacities in bytes; GiB = 2**30)."""
-    from rich.console import Console
-    from rich.table import Table
-
     from memcalc.inputs.gpus import list_gpus
     from memcalc.render.report import dumps
 
@@ -78,32 +84,29 @@ def gpus(as_json: bool = JSON) -> None:
     if as_json:
         typer.echo(dumps([g.model_dump() for g in gs]))
         return
-    t = Table(title="GPU catalog", **_compact())
+    t = _table("GPU catalog")
     for col in ("name", "GPU", "memory GiB", "bytes"):
         t.add_column(col, justify="left" if col in ("name", "GPU") else "right", no_wrap=col != "GPU")
     for g in gs:
         t.add_row(g.name, getattr(g, "display_name", g.name), f"{gib(g.capacity_bytes):.2f}", f"{g.capacity_bytes:,}")
-    Console().print(t)
+    _print(t)
 
 
 @app.command()
 def profiles(as_json: bool = JSON) -> None:
     """List the kernel profiles (what each PyTorch version and framework saves)."""
-    from rich.console import Console
-    from rich.table import Table
-
     from memcalc.inputs.profiles import PROFILES
     from memcalc.render.report import dumps
 
     if as_json:
         typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
         return
-    t = Table(title="Kernel profiles (--framework/--torch build any pair; --json: every field)", **_compact())
+    t = _table("Kernel profiles (--framework/--torch build any pair; --json: every field)")
     for col in ("name", "RMSNorm", "loss", "LoRA", "K/V"):
         t.add_column(col, no_wrap=True)
     for p in PROFILES.values():
         loss = ("chunked" if p.cross_entropy == "chunked" else "full") + (" fp32" if p.logits_fp32 else "")
         lora = p.lora_dtype + ("+cast" if p.lora_input_cast else "")
         t.add_row(p.name, p.rmsnorm, loss, lora, "grouped" if p.sdpa_gqa else "copies")
-    Console().print(t)
+    _print(t)
 

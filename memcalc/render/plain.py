@@ -66,7 +66,7 @@ class Column:
 
 
 class TableSpec:
-    """A rich ``Table(title=..., title_justify="left")`` with the default padding (0, 1); by default
+    """A rich ``Table(title=..., title_justify=...)`` (left unless given) with the default padding (0, 1); by default
     rich's default box (HEAVY_HEAD) with its edge and no caption. ``box`` names a key of
     :data:`BOXES`; ``caption``, ``caption_justify``, ``show_edge`` and ``collapse_padding`` are
     rich Table's. A row's style (``add_row(..., style="dim")``) only styles it: plain text is the same.
@@ -74,10 +74,12 @@ class TableSpec:
 
     def __init__(self, title: str, show_header: bool = True, caption: Optional[str] = None,
                  caption_justify: str = "center", box: str = "heavy_head", show_edge: bool = True,
-                 collapse_padding: bool = False) -> None:
+                 collapse_padding: bool = False, title_justify: str = "left") -> None:
         if box not in BOXES:
             raise ValueError(f"box {box!r}: one of {', '.join(BOXES)}")
-        self.title = title
+        if title_justify not in ("left", "center", "right"):
+            raise ValueError(f"title_justify {title_justify!r}: one of left, center, right")
+        self.title, self.title_justify = title, title_justify
         self.show_header = show_header
         self.caption, self.caption_justify = caption, caption_justify
         self.box, self.show_edge, self.collapse_padding = box, show_edge, collapse_padding
@@ -106,7 +108,7 @@ class TableSpec:
             kw["show_edge"] = False
         if self.collapse_padding:
             kw["collapse_padding"] = True
-        t = Table(title=self.title, show_header=self.show_header, title_justify="left", **kw)
+        t = Table(title=self.title, show_header=self.show_header, title_justify=self.title_justify, **kw)
         for c in self.columns:
             kw = {"justify": c.justify}
             if c.style is not None:
@@ -362,7 +364,7 @@ def render_table(t: TableSpec, console_width: int) -> list[str]:
             cols[i].append(cell)
     widths = _widths(cols, pads, [not c.no_wrap for c in t.columns], console_width - extra)
     table_width = sum(widths) + extra
-    lines = wrap(plain(t.title), table_width, "left", "fold") if t.title else []
+    lines = wrap(plain(t.title), table_width, t.title_justify, "fold") if t.title else []
     if edge:  # Box.get_top
         lines.append(top[0] + top[2].join(top[1] * w for w in widths) + top[3])
     rows = ([headers] if t.show_header else []) + body
