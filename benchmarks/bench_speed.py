@@ -113,8 +113,8 @@ compare each shortcut with the simulation it replaces):
    ``estimate``; the text report without rich where rich prints no styles; shipped YAML from
    ``data/_parsed.json``; pydantic's plugin scan off, and its plugin loader (which imports
    ``importlib.metadata``, ~18 ms) replaced by its one answer when every plugin is off;
-   ``np.unique`` (which loads ``numpy.ma``) not used; the plan's tables without rich too (~50-60
-   ms of a plan); ``main()`` builds only the command it runs (typer builds every command's
+   ``np.unique`` (which loads ``numpy.ma``) not used; the plan's tables and the listings without
+   rich too (~50-60 ms of a plan, ~80 ms of ``memcalc gpus``); ``main()`` builds only the command it runs (typer builds every command's
    parameters on each run, ~10 ms); the console script raises the cyclic GC's thresholds before
    importing anything (``memcalc/__main__.py``: 35-45 ms of a plan) and ends without the
    interpreter's teardown, after the atexit handlers and a flush (``cli._leave``: 30-55 ms of a
