@@ -6,7 +6,9 @@ forked workers, and is less disturbed than wall time by other work on a shared m
 ``-n`` runs, and the ratios the targets are stated in:
 
 - ``estimate --params 7e9 --bf16 --lora`` over a bare ``python -c "import numpy"`` (target: the
-  estimate under 0.2 s of wall time);
+  estimate under 0.2 s of wall time), and beside it the imports it starts with whatever it is
+  asked (typer, which coerces its parameters through pydantic, and the pydantic spec models:
+  0.21 s of the estimate's 0.27 s at stop 23's end);
 - ``plan --model llama-3.1-8b --gpu rtx-4090`` (target < 1 s), the cluster table
   ``plan --model llama-3.1-70b`` (target < 1 s) and ``plan --gpu rtx-4090 --compile`` (< 3 s);
 - configurations per second of ``plan --gpu`` (options x batches x seqs the vectorised search
@@ -274,6 +276,12 @@ def main() -> None:
     est_w, est_c, _ = row("estimate --params 7e9 --bf16 --lora", ["estimate", "--params", "7e9", "--bf16", "--lora"],
                           "target wall < 0.2 s", n=max(a.n, 5))
     print(f"  ratio to the bare start: wall {est_w / bare_w:.2f}x, cpu {est_c / bare_c:.2f}x")
+    # what the estimate imports before it reads an argument: typer (whose parameters go through
+    # pydantic TypeAdapters) and the pydantic spec models, with the console script's GC thresholds
+    floor = "import gc; gc.set_threshold(*__import__('memcalc.__main__').__main__.GC_THRESHOLDS); " \
+            "import typer._adapters, memcalc.core.spec"
+    floor_w, floor_c, _ = timed([sys.executable, "-c", floor], max(a.n, 5))
+    print(f"  {'of which typer + pydantic + the spec models (imports)':<56} wall {floor_w:7.3f} s   cpu {floor_c:7.3f} s")
 
     g8 = ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"]
     w, c, _ = row("plan --model llama-3.1-8b --gpu rtx-4090", g8, "target wall < 1 s")
