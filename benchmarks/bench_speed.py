@@ -8,7 +8,7 @@ forked workers, and is less disturbed than wall time by other work on a shared m
 - ``estimate --params 7e9 --bf16 --lora`` over a bare ``python -c "import numpy"`` (target: the
   estimate under 0.2 s of wall time), and beside it the imports it starts with whatever it is
   asked (typer, which coerces its parameters through pydantic, and the pydantic spec models:
-  0.21 s of the estimate's 0.27 s at stop 23's end);
+  0.18 s of the estimate's 0.27 s at stop 23's end);
 - ``plan --model llama-3.1-8b --gpu rtx-4090`` (target < 1 s), the cluster table
   ``plan --model llama-3.1-70b`` (target < 1 s) and ``plan --gpu rtx-4090 --compile`` (< 3 s);
 - configurations per second of ``plan --gpu`` (options x batches x seqs the vectorised search
@@ -124,16 +124,18 @@ compare each shortcut with the simulation it replaces):
 
 What is left (profiles of stop 23's end):
 
-- ``estimate`` (0.27 s here): ``python -c "import memcalc.core.spec"`` alone takes 0.15 s
-  (pydantic, whose first model loads its schema machinery, ~45 ms, and the nine spec models'
-  class-time schemas), typer 0.025 s more, the interpreter 0.02 s: about 0.2 s before memcalc
-  reads an argument. Then memcalc's other imports (~30 ms, of which its 15 dataclasses' generated
-  methods ~12 ms), typer's parsing (~5 ms), the one full-depth simulation (~20 ms), the caching
-  allocator replay (steady step twice, the first step once: printed, so it stays; ~27 ms at
-  ~0.9 us an event) and the report (~3 ms). Reaching 0.2 s on this machine needs specs without
-  pydantic's class-time schema building or a command line without typer; neither is a speed
-  question alone (the brief asks for pydantic specs), so it is left here. Tried and dropped: the
-  replay as one loop over locals, and integer-keyed pools (5-8% of the replay each).
+- ``estimate`` (0.27 s here): the interpreter, the command line and the spec models take 0.18 s
+  before memcalc reads an argument (this script's "of which" line: typer, whose parameters go
+  through pydantic TypeAdapters, and pydantic, whose first model loads its schema machinery,
+  ~45 ms, then the nine spec models' class-time schemas). Then memcalc's own ~0.09 s: its other
+  imports (~30 ms, of which its 15 dataclasses' generated methods ~12 ms), typer's parsing
+  (~5 ms), the one full-depth simulation (~20 ms), the caching allocator replay (steady step
+  twice, the first step once: printed, so it stays; ~27 ms at ~0.9 us an event) and the report
+  (~3 ms). 0.2 s on this machine would leave memcalc 0.02 s, less than the simulation and the
+  replay it prints need (~47 ms), so the start itself must get cheaper: specs without pydantic's
+  class-time schema building, or a command line without typer. Neither is a speed question alone
+  (the brief asks for pydantic specs), so it is left here. Tried and dropped: the replay as one
+  loop over locals, and integer-keyed pools (5-8% of the replay each).
 - ``plan --gpu`` (0.71-0.8 s): 0.25 s of imports, then two stages of worker jobs. The sqrt options
   are most of the work (their segments depend on the depth, so they are simulated at full depth:
   ~45 ms a batch-1 job, ~0.22 s a LoRA or QLoRA group's search). Below that, an answer without
@@ -276,10 +278,11 @@ def main() -> None:
     est_w, est_c, _ = row("estimate --params 7e9 --bf16 --lora", ["estimate", "--params", "7e9", "--bf16", "--lora"],
                           "target wall < 0.2 s", n=max(a.n, 5))
     print(f"  ratio to the bare start: wall {est_w / bare_w:.2f}x, cpu {est_c / bare_c:.2f}x")
-    # what the estimate imports before it reads an argument: typer (whose parameters go through
-    # pydantic TypeAdapters) and the pydantic spec models, with the console script's GC thresholds
+    # what the estimate imports before it reads an argument: the command line (typer, whose
+    # parameters go through pydantic TypeAdapters) and the pydantic spec models, with the console
+    # script's GC thresholds (memcalc.cli first: it turns pydantic's plugin lookup off)
     floor = "import gc; gc.set_threshold(*__import__('memcalc.__main__').__main__.GC_THRESHOLDS); " \
-            "import typer._adapters, memcalc.core.spec"
+            "import memcalc.cli, typer._adapters, memcalc.core.spec"
     floor_w, floor_c, _ = timed([sys.executable, "-c", floor], max(a.n, 5))
     print(f"  {'of which typer + pydantic + the spec models (imports)':<56} wall {floor_w:7.3f} s   cpu {floor_c:7.3f} s")
 
