@@ -190,7 +190,7 @@ def _uniform(chunks: list[list[Event]]) -> bool:
         return True
     if len({len(c) for c in chunks}) != 1:
         return False
-    a = np.array(chunks, dtype=np.int64)  # (chunks, events, 2)
+    a = np.array(chunks, dtype=np.int64)  # (chunks, events, 4)
     if np.any(a[:, :, 1] != a[0, :, 1]):
         return False
     return not (len(a) >= 3 and np.any(np.diff(a[:, :, 0], n=2, axis=0) != 0))
@@ -228,48 +228,46 @@ def _split_grown(rows: list[list[Event]], depths: tuple[int, ...]) -> Optional[l
     return None
 
 
+def _parts(rows: list[list[Event]], depths: tuple[int, ...]) -> Optional[list[list[list[Event]]]]:
+    """A named block's events at each depth as its parts: the block itself where it has as many
+    events at every depth, else :func:`_split_grown`'s parts (None if it cannot split it)."""
+    return [rows] if len({len(r) for r in rows}) == 1 else _split_grown(rows, depths)
+
+
 def _affine(rows: list[list[Event]], requests: bool = True) -> Optional[np.ndarray]:
     """Events of one named block at consecutive depths (equal lengths) as an array (depths, events,
     4) of :data:`Event` rows, when the bytes alive before each, its share count and (for a share)
     its whole are exactly affine in the depth, and so is the request itself unless ``requests`` is
-    false (then the caller checks it)."""
+    false (then the caller checks it): :func:`_not_affine`."""
     if len({len(r) for r in rows}) != 1:
         return None
     a = np.array(rows, dtype=np.int64).reshape(len(rows), -1, 4)
-    bad = np.diff(a, axis=0)
-    bad = bad != bad[:1]  # (depths - 1, events, 4): not affine
-    # the request itself need not be affine: a share's whole is (checked below), or, without
-    # ``requests``, the caller checks it
-    check_whole = (a[0, :, 3] > 1) | requests
-    if np.any(bad[..., 0]) or np.any(bad[..., 3]) or np.any(bad[..., 2] & check_whole):
-        return None
-    return a
+    return None if _not_affine(a, requests) else a
 
 
 def _not_affine(a: np.ndarray, requests: bool) -> bool:
     """Whether any event of ``a`` (depths, events, 4) breaks :func:`_affine`'s rules: the bytes
     alive before it, its share count and (for a share, or with ``requests``) its whole exactly
-    affine in the depth. Elementwise, so one call checks many blocks laid end to end."""
+    affine in the depth. Elementwise, so one call checks many blocks laid end to end. (The request
+    itself need not be affine: a share's whole is, or, without ``requests``, the caller checks it.)"""
     bad = np.diff(a, axis=0)
-    bad = bad != bad[:1]
+    bad = bad != bad[:1]  # (depths - 1, events, 4): not affine
     check_whole = (a[0, :, 3] > 1) | requests
     return bool(np.any(bad[..., 0]) or np.any(bad[..., 3]) or np.any(bad[..., 2] & check_whole))
 
 
 def _interior_alike(interior: dict[tuple[str, str], dict[int, np.ndarray]], depth: int) -> bool:
-    """:func:`_uniform` for every interior template of a ``depth``-layer step at once: each has the
+    """:func:`_uniform` for every interior template of a ``depth``-layer step at once (their layers
+    laid end to end, the checks being elementwise): each has the
     layers 1 .. depth-2 with as many allocations, requesting the same bytes, with the bytes alive
     before each exactly affine in the layer index (where there are three)."""
     layers = list(range(1, depth - 1))
     for by_layer in interior.values():
         if sorted(by_layer) != layers or len({len(by_layer[i]) for i in layers}) != 1:
             return False
-    if len(layers) < 2 or not interior:
+    if len(layers) < 2 or not interior:  # (one interior layer is alike with itself)
         return True
-    a = np.stack([np.concatenate([by_layer[i] for by_layer in interior.values()]) for i in layers])
-    if np.any(a[:, :, 1] != a[0, :, 1]):
-        return False
-    return not (len(layers) >= 3 and np.any(np.diff(a[:, :, 0], n=2, axis=0) != 0))
+    return _uniform([np.concatenate([by_layer[i] for by_layer in interior.values()]) for i in layers])
 
 
 def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...], n: int,
@@ -309,8 +307,7 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     phases: list[str] = []
     at = 0
     for k in keys:
-        rows = [b[k] for b in blocks]
-        parts = [rows] if len({len(r) for r in rows}) == 1 else _split_grown(rows, depths)
+        parts = _parts([b[k] for b in blocks], depths)
         if parts is None:
             return None
         for i, part in enumerate(parts):
@@ -365,8 +362,7 @@ def _one_gpu_requests(cache: list, unsharded: Callable[[], Optional[list[list[tu
         cache.append(None if got is None or any(g is None for g in got) else [g[0] for g in got])
     if cache[0] is None:
         return None
-    rows = [b.get(k, _NO_EVENTS) for b in cache[0]]
-    parts = [rows] if len({len(r) for r in rows}) == 1 else _split_grown(rows, depths)
+    parts = _parts([b.get(k, _NO_EVENTS) for b in cache[0]], depths)
     if parts is None or len(parts) != parts_n:
         return None
     u = _affine(parts[i])

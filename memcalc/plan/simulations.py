@@ -12,7 +12,10 @@ import numpy as np
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
 from memcalc.engine.deepspeed import uses_deepspeed
-from memcalc.plan.depth import CHECKED as DEPTH_CHECKED, CHECKED_DEPTHS, ONE_GPU_TRACES, SHALLOW_DEPTHS, applies, deep_trace, shallow, structure_key
+# DEPTH_CHECKED and ONE_GPU_TRACES are named here for memcalc.plan.parallel, whose workers send them back
+from memcalc.plan.depth import CHECKED as DEPTH_CHECKED
+from memcalc.plan.depth import ONE_GPU_TRACES  # noqa: F401
+from memcalc.plan.depth import CHECKED_DEPTHS, SHALLOW_DEPTHS, applies, deep_trace, shallow, structure_key
 from memcalc.plan.steps import SIM_CACHE, traced_step
 
 
