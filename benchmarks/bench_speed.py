@@ -42,17 +42,17 @@ command                                                stop 20     stop 21     s
 
 (The stop 20 column was taken on a slower hour of the same machine: bare numpy 0.17-0.23 s there,
 0.10-0.12 s for the others. Up to stop 22 the 8B plan with ``--json``; from stop 23 as a user runs
-it, printing its table. Stop 23's column is this script's run at its end; in the same sitting,
-stop 22's code (``python -m memcalc.cli``, what its console script ran) and stop 23's ``memcalc``
-script alternated, best of 5: estimate 0.31 -> 0.27 s, 8B 1.01 -> 0.74 s, 70B 1.25 -> 0.81 s,
-compile 2.15 -> 1.84 s. Single runs swing by a tenth of a second on a busy hour.) ``--count`` (simulated steps, layers walked, CPU of one process with
-``MEMCALC_WORKERS=1``), stop 21 end -> stop 22 end -> stop 23 end: ``estimate`` 1 step; 8B
-rtx-4090 plan 124 -> 119 -> 92 steps, 944 -> 784 -> 649 layers, 1.28 -> 1.00 -> 0.79 s CPU (best
-of 3, alternated); 70B cluster 267 -> 279 -> 199 steps, 1,116 -> 716 layers at stop 23, 1.58 ->
-1.45 -> 0.91 s CPU; ``--compile`` 167 -> 155 -> 128 steps, 2,320 -> 1,936 -> 1,801 layers, 4.9 ->
-3.25 -> 2.89 s CPU. Also ``plan --model llama-3.1-8b --gpu h100-80gb`` 963 -> 909 -> 683 steps,
-7.6 -> 6.7 -> 5.3 s CPU; ``plan --params 1.5b --gpu a100-80gb`` (47 s when the issue was filed)
-3.6 s wall at stop 22.
+it, printing its table. Stop 23's column is this script's run at its end; in the same sitting, stop
+22's code (``python -m memcalc.cli``, what its console script ran) and stop 23's ``memcalc`` script
+alternated, best of 5: estimate 0.31 -> 0.27 s, 8B 1.01 -> 0.74 s, 70B 1.25 -> 0.81 s, compile 2.15
+-> 1.84 s. Single runs swing by a tenth of a second on a busy hour.) ``--count`` (simulated steps,
+layers walked, CPU of one process with ``MEMCALC_WORKERS=1``), stop 21 end -> stop 22 end -> stop 23
+end: ``estimate`` 1 step; 8B rtx-4090 plan 124 -> 119 -> 92 steps, 944 -> 784 -> 649 layers, 1.28 ->
+1.00 -> 0.79 s CPU (best of 3, alternated); 70B cluster 267 -> 279 -> 199 steps, 1,116 -> 716 layers
+at stop 23, 1.58 -> 1.45 -> 0.91 s CPU; ``--compile`` 167 -> 155 -> 128 steps, 2,320 -> 1,936 ->
+1,801 layers, 4.9 -> 3.25 -> 2.89 s CPU. Also ``plan --model llama-3.1-8b --gpu h100-80gb`` 963 ->
+909 -> 683 steps, 7.6 -> 6.7 -> 5.3 s CPU; ``plan --params 1.5b --gpu a100-80gb`` (47 s when the
+issue was filed) 3.6 s wall at stop 22.
 
 Met here: the 8B plan, the 70B cluster table and ``--compile``, each with a fifth or more to spare
 (a busy hour adds up to a tenth of a second). Not met: ``estimate`` (0.27 s against 0.2 s): see
@@ -106,21 +106,21 @@ compare each shortcut with the simulation it replaces):
    compiled forward graph of a stack of alike layers recorded at five layers and built out
    (``compile/graph.py``, ``tests/test_graph_built.py``: 52 -> 23 ms per (batch, seq) at 32
    layers, every value and edge the same).
-5. *Workers*: an option and its fused twin in one job; the traces, peaks, floors, checked
-   structures and one-GPU shallow traces a worker works out come back to the parent (found by
-   their place in each cache, not by hashing every spec key before and after a job); the cluster table's likely probes (ZeRO counts and the first
-   tensor-parallel layout per card) prefetched in parallel; one BLAS thread (an idle OpenBLAS pool
-   spins on the workers' cores).
-6. *Process start*: the CLI imports each command's pipeline when it runs; no numpy in
-   ``estimate``; the text report without rich where rich prints no styles; shipped YAML from
+5. *Workers*: an option and its fused twin in one job; the traces, peaks, floors, checked structures
+   and one-GPU shallow traces a worker works out come back to the parent (found by their place in
+   each cache, not by hashing every spec key before and after a job); the cluster table's likely
+   probes (ZeRO counts and the first tensor-parallel layout per card) prefetched in parallel; one
+   BLAS thread (an idle OpenBLAS pool spins on the workers' cores).
+6. *Process start*: the CLI imports each command's pipeline when it runs; no numpy in ``estimate``;
+   the text report without rich where rich prints no styles; shipped YAML from
    ``data/_parsed.json``; pydantic's plugin scan off, and its plugin loader (which imports
    ``importlib.metadata``, ~18 ms) replaced by its one answer when every plugin is off;
    ``np.unique`` (which loads ``numpy.ma``) not used; the plan's tables and the listings without
-   rich too (~50-60 ms of a plan, ~80 ms of ``memcalc gpus``); ``main()`` builds only the command it runs (typer builds every command's
-   parameters on each run, ~10 ms); the console script raises the cyclic GC's thresholds before
-   importing anything (``memcalc/__main__.py``: 35-45 ms of a plan) and ends without the
-   interpreter's teardown, after the atexit handlers and a flush (``cli._leave``: 30-55 ms of a
-   plan, ~30 ms of an estimate).
+   rich too (~50-60 ms of a plan, ~80 ms of ``memcalc gpus``); ``main()`` builds only the command it
+   runs (typer builds every command's parameters on each run, ~10 ms); the console script raises the
+   cyclic GC's thresholds before importing anything (``memcalc/__main__.py``: 35-45 ms of a plan)
+   and ends without the interpreter's teardown, after the atexit handlers and a flush
+   (``cli._leave``: 30-55 ms of a plan, ~30 ms of an estimate).
 
 What is left (profiles of stop 23's end):
 
@@ -142,12 +142,13 @@ What is left (profiles of stop 23's end):
   confirmations needs every request as an exact function of batch and sequence (flash attention
   rounds rows to 128, the memory-efficient kernel its logsumexp to 32: not polynomials).
 - ``plan --model`` (0.79-0.9 s): 0.25 s imports, the fits in N (7 jobs, ~0.16 s, with the seven
-  one-GPU steps beside them), 73 steps simulated ahead (two shallow FSDP2 steps each, ~9 ms;
-  ~0.4 s on two cores; about nine in ten of them read), the table (~3 ms). Cheaper needs the per-GPU requests as exact functions of N (an FSDP2 shard
-  is ``ceil(rows / N)`` rows and its all-gather ``N`` padded shards: a tape of symbolic sizes in
-  the engine, evaluated for every N at once), which would replace the fits and most of those
-  steps. Fewer fit points (2 instead of 3) and a narrower flat window were tried: 20-30 ms at most,
-  and the fit also decides checkpointing none or full away from the card's line, so it stays.
+  one-GPU steps beside them), 73 steps simulated ahead (two shallow FSDP2 steps each, ~9 ms; ~0.4 s
+  on two cores; about nine in ten of them read), the table (~3 ms). Cheaper needs the per-GPU
+  requests as exact functions of N (an FSDP2 shard is ``ceil(rows / N)`` rows and its all-gather
+  ``N`` padded shards: a tape of symbolic sizes in the engine, evaluated for every N at once), which
+  would replace the fits and most of those steps. Fewer fit points (2 instead of 3) and a narrower
+  flat window were tried: 20-30 ms at most, and the fit also decides checkpointing none or full away
+  from the card's line, so it stays.
 - ``plan --compile`` (1.87 s): nine compiled options searched by direct estimates at full depth
   (the partition is of the whole graph, and under a memory budget a knapsack over every layer
   decides it, so shallow copies do not extrapolate); each new (batch, seq) records (five layers,

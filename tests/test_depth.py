@@ -11,7 +11,8 @@ from memcalc.estimate.peak import estimate
 from memcalc.estimate.step import simulate
 from memcalc.inputs.profiles import PROFILES, with_loss
 from memcalc.plan.cluster import cluster_setups
-from memcalc.plan.depth import CHECKED, CHECKED_DEPTHS, SHALLOW_DEPTHS, applies, deep_trace, extrapolate, shallow, structure_key
+from memcalc.plan.depth import (CHECKED, CHECKED_DEPTHS, SHALLOW_DEPTHS, applies, deep_trace, extrapolate, shallow,
+                                structure_key)
 from memcalc.plan.options import Technique, techniques
 from memcalc.plan.simulations import estimated_peak, with_training
 from memcalc.plan.steps import SIM_CACHE
@@ -277,7 +278,8 @@ def test_one_gpu_traces_two_depths_are_the_first_two_of_three():
     from memcalc.plan.depth import ONE_GPU_TRACES, _one_gpu_traces
     from memcalc.plan.steps import traced_step
 
-    exp = ExperimentSpec(model=FAMILIES["llama"], training=Technique("none", "16", "adamw", "none", False).training(1, 256))
+    tr = Technique("none", "16", "adamw", "none", False).training(1, 256)
+    exp = ExperimentSpec(model=FAMILIES["llama"], training=tr)
     ONE_GPU_TRACES.clear()
     three = _one_gpu_traces(exp, False, SHALLOW_DEPTHS)
     two = _one_gpu_traces(exp, False, CHECKED_DEPTHS)

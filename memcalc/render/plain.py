@@ -66,8 +66,8 @@ class Column:
 
 
 class TableSpec:
-    """A rich ``Table(title=..., title_justify=...)`` (left unless given) with the default padding (0, 1); by default
-    rich's default box (HEAVY_HEAD) with its edge and no caption. ``box`` names a key of
+    """A rich ``Table(title=..., title_justify=...)`` (left unless given) with the default padding
+    (0, 1); by default rich's default box (HEAVY_HEAD) with its edge and no caption. ``box`` names a key of
     :data:`BOXES`; ``caption``, ``caption_justify``, ``show_edge`` and ``collapse_padding`` are
     rich Table's. A row's style (``add_row(..., style="dim")``) only styles it: plain text is the same.
     (Plain classes, not dataclasses: a dataclass costs about a millisecond to define.)"""
