@@ -1,7 +1,7 @@
 """The ``memcalc`` command: the console script's entry point, and ``python -m memcalc``.
 
 Before anything is imported it makes the cyclic garbage collector run less often
-(:data:`GC_THRESHOLDS`): importing typer and pydantic and building the spec models allocate
+(:data:`GC_THRESHOLDS`): importing click and pydantic and building the spec models allocate
 hundreds of thousands of objects that live as long as the process, and a plan's search makes many
 short-lived ones, so the default thresholds (a collection every 700 net allocations, each one of
 them traversing the survivors of the last) spend 10 ms of an estimate and 40-70 ms of a plan on

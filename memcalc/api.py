@@ -45,15 +45,12 @@ if TYPE_CHECKING:
 
 __all__ = ["EstimateResult", "PlanResult", "UserError", "estimate", "plan", "measure", "options_from"]
 
-#: choices the CLI checks with its enums (typer), checked here with the same lists
-_PRECISIONS = ("fp32", "bf16", "fp16", "amp-bf16", "amp-fp16")  # source: memcalc.cli.PrecisionOpt
-
-
 def _choices() -> dict[str, tuple[str, ...]]:
+    """The choices the CLI's options check (click.Choice), checked here with the same tuples."""
+    from memcalc.core.choices import FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS
     from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES
-    from memcalc.core.spec import FRAMEWORKS, LORA_DTYPES, LOSSES
 
-    return {"precision": _PRECISIONS, "optimizer": OPTIMIZER_NAMES, "optimizer_impl": IMPLS, "loss": LOSSES,
+    return {"precision": PRECISIONS, "optimizer": OPTIMIZER_NAMES, "optimizer_impl": IMPLS, "loss": LOSSES,
             "framework": FRAMEWORKS, "lora_dtype": LORA_DTYPES}
 
 
@@ -62,7 +59,7 @@ def _flag(name: str) -> str:
 
 
 def _check_choice(name: str, value: Any, valid: Sequence[str]) -> Any:
-    value = getattr(value, "value", value)  # an enum member, as the CLI passes
+    value = getattr(value, "value", value)  # an enum member (a caller's own)
     if value is not None and value not in valid:
         raise UserError(f"unknown {_flag(name)} {value!r}; valid: {', '.join(valid)}")
     return value

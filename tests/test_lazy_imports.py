@@ -43,9 +43,9 @@ for argv in {stages!r}:  # one interpreter, the stages in order: each sees what 
 # each stage runs after the ones above it in the same interpreter
 STAGES = [
     # source: issue 15 ("lazy imports so that `estimate` loads only what it renders"); --help lists
-    # the commands from typer alone
+    # the commands from click alone
     (["--help"], WATCHED, ()),
-    # typer coerces a None option value through pydantic: the group's --help defaults to False
+    # a command's options from click alone (no pydantic: the choices come from memcalc.core)
     (["estimate", "--help"], WATCHED, ()),
     # --json: no rich; --params: no presets, no hub client, no YAML; an eager estimate: no numpy,
     # no plan, no compile graph; pydantic's plugins off, no plugin loader (importlib.metadata)

@@ -264,7 +264,7 @@ def test_gpu_cap_and_batch_cap_show_in_the_tables(reports):
 def test_listings_print_what_rich_prints(cmd, width, monkeypatch):
     # source: rich's Table(title centred, box SIMPLE_HEAD, show_edge=False, collapse_padding=True),
     # what memcalc/cli/listing.py printed through rich before
-    from typer.testing import CliRunner
+    from click.testing import CliRunner
 
     from memcalc.cli import app
 

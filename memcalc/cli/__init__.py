@@ -1,11 +1,11 @@
 """The ``memcalc`` command line.
 
-Every bad input ends as one line on stderr and exit code 2: typer/click usage
-errors, :class:`~memcalc.core.errors.UserError`, and pydantic validation errors.
+Every bad input ends as one line on stderr and exit code 2: click usage errors,
+:class:`~memcalc.core.errors.UserError`, and pydantic validation errors.
 
 One module per command (``estimate_cmd``, ``plan_cmd``, ``listing``: models, configs, gpus,
 profiles; ``validate_cmd``), the options they share in ``options``, the application and its
-error handling in ``group``. Importing this package loads typer and memcalc's pydantic-free core
+error handling in ``group``. Importing this package loads click and memcalc's pydantic-free core
 only; each command imports the pipeline it runs when it runs (``tests/test_lazy_imports.py``).
 """
 
@@ -17,7 +17,7 @@ import types
 
 # pydantic looks up its plugins (the ``pydantic`` entry points of every installed distribution) the
 # first time it builds a validator, about 20-30 ms of every command here; the command line has no
-# use for them (typer turns them off for its own validators too). A user's setting wins.
+# use for them. A user's setting wins.
 os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
 if os.environ["PYDANTIC_DISABLE_PLUGINS"] in ("__all__", "1", "true") and "pydantic.plugin._loader" not in sys.modules:
     # with every plugin off, pydantic's loader returns no plugins without looking; but importing it
@@ -27,7 +27,6 @@ if os.environ["PYDANTIC_DISABLE_PLUGINS"] in ("__all__", "1", "true") and "pydan
     sys.modules["pydantic.plugin._loader"] = _loader
 
 from memcalc.cli.group import app  # noqa: E402
-from memcalc.cli.options import FrameworkOpt, ImplOpt, LoraDtypeOpt, LossOpt, OptimizerOpt, PrecisionOpt  # noqa: F401
 
 # the commands register on `app` as they are imported, in the order `memcalc --help` lists them
 from memcalc.cli import estimate_cmd, plan_cmd, listing, validate_cmd  # noqa: E402,F401  isort: skip
@@ -36,28 +35,17 @@ from memcalc.cli.listing import configs, gpus, models, profiles  # noqa: E402
 from memcalc.cli.plan_cmd import plan  # noqa: E402
 from memcalc.cli.validate_cmd import validate  # noqa: E402
 
-__all__ = ["app", "main", "estimate", "plan", "models", "configs", "gpus", "profiles", "validate",
-           "PrecisionOpt", "OptimizerOpt", "ImplOpt", "LossOpt", "FrameworkOpt", "LoraDtypeOpt"]
+__all__ = ["app", "main", "estimate", "plan", "models", "configs", "gpus", "profiles", "validate"]
 
 
 def main() -> None:
-    """Console-script entry point. When the first argument names a command, only that command is
-    built: typer builds every registered command's parameters on each run (about 10 ms for all
-    seven), and a run uses one. Anything else (``--help``, ``--version``, a misspelt command)
-    sees them all."""
-    name = sys.argv[1] if len(sys.argv) > 1 else None
-    every = app.registered_commands
-    one = [c for c in every if (c.name or getattr(c.callback, "__name__", "")).lower().replace("_", "-") == name]
-    if one:
-        app.registered_commands = one
+    """Console-script entry point: runs the command line, then leaves (:func:`_leave`)."""
     try:
-        app()
+        app.main(args=sys.argv[1:], prog_name="memcalc")
     except SystemExit as e:  # (the group always leaves this way: memcalc.cli.group._Group.main)
         code = e.code
     else:
         code = 0
-    finally:
-        app.registered_commands = every
     _leave(code)
 
 

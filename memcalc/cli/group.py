@@ -1,16 +1,17 @@
-"""The typer application: the group that turns every error into one line and an exit code.
+"""The click application: the group that turns every error into one line and an exit code.
 
-Imports only typer and memcalc's pydantic-free core modules: pydantic (and the spec models),
+Imports only click and memcalc's pydantic-free core modules: pydantic (and the spec models),
 rich, yaml and the pipeline load inside the commands that need them, so that ``memcalc --help``
-and each command's ``--help`` start fast.
+and each command's ``--help`` start fast. (Plain click, not typer: typer 0.2x coerces every
+option's value, given or not, through a pydantic TypeAdapter built for it on each run, about
+0.03 s of each command's start; ``benchmarks/bench_estimate.py``.)
 """
 
 from __future__ import annotations
 
 import sys
 
-import typer
-from typer.core import TyperGroup
+import click
 
 from memcalc.core.errors import UserError
 
@@ -22,8 +23,9 @@ def _validation_error(e: BaseException) -> bool:
     return core is not None and isinstance(e, core.ValidationError)
 
 
-class _Group(TyperGroup):
-    """Runs commands without click's standalone error printing; errors become one line + exit 2."""
+class _Group(click.Group):
+    """Runs commands without click's standalone error printing; errors become one line + exit 2.
+    Lists its commands in the order they were added (click's own sorts them by name)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
         try:
@@ -32,64 +34,48 @@ class _Group(TyperGroup):
         except UserError as e:
             _err(str(e))
             sys.exit(2)
-        except Exception as e:  # click's (or typer's vendored click's) Exit / Abort / usage errors
+        except click.exceptions.NoArgsIsHelpError as e:  # a bare `memcalc`: the help screen as is (stderr, exit 2)
+            sys.stderr.write(e.format_message().rstrip("\n") + "\n")
+            sys.exit(2)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            _err("aborted")
+            sys.exit(130)
+        except click.ClickException as e:  # no such option, bad choice, bad number
+            _err(" ".join(e.format_message().split()))
+            sys.exit(2)
+        except Exception as e:
             if _validation_error(e):
                 from memcalc.inputs.pydantic_errors import pydantic_error_line
 
                 _err(pydantic_error_line(e, "input"))  # type: ignore[arg-type]
-                sys.exit(2)
-            name = type(e).__name__
-            if name == "NoArgsIsHelpError":  # a bare `memcalc`: the help screen as is (click >= 8.2: stderr, exit 2)
-                sys.stderr.write(e.format_message().rstrip("\n") + "\n")  # type: ignore[attr-defined]
-                sys.exit(2)
-            if name == "Exit":
-                sys.exit(getattr(e, "exit_code", 0))
-            if name == "Abort":
-                _err("aborted")
-                sys.exit(130)
-            if hasattr(e, "format_message"):  # ClickException: no such option, bad choice, bad number
-                _err(" ".join(e.format_message().split()))
                 sys.exit(2)
             raise
         if isinstance(rv, int) and rv:
             sys.exit(rv)
         sys.exit(0)
 
-    def get_help_option(self, ctx):  # type: ignore[no-untyped-def]
-        """The group's ``--help``, defaulting to False instead of None: typer coerces an option's
-        non-boolean value through a pydantic TypeAdapter, so a None here imported pydantic (a
-        tenth of a second) for ``memcalc estimate --help``; the help callback reads both as "not
-        asked"."""
-        opt = super().get_help_option(ctx)
-        if opt is not None and opt.default is None:
-            opt.default = False
-        return opt
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)
 
 
 def _err(msg: str) -> None:
     sys.stderr.write(f"memcalc: error: {msg}\n")
 
 
-app = typer.Typer(
-    cls=_Group,
-    help="memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring.",
-    add_completion=False,
-    no_args_is_help=True,
-    rich_markup_mode=None,
-    pretty_exceptions_enable=False,
-)
-
-
-def _version(value: bool) -> None:
-    if value:
+def _version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
         from memcalc import __version__
 
-        typer.echo(f"memcalc {__version__}")
-        raise typer.Exit()
+        click.echo(f"memcalc {__version__}")
+        ctx.exit()
 
 
-@app.callback()
-def _main(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
-) -> None:
-    """memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring."""
+app = _Group(
+    name="memcalc",
+    help="memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring.",
+    no_args_is_help=True,
+    params=[click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True, callback=_version,
+                         help="Print the version and exit.")],
+)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Optional
 
-import typer
+import click
 
 from memcalc.cli.group import app
 from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHUNKS, MODEL, PARAMS, PROFILE, RECIPE, TORCH,
-                                 FrameworkOpt, LossOpt)
+                                 with_options)
 
 
 #: The variables that size the BLAS and OpenMP thread pools numpy starts with.
@@ -29,27 +29,26 @@ def _one_blas_thread() -> None:
 
 
 @app.command()
-def plan(
-    model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
-    gpu: Optional[str] = typer.Option(None, "--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
-    seq: Optional[int] = typer.Option(None, "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller)."),
-    profile: Optional[str] = PROFILE, framework: Optional[FrameworkOpt] = FRAMEWORK, torch: Optional[str] = TORCH,
-    loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
-    recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
-    show_all: bool = typer.Option(False, "--all", help="With --gpu: also list the combinations that do not fit."),
-    compile_: bool = typer.Option(False, "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
-    as_json: bool = JSON,
-) -> None:
+@with_options(
+    MODEL, PARAMS,
+    click.option("--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
+    click.option("--seq", "-s", type=int, help="Sequence length (default 2048, or the model's maximum if smaller)."),
+    PROFILE, FRAMEWORK, TORCH, LOSS, LOSS_CHUNKS, RECIPE, ADAPTER_CONFIG,
+    click.option("--all", "show_all", is_flag=True, help="With --gpu: also list the combinations that do not fit."),
+    click.option("--compile", "compile_", is_flag=True, help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
+    JSON,
+)
+def plan(model: Optional[str], params: Optional[str], gpu: Optional[str], seq: Optional[int], profile: Optional[str],
+         framework: Optional[str], torch: Optional[str], loss: Optional[str], loss_chunks: Optional[int],
+         recipe: tuple[str, ...], adapter_config: Optional[str], show_all: bool, compile_: bool, as_json: bool) -> None:
     """Which GPU, how many, and with which memory techniques (precision, optimizer, checkpointing, LoRA/QLoRA, fused step).
 
     Examples:
 
+    \b
       memcalc plan --model llama-3.1-8b --gpu rtx-4090
-
       memcalc plan --model llama-3.1-8b --gpu rtx-4090 --seq 4096 --all --json
-
       memcalc plan --model tinyllama-1.1b --gpu rtx-4090 --compile
-
       memcalc plan --model llama-3.1-70b
     """
     _one_blas_thread()
@@ -65,30 +64,29 @@ def plan(
     if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
         from memcalc.inputs.recipes import load_recipe
 
-        rec = load_recipe(recipe or [], adapter_config)
+        rec = load_recipe(list(recipe), adapter_config)
         v = rec.values
         if model is None and params is None:
             model = v.get("model")
         seq = seq if seq is not None else v.get("seq")
         if profile is None and framework is None and "framework" in v:
-            framework = FrameworkOpt(v["framework"])
+            framework = v["framework"]
         if loss is None and loss_chunks is None and "loss" in v:
-            loss, loss_chunks = LossOpt(v["loss"]), v.get("loss_chunks")
+            loss, loss_chunks = v["loss"], v.get("loss_chunks")
     m, notes = plan_model(model, params)
     if rec is not None:
         notes[:0] = rec.lines() + ["recipe: plan takes the model, sequence length, framework and loss from it and "
                                    "searches the rest (batch, precision, optimizer, checkpointing, LoRA/QLoRA); "
                                    "`memcalc estimate --recipe` gives the recipe's own setup"]
     # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
-    prof, note = plan_profile(profile, framework.value if framework else None, torch,
-                              loss.value if loss else None, loss_chunks)
+    prof, note = plan_profile(profile, framework, torch, loss, loss_chunks)
     notes.append(note)
     check_one_gpu_flags(gpu, show_all, compile_)
     if gpu is None:
         cp = plan_cluster(m, seq, prof)
         cp.notes[:0] = notes
         if as_json:
-            typer.echo(dumps({**cluster_plan_json(cp), **({"recipe": rec.as_json()} if rec else {})}))
+            click.echo(dumps({**cluster_plan_json(cp), **({"recipe": rec.as_json()} if rec else {})}))
         else:
             render_cluster_plan(cp)
         return
@@ -100,6 +98,6 @@ def plan(
     gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)
     gp.notes[:0] = notes
     if as_json:
-        typer.echo(dumps({**gpu_plan_json(gp), **({"recipe": rec.as_json()} if rec else {})}))
+        click.echo(dumps({**gpu_plan_json(gp), **({"recipe": rec.as_json()} if rec else {})}))
     else:
         render_gpu_plan(gp)

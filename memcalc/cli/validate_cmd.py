@@ -7,81 +7,70 @@ The only command that imports :mod:`memcalc.validate` (torch), lazily
 from __future__ import annotations
 
 import sys
-from typing import List, Optional
+from typing import Any, Optional
 
-import typer
+import click
 
 from memcalc.cli.group import app
 from memcalc.cli.options import (ACCUM, ACT_OFFLOAD, ADAPTER_CONFIG, BATCH, BF16, BUDGET, CHECKPOINT, COMPILE, DEEPSPEED,
                                  DORA, FUSED, IMPL, JSON, LORA, LORA_ALPHA, LORA_DROPOUT, LORA_RANK, LORA_TARGETS, LOSS,
                                  LOSS_CHUNKS, MASTER, MODEL, OPTIMIZER, PARAMS, PRECISION, PROFILE, QLORA, RECIPE, SEQ,
-                                 SEQ_PARALLEL, TP, FrameworkOpt, ImplOpt, LossOpt, OptimizerOpt, PrecisionOpt,
-                                 _check_output, _options)
+                                 SEQ_PARALLEL, TP, _check_output, _options, with_options)
+from memcalc.core.choices import FRAMEWORKS
 from memcalc.core.errors import UserError
 
 
 @app.command()
-def validate(
-    config: Optional[List[str]] = typer.Option(None, "--config", "-c", help="Reference config name or file (repeatable)."),
-    all_configs: bool = typer.Option(False, "--all", help="Every shipped reference config."),
-    model: Optional[str] = MODEL, params: Optional[str] = PARAMS,
-    batch: Optional[int] = BATCH, seq: Optional[int] = SEQ, grad_accum: Optional[int] = ACCUM,
-    precision: Optional[PrecisionOpt] = PRECISION, bf16: bool = BF16, master_weights: bool = MASTER,
-    optimizer: Optional[OptimizerOpt] = OPTIMIZER, optimizer_impl: Optional[ImplOpt] = IMPL,
-    checkpoint: Optional[str] = CHECKPOINT, fused_optimizer: bool = FUSED, compile: bool = COMPILE,
-    memory_budget: Optional[float] = BUDGET, lora: bool = LORA, lora_rank: Optional[int] = LORA_RANK,
-    lora_alpha: Optional[float] = LORA_ALPHA, lora_targets: Optional[str] = LORA_TARGETS,
-    lora_dropout: Optional[float] = LORA_DROPOUT, qlora: bool = QLORA, profile: Optional[str] = PROFILE,
-    loss: Optional[LossOpt] = LOSS, loss_chunks: Optional[int] = LOSS_CHUNKS,
-    recipe: Optional[List[str]] = RECIPE, adapter_config: Optional[str] = ADAPTER_CONFIG,
-    deepspeed: Optional[str] = DEEPSPEED,
-    tp: Optional[int] = TP, sequence_parallel: bool = SEQ_PARALLEL,
-    device: Optional[str] = typer.Option(None, "--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
-    scale_layers: Optional[int] = typer.Option(None, "--scale-layers", help="Trace with only this many layers (quick runs)."),
-    output: Optional[str] = typer.Option(None, "--output", "-o", help="Write records to this JSON file as each one finishes."),
-    snapshot: Optional[str] = typer.Option(None, "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
-    as_json: bool = JSON,
-    activation_offload: bool = ACT_OFFLOAD, dora: bool = DORA,
-    html: Optional[str] = typer.Option(None, "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
-    framework: Optional[FrameworkOpt] = typer.Option(
-        None, "--framework",
+@with_options(
+    click.option("--config", "-c", multiple=True, help="Reference config name or file (repeatable)."),
+    click.option("--all", "all_configs", is_flag=True, help="Every shipped reference config."),
+    MODEL, PARAMS, BATCH, SEQ, ACCUM, PRECISION, BF16, MASTER, OPTIMIZER, IMPL, CHECKPOINT, FUSED, COMPILE, BUDGET,
+    LORA, LORA_RANK, LORA_ALPHA, LORA_TARGETS, LORA_DROPOUT, QLORA, PROFILE, LOSS, LOSS_CHUNKS, RECIPE,
+    ADAPTER_CONFIG, DEEPSPEED, TP, SEQ_PARALLEL,
+    click.option("--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
+    click.option("--scale-layers", type=int, help="Trace with only this many layers (quick runs)."),
+    click.option("--output", "-o", help="Write records to this JSON file as each one finishes."),
+    click.option("--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
+    JSON, ACT_OFFLOAD, DORA,
+    click.option("--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
+    click.option(
+        "--framework", type=click.Choice(FRAMEWORKS),
         help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
              "of the model) or hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
              "get_peft_model, only kernel dispatch patched). Default: as for estimate, plain for a --config, "
              "hf for --model and --params."),
-    reentrant: bool = typer.Option(
-        False, "--reentrant",
+    click.option(
+        "--reentrant", is_flag=True,
         help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
-    gpus: Optional[int] = typer.Option(
-        None, "--gpus",
+    click.option(
+        "--gpus", type=int,
         help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
              "process group, fake tensors (--device meta or cpu; nothing is allocated); memcalc's replica unless "
              "--framework hf (FSDP2 only)."),
-    zero: Optional[int] = typer.Option(
-        None, "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
-                             "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
-    sharding: Optional[str] = typer.Option(
-        None, "--sharding", help="With --gpus: fsdp2 (default; fully_shard per layer and root), fsdp1 "
-                                 "(FullyShardedDataParallel, one unit per layer) or deepspeed (ZeRO-2/3 with "
-                                 "DeepSpeed's defaults, or the buckets of --deepspeed)."),
-    rank: Optional[int] = typer.Option(None, "--rank", help="With --gpus: which rank to trace (default 0)."),
-) -> None:
+    click.option(
+        "--zero", type=int, help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
+                                 "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
+    click.option(
+        "--sharding", help="With --gpus: fsdp2 (default; fully_shard per layer and root), fsdp1 "
+                           "(FullyShardedDataParallel, one unit per layer) or deepspeed (ZeRO-2/3 with "
+                           "DeepSpeed's defaults, or the buckets of --deepspeed)."),
+    click.option("--rank", type=int, help="With --gpus: which rank to trace (default 0)."),
+)
+def validate(config: tuple[str, ...], all_configs: bool, device: Optional[str], scale_layers: Optional[int],
+             output: Optional[str], snapshot: Optional[str], as_json: bool, html: Optional[str],
+             framework: Optional[str], reentrant: bool, gpus: Optional[int], zero: Optional[int],
+             sharding: Optional[str], rank: Optional[int], **inputs: Any) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
     Examples:
 
+    \b
       memcalc validate --config fused --device meta
-
       memcalc validate --all --device meta --output results.json
-
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
-
       memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
-
       memcalc validate --model tinyllama-1.1b --deepspeed ds_config.json --gpus 8 --seq 512 --scale-layers 2
-
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
-
       memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
     from memcalc.core.spec import MAX_LAYERS
@@ -90,8 +79,8 @@ def validate(
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
-    if framework is not None and framework.value not in ("plain", "hf"):
-        raise UserError(f"--framework {framework.value}: validate traces plain (memcalc's replica) or hf "
+    if framework is not None and framework not in ("plain", "hf"):
+        raise UserError(f"--framework {framework}: validate traces plain (memcalc's replica) or hf "
                         "(transformers + PEFT); estimate models torchtune and litgpt from their sources")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
@@ -105,7 +94,7 @@ def validate(
             raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
                             "on CUDA; trace one rank with --device meta")
         if framework is None:  # the sharded trace builds the replica unless --framework hf (FSDP2 only) is given
-            framework = FrameworkOpt("plain")
+            framework = "plain"
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 
     with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
@@ -121,17 +110,7 @@ def validate(
     names = list(config or [])
     if all_configs:
         names += [n for n in list_configs() if n not in names]
-    common = dict(
-        activation_offload=activation_offload, dora=dora,
-        model=model, params=params, batch=batch, seq=seq, grad_accum=grad_accum, precision=precision, bf16=bf16,
-        master_weights=master_weights, optimizer=optimizer, optimizer_impl=optimizer_impl, checkpoint=checkpoint,
-        fused_optimizer=fused_optimizer, compile=compile, memory_budget=memory_budget, lora=lora,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, lora_targets=lora_targets, lora_dropout=lora_dropout,
-        qlora=qlora, profile=profile, loss=loss, loss_chunks=loss_chunks, framework=framework,
-        recipe=recipe or None, adapter_config=adapter_config,
-        zero=zero, gpus=gpus, sharding=sharding, deepspeed=deepspeed,
-    )
-    common.update(tp=tp, sequence_parallel=sequence_parallel)  # traced on the fake process group (validate/sharded/tp.py)
+    common = dict(inputs, framework=framework, zero=zero, gpus=gpus, sharding=sharding)
     items: list = []
     if names:
         for n in names:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import typing
 from typing import Literal
 
+#: ``--precision``: pure 16-bit (bf16, fp16), fp32, or autocast over fp32 weights (amp-*)
+Precision = Literal["fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"]
+PRECISIONS: tuple[str, ...] = typing.get_args(Precision)
+
 #: ``--lora-dtype``: the adapters' dtype (fp32, or the base model's weight dtype)
 LoraDType = Literal["fp32", "model"]
 LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 # the closed vocabularies (Literal types and their values) live in memcalc.core.choices, pydantic-free,
 # so that the CLI builds its choices without importing this module
-from memcalc.core.choices import FRAMEWORKS, LORA_DTYPES, LOSSES, SHARDINGS, Framework, LoraDType, LossKind, Sharding  # noqa: F401
+from memcalc.core.choices import (FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS, SHARDINGS, Framework,  # noqa: F401
+                                  LoraDType, LossKind, Precision, Sharding)
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
 from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
@@ -404,7 +405,6 @@ class LoraSpec(_Spec):
         return self
 
 
-Precision = Literal["fp32", "bf16", "fp16", "amp-bf16", "amp-fp16"]
 #: the names of memcalc.core.optimizers.OPTIMIZERS (the registry)
 Optimizer = Literal[OPTIMIZER_NAMES]  # type: ignore[valid-type]
 OptimizerImpl = Literal[IMPLS]  # type: ignore[valid-type]
