@@ -50,3 +50,14 @@ def test_a_stored_file_reads_as_its_parse_and_a_changed_one_is_parsed(monkeypatc
     assert load(*args) == parsed
     monkeypatch.setattr(data_files, "_parsed", lambda: {where: (text, {"stored": True})})
     assert load(*args) == {"stored": True}  # (the check above can fail: a matching entry is used)
+
+
+def test_data_root_is_what_importlib_resources_gives():
+    # data_root() skips importlib.resources for a package loaded from a folder; it must name the
+    # same root (the same type and path), listing the same files
+    from importlib import resources
+
+    want = resources.files("memcalc.data")
+    got = data_root()
+    assert type(got) is type(want) and str(got) == str(want)
+    assert sorted(e.name for e in got.iterdir()) == sorted(e.name for e in want.iterdir())

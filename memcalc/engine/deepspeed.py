@@ -64,12 +64,6 @@ NCCL_START_ALIGNMENT_FACTOR = 2
 NORM_BYTES = 8
 
 
-def uses_deepspeed(exp: ExperimentSpec) -> bool:
-    """This step runs DeepSpeed ZeRO-2/3 over more than one rank (the mechanics below apply)."""
-    tr = exp.training
-    return tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1
-
-
 def deepspeed_optimizer(sim: Sim, exp: ExperimentSpec, params: list[Param]) -> "DeepSpeedZero2":
     """The optimizer side of ``exp``'s DeepSpeed stage, on ``sim``."""
     return (DeepSpeedZero3 if exp.training.zero >= 3 else DeepSpeedZero2)(sim, exp, params)

@@ -21,7 +21,10 @@ gradient buckets are not modelled.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from memcalc.core.spec import ExperimentSpec
 
 
 class Share(int):
@@ -135,6 +138,13 @@ class LayerGather(GatherHooks):
 
     def release(self) -> None:
         self.keep([])
+
+
+def uses_deepspeed(exp: ExperimentSpec) -> bool:
+    """This step runs DeepSpeed ZeRO-2/3 over more than one rank (the mechanics of
+    :mod:`memcalc.engine.deepspeed` apply; that module is imported only then)."""
+    tr = exp.training
+    return tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1
 
 
 def sharding_mechanics(tr) -> str:

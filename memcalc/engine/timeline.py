@@ -19,25 +19,29 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from itertools import accumulate
 from operator import itemgetter
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.core.units import round_up
 from memcalc.engine.checkpoint import layer_strategy
-from memcalc.engine.deepspeed import DeepSpeedZero2, DeepSpeedZero3, deepspeed_optimizer, uses_deepspeed
 from memcalc.engine.forward import Forward
 from memcalc.engine.fsdp import FSDP2, optimizer_training
-from memcalc.engine.fsdp1 import FSDP1
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.offload import ActivationOffload
 from memcalc.engine.result import TimelinePoint
-from memcalc.engine.sharding import LayerGather
+from memcalc.engine.sharding import LayerGather, uses_deepspeed
 from memcalc.engine.sim import Node, Param, Sim
 from memcalc.engine.strategy import LayerStrategy
 from memcalc.engine.weights import Model, make_params
+
+if TYPE_CHECKING:
+    from memcalc.engine.deepspeed import DeepSpeedZero2
+
+# memcalc.engine.deepspeed and memcalc.engine.fsdp1 are imported where a step uses them: an
+# unsharded step never does (about 1.5 ms of an estimate's start-up)
 
 
 @dataclass
@@ -122,8 +126,12 @@ def weights_and_state(sim: Sim, exp: ExperimentSpec, create_state: bool) -> tupl
     :class:`memcalc.engine.optimizers.OptimizerSim`)."""
     model = make_params(sim, exp)
     rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, exp.training.lora)}
-    opt = (deepspeed_optimizer(sim, exp, model.order) if uses_deepspeed(exp)  # its own optimizer side (engine.deepspeed)
-           else OptimizerSim(sim, optimizer_training(exp.training), model.order, rows_of))
+    if uses_deepspeed(exp):  # its own optimizer side
+        from memcalc.engine.deepspeed import deepspeed_optimizer
+
+        opt = deepspeed_optimizer(sim, exp, model.order)
+    else:
+        opt = OptimizerSim(sim, optimizer_training(exp.training), model.order, rows_of)
     if create_state:
         opt.create_all()
     return model, opt
@@ -186,6 +194,8 @@ def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model):
     (:class:`memcalc.engine.fsdp.FSDP2`), FSDP1's flat units (:class:`memcalc.engine.fsdp1.FSDP1`), the generic ZeRO-3 layer gathers
     (:class:`memcalc.engine.sharding.LayerGather`), or None (nothing sharded or gathered)."""
     if model.fsdp1:
+        from memcalc.engine.fsdp1 import FSDP1
+
         return FSDP1(sim, exp, model.order, model.shapes)
     if model.fsdp2:
         return FSDP2(sim, exp, model.order, model.shapes)
@@ -265,7 +275,10 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
         else:
             sim.grad_ready = hook
 
-    if isinstance(opt, DeepSpeedZero2):
+    deepspeed = not isinstance(opt, OptimizerSim)  # DeepSpeed's optimizer side (weights_and_state)
+    if deepspeed:
+        from memcalc.engine.deepspeed import DeepSpeedZero3
+
         sim.grad_ready = opt.grad_ready
     grads_ready: Optional[list[GradReady]] = None
     if fused_twin:  # where a fused step would step and free each gradient (fused_twin_of)
@@ -278,7 +291,7 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
 
         sim.grad_ready = ready
     # DeepSpeed ZeRO-3 gathers its own way (engine.deepspeed); FSDP2/FSDP1/generic ZeRO-3 otherwise
-    gather = opt.gather if isinstance(opt, DeepSpeedZero3) else sharded_runtime(sim, exp, model)
+    gather = opt.gather if deepspeed and isinstance(opt, DeepSpeedZero3) else sharded_runtime(sim, exp, model)
     if gather is not None:
         sim.on_layer = lambda s, i: gather.backward_enter(i)
     for layers in strategies:
@@ -294,7 +307,7 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
             gather.backward_start()
         sim.backward(loss, 4, _label_of)
         layers.end_backward(fwd)
-        if isinstance(opt, DeepSpeedZero2):
+        if deepspeed:
             opt.end_backward()
         if gather is not None:
             gather.end_backward()

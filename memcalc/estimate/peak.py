@@ -210,7 +210,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)
         a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
         alloc_extra = {"allocator_peak_bytes": max(a_steady, a_first), "reserved_peak_bytes": max(r_steady, r_first)}
-    alloc_extra.update(technique_extra(steady, first))  # offloaded activations' host bytes, paged state
+    techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
+    alloc_extra.update(techniques)
     assert first.peak_bytes <= steady.peak_bytes or not first_step_within_steady(exp), (
         f"{exp.name}: first step {first.peak_bytes} > steady step {steady.peak_bytes} bytes "
         "(memcalc.engine.timeline.first_step_within_steady does not hold)")
@@ -285,7 +286,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         allocator_slack_bytes=slack,
         required_bytes=required_bytes(peak),
         assumptions=assumptions,
-        notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(technique_extra(steady, first)),
+        notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(techniques),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)}

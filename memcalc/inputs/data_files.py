@@ -1,7 +1,7 @@
 """Access to the shipped data files (``data/`` in the repository, ``memcalc.data`` when installed).
 
-Works from an editable or a non-editable install: files are read through
-``importlib.resources``, never through a path relative to the source tree.
+Works from an editable or a non-editable install: files are read where the import system found
+the ``memcalc.data`` package (:func:`data_root`), never through a path relative to the source tree.
 
 The shipped YAML files (the GPU catalog, the presets, the reference configs) are also stored
 parsed, as JSON, in ``data/_parsed.json``; a shipped file whose text is exactly the text stored
@@ -15,16 +15,30 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
-from importlib import resources
-from importlib.resources.abc import Traversable
+from importlib import import_module
+from importlib.machinery import SourceFileLoader, SourcelessFileLoader
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memcalc.core.errors import UserError
 
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
 
 def data_root() -> Traversable:
-    """The root of the shipped data files."""
+    """The root of the shipped data files: ``importlib.resources.files("memcalc.data")``. For a
+    package loaded from a folder (a file loader, as in an editable or a wheel install) that is the
+    folder of its ``__init__``, which is returned without importing ``importlib.resources`` and its
+    readers (zipfile among them: about 4 ms of an estimate's start-up; CPython's
+    ``FileLoader.get_resource_reader`` gives a ``FileReader``, whose ``files()`` is that folder);
+    anything else (a zip import) goes through ``importlib.resources``.
+    ``tests/test_data_cache.py`` compares the two."""
+    spec = import_module("memcalc.data").__spec__
+    if isinstance(spec.loader, (SourceFileLoader, SourcelessFileLoader)) and spec.origin:
+        return Path(spec.origin).parent
+    from importlib import resources
+
     return resources.files("memcalc.data")
 
 

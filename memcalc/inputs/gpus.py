@@ -12,7 +12,6 @@ ignoring spaces, dashes and a leading vendor/brand word ("NVIDIA GeForce RTX 409
 
 from __future__ import annotations
 
-import difflib
 import re
 from decimal import Decimal
 from functools import lru_cache
@@ -176,6 +175,8 @@ def get_gpu(name: str) -> GPU:
     if prefixed:
         hint = f" (ambiguous: {', '.join(prefixed)})"
     else:
+        import difflib  # (here: only a misspelt name needs it, not an estimate's start-up)
+
         close = difflib.get_close_matches(k, list(idx), n=3, cutoff=0.6)
         matches = sorted({idx[c].name for c in close}, key=names.index)
         hint = f" (did you mean {' or '.join(repr(m) for m in matches)}?)" if matches else ""

@@ -11,7 +11,6 @@ Face checkpoint a preset describes, so ``--model ORG/NAME`` finds the preset.
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +77,8 @@ def list_presets() -> list[str]:
 
 def _unknown_preset(name: str) -> UserError:
     valid = list_presets()
+    import difflib  # (here: only a misspelt name needs it, not an estimate's start-up)
+
     close = difflib.get_close_matches(name.lower(), valid, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return UserError(

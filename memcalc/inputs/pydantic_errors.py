@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import difflib
 import typing
 from typing import Any, Optional
 
@@ -92,6 +91,8 @@ def pydantic_error_line(exc: ValidationError, where: str) -> str:
         if cls is not None:
             valid = list(cls.model_fields)
             line += f"; valid: {', '.join(valid)}"
+            import difflib  # (here: only a misspelt name needs it, not an estimate's start-up)
+
             close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
             if close:
                 line += f"; did you mean {close[0]!r}?"

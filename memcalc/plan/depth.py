@@ -51,8 +51,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.sharding import Share
-from memcalc.engine.deepspeed import uses_deepspeed
+from memcalc.engine.sharding import Share, uses_deepspeed
 from memcalc.engine.uniform import layers_alike
 
 #: The depths simulated for one deep step (three points: two define the line, the third checks it).

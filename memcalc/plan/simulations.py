@@ -11,7 +11,7 @@ import numpy as np
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
-from memcalc.engine.deepspeed import uses_deepspeed
+from memcalc.engine.sharding import uses_deepspeed
 # DEPTH_CHECKED and ONE_GPU_TRACES are named here for memcalc.plan.parallel, whose workers send them back
 from memcalc.plan.depth import CHECKED as DEPTH_CHECKED
 from memcalc.plan.depth import ONE_GPU_TRACES  # noqa: F401
