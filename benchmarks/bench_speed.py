@@ -279,13 +279,19 @@ def main() -> None:
     est_w, est_c, _ = row("estimate --params 7e9 --bf16 --lora", ["estimate", "--params", "7e9", "--bf16", "--lora"],
                           "target wall < 0.2 s", n=max(a.n, 5))
     print(f"  ratio to the bare start: wall {est_w / bare_w:.2f}x, cpu {est_c / bare_c:.2f}x")
-    # what the estimate imports before it reads an argument: the command line (typer, whose
-    # parameters go through pydantic TypeAdapters) and the pydantic spec models, with the console
-    # script's GC thresholds (memcalc.cli first: it turns pydantic's plugin lookup off)
-    floor = "import gc; gc.set_threshold(*__import__('memcalc.__main__').__main__.GC_THRESHOLDS); " \
-            "import memcalc.cli, typer._adapters, memcalc.core.spec"
-    floor_w, floor_c, _ = timed([sys.executable, "-c", floor], max(a.n, 5))
-    print(f"  {'of which typer + pydantic + the spec models (imports)':<56} wall {floor_w:7.3f} s   cpu {floor_c:7.3f} s")
+    # what the estimate imports before it reads an argument, the garbage collector off as the
+    # console script starts, each line adding to the one above: the command line (click; memcalc.cli also turns
+    # pydantic's plugin lookup off, as the command does), pydantic (what any pydantic model costs
+    # before memcalc's own code runs), the spec models
+    gc_line = "import gc; gc.disable(); "
+    steps = (("the command line (click)", "import memcalc.cli"),
+             ("+ pydantic (BaseModel, Field)", "; from pydantic import BaseModel, Field"),
+             ("+ the spec models", "; import memcalc.core.spec"))
+    imports = ""
+    for label, more in steps:
+        imports += more
+        floor_w, floor_c, _ = timed([sys.executable, "-c", gc_line + imports], max(a.n, 5))
+        print(f"  {'of which, imports: ' + label:<56} wall {floor_w:7.3f} s   cpu {floor_c:7.3f} s")
 
     g8 = ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"]
     w, c, _ = row("plan --model llama-3.1-8b --gpu rtx-4090", g8, "target wall < 1 s")

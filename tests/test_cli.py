@@ -242,8 +242,8 @@ def test_the_console_script_exits_with_all_its_output(args, code):
         assert p.stderr.startswith("memcalc: error:") and p.stderr.count("\n") == 1
 
 
-def test_the_console_script_collects_garbage_less_often(monkeypatch):
-    # source: pyproject.toml [project.scripts] and memcalc/__main__.py (GC_THRESHOLDS)
+def test_the_console_script_starts_without_the_garbage_collector(monkeypatch):
+    # source: pyproject.toml [project.scripts] and memcalc/__main__.py
     import gc
     from pathlib import Path
 
@@ -252,11 +252,33 @@ def test_the_console_script_collects_garbage_less_often(monkeypatch):
 
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     assert 'memcalc = "memcalc.__main__:main"' in text
-    before = gc.get_threshold()
     ran = []
-    monkeypatch.setattr(cli, "main", lambda: ran.append(gc.get_threshold()))
+    monkeypatch.setattr(cli, "main", lambda: ran.append(gc.isenabled()))
     try:
         entry.main()
     finally:
+        gc.enable()
+    assert ran == [False]
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_long_work_turns_the_collector_on_past_the_frozen_start(enabled):
+    # source: memcalc.cli.collector.for_long_work (plan and validate call it first)
+    import gc
+
+    from memcalc.cli.collector import GC_THRESHOLDS, for_long_work
+
+    before, frozen = gc.get_threshold(), gc.get_freeze_count()
+    if not enabled:  # as the console script leaves it
+        gc.disable()
+    try:
+        for_long_work()
+        assert gc.isenabled()
+        if enabled:  # in-process (tests, CliRunner): nothing changes
+            assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
+        else:
+            assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > frozen
+    finally:
+        gc.unfreeze()
         gc.set_threshold(*before)
-    assert ran == [entry.GC_THRESHOLDS] and entry.GC_THRESHOLDS[0] > before[0]
+        gc.enable()
