@@ -11,28 +11,32 @@ one's so that the load of a shared machine falls on both alike, and prints the r
 
 Not a test: speed targets live here.
 
-Where the time goes (``python -X importtime`` and cProfile, 2-core shared machine, bytecode
-cached; ``estimate --params 7e9 --bf16 --lora``): the two full-depth simulations and the
-caching-allocator replay about 0.3 s (``memcalc.engine``); importing pydantic about 0.13 s
-(typer >= 0.2x imports it too: it coerces every option value, given or not, through a pydantic
-TypeAdapter, 30 of them for ``estimate``, about 25 ms) and building the spec models about
-0.04 s (importing ``pydantic.plugin._loader`` also imports ``importlib.metadata``, 25 ms; the
-entry-point scan that ``PYDANTIC_DISABLE_PLUGINS`` skips is only 10 ms of it, so it is left
-on); typer 0.07 s and building the click commands 0.02 s; the engine's modules 0.03 s; Python
-itself with the editable install's finder 0.05 s. Without cached bytecode
-(``PYTHONDONTWRITEBYTECODE=1``, as on the development machine) memcalc's own modules are
-compiled from source on every run: about 0.1 s more.
+Where the time goes (stop 24's end; wall clock in one process, 2-core shared machine, bytecode
+cached; ``estimate --params 7e9 --bf16 --lora``, 0.24 s in all): Python's start with the editable
+install's finder ~20 ms; the command line ~20 ms (click ~15 ms, memcalc's option tables); pydantic
+~75-85 ms (``from pydantic import BaseModel, Field``: pydantic_core's schema types, the fields'
+annotated_types and pydantic.types, the validators; what any pydantic model costs before memcalc's
+own code runs) and the nine spec models' class-time schemas ~17 ms; memcalc's other modules
+~23 ms; then the work: resolving the inputs ~3 ms, the one full-depth simulation ~20-24 ms, the
+caching-allocator replay of the steady step (twice: a warm-up, then the measured one) and of the
+first step ~25 ms, ``first_step_of`` ~3 ms, the report ~3 ms. ``bench_speed.py`` prints the
+start-up part (click, + pydantic, + the spec models: 0.17 s of the 0.24 s at stop 24's end).
+Without cached bytecode (``PYTHONDONTWRITEBYTECODE=1``, as on the development machine) memcalc's
+own modules are compiled from source on every run: about 0.1 s more.
 
 What issue 15 changed in the start-up (``estimate-fast``), all without changing a printed byte:
-``memcalc.cli`` is a package whose import loads typer and memcalc's pydantic-free core only (the
-option choices come from ``memcalc.core.choices``); each command imports the pipeline it runs;
+``memcalc.cli`` is a package whose import loads click and memcalc's pydantic-free core only (the
+option choices come from ``memcalc.core.choices``; until stop 24 it was typer, whose 0.2x
+releases coerce every option value, given or not, through a pydantic TypeAdapter built on each
+run: ~35 ms of an estimate); each command imports the pipeline it runs;
 ``--params`` no longer imports the presets, the Hugging Face hub client (http, ssl, email) or
 YAML; the shipped YAML files are read from ``data/_parsed.json`` while their text is unchanged
 (no YAML parser, 35 ms); ``--json`` imports no rich; the text report is laid out without rich
 where rich would print no styles (a pipe, a file: ``memcalc.render.plain``, byte for byte rich's
 layout; importing rich and laying out its tables took 0.1 s), in a terminal rich prints it as
-before; the group's ``--help`` option defaults to False, so that typer does not import pydantic
-to coerce it (``memcalc estimate --help``). ``tests/test_lazy_imports.py`` keeps it so.
+before; the console script starts with the cyclic garbage collector off (its first collection
+traversed every start-up object, ~10 ms; ``memcalc/__main__.py``). ``tests/test_lazy_imports.py``
+and ``tests/test_estimate_imports.py`` keep it so.
 """
 
 from __future__ import annotations

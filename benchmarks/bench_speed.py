@@ -7,8 +7,8 @@ forked workers, and is less disturbed than wall time by other work on a shared m
 
 - ``estimate --params 7e9 --bf16 --lora`` over a bare ``python -c "import numpy"`` (target: the
   estimate under 0.2 s of wall time), and beside it the imports it starts with whatever it is
-  asked (typer, which coerces its parameters through pydantic, and the pydantic spec models:
-  0.18 s of the estimate's 0.27 s at stop 23's end);
+  asked, each line adding to the one above: the command line (click), pydantic, the spec models
+  (0.17 s of the estimate's 0.24 s at stop 24's end, 0.09 s of it pydantic's own import);
 - ``plan --model llama-3.1-8b --gpu rtx-4090`` (target < 1 s), the cluster table
   ``plan --model llama-3.1-70b`` (target < 1 s) and ``plan --gpu rtx-4090 --compile`` (< 3 s);
 - configurations per second of ``plan --gpu`` (options x batches x seqs the vectorised search
@@ -30,22 +30,25 @@ else running, bytecode cached as for a user; its bare ``python -c "import numpy"
 0.11-0.23 s, and its timings move by 20-30% from one hour to the next, so each column was taken
 in one sitting). Wall time, best of the runs:
 
-=====================================================  ==========  ==========  ==========  ==========  ======
-command                                                stop 20     stop 21     stop 22     stop 23     target
-                                                       start       end         end         end
-=====================================================  ==========  ==========  ==========  ==========  ======
-``estimate --params 7e9 --bf16 --lora``                1.06 s      0.37 s      0.35 s      0.27 s      0.2 s
-``plan --model llama-3.1-8b --gpu rtx-4090``           10.7 s      1.21 s      1.04 s      0.71 s      1 s
-``plan --model llama-3.1-70b``                         30.4 s      1.27 s      1.21 s      0.79 s      1 s
-``plan --model llama-3.1-8b --gpu rtx-4090 --compile`` 144 s       2.90 s      2.19 s      1.87 s      3 s
-=====================================================  ==========  ==========  ==========  ==========  ======
+=====================================================  ==========  ==========  ==========  ==========  ==========  ======
+command                                                stop 20     stop 21     stop 22     stop 23     stop 24     target
+                                                       start       end         end         end         end
+=====================================================  ==========  ==========  ==========  ==========  ==========  ======
+``estimate --params 7e9 --bf16 --lora``                1.06 s      0.37 s      0.35 s      0.27 s      0.24 s      0.2 s
+``plan --model llama-3.1-8b --gpu rtx-4090``           10.7 s      1.21 s      1.04 s      0.71 s      0.73 s      1 s
+``plan --model llama-3.1-70b``                         30.4 s      1.27 s      1.21 s      0.79 s      0.82 s      1 s
+``plan --model llama-3.1-8b --gpu rtx-4090 --compile`` 144 s       2.90 s      2.19 s      1.87 s      1.86 s      3 s
+=====================================================  ==========  ==========  ==========  ==========  ==========  ======
 
 (The stop 20 column was taken on a slower hour of the same machine: bare numpy 0.17-0.23 s there,
 0.10-0.12 s for the others. Up to stop 22 the 8B plan with ``--json``; from stop 23 as a user runs
 it, printing its table. Stop 23's column is this script's run at its end; in the same sitting, stop
 22's code (``python -m memcalc.cli``, what its console script ran) and stop 23's ``memcalc`` script
 alternated, best of 5: estimate 0.31 -> 0.27 s, 8B 1.01 -> 0.74 s, 70B 1.25 -> 0.81 s, compile 2.15
--> 1.84 s. Single runs swing by a tenth of a second on a busy hour.) ``--count`` (simulated steps,
+-> 1.84 s. Stop 24's column is this script's run at its end; in one sitting, stop 23's code and
+stop 24's alternated: estimate 0.26 -> 0.23 s (best of 15), 8B 0.70 -> 0.68 s, 70B 0.78 -> 0.76 s
+(best of 7), ``--compile`` 1.88 s both (best of 3); of the estimate's 34 ms, ~25 from click and ~10
+from the collector. Single runs swing by a tenth of a second on a busy hour.) ``--count`` (simulated steps,
 layers walked, CPU of one process with ``MEMCALC_WORKERS=1``), stop 21 end -> stop 22 end -> stop 23
 end: ``estimate`` 1 step; 8B rtx-4090 plan 124 -> 119 -> 92 steps, 944 -> 784 -> 649 layers, 1.28 ->
 1.00 -> 0.79 s CPU (best of 3, alternated); 70B cluster 267 -> 279 -> 199 steps, 1,116 -> 716 layers
@@ -55,7 +58,7 @@ at stop 23, 1.58 -> 1.45 -> 0.91 s CPU; ``--compile`` 167 -> 155 -> 128 steps, 2
 issue was filed) 3.6 s wall at stop 22.
 
 Met here: the 8B plan, the 70B cluster table and ``--compile``, each with a fifth or more to spare
-(a busy hour adds up to a tenth of a second). Not met: ``estimate`` (0.27 s against 0.2 s): see
+(a busy hour adds up to a tenth of a second). Not met: ``estimate`` (0.24 s against 0.2 s): see
 "What is left".
 
 How the answers stay exact and fast (every printed number is what a direct estimate gives; the
@@ -116,26 +119,33 @@ compare each shortcut with the simulation it replaces):
    ``data/_parsed.json``; pydantic's plugin scan off, and its plugin loader (which imports
    ``importlib.metadata``, ~18 ms) replaced by its one answer when every plugin is off;
    ``np.unique`` (which loads ``numpy.ma``) not used; the plan's tables and the listings without
-   rich too (~50-60 ms of a plan, ~80 ms of ``memcalc gpus``); ``main()`` builds only the command it
-   runs (typer builds every command's parameters on each run, ~10 ms); the console script raises the
-   cyclic GC's thresholds before importing anything (``memcalc/__main__.py``: 35-45 ms of a plan)
-   and ends without the interpreter's teardown, after the atexit handlers and a flush
-   (``cli._leave``: 30-55 ms of a plan, ~30 ms of an estimate).
+   rich too (~50-60 ms of a plan, ~80 ms of ``memcalc gpus``); the command line on click, not
+   typer (typer 0.2x builds a pydantic TypeAdapter for every option on each run and coerces each
+   value through it: ~35 ms of an estimate, ~20 ms of a plan); the console script starts with the
+   cyclic GC off (its first collection traversed every start-up object: ~10 ms of an estimate),
+   and ``plan`` and ``validate`` turn it back on after their imports with raised thresholds, the
+   start-up frozen out of its way (``cli/collector.py``; before stop 24 the raised thresholds
+   alone: 35-45 ms of a plan); the process ends without the interpreter's teardown, after the
+   atexit handlers and a flush (``cli._leave``: 30-55 ms of a plan, ~30 ms of an estimate); the
+   data folder is found without ``importlib.resources`` (its readers import zipfile), and DeepSpeed's
+   and FSDP1's runtimes and difflib load where used.
 
-What is left (profiles of stop 23's end):
+What is left (profiles of stop 24's end):
 
-- ``estimate`` (0.27 s here): the interpreter, the command line and the spec models take 0.18 s
-  before memcalc reads an argument (this script's "of which" line: typer, whose parameters go
-  through pydantic TypeAdapters, and pydantic, whose first model loads its schema machinery,
-  ~45 ms, then the nine spec models' class-time schemas). Then memcalc's own ~0.09 s: its other
-  imports (~30 ms, of which its 15 dataclasses' generated methods ~12 ms), typer's parsing
-  (~5 ms), the one full-depth simulation (~20 ms), the caching allocator replay (steady step
-  twice, the first step once: printed, so it stays; ~27 ms at ~0.9 us an event) and the report
-  (~3 ms). 0.2 s on this machine would leave memcalc 0.02 s, less than the simulation and the
-  replay it prints need (~47 ms), so the start itself must get cheaper: specs without pydantic's
-  class-time schema building, or a command line without typer. Neither is a speed question alone
-  (the brief asks for pydantic specs), so it is left here. Tried and dropped: the replay as one
-  loop over locals, and integer-keyed pools (5-8% of the replay each).
+- ``estimate`` (0.24 s here): 0.17 s pass before memcalc reads an argument (this script's "of
+  which" lines): the interpreter ~20 ms, click and memcalc's option tables ~40 ms less the
+  interpreter, pydantic's own import ~85 ms (what any pydantic model costs: pydantic_core's schema
+  types, annotated_types, pydantic.types, the validators), the nine spec models' class-time schemas
+  ~20 ms. Then memcalc's own ~0.07 s: its other modules (~23 ms), resolving the inputs (~3 ms), the
+  one full-depth simulation (~20-24 ms), the caching-allocator replay (steady step twice, first step
+  once: printed, so it stays; ~25 ms at ~0.8 us an event), ``first_step_of`` (~3 ms) and the report
+  (~3 ms). 0.2 s on this machine would leave memcalc's own work ~0.03 s, less than the simulation
+  and the replay it prints need; the brief asks for pydantic specs, and pydantic alone is 0.09 s
+  here, so the rest cannot close the gap (Python 3.12 and 3.13 were tried: no faster). Tried and
+  dropped: the replay as one loop over locals, and integer-keyed pools (5-8% of the replay each);
+  ``defer_build`` on the spec models (the estimate validates them all: 8 ms fewer at import, 6 ms
+  more at the first validation); sharing the two replays' setup (the optimizer state takes over a
+  cached block from the small pool, so the pools differ after it; the shared part is ~550 events).
 - ``plan --gpu`` (0.71-0.8 s): 0.25 s of imports, then two stages of worker jobs. The sqrt options
   are most of the work (their segments depend on the depth, so they are simulated at full depth:
   ~45 ms a batch-1 job, ~0.22 s a LoRA or QLoRA group's search). Below that, an answer without
@@ -164,7 +174,8 @@ package imports only typer and the pydantic-free core until a command runs). Sto
 (scaled seeds, known points, steps cut short, steering, the cluster's prefetch), the built
 compiled graph, the plugin loader. Stop 23: two depths once checked, the extrapolation laid end to
 end, the one-GPU traces and checked structures sent back from the workers, the plan's tables
-without rich, one command built, the GC thresholds and the exit without teardown.
+without rich, one command built, the GC thresholds and the exit without teardown. Stop 24: click
+instead of typer, the collector off for the start and frozen past it, the lazier start-up imports.
 """
 
 from __future__ import annotations
