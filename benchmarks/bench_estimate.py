@@ -20,7 +20,7 @@ own code runs) and the nine spec models' class-time schemas ~17 ms; memcalc's ot
 ~23 ms; then the work: resolving the inputs ~3 ms, the one full-depth simulation ~20-24 ms, the
 caching-allocator replay of the steady step (twice: a warm-up, then the measured one) and of the
 first step ~25 ms, ``first_step_of`` ~3 ms, the report ~3 ms. ``bench_speed.py`` prints the
-start-up part (click, + pydantic, + the spec models: 0.17 s of the 0.24 s at stop 24's end).
+start-up part (click, + pydantic, + the spec models: 0.16 s of the 0.23 s at stop 24's end).
 Without cached bytecode (``PYTHONDONTWRITEBYTECODE=1``, as on the development machine) memcalc's
 own modules are compiled from source on every run: about 0.1 s more.
 
