@@ -8,8 +8,8 @@ import click
 
 from memcalc.cli.collector import for_long_work
 from memcalc.cli.group import app
-from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHUNKS, MODEL, PARAMS, PROFILE, RECIPE, TORCH,
-                                 with_options)
+from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHUNKS, MODEL, PARAMS, PROFILE, RECIPE, SEQ,
+                                 TORCH, with_options)
 
 
 #: The variables that size the BLAS and OpenMP thread pools numpy starts with.
@@ -33,7 +33,7 @@ def _one_blas_thread() -> None:
 @with_options(
     MODEL, PARAMS,
     click.option("--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
-    click.option("--seq", "-s", type=int, help="Sequence length (default 2048, or the model's maximum if smaller)."),
+    SEQ,
     PROFILE, FRAMEWORK, TORCH, LOSS, LOSS_CHUNKS, RECIPE, ADAPTER_CONFIG,
     click.option("--all", "show_all", is_flag=True, help="With --gpu: also list the combinations that do not fit."),
     click.option("--compile", "compile_", is_flag=True, help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
