@@ -186,22 +186,21 @@ def test_technique_flags_run(flag):
 
 
 @pytest.mark.parametrize("argv,code", [
-    # source: memcalc.cli.main: the group's status goes to _leave (click's usage errors: 2)
+    # source: memcalc.cli.main: the group's status as the process's (click's usage errors: 2)
     (["memcalc", "gpus", "--json"], 0),
     (["memcalc", "--version"], 0),
     (["memcalc", "estimat"], 2),
     (["memcalc"], 2),
 ])
-def test_main_leaves_with_the_commands_status(monkeypatch, capsys, argv, code):
+def test_main_exits_with_the_commands_status(monkeypatch, capsys, argv, code):
     import sys
 
     import memcalc.cli as cli
 
-    left = []
-    monkeypatch.setattr(cli, "_leave", left.append)  # (the real one ends the process)
     monkeypatch.setattr(sys, "argv", argv)
-    cli.main()
-    assert left == [code]
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == code
 
 
 @pytest.mark.parametrize("args,shown", [
@@ -221,8 +220,8 @@ def test_help_shows(args, shown):
 
 
 @pytest.mark.parametrize("args,code", [
-    # source: memcalc.cli._leave: the process's status and every byte of its output as the command
-    # gives them in-process (CliRunner), though the interpreter's teardown is skipped
+    # source: memcalc.cli.main: the process's status and every byte of its output as the command
+    # gives them in-process (CliRunner)
     (["estimate", "--params", "125M", "--seq", "64", "--gpu", "t4", "--json"], 0),
     (["estimate", "--params", "7e9", "--gpu", "t4", "--check"], 3),
     (["estimate", "--params", "125M", "--batch", "0"], 2),
@@ -240,45 +239,3 @@ def test_the_console_script_exits_with_all_its_output(args, code):
     assert p.stdout == r.stdout
     if code == 2:
         assert p.stderr.startswith("memcalc: error:") and p.stderr.count("\n") == 1
-
-
-def test_the_console_script_starts_without_the_garbage_collector(monkeypatch):
-    # source: pyproject.toml [project.scripts] and memcalc/__main__.py
-    import gc
-    from pathlib import Path
-
-    import memcalc.__main__ as entry
-    import memcalc.cli as cli
-
-    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert 'memcalc = "memcalc.__main__:main"' in text
-    ran = []
-    monkeypatch.setattr(cli, "main", lambda: ran.append(gc.isenabled()))
-    try:
-        entry.main()
-    finally:
-        gc.enable()
-    assert ran == [False]
-
-
-@pytest.mark.parametrize("enabled", [False, True])
-def test_long_work_turns_the_collector_on_past_the_frozen_start(enabled):
-    # source: memcalc.cli.collector.for_long_work (plan and validate call it first)
-    import gc
-
-    from memcalc.cli.collector import GC_THRESHOLDS, for_long_work
-
-    before, frozen = gc.get_threshold(), gc.get_freeze_count()
-    if not enabled:  # as the console script leaves it
-        gc.disable()
-    try:
-        for_long_work()
-        assert gc.isenabled()
-        if enabled:  # in-process (tests, CliRunner): nothing changes
-            assert gc.get_threshold() == before and gc.get_freeze_count() == frozen
-        else:
-            assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() > frozen
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
-        gc.enable()

@@ -18,8 +18,8 @@ UNUSED = ("memcalc.engine.deepspeed", "memcalc.engine.fsdp1", "importlib.resourc
 
 PROBE = """
 import json, os, sys, types
-# as the command runs it: pydantic's plugin lookup off (its loader imports importlib.metadata, and
-# with it zipfile; memcalc.cli does the same)
+# pydantic's plugin lookup stubbed out: its loader imports importlib.metadata, and with it zipfile;
+# this probe watches what memcalc itself imports
 os.environ["PYDANTIC_DISABLE_PLUGINS"] = "__all__"
 sys.modules["pydantic.plugin._loader"] = types.SimpleNamespace(get_plugins=lambda: ())
 from memcalc.inputs.resolve import resolve, Options

@@ -26,7 +26,6 @@ PROBE = """
 import contextlib, io, json, sys
 import memcalc.cli
 from memcalc.cli import main
-memcalc.cli._leave = sys.exit  # (the real one ends the process: the stages share it here)
 WATCHED = {watched!r}
 for argv in {stages!r}:  # one interpreter, the stages in order: each sees what the earlier ones loaded
     sys.argv = ["memcalc", *argv]
@@ -48,10 +47,10 @@ STAGES = [
     # a command's options from click alone (no pydantic: the choices come from memcalc.core)
     (["estimate", "--help"], WATCHED, ()),
     # --json: no rich; --params: no presets, no hub client, no YAML; an eager estimate: no numpy,
-    # no plan, no compile graph; pydantic's plugins off, no plugin loader (importlib.metadata)
+    # no plan, no compile graph
     (["estimate", "--params", "125M", "--seq", "64", "--json"],
      ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.inputs.presets",
-      "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph", "importlib.metadata"),
+      "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph"),
      ("pydantic", "memcalc.core.spec", "memcalc.estimate.peak")),
     # a preset by name: read from data/_parsed.json (no YAML parser), no hub client
     (["estimate", "--model", "gpt2", "--seq", "64", "--json"],

@@ -6,7 +6,6 @@ from typing import Optional
 
 import click
 
-from memcalc.cli.collector import for_long_work
 from memcalc.cli.group import app
 from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHUNKS, MODEL, PARAMS, PROFILE, RECIPE, SEQ,
                                  TORCH, with_options)
@@ -61,7 +60,6 @@ def plan(model: Optional[str], params: Optional[str], gpu: Optional[str], seq: O
     from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
     from memcalc.render.report import dumps
 
-    for_long_work()  # (after the imports: frozen with the rest of the start)
     rec = None
     if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
         from memcalc.inputs.recipes import load_recipe

@@ -11,7 +11,6 @@ from typing import Any, Optional
 
 import click
 
-from memcalc.cli.collector import for_long_work
 from memcalc.cli.group import app
 from memcalc.cli.options import (ACCUM, ACT_OFFLOAD, ADAPTER_CONFIG, BATCH, BF16, BUDGET, CHECKPOINT, COMPILE, DEEPSPEED,
                                  DORA, FUSED, IMPL, JSON, LORA, LORA_ALPHA, LORA_DROPOUT, LORA_RANK, LORA_TARGETS, LOSS,
@@ -74,7 +73,6 @@ def validate(config: tuple[str, ...], all_configs: bool, device: Optional[str], 
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
       memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
-    for_long_work()
     from memcalc.core.spec import MAX_LAYERS
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
