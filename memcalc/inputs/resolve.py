@@ -150,159 +150,223 @@ def _check_finite(name: str, v: Optional[float]) -> None:
         raise UserError(f"--{name} must be a finite number, got {v}")
 
 
+#: the numeric options that must be finite, and those that must be positive (checked in this order)
+_FINITE = ("lora_alpha", "lora_dropout", "memory_budget")
+_POSITIVE = ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "tp")
+#: the training fields a flag sets as given (None: not given), before --deepspeed
+_VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
+                "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget", "zero", "gpus",
+                "sharding", "tp")
+#: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
+_LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
+#: the LoRA fields a flag sets as given: Options field -> LoraSpec field
+_LORA_FLAGS = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
+
+class _Training:
+    """The training fields being assembled (a config's, then the flags'), with each one's origin."""
+
+    def __init__(self, base: Optional[ExperimentSpec]) -> None:
+        self.values: dict[str, Any] = base.training.model_dump() if base is not None else {}
+        self.origin: dict[str, str] = {k: "config" for k in self.values} if base is not None else {}
+
+    def put(self, key: str, value: Any, origin: str = "flag") -> None:
+        """Set ``key`` unless ``value`` is None (the flag was not given)."""
+        if value is not None:
+            self.values[key] = value
+            self.origin[key] = origin
+
+    def spec(self) -> TrainingSpec:
+        try:
+            return TrainingSpec(**self.values)
+        except ValidationError as e:
+            from memcalc.inputs.pydantic_errors import pydantic_error_line
+
+            raise UserError(pydantic_error_line(e, "training options")) from None
+
+
 def resolve(o: Options) -> Resolved:
     """Build the experiment from options (see module docstring)."""
     # each model source is imported when it is used (--params never loads the presets, the
     # Hugging Face hub client or YAML): the estimate's start-up time
-    recipe = None
+    recipe, from_recipe = None, set()
     if o.recipe or o.adapter_config:  # the recipe's values under the flags (memcalc.inputs.recipes)
         from memcalc.inputs.recipes import apply_recipe
 
         o, recipe, from_recipe = apply_recipe(o)
-    for name in ("lora_alpha", "lora_dropout", "memory_budget"):
+    _check_numbers(o)
+    base = _load_config(o)
+    origin: dict[str, str] = {}
+    notes: list[str] = []
+    model, model_source = _model(o, base, origin, notes)
+    profile, reasons = _profile(o, base, origin)
+
+    tr = _Training(base)
+    _put_flags(o, model, tr, notes)
+    _put_lora_flags(o, model, tr)
+    _setup_defaults(o, model, profile, tr, origin, reasons, notes)
+    training = tr.spec()
+    for k in TrainingSpec.model_fields:
+        origin.setdefault(k, tr.origin.get(k, "default"))
+    profile = _loss_flags(o, profile, origin, notes)
+    exp = _experiment(base, model, training, profile)
+    if recipe is None:
+        return Resolved(exp, origin, notes, model_source, reasons)
+    _recipe_origins(recipe, from_recipe, origin)
+    return Resolved(exp, origin, recipe.lines() + notes, model_source, reasons, recipe.as_json())
+
+
+def _check_numbers(o: Options) -> None:
+    """The numeric flags' ranges (before anything is read)."""
+    for name in _FINITE:
         _check_finite(name.replace("_", "-"), getattr(o, name))
-    for name in ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "tp"):
+    for name in _POSITIVE:
         _check_positive(name.replace("_", "-"), getattr(o, name))
     if o.zero is not None and o.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero must be 0, 1, 2 or 3, got {o.zero}")
     if o.memory_budget is not None and not 0 <= o.memory_budget <= 1:
         raise UserError(f"--memory-budget must be within [0, 1], got {o.memory_budget}")
-    origin: dict[str, str] = {}
-    notes: list[str] = []
-    base: Optional[ExperimentSpec] = None
-    if o.config:
-        from memcalc.inputs.configs import load_config
 
-        base = load_config(o.config)
-    sources = [s for s in ("model", "params") if getattr(o, s)]
-    if len(sources) > 1:
+
+def _load_config(o: Options) -> Optional[ExperimentSpec]:
+    """``--config``'s experiment, or None."""
+    if not o.config:
+        return None
+    from memcalc.inputs.configs import load_config
+
+    return load_config(o.config)
+
+
+def _model(o: Options, base: Optional[ExperimentSpec], origin: dict[str, str],
+           notes: list[str]) -> tuple[ModelSpec, Optional["ModelSource"]]:
+    """The model: ``--model``, ``--params`` (with the notes on what was inferred) or the config's;
+    and where --model's came from."""
+    if o.model and o.params:
         raise UserError("give one of --model or --params, not both")
-    model: ModelSpec
-    model_source = None
     if o.model:
         from memcalc.inputs.presets import resolve_model_source
 
-        model, model_source = resolve_model_source(o.model)
         origin["model"] = "flag"
-    elif o.params:
+        return resolve_model_source(o.model)
+    if o.params:
         from memcalc.inputs.infer import infer_params
 
         model, reasons = infer_params(o.params)
         notes.extend(reasons)
         origin["model"] = "inferred"
-    elif base is not None:
-        model = base.model
+        return model, None
+    if base is not None:
         origin["model"] = "config"
-    else:
-        raise UserError("no model: give --model NAME|config.json, --params N, or --config NAME|FILE (see `memcalc models`)")
+        return base.model, None
+    raise UserError("no model: give --model NAME|config.json, --params N, or --config NAME|FILE (see `memcalc models`)")
 
-    profile, reasons = _profile(o, base, origin)
 
-    tr: dict[str, Any] = base.training.model_dump() if base is not None else {}
-    tr_origin = {k: "config" for k in tr} if base is not None else {}
-
-    def put(key: str, value: Any) -> None:
-        if value is not None:
-            tr[key] = value
-            tr_origin[key] = "flag"
-
-    put("batch", o.batch)
-    put("seq", o.seq)
-    put("grad_accum", o.grad_accum)
+def _flag_values(o: Options) -> dict[str, Any]:
+    """What the flags before --deepspeed set (None: not given), their choices checked."""
     if o.bf16 and o.precision not in (None, "bf16"):
         raise UserError(f"--bf16 means --precision bf16; it conflicts with --precision {o.precision}")
-    put("precision", "bf16" if o.bf16 else o.precision)
-    if o.master_weights:
-        put("master_weights", True)
-    put("optimizer", o.optimizer)
-    put("optimizer_impl", o.optimizer_impl)
-    if o.checkpoint is not None:
-        mode, k = parse_checkpoint(o.checkpoint)
-        put("checkpoint", mode)
-        put("checkpoint_every", k)
-    if o.fused_optimizer:
-        put("fused_optimizer", True)
-    if o.compile or o.memory_budget is not None:
-        put("compile", True)
-    put("memory_budget", o.memory_budget)
-    put("zero", o.zero)
-    put("gpus", o.gpus)
+    checkpoint, every = parse_checkpoint(o.checkpoint) if o.checkpoint is not None else (None, None)
     if o.sharding is not None and o.sharding not in SHARDINGS:
         raise UserError(f"unknown --sharding {clip(o.sharding)!r}; valid: {', '.join(SHARDINGS)}")
-    put("sharding", o.sharding)
-    put("tp", o.tp)
+    return dict(
+        batch=o.batch, seq=o.seq, grad_accum=o.grad_accum, precision="bf16" if o.bf16 else o.precision,
+        master_weights=o.master_weights or None, optimizer=o.optimizer, optimizer_impl=o.optimizer_impl,
+        checkpoint=checkpoint, checkpoint_every=every, fused_optimizer=o.fused_optimizer or None,
+        compile=(o.compile or o.memory_budget is not None) or None, memory_budget=o.memory_budget,
+        zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp,
+    )
+
+
+def _put_flags(o: Options, model: ModelSpec, tr: _Training, notes: list[str]) -> None:
+    """The training flags over the config's values; --deepspeed's file over both (a flag
+    contradicting it is an error), then the on/off flags it does not set."""
+    values = _flag_values(o)
+    for key in _VALUE_FLAGS:
+        tr.put(key, values[key])
     if o.deepspeed is not None:
-        _apply_deepspeed(o, model, tr, tr_origin, notes)
-    if o.sequence_parallel:
-        put("sequence_parallel", True)
-    if o.activation_offload:
-        put("activation_offload", True)
-    if o.offload_optimizer:
-        put("offload_optimizer", True)
+        _apply_deepspeed(o, model, tr.values, tr.origin, notes)
+    for key in _LATE_SWITCHES:
+        tr.put(key, getattr(o, key) or None)
+
+
+def _lora_given(o: Options) -> bool:
+    """Whether any LoRA flag was given (each one means LoRA)."""
+    return o.lora or o.qlora or o.dora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets,
+                                                                      o.lora_dropout, o.lora_dtype))
+
+
+def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
+    """The LoRA flags over the config's adapter; without ``--lora-targets``, the default q,k,v,o as
+    this model names them."""
     if o.lora_dtype is not None and o.lora_dtype not in LORA_DTYPES:
         raise UserError(f"unknown --lora-dtype {clip(o.lora_dtype)!r}; valid: {', '.join(LORA_DTYPES)}")
-    lora_flags = o.lora or o.qlora or o.dora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets,
-                                                                      o.lora_dropout, o.lora_dtype))
-    if lora_flags:
-        cur = dict(tr.get("lora") or {})
-        if o.lora_rank is not None:
-            cur["rank"] = o.lora_rank
-        if o.lora_alpha is not None:
-            cur["alpha"] = o.lora_alpha
-        if o.lora_targets is not None:
-            cur["targets"] = parse_targets(o.lora_targets, model)
-        elif "targets" not in cur and model.attention_lora_targets != ("q", "k", "v", "o"):
-            cur["targets"] = model.attention_lora_targets  # the default q,k,v,o as this model names them
-        if o.lora_dropout is not None:
-            cur["dropout"] = o.lora_dropout
-        if o.qlora:
-            cur["qlora"] = True
-        if o.dora:
-            cur["dora"] = True
-        if o.lora_dtype is not None:
-            cur["dtype"] = o.lora_dtype
-        tr["lora"] = cur
-        tr_origin["lora"] = "flag"
-    if tr.get("lora") is not None:
-        cur = dict(tr["lora"])
-        if o.lora_dtype is not None:
-            origin["lora_dtype"] = "flag"
-        elif cur.get("dtype") is not None:
-            origin["lora_dtype"] = "config"
-        else:  # None: the framework's (profile.lora_dtype); --json shows the value used as adapter_dtype
-            origin["lora_dtype"] = "default"
-            reasons["lora_dtype"] = f"{profile.framework}: {LORA_DTYPE_WHY[profile.framework]}"
-        tr["lora"] = cur
-        if "precision" not in tr:
-            tr["precision"] = "bf16"
-            tr_origin["precision"] = "default"
+    if not _lora_given(o):
+        return
+    cur = dict(tr.values.get("lora") or {})
+    for flag, key in _LORA_FLAGS.items():
+        if getattr(o, flag) is not None:
+            cur[key] = getattr(o, flag)
+    if o.lora_targets is not None:
+        cur["targets"] = parse_targets(o.lora_targets, model)
+    elif "targets" not in cur and model.attention_lora_targets != ("q", "k", "v", "o"):
+        cur["targets"] = model.attention_lora_targets  # the default q,k,v,o as this model names them
+    for switch in ("qlora", "dora"):
+        if getattr(o, switch):
+            cur[switch] = True
+    if o.lora_dtype is not None:
+        cur["dtype"] = o.lora_dtype
+    tr.put("lora", cur)
+
+
+def _setup_defaults(o: Options, model: ModelSpec, profile: KernelProfile, tr: _Training,
+                    origin: dict[str, str], reasons: dict[str, str], notes: list[str]) -> None:
+    """The defaults that depend on the setup (module docstring): the adapter's dtype, the
+    precision, the sequence length; with their reasons and notes."""
+    lora = tr.values.get("lora")
+    if lora is not None:
+        tr.values["lora"] = dict(lora)
+        _lora_dtype_origin(o, lora, profile, origin, reasons)
+        if "precision" not in tr.values:
+            tr.put("precision", "bf16", origin="default")
             reasons["precision"] = ("QLoRA: a bf16 base (QLoRA computes in bf16, bnb_4bit_compute_dtype=bfloat16)"
-                                    if cur.get("qlora") else "LoRA: a bf16 base (the model loaded in bfloat16)")
-    elif "precision" not in tr:
+                                    if lora.get("qlora") else "LoRA: a bf16 base (the model loaded in bfloat16)")
+    elif "precision" not in tr.values:
         reasons["precision"] = "full fine-tuning: what Hugging Face Trainer runs without --bf16/--fp16 (fp32 weights)"
-    if "seq" not in tr:
-        tr["seq"] = min(2048, model.max_seq_len)
-        tr_origin["seq"] = "default"
+    if "seq" not in tr.values:
+        tr.put("seq", min(2048, model.max_seq_len), origin="default")
         if model.max_seq_len < 2048:
             notes.append(f"seq defaults to {model.name}'s maximum, {model.max_seq_len} (below 2048)")
-    try:
-        training = TrainingSpec(**tr)
-    except ValidationError as e:
-        from memcalc.inputs.pydantic_errors import pydantic_error_line
 
-        raise UserError(pydantic_error_line(e, "training options")) from None
-    for k in TrainingSpec.model_fields:
-        origin.setdefault(k, tr_origin.get(k, "default"))
 
-    if o.loss is not None or o.loss_chunks is not None:  # flags override the profile's loss fields
-        profile = with_loss(profile, o.loss, o.loss_chunks)
-        origin.update({k: "flag" for k, v in (("cross_entropy", o.loss), ("loss_chunks", o.loss_chunks)) if v is not None})
-        if profile.cross_entropy == "full" and o.loss_chunks == DEFAULT_LOSS_CHUNKS:
-            # (other values under full are noted in the estimate's assumptions)
-            notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")
+def _lora_dtype_origin(o: Options, lora: dict, profile: KernelProfile, origin: dict[str, str],
+                       reasons: dict[str, str]) -> None:
+    if o.lora_dtype is not None:
+        origin["lora_dtype"] = "flag"
+    elif lora.get("dtype") is not None:
+        origin["lora_dtype"] = "config"
+    else:  # None: the framework's (profile.lora_dtype); --json shows the value used as adapter_dtype
+        origin["lora_dtype"] = "default"
+        reasons["lora_dtype"] = f"{profile.framework}: {LORA_DTYPE_WHY[profile.framework]}"
+
+
+def _loss_flags(o: Options, profile: KernelProfile, origin: dict[str, str], notes: list[str]) -> KernelProfile:
+    """``--loss`` / ``--loss-chunks`` over the profile's loss fields."""
+    if o.loss is None and o.loss_chunks is None:
+        return profile
+    profile = with_loss(profile, o.loss, o.loss_chunks)
+    origin.update({k: "flag" for k, v in (("cross_entropy", o.loss), ("loss_chunks", o.loss_chunks)) if v is not None})
+    if profile.cross_entropy == "full" and o.loss_chunks == DEFAULT_LOSS_CHUNKS:
+        # (other values under full are noted in the estimate's assumptions)
+        notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")
+    return profile
+
+
+def _experiment(base: Optional[ExperimentSpec], model: ModelSpec, training: TrainingSpec,
+                profile: KernelProfile) -> ExperimentSpec:
+    """The experiment; a config's published peak kept only while no flag changed its setup."""
     published = base.published_peak_bytes if base is not None and not _changed(base, model, training, profile) else None
     try:
-        exp = ExperimentSpec(
+        return ExperimentSpec(
             name=base.name if base is not None else model.name,
             description=base.description if base is not None else "",
             model=model,
@@ -315,15 +379,16 @@ def resolve(o: Options) -> Resolved:
         from memcalc.inputs.pydantic_errors import pydantic_error_line
 
         raise UserError(pydantic_error_line(e, "experiment")) from None
-    if recipe is None:
-        return Resolved(exp, origin, notes, model_source, reasons)
+
+
+def _recipe_origins(recipe: Any, from_recipe: set[str], origin: dict[str, str]) -> None:
+    """Origin ``recipe FILE:KEY`` for each input the recipe set (and no flag or default did)."""
     from memcalc.inputs.recipes import ORIGIN_KEYS
 
-    for opt in (k for k in recipe.values if k in from_recipe):  # origin "recipe FILE:KEY" for what the recipe set
+    for opt in (k for k in recipe.values if k in from_recipe):
         for key in ORIGIN_KEYS.get(opt, ()):
             if origin.get(key) not in (None, "default") and not origin[key].startswith("recipe"):
                 origin[key] = f"recipe {recipe.keys[opt]}"
-    return Resolved(exp, origin, recipe.lines() + notes, model_source, reasons, recipe.as_json())
 
 
 def _apply_deepspeed(o: Options, model: ModelSpec, tr: dict, tr_origin: dict, notes: list) -> None:
