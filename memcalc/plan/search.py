@@ -298,78 +298,123 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     seq = default_seq(model, seq)
     profile = profile or get_profile(DEFAULT_PROFILE)
     half = "bf16" if getattr(gpu, "bf16", True) else "fp16"
-    cap = int(gpu.capacity_bytes)
     techs = list(options) if options is not None else techniques()
     exps = [ExperimentSpec(name=f"{model.name} {t.key(half)}", model=model, profile=profile,
                            training=t.training(1, seq, half, model.attention_lora_targets)) for t in techs]
     notes = []
     if half == "fp16":
         notes.append(f"{getattr(gpu, 'display_name', gpu.name)} has no bf16: 16-bit options use fp16 (same memory)")
-
+    search = _GpuSearch(model, techs, exps, int(gpu.capacity_bytes), seq, include_all, confirm)
     # 1. weights + optimizer state alone: options beyond the card cannot fit at any batch or seq;
     #    without --all, neither can options whose steady step at batch 1 does not fit.
     #    Compiled options are not fitted (see compile_techniques): they are estimated directly.
-    compiled = [i for i, t in enumerate(techs) if t.budget is not None]
-    floor_ok = [i for i, e in enumerate(exps) if techs[i].budget is None and required_bytes(state_floor(e)) <= cap]
-    # 2. the exact peak at batch 1 of the rest; fit those (one fit per group of options that differ
-    #    only in the fused step) in (batch, seq) and evaluate the whole grid at once
-    #    (an option and its fused twin in one job: the fused step is derived from the unfused one,
-    #    memcalc.plan.steps)
-    pairs: dict[Technique, list[int]] = {}
-    for i in sorted(floor_ok, key=lambda i: techs[i].fused):
-        pairs.setdefault(replace(techs[i], fused=False), []).append(i)
-    b1: dict[int, Optional[int]] = {}
-    for idx, peaks in zip(pairs.values(), parallel_map(_b1_peaks, [[(exps[i], cap, include_all) for i in idx]
-                                                                    for idx in pairs.values()],
-                                                        heavy=lambda jobs: not applies(jobs[0][0]))):
-        b1.update(zip(idx, peaks))
-    rep_of = fit_groups(techs, [i for i in floor_ok if b1[i] is not None])
-    groups: dict[int, list[int]] = {r: [r] for r in sorted(set(rep_of.values()))}  # the fitted one first
-    for i in sorted(rep_of):
-        if i != rep_of[i]:
-            groups[rep_of[i]].append(i)
-    bs, ts = batch_grid(), seq_grid(model, seq)
-    # one job per option and its fused twin (they share simulated steps, memcalc.plan.steps), each
-    # with its group's fitted option (a worker fits it once for all the jobs it runs); jobs with
-    # full-depth steps first
-    parts = []
-    for r, g in groups.items():
-        by_pair: dict[Technique, list[int]] = {}
-        for i in g:
-            by_pair.setdefault(replace(techs[i], fused=False), []).append(i)
-        parts += [(r, sub) for sub in by_pair.values()]
-    jobs = [(exps[r], [exps[i] for i in sub], [b1[i] for i in sub], cap, seq, bs, ts, confirm, include_all)
-            for r, sub in parts]
-    results: dict[int, OptionResult] = {}
-    fit_of: dict[int, StepFit] = {}
-    evaluated = 0
-    for (_, g), (rows, n_eval) in zip(parts, parallel_map(_plan_group, jobs, heavy=lambda job: not all(
-            applies(e) for e in job[1]))):
-        evaluated += n_eval
-        for i, (p, fits, mb, ms, done, fit) in zip(g, rows):
-            results[i] = OptionResult(techs[i], p, required_bytes(p), fits, mb, ms, None, done)
-            fit_of[i] = fit
-    # 2b. compiled options: direct estimates, seeded with the same setup's eager fit, scaled to the
-    #     compiled step's own batch-1 peak
-    recompute: dict[int, float] = {}
-    # (jobs whose eager setup fits first: their searches run the most estimates)
-    for i, (p, mb, ms, frac) in zip(compiled, parallel_map(_confirm_compiled, [
-            (exps[i], cap, *_eager_seeds(techs[i], techs, results, fit_of)) for i in compiled],
-            heavy=lambda job: job[2] > 0 or job[3] > 0)):
-        r = OptionResult(techs[i], p, required_bytes(p), required_bytes(p) <= cap, mb, ms, None, True)
-        recompute[i] = frac
-        if r.fits or include_all:
-            results[i] = r
+    # 2. the exact peak at batch 1 of the rest; fit those in (batch, seq), evaluate the whole grid
+    #    at once, and confirm what is printed by direct estimates
+    search.fitted(search.batch1_peaks(search.above_floor()))
+    # 2b. compiled options: direct estimates, seeded with the same setup's eager fit
+    search.compiled()
     # 3. options that cannot fit: exact batch-1 numbers only when all are shown
-    rest = [i for i in range(len(exps)) if i not in results and i not in compiled] if include_all else []
-    for i, p in zip(rest, parallel_map(estimated_peak, [exps[i] for i in rest])):
-        results[i] = OptionResult(techs[i], p, required_bytes(p), False, 0, 0, None, True)
-    for i, r in results.items():
-        r.relative_cost = relative_cost(r.technique, model, seq, r.max_batch, recompute.get(i, 0.0))
-    shown = [results[i] for i in sorted(results) if include_all or results[i].fits]
-    shown.sort(key=lambda r: (not r.fits, r.relative_cost if r.relative_cost is not None else float("inf"),
-                              r.required_bytes))
-    return GpuPlan(model, gpu, seq, half, shown, evaluated, notes, considered=len(techs))
+    if include_all:
+        search.unfitting()
+    return GpuPlan(model, gpu, seq, half, search.ranked(), search.evaluated, notes, considered=len(techs))
+
+
+def _by_unfused(techs: Sequence[Technique], idx: Sequence[int]) -> list[list[int]]:
+    """``idx`` in groups of an option and its fused twin (in ``idx``'s order): one job each, since
+    the fused step is derived from the unfused one (memcalc.plan.steps)."""
+    pairs: dict[Technique, list[int]] = {}
+    for i in idx:
+        pairs.setdefault(replace(techs[i], fused=False), []).append(i)
+    return list(pairs.values())
+
+
+@dataclass
+class _GpuSearch:
+    """One :func:`plan_gpu`: its options (``techs[i]`` planned as ``exps[i]``) and the results so far."""
+
+    model: ModelSpec
+    techs: list[Technique]
+    exps: list[ExperimentSpec]
+    cap: int
+    seq: int
+    include_all: bool
+    confirm: bool
+    results: dict[int, OptionResult] = field(default_factory=dict)
+    fit_of: dict[int, StepFit] = field(default_factory=dict)
+    #: compiled option -> the fraction of its forward its partition recomputes (for the cost model)
+    recompute: dict[int, float] = field(default_factory=dict)
+    evaluated: int = 0  # options x batches x seqs evaluated by the vectorised search
+
+    def above_floor(self) -> list[int]:
+        """The eager options whose weights and optimizer state alone fit the card."""
+        return [i for i, e in enumerate(self.exps)
+                if self.techs[i].budget is None and required_bytes(state_floor(e)) <= self.cap]
+
+    def batch1_peaks(self, idx: list[int]) -> dict[int, Optional[int]]:
+        """The exact peak at batch 1 of each option of ``idx`` (None: its steady step alone does not
+        fit, without --all); an option and its fused twin in one job."""
+        pairs = _by_unfused(self.techs, sorted(idx, key=lambda i: self.techs[i].fused))
+        jobs = [[(self.exps[i], self.cap, self.include_all) for i in pair] for pair in pairs]
+        b1: dict[int, Optional[int]] = {}
+        heavy = lambda pair_jobs: not applies(pair_jobs[0][0])  # noqa: E731
+        for pair, peaks in zip(pairs, parallel_map(_b1_peaks, jobs, heavy=heavy)):
+            b1.update(zip(pair, peaks))
+        return b1
+
+    def fit_groups(self, b1: dict[int, Optional[int]]) -> dict[int, list[int]]:
+        """The options with a batch-1 peak by the option fitted for them (:func:`fit_groups`), the
+        fitted one first."""
+        rep_of = fit_groups(self.techs, sorted(i for i in b1 if b1[i] is not None))
+        groups: dict[int, list[int]] = {r: [r] for r in sorted(set(rep_of.values()))}
+        for i in sorted(rep_of):
+            if i != rep_of[i]:
+                groups[rep_of[i]].append(i)
+        return groups
+
+    def fitted(self, b1: dict[int, Optional[int]]) -> None:
+        """One fit per group of options that differ only in the fused step, evaluated on the grid
+        and confirmed (:func:`_plan_group`): one job per option and its fused twin (they share
+        simulated steps, memcalc.plan.steps), each with its group's fitted option (a worker fits it
+        once for all the jobs it runs); jobs with full-depth steps first."""
+        bs, ts = batch_grid(), seq_grid(self.model, self.seq)
+        parts = [(r, pair) for r, g in self.fit_groups(b1).items() for pair in _by_unfused(self.techs, g)]
+        jobs = [(self.exps[r], [self.exps[i] for i in pair], [b1[i] for i in pair], self.cap, self.seq, bs, ts,
+                 self.confirm, self.include_all) for r, pair in parts]
+        for (_, pair), (rows, n_eval) in zip(parts, parallel_map(_plan_group, jobs, heavy=lambda job: not all(
+                applies(e) for e in job[1]))):
+            self.evaluated += n_eval
+            for i, (p, fits, mb, ms, done, fit) in zip(pair, rows):
+                self.results[i] = OptionResult(self.techs[i], p, required_bytes(p), fits, mb, ms, None, done)
+                self.fit_of[i] = fit
+
+    def compiled(self) -> None:
+        """The compiled options: direct estimates, seeded with the same setup's eager fit, scaled to
+        the compiled step's own batch-1 peak (jobs whose eager setup fits first: their searches run
+        the most estimates)."""
+        idx = [i for i, t in enumerate(self.techs) if t.budget is not None]
+        jobs = [(self.exps[i], self.cap, *_eager_seeds(self.techs[i], self.techs, self.results, self.fit_of))
+                for i in idx]
+        for i, (p, mb, ms, frac) in zip(idx, parallel_map(_confirm_compiled, jobs,
+                                                          heavy=lambda job: job[2] > 0 or job[3] > 0)):
+            r = OptionResult(self.techs[i], p, required_bytes(p), required_bytes(p) <= self.cap, mb, ms, None, True)
+            self.recompute[i] = frac
+            if r.fits or self.include_all:
+                self.results[i] = r
+
+    def unfitting(self) -> None:
+        """The exact batch-1 numbers of the eager options that were not fitted (``--all``)."""
+        rest = [i for i, t in enumerate(self.techs) if i not in self.results and t.budget is None]
+        for i, p in zip(rest, parallel_map(estimated_peak, [self.exps[i] for i in rest])):
+            self.results[i] = OptionResult(self.techs[i], p, required_bytes(p), False, 0, 0, None, True)
+
+    def ranked(self) -> list[OptionResult]:
+        """The options shown (with --all every one), costed: fitting ones first, cheapest first."""
+        for i, r in self.results.items():
+            r.relative_cost = relative_cost(r.technique, self.model, self.seq, r.max_batch, self.recompute.get(i, 0.0))
+        shown = [self.results[i] for i in sorted(self.results) if self.include_all or self.results[i].fits]
+        shown.sort(key=lambda r: (not r.fits, r.relative_cost if r.relative_cost is not None else float("inf"),
+                                  r.required_bytes))
+        return shown
 
 
 def _eager_seeds(t: Technique, techs: Sequence[Technique], results: dict[int, "OptionResult"],
