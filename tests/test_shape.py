@@ -57,7 +57,6 @@ KNOWN_COMPLEX: set[str] = {
     "memcalc/compile/compiled.py:mlp_pool",  # 31
     "memcalc/compile/mincut.py:Network.__init__",  # 35
     "memcalc/engine/timeline.py:_simulate",  # 43
-    "memcalc/estimate/peak.py:no_effect_notes",  # 45
     "memcalc/inputs/deepspeed_config.py:read_deepspeed",  # 33
     "memcalc/integrations/transformers.py:options_from_hf",  # 42
     "memcalc/plan/cluster.py:plan_cluster",  # 35

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import dataclass
+from typing import Callable
 
 from memcalc.engine.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
-from memcalc.core.optimizers import OPTIMIZERS
+from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.moe import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
@@ -22,7 +24,7 @@ from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.engine.timeline import first_step_of, first_step_within_steady
-from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec
+from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec
 from memcalc.estimate.step import simulate
 from memcalc.core.units import MiB
 
@@ -95,64 +97,84 @@ def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
     }
 
 
+@dataclass(frozen=True)
+class _Setup:
+    """What the no-effect rules read: the training options, the model, the profile, the optimizer."""
+
+    tr: TrainingSpec
+    model: ModelSpec
+    profile: KernelProfile
+    opt: OptimizerRecord
+
+    def changed(self, name: str) -> bool:
+        """Whether the training option ``name`` was set away from its default."""
+        return getattr(self.tr, name) != type(self.tr).model_fields[name].default
+
+    def lora_without_qlora(self, name: str) -> bool:
+        """Whether LoRA's QLoRA-only option ``name`` was set away from its default without QLoRA."""
+        lo = self.tr.lora
+        return lo is not None and not lo.qlora and getattr(lo, name) != type(lo).model_fields[name].default
+
+
+#: (when, note) of each option that changes nothing in a setup, in the order the notes are shown
+#: (the setup-dependent entries of ``memcalc.core.contract.CONDITIONAL``)
+NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
+    (lambda s: s.tr.zero >= 1 and s.tr.gpus == 1,
+     lambda s: f"zero {s.tr.zero} has no effect with one GPU: nothing to shard (set gpus)"),
+    (lambda s: s.tr.zero == 1 and s.tr.gpus > 1 and s.tr.offload_optimizer,
+     lambda s: "zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU"),
+    (lambda s: s.changed("sharding") and (s.tr.gpus == 1 or s.tr.zero == 0),
+     lambda s: f"sharding {s.tr.sharding} has no effect with zero {s.tr.zero} on {s.tr.gpus} GPU"
+               f"{'s' if s.tr.gpus > 1 else ''}: nothing is sharded"),
+    (lambda s: s.tr.zero == 1 and s.tr.gpus > 1 and s.tr.sharding in ("fsdp2", "fsdp1"),
+     lambda s: f"zero 1 under {s.tr.sharding}: FSDP has no stage 1 (it always shards the parameters); estimated "
+               "as DDP + ZeroRedundancyOptimizer, the ZeRO paper's stage 1 (optimizer state sharded, whole "
+               "weights and gradients; DDP's gradient buckets not modelled)"),
+    (lambda s: s.tr.gpus > 1 and s.tr.zero == 0,
+     lambda s: f"gpus {s.tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
+               "every GPU (the estimate is per GPU)"),
+    (lambda s: s.tr.deepspeed is not None and s.tr.deepspeed.offload_param,
+     lambda s: "DeepSpeed offload_param is not modelled yet: the estimate keeps the 16-bit parameter "
+               "partitions on the GPU, as without it (an over-estimate by about that partition)"),
+    (lambda s: s.tr.sequence_parallel and s.tr.tp == 1,
+     lambda s: "sequence_parallel has no effect with tp 1: there is no tensor-parallel group to shard the "
+               "sequence over (set tp)"),
+    (lambda s: s.tr.checkpoint != "every-k" and s.changed("checkpoint_every"),
+     lambda s: f"checkpoint_every {s.tr.checkpoint_every} has no effect with checkpoint {s.tr.checkpoint}: "
+               "it is the K of every-k"),
+    # (learned positions beyond max_seq_len are refused: engine.timeline)
+    (lambda s: s.tr.seq > s.model.max_seq_len and s.model.positions != "learned",
+     lambda s: f"seq {s.tr.seq:,} is beyond {s.model.name}'s max_seq_len {s.model.max_seq_len:,} "
+               f"({s.model.positions} positions): the model was not trained on sequences that long; the memory "
+               "estimate still holds"),
+    (lambda s: s.tr.checkpoint == "every-k" and s.tr.checkpoint_every >= s.model.n_layers > 1,
+     lambda s: f"checkpoint every-{s.tr.checkpoint_every} with {s.model.n_layers} layers checkpoints layer 0 only "
+               f"(layers i with i % {s.tr.checkpoint_every} == 0); the other {s.model.n_layers - 1} keep their "
+               "activations"),
+    (lambda s: s.tr.memory_budget is not None and s.tr.compile and not s.tr.compile_partitions,
+     lambda s: f"memory_budget {s.tr.memory_budget:g} has no effect with checkpoint {s.tr.checkpoint}: "
+               "torch.compile recomputes the checkpointed regions whole"),
+    (lambda s: s.changed("optimizer_impl") and s.opt.step == "none" and len(s.opt.impls) > 1,
+     lambda s: f"optimizer_impl {s.tr.optimizer_impl} has no effect with {s.opt.name}: its step makes no temporaries"),
+    (lambda s: s.tr.offload_optimizer and s.opt.state == "none" and not s.tr.master_weights,
+     lambda s: f"offload_optimizer has no effect with {s.opt.name}: it has no optimizer state"),
+    (lambda s: s.lora_without_qlora("quant_block"),
+     lambda s: "lora quant_block has no effect without qlora: the base is not quantised"),
+    (lambda s: s.lora_without_qlora("double_quant"),
+     lambda s: "lora double_quant has no effect without qlora: the base is not quantised"),
+    (lambda s: s.tr.lora is not None and s.tr.lora.dtype is not None and s.tr.weight_dtype == DType.fp32,
+     lambda s: f"lora dtype {s.tr.lora.dtype} has no effect with precision {s.tr.precision}: the weights are fp32, "
+               "so are the adapters"),
+    (lambda s: s.profile.cross_entropy == "full" and s.profile.loss_chunks != DEFAULT_LOSS_CHUNKS,
+     lambda s: f"loss_chunks {s.profile.loss_chunks} has no effect with the full cross-entropy "
+               "(--loss chunked uses it)"),
+]
+
+
 def no_effect_notes(exp: ExperimentSpec) -> list[str]:
-    """The options that change nothing in this setup, one line each (the setup-dependent
-    entries of ``memcalc.core.contract.CONDITIONAL``)."""
-    tr = exp.training
-    rec = OPTIMIZERS[tr.optimizer]
-    default = {k: f.default for k, f in type(tr).model_fields.items()}
-    notes = []
-    if tr.zero >= 1 and tr.gpus == 1:
-        notes.append(f"zero {tr.zero} has no effect with one GPU: nothing to shard (set gpus)")
-    if tr.zero == 1 and tr.gpus > 1 and tr.offload_optimizer:
-        notes.append("zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU")
-    if tr.sharding != default["sharding"] and (tr.gpus == 1 or tr.zero == 0):
-        notes.append(f"sharding {tr.sharding} has no effect with zero {tr.zero} on {tr.gpus} GPU"
-                     f"{'s' if tr.gpus > 1 else ''}: nothing is sharded")
-    if tr.zero == 1 and tr.gpus > 1 and tr.sharding in ("fsdp2", "fsdp1"):
-        notes.append(f"zero 1 under {tr.sharding}: FSDP has no stage 1 (it always shards the parameters); estimated "
-                     "as DDP + ZeroRedundancyOptimizer, the ZeRO paper's stage 1 (optimizer state sharded, whole "
-                     "weights and gradients; DDP's gradient buckets not modelled)")
-    if tr.gpus > 1 and tr.zero == 0:
-        notes.append(f"gpus {tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
-                     "every GPU (the estimate is per GPU)")
-    if tr.deepspeed is not None and tr.deepspeed.offload_param:
-        notes.append("DeepSpeed offload_param is not modelled yet: the estimate keeps the 16-bit parameter "
-                     "partitions on the GPU, as without it (an over-estimate by about that partition)")
-    if tr.sequence_parallel and tr.tp == 1:
-        notes.append("sequence_parallel has no effect with tp 1: there is no tensor-parallel group to shard the "
-                     "sequence over (set tp)")
-    if tr.checkpoint != "every-k" and tr.checkpoint_every != default["checkpoint_every"]:
-        notes.append(f"checkpoint_every {tr.checkpoint_every} has no effect with checkpoint {tr.checkpoint}: "
-                     "it is the K of every-k")
-    m = exp.model
-    if tr.seq > m.max_seq_len and m.positions != "learned":  # learned positions are refused (engine.timeline)
-        notes.append(f"seq {tr.seq:,} is beyond {m.name}'s max_seq_len {m.max_seq_len:,} ({m.positions} "
-                     "positions): the model was not trained on sequences that long; the memory estimate still holds")
-    n = m.n_layers
-    if tr.checkpoint == "every-k" and tr.checkpoint_every >= n > 1:
-        notes.append(f"checkpoint every-{tr.checkpoint_every} with {n} layers checkpoints layer 0 only "
-                     f"(layers i with i % {tr.checkpoint_every} == 0); the other {n - 1} keep their activations")
-    if tr.memory_budget is not None and tr.compile and not tr.compile_partitions:
-        notes.append(f"memory_budget {tr.memory_budget:g} has no effect with checkpoint {tr.checkpoint}: "
-                     "torch.compile recomputes the checkpointed regions whole")
-    if tr.optimizer_impl != default["optimizer_impl"] and rec.step == "none" and len(rec.impls) > 1:
-        notes.append(f"optimizer_impl {tr.optimizer_impl} has no effect with {rec.name}: its step makes no temporaries")
-    if tr.offload_optimizer and rec.state == "none" and not tr.master_weights:
-        notes.append(f"offload_optimizer has no effect with {rec.name}: it has no optimizer state")
-    lo = tr.lora
-    if lo is not None and not lo.qlora:
-        lo_default = {k: f.default for k, f in type(lo).model_fields.items()}
-        for k in ("quant_block", "double_quant"):
-            if getattr(lo, k) != lo_default[k]:
-                notes.append(f"lora {k} has no effect without qlora: the base is not quantised")
-    if lo is not None and lo.dtype is not None and tr.weight_dtype == DType.fp32:
-        notes.append(f"lora dtype {lo.dtype} has no effect with precision {tr.precision}: the weights are fp32, "
-                     "so are the adapters")
-    prof = exp.profile
-    if prof.cross_entropy == "full" and prof.loss_chunks != DEFAULT_LOSS_CHUNKS:
-        notes.append(f"loss_chunks {prof.loss_chunks} has no effect with the full cross-entropy (--loss chunked uses it)")
-    return notes
+    """The options that change nothing in this setup, one line each (:data:`NO_EFFECT`)."""
+    s = _Setup(exp.training, exp.model, exp.profile, OPTIMIZERS[exp.training.optimizer])
+    return [note(s) for when, note in NO_EFFECT if when(s)]
 
 
 def host_optimizer_bytes(exp: ExperimentSpec, trainable_params: int) -> int:
