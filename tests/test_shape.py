@@ -62,7 +62,6 @@ KNOWN_COMPLEX: set[str] = {
     "memcalc/plan/cluster.py:plan_cluster",  # 35
     "memcalc/plan/limits.py:largest_by_value",  # 38
     "memcalc/render/plain.py:render_table",  # 43
-    "memcalc/render/report.py:_inputs_spec",  # 40
 }
 
 

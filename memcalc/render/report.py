@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table
 
+    from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec
+
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
 
@@ -141,11 +143,41 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
 
 
 def _inputs_spec(est: Estimate, res: Resolved) -> TableSpec:
-    exp, tr, m = est.experiment, est.experiment.training, est.experiment.model
+    exp, tr, m, p = est.experiment, est.experiment.training, est.experiment.model, est.experiment.profile
     o = res.origin
     t = TableSpec(title=f"Inputs: {exp.name}", show_header=False)
     t.add_column("input", style="bold")
     t.add_column("value", overflow="fold")  # a long path breaks across lines instead of losing its end
+    prec = tr.precision + (" + fp32 master weights" if tr.master_weights else "")
+    rows = [  # (input, value or None where the row does not apply)
+        ("model", f"{m.name}{_mark(o, 'model')}"),
+        ("model from", escape(res.model_source.describe())
+         if res.model_source is not None and res.model_source.kind != "preset" else None),
+        ("shape", _model_shape(m)),
+        ("parameters", f"{est.params:,} ({fmt_count(est.params)}); trainable {est.trainable_params:,}"),
+        ("batch x seq", f"{tr.batch}{_mark(o, 'batch')} x {tr.seq}{_mark(o, 'seq')}, "
+                        f"grad accum {tr.grad_accum}{_mark(o, 'grad_accum')}"),
+        ("precision", f"{prec}{_why(res, 'precision')}"),
+        ("optimizer", f"{tr.optimizer} ({tr.optimizer_impl}){_mark(o, 'optimizer')}"
+                      + (", fused into backward" if tr.fused_optimizer else "")),
+        ("checkpointing", _checkpointing(tr, o)),
+        ("sharding", _sharding(tr, o)),
+        ("compile", (f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
+         if tr.compile else None),
+        ("tensor parallel", _tensor_parallel(tr, o)),
+        ("adapters", _adapters(exp, res)),
+        ("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}"),
+        ("kernel profile", _kernel_profile(p, m, o)),
+        ("loss", _loss(p, o)),
+    ]
+    for name, value in rows:
+        if value is not None:
+            t.add_row(name, value)
+    return t
+
+
+def _model_shape(m: ModelSpec) -> str:
+    """The model's shape in one line: layers, widths, heads, MLP, norm, positions; MoE and MLA."""
     shape = (f"{m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
              + (f" ({m.kv_heads} kv)" if m.kv_heads != m.n_heads else "")
              + f", ff {m.d_ff} ({m.mlp} {m.activation}), vocab {m.vocab_size}, {m.norm} {m.norm_placement}-norm, {m.positions}")
@@ -157,47 +189,60 @@ def _inputs_spec(est: Estimate, res: Resolved) -> TableSpec:
                   + f" ({e.routing} routing assumed)")
     if m.mla is not None:
         shape += f"; MLA kv rank {m.mla.kv_lora_rank}, q rank {m.mla.q_lora_rank or 'none'}"
-    t.add_row("model", f"{m.name}{_mark(o, 'model')}")
-    if res.model_source is not None and res.model_source.kind != "preset":
-        t.add_row("model from", escape(res.model_source.describe()))
-    t.add_row("shape", shape)
-    t.add_row("parameters", f"{est.params:,} ({fmt_count(est.params)}); trainable {est.trainable_params:,}")
-    t.add_row("batch x seq", f"{tr.batch}{_mark(o, 'batch')} x {tr.seq}{_mark(o, 'seq')}, grad accum {tr.grad_accum}{_mark(o, 'grad_accum')}")
-    prec = tr.precision + (" + fp32 master weights" if tr.master_weights else "")
-    t.add_row("precision", f"{prec}{_why(res, 'precision')}")
-    t.add_row("optimizer", f"{tr.optimizer} ({tr.optimizer_impl}){_mark(o, 'optimizer')}"
-              + (", fused into backward" if tr.fused_optimizer else ""))
+    return shape
+
+
+def _checkpointing(tr: TrainingSpec, o: dict[str, str]) -> str:
     ck = tr.checkpoint + (f" (K={tr.checkpoint_every})" if tr.checkpoint == "every-k" else "")
-    t.add_row("checkpointing", f"{ck}{_mark(o, 'checkpoint')}"
-              + (f"; saved activations offloaded to host memory{_mark(o, 'activation_offload')}" if tr.activation_offload else ""))
-    if tr.zero or tr.gpus > 1 or tr.offload_optimizer or {"zero", "gpus", "offload_optimizer"} & {
-            k for k, v in o.items() if v == "flag"}:
-        shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
-        how = sharding_mechanics(tr)
-        t.add_row("sharding", f"{shard} over {tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
-                  + (f" ({how}){_mark(o, 'sharding')}" if how else "")
-                  + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
-    if tr.compile:
-        t.add_row("compile", f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
-    if tr.tp > 1 or tr.sequence_parallel:  # per rank of a tensor-parallel group (engine/tensor_parallel.py)
-        t.add_row("tensor parallel", f"TP {tr.tp}{_mark(o, 'tp')}"
-                  + (f" (sequence parallel{_mark(o, 'sequence_parallel')})" if tr.sequence_parallel else "")
-                  + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
-    if tr.lora is not None:
-        lo = tr.lora
-        adt = exp.adapter_dtype
-        t.add_row("adapters", f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'}{' + DoRA' if lo.dora else ''} rank {lo.rank}, alpha {lo.alpha:g}, on {','.join(lo.targets)}"
-                  f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}")
-    p = exp.profile
-    t.add_row("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}")
-    t.add_row("kernel profile", f"{p.name}{_mark(o, 'profile')}: RMSNorm {p.rmsnorm}, attention {p.attention}"
-              + (" (grouped K/V un-expanded)" if p.sdpa_gqa and m.kv_heads != m.n_heads else "")
-              + f", logits {'fp32' if p.logits_fp32 else 'model dtype'}"
-              + (f", gelu_new {p.gelu_new}" if m.activation == "gelu_new" else ""))
-    if p.cross_entropy == "chunked" or "cross_entropy" in o or "loss_chunks" in o:
-        chunks = f" in {p.loss_chunks}{_mark(o, 'loss_chunks')} chunks" if p.cross_entropy == "chunked" else ""
-        t.add_row("loss", f"cross-entropy {p.cross_entropy}{_mark(o, 'cross_entropy')}{chunks}")
-    return t
+    return (f"{ck}{_mark(o, 'checkpoint')}"
+            + (f"; saved activations offloaded to host memory{_mark(o, 'activation_offload')}"
+               if tr.activation_offload else ""))
+
+
+def _sharding(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
+    """ZeRO, the GPUs and the optimizer offload, where any is set (or given as a flag)."""
+    flags = {k for k, v in o.items() if v == "flag"}
+    if not (tr.zero or tr.gpus > 1 or tr.offload_optimizer or {"zero", "gpus", "offload_optimizer"} & flags):
+        return None
+    shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
+    how = sharding_mechanics(tr)
+    return (f"{shard} over {tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
+            + (f" ({how}){_mark(o, 'sharding')}" if how else "")
+            + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
+
+
+def _tensor_parallel(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
+    """Per rank of a tensor-parallel group (engine/tensor_parallel.py), where there is one."""
+    if not (tr.tp > 1 or tr.sequence_parallel):
+        return None
+    return (f"TP {tr.tp}{_mark(o, 'tp')}"
+            + (f" (sequence parallel{_mark(o, 'sequence_parallel')})" if tr.sequence_parallel else "")
+            + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
+
+
+def _adapters(exp: ExperimentSpec, res: Resolved) -> Optional[str]:
+    lo = exp.training.lora
+    if lo is None:
+        return None
+    adt = exp.adapter_dtype
+    return (f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'}{' + DoRA' if lo.dora else ''} rank {lo.rank}, "
+            f"alpha {lo.alpha:g}, on {','.join(lo.targets)}"
+            f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}")
+
+
+def _kernel_profile(p: KernelProfile, m: ModelSpec, o: dict[str, str]) -> str:
+    return (f"{p.name}{_mark(o, 'profile')}: RMSNorm {p.rmsnorm}, attention {p.attention}"
+            + (" (grouped K/V un-expanded)" if p.sdpa_gqa and m.kv_heads != m.n_heads else "")
+            + f", logits {'fp32' if p.logits_fp32 else 'model dtype'}"
+            + (f", gelu_new {p.gelu_new}" if m.activation == "gelu_new" else ""))
+
+
+def _loss(p: KernelProfile, o: dict[str, str]) -> Optional[str]:
+    """The loss, where it is chunked or was given as a flag."""
+    if not (p.cross_entropy == "chunked" or "cross_entropy" in o or "loss_chunks" in o):
+        return None
+    chunks = f" in {p.loss_chunks}{_mark(o, 'loss_chunks')} chunks" if p.cross_entropy == "chunked" else ""
+    return f"cross-entropy {p.cross_entropy}{_mark(o, 'cross_entropy')}{chunks}"
 
 
 def peak_table(est: Estimate) -> Table:
