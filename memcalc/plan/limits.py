@@ -78,6 +78,8 @@ def largest_true_array(pred, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 
 Probe = Callable[[int], tuple[bool, float]]
+#: a probed point: (x, ok, value)
+Point = tuple[int, bool, float]
 
 
 def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional[int] = None,
@@ -102,97 +104,120 @@ def largest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optional
     ``last``: the same verdicts as ``probe``, for a point just above one that fits (where a
     verdict of "does not fit" ends the search, so its value is not needed and may be any lower
     bound past ``line``: :func:`need` without ``exact``)."""
-    seen: dict[int, tuple[bool, float]] = {k[0]: (k[1], k[2]) for k in known}
-
-    probed: list[tuple[int, bool, float]] = []  # the points probed here, in order
-
-    def at(x: int) -> tuple[int, bool, float]:
-        if x not in seen:
-            below = seen.get(x - 1)
-            seen[x] = (last if last is not None and below is not None and below[0] else probe)(x)
-            probed.append((x,) + seen[x])
-        return (x,) + seen[x]
-
-    def cross(p: tuple[int, bool, float], q: tuple[int, bool, float]) -> Optional[float]:
-        if q[0] == p[0] or q[2] == p[2]:
-            return None
-        return p[0] + (line - p[2]) * (q[0] - p[0]) / (q[2] - p[2])
-
-    x = at(lo if seed is None else min(max(seed, lo), hi))
-    far = _far_guess(x, known, cross)
+    s = _ValueSearch(probe, last, lo, hi, line, {k[0]: (k[1], k[2]) for k in known})
+    x = s.at(lo if seed is None else min(max(seed, lo), hi))
+    far = _far_guess(x, known, s.cross)
     # where the values do not help (the same at both points: a phase that does not grow with x,
     # such as the optimizer step, sets them), steps of twice the last, from a fiftieth of the seed
     first_gap = max(1, int(abs(x[0]) * JUMP_FRACTION) // 2)
-    if x[1]:  # fits: step up until something does not
-        if x[0] == hi:
-            return hi
+    found = s.step_up(x, far, first_gap) if x[1] else s.step_down(x, far, first_gap)
+    return found if isinstance(found, int) else s.narrow(*found)
+
+
+class _ValueSearch:
+    """The state of one :func:`largest_by_value`: the points probed (and known), and its steps."""
+
+    def __init__(self, probe: Probe, last: Optional[Probe], lo: int, hi: int, line: float,
+                 seen: dict[int, tuple[bool, float]]) -> None:
+        self.probe, self.last, self.lo, self.hi, self.line = probe, last, lo, hi, line
+        self.seen = seen  # x -> (ok, value), the known points included
+        self.probed: list[Point] = []  # the points probed here, in order
+
+    def at(self, x: int) -> Point:
+        """``probe(x)``, once per x (``last`` just above a point that fits)."""
+        if x not in self.seen:
+            below = self.seen.get(x - 1)
+            self.seen[x] = (self.last if self.last is not None and below is not None and below[0] else self.probe)(x)
+            self.probed.append((x,) + self.seen[x])
+        return (x,) + self.seen[x]
+
+    def cross(self, p: Point, q: Point) -> Optional[float]:
+        """Where the line through ``p`` and ``q`` meets ``line`` (None where it is flat)."""
+        if q[0] == p[0] or q[2] == p[2]:
+            return None
+        return p[0] + (self.line - p[2]) * (q[0] - p[0]) / (q[2] - p[2])
+
+    def step_up(self, x: Point, far: Optional[tuple[Point, float]], gap: int) -> int | tuple[Point, Point]:
+        """From ``x``, which fits, step up until a point does not: the answer where a step finds it,
+        else the bracket (fits, does not) to narrow."""
+        if x[0] == self.hi:
+            return self.hi
         if far is not None and far[1] > x[0]:  # the seed is far below the answer: no neighbour check
-            prev, a, gap = far[0], x, first_gap
+            prev, a = far[0], x
         else:
-            a = at(x[0] + 1)
+            a = self.at(x[0] + 1)
             if not a[1]:
                 return x[0]
-            prev, gap = x, first_gap
+            prev = x
         while True:
-            t = cross(prev, a)
+            t = self.cross(prev, a)
             guess = math.floor(t) + 1 if t is not None and t >= a[0] else a[0] + 2 * gap
-            n = at(min(hi, max(guess, a[0] + 1)))
+            n = self.at(min(self.hi, max(guess, a[0] + 1)))
             if not n[1]:
-                b = n
-                break
-            if n[0] == hi:
-                return hi
+                return a, n
+            if n[0] == self.hi:
+                return self.hi
             gap, prev, a = max(2 * gap, n[0] - a[0]), a, n
-    else:  # does not fit: step down until something does
-        if x[0] == lo:
-            return lo - 1
+
+    def step_down(self, x: Point, far: Optional[tuple[Point, float]], gap: int) -> int | tuple[Point, Point]:
+        """From ``x``, which does not fit, step down until a point does: the answer where a step
+        finds it, else the bracket (fits, does not) to narrow."""
+        if x[0] == self.lo:
+            return self.lo - 1
         if far is not None and far[1] < x[0]:  # the seed is far above the answer: no neighbour check
-            prev, b, gap = far[0], x, first_gap
+            prev, b = far[0], x
         else:
-            b = at(x[0] - 1)
+            b = self.at(x[0] - 1)
             if b[1]:
                 return b[0]
-            prev, gap = x, first_gap
+            prev = x
         while True:
-            t = cross(b, prev)
+            t = self.cross(b, prev)
             guess = math.floor(t) if t is not None and t < b[0] else b[0] - 2 * gap
-            n = at(max(lo, min(guess, b[0] - 1)))
+            n = self.at(max(self.lo, min(guess, b[0] - 1)))
             if n[1]:
-                a = n
-                break
-            if n[0] == lo:
-                return lo - 1
+                return n, b
+            if n[0] == self.lo:
+                return self.lo - 1
             gap, prev, b = max(2 * gap, b[0] - n[0]), b, n
-    # a fits, b does not: regula falsi on the values (Illinois: an end kept twice in a row has its
-    # distance to the line halved, so a curved requirement does not converge from one side only),
-    # except where the last two values probed lie on one side of the line: then the line through
-    # those two, while it meets ``line`` inside the bracket (a local slope: a requirement with a
-    # step in it, a compiled partition that changes with the size, is straight on each side). An
-    # exact interpolation lands on the answer, and the next step then checks its neighbour.
-    # The tightest bracket seen first (a known point may lie inside the one the steps above found).
-    pts = [(x,) + v for x, v in seen.items()]
-    a = max((p for p in pts if p[1] and a[0] <= p[0] < b[0]), default=a)
-    b = min((p for p in pts if not p[1] and a[0] < p[0] <= b[0]), default=b)
-    fa, fb = a[2] - line, b[2] - line
-    kept = 0  # +1: the fitting end moved last, -1: the other
-    while b[0] - a[0] > 1:
+
+    def narrow(self, a: Point, b: Point) -> int:
+        """The answer between ``a`` (fits) and ``b`` (does not): regula falsi on the values (Illinois:
+        an end kept twice in a row has its distance to the line halved, so a curved requirement
+        does not converge from one side only), except where the last two values probed lie on one
+        side of the line (:meth:`_next`). The tightest bracket seen first (a known point may lie
+        inside the one the steps found)."""
+        pts = [(x,) + v for x, v in self.seen.items()]
+        a = max((p for p in pts if p[1] and a[0] <= p[0] < b[0]), default=a)
+        b = min((p for p in pts if not p[1] and a[0] < p[0] <= b[0]), default=b)
+        fa, fb = a[2] - self.line, b[2] - self.line
+        kept = 0  # +1: the fitting end moved last, -1: the other
+        while b[0] - a[0] > 1:
+            n = self.at(self._next(a, b, fa, fb))
+            if n[1]:
+                a, fa = n, n[2] - self.line
+                if kept == 1:
+                    fb /= 2
+                kept = 1
+            else:
+                b, fb = n, n[2] - self.line
+                if kept == -1:
+                    fa /= 2
+                kept = -1
+        return a[0]
+
+    def _next(self, a: Point, b: Point, fa: float, fb: float) -> int:
+        """The next point inside the bracket: regula falsi on ``fa``, ``fb``; or, where the last two
+        values probed lie on one side of the line, the line through those two while it meets
+        ``line`` inside the bracket (a local slope: a requirement with a step in it, a compiled
+        partition that changes with the size, is straight on each side). An exact interpolation
+        lands on the answer, and the next step then checks its neighbour."""
         t = a[0] + (b[0] - a[0]) * (-fa / (fb - fa)) if fb > fa else (a[0] + b[0]) / 2
-        if len(probed) >= 2 and probed[-1][1] == probed[-2][1]:
-            s = cross(probed[-2], probed[-1])
+        if len(self.probed) >= 2 and self.probed[-1][1] == self.probed[-2][1]:
+            s = self.cross(self.probed[-2], self.probed[-1])
             if s is not None and a[0] < s < b[0]:
                 t = s
-        n = at(min(max(math.floor(t), a[0] + 1), b[0] - 1))
-        if n[1]:
-            a, fa = n, n[2] - line
-            if kept == 1:
-                fb /= 2
-            kept = 1
-        else:
-            b, fb = n, n[2] - line
-            if kept == -1:
-                fa /= 2
-            kept = -1
-    return a[0]
+        return min(max(math.floor(t), a[0] + 1), b[0] - 1)
 
 
 #: A known point's line jumps past the seed's neighbour check when it puts the answer more than this
