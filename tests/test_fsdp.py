@@ -118,7 +118,7 @@ _ARGS = ["estimate", "--params", "1e8", "--seq", "128", "--bf16", "--master-weig
 
 
 @pytest.mark.parametrize("args,code,message", [
-    # source: the inputs table names whose mechanics run (engine.sharding.sharding_mechanics)
+    # source: the inputs table names whose mechanics run (engine.fsdp.sharding_mechanics)
     (_ARGS + ["--zero", "3", "--gpus", "8"], 0,
      "ZeRO-3 over 8 GPUs (FSDP2, reshard after forward, MixedPrecisionPolicy bf16/fp32)"),
     (_ARGS + ["--zero", "2", "--gpus", "8"], 0, "(FSDP2, no reshard after forward"),

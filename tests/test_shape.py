@@ -28,13 +28,6 @@ MAX_COMPLEXITY = 30
 #: import cycles today, each by its sorted member set (a strongly connected component)
 KNOWN_CYCLES: list[frozenset[str]] = [
     frozenset({
-        "memcalc.engine.attention_variants", "memcalc.engine.block_variants", "memcalc.engine.blocks",
-        "memcalc.engine.dora", "memcalc.engine.forward", "memcalc.engine.fsdp", "memcalc.engine.loss",
-        "memcalc.engine.mla", "memcalc.engine.moe", "memcalc.engine.ops", "memcalc.engine.optimizers",
-        "memcalc.engine.sharding", "memcalc.engine.sim", "memcalc.engine.strategy",
-        "memcalc.engine.tensor_parallel", "memcalc.engine.weights",
-    }),
-    frozenset({
         "memcalc.inputs.hf_config", "memcalc.inputs.hf_families", "memcalc.inputs.hf_families.base",
         "memcalc.inputs.hf_families.classic", "memcalc.inputs.hf_families.dense",
         "memcalc.inputs.hf_families.moe",

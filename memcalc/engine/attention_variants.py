@@ -48,7 +48,7 @@ from memcalc.engine.ops import ACT, TMP, Ops
 from memcalc.engine.sim import Param, Sim, T
 
 if TYPE_CHECKING:  # pragma: no cover
-    from memcalc.engine.forward import Forward
+    from memcalc.engine.context import ForwardContext
 
 MASKS = "attention masks"
 
@@ -98,7 +98,7 @@ def _bool_mask(ops: Ops, Tq: int, sliding: bool) -> T:
     return out
 
 
-def build_masks(fwd: "Forward") -> dict[str, T]:
+def build_masks(fwd: ForwardContext) -> dict[str, T]:
     """The masks the model's ``forward`` builds before its layers (``causal_mask_mapping``), alive
     until the layers are done. Eager families: a float (B, 1, T, T) mask per layer type
     (``eager_mask``: ``torch.where(bool_mask, 0, finfo.min)`` in the embeddings' dtype). SDPA
@@ -117,7 +117,7 @@ def build_masks(fwd: "Forward") -> dict[str, T]:
     return out
 
 
-def hold_masks(fwd: "Forward") -> None:
+def hold_masks(fwd: ForwardContext) -> None:
     """Under checkpointing a region's recompute closure keeps the masks it was given: each
     checkpointed layer (or attention core) its own layer type's mask, a ``sqrt`` segment all of
     them (the closure holds the whole mapping). A mask lives on until the backward of the
@@ -143,7 +143,7 @@ def hold_masks(fwd: "Forward") -> None:
         last.after_backward = free if first is None else (lambda s, nd, f=first, g=free: (f(s, nd), g(s, nd)))
 
 
-def layer_mask(fwd: "Forward", i: int) -> Optional[T]:
+def layer_mask(fwd: ForwardContext, i: int) -> Optional[T]:
     """The mask layer ``i`` receives (None: causal without a mask)."""
     masks = getattr(fwd, "masks", None) or {}
     return masks.get("sliding" if layer_slides(fwd.m, i) else "full")
@@ -186,7 +186,7 @@ def view_map(base: T, views: list[T]) -> dict[int, tuple[T, T]]:
 
 
 # -- projections and q/k norms ---------------------------------------------------------------
-def fused_qkv(fwd: "Forward", h: T, i: int) -> tuple[T, T, T, T]:
+def fused_qkv(fwd: ForwardContext, h: T, i: int) -> tuple[T, T, T, T]:
     """One q,k,v projection and its three views; returns (q, k, v, base)."""
     m = fwd.m
     base = fwd.proj(h, i, "attn.qkv_proj", "qkv", m.q_dim + 2 * m.kv_dim)
@@ -194,7 +194,7 @@ def fused_qkv(fwd: "Forward", h: T, i: int) -> tuple[T, T, T, T]:
     return q, k, v, base
 
 
-def qk_norm(fwd: "Forward", x: T, i: int, which: str, heads: int) -> T:
+def qk_norm(fwd: ForwardContext, x: T, i: int, which: str, heads: int) -> T:
     """The q or k norm of layer ``i`` on x (B*T rows of heads*D): per head or over the projection."""
     m, o = fwd.m, fwd.ops
     name = f"layers.{i}.attn.{which}_norm"
@@ -232,7 +232,7 @@ def _layernorm_per_head_weight(o: Ops, x: T, rows: int, d: int, w: Param) -> T:
 
 
 # -- the attention core ----------------------------------------------------------------------
-def core_attention(fwd: "Forward", q: T, k: T, v: T, i: int, views: Optional[dict[int, tuple[T, T]]] = None) -> T:
+def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optional[dict[int, tuple[T, T]]] = None) -> T:
     """RoPE, GQA expansion and the kernel for the families' variants: eager attention (softcap,
     sinks), an explicit sliding mask for SDPA, views of a fused projection. The plain path is
     :meth:`memcalc.engine.forward.Forward.core_attention`."""
@@ -395,7 +395,7 @@ def is_variant(m: ModelSpec) -> bool:
     return m.fused_qkv or m.qk_norm != "none" or eager(m) or m.sliding_window is not None
 
 
-def attention(fwd: "Forward", h: T, i: int) -> T:
+def attention(fwd: ForwardContext, h: T, i: int) -> T:
     """The attention block of layer ``i``: projections (fused or not), q/k norms, the core (through
     the strategy's hook, so selective checkpointing recomputes it), the output projection."""
     o, m, sim = fwd.ops, fwd.m, fwd.sim

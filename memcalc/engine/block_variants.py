@@ -31,7 +31,7 @@ from memcalc.engine.attention_variants import pin_views, split_views, view_map
 from memcalc.engine.sim import T
 
 if TYPE_CHECKING:  # pragma: no cover
-    from memcalc.engine.forward import Forward
+    from memcalc.engine.context import ForwardContext
 
 
 def is_variant_layer(m: ModelSpec) -> bool:
@@ -39,7 +39,7 @@ def is_variant_layer(m: ModelSpec) -> bool:
     return m.norm_placement in ("sandwich", "output") or m.parallel_norms == 2 or m.residual_multiplier != 1.0
 
 
-def layer(fwd: "Forward", x: T, i: int) -> T:
+def layer(fwd: ForwardContext, x: T, i: int) -> T:
     """One decoder layer of a variant placement; takes a reference to x, returns a new one."""
     o, m = fwd.ops, fwd.m
     rm = m.residual_multiplier
@@ -71,13 +71,13 @@ def layer(fwd: "Forward", x: T, i: int) -> T:
     return y
 
 
-def _scaled(fwd: "Forward", a: T, factor: float) -> T:
+def _scaled(fwd: ForwardContext, a: T, factor: float) -> T:
     y = fwd.ops.scale(a, factor)
     fwd.ops.drop(a)
     return y
 
 
-def _residual(fwd: "Forward", x: T, f: T, post_norm: "str | None", drop: "T | None" = None) -> T:
+def _residual(fwd: ForwardContext, x: T, f: T, post_norm: "str | None", drop: "T | None" = None) -> T:
     """x + multiplier * post_norm(dropout(f)): ``f`` is the sublayer output (dropped here),
     ``drop`` the sublayer input to release once the sublayer ran."""
     o = fwd.ops
@@ -94,7 +94,7 @@ def _residual(fwd: "Forward", x: T, f: T, post_norm: "str | None", drop: "T | No
     return y
 
 
-def fused_gate_up_mlp(fwd: "Forward", h: T, i: int) -> T:
+def fused_gate_up_mlp(fwd: ForwardContext, h: T, i: int) -> T:
     """Phi3MLP.forward: ``gate, up = gate_up_proj(x).chunk(2, -1)``; ``down(up * act(gate))``."""
     o, m, sim = fwd.ops, fwd.m, fwd.sim
     n0 = len(sim.nodes)
@@ -110,12 +110,12 @@ def fused_gate_up_mlp(fwd: "Forward", h: T, i: int) -> T:
     return y
 
 
-def scale_embeddings(fwd: "Forward", x: T) -> T:
+def scale_embeddings(fwd: ForwardContext, x: T) -> T:
     """The embeddings times ``embedding_scale`` (a new tensor when the scale is not 1)."""
     return _scaled(fwd, x, fwd.m.embedding_scale)
 
 
-def post_logits(fwd: "Forward", logits: T) -> T:
+def post_logits(fwd: ForwardContext, logits: T) -> T:
     """``logit_scale`` then the final softcap on the head's output (takes the reference)."""
     o, m, sim = fwd.ops, fwd.m, fwd.sim
     logits = _scaled(fwd, logits, m.logit_scale)

@@ -10,10 +10,11 @@ is added there too (``tests/test_sim_bookkeeping.py`` checks that both set every
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Any, Callable, Optional
 
-if TYPE_CHECKING:
-    from memcalc.engine.sim import Sim
+#: a node's backward hook, called with the simulator and the node (this module sits below
+#: :mod:`memcalc.engine.sim`, which it does not import)
+NodeHook = Callable[[Any, "Node"], None]
 
 
 class T:
@@ -79,8 +80,7 @@ class Node:
 
     def __init__(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
                  temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None,
-                 on_backward: Optional[Callable[["Sim", "Node"], None]] = None,
-                 after_backward: Optional[Callable[["Sim", "Node"], None]] = None, done: bool = False,
+                 on_backward: Optional[NodeHook] = None, after_backward: Optional[NodeHook] = None, done: bool = False,
                  fwd_label: str = "", flops: int = 0, layer: Optional[int] = None, role: str = "",
                  offloaded: Optional[list] = None) -> None:
         self.name = name

@@ -33,14 +33,14 @@ from memcalc.core.dtypes import DType
 from memcalc.engine.sim import Param, T
 
 if TYPE_CHECKING:  # pragma: no cover
-    from memcalc.engine.forward import Forward
+    from memcalc.engine.context import ForwardContext
 
 
 def _promote(a: DType, b: DType) -> DType:
     return a if a.bits >= b.bits else b
 
 
-def dora_branch(fwd: "Forward", xa: T, y: T, w: Param, a_p: Param, b_p: Param, mag: Param, d_out: int,
+def dora_branch(fwd: ForwardContext, xa: T, y: T, w: Param, a_p: Param, b_p: Param, mag: Param, d_out: int,
                 quant_bytes: int) -> T:
     """The DoRA term added to the base output ``y`` for the adapter input ``xa`` (already cast as
     the framework casts it); returns ``result_dora`` (a new reference). ``quant_bytes``: the

@@ -34,7 +34,9 @@ from memcalc.engine.weights import Model
 
 
 class Forward:
-    """Runs one forward pass on the simulator; returns the loss tensor."""
+    """Runs one forward pass on the simulator; returns the loss tensor. The block variants
+    (attention, MLP, layer; engine/attention_variants.py and the like) see it through
+    :class:`memcalc.engine.context.ForwardContext`."""
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
                  gather: Optional[LayerGather] = None) -> None:

@@ -383,3 +383,25 @@ def host_offload_bytes(exp: ExperimentSpec) -> int:
             rows = -(-pt.shape[0] // tr.gpus) if len(pt.shape) == 2 else 0
             total += sum(b for _, b in state_bytes(fake, rows, opt_tr))
     return total
+
+
+def sharding_mechanics(tr: TrainingSpec) -> str:
+    """Whose mechanics the estimate runs for ``tr``'s ZeRO stage, in words (the inputs table):
+    FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), FSDP1's, DeepSpeed's
+    (:mod:`memcalc.engine.deepspeed`), or the ZeRO paper's stage 1; empty when nothing is sharded."""
+    if tr.gpus <= 1 or tr.zero == 0:
+        return ""
+    if fsdp2_active(tr):
+        return f"FSDP2, {policy(tr).describe()}"
+    if fsdp_active(tr):  # FSDP1 (engine.fsdp1)
+        pol = policy(tr)
+        how = ["FULL_SHARD" if pol.reshard_after_forward else "SHARD_GRAD_OP", "flat parameters"]
+        if pol.cast or pol.reduce != pol.param:
+            how.append(f"MixedPrecision {pol.param.value}/{pol.reduce.value}")
+        return "FSDP1, " + ", ".join(how)
+    if tr.zero == 1 and tr.sharding in ("fsdp2", "fsdp1"):
+        return "DDP + ZeroRedundancyOptimizer: FSDP has no stage 1"
+    if tr.zero >= 2:  # engine.deepspeed
+        return ("DeepSpeed: flat fp32 partition, reduce buckets" +
+                (", per-layer gathers with prefetch" if tr.zero >= 3 else ", gradient partition"))
+    return "DeepSpeed ZeRO-1: the ZeRO paper's stage 1 (optimizer state sharded; its buckets not modelled)"

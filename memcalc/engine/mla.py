@@ -32,11 +32,14 @@ eagerly: ``checkpoint="selective"`` keeps its attention activations, in the repl
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import efficient_lse_len
 from memcalc.engine.sim import T
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcalc.engine.context import ForwardContext
 
 F32 = DType.fp32
 TMP = "temporaries"
@@ -58,7 +61,7 @@ def rope_width(m) -> int:
 
 
 class _MLA:
-    def __init__(self, fwd, i: int) -> None:
+    def __init__(self, fwd: ForwardContext, i: int) -> None:
         self.fwd, self.i, self.o, self.sim, self.m = fwd, i, fwd.ops, fwd.sim, fwd.m
         self.a = fwd.m.mla
 
@@ -159,6 +162,6 @@ class _MLA:
         return o.sdpa(q, k, kv, B, H, Tq, qk, None, 0, m.attn_dropout, kernel)
 
 
-def mla_attention(fwd, h: T, i: int) -> T:
+def mla_attention(fwd: ForwardContext, h: T, i: int) -> T:
     """The MLA attention block of layer ``i`` on the walk ``fwd``; returns a new reference."""
     return _MLA(fwd, i).run(h)

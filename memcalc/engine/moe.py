@@ -43,13 +43,16 @@ with n_group 8, topk_group 4 (V3's config).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec, ModelSpec
 from memcalc.core.units import fmt_bytes
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sim import Param, T
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcalc.engine.context import ForwardContext
 
 I64 = DType.int64
 F32 = DType.fp32
@@ -102,9 +105,9 @@ def family_notes(exp: ExperimentSpec) -> list[str]:
 
 
 class _Block:
-    """One MoE block on the forward walk ``fwd`` (:class:`memcalc.engine.forward.Forward`)."""
+    """One MoE block on the forward walk ``fwd`` (:class:`memcalc.engine.context.ForwardContext`)."""
 
-    def __init__(self, fwd, i: int) -> None:
+    def __init__(self, fwd: ForwardContext, i: int) -> None:
         self.fwd, self.i = fwd, i
         self.o, self.sim = fwd.ops, fwd.sim
         self.m = fwd.m
@@ -393,6 +396,6 @@ class _Block:
         return y
 
 
-def moe_block(fwd, h: T, i: int) -> T:
+def moe_block(fwd: ForwardContext, h: T, i: int) -> T:
     """The MoE feed-forward block of layer ``i`` on the walk ``fwd``; returns a new reference."""
     return _Block(fwd, i).run(h)

@@ -7,7 +7,7 @@ stage 3 also the weights, each over ``gpus`` data-parallel ranks
 FSDP2 (the default) is simulated op by op in :mod:`memcalc.engine.fsdp` (every
 parameter sharded, root included; per-unit all-gather, copy-out and
 reduce-scatter buffers), FSDP1 in :mod:`memcalc.engine.fsdp1` (flat parameters);
-:func:`sharding_mechanics` names which in the inputs table. Elsewhere
+:func:`memcalc.engine.fsdp.sharding_mechanics` names which in the inputs table. Elsewhere
 (``deepspeed`` until its own mechanics are modelled, and stage 1) the generic
 model applies: a gradient
 is produced whole, reduce-scattered, and only its shard kept; under stage 3 a
@@ -145,27 +145,3 @@ def uses_deepspeed(exp: ExperimentSpec) -> bool:
     :mod:`memcalc.engine.deepspeed` apply; that module is imported only then)."""
     tr = exp.training
     return tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1
-
-
-def sharding_mechanics(tr) -> str:
-    """Whose mechanics the estimate runs for ``tr``'s ZeRO stage, in words (the inputs table):
-    FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), FSDP1's, DeepSpeed's
-    (:mod:`memcalc.engine.deepspeed`), or the ZeRO paper's stage 1; empty when nothing is sharded."""
-    from memcalc.engine import fsdp
-
-    if tr.gpus <= 1 or tr.zero == 0:
-        return ""
-    if fsdp.fsdp2_active(tr):
-        return f"FSDP2, {fsdp.policy(tr).describe()}"
-    if fsdp.fsdp_active(tr):  # FSDP1 (engine.fsdp1)
-        pol = fsdp.policy(tr)
-        how = ["FULL_SHARD" if pol.reshard_after_forward else "SHARD_GRAD_OP", "flat parameters"]
-        if pol.cast or pol.reduce != pol.param:
-            how.append(f"MixedPrecision {pol.param.value}/{pol.reduce.value}")
-        return "FSDP1, " + ", ".join(how)
-    if tr.zero == 1 and tr.sharding in ("fsdp2", "fsdp1"):
-        return "DDP + ZeroRedundancyOptimizer: FSDP has no stage 1"
-    if tr.zero >= 2:  # engine.deepspeed
-        return ("DeepSpeed: flat fp32 partition, reduce buckets" +
-                (", per-layer gathers with prefetch" if tr.zero >= 3 else ", gradient partition"))
-    return "DeepSpeed ZeRO-1: the ZeRO paper's stage 1 (optimizer state sharded; its buckets not modelled)"

@@ -52,6 +52,7 @@ from memcalc.engine import block_variants as bv
 
 if TYPE_CHECKING:  # the decoder walk (memcalc.engine.forward) passes itself in
     from memcalc.engine.sim import T
+    from memcalc.engine.strategy import Walk
 
 
 def check(exp: ExperimentSpec) -> None:
@@ -136,10 +137,10 @@ class TensorParallel:
                             f"{tr.seq / tp:g} (remainder {tr.seq % tp}); torchtitan requires seq divisible by tp")
         return TensorParallel(tp, tr.sequence_parallel, rows, tr.batch)
 
-    def _new(self, fwd, like: "T", numel: int) -> "T":
+    def _new(self, fwd: Walk, like: "T", numel: int) -> "T":
         return fwd.ops.new(numel, fwd.ops.dtype_of(like))
 
-    def reduce(self, fwd, partial: "T") -> "T":
+    def reduce(self, fwd: Walk, partial: "T") -> "T":
         """A row-parallel output (embedding, ``wo``, ``w2``): the ``Partial`` ``(B, T, d)`` sum is
         all-reduced (a new tensor; ``_c10d_functional.all_reduce`` is out of place) or, with
         sequence parallelism, reduce-scattered to ``B x T / tp`` rows. The partial goes; the
@@ -154,7 +155,7 @@ class TensorParallel:
         fwd.ops.drop(partial)
         return out
 
-    def gather(self, fwd, x: "T") -> "T":
+    def gather(self, fwd: Walk, x: "T") -> "T":
         """The input of a group of column-parallel linears. Sequence parallelism: the ``1/tp``
         sequence shard all-gathered whole (``PrepareModuleInput``; a new ``(B, T, d)`` tensor that
         the linears save); its backward reduce-scatters the summed ``Partial`` gradient. Without
@@ -170,7 +171,7 @@ class TensorParallel:
         fwd.sim.node("tp_all_gather", [], [x], [], [full], temps=[full.nbytes])
         return full
 
-    def colwise(self, fwd, y: "T", x: "T") -> None:
+    def colwise(self, fwd: Walk, y: "T", x: "T") -> None:
         """A column-parallel linear ``y`` just made from input ``x``: without sequence parallelism
         its input gradient (a ``Partial`` ``(B, T, d)``) is all-reduced in ``from_local``'s
         backward, a second input-sized tensor alive beside it (a backward temporary of the node)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
-from memcalc.engine.sharding import sharding_mechanics
+from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.render.plain import TableSpec, print_items
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate

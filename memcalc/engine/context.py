@@ -1,0 +1,63 @@
+"""What the block code reads and calls of the decoder walk: :class:`ForwardContext`.
+
+The attention, MLP and layer variants (:mod:`memcalc.engine.attention_variants`,
+:mod:`memcalc.engine.block_variants`, :mod:`memcalc.engine.mla`, :mod:`memcalc.engine.moe`,
+:mod:`memcalc.engine.dora`) are free functions over the walk that calls them,
+:class:`memcalc.engine.forward.Forward`. They are written against this protocol instead of
+importing ``Forward`` (which imports them): the engine's modules form no import cycle, type-only
+imports included (``tests/test_shape.py``). A new variant reads what is here; a walk
+attribute it needs is added here first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Protocol
+
+if TYPE_CHECKING:
+    from memcalc.core.spec import LoraSpec, ModelSpec, TrainingSpec
+    from memcalc.engine.blocks import Param
+    from memcalc.engine.blocks import T as Tensor
+    from memcalc.engine.ops import Ops
+    from memcalc.engine.sim import Sim
+    from memcalc.engine.strategy import LayerStrategy
+
+
+class ForwardContext(Protocol):
+    """The decoder walk as the block code sees it (one rank's decoder under tensor parallelism)."""
+
+    sim: Sim
+    ops: Ops
+    strategy: LayerStrategy  # how the layers run (the attention core goes through it)
+    m: ModelSpec  # the model (one rank's share of it under tensor parallelism)
+    tr: TrainingSpec
+    lora: Optional[LoraSpec]
+    B: int  # batch
+    T: int  # sequence length
+    rows: int  # B * T
+    masks: dict[str, Tensor]  # the step's attention masks by kind (attention_variants.build_masks)
+    held_masks: list[Tensor]  # masks a checkpointed region holds until its backward
+
+    def p(self, name: str) -> Param:
+        """The parameter called ``name``."""
+
+    def maybe(self, name: str) -> Optional[Param]:
+        """The parameter called ``name``, if the model has one."""
+
+    def proj(self, x: Tensor, layer: Optional[int], name: str, short: str, d_out: int,
+             base: Optional[str] = None, weight: Optional[str] = None) -> Tensor:
+        """A projection with its LoRA adapter when targeted (and its tensor-parallel collective)."""
+
+    def norm(self, x: Tensor, name: str) -> Tensor:
+        """The model's norm with the weights called ``name``."""
+
+    def attention(self, h: Tensor, i: int) -> Tensor:
+        """Layer ``i``'s attention block."""
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor, i: int) -> Tensor:
+        """The plain attention core (RoPE, GQA expansion, SDPA) of layer ``i``."""
+
+    def mlp(self, h: Tensor, i: int) -> Tensor:
+        """Layer ``i``'s feed-forward block."""
+
+    def resid_drop(self, x: Tensor) -> Tensor:
+        """Residual dropout on ``x`` (a reference the call takes over)."""
