@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.ops import ACT, TMP, Ops
+from memcalc.engine.blocks import Node, NodeHook
 from memcalc.engine.sim import Param, Sim, T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -140,7 +141,14 @@ def hold_masks(fwd: ForwardContext) -> None:
                 s.unref(held)
 
         first = last.after_backward
-        last.after_backward = free if first is None else (lambda s, nd, f=first, g=free: (f(s, nd), g(s, nd)))
+        if first is None:
+            last.after_backward = free
+        else:
+            def both(s: Sim, nd: Node, f: NodeHook = first, g: NodeHook = free) -> None:
+                f(s, nd)
+                g(s, nd)
+
+            last.after_backward = both
 
 
 def layer_mask(fwd: ForwardContext, i: int) -> Optional[T]:

@@ -77,7 +77,7 @@ def _scaled(fwd: ForwardContext, a: T, factor: float) -> T:
     return y
 
 
-def _residual(fwd: ForwardContext, x: T, f: T, post_norm: "str | None", drop: "T | None" = None) -> T:
+def _residual(fwd: ForwardContext, x: T, f: T, post_norm: str | None, drop: T | None = None) -> T:
     """x + multiplier * post_norm(dropout(f)): ``f`` is the sublayer output (dropped here),
     ``drop`` the sublayer input to release once the sublayer ran."""
     o = fwd.ops

@@ -28,8 +28,8 @@ class T:
                  "grad_buffer", "producer", "name", "uid", "seq")
 
     def __init__(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, refs: int = 1,
-                 alive: bool = True, numel: int = 0, itemsize_bits: int = 32, grad_buffer: Optional["T"] = None,
-                 producer: Optional["Node"] = None, name: str = "", uid: int = 0, seq: int = 0) -> None:
+                 alive: bool = True, numel: int = 0, itemsize_bits: int = 32, grad_buffer: Optional[T] = None,
+                 producer: Optional[Node] = None, name: str = "", uid: int = 0, seq: int = 0) -> None:
         self.nbytes = nbytes
         self.kind = kind  # one of result.KINDS
         self.category = category  # finer name shown in the breakdown

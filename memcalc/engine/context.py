@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Protocol
 
+from memcalc.engine.strategy import Walk
+
 if TYPE_CHECKING:
     from memcalc.core.spec import LoraSpec, ModelSpec, TrainingSpec
     from memcalc.engine.blocks import Param
@@ -22,8 +24,9 @@ if TYPE_CHECKING:
     from memcalc.engine.strategy import LayerStrategy
 
 
-class ForwardContext(Protocol):
-    """The decoder walk as the block code sees it (one rank's decoder under tensor parallelism)."""
+class ForwardContext(Walk, Protocol):
+    """The decoder walk as the block code sees it (one rank's decoder under tensor parallelism); a
+    :class:`memcalc.engine.strategy.Walk` (what the layer strategies use of it)."""
 
     sim: Sim
     ops: Ops

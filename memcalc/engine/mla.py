@@ -63,6 +63,7 @@ def rope_width(m) -> int:
 class _MLA:
     def __init__(self, fwd: ForwardContext, i: int) -> None:
         self.fwd, self.i, self.o, self.sim, self.m = fwd, i, fwd.ops, fwd.sim, fwd.m
+        assert fwd.m.mla is not None
         self.a = fwd.m.mla
 
     def node(self, name: str, saved: list[T], grads: list[tuple[T, int]], params: list, outputs: list[T],

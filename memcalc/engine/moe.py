@@ -111,6 +111,7 @@ class _Block:
         self.fwd, self.i = fwd, i
         self.o, self.sim = fwd.ops, fwd.sim
         self.m = fwd.m
+        assert fwd.m.moe is not None
         self.moe = fwd.m.moe
         self.N = fwd.rows
 
@@ -356,7 +357,7 @@ class _Block:
             shared = self.shared(h)
         logits, wts, idx = self.router(h, dt)
         y = self.experts(h, wts, idx, dt)
-        if moe.shared_expert_gate:
+        if shared is not None:  # (moe.shared_expert_gate)
             g = self.fwd.proj(h, self.i, "moe.shared_expert_gate", "shared_expert_gate", 1)
             sg = self.new(self.N, o.dtype_of(g))
             self.node("sigmoid", [sg], [(g, g.nbytes)], [], [sg])
