@@ -52,7 +52,6 @@ KNOWN_COMPLEX: set[str] = {
     "memcalc/engine/timeline.py:_simulate",  # 43
     "memcalc/inputs/deepspeed_config.py:read_deepspeed",  # 33
     "memcalc/integrations/transformers.py:options_from_hf",  # 42
-    "memcalc/plan/cluster.py:plan_cluster",  # 35
     "memcalc/render/plain.py:render_table",  # 43
 }
 

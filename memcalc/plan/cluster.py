@@ -115,90 +115,18 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     seq = default_seq(model, seq)
     profile = profile or get_profile(DEFAULT_PROFILE)
     cards = list(gpus) if gpus is not None else list_gpus()
-    setups = cluster_setups(model, seq, profile)
-    ns = np.arange(1, GPU_CAP + 1)
-    keys = [(s, ck) for s, cks in setups.items() for ck in cks]
-    # the fits in N of the four setups and of the full fine-tune at each tensor-parallel degree
-    # (plan/layouts.py), in one parallel map
-    tp_exps = layout_setups(setups["full"]["full"])
-    fit_exps = [setups[s][ck] for s, ck in keys] + tp_exps
-    top = max(int(g.capacity_bytes) for g in cards)
-    # with them, the one-GPU steps the searches check first (they need no fit): they fill the
-    # workers' idle time at the end of the fits
-    ones = sorted({(with_training(e, gpus=1), False, top) for e in fit_exps},
-                  key=lambda j: (j[0].name, j[0].training.tp, j[0].training.checkpoint)) if confirm else []
-    got = parallel_map(_fit_or_simulate_job, [("fit", e) for e in fit_exps] + [("simulate", j) for j in ones],
-                       heavy=lambda j: j[0] == "fit")
-    fitted, tp_fits = got[:len(keys)], dict(zip(tp_exps, got[len(keys):len(fit_exps)]))
-    req: dict[str, dict[str, np.ndarray]] = {s: {} for s in setups}
-    for (s, ck), f in zip(keys, fitted):
-        req[s][ck] = f.required(ns)  # NaN at N = 1: a different step, checked directly
-
-    def fits_at(s: str, ck: str, n: int, cap: int) -> bool:
-        if n == 1 or not confirm:
-            return fits_in(with_training(setups[s][ck], gpus=1), cap) if n == 1 else bool(req[s][ck][n - 1] <= cap)
-        return fits_in(with_training(setups[s][ck], gpus=n), cap)
-
-    def seed_of(s: str, cap: int) -> Optional[int]:
-        ok = req[s]["full"][1:] <= cap
-        return int(ns[1:][ok][0]) if ok.any() else None
-
+    search = _ClusterSearch(cluster_setups(model, seq, profile), confirm)
+    tp_fits, ones, top = search.fit(cards)
     if confirm:  # simulate the counts the confirmation will ask about, in parallel
-        jobs = set()
-        for g in cards:
-            cap = int(g.capacity_bytes)
-            for s, by_ck in setups.items():
-                jobs.add((with_training(by_ck["full"], gpus=1), False))
-                jobs.add((with_training(by_ck["none"], gpus=1), False))
-                n = seed_of(s, cap)
-                if n is None:  # the search starts from the most GPUs
-                    jobs.add((with_training(by_ck["full"], gpus=GPU_CAP), False))
-                    continue
-                if n > 2:
-                    jobs.add((with_training(by_ck["full"], gpus=n - 1), False))
-                jobs.add((with_training(by_ck["full"], gpus=n), True))
-                if n > 2 and req[s]["full"][n - 1] - req[s]["full"][n] < FLAT * cap:
-                    # near the per-GPU floor one GPU more moves the requirement so little that the
-                    # fitted count is a few off: the counts just above it too
-                    jobs |= {(with_training(by_ck["full"], gpus=k), False) for k in range(n + 1, min(n + FLAT_SPAN, GPU_CAP) + 1)}
-                if req[s]["none"][n - 1] <= cap:
-                    jobs.add((with_training(by_ck["none"], gpus=n), True))
-        jobs |= layout_probes(setups["full"], {int(g.capacity_bytes): seed_of("full", int(g.capacity_bytes))
-                                               for g in cards}, GPU_CAP, tp_fits)
-        # (the first step only where it can set the peak: otherwise one job per step, not two; a step
-        # whose weights and state alone exceed every card is not simulated, decided in the worker)
-        jobs = {(e, both and not first_step_within_steady(e), top) for e, both in jobs} - set(ones)
-        parallel_map(_simulate_job, sorted(jobs, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
-    rows = []
-    for g in cards:
-        cap = int(g.capacity_bytes)
-        mins: dict[str, Optional[int]] = {}
-        cks: dict[str, Optional[str]] = {}
-        reqs: dict[str, Optional[int]] = {}
-        for s, by_ck in setups.items():
-            # the fewest N with checkpointing full (the frugal one): fitted, then exact
-            seed = seed_of(s, cap)
-            if confirm:
-                probe = fit_probe(lambda k, e=by_ck["full"]: with_training(e, gpus=int(k)), cap)
-                n = _smallest_n(fits_at(s, "full", 1, cap), probe, seed or GPU_CAP, GPU_CAP, cap)
-            else:
-                n = 1 if fits_at(s, "full", 1, cap) else seed
-            mins[s] = n
-            if n is None:
-                cks[s], reqs[s] = None, None
-                continue
-            # checkpointing none if it fits at that count too (fitted; checked directly near the line)
-            if n == 1 or abs(req[s]["none"][n - 1] - cap) <= CONFIRM_MARGIN * cap:
-                none_fit = fits_at(s, "none", n, cap)
-            else:
-                none_fit = bool(req[s]["none"][n - 1] <= cap)
-            ck = "none" if none_fit else "full"
-            cks[s] = ck
-            e = with_training(by_ck[ck], gpus=n)
-            reqs[s] = required_bytes(estimated_peak(e)) if confirm else int(req[s][ck][n - 1])
-        rows.append(ClusterRow(g, mins, cks, reqs))
-    search_layouts(rows, setups["full"], GPU_CAP, confirm, tp_fits)  # data x tensor parallel (plan/layouts.py)
-    notes = [
+        search.presimulate(cards, tp_fits, ones, top)
+    rows = [search.row(g) for g in cards]
+    search_layouts(rows, search.setups["full"], GPU_CAP, confirm, tp_fits)  # data x tensor parallel (plan/layouts.py)
+    return ClusterPlan(model, seq, rows, count_params(model).total, _notes(seq))
+
+
+def _notes(seq: int) -> list[str]:
+    """What the counts assume, in words."""
+    return [
         f"sharding: ZeRO-3 over N GPUs by {SHARDING_TEXT}; the root unit (embedding, final norm, head) is "
         "all-gathered whole on every GPU and the head's gradient waits for the end of backward, so a per-GPU floor "
         "remains however many GPUs",
@@ -212,7 +140,116 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
         f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
         "and nodes of 8, so the next power of two is shown too",
     ]
-    return ClusterPlan(model, seq, rows, count_params(model).total, notes)
+
+
+@dataclass
+class _ClusterSearch:
+    """One :func:`plan_cluster`: its setups (``setups[setup][checkpointing]``), their fitted
+    per-GPU requirement at every count, and its steps."""
+
+    setups: dict[str, dict[str, ExperimentSpec]]
+    confirm: bool
+    #: setup -> checkpointing -> fitted required bytes at N = 1..GPU_CAP (NaN at N = 1: a different
+    #: step, checked directly)
+    req: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    ns: np.ndarray = field(default_factory=lambda: np.arange(1, GPU_CAP + 1))
+
+    def fit(self, cards: Sequence[Any]) -> tuple[dict, list, int]:
+        """The fits in N of the four setups and of the full fine-tune at each tensor-parallel degree
+        (plan/layouts.py), in one parallel map; with them, the one-GPU steps the searches check first
+        (they need no fit): they fill the workers' idle time at the end of the fits. Returns the
+        tensor-parallel fits, the one-GPU jobs and the largest card's bytes."""
+        keys = [(s, ck) for s, cks in self.setups.items() for ck in cks]
+        tp_exps = layout_setups(self.setups["full"]["full"])
+        fit_exps = [self.setups[s][ck] for s, ck in keys] + tp_exps
+        top = max(int(g.capacity_bytes) for g in cards)
+        ones = sorted({(with_training(e, gpus=1), False, top) for e in fit_exps},
+                      key=lambda j: (j[0].name, j[0].training.tp, j[0].training.checkpoint)) if self.confirm else []
+        got = parallel_map(_fit_or_simulate_job, [("fit", e) for e in fit_exps] + [("simulate", j) for j in ones],
+                           heavy=lambda j: j[0] == "fit")
+        self.req = {s: {} for s in self.setups}
+        for (s, ck), f in zip(keys, got[:len(keys)]):
+            self.req[s][ck] = f.required(self.ns)
+        return dict(zip(tp_exps, got[len(keys):len(fit_exps)])), ones, top
+
+    def fits_at(self, s: str, ck: str, n: int, cap: int) -> bool:
+        """Whether setup ``s`` with checkpointing ``ck`` fits ``cap`` at ``n`` GPUs (by the fit, without
+        ``confirm``, except at N = 1)."""
+        if n == 1:
+            return fits_in(with_training(self.setups[s][ck], gpus=1), cap)
+        if not self.confirm:
+            return bool(self.req[s][ck][n - 1] <= cap)
+        return fits_in(with_training(self.setups[s][ck], gpus=n), cap)
+
+    def seed_of(self, s: str, cap: int) -> Optional[int]:
+        """The fitted fewest N >= 2 of setup ``s`` with checkpointing full (None: none up to GPU_CAP)."""
+        ok = self.req[s]["full"][1:] <= cap
+        return int(self.ns[1:][ok][0]) if ok.any() else None
+
+    def presimulate(self, cards: Sequence[Any], tp_fits: dict, ones: list, top: int) -> None:
+        """Simulate the counts the confirmation will ask about, in parallel: (the first step only
+        where it can set the peak: otherwise one job per step, not two; a step whose weights and
+        state alone exceed every card is not simulated, decided in the worker)."""
+        jobs: set[tuple[ExperimentSpec, bool]] = set()
+        for g in cards:
+            for s in self.setups:
+                jobs |= self._confirm_jobs(s, int(g.capacity_bytes))
+        jobs |= layout_probes(self.setups["full"], {int(g.capacity_bytes): self.seed_of("full", int(g.capacity_bytes))
+                                                    for g in cards}, GPU_CAP, tp_fits)
+        todo = {(e, both and not first_step_within_steady(e), top) for e, both in jobs} - set(ones)
+        parallel_map(_simulate_job, sorted(todo, key=lambda j: (j[0].training.gpus, j[0].name, j[1])))
+
+    def _confirm_jobs(self, s: str, cap: int) -> set[tuple[ExperimentSpec, bool]]:
+        """The steps (and whether the first step too) that confirming setup ``s`` on ``cap`` will
+        estimate: one GPU, the fitted count and the one below, and checkpointing none at the count."""
+        by_ck, r = self.setups[s], self.req[s]
+        jobs = {(with_training(by_ck["full"], gpus=1), False), (with_training(by_ck["none"], gpus=1), False)}
+        n = self.seed_of(s, cap)
+        if n is None:  # the search starts from the most GPUs
+            return jobs | {(with_training(by_ck["full"], gpus=GPU_CAP), False)}
+        if n > 2:
+            jobs.add((with_training(by_ck["full"], gpus=n - 1), False))
+        jobs.add((with_training(by_ck["full"], gpus=n), True))
+        if n > 2 and r["full"][n - 1] - r["full"][n] < FLAT * cap:
+            # near the per-GPU floor one GPU more moves the requirement so little that the
+            # fitted count is a few off: the counts just above it too
+            jobs |= {(with_training(by_ck["full"], gpus=k), False) for k in range(n + 1, min(n + FLAT_SPAN, GPU_CAP) + 1)}
+        if r["none"][n - 1] <= cap:
+            jobs.add((with_training(by_ck["none"], gpus=n), True))
+        return jobs
+
+    def row(self, g: Any) -> ClusterRow:
+        """Card ``g``'s row: per setup the fewest GPUs, the checkpointing and the required bytes there."""
+        cap = int(g.capacity_bytes)
+        mins: dict[str, Optional[int]] = {}
+        cks: dict[str, Optional[str]] = {}
+        reqs: dict[str, Optional[int]] = {}
+        for s, by_ck in self.setups.items():
+            n = mins[s] = self.fewest(s, cap)
+            if n is None:
+                cks[s], reqs[s] = None, None
+                continue
+            ck = cks[s] = self.checkpointing(s, n, cap)
+            e = with_training(by_ck[ck], gpus=n)
+            reqs[s] = required_bytes(estimated_peak(e)) if self.confirm else int(self.req[s][ck][n - 1])
+        return ClusterRow(g, mins, cks, reqs)
+
+    def fewest(self, s: str, cap: int) -> Optional[int]:
+        """The fewest N with checkpointing full (the frugal one): fitted, then exact."""
+        seed = self.seed_of(s, cap)
+        if not self.confirm:
+            return 1 if self.fits_at(s, "full", 1, cap) else seed
+        probe = fit_probe(lambda k, e=self.setups[s]["full"]: with_training(e, gpus=int(k)), cap)
+        return _smallest_n(self.fits_at(s, "full", 1, cap), probe, seed or GPU_CAP, GPU_CAP, cap)
+
+    def checkpointing(self, s: str, n: int, cap: int) -> str:
+        """Checkpointing none if it fits at that count too (fitted; checked directly near the line),
+        else full."""
+        if n == 1 or abs(self.req[s]["none"][n - 1] - cap) <= CONFIRM_MARGIN * cap:
+            none_fit = self.fits_at(s, "none", n, cap)
+        else:
+            none_fit = bool(self.req[s]["none"][n - 1] <= cap)
+        return "none" if none_fit else "full"
 
 
 def _fit_gpus_job(exp: ExperimentSpec):
