@@ -88,7 +88,7 @@ def test_callback_on_cpu_writes_the_estimate_and_no_measurement(tmp_path, no_cud
     assert "keys memcalc does not read" not in err  # the live config reads as its config.json would
     o = cb.options  # what was read from the run
     assert (o["batch"], o["grad_accum"], o["precision"], o["checkpoint"]) == (BATCH, 1, "fp32", "full")
-    assert (o["lora_rank"], o["lora_alpha"], o["lora_targets"]) == (4, 8.0, "q_proj,v_proj")
+    assert (o["lora_rank"], o["lora_alpha"], o["lora_targets"]) == (4, 8.0, "q,v")  # the --recipe reader's names
     assert (cb.seen_batch, cb.seen_seq) == (BATCH, SEQ)  # the shape the model was given
 
 

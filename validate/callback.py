@@ -4,7 +4,7 @@
 - ``on_train_begin``: the setup is read from the run itself: the model's config
   (``model.config`` as config.json, read by :func:`memcalc.inputs.hf_config.from_hf_config` through
   ``memcalc.estimate(model=<dict>)``), the ``TrainingArguments`` and, for a ``PeftModel``, the active
-  adapter's ``LoraConfig`` (:func:`memcalc.integrations.transformers.options_from_hf`); the weights'
+  adapter's ``LoraConfig`` (:func:`memcalc.inputs.recipes.hf.options_from_hf`, the ``--recipe`` reader); the weights'
   dtype and a bitsandbytes 4-bit base come from the model. memcalc estimates that setup, and CUDA's
   peak statistics are reset (:class:`.measure.Recorder`).
 - A forward pre-hook notes the largest training batch and sequence the model is given: TrainingArguments
@@ -28,7 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 from memcalc.core.errors import UserError
-from memcalc.integrations.transformers import options_from_hf
+from memcalc.inputs.recipes.hf import options_from_hf
 
 from .measure import Recorder
 

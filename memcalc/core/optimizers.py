@@ -8,10 +8,17 @@ and :attr:`OptimizerRecord.step`) and the validator's builders (``validate/optim
 all read :data:`OPTIMIZERS`. Adding an optimizer is one record here, plus its simulation
 kinds in the engine and its builder in validate if they are new (a test checks that
 every record is accepted by each of them).
+
+Each record also carries its :class:`Alias` es: the names trainers' configs give it (Hugging Face
+``TrainingArguments.optim``, which axolotl takes too; the class paths torchtune's
+``_component_`` and LitGPT's ``class_path`` instantiate; LitGPT's short ``torch.optim`` names),
+each with the source it follows. The recipe readers and the Trainer callback look names up with
+:func:`alias_table`; a name without an alias is not modelled.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, Optional
 
@@ -42,6 +49,27 @@ BNB_MIN_8BIT_SIZE = 4096
 BNB_PAGED_MIN_NUMEL = 100_000
 
 
+#: Where an external name comes from: ``hf``: transformers ``TrainingArguments.optim``
+#: (``OptimizerNames``; axolotl's ``optimizer`` takes the same names); ``class``: an import path
+#: (torchtune ``optimizer._component_``, LitGPT ``optimizer.class_path``); ``litgpt``: LitGPT's
+#: ``optimizer: AdamW`` (a ``torch.optim`` class name).
+AliasKind = Literal["hf", "class", "litgpt"]
+ALIAS_KINDS: tuple[AliasKind, ...] = ("hf", "class", "litgpt")
+
+
+@dataclass(frozen=True)
+class Alias:
+    """One external name of an optimizer, and the source that says what it builds."""
+
+    kind: AliasKind
+    name: str
+    source: str
+    #: the ``optimizer_impl`` the name implies (None: the optimizer's default)
+    impl: Optional[str] = None
+    #: said when the name is read: how the estimate approximates what the name builds
+    note: Optional[str] = None
+
+
 @dataclass(frozen=True)
 class OptimizerRecord:
     """One optimizer: its name, what its state and step hold, and where that comes from."""
@@ -58,6 +86,8 @@ class OptimizerRecord:
     #: bitsandbytes paged state: the moment buffers of large parameters live in CUDA unified memory
     #: (outside PyTorch's caching allocator; they page to the host under memory pressure)
     paged: bool = False
+    #: the names trainers give this optimizer (:func:`alias_table`)
+    aliases: tuple[Alias, ...] = ()
 
     @property
     def has_foreach(self) -> bool:
@@ -84,33 +114,82 @@ class OptimizerRecord:
 
 _TORCH_OPTIM = "torch/optim/{f}.py (_init_group; _multi_tensor_{n} / _single_tensor_{n} / fused kernel)"
 
+#: transformers 5.24 training_args.py ``OptimizerNames`` and trainer_optimizer.py (``_OPTIMIZER_HANDLERS``,
+#: what ``Trainer.get_optimizer_cls_and_kwargs`` dispatches on)
+_HF = "transformers 5.24 training_args.py OptimizerNames.{e}; trainer_optimizer.py {f}"
+_BNB_HF = _HF.replace("{f}", "_get_bitsandbytes_optimizer: bitsandbytes.optim.{c}(optim_bits={b}, is_paged={p})")
+_CLASS = "the class path torchtune's _component_ / LitGPT's class_path instantiate"
+_LITGPT = "LitGPT litgpt/utils.py instantiate_torch_optimizer: a bare name is looked up in torch.optim"
+_TORCHAO_NOTE = "modelled as bitsandbytes' blockwise 8-bit AdamW (two 8-bit moments, one fp32 scale per block of 256)"
+
+
+def _hf(name: str, enum: str, how: str, impl: Optional[str] = None, note: Optional[str] = None) -> Alias:
+    return Alias("hf", name, _HF.format(e=enum, f=how), impl, note)
+
+
+def _bnb(name: str, enum: str, cls: str, bits: int, paged: bool) -> Alias:
+    return Alias("hf", name, _BNB_HF.format(e=enum, c=cls, b=bits, p=paged))
+
+
+def _cls(path: str, note: Optional[str] = None) -> Alias:
+    return Alias("class", path, _CLASS, None, note)
+
+
+def _lit(name: str) -> Alias:
+    return Alias("litgpt", name, _LITGPT)
+
+
 OPTIMIZERS: dict[str, OptimizerRecord] = {
     r.name: r
     for r in (
         OptimizerRecord("adamw", "AdamW", "torch.optim.AdamW, two moments", "like_param", 2, "adam", IMPLS, 0,
-                        _TORCH_OPTIM.format(f="adamw", n="adamw")),
+                        _TORCH_OPTIM.format(f="adamw", n="adamw"), aliases=(
+                            # torch.optim.AdamW without foreach/fused: CUDA's default, foreach
+                            _hf("adamw_torch", "ADAMW_TORCH", "_get_adamw_torch: torch.optim.AdamW", "foreach"),
+                            _hf("adamw_torch_fused", "ADAMW_TORCH_FUSED", "_get_adamw_torch: fused=True", "fused"),
+                            Alias("hf", "adamw_hf", "transformers 4.x OptimizerNames.ADAMW_HF: transformers.optimization"
+                                  ".AdamW, a loop over the parameters (gone from 5.x's OptimizerNames)", "for-loop"),
+                            _cls("torch.optim.AdamW"), _lit("AdamW"))),
         OptimizerRecord("adam", "Adam", "torch.optim.Adam, two moments", "like_param", 2, "adam", IMPLS, None,
-                        _TORCH_OPTIM.format(f="adam", n="adam")),
+                        _TORCH_OPTIM.format(f="adam", n="adam"), aliases=(_cls("torch.optim.Adam"), _lit("Adam"))),
         OptimizerRecord("sgd", "SGD", "torch.optim.SGD, no state", "none", 0, "none", IMPLS, None,
-                        _TORCH_OPTIM.format(f="sgd", n="sgd")),
+                        _TORCH_OPTIM.format(f="sgd", n="sgd"), aliases=(
+                            _hf("sgd", "SGD", "_get_sgd: torch.optim.SGD, momentum 0 unless optim_args"),
+                            _cls("torch.optim.SGD"), _lit("SGD"))),
         OptimizerRecord("sgd-momentum", "SGD-momentum", "torch.optim.SGD(momentum=0.9), one buffer", "like_param", 1,
                         "none", IMPLS, None, _TORCH_OPTIM.format(f="sgd", n="sgd")),
         OptimizerRecord("adafactor", "Adafactor", "Forgather's Adafactor, factored second moment", "factored", 0,
                         "adafactor", ("for-loop",), 2,
-                        "Forgather src/forgather/ml/optim/adafactor.py (commit a0ce9176) _adafactor"),
+                        "Forgather src/forgather/ml/optim/adafactor.py (commit a0ce9176) _adafactor", aliases=(
+                            _hf("adafactor", "ADAFACTOR", "_get_adafactor: transformers.optimization.Adafactor"),)),
+        # lion_32bit builds bitsandbytes' Lion, whose one buffer is fp32 (Optimizer1State); lion-pytorch keeps it
+        # in the state dtype: the same in fp32, half of it in pure bf16 (an approximation both readers share)
         OptimizerRecord("lion", "Lion", "lion-pytorch, one momentum buffer", "like_param", 1, "lion", ("for-loop",),
-                        None, "lion-pytorch lion_pytorch/lion_pytorch.py update_fn"),
+                        None, "lion-pytorch lion_pytorch/lion_pytorch.py update_fn", aliases=(
+                            _bnb("lion_32bit", "LION", "Lion", 32, False),)),
         OptimizerRecord("adamw-8bit", "AdamW-8bit", "bitsandbytes AdamW8bit, blockwise 8-bit moments",
                         "blockwise_8bit", 2, "none", ("for-loop",), 1,
-                        "bitsandbytes bitsandbytes/optim/optimizer.py Optimizer8bit (blockwise, min_8bit_size 4096)"),
+                        "bitsandbytes bitsandbytes/optim/optimizer.py Optimizer8bit (blockwise, min_8bit_size 4096)",
+                        aliases=(
+                            _bnb("adamw_bnb_8bit", "ADAMW_BNB", "AdamW", 8, False),
+                            _bnb("adamw_8bit", "ADAMW_8BIT", "AdamW", 8, False),
+                            _hf("adamw_torch_8bit", "ADAMW_TORCH_8BIT", "_get_torchao_optimizer: torchao.optim.AdamW8bit",
+                                note=_TORCHAO_NOTE),
+                            _cls("bitsandbytes.optim.AdamW8bit"),
+                            _cls("torchao.optim.AdamW8bit", _TORCHAO_NOTE),
+                            _cls("torchao.prototype.low_bit_optim.AdamW8bit", _TORCHAO_NOTE))),
         OptimizerRecord("paged-adamw", "PagedAdamW", "bitsandbytes PagedAdamW (paged_adamw_32bit), fp32 moments in "
                         "unified memory", "fp32", 2, "none", ("for-loop",), None,
                         "bitsandbytes bitsandbytes/optim/adamw.py PagedAdamW (optim_bits=32, is_paged=True); "
-                        "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True),
+                        "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True,
+                        aliases=(_bnb("paged_adamw_32bit", "PAGED_ADAMW", "AdamW", 32, True),
+                                 _cls("bitsandbytes.optim.PagedAdamW"), _cls("bitsandbytes.optim.PagedAdamW32bit"))),
         OptimizerRecord("paged-adamw-8bit", "PagedAdamW-8bit", "bitsandbytes PagedAdamW8bit, blockwise 8-bit moments in "
                         "unified memory", "blockwise_8bit", 2, "none", ("for-loop",), None,
                         "bitsandbytes bitsandbytes/optim/adamw.py PagedAdamW8bit (optim_bits=8, is_paged=True); "
-                        "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True),
+                        "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True,
+                        aliases=(_bnb("paged_adamw_8bit", "PAGED_ADAMW_8BIT", "AdamW", 8, True),
+                                 _cls("bitsandbytes.optim.PagedAdamW8bit"))),
     )
 }
 
@@ -120,6 +199,13 @@ OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZERS)
 PLANNED_OPTIMIZERS: tuple[str, ...] = tuple(
     sorted((r.name for r in OPTIMIZERS.values() if r.plan_order is not None), key=lambda n: OPTIMIZERS[n].plan_order)
 )
+
+
+@functools.cache
+def alias_table(*kinds: AliasKind) -> dict[str, tuple[str, Alias]]:
+    """External name -> (memcalc optimizer, its :class:`Alias`) for these kinds of name, in registry
+    order (the order an unknown name's error lists the valid ones in)."""
+    return {a.name: (r.name, a) for r in OPTIMIZERS.values() for a in r.aliases if a.kind in kinds}
 
 
 def get_optimizer(name: str) -> OptimizerRecord:

@@ -17,7 +17,7 @@ from typing import Any
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import (HF_OPTIMIZERS, Reader, Recipe, bool_value, choice, int_value,
+from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, optimizer_name,
                                            model_for_hub_id, peft_targets, set_deepspeed, set_fsdp)
 from memcalc.inputs.recipes.hf import attention, lora_settings, packing
 
@@ -66,7 +66,7 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
     _precision(r)
     if r.has("optimizer"):
         opt = r.get("optimizer")
-        name, impl = choice(opt, HF_OPTIMIZERS, f"{src}:optimizer")
+        name, impl = optimizer_name(r, "optimizer", "hf")
         r.set("optimizer", name, "optimizer", opt)
         if impl:
             r.set("optimizer_impl", impl, "optimizer", opt)

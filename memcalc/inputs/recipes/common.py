@@ -17,30 +17,13 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import AliasKind, alias_table
 from memcalc.inputs.data_files import clip
 
 #: LoRA target names as PEFT / Hugging Face modules call them, beyond memcalc.core.spec.LORA_TARGET_ALIASES:
 #: the output head (PEFT ``lm_head``; memcalc's ``head`` target comes with the techniques branch).
 HEAD_TARGET = "head"
 EXTRA_TARGET_ALIASES = {"lm_head": HEAD_TARGET, "output": HEAD_TARGET}
-
-#: Hugging Face ``optim`` names (transformers training_args.py ``OptimizerNames``; axolotl takes the same
-#: names) -> (memcalc optimizer, optimizer_impl or None for the default). ``paged-adamw`` and
-#: ``paged-adamw-8bit`` are bitsandbytes' paged optimizers (the techniques branch adds their records).
-HF_OPTIMIZERS: dict[str, tuple[str, Optional[str]]] = {
-    "adamw_torch": ("adamw", "foreach"),
-    "adamw_torch_fused": ("adamw", "fused"),
-    "adamw_hf": ("adamw", "for-loop"),
-    "adamw_bnb_8bit": ("adamw-8bit", None),
-    "adamw_8bit": ("adamw-8bit", None),
-    "paged_adamw_8bit": ("paged-adamw-8bit", None),
-    "paged_adamw_32bit": ("paged-adamw", None),
-    "paged_adamw": ("paged-adamw", None),
-    "adafactor": ("adafactor", None),
-    "sgd": ("sgd", None),
-    "lion_32bit": ("lion", None),
-}
-
 
 def bool_value(value: Any, where: str) -> bool:
     """A YAML/JSON boolean (true/false, or the strings "true"/"false"); anything else is an error."""
@@ -180,6 +163,18 @@ class Reader:
         self.rec.unread.extend(k for k in unread if k not in self.rec.unread)
 
 
+def optimizer_name(r: Reader, key: str, *kinds: AliasKind) -> tuple[str, Optional[str]]:
+    """The memcalc optimizer and ``optimizer_impl`` (None: its default) that the external name at ``key``
+    builds, from the optimizer registry's aliases of these kinds (an unknown name lists the valid ones;
+    an approximated one says how in a note)."""
+    value = r.get(key)
+    table = {k: v for kind in kinds for k, v in alias_table(kind).items()}
+    name, alias = choice(value, table, f"{r.src}:{key}")
+    if alias.note:
+        r.rec.note(f"{alias.name}: {alias.note}")
+    return name, alias.impl
+
+
 def model_for_hub_id(repo_id: str, where: str, rec: Recipe) -> str:
     """The ``--model`` value for a Hugging Face id in a recipe: the preset whose ``hf_id`` it is; else
     the preset whose id has the same repository name (a re-upload such as NousResearch/Llama-3.2-1B,
@@ -223,6 +218,8 @@ def peft_targets(value: Any, where: str) -> str:
     cannot tell which modules it matches without the model's module names."""
     from memcalc.core.spec import LORA_TARGET_ALIASES, LORA_TARGETS
 
+    if isinstance(value, (set, frozenset, tuple)):  # a live LoraConfig holds a set
+        value = sorted(value)
     if isinstance(value, str):
         if value.strip().lower() in ("all-linear", "all_linear"):
             return "all"

@@ -8,19 +8,28 @@ TRL's ``SFTConfig`` (``max_length``, formerly ``max_seq_length``; ``packing``) a
 ``lora_dropout``, ``lora_target_modules``, ``use_dora``, ``load_in_4bit``, ``load_in_8bit``), and PEFT's
 ``LoraConfig`` (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``use_dora``,
 ``modules_to_save``, ``rank_pattern``).
+
+This is memcalc's one reader of ``TrainingArguments``: ``--recipe`` reads a file with :func:`read`, and the
+Trainer callback (``memcalc.integrations.transformers.MemcalcCallback``) reads the live arguments with
+:func:`options_from_hf`, which hands ``args.to_dict()`` to the same :func:`read`. The ``optim`` names are the
+optimizer registry's ``hf`` aliases (:func:`memcalc.core.optimizers.alias_table`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import alias_table
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import (HF_OPTIMIZERS, Reader, Recipe, bool_value, choice, float_value, int_value,
-                                           model_for_hub_id, peft_targets, set_deepspeed, set_fsdp)
+from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, float_value, int_value, model_for_hub_id,
+                                           optimizer_name, peft_targets, set_deepspeed, set_fsdp)
 
 #: TrainingArguments.per_device_train_batch_size's default (transformers training_args.py)
 HF_DEFAULT_BATCH = 8
+#: TrainingArguments.optim's default: transformers 5.24 training_args.py sets ``default_optim = "adamw_torch_fused"``
+#: when torch >= 2.8 (the profile's version), ``"adamw_torch"`` before
+HF_DEFAULT_OPTIM = "adamw_torch_fused"
 
 #: the model's load dtype (``torch_dtype`` / ``dtype``) -> 16-bit or not
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "auto": "auto", "bf16": "bf16",
@@ -44,40 +53,22 @@ IGNORE = (
 )
 
 
-def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
-    """TrainingArguments / SFTConfig (with TRL ModelConfig keys, or an embedded ``peft_config``)."""
+def read(raw: dict[str, Any], rec: Recipe, src: str, strict: bool = True) -> None:
+    """TrainingArguments / SFTConfig (with TRL ModelConfig keys, or an embedded ``peft_config``).
+
+    ``strict`` (``--recipe``): a setting memcalc cannot model is a :class:`UserError`; without it (the
+    Trainer callback, which must never stop a run) an unknown ``optim`` or Liger's kernels are a note
+    and the estimate keeps memcalc's default."""
     r = Reader(raw, rec, src, IGNORE)
     r.set("framework", "hf", "(Hugging Face Trainer)", "hf")
-    if r.has("model_name_or_path"):
-        mid = r.get("model_name_or_path")
-        r.set("model", model_for_hub_id(str(mid), f"{src}:model_name_or_path", rec), "model_name_or_path", mid)
-    if r.has("per_device_train_batch_size"):
-        r.set("batch", int_value(r.get("per_device_train_batch_size"), f"{src}:per_device_train_batch_size"),
-              "per_device_train_batch_size")
-    else:
-        r.set("batch", HF_DEFAULT_BATCH, "per_device_train_batch_size (TrainingArguments default)")
-    if r.has("gradient_accumulation_steps"):
-        r.set("grad_accum", int_value(r.get("gradient_accumulation_steps"), f"{src}:gradient_accumulation_steps"),
-              "gradient_accumulation_steps")
-    checkpointing(r, "gradient_checkpointing")
-    for k in ("max_length", "max_seq_length"):
-        if r.has(k):
-            r.set("seq", int_value(r.get(k), f"{src}:{k}"), k)
-            break
+    _model_and_shape(r)
+    checkpointing(r)
     packing(r, "packing")
     precision(r, "bf16", "fp16", dtype_of(r))
-    optim = r.get("optim")
-    name, impl = choice(optim, HF_OPTIMIZERS, f"{src}:optim") if optim is not None else ("adamw", "fused")
-    r.set("optimizer", name, "optim" if optim is not None else "optim (TrainingArguments default: adamw_torch_fused)",
-          optim)
-    if impl:
-        r.set("optimizer_impl", impl, "optim" if optim is not None else "optim (default)", optim)
+    optimizer(r, "optim", strict)
     if r.has("torch_compile") and bool_value(r.get("torch_compile"), f"{src}:torch_compile"):
         r.set("compile", True, "torch_compile")
-    for k in ("use_liger_kernel", "use_liger"):
-        if r.has(k) and bool_value(r.get(k), f"{src}:{k}"):
-            raise UserError(f"{src}:{k}: Liger's fused kernels (fused linear cross-entropy, RMSNorm, SwiGLU) "
-                            "are not modelled; remove it")
+    _liger(r, strict)
     if r.has("deepspeed"):
         set_deepspeed(r, r.get("deepspeed"), "deepspeed", src)
     fsdp = r.get("fsdp")
@@ -89,6 +80,53 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
         r.read.add("peft_config")
         peft(raw["peft_config"], rec, src, "peft_config.")
     r.finish()
+
+
+def _model_and_shape(r: Reader) -> None:
+    """The model id, the micro-batch (TrainingArguments' default 8), accumulation and TRL's sequence length."""
+    src = r.src
+    if r.has("model_name_or_path"):
+        mid = r.get("model_name_or_path")
+        r.set("model", model_for_hub_id(str(mid), f"{src}:model_name_or_path", r.rec), "model_name_or_path", mid)
+    if r.has("per_device_train_batch_size"):
+        r.set("batch", int_value(r.get("per_device_train_batch_size"), f"{src}:per_device_train_batch_size"),
+              "per_device_train_batch_size")
+    else:
+        r.set("batch", HF_DEFAULT_BATCH, "per_device_train_batch_size (TrainingArguments default)")
+    if r.has("gradient_accumulation_steps"):
+        r.set("grad_accum", int_value(r.get("gradient_accumulation_steps"), f"{src}:gradient_accumulation_steps"),
+              "gradient_accumulation_steps")
+    for k in ("max_length", "max_seq_length"):
+        if r.has(k):
+            r.set("seq", int_value(r.get(k), f"{src}:{k}"), k)
+            break
+
+
+def optimizer(r: Reader, key: str, strict: bool = True) -> None:
+    """``optim`` (absent: TrainingArguments' default, :data:`HF_DEFAULT_OPTIM`) -> the optimizer registry's
+    ``hf`` alias: the optimizer and the implementation it builds (transformers trainer_optimizer.py)."""
+    optim = r.get(key)
+    if optim is None:
+        name, alias = alias_table("hf")[HF_DEFAULT_OPTIM]
+        r.set("optimizer", name, f"{key} (TrainingArguments default: {HF_DEFAULT_OPTIM})")
+        r.set("optimizer_impl", alias.impl, f"{key} (default)")
+        return
+    if not strict and (not isinstance(optim, str) or optim.strip() not in alias_table("hf")):
+        r.rec.note(f"optim {optim} is not modelled; the estimate assumes adamw")
+        return
+    name, impl = optimizer_name(r, key, "hf")
+    r.set("optimizer", name, key, optim)
+    if impl:
+        r.set("optimizer_impl", impl, key, optim)
+
+
+def _liger(r: Reader, strict: bool) -> None:
+    for k in ("use_liger_kernel", "use_liger"):
+        if r.has(k) and bool_value(r.get(k), f"{r.src}:{k}"):
+            why = "Liger's fused kernels (fused linear cross-entropy, RMSNorm, SwiGLU) are not modelled"
+            if strict:
+                raise UserError(f"{r.src}:{k}: {why}; remove it")
+            r.rec.note(f"{k}: {why}; the estimate is without them")
 
 
 def dtype_of(r: Reader) -> Any:
@@ -121,6 +159,8 @@ def precision(r: Reader, bf16_key: str, fp16_key: str, dtype: Any) -> None:
             r.set("precision", f"amp-{half}", f"{flag}+{key}", "float32")
         elif dt in ("bf16", "fp16"):
             r.set("precision", dt, key, r.get(key))  # the weights' dtype; autocast then computes in it too
+            if dt != half:
+                r.rec.note(f"{flag} autocast over {r.get(key)} weights: estimated as pure {dt}")
         else:
             r.set("precision", half, flag, True)
             if dt is None:
@@ -130,16 +170,28 @@ def precision(r: Reader, bf16_key: str, fp16_key: str, dtype: Any) -> None:
         r.set("precision", dt, key, r.get(key))
 
 
-def checkpointing(r: Reader, key: str) -> None:
+def checkpointing(r: Reader) -> None:
+    """``activation_checkpointing`` (transformers 5.2x; ``gradient_checkpointing`` is its deprecated alias, read
+    when the new name is absent: training_args.py ``__post_init__``) -> checkpoint full, or every-K with
+    ``activation_checkpointing_kwargs.every_n_layers`` K, and its ``offload`` -> activation_offload."""
     src = r.src
-    if r.has(key):
-        on = bool_value(r.get(key), f"{src}:{key}")
-        r.set("checkpoint", "full" if on else "none", key, on)
-        kw = f"{key}_kwargs.use_reentrant"
-        if on and r.has(kw) and bool_value(r.get(kw), f"{src}:{kw}"):
-            r.rec.note(f"{kw}: true: reentrant checkpointing is modelled as the non-reentrant kind (the same "
-                       "saved inputs per layer); `memcalc validate --reentrant` traces it")
-        r.get(f"{key}_kwargs")
+    key = next((k for k in ("activation_checkpointing", "gradient_checkpointing") if r.has(k)), None)
+    r.get("gradient_checkpointing")  # the alias a live TrainingArguments mirrors
+    if key is None:
+        return
+    on = bool_value(r.get(key), f"{src}:{key}")
+    kw = next((k for k in (f"{key}_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
+               if isinstance(r.raw.get(k), dict)), None)
+    every = int_value(r.get(f"{kw}.every_n_layers"), f"{src}:{kw}.every_n_layers") if on and kw and \
+        r.has(f"{kw}.every_n_layers") else 1
+    r.set("checkpoint", "none" if not on else "full" if every == 1 else f"every-{every}", key, on)
+    if on and kw and r.has(f"{kw}.offload") and bool_value(r.get(f"{kw}.offload"), f"{src}:{kw}.offload"):
+        r.set("activation_offload", True, f"{kw}.offload")
+    if on and kw and r.has(f"{kw}.use_reentrant") and bool_value(r.get(f"{kw}.use_reentrant"), f"{src}:{kw}.use_reentrant"):
+        r.rec.note(f"{kw}.use_reentrant: true: reentrant checkpointing is modelled as the non-reentrant kind (the "
+                   "same saved inputs per layer); `memcalc validate --reentrant` traces it")
+    for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+        r.get(k)
 
 
 def attention(r: Reader, key: str) -> None:
@@ -173,8 +225,12 @@ def _trl_peft(r: Reader) -> None:
                 r.rec.note(f"{k} is set but use_peft is not: TRL trains the whole model; the LoRA keys are ignored")
         return
     if not use:
-        raise UserError(f"{src}:load_in_4bit without use_peft: a 4-bit base cannot be fully fine-tuned; "
-                        "set use_peft: true")
+        if not isinstance(r.raw.get("peft_config"), dict):
+            raise UserError(f"{src}:load_in_4bit without use_peft: a 4-bit base cannot be fully fine-tuned; "
+                            "set use_peft: true")
+        r.set("qlora", True, "load_in_4bit")  # the embedded peft_config is the adapter
+        _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
+        return
     r.set("lora", True, "use_peft")
     if r.get("lora_modules_to_save"):
         raise UserError(f"{src}:lora_modules_to_save: fully trained module copies are not modelled; remove it")
@@ -255,3 +311,51 @@ def lora_settings(r: Reader, rank: int, alpha: float, dropout: Optional[float], 
             r.set("lora_dropout", d, "lora_dropout")
     elif dropout is not None:
         r.set("lora_dropout", dropout, f"lora_dropout ({whose} default)")
+
+
+#: What ``TrainingArguments.to_dict()`` always holds (transformers 5.24 defaults), for a partial mapping
+LIVE_DEFAULTS = {"per_device_train_batch_size": HF_DEFAULT_BATCH, "gradient_accumulation_steps": 1,
+                 "optim": HF_DEFAULT_OPTIM}
+#: Sharding keys a live run has already applied: the callback estimates its own GPU without them
+LIVE_NOT_READ = ("deepspeed", "fsdp", "fsdp_config")
+
+
+def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
+                    peft: Optional[Mapping[str, Any]] = None, load_in_4bit: bool = False) -> tuple[dict[str, Any], list[str]]:
+    """memcalc options (:class:`memcalc.inputs.resolve.Options` fields) for a live Hugging Face run, read by
+    :func:`read` (the ``--recipe`` reader), and one note per setting that is approximated or not modelled.
+
+    ``args``: ``TrainingArguments.to_dict()`` (or TRL ``SFTConfig``'s); ``model_dtype``: the dtype of the
+    model's weights (``"bfloat16"``, ``"float16"``, ``"float32"``), read as a recipe's ``torch_dtype``;
+    ``peft``: the adapter's ``LoraConfig.to_dict()``, read as an embedded ``peft_config``; ``load_in_4bit``:
+    a bitsandbytes 4-bit base (QLoRA), whose compute dtype is what ``bf16``/``fp16`` say.
+
+    A live ``to_dict()`` lists every field: the false and unset ones are left out, as a file would leave
+    them; ``deepspeed``/``fsdp`` are not read (one note: the estimate is for one GPU without sharding).
+
+    >>> opts, notes = options_from_hf({"per_device_train_batch_size": 4, "bf16": True,
+    ...                                "activation_checkpointing": True, "optim": "adamw_torch_fused"},
+    ...                               model_dtype="float32")
+    >>> opts == {"batch": 4, "grad_accum": 1, "precision": "amp-bf16", "checkpoint": "full",
+    ...          "optimizer": "adamw", "optimizer_impl": "fused"}
+    True
+    """
+    live = {k: getattr(v, "value", v) for k, v in args.items()}  # enums (optim, ...) as their names
+    raw: dict[str, Any] = {**LIVE_DEFAULTS, **{k: v for k, v in live.items() if v is not None and v is not False}}
+    notes = [f"{k} is not read; the estimate is for one GPU without sharding" for k in LIVE_NOT_READ[:2] if raw.get(k)]
+    for k in LIVE_NOT_READ:
+        raw.pop(k, None)
+    if load_in_4bit:
+        dtype = "float16" if raw.get("fp16") else "bfloat16" if raw.get("bf16") else None
+        raw["load_in_4bit"] = True
+    else:
+        dtype = (model_dtype or "float32").replace("torch.", "")
+        dtype = dtype if dtype in TORCH_DTYPES else "float32"  # float64 and the like: as fp32
+    if dtype:
+        raw["torch_dtype"] = dtype
+    if peft:
+        raw["peft_config"] = {k: getattr(v, "value", v) for k, v in peft.items()}
+    rec = Recipe(kind="hf")
+    read(raw, rec, "TrainingArguments", strict=False)
+    opts = {k: v for k, v in rec.values.items() if k not in ("framework", "model")}
+    return opts, notes + rec.notes

@@ -17,14 +17,12 @@ from typing import Any
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import Reader, Recipe, bool_value, choice, float_value, int_value, model_for_hub_id
+from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, float_value, int_value, model_for_hub_id,
+                                           optimizer_name)
 
 PRECISIONS = {"bf16-true": "bf16", "bf16-mixed": "amp-bf16", "16-true": "fp16", "16-mixed": "amp-fp16",
               "32-true": "fp32", "32": "fp32", "bf16": "bf16"}
 QUANTIZE = {"bnb.nf4": "nf4", "bnb.nf4-dq": "nf4-dq"}
-OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd", "torch.optim.AdamW": "adamw",
-              "torch.optim.Adam": "adam", "torch.optim.SGD": "sgd", "bitsandbytes.optim.AdamW8bit": "adamw-8bit",
-              "bitsandbytes.optim.PagedAdamW": "paged-adamw", "bitsandbytes.optim.PagedAdamW8bit": "paged-adamw-8bit"}
 #: lora_<part> -> memcalc targets (LitGPT's defaults: query and value on)
 PARTS = {"lora_query": ("q",), "lora_key": ("k",), "lora_value": ("v",), "lora_projection": ("o",),
          "lora_mlp": ("gate", "up", "down"), "lora_head": ("head",)}
@@ -97,10 +95,11 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
 
 
 def _optimizer(r: Reader) -> None:
-    opt = r.get("optimizer.class_path") if isinstance(r.raw.get("optimizer"), dict) else r.get("optimizer")
+    key = "optimizer.class_path" if isinstance(r.raw.get("optimizer"), dict) else "optimizer"
+    opt = r.get(key)
     if opt is None:
         return
-    r.set("optimizer", choice(opt, OPTIMIZERS, f"{r.src}:optimizer"), "optimizer", opt)
+    r.set("optimizer", optimizer_name(r, key, "litgpt", "class")[0], "optimizer", opt)
 
 
 def _lora(r: Reader) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import Reader, Recipe, bool_value, choice, float_value, int_value
+from memcalc.inputs.recipes.common import Reader, Recipe, bool_value, choice, float_value, int_value, optimizer_name
 
 #: torchtune model builder (without its lora_/qlora_ prefix) -> memcalc preset (the same architecture:
 #: torchtune/models/<family>/_model_builders.py against the preset's Hugging Face config.json).
@@ -30,14 +30,6 @@ TORCHTUNE_MODELS = {
     "qwen3_8b_base": "qwen3-8b", "qwen3_8b_instruct": "qwen3-8b",
     "qwen3_14b_base": "qwen3-14b", "qwen3_14b_instruct": "qwen3-14b", "qwen3_32b": "qwen3-32b",
     "gemma2_9b": "gemma-2-9b", "phi4_14b": "phi-4",
-}
-
-#: ``optimizer._component_`` -> memcalc optimizer (``paged-adamw*``: the techniques branch's records)
-TORCHTUNE_OPTIMIZERS = {
-    "torch.optim.AdamW": "adamw", "torch.optim.Adam": "adam", "torch.optim.SGD": "sgd",
-    "bitsandbytes.optim.AdamW8bit": "adamw-8bit", "bitsandbytes.optim.PagedAdamW8bit": "paged-adamw-8bit",
-    "bitsandbytes.optim.PagedAdamW": "paged-adamw", "bitsandbytes.optim.PagedAdamW32bit": "paged-adamw",
-    "torchao.optim.AdamW8bit": "adamw-8bit", "torchao.prototype.low_bit_optim.AdamW8bit": "adamw-8bit",
 }
 
 #: ``loss._component_`` -> (--loss, note)
@@ -191,14 +183,11 @@ def _optimizer(r: Reader) -> None:
     comp = r.get("optimizer._component_")
     if comp is None:
         return
-    name = choice(comp, TORCHTUNE_OPTIMIZERS, f"{src}:optimizer._component_")
+    name, _ = optimizer_name(r, "optimizer._component_", "class")
     if name == "sgd" and r.has("optimizer.momentum") and float_value(r.get("optimizer.momentum"), f"{src}:optimizer.momentum"):
         name = "sgd-momentum"
     r.get("optimizer.momentum")
     r.set("optimizer", name, "optimizer._component_", comp)
-    if comp.startswith("torchao."):
-        r.rec.note(f"{comp}: modelled as bitsandbytes' blockwise 8-bit AdamW (two 8-bit moments, one fp32 scale "
-                   "per block of 256)")
     if comp.startswith("torch.optim."):
         if r.has("optimizer.fused") and bool_value(r.get("optimizer.fused"), f"{src}:optimizer.fused"):
             r.set("optimizer_impl", "fused", "optimizer.fused", True)
