@@ -34,7 +34,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
     }),
     frozenset({"memcalc.validate.runner", "memcalc.validate.sharded.tp"}),
     frozenset({"memcalc.api", "memcalc.validate.measure"}),
-    frozenset({"memcalc.integrations.transformers", "memcalc.validate.callback"}),
 ]
 
 #: modules over MAX_LINES lines today, by path
@@ -51,7 +50,6 @@ KNOWN_COMPLEX: set[str] = {
     "memcalc/compile/mincut.py:Network.__init__",  # 35
     "memcalc/engine/timeline.py:_simulate",  # 43
     "memcalc/inputs/deepspeed_config.py:read_deepspeed",  # 33
-    "memcalc/integrations/transformers.py:options_from_hf",  # 42
     "memcalc/render/plain.py:render_table",  # 43
 }
 
