@@ -72,7 +72,8 @@ def test_a_live_arguments_dict_reads_as_its_file():
     # values; gradient_checkpointing mirrors activation_checkpointing (training_args.py __post_init__)
     live = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "optim": "adamw_torch", "bf16": False,
             "fp16": False, "activation_checkpointing": True, "gradient_checkpointing": True,
-            "activation_checkpointing_kwargs": {"every_n_layers": 3}, "gradient_checkpointing_kwargs": {"every_n_layers": 3},
+            "activation_checkpointing_kwargs": {"every_n_layers": 3},
+            "gradient_checkpointing_kwargs": {"every_n_layers": 3},
             "torch_compile": False, "use_liger_kernel": False, "deepspeed": None, "fsdp": None, "fsdp_config": None,
             "output_dir": "out", "learning_rate": 5e-5, "optim_args": None}
     opts, notes = options_from_hf(live, "float32")
@@ -85,15 +86,18 @@ def test_a_live_arguments_dict_reads_as_its_file():
 
 # (kind, external name, memcalc optimizer, optimizer_impl): every alias on the registry, one row each
 ALIASES = [
-    # source: transformers 5.24 training_args.py OptimizerNames.ADAMW_TORCH; trainer_optimizer.py _get_adamw_torch (no foreach/fused: CUDA's foreach)
+    # source: transformers 5.24 training_args.py OptimizerNames.ADAMW_TORCH; trainer_optimizer.py _get_adamw_torch
+    # (no foreach/fused argument: CUDA's default, foreach)
     ("hf", "adamw_torch", "adamw", "foreach"),
     # source: trainer_optimizer.py _get_adamw_torch: optimizer_kwargs fused=True for ADAMW_TORCH_FUSED
     ("hf", "adamw_torch_fused", "adamw", "fused"),
-    # source: transformers 4.x OptimizerNames.ADAMW_HF: transformers.optimization.AdamW, a per-parameter loop (not in 5.24)
+    # source: transformers 4.x OptimizerNames.ADAMW_HF: transformers.optimization.AdamW, a per-parameter loop
+    # (not in 5.24)
     ("hf", "adamw_hf", "adamw", "for-loop"),
     # source: trainer_optimizer.py _get_sgd: torch.optim.SGD, momentum only from optim_args
     ("hf", "sgd", "sgd", None),
-    # source: trainer_optimizer.py _get_adafactor: transformers.optimization.Adafactor(scale_parameter=False, relative_step=False)
+    # source: trainer_optimizer.py _get_adafactor: transformers.optimization.Adafactor(scale_parameter=False,
+    # relative_step=False)
     ("hf", "adafactor", "adafactor", None),
     # source: _get_bitsandbytes_optimizer: bitsandbytes Lion(optim_bits=32) (memcalc models lion-pytorch's one buffer)
     ("hf", "lion_32bit", "lion", None),
@@ -101,7 +105,8 @@ ALIASES = [
     ("hf", "adamw_bnb_8bit", "adamw-8bit", None),
     # source: training_args.py ADAMW_8BIT = "adamw_8bit"  # just an alias for adamw_bnb_8bit
     ("hf", "adamw_8bit", "adamw-8bit", None),
-    # source: trainer_optimizer.py _get_torchao_optimizer: torchao AdamW8bit (noted: modelled as bitsandbytes' blockwise 8-bit)
+    # source: trainer_optimizer.py _get_torchao_optimizer: torchao AdamW8bit (noted: modelled as bitsandbytes'
+    # blockwise 8-bit)
     ("hf", "adamw_torch_8bit", "adamw-8bit", None),
     # source: _get_bitsandbytes_optimizer: AdamW, optim_bits 32 (no "8bit"), is_paged True = PagedAdamW
     ("hf", "paged_adamw_32bit", "paged-adamw", None),

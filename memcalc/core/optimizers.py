@@ -147,8 +147,9 @@ OPTIMIZERS: dict[str, OptimizerRecord] = {
                             # torch.optim.AdamW without foreach/fused: CUDA's default, foreach
                             _hf("adamw_torch", "ADAMW_TORCH", "_get_adamw_torch: torch.optim.AdamW", "foreach"),
                             _hf("adamw_torch_fused", "ADAMW_TORCH_FUSED", "_get_adamw_torch: fused=True", "fused"),
-                            Alias("hf", "adamw_hf", "transformers 4.x OptimizerNames.ADAMW_HF: transformers.optimization"
-                                  ".AdamW, a loop over the parameters (gone from 5.x's OptimizerNames)", "for-loop"),
+                            Alias("hf", "adamw_hf", "transformers 4.x OptimizerNames.ADAMW_HF: transformers."
+                                  "optimization.AdamW, a loop over the parameters (gone from 5.x's OptimizerNames)",
+                                  "for-loop"),
                             _cls("torch.optim.AdamW"), _lit("AdamW"))),
         OptimizerRecord("adam", "Adam", "torch.optim.Adam, two moments", "like_param", 2, "adam", IMPLS, None,
                         _TORCH_OPTIM.format(f="adam", n="adam"), aliases=(_cls("torch.optim.Adam"), _lit("Adam"))),
@@ -173,8 +174,8 @@ OPTIMIZERS: dict[str, OptimizerRecord] = {
                         aliases=(
                             _bnb("adamw_bnb_8bit", "ADAMW_BNB", "AdamW", 8, False),
                             _bnb("adamw_8bit", "ADAMW_8BIT", "AdamW", 8, False),
-                            _hf("adamw_torch_8bit", "ADAMW_TORCH_8BIT", "_get_torchao_optimizer: torchao.optim.AdamW8bit",
-                                note=_TORCHAO_NOTE),
+                            _hf("adamw_torch_8bit", "ADAMW_TORCH_8BIT",
+                                "_get_torchao_optimizer: torchao.optim.AdamW8bit", note=_TORCHAO_NOTE),
                             _cls("bitsandbytes.optim.AdamW8bit"),
                             _cls("torchao.optim.AdamW8bit", _TORCHAO_NOTE),
                             _cls("torchao.prototype.low_bit_optim.AdamW8bit", _TORCHAO_NOTE))),

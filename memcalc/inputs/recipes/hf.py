@@ -17,7 +17,8 @@ optimizer registry's ``hf`` aliases (:func:`memcalc.core.optimizers.alias_table`
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import alias_table
@@ -160,7 +161,7 @@ def precision(r: Reader, bf16_key: str, fp16_key: str, dtype: Any) -> None:
         elif dt in ("bf16", "fp16"):
             r.set("precision", dt, key, r.get(key))  # the weights' dtype; autocast then computes in it too
             if dt != half:
-                r.rec.note(f"{flag} autocast over {r.get(key)} weights: estimated as pure {dt}")
+                r.rec.note(f"{flag} autocast over {dt} weights: estimated as pure {dt}")
         else:
             r.set("precision", half, flag, True)
             if dt is None:
@@ -181,13 +182,16 @@ def checkpointing(r: Reader) -> None:
         return
     on = bool_value(r.get(key), f"{src}:{key}")
     kw = next((k for k in (f"{key}_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")
-               if isinstance(r.raw.get(k), dict)), None)
-    every = int_value(r.get(f"{kw}.every_n_layers"), f"{src}:{kw}.every_n_layers") if on and kw and \
-        r.has(f"{kw}.every_n_layers") else 1
+               if isinstance(r.raw.get(k), dict)), "") if on else ""
+
+    def kwarg(name: str) -> Any:
+        return r.get(f"{kw}.{name}") if kw else None
+
+    every = 1 if kwarg("every_n_layers") is None else int_value(kwarg("every_n_layers"), f"{src}:{kw}.every_n_layers")
     r.set("checkpoint", "none" if not on else "full" if every == 1 else f"every-{every}", key, on)
-    if on and kw and r.has(f"{kw}.offload") and bool_value(r.get(f"{kw}.offload"), f"{src}:{kw}.offload"):
+    if kwarg("offload") is not None and bool_value(kwarg("offload"), f"{src}:{kw}.offload"):
         r.set("activation_offload", True, f"{kw}.offload")
-    if on and kw and r.has(f"{kw}.use_reentrant") and bool_value(r.get(f"{kw}.use_reentrant"), f"{src}:{kw}.use_reentrant"):
+    if kwarg("use_reentrant") is not None and bool_value(kwarg("use_reentrant"), f"{src}:{kw}.use_reentrant"):
         r.rec.note(f"{kw}.use_reentrant: true: reentrant checkpointing is modelled as the non-reentrant kind (the "
                    "same saved inputs per layer); `memcalc validate --reentrant` traces it")
     for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
@@ -321,7 +325,8 @@ LIVE_NOT_READ = ("deepspeed", "fsdp", "fsdp_config")
 
 
 def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
-                    peft: Optional[Mapping[str, Any]] = None, load_in_4bit: bool = False) -> tuple[dict[str, Any], list[str]]:
+                    peft: Optional[Mapping[str, Any]] = None,
+                    load_in_4bit: bool = False) -> tuple[dict[str, Any], list[str]]:
     """memcalc options (:class:`memcalc.inputs.resolve.Options` fields) for a live Hugging Face run, read by
     :func:`read` (the ``--recipe`` reader), and one note per setting that is approximated or not modelled.
 
