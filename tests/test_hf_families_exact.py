@@ -1,7 +1,7 @@
 """Exact parameter counts of every shipped Hugging Face config fixture (data/hf_configs) against
 transformers 5.23 and peft 0.21: the model built by ``AutoModelForCausalLM.from_config`` on the meta
 device has exactly memcalc's ``count_params(...).total``; after ``get_peft_model`` (rank 8, the
-family's attention and MLP projection names, and ``target_parameters`` for MoE experts) the
+family's attention and MLP projection names from its adapter, and ``target_parameters`` for MoE experts) the
 trainable count is exactly memcalc's LoRA ``trainable``, fused projections (one adapter on c_attn,
 qkv_proj, query_key_value, gate_up_proj) included.
 
@@ -22,6 +22,7 @@ peft = pytest.importorskip("peft")
 
 from memcalc.core.spec import LoraSpec  # noqa: E402
 from memcalc.engine.params import count_params  # noqa: E402
+from memcalc.inputs import hf_families  # noqa: E402
 from memcalc.inputs.hf_config import from_hf_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -29,26 +30,6 @@ pytestmark = pytest.mark.slow
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.json"))
 
-#: model_type -> (PEFT target_modules of the attention and MLP projections, memcalc's canonical targets).
-#: source: each family's modeling_*.py module names (transformers 5.23).
-TARGETS: dict[str, tuple[list[str], tuple[str, ...]]] = {
-    "llama-like": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                   ("q", "k", "v", "o", "gate", "up", "down")),
-    "gpt2": (["c_attn", "c_proj", "c_fc"], ("qkv", "o", "up", "down")),  # c_proj: attention out and MLP down
-    "phi": (["q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2"], ("q", "k", "v", "o", "up", "down")),
-    "phi3": (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], ("qkv", "o", "gate_up", "down")),
-    "gpt_neox": (["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], ("qkv", "o", "up", "down")),
-    "falcon": (["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], ("qkv", "o", "up", "down")),
-    "starcoder2": (["q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"], ("q", "k", "v", "o", "up", "down")),
-    "glm4": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
-             ("q", "k", "v", "o", "gate_up", "down")),
-    "mixtral": (["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"],  # v4 expert names PEFT converts
-                ("q", "k", "v", "o", "gate", "up", "down")),
-    "mla": (["q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
-             "down_proj"], ("q", "q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down")),
-}
-#: PEFT target_parameters for the routed experts (3-D nn.Parameter in transformers 5)
-EXPERT_PARAMS = ["experts.gate_up_proj", "experts.down_proj"]
 RANK = 8
 LAYERS = 4  # at least DeepSeek-V3's 3 dense layers + 1 MoE layer
 
@@ -77,11 +58,14 @@ def hf_model(cfg: dict):
         return transformers.AutoModelForCausalLM.from_config(conf)
 
 
-def family(cfg: dict) -> str:
-    t = cfg["model_type"]
-    if t in ("deepseek_v2", "deepseek_v3"):
-        return "mla"
-    return t if t in TARGETS else "llama-like"
+def peft_names(cfg: dict, spec) -> tuple[tuple[str, ...], list[str], dict]:
+    """(memcalc's targets but experts, their PEFT target_modules, further LoraConfig arguments) from the
+    family's adapter (source: each family's modeling_*.py module names, transformers 5.23); every
+    target the model has must have its names."""
+    a = hf_families.get(cfg["model_type"])
+    targets = tuple(t for t in spec.lora_targets if t != "experts")
+    modules = list(dict.fromkeys(n for t in targets for n in a.lora[t]))
+    return targets, modules, dict(a.lora_kwargs)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -98,16 +82,15 @@ LORA_CASES = [(n, False) for n in NAMES] + [(n, True) for n in NAMES if '"num_ex
 
 @pytest.mark.parametrize("name,experts", LORA_CASES, ids=[f"{n}{'-experts' if e else ''}" for n, e in LORA_CASES])
 def test_lora_trainable_equals_peft(name: str, experts: bool) -> None:
-    """target_modules = the family's attention and MLP names as a user writes them (PEFT 0.21 itself turns
-    the MLP names of Mixtral / Qwen3-MoE / DeepSeek into expert adapters); with ``experts``, plus
-    target_parameters on the routed experts."""
+    """target_modules = the family's attention and MLP names as a user writes them, from its adapter
+    (PEFT 0.21 itself turns the MLP names of Mixtral / Qwen3-MoE / DeepSeek into expert adapters); with
+    ``experts``, plus target_parameters on the routed experts (the adapter's ``lora_params``)."""
     cfg = scaled(raw(name))
     spec = from_hf_config(cfg, name, strict=True)
-    modules, canon = TARGETS[family(cfg)]
-    targets = tuple(t for t in canon if t in spec.lora_targets)
+    targets, modules, kwargs = peft_names(cfg, spec)
+    params = list(hf_families.get(cfg["model_type"]).lora_params["experts"]) if experts else None
     model = hf_model(cfg)
-    lc = peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=list(modules),
-                         target_parameters=EXPERT_PARAMS if experts else None)
+    lc = peft.LoraConfig(r=RANK, lora_alpha=16, target_modules=modules, target_parameters=params, **kwargs)
     with torch.device("meta"):
         pm = peft.get_peft_model(model, lc)
     trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)

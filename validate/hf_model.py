@@ -1,8 +1,10 @@
 """memcalc's :class:`~memcalc.core.spec.ModelSpec` as a Hugging Face ``transformers`` config, and the
 real model built from it (``memcalc validate --framework hf``).
 
-This is the inverse of :mod:`memcalc.inputs.hf_config` (config.json -> ModelSpec). A registry,
-:data:`FAMILIES`, keyed by the Hugging Face ``model_type``, holds for each family:
+Every family is its adapter (:mod:`memcalc.inputs.hf_families`, one module per ``model_type``,
+torch-free): its PEFT names (``lora``, ``lora_params``, ``lora_kwargs``), the transformers auto class
+that builds it, and, for the families that build a hand-written ModelSpec, its ``inverse``. The
+validator's :class:`Family` record is made from the adapter (:func:`from_adapter`) and holds:
 
 - ``mismatches(m)``: what of the ModelSpec the family's modeling code cannot express (empty =
   it can), read from its ``modeling_*.py`` (transformers 5.23);
@@ -11,20 +13,16 @@ This is the inverse of :mod:`memcalc.inputs.hf_config` (config.json -> ModelSpec
   module names PEFT matches (``target_modules``); several memcalc targets that name one fused
   module (GPT-2's ``c_attn`` = q, k, v) must be asked together.
 
-A preset read from a shipped config.json (``data/models/*.yaml`` with ``hf_config``) needs none of
-this: when the ModelSpec is that preset's model, :func:`choose_family` returns a family whose config is
-the published file cut to the traced depth (:mod:`.hf_presets`), any ``model_type`` transformers knows.
+A preset read from a shipped config.json (``data/models/*.yaml`` with ``hf_config``) needs no
+inverse: when the ModelSpec is that preset's model, :func:`choose_family` returns its adapter's
+family with the published file, cut to the traced depth, as config (:mod:`.hf_presets`).
 
-To add a family: write its two functions and one :class:`Family` record, and add the record to
-:data:`FAMILIES` (the tests round-trip every family: ModelSpec -> config -> ``from_config``
-parameter count == :func:`memcalc.engine.params.count_params`).
-
-Choices the ModelSpec does not carry, fixed here: Mistral's ``sliding_window`` is None (the
-estimator assumes no attention mask; Mistral-7B-v0.1's 4096 only matters for longer sequences);
-ModelSpec's ``gelu_new`` is transformers' ``gelu_new`` (NewGELUActivation, the composite chain) and
-``gelu_tanh`` its ``gelu_pytorch_tanh`` (one fused kernel), in every family.
+:data:`FAMILIES` are the adapters with an ``inverse`` (the tests round-trip each: ModelSpec ->
+config -> ``from_config`` parameter count == :func:`memcalc.engine.params.count_params`). Choices
+the ModelSpec does not carry are the adapters' (Mistral's ``sliding_window`` None; ModelSpec's
+``gelu_new`` is transformers' ``gelu_new``, ``gelu_tanh`` its ``gelu_pytorch_tanh``, in every family:
+:data:`memcalc.inputs.hf_families.common.HF_ACTIVATIONS`).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,111 +30,13 @@ from typing import Any, Callable, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import LoraSpec, ModelSpec
-
-_ACT_LLAMA = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "gelu_new": "gelu_new", "relu": "relu"}
-_ACT_GPT = _ACT_LLAMA
-
-
-def _want(m: ModelSpec, **expected: Any) -> list[str]:
-    """``field=value (needs expected)`` for each field of ``m`` (or property) that differs."""
-    out = []
-    for k, v in expected.items():
-        have = getattr(m, k)
-        if have != v:
-            out.append(f"{k}={have!r} (needs {v!r})")
-    return out
-
-
-def _llama_shape(m: ModelSpec) -> list[str]:
-    """LlamaDecoderLayer and its siblings: pre-norm RMSNorm (no bias), gated MLP, full RoPE, no
-    residual or embedding dropout, a final norm, no head bias."""
-    return _want(m, mlp="gated", norm="rmsnorm", has_norm_bias=False, norm_placement="pre", residual_scale=1.0,
-                 block="sequential", positions="rope", rotary_pct=1.0, final_norm=True, lm_head_bias=False,
-                 resid_dropout=0.0, embd_dropout=0.0)
-
-
-def _llama_config(m: ModelSpec, act: dict[str, str] = _ACT_LLAMA) -> dict[str, Any]:
-    return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
-                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
-                head_dim=m.dim_head, hidden_act=act[m.activation], max_position_embeddings=m.max_seq_len,
-                rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, attention_dropout=m.attn_dropout)
-
-
-def _llama_mismatches(m: ModelSpec) -> list[str]:
-    # LlamaAttention: q/k/v/o all take bias=config.attention_bias; LlamaMLP: bias=config.mlp_bias
-    out = _llama_shape(m)
-    if m.qkv_bias != m.o_bias:
-        out.append(f"qkv_bias={m.qkv_bias} with o_bias={m.o_bias} (attention_bias sets both)")
-    return out
-
-
-def _llama(m: ModelSpec) -> dict[str, Any]:
-    return dict(_llama_config(m), attention_bias=m.qkv_bias, mlp_bias=m.mlp_bias)
-
-
-def _mistral_mismatches(m: ModelSpec) -> list[str]:
-    # MistralAttention / MistralMLP: bias=False everywhere
-    return _llama_shape(m) + _want(m, qkv_bias=False, o_bias=False, mlp_bias=False)
-
-
-def _mistral(m: ModelSpec) -> dict[str, Any]:
-    return dict(_llama_config(m), sliding_window=None)
-
-
-def _qwen2_mismatches(m: ModelSpec) -> list[str]:
-    # Qwen2Attention: q/k/v bias=True, o_proj bias=False; Qwen2MLP without bias
-    return _llama_shape(m) + _want(m, qkv_bias=True, o_bias=False, mlp_bias=False)
-
-
-def _qwen2(m: ModelSpec) -> dict[str, Any]:
-    return dict(_llama_config(m), use_sliding_window=False)
-
-
-def _gpt2_mismatches(m: ModelSpec) -> list[str]:
-    # GPT2Block: pre-norm LayerNorm with bias, Conv1D c_attn/c_proj/c_fc/c_proj with biases, learned
-    # positions (wpe), one head per key (no GQA), head_dim = n_embd / n_head, final ln_f
-    out = _want(m, mlp="plain", norm="layernorm", has_norm_bias=True, norm_placement="pre", residual_scale=1.0,
-                block="sequential", positions="learned", final_norm=True, lm_head_bias=False, qkv_bias=True,
-                o_bias=True, mlp_bias=True, kv_heads=m.n_heads)
-    if m.dim_head * m.n_heads != m.d_model:
-        out.append(f"head_dim={m.dim_head} (needs d_model / n_heads = {m.d_model // m.n_heads})")
-    return out
-
-
-def _gpt2(m: ModelSpec) -> dict[str, Any]:
-    return dict(vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers,
-                n_head=m.n_heads, n_inner=m.d_ff, activation_function=_ACT_GPT[m.activation],
-                layer_norm_epsilon=m.norm_eps, attn_pdrop=m.attn_dropout, resid_pdrop=m.resid_dropout,
-                embd_pdrop=m.embd_dropout, tie_word_embeddings=m.tie_embeddings, bos_token_id=0, eos_token_id=0)
-
-
-def _phi_mismatches(m: ModelSpec) -> list[str]:
-    # PhiDecoderLayer: one LayerNorm, attention and MLP in parallel, biases on q/k/v/dense, fc1/fc2 and
-    # lm_head, partial RoPE, final_layernorm; head_dim = hidden_size / num_attention_heads
-    out = _want(m, mlp="plain", norm="layernorm", has_norm_bias=True, norm_placement="pre", residual_scale=1.0,
-                block="parallel", positions="rope", final_norm=True, lm_head_bias=True, qkv_bias=True,
-                o_bias=True, mlp_bias=True)
-    if m.dim_head * m.n_heads != m.d_model:
-        out.append(f"head_dim={m.dim_head} (needs d_model / n_heads = {m.d_model // m.n_heads})")
-    return out
-
-
-def _phi(m: ModelSpec) -> dict[str, Any]:
-    return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
-                num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
-                hidden_act=_ACT_GPT[m.activation], max_position_embeddings=m.max_seq_len,
-                layer_norm_eps=m.norm_eps, partial_rotary_factor=m.rotary_pct, tie_word_embeddings=m.tie_embeddings,
-                attention_dropout=m.attn_dropout, resid_pdrop=m.resid_dropout, embd_pdrop=m.embd_dropout,
-                qk_layernorm=False)
-
-
-_LLAMA_LORA = {"q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("o_proj",), "gate": ("gate_proj",),
-               "up": ("up_proj",), "down": ("down_proj",)}
+from memcalc.inputs import hf_families
 
 
 @dataclass(frozen=True)
 class Family:
-    """One Hugging Face ``model_type`` (see the module docstring)."""
+    """One Hugging Face ``model_type`` as the validator builds it (see the module docstring), made
+    from its adapter (:func:`from_adapter`)."""
 
     model_type: str
     mismatches: Callable[[ModelSpec], list[str]]
@@ -152,6 +52,27 @@ class Family:
     fused_qkv: bool = False
     #: memcalc targets reached through PEFT's ``target_parameters`` (MoE experts), not modules
     lora_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: the transformers auto class that builds the model from its configuration
+    auto_class: str = "AutoModelForCausalLM"
+
+
+def from_adapter(a: hf_families.Family, mismatches: Optional[Callable[[ModelSpec], list[str]]] = None,
+                 config: Optional[Callable[[ModelSpec], dict[str, Any]]] = None, shape: str = "",
+                 fused_qkv: bool = False) -> Family:
+    """The validator's record of adapter ``a``: its PEFT names and auto class; ``mismatches``,
+    ``config``, ``shape`` and ``fused_qkv`` from its ``inverse`` unless given."""
+    inv = a.inverse
+    return Family(a.model_type, mismatches or (inv.mismatches if inv else (lambda _m: [])),
+                  config or (inv.config if inv else _no_inverse(a.model_type)), dict(a.lora),
+                  shape=shape or (inv.shape if inv else ""), lora_kwargs=dict(a.lora_kwargs),
+                  fused_qkv=fused_qkv or (inv.fused_qkv if inv else False), lora_params=dict(a.lora_params),
+                  auto_class=a.auto_class)
+
+
+def _no_inverse(model_type: str) -> Callable[[ModelSpec], dict[str, Any]]:
+    def config(m: ModelSpec) -> dict[str, Any]:
+        raise UserError(f"--framework hf: {model_type} builds only from a config.json (no ModelSpec inverse)")
+    return config
 
 
 #: ModelSpec fields of the newer families (issue 12) and their defaults: a family registered here
@@ -171,20 +92,14 @@ def _feature_mismatches(f: Family, m: ModelSpec) -> list[str]:
     return out
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("llama", _llama_mismatches, _llama, _LLAMA_LORA,
-           shape="RMSNorm, gated MLP, RoPE, GQA, head_dim, attention_bias on q/k/v/o, mlp_bias"),
-    Family("mistral", _mistral_mismatches, _mistral, _LLAMA_LORA, shape="llama without biases"),
-    Family("qwen2", _qwen2_mismatches, _qwen2, _LLAMA_LORA, shape="llama with q/k/v biases only"),
-    Family("gpt2", _gpt2_mismatches, _gpt2,
-           {"qkv": ("c_attn",), "o": ("attn.c_proj",), "up": ("c_fc",), "down": ("mlp.c_proj",)},
-           shape="LayerNorm, plain MLP, learned positions, all biases, fused Conv1D c_attn (fused_qkv)",
-           lora_kwargs={"fan_in_fan_out": True}, fused_qkv=True),
-    Family("phi", _phi_mismatches, _phi,
-           {"q": ("q_proj",), "k": ("k_proj",), "v": ("v_proj",), "o": ("dense",), "up": ("fc1",),
-            "down": ("fc2",)},
-           shape="parallel block, one LayerNorm, partial RoPE, all biases incl. lm_head"),
-)}
+def hand_written() -> dict[str, Family]:
+    """The families with a ModelSpec inverse (their adapters' ``inverse``), in their ``order``."""
+    adapters = sorted((a for a in hf_families.families().values() if a.inverse is not None),
+                      key=lambda a: (a.inverse.order, a.model_type))
+    return {a.model_type: from_adapter(a) for a in adapters}
+
+
+FAMILIES: dict[str, Family] = hand_written()
 
 
 def preset_family(m: ModelSpec) -> Optional[Family]:
@@ -196,10 +111,10 @@ def preset_family(m: ModelSpec) -> Optional[Family]:
     if hit is None:
         return None
     name, raw = hit
-    mt = raw["model_type"]
-    return Family(mt, lambda _m: [], lambda mm: hf_presets.config_kwargs(raw, mm.n_layers),
-                  hf_presets.lora_modules(mt), shape=f"preset {name}, data/hf_configs", fused_qkv=m.fused_qkv,
-                  lora_params=dict(hf_presets.EXPERT_PARAMS))
+    adapter = hf_families.get(raw["model_type"])
+    assert adapter is not None, raw["model_type"]  # find_preset matched a model read through it
+    return from_adapter(adapter, lambda _m: [], lambda mm: hf_presets.config_kwargs(raw, mm.n_layers),
+                        shape=f"preset {name}, data/hf_configs", fused_qkv=m.fused_qkv)
 
 
 def choose_family(m: ModelSpec) -> Family:
@@ -262,12 +177,12 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
     defaults (``autocast_adapter_dtype=True``: fp32 adapters over a 16-bit base). Returns
     ``(model, family)``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     family = family or choose_family(m)
     cfg = hf_config(m, family)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = getattr(transformers, family.auto_class).from_config(cfg, dtype=dtype)
     if lora is not None:
         import warnings
 

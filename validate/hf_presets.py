@@ -16,11 +16,8 @@ than layers = every layer dense, as memcalc's ``MoeSpec.first_dense_layers`` rea
 The stored quantization format (``quantization_config``: gpt-oss MXFP4, DeepSeek FP8) and the
 remote-code map (``auto_map``) are dropped: training builds the plain transformers modules.
 
-LoRA: memcalc's targets as the module names of each family's ``modeling_*.py`` (transformers
-5.23); ``experts`` is PEFT's ``target_parameters`` on the 3-D expert tensors; Mixtral's MLP
-targets are its v4 names ``w1``/``w3``/``w2``, which PEFT 0.21 converts to expert adapters
-(peft/utils/transformers_weight_conversion.py ``_convert_peft_config_moe``), as Qwen3-MoE's and
-DeepSeek's ``gate_proj``/``up_proj``/``down_proj`` (memcalc: ``MoeSpec.lora_mlp_to_experts``).
+LoRA: memcalc's targets as the module names of each family's ``modeling_*.py`` are its adapter's
+(:mod:`memcalc.inputs.hf_families`, ``Family.lora`` and ``lora_params``).
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from functools import lru_cache
 from typing import Any, Optional
 
 from memcalc.core.spec import ModelSpec
+from memcalc.inputs import hf_families
 
 #: config keys holding one entry per layer (cut to n_layers)
 _PER_LAYER = ("layer_types", "no_rope_layers")
@@ -38,26 +36,6 @@ _PER_LAYER = ("layer_types", "no_rope_layers")
 _LAYER_INDICES = ("mlp_only_layers",)
 #: config keys the training model does not use
 _DROPPED = ("model_type", "quantization_config", "auto_map")
-
-_BASE = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
-         "down": "down_proj", "qkv": "qkv_proj", "gate_up": "gate_up_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
-         "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj"}
-#: per model_type: the module names that differ from _BASE (source: each modeling_*.py)
-_RENAMED: dict[str, dict[str, str]] = {
-    "mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
-    "gpt_neox": {"qkv": "query_key_value", "o": "dense", "up": "dense_h_to_4h", "down": "dense_4h_to_h"},
-    "falcon": {"qkv": "query_key_value", "o": "dense", "up": "dense_h_to_4h", "down": "dense_4h_to_h"},
-    "starcoder2": {"up": "c_fc", "down": "c_proj"},
-}
-#: memcalc target -> PEFT target_parameters
-EXPERT_PARAMS = {"experts": ("experts.gate_up_proj", "experts.down_proj")}
-
-
-def lora_modules(model_type: str) -> dict[str, tuple[str, ...]]:
-    """memcalc LoRA target -> PEFT ``target_modules`` names for ``model_type`` (``experts``: none,
-    it is reached through :data:`EXPERT_PARAMS`)."""
-    names = dict(_BASE, **_RENAMED.get(model_type, {}))
-    return {**{t: (n,) for t, n in names.items()}, "experts": ()}
 
 
 def config_kwargs(raw: dict[str, Any], n_layers: int) -> dict[str, Any]:
@@ -77,8 +55,8 @@ def config_kwargs(raw: dict[str, Any], n_layers: int) -> dict[str, Any]:
     return out
 
 
-#: the model types of hf_model.FAMILIES (kept here: hf_model imports this module)
-_HAND_WRITTEN = ("llama", "mistral", "qwen2", "gpt2", "phi")
+#: the model types of hf_model.FAMILIES: the adapters with a ModelSpec inverse (hf_model imports this module)
+_HAND_WRITTEN = tuple(t for t, a in hf_families.families().items() if a.inverse is not None)
 
 
 @lru_cache(maxsize=1)
