@@ -131,7 +131,7 @@ def test_a_family_from_an_adapter_alone_is_traced(lora: bool, monkeypatch) -> No
         # the validator finds the model's config.json as it finds a shipped one's (data/hf_configs)
         shipped = hf_presets._hf_config_presets()
         monkeypatch.setattr(hf_presets, "_hf_config_presets",
-                            lambda: shipped + (("tiny-ministral", m, dict(TINY_MINISTRAL)),))
+                            lambda: (*shipped, ("tiny-ministral", m, dict(TINY_MINISTRAL))))
         assert choose_family(m).model_type == "ministral"
         spec = LoraSpec(rank=16, alpha=32, targets=tuple(m.lora_targets)) if lora else None
         model, _ = build_hf_model(m, spec, torch.bfloat16)

@@ -27,11 +27,6 @@ MAX_COMPLEXITY = 30
 
 #: import cycles today, each by its sorted member set (a strongly connected component)
 KNOWN_CYCLES: list[frozenset[str]] = [
-    frozenset({
-        "memcalc.inputs.hf_config", "memcalc.inputs.hf_families", "memcalc.inputs.hf_families.base",
-        "memcalc.inputs.hf_families.classic", "memcalc.inputs.hf_families.dense",
-        "memcalc.inputs.hf_families.moe",
-    }),
     frozenset({"memcalc.validate.runner", "memcalc.validate.sharded.tp"}),
     frozenset({"memcalc.api", "memcalc.validate.measure"}),
 ]

@@ -94,9 +94,8 @@ def _feature_mismatches(f: Family, m: ModelSpec) -> list[str]:
 
 def hand_written() -> dict[str, Family]:
     """The families with a ModelSpec inverse (their adapters' ``inverse``), in their ``order``."""
-    adapters = sorted((a for a in hf_families.families().values() if a.inverse is not None),
-                      key=lambda a: (a.inverse.order, a.model_type))
-    return {a.model_type: from_adapter(a) for a in adapters}
+    order = {t: a.inverse.order for t, a in hf_families.families().items() if a.inverse is not None}
+    return {t: from_adapter(hf_families.families()[t]) for t in sorted(order, key=lambda t: (order[t], t))}
 
 
 FAMILIES: dict[str, Family] = hand_written()

@@ -68,7 +68,7 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None, 
         raise UserError(pydantic_error_line(e, where)) from None
 
 
-def unread_keys(cfg: dict[str, Any], seen: "set[str]") -> list[str]:
+def unread_keys(cfg: dict[str, Any], seen: set[str]) -> list[str]:
     """Keys of ``cfg`` that its reader neither read (``seen``) nor lists as ignored, sorted."""
     skip = ignored(str(cfg.get("model_type")))
     return sorted(k for k in cfg if k not in seen and k not in skip)

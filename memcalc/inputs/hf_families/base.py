@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Callable, Mapping
 
 if TYPE_CHECKING:
     from memcalc.core.spec import ModelSpec
@@ -53,9 +54,9 @@ class Inverse:
     is no shipped config.json's (``memcalc validate --framework hf`` on a hand-written ModelSpec)."""
 
     #: the configuration class's keyword arguments for ``m``
-    config: "Callable[[ModelSpec], dict[str, Any]]"
+    config: Callable[[ModelSpec], dict[str, Any]]
     #: what of ``m`` the family's modeling code cannot express (empty: it can)
-    mismatches: "Callable[[ModelSpec], list[str]]"
+    mismatches: Callable[[ModelSpec], list[str]]
     #: a one-line description for error messages
     shape: str = ""
     #: the family's q, k, v projection is one module (GPT-2 c_attn): ModelSpec.fused_qkv must say so
@@ -70,7 +71,7 @@ class Family:
 
     model_type: str
     #: config keys -> ModelSpec fields (without ``name``); raises UserError for what it refuses
-    read: "Callable[[Reader], Fields]"
+    read: Callable[[Reader], Fields]
     #: config key -> the transformers configuration class's default, for keys read without one inline
     defaults: Mapping[str, Any] = field(default_factory=dict)
     #: config keys deliberately not read -> why they change no memory memcalc models
@@ -92,4 +93,4 @@ class Family:
 
     @property
     def model_types(self) -> tuple[str, ...]:
-        return (self.model_type,) + self.aliases
+        return (self.model_type, *self.aliases)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r, eps_key="layer_norm_eps", norm="layernorm")
     f.update(attention_bias(r), norm_bias=False, block="parallel",
              logit_scale=r.float("logit_scale", lo=1e-12),

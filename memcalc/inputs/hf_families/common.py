@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def decoder(r: "Reader", *, eps_key: str = "rms_norm_eps", act_key: str = "hidden_act",
+def decoder(r: Reader, *, eps_key: str = "rms_norm_eps", act_key: str = "hidden_act",
             norm: str = "rmsnorm") -> Fields:
     """The fields every llama-style decoder config gives (``*Config`` attribute names), with the
     family's defaults (``r.default``); the shape keys a family gives no default for are required.
@@ -51,14 +51,14 @@ def decoder(r: "Reader", *, eps_key: str = "rms_norm_eps", act_key: str = "hidde
     return fields
 
 
-def attention_bias(r: "Reader", o: bool = True) -> Fields:
+def attention_bias(r: Reader, o: bool = True) -> Fields:
     """``attention_bias`` (default: the family's, else false) on q, k, v (and o unless the family's
     o_proj never has one)."""
     b = r.bool("attention_bias", r.default("attention_bias", False))
     return dict(qkv_bias=b, o_bias=b and o)
 
 
-def rotary(r: "Reader") -> float:
+def rotary(r: Reader) -> float:
     """The rotated fraction of each head: ``partial_rotary_factor`` (top level, or inside
     ``rope_parameters`` as transformers 5 stores it; default: the family's, else 1)."""
     rp = r.cfg.get("rope_parameters")
@@ -70,7 +70,7 @@ def rotary(r: "Reader") -> float:
     return r.float("partial_rotary_factor", r.default("partial_rotary_factor", 1.0), lo=1e-9, hi=1.0)
 
 
-def sliding(r: "Reader", *, n_layers: int, every: int = 0, enabled_key: Optional[str] = None,
+def sliding(r: Reader, *, n_layers: int, every: int = 0, enabled_key: Optional[str] = None,
             pattern_key: Optional[str] = None) -> Fields:
     """``sliding_window`` (default: the family's, else none) and which layers slide, from
     ``layer_types`` (transformers 5) or the family's pattern key (``every``: its default, 0 = every
@@ -99,7 +99,8 @@ def sliding(r: "Reader", *, n_layers: int, every: int = 0, enabled_key: Optional
         full = [t == "full_attention" for t in lt]
         bad = [t for t in lt if t not in ("full_attention", "sliding_attention")]
         if bad:
-            raise UserError(f"layer_types in {r.where}: unsupported {bad[0]!r}; valid: full_attention, sliding_attention")
+            raise UserError(f"layer_types in {r.where}: unsupported {bad[0]!r}; "
+                            "valid: full_attention, sliding_attention")
         if all(full):
             return dict(sliding_window=None, full_attention_every=0)
         if not any(full):
@@ -116,7 +117,7 @@ def sliding(r: "Reader", *, n_layers: int, every: int = 0, enabled_key: Optional
     return dict(sliding_window=window, full_attention_every=every)
 
 
-def no_qwen_sliding(r: "Reader") -> None:
+def no_qwen_sliding(r: Reader) -> None:
     """Qwen's ``use_sliding_window`` (full attention on the first max_window_layers, sliding after) is
     refused; its window keys are then read."""
     if r.bool("use_sliding_window", False):
@@ -125,7 +126,7 @@ def no_qwen_sliding(r: "Reader") -> None:
     r.seen.update(("sliding_window", "max_window_layers", "layer_types"))
 
 
-def experts(r: "Reader", *keys: str) -> int:
+def experts(r: Reader, *keys: str) -> int:
     """The number of routed experts under the first of ``keys`` present (configs name it variously;
     default: the family's under the first key)."""
     default = r.default(keys[0])
@@ -137,14 +138,14 @@ def experts(r: "Reader", *keys: str) -> int:
     return default
 
 
-def no_mlp_only_layers(r: "Reader") -> None:
+def no_mlp_only_layers(r: Reader) -> None:
     v = r.cfg.get("mlp_only_layers")
     r.seen.add("mlp_only_layers")
     if v:
         raise UserError(f"{r.where}: mlp_only_layers {v!r} (dense layers at listed positions) is not supported")
 
 
-def gemma_act(r: "Reader") -> str:
+def gemma_act(r: Reader) -> str:
     """``hidden_activation`` (Gemma-2/3), else ``hidden_act``; GemmaConfig maps the legacy "gelu"
     of the first releases to gelu_pytorch_tanh."""
     key = "hidden_activation" if "hidden_activation" in r.cfg else "hidden_act"
@@ -154,7 +155,7 @@ def gemma_act(r: "Reader") -> str:
     return r.activation(key, "gelu_pytorch_tanh")
 
 
-def cap(r: "Reader", key: str) -> Optional[float]:
+def cap(r: Reader, key: str) -> Optional[float]:
     """A softcap (``attn_logit_softcapping``, ``final_logit_softcapping``): null is none; default: the family's."""
     default = r.default(key, None)
     if key in r.cfg and r.cfg[key] is None:
@@ -171,7 +172,7 @@ HF_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tan
                   "relu": "relu"}
 
 
-def want(m: "ModelSpec", **expected: Any) -> list[str]:
+def want(m: ModelSpec, **expected: Any) -> list[str]:
     """``field=value (needs expected)`` for each field of ``m`` (or property) that differs."""
     out = []
     for k, v in expected.items():
@@ -181,7 +182,7 @@ def want(m: "ModelSpec", **expected: Any) -> list[str]:
     return out
 
 
-def llama_shape(m: "ModelSpec") -> list[str]:
+def llama_shape(m: ModelSpec) -> list[str]:
     """LlamaDecoderLayer and its siblings: pre-norm RMSNorm (no bias), gated MLP, full RoPE, no
     residual or embedding dropout, a final norm, no head bias."""
     return want(m, mlp="gated", norm="rmsnorm", has_norm_bias=False, norm_placement="pre", residual_scale=1.0,
@@ -189,7 +190,7 @@ def llama_shape(m: "ModelSpec") -> list[str]:
                 resid_dropout=0.0, embd_dropout=0.0)
 
 
-def llama_config(m: "ModelSpec") -> dict[str, Any]:
+def llama_config(m: ModelSpec) -> dict[str, Any]:
     """LlamaConfig's shape keywords (shared by Mistral, Qwen2)."""
     return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
@@ -197,7 +198,7 @@ def llama_config(m: "ModelSpec") -> dict[str, Any]:
                 rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, attention_dropout=m.attn_dropout)
 
 
-def head_dim_is_default(m: "ModelSpec") -> list[str]:
+def head_dim_is_default(m: ModelSpec) -> list[str]:
     """GPT-2 / Phi: head_dim is always hidden_size // num_attention_heads."""
     if m.dim_head * m.n_heads != m.d_model:
         return [f"head_dim={m.dim_head} (needs d_model / n_heads = {m.d_model // m.n_heads})"]

@@ -28,7 +28,7 @@ MLA_IGNORED = {"num_key_value_heads": "MLA: keys and values come per head from t
                "qk_head_dim": "qk_nope_head_dim + qk_rope_head_dim"}
 
 
-def read_mla(r: "Reader", *, mlp_bias: bool) -> Fields:
+def read_mla(r: Reader, *, mlp_bias: bool) -> Fields:
     """DeepseekV2Config / DeepseekV3Config (their defaults in ``r``); ``mlp_bias``: the version's MLP
     reads the key (V2) or has no biases (V3)."""
     f = decoder(r)
@@ -60,7 +60,7 @@ def read_mla(r: "Reader", *, mlp_bias: bool) -> Fields:
     return f
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     return read_mla(r, mlp_bias=True)
 
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     heads = r.int("num_attention_heads")
     d = r.int("hidden_size")
     if r.bool("apply_residual_connection_post_layernorm"):

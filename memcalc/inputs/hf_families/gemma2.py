@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r), activation=gemma_act(r), embedding_scale=math.sqrt(f["d_model"]),
              norm_placement="sandwich", attn_softcap=cap(r, "attn_logit_softcapping"),

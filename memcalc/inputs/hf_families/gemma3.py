@@ -14,7 +14,7 @@ REFUSED = ("is multimodal Gemma 3 (a SigLIP vision tower memcalc does not model)
            "its text_config as a config of model_type gemma3_text")
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     raise UserError(f"{r.where}: model_type gemma3 {REFUSED}")
 
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r, o=False), fused_gate_up=True, norm_placement="sandwich", rotary_pct=rotary(r))
     return f

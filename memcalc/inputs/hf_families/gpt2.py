@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     if r.bool("add_cross_attention"):
         raise UserError(f"{r.where}: GPT-2 with add_cross_attention is an encoder-decoder; not supported")
     d = r.int("n_embd")
@@ -30,7 +30,7 @@ def read(r: "Reader") -> Fields:
     )
 
 
-def mismatches(m: "ModelSpec") -> list[str]:
+def mismatches(m: ModelSpec) -> list[str]:
     # GPT2Block: pre-norm LayerNorm with bias, Conv1D c_attn/c_proj/c_fc/c_proj with biases, learned
     # positions (wpe), one head per key (no GQA), head_dim = n_embd / n_head, final ln_f
     return want(m, mlp="plain", norm="layernorm", has_norm_bias=True, norm_placement="pre", residual_scale=1.0,
@@ -38,7 +38,7 @@ def mismatches(m: "ModelSpec") -> list[str]:
                 o_bias=True, mlp_bias=True, kv_heads=m.n_heads) + head_dim_is_default(m)
 
 
-def config(m: "ModelSpec") -> dict[str, Any]:
+def config(m: ModelSpec) -> dict[str, Any]:
     return dict(vocab_size=m.vocab_size, n_positions=m.max_seq_len, n_embd=m.d_model, n_layer=m.n_layers,
                 n_head=m.n_heads, n_inner=m.d_ff, activation_function=HF_ACTIVATIONS[m.activation],
                 layer_norm_epsilon=m.norm_eps, attn_pdrop=m.attn_dropout, resid_pdrop=m.resid_dropout,

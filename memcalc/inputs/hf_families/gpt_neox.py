@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r, eps_key="layer_norm_eps", norm="layernorm")
     f["n_kv_heads"] = f["n_heads"]
     f["head_dim"] = f["d_model"] // f["n_heads"]

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r), attn_sinks=True)
     f["moe"] = dict(n_experts=experts(r, "num_local_experts", "num_experts"),

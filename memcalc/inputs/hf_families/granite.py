@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r), mlp_bias=r.bool("mlp_bias"),
              embedding_scale=r.float("embedding_multiplier", lo=1e-12),

@@ -15,13 +15,13 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r), mlp_bias=r.bool("mlp_bias"))
     return f
 
 
-def mismatches(m: "ModelSpec") -> list[str]:
+def mismatches(m: ModelSpec) -> list[str]:
     # LlamaAttention: q/k/v/o all take bias=config.attention_bias; LlamaMLP: bias=config.mlp_bias
     out = llama_shape(m)
     if m.qkv_bias != m.o_bias:
@@ -29,7 +29,7 @@ def mismatches(m: "ModelSpec") -> list[str]:
     return out
 
 
-def config(m: "ModelSpec") -> dict[str, Any]:
+def config(m: ModelSpec) -> dict[str, Any]:
     return dict(llama_config(m), attention_bias=m.qkv_bias, mlp_bias=m.mlp_bias)
 
 

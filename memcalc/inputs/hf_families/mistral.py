@@ -16,18 +16,18 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(sliding(r, n_layers=f["n_layers"], every=0))
     return f
 
 
-def mismatches(m: "ModelSpec") -> list[str]:
+def mismatches(m: ModelSpec) -> list[str]:
     # MistralAttention / MistralMLP: bias=False everywhere
     return llama_shape(m) + want(m, qkv_bias=False, o_bias=False, mlp_bias=False)
 
 
-def config(m: "ModelSpec") -> dict[str, Any]:
+def config(m: ModelSpec) -> dict[str, Any]:
     return dict(llama_config(m), sliding_window=None)
 
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f["moe"] = dict(n_experts=experts(r, "num_local_experts"), top_k=r.int("num_experts_per_tok"),
                     d_ff_expert=f["d_ff"], lora_mlp_to_experts=True,

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     if r.bool("qk_layernorm"):
         raise UserError(f"{r.where}: phi with qk_layernorm true has per-head q/k LayerNorms; not supported")
     f = decoder(r, eps_key="layer_norm_eps", norm="layernorm")
@@ -25,7 +25,7 @@ def read(r: "Reader") -> Fields:
     return f
 
 
-def mismatches(m: "ModelSpec") -> list[str]:
+def mismatches(m: ModelSpec) -> list[str]:
     # PhiDecoderLayer: one LayerNorm, attention and MLP in parallel, biases on q/k/v/dense, fc1/fc2 and
     # lm_head, partial RoPE, final_layernorm; head_dim = hidden_size / num_attention_heads
     return want(m, mlp="plain", norm="layernorm", has_norm_bias=True, norm_placement="pre", residual_scale=1.0,
@@ -33,7 +33,7 @@ def mismatches(m: "ModelSpec") -> list[str]:
                 o_bias=True, mlp_bias=True) + head_dim_is_default(m)
 
 
-def config(m: "ModelSpec") -> dict[str, Any]:
+def config(m: ModelSpec) -> dict[str, Any]:
     return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.d_ff,
                 num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.kv_heads,
                 hidden_act=HF_ACTIVATIONS[m.activation], max_position_embeddings=m.max_seq_len,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(fused_qkv=True, fused_gate_up=True, rotary_pct=rotary(r),
              resid_dropout=r.float("resid_pdrop", hi=0.999), embd_dropout=r.float("embd_pdrop", hi=0.999))

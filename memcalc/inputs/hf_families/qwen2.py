@@ -14,19 +14,19 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(qkv_bias=True, o_bias=False, mlp_bias=False)
     no_qwen_sliding(r)
     return f
 
 
-def mismatches(m: "ModelSpec") -> list[str]:
+def mismatches(m: ModelSpec) -> list[str]:
     # Qwen2Attention: q/k/v bias=True, o_proj bias=False; Qwen2MLP without bias
     return llama_shape(m) + want(m, qkv_bias=True, o_bias=False, mlp_bias=False)
 
 
-def config(m: "ModelSpec") -> dict[str, Any]:
+def config(m: ModelSpec) -> dict[str, Any]:
     return dict(llama_config(m), use_sliding_window=False)
 
 

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r)
     b = r.bool("qkv_bias")
     f.update(qkv_bias=b, o_bias=False)

@@ -8,8 +8,10 @@ class's), else it is required.
 
 from __future__ import annotations
 
+import builtins
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional, overload
 
 from memcalc.core.errors import UserError
 
@@ -60,7 +62,14 @@ class Reader:
             raise UserError(f"Hugging Face config {self.where} (model_type {self.model_type}) lacks {key!r}")
         return value
 
-    def int(self, key: str, default: Any = FAMILY_DEFAULT) -> Optional[int]:
+    @overload
+    def int(self, key: str, default: None) -> Optional[builtins.int]: ...
+
+    @overload
+    def int(self, key: str, default: Any = FAMILY_DEFAULT) -> builtins.int: ...
+
+    def int(self, key: str, default: Any = FAMILY_DEFAULT) -> Optional[builtins.int]:
+        """A positive integer (``default`` None: null or absent is None)."""
         value = self._raw(key, default)
         if value is None:
             return None

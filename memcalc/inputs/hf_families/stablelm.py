@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     heads = r.int("num_attention_heads")
     d = r.int("hidden_size")
     f = decoder(r, eps_key="layer_norm_eps", norm="layernorm")

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from memcalc.inputs.hf_families.reader import Reader
 
 
-def read(r: "Reader") -> Fields:
+def read(r: Reader) -> Fields:
     f = decoder(r, eps_key="norm_epsilon", norm="layernorm")
     b = r.bool("use_bias")
     f.update(mlp="plain", qkv_bias=b, o_bias=b, mlp_bias=b,
