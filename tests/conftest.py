@@ -66,19 +66,3 @@ def _no_hugging_face_hub(tmp_path_factory):
         for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT", "HF_HUB_ENDPOINT"):
             mp.delenv(name, raising=False)
         yield
-
-
-def rich_output(items: list, width: int) -> str:
-    """What rich prints for report items (``memcalc.render.plain.TableSpec`` tables and markup
-    lines) on a console ``width`` columns wide without styles: the plain renderer's reference."""
-    import io
-
-    from rich.console import Console
-
-    from memcalc.render.plain import TableSpec
-
-    buf = io.StringIO()
-    c = Console(file=buf, width=width)
-    for it in items:
-        c.print(it.to_rich() if isinstance(it, TableSpec) else it)
-    return buf.getvalue()

@@ -56,9 +56,9 @@ STAGES = [
     (["estimate", "--model", "gpt2", "--seq", "64", "--json"],
      ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.plan.search"),
      ("memcalc.inputs.presets",)),
-    # the tables, to a pipe: laid out without rich (memcalc.render.plain), nothing more than --json
+    # the tables, to a pipe: rich, and nothing more of the pipeline than --json
     (["estimate", "--params", "125M", "--seq", "64"],
-     ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "memcalc.plan.search"), ("memcalc.render.report",)),
+     ("yaml", "numpy", "memcalc.inputs.hf_hub", "memcalc.plan.search"), ("memcalc.render.report", "rich")),
 ]
 
 

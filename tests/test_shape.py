@@ -45,7 +45,6 @@ KNOWN_COMPLEX: set[str] = {
     "memcalc/compile/mincut.py:Network.__init__",  # 35
     "memcalc/engine/timeline.py:_simulate",  # 43
     "memcalc/inputs/deepspeed_config.py:read_deepspeed",  # 33
-    "memcalc/render/plain.py:render_table",  # 43
 }
 
 

@@ -12,17 +12,17 @@ from memcalc.core.units import gib
 
 def _table(title: str):
     """A listing table: a header rule, no edges, padding shared between neighbours (whole names in
-    80 columns), the title centred; printed without rich where rich would print no styles
-    (:func:`memcalc.render.plain.print_items`)."""
-    from memcalc.render.plain import TableSpec
+    80 columns), the title centred."""
+    from rich import box
+    from rich.table import Table
 
-    return TableSpec(title, box="simple_head", show_edge=False, collapse_padding=True, title_justify="center")
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
 
 
 def _print(t) -> None:
-    from memcalc.render.plain import print_items
+    from rich.console import Console
 
-    print_items([t])
+    Console().print(t)
 
 
 @app.command()

@@ -1,11 +1,10 @@
 """``memcalc plan`` and ``estimate --max-batch/--max-seq`` for people: tables and notes, and the
 ``--json`` documents of the plans (:mod:`memcalc.plan`).
 
-Each report is a list of :class:`memcalc.render.plain.TableSpec` tables and lines of rich markup
-(``gpu_plan_items``, ``cluster_plan_items``, ``limits_lines``), printed like the estimate's report
-(:func:`memcalc.render.report.render`): without rich where rich would print no styles (stdout a
-pipe or a file; the same bytes, tens of milliseconds less), else through rich, and on ``console``
-when one is given. rich is imported only then.
+Each report is a list of rich tables and lines of rich markup (``gpu_plan_items``,
+``cluster_plan_items``, ``limits_lines``), printed like the estimate's report
+(:func:`memcalc.render.report.print_items`), on ``console`` when one is given. rich is imported
+only inside the functions.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from memcalc.plan.cost import COST_MODEL_LINES
 from memcalc.plan.limits import BATCH_CAP
 from memcalc.plan.options import LORA_RANK, techniques
 from memcalc.plan.search import GpuPlan
-from memcalc.render.plain import TableSpec, print_items
+from memcalc.render.report import left_table, print_items
 
 
 def limits_lines(lim: dict[str, Any], gpu: Any, model: ModelSpec) -> list[str]:
@@ -86,10 +85,10 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
     n_all = p.considered or len(techniques())
     title = (f"{p.model.name} on {getattr(g, 'display_name', g.name)} ({fmt_bytes(g.capacity_bytes)}): "
              f"{len(p.fitting)} of {n_all} technique combinations fit at batch 1 x seq {p.seq}")
-    t = TableSpec(title=title,
-                  caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
-                          "cost: relative step time per token at the max batch (lower is better)",
-                  caption_justify="left")
+    t = left_table(title,
+                   caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
+                           "cost: relative step time per token at the max batch (lower is better)",
+                   caption_justify="left")
     for col, just in (("#", "right"), ("option", "left"), ("peak", "right"), ("needs", "right"),
                       ("max batch", "right"), ("max seq", "right"), ("cost", "right")):
         t.add_column(col, justify=just, no_wrap=col != "option")
@@ -127,8 +126,10 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
 def cluster_plan_items(p: ClusterPlan) -> list[Any]:
     """The multi-GPU plan in order: its table, then lines of markup."""
     # SIMPLE_HEAD without edges and with collapsed padding: ten columns fit 80 terminal columns
-    t = TableSpec(title=f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
-                  box="simple_head", show_edge=False, collapse_padding=True)
+    from rich import box
+
+    t = left_table(f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
+                   box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
     for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("tp", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
                       ("ckpt", "left"), ("need", "right")):

@@ -1,8 +1,7 @@
 """Rendering: rich tables and JSON for an estimate. No arithmetic beyond unit conversion.
 
-Each table is written once, as a :class:`memcalc.render.plain.TableSpec`; ``render`` prints the
-report without rich when rich would print it without styles (:mod:`memcalc.render.plain`: same
-bytes, a tenth of a second less), else through rich. rich is imported only then, never at module
+The report is a list of rich tables and lines of rich markup (``report_items``), printed in order
+by ``print_items``. rich is imported inside the functions that build or print them, never at module
 level: ``estimate --json`` (``to_json``, ``dumps``) loads no rich (``tests/test_lazy_imports.py``).
 """
 
@@ -12,7 +11,6 @@ import json
 from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.engine.fsdp import sharding_mechanics
-from memcalc.render.plain import TableSpec, print_items
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
@@ -139,13 +137,9 @@ def _why(res: Resolved, key: str) -> str:
 
 
 def inputs_table(est: Estimate, res: Resolved) -> Table:
-    return _inputs_spec(est, res).to_rich()
-
-
-def _inputs_spec(est: Estimate, res: Resolved) -> TableSpec:
     exp, tr, m, p = est.experiment, est.experiment.training, est.experiment.model, est.experiment.profile
     o = res.origin
-    t = TableSpec(title=f"Inputs: {exp.name}", show_header=False)
+    t = left_table(f"Inputs: {exp.name}", show_header=False)
     t.add_column("input", style="bold")
     t.add_column("value", overflow="fold")  # a long path breaks across lines instead of losing its end
     prec = tr.precision + (" + fp32 master weights" if tr.master_weights else "")
@@ -246,11 +240,7 @@ def _loss(p: KernelProfile, o: dict[str, str]) -> Optional[str]:
 
 
 def peak_table(est: Estimate) -> Table:
-    return _peak_spec(est).to_rich()
-
-
-def _peak_spec(est: Estimate) -> TableSpec:
-    t = TableSpec(title=f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}")
+    t = left_table(f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}")
     t.add_column("component")
     t.add_column("GiB", justify="right")
     t.add_column("MiB", justify="right")
@@ -263,11 +253,7 @@ def _peak_spec(est: Estimate) -> TableSpec:
 
 
 def phases_table(est: Estimate) -> Table:
-    return _phases_spec(est).to_rich()
-
-
-def _phases_spec(est: Estimate) -> TableSpec:
-    t = TableSpec(title="Peak of each phase (steady-state step)")
+    t = left_table("Peak of each phase (steady-state step)")
     t.add_column("phase")
     t.add_column("GiB", justify="right")
     for name, b in est.phases.items():
@@ -279,11 +265,7 @@ def _phases_spec(est: Estimate) -> TableSpec:
 
 
 def bpp_table(est: Estimate) -> Table:
-    return _bpp_spec(est).to_rich()
-
-
-def _bpp_spec(est: Estimate) -> TableSpec:
-    t = TableSpec(title="Bytes per trainable parameter")
+    t = left_table("Bytes per trainable parameter")
     for k in est.bytes_per_param:
         t.add_column(k.replace("_", " "), justify="right")
     t.add_column("total", justify="right")
@@ -293,11 +275,7 @@ def _bpp_spec(est: Estimate) -> TableSpec:
 
 
 def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
-    return _gpu_spec(est, gpus).to_rich()
-
-
-def _gpu_spec(est: Estimate, gpus: list[Any]) -> TableSpec:
-    t = TableSpec(title=f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack")
+    t = left_table(f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack")
     t.add_column("GPU")
     t.add_column("memory", justify="right")
     t.add_column("fits", justify="center")
@@ -311,25 +289,42 @@ def _gpu_spec(est: Estimate, gpus: list[Any]) -> TableSpec:
     return t
 
 
+def left_table(title: str, **kw: Any) -> Table:
+    """A rich ``Table`` with its title on the left, as the reports' tables have it."""
+    from rich.table import Table
+
+    return Table(title=title, title_justify="left", **kw)
+
+
+def print_items(items: list[Any], console: Optional[Console] = None) -> None:
+    """Print tables and lines of rich markup in order: on ``console``, else on stdout."""
+    if console is None:
+        from rich.console import Console
+
+        console = Console()
+    for item in items:
+        console.print(item)
+
+
 def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None) -> None:
-    """Print the report: on ``console``, else on stdout (without rich where it prints no styles)."""
+    """Print the report: on ``console``, else on stdout."""
     print_items(report_items(est, res, gpus), console)
 
 
 def report_items(est: Estimate, res: Resolved, gpus: list[Any]) -> list[Any]:
-    """The report in order: tables (:class:`TableSpec`) and lines of rich markup."""
+    """The report in order: rich tables and lines of rich markup."""
     out: list[Any] = []
     add = out.append
-    add(_inputs_spec(est, res))
+    add(inputs_table(est, res))
     for n in res.notes:
         add(f"[yellow]note:[/yellow] {n}")
     for n in est.notes:
         add(f"[yellow]note:[/yellow] {n}")
-    add(_peak_spec(est))
-    add(_phases_spec(est))
+    add(peak_table(est))
+    add(phases_table(est))
     for line in technique_lines(est):  # memory outside the GPU peak: pinned host, unified memory
         add(line)
-    add(_bpp_spec(est))
+    add(bpp_table(est))
     comp, rec = est.extra.get("compiled"), est.extra.get("recompute")
     if comp:
         add(f"torch.compile (memory budget {comp['memory_budget']:g}, {comp['decided_by']}): saves "
@@ -357,7 +352,7 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any]) -> list[Any]:
     if host is not None:
         add(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
                 "lives on the CPU (FSDP2 CPUOffloadPolicy, --offload-optimizer; not in the GPU peak)")
-    add(_gpu_spec(est, gpus))
+    add(gpu_table(est, gpus))
     for a in est.assumptions:
         add(f"[dim]assumption: {a}[/dim]")
     return out
