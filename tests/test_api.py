@@ -253,7 +253,8 @@ def test_the_callback_module_is_torch_free_until_used():
 
 
 @pytest.mark.slow  # estimates an 8B model twice (the package's and the module's examples)
-@pytest.mark.parametrize("module", ["memcalc", "memcalc.api", "memcalc.integrations.transformers"])
+@pytest.mark.parametrize("module", ["memcalc", "memcalc.api", "memcalc.integrations.transformers",
+                                    "memcalc.inputs.recipes.hf"])
 def test_docstring_examples(module):
     import doctest
     import importlib

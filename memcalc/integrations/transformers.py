@@ -15,6 +15,13 @@ PEFT config of a ``PeftModel``, and estimates that setup; at every ``on_step_end
 format (``memcalc.validate.measure``). Without CUDA nothing is measured (one warning line) and the
 record holds the estimate with ``measured_bytes`` null.
 
+The arguments are read as ``--recipe`` reads the same keys from a file, so both give one number:
+
+>>> opts, notes = options_from_hf({"per_device_train_batch_size": 1, "bf16": True, "optim": "paged_adamw_32bit"},
+...                               model_dtype="bfloat16")
+>>> opts["optimizer"], opts["precision"]
+('paged-adamw', 'bf16')
+
 This module is torch-free: ``MemcalcCallback`` (a ``transformers.TrainerCallback``) is imported
 from ``memcalc.validate.callback`` on first access.
 """
