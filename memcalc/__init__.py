@@ -4,7 +4,7 @@ The package never imports torch; the torch-backed validator lives in
 ``memcalc.validate`` (installed from the repository's ``validate/`` folder).
 
 The Python API (:mod:`memcalc.api`) is reachable from here and imported on first use, so that
-``import memcalc`` stays cheap (no click, rich, numpy or torch):
+``import memcalc`` stays cheap (no typer, rich, numpy or torch):
 
 >>> import memcalc
 >>> memcalc.estimate(model="llama-3.1-8b", precision="bf16", lora=True).peak_bytes > 16 * 2**30

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["EstimateResult", "PlanResult", "UserError", "estimate", "plan", "measure", "options_from"]
 
 def _choices() -> dict[str, tuple[str, ...]]:
-    """The choices the CLI's options check (click.Choice), checked here with the same tuples."""
+    """The choices the CLI's options check (Literal types), checked here with the same tuples."""
     from memcalc.core.choices import FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS
     from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 import memcalc
 from memcalc.cli import app
@@ -151,7 +151,8 @@ def test_stages_stay_modules_and_are_callable():
 
 # (fresh interpreter code, what it must print last): `import memcalc` is cheap and torch-free
 IMPORT_PROBE = ("import sys; sys.modules['torch'] = None; import memcalc; "
-                "print(sorted(m for m in ('numpy', 'rich', 'click', 'torch', 'pydantic') if sys.modules.get(m)))")
+                "print(sorted(m for m in ('numpy', 'rich', 'click', 'typer', 'torch', 'pydantic') "
+                "if sys.modules.get(m)))")
 
 
 def test_import_memcalc_loads_no_heavy_module():

@@ -82,7 +82,7 @@ def test_compile_beats_eager_on_the_control():
 
 @pytest.mark.slow  # full-size estimates
 def test_report_and_json_carry_the_plan(tmp_path):
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
     import json

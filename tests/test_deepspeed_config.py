@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.inputs.deepspeed_config import read_deepspeed

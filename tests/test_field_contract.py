@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.core.contract import CONDITIONAL, INERT, NESTED, PENDING

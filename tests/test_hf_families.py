@@ -109,7 +109,7 @@ TINY_MOE = {"name": "tiny-moe", "n_layers": 2, "d_model": 128, "n_heads": 4, "n_
 
 @pytest.mark.slow  # a plan search is ~10 s of CPU even for a tiny model
 def test_plan_runs_on_a_moe_model(tmp_path) -> None:
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 
@@ -139,7 +139,7 @@ def test_moe_flops_count_active_experts_only() -> None:
 def test_issue_done_criterion_estimate_qwen3_30b_a3b_lora() -> None:
     """Issue 12: `memcalc estimate --model Qwen/Qwen3-30B-A3B --bf16 --lora --json` answers from the preset
     (the preset name here; the Hugging Face id lookup is memcalc.inputs.hf_hub's)."""
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 
@@ -162,7 +162,7 @@ def test_relabelled_mixtral_is_not_silent(capsys) -> None:
 def test_validator_refuses_layouts_it_does_not_build() -> None:
     """What the replica does not build (gpt-oss's experts: biases, clamped gate), validate says so instead
     of tracing another model."""
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 

@@ -12,7 +12,7 @@ import urllib.error
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.core.errors import UserError

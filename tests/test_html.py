@@ -220,7 +220,7 @@ def test_validate_page_with_no_records():
 
 def cli(args):
     pytest.importorskip("memcalc.inputs.gpus")
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 

@@ -141,7 +141,7 @@ def test_moe_params_land_near_total_and_active(value, total, active):
     (["estimate", "--params", "30B-A3B", "--bf16", "--lora", "--seq", "256", "--json"], 0, ""),
 ])
 def test_moe_params_cli(args, code, message):
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 

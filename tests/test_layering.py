@@ -135,7 +135,7 @@ def loaded():
 
 import memcalc.cli
 after_import = loaded()
-from click.testing import CliRunner
+from typer.testing import CliRunner
 r = CliRunner().invoke(memcalc.cli.app, ["estimate", "--model", "gpt2", "--batch", "1", "--seq", "64", "--json"])
 print(json.dumps({"code": r.exit_code, "after_import": after_import, "after_run": loaded()}))
 """

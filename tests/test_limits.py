@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.core.spec import MAX_COUNT, MAX_LAYERS, MAX_SEQ, MAX_WIDTH, ModelSpec, TrainingSpec

@@ -4,9 +4,11 @@ optimizer does not have is a one-line error naming the valid ones."""
 
 from __future__ import annotations
 
+import typing
+
 import pytest
 from pydantic import ValidationError
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.core.optimizers import (DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, OPTIMIZERS, PLANNED_OPTIMIZERS, get_optimizer)
@@ -30,8 +32,18 @@ def test_records_are_well_formed() -> None:
         assert (rec.moments > 0) == (rec.state in ("like_param", "blockwise_8bit", "fp32")), name
 
 
+def _choices(tp: object) -> tuple:
+    """The values of the Literal inside an option's annotation (Annotated[Optional[Literal[...]], ...])."""
+    if typing.get_origin(tp) is typing.Literal:
+        return typing.get_args(tp)
+    return next((c for a in typing.get_args(tp) if (c := _choices(a))), ())
+
+
 def test_spec_and_cli_accept_every_name() -> None:
-    choices = {p.name: p.type.choices for p in app.commands["estimate"].params if hasattr(p.type, "choices")}
+    from memcalc.cli import estimate as estimate_cmd
+
+    hints = typing.get_type_hints(estimate_cmd, include_extras=True)
+    choices = {name: _choices(tp) for name, tp in hints.items() if _choices(tp)}
     assert list(choices["optimizer"]) == list(OPTIMIZER_NAMES)
     assert list(choices["optimizer_impl"]) == list(IMPLS)
     for name in OPTIMIZER_NAMES:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from rich.console import Console
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.engine.timeline import floor_bytes, simulate, weights_and_state_bytes

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.inputs.recipes import load_recipe

@@ -10,7 +10,7 @@ import json
 from functools import lru_cache
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 

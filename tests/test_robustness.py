@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc import __version__
 from memcalc.cli import app

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
 
-from click.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
 from memcalc.core.errors import UserError  # noqa: E402

@@ -7,7 +7,7 @@ group) is ``tests/test_tp.py`` (slow).
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec

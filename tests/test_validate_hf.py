@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 import torch.nn.functional as F  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
 from memcalc.core.errors import UserError  # noqa: E402

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from typer.testing import CliRunner
 
 from memcalc.cli import app
 

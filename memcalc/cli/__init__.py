@@ -1,11 +1,11 @@
 """The ``memcalc`` command line.
 
-Every bad input ends as one line on stderr and exit code 2: click usage errors,
+Every bad input ends as one line on stderr and exit code 2: usage errors (typer's, on click),
 :class:`~memcalc.core.errors.UserError`, and pydantic validation errors.
 
 One module per command (``estimate_cmd``, ``plan_cmd``, ``listing``: models, configs, gpus,
 profiles; ``validate_cmd``), the options they share in ``options``, the application and its
-error handling in ``group``. Importing this package loads click and memcalc's pydantic-free core
+error handling in ``group``. Importing this package loads typer and memcalc's pydantic-free core
 only; each command imports the pipeline it runs when it runs (``tests/test_lazy_imports.py``).
 """
 
@@ -28,4 +28,6 @@ __all__ = ["app", "main", "estimate", "plan", "models", "configs", "gpus", "prof
 def main() -> None:
     """Console-script entry point: runs the command line; the group always ends with ``sys.exit``
     (its status: 0, 2 for bad input, 3 for ``estimate --check`` on a card too small)."""
-    app.main(args=sys.argv[1:], prog_name="memcalc")
+    import typer
+
+    typer.main.get_command(app).main(args=sys.argv[1:], prog_name="memcalc")

@@ -6,35 +6,51 @@ Loads what it prints: ``--json`` never imports rich, and the tables import it on
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-import click
+import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (ACCUM, ACT_OFFLOAD, ADAPTER_CONFIG, BATCH, BF16, BUDGET, CHECKPOINT, COMPILE, CONFIG,
-                                 DEEPSPEED, DORA, FRAMEWORK, FUSED, GPUS, IMPL, JSON, LORA, LORA_ALPHA, LORA_DROPOUT,
-                                 LORA_DTYPE, LORA_RANK, LORA_TARGETS, LOSS, LOSS_CHUNKS, MASTER, MODEL, OFFLOAD,
-                                 OPTIMIZER, PARAMS, PRECISION, PROFILE, QLORA, RECIPE, SEQ, SEQ_PARALLEL, SHARDING, TORCH,
-                                 TP, ZERO, _check_output, _options, with_options)
+from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Config, Deepspeed,
+                                 Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Lora, LoraAlpha, LoraDropout,
+                                 LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, MasterWeights, MemoryBudget, Model,
+                                 OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
+                                 Seq, SequenceParallel, Sharding, Torch, Tp, Zero, _check_output, _options)
 from memcalc.core.errors import UserError
 
 
 @app.command()
-@with_options(
-    MODEL, PARAMS, CONFIG, BATCH, SEQ, ACCUM, PRECISION, BF16, MASTER, OPTIMIZER, IMPL, CHECKPOINT, FUSED, COMPILE,
-    BUDGET, LORA, LORA_RANK, LORA_ALPHA, LORA_TARGETS, LORA_DROPOUT, QLORA, LORA_DTYPE, PROFILE, FRAMEWORK, TORCH,
-    ZERO, GPUS, OFFLOAD, SHARDING, TP, SEQ_PARALLEL, ACT_OFFLOAD, DORA, DEEPSPEED, LOSS, LOSS_CHUNKS, RECIPE,
-    ADAPTER_CONFIG,
-    click.option("--gpu", multiple=True, help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a capacity: 48GiB (2**30 bytes each), 24GB (10**9)."),
-    JSON,
-    click.option("--timeline", is_flag=True, help="Also draw memory across the step (after the tables; ignored with --json)."),
-    click.option("--html", help="Also write a self-contained HTML report to this file."),
-    click.option("--max-batch", is_flag=True, help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search over estimates)."),
-    click.option("--max-seq", is_flag=True, help="Also find the longest sequence (at --batch) that fits the one --gpu, up to the model's maximum."),
-    click.option("--check", is_flag=True, help="With --gpu: exit 3, with a warning on stderr, when the step needs more memory than a --gpu card has (or the caching allocator's replayed reserved peak exceeds it)."),
-)
-def estimate(gpu: tuple[str, ...], as_json: bool, timeline: bool, html: Optional[str], max_batch: bool, max_seq: bool,
-             check: bool, **inputs: Any) -> Optional[int]:
+def estimate(
+    model: Model = None, params: Params = None, config: Config = None, batch: Batch = None, seq: Seq = None,
+    grad_accum: GradAccum = None, precision: Precision = None, bf16: Bf16 = False,
+    master_weights: MasterWeights = False,
+    optimizer: Optimizer = None, optimizer_impl: OptimizerImpl = None, checkpoint: Checkpoint = None,
+    fused_optimizer: FusedOptimizer = False, compile: Compile = False, memory_budget: MemoryBudget = None,
+    lora: Lora = False, lora_rank: LoraRank = None, lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None,
+    lora_dropout: LoraDropout = None, qlora: Qlora = False, lora_dtype: LoraDtype = None, profile: Profile = None,
+    framework: Framework = None, torch: Torch = None, zero: Zero = None, gpus: Gpus = None,
+    offload_optimizer: OffloadOptimizer = False, sharding: Sharding = None, tp: Tp = None,
+    sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
+    deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, recipe: Recipe = None,
+    adapter_config: AdapterConfig = None,
+    gpu: Annotated[Optional[list[str]], typer.Option(
+        "--gpu", metavar="<str>", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a "
+                                       "capacity: 48GiB (2**30 bytes each), 24GB (10**9).")] = None,
+    as_json: Json = False,
+    timeline: Annotated[bool, typer.Option(
+        "--timeline", help="Also draw memory across the step (after the tables; ignored with --json).")] = False,
+    html: Annotated[Optional[str], typer.Option(
+        "--html", help="Also write a self-contained HTML report to this file.")] = None,
+    max_batch: Annotated[bool, typer.Option(
+        "--max-batch", help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search "
+                            "over estimates).")] = False,
+    max_seq: Annotated[bool, typer.Option(
+        "--max-seq", help="Also find the longest sequence (at --batch) that fits the one --gpu, up to the model's "
+                          "maximum.")] = False,
+    check: Annotated[bool, typer.Option(
+        "--check", help="With --gpu: exit 3, with a warning on stderr, when the step needs more memory than a "
+                        "--gpu card has (or the caching allocator's replayed reserved peak exceeds it).")] = False,
+) -> Optional[int]:
     """Predict the peak memory of one training step, the phase that sets it, and where it fits.
 
     Examples:
@@ -47,6 +63,7 @@ def estimate(gpu: tuple[str, ...], as_json: bool, timeline: bool, html: Optional
       memcalc estimate --config control --json
       memcalc estimate --recipe 8B_lora_single_device.yaml --gpu rtx-4090
     """
+    inputs = {k: v for k, v in locals().items() if k not in _OWN}  # every other option is an input of the experiment
     from memcalc.estimate.peak import estimate as run_estimate
     from memcalc.inputs.gpus import get_gpu, list_gpus
     from memcalc.inputs.resolve import resolve
@@ -54,7 +71,7 @@ def estimate(gpu: tuple[str, ...], as_json: bool, timeline: bool, html: Optional
     _check_output(html, "--html")
     if check and not gpu:
         raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
-    res = resolve(_options(**inputs))  # every other option is an input of the experiment
+    res = resolve(_options(**inputs))
     cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
     limits = None
     if max_batch or max_seq:
@@ -76,7 +93,7 @@ def estimate(gpu: tuple[str, ...], as_json: bool, timeline: bool, html: Optional
             doc["recipe"] = res.recipe
         if limits:
             doc.update({k: limits[k] for k in ("max_batch", "max_seq") if k in limits}, limits=limits)
-        click.echo(dumps(doc))
+        typer.echo(dumps(doc))
     else:
         from memcalc.render.report import render
 
@@ -94,6 +111,10 @@ def estimate(gpu: tuple[str, ...], as_json: bool, timeline: bool, html: Optional
             con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
     if check:
         return _check_fits(est, cards)
+
+
+#: estimate's own options; the others are the experiment's inputs
+_OWN = ("gpu", "as_json", "timeline", "html", "max_batch", "max_seq", "check")
 
 
 def _check_fits(est: Any, cards: list) -> int:

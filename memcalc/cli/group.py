@@ -1,31 +1,31 @@
-"""The click application: the group that turns every error into one line and an exit code.
+"""The typer application: the group that turns every error into one line and an exit code.
 
-Imports only click and memcalc's pydantic-free core modules: pydantic (and the spec models),
-rich, yaml and the pipeline load inside the commands that need them, so that ``memcalc --help``
-and each command's ``--help`` start fast. (Plain click, not typer: typer 0.2x coerces every
-option's value, given or not, through a pydantic TypeAdapter built for it on each run, about
-0.03 s of each command's start; ``benchmarks/bench_estimate.py``.)
+Imports only typer and memcalc's pydantic-free core modules: the spec models, rich, yaml and the
+pipeline load inside the commands that need them. Help and errors are click's plain layout
+(``rich_markup_mode=None``): each example in a command's docstring stays one line (``\\b``).
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
-import click
+import typer
+from typer._click.exceptions import NoArgsIsHelpError  # (typer 0.2x carries its own click)
+from typer.core import TyperGroup
 
 from memcalc.core.errors import UserError
 
 
 def _validation_error(e: BaseException) -> bool:
-    """``e`` is a pydantic ValidationError (pydantic_core's class, which pydantic re-exports);
-    checked without importing pydantic: none can be raised before pydantic is imported."""
+    """``e`` is a pydantic ValidationError (pydantic_core's class, which pydantic re-exports)."""
     core = sys.modules.get("pydantic_core")
     return core is not None and isinstance(e, core.ValidationError)
 
 
-class _Group(click.Group):
+class _Group(TyperGroup):
     """Runs commands without click's standalone error printing; errors become one line + exit 2.
-    Lists its commands in the order they were added (click's own sorts them by name)."""
+    (typer lists the commands in the order they were added.)"""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):  # type: ignore[override]
         try:
@@ -34,48 +34,49 @@ class _Group(click.Group):
         except UserError as e:
             _err(str(e))
             sys.exit(2)
-        except click.exceptions.NoArgsIsHelpError as e:  # a bare `memcalc`: the help screen as is (stderr, exit 2)
+        except NoArgsIsHelpError as e:  # a bare `memcalc`: the help screen as is (stderr, exit 2)
             sys.stderr.write(e.format_message().rstrip("\n") + "\n")
             sys.exit(2)
-        except click.exceptions.Exit as e:
-            sys.exit(e.exit_code)
-        except click.exceptions.Abort:
+        except typer.Abort:
             _err("aborted")
             sys.exit(130)
-        except click.ClickException as e:  # no such option, bad choice, bad number
+        except typer.TyperException as e:  # click's usage errors: no such option, bad choice, bad number
             _err(" ".join(e.format_message().split()))
             sys.exit(2)
         except Exception as e:
             if _validation_error(e):
                 from memcalc.inputs.pydantic_errors import pydantic_error_line
 
-                _err(pydantic_error_line(e, "input"))  # type: ignore[arg-type]
+                _err(pydantic_error_line(e, "input"))
                 sys.exit(2)
             raise
-        if isinstance(rv, int) and rv:
-            sys.exit(rv)
-        sys.exit(0)
-
-    def list_commands(self, ctx: click.Context) -> list[str]:
-        return list(self.commands)
+        # (typer returns an Exit's code, --version's or --help's, as the command's value)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
 
 def _err(msg: str) -> None:
     sys.stderr.write(f"memcalc: error: {msg}\n")
 
 
-def _version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
-    if value and not ctx.resilient_parsing:
+app = typer.Typer(
+    cls=_Group,
+    name="memcalc",
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
         from memcalc import __version__
 
-        click.echo(f"memcalc {__version__}")
-        ctx.exit()
+        typer.echo(f"memcalc {__version__}")
+        raise typer.Exit()
 
 
-app = _Group(
-    name="memcalc",
-    help="memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring.",
-    no_args_is_help=True,
-    params=[click.Option(["--version"], is_flag=True, expose_value=False, is_eager=True, callback=_version,
-                         help="Print the version and exit.")],
-)
+@app.callback()
+def _main(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """memcalc: how much GPU memory a training step takes, from its timeline, and proof by measuring."""

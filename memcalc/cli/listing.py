@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import click
+import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import JSON
+from memcalc.cli.options import Json
 from memcalc.core.units import gib
 
 
@@ -26,8 +26,7 @@ def _print(t) -> None:
 
 
 @app.command()
-@JSON
-def models(as_json: bool) -> None:
+def models(as_json: Json = False) -> None:
     """List the model presets with their Hugging Face ids, shapes and parameter counts.
 
     `--model ORG/NAME` with a listed Hugging Face id picks that preset.
@@ -37,7 +36,7 @@ def models(as_json: bool) -> None:
 
     rows = [preset_summary(name) for name in list_presets()]
     if as_json:
-        click.echo(dumps(rows))
+        typer.echo(dumps(rows))
         return
     t = _table("Model presets (--json adds d_ff, vocabulary, max sequence, exact counts)")
     for col in ("name", "params", "layers", "d_model", "heads/kv"):
@@ -50,8 +49,7 @@ def models(as_json: bool) -> None:
 
 
 @app.command()
-@JSON
-def configs(as_json: bool) -> None:
+def configs(as_json: Json = False) -> None:
     """List the shipped reference configs and their published peaks."""
     from memcalc.inputs.configs import list_configs, load_config
     from memcalc.render.report import dumps
@@ -64,7 +62,7 @@ def configs(as_json: bool) -> None:
                      "checkpoint": tr.checkpoint, "fused_optimizer": tr.fused_optimizer, "compile": tr.compile,
                      "memory_budget": tr.memory_budget, "published_peak_bytes": e.published_peak_bytes})
     if as_json:
-        click.echo(dumps(rows))
+        typer.echo(dumps(rows))
         return
     t = _table("Reference configs (Deep One 1.6B, batch 4 x 768, Adafactor, RTX 4090, PyTorch 2.8)")
     for col in ("name", "precision", "checkpoint", "fused", "compile", "published GiB"):
@@ -77,15 +75,14 @@ def configs(as_json: bool) -> None:
 
 
 @app.command()
-@JSON
-def gpus(as_json: bool) -> None:
+def gpus(as_json: Json = False) -> None:
     """List the GPU catalog (capacities in bytes; GiB = 2**30)."""
     from memcalc.inputs.gpus import list_gpus
     from memcalc.render.report import dumps
 
     gs = list_gpus()
     if as_json:
-        click.echo(dumps([g.model_dump() for g in gs]))
+        typer.echo(dumps([g.model_dump() for g in gs]))
         return
     t = _table("GPU catalog")
     for col in ("name", "GPU", "memory GiB", "bytes"):
@@ -96,14 +93,13 @@ def gpus(as_json: bool) -> None:
 
 
 @app.command()
-@JSON
-def profiles(as_json: bool) -> None:
+def profiles(as_json: Json = False) -> None:
     """List the kernel profiles (what each PyTorch version and framework saves)."""
     from memcalc.inputs.profiles import PROFILES
     from memcalc.render.report import dumps
 
     if as_json:
-        click.echo(dumps([p.model_dump() for p in PROFILES.values()]))
+        typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
         return
     t = _table("Kernel profiles (--framework/--torch build any pair; --json: every field)")
     for col in ("name", "RMSNorm", "loss", "LoRA", "K/V"):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
-import click
+import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (ADAPTER_CONFIG, FRAMEWORK, JSON, LOSS, LOSS_CHUNKS, MODEL, PARAMS, PROFILE, RECIPE, SEQ,
-                                 TORCH, with_options)
+from memcalc.cli.options import (AdapterConfig, Framework, Json, Loss, LossChunks, Model, Params, Profile, Recipe, Seq,
+                                 Torch)
 
 
 #: The variables that size the BLAS and OpenMP thread pools numpy starts with.
@@ -29,18 +29,21 @@ def _one_blas_thread() -> None:
 
 
 @app.command()
-@with_options(
-    MODEL, PARAMS,
-    click.option("--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every technique combination that fits it. Without --gpu: for every catalog GPU, how many a full fine-tune and a LoRA run need."),
-    SEQ,
-    PROFILE, FRAMEWORK, TORCH, LOSS, LOSS_CHUNKS, RECIPE, ADAPTER_CONFIG,
-    click.option("--all", "show_all", is_flag=True, help="With --gpu: also list the combinations that do not fit."),
-    click.option("--compile", "compile_", is_flag=True, help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full fine-tune, LoRA, QLoRA; direct estimates, slower)."),
-    JSON,
-)
-def plan(model: Optional[str], params: Optional[str], gpu: Optional[str], seq: Optional[int], profile: Optional[str],
-         framework: Optional[str], torch: Optional[str], loss: Optional[str], loss_chunks: Optional[int],
-         recipe: tuple[str, ...], adapter_config: Optional[str], show_all: bool, compile_: bool, as_json: bool) -> None:
+def plan(
+    model: Model = None, params: Params = None,
+    gpu: Annotated[Optional[str], typer.Option(
+        "--gpu", help="Plan for this GPU (see `memcalc gpus`, or a capacity such as 48GiB or 24GB): every "
+                      "technique combination that fits it. Without --gpu: for every catalog GPU, how many a full "
+                      "fine-tune and a LoRA run need.")] = None,
+    seq: Seq = None, profile: Profile = None, framework: Framework = None, torch: Torch = None, loss: Loss = None,
+    loss_chunks: LossChunks = None, recipe: Recipe = None, adapter_config: AdapterConfig = None,
+    show_all: Annotated[bool, typer.Option(
+        "--all", help="With --gpu: also list the combinations that do not fit.")] = False,
+    compile_: Annotated[bool, typer.Option(
+        "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full "
+                          "fine-tune, LoRA, QLoRA; direct estimates, slower).")] = False,
+    as_json: Json = False,
+) -> None:
     """Which GPU, how many, and with which memory techniques (precision, optimizer, checkpointing, LoRA/QLoRA, fused step).
 
     Examples:
@@ -64,7 +67,7 @@ def plan(model: Optional[str], params: Optional[str], gpu: Optional[str], seq: O
     if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
         from memcalc.inputs.recipes import load_recipe
 
-        rec = load_recipe(list(recipe), adapter_config)
+        rec = load_recipe(list(recipe or ()), adapter_config)
         v = rec.values
         if model is None and params is None:
             model = v.get("model")
@@ -86,7 +89,7 @@ def plan(model: Optional[str], params: Optional[str], gpu: Optional[str], seq: O
         cp = plan_cluster(m, seq, prof)
         cp.notes[:0] = notes
         if as_json:
-            click.echo(dumps({**cluster_plan_json(cp), **({"recipe": rec.as_json()} if rec else {})}))
+            typer.echo(dumps({**cluster_plan_json(cp), **({"recipe": rec.as_json()} if rec else {})}))
         else:
             render_cluster_plan(cp)
         return
@@ -98,6 +101,6 @@ def plan(model: Optional[str], params: Optional[str], gpu: Optional[str], seq: O
     gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)
     gp.notes[:0] = notes
     if as_json:
-        click.echo(dumps({**gpu_plan_json(gp), **({"recipe": rec.as_json()} if rec else {})}))
+        typer.echo(dumps({**gpu_plan_json(gp), **({"recipe": rec.as_json()} if rec else {})}))
     else:
         render_gpu_plan(gp)

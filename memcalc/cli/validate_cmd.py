@@ -7,59 +7,66 @@ The only command that imports :mod:`memcalc.validate` (torch), lazily
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from typing import Annotated, Literal, Optional
 
-import click
+import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (ACCUM, ACT_OFFLOAD, ADAPTER_CONFIG, BATCH, BF16, BUDGET, CHECKPOINT, COMPILE, DEEPSPEED,
-                                 DORA, FUSED, IMPL, JSON, LORA, LORA_ALPHA, LORA_DROPOUT, LORA_RANK, LORA_TARGETS, LOSS,
-                                 LOSS_CHUNKS, MASTER, MODEL, OPTIMIZER, PARAMS, PRECISION, PROFILE, QLORA, RECIPE, SEQ,
-                                 SEQ_PARALLEL, TP, _check_output, _options, with_options)
+from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Deepspeed, Dora,
+                                 FusedOptimizer, GradAccum, Json, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
+                                 Loss, LossChunks, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
+                                 Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, _options)
 from memcalc.core.choices import FRAMEWORKS
 from memcalc.core.errors import UserError
 
 
 @app.command()
-@with_options(
-    click.option("--config", "-c", multiple=True, help="Reference config name or file (repeatable)."),
-    click.option("--all", "all_configs", is_flag=True, help="Every shipped reference config."),
-    MODEL, PARAMS, BATCH, SEQ, ACCUM, PRECISION, BF16, MASTER, OPTIMIZER, IMPL, CHECKPOINT, FUSED, COMPILE, BUDGET,
-    LORA, LORA_RANK, LORA_ALPHA, LORA_TARGETS, LORA_DROPOUT, QLORA, PROFILE, LOSS, LOSS_CHUNKS, RECIPE,
-    ADAPTER_CONFIG, DEEPSPEED, TP, SEQ_PARALLEL,
-    click.option("--device", help="cuda | meta | cpu (default: cuda when available, else meta)."),
-    click.option("--scale-layers", type=int, help="Trace with only this many layers (quick runs)."),
-    click.option("--output", "-o", help="Write records to this JSON file as each one finishes."),
-    click.option("--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here."),
-    JSON, ACT_OFFLOAD, DORA,
-    click.option("--html", help="Also write a self-contained HTML report (predicted vs measured) to this file."),
-    click.option(
-        "--framework", type=click.Choice(FRAMEWORKS),
+def validate(
+    config: Annotated[Optional[list[str]], typer.Option(
+        "--config", "-c", metavar="<str>", help="Reference config name or file (repeatable).")] = None,
+    all_configs: Annotated[bool, typer.Option("--all", help="Every shipped reference config.")] = False,
+    model: Model = None, params: Params = None, batch: Batch = None, seq: Seq = None, grad_accum: GradAccum = None,
+    precision: Precision = None, bf16: Bf16 = False, master_weights: MasterWeights = False, optimizer: Optimizer = None,
+    optimizer_impl: OptimizerImpl = None, checkpoint: Checkpoint = None, fused_optimizer: FusedOptimizer = False,
+    compile: Compile = False, memory_budget: MemoryBudget = None, lora: Lora = False, lora_rank: LoraRank = None,
+    lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
+    qlora: Qlora = False, profile: Profile = None, loss: Loss = None, loss_chunks: LossChunks = None,
+    recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,
+    sequence_parallel: SequenceParallel = False,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", help="cuda | meta | cpu (default: cuda when available, else meta).")] = None,
+    scale_layers: Annotated[Optional[int], typer.Option(
+        "--scale-layers", help="Trace with only this many layers (quick runs).")] = None,
+    output: Annotated[Optional[str], typer.Option(
+        "--output", "-o", help="Write records to this JSON file as each one finishes.")] = None,
+    snapshot: Annotated[Optional[str], typer.Option(
+        "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here.")] = None,
+    as_json: Json = False, activation_offload: ActivationOffload = False, dora: Dora = False,
+    html: Annotated[Optional[str], typer.Option(
+        "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file.")] = None,
+    framework: Annotated[Optional[Literal[FRAMEWORKS]], typer.Option(  # type: ignore[valid-type]
+        "--framework",
         help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
              "of the model) or hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
              "get_peft_model, only kernel dispatch patched). Default: as for estimate, plain for a --config, "
-             "hf for --model and --params."),
-    click.option(
-        "--reentrant", is_flag=True,
-        help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False)."),
-    click.option(
-        "--gpus", type=int,
+             "hf for --model and --params.")] = None,
+    reentrant: Annotated[bool, typer.Option(
+        "--reentrant",
+        help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False).")] = False,
+    gpus: Annotated[Optional[int], typer.Option(
+        "--gpus",
         help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
              "process group, fake tensors (--device meta or cpu; nothing is allocated); memcalc's replica unless "
-             "--framework hf (FSDP2 only)."),
-    click.option(
-        "--zero", type=int, help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
-                                 "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP)."),
-    click.option(
+             "--framework hf (FSDP2 only).")] = None,
+    zero: Annotated[Optional[int], typer.Option(
+        "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
+                       "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP).")] = None,
+    sharding: Annotated[Optional[str], typer.Option(
         "--sharding", help="With --gpus: fsdp2 (default; fully_shard per layer and root), fsdp1 "
                            "(FullyShardedDataParallel, one unit per layer) or deepspeed (ZeRO-2/3 with "
-                           "DeepSpeed's defaults, or the buckets of --deepspeed)."),
-    click.option("--rank", type=int, help="With --gpus: which rank to trace (default 0)."),
-)
-def validate(config: tuple[str, ...], all_configs: bool, device: Optional[str], scale_layers: Optional[int],
-             output: Optional[str], snapshot: Optional[str], as_json: bool, html: Optional[str],
-             framework: Optional[str], reentrant: bool, gpus: Optional[int], zero: Optional[int],
-             sharding: Optional[str], rank: Optional[int], **inputs: Any) -> None:
+                           "DeepSpeed's defaults, or the buckets of --deepspeed).")] = None,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="With --gpus: which rank to trace (default 0).")] = None,
+) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
     Examples:
@@ -73,6 +80,7 @@ def validate(config: tuple[str, ...], all_configs: bool, device: Optional[str], 
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
       memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
+    inputs = {k: v for k, v in locals().items() if k not in _OWN}  # the experiment's inputs
     from memcalc.core.spec import MAX_LAYERS
     from memcalc.inputs.configs import list_configs
     from memcalc.inputs.resolve import resolve
@@ -138,6 +146,11 @@ def validate(config: tuple[str, ...], all_configs: bool, device: Optional[str], 
         # the estimates' timelines are of the full model: left out when tracing fewer layers
         ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
         write_report(html, validate_html(list(records or []), ests))
+
+
+#: validate's own options (and those it passes on itself); the others are the experiment's inputs
+_OWN = ("config", "all_configs", "device", "scale_layers", "output", "snapshot", "as_json", "html", "framework",
+        "reentrant", "gpus", "zero", "sharding", "rank")
 
 
 def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],

@@ -1,7 +1,7 @@
 """Hugging Face model ids (``ORG/NAME``): their ``config.json`` from the local hub cache, or fetched.
 
 Only ``config.json`` is read; no weights, no ``huggingface_hub`` import (memcalc's
-dependencies stay numpy/pydantic/rich/click/pyyaml). The cache layout, the environment
+dependencies stay numpy/pydantic/rich/typer/pyyaml). The cache layout, the environment
 variables and the error codes follow huggingface_hub 1.x:
 
 - ``constants.py``: the cache is ``$HF_HUB_CACHE``, else ``$HUGGINGFACE_HUB_CACHE``, else

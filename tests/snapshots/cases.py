@@ -56,7 +56,7 @@ CASES: list[tuple[str, list[str], bool]] = [
 
 
 def run_case(args: list[str]) -> tuple[int, str]:
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 
