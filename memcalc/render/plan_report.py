@@ -89,9 +89,8 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
                    caption=f"peak, needs: GiB at batch 1 x seq {p.seq}; max batch at seq {p.seq}; max seq at batch 1; "
                            "cost: relative step time per token at the max batch (lower is better)",
                    caption_justify="left")
-    for col, just in (("#", "right"), ("option", "left"), ("peak", "right"), ("needs", "right"),
-                      ("max batch", "right"), ("max seq", "right"), ("cost", "right")):
-        t.add_column(col, justify=just, no_wrap=col != "option")
+    for col in ("#", "option", "peak", "needs", "max batch", "max seq", "cost"):
+        t.add_column(col, justify="left" if col == "option" else "right", no_wrap=col != "option")
     for k, o in enumerate(p.options, 1):
         style = None if o.fits else "dim"
         ms = f"{o.max_seq:,}" + (" (max)" if o.max_seq == p.model.max_seq_len else "")
@@ -130,10 +129,8 @@ def cluster_plan_items(p: ClusterPlan) -> list[Any]:
 
     t = left_table(f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
                    box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
-    for col, just in (("GPU", "left"), ("GiB", "right"), ("full", "right"), ("tp", "right"), ("pow2", "right"),
-                      ("ckpt", "left"), ("need", "right"), ("LoRA", "right"), ("pow2", "right"),
-                      ("ckpt", "left"), ("need", "right")):
-        t.add_column(col, justify=just, no_wrap=True)
+    for col in ("GPU", "GiB", "full", "tp", "pow2", "ckpt", "need", "LoRA", "pow2", "ckpt", "need"):
+        t.add_column(col, justify="left" if col in ("GPU", "ckpt") else "right", no_wrap=True)
     for r in p.rows:
         cells = [r.gpu.name, f"{gib(r.gpu.capacity_bytes):.1f}"]
         for s in ("full", "lora"):
