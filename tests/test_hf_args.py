@@ -67,6 +67,18 @@ def test_the_issue_case_gives_one_number(tmp_path, optim, peak):
     assert memcalc.estimate(recipe=[f]).peak_bytes == memcalc.estimate(model="llama-3.1-8b", **live).peak_bytes == peak
 
 
+@pytest.mark.parametrize("optim_args,optimizer",
+                         [("momentum=0.9, nesterov=True", "sgd-momentum"), ("momentum=0", "sgd"), (None, "sgd")])
+def test_sgd_momentum_from_optim_args(tmp_path, optim_args, optimizer):
+    # source: transformers 5.24 trainer_optimizer.py _get_sgd: optim_args' momentum (parsed by _parse_optim_args,
+    # "a=1,b=2") goes to torch.optim.SGD, which then keeps a momentum buffer per parameter (memcalc's sgd-momentum)
+    args = {**ARGS, "optim": "sgd", "optim_args": optim_args}
+    f = tmp_path / "args.json"
+    f.write_text(json.dumps({**MODEL, **args}))
+    live, _ = options_from_hf(args, "bfloat16")
+    assert load_recipe([str(f)]).values["optimizer"] == live["optimizer"] == optimizer
+
+
 def test_a_live_arguments_dict_reads_as_its_file():
     # source: transformers 5.24 TrainingArguments.to_dict(): every field, the unset ones None or False, enums as
     # values; gradient_checkpointing mirrors activation_checkpointing (training_args.py __post_init__)

@@ -116,9 +116,24 @@ def optimizer(r: Reader, key: str, strict: bool = True) -> None:
         r.rec.note(f"optim {optim} is not modelled; the estimate assumes adamw")
         return
     name, impl = optimizer_name(r, key, "hf")
+    if name == "sgd" and float_value(_optim_args(r).get("momentum", 0), f"{r.src}:optim_args momentum"):
+        r.set("optimizer", "sgd-momentum", "optim+optim_args", f"{optim}, {r.get('optim_args')}")
+        return
     r.set("optimizer", name, key, optim)
     if impl:
         r.set("optimizer_impl", impl, key, optim)
+
+
+def _optim_args(r: Reader) -> dict[str, str]:
+    """``optim_args`` as transformers 5.24 trainer_optimizer.py ``_parse_optim_args`` reads it (``"a=1,b=2"``);
+    ``_get_sgd`` takes its ``momentum`` (torch.optim.SGD then keeps one buffer per parameter)."""
+    text = r.get("optim_args")
+    if not isinstance(text, str) or not text.strip():
+        return {}
+    pairs = [p.split("=", 1) for p in text.replace(" ", "").split(",") if p]
+    if not all(len(kv) == 2 for kv in pairs):
+        raise UserError(f"{r.src}:optim_args: expected key=value pairs separated by commas, got {clip(repr(text))}")
+    return {kv[0]: kv[1] for kv in pairs}
 
 
 def _liger(r: Reader, strict: bool) -> None:
