@@ -17,9 +17,9 @@ from typing import Any
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, optimizer_name,
-                                           model_for_hub_id, peft_targets, set_deepspeed, set_fsdp)
-from memcalc.inputs.recipes.hf import attention, lora_settings, packing
+from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, model_for_hub_id, peft_targets,
+                                           set_deepspeed, set_fsdp)
+from memcalc.inputs.recipes.hf import attention, lora_settings, optimizer, packing
 
 IGNORE = (
     "base_model_config", "model_type", "tokenizer_type", "tokenizer_config", "is_*_derived_model", "strict",
@@ -64,15 +64,7 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
         r.set("activation_offload", True, "activation_offloading")
     packing(r, "sample_packing")
     _precision(r)
-    if r.has("optimizer"):
-        opt = r.get("optimizer")
-        name, impl = optimizer_name(r, "optimizer", "hf")
-        r.set("optimizer", name, "optimizer", opt)
-        if impl:
-            r.set("optimizer_impl", impl, "optimizer", opt)
-    else:  # axolotl leaves it to TrainingArguments: adamw_torch_fused
-        r.set("optimizer", "adamw", "optimizer (TrainingArguments default: adamw_torch_fused)")
-        r.set("optimizer_impl", "fused", "optimizer (default)")
+    optimizer(r, "optimizer")  # transformers' optim names; absent: TrainingArguments' default
     fa = r.get("flash_attention")
     if fa is not None:
         bool_value(fa, f"{src}:flash_attention")  # flash or SDPA: memcalc's flash kernel either way

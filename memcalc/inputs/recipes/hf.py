@@ -117,7 +117,7 @@ def optimizer(r: Reader, key: str, strict: bool = True) -> None:
         return
     name, impl = optimizer_name(r, key, "hf")
     if name == "sgd" and float_value(_optim_args(r).get("momentum", 0), f"{r.src}:optim_args momentum"):
-        r.set("optimizer", "sgd-momentum", "optim+optim_args", f"{optim}, {r.get('optim_args')}")
+        r.set("optimizer", "sgd-momentum", f"{key}+optim_args", f"{optim}, {r.get('optim_args')}")
         return
     r.set("optimizer", name, key, optim)
     if impl:
