@@ -17,8 +17,8 @@ from typing import Any
 
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, model_for_hub_id, peft_targets,
-                                           set_deepspeed, set_fsdp)
+from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, model_for_hub_id,
+                                           peft_targets, set_deepspeed, set_fsdp)
 from memcalc.inputs.recipes.hf import attention, lora_settings, optimizer, packing
 
 IGNORE = (
