@@ -23,6 +23,7 @@ the ModelSpec does not carry are the adapters' (Mistral's ``sliding_window`` Non
 ``gelu_new`` is transformers' ``gelu_new``, ``gelu_tanh`` its ``gelu_pytorch_tanh``, in every family:
 :data:`memcalc.inputs.hf_families.common.HF_ACTIVATIONS`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
