@@ -37,7 +37,9 @@ layout; importing rich and laying out its tables took 0.1 s), in a terminal rich
 before; the console script starts with the cyclic garbage collector off (its first collection
 traversed every start-up object, ~10 ms; ``memcalc/__main__.py``). ``tests/test_lazy_imports.py``
 and ``tests/test_estimate_imports.py`` keep it so. Issue 26 ("simple over clever") took the plain
-renderer out again: rich lays out every table (about 45 ms of CPU more on a piped estimate).
+renderer out again (rich lays out every table: about 45 ms of CPU more on a piped estimate) and
+the parse cache ``data/_parsed.json`` (the YAML files are parsed when read: PyYAML's import and
+the GPU catalog's parse, about 10 ms of CPU more).
 """
 
 from __future__ import annotations

@@ -44,3 +44,16 @@ def test_an_unsharded_estimate_loads_no_sharded_runtime_nor_resource_readers():
     assert unsharded["peak"] > 0 and unsharded["loaded"] == []
     # the probe can tell: a DeepSpeed estimate does load its runtime
     assert "memcalc.engine.deepspeed" in deepspeed["loaded"]
+
+
+def test_data_root_is_what_importlib_resources_gives():
+    # data_root() skips importlib.resources for a package loaded from a folder; it must name the
+    # same root (the same type and path), listing the same files
+    from importlib import resources
+
+    from memcalc.inputs.data_files import data_root
+
+    want = resources.files("memcalc.data")
+    got = data_root()
+    assert type(got) is type(want) and str(got) == str(want)
+    assert sorted(e.name for e in got.iterdir()) == sorted(e.name for e in want.iterdir())

@@ -47,19 +47,19 @@ STAGES = [
     # a command's options without the spec models (the choices come from memcalc.core); typer
     # coerces option values through pydantic, which loads with them
     (["estimate", "--help"], tuple(m for m in WATCHED if m not in ("pydantic", "importlib.metadata")), ()),
-    # --json: no rich; --params: no presets, no hub client, no YAML; an eager estimate: no numpy,
-    # no plan, no compile graph
+    # --json: no rich; --params: no presets, no hub client (YAML: the GPU catalog, parsed when
+    # read); an eager estimate: no numpy, no plan, no compile graph
     (["estimate", "--params", "125M", "--seq", "64", "--json"],
-     ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.inputs.presets",
+     ("rich", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.inputs.presets",
       "memcalc.inputs.configs", "memcalc.plan.search", "memcalc.compile.graph"),
-     ("pydantic", "memcalc.core.spec", "memcalc.estimate.peak")),
-    # a preset by name: read from data/_parsed.json (no YAML parser), no hub client
+     ("pydantic", "memcalc.core.spec", "memcalc.estimate.peak", "yaml")),
+    # a preset by name: no hub client
     (["estimate", "--model", "gpt2", "--seq", "64", "--json"],
-     ("rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.plan.search"),
+     ("rich", "numpy", "memcalc.inputs.hf_hub", "http.client", "memcalc.plan.search"),
      ("memcalc.inputs.presets",)),
     # the tables, to a pipe: rich, and nothing more of the pipeline than --json
     (["estimate", "--params", "125M", "--seq", "64"],
-     ("yaml", "numpy", "memcalc.inputs.hf_hub", "memcalc.plan.search"), ("memcalc.render.report", "rich")),
+     ("numpy", "memcalc.inputs.hf_hub", "memcalc.plan.search"), ("memcalc.render.report", "rich")),
 ]
 
 
