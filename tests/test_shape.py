@@ -44,7 +44,6 @@ KNOWN_COMPLEX: set[str] = {
     "memcalc/compile/compiled.py:mlp_pool",  # 31
     "memcalc/compile/mincut.py:Network.__init__",  # 35
     "memcalc/engine/timeline.py:_simulate",  # 43
-    "memcalc/inputs/deepspeed_config.py:read_deepspeed",  # 33
 }
 
 

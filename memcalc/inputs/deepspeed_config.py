@@ -145,6 +145,26 @@ def load_json(path: str) -> dict:
 def read_deepspeed(path: str, hidden_size: int) -> DeepSpeedInputs:
     """Read ``path`` (see the module docstring); ``hidden_size`` fills HF's "auto" buffer sizes."""
     raw = load_json(path)
+    zo, stage = _stage(path, raw)
+    spec, autos = _zero_spec(path, zo, hidden_size)
+    spec = {"stage": stage, **spec, "offload_param": _offload(path, zo, "offload_param")}
+    training: dict[str, Any] = {"offload_optimizer": _offload(path, zo, "offload_optimizer") or None}
+    training.update(_precision(path, raw))
+    for key, fld in (("train_micro_batch_size_per_gpu", "batch"), ("gradient_accumulation_steps", "grad_accum")):
+        if key in raw and not _is_auto(raw[key]):
+            training[fld] = _int(path, key, raw[key], low=1)
+    notes = []
+    if autos:
+        notes.append(f"DeepSpeed \"auto\" values filled as Hugging Face's integration does (hidden size {hidden_size}): "
+                     + ", ".join(autos))
+    listed = _ignored(raw, zo)
+    if listed:
+        notes.append("DeepSpeed config keys ignored (no effect on the estimate): " + ", ".join(listed))
+    return DeepSpeedInputs(stage, spec, {k: v for k, v in training.items() if v is not None}, notes)
+
+
+def _stage(path: str, raw: dict) -> tuple[dict, int]:
+    """``zero_optimization`` and its stage (2 or 3)."""
     zo = raw.get("zero_optimization")
     if not isinstance(zo, dict) or "stage" not in zo:
         raise UserError(f"--deepspeed {path}: needs zero_optimization.stage (2 or 3); memcalc models DeepSpeed ZeRO-2/3")
@@ -152,7 +172,13 @@ def read_deepspeed(path: str, hidden_size: int) -> DeepSpeedInputs:
     if isinstance(stage, bool) or stage not in (2, 3):
         raise UserError(f"--deepspeed {path}: zero_optimization.stage must be 2 or 3 (the stages memcalc models), "
                         f"got {json.dumps(stage)}")
-    spec: dict[str, Any] = {"stage": stage}
+    return zo, stage
+
+
+def _zero_spec(path: str, zo: dict, hidden_size: int) -> tuple[dict[str, Any], list[str]]:
+    """The :data:`ZERO_KEYS` that ``zo`` sets, as DeepSpeedSpec fields ("auto" filled from the hidden
+    size as Hugging Face fills it), and the "auto" values filled (``key=value``)."""
+    spec: dict[str, Any] = {}
     autos: list[str] = []
     for key, fld in ZERO_KEYS.items():
         if key not in zo:
@@ -168,27 +194,25 @@ def read_deepspeed(path: str, hidden_size: int) -> DeepSpeedInputs:
             spec[fld] = _bool(path, f"zero_optimization.{key}", v)
         else:
             spec[fld] = _int(path, f"zero_optimization.{key}", v, low=1 if key == "reduce_bucket_size" else 0)
-    spec["offload_param"] = _offload(path, zo, "offload_param")
-    training: dict[str, Any] = {"offload_optimizer": _offload(path, zo, "offload_optimizer") or None}
+    return spec, autos
+
+
+def _precision(path: str, raw: dict) -> dict[str, Any]:
+    """``bf16.enabled`` / ``fp16.enabled``: precision bf16 / fp16 with master weights; neither on and
+    neither "auto": fp32; else nothing (the flags')."""
     bf16, fp16 = _enabled(path, raw, "bf16"), _enabled(path, raw, "fp16")
     if bf16 and fp16:
         raise UserError(f"--deepspeed {path}: bf16.enabled and fp16.enabled are both true; DeepSpeed takes one")
     if bf16 or fp16:
-        training.update(precision="bf16" if bf16 else "fp16", master_weights=True)
-    elif not ("bf16" in raw and bf16 is None) and not ("fp16" in raw and fp16 is None):  # neither on, neither "auto"
-        training["precision"] = "fp32"
-    for key, fld in (("train_micro_batch_size_per_gpu", "batch"), ("gradient_accumulation_steps", "grad_accum")):
-        if key in raw and not _is_auto(raw[key]):
-            training[fld] = _int(path, key, raw[key], low=1)
-    notes = []
-    if autos:
-        notes.append(f"DeepSpeed \"auto\" values filled as Hugging Face's integration does (hidden size {hidden_size}): "
-                     + ", ".join(autos))
+        return {"precision": "bf16" if bf16 else "fp16", "master_weights": True}
+    if not ("bf16" in raw and bf16 is None) and not ("fp16" in raw and fp16 is None):  # neither on, neither "auto"
+        return {"precision": "fp32"}
+    return {}
+
+
+def _ignored(raw: dict, zo: dict) -> list[str]:
+    """The keys memcalc does not read (:data:`IGNORED` says why), zero_optimization's first."""
     known = set(ZERO_KEYS) | {"stage", "offload_optimizer", "offload_param"}
-    ign = [k for k in zo if k not in known]
     top = [k for k in raw if k not in ("zero_optimization", "bf16", "fp16", "train_micro_batch_size_per_gpu",
                                        "gradient_accumulation_steps")]
-    listed = [f"zero_optimization.{k}" for k in ign] + top
-    if listed:
-        notes.append("DeepSpeed config keys ignored (no effect on the estimate): " + ", ".join(listed))
-    return DeepSpeedInputs(stage, spec, {k: v for k, v in training.items() if v is not None}, notes)
+    return [f"zero_optimization.{k}" for k in zo if k not in known] + top
