@@ -41,8 +41,6 @@ KNOWN_LONG_MODULES: set[str] = {
 #: functions over MAX_COMPLEXITY today, as path:qualname (radon's count in the comment)
 KNOWN_COMPLEX: set[str] = {
     "memcalc/cli/validate_cmd.py:validate",  # 42
-    "memcalc/compile/compiled.py:mlp_pool",  # 31
-    "memcalc/compile/mincut.py:Network.__init__",  # 35
     "memcalc/engine/timeline.py:_simulate",  # 43
 }
 

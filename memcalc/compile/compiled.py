@@ -260,21 +260,8 @@ def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]],
     width: dict[int, int] = {}
     distinct: dict[int, int] = {}
     new: dict[int, int] = {}
-    for down in g.values:
-        if not (down.kind == "compute" and down.layer is not None
-                and any(a.param and a.name.endswith(("down_proj.weight", "fc2.weight")) for a in down.args)):
-            continue
-        # the MLP's inner values: the down projection's input and its pointwise ancestors
-        # back to (and including) the projections that produce them
-        inner, stack = set(), [a for a in down.args if not a.param and a.kind != "input"]
-        while stack:
-            v = stack.pop()
-            if v in inner or v.kind == "input":
-                continue
-            inner.add(v)
-            if v.kind == "pointwise":
-                stack.extend(a for a in v.args if not a.param)
-        real = [v for v in inner if (v in realized if realized is not None else _realized(v))]
+    for down in filter(_is_down_projection, g.values):
+        real = [v for v in _mlp_inner(down) if (v in realized if realized is not None else _realized(v))]
         if not real:
             continue
         i = down.layer
@@ -285,3 +272,23 @@ def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]],
         distinct[i] = len(here) + len(from_chain) + grads
         new[i] = distinct[i] - len(from_chain)
     return {i: min(distinct[i], new[i - 1]) * width[i] for i in distinct if i - 1 in new}
+
+
+def _is_down_projection(v: Value) -> bool:
+    """Whether ``v`` is a layer's MLP down projection (``down_proj`` / ``fc2``)."""
+    return (v.kind == "compute" and v.layer is not None
+            and any(a.param and a.name.endswith(("down_proj.weight", "fc2.weight")) for a in v.args))
+
+
+def _mlp_inner(down: Value) -> set:
+    """The MLP's inner values: the down projection's input and its pointwise ancestors back to
+    (and including) the projections that produce them."""
+    inner, stack = set(), [a for a in down.args if not a.param and a.kind != "input"]
+    while stack:
+        v = stack.pop()
+        if v in inner or v.kind == "input":
+            continue
+        inner.add(v)
+        if v.kind == "pointwise":
+            stack.extend(a for a in v.args if not a.param)
+    return inner

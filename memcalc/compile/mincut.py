@@ -99,54 +99,12 @@ class Network:
     def __init__(self, n: int, arcs: Sequence[tuple[int, int, int]], src: list[bool], snk: list[bool]) -> None:
         self.unbounded = any(a and b for a, b in zip(src, snk))
         self.base = snk
-        # what is left once src is merged into s and snk into t: arcs between free nodes, from
-        # s, to t (arcs out of t, into s, or s -> t never cross a finite cut forwards); parallel
-        # arcs are one, of their summed capacity (None: infinite)
-        S, T = -1, -2
-        where = [S if a else T if b else i for i, (a, b) in enumerate(zip(src, snk))]
-        refs: dict[tuple[int, int], Optional[list[int]]] = {}
-        nbr: list[list[int]] = [[] for _ in range(n)]
-        for u, v, r in arcs:
-            a, b = where[u], where[v]
-            if a == T or b == S or a == b or (a == S and b == T):
-                continue
-            key = (a, b)
-            if key not in refs:
-                refs[key] = []
-                if a >= 0 and b >= 0:
-                    nbr[a].append(b)
-                    nbr[b].append(a)
-            have = refs[key]
-            if have is not None:
-                refs[key] = None if r < 0 else have + [r]
-        # pieces: free nodes joined by free-free arcs, each numbered in node order
-        piece = [-1] * n
-        members: list[list[int]] = []
-        for i in range(n):
-            if where[i] == i and piece[i] < 0:
-                k = len(members)
-                piece[i] = k
-                group, stack = [i], [i]
-                while stack:
-                    u = stack.pop()
-                    for v in nbr[u]:
-                        if piece[v] < 0:
-                            piece[v] = k
-                            group.append(v)
-                            stack.append(v)
-                group.sort()
-                members.append(group)
-        local = [0] * n
-        for group in members:
-            for j, v in enumerate(group):
-                local[v] = j
-        per: list[list[tuple[tuple[int, int], Optional[tuple[int, ...]]]]] = [[] for _ in members]
-        for (a, b), rs in refs.items():
-            k = piece[a] if a >= 0 else piece[b]
-            per[k].append(((local[a] if a >= 0 else S, local[b] if b >= 0 else T), None if rs is None else tuple(rs)))
+        where = [_S if a else _T if b else i for i, (a, b) in enumerate(zip(src, snk))]
+        refs, nbr = _merged_arcs(n, arcs, where)
+        piece, members = _pieces(n, where, nbr)
         #: (nodes, the piece's shape id, its arcs' ends, their capacity refs)
         self.pieces: list[tuple[list[int], int, tuple, list[Optional[tuple[int, ...]]]]] = []
-        for group, pa in zip(members, per):
+        for group, pa in zip(members, _arcs_by_piece(n, refs, piece, members)):
             pa.sort()
             ends = tuple(e for e, _ in pa)
             sid = _PIECE_SHAPES((len(group), ends))
@@ -171,6 +129,74 @@ class Network:
             for v, r in zip(group, ans):
                 out[v] = r
         return out
+
+
+#: the source and the sink, once the nodes merged into them are (:class:`Network`)
+_S, _T = -1, -2
+
+#: arcs by their ends after merging -> their capacity refs (None: infinite)
+_Refs = dict[tuple[int, int], Optional[list[int]]]
+
+
+def _merged_arcs(n: int, arcs: Sequence[tuple[int, int, int]], where: list[int]) -> tuple[_Refs, list[list[int]]]:
+    """What is left once the source side is merged into s and the sink side into t (``where``: each
+    node's new end, ``_S``, ``_T`` or itself): arcs between free nodes, from s, to t (arcs out of t,
+    into s, or s -> t never cross a finite cut forwards); parallel arcs are one, of their summed
+    capacity (None: infinite). Returns them and each free node's neighbours through free-free arcs."""
+    refs: _Refs = {}
+    nbr: list[list[int]] = [[] for _ in range(n)]
+    for u, v, r in arcs:
+        a, b = where[u], where[v]
+        if a == _T or b == _S or a == b or (a == _S and b == _T):
+            continue
+        key = (a, b)
+        if key not in refs:
+            refs[key] = []
+            if a >= 0 and b >= 0:
+                nbr[a].append(b)
+                nbr[b].append(a)
+        have = refs[key]
+        if have is not None:
+            refs[key] = None if r < 0 else have + [r]
+    return refs, nbr
+
+
+def _pieces(n: int, where: list[int], nbr: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """The pieces: free nodes joined by free-free arcs, each numbered in node order. Returns each
+    node's piece (-1: merged) and each piece's nodes, sorted."""
+    piece = [-1] * n
+    members: list[list[int]] = []
+    for i in range(n):
+        if where[i] != i or piece[i] >= 0:
+            continue
+        k = len(members)
+        piece[i] = k
+        group, stack = [i], [i]
+        while stack:
+            u = stack.pop()
+            for v in nbr[u]:
+                if piece[v] < 0:
+                    piece[v] = k
+                    group.append(v)
+                    stack.append(v)
+        group.sort()
+        members.append(group)
+    return piece, members
+
+
+def _arcs_by_piece(n: int, refs: _Refs, piece: list[int], members: list[list[int]]
+                   ) -> list[list[tuple[tuple[int, int], Optional[tuple[int, ...]]]]]:
+    """Each piece's arcs, with their ends in the piece's own numbering (``_S``, ``_T`` kept) and
+    their capacity refs (None: infinite)."""
+    local = [0] * n
+    for group in members:
+        for j, v in enumerate(group):
+            local[v] = j
+    per: list[list[tuple[tuple[int, int], Optional[tuple[int, ...]]]]] = [[] for _ in members]
+    for (a, b), rs in refs.items():
+        k = piece[a] if a >= 0 else piece[b]
+        per[k].append(((local[a] if a >= 0 else _S, local[b] if b >= 0 else _T), None if rs is None else tuple(rs)))
+    return per
 
 
 class Interner:
