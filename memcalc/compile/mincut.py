@@ -147,7 +147,7 @@ def _merged_arcs(n: int, arcs: Sequence[tuple[int, int, int]], where: list[int])
     nbr: list[list[int]] = [[] for _ in range(n)]
     for u, v, r in arcs:
         a, b = where[u], where[v]
-        if a == _T or b == _S or a == b or (a == _S and b == _T):
+        if a in (_T, b) or b == _S or (a == _S and b == _T):
             continue
         key = (a, b)
         if key not in refs:
