@@ -26,6 +26,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = {"ruff": ROOT / ".ci" / "ruff-baseline.json", "mypy": ROOT / ".ci" / "mypy-baseline.json"}
@@ -36,21 +37,22 @@ LINE_NUMBER = re.compile(r"\b(line|lines) \d+(-\d+)?")
 LINE_LENGTH = re.compile(r"^Line too long \(\d+ > ")  # E501: a long line edited stays the same finding
 
 Key = tuple[str, str, str]  # (file, code, message)
+Finding = tuple[Key, int]  # and its line
 
 
 def _key(file: str, code: str, message: str) -> Key:
     return file, code, LINE_LENGTH.sub("Line too long (N > ", LINE_NUMBER.sub(r"\1 N", message))
 
 
-def ruff() -> Counter[Key]:
+def ruff() -> list[Finding]:
     run = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--output-format", "json", "--no-fix", "--exit-zero", "."],
         cwd=ROOT, capture_output=True, text=True, check=True,
     )
-    found: Counter[Key] = Counter()
+    found = []
     for item in json.loads(run.stdout):
         file = Path(item["filename"]).resolve().relative_to(ROOT).as_posix()
-        found[_key(file, item["code"] or "syntax", item["message"])] += 1
+        found.append((_key(file, item["code"] or "syntax", item["message"]), item["location"]["row"]))
     return found
 
 
@@ -66,7 +68,7 @@ def _mypy_tree() -> Path:
     return tree
 
 
-def mypy() -> Counter[Key]:
+def mypy() -> list[Finding]:
     tree = _mypy_tree()
     run = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
@@ -75,7 +77,7 @@ def mypy() -> Counter[Key]:
     )
     if run.returncode not in (0, 1):
         sys.exit(f"mypy failed to run:\n{run.stdout}{run.stderr}")
-    found: Counter[Key] = Counter()
+    found = []
     for line in run.stdout.splitlines():
         item = json.loads(line)
         if item["severity"] != "error":
@@ -84,7 +86,7 @@ def mypy() -> Counter[Key]:
         for folder, under in MAPPED:
             if file.startswith(under):
                 file = folder + "/" + file[len(under):]
-        found[_key(file, item["code"] or "misc", item["message"])] += 1
+        found.append((_key(file, item["code"] or "misc", item["message"]), item["line"]))
     return found
 
 
@@ -105,9 +107,10 @@ def save(path: Path, counts: Counter[Key]) -> None:
     path.write_text(json.dumps(nested, indent=1, sort_keys=True) + "\n")
 
 
-def _show(key: Key, count: int) -> str:
+def _show(key: Key, count: int, lines: Optional[list[int]] = None) -> str:
     file, code, message = key
-    return f"  {file}: {code}: {message}" + (f"  (x{count})" if count != 1 else "")
+    where = f":{','.join(map(str, sorted(lines)))}" if lines else ""
+    return f"  {file}{where}: {code}: {message}" + (f"  (x{count})" if count != 1 else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,13 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     tools = {"ruff": ruff, "mypy": mypy}
     failed = False
     for name in [args.only] if args.only else list(tools):
-        now, base = tools[name](), load(BASELINES[name])
+        findings, base = tools[name](), load(BASELINES[name])
+        now = Counter(key for key, _ in findings)
+        lines: dict[Key, list[int]] = {}
+        for key, line in findings:
+            lines.setdefault(key, []).append(line)
         grew = {key: now[key] - base[key] for key in now if now[key] > base[key]}
         shrank = {key: base[key] - now[key] for key in base if now[key] < base[key]}
         print(f"{name}: {sum(now.values())} findings, baseline {sum(base.values())}")
         if grew:
             print(f"{name}: new findings (above .ci/{BASELINES[name].name}):")
-            print("\n".join(_show(key, n) for key, n in sorted(grew.items())))
+            print("\n".join(_show(key, n, lines[key]) for key, n in sorted(grew.items())))
         if args.update:
             if grew and not args.allow_growth:
                 print(f"{name}: counts that grew are kept at their baseline (fix them, or --allow-growth)")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from memcalc.core.errors import UserError
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    from importlib.abc import Traversable  # importlib.resources.abc from Python 3.11
 
 
 def data_root() -> Traversable:
@@ -29,7 +29,7 @@ def data_root() -> Traversable:
     anything else (a zip import) goes through ``importlib.resources``.
     ``tests/test_estimate_imports.py`` compares the two."""
     spec = import_module("memcalc.data").__spec__
-    if isinstance(spec.loader, (SourceFileLoader, SourcelessFileLoader)) and spec.origin:
+    if spec is not None and isinstance(spec.loader, (SourceFileLoader, SourcelessFileLoader)) and spec.origin:
         return Path(spec.origin).parent
     from importlib import resources
 
@@ -77,7 +77,8 @@ MAX_NAME_CHARS = 4096
 def check_name(value: str, flag: str) -> None:
     """A UserError for a name or path too long to be one (before any file-system call)."""
     if len(value) > MAX_NAME_CHARS:
-        raise UserError(f"{flag} value is {len(value):,} characters long; a name or path has at most {MAX_NAME_CHARS:,}")
+        raise UserError(f"{flag} value is {len(value):,} characters long; "
+                        f"a name or path has at most {MAX_NAME_CHARS:,}")
 
 
 def shorten(value: str, limit: int = 60) -> str:
@@ -164,6 +165,7 @@ def parse_text(text: str, where: str) -> Any:
     if not where.endswith(".json") and _flow_depth(text) > MAX_DEPTH:  # libyaml recurses in C: checked first
         raise UserError(f"{where} nests deeper than {MAX_DEPTH} levels")
     yaml = None if where.endswith(".json") else _yaml()
+    syntax_errors = (json.JSONDecodeError,) if yaml is None else (json.JSONDecodeError, yaml.YAMLError)
     try:
         if yaml is None:
             data = json.loads(text)
@@ -171,7 +173,7 @@ def parse_text(text: str, where: str) -> Any:
             data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except RecursionError:
         raise UserError(f"{where} nests deeper than {MAX_DEPTH} levels") from None
-    except (json.JSONDecodeError, *((yaml.YAMLError,) if yaml is not None else ())) as e:
+    except syntax_errors as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
