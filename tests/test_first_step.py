@@ -1,4 +1,4 @@
-"""The first step taken from the steady step's events (:func:`memcalc.engine.timeline.first_step_of`)
+"""The first step taken from the steady step's events (:func:`memcalc.engine.twins.first_step_of`)
 equals the simulated first step: the same allocation events (up to the block ids), the same peak,
 peak phase, phase peaks, offloaded and paged bytes. ``estimate()`` reads its first step this way
 outside DeepSpeed, so every first-step number it prints rests on this equality."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from memcalc.api import _resolve
-from memcalc.engine.timeline import first_step_of
+from memcalc.engine.twins import first_step_of
 from memcalc.estimate.step import simulate
 from memcalc.plan.depth import shallow
 

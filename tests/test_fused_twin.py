@@ -1,4 +1,4 @@
-"""A fused-optimizer step derived from the unfused one (:func:`memcalc.engine.timeline.fused_twin_of`)
+"""A fused-optimizer step derived from the unfused one (:func:`memcalc.engine.twins.fused_twin_of`)
 equals the simulated fused step: the same allocation trace (running total, phase, label and
 request of every allocation), peak, peak phase and peak label. The plan takes every fused step it
 reads this way where it applies (:mod:`memcalc.plan.steps`), so its printed numbers rest on this
@@ -10,7 +10,7 @@ import pytest
 
 from memcalc.api import _resolve
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.timeline import fused_twin_applies, fused_twin_of
+from memcalc.engine.twins import fused_twin_applies, fused_twin_of
 from memcalc.estimate.step import simulate
 from memcalc.inputs.presets import load_preset
 from memcalc.plan.depth import shallow

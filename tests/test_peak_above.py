@@ -1,4 +1,4 @@
-"""A step cut short once it passes a card (``stop_above``, :class:`memcalc.engine.sim.PeakAbove`)
+"""A step cut short once it passes a card (``stop_above``, :class:`memcalc.engine.observers.PeakAbove`)
 and the searches that use it (memcalc/plan/limits.py).
 
 A search that only needs to know that a point does not fit stops its simulation at the first
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from memcalc.api import _resolve
 from memcalc.core.units import GiB
-from memcalc.engine.sim import PeakAbove
+from memcalc.engine.observers import PeakAbove
 from memcalc.estimate.peak import largest_peak_within, required_bytes
 from memcalc.estimate.step import simulate
 from memcalc.plan import steps

@@ -34,14 +34,12 @@ KNOWN_CYCLES: list[frozenset[str]] = [
 #: modules over MAX_LINES lines today, by path
 KNOWN_LONG_MODULES: set[str] = {
     "memcalc/core/spec.py",
-    "memcalc/engine/sim.py",
     "validate/model.py",
 }
 
 #: functions over MAX_COMPLEXITY today, as path:qualname (radon's count in the comment)
 KNOWN_COMPLEX: set[str] = {
     "memcalc/cli/validate_cmd.py:validate",  # 42
-    "memcalc/engine/timeline.py:_simulate",  # 43
 }
 
 

@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from memcalc.engine.checkpoint import Ghosts
 from memcalc.engine.result import KINDS
 from memcalc.engine.sim import Node, Param, Sim, T
 
@@ -26,7 +27,7 @@ def test_alloc_sets_every_field_as_the_constructor_does():
     t = sim.alloc(1000, "activations", "saved activations", True, "x", 250, 32)
     expected = T(1024, "activations", "saved activations", requires_grad=True, numel=250, name="x", seq=1)
     assert _fields(t) == _fields(expected)
-    sim.ghost_after = 1  # a ghost: no bytes, same fields otherwise
+    sim.ghosts = Ghosts(1)  # a ghost: no bytes, same fields otherwise
     g = sim.alloc(1000, "temporaries", "op workspace")
     assert _fields(g) == _fields(T(0, "temporaries", "op workspace", seq=2))
 

@@ -227,7 +227,6 @@ def _record(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
     eager = exp.model_copy(update={"training": exp.training.model_copy(
         update={"compile": False, "memory_budget": None, "checkpoint": "none", "fused_optimizer": False})})
     sim = Sim(exp.profile.allocator_round_bytes)
-    sim.record_timeline = False
     model = make_params(sim, eager)
     rec = _Recorder(sim)
     outputs: dict[int, Value] = {}

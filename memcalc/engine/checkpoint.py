@@ -19,8 +19,56 @@ from typing import Callable, Iterator, Optional
 from memcalc.core.spec import TrainingSpec, sqrt_segments
 from memcalc.engine.offload import rope_region_inputs
 from memcalc.engine.ops import Ops
-from memcalc.engine.sim import Node, Sim, T
+from memcalc.engine.sim import Node, Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy, Walk
+
+
+class Ghosts:
+    """The allocations of a recompute that take no memory (:attr:`Sim.ghosts`): those past the
+    ``after``-th (the recompute stops there, or a dry run: every one) and those at the counts in
+    ``at`` (a cached output, which adopts the cache's memory: :func:`adopt`)."""
+
+    __slots__ = ("after", "at")
+
+    def __init__(self, after: int, at: frozenset[int] | set[int] = frozenset()) -> None:
+        self.after = after
+        self.at = at
+
+    def __contains__(self, count: object) -> bool:
+        return count > self.after or count in self.at  # type: ignore[operator]
+
+
+def adopt(sim: Sim, dst: T, src: T) -> None:
+    """``dst`` (allocated as a ghost, no bytes) becomes the memory of ``src``, which gives up
+    its bytes and one reference: a selective checkpoint's recompute returns the output it
+    cached in forward instead of computing a new one (torch/utils/checkpoint.py
+    ``_CachingTorchDispatchMode``: ``storage[func].pop(0)``)."""
+    assert dst.nbytes == 0 and src.alive
+    dst.nbytes, dst.kind, dst.category, dst.uid = src.nbytes, src.kind, src.category, src.uid
+    src.nbytes, src.uid = 0, 0
+    sim.unref(src)
+
+
+def count_save(sim: Sim, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T]) -> None:
+    """What :meth:`Sim.node` does with grad enabled, short of making the node (``Sim.count_saves``
+    in a checkpointed region's first forward): when an input needs a gradient or a parameter
+    trains, the outputs need one, and a node that saves something moves ``last_save_count`` (and
+    ``last_save_hooks``) to here. (Activation offloading is inactive in a recompute, so ``saved``
+    is what the node would keep.)"""
+    for t in inputs:
+        if t.requires_grad:
+            break
+    else:
+        for p in params:
+            if p.trainable:
+                break
+        else:
+            return
+    for o in outputs:
+        o.requires_grad = True
+    if saved:
+        sim.last_save_count = sim.alloc_count
+        sim.last_save_hooks = sim.hook_allocs
 
 
 class OpSaver:
@@ -39,7 +87,7 @@ class OpSaver:
     Installed as the simulator's op recorder (chaining the one already there). Modes: ``cache``
     (the first forward: keep a reference to each saved op's new tensors), ``locate`` (the
     recompute's dry run: where those tensors are allocated), ``adopt`` (the recompute: the
-    ghost allocations take the cached tensors' memory, :meth:`Sim.adopt`)."""
+    ghost allocations take the cached tensors' memory, :func:`adopt`)."""
 
     def __init__(self, sim: Sim) -> None:
         self.sim = sim
@@ -84,10 +132,11 @@ class OpSaver:
         elif self.mode == "locate":
             self.locs.append([t.seq for t in new])
         elif self.i < len(self.cache):
-            stop = self.sim.ghost_after
+            ghosts = self.sim.ghosts
+            stop = ghosts.after if isinstance(ghosts, Ghosts) else None
             for dst, src in zip(new, self.cache[self.i]):
                 if src.alive and src.nbytes and (stop is None or dst.seq <= stop):
-                    self.sim.adopt(dst, src)
+                    adopt(self.sim, dst, src)
         self.i += 1
 
     def release(self) -> None:
@@ -104,26 +153,26 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
     ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
     ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`)."""
-    assert sim.grad_enabled and not sim.counting_saves, f"{label}: a checkpointed region inside another's forward"
+    assert sim.grad_enabled and sim.count_saves is None, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
     if saver is not None:
         saver.start("cache")
     # where the recompute may stop: counted by this forward, whose ops are the recompute's (the
     # layer hooks' allocations aside: Sim.hook_allocs), node() doing to requires_grad what it will
-    # do then (Sim._count_save). None: a dry run finds it (torchtitan's op-level policy, whose
+    # do then (count_save). None: a dry run finds it (torchtitan's op-level policy, whose
     # cache must not see the recompute's requires_grad; offloading, which saves more in forward)
     stop: Optional[int] = None
     count = saver is None and not (sim.offload is not None and sim.offload.active)
     if count:
         f0, h0 = sim.alloc_count, sim.hook_allocs
         sim.last_save_count, sim.last_save_hooks = f0, h0
-        sim.counting_saves = True
+        sim.count_saves = count_save
     sim.grad_enabled = False
     out = fn()
     sim.grad_enabled = True
     if count:
-        sim.counting_saves = False
+        sim.count_saves = None
         stop = (sim.last_save_count - f0) - (sim.last_save_hooks - h0)
     if saver is not None:
         saver.stop()
@@ -143,9 +192,9 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
             assert stop is None or stop == here, (label, stop, here)
         s.nodes = []
         c1 = s.alloc_count
-        s.ghost_after = c1 + here
+        s.ghosts = Ghosts(c1 + here)
         if saver is not None:  # the cached outputs' allocations take no memory: they adopt the cache
-            s.ghost_at = {c1 + q for group in saver.locs[:len(saver.cache)] for q in group}
+            s.ghosts = Ghosts(c1 + here, {c1 + q for group in saver.locs[:len(saver.cache)] for q in group})
             saver.start("adopt")
         h1 = s.hook_allocs
         out2 = fn()
@@ -153,9 +202,8 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         assert stop is None or s.hook_allocs == h1, f"{label}: a layer hook allocated during the recompute"
         if saver is not None:
             saver.stop()
-            s.ghost_at = set()
         ops.exit_autocast()
-        s.ghost_after = None
+        s.ghosts = None
         sub = s.nodes
         s.nodes = saved_nodes
         s.phase = saved_phase
@@ -199,7 +247,7 @@ def _dry_run(s: Sim, ops: Ops, fn: Callable[[], T], saver: Optional[OpSaver]) ->
     ``saver.locs``)."""
     s.nodes = []
     c0 = s.alloc_count
-    s.ghost_after = c0
+    s.ghosts = Ghosts(c0)
     s.last_save_count = c0
     if saver is not None:
         saver.locs = []

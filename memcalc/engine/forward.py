@@ -26,7 +26,7 @@ from memcalc.engine.loss import lm_loss
 from memcalc.engine.mla import mla_attention, rope_width
 from memcalc.engine.moe import moe_block
 from memcalc.engine.ops import Ops
-from memcalc.engine.sharding import LayerGather
+from memcalc.engine.sharding import GatherHooks
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy
 from memcalc.engine.tensor_parallel import TensorParallel, local_experiment
@@ -39,7 +39,7 @@ class Forward:
     :class:`memcalc.engine.context.ForwardContext`."""
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
-                 gather: Optional[LayerGather] = None) -> None:
+                 gather: Optional[GatherHooks] = None) -> None:
         exp = local_experiment(exp)  # tensor parallelism: the decoder one rank runs (engine.tensor_parallel)
         self.sim = sim
         self.strategy = strategy

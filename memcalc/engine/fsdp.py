@@ -63,6 +63,7 @@ from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec, TrainingSpec
+from memcalc.engine.sharding import GatherHooks
 from memcalc.engine.sim import Param, Sim, T
 
 #: sim categories (the breakdown's names)
@@ -147,7 +148,7 @@ class Unit:
     flat: int = 0  # FSDP1: this rank's elements of the unit's flat parameter (engine.fsdp1)
 
 
-class FSDP2:
+class FSDP2(GatherHooks):
     """The per-rank runtime of FSDP2 on the simulator. The decoder walk calls
     :meth:`layer_enter` / :meth:`layer_exit` around each layer's forward (and again around a
     checkpointed layer's recompute, where they do nothing); the timeline calls the rest."""

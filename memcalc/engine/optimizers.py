@@ -218,8 +218,9 @@ class OptimizerSim:
         self._temps: dict[tuple[int, int, int], list[tuple[str, int]]] = {}
         # when a list (a steady-state step recording its events): (index into the simulator's events,
         # the state blocks) where a first step would create each parameter's state, i.e. the first
-        # create_state call for it inside the step (memcalc.engine.timeline.first_step_of)
+        # create_state call for it inside the step (memcalc.engine.twins.first_step_of)
         self.created_at: Optional[list[tuple[int, list[T]]]] = None
+        self.events: list[tuple[int, int]] = []  # with created_at: the step's events (observers.AllocEvents)
         self._created: set[str] = set()
 
     def _by_shape(self, cache: dict, fn: Callable[[Param, int, TrainingSpec], list[tuple[str, int]]],
@@ -241,7 +242,7 @@ class OptimizerSim:
         if p.name in self.state:
             if self.created_at is not None and p.name not in self._created:
                 self._created.add(p.name)
-                self.created_at.append((len(self.sim.events or ()), self.state[p.name]))
+                self.created_at.append((len(self.events), self.state[p.name]))
             return
         if not self.on_gpu:
             self.state[p.name] = []

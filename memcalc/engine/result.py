@@ -1,13 +1,14 @@
 """The estimate's result: the peak, the phase that sets it, what is alive there, and the timeline.
 
 Plain dataclasses of integer bytes; reports, JSON and the HTML page read these
-and do no arithmetic of their own beyond unit conversion.
+and do no arithmetic of their own beyond unit conversion. :class:`SimResult` is what one
+simulated step gives (:func:`memcalc.engine.timeline.simulate`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from memcalc.core.spec import ExperimentSpec
 
@@ -63,3 +64,48 @@ class Estimate:
         assert sum(self.components.values()) == self.peak_bytes, "components must add up to the peak"
         assert sum(self.components_by_kind.values()) == self.peak_bytes, "kinds must add up to the peak"
         assert self.required_bytes == self.peak_bytes + self.cuda_context_bytes + self.allocator_slack_bytes
+
+
+@dataclass
+class SimResult:
+    """What one simulated step produced (bytes are ints)."""
+
+    peak_bytes: int
+    peak_phase: str
+    peak_label: str
+    peak_categories: dict[str, int]
+    peak_kinds: dict[str, int]
+    phases: dict[str, int]
+    timeline: list[TimelinePoint]
+    max_activation_bytes: int
+    alloc_trace: Optional[list[tuple[int, str, str, int]]] = None  # (total, phase, label, requested) per allocation
+    events: Optional[list[tuple[int, int]]] = None  # allocation events (observers.AllocEvents)
+    step_start: int = 0  # index of the step's first event (before it: weights, state)
+    #: activation offloading: (raw bytes, pinned host bytes, tensors) offloaded in one forward
+    host_offload: Optional[tuple[int, int, int]] = None
+    #: bitsandbytes paged optimizer state (CUDA unified memory, not in the peak); None when not paged
+    paged_state_bytes: Optional[int] = None
+    #: with ``events``: (index into events, phase) where each phase begins
+    event_phases: Optional[list[tuple[int, str]]] = None
+    #: a steady-state step with ``events`` outside DeepSpeed: the uids of the optimizer state allocated
+    #: in setup, and (index into events, [(uid, bytes)]) where a first step would create each
+    #: parameter's state instead (:func:`first_step_of`)
+    state_moves: Optional[tuple[frozenset[int], list[tuple[int, list[tuple[int, int]]]]]] = None
+    #: an unfused step simulated with ``fused_twin``: where each gradient became ready
+    #: (:class:`GradReady`), from which :func:`fused_twin_of` derives the same step with the
+    #: optimizer fused into backward
+    grads_ready: Optional[list[GradReady]] = None
+
+
+@dataclass(frozen=True)
+class GradReady:
+    """An unfused step's gradient becoming ready (AccumulateGrad, :meth:`Sim._run_node`): where a
+    fused step would run that parameter's optimizer step (:meth:`OptimizerSim.step_param`) and
+    free its gradient."""
+
+    trace_at: int  # allocations traced before it
+    total: int  # bytes alive then (the new gradient included)
+    label: str
+    phase: str
+    temps: list[tuple[str, int]]  # the parameter's step temporaries (per_param_temps)
+    grad_bytes: int  # the gradient's block

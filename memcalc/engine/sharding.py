@@ -104,6 +104,15 @@ class GatherHooks:
     def end_backward(self) -> None:
         """Backward has reached the embedding."""
 
+    def forward_enter(self, i: int) -> None:
+        """A region of layers starting at layer ``i`` begins its forward."""
+
+    def backward_enter(self, i: Optional[int]) -> None:
+        """Backward reaches layer ``i`` (``None``: outside the layers)."""
+
+    def release(self) -> None:
+        """The layers' forward (or the micro-step) is over: what stays gathered goes."""
+
 
 class LayerGather(GatherHooks):
     """The generic ZeRO-3 all-gathers (the ZeRO paper's stage 3, used where no framework's own

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from operator import attrgetter
-from typing import Callable, Optional
+from collections.abc import Callable, Container
+from typing import Optional
 
 from memcalc.engine.blocks import Node, Param, T
-from memcalc.engine.result import KINDS, TimelinePoint
+from memcalc.engine.breakdown import PeakBreakdown
+from memcalc.engine.result import KINDS
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.engine.sharding import Share
 
-__all__ = ["Node", "Param", "PeakAbove", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.blocks
+__all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.blocks
 
 
 _new = object.__new__
@@ -40,24 +42,10 @@ _requires_grad = attrgetter("requires_grad")
 _trainable = attrgetter("trainable")
 
 
-#: ``Sim.stop_above`` when a step runs to its end.
-NO_LIMIT = 1 << 126
-
-
-class PeakAbove(Exception):
-    """A step's running total passed :attr:`Sim.stop_above` (the bytes that fit a card): its peak
-    is at least ``total`` bytes, and the rest of the step was not simulated. ``grads_ready``: the
-    gradients that had become ready by then (none: a fused optimizer step, which differs from the
-    unfused one only from the first ready gradient on, passes the same total too)."""
-
-    def __init__(self, total: int, grads_ready: int) -> None:
-        super().__init__(total, grads_ready)
-        self.total = total
-        self.grads_ready = grads_ready
-
-
-class Sim:
-    """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``."""
+class Sim(PeakBreakdown):
+    """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``.
+    What is alive at the peak is :class:`memcalc.engine.breakdown.PeakBreakdown`'s; what else a
+    caller wants of a step, an observer it registers (:meth:`watch`)."""
 
     def __init__(self, round_bytes: int = ALLOCATOR_ROUND_BYTES) -> None:
         self.round_bytes = round_bytes
@@ -72,44 +60,33 @@ class Sim:
         self.peak_cats: dict[str, int] = {}
         self.peak_kinds: dict[str, int] = {}
         self._peak_open = False  # a new peak whose breakdown is not copied yet (alloc, _snap_peak)
-        # a new peak above this raises PeakAbove: a search that only needs to know that a step
-        # does not fit a card stops there (memcalc.plan.limits.need)
-        self.stop_above = NO_LIMIT
-        self.grads_ready = 0  # gradients ready so far (for PeakAbove)
+        self.grads_ready = 0  # gradients ready so far (observers.PeakAbove)
         self.phase = "setup"
         self.label = ""
+        self.trace_label: Optional[str] = None  # a layer hook's label in backward, when not self.label
         self.phase_peaks: dict[str, int] = {}
         self.nodes: list[Node] = []
-        self.timeline: list[TimelinePoint] = []
-        self.record_timeline = True
-        # when a list: (total bytes, phase, label, requested bytes) after every allocation, for
-        # fitting the step in batch and sequence length event by event (memcalc.plan.fits) and in
-        # depth (memcalc.plan.depth: the label says which layer an allocation belongs to)
-        self.alloc_trace: Optional[list[tuple[int, str, str, int]]] = None
-        self.trace_label: Optional[str] = None  # the label the trace gives allocations, when not self.label
-        # when a list: (uid, bytes) for each allocation and (uid, 0) for each free, in order,
-        # for replaying the CUDA caching allocator (memcalc.engine.allocator)
-        self.events: Optional[list[tuple[int, int]]] = None
-        # with ``events``: (index into events, phase) where each phase begins (Sim.mark), so that a
-        # step's first-step twin can be derived from its events (memcalc.engine.timeline)
-        self.event_phases: list[tuple[int, str]] = []
-        self._uid = 0
+        # the observers' hooks (memcalc.engine.observers, Sim.watch), each list tested only when non-empty
+        self._on_row: list[Callable[[tuple[int, str, str, int]], None]] = []
+        self._on_event: list[Callable[[tuple[int, int]], None]] = []
+        self._uid = 0  # the last block numbered for the on_event hooks
+        self._on_peak: list[Callable[[int], None]] = []
+        self._on_phase: list[Callable[[str], None]] = []
+        self._on_mark: list[Callable[[], None]] = []
+        # a checkpointed region's recompute: the allocations that take no memory (checkpoint.Ghosts)
+        self.ghosts: Optional[Container[int]] = None
         self.grad_ready: Optional[Callable[["Sim", Param], None]] = None
         self.grad_enabled = True  # False inside a checkpointed region's first forward
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         # a checkpointed region's first forward (grad disabled) counts where its recompute's last
-        # saving node will be (memcalc.engine.checkpoint): node() then does to the outputs'
-        # ``requires_grad`` and to ``last_save_count`` what it will do in the recompute, making no node
-        self.counting_saves = False
+        # saving node will be: node() then calls this (checkpoint.count_save), making no node
+        self.count_saves: Optional[Callable[..., None]] = None
         # allocations made by a sharded runtime's per-layer forward hooks (FSDP's unshard), which
         # a checkpointed region's recompute does not repeat; ``last_save_hooks`` is its value at
         # ``last_save_count``
         self.hook_allocs = 0
         self.last_save_hooks = 0
-        self.ghost_after: Optional[int] = None  # allocations past this count take no memory
-        # allocations at these counts take no memory (a cached output); set only while ghost_after is
-        self.ghost_at: set[int] = set()
         # where the forward code is: the decoder layer (None outside the layers) and the part of
         # the model (Forward sets both; every node records them)
         self.layer: Optional[int] = None
@@ -125,6 +102,14 @@ class Sim:
         # activation offloading (memcalc.engine.offload.ActivationOffload): while its ``active`` is
         # set, saved tensors are packed to host memory and come back in backward
         self.offload = None
+
+    def watch(self, observer: object) -> None:
+        """Register an observer (:mod:`memcalc.engine.observers`): each of its ``on_row``,
+        ``on_event``, ``on_peak``, ``on_phase`` and ``on_mark`` methods is called from now on."""
+        for name in ("on_row", "on_event", "on_peak", "on_phase", "on_mark"):
+            hook = getattr(observer, name, None)
+            if hook is not None:
+                getattr(self, "_" + name).append(hook)
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "",
@@ -149,22 +134,20 @@ class Sim:
         t.producer = None
         t.name = name
         t.seq = c
-        ga = self.ghost_after
-        if ga is not None and (c > ga or c in self.ghost_at):  # (ghost_at is set only along with ghost_after)
+        t.uid = 0
+        g = self.ghosts
+        if g is not None and c in g:
             t.nbytes = 0
-            t.uid = 0
             return t
         req = nbytes if type(nbytes) is int else int(nbytes)
         rb = self._round
         n = -(-req // rb) * rb
         t.nbytes = n
-        ev = self.events
-        if ev is not None and n:
+        if self._on_event and n:
             uid = self._uid = self._uid + 1
             t.uid = uid
-            ev.append((uid, n))
-        else:
-            t.uid = 0
+            for event_hook in self._on_event:
+                event_hook((uid, n))
         total = self.total = self.total + n
         by_kind = self.by_kind
         k = by_kind[kind] = by_kind[kind] + n
@@ -180,35 +163,14 @@ class Sim:
                 self.peak_phase = phase
                 self.peak_label = self.label
                 self._peak_open = True  # the breakdown is copied when memory next goes down (_snap_peak)
-                if total > self.stop_above:
-                    raise PeakAbove(total, self.grads_ready)
-        trace = self.alloc_trace
-        if trace is not None:
-            # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
-            trace.append((total, phase, self.trace_label or self.label, nbytes if type(nbytes) is Share else req))
+                if self._on_peak:
+                    for hook in self._on_peak:
+                        hook(total)
+        if self._on_row:  # a Share keeps its type: the whole it divides (memcalc.plan.depth extrapolates that)
+            row = (total, phase, self.trace_label or self.label, nbytes if type(nbytes) is Share else req)
+            for row_hook in self._on_row:
+                row_hook(row)
         return t
-
-    def _snap_peak(self) -> None:
-        """Copy what is alive, by category and kind, as the peak's breakdown. Called before the
-        first free after a new peak: until then only allocations happened, and each one that
-        adds bytes is a new peak itself (a category that first appears with no bytes has no
-        entry in :meth:`peak_categories`), so this is what was alive at the peak."""
-        self.peak_cats = self.by_cat.copy()
-        self.peak_kinds = self.by_kind.copy()
-        self._peak_open = False
-
-    def peak_categories(self) -> dict[str, int]:
-        """What was alive at the peak, by category (those with bytes), in the order the categories
-        first appeared."""
-        if self._peak_open:
-            self._snap_peak()
-        return {k: v for k, v in self.peak_cats.items() if v}
-
-    def peak_kinds_alive(self) -> dict[str, int]:
-        """What was alive at the peak, by kind (every kind)."""
-        if self._peak_open:
-            self._snap_peak()
-        return dict(self.peak_kinds)
 
     def alloc_many(self, kind: str, rows: list[tuple[int, str, str, int, int]]) -> list[T]:
         """``alloc(nbytes, kind, category, False, name, numel, itemsize_bits)`` for each row
@@ -217,15 +179,15 @@ class Sim:
         totals, the phase's maximum and the peak updated once at the end (the weights and the
         optimizer state before a step: hundreds of allocations in a row). Activations (whose
         running maximum is tracked) and ghost allocations take :meth:`alloc` one by one."""
-        if kind == "activations" or self.ghost_after is not None or self.ghost_at:
+        if kind == "activations" or self.ghosts is not None:
             return [self.alloc(nb, kind, cat, False, name, numel, bits) for nb, cat, name, numel, bits in rows]
         out: list[T] = []
         rb = self._round
         c = self.alloc_count
         total = self.total
-        ev = self.events
+        event_hooks = self._on_event
         uid = self._uid
-        trace = self.alloc_trace
+        row_hooks = self._on_row
         phase = self.phase
         label = self.trace_label or self.label
         sums: dict[str, int] = {}  # bytes by category, in the order the categories first appear
@@ -246,16 +208,19 @@ class Sim:
             t.producer = None
             t.name = name
             t.seq = c
-            if ev is not None and n:
+            if event_hooks and n:
                 uid += 1
                 t.uid = uid
-                ev.append((uid, n))
+                for event_hook in event_hooks:
+                    event_hook((uid, n))
             else:
                 t.uid = 0
             total += n
             sums[cat] = sums.get(cat, 0) + n
-            if trace is not None:
-                trace.append((total, phase, label, req))
+            if row_hooks:
+                row = (total, phase, label, req)
+                for row_hook in row_hooks:
+                    row_hook(row)
             out.append(t)
         added = total - self.total
         self.alloc_count = c
@@ -274,24 +239,14 @@ class Sim:
                 self.peak_phase = phase
                 self.peak_label = self.label
                 self._peak_open = True
-                if total > self.stop_above:
-                    raise PeakAbove(total, self.grads_ready)
+                for hook in self._on_peak:
+                    hook(total)
         return out
 
     def transient(self, nbytes: int, kind: str = "temporaries", category: str = "op workspace") -> None:
         """Allocate and immediately free (a workspace that lives inside one kernel)."""
         t = self.alloc(nbytes, kind, category)
         self.unref(t)
-
-    def adopt(self, dst: T, src: T) -> None:
-        """``dst`` (allocated as a ghost, no bytes) becomes the memory of ``src``, which gives up
-        its bytes and one reference: a selective checkpoint's recompute returns the output it
-        cached in forward instead of computing a new one (torch/utils/checkpoint.py
-        ``_CachingTorchDispatchMode``: ``storage[func].pop(0)``)."""
-        assert dst.nbytes == 0 and src.alive
-        dst.nbytes, dst.kind, dst.category, dst.uid = src.nbytes, src.kind, src.category, src.uid
-        src.nbytes, src.uid = 0, 0
-        self.unref(src)
 
     def ref(self, t: T) -> T:
         assert t.alive, f"reference to a freed tensor {t.name}"
@@ -309,22 +264,23 @@ class Sim:
             if self._peak_open:
                 self._snap_peak()
             n = t.nbytes
-            if t.uid and self.events is not None:
-                self.events.append((t.uid, 0))
+            if t.uid:  # (numbered only for on_event hooks)
+                for event_hook in self._on_event:
+                    event_hook((t.uid, 0))
             self.total -= n
             self.by_kind[t.kind] -= n
             self.by_cat[t.category] -= n
 
     def mark(self, label: str, phase: Optional[str] = None) -> None:
-        """Set the current label (and phase) and record a timeline point."""
+        """Set the current label (and phase) and tell the observers."""
         if phase is not None:
             self.phase = phase
             self.phase_peaks.setdefault(phase, self.total)
-            if self.events is not None:
-                self.event_phases.append((len(self.events), phase))
+            for phase_hook in self._on_phase:
+                phase_hook(phase)
         self.label = label
-        if self.record_timeline:
-            self.timeline.append(TimelinePoint(len(self.timeline), label, self.phase, dict(self.by_kind)))
+        for mark_hook in self._on_mark:
+            mark_hook()
 
     # -- autograd -------------------------------------------------------------------
     def node(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
@@ -343,8 +299,8 @@ class Sim:
                 heard["flops"] = flops
             self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
-            if self.counting_saves:
-                self._count_save(saved, inputs, params, outputs)
+            if self.count_saves is not None:
+                self.count_saves(self, saved, inputs, params, outputs)
             return None
         # the inputs that require grad and the trainable params (new lists; one element is the common case)
         if len(inputs) == 1:
@@ -395,26 +351,6 @@ class Sim:
         self.nodes.append(n)
         return n
 
-    def _count_save(self, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T]) -> None:
-        """What :meth:`node` does with grad enabled, short of making the node: when an input needs
-        a gradient or a parameter trains, the outputs need one, and a node that saves something
-        moves ``last_save_count`` (and ``last_save_hooks``) to here. (Activation offloading is
-        inactive in a recompute, so ``saved`` is what the node would keep.)"""
-        for t in inputs:
-            if t.requires_grad:
-                break
-        else:
-            for p in params:
-                if p.trainable:
-                    break
-            else:
-                return
-        for o in outputs:
-            o.requires_grad = True
-        if saved:
-            self.last_save_count = self.alloc_count
-            self.last_save_hooks = self.hook_allocs
-
     def note_op(self, name: str, inputs: list[T], params: list[Param], outputs: list[T]) -> None:
         """An op whose autograd bookkeeping another node does (autocast's casts): only the
         graph recorder hears of it."""
@@ -449,7 +385,8 @@ class Sim:
                 self.bwd_layer = node.layer
             if lab != self.label:
                 self.label = lab
-                self.snapshot_point()
+                for mark_hook in self._on_mark:
+                    mark_hook()
             if node.offloaded:  # saved tensors come back from host memory first (before a recompute)
                 self.offload.unpack(self, node)
             if node.on_backward is not None:
@@ -559,7 +496,3 @@ class Sim:
         self.grad_ready = None
         self.on_layer = None
         self.recorder = None
-
-    def snapshot_point(self) -> None:
-        if self.record_timeline:
-            self.timeline.append(TimelinePoint(len(self.timeline), self.label, self.phase, dict(self.by_kind)))

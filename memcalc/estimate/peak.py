@@ -23,7 +23,8 @@ from memcalc.estimate.techniques import technique_assumptions, technique_extra, 
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
 from memcalc.engine.result import KINDS, Estimate
-from memcalc.engine.timeline import first_step_of, first_step_within_steady
+from memcalc.engine.timeline import first_step_within_steady
+from memcalc.engine.twins import first_step_of
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec
 from memcalc.estimate.step import simulate
 from memcalc.core.units import MiB
@@ -224,7 +225,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     step and the first step, for ``allocator_peak_bytes`` and ``reserved_peak_bytes``."""
     replay = timeline if replay is None else replay
     # the first step follows from the steady step's events where it runs the same ones (not under
-    # DeepSpeed: memcalc.engine.timeline.first_step_of); otherwise it is simulated too
+    # DeepSpeed: memcalc.engine.twins.first_step_of); otherwise it is simulated too
     steady = simulate(exp, first_step=False, record_timeline=timeline, events=True)
     first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay)
     alloc_extra: dict = {}

@@ -12,7 +12,7 @@ from typing import Callable, Optional
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
 from memcalc.engine.strategy import LayerStrategy
-from memcalc.engine.timeline import SimResult
+from memcalc.engine.result import SimResult
 from memcalc.engine.timeline import simulate as simulate_with
 
 

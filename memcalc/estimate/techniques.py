@@ -10,7 +10,7 @@ from memcalc.core.optimizers import BNB_PAGED_MIN_NUMEL, OPTIMIZERS
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import fmt_bytes
 from memcalc.engine.offload import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
-from memcalc.engine.timeline import SimResult
+from memcalc.engine.result import SimResult
 
 
 def technique_extra(steady: SimResult, first: SimResult) -> dict:

@@ -9,7 +9,7 @@ allocation is named by where it sits -- its phase, its label with the layer numb
 the layer's place in the stack (first, second, second-to-last, last), and its position inside
 that block -- the bytes alive before it and the bytes it requests are *affine* functions of the
 depth ``n``. :func:`deep_trace` simulates the step at depths 3, 4 and 5 (:data:`SHALLOW_DEPTHS`,
-with ``Sim.alloc_trace``), names the allocations this way, extrapolates both numbers to depth
+with ``observers.AllocTrace``), names the allocations this way, extrapolates both numbers to depth
 ``n`` in integers (``x(n) = x(3) + (n - 3) * (x(4) - x(3))``) and rounds the request as the
 allocator does at depth ``n`` (a step temporary the size of all parameters, as the foreach
 optimizer step makes, rounds differently at every depth). Its running total is the sum.

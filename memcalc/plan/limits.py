@@ -11,7 +11,7 @@ import numpy as np
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.sim import PeakAbove
+from memcalc.engine.observers import PeakAbove
 from memcalc.estimate.peak import largest_peak_within, required_bytes
 from memcalc.plan.simulations import estimated_peak, growing_peak, simulated_peak, state_floor, with_training
 

@@ -123,7 +123,7 @@ def simulated_peak(exp: ExperimentSpec, first_step: bool = False, stop_above: Op
     """The allocated peak of one simulated step (steady state, or the first step), cached; the
     same number ``estimate()`` takes from the same simulation. ``stop_above``: a step simulated
     directly stops as soon as its running total passes this many bytes, raising
-    :class:`memcalc.engine.sim.PeakAbove` (whose total is a lower bound of the peak); a step
+    :class:`memcalc.engine.observers.PeakAbove` (whose total is a lower bound of the peak); a step
     extrapolated in depth (cheap: shallow copies) runs whole."""
     key = (exp, first_step)
     if key not in PEAK_CACHE:

@@ -4,7 +4,7 @@ steps it derives instead of simulating.
 Options that differ only in the fused optimizer step come in pairs in the plan's grid, and their
 searches ask about the same (batch, seq) points. A fused step is the unfused one with each
 parameter's optimizer step run, and its gradient freed, where the gradient becomes ready
-(:func:`memcalc.engine.timeline.fused_twin_of`): so where that applies, the unfused step is
+(:func:`memcalc.engine.twins.fused_twin_of`): so where that applies, the unfused step is
 simulated once, recording where its gradients become ready, and the fused step is derived from it
 in one pass over its trace (``tests/test_fused_twin.py`` compares the two on 300 setups).
 """
@@ -14,8 +14,9 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.sim import PeakAbove
-from memcalc.engine.timeline import SimResult, fused_twin_applies, fused_twin_of
+from memcalc.engine.observers import PeakAbove
+from memcalc.engine.result import SimResult
+from memcalc.engine.twins import fused_twin_applies, fused_twin_of
 from memcalc.estimate.step import simulate
 
 #: Steps by (model, training, profile, first_step) (an experiment's name and notes change nothing in
@@ -32,10 +33,10 @@ BOUND_CACHE: dict[tuple[object, object, object, bool], tuple[int, int]] = {}
 def traced_step(exp: ExperimentSpec, first_step: bool = False, stop_above: Optional[int] = None) -> SimResult:
     """``exp``'s step (steady state, or the first step) with its allocation trace: simulated, or
     for a fused optimizer step derived from the unfused step where
-    :func:`memcalc.engine.timeline.fused_twin_applies` (that step is simulated, or reused, in its
+    :func:`memcalc.engine.twins.fused_twin_applies` (that step is simulated, or reused, in its
     place). The same trace and peak as ``simulate(exp, trace_allocs=True)``.
 
-    ``stop_above``: raise :class:`memcalc.engine.sim.PeakAbove` instead, as soon as the step's
+    ``stop_above``: raise :class:`memcalc.engine.observers.PeakAbove` instead, as soon as the step's
     running total passes it (a fused step's too when its unfused twin passes it before any
     gradient is ready: up to there the two run the same allocations)."""
     key = (exp.model, exp.training, exp.profile, first_step)

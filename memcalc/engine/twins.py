@@ -1,0 +1,149 @@
+"""Steps derived from another step's records instead of simulated: the first step from the steady
+step's allocation events (:func:`first_step_of`), and the step with its optimizer fused into
+backward from the unfused step's trace (:func:`fused_twin_of`, where :func:`fused_twin_applies`).
+:func:`memcalc.engine.timeline.simulate` records what they need (``events``, ``fused_twin``);
+``tests/test_first_step.py`` and ``tests/test_fused_twin.py`` compare them with simulated steps.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from itertools import accumulate, pairwise
+from operator import itemgetter
+from typing import Optional
+
+from memcalc.core.spec import ExperimentSpec
+from memcalc.core.units import round_up
+from memcalc.engine.result import GradReady, SimResult
+from memcalc.engine.sharding import uses_deepspeed
+
+
+def first_step_of(steady: SimResult) -> Optional[SimResult]:
+    """The first step of a steady-state step simulated with ``events`` (outside DeepSpeed), without
+    simulating it: the same events in the same order with the same sizes, except the optimizer
+    state, which the steady step allocates in setup and the first step creates inside the step, each
+    parameter's at the first :meth:`memcalc.engine.optimizers.OptimizerSim.create_state` call for it
+    (:func:`first_step_within_steady`). So the first step's events are the steady step's with the
+    state's allocations moved from setup to those points (a parameter whose state the step never
+    creates has none), and its running totals, peak and peak phase follow from them. Gives what
+    ``estimate()`` reads of a first step: the peak, its phase, the events (the caching-allocator
+    replay) and the offloading / paged-state figures (the same events make the same ones; paged
+    state counts the steady step's, the higher, as ``estimate()`` takes the maximum); the peak's
+    breakdown and label are left empty (the first step cannot be the higher outside DeepSpeed).
+    ``tests/test_first_step.py`` compares it with simulated first steps. None without the
+    recorded moves (DeepSpeed, or a step simulated without events)."""
+    if steady.state_moves is None or steady.events is None or steady.event_phases is None:
+        return None
+    setup_state, moves = steady.state_moves
+    evs, start = steady.events, steady.step_start
+    # the events: setup less the state, then the step with each parameter's state where it is made
+    out = [e for e in evs[:start] if e[0] not in setup_state]
+    step_start = len(out)
+    made_at = [i for i, _ in moves]  # ascending; every index is in the step (recorded after setup)
+    inserted = [0]  # inserted[k]: state events made before the k-th move's index
+    prev = start
+    for i, made in moves:
+        out += evs[prev:i]
+        out += made
+        prev = i
+        inserted.append(inserted[-1] + len(made))
+    out += evs[prev:]
+
+    def derived(m: int) -> int:
+        """Where the steady step's event index ``m`` lands (a phase mark there precedes any state
+        made at the same index: the optimizer step's phase begins, then its state is made)."""
+        if m <= start:
+            return m - sum(1 for e in evs[:m] if e[0] in setup_state)
+        return m - (start - step_start) + inserted[bisect_left(made_at, m)]
+
+    # running totals (a free gives back its allocation's bytes) and, per phase stretch, the highest
+    # total an allocation reaches (Sim.alloc: the peak is the first highest; Sim.mark starts a
+    # phase's peak at the total when it begins)
+    size = {uid: n for uid, n in out if n}
+    totals = list(accumulate(n or -size[uid] for uid, n in out))
+    alloc_totals = [t if e[1] else 0 for t, e in zip(totals, out, strict=True)]
+    cuts = [(derived(m), ph) for m, ph in steady.event_phases] + [(len(out), "")]
+    phases: dict[str, int] = {}
+    peak = 0
+    peak_phase = ""
+    for (a, ph), (b, _) in pairwise(cuts):
+        phases.setdefault(ph, totals[a - 1] if a else 0)
+        if a < b:
+            top = max(alloc_totals[a:b])
+            if top > phases[ph]:
+                phases[ph] = top
+            if top > peak:
+                peak, peak_phase = top, ph
+    return SimResult(
+        peak_bytes=peak, peak_phase=peak_phase, peak_label="", peak_categories={}, peak_kinds={},
+        phases={k: v for k, v in phases.items() if k != "setup"}, timeline=[],
+        max_activation_bytes=steady.max_activation_bytes,
+        events=out, step_start=step_start, host_offload=steady.host_offload,
+        paged_state_bytes=steady.paged_state_bytes)
+
+
+def fused_twin_applies(exp: ExperimentSpec) -> bool:
+    """Whether :func:`fused_twin_of` may derive ``exp``'s step with a fused optimizer from its
+    unfused one: a single-GPU eager step (no ZeRO sharding, DeepSpeed, tensor parallelism or
+    torch.compile, whose gradients leave the backward together), one micro-step, the optimizer
+    state on the GPU, the steady state (a fused first step makes its state inside backward)."""
+    tr = exp.training
+    return (not tr.fused_optimizer and tr.grad_accum == 1 and not tr.compile and not tr.offload_optimizer
+            and tr.tp == 1 and (tr.zero == 0 or tr.gpus == 1) and not uses_deepspeed(exp)
+            and not tr.activation_offload)
+
+
+def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
+    """The steady step with the optimizer fused into backward, from the same step unfused (simulated
+    with ``fused_twin``), without simulating it. The two run the same events up to each gradient
+    becoming ready; there the fused step runs that parameter's step temporaries
+    (``per_param_temps``, allocated and freed in order, the rest freed at the end:
+    :meth:`OptimizerSim.run_events`) and frees the gradient (:meth:`memcalc.engine.timeline._Step.fused_step`), and it
+    has no optimizer-step phase. So every later total is the unfused one less the gradients freed
+    so far, and the temporaries' totals follow from the total when the gradient was ready.
+
+    Gives the allocation trace (``alloc_trace``), the peak, its phase and label: what the plan
+    reads; the phase peaks, breakdown, events and timeline are left empty.
+    ``tests/test_fused_twin.py`` compares it with simulated fused steps. None without the
+    records."""
+    ready, trace = unfused.grads_ready, unfused.alloc_trace
+    if ready is None or trace is None:
+        return None
+    out: list[tuple[int, str, str, int]] = []
+    freed = 0
+
+    def step(g: GradReady) -> None:
+        nonlocal freed
+        cur = g.total - freed
+        live: dict[int, int] = {}
+        for i, (what, val) in enumerate(g.temps):
+            if what == "alloc":
+                n = round_up(val, round_bytes)
+                live[i] = n
+                cur += n
+                out.append((cur, g.phase, g.label, val))
+            else:
+                cur -= live.pop(val)
+        freed += g.grad_bytes
+
+    end = len(trace)
+    while end and trace[end - 1][1] == "optimizer step":  # the unfused step's last phase
+        end -= 1
+    at = 0
+    for g in ready:  # the trace between gradients, less what has been freed (in order)
+        stop = min(g.trace_at, end)
+        if freed:
+            out += [(t - freed, ph, lab, req) for t, ph, lab, req in trace[at:stop]]
+        else:
+            out += trace[at:stop]
+        at = max(at, stop)
+        step(g)
+    out += [(t - freed, ph, lab, req) for t, ph, lab, req in trace[at:end]]
+    peak, peak_phase, peak_label = 0, "", ""
+    if out:
+        top = max(out, key=itemgetter(0))  # the first highest, as Sim.alloc keeps it
+        if top[0] > 0:
+            peak, peak_phase, peak_label = top[0], top[1], top[2]
+    return SimResult(peak_bytes=peak, peak_phase=peak_phase, peak_label=peak_label, peak_categories={},
+                     peak_kinds={}, phases={}, timeline=[], max_activation_bytes=unfused.max_activation_bytes,
+                     alloc_trace=out)
