@@ -15,6 +15,7 @@ backward graph spends recomputing.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Optional
@@ -260,11 +261,10 @@ def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]],
     width: dict[int, int] = {}
     distinct: dict[int, int] = {}
     new: dict[int, int] = {}
-    for down in filter(_is_down_projection, g.values):
+    for i, down in _down_projections(g):
         real = [v for v in _mlp_inner(down) if (v in realized if realized is not None else _realized(v))]
         if not real:
             continue
-        i = down.layer
         from_chain = [v for v in real if v not in saved and v in steps and steps[v][0] != i]
         here = [v for v in real if v not in saved and v not in from_chain]
         grads = len(real) if not from_chain else 1
@@ -274,10 +274,12 @@ def mlp_pool(g: Graph, part: Partition, steps: dict[Value, tuple[int, int]],
     return {i: min(distinct[i], new[i - 1]) * width[i] for i in distinct if i - 1 in new}
 
 
-def _is_down_projection(v: Value) -> bool:
-    """Whether ``v`` is a layer's MLP down projection (``down_proj`` / ``fc2``)."""
-    return (v.kind == "compute" and v.layer is not None
-            and any(a.param and a.name.endswith(("down_proj.weight", "fc2.weight")) for a in v.args))
+def _down_projections(g: Graph) -> Iterator[tuple[int, Value]]:
+    """Each layer's MLP down projection (``down_proj`` / ``fc2``), with its layer, in graph order."""
+    for v in g.values:
+        if (v.kind == "compute" and v.layer is not None
+                and any(a.param and a.name.endswith(("down_proj.weight", "fc2.weight")) for a in v.args)):
+            yield v.layer, v
 
 
 def _mlp_inner(down: Value) -> set:
