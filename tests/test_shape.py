@@ -33,7 +33,6 @@ KNOWN_CYCLES: list[frozenset[str]] = [
 
 #: modules over MAX_LINES lines today, by path
 KNOWN_LONG_MODULES: set[str] = {
-    "memcalc/core/spec.py",
     "validate/model.py",
 }
 
