@@ -14,6 +14,7 @@ import random
 import pytest
 
 from memcalc.engine.checkpoint import Ghosts
+from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, StopAbove
 from memcalc.engine.result import KINDS
 from memcalc.engine.sim import Node, Param, Sim, T
 
@@ -75,3 +76,41 @@ def test_lazy_peak_breakdown_equals_an_eager_copy(seed):
     assert list(sim.peak_categories().items()) == list(sim.eager_cats.items())  # the order too (ties in the breakdown)
     assert sim.peak_kinds_alive() == sim.eager_kinds
     assert sum(sim.peak_categories().values()) == sim.peak
+
+
+def _watched(stop_above=None):
+    sim = Sim(512)
+    trace, log = AllocTrace(), AllocEvents()
+    sim.watch(trace)
+    sim.watch(log)
+    if stop_above is not None:
+        sim.watch(StopAbove(sim, stop_above))
+    return sim, trace, log
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_alloc_many_is_alloc_one_by_one_to_every_observer(seed):
+    rng = random.Random(seed)
+    rows = [(rng.choice([0, 1, 511, 4096, rng.randrange(1, 10**6)]), rng.choice(["w", "s", "m"]), f"t{i}", i, 16)
+            for i in range(50)]
+    many, one = _watched(), _watched()
+    for sim, _, _ in (many, one):
+        sim.mark("weights", "setup")
+        sim.unref(sim.alloc(100, "weights", "w"))  # uids and counts already moved
+    got = many[0].alloc_many("weights", rows)
+    want = [one[0].alloc(nb, "weights", cat, False, name, numel, bits) for nb, cat, name, numel, bits in rows]
+    assert [_fields(t) for t in got] == [_fields(t) for t in want]
+    assert many[1].rows == one[1].rows and many[2].events == one[2].events
+    assert (many[0].peak, many[0].peak_categories(), many[0].phase_peaks) == (
+        one[0].peak, one[0].peak_categories(), one[0].phase_peaks)
+
+
+def test_stop_above_raises_at_the_first_peak_past_it():
+    sim, trace, _ = _watched(stop_above=5000)
+    sim.alloc(4096, "weights", "w")
+    with pytest.raises(PeakAbove) as got:
+        sim.alloc(1024, "activations", "a")
+    assert (got.value.total, got.value.grads_ready) == (5120, 0) and len(trace.rows) == 1
+    bare = Sim(512)  # nothing watched: nothing recorded, no limit
+    t = bare.alloc(10**9, "weights", "w")
+    assert t.uid == 0 and bare.peak == 10**9
