@@ -1,4 +1,5 @@
-"""The Python API: :func:`estimate`, :func:`plan` and :func:`measure`, with the CLI's inputs.
+"""The Python API: :func:`estimate`, :func:`plan` and :func:`measure`, with the CLI's inputs; the
+``memcalc`` commands call it and only render its results.
 
 Keyword arguments are named like the command-line flags (``--lora-rank`` is ``lora_rank=``),
 that is like the fields of :class:`memcalc.inputs.resolve.Options`, which every keyword this
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
     from memcalc.engine.result import Estimate
     from memcalc.inputs.resolve import Options, Resolved
 
-__all__ = ["EstimateResult", "PlanResult", "UserError", "estimate", "plan", "measure", "options_from"]
+__all__ = ["EstimateResult", "PlanResult", "UserError", "estimate", "plan", "measure", "options_from", "experiments",
+           "list_models", "list_configs", "list_gpus", "list_profiles", "error_line"]
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """The choices the CLI's options check (Literal types), checked here with the same tuples."""
@@ -228,12 +230,22 @@ class EstimateResult:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``memcalc estimate --json`` document of the same inputs (JSON types, integer bytes)."""
-        from memcalc.render.report import dumps, to_json
+        from memcalc.render.report import dumps
+
+        return json.loads(dumps(self.document()))
+
+    def document(self) -> dict[str, Any]:
+        """The ``--json`` document as built (Python values: :meth:`to_dict` is it through JSON); the
+        recipe's own report (``recipe``) and the limits (``max_batch``, ``max_seq``, ``limits``)
+        join the estimate's when given."""
+        from memcalc.render.report import to_json
 
         doc = to_json(self.estimate, self.resolved, list(self.cards))
+        if self.resolved.recipe is not None:
+            doc["recipe"] = self.resolved.recipe
         if self.limits:
             doc.update({k: self.limits[k] for k in ("max_batch", "max_seq") if k in self.limits}, limits=self.limits)
-        return json.loads(dumps(doc))
+        return doc
 
     def __repr__(self) -> str:
         from memcalc.core.units import fmt_bytes
@@ -281,9 +293,11 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
 @dataclass(frozen=True)
 class PlanResult:
     """``memcalc plan`` as an object: ``raw`` is the plan (:class:`memcalc.plan.search.GpuPlan` with
-    ``gpu=``, else :class:`memcalc.plan.cluster.ClusterPlan`)."""
+    ``gpu=``, else :class:`memcalc.plan.cluster.ClusterPlan`); ``recipe`` the report of the
+    ``recipe=`` files it took its model, sequence, framework and loss from."""
 
     raw: Any
+    recipe: Optional[dict] = None
 
     @property
     def gpu_plan(self) -> bool:
@@ -304,23 +318,37 @@ class PlanResult:
         """One GPU: the combinations that fit (empty for the per-GPU counts)."""
         return [o for o in self.options if o.get("fits")] if self.gpu_plan else []
 
+    def document(self) -> dict[str, Any]:
+        """The ``--json`` document as built (:meth:`to_dict` is it through JSON)."""
+        from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json
+
+        doc = gpu_plan_json(self.raw) if self.gpu_plan else cluster_plan_json(self.raw)
+        return {**doc, **({"recipe": self.recipe} if self.recipe is not None else {})}
+
     def to_dict(self) -> dict[str, Any]:
         """The ``memcalc plan --json`` document of the same inputs."""
-        from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json
         from memcalc.render.report import dumps
 
-        return json.loads(dumps(gpu_plan_json(self.raw) if self.gpu_plan else cluster_plan_json(self.raw)))
+        return json.loads(dumps(self.document()))
+
+
+#: what plan says of a recipe: what it takes from it, and that it searches the rest
+RECIPE_NOTE = ("recipe: plan takes the model, sequence length, framework and loss from it and searches the rest "
+               "(batch, precision, optimizer, checkpointing, LoRA/QLoRA); `memcalc estimate --recipe` gives the "
+               "recipe's own setup")
 
 
 def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = None, *, gpu: Optional[str] = None,
          seq: Optional[int] = None, profile: Optional[str] = None, framework: Optional[str] = None,
          torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
-         all: bool = False, compile: bool = False) -> PlanResult:
+         all: bool = False, compile: bool = False, recipe: Union[str, Sequence[str], None] = None,
+         adapter_config: Optional[str] = None) -> PlanResult:
     """Which GPU, how many, with which techniques: ``memcalc plan`` as a function.
 
     With ``gpu``: every technique combination on that GPU (``all=True`` keeps those that do not
     fit; ``compile=True`` adds torch.compile budgets). Without: for each catalog GPU, how many a
-    full fine-tune and a LoRA run need.
+    full fine-tune and a LoRA run need. ``recipe`` (files, as ``--recipe``) and ``adapter_config``
+    give the model, sequence length, framework and loss where the arguments do not.
 
     >>> p = plan(model="llama-3.1-8b", gpu="rtx-4090")    # doctest: +SKIP
     >>> [o["option"] for o in p.fitting][:3]               # doctest: +SKIP
@@ -329,23 +357,39 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     ...
     memcalc.core.errors.UserError: --all lists the combinations that do not fit one GPU; give --gpu too
     """
-    # the same steps as memcalc.cli.plan (tests/test_api.py checks the documents are equal)
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_profile
     from memcalc.plan.options import check_one_gpu_flags, plan_model
 
+    rec = None
+    if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
+        from memcalc.inputs.recipes import load_recipe
+
+        rec = load_recipe([recipe] if isinstance(recipe, str) else list(recipe or ()), adapter_config)
+        v = rec.values
+        if model is None and params is None:
+            model = v.get("model")
+        seq = seq if seq is not None else v.get("seq")
+        if profile is None and framework is None and "framework" in v:
+            framework = v["framework"]
+        if loss is None and loss_chunks is None and "loss" in v:
+            loss, loss_chunks = v["loss"], v.get("loss_chunks")
     framework = _check_choice("framework", framework, _choices()["framework"])
     loss = _check_choice("loss", loss, _choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
+    if rec is not None:
+        notes[:0] = [*rec.lines(), RECIPE_NOTE]
+    # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
     prof, note = plan_profile(profile, framework, torch, loss, loss_chunks)
     notes.append(note)
     check_one_gpu_flags(gpu, all, compile)
+    recipe_doc = rec.as_json() if rec is not None else None
     if gpu is None:
         from memcalc.plan.cluster import plan_cluster
 
         cp = plan_cluster(m, seq, prof)
         cp.notes[:0] = notes
-        return PlanResult(cp)
+        return PlanResult(cp, recipe_doc)
     from memcalc.plan.search import plan_gpu
 
     options = None
@@ -355,7 +399,77 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
         options = techniques() + compile_techniques()
     gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=all, options=options)
     gp.notes[:0] = notes
-    return PlanResult(gp)
+    return PlanResult(gp, recipe_doc)
+
+
+def experiments(configs: Sequence[str] = (), *, all_configs: bool = False,
+                **options: Any) -> list[tuple[str, Union[ExperimentSpec, UserError]]]:
+    """The experiments ``memcalc validate`` runs, by name: each of ``configs`` (reference config
+    names or files; ``all_configs`` adds every shipped one) with ``options`` over it, or, with no
+    config, the one experiment of ``options``. Of several configs, one that does not resolve is
+    its :class:`UserError` in the list (the others still run); a single one raises it."""
+    from memcalc.inputs.configs import list_configs
+
+    names = list(configs)
+    if all_configs:
+        names += [n for n in list_configs() if n not in names]
+    if not names:
+        exp = _resolve(None, dict(options)).exp
+        return [(exp.name, exp)]
+    items: list[tuple[str, Union[ExperimentSpec, UserError]]] = []
+    for n in names:
+        try:
+            items.append((n, _resolve(None, dict(options, config=n)).exp))
+        except UserError as e:
+            if len(names) == 1:
+                raise
+            items.append((n, e))
+    return items
+
+
+def list_models() -> list[dict[str, Any]]:
+    """The model presets (``memcalc models --json``): name, Hugging Face id, shape, parameter counts."""
+    from memcalc.inputs.presets import list_presets, preset_summary
+
+    return [preset_summary(name) for name in list_presets()]
+
+
+def list_configs() -> list[dict[str, Any]]:
+    """The shipped reference configs and their published peaks (``memcalc configs --json``)."""
+    from memcalc.inputs.configs import list_configs as names, load_config
+
+    rows = []
+    for name in names():
+        e = load_config(name)
+        tr = e.training
+        rows.append({"name": name, "description": e.description, "precision": tr.precision,
+                     "checkpoint": tr.checkpoint, "fused_optimizer": tr.fused_optimizer, "compile": tr.compile,
+                     "memory_budget": tr.memory_budget, "published_peak_bytes": e.published_peak_bytes})
+    return rows
+
+
+def list_gpus() -> list[dict[str, Any]]:
+    """The GPU catalog (``memcalc gpus --json``), capacities in bytes."""
+    from memcalc.inputs.gpus import list_gpus as catalog
+
+    return [g.model_dump() for g in catalog()]
+
+
+def list_profiles() -> list[dict[str, Any]]:
+    """The kernel profiles, every field (``memcalc profiles --json``)."""
+    from memcalc.inputs.profiles import PROFILES
+
+    return [p.model_dump() for p in PROFILES.values()]
+
+
+def error_line(e: BaseException) -> Optional[str]:
+    """The one line a pydantic ``ValidationError`` is reported as (None for any other error)."""
+    core = sys.modules.get("pydantic_core")  # (none can be raised before pydantic is imported)
+    if core is None or not isinstance(e, core.ValidationError):
+        return None
+    from memcalc.inputs.pydantic_errors import pydantic_error_line
+
+    return pydantic_error_line(e, "input")
 
 
 def measure(spec: "Optional[ExperimentSpec]" = None, *, output: Optional[str] = None, name: Optional[str] = None,
@@ -381,4 +495,4 @@ def measure(spec: "Optional[ExperimentSpec]" = None, *, output: Optional[str] = 
         from memcalc.validate.measure import Measure
     except ImportError as e:  # torch missing
         raise UserError(f"measure() needs torch: pip install 'memcalc[validate]' ({e})") from None
-    return Measure(spec=spec, output=output, name=name, quiet=quiet, **options)
+    return Measure(estimate(spec, **options), output=output, name=name, quiet=quiet)

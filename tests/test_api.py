@@ -280,3 +280,47 @@ def test_every_package_is_installed():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "memcalc").rglob("__init__.py")}
     assert found - listed == set()
+
+
+RECIPE = str(ROOT / "tests" / "fixtures" / "recipes" / "litgpt_llama-3.2-1B_lora.yaml")
+
+
+def test_estimate_recipe_to_dict_equals_cli_json():
+    # source: issue 26 ("memcalc.estimate(recipe=...).to_dict() lacks the recipe key --json prints")
+    doc = memcalc.estimate(recipe=[RECIPE], gpu="rtx-4090").to_dict()
+    assert doc["recipe"]["mapping"]
+    assert doc == cli_json(["estimate", "--recipe", RECIPE, "--gpu", "rtx-4090"])
+
+
+def test_plan_takes_a_recipe(monkeypatch):
+    # source: issue 26 ("memcalc.plan(recipe=...) is a TypeError"): the recipe's model, sequence length
+    # and framework reach the search, as for `memcalc plan --recipe` (tests/test_recipes.py)
+    import memcalc.plan.search as search
+
+    got = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(model, gpu, seq, prof, **kw):
+        got.append((model.name, seq, prof.framework))
+        raise Stop
+
+    monkeypatch.setattr(search, "plan_gpu", spy)
+    with pytest.raises(Stop):
+        memcalc.plan(recipe=RECIPE, gpu="rtx-4090")
+    assert got == [("llama-3.2-1b", 512, "litgpt")]
+
+
+@pytest.mark.slow  # a plan search for one GPU (seconds)
+def test_plan_recipe_to_dict_equals_cli_json():
+    p = memcalc.plan(recipe=[RECIPE], gpu="8GB")
+    assert p.to_dict()["recipe"] == p.recipe
+    assert p.to_dict() == cli_json(["plan", "--recipe", RECIPE, "--gpu", "8GB"])
+
+
+def test_listings_are_the_cli_json():
+    # source: memcalc models / configs / gpus / profiles --json (the CLI renders the API's rows)
+    for rows, command in ((memcalc.api.list_models(), "models"), (memcalc.api.list_configs(), "configs"),
+                          (memcalc.api.list_gpus(), "gpus"), (memcalc.api.list_profiles(), "profiles")):
+        assert json.loads(json.dumps(rows)) == cli_json([command])

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -36,9 +36,6 @@ from memcalc.core.units import fmt_bytes
 from .command import make_record
 from .output import RecordFile
 from .runner import Measurement, error_reason, fill_measurement
-
-if TYPE_CHECKING:
-    from memcalc.api import EstimateResult
 
 NO_CUDA = "CUDA is not available: nothing was measured"
 
@@ -69,11 +66,12 @@ def _versions() -> dict[str, Optional[str]]:
 class Recorder:
     """Per-step CUDA peaks of a real run, and the record that compares them with ``estimate``.
 
-    ``estimate`` None: memcalc could not estimate the setup (``why`` says why; the record has
-    ``predicted_bytes`` null). ``notes``: how the setup was read (put in the record and printed).
+    ``estimate``: a :class:`memcalc.api.EstimateResult`; None: memcalc could not estimate the setup
+    (``why`` says why; the record has ``predicted_bytes`` null). ``notes``: how the setup was read
+    (put in the record and printed).
     """
 
-    def __init__(self, estimate: "Optional[EstimateResult]", name: str, output: Optional[str] = None,
+    def __init__(self, estimate: Optional[Any], name: str, output: Optional[str] = None,
                  source: str = "measure", notes: Optional[list[str]] = None, quiet: bool = False,
                  why: str = "") -> None:
         check_output(output)
@@ -162,16 +160,14 @@ def summary(rec: dict[str, Any]) -> str:
 class Measure:
     """``memcalc.measure(...)``: a context manager around any training loop (see :func:`memcalc.api.measure`).
 
-    The estimate is built when it is created, so bad inputs fail before training starts. Call
+    ``memcalc.measure`` builds the estimate before it, so bad inputs fail before training starts. Call
     :meth:`step` after every optimizer step; on exit the record is made (``record``), printed, and
     written to ``output``. An exception in the block is recorded (``oom`` or ``error``) and re-raised.
     """
 
-    def __init__(self, spec: Any = None, *, output: Optional[str] = None, name: Optional[str] = None,
-                 quiet: bool = False, **options: Any) -> None:
-        from memcalc.api import estimate
-
-        self.estimate = estimate(spec, **options)
+    def __init__(self, estimate: Any, *, output: Optional[str] = None, name: Optional[str] = None,
+                 quiet: bool = False) -> None:
+        self.estimate = estimate  # a memcalc.api.EstimateResult (the API builds it: no import back)
         self.recorder = Recorder(self.estimate, name or self.estimate.spec.name, output, "measure", quiet=quiet)
 
     @property

@@ -5,8 +5,11 @@ Every bad input ends as one line on stderr and exit code 2: usage errors (typer'
 
 One module per command (``estimate_cmd``, ``plan_cmd``, ``listing``: models, configs, gpus,
 profiles; ``validate_cmd``), the options they share in ``options``, the application and its
-error handling in ``group``. Importing this package loads typer and memcalc's pydantic-free core
-only; each command imports the pipeline it runs when it runs (``tests/test_lazy_imports.py``).
+error handling in ``group``. A command resolves nothing and runs no stage itself: it calls
+:mod:`memcalc.api` (``estimate``, ``plan``, ``experiments``, the listings) and renders the result
+with :mod:`memcalc.render` (the ``cli-through-api`` contract in ``.importlinter``). Importing this
+package loads typer and memcalc's pydantic-free core only; the API loads a command's pipeline when
+it runs (``tests/test_lazy_imports.py``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, 
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Lora, LoraAlpha, LoraDropout,
                                  LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, MasterWeights, MemoryBudget, Model,
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
-                                 Seq, SequenceParallel, Sharding, Torch, Tp, Zero, _check_output, _options)
+                                 Seq, SequenceParallel, Sharding, Torch, Tp, Zero, _check_output,
+                                 inputs_of)
 from memcalc.core.errors import UserError
 
 
@@ -63,54 +64,47 @@ def estimate(
       memcalc estimate --config control --json
       memcalc estimate --recipe 8B_lora_single_device.yaml --gpu rtx-4090
     """
-    inputs = {k: v for k, v in locals().items() if k not in _OWN}  # every other option is an input of the experiment
-    from memcalc.estimate.peak import estimate as run_estimate
-    from memcalc.inputs.gpus import get_gpu, list_gpus
-    from memcalc.inputs.resolve import resolve
+    inputs = inputs_of(locals(), _OWN)  # every other option is an input of the experiment
+    import memcalc.api
 
     _check_output(html, "--html")
     if check and not gpu:
         raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
-    res = resolve(_options(**inputs))
-    cards = [get_gpu(g) for g in gpu] if gpu else list_gpus()
-    limits = None
-    if max_batch or max_seq:
-        from memcalc.plan.limits import check_one_gpu, estimate_limits
-
-        limit_gpu = check_one_gpu(gpu, "--max-batch" if max_batch else "--max-seq")
-    est = run_estimate(res.exp)
-    if max_batch or max_seq:
-        limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
+    r = memcalc.api.estimate(gpu=gpu or None, max_batch=max_batch, max_seq=max_seq, **inputs)
+    cards = list(r.cards)
     if html is not None:
         from memcalc.render.html import estimate_html, write_report
 
-        write_report(html, estimate_html(est, res, cards))
+        write_report(html, estimate_html(r.estimate, r.resolved, cards))
     if as_json:
-        from memcalc.render.report import dumps, to_json
+        from memcalc.render.report import dumps
 
-        doc = to_json(est, res, cards)
-        if res.recipe is not None:
-            doc["recipe"] = res.recipe
-        if limits:
-            doc.update({k: limits[k] for k in ("max_batch", "max_seq") if k in limits}, limits=limits)
-        typer.echo(dumps(doc))
+        typer.echo(dumps(r.document()))
     else:
-        from memcalc.render.report import render
-
-        render(est, res, cards)
-        if limits:
-            from memcalc.render.plan_report import render_limits
-
-            render_limits(limits, limit_gpu, res.exp.model)
-        if timeline:
-            from rich.console import Console
-
-            from memcalc.render.chart import timeline_chart
-
-            con = Console()
-            con.print(timeline_chart(est, cards[0].capacity_bytes if len(cards) == 1 else None, width=min(con.width, 120)))
+        _render(r, timeline)
     if check:
-        return _check_fits(est, cards)
+        return _check_fits(r.estimate, cards)
+    return None
+
+
+def _render(r: Any, timeline: bool) -> None:
+    """The tables (and the limits, and with ``timeline`` the chart) of an estimate."""
+    from memcalc.render.report import render
+
+    cards = list(r.cards)
+    render(r.estimate, r.resolved, cards)
+    if r.limits:
+        from memcalc.render.plan_report import render_limits
+
+        render_limits(r.limits, cards[0], r.resolved.exp.model)  # (the limits are for the one --gpu)
+    if timeline:
+        from rich.console import Console
+
+        from memcalc.render.chart import timeline_chart
+
+        con = Console()
+        con.print(timeline_chart(r.estimate, cards[0].capacity_bytes if len(cards) == 1 else None,
+                                 width=min(con.width, 120)))
 
 
 #: estimate's own options; the others are the experiment's inputs

@@ -17,12 +17,6 @@ from typer.core import TyperGroup
 from memcalc.core.errors import UserError
 
 
-def _validation_error(e: BaseException) -> bool:
-    """``e`` is a pydantic ValidationError (pydantic_core's class, which pydantic re-exports)."""
-    core = sys.modules.get("pydantic_core")
-    return core is not None and isinstance(e, core.ValidationError)
-
-
 class _Group(TyperGroup):
     """Runs commands without click's standalone error printing; errors become one line + exit 2.
     (typer lists the commands in the order they were added.)"""
@@ -43,13 +37,14 @@ class _Group(TyperGroup):
         except typer.TyperException as e:  # click's usage errors: no such option, bad choice, bad number
             _err(" ".join(e.format_message().split()))
             sys.exit(2)
-        except Exception as e:
-            if _validation_error(e):
-                from memcalc.inputs.pydantic_errors import pydantic_error_line
+        except Exception as e:  # a pydantic ValidationError: one line too
+            from memcalc.api import error_line
 
-                _err(pydantic_error_line(e, "input"))
-                sys.exit(2)
-            raise
+            line = error_line(e)
+            if line is None:
+                raise
+            _err(line)
+            sys.exit(2)
         # (typer returns an Exit's code, --version's or --help's, as the command's value)
         sys.exit(rv if isinstance(rv, int) else 0)
 

@@ -31,10 +31,10 @@ def models(as_json: Json = False) -> None:
 
     `--model ORG/NAME` with a listed Hugging Face id picks that preset.
     """
-    from memcalc.inputs.presets import list_presets, preset_summary
+    from memcalc.api import list_models
     from memcalc.render.report import dumps
 
-    rows = [preset_summary(name) for name in list_presets()]
+    rows = list_models()
     if as_json:
         typer.echo(dumps(rows))
         return
@@ -51,16 +51,10 @@ def models(as_json: Json = False) -> None:
 @app.command()
 def configs(as_json: Json = False) -> None:
     """List the shipped reference configs and their published peaks."""
-    from memcalc.inputs.configs import list_configs, load_config
+    from memcalc.api import list_configs
     from memcalc.render.report import dumps
 
-    rows = []
-    for name in list_configs():
-        e = load_config(name)
-        tr = e.training
-        rows.append({"name": name, "description": e.description, "precision": tr.precision,
-                     "checkpoint": tr.checkpoint, "fused_optimizer": tr.fused_optimizer, "compile": tr.compile,
-                     "memory_budget": tr.memory_budget, "published_peak_bytes": e.published_peak_bytes})
+    rows = list_configs()
     if as_json:
         typer.echo(dumps(rows))
         return
@@ -77,36 +71,37 @@ def configs(as_json: Json = False) -> None:
 @app.command()
 def gpus(as_json: Json = False) -> None:
     """List the GPU catalog (capacities in bytes; GiB = 2**30)."""
-    from memcalc.inputs.gpus import list_gpus
+    from memcalc.api import list_gpus
     from memcalc.render.report import dumps
 
     gs = list_gpus()
     if as_json:
-        typer.echo(dumps([g.model_dump() for g in gs]))
+        typer.echo(dumps(gs))
         return
     t = _table("GPU catalog")
     for col in ("name", "GPU", "memory GiB", "bytes"):
         t.add_column(col, justify="left" if col in ("name", "GPU") else "right", no_wrap=col != "GPU")
     for g in gs:
-        t.add_row(g.name, getattr(g, "display_name", g.name), f"{gib(g.capacity_bytes):.2f}", f"{g.capacity_bytes:,}")
+        t.add_row(g["name"], g["display_name"], f"{gib(g['capacity_bytes']):.2f}", f"{g['capacity_bytes']:,}")
     _print(t)
 
 
 @app.command()
 def profiles(as_json: Json = False) -> None:
     """List the kernel profiles (what each PyTorch version and framework saves)."""
-    from memcalc.inputs.profiles import PROFILES
+    from memcalc.api import list_profiles
     from memcalc.render.report import dumps
 
+    rows = list_profiles()
     if as_json:
-        typer.echo(dumps([p.model_dump() for p in PROFILES.values()]))
+        typer.echo(dumps(rows))
         return
     t = _table("Kernel profiles (--framework/--torch build any pair; --json: every field)")
     for col in ("name", "RMSNorm", "loss", "LoRA", "K/V"):
         t.add_column(col, no_wrap=True)
-    for p in PROFILES.values():
-        loss = ("chunked" if p.cross_entropy == "chunked" else "full") + (" fp32" if p.logits_fp32 else "")
-        lora = p.lora_dtype + ("+cast" if p.lora_input_cast else "")
-        t.add_row(p.name, p.rmsnorm, loss, lora, "grouped" if p.sdpa_gqa else "copies")
+    for p in rows:
+        loss = ("chunked" if p["cross_entropy"] == "chunked" else "full") + (" fp32" if p["logits_fp32"] else "")
+        lora = p["lora_dtype"] + ("+cast" if p["lora_input_cast"] else "")
+        t.add_row(p["name"], p["rmsnorm"], loss, lora, "grouped" if p["sdpa_gqa"] else "copies")
     _print(t)
 

@@ -8,7 +8,7 @@ Pydantic-free: the choices come from :mod:`memcalc.core.choices` and
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import typer
 
@@ -145,12 +145,7 @@ def _check_output(path: Optional[str], flag: str) -> None:
         raise UserError(f"cannot write {flag} {path[:200]}: {e.strerror or e}") from None
 
 
-
-def _options(**kw):  # type: ignore[no-untyped-def]
-    """The parsed options as :class:`~memcalc.inputs.resolve.Options`; a repeatable option given no
-    times is None, "not given", as for every other option."""
-    from memcalc.inputs.resolve import Options
-
-    if "recipe" in kw:
-        kw["recipe"] = list(kw["recipe"] or ()) or None
-    return Options(**kw)
+def inputs_of(values: dict[str, Any], own: tuple[str, ...]) -> dict[str, Any]:
+    """A command's parsed options less its own (``own``): the experiment's inputs, named as the API
+    takes them; a repeatable option given no times is None, "not given", as every other option."""
+    return {k: (list(v) or None) if isinstance(v, (list, tuple)) else v for k, v in values.items() if k not in own}

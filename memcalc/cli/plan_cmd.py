@@ -55,52 +55,20 @@ def plan(
       memcalc plan --model llama-3.1-70b
     """
     _one_blas_thread()
-    from memcalc.inputs.gpus import get_gpu
-    from memcalc.inputs.profiles import plan_profile
-    from memcalc.plan.cluster import plan_cluster
-    from memcalc.plan.options import check_one_gpu_flags, plan_model
-    from memcalc.plan.search import plan_gpu
-    from memcalc.render.plan_report import cluster_plan_json, gpu_plan_json, render_cluster_plan, render_gpu_plan
-    from memcalc.render.report import dumps
+    import memcalc.api
 
-    rec = None
-    if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
-        from memcalc.inputs.recipes import load_recipe
-
-        rec = load_recipe(list(recipe or ()), adapter_config)
-        v = rec.values
-        if model is None and params is None:
-            model = v.get("model")
-        seq = seq if seq is not None else v.get("seq")
-        if profile is None and framework is None and "framework" in v:
-            framework = v["framework"]
-        if loss is None and loss_chunks is None and "loss" in v:
-            loss, loss_chunks = v["loss"], v.get("loss_chunks")
-    m, notes = plan_model(model, params)
-    if rec is not None:
-        notes[:0] = rec.lines() + ["recipe: plan takes the model, sequence length, framework and loss from it and "
-                                   "searches the rest (batch, precision, optimizer, checkpointing, LoRA/QLoRA); "
-                                   "`memcalc estimate --recipe` gives the recipe's own setup"]
-    # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
-    prof, note = plan_profile(profile, framework, torch, loss, loss_chunks)
-    notes.append(note)
-    check_one_gpu_flags(gpu, show_all, compile_)
-    if gpu is None:
-        cp = plan_cluster(m, seq, prof)
-        cp.notes[:0] = notes
-        if as_json:
-            typer.echo(dumps({**cluster_plan_json(cp), **({"recipe": rec.as_json()} if rec else {})}))
-        else:
-            render_cluster_plan(cp)
-        return
-    options = None
-    if compile_:
-        from memcalc.plan.options import compile_techniques, techniques
-
-        options = techniques() + compile_techniques()
-    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=show_all, options=options)
-    gp.notes[:0] = notes
+    p = memcalc.api.plan(model, params, gpu=gpu, seq=seq, profile=profile, framework=framework, torch=torch, loss=loss,
+                         loss_chunks=loss_chunks, all=show_all, compile=compile_, recipe=recipe or None,
+                         adapter_config=adapter_config)
     if as_json:
-        typer.echo(dumps({**gpu_plan_json(gp), **({"recipe": rec.as_json()} if rec else {})}))
+        from memcalc.render.report import dumps
+
+        typer.echo(dumps(p.document()))
+    elif p.gpu_plan:
+        from memcalc.render.plan_report import render_gpu_plan
+
+        render_gpu_plan(p.raw)
     else:
-        render_gpu_plan(gp)
+        from memcalc.render.plan_report import render_cluster_plan
+
+        render_cluster_plan(p.raw)

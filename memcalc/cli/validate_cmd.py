@@ -7,7 +7,8 @@ The only command that imports :mod:`memcalc.validate` (torch), lazily
 from __future__ import annotations
 
 import sys
-from typing import Annotated, Literal, Optional
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, Optional
 
 import typer
 
@@ -15,7 +16,7 @@ from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Deepspeed, Dora,
                                  FusedOptimizer, GradAccum, Json, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
                                  Loss, LossChunks, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
-                                 Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, _options)
+                                 Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
 from memcalc.core.choices import FRAMEWORKS
 from memcalc.core.errors import UserError
 
@@ -80,10 +81,30 @@ def validate(
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
       memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
     """
-    inputs = {k: v for k, v in locals().items() if k not in _OWN}  # the experiment's inputs
+    inputs = inputs_of(locals(), _OWN)  # the experiment's inputs
+    import memcalc.api
+
+    _check_flags(device, framework, scale_layers)
+    for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
+        _check_output(path, flag)
+    framework = _sharded(device, framework, gpus, zero, sharding, rank)
+    run_validate = _runner(as_json)
+    items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero, gpus=gpus,
+                                    sharding=sharding, **inputs)
+    records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=_traced(items),
+                           reentrant=reentrant, rank=rank or 0)
+    if html is not None:
+        from memcalc.render.html import validate_html, write_report
+
+        # the estimates' timelines are of the full model: left out when tracing fewer layers
+        ests = ({n: memcalc.api.estimate(e).estimate for n, e in items if not isinstance(e, Exception)}
+                if scale_layers is None else None)
+        write_report(html, validate_html(list(records or []), ests))
+
+
+def _check_flags(device: Optional[str], framework: Optional[str], scale_layers: Optional[int]) -> None:
+    """validate's own flags, checked before torch loads."""
     from memcalc.core.spec import MAX_LAYERS
-    from memcalc.inputs.configs import list_configs
-    from memcalc.inputs.resolve import resolve
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
@@ -93,9 +114,14 @@ def validate(
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
     if scale_layers is not None and scale_layers > MAX_LAYERS:
-        raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, the most layers a model may have")
-    for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
-        _check_output(path, flag)
+        raise UserError(f"--scale-layers {scale_layers:,} is more than {MAX_LAYERS:,}, "
+                        "the most layers a model may have")
+
+
+def _sharded(device: Optional[str], framework: Optional[str], gpus: Optional[int], zero: Optional[int],
+             sharding: Optional[str], rank: Optional[int]) -> Optional[str]:
+    """The sharded flags checked; the framework traced (plain for a sharded trace unless --framework
+    hf is given)."""
     _check_sharded_flags(gpus, zero, sharding, rank)
     if gpus is not None and gpus > 1:
         if device == "cuda":
@@ -103,9 +129,15 @@ def validate(
                             "on CUDA; trace one rank with --device meta")
         if framework is None:  # the sharded trace builds the replica unless --framework hf (FSDP2 only) is given
             framework = "plain"
+    return framework
+
+
+def _runner(as_json: bool) -> Callable[..., Any]:
+    """``memcalc.validate.command.run_validate``, imported (torch: seconds) so that a signal
+    meanwhile stops cleanly, and torch missing is one line."""
     from memcalc.validate.interrupt import StopRequested, stoppable, stopped  # torch-free
 
-    with stoppable():  # importing torch takes seconds: a signal then stops cleanly too
+    with stoppable():
         try:
             from memcalc.validate.command import run_validate
         except ImportError as e:  # torch missing
@@ -115,37 +147,18 @@ def validate(
             sys.stderr.write(f"memcalc validate: stopped by {e} before any config ran\n")
             sys.stdout.write("[]\n" if as_json else "")
             raise SystemExit(e.exit_code) from None
-    names = list(config or [])
-    if all_configs:
-        names += [n for n in list_configs() if n not in names]
-    common = dict(inputs, framework=framework, zero=zero, gpus=gpus, sharding=sharding)
-    items: list = []
-    if names:
-        for n in names:
-            try:
-                items.append((n, resolve(_options(config=n, **common)).exp))
-            except UserError as e:  # one of several configs: its record says why, the others still run
-                if len(names) == 1:
-                    raise
-                items.append((n, e))
-    else:
-        items.append((None, resolve(_options(**common)).exp))
-    items = [(n or e.name, e) for n, e in items]
+    return run_validate
+
+
+def _traced(items: list) -> str:
+    """The one framework the experiments trace: plain or hf (UserError otherwise)."""
     traced = {e.profile.framework for _, e in items if not isinstance(e, UserError)} or {"plain"}
     if not traced <= {"plain", "hf"} or len(traced) > 1:
         raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
                         f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
     if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
         raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
-    records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=traced.pop(),
-                           reentrant=reentrant, rank=rank or 0)
-    if html is not None:
-        from memcalc.estimate.peak import estimate as run_estimate
-        from memcalc.render.html import validate_html, write_report
-
-        # the estimates' timelines are of the full model: left out when tracing fewer layers
-        ests = {n: run_estimate(e) for n, e in items if not isinstance(e, Exception)} if scale_layers is None else None
-        write_report(html, validate_html(list(records or []), ests))
+    return traced.pop()
 
 
 #: validate's own options (and those it passes on itself); the others are the experiment's inputs
