@@ -66,9 +66,6 @@ def _id(row) -> str:
     return f"{preset}-L{layers}-zero{stage}-n{gpus}-" + "-".join(f"{k}={v}" for k, v in {**tr, **ds}.items())
 
 
-_results: list[tuple[str, int, int]] = []
-
-
 @pytest.mark.parametrize("row", GRID, ids=[_id(r) for r in GRID])
 def test_estimate_matches_deepspeed_trace(row):
     exp = _exp(*row)
@@ -76,7 +73,6 @@ def test_estimate_matches_deepspeed_trace(row):
     assert meas.status == "ok", meas.reason
     est = estimate(exp, timeline=False)
     gap = 100 * (est.peak_bytes - meas.measured_bytes) / meas.measured_bytes
-    _results.append((_id(row), est.peak_bytes, meas.measured_bytes))
     assert abs(gap) <= TOLERANCE_PCT, (f"estimate {est.peak_bytes:,} B ({est.peak_phase}) vs trace "
                                        f"{meas.measured_bytes:,} B ({meas.peak_phase}): {gap:+.2f}%")
 
@@ -93,12 +89,3 @@ def test_grid_is_large_enough():
 def test_unsupported_setups_are_skipped_with_the_reason(tr, why):
     meas = trace_deepspeed(_exp("gpt2", 1, 2, 4, dict(seq=128, **tr), {}))
     assert meas.status == "skipped" and why in meas.reason
-
-
-def test_print_grid_table():
-    """Run with -s to see the table."""
-    if not _results:
-        pytest.skip("the grid rows did not run in this session")
-    print("\n estimated B      traced B        gap   setup")
-    for ident, e, m in _results:
-        print(f" {e:13,d} {m:13,d} {100 * (e - m) / m:+7.2f}%   {ident}")

@@ -70,9 +70,6 @@ GRID = [
     ("gpt2", 2, dict(**FP32, zero=3, gpus=4, batch=2, sharding="fsdp1")),  # source: trace_rank, FSDP1, tied head
 ]
 
-_results: list[tuple[str, int, int, str, str]] = []
-
-
 def _exp(preset: str, layers: int, tr: dict) -> ExperimentSpec:
     m = load_preset(preset).model_copy(update={"n_layers": layers})
     return ExperimentSpec(name=preset, model=m, training=TrainingSpec(**{"batch": 1, "seq": 256, **tr}))
@@ -103,17 +100,7 @@ def test_estimate_matches_fsdp2_rank_trace(preset, layers, tr):
     est = estimate(exp, timeline=False)
     traced = trace_rank(exp, rank=0)
     gap = 100 * (est.peak_bytes - traced["peak_bytes"]) / traced["peak_bytes"]
-    _results.append((_id((preset, layers, tr)), est.peak_bytes, traced["peak_bytes"], est.peak_phase,
-                     traced["phase"]))
     assert abs(gap) <= TOLERANCE_PCT, (
         f"estimate {est.peak_bytes:,} B ({est.peak_phase}, {est.peak_label}) vs rank trace "
         f"{traced['peak_bytes']:,} B ({traced['phase']}, {traced['label']}): {gap:+.2f}%")
 
-
-def test_print_grid_table():
-    """Run with -s to see the table (the README's Multi-GPU table comes from the same rows)."""
-    if not _results:
-        pytest.skip("the grid rows did not run in this session")
-    print("\n estimated GiB   traced GiB     gap   phase (est/trace)   setup")
-    for ident, e, t, pe, pt in _results:
-        print(f" {e / 2**30:13.4f} {t / 2**30:12.4f} {100 * (e - t) / t:+7.2f}%   {pe:>8s}/{pt:<9s} {ident}")

@@ -83,9 +83,6 @@ def _id(row) -> str:
     return f"{fw}-{preset}-" + "-".join(bits)
 
 
-_results: list[tuple[str, int, int, object, object]] = []
-
-
 @pytest.mark.parametrize("preset,layers,tr,framework", [pytest.param(*r, id=_id(r)) for r in GRID])
 def test_technique_matches_meta_trace(preset, layers, tr, framework):
     exp = _exp(preset, layers, tr, framework)
@@ -94,8 +91,6 @@ def test_technique_matches_meta_trace(preset, layers, tr, framework):
     assert meas.status == "ok", meas.reason
     gap = 100 * (est.peak_bytes - meas.measured_bytes) / meas.measured_bytes
     host = est.extra.get("host_activation_bytes")
-    _results.append((_id((preset, layers, tr, framework)), est.peak_bytes, meas.measured_bytes, host,
-                     meas.host_activation_bytes))
     tol = DORA_TOLERANCE_PCT if tr.get("lora", {}).get("dora") else TOLERANCE_PCT
     assert abs(gap) <= tol, (f"estimate {est.peak_bytes:,} B ({est.peak_phase}) vs trace {meas.measured_bytes:,} B "
                              f"({meas.peak_phase}): {gap:+.2f}%")
@@ -103,16 +98,6 @@ def test_technique_matches_meta_trace(preset, layers, tr, framework):
         assert host and meas.host_activation_bytes
         hgap = 100 * (host - meas.host_activation_bytes) / meas.host_activation_bytes
         assert abs(hgap) <= HOST_TOLERANCE_PCT, f"host bytes {host:,} vs traced {meas.host_activation_bytes:,}: {hgap:+.2f}%"
-
-
-def test_print_table():
-    """Run with -s to see the table."""
-    if not _results:
-        pytest.skip("the rows did not run in this session")
-    print("\n estimated GiB   traced GiB     gap   host est/trace GiB   config")
-    for ident, e, m, he, hm in _results:
-        host = f"{he / 2**30:.4f}/{hm / 2**30:.4f}" if he else "-"
-        print(f" {e / 2**30:13.4f} {m / 2**30:12.4f} {100 * (e - m) / m:+7.2f}%   {host:>18s}   {ident}")
 
 
 # (preset, LoRA) -- trainable parameters counted by memcalc and by PEFT 0.21 on the real model
