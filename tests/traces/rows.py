@@ -1,6 +1,7 @@
 """The rows whose validator peaks are recorded in ``recorded.json`` (``record.py`` writes it).
 
-Each row is what ``memcalc validate`` would run: its ``inputs`` are the command line's options
+Each row is what ``memcalc validate`` would run (the DeepSpeed rows: what its tracer runs, see
+:func:`cli_of`): its ``inputs`` are the command line's options
 (:class:`memcalc.inputs.resolve.Options`, as ``memcalc.estimate(**inputs)`` takes them), its
 ``scale_layers`` is ``validate --scale-layers`` (the preset cut to that many layers: the layers
 are alike, so a cut model shows the per-layer behaviour and traces in seconds), ``model`` holds
@@ -176,31 +177,43 @@ ROWS: list[dict[str, Any]] = [
          sequence_parallel=True, **BF16, **PLAIN),
     _row("tp2-sp-bf16-fsdp2-zero3-2d", T, "tp", TPT, 2, TP_MODEL, model="tinyllama-1.1b", batch=2, seq=256, tp=2,
          sequence_parallel=True, **BF16, gpus=2, zero=3, **PLAIN),
-    # -- DeepSpeed ZeRO-2/3, one rank (test_deepspeed: DeepSpeed's defaults)
-    _row("deepspeed-zero2-4gpus", D, "deepspeed", DST, 2, model="tinyllama-1.1b", seq=256, **MIXED, zero=2, gpus=4,
-         sharding="deepspeed", **PLAIN),
-    _row("deepspeed-zero3-4gpus", D, "deepspeed", DST, 2, model="tinyllama-1.1b", seq=256, **MIXED, zero=3, gpus=4,
-         sharding="deepspeed", **PLAIN),
-    _row("deepspeed-zero2-gpt2-4gpus", D, "deepspeed", DST, 2, model="gpt2", seq=256, **MIXED, zero=2, gpus=4,
-         sharding="deepspeed", **PLAIN),
+    # -- DeepSpeed ZeRO-2/3, one rank (test_deepspeed); --deepspeed FILE as validate takes it (tests/traces/deepspeed/)
+    _row("deepspeed-zero2-4gpus", D, "deepspeed", DST, 2, model="tinyllama-1.1b", seq=256, **MIXED, gpus=4, zero=2,
+         deepspeed="tests/traces/deepspeed/zero2.json", **PLAIN),
+    _row("deepspeed-zero2-bucket-2e7-8gpus", D, "deepspeed", DST, 2, model="tinyllama-1.1b", seq=256, **MIXED, gpus=8,
+         zero=2, deepspeed="tests/traces/deepspeed/zero2_bucket_2e7.json", **PLAIN),
+    _row("deepspeed-zero3-4gpus", D, "deepspeed", DST, 2, model="tinyllama-1.1b", seq=256, **MIXED, gpus=4, zero=3,
+         deepspeed="tests/traces/deepspeed/zero3.json", **PLAIN),
+    _row("deepspeed-zero3-reuse-0-2gpus-ckpt-full", D, "deepspeed", DST, 3, model="tinyllama-1.1b", seq=512, **MIXED,
+         gpus=2, zero=3, checkpoint="full", deepspeed="tests/traces/deepspeed/zero3_reuse_0.json", **PLAIN),
+    _row("deepspeed-zero2-gpt2-4gpus", D, "deepspeed", DST, 2, model="gpt2", seq=256, **MIXED, gpus=4, zero=2,
+         deepspeed="tests/traces/deepspeed/zero2.json", **PLAIN),
 ]
 
 
 def spec_of(row: dict[str, Any]):
     """The ExperimentSpec of a row: its inputs resolved as the command line resolves its flags
     (``memcalc.options_from`` + ``resolve``), the model cut to ``scale_layers`` (as ``validate
-    --scale-layers`` cuts it) with the row's ``model`` fields."""
+    --scale-layers`` cuts it) with the row's ``model`` fields. A ``deepspeed`` config path is relative to the
+    repository's root (the command line's working directory in ``cli``)."""
     from memcalc.api import options_from
     from memcalc.inputs.resolve import resolve
 
-    exp = resolve(options_from(**row["inputs"])).exp
+    inputs = dict(row["inputs"])
+    if inputs.get("deepspeed"):  # a DeepSpeed config under tests/traces/deepspeed/, named from the repository's root
+        inputs["deepspeed"] = os.path.join(REPO, inputs["deepspeed"])
+    exp = resolve(options_from(**inputs)).exp
     model = exp.model.model_copy(update={**row["model"], "n_layers": row["scale_layers"]})
     return exp.model_copy(update={"model": model})
 
 
 def cli_of(row: dict[str, Any]) -> str | None:
-    """The ``memcalc validate`` command line of a row (None when a model field has no flag)."""
-    if row["model"]:
+    """The ``memcalc validate`` command line of a row; None when a model field has no flag (the
+    tensor-parallel rows) or validate's command line refuses the setup: it stops a DeepSpeed step at
+    its sharded checks (``validate.sharded.check_sharded``), so the DeepSpeed rows are traced by
+    ``trace_deepspeed`` directly, as tests/test_deepspeed.py does (their options are ``memcalc
+    estimate``'s all the same)."""
+    if row["model"] or row["validator"] == "deepspeed":
         return None
     words = ["memcalc", "validate"]
     for k, v in row["inputs"].items():
