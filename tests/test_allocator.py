@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memcalc.engine.allocator import CachingAllocatorSim
+from memcalc.core.allocator import CachingAllocatorSim
 
 MiB = 1 << 20
 

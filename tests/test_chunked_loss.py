@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
 
+from memcalc.core.rules import chunk_rows  # noqa: E402
 from memcalc.core.spec import ExperimentSpec, TrainingSpec  # noqa: E402
-from memcalc.engine.loss import chunk_rows  # noqa: E402
 from memcalc.estimate.peak import estimate  # noqa: E402
 from memcalc.inputs.presets import load_preset  # noqa: E402
 from memcalc.inputs.profiles import get_profile, with_loss  # noqa: E402

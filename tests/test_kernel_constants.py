@@ -45,6 +45,6 @@ def test_plain_torch_profiles_follow_the_rmsnorm_table() -> None:
 
 def test_spec_defaults_are_the_shared_constants() -> None:
     assert KernelProfile().allocator_round_bytes == ALLOCATOR_ROUND_BYTES == 512
-    from memcalc.engine.allocator import MIN_BLOCK
+    from memcalc.core.allocator import MIN_BLOCK
 
     assert MIN_BLOCK == ALLOCATOR_ROUND_BYTES

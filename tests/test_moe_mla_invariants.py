@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from memcalc.core.kernels import mla_attention_kernel
+from memcalc.core.rules import rope_width
 from memcalc.core.spec import ExperimentSpec, LoraSpec, MLASpec, ModelSpec, MoESpec, TrainingSpec
-from memcalc.engine.mla import mla_attention_kernel, rope_width
 from memcalc.estimate.peak import estimate
 
 BASE = dict(name="tiny-moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, vocab_size=512)

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.core.optimizers import BNB_BLOCK, BNB_PAGED_MIN_NUMEL, OPTIMIZERS
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.engine.offload import pinned_bytes
+from memcalc.core.kernels import pinned_bytes
 from memcalc.engine.optimizers import PAGED, state_bytes
 from memcalc.engine.params import count_params
 from memcalc.engine.sim import Param, T

@@ -5,7 +5,7 @@ Built from the same specs as the estimator (:mod:`memcalc.core.spec`), with torc
 - :mod:`.model` a generic decoder from a ``ModelSpec`` (Forgather's Deep One code path exactly);
 - :mod:`.optim` the optimizers (Forgather's Adafactor, Lion, 8-bit AdamW, master weights);
 - :mod:`.tracer` counts live storages on ``meta``/``cpu`` rounded like the CUDA caching allocator;
-  :mod:`memcalc.engine.allocator` optionally replays the allocator itself (whole blocks, segments);
+  :mod:`memcalc.core.allocator` optionally replays the allocator itself (whole blocks, segments);
 - :mod:`.attention`, :mod:`.layers`, :mod:`.amp` the kernels CUDA runs, named explicitly;
 - :mod:`.runner` ``measure(exp, device)``: one warm-up step, then the measured steady-state step;
 - :mod:`.command` ``run_validate``: predictions beside measurements, table or JSON;

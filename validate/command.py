@@ -51,7 +51,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.core.units import gib
+from memcalc.core.units import fmt_bytes, gib
 
 from .interrupt import StopRequested, check as check_stop, stoppable, stopped
 from .output import RecordFile, new_run_id
@@ -72,22 +72,32 @@ def _pct(a: Optional[int], b: Optional[int]) -> Optional[float]:
     return round((a - b) / b * 100, 3)
 
 
-def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str]:
+def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str, Optional[int]]:
+    """memcalc's estimate of ``exp``: (peak bytes, peak phase, why there is none, the bytes a compiled
+    step saves for backward). The estimator's entry point, not :mod:`memcalc.api`: the API imports
+    ``measure.py``, which imports this module (.importlinter names this import)."""
     try:
         from memcalc.estimate.peak import estimate
-    except ImportError as e:  # the estimator is not importable (yet)
-        return None, None, f"no estimate: {e}"
-    try:
+
         est = estimate(exp)
     except Exception as e:  # an unsupported combination is reported beside the measurement
-        return None, None, f"no estimate: {e}"
-    return est.peak_bytes, est.peak_phase, ""
+        return None, None, f"no estimate: {e}", None
+    compiled = est.extra.get("compiled")
+    return est.peak_bytes, est.peak_phase, "", compiled["saved_bytes"] if compiled else None
+
+
+def _partition_gap(real: Optional[int], mine: Optional[int]) -> str:
+    """memcalc's saved set beside PyTorch's partition (``runner._check_partition``), for the reason."""
+    if real is None or mine is None:
+        return ""
+    gap = f"{100 * (mine - real) / real:+.2f}%" if real else "both nothing" if not mine else "PyTorch saves nothing"
+    return f", memcalc {fmt_bytes(mine)} ({gap})"
 
 
 def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, scale_layers: Optional[int]) -> dict:
     """One record (see the module docstring); the prediction is for the model as measured
     (``exp`` None: a config that could not be read, nothing predicted)."""
-    predicted, pred_phase, why, published = None, None, "", None
+    predicted, pred_phase, why, published, saved = None, None, "", None, None
     if exp is not None:
         target = exp if scale_layers is None else exp.model_copy(
             update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
@@ -95,9 +105,9 @@ def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, sca
             from .hf_grid import hf_estimator_spec
 
             target = hf_estimator_spec(target)
-        predicted, pred_phase, why = _predict(target)
+        predicted, pred_phase, why, saved = _predict(target)
         published = exp.published_peak_bytes if scale_layers is None else None
-    reason = "; ".join(r for r in (meas.reason, why) if r)
+    reason = "; ".join(r for r in (meas.reason + _partition_gap(meas.partition_saved_bytes, saved), why) if r)
     return {
         "config": name,
         "device": meas.device,
@@ -114,7 +124,7 @@ def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, sca
         "allocator_sim_bytes": meas.sim_allocated_bytes,
         "allocator_sim_reserved_bytes": meas.sim_reserved_bytes,
         "partition_saved_bytes": meas.partition_saved_bytes,
-        "predicted_saved_bytes": meas.predicted_saved_bytes,
+        "predicted_saved_bytes": saved if meas.partition_saved_bytes is not None else None,
         # --activation-offload: the pinned host bytes the traced hooks offloaded (estimate --json: host_activation_bytes)
         **({"host_activation_bytes": meas.host_activation_bytes} if meas.host_activation_bytes is not None else {}),
         "scale_layers": scale_layers,

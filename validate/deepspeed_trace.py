@@ -29,7 +29,7 @@ from typing import Callable, Iterator, Optional
 
 from memcalc.core.spec import DeepSpeedSpec, ExperimentSpec
 
-from .runner import Measurement, error_reason
+from .step import Measurement, error_reason
 
 #: the replica's modules: their device checks choose CUDA's kernels when they see ``meta``
 REPLICA_MODULES = frozenset(f"memcalc.validate.{m}" for m in
@@ -189,7 +189,7 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .model import build_model, param_count
-    from .runner import _Probe, fill_measurement, two_steps
+    from .step import Probe, Step, fill_measurement, train_step, two_steps
     from .tracer import StorageTracer
 
     tr = exp.training
@@ -205,7 +205,7 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
     ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, dist_init_required=False)
     torch.manual_seed(0)
     tracer = StorageTracer("cpu", exp.profile.allocator_round_bytes, debug=debug)
-    probe = _Probe("cpu", tracer)
+    probe = Probe("cpu", tracer)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with _patches(), _replica_sees_meta(), fake, tracer:
         say(f"building {m.name} ({m.n_layers} layers), DeepSpeed ZeRO-{tr.zero}, rank {rank} of {n}")
@@ -222,17 +222,12 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
         ids = torch.zeros((tr.batch, tr.seq), dtype=torch.int64)
         labels = torch.zeros((tr.batch, tr.seq), dtype=torch.int64)
 
-        def step() -> None:
-            for _ in range(min(tr.grad_accum, 2)):
-                probe.set_phase("forward")
-                loss = engine(ids, labels)
-                probe.set_phase("backward")
-                engine.backward(loss)
-                del loss
-                probe.set_phase("optimizer step")
-                engine.step()  # steps only at the accumulation boundary (the last micro-step)
-
-        fill_measurement(meas, two_steps(meas, probe, step, say), probe, "cpu", None, tracer, debug)
+        # DeepSpeed's loop: the engine scales the loss and runs backward; engine.step() after every
+        # micro-step steps only at the accumulation boundary (the last micro-step)
+        parts = Step(forward=lambda: engine(ids, labels), grad_accum=tr.grad_accum, optimizer_step=engine.step,
+                     backward=engine.backward, scale=False, step_each_micro=True, release_loss=True)
+        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say)
+        fill_measurement(meas, result, probe, "cpu", None, tracer, debug)
     return meas
 
 

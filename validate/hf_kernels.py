@@ -42,9 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
-from memcalc.core.kernels import choose_attention_kernel
+from memcalc.core.kernels import choose_attention_kernel, mla_attention_kernel
 from memcalc.core.spec import KernelProfile
-from memcalc.engine.mla import mla_attention_kernel
 
 from .amp import Amp
 from .attention import EfficientAttention, FlashAttention, align_mask

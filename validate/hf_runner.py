@@ -28,6 +28,7 @@ off CUDA, ZeRO across GPUs and optimizer offload are ``skipped`` with the reason
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import warnings
@@ -35,16 +36,18 @@ from typing import Callable, Optional
 
 import torch
 
+from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.allocator import CachingAllocatorSim
 
 from .amp import Amp
 from .hf_kernels import HFKernels, hf_patches
 from .offload import OffloadActivations
 from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
 from .model import torch_dtype
-from .optim import MasterWeights, allow_fused_on, build_optimizer
-from .runner import Measurement, _nullcontext, _Probe, fill_measurement, register_fused_step, two_steps, unsupported
+from .optim import allow_fused_on, build_optimizer
+from .runner import unsupported
+from .step import (Measurement, Probe, Step, fill_measurement, optimizer_step, register_fused_step, track_inputs,
+                   train_step, two_steps)
 from .tracer import StorageTracer
 
 
@@ -172,7 +175,7 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
         ids = torch.randint(0, m.vocab_size, (B, T), device=device)
         labels = ids.clone()
     tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim) if dev_type != "cuda" else None
-    probe = _Probe(device, tracer)
+    probe = Probe(device, tracer)
     hooks = [layer.register_forward_pre_hook(lambda *_a, i=i: probe.label(f"layer {i}"))
              for i, layer in enumerate(_decoder_layers(model, m.n_layers))]
     head = model.get_output_embeddings()
@@ -186,36 +189,23 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     if offload is not None and head is not None:
         hooks.append(head.register_forward_pre_hook(lambda *_a: offload.close()))
 
-    def step() -> None:
-        loss = None
-        for _ in range(min(tr.grad_accum, 2)):
-            probe.set_phase("forward")
-            with amp.region():
-                if offload is not None:
-                    offload.__enter__()
-                loss = model(input_ids=ids, labels=labels).loss
-                if offload is not None:
-                    offload.close()
-            if tr.grad_accum > 1:
-                loss = loss / tr.grad_accum
-            probe.set_phase("backward")
-            loss.backward()
-        if not tr.fused_optimizer:
-            probe.set_phase("optimizer step")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        del loss
+    def forward() -> torch.Tensor:
+        with amp.region():
+            if offload is not None:
+                offload.__enter__()
+            loss = model(input_ids=ids, labels=labels).loss
+            if offload is not None:
+                offload.close()
+        return loss
 
+    parts = Step(forward=forward, grad_accum=tr.grad_accum,
+                 optimizer_step=None if tr.fused_optimizer else optimizer_step(opt))
     kernels = HFKernels(exp.profile, amp)
-    ctx = tracer if tracer is not None else _nullcontext()
+    ctx = tracer if tracer is not None else contextlib.nullcontext()
     if tracer is not None:
-        tracer.track(model.parameters())
-        tracer.track(model.buffers())
-        tracer.track([ids, labels])
-        if isinstance(opt, MasterWeights):
-            tracer.track(opt.masters.values())
+        track_inputs(tracer, model, ids, labels, opt)
     with allow_fused_on(dev_type), hf_patches(model, kernels), kernels, ctx:
-        result = two_steps(meas, probe, step, say)
+        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say)
     fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)
     if offload is not None:
         meas.host_activation_bytes = offload.max_pinned_bytes

@@ -32,8 +32,8 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from memcalc.core.kernels import mla_attention_kernel
 from memcalc.core.spec import ModelSpec
-from memcalc.engine.mla import mla_attention_kernel
 
 from .attention import choose_kernel, sdpa
 from .layers import RMSNorm

@@ -28,13 +28,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from memcalc.core.rules import rope_width
 from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
-from memcalc.engine.loss import chunk_rows
-from memcalc.engine.mla import rope_width
 
 from .amp import Amp
 from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
 from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
+from .loss import lm_loss
 from . import variants
 from .mla import MLAttention
 from .moe import MoEBlock
@@ -435,53 +435,6 @@ class Decoder(nn.Module):
             loss = lm_loss(logits, labels, self.profile, self.amp)
             del logits
         return loss
-
-
-def cross_entropy(x: torch.Tensor, labels: torch.Tensor, amp: Amp, reduction: str = "mean") -> torch.Tensor:
-    """``F.cross_entropy`` on (N,V); under autocast ``cross_entropy_loss`` keeps log_softmax in the
-    logits' dtype (it passes ``self.scalar_type()``) and ``nll_loss`` (an fp32 op) upcasts its
-    input, which it then saves."""
-    if amp.active and x.dtype != torch.float32:
-        lsm = F.log_softmax(x, -1, dtype=x.dtype)
-        return F.nll_loss(amp.fp32(lsm), labels, ignore_index=-100, reduction=reduction)
-    return F.cross_entropy(x, labels, ignore_index=-100, reduction=reduction)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, profile: KernelProfile, amp: Amp) -> torch.Tensor:
-    """The causal LM loss per the profile.
-
-    ``shift_copy`` (Forgather CausalLoss): ``logits[..., :-1, :].contiguous()``, labels
-    shifted the same way, mean cross-entropy, ``.nan_to_num()``. Otherwise Hugging Face
-    ``ForCausalLMLoss``: labels padded with -100 and shifted, logits used whole.
-    ``logits_fp32``: ``logits.float()`` first (HF). ``cross_entropy="chunked"``: the rows in
-    ``profile.loss_chunks`` chunks (``tensor_split`` sizes, :func:`memcalc.engine.loss.chunk_rows`),
-    each ``.float()``-ed and reduced with ``reduction="sum"``, the sum divided by the count of
-    non-ignored labels (torchtune ``CEWithChunkedOutputLoss``; see :mod:`memcalc.engine.loss`).
-    """
-    V = logits.shape[-1]
-    if profile.logits_fp32:
-        logits = logits.float()
-    if profile.shift_copy:
-        shift_logits = logits[..., :-1, :].contiguous()
-        shift_labels = labels[..., 1:].contiguous()
-    else:
-        shift_logits = logits
-        shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
-    del logits
-    x = shift_logits.view(-1, V)
-    y = shift_labels.view(-1)
-    del shift_logits
-    if profile.cross_entropy == "chunked":
-        total = None
-        sizes = chunk_rows(x.shape[0], profile.loss_chunks)
-        for xc, yc in zip(x.split(sizes), y.split(sizes)):
-            part = cross_entropy(xc.float(), yc, amp, reduction="sum")
-            total = part if total is None else total + part
-        loss = total / (y != -100).sum().clamp(min=1)
-    else:
-        loss = cross_entropy(x, y, amp)
-    del x
-    return loss.nan_to_num() if profile.shift_copy else loss
 
 
 def param_count(model: Decoder) -> tuple[int, int]:

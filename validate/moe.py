@@ -35,9 +35,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memcalc.core.rules import deepseek_groups, expert_lora_ranks
 from memcalc.core.spec import ModelSpec
-from memcalc.engine.moe import deepseek_groups, router_kind
-from memcalc.engine.params import param_inventory
 
 from .devices import kernel_device
 from .layers import MLP, activation
@@ -107,16 +106,17 @@ class Experts(nn.Module):
         if cfg.init:
             nn.init.normal_(self.gate_up_proj, std=0.02)
             nn.init.normal_(self.down_proj, std=0.02)
-        # LoRA on the expert tensors (PEFT target_parameters): lora_A (r E, in), lora_B (out, r E),
+        # LoRA on the expert tensors (PEFT target_parameters; peft 0.21 tuners/lora/layer.py
+        # ParamWrapper.update_layer): lora_A (r E, in), lora_B (out, r E) of each (E, out, in) tensor,
         # named <tensor>_lora_A / _lora_B here (the inventory's <tensor>.lora_A: a parameter cannot
-        # have children)
+        # have children); the rank per tensor is PEFT's mapping of the targets (core.rules)
         self.scale = {}
         if cfg.lora is not None:
-            inv = {p.name.split(".moe.experts.")[-1]: p for p in param_inventory(m, cfg.lora)
-                   if p.layer == layer and ".moe.experts." in p.name and p.kind == "lora"}
+            ranks = expert_lora_ranks(m, cfg.lora)
             for name in ("gate_up_proj", "down_proj"):
-                if name + ".lora_A" in inv:
-                    a_shape, b_shape = inv[name + ".lora_A"].shape, inv[name + ".lora_B"].shape
+                if ranks[name]:
+                    _e, d_out, d_in = getattr(self, name).shape
+                    a_shape, b_shape = (ranks[name] * e, d_in), (d_out, ranks[name] * e)
                     self.register_parameter(name + "_lora_A", nn.Parameter(torch.empty(a_shape, **kw)))
                     self.register_parameter(name + "_lora_B", nn.Parameter(torch.zeros(b_shape, **kw)))
                     if cfg.init:
@@ -180,7 +180,7 @@ class Router(nn.Module):
         super().__init__()
         moe = m.moe
         assert moe is not None
-        self.kind, self.top_k, self.n = router_kind(m), moe.top_k, moe.n_experts
+        self.kind, self.top_k, self.n = moe.router, moe.top_k, moe.n_experts
         self.weight = nn.Parameter(torch.empty((moe.n_experts, m.d_model), dtype=cfg.dtype, device=cfg.device),
                                    requires_grad=cfg.full)
         if cfg.init:

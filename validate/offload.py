@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from memcalc.engine.offload import MAX_FWD_STASH, MIN_OFFLOAD_BYTES, pinned_bytes
+from memcalc.core.kernels import pinned_bytes
+from memcalc.core.rules import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
 
 
 class OffloadActivations:

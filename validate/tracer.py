@@ -35,9 +35,9 @@ from typing import Iterable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.core.units import round_up  # noqa: F401  (re-exported: the tracer's rounding)
-from memcalc.engine.allocator import CachingAllocatorSim
 
 from .interrupt import check as _check_stop
 

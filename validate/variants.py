@@ -22,8 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from memcalc.core.rules import eager, layer_slides, mask_types, sliding_mask_materialised
 from memcalc.core.spec import ModelSpec
-from memcalc.engine.attention_variants import eager, layer_slides, mask_types, sliding_mask_materialised
 
 from .attention import repeat_kv
 from .layers import dropout

@@ -95,3 +95,18 @@ def rmsnorm_for_torch(version: str) -> str:
 #: ``native_dropout`` on CUDA saves a bool mask: 1 byte per element
 #: (aten/src/ATen/native/cuda/Dropout.cu ``dropout_cuda``).
 DROPOUT_MASK_BYTES = 1
+
+
+def mla_attention_kernel(kernel: str, qk_head_dim: int, v_head_dim: int) -> str:
+    """The SDPA kernel for MLA's unequal head dims: flash needs q, k and v of one head dim
+    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp ``check_head_dim_size_flash``), the
+    memory-efficient kernel accepts a different value width, so the dispatcher falls to it."""
+    if kernel == "flash" and qk_head_dim != v_head_dim:
+        return "efficient"
+    return kernel
+
+
+# -- pinned host memory ----------------------------------------------------------------
+def pinned_bytes(n: int) -> int:
+    """A pinned host allocation of ``n`` bytes: rounded up to a power of two (CachingHostAllocator)."""
+    return 1 << (n - 1).bit_length() if n > 1 else n

@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.spec import ModelSpec
+from memcalc.core.rules import eager, layer_slides, mask_types, sliding_mask_materialised
 from memcalc.engine.ops import ACT, TMP, Ops
 from memcalc.engine.blocks import Node, NodeHook
 from memcalc.engine.sim import Param, Sim, T
@@ -55,35 +55,6 @@ MASKS = "attention masks"
 
 
 # -- layer types and masks -------------------------------------------------------------------
-def layer_slides(m: ModelSpec, i: int) -> bool:
-    """Layer ``i`` attends through the sliding window (HF ``layer_types[i] == "sliding_attention"``):
-    every layer when ``full_attention_every`` is 0, else all but those with (i + 1) % N == 0."""
-    if m.sliding_window is None:
-        return False
-    n = m.full_attention_every
-    return not (n and (i + 1) % n == 0)
-
-
-def eager(m: ModelSpec) -> bool:
-    """The family runs transformers' eager attention (softcapped scores or attention sinks)."""
-    return m.attn_softcap is not None or m.attn_sinks
-
-
-def sliding_mask_materialised(m: ModelSpec, seq: int) -> bool:
-    """An SDPA sliding layer gets an explicit mask: the window is set and ``seq >= window``
-    (masking_utils ``_ignore_causal_mask_sdpa``: ``kv_length >= local_attention_size`` -> no skip).
-    Below the window the causal mask is skipped (``is_causal=True``: flash, as before).
-    The same for every framework profile (PyTorch SDPA has no window argument); a switch for a
-    framework with a windowed flash kernel would go here."""
-    return m.sliding_window is not None and seq >= m.sliding_window
-
-
-def mask_types(m: ModelSpec) -> list[str]:
-    """The mask types the layers use ("full", "sliding"), in HF's ``causal_mask_mapping`` order."""
-    kinds = {"sliding" if layer_slides(m, i) else "full" for i in range(m.n_layers)}
-    return [k for k in ("full", "sliding") if k in kinds]
-
-
 def _bool_mask(ops: Ops, Tq: int, sliding: bool) -> T:
     """``sdpa_mask`` without padding: ``kv <= q`` (and ``kv > q - window``, ``and_masks``), a
     (1, 1, T, T) bool built by broadcasting aranges (T*T bytes; intermediates of the same size)."""
@@ -398,11 +369,6 @@ def eager_attention(o: Ops, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, n
 
 
 # -- the attention block ---------------------------------------------------------------------
-def is_variant(m: ModelSpec) -> bool:
-    """The attention block needs this module (else Forward's own walk runs it)."""
-    return m.fused_qkv or m.qk_norm != "none" or eager(m) or m.sliding_window is not None
-
-
 def attention(fwd: ForwardContext, h: T, i: int) -> T:
     """The attention block of layer ``i``: projections (fused or not), q/k norms, the core (through
     the strategy's hook, so selective checkpointing recomputes it), the output projection."""

@@ -26,17 +26,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memcalc.core.spec import ModelSpec
 from memcalc.engine.attention_variants import pin_views, split_views, view_map
 from memcalc.engine.sim import T
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.context import ForwardContext
-
-
-def is_variant_layer(m: ModelSpec) -> bool:
-    """The layer is not one of the original walk's (pre, post, parallel with one norm)."""
-    return m.norm_placement in ("sandwich", "output") or m.parallel_norms == 2 or m.residual_multiplier != 1.0
 
 
 def layer(fwd: ForwardContext, x: T, i: int) -> T:

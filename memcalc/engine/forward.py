@@ -18,12 +18,13 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.dtypes import DType
+from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import attention_variants as av
 from memcalc.engine import block_variants as bv
 from memcalc.engine.dora import dora_branch
 from memcalc.engine.loss import lm_loss
-from memcalc.engine.mla import mla_attention, rope_width
+from memcalc.engine.mla import mla_attention
 from memcalc.engine.moe import moe_block
 from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import GatherHooks
@@ -62,8 +63,8 @@ class Forward:
         self._projs: dict[tuple, tuple] = {}  # proj's parameters by (layer, name, base, weight)
         # what the layer walk asks of the (frozen) model spec for every layer, read once
         m = self.m
-        self._variant_layer = bv.is_variant_layer(m)
-        self._variant_attention = m.mla is not None or av.is_variant(m)
+        self._variant_layer = is_variant_layer(m)
+        self._variant_attention = m.mla is not None or is_attention_variant(m)
         self._q_dim, self._kv_dim, self._dim_head, self._kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
 
     # -- helpers ----------------------------------------------------------------------

@@ -3,7 +3,7 @@
 
 What the chunked code does (the validator's ``validate/model.py`` ``lm_loss`` runs exactly this):
 the (rows, V) logits -- after the profile's optional fp32 upcast and shifted contiguous copy --
-are split along the rows with :func:`chunk_rows` sizes (``Tensor.split``: views, no bytes);
+are split along the rows with :func:`~memcalc.core.rules.chunk_rows` sizes (``Tensor.split``: views, no bytes);
 each chunk is ``.float()``-ed and reduced with ``F.cross_entropy(reduction="sum")``; the
 partial sums are added and divided by the count of non-ignored labels. That is torchtune's
 ``CEWithChunkedOutputLoss`` (torchtune/modules/loss/ce_chunked_output_loss.py: per chunk
@@ -32,19 +32,12 @@ time; the saved log-probabilities and the gradient in the logits' dtype still ar
 from __future__ import annotations
 
 from memcalc.core.dtypes import DType
+from memcalc.core.rules import chunk_rows
 from memcalc.engine.ops import Ops
 from memcalc.engine.sim import T
 
 
 CATEGORY = "logits & loss"
-
-
-def chunk_rows(rows: int, chunks: int) -> list[int]:
-    """Rows per chunk: ``chunks`` pieces whose sizes differ by at most one, the larger first
-    (``torch.tensor_split(rows, chunks)`` sizing, as torchtune splits its labels). A chunk is
-    empty when there are fewer rows than chunks."""
-    q, r = divmod(rows, chunks)
-    return [q + 1] * r + [q] * (chunks - r)
 
 
 def chunked_cross_entropy(ops: Ops, x: T, rows: int, V: int) -> T:

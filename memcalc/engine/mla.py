@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.kernels import efficient_lse_len
+from memcalc.core.kernels import efficient_lse_len, mla_attention_kernel
 from memcalc.engine.sim import T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,21 +43,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 F32 = DType.fp32
 TMP = "temporaries"
-
-
-def mla_attention_kernel(kernel: str, qk_head_dim: int, v_head_dim: int) -> str:
-    """The SDPA kernel for MLA's unequal head dims: flash needs q, k and v of one head dim
-    (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp ``check_head_dim_size_flash``), the
-    memory-efficient kernel accepts a different value width, so the dispatcher falls to it."""
-    if kernel == "flash" and qk_head_dim != v_head_dim:
-        return "efficient"
-    return kernel
-
-
-def rope_width(m) -> int:
-    """Columns of the RoPE tables: ``qk_rope_head_dim`` with MLA (DeepseekV3Config sets
-    head_dim to it), else the model's rotary width."""
-    return m.mla.qk_rope_head_dim if m.mla is not None else m.rotary_dim
 
 
 class _MLA:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec, ModelSpec
+from memcalc.core.rules import deepseek_groups
 from memcalc.core.units import fmt_bytes
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sim import Param, T
@@ -65,13 +66,6 @@ def router_kind(m: ModelSpec) -> str:
     sigmoid scores, fp32 weights)."""
     assert m.moe is not None
     return m.moe.router
-
-
-def deepseek_groups(n_experts: int) -> tuple[int, int]:
-    """(n_group, topk_group) of the group-limited router: V3's 8 and 4 when the experts split
-    into 8 groups of at least 2, else one group (the validator uses the same rule)."""
-    g = 8 if n_experts % 8 == 0 and n_experts >= 16 else 1
-    return g, max(1, g // 2)
 
 
 def family_notes(exp: ExperimentSpec) -> list[str]:

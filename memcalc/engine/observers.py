@@ -68,7 +68,7 @@ class AllocTrace:
 
 class AllocEvents:
     """``events``: (uid, bytes) for each allocation and (uid, 0) for each free, in order, for
-    replaying the CUDA caching allocator (:mod:`memcalc.engine.allocator`); ``phases``: (index into
+    replaying the CUDA caching allocator (:mod:`memcalc.core.allocator`); ``phases``: (index into
     ``events``, phase) where each phase begins, so that a step's first-step twin can be derived
     from its events (:func:`memcalc.engine.twins.first_step_of`)."""
 

@@ -33,17 +33,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from memcalc.core.kernels import pinned_bytes
+from memcalc.core.rules import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
 from memcalc.engine.sim import Node, Sim, T
-
-#: torchtune OffloadActivations defaults (min_offload_size, max_fwd_stash_size)
-MIN_OFFLOAD_BYTES = 1024
-MAX_FWD_STASH = 5
-
-
-def pinned_bytes(n: int) -> int:
-    """A pinned host allocation of ``n`` bytes: rounded up to a power of two (CachingHostAllocator)."""
-    return 1 << (n - 1).bit_length() if n > 1 else n
-
 
 def raw_bytes(t: T) -> int:
     """The tensor's own bytes (``element_size() * nelement()``), before the device allocator's rounding."""
@@ -133,7 +125,7 @@ def rope_region_inputs(fwd) -> list[T]:
     off = offload_of(fwd.sim)
     if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None:
         return []
-    from memcalc.engine.mla import rope_width
+    from memcalc.core.rules import rope_width
 
     bits = fwd.model.params["embed_tokens.weight"].weight.itemsize_bits
     n = fwd.T * rope_width(fwd.m)

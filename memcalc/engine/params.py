@@ -19,6 +19,7 @@ from functools import cached_property, lru_cache
 from typing import Optional
 
 from memcalc.core.spec import LoraSpec, ModelSpec
+from memcalc.core.rules import expert_lora_ranks
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _moe(m: ModelSpec, i: int, linear, out: list[ParamTensor], full: bool, lora:
     if moe.router_bias:
         out.append(ParamTensor(f"layers.{i}.moe.router.bias", (e,), i, full, "bias"))
     up_width = 2 * f if m.mlp == "gated" else f
-    ranks = _expert_ranks(m, lora)
+    ranks = expert_lora_ranks(m, lora)
     for name, d_in, d_out in (("gate_up_proj", d, up_width), ("down_proj", f, d)):
         out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts"))
         if moe.expert_bias:
@@ -169,26 +170,6 @@ def _moe(m: ModelSpec, i: int, linear, out: list[ParamTensor], full: bool, lora:
         _mlp(m, "moe.shared_experts", moe.shared_width, False, linear)
     if moe.shared_expert_gate:
         linear("shared_expert_gate", "moe.shared_expert_gate", d, 1, False)
-
-
-def _expert_ranks(m: ModelSpec, lora: Optional[LoraSpec]) -> dict[str, int]:
-    """LoRA rank per routed-expert tensor (0 = not adapted): ``experts`` targets both at rank r; with
-    ``lora_mlp_to_experts`` PEFT maps gate + up onto gate_up_proj at rank 2r (their two adapters fused,
-    its rank_pattern) and down onto down_proj at r (peft 0.21 _convert_peft_config_moe)."""
-    if lora is None or m.moe is None:
-        return {"gate_up_proj": 0, "down_proj": 0}
-    t = set(lora.targets)
-    r = lora.rank
-    gu = r if "experts" in t else 0
-    dn = r if "experts" in t else 0
-    if m.moe.lora_mlp_to_experts:
-        if {"gate", "up"} <= t:
-            gu = 2 * r
-        elif t & {"gate", "up"}:
-            gu = max(gu, r)  # PEFT refuses one without the other; counted as one adapter
-        if "down" in t:
-            dn = r
-    return {"gate_up_proj": gu, "down_proj": dn}
 
 
 def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[ParamTensor]:

@@ -46,43 +46,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.errors import UserError
+from memcalc.core.rules import check_tp as check
 from memcalc.core.spec import ExperimentSpec, ModelSpec
-from memcalc.engine import attention_variants as av
-from memcalc.engine import block_variants as bv
 
 if TYPE_CHECKING:  # the decoder walk (memcalc.engine.forward) passes itself in
     from memcalc.engine.sim import T
     from memcalc.engine.strategy import Walk
-
-
-def check(exp: ExperimentSpec) -> None:
-    """Refuse tensor-parallel setups the model does not cover, or shapes ``tp`` does not divide
-    (torchtitan divides heads, kv heads, hidden width and vocabulary exactly: its attention views
-    ``-1`` local heads, and an uneven DTensor shard would change the local shapes per rank)."""
-    tr, m = exp.training, exp.model
-    tp = tr.tp
-    if tp == 1:
-        return
-    unsupported = [name for cond, name in (
-        (m.mla is not None, "multi-head latent attention"),
-        (m.moe is not None, "mixture-of-experts layers"),
-        (av.is_variant(m), "an attention variant (fused qkv, q/k norms, eager or sliding attention)"),
-        (m.fused_gate_up, "a fused gate_up projection"),
-        (m.block != "sequential" or bv.is_variant_layer(m), "a parallel block or a norm placement variant"),
-        (m.norm_placement != "pre", f"{m.norm_placement}-norm layers"),
-        (m.positions not in ("rope", "none"), f"{m.positions} positions"),
-        (tr.lora is not None, "LoRA / QLoRA adapters"),
-        (tr.compile, "torch.compile"),
-    ) if cond]
-    if unsupported:
-        raise UserError(f"--tp {tp} models Llama-style decoders (torchtitan's apply_tp); {m.name} with "
-                        f"{', '.join(unsupported)} is not covered")
-    for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff),
-                    ("vocab_size", m.vocab_size)):
-        if n % tp:
-            raise UserError(f"--tp {tp} must divide {what} ({n}): {n} / {tp} = {n / tp:g} "
-                            f"(remainder {n % tp}); each rank holds {what} / tp (torchtitan shards the "
-                            "rows of every column-parallel weight evenly and views whole local heads)")
 
 
 def local_model(m: ModelSpec, tp: int) -> ModelSpec:

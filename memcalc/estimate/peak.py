@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable
 
-from memcalc.engine.allocator import CachingAllocatorSim
+from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
@@ -195,7 +195,7 @@ def host_optimizer_bytes(exp: ExperimentSpec, trainable_params: int) -> int:
 
 def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
     """Replay the simulated allocations through the CUDA caching allocator model
-    (``memcalc.engine.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
+    (``memcalc.core.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
     live tensors) and ``max_memory_reserved`` (cudaMalloc segments). Setup allocations
     (weights, optimizer state) run once; with ``warm`` the step runs twice and the second,
     which starts from the cache the first left (a steady-state step), is measured."""

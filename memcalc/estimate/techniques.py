@@ -7,9 +7,9 @@ Kept apart from :mod:`memcalc.estimate.peak` so that each technique's report is 
 from __future__ import annotations
 
 from memcalc.core.optimizers import BNB_PAGED_MIN_NUMEL, OPTIMIZERS
+from memcalc.core.rules import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import fmt_bytes
-from memcalc.engine.offload import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
 from memcalc.engine.result import SimResult
 
 

@@ -23,8 +23,8 @@ from typing import Any, Optional
 import numpy as np
 
 from memcalc.core.errors import UserError
+from memcalc.core.rules import check_tp as check
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.tensor_parallel import check
 from memcalc.estimate.peak import required_bytes
 from memcalc.plan.fits import GpusFit, fit_gpus
 from memcalc.plan.limits import fit_probe, fits_in, smallest_by_value

@@ -109,7 +109,7 @@ def run_setup(s: Setup) -> dict:
         from memcalc.validate.hf_grid import hf_estimator_spec
 
         target = hf_estimator_spec(exp)
-    predicted, phase, why = _predict(target)
+    predicted, phase, why, _saved = _predict(target)
     est = {"predicted_bytes": predicted, "peak_phase": phase, "error_pct": _pct(predicted, trace["peak_bytes"]),
            "note": why or "memcalc's estimate of the same experiment (model at the traced depth) when traced"}
     return {"name": s.name, "setup": {**s.__dict__, "options": s.options()}, "trace": trace, "estimate": est}

@@ -38,6 +38,7 @@ from memcalc.core.spec import ExperimentSpec
 from ..devices import fake_as_meta
 from ..model import build_model, param_count
 from ..optim import allow_fused_on, build_optimizer
+from ..step import PHASES, Probe, Step, optimizer_step, track_inputs, train_step, two_steps
 from .fake_dist import DEVICE, fake_world
 from .fsdp1 import STRATEGIES, apply_fsdp1
 from .fsdp2 import RESHARD_AFTER_FORWARD, apply_fsdp2, precision_plan
@@ -45,7 +46,6 @@ from .rank_tracer import RankTracer, local_tensors
 
 #: ``--sharding`` values this tracer runs (deepspeed has its own path)
 TRACED = ("fsdp2", "fsdp1")
-PHASES = ("forward", "backward", "optimizer step")
 
 
 def check_sharded(exp: ExperimentSpec, sharding: Optional[str] = None) -> str:
@@ -173,9 +173,7 @@ def _steps(exp: ExperimentSpec, model, inner, layers, plan, fake, in_fake, out: 
         trainable = [p for p in model.parameters() if p.requires_grad]
         opt = build_optimizer(trainable, plan.build)
         tracer = RankTracer(DEVICE, exp.profile.allocator_round_bytes, debug=debug)
-        tracer.track(local_tensors(model.parameters()))
-        tracer.track(local_tensors(model.buffers()))
-        tracer.track([ids, labels])
+        track_inputs(tracer, model, ids, labels, None, local_tensors)
         set_label = lambda text: setattr(tracer, "label", text)  # noqa: E731
         hooks: list = []
         extra = contextlib.nullcontext()
@@ -189,40 +187,27 @@ def _steps(exp: ExperimentSpec, model, inner, layers, plan, fake, in_fake, out: 
 
             forward, extra, hooks = hf_step_parts(exp, model, layers, set_label)
 
-        def step() -> None:
-            loss = None
-            for _ in range(min(tr.grad_accum, 2)):
-                tracer.set_phase("forward", "")
-                loss = forward(ids, labels)
-                if tr.grad_accum > 1:
-                    loss = loss / tr.grad_accum
-                tracer.set_phase("backward", tracer.label)
-                loss.backward()
-            tracer.set_phase("optimizer step", "")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            del loss
-
+        parts = Step(forward=lambda: forward(ids, labels), grad_accum=tr.grad_accum, optimizer_step=optimizer_step(opt))
+        # the phase's label: the layer's as backward starts (where the forward ended), else none
+        set_phase = lambda phase: tracer.set_phase(phase, tracer.label if phase == "backward" else "")  # noqa: E731
         mt = contextlib.nullcontext()
         if fsdp_tracker:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             mt = FSDPMemTracker(model, opt)
-        with mt, extra, tracer:
-            say("first step (creates optimizer state)")
-            tracer.reset_peak()
-            step()
-            out["first_step_bytes"] = tracer.record.bytes
-            say("measured step")
+
+        def before_measured() -> None:
             gc.collect()
             tracer.set_phase("setup", "")
-            tracer.reset_peak()
             if fsdp_tracker:  # it refuses a second iteration otherwise; its peak is not reset
                 mt.reset_mod_stats()
             out["baseline_bytes"] = tracer.current
             if timeline:
                 tracer.timeline = []
-            step()
+
+        with mt, extra, tracer:
+            out["first_step_bytes"], _ = two_steps(Probe(DEVICE, tracer), lambda: train_step(parts, set_phase), say,
+                                                   before_measured)
             tracer.timeline, events = None, tracer.timeline
         rec = tracer.record
         out["peak_bytes"] = rec.bytes

@@ -206,9 +206,9 @@ def measure_tp(exp, scale_layers=None, progress=None, debug: bool = False, devic
     ``fsdp2.apply_fsdp2``); otherwise on ``meta`` (each data-parallel replica a whole TP group)."""
     import time
 
-    from memcalc.engine.tensor_parallel import check
+    from memcalc.core.rules import check_tp as check
 
-    from ..runner import Measurement, error_reason
+    from ..step import Measurement, error_reason
 
     t0 = time.perf_counter()
     tr = exp.training
@@ -240,8 +240,8 @@ def _trace(exp, m, meas, say, debug: bool) -> None:
 
     from ..devices import fake_as_meta
     from ..model import build_model, param_count
-    from ..optim import MasterWeights, allow_fused_on, build_optimizer
-    from ..runner import _Probe, fill_measurement, two_steps
+    from ..optim import allow_fused_on, build_optimizer
+    from ..step import Probe, Step, fill_measurement, optimizer_step, track_inputs, train_step, two_steps
     from .fake_dist import DEVICE, fake_world
     from .fsdp2 import apply_fsdp2, precision_plan
     from .rank_tracer import local_tensors
@@ -276,32 +276,17 @@ def _trace(exp, m, meas, say, debug: bool) -> None:
             trainable = [p for p in model.parameters() if p.requires_grad]
             opt = build_optimizer(trainable, build)
             tracer = make_tracer(exp.profile.allocator_round_bytes, debug, "cpu" if fsdp else "meta", fake)
-            probe = _Probe("meta", tracer)
+            probe = Probe("meta", tracer)
             model.on_label = probe.label
-
-            def step() -> None:
-                tracer.scopes.clear()  # the optimizer's record_function scopes of the step before
-                with loss_parallel():
-                    for _ in range(min(tr.grad_accum, 2)):
-                        probe.set_phase("forward")
-                        loss = model(ids, labels)
-                        if tr.grad_accum > 1:
-                            loss = loss / tr.grad_accum
-                        probe.set_phase("backward")
-                        loss.backward()
-                        del loss
-                probe.set_phase("optimizer step")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            tracer.track(local_tensors(model.parameters()))
-            tracer.track(local_tensors(model.buffers()))
-            tracer.track([ids, labels])
-            if isinstance(opt, MasterWeights):
-                tracer.track(local_tensors(opt.masters.values()))
+            # torchtitan's loop: the loss under loss_parallel, dropped after each backward; the
+            # optimizer's record_function scopes of the step before cleared as a step starts
+            parts = Step(forward=lambda: model(ids, labels), grad_accum=tr.grad_accum, optimizer_step=optimizer_step(opt),
+                         release_loss=True, around=loss_parallel, before=tracer.scopes.clear)
+            track_inputs(tracer, model, ids, labels, opt, local_tensors)
             with tracer:
-                result = two_steps(meas, probe, step, say, before_measured=gc.collect)
+                meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say,
+                                                          before_measured=gc.collect)
             fill_measurement(meas, result, probe, "meta", None, tracer, debug)
             model.on_label = None
-            del model, opt, trainable
+            del model, opt, trainable, parts
             gc.collect()

@@ -1,0 +1,137 @@
+"""Model-layout and library rules both sides need: the estimator (``memcalc.engine``) and the
+validator (``validate/``, which imports them from here and from :mod:`memcalc.core.kernels`,
+never from the engine). A rule here says which layers slide, which router groups DeepSeek uses,
+what PEFT adapts on routed experts, what torchtune offloads and which tensor-parallel setups
+torchtitan covers; each names the library source it is read from. What a kernel allocates or
+saves stays in the engine (the estimator's formula) and in its PyTorch twin (the validator's
+module); only the choice both must make alike lives here.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from memcalc.core.errors import UserError
+from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
+
+
+# -- attention: which layers slide, which run eager (transformers 5) -------------------------
+def layer_slides(m: ModelSpec, i: int) -> bool:
+    """Layer ``i`` attends through the sliding window (HF ``layer_types[i] == "sliding_attention"``):
+    every layer when ``full_attention_every`` is 0, else all but those with (i + 1) % N == 0."""
+    if m.sliding_window is None:
+        return False
+    n = m.full_attention_every
+    return not (n and (i + 1) % n == 0)
+
+
+def eager(m: ModelSpec) -> bool:
+    """The family runs transformers' eager attention (softcapped scores or attention sinks)."""
+    return m.attn_softcap is not None or m.attn_sinks
+
+
+def sliding_mask_materialised(m: ModelSpec, seq: int) -> bool:
+    """An SDPA sliding layer gets an explicit mask: the window is set and ``seq >= window``
+    (masking_utils ``_ignore_causal_mask_sdpa``: ``kv_length >= local_attention_size`` -> no skip).
+    Below the window the causal mask is skipped (``is_causal=True``: flash, as before).
+    The same for every framework profile (PyTorch SDPA has no window argument); a switch for a
+    framework with a windowed flash kernel would go here."""
+    return m.sliding_window is not None and seq >= m.sliding_window
+
+
+def mask_types(m: ModelSpec) -> list[str]:
+    """The mask types the layers use ("full", "sliding"), in HF's ``causal_mask_mapping`` order."""
+    kinds = {"sliding" if layer_slides(m, i) else "full" for i in range(m.n_layers)}
+    return [k for k in ("full", "sliding") if k in kinds]
+
+
+def is_attention_variant(m: ModelSpec) -> bool:
+    """The attention block is not Llama's (fused q,k,v, q/k norms, eager or sliding attention)."""
+    return m.fused_qkv or m.qk_norm != "none" or eager(m) or m.sliding_window is not None
+
+
+def is_variant_layer(m: ModelSpec) -> bool:
+    """The layer is not one of the original walk's (pre, post, parallel with one norm)."""
+    return m.norm_placement in ("sandwich", "output") or m.parallel_norms == 2 or m.residual_multiplier != 1.0
+
+
+# -- multi-head latent attention (DeepSeek-V3) ---------------------------------------------
+def rope_width(m: ModelSpec) -> int:
+    """Columns of the RoPE tables: ``qk_rope_head_dim`` with MLA (DeepseekV3Config sets
+    head_dim to it), else the model's rotary width."""
+    return m.mla.qk_rope_head_dim if m.mla is not None else m.rotary_dim
+
+
+# -- mixture of experts ----------------------------------------------------------------------
+def deepseek_groups(n_experts: int) -> tuple[int, int]:
+    """(n_group, topk_group) of the group-limited router: V3's 8 and 4 when the experts split
+    into 8 groups of at least 2, else one group."""
+    g = 8 if n_experts % 8 == 0 and n_experts >= 16 else 1
+    return g, max(1, g // 2)
+
+
+def expert_lora_ranks(m: ModelSpec, lora: Optional[LoraSpec]) -> dict[str, int]:
+    """LoRA rank per routed-expert tensor (0 = not adapted): ``experts`` targets both at rank r; with
+    ``lora_mlp_to_experts`` PEFT maps gate + up onto gate_up_proj at rank 2r (their two adapters fused,
+    its rank_pattern) and down onto down_proj at r (peft 0.21 _convert_peft_config_moe)."""
+    if lora is None or m.moe is None:
+        return {"gate_up_proj": 0, "down_proj": 0}
+    t = set(lora.targets)
+    r = lora.rank
+    gu = r if "experts" in t else 0
+    dn = r if "experts" in t else 0
+    if m.moe.lora_mlp_to_experts:
+        if {"gate", "up"} <= t:
+            gu = 2 * r
+        elif t & {"gate", "up"}:
+            gu = max(gu, r)  # PEFT refuses one without the other; counted as one adapter
+        if "down" in t:
+            dn = r
+    return {"gate_up_proj": gu, "down_proj": dn}
+
+
+# -- the loss ------------------------------------------------------------------------------
+def chunk_rows(rows: int, chunks: int) -> list[int]:
+    """Rows per chunk: ``chunks`` pieces whose sizes differ by at most one, the larger first
+    (``torch.tensor_split(rows, chunks)`` sizing, as torchtune splits its labels). A chunk is
+    empty when there are fewer rows than chunks."""
+    q, r = divmod(rows, chunks)
+    return [q + 1] * r + [q] * (chunks - r)
+
+
+
+# -- activation offloading ------------------------------------------------------------------
+#: torchtune OffloadActivations defaults (min_offload_size, max_fwd_stash_size)
+MIN_OFFLOAD_BYTES = 1024
+MAX_FWD_STASH = 5
+
+
+# -- tensor parallelism (torchtitan apply_tp) -------------------------------------------------
+def check_tp(exp: ExperimentSpec) -> None:
+    """Refuse tensor-parallel setups the model does not cover, or shapes ``tp`` does not divide
+    (torchtitan divides heads, kv heads, hidden width and vocabulary exactly: its attention views
+    ``-1`` local heads, and an uneven DTensor shard would change the local shapes per rank)."""
+    tr, m = exp.training, exp.model
+    tp = tr.tp
+    if tp == 1:
+        return
+    unsupported = [name for cond, name in (
+        (m.mla is not None, "multi-head latent attention"),
+        (m.moe is not None, "mixture-of-experts layers"),
+        (is_attention_variant(m), "an attention variant (fused qkv, q/k norms, eager or sliding attention)"),
+        (m.fused_gate_up, "a fused gate_up projection"),
+        (m.block != "sequential" or is_variant_layer(m), "a parallel block or a norm placement variant"),
+        (m.norm_placement != "pre", f"{m.norm_placement}-norm layers"),
+        (m.positions not in ("rope", "none"), f"{m.positions} positions"),
+        (tr.lora is not None, "LoRA / QLoRA adapters"),
+        (tr.compile, "torch.compile"),
+    ) if cond]
+    if unsupported:
+        raise UserError(f"--tp {tp} models Llama-style decoders (torchtitan's apply_tp); {m.name} with "
+                        f"{', '.join(unsupported)} is not covered")
+    for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff),
+                    ("vocab_size", m.vocab_size)):
+        if n % tp:
+            raise UserError(f"--tp {tp} must divide {what} ({n}): {n} / {tp} = {n / tp:g} "
+                            f"(remainder {n % tp}); each rank holds {what} / tp (torchtitan shards the "
+                            "rows of every column-parallel weight evenly and views whole local heads)")

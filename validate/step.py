@@ -1,0 +1,245 @@
+"""The training step every harness runs, and what it records: one loop for all of them.
+
+A harness (``runner.py``: memcalc's replica on cuda / meta / cpu; ``hf_runner.py``: transformers +
+PEFT; ``sharded/runner.py``: one FSDP rank; ``sharded/tp.py``: one tensor-parallel rank;
+``deepspeed_trace.py``: one DeepSpeed rank) builds its model, inputs, optimizer and tracer, then
+says what one micro-step calls in a :class:`Step` (its build-model hook is whatever it did to get
+there). :func:`train_step` runs the step the same way for all of them:
+
+- ``min(grad_accum, 2)`` micro-steps (from the second on every micro-step starts with all
+  gradients alive, so later ones repeat the second exactly): phase ``forward``, the loss (divided
+  by ``grad_accum`` when accumulating, unless the harness's engine scales it), phase
+  ``backward``, ``backward``;
+- then phase ``optimizer step``: ``optimizer.step(); optimizer.zero_grad(set_to_none=True)``
+  (Forgather's trainer, src/forgather/ml/trainer.py at a0ce9176), once after the last micro-step;
+  DeepSpeed's ``engine.step()`` after every micro-step (it steps only at the accumulation
+  boundary); none with a fused optimizer (it steps inside backward: :func:`register_fused_step`).
+
+:func:`two_steps` runs it twice: the first step creates the optimizer state (its peak is the
+first step's), then the tracer's peak is reset (``reset_peak_memory_stats`` on CUDA) and the
+second, measured, step runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass, field
+from typing import Callable, ContextManager, Optional
+
+import torch
+
+from memcalc.core.allocator import CachingAllocatorSim
+
+from .interrupt import check as check_stop
+from .optim import MasterWeights
+from .tracer import StorageTracer
+
+PHASES = ("forward", "backward", "optimizer step")
+
+
+@dataclass
+class Measurement:
+    """One measured (or traced) step. Bytes are ints; ``None`` when not measured."""
+
+    device: str
+    measured_bytes: Optional[int] = None
+    first_step_bytes: Optional[int] = None
+    peak_phase: Optional[str] = None
+    reserved_bytes: Optional[int] = None
+    status: str = "ok"  # ok | skipped | oom | error (the reason: exception type and message)
+    reason: str = ""
+    torch_version: str = torch.__version__
+    #: ``plain`` (memcalc's replica, runner.py) or ``hf`` (transformers + PEFT, hf_runner.py), with
+    #: the library versions the trace ran (None when not used)
+    framework: str = "plain"
+    transformers_version: Optional[str] = None
+    peft_version: Optional[str] = None
+    seconds: float = 0.0
+    peak_label: str = ""
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    layers: Optional[int] = None
+    params: Optional[int] = None
+    #: meta/cpu with ``allocator_sim``: the CUDA caching allocator replayed (memcalc.core.allocator)
+    sim_allocated_bytes: Optional[int] = None
+    sim_reserved_bytes: Optional[int] = None
+    #: torch.compile skipped off CUDA: what PyTorch's partitioner saves for backward (on meta), for
+    #: the model as measured (the record puts memcalc's prediction beside it: command.make_record)
+    partition_saved_bytes: Optional[int] = None
+    #: activation offloading: pinned host bytes its hooks offloaded in one forward (validate/offload.py)
+    host_activation_bytes: Optional[int] = None
+    peak_live: list = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def error_reason(e: BaseException, limit: int = 300) -> str:
+    """One line: the exception's type and the first line of its message, cut to ``limit``."""
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    line = f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+class Probe:
+    """Phase bookkeeping: the tracer on meta/cpu, ``max_memory_allocated`` per phase on cuda."""
+
+    def __init__(self, device: str, tracer: Optional[StorageTracer]) -> None:
+        self.device, self.tracer = device, tracer
+        self.phase = "setup"
+        self.phase_peaks: dict[str, int] = {}
+        self.reserved = 0
+
+    def label(self, text: str) -> None:
+        check_stop()  # a safe point for SIGINT/SIGTERM on every device (interrupt.py)
+        if self.tracer is not None:
+            self.tracer.label = text
+
+    def set_phase(self, phase: str) -> None:
+        check_stop()
+        if self.tracer is not None:
+            self.tracer.set_phase(phase)
+        else:
+            self._close_cuda_phase()
+            torch.cuda.reset_peak_memory_stats()
+        self.phase = phase
+
+    def _close_cuda_phase(self) -> None:
+        peak = torch.cuda.max_memory_allocated()
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), peak)
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+
+    def reset(self) -> None:
+        if self.tracer is not None:
+            self.tracer.reset_peak()
+        else:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.phase_peaks = {}
+            self.reserved = 0
+
+    def result(self) -> tuple[int, str, str, dict[str, int]]:
+        if self.tracer is not None:
+            r = self.tracer.record
+            return r.bytes, r.phase, r.label, dict(r.phase_peaks)
+        torch.cuda.synchronize()
+        self._close_cuda_phase()
+        peaks = {k: v for k, v in self.phase_peaks.items() if k != "setup"}
+        top = max(peaks, key=peaks.get) if peaks else self.phase
+        return max(peaks.values()) if peaks else torch.cuda.max_memory_allocated(), top, "", peaks
+
+
+@dataclass
+class Step:
+    """What one harness's training step calls (see the module docstring).
+
+    ``forward``: one micro-step's loss (the model on the harness's inputs, under its contexts);
+    ``optimizer_step``: the optimizer's step and ``zero_grad(set_to_none=True)`` (None: a fused
+    optimizer, stepped inside backward); ``backward``: ``loss.backward()`` unless the harness's
+    engine runs it; ``scale``: divide the loss by ``grad_accum`` when accumulating (DeepSpeed's
+    engine scales it itself); ``step_each_micro``: the optimizer step after every micro-step
+    (DeepSpeed's ``engine.step``); ``release_loss``: drop the loss after each backward (torchtitan's
+    and DeepSpeed's loops) rather than keeping it to the next micro-step's and the optimizer's
+    (Forgather's); ``around``: a context over the micro-steps (torchtitan's ``loss_parallel``);
+    ``before``: called as the step starts.
+    """
+
+    forward: Callable[[], torch.Tensor]
+    grad_accum: int
+    optimizer_step: Optional[Callable[[], None]]
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward
+    scale: bool = True
+    step_each_micro: bool = False
+    release_loss: bool = False
+    around: Callable[[], ContextManager] = contextlib.nullcontext
+    before: Callable[[], None] = lambda: None
+
+
+def optimizer_step(opt) -> Callable[[], None]:
+    """``opt.step(); opt.zero_grad(set_to_none=True)``: the step after backward."""
+    def run() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
+def train_step(s: Step, set_phase: Callable[[str], None]) -> None:
+    """One training step (see the module docstring); ``set_phase`` marks its phases."""
+    s.before()
+    loss = None
+    with s.around():
+        for _ in range(min(s.grad_accum, 2)):
+            set_phase("forward")
+            loss = s.forward()
+            if s.scale and s.grad_accum > 1:
+                loss = loss / s.grad_accum
+            set_phase("backward")
+            s.backward(loss)
+            if s.release_loss:
+                loss = None
+            if s.step_each_micro and s.optimizer_step is not None:
+                set_phase("optimizer step")
+                s.optimizer_step()
+    if s.optimizer_step is not None and not s.step_each_micro:
+        set_phase("optimizer step")
+        s.optimizer_step()
+    del loss
+
+
+def two_steps(probe: Probe, step: Callable[[], None], say: Callable[[str], None],
+              before_measured: Callable[[], None] = lambda: None) -> tuple[int, tuple]:
+    """Run the first step (it creates the optimizer state), then ``before_measured()``, the peak
+    reset and the measured step; returns the first step's peak and the measured step's
+    ``probe.result()``."""
+    say("first step (creates optimizer state)")
+    probe.reset()
+    step()
+    first = probe.result()[0]
+    say("measured step")
+    before_measured()
+    probe.reset()
+    step()
+    return first, probe.result()
+
+
+def fill_measurement(meas: Measurement, result: tuple, probe: Probe, dev_type: str,
+                     sim: Optional[CachingAllocatorSim], tracer: Optional[StorageTracer], debug: bool) -> None:
+    """Record the measured step's ``probe.result()`` (peak, phase, label, per-phase peaks) in ``meas``,
+    with the CUDA reserved peak, the allocator replay's peaks and (``debug``) what was alive at the peak."""
+    peak, phase, label, peaks = result
+    meas.measured_bytes = peak
+    meas.peak_phase = phase
+    meas.peak_label = label
+    meas.phase_peaks = {k: v for k, v in peaks.items() if k in PHASES}
+    if dev_type == "cuda":
+        meas.reserved_bytes = probe.reserved
+    if sim is not None and tracer is not None:
+        meas.sim_allocated_bytes = sim.peak_allocated
+        meas.sim_reserved_bytes = sim.peak_reserved
+    if tracer is not None and debug:
+        meas.peak_live = sorted(tracer.peak_live, reverse=True)
+
+
+def register_fused_step(opt, trainable) -> None:
+    """Optimizer-in-backward: a ``register_post_accumulate_grad_hook`` on every trainable parameter
+    that steps the optimizer and drops the gradient (Forgather's ``optimzer_hook``; for
+    :class:`MasterWeights`, that parameter's own step)."""
+    if isinstance(opt, MasterWeights):
+        def hook(p):
+            opt.step_param(p)
+            p.grad = None
+    else:
+        def hook(p):  # Forgather optimzer_hook
+            opt.step()
+            opt.zero_grad()
+    for p in trainable:
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def track_inputs(tracer, model, ids, labels, opt, local=lambda ts: ts) -> None:
+    """Count what exists before the step: parameters, buffers, the batch, fp32 master weights
+    (``local``: a DTensor's local shard)."""
+    tracer.track(local(model.parameters()))
+    tracer.track(local(model.buffers()))
+    tracer.track([ids, labels])
+    if isinstance(opt, MasterWeights):
+        tracer.track(local(opt.masters.values()))
