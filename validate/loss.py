@@ -18,7 +18,9 @@ def cross_entropy(x: torch.Tensor, labels: torch.Tensor, amp: Amp, reduction: st
     input, which it then saves."""
     if amp.active and x.dtype != torch.float32:
         lsm = F.log_softmax(x, -1, dtype=x.dtype)
-        return F.nll_loss(amp.fp32(lsm), labels, ignore_index=-100, reduction=reduction)
+        up = amp.fp32(lsm)
+        assert up is not None
+        return F.nll_loss(up, labels, ignore_index=-100, reduction=reduction)
     return F.cross_entropy(x, labels, ignore_index=-100, reduction=reduction)
 
 
@@ -49,9 +51,10 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, profile: KernelProfile, 
     if profile.cross_entropy == "chunked":
         total = None
         sizes = chunk_rows(x.shape[0], profile.loss_chunks)
-        for xc, yc in zip(x.split(sizes), y.split(sizes)):
+        for xc, yc in zip(x.split(sizes), y.split(sizes), strict=True):
             part = cross_entropy(xc.float(), yc, amp, reduction="sum")
             total = part if total is None else total + part
+        assert total is not None  # at least one chunk
         loss = total / (y != -100).sum().clamp(min=1)
     else:
         loss = cross_entropy(x, y, amp)

@@ -23,8 +23,10 @@ second, measured, step runs.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Callable, ContextManager, Optional
+from typing import Optional
 
 import torch
 
@@ -124,7 +126,7 @@ class Probe:
         torch.cuda.synchronize()
         self._close_cuda_phase()
         peaks = {k: v for k, v in self.phase_peaks.items() if k != "setup"}
-        top = max(peaks, key=peaks.get) if peaks else self.phase
+        top = max(peaks, key=lambda k: peaks[k]) if peaks else self.phase
         return max(peaks.values()) if peaks else torch.cuda.max_memory_allocated(), top, "", peaks
 
 
@@ -150,7 +152,7 @@ class Step:
     scale: bool = True
     step_each_micro: bool = False
     release_loss: bool = False
-    around: Callable[[], ContextManager] = contextlib.nullcontext
+    around: Callable[[], AbstractContextManager] = contextlib.nullcontext
     before: Callable[[], None] = lambda: None
 
 

@@ -50,7 +50,7 @@ def allocation_size(n: int) -> int:
 
 
 class _Block:
-    __slots__ = ("seg", "addr", "size", "free", "prev", "next", "small")
+    __slots__ = ("addr", "free", "next", "prev", "seg", "size", "small")
 
     def __init__(self, seg: int, addr: int, size: int, small: bool) -> None:
         self.seg, self.addr, self.size, self.small = seg, addr, size, small
@@ -117,10 +117,7 @@ class CachingAllocatorSim:
         small = size <= SMALL_SIZE
         pool = self._small if small else self._large
         i = bisect_left(pool, (size, -1))
-        if i < len(pool):
-            b = pool.pop(i)[2]
-        else:
-            b = self._new_segment(allocation_size(size), small)
+        b = pool.pop(i)[2] if i < len(pool) else self._new_segment(allocation_size(size), small)
         remaining = b.size - size
         if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
             rest = _Block(b.seg, b.addr + size, remaining, small)

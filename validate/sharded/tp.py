@@ -280,13 +280,14 @@ def _trace(exp, m, meas, say, debug: bool) -> None:
             model.on_label = probe.label
             # torchtitan's loop: the loss under loss_parallel, dropped after each backward; the
             # optimizer's record_function scopes of the step before cleared as a step starts
-            parts = Step(forward=lambda: model(ids, labels), grad_accum=tr.grad_accum, optimizer_step=optimizer_step(opt),
-                         release_loss=True, around=loss_parallel, before=tracer.scopes.clear)
+            parts = Step(forward=lambda: model(ids, labels), grad_accum=tr.grad_accum,
+                         optimizer_step=optimizer_step(opt), release_loss=True, around=loss_parallel,
+                         before=tracer.scopes.clear)
             track_inputs(tracer, model, ids, labels, opt, local_tensors)
             with tracer:
                 meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say,
                                                           before_measured=gc.collect)
             fill_measurement(meas, result, probe, "meta", None, tracer, debug)
             model.on_label = None
-            del model, opt, trainable, parts
+            del model, opt, trainable
             gc.collect()
