@@ -286,26 +286,59 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     The named blocks are laid end to end (a block whose length grows with the depth split into
     its parts first), so the checks and the extrapolation are a few array operations over every
     allocation at once; only blocks with a request that varies under ZeRO are looked at one by one."""
+    blocks = _checked_blocks(traces, depths, round_bytes)
+    laid = None if blocks is None else _end_to_end(blocks, depths)
+    if laid is None:
+        return None
+    segs, a, phases = laid
+    # under ZeRO a request may be a rank's share ceil(S / N) of a sum S affine in the depth: not
+    # affine itself, so only the bytes alive before are required affine here
+    if _not_affine(a, requests=shards == 1):
+        return None
+    at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 4)
+    shares = a[0, :, 3]
+    req = np.where(shares > 1, -(-at_n[:, 2] // np.maximum(shares, 1)), at_n[:, 1])
+    vary = (a[1, :, 1] != a[0, :, 1]) & (shares == 1)
+    if shards > 1 and vary.any() and not _shared_requests(a, segs, vary, req, n, depths, shards, round_bytes,
+                                                          unsharded):
+        return None
+    return at_n[:, 0] + -(-req // round_bytes) * round_bytes, tuple(phases)
+
+
+def _checked_blocks(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...],
+                    round_bytes: int) -> Optional[list[dict]]:
+    """The named blocks of each shallow step (consecutive depths), or None where a check fails: a
+    trace that does not parse, a setup that frees, interior layers that are not alike, or steps
+    with different blocks."""
     if any(depths[i + 1] - depths[i] != 1 for i in range(len(depths) - 1)):
         return None
     parsed = [_blocks(tr, d, round_bytes) for tr, d in zip(traces, depths)]
     if any(p is None for p in parsed):
         return None
-    for (blocks, interior, setup), d in zip(parsed, depths):  # type: ignore[misc]
+    for (_, interior, setup), d in zip(parsed, depths):  # type: ignore[misc]
         # setup only allocates (weights, state): its highest total is its last, which the
         # step's first allocation exceeds, so it never sets a maximum
         if np.any(np.diff(setup) < 0) or not _interior_alike(interior, d):
             return None
     blocks = [p[0] for p in parsed]  # type: ignore[index]
-    keys = list(blocks[-1])
-    if any(set(b) != set(keys) for b in blocks):
-        return None
-    # the blocks as segments end to end: (key, part, parts of the key, start, end), and their rows
-    segs: list[tuple[tuple[str, str, str], int, int, int, int]] = []
+    keys = set(blocks[-1])
+    return None if any(set(b) != keys for b in blocks) else blocks
+
+
+#: a block's part laid end to end: (key, part, parts of the key, start, end)
+_Segment = tuple[tuple[str, str, str], int, int, int, int]
+
+
+def _end_to_end(blocks: list[dict], depths: tuple[int, ...]
+                ) -> Optional[tuple[list[_Segment], np.ndarray, list[str]]]:
+    """The blocks as segments end to end (a block whose length grows with the depth split into its
+    parts), their rows at every depth as one (depths, events, 4) array, and each row's phase; None
+    where a block does not split or there is nothing."""
+    segs: list[_Segment] = []
     rows_at: list[list[np.ndarray]] = [[] for _ in depths]
     phases: list[str] = []
     at = 0
-    for k in keys:
+    for k in blocks[-1]:
         parts = _parts([b[k] for b in blocks], depths)
         if parts is None:
             return None
@@ -319,35 +352,30 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
                 at += m
     if not segs:
         return None
-    a = np.stack([np.concatenate(r) for r in rows_at])  # (depths, events, 4)
-    # under ZeRO a request may be a rank's share ceil(S / N) of a sum S affine in the depth: not
-    # affine itself, so only the bytes alive before are required affine here
-    if _not_affine(a, requests=shards == 1):
-        return None
-    at_n = a[0] + (n - depths[0]) * (a[1] - a[0])  # (events, 4)
-    shares = a[0, :, 3]
-    req = np.where(shares > 1, -(-at_n[:, 2] // np.maximum(shares, 1)), at_n[:, 1])
-    vary = (a[1, :, 1] != a[0, :, 1]) & (shares == 1)
-    if shards > 1 and vary.any():
-        # each varying request is either ceil(S / N) of the one-GPU step's request S (a flat
-        # partition's share, a foreach step over the shards: S is extrapolated, then divided at
-        # depth n) or, failing that, exactly affine itself (per-parameter shards summed: FSDP's
-        # padded rows); anything else is refused
-        affine_req = np.all(np.diff(a[:, :, 1], n=2, axis=0) == 0, axis=0) if len(a) >= 3 else np.ones_like(vary)
-        share = np.zeros_like(vary)
-        one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
-        for k, i, parts_n, lo, hi in segs:
-            if unsharded is None or not vary[lo:hi].any():
-                continue
-            u = _one_gpu_requests(one_gpu, unsharded, depths, round_bytes, k, i, parts_n, (len(a), hi - lo, 4))
-            if u is None:
-                continue
-            share[lo:hi] = np.all(-(-u[:, :, 1] // shards) == a[:, lo:hi, 1], axis=0)
-            total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
-            req[lo:hi] = np.where(vary[lo:hi] & share[lo:hi], -(-total // shards), req[lo:hi])
-        if np.any(vary & ~share & ~affine_req):
-            return None
-    return at_n[:, 0] + -(-req // round_bytes) * round_bytes, tuple(phases)
+    return segs, np.stack([np.concatenate(r) for r in rows_at]), phases
+
+
+def _shared_requests(a: np.ndarray, segs: list[_Segment], vary: np.ndarray, req: np.ndarray, n: int,
+                     depths: tuple[int, ...], shards: int, round_bytes: int,
+                     unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]]) -> bool:
+    """Under ZeRO over ``shards`` GPUs, each request that varies with the depth (``vary``) is either
+    ceil(S / N) of the one-GPU step's request S (a flat partition's share, a foreach step over the
+    shards: S is extrapolated, then divided at depth n, into ``req``) or, failing that, exactly
+    affine itself (per-parameter shards summed: FSDP's padded rows). False where one is neither
+    (the step is refused)."""
+    affine_req = np.all(np.diff(a[:, :, 1], n=2, axis=0) == 0, axis=0) if len(a) >= 3 else np.ones_like(vary)
+    share = np.zeros_like(vary)
+    one_gpu: list = []  # the unsharded traces' blocks, parsed once when first needed
+    for k, i, parts_n, lo, hi in segs:
+        if unsharded is None or not vary[lo:hi].any():
+            continue
+        u = _one_gpu_requests(one_gpu, unsharded, depths, round_bytes, k, i, parts_n, (len(a), hi - lo, 4))
+        if u is None:
+            continue
+        share[lo:hi] = np.all(-(-u[:, :, 1] // shards) == a[:, lo:hi, 1], axis=0)
+        total = u[0, :, 1] + (n - depths[0]) * (u[1, :, 1] - u[0, :, 1])
+        req[lo:hi] = np.where(vary[lo:hi] & share[lo:hi], -(-total // shards), req[lo:hi])
+    return not np.any(vary & ~share & ~affine_req)
 
 
 def _one_gpu_requests(cache: list, unsharded: Callable[[], Optional[list[list[tuple[int, str, str, int]]]]],
