@@ -1,6 +1,6 @@
-"""Benchmark: process wall time of ``memcalc estimate`` and ``memcalc --help`` (issue 15: the
-estimate under 0.2 s on the CI machine), as a user runs them: a fresh process each time, imports
-included, stdout to a pipe.
+"""Benchmark: process wall time of ``memcalc estimate`` and ``memcalc --help`` (issue 26's latency
+budget: the estimate under 0.5 s on the CI machine; issue 15 had asked 0.2 s), as a user runs them:
+a fresh process each time, imports included, stdout to a pipe.
 
 Prints the best (minimum) and the median wall time over ``-n`` runs of each command, beside a bare
 ``python -c pass`` and ``python -c "import numpy"``. ``--baseline EXE`` also times another
@@ -25,21 +25,18 @@ Without cached bytecode (``PYTHONDONTWRITEBYTECODE=1``, as on the development ma
 own modules are compiled from source on every run: about 0.1 s more.
 
 What issue 15 changed in the start-up (``estimate-fast``), all without changing a printed byte:
-``memcalc.cli`` is a package whose import loads click and memcalc's pydantic-free core only (the
-option choices come from ``memcalc.core.choices``; until stop 24 it was typer, whose 0.2x
-releases coerce every option value, given or not, through a pydantic TypeAdapter built on each
-run: ~35 ms of an estimate); each command imports the pipeline it runs;
-``--params`` no longer imports the presets, the Hugging Face hub client (http, ssl, email) or
-YAML; the shipped YAML files are read from ``data/_parsed.json`` while their text is unchanged
-(no YAML parser, 35 ms); ``--json`` imports no rich; the text report is laid out without rich
-where rich would print no styles (a pipe, a file: ``memcalc.render.plain``, byte for byte rich's
-layout; importing rich and laying out its tables took 0.1 s), in a terminal rich prints it as
-before; the console script starts with the cyclic garbage collector off (its first collection
-traversed every start-up object, ~10 ms; ``memcalc/__main__.py``). ``tests/test_lazy_imports.py``
-and ``tests/test_estimate_imports.py`` keep it so. Issue 26 ("simple over clever") took the plain
-renderer out again (rich lays out every table: about 45 ms of CPU more on a piped estimate) and
-the parse cache ``data/_parsed.json`` (the YAML files are parsed when read: PyYAML's import and
-the GPU catalog's parse, about 10 ms of CPU more).
+each command imports the pipeline it runs; ``--params`` no longer imports the presets, the Hugging
+Face hub client (http, ssl, email) or YAML; ``--json`` imports no rich. Issue 26 took out what was
+clever for its gain and set the 0.5 s budget instead: the command line is typer's again (typer
+0.29 builds a pydantic TypeAdapter for every option on each run; stop 24 had moved to bare click
+for ~30 ms), the tables are rich's (``render/plain.py`` gone), pydantic's plugin loader is no
+longer stubbed out, the cyclic GC stays on and the process exits normally (no ``os._exit``).
+Measured at stop 26 on this sandbox under a load average of 6-9 (bare numpy 0.34 s instead of
+0.10 s), stop 24's code (a2a3c0e) against main, alternated, best of 7: ``estimate --params 7e9
+--bf16 --lora`` 0.54 -> 1.07 s (its text tables now import rich), ``--json`` 0.59 -> 1.02 s,
+``memcalc --help`` 0.15 -> 0.23 s, ``memcalc estimate --help`` 0.19 -> 0.68 s (typer loads
+pydantic to coerce the options). ``tests/test_lazy_imports.py`` and ``tests/test_estimate_imports.py``
+keep what each command loads.
 """
 
 from __future__ import annotations
@@ -93,7 +90,7 @@ def main() -> None:
         line = f"memcalc {' '.join(args):<44} best {min(ts):6.3f} s  median {statistics.median(ts):6.3f} s"
         if base:
             line += f"   baseline best {min(base):6.3f} s  median {statistics.median(base):6.3f} s  ({min(base) / min(ts):.2f}x)"
-        target = "  (target < 0.2 s on the CI machine)" if args[:2] == ["estimate", "--params"] else ""
+        target = "  (target < 0.5 s on the CI machine)" if args[:2] == ["estimate", "--params"] else ""
         print(line + target, flush=True)
 
 

@@ -5,12 +5,12 @@ of the child (user + system, from ``resource.getrusage(RUSAGE_CHILDREN)``; it in
 forked workers, and is less disturbed than wall time by other work on a shared machine), over
 ``-n`` runs, and the ratios the targets are stated in:
 
-- ``estimate --params 7e9 --bf16 --lora`` over a bare ``python -c "import numpy"`` (target: the
-  estimate under 0.2 s of wall time), and beside it the imports it starts with whatever it is
-  asked, each line adding to the one above: the command line (click), pydantic, the spec models
-  (0.16 s of the estimate's 0.23 s at stop 24's end, 0.08 s of it pydantic's own import);
-- ``plan --model llama-3.1-8b --gpu rtx-4090`` (target < 1 s), the cluster table
-  ``plan --model llama-3.1-70b`` (target < 1 s) and ``plan --gpu rtx-4090 --compile`` (< 3 s);
+- ``estimate --params 7e9 --bf16 --lora`` over a bare ``python -c "import numpy"`` (target, issue
+  26's latency budget: the estimate under 0.5 s of wall time on the CI machine), and beside it the
+  imports it starts with whatever it is asked, each line adding to the one above: the command line
+  (typer), pydantic, the spec models;
+- ``plan --model llama-3.1-8b --gpu rtx-4090``, the cluster table ``plan --model llama-3.1-70b``
+  and ``plan --gpu rtx-4090 --compile`` (target, issue 26: each plan under 5 s);
 - configurations per second of ``plan --gpu`` (options x batches x seqs the vectorised search
   evaluates, from ``plan --json``'s ``evaluated``, over the process wall time);
 - growth with depth (8B 32 layers, 70B 80, 405B 126: ``plan --gpu h100-80gb``, and the cluster
@@ -59,9 +59,18 @@ at stop 23, 1.58 -> 1.45 -> 0.91 s CPU; ``--compile`` 167 -> 155 -> 128 steps, 2
 909 -> 683 steps, 7.6 -> 6.7 -> 5.3 s CPU; ``plan --params 1.5b --gpu a100-80gb`` (47 s when the
 issue was filed) 3.6 s wall at stop 22.
 
-Met here: the 8B plan, the 70B cluster table and ``--compile``, each with a fifth or more to spare
-on a quiet hour (a slow patch of the host adds up to a third: the 8B plan then reaches 1 s). Not
-met: ``estimate`` (0.23 s against 0.2 s): see "What is left".
+Against issue 15's targets (estimate 0.2 s, plans 1 s, ``--compile`` 3 s): the plans met, the
+estimate not (0.23 s). Issue 26 set the budget this script now checks (estimate < 0.5 s, each plan
+< 5 s on the CI machine) and took the start-up hacks out (item 6). Its measurement (stop 26, this
+sandbox at a load average of 6-9 from eight other sessions, bare numpy 0.34 s instead of 0.10 s;
+stop 24's code, a2a3c0e, and main after the typer and API steps alternated, best of 7 / 3):
+``estimate --params 7e9 --bf16 --lora --json`` 0.59 -> 1.02 s, ``plan --model llama-3.1-8b --gpu
+rtx-4090`` 2.78 -> 3.93 s, ``plan --model llama-3.1-70b`` 3.21 -> 4.41 s; scaled by the bare
+start (x0.3) about 0.30 s, 1.2 s and 1.3 s quiet, inside the budget (other sessions' engine
+changes landed in the same span; rerun this script on a quiet host for a clean column). This
+script's ``--quick -n 1`` then (load 9.5): CPU time, less moved by the load than wall time, estimate
+0.37 s, 8B plan 1.42 s, 70B table 1.51 s, ``--compile`` 3.33 s; the start-up lines: typer 0.08 s
+CPU, + pydantic 0.15 s, + the spec models 0.19 s.
 
 How the answers stay exact and fast (every printed number is what a direct estimate gives; the
 snapshots compare ``plan --json`` and ``estimate --json`` byte for byte, and the tests named below
@@ -116,21 +125,17 @@ compare each shortcut with the simulation it replaces):
    each cache, not by hashing every spec key before and after a job); the cluster table's likely
    probes (ZeRO counts and the first tensor-parallel layout per card) prefetched in parallel; one
    BLAS thread (an idle OpenBLAS pool spins on the workers' cores).
-6. *Process start*: the CLI imports each command's pipeline when it runs; no numpy in ``estimate``;
-   the text report without rich where rich prints no styles; shipped YAML from
-   ``data/_parsed.json``; pydantic's plugin scan off, and its plugin loader (which imports
-   ``importlib.metadata``, ~18 ms) replaced by its one answer when every plugin is off;
-   ``np.unique`` (which loads ``numpy.ma``) not used; the plan's tables and the listings without
-   rich too (~50-60 ms of a plan, ~80 ms of ``memcalc gpus``); the command line on click, not
-   typer (typer 0.2x builds a pydantic TypeAdapter for every option on each run and coerces each
-   value through it: ~35 ms of an estimate, ~20 ms of a plan); the console script starts with the
-   cyclic GC off (its first collection traversed every start-up object: ~10 ms of an estimate),
-   and ``plan`` and ``validate`` turn it back on after their imports with raised thresholds, the
-   start-up frozen out of its way (``cli/collector.py``; before stop 24 the raised thresholds
-   alone: 35-45 ms of a plan); the process ends without the interpreter's teardown, after the
-   atexit handlers and a flush (``cli._leave``: 30-55 ms of a plan, ~30 ms of an estimate); the
-   data folder is found without ``importlib.resources`` (its readers import zipfile), and DeepSpeed's
-   and FSDP1's runtimes and difflib load where used.
+6. *Process start*: the CLI imports each command's pipeline when it runs (through ``memcalc.api``);
+   no numpy in ``estimate``; ``np.unique`` (which loads ``numpy.ma``) not used; the data folder
+   is found without ``importlib.resources`` (its readers import zipfile), and DeepSpeed's and
+   FSDP1's runtimes and difflib load where used. Issue 26 (stop 26) took out the start-up hacks of
+   stops 21-24 for a latency budget instead (estimate < 0.5 s, plan < 5 s): pydantic's plugin
+   loader stubbed out (~18 ms), the cyclic GC off at start and frozen past it (``cli/collector.py``,
+   ~10 ms of an estimate, 20-35 ms of a plan), the exit without the interpreter's teardown
+   (``cli._leave``, ~30 ms of an estimate, 30-55 ms of a plan), the tables laid out without rich
+   (``render/plain.py``), and the command line is typer's again (typer 0.29 builds a pydantic
+   TypeAdapter for every option on each run: its import, the command's construction and the
+   parse are ~0.2 s at a load of 7 on this 2-core sandbox, about 60 ms quiet).
 
 What is left (profiles of stop 24's end):
 
@@ -290,30 +295,28 @@ def main() -> None:
     bare_label = 'python -c "import numpy" (bare start)'
     print(f"{bare_label:<58} wall {bare_w:7.3f} s   cpu {bare_c:7.3f} s")
     est_w, est_c, _ = row("estimate --params 7e9 --bf16 --lora", ["estimate", "--params", "7e9", "--bf16", "--lora"],
-                          "target wall < 0.2 s", n=max(a.n, 5))
+                          "target wall < 0.5 s", n=max(a.n, 5))
     print(f"  ratio to the bare start: wall {est_w / bare_w:.2f}x, cpu {est_c / bare_c:.2f}x")
-    # what the estimate imports before it reads an argument, the garbage collector off as the
-    # console script starts, each line adding to the one above: the command line (click; memcalc.cli also turns
-    # pydantic's plugin lookup off, as the command does), pydantic (what any pydantic model costs
-    # before memcalc's own code runs), the spec models
-    gc_line = "import gc; gc.disable(); "
-    steps = (("the command line (click)", "import memcalc.cli"),
+    # what the estimate imports before it reads an argument, each line adding to the one above: the
+    # command line (typer), pydantic (what any pydantic model costs before memcalc's own code runs;
+    # typer coerces every option through it too), the spec models
+    steps = (("the command line (typer)", "import memcalc.cli"),
              ("+ pydantic (BaseModel, Field)", "; from pydantic import BaseModel, Field"),
              ("+ the spec models", "; import memcalc.core.spec"))
     imports = ""
     for label, more in steps:
         imports += more
-        floor_w, floor_c, _ = timed([sys.executable, "-c", gc_line + imports], max(a.n, 5))
+        floor_w, floor_c, _ = timed([sys.executable, "-c", imports], max(a.n, 5))
         print(f"  {'of which, imports: ' + label:<56} wall {floor_w:7.3f} s   cpu {floor_c:7.3f} s")
 
     g8 = ["plan", "--model", "llama-3.1-8b", "--gpu", "rtx-4090"]
-    w, c, _ = row("plan --model llama-3.1-8b --gpu rtx-4090", g8, "target wall < 1 s")
+    w, c, _ = row("plan --model llama-3.1-8b --gpu rtx-4090", g8, "target wall < 5 s")
     w1, c1, out1 = timed(mc + g8 + ["--json"], 1)  # the same plan as JSON: what it evaluated
     ev = json.loads(out1).get("evaluated_configurations", 0)
     if ev:
         print(f"  {ev:,} configurations (option x batch x seq): {ev / w:,.0f} per second of wall, {ev / c:,.0f} per CPU second")
-    row("plan --model llama-3.1-70b (cluster table)", ["plan", "--model", "llama-3.1-70b"], "target wall < 1 s")
-    row("plan --model llama-3.1-8b --gpu rtx-4090 --compile", g8 + ["--compile"], "target wall < 3 s")
+    row("plan --model llama-3.1-70b (cluster table)", ["plan", "--model", "llama-3.1-70b"], "target wall < 5 s")
+    row("plan --model llama-3.1-8b --gpu rtx-4090 --compile", g8 + ["--compile"], "target wall < 5 s")
 
     print("growth with depth (layers):")
     depth = [("llama-3.1-8b", 32), ("llama-3.1-70b", 80)] + ([] if a.quick else [(M405, 126)])
