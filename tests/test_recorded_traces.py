@@ -40,6 +40,31 @@ def test_every_row_is_recorded_as_defined():
         assert rec["versions"]["torch"], rec["name"]
 
 
+def _peft(inputs: dict) -> str:
+    return ("qlora" if inputs.get("qlora") else "dora" if inputs.get("dora") else "lora" if inputs.get("lora")
+            else "full")
+
+
+def test_rows_span_the_setups():
+    """The rows cover what issue 26 asks: the reference configs, every checkpointing policy, full
+    fine-tuning and LoRA / QLoRA / DoRA (the HF step too), the families, FSDP2 / FSDP1 at ZeRO-2 and 3,
+    tensor parallelism and DeepSpeed ZeRO-2 and 3."""
+    ins = [r["inputs"] for r in RECORDED]
+    assert {i["config"] for i in ins if "config" in i} >= {"control", "checkpoint", "bfloat16"}
+    assert {i.get("checkpoint", "none") for i in ins} >= {"none", "full", "sqrt", "selective", "every-2",
+                                                           "selective-op"}
+    assert {_peft(i) for i in ins} == {"full", "lora", "qlora", "dora"}
+    assert {_peft(r["inputs"]) for r in RECORDED if r["validator"] == "hf"} >= {"full", "lora", "dora"}
+    assert {i["model"] for i in ins if "model" in i} >= {
+        "gpt2", "tinyllama-1.1b", "llama-3.1-8b", "mistral-7b", "qwen2.5-7b", "qwen3-0.6b", "gemma-2-9b",
+        "gemma-3-1b", "phi-4", "mixtral-8x7b", "deepseek-v3", "gpt-oss-20b"}
+    sharded = {(i.get("sharding", "fsdp2"), i["zero"]) for r, i in zip(RECORDED, ins, strict=True)
+               if r["validator"] in ("fsdp", "deepspeed")}
+    assert sharded >= {("fsdp2", 2), ("fsdp2", 3), ("fsdp1", 2), ("fsdp1", 3)}
+    assert {i["zero"] for r, i in zip(RECORDED, ins, strict=True) if r["validator"] == "deepspeed"} == {2, 3}
+    assert {i["tp"] for i in ins if "tp" in i} >= {2, 4}
+
+
 @pytest.mark.parametrize("key", sorted(TOLERANCES))
 def test_tolerance_is_the_slow_tests_constant(key):
     """Each tolerance is the value of the constant it names in its slow test (read from the source)."""

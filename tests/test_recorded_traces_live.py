@@ -58,7 +58,7 @@ def test_the_rows_command_line_traces_the_recorded_peak(rec):
     """The recorded ``cli`` is the row: ``memcalc validate`` with it traces the recorded bytes."""
     import shlex
 
-    from click.testing import CliRunner
+    from typer.testing import CliRunner
 
     from memcalc.cli import app
 
