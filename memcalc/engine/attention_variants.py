@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import eager, layer_slides, mask_types, sliding_mask_materialised
 from memcalc.engine.ops import ACT, TMP, Ops
-from memcalc.engine.blocks import Node, NodeHook
+from memcalc.engine.records import Node, NodeHook
 from memcalc.engine.sim import Param, Sim, T
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -17,8 +17,8 @@ from memcalc.engine.strategy import Walk
 
 if TYPE_CHECKING:
     from memcalc.core.spec import LoraSpec, ModelSpec, TrainingSpec
-    from memcalc.engine.blocks import Param
-    from memcalc.engine.blocks import T as Tensor
+    from memcalc.engine.records import Param
+    from memcalc.engine.records import T as Tensor
     from memcalc.engine.ops import Ops
     from memcalc.engine.sim import Sim
     from memcalc.engine.strategy import LayerStrategy

@@ -28,13 +28,13 @@ from operator import attrgetter
 from collections.abc import Callable, Container
 from typing import Optional
 
-from memcalc.engine.blocks import Node, Param, T
+from memcalc.engine.records import Node, Param, T
 from memcalc.engine.breakdown import PeakBreakdown
 from memcalc.engine.result import KINDS
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.engine.sharding import Share
 
-__all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.blocks
+__all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.records
 
 
 _new = object.__new__
