@@ -76,8 +76,9 @@ How the answers stay exact and fast (every printed number is what a direct estim
 snapshots compare ``plan --json`` and ``estimate --json`` byte for byte, and the tests named below
 compare each shortcut with the simulation it replaces):
 
-1. *Steps in depth* (``memcalc.plan.depth``): a uniform stack's step from its 3-, 4- and 5-layer
-   copies, extrapolated exactly (``tests/test_depth.py``); ZeRO shares through
+1. *Steps in depth* (``memcalc.plan.depth``): a stack's step from its copies of 3, 4 and 5 periods
+   of its layout (``memcalc.core.layout``; layers, for a uniform stack), extrapolated exactly
+   (``tests/test_depth.py``); ZeRO shares through
    ``engine.sharding.Share``; FSDP2's step-start gather a named block. Once a setup's structure
    (the setup without its batch, sequence and GPU count) has passed the three-depth check, its
    other sizes and counts take the 3- and 4-layer copies alone (``depth.structure_key``,

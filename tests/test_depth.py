@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.core.spec import ExperimentSpec
+from memcalc.core.layout import layout_of
+from memcalc.core.spec import ExperimentSpec, MLASpec, MoESpec
 from memcalc.engine.sharding import Share
 from memcalc.estimate.peak import estimate
 from memcalc.estimate.step import simulate
+from memcalc.inputs.presets import list_presets, load_preset
 from memcalc.inputs.profiles import PROFILES, with_loss
 from memcalc.plan.cluster import cluster_setups
 from memcalc.plan.depth import (CHECKED, CHECKED_DEPTHS, SHALLOW_DEPTHS, applies, deep_trace, extrapolate, shallow,
@@ -242,14 +244,72 @@ def test_extrapolate_divides_a_share_at_the_real_depth():
     assert extrapolate(plain, SHALLOW_DEPTHS, 40, 512, shards=7) is None
 
 
-def test_uniform_fields_are_the_model_fields():
-    # source: memcalc/core/spec.py ModelSpec: a new field is simulated directly until it is checked
-    # here (a per-layer pattern with a long period is invisible to 3-, 4- and 5-layer copies) and
-    # added to memcalc.engine.uniform.UNIFORM_FIELDS
-    from memcalc.core.spec import ModelSpec
-    from memcalc.engine.uniform import UNIFORM_FIELDS
+# Layouts with a period, a prefix and a suffix (memcalc/core/layout.py), deeper than their three
+# shallow copies together. source: the families' patterns (Gemma-2 / gpt-oss sliding and full
+# attention alternating, eager softcapped attention; Gemma-3 five sliding layers to a full one;
+# DeepSeek MLA with dense first layers; Qwen2-MoE decoder_sparse_step)
+PERIODIC = {
+    "gemma-2-like": tiny_llama(name="tiny-gemma2", n_layers=29, sliding_window=200, full_attention_every=2,
+                               attn_softcap=50.0, logit_softcap=30.0, norm_placement="sandwich"),
+    "gemma-3-like": tiny_llama(name="tiny-gemma3", n_layers=44, sliding_window=300, full_attention_every=3,
+                               qk_norm="head"),
+    "deepseek-like": tiny_llama(name="tiny-deepseek", n_layers=21, n_kv_heads=None, mla=MLASpec(
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+        moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=96, n_shared_experts=1, first_dense_layers=2,
+                    router="sigmoid")),
+    "moe-every-2": tiny_llama(name="tiny-moe2", n_layers=35, moe=MoESpec(
+        n_experts=4, top_k=2, d_ff_expert=128, first_dense_layers=2, every=2, n_shared_experts=1,
+        shared_expert_gate=True)),
+}
+#: (prefix, period, suffix) of each. source: definition (memcalc.core.layout.prefix_and_period)
+PERIODIC_CUTS = {"gemma-2-like": (0, 2, 1), "gemma-3-like": (0, 3, 2), "deepseek-like": (2, 1, 0),
+                 "moe-every-2": (2, 2, 1)}
+PERIODIC_TECHS = [Technique("none", "16", "adamw", "none", False),
+                  Technique("none", "16+master", "adamw", "selective", True),
+                  Technique("lora", "16", "adamw", "full", False),
+                  Technique("qlora", "16", "adamw", "selective", False)]
 
-    assert UNIFORM_FIELDS <= set(ModelSpec.model_fields)
+
+@pytest.mark.parametrize("family", list(PERIODIC))
+@pytest.mark.parametrize("tech", PERIODIC_TECHS, ids=Technique.key)
+def test_periodic_layouts_extrapolate_in_whole_periods(family, tech):
+    # source: memcalc.engine.timeline.simulate on the full-depth model; tolerance: none (bytes)
+    m = PERIODIC[family]
+    lay = layout_of(m)
+    assert (lay.prefix, lay.period, lay.suffix) == PERIODIC_CUTS[family]
+    for b, t in POINTS:
+        exp = ExperimentSpec(model=m, training=tech.training(b, t, targets=m.attention_lora_targets))
+        assert applies(exp)
+        for deep, direct in _peaks(exp):
+            assert deep == direct, (family, tech.key(), b, t)
+    tr = tech.training(2, 700, targets=m.attention_lora_targets).model_copy(
+        update={"zero": 3, "gpus": 8, "sharding": "fsdp2"})
+    if tr.lora is None:  # FSDP2 over 8 GPUs (plan's cluster table)
+        for deep, direct in _peaks(ExperimentSpec(model=m, training=tr)):
+            assert deep == direct, (family, tech.key(), "fsdp2")
+
+
+#: Shipped presets simulated directly (source: memcalc.plan.depth.stack): gpt2 has 12 layers (its
+#: copies of 3, 4 and 5 layers are as many); gemma-3-1b's copies of 3, 4 and 5 periods of six (and
+#: its suffix of two) are 78 layers to its 26; gpt-oss-20b's of 3, 4 and 5 periods of two are 24
+#: layers, as many as it has. Every other preset is extrapolated.
+DIRECT_PRESETS = {"gpt2", "gemma-3-1b", "gpt-oss-20b"}
+
+
+@pytest.mark.parametrize("name", list_presets())
+def test_every_preset_extrapolates_to_the_direct_peak(name):
+    # source: memcalc.engine.timeline.simulate of the preset at full depth; tolerance: none (bytes)
+    m = load_preset(name)
+    targets = m.attention_lora_targets
+    setups = [Technique("none", "16", "adamw", "selective", False).training(1, 512),
+              Technique("lora", "16", "adamw", "full", False).training(2, 333, targets=targets),
+              Technique("none", "16+master", "adamw", "full", False).training(1, 256).model_copy(
+                  update={"zero": 3, "gpus": 8, "sharding": "fsdp2"})]
+    for tr in setups:
+        exp = ExperimentSpec(model=m, training=tr)
+        assert applies(exp) == (name not in DIRECT_PRESETS)
+        for deep, direct in _peaks(exp):
+            assert deep is None if name in DIRECT_PRESETS else deep == direct, (name, tr.checkpoint)
 
 
 @pytest.mark.parametrize("update", [

@@ -1,9 +1,10 @@
 """The compiled forward graph of a deep stack built from a shallow recording
 (memcalc/compile/graph.py ``record_graph``) is the graph the decoder walk records layer by layer.
 
-``plan --compile`` records the graph at every (batch, seq) it estimates; a stack whose layers are
-all alike is recorded at five layers and built out. The partition, the saved set and everything
-the compiled step reads come from this graph, so it must be the same graph: every value's name,
+``plan --compile`` records the graph at every (batch, seq) it estimates; a stack whose layout
+repeats (memcalc/core/layout.py: prefix, periods, suffix) is recorded with five periods and built
+out. The partition, the saved set and everything the compiled step reads come from this graph, so
+it must be the same graph: every value's name,
 size, kind, FLOPs, flags, layer, order and distance from backward, and every edge by position.
 """
 
@@ -14,6 +15,10 @@ import pytest
 from memcalc.api import _resolve
 from memcalc.compile import graph as G
 from memcalc.compile.compiled import compiled_plan
+from memcalc.core.layout import layout_of
+from memcalc.core.spec import MoESpec
+
+from conftest import tiny_llama
 
 
 def _fields(g, outputs):
@@ -34,8 +39,10 @@ SETUPS = [
     dict(model="qwen3-8b", bf16=True),  # source: q/k norms
     dict(model="gpt2-xl", bf16=True),  # source: learned positions, LayerNorm with bias, GELU
     dict(model="phi-1.5", bf16=True),  # source: parallel block, partial rotary
-    dict(model="gemma-2-9b", bf16=True),  # source: sliding/global alternation (recorded whole)
-    dict(model="qwen3-30b-a3b", bf16=True),  # source: mixture of experts (recorded whole)
+    dict(model="gemma-2-9b", bf16=True),  # source: sliding/global alternation (built by periods of two layers)
+    dict(model="qwen3-30b-a3b", bf16=True),  # source: mixture of experts
+    dict(model="deepseek-v3", bf16=True, seq=256),  # source: MLA, three dense layers, then MoE (a prefix of three)
+    dict(model="gemma-3-1b", bf16=True),  # source: five sliding layers and a full one (too shallow: recorded whole)
     dict(model="gpt2", bf16=True),  # source: 12 layers
 ]
 
@@ -47,17 +54,44 @@ def test_built_graph_is_the_recorded_graph(kw):
     assert _fields(*G.record_graph(exp)) == _fields(*G._record(exp))
 
 
-def test_built_when_the_layers_are_alike():
-    # source: memcalc/engine/uniform.py (which stacks may be built from a shallow copy)
+def test_built_when_the_layout_repeats():
+    # source: memcalc/core/layout.py (which stacks may be built from a shallow copy: more layers than
+    # five periods of the layout with its prefix and suffix)
     built = []
     real = G._built_deep
     G._built_deep = lambda *a: built.append(1) or real(*a)
     try:
-        G.record_graph(_resolve(None, dict(model="llama-3.1-8b", bf16=True, compile=True)).exp)
-        G.record_graph(_resolve(None, dict(model="gemma-2-9b", bf16=True, compile=True)).exp)
+        for model in ("llama-3.1-8b", "gemma-2-9b", "gemma-3-1b"):
+            G.record_graph(_resolve(None, dict(model=model, bf16=True, compile=True)).exp)
     finally:
         G._built_deep = real
-    assert built == [1]
+    assert built == [1, 1]  # gemma-3-1b: 26 layers, five periods of six are 30
+
+
+# synthetic patterns with a prefix and a suffix. source: memcalc/core/layout.py (prefix_and_period)
+PATTERNS = {
+    "sliding, full every 3, suffix 2": dict(n_layers=23, sliding_window=64, full_attention_every=3),
+    "dense 2 first, MoE every 2, suffix 1": dict(
+        n_layers=19, moe=MoESpec(n_experts=4, top_k=2, d_ff_expert=128, first_dense_layers=2, every=2)),
+}
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_built_by_periods_is_the_recorded_graph(pattern):
+    # source: definition: the recording of every layer; the build must have been taken
+    exp = _resolve(None, dict(model="llama-3.1-8b", bf16=True, compile=True, seq=300)).exp
+    exp = exp.model_copy(update={"model": tiny_llama(**PATTERNS[pattern])})
+    lay = layout_of(exp.model)
+    assert (lay.prefix, lay.period, lay.suffix) in ((0, 3, 2), (2, 2, 1))
+    built = []
+    real = G._built_deep
+    G._built_deep = lambda *a: built.append(real(*a))
+    try:
+        got = _fields(*G.record_graph(exp))
+    finally:
+        G._built_deep = real
+    assert len(built) == 1 and built[0] is not None
+    assert got == _fields(*G._record(exp))
 
 
 @pytest.mark.parametrize("budget", [1.0, 0.5, 0.1])

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.compile.partitioner import Graph, Value
+from memcalc.core.layout import Layout, copies_hold, layout_of
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.forward import Forward
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy
-from memcalc.engine.uniform import layers_alike
 from memcalc.engine.weights import make_params
 
 #: forward ops outside the recomputable allowlist that are compute-intensive (matmuls, attention)
@@ -110,24 +110,31 @@ class _Recording(LayerStrategy):
         return y
 
 
-#: The depth recorded for a deep stack whose layers are all alike (:func:`_built_deep`): layers 0 and
-#: 1, layers 2 and 3 (the second must repeat the first exactly: the rule the deep graph is built
-#: by) and the last.
+#: The periods of the layout recorded for a deep stack (:func:`_built_deep`): periods 0 and 1,
+#: periods 2 and 3 (the second must repeat the first exactly: the rule the deep graph is built by)
+#: and the last, with the layout's prefix and suffix layers; five layers for a uniform stack.
 SHALLOW_GRAPH_DEPTH = 5
-#: Stacks of more layers than this are recorded at SHALLOW_GRAPH_DEPTH and built out.
+#: Stacks of more layers than this are recorded at SHALLOW_GRAPH_DEPTH periods and built out
+#: (and only where that records fewer layers than the stack has).
 MIN_BUILT_DEPTH = 8
 
 
 def record_graph(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
     """The compiled region's forward as a partitioner graph, and each layer's output value.
 
-    A deep stack whose layers are all alike (:func:`memcalc.engine.uniform.layers_alike`) is
-    recorded at :data:`SHALLOW_GRAPH_DEPTH` layers and built out to its depth (:func:`_built_deep`:
-    the same values, sizes and edges as the recording of every layer, at a sixth of the cost for
-    32 layers); anything the check there does not accept is recorded whole."""
-    if exp.model.n_layers > MIN_BUILT_DEPTH and layers_alike(exp.model):
-        shallow = exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": SHALLOW_GRAPH_DEPTH})})
-        got = _built_deep(*_record(shallow), exp.model.n_layers)
+    A deep stack is recorded with :data:`SHALLOW_GRAPH_DEPTH` periods of its layout
+    (:func:`memcalc.core.layout.layout_of`: prefix, periods, suffix) and built out to its depth
+    (:func:`_built_deep`: the same values, sizes and edges as the recording of every layer, at a
+    sixth of the cost for 32 layers); anything the checks there do not accept is recorded whole.
+    The shallow copy's own layout must be the deep one's prefix, first periods and suffix, and
+    its period 3 must read period 2 exactly as period 2 reads period 1: layers that differ in a
+    way the layout does not name, within the copy, fail that check."""
+    m = exp.model
+    lay = layout_of(m)
+    depth = lay.depth_at(SHALLOW_GRAPH_DEPTH)
+    if m.n_layers > MIN_BUILT_DEPTH and depth < m.n_layers and copies_hold(m, (SHALLOW_GRAPH_DEPTH,)):
+        short = m.model_copy(update={"n_layers": depth})
+        got = _built_deep(*_record(exp.model_copy(update={"model": short})), lay)
         if got is not None:
             return got
     return _record(exp)
@@ -156,70 +163,89 @@ def _blocks_of(values: list[Value], depth: int) -> Optional[tuple[list[Value], l
     return values[:lo], blocks, values[hi:]
 
 
-def _rel(block: list[Value], prev: list[Value], layer: int) -> list[tuple]:
-    """A layer's values relative to its place: each one's fields (its name with the layer number
-    as ``{}``) and its inputs as (own, index), (previous layer, index) or (elsewhere, the value)."""
+def _rel(block: list[Value], prev: list[Value], first: int) -> list[tuple]:
+    """A period's values (its layers' laid end to end, the first being layer ``first``) relative to
+    its place: each one's fields (its name with the layer number as ``{offset in the period}``) and
+    its inputs as (own, index), (previous period, index) or (elsewhere, the value)."""
     own = {id(v): i for i, v in enumerate(block)}
     before = {id(v): i for i, v in enumerate(prev)}
-    tag = f"layers.{layer}."
     out = []
     for v in block:
         args = tuple(("own", own[id(a)]) if id(a) in own else ("prev", before[id(a)]) if id(a) in before
                      else ("abs", id(a)) for a in v.args)
-        out.append((v.name.replace(tag, "layers.{}."), v.nbytes, v.kind, v.flops, v.bw_read, v.bw_materialized,
-                    v.param, v.extern_aux, args))
+        name = v.name.replace(f"layers.{v.layer}.", f"layers.{{{v.layer - first}}}.")  # type: ignore[operator]
+        out.append((name, v.nbytes, v.kind, v.flops, v.bw_read, v.bw_materialized,
+                    v.param, v.extern_aux, v.layer - first, args))  # type: ignore[operator]
     return out
 
 
-def _clone(template: list[Value], t_prev: list[Value], t: int, prev: list[Value], layer: int) -> list[Value]:
-    """Layer ``template`` (layer ``t``, reading ``t_prev``) as layer ``layer`` reading ``prev`` (a layer
-    laid out as ``t_prev``): new values, inputs mapped by position; inputs outside the two layers
-    (the embedding's output, tables made once) are shared."""
+def _clone(template: list[Value], t_prev: list[Value], prev: list[Value], shift: int) -> list[Value]:
+    """Values ``template`` (reading ``t_prev``) moved ``shift`` layers deeper, reading ``prev`` (laid
+    out as ``t_prev``): new values, inputs mapped by position; inputs outside the two (the
+    embedding's output, tables made once) are shared. A value outside the layers stays so."""
     own = {id(v): i for i, v in enumerate(template)}
     before = {id(v): i for i, v in enumerate(t_prev)}
-    tag, new_tag = f"layers.{t}.", f"layers.{layer}."
     out: list[Value] = []
     for v in template:
         args = [out[own[id(a)]] if id(a) in own else prev[before[id(a)]] if id(a) in before else a for a in v.args]
-        out.append(Value(v.name.replace(tag, new_tag), v.nbytes, v.kind, args, flops=v.flops, bw_read=v.bw_read,
+        layer, name = v.layer, v.name
+        if layer is not None:
+            name = name.replace(f"layers.{layer}.", f"layers.{layer + shift}.")
+            layer += shift
+        out.append(Value(name, v.nbytes, v.kind, args, flops=v.flops, bw_read=v.bw_read,
                          bw_materialized=v.bw_materialized, param=v.param, layer=layer, extern_aux=v.extern_aux))
     return out
 
 
-def _built_deep(g: Graph, outputs: dict[int, Value], n: int) -> Optional[tuple[Graph, dict[int, Value]]]:
-    """The graph of an ``n``-layer stack from its :data:`SHALLOW_GRAPH_DEPTH`-layer recording ``g``:
-    layers 0-2 as recorded, layers 3..n-2 copies of layer 3, the last layer and what follows it
-    (final norm, head) as recorded, each copy reading the one before it. Checked first: layer 3
-    reads layer 2 exactly as layer 2 reads layer 1 (the same values, sizes, flags and inputs by
-    position), and nothing after the layers reads a layer but the last. None otherwise."""
-    k = SHALLOW_GRAPH_DEPTH
-    parts = _blocks_of(g.values, k)
+def _built_deep(g: Graph, outputs: dict[int, Value], lay: Layout) -> Optional[tuple[Graph, dict[int, Value]]]:
+    """The graph of the stack laid out as ``lay`` from its recording ``g`` with
+    :data:`SHALLOW_GRAPH_DEPTH` periods: the prefix and periods 0-2 as recorded, periods 3 .. n-2
+    copies of period 3, the last period, the suffix layers and what follows them (final norm,
+    head) as recorded, each copy reading the one before it. Checked first: period 3 reads period 2
+    exactly as period 2 reads period 1 (the same values, sizes, flags and inputs by position), and
+    nothing after the periods reads a layer of periods 1-3. None otherwise."""
+    k, p, pre_n = SHALLOW_GRAPH_DEPTH, lay.period, lay.prefix
+    parts = _blocks_of(g.values, lay.depth_at(k))
     if parts is None:
         return None
     pre, blocks, post = parts
-    if _rel(blocks[2], blocks[1], 2) != _rel(blocks[3], blocks[2], 3):
+    # each period's values, layers laid end to end
+    units = [[v for b in blocks[pre_n + u * p: pre_n + (u + 1) * p] for v in b] for u in range(k)]
+    first = [pre_n + u * p for u in range(k)]
+    if _rel(units[2], units[1], first[2]) != _rel(units[3], units[2], first[3]):
         return None
-    inner = {id(v) for b in blocks[:-1] for v in b}
-    if any(id(a) in inner for v in post for a in v.args):
+    tail_in = [v for b in blocks[pre_n + k * p:] for v in b] + post  # the suffix layers, then the head
+    inner = {id(v) for u in units[1:-1] for v in u}
+    if any(id(a) in inner for v in tail_in for a in v.args):
         return None
-    where = {id(v): (lay, i) for lay, b in enumerate(blocks) for i, v in enumerate(b)}
-    if any(where.get(id(outputs[lay]), (None,))[0] != lay for lay in range(k)):
+    where = {id(v): (lay_, i) for lay_, b in enumerate(blocks) for i, v in enumerate(b)}
+    if any(where.get(id(outputs[i]), (None,))[0] != i for i in range(len(blocks))):
         return None
-    layers = blocks[:3]
-    for lay in range(3, n - 1):
-        layers.append(_clone(blocks[3], blocks[2], 3, layers[-1], lay))
-    layers.append(_clone(blocks[k - 1], blocks[k - 2], k - 1, layers[-1], n - 1))
-    last_of = {id(v): i for i, v in enumerate(blocks[k - 1])}
-    tail: list[Value] = []
-    tail_of: dict[int, Value] = {}
-    for v in post:  # final norm and head: the last layer's values by position, their own as copied
-        args = [layers[-1][last_of[id(a)]] if id(a) in last_of else tail_of.get(id(a), a) for a in v.args]
-        c = Value(v.name, v.nbytes, v.kind, args, flops=v.flops, bw_read=v.bw_read,
-                  bw_materialized=v.bw_materialized, param=v.param, layer=None, extern_aux=v.extern_aux)
-        tail_of[id(v)] = c
-        tail.append(c)
-    outs = {lay: layers[lay][where[id(outputs[min(lay, 3) if lay < n - 1 else k - 1])][1]] for lay in range(n)}
-    return Graph(pre + [v for b in layers for v in b] + tail), outs
+    n_units = lay.units
+    deep = [v for b in blocks[:pre_n] for v in b] + [v for u in units[:3] for v in u]
+    prev = units[2]
+    for u in range(3, n_units - 1):
+        prev = _clone(units[3], units[2], prev, (u - 3) * p)
+        deep += prev
+    last = _clone(units[k - 1], units[k - 2], prev, (n_units - k) * p)
+    deep += last
+    tail = _clone(tail_in, units[k - 1], last, (n_units - k) * p)
+    deep += tail
+    # each layer's output: the recorded one of the layer it was copied from, by position
+    n = len(lay.layers)
+    layer_values: dict[int, list[Value]] = {}
+    for v in deep:
+        if v.layer is not None:
+            layer_values.setdefault(v.layer, []).append(v)
+    outs = {}
+    for i in range(n):
+        src = i
+        if i >= pre_n + 3 * p:
+            unit, off = divmod(i - pre_n, p)
+            src = (pre_n + 3 * p + off if unit < n_units - 1 else pre_n + 4 * p + off if unit < n_units
+                   else i - (n_units - k) * p)
+        outs[i] = layer_values[i][where[id(outputs[src])][1]]
+    return Graph(pre + deep), outs
 
 
 def _record(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:

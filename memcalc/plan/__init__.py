@@ -14,8 +14,9 @@ Three questions, all answered from the simulated step (:mod:`memcalc.engine.time
 slack) is at most the card's capacity. The searches use closed-form fits of the step
 (:mod:`memcalc.plan.fits`) over cached simulations (:mod:`memcalc.plan.simulations`), run in
 worker processes (:mod:`memcalc.plan.parallel`), and confirm every printed number with direct
-estimates. A deep uniform stack's simulation runs on 3-, 4- and 5-layer copies of the model and
-is extrapolated exactly to the real depth (:mod:`memcalc.plan.depth`; checked, else simulated
-directly), so those confirmations cost about 12 layers instead of the model's depth.
+estimates. A deep stack's simulation runs on copies of the model with 3, 4 and 5 periods of its
+layout (:mod:`memcalc.core.layout`: 3, 4 and 5 layers for a uniform stack) and is extrapolated
+exactly to the real depth (:mod:`memcalc.plan.depth`; checked, else simulated directly), so those
+confirmations cost about 12 periods instead of the model's depth.
 Rendering lives in :mod:`memcalc.render.plan_report`.
 """

@@ -1,23 +1,28 @@
 """The step of a deep model from three shallow copies of it: exact peaks at a fraction of the cost.
 
 A direct simulation walks every decoder layer, so it costs time in proportion to the depth
-(llama-3.1-8b: 32 layers, 70b: 80, 405b: 126), and the plan asks for hundreds of them. But the
-layers of a stack are identical: layer ``l``'s allocations in forward (and in backward) request
-the same bytes for every interior ``l``, on top of a running total that moves by the same amount
-from one layer to the next (one more layer's saved activations, or gradients). So once each
-allocation is named by where it sits -- its phase, its label with the layer number replaced by
-the layer's place in the stack (first, second, second-to-last, last), and its position inside
-that block -- the bytes alive before it and the bytes it requests are *affine* functions of the
-depth ``n``. :func:`deep_trace` simulates the step at depths 3, 4 and 5 (:data:`SHALLOW_DEPTHS`,
-with ``observers.AllocTrace``), names the allocations this way, extrapolates both numbers to depth
-``n`` in integers (``x(n) = x(3) + (n - 3) * (x(4) - x(3))``) and rounds the request as the
-allocator does at depth ``n`` (a step temporary the size of all parameters, as the foreach
-optimizer step makes, rounds differently at every depth). Its running total is the sum.
+(llama-3.1-8b: 32 layers, 70b: 80, 405b: 126), and the plan asks for hundreds of them. But a
+stack repeats: its layout (:func:`memcalc.core.layout.layout_of`) is a prefix of layers outside
+the pattern (DeepSeek's dense first layers), whole *periods* of one or more layers (1 for a
+uniform stack, 2 for Gemma-2's sliding/full alternation, 6 for Gemma-3), and a suffix (a period
+cut short). Period ``u``'s allocations in forward (and in backward) request the same bytes for
+every interior ``u``, on top of a running total that moves by the same amount from one period to
+the next (one more period's saved activations, or gradients). So once each allocation is named
+by where it sits -- its phase, its label with the layer number replaced by the layer's place (a
+layer of the prefix or the suffix; else its period's place in the stack -- first, second,
+second-to-last, last -- and its offset in the period), and its position inside that block --
+the bytes alive before it and the bytes it requests are *affine* functions of the number of
+periods ``n``. :func:`deep_trace` simulates the step with 3, 4 and 5 periods
+(:data:`SHALLOW_DEPTHS`, :func:`shallow`: prefix + 3, 4, 5 periods + suffix layers; 3, 4 and 5
+layers for a uniform stack; ``observers.AllocTrace``), names the allocations this way, extrapolates
+both numbers to ``n`` periods in integers (``x(n) = x(3) + (n - 3) * (x(4) - x(3))``) and rounds
+the request as the allocator does at depth ``n`` (a step temporary the size of all parameters, as
+the foreach optimizer step makes, rounds differently at every depth). Its running total is the sum.
 
-- The layers strictly between the second and the second-to-last are left out: their totals lie
-  between those two layers' (affine in the layer index), so they never set a maximum.
+- The periods strictly between the second and the second-to-last are left out: their totals lie
+  between those two periods' (affine in the period's index), so they never set a maximum.
 - A block whose number of allocations grows with the depth (a per-parameter optimizer step) is
-  split the same way into a prefix, one chunk per layer and a suffix.
+  split the same way into a prefix, one chunk per period and a suffix.
 - Setup (weights and optimizer state, allocated one by one, never freed) is left out: its
   highest total is its last, which the step's next allocation exceeds. What the step allocates
   at its start, before the forward (FSDP2's root unit all-gathered, with its all-gather buffer
@@ -25,21 +30,27 @@ optimizer step makes, rounds differently at every depth). Its running total is t
 
 Exactness is checked, not assumed: the three shallow steps must have the same named blocks,
 each with the same number of allocations, both numbers of every allocation exactly affine over
-the three depths (integers, no tolerance), and at depth 5 the three interior layers must request
-the same bytes with totals exactly affine in the layer index. Anything else falls back to the
-direct simulation (:func:`applies` rules out up front: sqrt and every-K checkpointing, whose
-segments depend on the depth; torch.compile, whose partition is of the whole graph; a model
-field outside :data:`memcalc.engine.uniform.UNIFORM_FIELDS` set; models of at most :data:`MIN_DEPTH` layers). Under
-ZeRO over N GPUs with one flat partition (DeepSpeed, the generic ZeRO model) a request that
+the three depths (integers, no tolerance), and with 5 periods the three interior periods must
+request the same bytes with totals exactly affine in the period's index. Anything else falls
+back to the direct simulation (:func:`applies` rules out up front: sqrt and every-K
+checkpointing, whose segments depend on the depth; torch.compile, whose partition is of the
+whole graph; models of at most as many layers as the three copies together, :data:`MIN_DEPTH`
+for a uniform stack; a model whose shallow copies' layouts are not the deep layout's prefix,
+first periods and suffix, :func:`memcalc.core.layout.repeating`).
+
+Why the layout's period is safe, and what no check can see: :mod:`memcalc.core.layout`.
+
+Under ZeRO over N GPUs with one flat partition (DeepSpeed, the generic ZeRO model) a request that
 grows with the depth is a rank's share ``ceil(S / N)`` of a sum (the foreach step's temporary),
 not affine in the depth: the sum ``S`` is read from the same step's shallow traces on one GPU and
 divided at depth ``n``. FSDP2 and FSDP1 shard parameter by parameter, so such a sum is affine
 in the depth and extrapolates like any other request. ``tests/test_depth.py`` compares
 the extrapolated peaks with direct simulations.
 
-Cost: 3 + 4 + 5 = 12 layers simulated instead of ``n``; 3 + 4 = 7 for a setup whose structure
-(:func:`structure_key`: the same setup at another batch, sequence or GPU count) has passed the
-three-depth check (:func:`deep_trace`). ``tests/test_depth.py`` compares the two as well.
+Cost: 3 + 4 + 5 = 12 periods (and three times the prefix and suffix) simulated instead of the
+model's layers; 3 + 4 = 7 for a setup whose structure (:func:`structure_key`: the same setup at
+another batch, sequence or GPU count) has passed the three-depth check (:func:`deep_trace`).
+``tests/test_depth.py`` compares the two as well.
 """
 
 from __future__ import annotations
@@ -50,14 +61,14 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from memcalc.core.layout import layout_of, place, repeating
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.sharding import Share, uses_deepspeed
-from memcalc.engine.uniform import layers_alike
 
 #: The depths simulated for one deep step (three points: two define the line, the third checks it).
 SHALLOW_DEPTHS = (3, 4, 5)
-#: Models of at most this many layers are simulated directly (no saving below it).
-MIN_DEPTH = 12
+#: A uniform stack of at most this many layers (as many as its copies together) is simulated directly.
+MIN_DEPTH = sum(SHALLOW_DEPTHS)
 
 #: The label of the allocations a step makes at its start, before the forward (timeline.py).
 STEP_START = "step start"
@@ -67,18 +78,21 @@ _LAYER_RANGE = re.compile(r"\blayers \d")
 
 
 def applies(exp: ExperimentSpec) -> bool:
-    """Whether ``exp``'s step is a uniform stack that :func:`deep_trace` may extrapolate: eager or
-    per-layer checkpointing (none, full, selective) without torch.compile, deep enough to gain,
-    and a model whose fields outside :data:`memcalc.engine.uniform.UNIFORM_FIELDS` are at their defaults."""
+    """Whether :func:`deep_trace` may extrapolate ``exp``'s step: eager or per-layer checkpointing
+    (none, full, selective) without torch.compile, and a model whose layout repeats deep enough to
+    gain (:func:`memcalc.core.layout.repeating` at :data:`SHALLOW_DEPTHS`: more layers than the
+    copies together, :data:`MIN_DEPTH` for a uniform stack, and each copy's layout the deep one's
+    prefix, first periods and suffix)."""
     tr = exp.training
-    m = exp.model
-    if m.n_layers <= MIN_DEPTH or tr.compile or tr.checkpoint not in ("none", "full", "selective"):
+    if tr.compile or tr.checkpoint not in ("none", "full", "selective"):
         return False
-    return layers_alike(m)
+    return repeating(exp.model, SHALLOW_DEPTHS) is not None
 
 
-def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
-    """``exp`` with a ``depth``-layer copy of its model (every other field as given)."""
+def shallow(exp: ExperimentSpec, units: int) -> ExperimentSpec:
+    """``exp`` with a copy of its model of ``units`` whole periods (its prefix and suffix as they
+    are; ``units`` layers for a uniform stack), every other field as given."""
+    depth = layout_of(exp.model).depth_at(units)
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": depth})})
 
 
@@ -90,15 +104,18 @@ def shallow(exp: ExperimentSpec, depth: int) -> ExperimentSpec:
 Event = tuple[int, int, int, int]
 
 
-def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int) -> Optional[tuple[dict, dict, np.ndarray]]:
-    """Group a shallow step's allocations by named block (see the module docstring).
+def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int,
+            cut: tuple[int, int] = (0, 1)) -> Optional[tuple[dict, dict, np.ndarray]]:
+    """Group a shallow step's allocations by named block (see the module docstring). ``depth``
+    counts the periods of the copy, ``cut`` is its layout's (prefix, period) (``layout.place``).
 
     Returns (blocks, interior, setup): blocks maps (phase, label template, place) to the
     allocations in order, an int64 array (allocations, 4) of :data:`Event` rows (place: "first",
-    "second", "penultimate", "last", or "" outside the layers; depth 3's middle layer is both
-    "second" and "penultimate"); interior maps (phase, template) to {layer: allocations} for the
-    layers strictly inside the stack; setup holds the setup phase's running totals. None: labels
-    this method does not understand (a checkpointed segment of several layers).
+    "second", "penultimate", "last", or "" outside the layers; depth 3's middle period is both
+    "second" and "penultimate"; a layer of the prefix or the suffix is a place of its own);
+    interior maps (phase, template, offset in the period) to {period: allocations} for the
+    periods strictly inside the stack; setup holds the setup phase's running totals. None:
+    labels this method does not understand (a checkpointed segment of several layers).
 
     Each (phase, label) pair is one block (a label names one layer, or none), so the events are
     grouped by that pair with one stable sort; only the distinct labels are parsed."""
@@ -123,7 +140,7 @@ def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int
     cuts = np.searchsorted(gid[order], np.arange(1, len(pair_id)))
     rows = np.split(ev[order], cuts)
     blocks: dict[tuple[str, str, str], np.ndarray] = {}
-    interior: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    interior: dict[tuple[str, str, str], dict[int, np.ndarray]] = {}
     for (phase, label), g in pair_id.items():
         if phase == "setup" and label != STEP_START:
             setup_mask[g] = True
@@ -135,16 +152,19 @@ def _blocks(trace: list[tuple[int, str, str, int]], depth: int, round_bytes: int
         if layer is None:
             blocks[(phase, label, "")] = rows[g]
             continue
-        if layer == 0:
-            blocks[(phase, tmpl, "first")] = rows[g]
-        elif layer == depth - 1:
-            blocks[(phase, tmpl, "last")] = rows[g]
+        unit, offset = place(layer, depth, cut)
+        if unit is None:
+            blocks[(phase, tmpl, offset)] = rows[g]
+        elif unit == 0:
+            blocks[(phase, tmpl, "first" + offset)] = rows[g]
+        elif unit == depth - 1:
+            blocks[(phase, tmpl, "last" + offset)] = rows[g]
         else:
-            interior.setdefault((phase, tmpl), {})[layer] = rows[g]
-            if layer == 1:
-                blocks[(phase, tmpl, "second")] = rows[g]
-            if layer == depth - 2:
-                blocks[(phase, tmpl, "penultimate")] = rows[g]
+            interior.setdefault((phase, tmpl, offset), {})[unit] = rows[g]
+            if unit == 1:
+                blocks[(phase, tmpl, "second" + offset)] = rows[g]
+            if unit == depth - 2:
+                blocks[(phase, tmpl, "penultimate" + offset)] = rows[g]
     return blocks, interior, total[setup_mask[gid]]
 
 
@@ -255,7 +275,7 @@ def _not_affine(a: np.ndarray, requests: bool) -> bool:
     return bool(np.any(bad[..., 0]) or np.any(bad[..., 3]) or np.any(bad[..., 2] & check_whole))
 
 
-def _interior_alike(interior: dict[tuple[str, str], dict[int, np.ndarray]], depth: int) -> bool:
+def _interior_alike(interior: dict[tuple[str, str, str], dict[int, np.ndarray]], depth: int) -> bool:
     """:func:`_uniform` for every interior template of a ``depth``-layer step at once (their layers
     laid end to end, the checks being elementwise): each has the
     layers 1 .. depth-2 with as many allocations, requesting the same bytes, with the bytes alive
@@ -272,10 +292,11 @@ def _interior_alike(interior: dict[tuple[str, str], dict[int, np.ndarray]], dept
 def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...], n: int,
                 round_bytes: int, shards: int = 1,
                 unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]] = None,
-                ) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
-    """The named running totals of the ``n``-layer step from the shallow steps' traces (one per
-    depth in ``depths``, consecutive), or None where the checks fail. Returns the totals (int64,
-    in a fixed order of the named blocks) and the phase of each. Each allocation's bytes alive
+                cut: tuple[int, int] = (0, 1)) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
+    """The named running totals of the ``n``-period step from the shallow steps' traces (one per
+    depth in ``depths``, consecutive), or None where the checks fail. Depths count whole periods of
+    the model's layout, cut as ``cut`` = (prefix, period) (layers, for a uniform stack: (0, 1)).
+    Returns the totals (int64, in a fixed order of the named blocks) and the phase of each. Each allocation's bytes alive
     before it and bytes requested are extrapolated; the request is rounded at depth ``n``
     (a step temporary the size of all parameters rounds differently at every depth). Under ZeRO
     over ``shards`` GPUs a request that changes with the depth is this rank's share of a sum,
@@ -286,7 +307,7 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     The named blocks are laid end to end (a block whose length grows with the depth split into
     its parts first), so the checks and the extrapolation are a few array operations over every
     allocation at once; only blocks with a request that varies under ZeRO are looked at one by one."""
-    blocks = _checked_blocks(traces, depths, round_bytes)
+    blocks = _checked_blocks(traces, depths, round_bytes, cut)
     laid = None if blocks is None else _end_to_end(blocks, depths)
     if laid is None:
         return None
@@ -300,19 +321,19 @@ def extrapolate(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int
     req = np.where(shares > 1, -(-at_n[:, 2] // np.maximum(shares, 1)), at_n[:, 1])
     vary = (a[1, :, 1] != a[0, :, 1]) & (shares == 1)
     if shards > 1 and vary.any() and not _shared_requests(a, segs, vary, req, n, depths, shards, round_bytes,
-                                                          unsharded):
+                                                          unsharded, cut):
         return None
     return at_n[:, 0] + -(-req // round_bytes) * round_bytes, tuple(phases)
 
 
 def _checked_blocks(traces: list[list[tuple[int, str, str, int]]], depths: tuple[int, ...],
-                    round_bytes: int) -> Optional[list[dict]]:
+                    round_bytes: int, cut: tuple[int, int] = (0, 1)) -> Optional[list[dict]]:
     """The named blocks of each shallow step (consecutive depths), or None where a check fails: a
-    trace that does not parse, a setup that frees, interior layers that are not alike, or steps
+    trace that does not parse, a setup that frees, interior periods that are not alike, or steps
     with different blocks."""
     if any(depths[i + 1] - depths[i] != 1 for i in range(len(depths) - 1)):
         return None
-    parsed = [_blocks(tr, d, round_bytes) for tr, d in zip(traces, depths)]
+    parsed = [_blocks(tr, d, round_bytes, cut) for tr, d in zip(traces, depths)]
     if any(p is None for p in parsed):
         return None
     for (_, interior, setup), d in zip(parsed, depths):  # type: ignore[misc]
@@ -357,7 +378,8 @@ def _end_to_end(blocks: list[dict], depths: tuple[int, ...]
 
 def _shared_requests(a: np.ndarray, segs: list[_Segment], vary: np.ndarray, req: np.ndarray, n: int,
                      depths: tuple[int, ...], shards: int, round_bytes: int,
-                     unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]]) -> bool:
+                     unsharded: Optional[Callable[[], Optional[list[list[tuple[int, str, str, int]]]]]],
+                     cut: tuple[int, int] = (0, 1)) -> bool:
     """Under ZeRO over ``shards`` GPUs, each request that varies with the depth (``vary``) is either
     ceil(S / N) of the one-GPU step's request S (a flat partition's share, a foreach step over the
     shards: S is extrapolated, then divided at depth n, into ``req``) or, failing that, exactly
@@ -369,7 +391,7 @@ def _shared_requests(a: np.ndarray, segs: list[_Segment], vary: np.ndarray, req:
     for k, i, parts_n, lo, hi in segs:
         if unsharded is None or not vary[lo:hi].any():
             continue
-        u = _one_gpu_requests(one_gpu, unsharded, depths, round_bytes, k, i, parts_n, (len(a), hi - lo, 4))
+        u = _one_gpu_requests(one_gpu, unsharded, depths, round_bytes, k, i, parts_n, (len(a), hi - lo, 4), cut)
         if u is None:
             continue
         share[lo:hi] = np.all(-(-u[:, :, 1] // shards) == a[:, lo:hi, 1], axis=0)
@@ -380,12 +402,12 @@ def _shared_requests(a: np.ndarray, segs: list[_Segment], vary: np.ndarray, req:
 
 def _one_gpu_requests(cache: list, unsharded: Callable[[], Optional[list[list[tuple[int, str, str, int]]]]],
                       depths: tuple[int, ...], round_bytes: int, k: tuple[str, str, str], i: int, parts_n: int,
-                      shape: tuple[int, ...]) -> Optional[np.ndarray]:
+                      shape: tuple[int, ...], cut: tuple[int, int] = (0, 1)) -> Optional[np.ndarray]:
     """Block ``k``'s part ``i`` (of ``parts_n``) in the one-GPU step's traces (``unsharded()``,
     parsed once into ``cache``): the same shape, every number exactly affine, or None."""
     if not cache:
         ts = unsharded()
-        got = None if ts is None else [_blocks(t, d, round_bytes) for t, d in zip(ts, depths)]
+        got = None if ts is None else [_blocks(t, d, round_bytes, cut) for t, d in zip(ts, depths)]
         cache.append(None if got is None or any(g is None for g in got) else [g[0] for g in got])
     if cache[0] is None:
         return None
@@ -415,7 +437,7 @@ CHECKED_DEPTHS = SHALLOW_DEPTHS[:2]
 def deep_trace(exp: ExperimentSpec, first_step: bool,
                depths: Optional[tuple[int, ...]] = None) -> Optional[tuple[np.ndarray, tuple[str, ...]]]:
     """The running totals (named, see the module docstring) of ``exp``'s steady-state step (or
-    its first step) from :data:`SHALLOW_DEPTHS`-layer copies, or None where :func:`applies` says no
+    its first step) from copies of :data:`SHALLOW_DEPTHS` periods, or None where :func:`applies` says no
     or the checks fail (then simulate directly). Their maximum is the direct simulation's peak.
 
     A step whose structure (:func:`structure_key`: the same setup at another batch, sequence or
@@ -437,9 +459,10 @@ def deep_trace(exp: ExperimentSpec, first_step: bool,
     # partition, the foreach step's temporary), not affine in the depth: it takes the one-GPU
     # traces' S; FSDP's per-parameter shards summed are affine and extrapolate as they are
     shards = tr.gpus if tr.zero >= 1 else 1
-    got = extrapolate(traces, depths, exp.model.n_layers, exp.profile.allocator_round_bytes, shards,
+    lay = layout_of(exp.model)
+    got = extrapolate(traces, depths, lay.units, exp.profile.allocator_round_bytes, shards,
                       unsharded=lambda: _one_gpu_traces(exp.model_copy(update={"training": tr.model_copy(
-                          update={"gpus": 1})}), first_step, depths))
+                          update={"gpus": 1})}), first_step, depths), cut=(lay.prefix, lay.period))
     if got is not None and key is not None and len(depths) == len(SHALLOW_DEPTHS):
         if len(CHECKED) > 100_000:
             CHECKED.clear()

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from memcalc.core.layout import layout_of
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
 from memcalc.engine.sharding import uses_deepspeed
@@ -56,8 +57,8 @@ def step_trace(exp: ExperimentSpec, first_step: bool, direct: bool = False) -> T
 
 def _step_trace(exp: ExperimentSpec, first_step: bool, direct: bool = False) -> Trace:
     """One simulated step with its allocation trace (cached: plans ask for the same points).
-    A deep uniform stack is simulated at three shallow depths and extrapolated exactly
-    (:func:`memcalc.plan.depth.deep_trace`); otherwise, or with ``direct``, the step is simulated
+    A deep stack is simulated at three shallow depths (periods of its layout) and extrapolated
+    exactly (:func:`memcalc.plan.depth.deep_trace`); otherwise, or with ``direct``, the step is simulated
     directly (a fit over several points needs the same kind of trace at each: the extrapolated
     trace names fewer allocations than the direct one)."""
     deep = None if direct else deep_trace(exp, first_step)
@@ -164,11 +165,11 @@ FLOOR_CACHE: dict[ExperimentSpec, int] = {}
 
 
 def _state_floor_of(exp: ExperimentSpec) -> int:
-    """The floor; for a uniform stack from the 3-, 4- and 5-layer copies: every layer allocates the
-    same weights, state and gradients (each rounded on its own, nothing freed), so the bytes are
-    affine in the depth (checked over the three; over the 3- and 4-layer copies alone once the
-    same setup at another GPU count was checked; not under DeepSpeed, whose flat partition is a
-    share of the whole model, :mod:`memcalc.plan.depth`)."""
+    """The floor; for a stack that repeats (:func:`memcalc.plan.depth.applies`) from its copies of 3,
+    4 and 5 periods: every period allocates the same weights, state and gradients (each rounded on
+    its own, nothing freed), so the bytes are affine in the periods (checked over the three; over
+    the copies of 3 and 4 periods alone once the same setup at another GPU count was checked; not
+    under DeepSpeed, whose flat partition is a share of the whole model, :mod:`memcalc.plan.depth`)."""
     if applies(exp) and not uses_deepspeed(exp):
         # (two depths where the same setup at another GPU count was checked at three, as for steps)
         key = ("floor", *structure_key(exp, False))
@@ -176,5 +177,5 @@ def _state_floor_of(exp: ExperimentSpec) -> int:
         f = [floor_bytes(shallow(exp, d)) for d in depths]
         if len(f) == 2 or f[2] - f[1] == f[1] - f[0]:
             DEPTH_CHECKED[key] = True
-            return f[0] + (exp.model.n_layers - depths[0]) * (f[1] - f[0])
+            return f[0] + (layout_of(exp.model).units - depths[0]) * (f[1] - f[0])
     return floor_bytes(exp)
