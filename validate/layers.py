@@ -135,6 +135,39 @@ class Linear4bit(torch.autograd.Function):
 
 
 # -- projections ---------------------------------------------------------------------------
+def lora_input_cast(x: torch.Tensor, lora_A: torch.Tensor, amp: Amp, input_cast: bool, quant: bool) -> bool:
+    """Whether the adapter input is cast to the adapters' dtype first: PEFT ``lora.Linear.forward``
+    (peft/tuners/lora/layer.py) ``x = self._cast_input_dtype(x, lora_A.weight.dtype)`` under the
+    profile's ``lora_input_cast`` (for a 4-bit base, bnb.py ``Linear4bit.forward``, only outside
+    autocast: ``requires_conversion = not torch.is_autocast_enabled()``); without the rule, where a
+    mixed-dtype matmul would fail (fp32 adapters over 16-bit activations outside autocast). The
+    estimator's twin: ``memcalc.engine.forward`` ``proj``."""
+    return (input_cast and not (quant and amp.active)) or (not amp.active and x.dtype != lora_A.dtype)
+
+
+def lora_branch(x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, p: float, scale: float,
+                training: bool, amp: Amp) -> torch.Tensor:
+    """``lora_B(lora_A(dropout(x))) * scaling`` -- the adapter's intermediates are temporaries, gone
+    before the next op (no local keeps them alive)."""
+    a = F.linear(amp.lp(dropout(x, p, training)), amp.lp(lora_A))
+    b = F.linear(amp.lp(a), amp.lp(lora_B))
+    del a
+    return b * scale
+
+
+def lora_result(y: torch.Tensor, branch: torch.Tensor, cast: bool, quant: bool) -> torch.Tensor:
+    """``result + branch`` (PEFT lora.Linear.forward); for a 4-bit base the branch is cast to the
+    result's dtype first (bnb.py ``output.to(expected_dtype)``); after a cast input the sum is cast
+    back (``result.to(torch_result_dtype)``)."""
+    if quant and cast:
+        branch = branch.to(y.dtype)
+    out = y + branch
+    del branch
+    if cast and out.dtype != y.dtype:
+        out = out.to(y.dtype)
+    return out
+
+
 class Linear(nn.Module):
     """A projection ``y = x W^T + b`` with an optional LoRA adapter and a 4-bit base (QLoRA).
 
@@ -145,7 +178,7 @@ class Linear(nn.Module):
 
     def __init__(self, d_in: int, d_out: int, bias: bool, amp: Amp, *, dtype: torch.dtype, device,
                  trainable: bool = True, lora: Optional[LoraSpec] = None, target: bool = False,
-                 init: bool = True) -> None:
+                 init: bool = True, adapter_dtype: Optional[torch.dtype] = None, input_cast: bool = False) -> None:
         super().__init__()
         self.amp = amp
         self.d_in, self.d_out = d_in, d_out
@@ -166,9 +199,12 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.zeros((d_out,), dtype=dtype, device=device), requires_grad=trainable)
         self.lora_dropout = 0.0
         self.scale = 0.0
-        if lora is not None and target:
-            self.lora_A = nn.Parameter(torch.empty((lora.rank, d_in), dtype=dtype, device=device))
-            self.lora_B = nn.Parameter(torch.zeros((d_out, lora.rank), dtype=dtype, device=device))
+        #: PEFT lora.Linear.forward's input cast (the profile's lora_input_cast)
+        self.input_cast = input_cast
+        if lora is not None and target:  # in the adapters' dtype (ExperimentSpec.adapter_dtype)
+            adt = adapter_dtype or dtype
+            self.lora_A = nn.Parameter(torch.empty((lora.rank, d_in), dtype=adt, device=device))
+            self.lora_B = nn.Parameter(torch.zeros((d_out, lora.rank), dtype=adt, device=device))
             if init:
                 nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
             self.lora_dropout = lora.dropout
@@ -189,15 +225,16 @@ class Linear(nn.Module):
             y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
         if self.lora_A is None:
             return y
+        quant = self.input_cast and self.nf4 is not None
+        if quant:  # peft/tuners/lora/bnb.py Linear4bit.forward: result = result.clone()
+            y = y.clone()
+        cast = lora_input_cast(x, self.lora_A, amp, self.input_cast, quant)
+        xa = x.to(self.lora_A.dtype) if cast else x
         if self.lora_magnitude is not None:
-            return y + self._dora(x, y)
-        # PEFT lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling -- the adapter's
-        # intermediates are temporaries, gone before the next op (no local keeps them alive)
-        a = F.linear(amp.lp(dropout(x, self.lora_dropout, self.training)), amp.lp(self.lora_A))
-        b = F.linear(amp.lp(a), amp.lp(self.lora_B))
-        del a
-        b = b * self.scale
-        return y + b
+            return lora_result(y, self._dora(xa, y), cast, quant)
+        # PEFT lora.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
+        return lora_result(y, lora_branch(xa, self.lora_A, self.lora_B, self.lora_dropout, self.scale,
+                                          self.training, amp), cast, quant)
 
 
     def _dora(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -281,9 +318,11 @@ class RMSNorm(nn.Module):
     """RMSNorm as ``nn.RMSNorm`` computes it under the profile's PyTorch version."""
 
     def __init__(self, d: int, eps: float, amp: Amp, *, mode: str, mean_saves_input: bool, bias: bool,
-                 dtype: torch.dtype, device, trainable: bool = True, shape: Optional[tuple[int, ...]] = None) -> None:
+                 dtype: torch.dtype, device, trainable: bool = True, shape: Optional[tuple[int, ...]] = None,
+                 upcast: bool = True) -> None:
         super().__init__()
         self.eps, self.amp, self.mode, self.mean_saves_input = eps, amp, mode, mean_saves_input
+        self.upcast = upcast  # the profile's norm_upcast
         # shape: (heads, d) for a per-head weight (a q/k norm of Cohere / StableLM), else (d,)
         self.weight = nn.Parameter(torch.ones(shape or (d,), dtype=dtype, device=device), requires_grad=trainable)
         self.bias = nn.Parameter(torch.zeros((d,), dtype=dtype, device=device), requires_grad=trainable) if bias else None
@@ -296,7 +335,8 @@ class RMSNorm(nn.Module):
                 y = _FusedRMSNorm.apply(x, self.weight, self.eps)
         else:
             amp = self.amp
-            xf = x.to(torch.float32)
+            # norm_upcast off: the same composite formula in the input's dtype (no fp32 copy of x)
+            xf = x.to(torch.float32) if self.upcast else x
             sq = torch.pow(amp.fp32(xf), 2)
             ms = _MeanKeepsInput.apply(sq) if self.mean_saves_input else sq.mean(-1, keepdim=True)
             del sq
@@ -339,6 +379,8 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
         return F.gelu(x)
     if kind in ("gelu_tanh", "gelu_new"):  # gelu_new: the replica runs the fused tanh GELU (profile gelu_new fused)
         return F.gelu(x, approximate="tanh")
+    if kind == "gelu_new_chain":  # profile gelu_new chain: transformers activations.py NewGELUActivation.forward
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
     raise ValueError(f"unknown activation {kind!r}")
 
 

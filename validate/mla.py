@@ -73,7 +73,8 @@ class MLAttention(nn.Module):
     def _norm(self, width: int) -> nn.Module:
         cfg, m = self.cfg, self.m
         return RMSNorm(width, m.norm_eps, cfg.amp, mode=cfg.profile.rmsnorm, mean_saves_input=cfg.profile.mean_saves_input,
-                       bias=m.has_norm_bias, dtype=cfg.dtype, device=cfg.device, trainable=cfg.full)
+                       bias=m.has_norm_bias, dtype=cfg.dtype, device=cfg.device, trainable=cfg.full,
+                       upcast=cfg.profile.norm_upcast)
 
     def forward(self, hidden_states: torch.Tensor, cos: Optional[torch.Tensor] = None,
                 sin: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -33,7 +33,7 @@ from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, 
 
 from .amp import Amp
 from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
-from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout
+from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout, lora_branch, lora_input_cast, lora_result
 from .loss import lm_loss
 from . import variants
 from .mla import MLAttention
@@ -180,7 +180,7 @@ class DecoderLayer(nn.Module):
             self.moe = MoEBlock(m, cfg, i)  # parameters layers.{i}.moe.* (engine.params)
             object.__setattr__(self, "mlp", self.moe)  # forward calls self.mlp; registered once, as moe
         else:
-            self.mlp = MLP(m.mlp, m.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,
+            self.mlp = MLP(m.mlp, cfg.activation, cfg.linear, m.d_model, m.d_ff, m.mlp_bias,
                            forgather_order=m.norm_placement == "post", fused=m.fused_gate_up)
         for j in range(m.norms_per_layer):
             setattr(self, f"norm{j + 1}", cfg.norm())
@@ -225,6 +225,12 @@ class BuildConfig:
                  init: bool) -> None:
         self.m, self.tr, self.profile, self.device, self.amp, self.init = m, tr, profile, device, amp, init
         self.dtype = torch_dtype(tr.weight_dtype.value)
+        #: the adapters' dtype (ExperimentSpec.adapter_dtype: LoraSpec.dtype, else the profile's lora_dtype)
+        adt = None if tr.lora is None else (tr.lora.dtype or profile.lora_dtype)
+        self.adapter_dtype = torch.float32 if adt == "fp32" else self.dtype
+        #: the activation as the profile runs it (gelu_new: fused, or transformers' chain of pointwise ops)
+        chain = m.activation == "gelu_new" and profile.gelu_new == "chain"
+        self.activation = "gelu_new_chain" if chain else m.activation
         self.lora: Optional[LoraSpec] = tr.lora
         self.full = tr.lora is None
         self.checkpoint_attention = tr.checkpoint == "selective"
@@ -235,7 +241,8 @@ class BuildConfig:
         # PEFT moves gate/up/down targets of some MoE types onto the routed experts (engine.params)
         to_experts = self.m.moe is not None and self.m.moe.lora_mlp_to_experts and short in ("gate", "up", "down")
         return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
-                      lora=lora, target=lora is not None and short in lora.targets and not to_experts, init=self.init)
+                      lora=lora, target=lora is not None and short in lora.targets and not to_experts, init=self.init,
+                      adapter_dtype=self.adapter_dtype, input_cast=self.profile.lora_input_cast)
 
     def plain_linear(self, d_in: int, d_out: int, bias: bool) -> Linear:
         return Linear(d_in, d_out, bias, self.amp, dtype=self.dtype, device=self.device, trainable=self.full,
@@ -246,7 +253,7 @@ class BuildConfig:
         if m.norm == "rmsnorm":
             return RMSNorm(m.d_model, m.norm_eps, self.amp, mode=self.profile.rmsnorm,
                            mean_saves_input=self.profile.mean_saves_input, bias=m.has_norm_bias,
-                           dtype=self.dtype, device=self.device, trainable=self.full)
+                           dtype=self.dtype, device=self.device, trainable=self.full, upcast=self.profile.norm_upcast)
         return LayerNorm(m.d_model, m.norm_eps, self.amp, bias=m.has_norm_bias, dtype=self.dtype,
                          device=self.device, trainable=self.full)
 
@@ -258,7 +265,8 @@ class BuildConfig:
         shape = (heads, m.dim_head) if m.qk_norm == "head_unshared" else (d,)
         if m.norm == "rmsnorm":
             return RMSNorm(d, m.norm_eps, self.amp, mode=self.profile.rmsnorm, mean_saves_input=self.profile.mean_saves_input,
-                           bias=False, dtype=self.dtype, device=self.device, trainable=self.full, shape=shape)
+                           bias=False, dtype=self.dtype, device=self.device, trainable=self.full, shape=shape,
+                           upcast=self.profile.norm_upcast)
         if m.qk_norm == "head_unshared":
             return variants.PerHeadLayerNorm(heads, d, m.norm_eps, self.amp, dtype=self.dtype, device=self.device,
                                              trainable=self.full)
@@ -281,8 +289,9 @@ class LMHead(nn.Module):
         self.lora_A = self.lora_B = None
         self.lora_dropout, self.scale = 0.0, 0.0
         if lora is not None and "head" in lora.targets:  # LoRA target head (PEFT lm_head): A r x d, B vocab x r
-            self.lora_A = nn.Parameter(torch.empty((lora.rank, m.d_model), dtype=cfg.dtype, device=cfg.device))
-            self.lora_B = nn.Parameter(torch.zeros((m.vocab_size, lora.rank), dtype=cfg.dtype, device=cfg.device))
+            adt = cfg.adapter_dtype
+            self.lora_A = nn.Parameter(torch.empty((lora.rank, m.d_model), dtype=adt, device=cfg.device))
+            self.lora_B = nn.Parameter(torch.zeros((m.vocab_size, lora.rank), dtype=adt, device=cfg.device))
             if cfg.init:
                 nn.init.normal_(self.lora_A, std=0.02)
             self.lora_dropout, self.scale = lora.dropout, lora.alpha / lora.rank
@@ -412,13 +421,12 @@ class Decoder(nn.Module):
             w = self.lm_head.weight if tied is None else tied
             logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
         head = self.lm_head
-        if head.lora_A is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
-            a = F.linear(amp.lp(dropout(x, head.lora_dropout, self.training)), amp.lp(head.lora_A))
-            b = F.linear(amp.lp(a), amp.lp(head.lora_B))
-            del a
-            b = b * head.scale
-            logits = logits + b
-            del b
+        if head.lora_A is not None and head.lora_B is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
+            cast = lora_input_cast(x, head.lora_A, amp, self.profile.lora_input_cast, False)
+            xa = x.to(head.lora_A.dtype) if cast else x
+            logits = lora_result(logits, lora_branch(xa, head.lora_A, head.lora_B, head.lora_dropout, head.scale,
+                                                     self.training, amp), cast, False)
+            del xa
         del x
         if m.logit_scale != 1.0:  # Cohere logit_scale, Granite 1 / logits_scaling
             logits = logits * m.logit_scale

@@ -96,7 +96,7 @@ class Experts(nn.Module):
         super().__init__()
         moe = m.moe
         assert moe is not None
-        self.n, self.top_k, self.act = moe.n_experts, moe.top_k, m.activation
+        self.n, self.top_k, self.act = moe.n_experts, moe.top_k, cfg.activation
         self.gated = m.mlp == "gated"
         e, d, f = moe.n_experts, m.d_model, moe.d_ff_expert
         up = 2 * f if self.gated else f
@@ -239,7 +239,7 @@ class MoEBlock(nn.Module):
         self.experts = Experts(m, cfg, layer)
         self.shared_experts = None
         if moe.n_shared_experts:
-            self.shared_experts = MLP(m.mlp, m.activation, cfg.linear, m.d_model, moe.shared_width, False,
+            self.shared_experts = MLP(m.mlp, cfg.activation, cfg.linear, m.d_model, moe.shared_width, False,
                                       forgather_order=False)
         self.shared_expert_gate = cfg.linear("shared_expert_gate", m.d_model, 1, False) if moe.shared_expert_gate else None
 

@@ -1,0 +1,129 @@
+"""The field contract's other side: every field that moves the estimate moves the traced peak by the
+same amount (issue 26: "every config field perturbed moves the simulated and the traced bytes by the
+same amount").
+
+Each ``PERTURB`` row of ``tests/test_field_contract.py`` (a setup and one field's perturbed value) is
+estimated and traced twice, setup and perturbed, by memcalc's own replica (``framework plain``,
+``memcalc.validate.runner.measure`` on ``meta``). The estimated delta and the traced delta must agree
+within :func:`delta_tolerance`, and a field that moves the estimate must move the trace the same way.
+Rows the replica cannot trace are in :data:`UNTRACED` with the reason, so a new row without a decision
+fails here. ``tests/traces/field_contract_record.py`` records the traced peaks for the quick lane
+(``tests/test_field_contract_recorded.py``).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_field_contract import PERTURB, build, perturbed
+
+#: The deltas agree within the larger of this share of the traced base peak ...
+DELTA_TOLERANCE_PCT = 1.0
+#: ... or these bytes (a few allocations' 512-byte rounding)
+DELTA_TOLERANCE_BYTES = 4096
+
+
+def delta_tolerance(traced_base_bytes: int) -> int:
+    """How far the estimated delta may sit from the traced delta, in bytes."""
+    return max(int(traced_base_bytes * DELTA_TOLERANCE_PCT / 100), DELTA_TOLERANCE_BYTES)
+
+
+#: "Spec.field" -> why the replica cannot trace the row (the field is checked against the estimate
+#: only, by tests/test_field_contract.py, and against its own validator where one exists).
+_MULTI = ("needs {} processes: the replica runs one (runner.py skips it); the sharded step is traced whole by "
+          "{} (a delta check through that validator is still to come)")
+_DS = _MULTI.format("4 DeepSpeed", "tests/test_deepspeed.py (validate/deepspeed_trace.py)")
+_ZERO3 = _MULTI.format("4 ZeRO-3", "tests/test_fsdp_grid.py and tests/test_deepspeed.py (validate/sharded, "
+                                   "validate/deepspeed_trace.py)")
+UNTRACED: dict[str, str] = {
+    "MoESpec.router_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
+    "MoESpec.expert_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
+    "TrainingSpec.compile": "torch.compile needs CUDA (inductor); off CUDA the partitioner's saved set is compared "
+                            "instead (tests/test_compile.py, tests/test_validate_compiled.py)",
+    "TrainingSpec.memory_budget": "a torch.compile option: needs CUDA (inductor), as TrainingSpec.compile",
+    "TrainingSpec.zero": _ZERO3,
+    "TrainingSpec.gpus": _ZERO3,
+    "TrainingSpec.sharding": _ZERO3,
+    "DeepSpeedSpec.reduce_bucket_size": _DS,
+    "DeepSpeedSpec.overlap_comm": _DS,
+    "DeepSpeedSpec.contiguous_gradients": _DS,
+    "DeepSpeedSpec.prefetch_bucket_size": _DS,
+    "DeepSpeedSpec.max_live_parameters": _DS,
+    "DeepSpeedSpec.max_reuse_distance": _DS,
+    "DeepSpeedSpec.param_persistence_threshold": _DS,
+    "TrainingSpec.offload_optimizer": "the optimizer state and step on the CPU: the validator does not measure it "
+                                      "(runner.py skips it)",
+}
+
+#: "Spec.field" -> the measured disagreement (torch 2.13 on meta) and what is known of it: rows traced
+#: whose deltas disagree, kept as strict xfail (a fix on either side makes the row pass and fail here).
+KNOWN_GAPS: dict[str, str] = {
+    "ModelSpec.n_heads": "estimate -65,536 B, trace +32,768 B: opposite signs (gap -98,304 B, within the tolerance); "
+                         "mechanism not found",
+    "ModelSpec.norm_placement": "estimate -126,976 B, trace 0 B (post-norm with residual_scale 0.5); mechanism not "
+                                "found",
+    "ModelSpec.block": "estimate -5,789,696 B, trace -6,313,984 B: gap +524,288 B (0.5 MiB) over 491,842 B; mechanism "
+                       "not found",
+    "ModelSpec.alibi_trainable": "estimate +5,511,168 B, trace +1,314,816 B: gap +4,196,352 B; the estimate's "
+                                 "trainable ALiBi slopes cost 4 MiB more than the replica's (mechanism not found)",
+    "ModelSpec.attn_dropout": "estimate +20,647,424 B, trace +33,554,432 B: gap -12,907,008 B under math attention; "
+                              "the replica's attention-probability dropout keeps more (B, H, T, T) tensors than the "
+                              "estimate's (mechanism not found)",
+    "MoESpec.router": "estimate +1,314,816 B, trace +786,432 B: gap +528,384 B over 373,898 B (softmax-fp32 router "
+                      "in bf16); mechanism not found",
+    "MoESpec.lora_mlp_to_experts": "estimate +8,970,240 B, trace +2,727,936 B: gap +6,242,304 B; the expert "
+                                   "adapters (validate/moe.py target_parameters) cost less in the replica than in "
+                                   "the estimate (mechanism not found)",
+    "LoraSpec.quant_block": "estimate -6,144 B, trace 0 B (block 64 -> 128: fewer absmax constants); the replica's "
+                            "absmax buffers shrink under the 512-byte rounding (mechanism not confirmed)",
+    "KernelProfile.rmsnorm": "estimate -2,617,344 B, trace -2,097,152 B: gap -520,192 B over 304,286 B "
+                             "(composite -> composite-legacy in bf16); mechanism not found",
+    "KernelProfile.norm_upcast": "estimate -5,459,968 B, trace -5,783,552 B: gap +323,584 B over 304,286 B "
+                                 "(the replica's RMSNorm now honours the field: validate/layers.py RMSNorm upcast); "
+                                 "the same family as KernelProfile.rmsnorm's gap; mechanism not found",
+    "KernelProfile.dropout_mask_bytes": "estimate +3,145,728 B, trace 0 B: the replica runs CUDA's native_dropout, "
+                                        "whose mask is bool whatever the field says (aten/src/ATen/native/cuda/"
+                                        "Dropout.cu); a wider mask is the non-fused _dropout_impl's (a mask in the "
+                                        "input's dtype, Dropout.cpp), which CUDA does not run for 0 < p < 1: the "
+                                        "field has no CUDA kernel to trace (KernelProfile.device is cuda only)",
+    "KernelProfile.sdpa_gqa": "estimate -1,048,576 B, trace 0 B: the replica always expands k, v (repeat_kv) "
+                              "before SDPA (plain's rule, validate/attention.py); SDPA's enable_gqa path is traced "
+                              "only by the transformers step (--framework hf, validate/hf_runner.py)",
+}
+
+
+def test_every_row_has_a_decision() -> None:
+    stale = [k for k in (*UNTRACED, *KNOWN_GAPS) if k not in PERTURB]
+    assert not stale, f"entries for rows that are not in PERTURB: {stale}"
+    assert not set(UNTRACED) & set(KNOWN_GAPS)
+    assert all(len(r) > 10 for r in (*UNTRACED.values(), *KNOWN_GAPS.values()))
+
+
+TRACED = [k for k in PERTURB if k not in UNTRACED]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [pytest.param(k, marks=[pytest.mark.xfail(reason=KNOWN_GAPS[k], strict=True)]
+                                              if k in KNOWN_GAPS else []) for k in TRACED])
+def test_traced_delta_matches_estimated_delta(key: str) -> None:
+    pytest.importorskip("torch")
+    from memcalc.estimate.peak import estimate
+    from traces.field_contract_record import trace_pair
+
+    setup, value = PERTURB[key]
+    base = build(setup)
+    pert = perturbed(base, key, value)
+    eb, ep = (estimate(e, timeline=False).peak_bytes for e in (base, pert))
+    tb, tp = trace_pair(key)
+    assert_deltas_agree(key, eb, ep, tb, tp)
+
+
+def assert_deltas_agree(key: str, eb: int, ep: int, tb: int, tp: int) -> None:
+    """The estimated delta ``ep - eb`` against the traced delta ``tp - tb`` (both sides' peaks)."""
+    de, dt = ep - eb, tp - tb
+    tol = delta_tolerance(tb)
+    where = (f"{key}: estimate {eb:,} -> {ep:,} B ({de:+,}), trace {tb:,} -> {tp:,} B ({dt:+,}): "
+             f"gap {de - dt:+,} B, tolerance {tol:,} B")
+    if de != 0:
+        assert dt != 0 and (dt > 0) == (de > 0), "the estimate moves, the trace does not move the same way: " + where
+    assert abs(de - dt) <= tol, where

@@ -1,0 +1,104 @@
+"""Trace both sides of every field-contract row and record the traced peaks in ``field_contract.json``.
+
+    python tests/traces/field_contract_record.py              # every traceable row (a minute or two on 2 cores)
+    python tests/traces/field_contract_record.py --only Lora  # the rows whose field contains "Lora"
+
+A row is a ``PERTURB`` entry of ``tests/test_field_contract.py`` (a setup and one field's perturbed
+value) that memcalc's own replica can trace (``tests/test_field_contract_trace.py`` ``UNTRACED`` lists
+the others with the reason). Per row the validator (``memcalc.validate.runner.measure``, ``meta``)
+traces the setup and the perturbed setup; the file holds both traced peaks in bytes and the torch
+version. After each row the file is written again (rows not traced this time keep their recorded
+values), so an interruption loses nothing already traced. ``tests/test_field_contract_recorded.py``
+compares the estimator's delta with the recorded traced delta in the quick lane;
+``tests/test_field_contract_trace.py`` (slow) traces live.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+
+from test_field_contract import PERTURB, build, perturbed
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "field_contract.json")
+
+
+def trace_pair(key: str) -> tuple[int, int]:
+    """(base, perturbed) peaks of the row's setup traced on ``meta`` by memcalc's replica."""
+    from memcalc.validate.runner import measure
+
+    setup, value = PERTURB[key]
+    base = build(setup)
+    out = []
+    for exp in (base, perturbed(base, key, value)):
+        meas = measure(exp, "meta")
+        if meas.status != "ok":
+            raise RuntimeError(f"{meas.status}: {meas.reason}")
+        out.append(int(meas.measured_bytes))
+    return out[0], out[1]
+
+
+def load() -> dict[str, dict[str, Any]]:
+    if not os.path.exists(PATH):
+        return {}
+    with open(PATH, encoding="utf-8") as f:
+        return {r["field"]: r for r in json.load(f)["rows"]}
+
+
+def write(done: dict[str, dict[str, Any]]) -> None:
+    doc = {"about": "validator peaks (bytes) of each tests/test_field_contract.py PERTURB row, setup and perturbed, "
+                    "traced on meta by memcalc's replica; written by python tests/traces/field_contract_record.py; "
+                    "compared with the estimator's delta by tests/test_field_contract_recorded.py",
+           "rows": [done[k] for k in PERTURB if k in done]}
+    tmp = PATH + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, PATH)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    import torch
+
+    from memcalc.estimate.peak import estimate
+    from test_field_contract_trace import UNTRACED, delta_tolerance
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="trace only the rows whose field contains this")
+    args = ap.parse_args(argv)
+    keys = [k for k in PERTURB if k not in UNTRACED and (args.only is None or args.only in k)]
+    done, failed = load(), []
+    for n, key in enumerate(keys, 1):
+        print(f"[{n}/{len(keys)}] {key} ...", end=" ", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        try:
+            tb, tp = trace_pair(key)
+        except Exception as e:  # one row failing is reported; the others go on
+            print(f"FAILED: {type(e).__name__}: {e}", file=sys.stderr)
+            failed.append(key)
+            continue
+        setup, value = PERTURB[key]
+        done[key] = {"field": key, "value": repr(value), "traced_base_bytes": tb, "traced_perturbed_bytes": tp,
+                     "torch": torch.__version__}
+        write(done)
+        base = build(setup)
+        eb, ep = (estimate(e, timeline=False, replay=False).peak_bytes for e in (base, perturbed(base, key, value)))
+        gap = (ep - eb) - (tp - tb)
+        tol = delta_tolerance(tb)
+        print(f"traced {tp - tb:+,} B, estimated {ep - eb:+,} B (gap {gap:+,}, tolerance {tol:,}) in "
+              f"{time.perf_counter() - t0:.1f} s{'' if abs(gap) <= tol else '  OUTSIDE THE TOLERANCE'}",
+              file=sys.stderr)
+    print(f"{len(keys) - len(failed)} of {len(keys)} rows recorded in {os.path.relpath(PATH)}"
+          + (f"; failed: {', '.join(failed)}" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
