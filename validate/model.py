@@ -421,7 +421,7 @@ class Decoder(nn.Module):
             w = self.lm_head.weight if tied is None else tied
             logits = F.linear(amp.lp(x), amp.lp(w), amp.lp(self.lm_head.bias))
         head = self.lm_head
-        if head.lora_A is not None and head.lora_B is not None:  # as layers.Linear.forward: result + lora_B(lora_A(dropout(x))) * scaling
+        if head.lora_A is not None and head.lora_B is not None:  # as layers.Linear.forward (lora_result)
             cast = lora_input_cast(x, head.lora_A, amp, self.profile.lora_input_cast, False)
             xa = x.to(head.lora_A.dtype) if cast else x
             logits = lora_result(logits, lora_branch(xa, head.lora_A, head.lora_B, head.lora_dropout, head.scale,
