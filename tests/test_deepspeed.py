@@ -89,3 +89,23 @@ def test_grid_is_large_enough():
 def test_unsupported_setups_are_skipped_with_the_reason(tr, why):
     meas = trace_deepspeed(_exp("gpt2", 1, 2, 4, dict(seq=128, **tr), {}))
     assert meas.status == "skipped" and why in meas.reason
+
+
+def test_validate_command_traces_a_deepspeed_config(tmp_path):
+    """``memcalc validate --deepspeed CONFIG --gpus N`` (README, DeepSpeed) reaches DeepSpeed's tracer: the
+    config's stage sets --zero, rank 0 is traced, and the record compares it with the estimate."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    config = Path(__file__).parent / "traces" / "deepspeed" / "zero2.json"
+    r = CliRunner().invoke(app, ["validate", "--model", "tinyllama-1.1b", "--deepspeed", str(config), "--gpus", "4",
+                                 "--seq", "64", "--scale-layers", "1", "--device", "meta", "--json"])
+    assert r.exit_code == 0, r.output
+    (rec,) = json.loads(r.stdout)
+    assert rec["status"] == "ok", rec
+    assert "DeepSpeed" in rec["device"], rec
+    assert abs(rec["predicted_bytes"] - rec["measured_bytes"]) <= TOLERANCE_PCT / 100 * rec["measured_bytes"], rec

@@ -87,7 +87,7 @@ def validate(
     _check_flags(device, framework, scale_layers)
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag)
-    framework = _sharded(device, framework, gpus, zero, sharding, rank)
+    framework = _sharded(device, framework, gpus, zero, sharding, rank, deepspeed)
     run_validate = _runner(as_json)
     items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero, gpus=gpus,
                                     sharding=sharding, **inputs)
@@ -119,10 +119,10 @@ def _check_flags(device: Optional[str], framework: Optional[str], scale_layers: 
 
 
 def _sharded(device: Optional[str], framework: Optional[str], gpus: Optional[int], zero: Optional[int],
-             sharding: Optional[str], rank: Optional[int]) -> Optional[str]:
+             sharding: Optional[str], rank: Optional[int], deepspeed: Optional[str]) -> Optional[str]:
     """The sharded flags checked; the framework traced (plain for a sharded trace unless --framework
     hf is given)."""
-    _check_sharded_flags(gpus, zero, sharding, rank)
+    _check_sharded_flags(gpus, zero, sharding, rank, deepspeed)
     if gpus is not None and gpus > 1:
         if device == "cuda":
             raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
@@ -167,15 +167,18 @@ _OWN = ("config", "all_configs", "device", "scale_layers", "output", "snapshot",
 
 
 def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],
-                         rank: Optional[int]) -> None:
-    """validate's sharded flags go together: --gpus N (N >= 2) with --zero 2 or 3."""
+                         rank: Optional[int], deepspeed: Optional[str] = None) -> None:
+    """validate's sharded flags go together: --gpus N (N >= 2) with --zero 2 or 3, or with a
+    --deepspeed config, whose ZeRO stage sets --zero (DeepSpeed's engine traced as rank 0:
+    validate/deepspeed_trace.py)."""
     from memcalc.core.spec import SHARDINGS
 
     if sharding is not None and sharding not in SHARDINGS:
         raise UserError(f"unknown --sharding {sharding!r}; valid: {', '.join(SHARDINGS)}")
-    if sharding == "deepspeed":
-        raise UserError("--sharding deepspeed: validate traces fsdp2 and fsdp1 here; DeepSpeed ZeRO needs the "
-                        "DeepSpeed tracer (issue 13), not in this build")
+    if deepspeed is not None and zero is None:
+        zero = 2 if gpus is not None and gpus > 1 else None  # (checked when the config is read: stage 2 or 3)
+    if (sharding == "deepspeed" or deepspeed is not None) and rank not in (None, 0):
+        raise UserError(f"--rank {rank}: the DeepSpeed trace runs rank 0 (validate/deepspeed_trace.py)")
     if gpus is None or gpus == 1:
         given = [f"{f} {v}" for f, v in (("--zero", zero or None), ("--sharding", sharding), ("--rank", rank))
                  if v is not None]
@@ -187,6 +190,7 @@ def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Opt
         raise UserError(f"--gpus must be at least 1, got {gpus}")
     if zero not in (2, 3):
         raise UserError(f"--gpus {gpus} needs --zero 2 or 3 for validate (got {'none' if zero is None else zero}): "
-                        "it traces one rank of an FSDP step; data parallel without sharding is one GPU's step")
+                        "it traces one rank of an FSDP or DeepSpeed step (or give --deepspeed CONFIG); data parallel "
+                        "without sharding is one GPU's step")
     if rank is not None and not 0 <= rank < gpus:
         raise UserError(f"--rank {rank} is not a rank of --gpus {gpus} (valid: 0..{gpus - 1})")

@@ -40,6 +40,8 @@ def check_sharded_run(items: list, device: Optional[str], framework: str, rank: 
                             "with --device meta")
         if not 0 <= rank < tr.gpus:
             raise UserError(f"--rank {rank} is not a rank of --gpus {tr.gpus} (valid: 0..{tr.gpus - 1})")
+        if tr.sharding == "deepspeed":  # DeepSpeed's own engine, rank 0 (deepspeed_trace.py), not the FSDP tracer
+            continue
         sharding = check_sharded(exp)
         if framework == "hf" and sharding != "fsdp2":
             raise UserError(f"--framework hf with --sharding {sharding}: the Hugging Face model is traced under FSDP2 "
