@@ -55,7 +55,8 @@ from memcalc.core.units import fmt_bytes, gib
 
 from .interrupt import StopRequested, check as check_stop, stoppable, stopped
 from .output import RecordFile, new_run_id
-from .runner import Measurement, error_reason, measure
+from .runner import measure
+from .step import Measurement, error_reason
 
 
 #: ``--framework``: memcalc's replica of the model, or the real transformers + PEFT step

@@ -28,7 +28,6 @@ off CUDA, ZeRO across GPUs and optimizer offload are ``skipped`` with the reason
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import warnings
@@ -44,11 +43,8 @@ from .hf_kernels import HFKernels, hf_patches
 from .offload import OffloadActivations
 from .hf_model import build_hf_model, choose_family, param_counts, peft_targets
 from .model import torch_dtype
-from .optim import allow_fused_on, build_optimizer
 from .runner import unsupported
-from .step import (Measurement, Probe, Step, fill_measurement, optimizer_step, register_fused_step, track_inputs,
-                   train_step, two_steps)
-from .tracer import StorageTracer
+from .step import Measurement, Probe, run_on_device
 
 
 def library_versions() -> tuple[Optional[str], Optional[str]]:
@@ -165,31 +161,22 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     meas.params = param_counts(model)[0]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(trainable, tr)
-    B, T = tr.batch, tr.seq
-    if dev_type == "meta":
-        ids = torch.empty((B, T), dtype=torch.int64, device=device)
-        labels = torch.empty((B, T), dtype=torch.int64, device=device)
-    else:
-        ids = torch.randint(0, m.vocab_size, (B, T), device=device)
-        labels = ids.clone()
-    tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim) if dev_type != "cuda" else None
-    probe = Probe(device, tracer)
-    hooks = [layer.register_forward_pre_hook(lambda *_a, i=i: probe.label(f"layer {i}"))
-             for i, layer in enumerate(_decoder_layers(model, m.n_layers))]
     head = model.get_output_embeddings()
-    if head is not None:
-        hooks.append(head.register_forward_pre_hook(lambda *_a: probe.label("head & loss")))
-    if tr.fused_optimizer:
-        register_fused_step(opt, trainable)
+    hooks: list = []
+
     # torchtune get_act_offloading_ctx_manager on an HF model: OffloadActivations around the forward,
     # nothing offloaded from lm_head on (here the loss runs inside the forward, so the context closes there)
     offload = OffloadActivations() if tr.activation_offload else None
-    if offload is not None and head is not None:
-        hooks.append(head.register_forward_pre_hook(lambda *_a: offload.close()))
 
-    def forward() -> torch.Tensor:
+    def attach(probe: Probe) -> None:
+        hooks.extend(layer.register_forward_pre_hook(lambda *_a, i=i: probe.label(f"layer {i}"))
+                     for i, layer in enumerate(_decoder_layers(model, m.n_layers)))
+        if head is not None:
+            hooks.append(head.register_forward_pre_hook(lambda *_a: probe.label("head & loss")))
+            if offload is not None:
+                hooks.append(head.register_forward_pre_hook(lambda *_a: offload.close()))
+
+    def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with amp.region():
             if offload is not None:
                 offload.__enter__()
@@ -198,19 +185,12 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
                 offload.close()
         return loss
 
-    parts = Step(forward=forward, grad_accum=tr.grad_accum,
-                 optimizer_step=None if tr.fused_optimizer else optimizer_step(opt))
     kernels = HFKernels(exp.profile, amp)
-    ctx = tracer if tracer is not None else contextlib.nullcontext()
-    if tracer is not None:
-        track_inputs(tracer, model, ids, labels, opt)
-    with allow_fused_on(dev_type), hf_patches(model, kernels), kernels, ctx:
-        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say)
-    fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)
+    run_on_device(exp, m, device, model, meas, say, debug, sim, forward, attach,
+                  contexts=(hf_patches(model, kernels), kernels))
     if offload is not None:
         meas.host_activation_bytes = offload.max_pinned_bytes
     if kernels_seen is not None:
         kernels_seen.extend(kernels.calls)
     for h in hooks:
         h.remove()
-    del model, opt, ids, labels

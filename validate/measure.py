@@ -35,7 +35,7 @@ from memcalc.core.units import fmt_bytes
 
 from .command import make_record
 from .output import RecordFile
-from .runner import Measurement, error_reason, fill_measurement
+from .step import Measurement, error_reason, fill_measurement
 
 NO_CUDA = "CUDA is not available: nothing was measured"
 

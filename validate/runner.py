@@ -25,7 +25,6 @@ is ``skipped`` with the reason.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 from typing import Callable, Optional
@@ -36,10 +35,7 @@ from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.spec import ExperimentSpec
 
 from .model import build_model, param_count
-from .optim import allow_fused_on, build_optimizer
-from .step import (Measurement, Probe, Step, error_reason, fill_measurement, optimizer_step, register_fused_step,
-                   track_inputs, train_step, two_steps)
-from .tracer import StorageTracer
+from .step import Measurement, error_reason, run_on_device
 
 
 def unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
@@ -111,15 +107,6 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
     say(f"building {m.name} ({m.n_layers} layers) on {device}")
     model = build_model(m, tr, exp.profile, device=device)
     meas.params = param_count(model)[0]
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(trainable, tr)
-    B, T = tr.batch, tr.seq
-    if dev_type == "meta":
-        ids = torch.empty((B, T), dtype=torch.int64, device=device)
-        labels = torch.empty((B, T), dtype=torch.int64, device=device)
-    else:
-        ids = torch.randint(0, m.vocab_size, (B, T), device=device)
-        labels = ids.clone()
     if tr.compile:
         import torch._functorch.config as fconfig
         from torch._dynamo import reset as dynamo_reset
@@ -130,34 +117,15 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         fconfig.activation_memory_budget = tr.memory_budget if tr.memory_budget is not None else 1.0
         model.compile(backend="inductor", mode="default", dynamic=False)
 
-    tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim) if dev_type != "cuda" else None
-    probe = Probe(device, tracer)
-    # phase labels are Python callbacks inside forward: under torch.compile they would break the
-    # graph into pieces (and change what it saves), so a compiled step reports no phase
-    model.on_label = None if tr.compile else probe.label
-    if tr.fused_optimizer:
-        register_fused_step(opt, trainable)
-    parts = Step(forward=lambda: model(ids, labels), grad_accum=tr.grad_accum,
-                 optimizer_step=None if tr.fused_optimizer else optimizer_step(opt))
+    def attach(probe) -> None:
+        # phase labels are Python callbacks inside forward: under torch.compile they would break the
+        # graph into pieces (and change what it saves), so a compiled step reports no phase
+        model.on_label = None if tr.compile else probe.label
 
-    def before_measured() -> None:
-        if snapshot and dev_type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=200000)
-
-    ctx = tracer if tracer is not None else contextlib.nullcontext()
-    if tracer is not None:
-        track_inputs(tracer, model, ids, labels, opt)
-    with allow_fused_on(dev_type), ctx:
-        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say,
-                                                  before_measured)
-        if snapshot and dev_type == "cuda":
-            torch.cuda.memory._dump_snapshot(snapshot)
-            torch.cuda.memory._record_memory_history(enabled=None)
-    fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)
+    run_on_device(exp, m, device, model, meas, say, debug, sim, model, attach, snapshot=snapshot)
     if model.offload is not None:
         meas.host_activation_bytes = model.offload.max_pinned_bytes
     model.on_label = None
-    del model, opt, ids, labels
 
 
 def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Measurement, say) -> None:

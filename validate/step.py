@@ -33,7 +33,7 @@ import torch
 from memcalc.core.allocator import CachingAllocatorSim
 
 from .interrupt import check as check_stop
-from .optim import MasterWeights
+from .optim import MasterWeights, allow_fused_on, build_optimizer
 from .tracer import StorageTracer
 
 PHASES = ("forward", "backward", "optimizer step")
@@ -245,3 +245,51 @@ def track_inputs(tracer, model, ids, labels, opt, local=lambda ts: ts) -> None:
     tracer.track([ids, labels])
     if isinstance(opt, MasterWeights):
         tracer.track(local(opt.masters.values()))
+
+
+def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[str], None], debug: bool,
+                  sim: Optional[CachingAllocatorSim], forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                  attach: Callable[[Probe], None], contexts: tuple = (), snapshot: Optional[str] = None) -> None:
+    """The two steps of a model built on one device (cuda, meta, cpu) by a harness (its build-model hook:
+    ``runner.py``'s replica, ``hf_runner.py``'s transformers model): the optimizer over its trainable
+    parameters, the batch, the tracer (off CUDA), the probe (``attach`` gives it to the model's phase
+    labels), a fused optimizer's hooks, then :func:`two_steps` of :func:`train_step` under
+    ``contexts``; the result goes to ``meas``. ``snapshot`` (CUDA): a ``_dump_snapshot`` of the
+    measured step."""
+    tr = exp.training
+    dev_type = torch.device(device).type
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = build_optimizer(trainable, tr)
+    B, T = tr.batch, tr.seq
+    if dev_type == "meta":
+        ids = torch.empty((B, T), dtype=torch.int64, device=device)
+        labels = torch.empty((B, T), dtype=torch.int64, device=device)
+    else:
+        ids = torch.randint(0, m.vocab_size, (B, T), device=device)
+        labels = ids.clone()
+    tracer = None
+    if dev_type != "cuda":
+        tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim)
+    probe = Probe(device, tracer)
+    attach(probe)
+    if tr.fused_optimizer:
+        register_fused_step(opt, trainable)
+    parts = Step(forward=lambda: forward(ids, labels), grad_accum=tr.grad_accum,
+                 optimizer_step=None if tr.fused_optimizer else optimizer_step(opt))
+    record = bool(snapshot) and dev_type == "cuda"
+
+    def before_measured() -> None:
+        if record:
+            torch.cuda.memory._record_memory_history(max_entries=200000)
+
+    if tracer is not None:
+        track_inputs(tracer, model, ids, labels, opt)
+    with allow_fused_on(dev_type), contextlib.ExitStack() as stack:
+        for c in (*contexts, tracer if tracer is not None else contextlib.nullcontext()):
+            stack.enter_context(c)
+        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say,
+                                                  before_measured)
+        if record:
+            torch.cuda.memory._dump_snapshot(snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+    fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 
-from ..runner import Measurement, error_reason
+from ..step import Measurement, error_reason
 from .runner import PHASES, TRACED, check_sharded, trace_rank
 
 #: the record's fields beyond validate's own
