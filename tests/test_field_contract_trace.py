@@ -66,9 +66,6 @@ KNOWN_GAPS: dict[str, str] = {
                        "not found",
     "ModelSpec.alibi_trainable": "estimate +5,511,168 B, trace +1,314,816 B: gap +4,196,352 B; the estimate's "
                                  "trainable ALiBi slopes cost 4 MiB more than the replica's (mechanism not found)",
-    "ModelSpec.attn_dropout": "estimate +20,647,424 B, trace +33,554,432 B: gap -12,907,008 B under math attention; "
-                              "the replica's attention-probability dropout keeps more (B, H, T, T) tensors than the "
-                              "estimate's (mechanism not found)",
     "MoESpec.router": "estimate +1,314,816 B, trace +786,432 B: gap +528,384 B over 373,898 B (softmax-fp32 router "
                       "in bf16); mechanism not found",
     "MoESpec.lora_mlp_to_experts": "estimate +8,970,240 B, trace +2,727,936 B: gap +6,242,304 B; the expert "
@@ -86,9 +83,6 @@ KNOWN_GAPS: dict[str, str] = {
                                         "Dropout.cu); a wider mask is the non-fused _dropout_impl's (a mask in the "
                                         "input's dtype, Dropout.cpp), which CUDA does not run for 0 < p < 1: the "
                                         "field has no CUDA kernel to trace (KernelProfile.device is cuda only)",
-    "KernelProfile.sdpa_gqa": "estimate -1,048,576 B, trace 0 B: the replica always expands k, v (repeat_kv) "
-                              "before SDPA (plain's rule, validate/attention.py); SDPA's enable_gqa path is traced "
-                              "only by the transformers step (--framework hf, validate/hf_runner.py)",
 }
 
 

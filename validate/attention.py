@@ -26,7 +26,11 @@ the estimator uses too. On ``cpu``, where these aten kernels do not exist, forwa
 backward are computed with the math path (transients differ, saved tensors do not).
 
 GQA: with flash/efficient, k and v are expanded to all query heads first (``repeat_kv``:
-expand + reshape, a real copy), as Hugging Face models do.
+expand + reshape, a real copy), as Hugging Face models do; with the profile's ``sdpa_gqa`` they go
+un-expanded with ``enable_gqa`` where transformers' ``use_gqa_in_sdpa`` holds (``model.Attention``).
+The math kernel is written out (:func:`math_attention`) so that its dropout is CUDA's
+``native_dropout`` (a bool mask) on every device: on ``meta`` and ``cpu`` the aten op's
+``at::dropout`` takes the non-fused path, whose mask is in the input's dtype.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ aten = torch.ops.aten
 KERNELS = ATTENTION_KERNELS
 
 
-def choose_kernel(profile_choice: str, compute_dtype: torch.dtype, has_mask: bool) -> str:
+def choose_kernel(profile_choice: str, compute_dtype: torch.dtype, has_mask: bool, enable_gqa: bool = False) -> str:
     """The kernel CUDA runs (:func:`memcalc.core.kernels.choose_attention_kernel`, the rule the
     estimator uses too)."""
-    return choose_attention_kernel(profile_choice, compute_dtype in (torch.float16, torch.bfloat16), has_mask)
+    return choose_attention_kernel(profile_choice, compute_dtype in (torch.float16, torch.bfloat16), has_mask,
+                                   enable_gqa)
 
 
 def _math_forward(q, k, v, bias, is_causal, scale):
@@ -167,14 +172,45 @@ def align_mask(mask: torch.Tensor, B: int, H: int, Tq: int, Tk: int) -> torch.Te
     return mask.expand(B, H, Tq, Tk)
 
 
+def bool_mask_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sdp_utils.h ``convert_boolean_attn_mask``: ``zeros_like(mask, dtype).masked_fill_(~mask, -inf)``."""
+    out = torch.zeros_like(mask, dtype=dtype)
+    return out.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def math_attention(q, k, v, mask, dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool):
+    """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp) written
+    out so that its ``at::dropout`` is CUDA's ``native_dropout``: 16-bit inputs upcast to fp32
+    (``allowFP16BF16ReductionMathSDP`` is off by default), q and k scaled by sqrt(scale), the causal
+    mask built additive, K/V ``repeat_interleave``-d for grouped queries, ``_safe_softmax``."""
+    origin = q.dtype
+    if dropout_p <= 0.0:
+        return aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, is_causal, None, scale=scale,
+                                                       enable_gqa=enable_gqa)[0]
+    q, k, v = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
+    sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    query = q * sf
+    if is_causal:
+        L, S = query.shape[-2], k.shape[-2]
+        mask = bool_mask_to_additive(torch.ones((L, S), dtype=torch.bool, device=q.device).tril(), query.dtype)
+    if enable_gqa:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    attn = torch.matmul(query, k.transpose(-2, -1) * sf)
+    if mask is not None:
+        attn.add_(mask)
+    attn = aten._safe_softmax(attn, -1)
+    attn = torch.native_dropout(attn, dropout_p, True)[0]
+    return torch.matmul(attn, v).to(origin)
+
+
 def sdpa(q, k, v, mask: Optional[torch.Tensor], kernel: str, dropout_p: float, is_causal: bool,
          scale: Optional[float] = None) -> torch.Tensor:
     """Attention of (B,H,T,D) q, k, v with the named kernel (see the module docstring)."""
     B, H, T, D = q.shape
     scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    if kernel == "math":
-        return aten._scaled_dot_product_attention_math(q, k, v, mask, dropout_p, is_causal and mask is None,
-                                                       None, scale=scale)[0]
+    if kernel == "math":  # its dropout as CUDA runs it (native_dropout: a bool mask), see math_attention
+        return math_attention(q, k, v, mask, dropout_p, is_causal and mask is None, scale, k.shape[-3] != H)
     if kernel == "flash":
         if mask is not None:
             raise ValueError("flash attention takes no explicit mask")

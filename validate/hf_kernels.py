@@ -46,7 +46,7 @@ from memcalc.core.kernels import choose_attention_kernel, mla_attention_kernel
 from memcalc.core.spec import KernelProfile
 
 from .amp import Amp
-from .attention import EfficientAttention, FlashAttention, align_mask
+from .attention import EfficientAttention, FlashAttention, align_mask, bool_mask_to_additive, math_attention
 from .devices import kernel_device
 
 aten = torch.ops.aten
@@ -77,38 +77,6 @@ FP32 = _funcs("layer_norm group_norm nll_loss mse_loss l1_loss smooth_l1_loss hu
                                    torch, Tensor)
 #: AT_FORALL_FP32_SET_OPT_DTYPE: run in fp32 unless the caller names an output dtype
 FP32_SET_OPT_DTYPE = _funcs("softmax log_softmax", F) | _funcs("softmax log_softmax sum prod cumsum cumprod", torch, Tensor)
-
-
-def bool_mask_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sdp_utils.h ``convert_boolean_attn_mask``: ``zeros_like(mask, dtype).masked_fill_(~mask, -inf)``."""
-    out = torch.zeros_like(mask, dtype=dtype)
-    return out.masked_fill_(mask.logical_not(), float("-inf"))
-
-
-def math_attention(q, k, v, mask, dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool):
-    """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp) written
-    out so that its ``at::dropout`` is CUDA's ``native_dropout``: 16-bit inputs upcast to fp32
-    (``allowFP16BF16ReductionMathSDP`` is off by default), q and k scaled by sqrt(scale), the causal
-    mask built additive, K/V ``repeat_interleave``-d for grouped queries, ``_safe_softmax``."""
-    origin = q.dtype
-    if dropout_p <= 0.0:
-        return aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, is_causal, None, scale=scale,
-                                                       enable_gqa=enable_gqa)[0]
-    q, k, v = (t.float() if t.dtype in _LOW else t for t in (q, k, v))
-    sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    query = q * sf
-    if is_causal:
-        L, S = query.shape[-2], k.shape[-2]
-        mask = bool_mask_to_additive(torch.ones((L, S), dtype=torch.bool, device=q.device).tril(), query.dtype)
-    if enable_gqa:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    attn = torch.matmul(query, k.transpose(-2, -1) * sf)
-    if mask is not None:
-        attn.add_(mask)
-    attn = aten._safe_softmax(attn, -1)
-    attn = torch.native_dropout(attn, dropout_p, True)[0]
-    return torch.matmul(attn, v).to(origin)
 
 
 class HFKernels(TorchFunctionMode):

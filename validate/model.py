@@ -130,9 +130,13 @@ class Attention(nn.Module):
         elif m.positions == "rope":
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v, mask = amp.lp(q), amp.lp(k), amp.lp(v), amp.lp(mask)  # autocast: sdpa is lower-precision
-        kernel = choose_kernel(self.cfg.profile.attention, q.dtype, mask is not None)
         n_rep = m.n_heads // m.kv_heads
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        # the profile's sdpa_gqa: K/V un-expanded with enable_gqa where transformers' use_gqa_in_sdpa holds
+        # (integrations/sdpa_attention.py: no explicit mask, head dim <= 256; memcalc.engine.forward's rule)
+        gqa = n_rep > 1 and self.cfg.profile.sdpa_gqa and mask is None and m.dim_head <= 256
+        kernel = choose_kernel(self.cfg.profile.attention, q.dtype, mask is not None, gqa)
+        if not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         p = m.attn_dropout if self.training else 0.0
         return sdpa(q, k, v, mask, kernel, p, is_causal=True)
 
