@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.engine.attention_variants import layer_slides, mask_types, sliding_mask_materialised
+from memcalc.engine.blocks.attention_variants import layer_slides, mask_types, sliding_mask_materialised
 from memcalc.engine.params import param_inventory
 from memcalc.estimate.peak import estimate
 

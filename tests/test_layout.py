@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from memcalc.core.layout import layout_of, prefix_and_period
 from memcalc.core.spec import MoESpec
-from memcalc.engine.attention_variants import layer_slides
+from memcalc.engine.blocks.attention_variants import layer_slides
 from memcalc.inputs.presets import list_presets, load_preset
 
 from conftest import tiny_llama

@@ -1,11 +1,10 @@
 """What the block code reads and calls of the decoder walk: :class:`ForwardContext`.
 
-The attention, MLP and layer variants (:mod:`memcalc.engine.attention_variants`,
-:mod:`memcalc.engine.block_variants`, :mod:`memcalc.engine.mla`, :mod:`memcalc.engine.moe`,
-:mod:`memcalc.engine.dora`) are free functions over the walk that calls them,
+The decoder's blocks (:mod:`memcalc.engine.blocks`: embedding, norm, attention and its variants,
+MLA, MLP, MoE, layer, adapters, head) are free functions over the walk that calls them,
 :class:`memcalc.engine.forward.Forward`. They are written against this protocol instead of
 importing ``Forward`` (which imports them): the engine's modules form no import cycle, type-only
-imports included (``tests/test_shape.py``). A new variant reads what is here; a walk
+imports included (``tests/test_shape.py``). A new block reads what is here; a walk
 attribute it needs is added here first.
 """
 
@@ -16,12 +15,22 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from memcalc.engine.strategy import Walk
 
 if TYPE_CHECKING:
-    from memcalc.core.spec import LoraSpec, ModelSpec, TrainingSpec
+    from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
     from memcalc.engine.records import Param
     from memcalc.engine.records import T as Tensor
     from memcalc.engine.ops import Ops
     from memcalc.engine.sim import Sim
     from memcalc.engine.strategy import LayerStrategy
+    from memcalc.core.dtypes import DType
+    from memcalc.engine.tensor_parallel import TensorParallel
+
+
+class Weights(Protocol):
+    """What the blocks read of the model's parameters (:class:`memcalc.engine.weights.Model`, which
+    this module does not import: it builds the inventory from the blocks' rules)."""
+
+    params: dict[str, Param]
+    compute: DType  # the compute dtype (a QLoRA base is dequantised to it)
 
 
 class ForwardContext(Walk, Protocol):
@@ -31,14 +40,29 @@ class ForwardContext(Walk, Protocol):
     sim: Sim
     ops: Ops
     strategy: LayerStrategy  # how the layers run (the attention core goes through it)
+    exp: ExperimentSpec  # the experiment (one rank's share of the model under tensor parallelism)
     m: ModelSpec  # the model (one rank's share of it under tensor parallelism)
     tr: TrainingSpec
     lora: Optional[LoraSpec]
+    tp: Optional[TensorParallel]  # the tensor-parallel collectives (None without tensor parallelism)
     B: int  # batch
     T: int  # sequence length
     rows: int  # B * T
+    seq_rows: int  # rows of the residual stream on this rank (rows / tp with sequence parallelism)
+    # what the walk asks of the (frozen) model spec for every layer, read once
+    variant_layer: bool  # the layer is not plain pre-norm / parallel / post-norm (blocks/layer.py)
+    variant_attention: bool  # the attention is MLA or a variant (blocks/attention.py)
+    q_dim: int
+    kv_dim: int
+    dim_head: int
+    kv_heads: int
+    projs: dict[tuple, tuple]  # proj's parameters by (layer, name, base, weight), looked up once a step
     masks: dict[str, Tensor]  # the step's attention masks by kind (attention_variants.build_masks)
     held_masks: list[Tensor]  # masks a checkpointed region holds until its backward
+
+    @property
+    def model(self) -> Weights:
+        """The parameters as allocations (:class:`memcalc.engine.weights.Model`)."""
 
     def p(self, name: str) -> Param:
         """The parameter called ``name``."""

@@ -18,7 +18,7 @@ from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
-from memcalc.engine.moe import family_notes
+from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params

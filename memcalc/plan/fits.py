@@ -42,7 +42,7 @@ import numpy as np
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.attention_variants import eager
+from memcalc.engine.blocks.attention_variants import eager
 from memcalc.engine.timeline import first_step_within_steady
 from memcalc.estimate.peak import required_bytes
 from memcalc.plan.simulations import Trace, step_trace, with_training
@@ -163,7 +163,7 @@ def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
     w = exp.model.sliding_window
     if w is not None and t1 < w <= t3 and not eager(exp.model) and w + 2 <= exp.model.max_seq_len:
         # the step changes shape at T = window (SDPA gets an explicit sliding mask from there on,
-        # memcalc.engine.attention_variants): fit at and above it; below the window the fit then
+        # memcalc.engine.blocks.attention_variants): fit at and above it; below the window the fit then
         # also counts the masks (an over-estimate the direct estimate corrects)
         t1, t3 = w, min(4 * w, exp.model.max_seq_len)
         t2 = (t1 + t3) // 2

@@ -1,4 +1,11 @@
-"""The causal LM loss (:func:`lm_loss`), and the chunked cross-entropy: the loss rows in
+"""The model's head: the final norm (:func:`final_norm`), the output projection and the logits'
+post-processing (:func:`logits`: ``logit_scale``, Gemma-2's final softcap), the loss (:func:`loss`);
+their parameters (:func:`head_params`).
+
+**Final logit softcap** (Gemma2ForCausalLM ``final_logit_softcapping``): ``logits / cap``,
+``tanh`` (saves its output), ``* cap``: three (B, T, V) tensors, one kept for backward.
+
+The causal LM loss (:func:`lm_loss`), and the chunked cross-entropy: the loss rows in
 ``loss_chunks`` pieces, each upcast and reduced on its own (:func:`chunked_cross_entropy`).
 
 What the chunked code does (the validator's ``validate/model.py`` ``lm_loss`` runs exactly this):
@@ -31,10 +38,18 @@ time; the saved log-probabilities and the gradient in the logits' dtype still ar
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import chunk_rows
+from memcalc.core.spec import LoraSpec, ModelSpec
+from memcalc.engine.blocks.adapters import adapter_params
+from memcalc.engine.blocks.base import ParamTensor, scaled
 from memcalc.engine.ops import Ops
 from memcalc.engine.sim import T
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcalc.engine.context import ForwardContext
 
 
 CATEGORY = "logits & loss"
@@ -144,3 +159,79 @@ def lm_loss(ops: Ops, logits: T, B: int, Tq: int, V: int, loss_parallel: bool = 
     ops.sim.node("nll_loss", [], [lsm], [], [loss], temps=[2 * lsm.nbytes] if loss_parallel else [])
     ops.drop(lsm)
     return loss
+
+
+# -- the head's parameters and forward ----------------------------------------------------------
+def head_params(m: ModelSpec, lora: Optional[LoraSpec], full: bool) -> list[ParamTensor]:
+    """The final norm, the untied head (vocab x d) and its bias, the head's adapter."""
+    d = m.d_model
+    out = []
+    if m.final_norm:
+        out.append(ParamTensor("final_norm.weight", (d,), None, full, "norm"))
+        if m.has_norm_bias:
+            out.append(ParamTensor("final_norm.bias", (d,), None, full, "bias"))
+    if not m.tie_embeddings:
+        out.append(ParamTensor("lm_head.weight", (m.vocab_size, d), None, full, "embedding"))
+    if m.lm_head_bias:
+        out.append(ParamTensor("lm_head.bias", (m.vocab_size,), None, full, "bias"))
+    if lora is not None and "head" in lora.targets:
+        # LoRA on the output projection (PEFT lm_head, torchtune apply_lora_to_output, LitGPT lora_head):
+        # A: r x d, B: vocab x r; with tied embeddings PEFT 0.21 still adapts the lm_head module alone
+        # (peft/tuners/lora/model.py: the embedding is adapted instead only with ensure_weight_tying)
+        out.extend(adapter_params("lm_head", d, m.vocab_size, None, lora))
+    return out
+
+
+def final_norm(fwd: ForwardContext, x: T) -> T:
+    """The final norm on the last layer's output, when the model has one (takes the reference)."""
+    if not fwd.m.final_norm:
+        return x
+    h = fwd.norm(x, "final_norm")
+    fwd.ops.drop(x)
+    return h
+
+
+def logits(fwd: ForwardContext, x: T) -> T:
+    """The head on ``x`` (takes the reference): the untied head or the embedding's weight, as a
+    projection (with LoRA target head, its adapter branch is a vocab-wide B output), then
+    :func:`post_logits`."""
+    o, m = fwd.ops, fwd.m
+    weight = "lm_head.weight" if fwd.maybe("lm_head.weight") is not None else "embed_tokens.weight"
+    if fwd.tp:  # the head is column-parallel on the vocabulary
+        h = fwd.tp.gather(fwd, x)
+        o.drop(x)
+        x = h
+    out = fwd.proj(x, None, "lm_head", "head", m.vocab_size, base="lm_head", weight=weight)
+    o.drop(x)
+    return post_logits(fwd, out)
+
+
+def post_logits(fwd: ForwardContext, logits: T) -> T:
+    """``logit_scale`` then the final softcap on the head's output (takes the reference)."""
+    o, m, sim = fwd.ops, fwd.m, fwd.sim
+    logits = scaled(fwd, logits, m.logit_scale)
+    cap = m.logit_softcap
+    if cap is None:
+        return logits
+    dt = o.dtype_of(logits)
+    d = o.new(logits.numel, dt)
+    sim.node("div_scalar", [], [logits], [], [d])
+    o.drop(logits)
+    t = o.new(d.numel, dt)
+    sim.node("tanh", [t], [d], [], [t])
+    o.drop(d)
+    y = o.new(t.numel, dt)
+    sim.node("mul_scalar", [], [t], [], [y])
+    o.drop(t)
+    return y
+
+
+def loss(fwd: ForwardContext, logits: T) -> T:
+    """The LM loss on the logits (takes the reference), its tensors in the category "logits & loss"."""
+    fwd.sim.role = "loss"
+    o = fwd.ops
+    o.category = CATEGORY
+    out = lm_loss(o, logits, fwd.B, fwd.T, fwd.m.vocab_size, fwd.tp is not None)
+    o.category = "saved activations"
+    o.drop(logits)
+    return out

@@ -46,10 +46,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.spec import ExperimentSpec, ModelSpec
-from memcalc.core.rules import deepseek_groups
-from memcalc.core.units import fmt_bytes
-from memcalc.engine.params import param_inventory
+from memcalc.core.spec import LoraSpec, ModelSpec
+from memcalc.core.rules import deepseek_groups, expert_lora_ranks
+from memcalc.engine.blocks.base import Linear, ParamTensor
+from memcalc.engine.blocks.mlp import mlp_params
 from memcalc.engine.sim import Param, T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,34 +68,44 @@ def router_kind(m: ModelSpec) -> str:
     return m.moe.router
 
 
-def family_notes(exp: ExperimentSpec) -> list[str]:
-    """The activation assumptions of the MoE and MLA blocks in this setup, for the estimate's notes."""
-    m, tr = exp.model, exp.training
-    notes = []
-    if m.moe is not None:
-        moe = m.moe
-        notes.append(
-            f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
-            "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
-            "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
-        adapted = [p for p in param_inventory(m, tr.lora) if ".moe.experts." in p.name and p.kind == "lora"]
-        if adapted:
-            n_layers = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
-            per_layer = tr.weight_dtype.nbytes(
-                sum(p.numel for p in param_inventory(m) if p.layer == next(i for i in range(m.n_layers)
-                                                                          if moe.is_moe_layer(i))
-                    and p.kind == "experts"))
-            notes.append(
-                f"LoRA on the routed experts: PEFT materialises W + B A for each adapted expert tensor, and the "
-                f"grouped matmul keeps it for backward: {fmt_bytes(per_layer)} per MoE layer x {n_layers} layers "
-                "of saved activations")
+def moe_params(m: ModelSpec, i: int, linear: Linear, out: list[ParamTensor], full: bool,
+               lora: Optional[LoraSpec]) -> None:
+    """One MoE block: router (E x d, a bias on gpt-oss), routed experts stored as 3-D parameters
+    (transformers 5 MixtralExperts / Qwen3MoeExperts / DeepseekV3NaiveMoe / GptOssExperts:
+    gate_up_proj E x 2f x d, down_proj E x d x f, biases E x 2f and E x d on gpt-oss), shared
+    experts as one dense MLP of width ``shared_width`` (DeepseekV3MoE.shared_experts,
+    Qwen2MoeSparseMoeBlock.shared_expert) and Qwen2-MoE's shared_expert_gate Linear(d, 1).
+
+    LoRA: ``target_modules`` reach only nn.Linear modules (shared experts, dense layers), never
+    the 3-D expert parameters; target ``experts`` is PEFT's ``target_parameters`` on
+    experts.gate_up_proj and experts.down_proj, whose ParamWrapper holds lora_A: (r * E) x in and
+    lora_B: out x (r * E) (peft 0.21 tuners/lora/layer.py ParamWrapper.update_layer).
+    QLoRA: the expert tensors and the router stay in the weight dtype: transformers 5.23 bitsandbytes
+    replaces only ``nn.Linear`` / ``Conv1D`` modules with 4-bit ones (integrations/bitsandbytes.py
+    ``replace_with_bnb_linear``; quantizer_bnb_4bit ``param_needs_quantization``: a Linear4bit's
+    weight), and the experts are 3-D ``nn.Parameter``s. Shared experts and dense layers (nn.Linear)
+    are quantized.
+    """
+    moe = m.moe
+    assert moe is not None
+    d, e, f = m.d_model, moe.n_experts, moe.d_ff_expert
+    out.append(ParamTensor(f"layers.{i}.moe.router.weight", (e, d), i, full, "router"))
+    if moe.router_bias:
+        out.append(ParamTensor(f"layers.{i}.moe.router.bias", (e,), i, full, "bias"))
+    up_width = 2 * f if m.mlp == "gated" else f
+    ranks = expert_lora_ranks(m, lora)
+    for name, d_in, d_out in (("gate_up_proj", d, up_width), ("down_proj", f, d)):
+        out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts"))
         if moe.expert_bias:
-            notes.append("gpt-oss experts: the clamped SwiGLU is counted as act(gate) * up (its extra pointwise "
-                         "tensors are not modelled)")
-    if m.mla is not None and tr.checkpoint == "selective":
-        notes.append("checkpoint selective: multi-head latent attention runs its attention core eagerly "
-                     "(not recomputed)")
-    return notes
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}_bias", (e, d_out), i, full, "bias"))
+        r = ranks[name]
+        if r:
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_A", (r * e, d_in), i, True, "lora"))
+            out.append(ParamTensor(f"layers.{i}.moe.experts.{name}.lora_B", (d_out, r * e), i, True, "lora"))
+    if moe.n_shared_experts:
+        mlp_params(m, "moe.shared_experts", moe.shared_width, False, linear)
+    if moe.shared_expert_gate:
+        linear("shared_expert_gate", "moe.shared_expert_gate", d, 1, False)
 
 
 class _Block:

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import efficient_lse_len, mla_attention_kernel
+from memcalc.core.spec import ModelSpec
+from memcalc.engine.blocks.base import Linear, Norm
 from memcalc.engine.sim import T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +45,23 @@ if TYPE_CHECKING:  # pragma: no cover
 
 F32 = DType.fp32
 TMP = "temporaries"
+
+
+def mla_params(m: ModelSpec, linear: Linear, norm: Norm) -> None:
+    """DeepseekV3Attention's projections and norms: q_a/kv_a/o biases are attention_bias; q_b, kv_b none."""
+    d = m.d_model
+    a, h = m.mla, m.n_heads
+    assert a is not None
+    if a.q_lora_rank is None:
+        linear("q", "attn.q_proj", d, h * a.qk_head_dim, False)
+    else:
+        linear("q_a", "attn.q_a_proj", d, a.q_lora_rank, m.qkv_bias)
+        norm("attn.q_a_layernorm", (a.q_lora_rank,), m.has_norm_bias)
+        linear("q_b", "attn.q_b_proj", a.q_lora_rank, h * a.qk_head_dim, False)
+    linear("kv_a", "attn.kv_a_proj_with_mqa", d, a.kv_lora_rank + a.qk_rope_head_dim, m.qkv_bias)
+    norm("attn.kv_a_layernorm", (a.kv_lora_rank,), m.has_norm_bias)
+    linear("kv_b", "attn.kv_b_proj", a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim), False)
+    linear("o", "attn.o_proj", h * a.v_head_dim, d, m.o_bias)
 
 
 class _MLA:

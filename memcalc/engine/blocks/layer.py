@@ -1,5 +1,10 @@
-"""Decoder layers, MLP and head of the model families beyond Llama, op by op as transformers 5
-runs them (the validator's replica, ``validate/model.py``, runs the same ops).
+"""One decoder layer: its norms and residuals around the attention and the feed-forward block
+(:func:`layer`; the blocks themselves are :mod:`.attention` and :mod:`.mlp` / :mod:`.moe`, reached
+through the walk), and the residual dropout. The pre-norm (Llama), parallel (GPT-J, phi) and
+post-norm (DeepNet: ``x = norm(x * alpha + f(x))``) placements are written in :func:`layer`; the
+families beyond them below, op by op as transformers 5 runs them (the validator's replica,
+``validate/model.py``, runs the same ops). Their parameters: the norms
+(``norms_per_layer``, :mod:`.norm`).
 
 - **Norm placements** (``norm_placement``): ``sandwich`` = Gemma2DecoderLayer / Glm4DecoderLayer
   ``x + post_norm(f(pre_norm(x)))`` for attention and MLP (4 norms: norm1 before attention,
@@ -13,20 +18,15 @@ runs them (the validator's replica, ``validate/model.py``, runs the same ops).
   ``logit_scale`` (Cohere ``logits * logit_scale``, Granite ``logits / logits_scaling``): each a
   multiply by a Python scalar, a new tensor that saves nothing (``mul``'s formula needs the
   other operand only when it is a tensor). Gemma multiplies by a 0-dim buffer cast to the
-  weight dtype, which ``mul`` saves: 2 bytes (one 512-byte block), not modelled.
-- **Final logit softcap** (Gemma2ForCausalLM ``final_logit_softcapping``): ``logits / cap``,
-  ``tanh`` (saves its output), ``* cap``: three (B, T, V) tensors, one kept for backward.
-- **Fused gate/up** (Phi3MLP / Glm4MLP ``gate_up_proj`` then ``chunk(2, -1)``): views of one
-  (B, T, 2*d_ff) output; the activation saves the gate view and the product saves the up view,
-  so the whole output stays alive for backward, as gate and up do unfused. One LoRA adapter on
-  the fused module: its input saved once.
+  weight dtype, which ``mul`` saves: 2 bytes (one 512-byte block), not modelled. (The
+  embedding's and the logits' are in :mod:`.embedding` and :mod:`.head`.)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memcalc.engine.attention_variants import pin_views, split_views, view_map
+from memcalc.engine.blocks.base import scaled as _scaled
 from memcalc.engine.sim import T
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,6 +34,59 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def layer(fwd: ForwardContext, x: T, i: int) -> T:
+    """One decoder layer; takes a reference to x and returns a new output reference."""
+    o, m = fwd.ops, fwd.m
+    if fwd.variant_layer:  # sandwich / output norms, two parallel norms, residual multiplier
+        return _variant_layer(fwd, x, i)
+    if m.block == "parallel":
+        h = fwd.norm(x, f"layers.{i}.norm1")
+        a = fwd.resid_drop(fwd.attention(h, i))
+        f = fwd.resid_drop(fwd.mlp(h, i))
+        o.drop(h)
+        s = o.add(a, f)
+        o.drop(a, f)
+        y = o.add(s, x)
+        o.drop(s)
+        return y
+    if m.norm_placement == "pre":
+        h = fwd.norm(x, f"layers.{i}.norm1")
+        a = fwd.resid_drop(fwd.attention(h, i))
+        o.drop(h)
+        x1 = o.add(x, a)
+        o.drop(a)
+        h2 = fwd.norm(x1, f"layers.{i}.norm2")
+        f = fwd.resid_drop(fwd.mlp(h2, i))
+        o.drop(h2)
+        y = o.add(x1, f)
+        o.drop(x1, f)
+        return y
+    # post-norm (DeepNet): x = norm(x * alpha + f(x))
+    a = fwd.resid_drop(fwd.attention(x, i))
+    r = o.scale(x, m.residual_scale)
+    z = o.add(r, a)
+    o.drop(r, a)
+    x1 = fwd.norm(z, f"layers.{i}.norm1")
+    o.drop(z)
+    f = fwd.resid_drop(fwd.mlp(x1, i))
+    r2 = o.scale(x1, m.residual_scale)
+    z2 = o.add(r2, f)
+    o.drop(r2, f, x1)
+    y = fwd.norm(z2, f"layers.{i}.norm2")
+    o.drop(z2)
+    return y
+
+
+def resid_drop(fwd: ForwardContext, x: T) -> T:
+    """Residual dropout on ``x`` (a reference the call takes over)."""
+    if fwd.m.resid_dropout <= 0:  # dropout(x, 0) is x: a new reference, then x's dropped (nothing changes)
+        assert x.alive, f"reference to a freed tensor {x.name}"
+        return x
+    y = fwd.ops.dropout(x, fwd.m.resid_dropout)
+    fwd.ops.drop(x)
+    return y
+
+
+def _variant_layer(fwd: ForwardContext, x: T, i: int) -> T:
     """One decoder layer of a variant placement; takes a reference to x, returns a new one."""
     o, m = fwd.ops, fwd.m
     rm = m.residual_multiplier
@@ -65,12 +118,6 @@ def layer(fwd: ForwardContext, x: T, i: int) -> T:
     return y
 
 
-def _scaled(fwd: ForwardContext, a: T, factor: float) -> T:
-    y = fwd.ops.scale(a, factor)
-    fwd.ops.drop(a)
-    return y
-
-
 def _residual(fwd: ForwardContext, x: T, f: T, post_norm: str | None, drop: T | None = None) -> T:
     """x + multiplier * post_norm(dropout(f)): ``f`` is the sublayer output (dropped here),
     ``drop`` the sublayer input to release once the sublayer ran."""
@@ -85,45 +132,4 @@ def _residual(fwd: ForwardContext, x: T, f: T, post_norm: str | None, drop: T | 
     f = _scaled(fwd, f, fwd.m.residual_multiplier)
     y = o.add(x, f)
     o.drop(f)
-    return y
-
-
-def fused_gate_up_mlp(fwd: ForwardContext, h: T, i: int) -> T:
-    """Phi3MLP.forward: ``gate, up = gate_up_proj(x).chunk(2, -1)``; ``down(up * act(gate))``."""
-    o, m, sim = fwd.ops, fwd.m, fwd.sim
-    n0 = len(sim.nodes)
-    base = fwd.proj(h, i, "mlp.gate_up_proj", "gate_up", 2 * m.d_ff)
-    g, u = split_views(o, base, [fwd.rows * m.d_ff] * 2, "chunk")
-    a = o.activation(g, m.activation)
-    x = o.mul(u, a)
-    o.drop(a, g, u)
-    pin_views(sim, n0, view_map(base, [g, u]))
-    o.drop(base)  # the views die here: the storage lives on where a node saved a view
-    y = fwd.proj(x, i, "mlp.down_proj", "down", m.d_model)
-    o.drop(x)
-    return y
-
-
-def scale_embeddings(fwd: ForwardContext, x: T) -> T:
-    """The embeddings times ``embedding_scale`` (a new tensor when the scale is not 1)."""
-    return _scaled(fwd, x, fwd.m.embedding_scale)
-
-
-def post_logits(fwd: ForwardContext, logits: T) -> T:
-    """``logit_scale`` then the final softcap on the head's output (takes the reference)."""
-    o, m, sim = fwd.ops, fwd.m, fwd.sim
-    logits = _scaled(fwd, logits, m.logit_scale)
-    cap = m.logit_softcap
-    if cap is None:
-        return logits
-    dt = o.dtype_of(logits)
-    d = o.new(logits.numel, dt)
-    sim.node("div_scalar", [], [logits], [], [d])
-    o.drop(logits)
-    t = o.new(d.numel, dt)
-    sim.node("tanh", [t], [d], [], [t])
-    o.drop(d)
-    y = o.new(t.numel, dt)
-    sim.node("mul_scalar", [], [t], [], [y])
-    o.drop(t)
     return y

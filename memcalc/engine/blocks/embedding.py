@@ -1,0 +1,51 @@
+"""The embeddings: token embedding (vocabulary-parallel under tensor parallelism), the
+``embedding_scale`` multiplier, learned positions, and the embedding dropout; their parameters
+(``embed_tokens``, ``embed_positions``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memcalc.core.spec import ModelSpec
+from memcalc.engine.blocks.base import ParamTensor, scaled
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcalc.engine.context import ForwardContext
+    from memcalc.engine.records import T
+
+
+def embedding_params(m: ModelSpec, full: bool) -> list[ParamTensor]:
+    """The token embedding (vocab x d) and, with learned positions, the position embedding."""
+    d = m.d_model
+    out = [ParamTensor("embed_tokens.weight", (m.vocab_size, d), None, full, "embedding")]
+    if m.positions == "learned":
+        out.append(ParamTensor("embed_positions.weight", (m.max_seq_len, d), None, full, "embedding"))
+    return out
+
+
+def embed(fwd: ForwardContext, ids: T) -> T:
+    """The embeddings of the token ids ``ids`` (scaled, plus learned positions); a new reference."""
+    o, m = fwd.ops, fwd.m
+    x = o.embedding(ids, fwd.rows, fwd.p("embed_tokens.weight"), m.d_model)
+    if fwd.tp:  # vocabulary-parallel embedding: its Partial output reduced
+        x = fwd.tp.reduce(fwd, x)
+    x = scale_embeddings(fwd, x)
+    pos = fwd.maybe("embed_positions.weight")
+    if pos is not None:
+        pe = o.embedding(ids, fwd.T, pos, m.d_model)
+        x2 = o.add(x, pe)
+        o.drop(x, pe)
+        x = x2
+    return x
+
+
+def scale_embeddings(fwd: ForwardContext, x: T) -> T:
+    """The embeddings times ``embedding_scale`` (a new tensor when the scale is not 1)."""
+    return scaled(fwd, x, fwd.m.embedding_scale)
+
+
+def embed_dropout(fwd: ForwardContext, x: T) -> T:
+    """The embedding dropout (``embd_dropout``) on ``x`` (takes the reference)."""
+    y = fwd.ops.dropout(x, fwd.m.embd_dropout)
+    fwd.ops.drop(x)
+    return y

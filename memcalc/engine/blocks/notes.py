@@ -1,0 +1,38 @@
+"""The estimate's notes on the mixture-of-experts and multi-head latent attention blocks
+(:mod:`.moe`, :mod:`.mla`): what their activations assume in a given setup."""
+
+from __future__ import annotations
+
+from memcalc.core.spec import ExperimentSpec
+from memcalc.core.units import fmt_bytes
+from memcalc.engine.params import param_inventory
+
+
+def family_notes(exp: ExperimentSpec) -> list[str]:
+    """The activation assumptions of the MoE and MLA blocks in this setup, for the estimate's notes."""
+    m, tr = exp.model, exp.training
+    notes = []
+    if m.moe is not None:
+        moe = m.moe
+        notes.append(
+            f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
+            "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
+            "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
+        adapted = [p for p in param_inventory(m, tr.lora) if ".moe.experts." in p.name and p.kind == "lora"]
+        if adapted:
+            n_layers = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
+            per_layer = tr.weight_dtype.nbytes(
+                sum(p.numel for p in param_inventory(m) if p.layer == next(i for i in range(m.n_layers)
+                                                                          if moe.is_moe_layer(i))
+                    and p.kind == "experts"))
+            notes.append(
+                f"LoRA on the routed experts: PEFT materialises W + B A for each adapted expert tensor, and the "
+                f"grouped matmul keeps it for backward: {fmt_bytes(per_layer)} per MoE layer x {n_layers} layers "
+                "of saved activations")
+        if moe.expert_bias:
+            notes.append("gpt-oss experts: the clamped SwiGLU is counted as act(gate) * up (its extra pointwise "
+                         "tensors are not modelled)")
+    if m.mla is not None and tr.checkpoint == "selective":
+        notes.append("checkpoint selective: multi-head latent attention runs its attention core eagerly "
+                     "(not recomputed)")
+    return notes
