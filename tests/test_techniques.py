@@ -17,7 +17,8 @@ from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
 from memcalc.core.kernels import pinned_bytes
 from memcalc.engine.optimizers import PAGED, state_bytes
 from memcalc.engine.params import count_params
-from memcalc.engine.sim import Param, T
+from memcalc.engine.offload import ActivationOffload
+from memcalc.engine.sim import Node, Param, Sim, T
 from memcalc.estimate.peak import estimate
 from memcalc.render.report import technique_lines
 
@@ -85,6 +86,62 @@ def test_activation_offload_moves_saved_tensors_off_the_gpu():
     assert off.extra["host_activation_bytes"] > 0
     assert off.extra["max_activation_bytes"] < base.extra["max_activation_bytes"]
     assert any("pinned for offloaded activations" in line for line in technique_lines(off))
+
+
+def test_a_checkpoint_recomputes_on_its_reloaded_inputs():
+    """torch.utils.checkpoint's recompute runs on the inputs the offload hook unpacks (GPU copies):
+    a region input freed in forward comes back as the reloaded block, and an op of the recompute
+    that keeps it (an fp32 RMSNorm's pow saves ``x.to(fp32)``, which is ``x``; a LayerNorm saves
+    its input) keeps the reload alive after the backward stash lets go of it."""
+    sim = Sim()
+    off = sim.offload = ActivationOffload()
+    x = sim.alloc(4096, "activations", "activations", numel=1024)
+    off.active = True
+    node = Node("checkpoint layer 0", [], [], [], [], on_backward=lambda s, n: None)
+    node.saved, node.offloaded = off.pack(sim, [x])
+    off.active = False
+    off.after_node(sim)  # the forward stash is drained
+    sim.unref(x)  # the model code lets go of the input
+    assert not x.alive and sim.total == 0
+    off.unpack(sim, node)  # before the recompute
+    assert x.alive and x.category == "reloaded activations" and sim.total == x.nbytes == 4096
+    sim.ref(x)  # an op of the recompute saves it
+    off.end_backward(sim)
+    assert x.alive and sim.total == 4096
+    sim.unref(x)
+    assert not x.alive and sim.total == 0
+
+
+@pytest.mark.parametrize("norm,precision,checkpoint", [
+    ("rmsnorm", "fp32", "full"),  # source: the fp32 RMSNorm's x.to(fp32) is x, which pow saves
+    ("rmsnorm", "fp32", "every-k"),  # (every 2nd layer: the other runs eagerly)
+    ("rmsnorm", "amp-bf16", "selective-op"),
+    ("layernorm", "bf16", "full"),  # source: native_layer_norm saves its input
+])
+def test_checkpointed_offload_recompute_keeps_its_reloaded_input(norm, precision, checkpoint):
+    m = TINY.model_copy(update={"norm": norm})
+    tr = dict(batch=2, seq=64, precision=precision, checkpoint=checkpoint)
+    base, off = _est(tr, m), _est({**tr, "activation_offload": True}, m)
+    assert off.extra["host_activation_bytes"] > 0
+    assert off.extra["max_activation_bytes"] <= base.extra["max_activation_bytes"]
+
+
+@pytest.mark.slow  # 288 estimates (about 35 s)
+def test_tp_checkpoint_offload_combinations_estimate_or_refuse_in_one_line():
+    """Every combination of --tp, --checkpoint, --activation-offload, --sequence-parallel, --zero
+    and precision estimates or is a one-line error (exit 2), never an internal exception."""
+    import itertools
+
+    for tp, ck, off, sp, zero, prec in itertools.product(
+            [1, 2], ["none", "full", "every-2", "sqrt", "selective", "selective-op"], [False, True], [False, True],
+            [0, 2, 3], ["fp32", "bf16"]):
+        args = ["estimate", "--model", "tinyllama-1.1b", "--seq", "128", "--precision", prec, "--checkpoint", ck,
+                "--tp", str(tp), "--gpus", str(2 * tp), "--zero", str(zero)]
+        args += ["--activation-offload"] * off + ["--sequence-parallel"] * sp
+        r = run(args)
+        assert r.exit_code in (0, 2), (args, r.exception)
+        if r.exit_code == 2:
+            assert r.stderr.startswith("memcalc: error: ") and r.stderr.count("\n") == 1, (args, r.stderr)
 
 
 @pytest.mark.parametrize("n,pinned", [

@@ -37,6 +37,10 @@ GRID = [
     # source: OffloadActivations + checkpointing: the region inputs (_NoopSaveInputs) are what is offloaded
     ("llama-3.1-8b", 2, dict(batch=1, seq=1024, precision="bf16", lora=dict(rank=8, targets=ALL), checkpoint="full",
                              activation_offload=True), "plain"),
+    # source: OffloadActivations + checkpointing in fp32: the recompute's RMSNorm saves the reloaded input itself
+    ("tinyllama-1.1b", 2, dict(batch=2, seq=512, checkpoint="full", activation_offload=True), "plain"),
+    # source: OffloadActivations + checkpointing, LayerNorm: native_layer_norm saves the reloaded input
+    ("gpt2", 2, dict(batch=2, seq=512, precision="bf16", checkpoint="full", activation_offload=True), "plain"),
     # source: OffloadActivations, fp32 GPT-2 (tied head kept on the GPU by the NoOpManager)
     ("gpt2", 2, dict(batch=2, seq=512, activation_offload=True), "plain"),
     # source: OffloadActivations + QLoRA under AMP

@@ -95,6 +95,8 @@ class ActivationOffload:
                 # a weight view comes back whole (a ZeRO-3 shard's block holds only its part)
                 n = max(t.nbytes, raw_bytes(t)) if t.kind == "weights" else t.nbytes
                 g = sim.alloc(n, "activations", "reloaded activations")
+                if node.on_backward is not None and not t.alive:
+                    g = _in_place_of(t, g)
                 self.bwd_cur.append(g)
 
     def after_node(self, sim: Sim) -> None:
@@ -114,6 +116,18 @@ class ActivationOffload:
             sim.unref(t)
         self.bwd_prev, self.bwd_cur, self.fwd_stash = [], [], []
         self.host_bytes = self.pinned_bytes = self.offloaded_tensors = 0
+
+
+def _in_place_of(t: T, g: T) -> T:
+    """A checkpointed region's recompute runs on its reloaded inputs (torch/utils/checkpoint.py:
+    the recompute takes ``ctx.saved_tensors``, which the offload hook's unpack returns as the
+    GPU copies), while the region's ops here refer to the input blocks of the first forward: a
+    freed input takes the reloaded block's memory ``g`` (its bytes and its one reference, held
+    by the backward stash), so an op of the recompute that keeps it (an fp32 RMSNorm's
+    ``x.to(fp32)`` is ``x`` itself, which ``pow`` saves) keeps the reload alive past the stash."""
+    t.nbytes, t.kind, t.category, t.uid, t.seq = g.nbytes, g.kind, g.category, g.uid, g.seq
+    t.refs, t.alive = g.refs, True
+    return t
 
 
 def rope_region_inputs(fwd) -> list[T]:
