@@ -133,3 +133,32 @@ def _setup_for(name: str, setup: dict) -> dict:
     if name == "adapters" and "lora" not in setup:
         setup = {**setup, "lora": {}}
     return setup
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "key"), CASES, ids=[f"{n}-{k}" for n, k in CASES])
+def test_block_twin_has_its_parameters(name: str, key: str) -> None:
+    """The block's PyTorch twin (``validate/``'s replica, built on meta) holds the parameters the
+    block's rule adds, name for name and shape for shape, before and after the perturbation (an
+    expert tensor's adapter is ``<tensor>_lora_A`` there: a parameter has no children). The saved
+    bytes are the families' trace tests' (see the module docstring)."""
+    pytest.importorskip("torch")
+    from memcalc.validate.model import build_model, unbuilt_features
+
+    block = BLOCKS[name]
+    setup, value = PERTURB[key]
+    base = build(_setup_for(name, setup))
+    for exp in (base, perturbed(base, key, VALUES.get((name, key), value))):
+        if unbuilt_features(exp.model):
+            pytest.skip(f"the replica does not build {unbuilt_features(exp.model)}")
+        net = build_model(exp.model, exp.training, exp.profile, device="meta")
+        twin = {n.replace("_proj_lora_", "_proj.lora_"): tuple(p.shape) for n, p in net.named_parameters()}
+        mine = {p.name: p.shape for p in param_inventory(exp.model, exp.training.lora) if block.owns(p)}
+        assert {n: s for n, s in twin.items() if n in mine or _owned_name(block, n)} == mine
+
+
+def _owned_name(block: Block, name: str) -> bool:
+    """Whether a parameter of the twin called ``name`` is the block's (its predicate on a stand-in)."""
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    kind = "lora" if ".lora_" in name else ""
+    return block.owns(ParamTensor(name, (), layer, False, kind))
