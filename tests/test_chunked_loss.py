@@ -1,6 +1,6 @@
 """Chunked cross-entropy (``profile.cross_entropy: chunked``, ``loss_chunks``): estimate against the meta trace.
 
-The estimator models the loss in :mod:`memcalc.engine.loss`; the validator runs it in
+The estimator models the loss in :mod:`memcalc.engine.blocks.head`; the validator runs it in
 ``validate/model.py`` ``lm_loss`` (torchtune ``CEWithChunkedOutputLoss`` on the logits rows).
 The models are presets narrowed so that the logits dominate the step (one layer, small
 d_model, the real vocabulary): what the loss keeps alive decides the forward and backward peaks,

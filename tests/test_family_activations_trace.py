@@ -1,7 +1,7 @@
 """The dense family features (issue 12) against the replica's meta trace: what each feature adds.
 
 Each row builds a small model twice, without and with the feature, and compares what the feature
-adds to the estimated peak (``memcalc.engine.attention_variants`` / ``block_variants``) with what it
+adds to the estimated peak (``memcalc.engine.blocks.attention_variants`` / ``blocks.layer``) with what it
 adds to the traced peak of the PyTorch replica (``validate/model.py``, ``validate/variants.py``),
 which runs the ops of the transformers 5 modeling file named in each row's source comment. Comparing
 the feature's cost (rather than the whole peak) takes out what the two sides already differ by on

@@ -75,7 +75,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "ModelSpec.parallel_norms": ({"model": {"block": "parallel"}}, 2),
     "ModelSpec.qk_norm": ({}, "full"),
     "ModelSpec.attn_sinks": ({}, True),
-    # activations (engine.attention_variants, engine.block_variants)
+    # activations (engine.blocks.attention_variants, engine.blocks.layer)
     "ModelSpec.attn_softcap": ({}, 30.0),  # eager attention: the (B, H, T, T) scores and probabilities
     "ModelSpec.logit_softcap": ({}, 30.0),  # tanh of the logits saved
     "ModelSpec.sliding_window": ({}, 64),  # seq 256 >= 64: an explicit mask per layer
@@ -89,7 +89,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "ModelSpec.mla": ({}, MLASpec(**MLA["model"]["mla"])),
     # -- MoESpec, MLASpec (parameter shapes)
     "MoESpec.n_experts": (MOE, 8),
-    "MoESpec.top_k": (MOE, 1),  # routed rows (engine.moe): batch x seq x top_k
+    "MoESpec.top_k": (MOE, 1),  # routed rows (engine.blocks.moe): batch x seq x top_k
     "MoESpec.router": ({**MOE, **BF16}, "softmax-fp32"),  # fp32 routing weights: fp32 weighted expert outputs
     "MoESpec.d_ff_expert": (MOE, 64),
     "MoESpec.n_shared_experts": (MOE, 1),

@@ -2,7 +2,7 @@
 
 The replica (``validate/moe.py``, ``validate/mla.py``) runs transformers 5.23's ops (grouped_mm
 experts, the Qwen / Mixtral / DeepSeek-V3 routers, DeepseekV3Attention); the estimator
-(``memcalc.engine.moe``, ``memcalc.engine.mla``) counts the same tensors. The models are tiny
+(``memcalc.engine.blocks.moe``, ``memcalc.engine.blocks.mla``) counts the same tensors. The models are tiny
 (d_model 256, 2-3 layers) with the routed or latent-attention tensors dominating, so the peak sits
 in an MoE / MLA layer, which is what these rows test.
 """

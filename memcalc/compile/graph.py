@@ -26,7 +26,7 @@ COMPUTE = {"linear", "matmul_qk", "matmul_pv", "sdpa_flash", "sdpa_efficient"}
 #: outside the allowlist but cheap (banned by the default cut, recomputable when aggressive)
 OTHER = {"embedding"}
 RANDOM = {"dropout"}
-#: the eager loss after the compiled region (memcalc.engine.loss.lm_loss)
+#: the eager loss after the compiled region (memcalc.engine.blocks.head.lm_loss)
 LOSS = {"shift_slice", "loss_split", "log_softmax", "nll_loss"}
 #: op name -> kind (anything else is pointwise)
 _KIND = {**{n: "compute" for n in COMPUTE}, **{n: "other" for n in OTHER}, **{n: "random" for n in RANDOM}}

@@ -21,10 +21,10 @@ INERT: dict[str, str] = {
     "ModelSpec.residual_scale": "a value: with post-norm, a scale other than 1 adds one transient x * alpha "
                                 "(engine.ops.scale) that is freed before the layer's larger allocations, so it "
                                 "sets no peak",
-    "ModelSpec.embedding_scale": "a value: the scaled copy of the embeddings (engine.block_variants) lives beside "
+    "ModelSpec.embedding_scale": "a value: the scaled copy of the embeddings (engine.blocks.embedding) lives beside "
                                  "the unscaled one only until the multiply returns, at the start of the forward "
                                  "(a multiply by a Python scalar saves nothing), so it sets no peak",
-    "ModelSpec.residual_multiplier": "a value: each scaled sublayer output (engine.block_variants) replaces the "
+    "ModelSpec.residual_multiplier": "a value: each scaled sublayer output (engine.blocks.layer) replaces the "
                                      "unscaled one before the residual add and the multiply saves nothing; the "
                                      "transient is smaller than the sublayer's own, so it sets no peak",
     "LoraSpec.alpha": "a value (the adapter scale alpha / rank), not a shape: the scaling op runs either way",
@@ -38,7 +38,7 @@ INERT: dict[str, str] = {
                                "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new)",
     "MoESpec.routing": "one value (balanced), the stated assumption: transformers' default grouped_mm experts size "
                        "every routed tensor by batch x seq x top_k alone, so the routing moves no byte "
-                       "(memcalc.engine.moe)",
+                       "(memcalc.engine.blocks.moe)",
     "ExperimentSpec.name": "a label shown in reports",
     "ExperimentSpec.description": "a label shown in reports",
     "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",
