@@ -379,6 +379,20 @@ def test_plan_70b_h100_count_is_exact(plan_70b):
     assert required(m, gpus=n - 1, checkpoint="full", **setup) > cap
 
 
+@pytest.mark.slow  # plan search on a full-size model
+def test_plan_70b_one_gpu_counts_report_their_direct_estimate(plan_70b):
+    # source: estimate() of the setup on one GPU (the fit in N has no value at N = 1, a step without
+    # FSDP's gathered layers: plan_cluster's fitted-only path read it as NaN, and is gone)
+    from memcalc.plan.cluster import cluster_setups
+
+    setups = cluster_setups(load_preset("llama-3.1-70b"), plan_70b["seq"], CLI_PROFILE)
+    ones = [(g, s) for g in plan_70b["gpus"] for s in ("full", "lora") if g[f"min_gpus_{s}"] == 1]
+    assert ones  # the frozen bf16 base (141 GB) and its LoRA fit one 192 GB card
+    for g, s in ones:
+        need = estimate(setups[s][g[f"checkpoint_{s}"]], timeline=False).required_bytes
+        assert g[f"required_bytes_{s}"] == need <= g["capacity_bytes"]
+
+
 @pytest.mark.slow  # about 1 s: the quick lane stays under 30 s
 def test_plan_catalog_text_for_a_small_model(tmp_path):
     # source: a 4-layer model's 16 B/param state is a few MiB: one GPU of any kind is enough

@@ -106,21 +106,22 @@ class ClusterPlan:
 
 
 def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[KernelProfile] = None,
-                 gpus: Optional[Sequence[Any]] = None, confirm: bool = True) -> ClusterPlan:
+                 gpus: Optional[Sequence[Any]] = None) -> ClusterPlan:
     """For each GPU, the fewest GPUs (1..GPU_CAP) for a full fine-tune and for a LoRA run (see
-    :func:`cluster_setups`); checkpointing none when that fits at the count, else full."""
+    :func:`cluster_setups`); checkpointing none when that fits at the count, else full. Every
+    printed count and requirement is confirmed with direct estimates (the fits only seed the
+    searches)."""
     from memcalc.inputs.gpus import list_gpus
     from memcalc.engine.params import count_params
 
     seq = default_seq(model, seq)
     profile = profile or get_profile(DEFAULT_PROFILE)
     cards = list(gpus) if gpus is not None else list_gpus()
-    search = _ClusterSearch(cluster_setups(model, seq, profile), confirm)
+    search = _ClusterSearch(cluster_setups(model, seq, profile))
     tp_fits, ones, top = search.fit(cards)
-    if confirm:  # simulate the counts the confirmation will ask about, in parallel
-        search.presimulate(cards, tp_fits, ones, top)
+    search.presimulate(cards, tp_fits, ones, top)  # the counts the confirmation will ask about, in parallel
     rows = [search.row(g) for g in cards]
-    search_layouts(rows, search.setups["full"], GPU_CAP, confirm, tp_fits)  # data x tensor parallel (plan/layouts.py)
+    search_layouts(rows, search.setups["full"], GPU_CAP, tp_fits)  # data x tensor parallel (plan/layouts.py)
     return ClusterPlan(model, seq, rows, count_params(model).total, _notes(seq))
 
 
@@ -148,7 +149,6 @@ class _ClusterSearch:
     per-GPU requirement at every count, and its steps."""
 
     setups: dict[str, dict[str, ExperimentSpec]]
-    confirm: bool
     #: setup -> checkpointing -> fitted required bytes at N = 1..GPU_CAP (NaN at N = 1: a different
     #: step, checked directly)
     req: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
@@ -164,7 +164,7 @@ class _ClusterSearch:
         fit_exps = [self.setups[s][ck] for s, ck in keys] + tp_exps
         top = max(int(g.capacity_bytes) for g in cards)
         ones = sorted({(with_training(e, gpus=1), False, top) for e in fit_exps},
-                      key=lambda j: (j[0].name, j[0].training.tp, j[0].training.checkpoint)) if self.confirm else []
+                      key=lambda j: (j[0].name, j[0].training.tp, j[0].training.checkpoint))
         got = parallel_map(_fit_or_simulate_job, [("fit", e) for e in fit_exps] + [("simulate", j) for j in ones],
                            heavy=lambda j: j[0] == "fit")
         self.req = {s: {} for s in self.setups}
@@ -173,12 +173,7 @@ class _ClusterSearch:
         return dict(zip(tp_exps, got[len(keys):len(fit_exps)])), ones, top
 
     def fits_at(self, s: str, ck: str, n: int, cap: int) -> bool:
-        """Whether setup ``s`` with checkpointing ``ck`` fits ``cap`` at ``n`` GPUs (by the fit, without
-        ``confirm``, except at N = 1)."""
-        if n == 1:
-            return fits_in(with_training(self.setups[s][ck], gpus=1), cap)
-        if not self.confirm:
-            return bool(self.req[s][ck][n - 1] <= cap)
+        """Whether setup ``s`` with checkpointing ``ck`` fits ``cap`` at ``n`` GPUs (a direct estimate)."""
         return fits_in(with_training(self.setups[s][ck], gpus=n), cap)
 
     def seed_of(self, s: str, cap: int) -> Optional[int]:
@@ -231,14 +226,12 @@ class _ClusterSearch:
                 continue
             ck = cks[s] = self.checkpointing(s, n, cap)
             e = with_training(by_ck[ck], gpus=n)
-            reqs[s] = required_bytes(estimated_peak(e)) if self.confirm else int(self.req[s][ck][n - 1])
+            reqs[s] = required_bytes(estimated_peak(e))
         return ClusterRow(g, mins, cks, reqs)
 
     def fewest(self, s: str, cap: int) -> Optional[int]:
         """The fewest N with checkpointing full (the frugal one): fitted, then exact."""
         seed = self.seed_of(s, cap)
-        if not self.confirm:
-            return 1 if self.fits_at(s, "full", 1, cap) else seed
         probe = fit_probe(lambda k, e=self.setups[s]["full"]: with_training(e, gpus=int(k)), cap)
         return _smallest_n(self.fits_at(s, "full", 1, cap), probe, seed or GPU_CAP, GPU_CAP, cap)
 

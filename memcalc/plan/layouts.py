@@ -12,7 +12,7 @@ node, where TP's per-layer collectives stay on NVLink) that the model allows
 (:func:`memcalc.engine.tensor_parallel.check`), fits each one's per-GPU requirement in ``dp``
 (:func:`memcalc.plan.fits.fit_gpus`, the depth-extrapolated simulations of ``plan/depth.py``), and
 keeps the layout with the fewest GPUs in all (the smaller ``tp`` on a tie: less communication),
-confirmed with direct estimates when ``confirm``. LoRA runs are not searched: the tensor-parallel
+confirmed with direct estimates. LoRA runs are not searched: the tensor-parallel
 model covers full fine-tuning only.
 """
 
@@ -112,13 +112,13 @@ def _confirmed(exp: ExperimentSpec, cap: int, n: int, n_max: int) -> Optional[in
     return smallest_by_value(fit_probe(lambda k: with_training(exp, gpus=int(k)), cap), 2, n_max, cap, n)
 
 
-def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int, confirm: bool = True,
+def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
                    fits: Optional[dict[ExperimentSpec, GpusFit]] = None) -> None:
     """For each :class:`memcalc.plan.cluster.ClusterRow`, replace the full fine-tune's fewest-GPU
     answer with the best ``dp x tp`` layout when one needs fewer GPUs in all, and record the
     layout (``row.layout[setup]``, ``tp`` 1 for ZeRO-3 alone). ``full`` maps checkpointing
     ``none``/``full`` to the full fine-tune's setup. The layouts are compared by their fitted
-    counts; only the winner is confirmed with direct estimates (``confirm``). ``fits``: the fits in
+    counts; only the winner is confirmed with direct estimates. ``fits``: the fits in
     ``dp`` of :func:`layout_setups` already made (fitted here otherwise)."""
     base = full["full"]
     degrees = tp_degrees(base)
@@ -138,7 +138,7 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
                 cands.append((dp * tp, tp, dp))
         for total, tp, dp in sorted(cands):
             exp = with_training(base, tp=tp, sequence_parallel=True)
-            if confirm and dp > 1:
+            if dp > 1:
                 dp = _confirmed(exp, cap, dp, n_max // tp)
                 if dp is None or (n is not None and dp * tp >= n):
                     continue
