@@ -45,12 +45,15 @@ from .layers import MLP, activation
 class _GroupedMMFallback(torch.autograd.Function):
     """``torch._grouped_mm`` for non-bf16 inputs: on CUDA the aten kernel falls back to a loop of
     ``mm`` into one output (aten ``_grouped_mm_fallback``), but its meta registration accepts bf16
-    only. Same allocations: the (S, out) output; saves the input and the weight; backward makes the
-    input's and the weight's gradients."""
+    only. Same allocations: the (S, out) output; saves the input when the weight needs a gradient
+    (autograd's codegen saves a variable only for the gradients that use it: tools/autograd/
+    gen_variable_type.py ``guard_for``), and the weight; backward makes the input's and the weight's
+    gradients. The estimator's twin: ``memcalc.engine.moe`` ``grouped_mm``."""
 
     @staticmethod
     def forward(ctx, a, b, offs):
-        ctx.save_for_backward(a, b, offs)
+        ctx.rows = a.shape[0]
+        ctx.save_for_backward(a if ctx.needs_input_grad[1] else None, b, offs)
         if kernel_device(a) == "meta":
             return a.new_empty((a.shape[0], b.shape[-1]))
         out = a.new_zeros((a.shape[0], b.shape[-1]))
@@ -64,13 +67,13 @@ class _GroupedMMFallback(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, offs = ctx.saved_tensors
         ga = gb = None
-        if kernel_device(a) == "meta":
+        if kernel_device(grad) == "meta":
             # empty_like keeps b's (transposed) strides, as grouped_mm's own weight gradient does,
             # so AccumulateGrad takes it without a contiguous copy
-            ga = torch.empty_like(a) if ctx.needs_input_grad[0] else None
+            ga = grad.new_empty((ctx.rows, b.shape[-2])) if ctx.needs_input_grad[0] else None
             gb = torch.empty_like(b) if ctx.needs_input_grad[1] else None
             return ga, gb, None
-        ga = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
+        ga = grad.new_zeros((ctx.rows, b.shape[-2])) if ctx.needs_input_grad[0] else None
         gb = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
         start = 0
         for g, end in enumerate(offs.tolist()):
