@@ -38,6 +38,10 @@ ROWS = [
     (4, True, 4, {"precision": "bf16", "checkpoint": "full"}),  # source: trace, bf16 + SP + full checkpointing
     (2, False, 4, {"precision": "amp-bf16"}),  # source: trace, autocast over fp32 weights
     (2, True, 4, {"precision": "bf16", "master_weights": True}),  # source: trace, bf16 + fp32 masters (fused AdamW)
+    # source: trace, torchtune's OffloadActivations around the TP step (saved DTensors offloaded and reloaded)
+    (2, True, 4, {"checkpoint": "full", "activation_offload": True}),  # fp32 + SP: the recompute keeps the reload
+    (2, False, 4, {"checkpoint": "every-k", "activation_offload": True}),  # every 2nd layer checkpointed, fp32
+    (2, True, 4, {"precision": "bf16", "checkpoint": "full", "activation_offload": True}),
 ]
 
 

@@ -14,6 +14,8 @@ host copy (a measured run counts the device side only).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -66,7 +68,7 @@ class OffloadActivations:
                     del self.fwd_stash[k]
                 else:
                     break
-            self.tracker[tid] = ((t.shape, t.stride(), t.dtype, t.device), True)
+            self.tracker[tid] = (_layout(t), True)
             self.fwd_stash[tid] = t
             self.host_bytes += n
             self.pinned_bytes += pinned_bytes(n)
@@ -96,8 +98,7 @@ class OffloadActivations:
         if tid in self.fwd_stash:
             out = self.fwd_stash[tid]
         else:
-            shape, stride, dtype, device = val  # type: ignore[misc]
-            out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            out = _reloaded(val)
             self.bwd_stash[tid] = out
 
         def hook(outputs, inputs):
@@ -112,3 +113,29 @@ class OffloadActivations:
     def _end(self) -> None:
         self.bwd_stash.clear()
         self.fwd_stash.clear()
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """What the "host copy" keeps: shape, strides, dtype and device; of a DTensor (tensor
+    parallelism saves them), its local shard's and its mesh, placements and global shape and
+    strides (torchtune's ``torch.empty_like(activation, device="cpu")`` of a DTensor is a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        dist = (t.device_mesh, t.placements, t.shape, t.stride())
+        return (local.shape, local.stride(), local.dtype, local.device, dist)
+    return (t.shape, t.stride(), t.dtype, t.device, None)
+
+
+def _reloaded(layout: Any) -> torch.Tensor:
+    """The copy brought back (``.to("cuda")``): a new device tensor of the same layout (a DTensor
+    over a new local shard where the saved tensor was one)."""
+    shape, stride, dtype, device, dist = layout
+    out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+    if dist is None:
+        return out
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, gshape, gstride = dist
+    return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape, stride=gstride)
