@@ -20,10 +20,10 @@ transformers = pytest.importorskip("transformers")
 
 from memcalc.core.spec import KernelProfile, MLASpec, ModelSpec, MoESpec, TrainingSpec  # noqa: E402
 from memcalc.validate.amp import Amp  # noqa: E402
-from memcalc.validate.attention import rope_tables, sdpa  # noqa: E402
-from memcalc.validate.mla import MLAttention  # noqa: E402
+from memcalc.validate.blocks.attention import rope_tables, sdpa  # noqa: E402
+from memcalc.validate.blocks.mla import MLAttention  # noqa: E402
 from memcalc.validate.model import BuildConfig  # noqa: E402
-from memcalc.validate.moe import MoEBlock  # noqa: E402
+from memcalc.validate.blocks.moe import MoEBlock  # noqa: E402
 from memcalc.validate.tracer import StorageTracer  # noqa: E402
 
 D, E, K, F_E, B, T = 256, 16, 4, 256, 2, 512

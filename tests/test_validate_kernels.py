@@ -10,8 +10,10 @@ pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 
 from memcalc.validate.amp import Amp  # noqa: E402
-from memcalc.validate.attention import choose_kernel, sdpa  # noqa: E402
-from memcalc.validate.layers import Linear, RMSNorm, dropout  # noqa: E402
+from memcalc.validate.blocks.attention import choose_kernel, sdpa  # noqa: E402
+from memcalc.validate.blocks.adapters import Linear  # noqa: E402
+from memcalc.validate.blocks.base import dropout  # noqa: E402
+from memcalc.validate.blocks.norm import RMSNorm  # noqa: E402
 from memcalc.validate.tracer import StorageTracer, round_up  # noqa: E402
 
 B, H, T, D = 2, 4, 128, 64

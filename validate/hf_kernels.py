@@ -46,7 +46,7 @@ from memcalc.core.kernels import choose_attention_kernel, mla_attention_kernel
 from memcalc.core.spec import KernelProfile
 
 from .amp import Amp
-from .attention import EfficientAttention, FlashAttention, align_mask, bool_mask_to_additive, math_attention
+from .blocks.attention import EfficientAttention, FlashAttention, align_mask, bool_mask_to_additive, math_attention
 from .devices import kernel_device
 
 aten = torch.ops.aten
@@ -151,7 +151,7 @@ class HFKernels(TorchFunctionMode):
         a, offs = args[0], kwargs.get("offs")
         plain = all(v is None for k, v in kwargs.items() if k != "offs")  # no bias, no out_dtype
         if len(args) == 2 and plain and offs is not None and kernel_device(a) == "meta" and a.dtype != torch.bfloat16:
-            from .moe import _GroupedMMFallback
+            from .blocks.moe import _GroupedMMFallback
 
             return _GroupedMMFallback.apply(a, args[1], offs)
         return func(*args, **kwargs)

@@ -32,12 +32,15 @@ from memcalc.core.rules import rope_width
 from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec, sqrt_segments
 
 from .amp import Amp
-from .attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
-from .layers import MLP, LayerNorm, Linear, RMSNorm, dropout, lora_branch, lora_input_cast, lora_result
-from .loss import lm_loss
-from . import variants
-from .mla import MLAttention
-from .moe import MoEBlock
+from .blocks.attention import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, rope_tables, sdpa
+from .blocks.adapters import Linear, lora_branch, lora_input_cast, lora_result
+from .blocks.base import dropout
+from .blocks.mlp import MLP
+from .blocks.norm import LayerNorm, RMSNorm
+from .blocks.head import lm_loss
+from .blocks import attention_variants as variants
+from .blocks.mla import MLAttention
+from .blocks.moe import MoEBlock
 from .offload import OffloadActivations
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -26,7 +26,7 @@ from memcalc.core.rules import eager, layer_slides, mask_types, sliding_mask_mat
 from memcalc.core.spec import ModelSpec
 
 from .attention import repeat_kv
-from .layers import dropout
+from .base import dropout
 
 
 # -- masks -------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from memcalc.core.kernels import mla_attention_kernel
 from memcalc.core.spec import ModelSpec
 
 from .attention import choose_kernel, sdpa
-from .layers import RMSNorm
+from .norm import RMSNorm
 
 
 def apply_rope_interleave(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

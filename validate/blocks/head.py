@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from memcalc.core.rules import chunk_rows
 from memcalc.core.spec import KernelProfile
 
-from .amp import Amp
+from ..amp import Amp
 
 
 def cross_entropy(x: torch.Tensor, labels: torch.Tensor, amp: Amp, reduction: str = "mean") -> torch.Tensor:

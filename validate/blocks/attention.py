@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from memcalc.core.kernels import (ATTENTION_KERNELS, choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded,
                                   flash_seq_rounded)
 
-from .devices import kernel_device
+from ..devices import kernel_device
 
 aten = torch.ops.aten
 

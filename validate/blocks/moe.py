@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from memcalc.core.rules import deepseek_groups, expert_lora_ranks
 from memcalc.core.spec import ModelSpec
 
-from .devices import kernel_device
-from .layers import MLP, activation
+from ..devices import kernel_device
+from .mlp import MLP, activation
 
 
 class _GroupedMMFallback(torch.autograd.Function):
