@@ -7,18 +7,14 @@ No torch here: the estimate runs, the trace is read.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
 from memcalc.estimate.peak import estimate
 from test_field_contract import PERTURB, build, perturbed
-from test_field_contract_trace import KNOWN_GAPS, TRACED, assert_deltas_agree
+from test_field_contract_trace import (KNOWN_GAPS, PHASE_GAPS, TRACED, assert_deltas_agree, assert_phase_deltas_agree,
+                                       recorded)
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "field_contract.json")
-with open(PATH, encoding="utf-8") as _f:
-    RECORDED: dict[str, dict] = {r["field"]: r for r in json.load(_f)["rows"]}
+RECORDED: dict[str, dict] = recorded()
 
 
 def test_every_traced_row_is_recorded_as_defined() -> None:
@@ -30,6 +26,7 @@ def test_every_traced_row_is_recorded_as_defined() -> None:
         assert isinstance(rec["traced_base_bytes"], int) and rec["traced_base_bytes"] > 0, key
         assert isinstance(rec["traced_perturbed_bytes"], int) and rec["traced_perturbed_bytes"] > 0, key
         assert rec["torch"], key
+        assert rec["traced_base_phases"] and rec["traced_perturbed_phases"], key
 
 
 @pytest.mark.parametrize("key", [pytest.param(k, marks=[pytest.mark.xfail(reason=KNOWN_GAPS[k], strict=True)]
@@ -40,3 +37,13 @@ def test_estimated_delta_matches_recorded_traced_delta(key: str) -> None:
     eb, ep = (estimate(e, timeline=False, replay=False).peak_bytes for e in (base, perturbed(base, key, value)))
     rec = RECORDED[key]
     assert_deltas_agree(key, eb, ep, rec["traced_base_bytes"], rec["traced_perturbed_bytes"])
+
+
+@pytest.mark.parametrize("key", [pytest.param(k, marks=[pytest.mark.xfail(reason=PHASE_GAPS[k], strict=True)]
+                                              if k in PHASE_GAPS else []) for k in TRACED if k in RECORDED])
+def test_estimated_phase_deltas_match_recorded_traced_phase_deltas(key: str) -> None:
+    setup, value = PERTURB[key]
+    base = build(setup)
+    eb, ep = (estimate(e, timeline=False, replay=False).phases for e in (base, perturbed(base, key, value)))
+    rec = RECORDED[key]
+    assert_phase_deltas_agree(key, eb, ep, rec["traced_base_phases"], rec["traced_perturbed_phases"])

@@ -77,8 +77,11 @@ KNOWN_GAPS: dict[str, str] = {
     "MoESpec.lora_mlp_to_experts": "estimate +8,970,240 B, trace +8,446,464 B: gap +523,776 B over 409,405 B, "
                                    + _ONE_STATE + " (the 6 MiB gap before was the replica's grouped-mm fallback "
                                    "saving the input of frozen experts: fixed in validate/moe.py)",
-    "LoraSpec.quant_block": "estimate -6,144 B, trace 0 B (block 64 -> 128: fewer absmax constants); the replica's "
-                            "absmax buffers shrink under the 512-byte rounding (mechanism not confirmed)",
+    "LoraSpec.quant_block": "estimate -6,144 B, trace 0 B (block 64 -> 128: half the absmax constants): the "
+                            "estimator counts a 4-bit weight's packed codes and absmax constants as one allocation "
+                            "(engine.weights quantized_bytes), the replica (as bitsandbytes' QuantState) as separate "
+                            "tensors, each rounded to 512 B, so absmax under 512 B per weight moves nothing there; an "
+                            "estimator fix changes printed numbers",
     "KernelProfile.rmsnorm": "estimate -2,617,344 B, trace -2,097,152 B: gap -520,192 B over 304,286 B "
                              "(composite -> composite-legacy in bf16), " + _ONE_STATE,
     "KernelProfile.norm_upcast": "estimate -5,459,968 B, trace -5,783,552 B: gap +323,584 B over 304,286 B "
@@ -92,11 +95,39 @@ KNOWN_GAPS: dict[str, str] = {
 }
 
 
+_AS_PEAK = "as its peak (KNOWN_GAPS)"
+#: "Spec.field" -> the measured disagreement of the per-phase peaks (forward, backward, optimizer
+#: step; the same tolerance, against the traced base phase peak): strict xfail in the quick lane
+#: (tests/test_field_contract_recorded.py). The phases give the rows whose peak does not move
+#: (logit_softcap, logit_scale, fused_gate_up, optimizer_impl, shift_copy) a number that does.
+PHASE_GAPS: dict[str, str] = {
+    "ModelSpec.n_heads": _AS_PEAK,
+    "ModelSpec.norm_placement": _AS_PEAK,
+    "ModelSpec.block": _AS_PEAK,
+    "ModelSpec.alibi_trainable": _AS_PEAK,
+    "MoESpec.router": _AS_PEAK,
+    "LoraSpec.quant_block": _AS_PEAK,
+    "KernelProfile.rmsnorm": _AS_PEAK,
+    "KernelProfile.norm_upcast": _AS_PEAK,
+    "KernelProfile.dropout_mask_bytes": _AS_PEAK,
+    "LoraSpec.dora": "optimizer step: estimate +1,613,824 B, trace +40,960 B (tolerance 40,197 B); mechanism not found",
+    "LoraSpec.dtype": "optimizer step: estimate +1,441,792 B, trace +655,360 B (fp32 adapters over bf16: their "
+                      "AdamW step's temporaries); mechanism not found",
+    "KernelProfile.lora_dtype": "optimizer step: estimate +1,441,792 B, trace +655,360 B, as LoraSpec.dtype",
+    "TrainingSpec.lora": "forward: estimate -14,826,496 B, trace -14,311,424 B (gap 515,072 B over 483,747 B); "
+                         "optimizer step: estimate -7,358,464 B, trace -9,455,616 B; mechanism not found",
+    "TrainingSpec.activation_offload": "backward: estimate -24,539,136 B, trace -25,522,176 B (gap 983,040 B over "
+                                       "351,129 B); mechanism not found",
+    "TrainingSpec.sequence_parallel": "forward: estimate -4,473,344 B, trace -3,969,536 B (gap 503,808 B over "
+                                      "314,782 B); mechanism not found",
+}
+
+
 def test_every_row_has_a_decision() -> None:
-    stale = [k for k in (*UNTRACED, *KNOWN_GAPS) if k not in PERTURB]
+    stale = [k for k in (*UNTRACED, *KNOWN_GAPS, *PHASE_GAPS) if k not in PERTURB]
     assert not stale, f"entries for rows that are not in PERTURB: {stale}"
-    assert not set(UNTRACED) & set(KNOWN_GAPS)
-    assert all(len(r) > 10 for r in (*UNTRACED.values(), *KNOWN_GAPS.values()))
+    assert not set(UNTRACED) & (set(KNOWN_GAPS) | set(PHASE_GAPS))
+    assert all(len(r) > 10 for r in (*UNTRACED.values(), *KNOWN_GAPS.values(), *PHASE_GAPS.values()))
 
 
 TRACED = [k for k in PERTURB if k not in UNTRACED]
@@ -116,6 +147,28 @@ def test_traced_delta_matches_estimated_delta(key: str) -> None:
     eb, ep = (estimate(e, timeline=False).peak_bytes for e in (base, pert))
     tb, tp = trace_pair(key)
     assert_deltas_agree(key, eb, ep, tb, tp)
+    rec = recorded().get(key)
+    if rec is not None:  # the recording the quick lane reads is current (else: tests/traces/field_contract_record.py)
+        assert (rec["traced_base_bytes"], rec["traced_perturbed_bytes"]) == (tb, tp), f"{key}: record the row again"
+
+
+def recorded() -> dict[str, dict]:
+    """The rows of tests/traces/field_contract.json by field."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "field_contract.json")
+    with open(path, encoding="utf-8") as f:
+        return {r["field"]: r for r in json.load(f)["rows"]}
+
+
+def assert_phase_deltas_agree(key: str, eb: dict[str, int], ep: dict[str, int], tb: dict[str, int],
+                              tp: dict[str, int]) -> None:
+    """Per phase, the estimated delta against the traced delta (peaks per phase of both setups on both
+    sides); each side names the same phases (a fused optimizer has no optimizer-step phase)."""
+    assert set(eb) == set(tb) and set(ep) == set(tp), f"{key}: phases {set(eb)}/{set(ep)} vs traced {set(tb)}/{set(tp)}"
+    for phase in sorted(set(eb) & set(ep)):
+        assert_deltas_agree(f"{key} ({phase})", eb[phase], ep[phase], tb[phase], tp[phase])
 
 
 def assert_deltas_agree(key: str, eb: int, ep: int, tb: int, tp: int) -> None:

@@ -30,6 +30,12 @@ PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "field_contract.
 
 def trace_pair(key: str) -> tuple[int, int]:
     """(base, perturbed) peaks of the row's setup traced on ``meta`` by memcalc's replica."""
+    (tb, _), (tp, _) = trace_pair_phases(key)
+    return tb, tp
+
+
+def trace_pair_phases(key: str) -> tuple[tuple[int, dict[str, int]], tuple[int, dict[str, int]]]:
+    """(peak, peak per phase) of the row's setup and of the perturbed setup, traced on ``meta``."""
     from memcalc.validate.runner import measure
 
     setup, value = PERTURB[key]
@@ -39,7 +45,7 @@ def trace_pair(key: str) -> tuple[int, int]:
         meas = measure(exp, "meta")
         if meas.status != "ok":
             raise RuntimeError(f"{meas.status}: {meas.reason}")
-        out.append(int(meas.measured_bytes))
+        out.append((int(meas.measured_bytes), {k: int(v) for k, v in meas.phase_peaks.items()}))
     return out[0], out[1]
 
 
@@ -79,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{n}/{len(keys)}] {key} ...", end=" ", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            tb, tp = trace_pair(key)
+            (tb, phb), (tp, php) = trace_pair_phases(key)
         except Exception as e:  # one row failing is reported; the others go on
             print(f"FAILED: {type(e).__name__}: {e}", file=sys.stderr)
             failed.append(key)
             continue
         setup, value = PERTURB[key]
         done[key] = {"field": key, "value": repr(value), "traced_base_bytes": tb, "traced_perturbed_bytes": tp,
-                     "torch": torch.__version__}
+                     "traced_base_phases": phb, "traced_perturbed_phases": php, "torch": torch.__version__}
         write(done)
         base = build(setup)
         eb, ep = (estimate(e, timeline=False, replay=False).peak_bytes for e in (base, perturbed(base, key, value)))
