@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from memcalc.core.spec import KernelProfile, MLASpec, ModelSpec, MoESpec, TrainingSpec  # noqa: E402
 from memcalc.validate.amp import Amp  # noqa: E402
-from memcalc.validate.blocks.attention import rope_tables, sdpa  # noqa: E402
+from memcalc.validate.blocks.sdpa import rope_tables, sdpa  # noqa: E402
 from memcalc.validate.blocks.mla import MLAttention  # noqa: E402
 from memcalc.validate.model import BuildConfig  # noqa: E402
 from memcalc.validate.blocks.moe import MoEBlock  # noqa: E402

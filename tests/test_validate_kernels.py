@@ -10,7 +10,7 @@ pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 
 from memcalc.validate.amp import Amp  # noqa: E402
-from memcalc.validate.blocks.attention import choose_kernel, sdpa  # noqa: E402
+from memcalc.validate.blocks.sdpa import choose_kernel, sdpa  # noqa: E402
 from memcalc.validate.blocks.adapters import Linear  # noqa: E402
 from memcalc.validate.blocks.base import dropout  # noqa: E402
 from memcalc.validate.blocks.norm import RMSNorm  # noqa: E402

@@ -46,7 +46,7 @@ from memcalc.core.kernels import choose_attention_kernel, mla_attention_kernel
 from memcalc.core.spec import KernelProfile
 
 from .amp import Amp
-from .blocks.attention import EfficientAttention, FlashAttention, align_mask, bool_mask_to_additive, math_attention
+from .blocks.sdpa import EfficientAttention, FlashAttention, align_mask, bool_mask_to_additive, math_attention
 from .devices import kernel_device
 
 aten = torch.ops.aten

@@ -1,281 +1,119 @@
-"""Attention: the SDPA kernel CUDA would run, called explicitly, plus RoPE and Forgather's ALiBi mask.
-
-On ``meta``, ``F.scaled_dot_product_attention`` takes the math path (it saves the whole
-attention matrix); CUDA runs flash or memory-efficient kernels that save only q, k, v, the
-output, the log-sum-exp and the bias. So the kernel is chosen here (:func:`choose_kernel`)
-and called by name:
-
-- ``flash``: ``aten._scaled_dot_product_flash_attention`` (16-bit, no explicit mask,
-  ``is_causal=True``). Saves q, k, v, out, logsumexp (B,H,T fp32), the RNG state.
-- ``efficient``: ``aten._scaled_dot_product_efficient_attention`` (fp32, or any additive
-  mask). Saves q, k, v, the bias, out, logsumexp (B,H,ceil(T/32)*32 fp32). An explicit mask is
-  first aligned and broadcast to (B,H,T,T) as ``preprocess_mask`` in
-  aten/src/ATen/native/transformers/attention.cpp does (an ``expand``: no copy); its gradient
-  is therefore a full (B,H,T,T) tensor, summed back by the expand's backward.
-- ``math``: ``aten._scaled_dot_product_attention_math`` (composite: the ops CUDA runs too).
-
-Both fused kernels are wrapped in autograd Functions that save exactly what the
-``derivatives.yaml`` formulas save. Their backward also allocates, on ``meta``/``cpu`` only,
-the scratch buffers CUDA's kernels allocate internally and the meta kernels do not
-(aten/src/ATen/native/transformers/cuda/attention_backward.cu ``_efficient_attention_backward``:
-``delta`` (B,H,T) fp32, plus an fp32 dq accumulator for 16-bit inputs; FlashAttention-2
-``mha_bwd``: ``dq_accum`` (B, T rounded to 128, H, D rounded to 32) fp32 and ``softmax_d``
-(B, H, T rounded to 128) fp32; with grouped K/V (fewer heads than q, which flash takes un-expanded)
-also ``dk_expanded`` and ``dv_expanded`` (B, Tk, H, D) in the input dtype). The roundings are :mod:`memcalc.core.kernels`' constants, which
-the estimator uses too. On ``cpu``, where these aten kernels do not exist, forward and
-backward are computed with the math path (transients differ, saved tensors do not).
-
-GQA: with flash/efficient, k and v are expanded to all query heads first (``repeat_kv``:
-expand + reshape, a real copy), as Hugging Face models do; with the profile's ``sdpa_gqa`` they go
-un-expanded with ``enable_gqa`` where transformers' ``use_gqa_in_sdpa`` holds (``model.Attention``).
-The math kernel is written out (:func:`math_attention`) so that its dropout is CUDA's
-``native_dropout`` (a bool mask) on every device: on ``meta`` and ``cpu`` the aten op's
-``at::dropout`` takes the non-fused path, whose mask is in the input's dtype.
-"""
+"""The twin of :mod:`memcalc.engine.blocks.attention`: the attention module (q/k/v/o projections,
+q/k norms, positions, GQA expansion, the kernel; the families' eager and sliding attention through
+:mod:`.attention_variants`). The kernels themselves (SDPA's, RoPE, ALiBi) are :mod:`.sdpa`'s."""
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
-from memcalc.core.kernels import (ATTENTION_KERNELS, choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded,
-                                  flash_seq_rounded)
+from memcalc.core.spec import ModelSpec
 
-from ..devices import kernel_device
+from . import attention_variants as variants
+from .sdpa import alibi_mask, alibi_slopes_init, apply_rope, choose_kernel, repeat_kv, sdpa
 
-aten = torch.ops.aten
-
-KERNELS = ATTENTION_KERNELS
-
-
-def choose_kernel(profile_choice: str, compute_dtype: torch.dtype, has_mask: bool, enable_gqa: bool = False) -> str:
-    """The kernel CUDA runs (:func:`memcalc.core.kernels.choose_attention_kernel`, the rule the
-    estimator uses too)."""
-    return choose_attention_kernel(profile_choice, compute_dtype in (torch.float16, torch.bfloat16), has_mask,
-                                   enable_gqa)
+if TYPE_CHECKING:
+    from .build import BuildConfig
 
 
-def _math_forward(q, k, v, bias, is_causal, scale):
-    gqa = k.shape[-3] != q.shape[-3]  # grouped K/V (flash takes them un-expanded)
-    return aten._scaled_dot_product_attention_math(q, k, v, bias, 0.0, is_causal, None, scale=scale, enable_gqa=gqa)[0]
+class Attention(nn.Module):
+    """q/k/v/o projections, positions (RoPE or ALiBi), GQA expansion and the SDPA kernel."""
 
-
-def _math_backward(ctx, grad, q, k, v, bias):
-    """Backward of a fused kernel on a device without it (cpu): recompute with the math path."""
-    needs = ctx.needs_input_grad[:4]
-    with torch.enable_grad():
-        ins = [t.detach().requires_grad_(n) if t is not None else None for t, n in zip((q, k, v, bias), needs)]
-        out = _math_forward(ins[0], ins[1], ins[2], ins[3], ctx.is_causal, ctx.scale)
-        wrt = [t for t, n in zip(ins, needs) if t is not None and n]
-        got = iter(torch.autograd.grad(out, wrt, grad))
-    return tuple(next(got) if (t is not None and n) else None for t, n in zip(ins, needs))
-
-
-class EfficientAttention(torch.autograd.Function):
-    """``_scaled_dot_product_efficient_attention`` with its derivatives.yaml saved set."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, bias, dropout_p: float, is_causal: bool, scale: float):
-        ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
-        B, H, T, _ = q.shape
-        if kernel_device(q) == "cpu":
-            out = _math_forward(q, k, v, bias, is_causal, scale)
-            lse = q.new_empty((B, H, efficient_lse_len(T)), dtype=torch.float32)
-            seed = offset = q.new_empty((), dtype=torch.int64)
+    def __init__(self, m: ModelSpec, cfg: "BuildConfig") -> None:
+        super().__init__()
+        self.m, self.cfg = m, cfg
+        mk = cfg.linear
+        if m.fused_qkv:  # Phi3Attention.qkv_proj, GPT-2 c_attn, GPT-NeoX query_key_value
+            self.qkv_proj = mk("qkv", m.d_model, m.q_dim + 2 * m.kv_dim, m.qkv_bias)
         else:
-            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-                q, k, v, bias, True, dropout_p, is_causal, scale=scale
-            )
-            if kernel_device(q) == "meta":  # CUDA keeps the philox seed/offset on the host
-                # torch.tensor: host data (under a fake mode, a lift_fresh the rank tracer skips)
-                seed, offset = torch.tensor(0, dtype=torch.int64), torch.tensor(0, dtype=torch.int64)
-        ctx.save_for_backward(q, k, v, bias, out, lse, seed, offset)
-        return out
+            self.q_proj = mk("q", m.d_model, m.q_dim, m.qkv_bias)
+            self.k_proj = mk("k", m.d_model, m.kv_dim, m.qkv_bias)
+            self.v_proj = mk("v", m.d_model, m.kv_dim, m.qkv_bias)
+        self.o_proj = mk("o", m.q_dim, m.d_model, m.o_bias)
+        if m.qk_norm != "none":
+            self.q_norm, self.k_norm = cfg.qk_norm(m.n_heads), cfg.qk_norm(m.kv_heads)
+        if m.attn_sinks:  # GptOssAttention.sinks
+            self.sinks = nn.Parameter(torch.zeros((m.n_heads,), dtype=cfg.dtype, device=cfg.device),
+                                      requires_grad=cfg.full)
+        if m.positions == "alibi":
+            slopes = alibi_slopes_init(m.n_heads, cfg.device).to(cfg.dtype)
+            if m.alibi_trainable:
+                self.alibi_slopes = nn.Parameter(slopes, requires_grad=cfg.full)
+            else:
+                self.register_buffer("alibi_slopes", slopes, persistent=False)
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, bias, out, lse, seed, offset = ctx.saved_tensors
-        if kernel_device(q) == "cpu":
-            dq, dk, dv, db = _math_backward(ctx, grad, q, k, v, bias)
-            return dq, dk, dv, db, None, None, None
-        scratch = []
-        if kernel_device(q) != "cuda":
-            B, H, T, D = q.shape
-            scratch.append(q.new_empty((B, H, T), dtype=torch.float32))  # delta
-            if q.dtype != torch.float32:
-                scratch.append(q.new_empty((B, T, H, D), dtype=torch.float32))  # dq accumulator
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2],
-                bias is not None and ctx.needs_input_grad[3]]
-        dq, dk, dv, db = aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, bias, out, lse, seed, offset, ctx.dropout_p, mask, ctx.is_causal, scale=ctx.scale
-        )
-        del scratch
-        return dq, dk, dv, (db if mask[3] else None), None, None, None
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             cos: Optional[torch.Tensor], sin: Optional[torch.Tensor],
+             layer_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Positions, mask and kernel on (B,H,T,D) q and (B,kvH,T,D) k, v; ``layer_mask``: the
+        layer's shared mask (eager float mask, or SDPA's boolean sliding mask)."""
+        m, amp = self.m, self.cfg.amp
+        T = q.shape[2]
+        mask = None
+        if variants.eager(m):  # Gemma-2 softcap, gpt-oss sinks: transformers' eager attention
+            if m.positions == "rope":
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = amp.lp(q), amp.lp(k), amp.lp(v)
+            p = m.attn_dropout if self.training else 0.0
+            out = variants.eager_attention(q, k, v, layer_mask, m.n_heads // m.kv_heads, m.dim_head ** -0.5,
+                                           m.attn_softcap, getattr(self, "sinks", None), p)
+            return out.transpose(1, 2)
+        if layer_mask is not None:  # a sliding layer: the boolean mask through SDPA
+            if m.positions == "rope":
+                q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k, v = amp.lp(q), amp.lp(k), amp.lp(v)
+            n_rep = m.n_heads // m.kv_heads
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+            mask = variants.convert_bool_mask(layer_mask, q.dtype)
+            kernel = choose_kernel(self.cfg.profile.attention, q.dtype, True)
+            p = m.attn_dropout if self.training else 0.0
+            return sdpa(q, k, v, mask, kernel, p, is_causal=True)
+        if m.positions == "alibi":
+            mask = alibi_mask(self.alibi_slopes, T, q.dtype)
+        elif m.positions == "rope":
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v, mask = amp.lp(q), amp.lp(k), amp.lp(v), amp.lp(mask)  # autocast: sdpa is lower-precision
+        n_rep = m.n_heads // m.kv_heads
+        # the profile's sdpa_gqa: K/V un-expanded with enable_gqa where transformers' use_gqa_in_sdpa holds
+        # (integrations/sdpa_attention.py: no explicit mask, head dim <= 256; memcalc.engine.forward's rule)
+        gqa = n_rep > 1 and self.cfg.profile.sdpa_gqa and mask is None and m.dim_head <= 256
+        kernel = choose_kernel(self.cfg.profile.attention, q.dtype, mask is not None, gqa)
+        if not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        p = m.attn_dropout if self.training else 0.0
+        return sdpa(q, k, v, mask, kernel, p, is_causal=True)
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B,H,T,D) q and (B,kvH,T,D) k, v: projections (a fused one is split into views), q/k norms
+        (Qwen3: per head on the (B,T,H,D) view; OLMo-2: on the whole projection), transposes."""
+        B, T, _ = x.shape
+        m = self.m
+        if m.fused_qkv:
+            query, key, value = self.qkv_proj(x).split([m.q_dim, m.kv_dim, m.kv_dim], dim=-1)
+        else:
+            query, key, value = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if m.qk_norm == "full":
+            query, key = self.q_norm(query), self.k_norm(key)
+        # -1 heads: a tensor-parallel rank holds n_heads / tp of them (as torchtitan's Attention views)
+        query = query.view(B, T, -1, m.dim_head)
+        key = key.view(B, T, -1, m.dim_head)
+        if m.qk_norm in ("head", "head_unshared"):
+            query, key = self.q_norm(query), self.k_norm(key)
+        value = value.view(B, T, -1, m.dim_head)
+        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
-class FlashAttention(torch.autograd.Function):
-    """``_scaled_dot_product_flash_attention`` (FA2) with its derivatives.yaml saved set."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, dropout_p: float, is_causal: bool, scale: float):
-        ctx.dropout_p, ctx.is_causal, ctx.scale = dropout_p, is_causal, scale
-        B, H, T, _ = q.shape
-        if kernel_device(q) == "cpu":
-            out = _math_forward(q, k, v, None, is_causal, scale)
-            lse = q.new_empty((B, H, T), dtype=torch.float32)
-            rng = q.new_empty((2,), dtype=torch.int64)
-            ctx.meta = (None, None, T, k.shape[2])
-            ctx.save_for_backward(q, k, v, out, lse, rng)
-            return out
-        res = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)
-        out, lse, cq, ck, mq, mk, rng, unused = res[:8]
-        ctx.meta = (cq, ck, mq, mk)
-        ctx.save_for_backward(q, k, v, out, lse, rng, unused)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        q, k, v = saved[:3]
-        if kernel_device(q) == "cpu":
-            ctx.needs_input_grad = tuple(ctx.needs_input_grad[:3]) + (False,)
-            dq, dk, dv, _ = _math_backward(ctx, grad, q, k, v, None)
-            return dq, dk, dv, None, None, None
-        out, lse, rng, unused = saved[3:]
-        cq, ck, mq, mk = ctx.meta
-        scratch = []
-        if kernel_device(q) != "cuda":
-            B, H, T, D = q.shape
-            tr = flash_seq_rounded(T)
-            dr = flash_head_dim_rounded(D)
-            scratch.append(q.new_empty((B, tr, H, dr), dtype=torch.float32))  # dq_accum
-            scratch.append(q.new_empty((B, H, tr), dtype=torch.float32))  # softmax_d
-            if k.shape[1] != H:  # grouped K/V: dk_expanded, dv_expanded (B, Tk, H, D), summed into dk, dv
-                scratch += [q.new_empty((B, k.shape[2], H, D)) for _ in range(2)]
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            grad, q, k, v, out, lse, cq, ck, mq, mk, ctx.dropout_p, ctx.is_causal, rng, unused, scale=ctx.scale
-        )
-        del scratch
-        return dq, dk, dv, None, None, None
-
-
-def align_mask(mask: torch.Tensor, B: int, H: int, Tq: int, Tk: int) -> torch.Tensor:
-    """``preprocess_mask`` (attention.cpp): pad the last dim to a multiple of 8 when the strides
-    are not aligned (``pad_bias``, a copy), then expand to (B,H,Tq,Tk) (a view)."""
-    aligned = mask.stride(-1) == 1 and all(mask.stride(i) % 8 == 0 for i in range(mask.dim() - 1))
-    if not aligned:
-        last = mask.shape[-1]
-        mask = F.pad(mask, (0, 8 - last % 8))[..., :last]
-    return mask.expand(B, H, Tq, Tk)
-
-
-def bool_mask_to_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sdp_utils.h ``convert_boolean_attn_mask``: ``zeros_like(mask, dtype).masked_fill_(~mask, -inf)``."""
-    out = torch.zeros_like(mask, dtype=dtype)
-    return out.masked_fill_(mask.logical_not(), float("-inf"))
-
-
-def math_attention(q, k, v, mask, dropout_p: float, is_causal: bool, scale: Optional[float], enable_gqa: bool):
-    """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp) written
-    out so that its ``at::dropout`` is CUDA's ``native_dropout``: 16-bit inputs upcast to fp32
-    (``allowFP16BF16ReductionMathSDP`` is off by default), q and k scaled by sqrt(scale), the causal
-    mask built additive, K/V ``repeat_interleave``-d for grouped queries, ``_safe_softmax``."""
-    origin = q.dtype
-    if dropout_p <= 0.0:
-        return aten._scaled_dot_product_attention_math(q, k, v, mask, 0.0, is_causal, None, scale=scale,
-                                                       enable_gqa=enable_gqa)[0]
-    q, k, v = (t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in (q, k, v))
-    sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    query = q * sf
-    if is_causal:
-        L, S = query.shape[-2], k.shape[-2]
-        mask = bool_mask_to_additive(torch.ones((L, S), dtype=torch.bool, device=q.device).tril(), query.dtype)
-    if enable_gqa:
-        rep = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    attn = torch.matmul(query, k.transpose(-2, -1) * sf)
-    if mask is not None:
-        attn.add_(mask)
-    attn = aten._safe_softmax(attn, -1)
-    attn = torch.native_dropout(attn, dropout_p, True)[0]
-    return torch.matmul(attn, v).to(origin)
-
-
-def sdpa(q, k, v, mask: Optional[torch.Tensor], kernel: str, dropout_p: float, is_causal: bool,
-         scale: Optional[float] = None) -> torch.Tensor:
-    """Attention of (B,H,T,D) q, k, v with the named kernel (see the module docstring)."""
-    B, H, T, D = q.shape
-    scale = scale if scale is not None else 1.0 / math.sqrt(D)
-    if kernel == "math":  # its dropout as CUDA runs it (native_dropout: a bool mask), see math_attention
-        return math_attention(q, k, v, mask, dropout_p, is_causal and mask is None, scale, k.shape[-3] != H)
-    if kernel == "flash":
-        if mask is not None:
-            raise ValueError("flash attention takes no explicit mask")
-        return FlashAttention.apply(q, k, v, dropout_p, is_causal, scale)
-    if kernel == "efficient":
-        bias = align_mask(mask, B, H, T, k.shape[2]) if mask is not None else None
-        return EfficientAttention.apply(q, k, v, bias, dropout_p, is_causal and mask is None, scale)
-    raise ValueError(f"unknown attention kernel {kernel!r}; valid: {', '.join(KERNELS)}")
-
-
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
-    """Hugging Face ``repeat_kv``: (B, kvH, T, D) -> (B, kvH * n_rep, T, D), a copy."""
-    if n_rep == 1:
-        return x
-    B, kvh, T, D = x.shape
-    return x[:, :, None, :, :].expand(B, kvh, n_rep, T, D).reshape(B, kvh * n_rep, T, D)
-
-
-# -- positions ----------------------------------------------------------------------------
-def alibi_biases(query_len: int, key_len: int, device, dtype) -> torch.Tensor:
-    """Forgather causal_alibi_attn.py ``alibi_biases``: (Tq, Tk) relative positions."""
-    x = torch.arange(key_len, device=device, dtype=dtype)[None, :]
-    y = torch.arange(query_len, device=device, dtype=dtype)[:, None]
-    return x - y
-
-
-def alibi_mask(slopes: torch.Tensor, T: int, dtype: torch.dtype) -> torch.Tensor:
-    """Forgather ``CausalAlibiAttn.forward``'s mask: biases in the query dtype times the
-    per-head slopes, ``-inf`` above the diagonal (``masked_fill_`` with a saved bool mask)."""
-    attn_bias = alibi_biases(T, T, device=slopes.device, dtype=dtype)
-    attn_bias = attn_bias * slopes.view(-1, 1, 1)
-    causal_mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=slopes.device))
-    attn_bias.masked_fill_(causal_mask.logical_not(), float("-inf"))
-    return attn_bias
-
-
-def alibi_slopes_init(n_heads: int, device=None) -> torch.Tensor:
-    """Forgather's ``alt_alibi_init`` slopes (1/2^1..1/2^8, lower half zeroed)."""
-    s = 1.0 / torch.logspace(1, 8, n_heads, base=2, dtype=torch.float, device=device)
-    return s.masked_fill(torch.arange(n_heads, device=device) >= n_heads / 2, 0.0)
-
-
-def rope_tables(inv_freq: torch.Tensor, T: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face ``LlamaRotaryEmbedding.forward``: cos/sin (1, T, rot) in fp32, then cast to
-    the hidden states' dtype."""
-    pos = torch.arange(T, device=inv_freq.device)[None, :]
-    inv = inv_freq[None, :, None].float().expand(1, -1, 1)
-    freqs = (inv @ pos[:, None, :].float()).transpose(1, 2)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` on (B,H,T,D); partial rotary (phi) rotates the first
-    ``cos.shape[-1]`` dims and concatenates the rest back."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rot = cos.shape[-1]
-    if rot == x.shape[-1]:
-        return (x * cos) + (_rotate_half(x) * sin)
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x_rot = (x_rot * cos) + (_rotate_half(x_rot) * sin)
-    return torch.cat((x_rot, x_pass), dim=-1)
+    def forward(self, x: torch.Tensor, cos=None, sin=None, mask=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        m = self.m
+        query, key, value = self.qkv(x)
+        if self.cfg.checkpoint_attention:
+            out = checkpoint(self.cfg.amp.wrap(self.core), query, key, value, cos, sin, mask,
+                             use_reentrant=False, preserve_rng_state=self.cfg.preserve_rng)
+        else:
+            out = self.core(query, key, value, cos, sin, mask)
+        del query, key, value
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        return self.o_proj(out)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from memcalc.core.rules import eager, layer_slides, mask_types, sliding_mask_materialised
 from memcalc.core.spec import ModelSpec
 
-from .attention import repeat_kv
+from .sdpa import repeat_kv
 from .base import dropout
 
 

@@ -1,15 +1,22 @@
-"""The causal LM loss of the replica (``validate/model.py``), the twin of :mod:`memcalc.engine.loss`:
+"""The twin of :mod:`memcalc.engine.blocks.head`: the output head (:class:`LMHead`) and the causal LM
+loss of the replica (``validate/model.py``), the twin of :mod:`memcalc.engine.blocks.head`'s ``lm_loss``:
 full or chunked cross-entropy, Forgather's shifted copy or Hugging Face's padded labels."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from memcalc.core.rules import chunk_rows
-from memcalc.core.spec import KernelProfile
+from memcalc.core.spec import KernelProfile, ModelSpec
 
 from ..amp import Amp
+
+if TYPE_CHECKING:
+    from .build import BuildConfig
 
 
 def cross_entropy(x: torch.Tensor, labels: torch.Tensor, amp: Amp, reduction: str = "mean") -> torch.Tensor:
@@ -60,3 +67,41 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, profile: KernelProfile, 
         loss = cross_entropy(x, y, amp)
     del x
     return loss.nan_to_num() if profile.shift_copy else loss
+
+
+class LMHead(nn.Module):
+    """The output projection; tied heads borrow the embedding weight (only a bias of their own)."""
+
+    def __init__(self, m: ModelSpec, cfg: BuildConfig) -> None:
+        super().__init__()
+        if not m.tie_embeddings:
+            self.weight = nn.Parameter(torch.empty((m.vocab_size, m.d_model), dtype=cfg.dtype, device=cfg.device),
+                                       requires_grad=cfg.full)
+            if cfg.init:
+                nn.init.normal_(self.weight, std=0.02)
+        self.bias = (nn.Parameter(torch.zeros((m.vocab_size,), dtype=cfg.dtype, device=cfg.device),
+                                  requires_grad=cfg.full) if m.lm_head_bias else None)
+        lora = cfg.lora
+        self.lora_A = self.lora_B = None
+        self.lora_dropout, self.scale = 0.0, 0.0
+        if lora is not None and "head" in lora.targets:  # LoRA target head (PEFT lm_head): A r x d, B vocab x r
+            adt = cfg.adapter_dtype
+            self.lora_A = nn.Parameter(torch.empty((lora.rank, m.d_model), dtype=adt, device=cfg.device))
+            self.lora_B = nn.Parameter(torch.zeros((m.vocab_size, lora.rank), dtype=adt, device=cfg.device))
+            if cfg.init:
+                nn.init.normal_(self.lora_A, std=0.02)
+            self.lora_dropout, self.scale = lora.dropout, lora.alpha / lora.rank
+        if lora is not None and "head" in lora.targets and lora.dora:
+            self.lora_magnitude = nn.Parameter(torch.ones((m.vocab_size,), dtype=cfg.dtype, device=cfg.device))
+        self.amp = cfg.amp
+        #: the decoder calls this module (True) or F.linear on its weight (False, the replica's way
+        #: since before tensor parallelism: DeepSpeed ZeRO-3 then keeps the head gathered for the
+        #: whole step, which engine/deepspeed.py models). validate/sharded/tp.py sets it: DTensor's
+        #: ColwiseParallel acts through the module's forward hooks.
+        self.call_module = False
+
+    def forward(self, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The logits; ``weight``: the tied embedding's (else this head's own)."""
+        amp = self.amp
+        w = self.weight if weight is None else weight
+        return F.linear(amp.lp(x), amp.lp(w), amp.lp(self.bias))

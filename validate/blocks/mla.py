@@ -35,7 +35,7 @@ import torch.nn as nn
 from memcalc.core.kernels import mla_attention_kernel
 from memcalc.core.spec import ModelSpec
 
-from .attention import choose_kernel, sdpa
+from .sdpa import choose_kernel, sdpa
 from .norm import RMSNorm
 
 

@@ -25,7 +25,7 @@ vocabulary-sharded logits (torchtitan's default; ``--disable-loss-parallel`` is 
 Two departures, both forced and neither changing what a rank allocates:
 
 - the replica's projections (:class:`..layers.Linear`, ``F.linear`` with the profile's autocast casts)
-  and head (:class:`..model.LMHead`) are not ``nn.Linear``, which ``ColwiseParallel._apply`` /
+  and head (:class:`..blocks.head.LMHead`) are not ``nn.Linear``, which ``ColwiseParallel._apply`` /
   ``RowwiseParallel._apply`` insist on; :class:`_Colwise` / :class:`_Rowwise` call the same
   ``distribute_module(module, mesh, _partition_linear_fn, _prepare_input_fn, _prepare_output_fn)``
   those ``_apply`` methods call for an ``nn.Linear``;
