@@ -12,7 +12,7 @@ QLoRA's frozen 4-bit base is counted in elements here; its storage bytes
 Buffers (RoPE caches, causal masks) are not parameters and are ignored here.
 
 Each part's rule is in its block (:mod:`memcalc.engine.blocks`: ``embedding_params``,
-``attention_params`` / ``mla_params``, ``mlp_params``, ``moe_params``, ``norm_params``,
+``attention_params`` / ``mla_params``, ``mlp_params``, ``moe_params``, ``layer_norm_params``, ``norm_params``,
 ``projection_params`` / ``adapter_params``, ``head_params``); this module composes them in module
 order and counts.
 """
@@ -29,6 +29,7 @@ from memcalc.engine.blocks.attention import attention_params
 from memcalc.engine.blocks.base import ParamTensor
 from memcalc.engine.blocks.embedding import embedding_params
 from memcalc.engine.blocks.head import head_params
+from memcalc.engine.blocks.layer import layer_norm_params
 from memcalc.engine.blocks.mlp import mlp_params
 from memcalc.engine.blocks.moe import moe_params
 from memcalc.engine.blocks.norm import norm_params
@@ -41,14 +42,12 @@ def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec]) -> list[ParamT
     out: list[ParamTensor] = []
     linear = projection_params(m, i, lora, out)
     norm = norm_params(i, full, out)
-    d = m.d_model
     attention_params(m, i, linear, norm, out, full)
     if m.moe is not None and m.moe.is_moe_layer(i):
         moe_params(m, i, linear, out, full, lora)
     else:
         mlp_params(m, "mlp", m.d_ff, m.mlp_bias, linear)
-    for j in range(m.norms_per_layer):
-        norm(f"norm{j + 1}", (d,), m.has_norm_bias)
+    layer_norm_params(m, norm)
     return out
 
 

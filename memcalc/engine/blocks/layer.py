@@ -26,11 +26,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memcalc.core.spec import ModelSpec
+from memcalc.engine.blocks.base import Norm
 from memcalc.engine.blocks.base import scaled as _scaled
 from memcalc.engine.sim import T
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.context import ForwardContext
+
+
+def layer_norm_params(m: ModelSpec, norm: Norm) -> None:
+    """The layer's norms around its sublayers: ``norms_per_layer`` of them (norm1, norm2, ...), each
+    a weight (and a bias for LayerNorm) of d_model."""
+    d = m.d_model
+    for j in range(m.norms_per_layer):
+        norm(f"norm{j + 1}", (d,), m.has_norm_bias)
 
 
 def layer(fwd: ForwardContext, x: T, i: int) -> T:
