@@ -495,4 +495,4 @@ def measure(spec: "Optional[ExperimentSpec]" = None, *, output: Optional[str] = 
         from memcalc.validate.measure import Measure
     except ImportError as e:  # torch missing
         raise UserError(f"measure() needs torch: pip install 'memcalc[validate]' ({e})") from None
-    return Measure(estimate(spec, **options), output=output, name=name, quiet=quiet)
+    return Measure(estimate(spec, **options), output=output, name=name, quiet=quiet, predict=estimate)

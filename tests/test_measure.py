@@ -16,7 +16,7 @@ import memcalc  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-#: keys of a `memcalc validate` record (source: validate/command.py make_record)
+#: keys of a `memcalc validate` record (source: validate/record.py make_record)
 VALIDATE_KEYS = {"config", "device", "predicted_bytes", "measured_bytes", "published_bytes", "error_pct",
                  "published_error_pct", "peak_phase", "measured_phase", "first_step_bytes", "reserved_bytes",
                  "status", "reason", "torch_version", "framework", "transformers_version", "peft_version", "seconds",

@@ -136,7 +136,9 @@ class MemcalcCallback(TrainerCallback):
         name = self.name or (est.spec.name if est is not None else str(self._cfg.get("model_type") or "model"))
         if getattr(args, "world_size", 1) > 1:  # one record per process, each its own GPU's
             name += f" (rank {args.process_index} of {args.world_size})"
-        self.recorder = Recorder(est, name, self.output, "callback", self.notes, self.quiet, why)
+        from memcalc.api import estimate
+
+        self.recorder = Recorder(est, name, self.output, "callback", self.notes, self.quiet, why, predict=estimate)
         self._hook = model.register_forward_pre_hook(self._observe, with_kwargs=True)
         self.recorder.start()
 

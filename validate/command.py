@@ -11,7 +11,7 @@ counts whole blocks, so it sits at or above ``measured_bytes``) and ``scale_laye
 
 ``framework``: ``plain`` traces memcalc's own PyTorch replica of the model (``runner.py``); ``hf``
 traces the real Hugging Face step, transformers + PEFT, unmodified but for kernel dispatch
-(``hf_runner.py``), and compares it with the estimate of :func:`~.hf_grid.hf_estimator_spec`.
+(``hf_runner.py``), and compares it with the estimate of :func:`~.record.hf_estimator_spec`.
 ``transformers_version`` / ``peft_version`` are the libraries the trace ran (None when not used).
 
 - ``error_pct`` = (predicted - measured) / measured * 100;
@@ -51,10 +51,12 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.core.units import fmt_bytes, gib
+from memcalc.core.units import gib
 
 from .interrupt import StopRequested, check as check_stop, stoppable, stopped
 from .output import RecordFile, new_run_id
+from .predict import predict
+from .record import make_record, target_spec
 from .runner import measure
 from .step import Measurement, error_reason
 
@@ -67,76 +69,11 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "meta"
 
 
-def _pct(a: Optional[int], b: Optional[int]) -> Optional[float]:
-    if a is None or b is None or b == 0:
-        return None
-    return round((a - b) / b * 100, 3)
-
-
-def _predict(exp: ExperimentSpec) -> tuple[Optional[int], Optional[str], str, Optional[int]]:
-    """memcalc's estimate of ``exp``: (peak bytes, peak phase, why there is none, the bytes a compiled
-    step saves for backward). The estimator's entry point, not :mod:`memcalc.api`: the API imports
-    ``measure.py``, which imports this module (.importlinter names this import)."""
-    try:
-        from memcalc.estimate.peak import estimate
-
-        est = estimate(exp)
-    except Exception as e:  # an unsupported combination is reported beside the measurement
-        return None, None, f"no estimate: {e}", None
-    compiled = est.extra.get("compiled")
-    return est.peak_bytes, est.peak_phase, "", compiled["saved_bytes"] if compiled else None
-
-
-def _partition_gap(real: Optional[int], mine: Optional[int]) -> str:
-    """memcalc's saved set beside PyTorch's partition (``runner._check_partition``), for the reason."""
-    if real is None or mine is None:
-        return ""
-    gap = f"{100 * (mine - real) / real:+.2f}%" if real else "both nothing" if not mine else "PyTorch saves nothing"
-    return f", memcalc {fmt_bytes(mine)} ({gap})"
-
-
-def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, scale_layers: Optional[int]) -> dict:
-    """One record (see the module docstring); the prediction is for the model as measured
-    (``exp`` None: a config that could not be read, nothing predicted)."""
-    predicted, pred_phase, why, published, saved = None, None, "", None, None
-    if exp is not None:
-        target = exp if scale_layers is None else exp.model_copy(
-            update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
-        if meas.framework == "hf":
-            from .hf_grid import hf_estimator_spec
-
-            target = hf_estimator_spec(target)
-        predicted, pred_phase, why, saved = _predict(target)
-        published = exp.published_peak_bytes if scale_layers is None else None
-    reason = "; ".join(r for r in (meas.reason + _partition_gap(meas.partition_saved_bytes, saved), why) if r)
-    return {
-        "config": name,
-        "device": meas.device,
-        "predicted_bytes": predicted,
-        "measured_bytes": meas.measured_bytes,
-        "published_bytes": published,
-        "error_pct": _pct(predicted, meas.measured_bytes),
-        "published_error_pct": _pct(meas.measured_bytes, published),
-        "peak_phase": pred_phase,
-        "measured_phase": meas.peak_phase,
-        "measured_label": meas.peak_label or None,
-        "first_step_bytes": meas.first_step_bytes,
-        "reserved_bytes": meas.reserved_bytes,
-        "allocator_sim_bytes": meas.sim_allocated_bytes,
-        "allocator_sim_reserved_bytes": meas.sim_reserved_bytes,
-        "partition_saved_bytes": meas.partition_saved_bytes,
-        "predicted_saved_bytes": saved if meas.partition_saved_bytes is not None else None,
-        # --activation-offload: the pinned host bytes the traced hooks offloaded (estimate --json: host_activation_bytes)
-        **({"host_activation_bytes": meas.host_activation_bytes} if meas.host_activation_bytes is not None else {}),
-        "scale_layers": scale_layers,
-        "status": meas.status,
-        "reason": reason,
-        "torch_version": meas.torch_version,
-        "framework": meas.framework,
-        "transformers_version": meas.transformers_version,
-        "peft_version": meas.peft_version,
-        "seconds": meas.seconds,
-    }
+def _record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, scale_layers: Optional[int]) -> dict:
+    """The record of ``meas`` beside memcalc's prediction for the model as measured (``exp`` None: a
+    config that could not be read, nothing predicted)."""
+    prediction = None if exp is None else predict(target_spec(exp, scale_layers, meas.framework))
+    return make_record(name, exp, meas, scale_layers, prediction)
 
 
 def _gap_style(pct: Optional[float]) -> str:
@@ -296,11 +233,11 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                 else:
                     meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
                                    allocator_sim=dev != "cuda")
-                rec = make_record(name, exp, meas, scale_layers)
+                rec = _record(name, exp, meas, scale_layers)
                 rec.update(extra)
             except Exception as e:  # noqa: BLE001 - a config that fails is a record; the run goes on
                 meas = Measurement(device=dev, status="error", reason=error_reason(e), framework=framework)
-                rec = make_record(name, None if isinstance(exp, Exception) else exp, meas, scale_layers)
+                rec = _record(name, None if isinstance(exp, Exception) else exp, meas, scale_layers)
             rec["run_id"] = run_id
             records.append(rec)
             if output is not None:

@@ -5,9 +5,10 @@ Run ``python -m memcalc.validate.hf_grid`` (``--json`` for the records, ``--only
 name). The models are the shipped presets of each family at full width and vocabulary, scaled down in
 depth (4 layers); a meta trace costs the same at any size (about 1.5 s a row).
 
-The estimator side is one function, :func:`hf_estimator_spec`: the ExperimentSpec the estimate is
-computed for. Until the estimator knows the HF framework rules it is the spec with the
-``hf-torch-2.8-cuda`` profile (HF's RMSNorm and fp32 loss upcast); switch it there.
+The estimator side is one function, :func:`~.record.hf_estimator_spec`: the ExperimentSpec the estimate
+is computed for (through :mod:`memcalc.api`: :mod:`.predict`). Until the estimator knows the HF
+framework rules it is the spec with the ``hf-torch-2.8-cuda`` profile (HF's RMSNorm and fp32 loss
+upcast); switch it there.
 """
 
 from __future__ import annotations
@@ -18,24 +19,19 @@ import sys
 from typing import Optional
 
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.inputs.profiles import compose, get_profile
+from memcalc.inputs.profiles import get_profile
+
+from .record import hf_estimator_spec
 
 #: the profile the HF trace is compared with, until the estimator has framework rules
 HF_ESTIMATOR_PROFILE = "hf-torch-2.8-cuda"
 
 
-def hf_estimator_spec(exp: ExperimentSpec) -> ExperimentSpec:
-    """The spec memcalc estimates for a traced HF step: ``exp`` with its profile's framework set to
-    ``hf`` (the PyTorch version, kernel choice and allocator rounding kept from ``exp``;
-    :func:`memcalc.inputs.profiles.compose`)."""
-    return exp.model_copy(update={"profile": compose(exp.profile, "hf", None)})
-
-
 def estimate_hf(exp: ExperimentSpec) -> tuple[int, str]:
     """(peak bytes, peak phase) of memcalc's estimate of the HF step of ``exp``."""
-    from memcalc.estimate.peak import estimate
+    from .predict import estimate
 
-    est = estimate(hf_estimator_spec(exp), timeline=False)
+    est = estimate(hf_estimator_spec(exp))
     return est.peak_bytes, est.peak_phase
 
 

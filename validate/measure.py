@@ -4,7 +4,7 @@ beside memcalc's estimate of the same setup, written as a ``memcalc validate`` r
 :class:`Recorder` does the work: :meth:`~Recorder.start` resets CUDA's peak statistics;
 :meth:`~Recorder.step` (after every optimizer step) records ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` since the last step and resets the peak again; :meth:`~Recorder.finish`
-prints predicted vs measured and the gap, and writes the record (:func:`.command.make_record`,
+prints predicted vs measured and the gap, and writes the record (:func:`.record.make_record`,
 filled by :func:`.runner.fill_measurement`; the file as ``validate --output`` writes it,
 :class:`.output.RecordFile`).
 
@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from types import SimpleNamespace
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -33,8 +34,8 @@ import torch
 from memcalc.core.errors import UserError
 from memcalc.core.units import fmt_bytes
 
-from .command import make_record
 from .output import RecordFile
+from .record import Prediction, make_record, target_spec
 from .step import Measurement, error_reason, fill_measurement
 
 NO_CUDA = "CUDA is not available: nothing was measured"
@@ -68,15 +69,18 @@ class Recorder:
 
     ``estimate``: a :class:`memcalc.api.EstimateResult`; None: memcalc could not estimate the setup
     (``why`` says why; the record has ``predicted_bytes`` null). ``notes``: how the setup was read
-    (put in the record and printed).
+    (put in the record and printed). ``predict``: :func:`memcalc.api.estimate`, for the one case where
+    the record compares with another spec than the estimate's (:func:`.record.target_spec`: the HF
+    rules over a profile whose framework is hf but whose rules were changed, ``loss="chunked"``);
+    passed in, as the API imports this module.
     """
 
     def __init__(self, estimate: Optional[Any], name: str, output: Optional[str] = None,
                  source: str = "measure", notes: Optional[list[str]] = None, quiet: bool = False,
-                 why: str = "") -> None:
+                 why: str = "", predict: Optional[Callable[[Any], Any]] = None) -> None:
         check_output(output)
         self.estimate, self.name, self.output, self.source = estimate, name, output, source
-        self.notes, self.quiet, self.why = list(notes or []), quiet, why
+        self.notes, self.quiet, self.why, self.predict = list(notes or []), quiet, why, predict
         self.cuda = torch.cuda.is_available()
         self.step_peaks: list[int] = []
         self.step_reserved: list[int] = []
@@ -121,7 +125,7 @@ class Recorder:
                              SimpleNamespace(reserved=max(self.step_reserved)), "cuda", None, None, False)
             meas.first_step_bytes = self.step_peaks[0]
         meas.seconds = round(time.perf_counter() - self._t0, 3)
-        rec = make_record(self.name, exp, meas, None)
+        rec = make_record(self.name, exp, meas, None, self._prediction(meas.framework))
         if self.why:
             rec["reason"] = "; ".join(r for r in (rec["reason"], f"no estimate: {self.why}") if r)
         rec.update(
@@ -141,6 +145,21 @@ class Recorder:
             RecordFile(self.output).write([rec])
             self.say(f"memcalc: record written to {self.output}")
         return rec
+
+
+    def _prediction(self, framework: str) -> Optional[Prediction]:
+        """What the record compares with: the estimate given, or ``predict``'s of the record's spec
+        where that differs from the estimate's."""
+        if self.estimate is None:
+            return None
+        exp = self.estimate.spec
+        target = target_spec(exp, None, framework)
+        if target == exp or self.predict is None:
+            return Prediction.of(self.estimate.estimate)
+        try:
+            return Prediction.of(self.predict(target).estimate)
+        except Exception as e:  # an unsupported combination is reported beside the measurement
+            return Prediction.failed(e)
 
 
 def summary(rec: dict[str, Any]) -> str:
@@ -166,9 +185,11 @@ class Measure:
     """
 
     def __init__(self, estimate: Any, *, output: Optional[str] = None, name: Optional[str] = None,
-                 quiet: bool = False) -> None:
-        self.estimate = estimate  # a memcalc.api.EstimateResult (the API builds it: no import back)
-        self.recorder = Recorder(self.estimate, name or self.estimate.spec.name, output, "measure", quiet=quiet)
+                 quiet: bool = False, predict: Optional[Callable[[Any], Any]] = None) -> None:
+        # a memcalc.api.EstimateResult, and memcalc.api.estimate (the API passes both: no import back)
+        self.estimate = estimate
+        self.recorder = Recorder(self.estimate, name or self.estimate.spec.name, output, "measure", quiet=quiet,
+                                 predict=predict)
 
     @property
     def record(self) -> Optional[dict[str, Any]]:

@@ -130,7 +130,7 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
 
 def _check_partition(exp: ExperimentSpec, scale_layers: Optional[int], meas: Measurement, say) -> None:
     """The part of a compiled step that needs no GPU: PyTorch's partition of the joint graph (the
-    record puts memcalc's saved set beside it: command.make_record)."""
+    record puts memcalc's saved set beside it: record.make_record)."""
     from memcalc.core.units import fmt_bytes
 
     from .compiled import partition

@@ -65,7 +65,7 @@ class Measurement:
     sim_allocated_bytes: Optional[int] = None
     sim_reserved_bytes: Optional[int] = None
     #: torch.compile skipped off CUDA: what PyTorch's partitioner saves for backward (on meta), for
-    #: the model as measured (the record puts memcalc's prediction beside it: command.make_record)
+    #: the model as measured (the record puts memcalc's prediction beside it: record.make_record)
     partition_saved_bytes: Optional[int] = None
     #: activation offloading: pinned host bytes its hooks offloaded in one forward (validate/offload.py)
     host_activation_bytes: Optional[int] = None

@@ -1,6 +1,6 @@
 """``memcalc validate --gpus N --zero {2,3} --sharding {fsdp2,fsdp1} [--rank R]``: one rank's record.
 
-The record is validate's (``validate/command.py`` ``make_record``: ``predicted_bytes`` is the
+The record is validate's (``validate/record.py`` ``make_record``: ``predicted_bytes`` is the
 estimate of the same ``ExperimentSpec``, per rank) plus the fields of :data:`FIELDS`:
 ``sharding``, ``gpus``, ``zero``, ``rank``, ``mixed_precision`` (what ran: ``fsdp2.precision_plan``),
 ``reshard_after_forward`` (FSDP2) / ``strategy`` (FSDP1), ``baseline_bytes`` (alive when the

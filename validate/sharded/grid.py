@@ -98,20 +98,16 @@ def grid(quick: bool = False) -> list[Setup]:
 
 
 def run_setup(s: Setup) -> dict:
-    from memcalc.validate.command import _pct, _predict
-
+    from ..predict import predict
+    from ..record import pct, target_spec
     from .runner import trace_rank
 
     exp = s.experiment()
     trace = trace_rank(exp, s.rank, timeline=True, framework=s.framework)
-    target = exp
-    if s.framework == "hf":
-        from memcalc.validate.hf_grid import hf_estimator_spec
-
-        target = hf_estimator_spec(exp)
-    predicted, phase, why, _saved = _predict(target)
-    est = {"predicted_bytes": predicted, "peak_phase": phase, "error_pct": _pct(predicted, trace["peak_bytes"]),
-           "note": why or "memcalc's estimate of the same experiment (model at the traced depth) when traced"}
+    p = predict(target_spec(exp, None, s.framework))
+    est = {"predicted_bytes": p.peak_bytes, "peak_phase": p.peak_phase,
+           "error_pct": pct(p.peak_bytes, trace["peak_bytes"]),
+           "note": p.why or "memcalc's estimate of the same experiment (model at the traced depth) when traced"}
     return {"name": s.name, "setup": {**s.__dict__, "options": s.options()}, "trace": trace, "estimate": est}
 
 
