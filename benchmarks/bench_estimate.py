@@ -35,7 +35,7 @@ Measured at stop 26 on this sandbox under a load average of 6-9 (bare numpy 0.34
 0.10 s), stop 24's code (a2a3c0e) against main, alternated, best of 7: ``estimate --params 7e9
 --bf16 --lora`` 0.54 -> 1.07 s (its text tables now import rich), ``--json`` 0.59 -> 1.02 s,
 ``memcalc --help`` 0.15 -> 0.23 s, ``memcalc estimate --help`` 0.19 -> 0.68 s (typer loads
-pydantic to coerce the options). ``tests/test_lazy_imports.py`` and ``tests/test_estimate_imports.py``
+pydantic to coerce the options). ``tests/unit/test_lazy_imports.py`` and ``tests/unit/test_estimate_imports.py``
 keep what each command loads.
 """
 

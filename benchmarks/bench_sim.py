@@ -25,7 +25,7 @@ llama-3.1-70b`` 3.62-3.77 -> 3.49-3.72 s, ``plan --gpu rtx-4090 --compile`` (eac
 checkpointed region) 26.7-31.0 -> 25.0-28.4 s. Every byte the same: ``sim_equality.py`` 59/59
 setups identical (18 checkpointed setups added), and with ``memcalc.engine.checkpoint.CHECK_STOP``
 the dry run runs too and agrees with the counted stop in all 59 setups, full depth and 3 layers,
-steady and first step (``tests/test_checkpoint_stop.py`` keeps 14 of them). Left: the
+steady and first step (``tests/unit/test_checkpoint_stop.py`` keeps 14 of them). Left: the
 first forward and the recompute still run the op code twice (a replay of the first forward's
 allocations would need a sound key for identical layers), and every allocation still costs about
 2.5 us of Python (``Sim.alloc``: a slotted block, its totals, the trace), a third of a step.

@@ -78,7 +78,7 @@ compare each shortcut with the simulation it replaces):
 
 1. *Steps in depth* (``memcalc.plan.depth``): a stack's step from its copies of 3, 4 and 5 periods
    of its layout (``memcalc.core.layout``; layers, for a uniform stack), extrapolated exactly
-   (``tests/test_depth.py``); ZeRO shares through
+   (``tests/unit/test_depth.py``); ZeRO shares through
    ``engine.sharding.Share``; FSDP2's step-start gather a named block. Once a setup's structure
    (the setup without its batch, sequence and GPU count) has passed the three-depth check, its
    other sizes and counts take the 3- and 4-layer copies alone (``depth.structure_key``,
@@ -88,12 +88,12 @@ compare each shortcut with the simulation it replaces):
    and with the old extrapolation in 1,480: the same totals.
 2. *Steps not simulated at all*:
    - the first step from the steady one (``engine.timeline.first_step_of``: the same events with
-     the optimizer state moved from setup to where the step makes it; ``tests/test_first_step.py``),
+     the optimizer state moved from setup to where the step makes it; ``tests/unit/test_first_step.py``),
      so ``estimate`` simulates one step, not two; the plan skips first steps that cannot set the
      peak (``first_step_within_steady``);
    - a fused-optimizer step from the unfused one (``engine.timeline.fused_twin_of``: the same trace
      up to each gradient becoming ready, where the fused step runs that parameter's temporaries and
-     frees it; ``tests/test_fused_twin.py``, 130 setups), in ``plan/steps.py``: the plan's grid is
+     frees it; ``tests/unit/test_fused_twin.py``, 130 setups), in ``plan/steps.py``: the plan's grid is
      half fused twins, so the 8B rtx-4090 plan went from 206 to 126 simulated steps;
    - options ruled out by a floor with no forward pass: weights, state and, before an unfused
      single-GPU step, every gradient (``engine.timeline.floor_bytes``; ``test_plan.py``).
@@ -113,13 +113,13 @@ compare each shortcut with the simulation it replaces):
 3b. *Steps cut short*: a probe whose "does not fit" ends the search (the neighbour above a count
    that fits) stops its step at the first allocation past the card (``Sim.stop_above``,
    ``PeakAbove``; a fused twin shares the bound when no gradient was ready yet;
-   ``tests/test_peak_above.py``): a sqrt step 27 -> 10 ms, a compiled one's simulation 35 -> 7 ms.
+   ``tests/unit/test_peak_above.py``): a sqrt step 27 -> 10 ms, a compiled one's simulation 35 -> 7 ms.
 4. *Cheaper steps* (``bench_sim.py``): slotted blocks and nodes, the GC paused, a checkpointed
    region's early stop counted in its first forward instead of a dry run (1.2-1.35x on
    checkpointed steps); ``torch.compile``'s min cut solved piece by piece and cached
    (``compile/mincut.py``, ``benchmarks/mincut_equality.py``: the compile path 5x cheaper); the
    compiled forward graph of a stack of alike layers recorded at five layers and built out
-   (``compile/graph.py``, ``tests/test_graph_built.py``: 52 -> 23 ms per (batch, seq) at 32
+   (``compile/graph.py``, ``tests/unit/test_graph_built.py``: 52 -> 23 ms per (batch, seq) at 32
    layers, every value and edge the same).
 5. *Workers*: an option and its fused twin in one job; the traces, peaks, floors, checked structures
    and one-GPU shallow traces a worker works out come back to the parent (found by their place in

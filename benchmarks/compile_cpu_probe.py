@@ -22,7 +22,7 @@ backward 2536 / 1479 / 120, equal); 4 layers, batch 2, --bf16, budgets 1.0 / 0.6
 saved 4018 / 4018, so weights + peak = 8.1 GiB against the published 6.709; memory_budget_05
 itself (32 layers, fp32, budget 0.05): 7543 / 7526, saved 648 / 648, so weights + peak =
 13.44 GiB against the published (CUDA) 13.561 GiB (-0.9%); memory_budget_60 itself: 9656 /
-10281 (+6.5%, the residual stream: see tests/test_compile.py), 15.51 GiB against the published
+10281 (+6.5%, the residual stream: see tests/unit/test_compile.py), 15.51 GiB against the published
 15.636. A few minutes per small run on
 two cores (compile about a minute, three steps); the 32-layer runs take 10 to 20 minutes
 and up to 14 GiB of memory.

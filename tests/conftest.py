@@ -55,6 +55,24 @@ def preset_exp(model: str, layers: int, budget: float, **kw) -> ExperimentSpec:
     return exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": layers})})
 
 
+def cli_run(args: list[str]):
+    """``memcalc ARGS`` in-process (typer's runner), stderr apart."""
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    return CliRunner().invoke(app, args, prog_name="memcalc")
+
+
+def one_line_error(r, code: int, message: str) -> None:
+    """A bad input's answer: exit ``code``, one line on stderr naming ``message``, no traceback."""
+    assert r.exit_code == code, r.output
+    err = r.stderr
+    assert message in err, err
+    assert err.count("\n") == 1 and err.startswith("memcalc: error: "), err
+    assert "Traceback" not in r.output
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_hugging_face_hub(tmp_path_factory):
     """No test reaches the Hugging Face Hub or reads the developer's cache: ``--model ORG/NAME``

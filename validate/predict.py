@@ -3,7 +3,7 @@ user reaches the estimator; the validator imports nothing else of it (``.importl
 
 ``command.py`` (``memcalc validate``), ``hf_grid.py`` and ``sharded/grid.py`` predict here;
 ``record.py`` and ``measure.py`` never import this module: :func:`memcalc.api.measure` imports
-``measure.py``, and an import of the API from there would close a cycle (``tests/test_shape.py``).
+``measure.py``, and an import of the API from there would close a cycle (``tests/unit/test_shape.py``).
 """
 
 from __future__ import annotations

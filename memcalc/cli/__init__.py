@@ -9,7 +9,7 @@ error handling in ``group``. A command resolves nothing and runs no stage itself
 :mod:`memcalc.api` (``estimate``, ``plan``, ``experiments``, the listings) and renders the result
 with :mod:`memcalc.render` (the ``cli-through-api`` contract in ``.importlinter``). Importing this
 package loads typer and memcalc's pydantic-free core only; the API loads a command's pipeline when
-it runs (``tests/test_lazy_imports.py``).
+it runs (``tests/unit/test_lazy_imports.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``memcalc validate``: run the step on CUDA or trace it on the meta device, beside the estimate.
 
 The only command that imports :mod:`memcalc.validate` (torch), lazily
-(``tests/test_layering.py``).
+(``tests/unit/test_layering.py``).
 """
 
 from __future__ import annotations

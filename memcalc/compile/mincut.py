@@ -26,7 +26,7 @@ identical pieces (same arcs, same capacities), so each distinct piece is solved 
 algorithm on the piece) and its answer cached by its exact shape and capacities. Capacities are
 integers (floats holding integers below 2**53, ``inf`` for infinite arcs), so sums and ``> 0``
 tests are exact, and every answer is the one a whole-network max-flow gives
-(``tests/test_mincut.py``, ``benchmarks/mincut_equality.py``).
+(``tests/unit/test_mincut.py``, ``benchmarks/mincut_equality.py``).
 """
 
 from __future__ import annotations

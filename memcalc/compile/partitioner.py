@@ -45,7 +45,7 @@ shape, and the GC is paused while ``compiled_plan`` works (2 s of full collectio
 30 graph recordings (1.6 s, half of it the forward walk), the cuts (1.3 s: the residual
 stream's piece again at each new batch and sequence, 25 networks built), ``_backward_steps``
 (0.4 s); the plan's 43 full-depth compiled steps (3.3 s) and 206 eager ones (4 s) are the
-simulator's. Every answer is the former solver's (``tests/test_mincut.py``,
+simulator's. Every answer is the former solver's (``tests/unit/test_mincut.py``,
 ``benchmarks/mincut_equality.py``: 108 cuts and 72 partitions on 12 setups, the snapshots,
 ``plan --compile --json`` byte for byte).
 """

@@ -1,6 +1,6 @@
 """The field contract: every field of the specs changes the estimate, or is listed here.
 
-``tests/test_field_contract.py`` iterates every ``model_fields`` of :class:`ModelSpec`,
+``tests/unit/test_field_contract.py`` iterates every ``model_fields`` of :class:`ModelSpec`,
 :class:`LoraSpec`, :class:`TrainingSpec`, :class:`KernelProfile` and
 :class:`ExperimentSpec`, perturbs each field on a setup where it can matter, and asserts
 that an estimated number changes, unless the field is in :data:`INERT` (with the reason)

@@ -28,7 +28,7 @@ copies (a per-layer rule with another period) makes their interior periods diffe
 exact affine checks (``memcalc.plan.depth``, ``memcalc.compile.graph``): the step falls back to
 the direct simulation. What no check can see is a rule that first differs deeper than the copies
 (prefix + 5 periods + suffix): such a rule belongs in :class:`LayerSpec`, and
-``tests/test_depth.py`` compares every shipped preset's extrapolated peaks with direct
+``tests/unit/test_depth.py`` compares every shipped preset's extrapolated peaks with direct
 simulations at full depth.
 
 Torch-free (frozen dataclasses); engine, compile and plan read it.

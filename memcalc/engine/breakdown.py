@@ -4,7 +4,7 @@
 peak (``_peak_open``) as it allocates; the breakdown is copied only when memory next goes down
 (:meth:`Sim.unref` calls :meth:`PeakBreakdown._snap_peak`) or when it is read: every allocation
 before that is a new peak itself, so a copy per new peak would be wasted
-(``tests/test_sim_bookkeeping.py`` compares it with an eager copy).
+(``tests/unit/test_sim_bookkeeping.py`` compares it with an eager copy).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The decoder's blocks (:mod:`memcalc.engine.blocks`: embedding, norm, attention a
 MLA, MLP, MoE, layer, adapters, head) are free functions over the walk that calls them,
 :class:`memcalc.engine.forward.Forward`. They are written against this protocol instead of
 importing ``Forward`` (which imports them): the engine's modules form no import cycle, type-only
-imports included (``tests/test_shape.py``). A new block reads what is here; a walk
+imports included (``tests/unit/test_shape.py``). A new block reads what is here; a walk
 attribute it needs is added here first.
 """
 

@@ -4,7 +4,7 @@ nodes (:class:`Node`), which :mod:`memcalc.engine.sim` allocates, references and
 Blocks and nodes are slotted classes: the simulator makes one per allocation and per recorded op
 (hundreds of thousands per plan), and fills their fields in itself without calling ``__init__``
 (:meth:`memcalc.engine.sim.Sim.alloc`, :meth:`memcalc.engine.sim.Sim.node`): a field added here
-is added there too (``tests/test_sim_bookkeeping.py`` checks that both set every field alike).
+is added there too (``tests/unit/test_sim_bookkeeping.py`` checks that both set every field alike).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 step's allocation events (:func:`first_step_of`), and the step with its optimizer fused into
 backward from the unfused step's trace (:func:`fused_twin_of`, where :func:`fused_twin_applies`).
 :func:`memcalc.engine.timeline.simulate` records what they need (``events``, ``fused_twin``);
-``tests/test_first_step.py`` and ``tests/test_fused_twin.py`` compare them with simulated steps.
+``tests/unit/test_first_step.py`` and ``tests/unit/test_fused_twin.py`` compare them with simulated steps.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
     replay) and the offloading / paged-state figures (the same events make the same ones; paged
     state counts the steady step's, the higher, as ``estimate()`` takes the maximum); the peak's
     breakdown and label are left empty (the first step cannot be the higher outside DeepSpeed).
-    ``tests/test_first_step.py`` compares it with simulated first steps. None without the
+    ``tests/unit/test_first_step.py`` compares it with simulated first steps. None without the
     recorded moves (DeepSpeed, or a step simulated without events)."""
     if steady.state_moves is None or steady.events is None or steady.event_phases is None:
         return None
@@ -104,7 +104,7 @@ def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
 
     Gives the allocation trace (``alloc_trace``), the peak, its phase and label: what the plan
     reads; the phase peaks, breakdown, events and timeline are left empty.
-    ``tests/test_fused_twin.py`` compares it with simulated fused steps. None without the
+    ``tests/unit/test_fused_twin.py`` compares it with simulated fused steps. None without the
     records."""
     ready, trace = unfused.grads_ready, unfused.alloc_trace
     if ready is None or trace is None:

@@ -27,7 +27,7 @@ def data_root() -> Traversable:
     readers (zipfile among them: about 4 ms of an estimate's start-up; CPython's
     ``FileLoader.get_resource_reader`` gives a ``FileReader``, whose ``files()`` is that folder);
     anything else (a zip import) goes through ``importlib.resources``.
-    ``tests/test_estimate_imports.py`` compares the two."""
+    ``tests/unit/test_estimate_imports.py`` compares the two."""
     spec = import_module("memcalc.data").__spec__
     if spec is not None and isinstance(spec.loader, (SourceFileLoader, SourcelessFileLoader)) and spec.origin:
         return Path(spec.origin).parent

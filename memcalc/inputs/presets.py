@@ -3,7 +3,7 @@
 Presets are ``data/models/<name>.yaml`` (read through :mod:`memcalc.inputs.data_files`, so
 they work from any install); each holds :class:`~memcalc.core.spec.ModelSpec` fields and
 a comment citing the published ``config.json`` it was written from. Their exact
-parameter totals are pinned in ``tests/test_params.py``. A top-level ``hf_id`` key
+parameter totals are pinned in ``tests/unit/test_params.py``. A top-level ``hf_id`` key
 (metadata, not a ModelSpec field: stripped before the spec is built) names the Hugging
 Face checkpoint a preset describes, so ``--model ORG/NAME`` finds the preset.
 

@@ -44,13 +44,13 @@ Under ZeRO over N GPUs with one flat partition (DeepSpeed, the generic ZeRO mode
 grows with the depth is a rank's share ``ceil(S / N)`` of a sum (the foreach step's temporary),
 not affine in the depth: the sum ``S`` is read from the same step's shallow traces on one GPU and
 divided at depth ``n``. FSDP2 and FSDP1 shard parameter by parameter, so such a sum is affine
-in the depth and extrapolates like any other request. ``tests/test_depth.py`` compares
+in the depth and extrapolates like any other request. ``tests/unit/test_depth.py`` compares
 the extrapolated peaks with direct simulations.
 
 Cost: 3 + 4 + 5 = 12 periods (and three times the prefix and suffix) simulated instead of the
 model's layers; 3 + 4 = 7 for a setup whose structure (:func:`structure_key`: the same setup at
 another batch, sequence or GPU count) has passed the three-depth check (:func:`deep_trace`).
-``tests/test_depth.py`` compares the two as well.
+``tests/unit/test_depth.py`` compares the two as well.
 """
 
 from __future__ import annotations
@@ -445,7 +445,7 @@ def deep_trace(exp: ExperimentSpec, first_step: bool,
     through them is the one the third point confirmed for its structure, and the checks that two
     depths allow still run (the same named blocks, the interior layers alike). Not under DeepSpeed,
     whose buckets are cut by bytes (a bucket boundary may fall elsewhere at another size): always
-    three depths there. ``depths`` forces the depths (``tests/test_depth.py`` compares the two)."""
+    three depths there. ``depths`` forces the depths (``tests/unit/test_depth.py`` compares the two)."""
     if not applies(exp):
         return None
     from memcalc.plan.steps import traced_step

@@ -6,7 +6,7 @@ searches ask about the same (batch, seq) points. A fused step is the unfused one
 parameter's optimizer step run, and its gradient freed, where the gradient becomes ready
 (:func:`memcalc.engine.twins.fused_twin_of`): so where that applies, the unfused step is
 simulated once, recording where its gradients become ready, and the fused step is derived from it
-in one pass over its trace (``tests/test_fused_twin.py`` compares the two on 300 setups).
+in one pass over its trace (``tests/unit/test_fused_twin.py`` compares the two on 300 setups).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The report is a list of rich tables and lines of rich markup (``report_items``), printed in order
 by ``print_items``. rich is imported inside the functions that build or print them, never at module
-level: ``estimate --json`` (``to_json``, ``dumps``) loads no rich (``tests/test_lazy_imports.py``).
+level: ``estimate --json`` (``to_json``, ``dumps``) loads no rich (``tests/unit/test_lazy_imports.py``).
 """
 
 from __future__ import annotations

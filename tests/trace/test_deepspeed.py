@@ -101,7 +101,7 @@ def test_validate_command_traces_a_deepspeed_config(tmp_path):
 
     from memcalc.cli import app
 
-    config = Path(__file__).parent / "traces" / "deepspeed" / "zero2.json"
+    config = Path(__file__).parent.parent / "traces" / "deepspeed" / "zero2.json"
     r = CliRunner().invoke(app, ["validate", "--model", "tinyllama-1.1b", "--deepspeed", str(config), "--gpus", "4",
                                  "--seq", "64", "--scale-layers", "1", "--device", "meta", "--json"])
     assert r.exit_code == 0, r.output

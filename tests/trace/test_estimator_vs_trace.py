@@ -85,7 +85,7 @@ def test_grid_is_large_enough():
 # A meta trace per row (about a second each, more for the first). The whole file is slow (pytestmark
 # above), so the FAST row runs with the others; the quick lane compares this row (the reference
 # model's layer, ALiBi and post-norm, under AMP with full checkpointing, its peak the optimizer step)
-# and others of this grid with their recorded traces: tests/test_recorded_traces.py.
+# and others of this grid with their recorded traces: tests/unit/test_recorded_traces.py.
 FAST = {"deep-one-1.6b-L2-batch=4-seq=512-precision=amp-bf16-optimizer=adamw-checkpoint=full"}
 
 

@@ -27,7 +27,7 @@ from memcalc.inputs.hf_config import from_hf_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-FIXTURES = Path(__file__).resolve().parents[1] / "data" / "hf_configs"
+FIXTURES = Path(__file__).resolve().parents[2] / "data" / "hf_configs"
 NAMES = sorted(p.stem for p in FIXTURES.glob("*.json"))
 
 RANK = 8

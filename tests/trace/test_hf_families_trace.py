@@ -52,7 +52,7 @@ def family_rows() -> list[tuple[str, str, int]]:
     """(name, model_type, layers), one per family adapter (memcalc.inputs.hf_families): its first preset
     read from a shipped config.json (data/models/<preset>.yaml -> data/hf_configs/*.json); else, for a
     family without a ModelSpec inverse, its first shipped config.json itself (data/hf_configs/<stem>.json;
-    the hand-written families are tests/test_validate_hf.py's). Layers: 2, or the dense layers and one
+    the hand-written families are tests/trace/test_validate_hf.py's). Layers: 2, or the dense layers and one
     MoE layer (DeepSeek-V3: 3 + 1). A family added as an adapter, a config.json and a preset is a row."""
     from memcalc.inputs import hf_families
     from memcalc.inputs.data_files import list_names, load_named

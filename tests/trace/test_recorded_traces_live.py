@@ -1,6 +1,6 @@
 """The recorded validator peaks (``tests/traces/recorded.json``) against a live trace of each row.
 
-``tests/test_recorded_traces.py`` compares the estimate with the recording in the quick lane; this
+``tests/unit/test_recorded_traces.py`` compares the estimate with the recording in the quick lane; this
 traces every row again, with the validator the row names (as ``tests/traces/record.py`` does), and
 requires the same peak to the byte and the same phase: the traces are deterministic (meta and fake
 tensors; no data-dependent sizes), so a recording that no longer equals the trace is stale, and
@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 from traces.record import trace  # noqa: E402
 from traces.rows import spec_of  # noqa: E402
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "recorded.json")
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "recorded.json")
 with open(PATH, encoding="utf-8") as _f:
     RECORDED: list[dict] = json.load(_f)["rows"]
 NEEDS = {"hf": ("transformers", "peft"), "deepspeed": ("deepspeed",)}

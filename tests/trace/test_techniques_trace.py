@@ -23,7 +23,7 @@ from memcalc.inputs.profiles import profile_for  # noqa: E402
 from memcalc.validate.hf_runner import measure_hf  # noqa: E402
 from memcalc.validate.runner import measure  # noqa: E402
 
-TOLERANCE_PCT = 3.0  # the project's estimate-vs-trace tolerance (tests/test_estimator_vs_trace.py)
+TOLERANCE_PCT = 3.0  # the project's estimate-vs-trace tolerance (tests/trace/test_estimator_vs_trace.py)
 DORA_TOLERANCE_PCT = 2.0  # issue 14: DoRA within 2% of the HF validator
 HOST_TOLERANCE_PCT = 2.0  # pinned host bytes: the engine does not pass RoPE tables into checkpoint regions
 ALL = ("q", "k", "v", "o", "gate", "up", "down")

@@ -49,7 +49,7 @@ def test_json_records_and_output_file(tmp_path, capsys):
     assert isinstance(real, int) and abs(mine - real) <= 0.05 * real
 
 
-@pytest.mark.slow  # a meta trace; the quick lane traces in tests/test_estimator_vs_trace.py
+@pytest.mark.slow  # a meta trace; the quick lane traces in tests/trace/test_estimator_vs_trace.py
 def test_table_on_stdout(capsys):
     run_validate([("eager", exp())], "meta", False, None, scale_layers=1)
     out = capsys.readouterr().out

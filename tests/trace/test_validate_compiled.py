@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 # Dynamo compiles every row's graph: importing it takes seconds, and each row (even a one-layer
 # model) seconds more, so the whole file is slow. The quick lane checks the same partitioner with
-# PyTorch's own small cases (tests/test_partitioner.py) and the CPU-inductor rows of
-# tests/test_compile.py.
+# PyTorch's own small cases (tests/unit/test_partitioner.py) and the CPU-inductor rows of
+# tests/unit/test_compile.py.
 pytestmark = pytest.mark.slow
 
 

@@ -40,8 +40,8 @@ CASES = {
 
 
 # A real CPU step and a meta trace per case (a second or two each, more for the first): the
-# whole file is slow. The quick lane's meta traces are in tests/test_estimator_vs_trace.py and
-# tests/test_validate_deep_one.py.
+# whole file is slow. The quick lane's meta traces are in tests/trace/test_estimator_vs_trace.py and
+# tests/trace/test_validate_deep_one.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_cpu_run_and_meta_trace_agree(case):

@@ -56,7 +56,7 @@ def test_full_size_control_within_3pct_of_published(control_full):
 
 
 # Meta traces (about a second each): the whole file is slow; the quick lane traces Deep One's
-# layer in tests/test_estimator_vs_trace.py.
+# layer in tests/trace/test_estimator_vs_trace.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_scaled_reference_configs_trace(name):

@@ -42,7 +42,7 @@ def test_a_failing_config_is_an_error_record_and_the_run_goes_on(tmp_path: Path)
 
 def test_a_config_that_cannot_be_read_is_a_record_among_several(tmp_path: Path):
     """Input errors of one of several configs (LoRA targets its model lacks) are its record; with
-    one config they stay a one-line error before any work (tests/test_robustness.py)."""
+    one config they stay a one-line error before any work (tests/unit/test_robustness.py)."""
     bad = tmp_path / "badlora.yaml"
     bad.write_text("name: badlora\nmodel: gpt2\ntraining:\n  seq: 64\n  lora: {targets: [gate]}\n")
     r = CliRunner().invoke(app, ["validate", "--config", str(bad), "--config", "control", "--device", "meta",

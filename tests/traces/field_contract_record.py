@@ -3,14 +3,14 @@
     python tests/traces/field_contract_record.py              # every traceable row (a minute or two on 2 cores)
     python tests/traces/field_contract_record.py --only Lora  # the rows whose field contains "Lora"
 
-A row is a ``PERTURB`` entry of ``tests/test_field_contract.py`` (a setup and one field's perturbed
-value) that memcalc's own replica can trace (``tests/test_field_contract_trace.py`` ``UNTRACED`` lists
+A row is a ``PERTURB`` entry of ``tests/contract_tables.py`` (a setup and one field's perturbed
+value) that memcalc's own replica can trace (``tests/contract_tables.py`` ``UNTRACED`` lists
 the others with the reason). Per row the validator (``memcalc.validate.runner.measure``, ``meta``)
 traces the setup and the perturbed setup; the file holds both traced peaks in bytes and the torch
 version. After each row the file is written again (rows not traced this time keep their recorded
-values), so an interruption loses nothing already traced. ``tests/test_field_contract_recorded.py``
+values), so an interruption loses nothing already traced. ``tests/unit/test_field_contract_recorded.py``
 compares the estimator's delta with the recorded traced delta in the quick lane;
-``tests/test_field_contract_trace.py`` (slow) traces live.
+``tests/trace/test_field_contract_trace.py`` (slow) traces live.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-from test_field_contract import PERTURB, build, perturbed
+from contract_tables import PERTURB, build, perturbed
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "field_contract.json")
 
@@ -57,9 +57,9 @@ def load() -> dict[str, dict[str, Any]]:
 
 
 def write(done: dict[str, dict[str, Any]]) -> None:
-    doc = {"about": "validator peaks (bytes) of each tests/test_field_contract.py PERTURB row, setup and perturbed, "
+    doc = {"about": "validator peaks (bytes) of each tests/contract_tables.py PERTURB row, setup and perturbed, "
                     "traced on meta by memcalc's replica; written by python tests/traces/field_contract_record.py; "
-                    "compared with the estimator's delta by tests/test_field_contract_recorded.py",
+                    "compared with the estimator's delta by tests/unit/test_field_contract_recorded.py",
            "rows": [done[k] for k in PERTURB if k in done]}
     tmp = PATH + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from memcalc.estimate.peak import estimate
-    from test_field_contract_trace import UNTRACED, delta_tolerance
+    from contract_tables import UNTRACED, delta_tolerance
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="trace only the rows whose field contains this")

@@ -8,8 +8,8 @@ One process traces the rows one after another; after each row the file is writte
 traced this time keep their recorded values), so an interruption loses nothing already traced.
 Per row the file holds the inputs (``memcalc validate``'s options), the traced peak in bytes, the
 phase it sits in, the library versions that traced it, and the tolerance with the slow test it comes
-from. ``tests/test_recorded_traces.py`` compares the estimate with these peaks in the quick lane;
-``tests/test_recorded_traces_live.py`` traces the rows again and checks the recording is current.
+from. ``tests/unit/test_recorded_traces.py`` compares the estimate with these peaks in the quick lane;
+``tests/trace/test_recorded_traces_live.py`` traces the rows again and checks the recording is current.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def load() -> dict[str, dict[str, Any]]:
 
 def write(done: dict[str, dict[str, Any]]) -> None:
     doc = {"about": "validator peaks of the rows of tests/traces/rows.py (bytes); written by "
-                    "python tests/traces/record.py; compared with the estimate by tests/test_recorded_traces.py",
+                    "python tests/traces/record.py; compared with the estimate by tests/unit/test_recorded_traces.py",
            "rows": [done[r["name"]] for r in ROWS if r["name"] in done]}
     tmp = PATH + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:

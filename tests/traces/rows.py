@@ -5,7 +5,7 @@ Each row is what ``memcalc validate`` would run (the DeepSpeed rows: what its tr
 (:class:`memcalc.inputs.resolve.Options`, as ``memcalc.estimate(**inputs)`` takes them), its
 ``scale_layers`` is ``validate --scale-layers`` (the preset cut to that many layers: the layers
 are alike, so a cut model shows the per-layer behaviour and traces in seconds), ``model`` holds
-the few model fields no flag sets (the tensor-parallel rows' small widths, from tests/test_tp.py),
+the few model fields no flag sets (the tensor-parallel rows' small widths, from tests/trace/test_tp.py),
 and ``validator`` names the tracer the slow test of the same row calls:
 
 - ``replica``: memcalc's PyTorch replica on meta (``memcalc.validate.runner.measure``)
@@ -15,7 +15,7 @@ and ``validator`` names the tracer the slow test of the same row calls:
 - ``deepspeed``: rank 0 of DeepSpeed's engine (``memcalc.validate.deepspeed_trace.trace_deepspeed``)
 
 Every row is one of the slow tests' rows (scaled down where they run at more layers), and its
-tolerance is that test's constant, named by :data:`TOLERANCES` (``tests/test_recorded_traces.py``
+tolerance is that test's constant, named by :data:`TOLERANCES` (``tests/unit/test_recorded_traces.py``
 checks the constant still has that value). torch.compile and memory budgets are not here: the
 compiled step runs on CUDA only (on meta the validator checks the partition, not a peak).
 
@@ -33,16 +33,16 @@ REPO = os.path.dirname(TESTS)
 
 #: tolerance key -> (percent, the slow test file, its constant); the percent must equal the constant
 TOLERANCES: dict[str, tuple[float, str, str]] = {
-    "replica": (3.0, "tests/test_estimator_vs_trace.py", "TOLERANCE_PCT"),  # issue 3
-    "family": (1.0, "tests/test_family_activations_trace.py", "PRESET_TOLERANCE_PCT"),
-    "moe_mla": (1.0, "tests/test_moe_mla_trace.py", "TOLERANCE_PCT"),
-    "technique": (3.0, "tests/test_techniques_trace.py", "TOLERANCE_PCT"),
-    "dora": (2.0, "tests/test_techniques_trace.py", "DORA_TOLERANCE_PCT"),  # issue 14
-    "hf_grid": (2.0, "tests/test_hf_grid.py", "TOLERANCE_PCT"),  # issue 11
-    "hf_family": (3.0, "tests/test_hf_families_trace.py", "TOLERANCE_PCT"),  # issue 12
-    "fsdp": (2.0, "tests/test_fsdp_grid.py", "TOLERANCE_PCT"),  # issue 13
-    "tp": (3.0, "tests/test_tp.py", "TOLERANCE_PCT"),  # issue 13
-    "deepspeed": (3.0, "tests/test_deepspeed.py", "TOLERANCE_PCT"),  # issue 13
+    "replica": (3.0, "tests/trace/test_estimator_vs_trace.py", "TOLERANCE_PCT"),  # issue 3
+    "family": (1.0, "tests/trace/test_family_activations_trace.py", "PRESET_TOLERANCE_PCT"),
+    "moe_mla": (1.0, "tests/trace/test_moe_mla_trace.py", "TOLERANCE_PCT"),
+    "technique": (3.0, "tests/trace/test_techniques_trace.py", "TOLERANCE_PCT"),
+    "dora": (2.0, "tests/trace/test_techniques_trace.py", "DORA_TOLERANCE_PCT"),  # issue 14
+    "hf_grid": (2.0, "tests/trace/test_hf_grid.py", "TOLERANCE_PCT"),  # issue 11
+    "hf_family": (3.0, "tests/trace/test_hf_families_trace.py", "TOLERANCE_PCT"),  # issue 12
+    "fsdp": (2.0, "tests/trace/test_fsdp_grid.py", "TOLERANCE_PCT"),  # issue 13
+    "tp": (3.0, "tests/trace/test_tp.py", "TOLERANCE_PCT"),  # issue 13
+    "deepspeed": (3.0, "tests/trace/test_deepspeed.py", "TOLERANCE_PCT"),  # issue 13
 }
 
 PLAIN = {"framework": "plain"}
@@ -50,7 +50,7 @@ PLAIN = {"framework": "plain"}
 HF = {"framework": "hf", "profile": "hf-torch-2.8-cuda"}
 BF16 = {"precision": "bf16"}
 MIXED = {"precision": "bf16", "master_weights": True}
-#: tests/test_tp.py spec(): d_model 256, 8 heads, 4 kv heads, d_ff 704, vocabulary 1024
+#: tests/trace/test_tp.py spec(): d_model 256, 8 heads, 4 kv heads, d_ff 704, vocabulary 1024
 TP_MODEL = {"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "d_ff": 704, "vocab_size": 1024, "max_seq_len": 4096}
 
 
@@ -61,22 +61,19 @@ def _row(name: str, validator: str, tolerance: str, source: str, layers: int, fi
 
 
 R, H, F, T, D = "replica", "hf", "fsdp", "tp", "deepspeed"
-EVT, FAT, MMT, TET = ("tests/test_estimator_vs_trace.py", "tests/test_family_activations_trace.py",
-                      "tests/test_moe_mla_trace.py", "tests/test_techniques_trace.py")
-HFG, HFF, FSG, TPT, DST = ("tests/test_hf_grid.py", "tests/test_hf_families_trace.py", "tests/test_fsdp_grid.py",
-                           "tests/test_tp.py", "tests/test_deepspeed.py")
+DEEP = "tests/trace/test_validate_deep_one.py (config); tolerance: "
+EVT, FAT, MMT, TET = ("tests/trace/test_estimator_vs_trace.py", "tests/trace/test_family_activations_trace.py",
+                      "tests/trace/test_moe_mla_trace.py", "tests/trace/test_techniques_trace.py")
+HFG, HFF, FSG, TPT, DST = ("tests/trace/test_hf_grid.py", "tests/trace/test_hf_families_trace.py",
+                           "tests/trace/test_fsdp_grid.py", "tests/trace/test_tp.py", "tests/trace/test_deepspeed.py")
 ALL7 = "q,k,v,o,gate,up,down"
 
 ROWS: list[dict[str, Any]] = [
     # -- the reference configs (Forgather's Deep One, plain framework), cut to 2 layers
-    _row("config-control", R, "replica", "tests/test_validate_deep_one.py (config); tolerance: " + EVT, 2,
-         config="control"),
-    _row("config-checkpoint", R, "replica", "tests/test_validate_deep_one.py (config); tolerance: " + EVT, 2,
-         config="checkpoint"),
-    _row("config-bfloat16", R, "replica", "tests/test_validate_deep_one.py (config); tolerance: " + EVT, 2,
-         config="bfloat16"),
-    _row("config-bf16-fused-chkpt", R, "replica", "tests/test_validate_deep_one.py (config); tolerance: " + EVT, 2,
-         config="bf16_fused_chkpt"),
+    _row("config-control", R, "replica", DEEP + EVT, 2, config="control"),
+    _row("config-checkpoint", R, "replica", DEEP + EVT, 2, config="checkpoint"),
+    _row("config-bfloat16", R, "replica", DEEP + EVT, 2, config="bfloat16"),
+    _row("config-bf16-fused-chkpt", R, "replica", DEEP + EVT, 2, config="bf16_fused_chkpt"),
     # -- the replica: families, precisions, checkpointing policies, adapters, optimizers (test_estimator_vs_trace)
     _row("gpt2-fp32-dropout", R, "replica", EVT, 2, model="gpt2", batch=4, seq=512, **PLAIN),
     _row("gpt2-ckpt-full", R, "replica", EVT, 2, model="gpt2", batch=4, seq=1024, checkpoint="full", **PLAIN),
@@ -211,7 +208,7 @@ def cli_of(row: dict[str, Any]) -> str | None:
     """The ``memcalc validate`` command line of a row; None when a model field has no flag (the
     tensor-parallel rows) or validate's command line refuses the setup: it stops a DeepSpeed step at
     its sharded checks (``validate.sharded.check_sharded``), so the DeepSpeed rows are traced by
-    ``trace_deepspeed`` directly, as tests/test_deepspeed.py does (their options are ``memcalc
+    ``trace_deepspeed`` directly, as tests/trace/test_deepspeed.py does (their options are ``memcalc
     estimate``'s all the same)."""
     if row["model"] or row["validator"] == "deepspeed":
         return None

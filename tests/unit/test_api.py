@@ -16,7 +16,7 @@ import memcalc
 from memcalc.cli import app
 from memcalc.inputs.resolve import Options
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli_json(args: list[str]) -> dict:
@@ -73,7 +73,7 @@ def test_estimate_to_dict_equals_cli_json(kwargs, args):
 
 # (API keyword arguments, `memcalc estimate` flags): both refuse the input with the same line
 SAME_ERROR = [
-    (dict(model="llama-9"), ["--model", "llama-9"]),  # source: tests/test_cli.py BAD_INPUT (unknown preset)
+    (dict(model="llama-9"), ["--model", "llama-9"]),  # source: tests/unit/test_cli.py BAD_INPUT (unknown preset)
     (dict(model="gpt2", batch=0), ["--model", "gpt2", "--batch", "0"]),
     (dict(model="gpt2", checkpoint="every-x"), ["--model", "gpt2", "--checkpoint", "every-x"]),
     (dict(model="gpt2", zero=4), ["--model", "gpt2", "--zero", "4"]),
@@ -189,7 +189,7 @@ def test_cluster_plan_to_dict_equals_cli_json():
 @pytest.mark.slow  # a plan search for one GPU (seconds)
 def test_gpu_plan_to_dict_equals_cli_json():
     # source: `memcalc plan --model gpt2 --gpu 1GB --seq 256 --json` (the same search; the full-size
-    # search is the plan-llama8b-4090 snapshot in tests/test_snapshots.py)
+    # search is the plan-llama8b-4090 snapshot in tests/unit/test_snapshots.py)
     p = memcalc.plan(model="gpt2", gpu="1GB", seq=256)
     assert p.to_dict() == cli_json(["plan", "--model", "gpt2", "--gpu", "1GB", "--seq", "256"])
     assert p.fitting and all(o["fits"] for o in p.fitting)
@@ -294,7 +294,7 @@ def test_estimate_recipe_to_dict_equals_cli_json():
 
 def test_plan_takes_a_recipe(monkeypatch):
     # source: issue 26 ("memcalc.plan(recipe=...) is a TypeError"): the recipe's model, sequence length
-    # and framework reach the search, as for `memcalc plan --recipe` (tests/test_recipes.py)
+    # and framework reach the search, as for `memcalc plan --recipe` (tests/unit/test_recipes.py)
     import memcalc.plan.search as search
 
     got = []

@@ -36,7 +36,7 @@ if CHROMIUM is None:
     pytest.skip("no Chromium (apt-get install chromium chromium-driver)", allow_module_level=True)
 
 USE_SELENIUM = webdriver is not None and DRIVER is not None
-ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
          "--disable-dev-shm-usage", "--hide-scrollbars", "--force-device-scale-factor=1"]

@@ -1,5 +1,5 @@
 """``--deepspeed ds_config.json`` (torch-free): the reader, "auto" values as Hugging Face fills them,
-conflicts with other flags, bad files. The traced grid is tests/test_deepspeed.py (slow)."""
+conflicts with other flags, bad files. The traced grid is tests/trace/test_deepspeed.py (slow)."""
 
 from __future__ import annotations
 

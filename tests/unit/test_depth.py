@@ -22,7 +22,7 @@ from memcalc.plan.steps import SIM_CACHE
 from conftest import tiny_llama
 
 # the whole file runs in the slow lane: its quick rows are a subset of the slow grid, and the quick
-# lane must stay under 30 s (tests/test_plan.py keeps plan's exactness checks there)
+# lane must stay under 30 s (tests/unit/test_plan.py keeps plan's exactness checks there)
 pytestmark = pytest.mark.slow
 
 DEPTH = 13  # deeper than depth.MIN_DEPTH, odd (no accidental periodicity with the shallow depths)

@@ -2,7 +2,7 @@
 (the estimate's start-up time): DeepSpeed's and FSDP1's runtimes (``memcalc.engine.timeline``
 imports them where a step runs them), ``importlib.resources`` and its readers
 (``memcalc.inputs.data_files.data_root`` finds the data folder itself) and ``difflib`` (imported
-for a misspelt name's suggestion). The CLI's own rows are in ``tests/test_lazy_imports.py``."""
+for a misspelt name's suggestion). The CLI's own rows are in ``tests/unit/test_lazy_imports.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 UNUSED = ("memcalc.engine.deepspeed", "memcalc.engine.fsdp1", "importlib.resources", "importlib.readers",
           "zipfile", "difflib")

@@ -1,7 +1,7 @@
 """The estimator's rules for the dense family features (issue 12), torch-free: what each feature
 adds, in closed form where the rule gives one (``memcalc.engine.blocks.attention_variants``,
 ``memcalc.engine.blocks.layer``). The byte-for-byte comparison with the replica's trace is
-``tests/test_family_activations_trace.py``."""
+``tests/trace/test_family_activations_trace.py``."""
 
 from __future__ import annotations
 

@@ -1,20 +1,27 @@
 """The field contract's two sides in the quick lane (issue 26): for every recorded row, the estimator's
-delta (setup -> perturbed, ``tests/test_field_contract.py`` ``PERTURB``) against the traced delta the
+delta (setup -> perturbed, ``tests/contract_tables.py`` ``PERTURB``) against the traced delta the
 validator recorded in ``tests/traces/field_contract.json`` (``python tests/traces/field_contract_record.py``),
-with the tolerance and the known gaps of ``tests/test_field_contract_trace.py``, which traces live (slow).
-No torch here: the estimate runs, the trace is read.
+with the tolerance and the known gaps of ``tests/contract_tables.py``, which
+``tests/trace/test_field_contract_trace.py`` traces live (slow). No torch here: the estimate runs, the
+trace is read.
 """
 
 from __future__ import annotations
 
 import pytest
+from contract_tables import (KNOWN_GAPS, PERTURB, PHASE_GAPS, TRACED, UNTRACED, assert_deltas_agree,
+                             assert_phase_deltas_agree, build, perturbed, recorded)
 
 from memcalc.estimate.peak import estimate
-from test_field_contract import PERTURB, build, perturbed
-from test_field_contract_trace import (KNOWN_GAPS, PHASE_GAPS, TRACED, assert_deltas_agree, assert_phase_deltas_agree,
-                                       recorded)
 
 RECORDED: dict[str, dict] = recorded()
+
+
+def test_every_row_has_a_decision() -> None:
+    stale = [k for k in (*UNTRACED, *KNOWN_GAPS, *PHASE_GAPS) if k not in PERTURB]
+    assert not stale, f"entries for rows that are not in PERTURB: {stale}"
+    assert not set(UNTRACED) & (set(KNOWN_GAPS) | set(PHASE_GAPS))
+    assert all(len(r) > 10 for r in (*UNTRACED.values(), *KNOWN_GAPS.values(), *PHASE_GAPS.values()))
 
 
 def test_every_traced_row_is_recorded_as_defined() -> None:

@@ -1,7 +1,7 @@
 """FSDP2's per-rank model (memcalc.engine.fsdp): quick, torch-free invariants and rules.
 
 The traced grid (the estimate against FSDP2's real code on PyTorch's fake process group) is
-``tests/test_fsdp_grid.py`` (slow lane).
+``tests/trace/test_fsdp_grid.py`` (slow lane).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from memcalc.core.optimizers import ALIAS_KINDS, OPTIMIZERS, alias_table
 from memcalc.inputs.recipes import load_recipe
 from memcalc.inputs.recipes.hf import options_from_hf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 #: the setup of the issue's 29.9 / 74.8 GiB case: Llama 3.1 8B loaded in bf16, bf16 autocast, every layer checkpointed

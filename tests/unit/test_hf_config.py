@@ -12,7 +12,7 @@ from memcalc.inputs.hf_config import SUPPORTED_MODEL_TYPES, from_hf_config
 from memcalc.engine.params import count_params
 from memcalc.inputs.presets import load_preset, resolve_model
 
-FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "hf"
 PRESET_OF_FIXTURE = ["llama-2-7b", "gpt2", "phi-1.5", "qwen2.5-7b", "mistral-7b", "llama-3.1-8b"]
 
 # Fields that decide parameters and activations; the HF reader must agree with the preset on each.

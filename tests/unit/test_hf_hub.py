@@ -22,7 +22,8 @@ from memcalc.inputs.data_files import load_named
 from memcalc.inputs.presets import (is_hf_id, list_presets, load_preset, model_from_dict, preset_for_hf_id,
                                     preset_hf_ids, resolve_model, resolve_model_source)
 
-CACHE = Path(__file__).parent / "fixtures" / "hf_cache"  # models--org--name/snapshots/abc/config.json, refs/main = abc
+#: models--org--name/snapshots/abc/config.json, refs/main = abc
+CACHE = Path(__file__).parent.parent / "fixtures" / "hf_cache"
 TINY = json.loads((CACHE / "models--org--name" / "snapshots" / "abc" / "config.json").read_text())
 # source: LlamaForCausalLM of the fixture: embed 256*64 + 2 * (attn q,o 2*64*64 + k,v 2*64*32 + mlp 3*64*128
 #         + 2 norms 2*64) + final norm 64 + lm_head 256*64

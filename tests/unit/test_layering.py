@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "memcalc"
 TORCH_SIDE = ("torch", "transformers", "peft")  # source: .importlinter, contract no-torch
 VALIDATE = "memcalc.validate"

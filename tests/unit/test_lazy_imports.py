@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: the modules watched: each is what a command may leave unloaded
 WATCHED = ("pydantic", "memcalc.core.spec", "rich", "yaml", "numpy", "memcalc.inputs.hf_hub", "http.client",

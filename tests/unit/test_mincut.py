@@ -20,7 +20,7 @@ from memcalc.compile.mincut import INF, Interner, Shape
 from memcalc.compile.partitioner import Graph, MinCutOptions, Value, _weight, solve_min_cut
 
 _spec = importlib.util.spec_from_file_location(
-    "mincut_equality", Path(__file__).resolve().parents[1] / "benchmarks" / "mincut_equality.py")
+    "mincut_equality", Path(__file__).resolve().parents[2] / "benchmarks" / "mincut_equality.py")
 ref = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ref)
 

@@ -1,7 +1,7 @@
 """Mixture-of-experts and MLA activations: torch-free invariants of the estimator (memcalc.engine.blocks.moe / mla).
 
 Each row names the rule it follows; the exact bytes are checked against the replica's meta trace in
-tests/test_moe_mla_trace.py (slow).
+tests/trace/test_moe_mla_trace.py (slow).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ def run(args: list[str], **env):
     return CliRunner().invoke(app, args, prog_name="memcalc", env=env or None)
 
 
-SPEC = str(Path(__file__).parent / "fixtures" / "tiny-rope.yaml")  # 2 layers, RoPE, max_seq_len 512
+SPEC = str(Path(__file__).parent.parent / "fixtures" / "tiny-rope.yaml")  # 2 layers, RoPE, max_seq_len 512
 TINY = ["--model", SPEC, "--seq", "256"]
 
 # (flags, text in the inputs table's sharding row, note that says why nothing changes or None)

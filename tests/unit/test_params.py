@@ -38,7 +38,7 @@ PUBLISHED_TOTALS = [
     # source: Forgather full_deepone.yaml at a0ce9176 (model summary)
     ("deep-one-1.6b", 1_631_455_744),
     # presets read from data/hf_configs (issue 12). source, every row: transformers 5.23
-    # AutoModelForCausalLM.from_config(config.json) on meta, sum of numel (tests/test_hf_families_exact.py);
+    # AutoModelForCausalLM.from_config(config.json) on meta, sum of numel (tests/trace/test_hf_families_exact.py);
     # the published size in the comment
     ("deepseek-v3", 671_026_404_352),  # 671B (685B with the MTP layer transformers does not build)
     ("gemma-2-9b", 9_241_705_984),  # 9.24B

@@ -17,7 +17,7 @@ from memcalc.inputs.presets import list_presets, load_preset, preset_summary, re
 from memcalc.inputs.pydantic_errors import pydantic_error_line
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXPECTED = ["deep-one-1.6b", "gpt2", "gpt2-xl", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3.1-70b",
             "llama-3.1-8b", "mistral-7b", "phi-1.5", "qwen2.5-7b", "tinyllama-1.1b",
             # read from data/hf_configs (issue 12)

@@ -19,7 +19,7 @@ from memcalc.inputs.recipes import load_recipe
 from memcalc.inputs.recipes.detect import detect
 from memcalc.inputs.resolve import Options, Resolved
 
-FIX = Path(__file__).parent / "fixtures" / "recipes"
+FIX = Path(__file__).parent.parent / "fixtures" / "recipes"
 TT_LORA = str(FIX / "torchtune_llama3_1_8B_lora_single_device.yaml")
 TT_QLORA = str(FIX / "torchtune_llama3_1_8B_qlora_single_device.yaml")
 TT_FULL = str(FIX / "torchtune_llama3_1_8B_full_single_device.yaml")
@@ -262,7 +262,7 @@ def test_bad_recipe(tmp_path, name, text, code, message):
 @pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_deepspeed_key_reads_the_config(tmp_path):
     # source: HF TrainingArguments.deepspeed names a DeepSpeed JSON; transformers' ds_config_zero3.json fixture
-    ds = Path(__file__).parent / "fixtures" / "deepspeed" / "ds_config_zero3.json"
+    ds = Path(__file__).parent.parent / "fixtures" / "deepspeed" / "ds_config_zero3.json"
     p = _write(tmp_path, "sft.yaml", f"model_name_or_path: Qwen/Qwen2.5-7B\nbf16: true\ndeepspeed: {ds}\n")
     r = CliRunner().invoke(app, ["estimate", "--recipe", p, "--gpus", "8", "--json"])
     assert r.exit_code == 0, r.output

@@ -6,7 +6,7 @@ tensor parallelism or DeepSpeed, on meta or fake tensors) with the inputs it was
 the tolerance of the slow test the row comes from. Each row here estimates the same inputs through
 ``memcalc.estimate`` and compares: the estimator is checked against the validator on every run,
 without torch. ``python tests/traces/record.py`` records the peaks again;
-``tests/test_recorded_traces_live.py`` (slow) checks the recording equals a live trace.
+``tests/trace/test_recorded_traces_live.py`` (slow) checks the recording equals a live trace.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from traces.rows import ROWS, TOLERANCES, cli_of, spec_of, tolerance_constant
 
 import memcalc
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "recorded.json")
+PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "recorded.json")
 with open(PATH, encoding="utf-8") as _f:
     RECORDED: list[dict] = json.load(_f)["rows"]
 VALIDATORS = {"replica", "hf", "fsdp", "tp", "deepspeed"}

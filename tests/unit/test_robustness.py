@@ -11,27 +11,15 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
+from conftest import cli_run as run  # memcalc ARGS in-process, and the one-line error check
+from conftest import one_line_error
 
 from memcalc import __version__
-from memcalc.cli import app
 from memcalc.core.spec import ExperimentSpec, LoraSpec
 from memcalc.core.units import GB, GiB
 from memcalc.inputs.gpus import MAX_CAPACITY_BYTES, get_gpu
 from memcalc.inputs.presets import load_preset
 from memcalc.inputs.resolve import parse_targets
-
-
-def run(args: list[str]):
-    return CliRunner().invoke(app, args, prog_name="memcalc")
-
-
-def one_line_error(r, code: int, message: str) -> None:
-    assert r.exit_code == code, r.output
-    err = r.stderr
-    assert message in err, err
-    assert err.count("\n") == 1 and err.startswith("memcalc: error: "), err
-    assert "Traceback" not in r.output
 
 
 # -- 1. --version, a bare `memcalc` ----------------------------------------------------
@@ -161,17 +149,7 @@ def test_validate_output_path_is_checked_before_torch(tmp_path, monkeypatch, fla
     one_line_error(run(["validate", "--config", "control", "--device", "meta", flag, path]), 2, message)
 
 
-# -- 4. --device cuda without CUDA -------------------------------------------------------
-
-@pytest.mark.slow  # imports torch
-def test_validate_device_cuda_without_cuda():
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
-    r = run(["validate", "--model", "gpt2", "--seq", "64", "--scale-layers", "1", "--device", "cuda"])
-    one_line_error(r, 2, "--device cuda: no CUDA device is available")
-
+# -- 4. --device cuda without CUDA: tests/trace/test_robustness_trace.py (imports torch) ------
 
 # -- 5. --gpu as a capacity --------------------------------------------------------------
 

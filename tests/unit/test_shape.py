@@ -19,7 +19,7 @@ import ast
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: folder -> the package it installs as (pyproject's [tool.setuptools.package-dir])
 PACKAGES = {"memcalc": "memcalc", "validate": "memcalc.validate", "data": "memcalc.data"}
 MAX_LINES = 500

@@ -75,7 +75,7 @@ def test_timeline_model_states_match_zero_formula(states_at_step, stage, shardin
     # model's exact parameter count; the timeline shards tensor by tensor (ceil per tensor and
     # 512-byte allocator rounding), so it may exceed the formula by a little. Stages 0 and 1 (no
     # FSDP runs) follow the paper; stages 2-3 run FSDP2 (below) or DeepSpeed's own buffers
-    # (engine/deepspeed.py, checked against DeepSpeed's engine in tests/test_deepspeed.py).
+    # (engine/deepspeed.py, checked against DeepSpeed's engine in tests/trace/test_deepspeed.py).
     k = states_at_step[stage, sharding]
     ms = model_state_bytes(COUNTS.total, stage, N_D)
     tl = k["weights"] + k["gradients"] + k["optimizer_state"]

@@ -1,7 +1,7 @@
 """Issue 14's techniques without torch: the CLI's errors, the registry's paged records, and what the
 estimate reports (activation offloading's host memory, paged optimizer state, LoRA on the head, DoRA).
 
-The estimate-vs-trace checks of the same techniques are in ``tests/test_techniques_trace.py`` (slow).
+The estimate-vs-trace checks of the same techniques are in ``tests/trace/test_techniques_trace.py`` (slow).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tensor parallelism in the estimator, torch-free: what a rank holds, and the inputs it refuses.
 
 The traced grid (the estimate against DTensor's real ``parallelize_module`` on the fake process
-group) is ``tests/test_tp.py`` (slow).
+group) is ``tests/trace/test_tp.py`` (slow).
 """
 
 from __future__ import annotations

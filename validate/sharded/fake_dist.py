@@ -12,7 +12,7 @@ caller, so FSDP's all-gather, reduce-scatter and prefetch buffers are made and f
 for FSDP x tensor parallelism) and destroys the group on exit, so several traces of different
 sizes run one after another in one process.
 
-Tensor parallelism on the 2-D mesh (``tests/test_sharded_trace.py``
+Tensor parallelism on the 2-D mesh (``tests/trace/test_sharded_trace.py``
 ``test_a_2d_mesh_parallelized_module_counts_local_shards``): build the model under
 ``FakeTensorMode()`` *and* ``torch.device("meta")``; ``parallelize_module(model, mesh["tp"], plan)``
 (its DTensor parameters keep fake meta local shards); ``fully_shard(..., mesh=mesh["dp"])`` for

@@ -15,7 +15,7 @@ The recipe (``/work/shared/notes/meta-trace-pitfalls.md``, "Tracing one rank of 
    which is the one measured (``rank_tracer.RankTracer``).
 
 ``real=True`` runs the same on real CPU tensors (no fake mode; kernels as on ``cpu``): the guard
-that fake tensors allocate what real ones do (``tests/test_sharded_trace.py``).
+that fake tensors allocate what real ones do (``tests/trace/test_sharded_trace.py``).
 
 ``fsdp_tracker=True`` also runs ``torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker``
 (FSDP2 only) around both steps: its peak cannot be reset between steps, it counts DTensor's

@@ -18,6 +18,6 @@ walk that composes them.
 
 The PyTorch twin of each block is under ``validate/`` (``validate/layers.py``,
 ``validate/attention.py``, ``validate/mla.py``, ``validate/moe.py``, ``validate/loss.py``,
-composed by ``validate/model.py``); ``tests/test_blocks.py`` is the contract of each block. This
+composed by ``validate/model.py``); ``tests/unit/test_blocks.py`` is the contract of each block. This
 package imports none of its modules (the engine's modules form no import cycle).
 """

@@ -1,0 +1,415 @@
+"""The contract tables both sides of the tests read: the field contract's rows (``PERTURB``, the
+setups they perturb, :func:`build`, :func:`perturbed`), the trace side's decisions on them
+(``UNTRACED``, ``KNOWN_GAPS``, ``PHASE_GAPS``, ``TRACED``) with its delta tolerance, and the
+decoder blocks' table (``BLOCKS``, ``CASES``).
+
+Torch-free: ``tests/unit/test_field_contract.py``, ``tests/unit/test_field_contract_recorded.py``
+and ``tests/unit/test_blocks.py`` check the estimator against them in the quick lane,
+``tests/trace/test_field_contract_trace.py`` and ``tests/trace/test_blocks_twin.py`` trace them (slow),
+``tests/traces/field_contract_record.py`` records the traced peaks. A test module imports this
+module, never a test module of the other folder (``tests/conftest.py`` puts ``tests/`` on the path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from memcalc.core.spec import (DeepSpeedSpec, ExperimentSpec, KernelProfile, LoraSpec, MLASpec, ModelSpec, MoESpec,
+                               TrainingSpec)
+from memcalc.engine.blocks.base import ParamTensor
+
+# -- the field contract's rows (tests/unit/test_field_contract.py) --------------------------------
+
+#: A small decoder: 4 layers (so every-k and sqrt differ), shapes big enough that a changed
+#: tensor is not hidden by the allocator's 512-byte rounding.
+BASE_MODEL: dict[str, Any] = dict(name="tiny", n_layers=4, d_model=128, n_heads=4, d_ff=256, vocab_size=64,
+                                  max_seq_len=512)
+BASE_TRAINING: dict[str, Any] = dict(batch=4, seq=256)
+
+# setups: updates of the base model / training / profile, and "lora" (LoraSpec kwargs) for LoRA runs
+BF16 = {"training": {"precision": "bf16"}}
+LORA = {"lora": {}}
+QLORA = {"lora": {"qlora": True}, "training": {"precision": "bf16"}}
+MOE = {"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128)}}
+SHARED = {"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128, n_shared_experts=1)}}
+#: DeepSpeed ZeRO-2 over 4 GPUs (memcalc.engine.deepspeed)
+DS2 = {"training": {"zero": 2, "gpus": 4, "sharding": "deepspeed", "precision": "bf16", "master_weights": True,
+                    "deepspeed": {"stage": 2, "reduce_bucket_size": 10**6}}}
+#: DeepSpeed ZeRO-3 over 4 GPUs, no parameter small enough to stay whole
+DS3 = {"training": {"zero": 3, "gpus": 4, "sharding": "deepspeed", "precision": "bf16", "master_weights": True,
+                    "deepspeed": {"stage": 3, "reduce_bucket_size": 10**6, "param_persistence_threshold": 0}}}
+MLA = {"model": {"mla": dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)}}
+
+#: "Spec.field" -> (setup where the field matters, the perturbed value). The base value is the
+#: setup's (default unless the setup sets it).
+PERTURB: dict[str, tuple[dict, Any]] = {
+    # -- ModelSpec
+    "ModelSpec.n_layers": ({}, 3),
+    "ModelSpec.d_model": ({}, 256),
+    "ModelSpec.n_heads": ({}, 8),
+    "ModelSpec.n_kv_heads": ({}, 2),
+    "ModelSpec.head_dim": ({}, 64),
+    "ModelSpec.d_ff": ({}, 512),
+    "ModelSpec.vocab_size": ({}, 1024),
+    "ModelSpec.max_seq_len": ({"model": {"positions": "learned"}}, 1024),  # the position table's rows
+    "ModelSpec.mlp": ({}, "plain"),
+    "ModelSpec.activation": ({}, "relu"),  # relu saves its output (silu/gelu save the input: same bytes)
+    "ModelSpec.norm": ({}, "layernorm"),
+    "ModelSpec.norm_placement": ({"model": {"residual_scale": 0.5}}, "post"),
+    "ModelSpec.block": ({}, "parallel"),
+    "ModelSpec.positions": ({}, "learned"),
+    "ModelSpec.rotary_pct": ({}, 0.5),
+    "ModelSpec.alibi_trainable": ({"model": {"positions": "alibi"}}, True),
+    "ModelSpec.qkv_bias": ({}, True),
+    "ModelSpec.o_bias": ({}, True),
+    "ModelSpec.mlp_bias": ({}, True),
+    "ModelSpec.norm_bias": ({}, True),
+    "ModelSpec.tie_embeddings": ({}, True),
+    "ModelSpec.lm_head_bias": ({}, True),
+    "ModelSpec.final_norm": ({}, False),
+    "ModelSpec.attn_dropout": ({"profile": {"attention": "math"}}, 0.1),  # fused kernels keep an RNG state, not a mask
+    "ModelSpec.resid_dropout": ({}, 0.1),
+    "ModelSpec.embd_dropout": ({}, 0.1),
+    # parameter shapes (engine.params): the weights, grads and optimizer state change
+    "ModelSpec.parallel_norms": ({"model": {"block": "parallel"}}, 2),
+    "ModelSpec.qk_norm": ({}, "full"),
+    "ModelSpec.attn_sinks": ({}, True),
+    # activations (engine.blocks.attention_variants, engine.blocks.layer)
+    "ModelSpec.attn_softcap": ({}, 30.0),  # eager attention: the (B, H, T, T) scores and probabilities
+    "ModelSpec.logit_softcap": ({}, 30.0),  # tanh of the logits saved
+    "ModelSpec.sliding_window": ({}, 64),  # seq 256 >= 64: an explicit mask per layer
+    "ModelSpec.full_attention_every": ({"model": {"sliding_window": 64}}, 2),  # half the layers lose the mask
+    # the scaled copy of the logits beside the logits outlasts the chunked loss's fp32 chunks
+    "ModelSpec.logit_scale": ({"profile": {"cross_entropy": "chunked"}, "model": {"vocab_size": 8192}}, 0.5),
+    "ModelSpec.fused_qkv": ({}, True),  # flash saves the v view: the whole q,k,v output stays alive
+    # one gradient of the fused output (split_backward) in the recomputed layer's backward
+    "ModelSpec.fused_gate_up": ({"training": {"checkpoint": "full"}}, True),
+    "ModelSpec.moe": ({}, MoESpec(**MOE["model"]["moe"])),
+    "ModelSpec.mla": ({}, MLASpec(**MLA["model"]["mla"])),
+    # -- MoESpec, MLASpec (parameter shapes)
+    "MoESpec.n_experts": (MOE, 8),
+    "MoESpec.top_k": (MOE, 1),  # routed rows (engine.blocks.moe): batch x seq x top_k
+    "MoESpec.router": ({**MOE, **BF16}, "softmax-fp32"),  # fp32 routing weights: fp32 weighted expert outputs
+    "MoESpec.d_ff_expert": (MOE, 64),
+    "MoESpec.n_shared_experts": (MOE, 1),
+    "MoESpec.d_ff_shared": (SHARED, 64),
+    "MoESpec.shared_expert_gate": (SHARED, True),
+    "MoESpec.first_dense_layers": (MOE, 1),
+    "MoESpec.every": (MOE, 2),
+    "MoESpec.router_bias": (MOE, True),
+    "MoESpec.expert_bias": (MOE, True),
+    # PEFT moves gate/up/down onto the experts: the dense first layer loses its adapters, the experts gain them
+    "MoESpec.lora_mlp_to_experts": ({"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128, first_dense_layers=1)},
+                                     "lora": {"targets": ("q", "gate", "up", "down")}}, True),
+    "MLASpec.q_lora_rank": (MLA, None),
+    "MLASpec.kv_lora_rank": (MLA, 64),
+    "MLASpec.qk_nope_head_dim": (MLA, 16),
+    "MLASpec.qk_rope_head_dim": (MLA, 8),
+    "MLASpec.v_head_dim": (MLA, 16),
+    # -- LoraSpec
+    "LoraSpec.rank": (LORA, 32),
+    "LoraSpec.targets": (LORA, ("q", "v")),
+    "LoraSpec.dropout": (LORA, 0.1),
+    "LoraSpec.qlora": ({**LORA, **BF16}, True),
+    "LoraSpec.dora": (LORA, True),  # magnitude vectors, the weight-norm temporaries, saved base and lora results
+    "LoraSpec.quant_block": (QLORA, 128),
+    "LoraSpec.double_quant": (QLORA, False),
+    "LoraSpec.dtype": ({**LORA, **BF16}, "fp32"),  # fp32 adapters, their grads and state; fp32 input copies
+    # -- TrainingSpec
+    "TrainingSpec.batch": ({}, 3),
+    "TrainingSpec.seq": ({}, 128),
+    "TrainingSpec.grad_accum": ({}, 2),
+    "TrainingSpec.precision": ({}, "bf16"),
+    "TrainingSpec.master_weights": (BF16, True),
+    "TrainingSpec.optimizer": ({}, "sgd"),
+    "TrainingSpec.optimizer_impl": ({}, "for-loop"),
+    "TrainingSpec.checkpoint": ({}, "full"),
+    "TrainingSpec.checkpoint_every": ({"training": {"checkpoint": "every-k"}}, 3),
+    "TrainingSpec.fused_optimizer": ({}, True),
+    "TrainingSpec.compile": ({}, True),
+    "TrainingSpec.memory_budget": ({"training": {"compile": True}}, 0.0),
+    "TrainingSpec.lora": ({}, LoraSpec()),
+    "TrainingSpec.zero": ({"training": {"gpus": 4}}, 3),
+    "DeepSpeedSpec.reduce_bucket_size": (DS2, 2 * 10**6),  # the bucket's bytes (stage_1_and_2.py setup_buckets)
+    "DeepSpeedSpec.overlap_comm": (DS2, True),  # a second bucket
+    "DeepSpeedSpec.contiguous_gradients": (DS2, False),  # no bucket: gradients stay until reduced
+    "DeepSpeedSpec.prefetch_bucket_size": (DS3, 0),  # no layer gathered ahead
+    "DeepSpeedSpec.max_live_parameters": (DS3, 0),  # no room to prefetch
+    "DeepSpeedSpec.max_reuse_distance": (DS3, 0),  # layers released after their forward
+    "DeepSpeedSpec.param_persistence_threshold": (DS3, 10**5),  # every parameter of the tiny model stays whole
+    "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
+    # FSDP2's per-unit buffers (engine.fsdp) vs the generic ZeRO-3 layer gathers (engine.sharding)
+    "TrainingSpec.sharding": ({"training": {"zero": 3, "gpus": 4}}, "fsdp1"),
+    "TrainingSpec.offload_optimizer": ({}, True),
+    # LoRA: the frozen base's saved weight views go to the host and come back in backward
+    "TrainingSpec.activation_offload": (LORA, True),
+    "TrainingSpec.tp": ({}, 2),
+    "TrainingSpec.sequence_parallel": ({"training": {"tp": 2}}, True),
+    # -- KernelProfile
+    # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
+    "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),
+    "KernelProfile.rmsnorm": (BF16, "composite-legacy"),
+    "KernelProfile.norm_upcast": (BF16, False),
+    "KernelProfile.mean_saves_input": ({}, True),
+    "KernelProfile.logits_fp32": (BF16, True),
+    "KernelProfile.shift_copy": ({}, False),
+    "KernelProfile.dropout_mask_bytes": ({"model": {"resid_dropout": 0.1}}, 4),
+    "KernelProfile.allocator_round_bytes": ({}, 1024),
+    "KernelProfile.cross_entropy": (BF16, "chunked"),  # each chunk's log-probabilities saved in fp32
+    # fewer chunks: bigger fp32 chunk copies (a vocabulary large enough for the loss to set the peak)
+    "KernelProfile.loss_chunks": ({**BF16, "profile": {"cross_entropy": "chunked"}, "model": {"vocab_size": 8192}}, 4),
+    "KernelProfile.lora_dtype": ({**LORA, **BF16}, "fp32"),  # the framework's adapter dtype (LoraSpec.dtype None)
+    # under autocast: o and down get a 16-bit input, which PEFT copies to fp32 before autocast casts it back
+    "KernelProfile.lora_input_cast": ({**LORA, "training": {"precision": "amp-bf16"}}, True),
+    "KernelProfile.sdpa_gqa": ({**BF16, "model": {"n_kv_heads": 2}}, True),  # k, v saved un-expanded
+    "KernelProfile.gelu_new": ({"model": {"activation": "gelu_new"}}, "chain"),  # four saved tensors, not one
+}
+
+
+def build(setup: dict) -> ExperimentSpec:
+    tr = {**BASE_TRAINING, **setup.get("training", {})}
+    if "lora" in setup:
+        tr["lora"] = LoraSpec(**setup["lora"])
+    return ExperimentSpec(model=ModelSpec(**{**BASE_MODEL, **setup.get("model", {})}), training=TrainingSpec(**tr),
+                          profile=KernelProfile(**setup.get("profile", {})))
+
+
+def perturbed(exp: ExperimentSpec, key: str, value: Any) -> ExperimentSpec:
+    """``exp`` with one field set, re-validated (so cross-field checks still run)."""
+    cls, name = key.split(".")
+    if cls in ("MoESpec", "MLASpec"):
+        part = "moe" if cls == "MoESpec" else "mla"
+        sub = type(getattr(exp.model, part))(**{**getattr(exp.model, part).model_dump(), name: value})
+        return exp.model_copy(update={"model": ModelSpec(**{**exp.model.model_dump(), part: sub})})
+    if cls == "DeepSpeedSpec":
+        ds = DeepSpeedSpec(**{**exp.training.deepspeed.model_dump(), name: value})
+        return exp.model_copy(update={"training": TrainingSpec(**{**exp.training.model_dump(), "deepspeed": ds})})
+    if cls == "LoraSpec":
+        lora = LoraSpec(**{**exp.training.lora.model_dump(), name: value})
+        return exp.model_copy(update={"training": TrainingSpec(**{**exp.training.model_dump(), "lora": lora})})
+    part = {"ModelSpec": "model", "TrainingSpec": "training", "KernelProfile": "profile"}[cls]
+    obj = getattr(exp, part)
+    new = type(obj)(**{**obj.model_dump(), name: value})
+    return exp.model_copy(update={part: new})
+
+
+
+# -- the trace side's decisions (tests/trace/test_field_contract_trace.py) ------------------------
+
+#: The deltas agree within the larger of this share of the traced base peak ...
+DELTA_TOLERANCE_PCT = 1.0
+#: ... or these bytes (a few allocations' 512-byte rounding)
+DELTA_TOLERANCE_BYTES = 4096
+
+
+def delta_tolerance(traced_base_bytes: int) -> int:
+    """How far the estimated delta may sit from the traced delta, in bytes."""
+    return max(int(traced_base_bytes * DELTA_TOLERANCE_PCT / 100), DELTA_TOLERANCE_BYTES)
+
+
+#: "Spec.field" -> why the replica cannot trace the row (the field is checked against the estimate
+#: only, by tests/unit/test_field_contract.py, and against its own validator where one exists).
+_MULTI = ("needs {} processes: the replica runs one (runner.py skips it); the sharded step is traced whole by "
+          "{} (a delta check through that validator is still to come)")
+_DS = _MULTI.format("4 DeepSpeed", "tests/trace/test_deepspeed.py (validate/deepspeed_trace.py)")
+_ZERO3 = _MULTI.format("4 ZeRO-3", "tests/trace/test_fsdp_grid.py and tests/trace/test_deepspeed.py (validate/sharded, "
+                                   "validate/deepspeed_trace.py)")
+UNTRACED: dict[str, str] = {
+    "MoESpec.router_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
+    "MoESpec.expert_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
+    "TrainingSpec.compile": "torch.compile needs CUDA (inductor); off CUDA the partitioner's saved set is compared "
+                            "instead (tests/unit/test_compile.py, tests/trace/test_validate_compiled.py)",
+    "TrainingSpec.memory_budget": "a torch.compile option: needs CUDA (inductor), as TrainingSpec.compile",
+    "TrainingSpec.zero": _ZERO3,
+    "TrainingSpec.gpus": _ZERO3,
+    "TrainingSpec.sharding": _ZERO3,
+    "DeepSpeedSpec.reduce_bucket_size": _DS,
+    "DeepSpeedSpec.overlap_comm": _DS,
+    "DeepSpeedSpec.contiguous_gradients": _DS,
+    "DeepSpeedSpec.prefetch_bucket_size": _DS,
+    "DeepSpeedSpec.max_live_parameters": _DS,
+    "DeepSpeedSpec.max_reuse_distance": _DS,
+    "DeepSpeedSpec.param_persistence_threshold": _DS,
+    "TrainingSpec.offload_optimizer": "the optimizer state and step on the CPU: the validator does not measure it "
+                                      "(runner.py skips it)",
+}
+
+#: "Spec.field" -> the measured disagreement (torch 2.13 on meta) and what is known of it: rows traced
+#: whose deltas disagree, kept as strict xfail (a fix on either side makes the row pass and fail here).
+_ONE_STATE = "about one (batch, seq, d_model) fp32 hidden state (524,288 B) apart, as in ModelSpec.block"
+KNOWN_GAPS: dict[str, str] = {
+    "ModelSpec.n_heads": "estimate -65,536 B, trace +32,768 B: opposite signs (gap -98,304 B, within the tolerance); "
+                         "mechanism not found",
+    "ModelSpec.norm_placement": "estimate -126,976 B, trace 0 B (post-norm with residual_scale 0.5); mechanism not "
+                                "found",
+    "ModelSpec.block": "estimate -5,789,696 B, trace -6,313,984 B: gap +524,288 B over 491,842 B, one (4, 256, 128) "
+                       "fp32 hidden state: the two sides' peaks hold a different set of layer-boundary tensors "
+                       "(mechanism not found); the same 0.5 MiB sits inside the tolerance on several other rows",
+    "ModelSpec.alibi_trainable": "estimate +5,511,168 B, trace +1,314,816 B: gap +4,196,352 B, on the base: the "
+                                 "estimator builds an ALiBi mask only from a slopes parameter (engine.forward "
+                                 "core_attention; engine.params makes one only when alibi_trainable), so with fixed "
+                                 "slopes it models no mask, where the replica builds the (H, T, T) mask per layer from "
+                                 "the slopes buffer and the efficient kernel saves it (4 layers x 1 MiB); an "
+                                 "estimator fix changes printed numbers (not in this restructuring)",
+    "MoESpec.router": "estimate +1,314,816 B, trace +786,432 B: gap +528,384 B over 373,898 B (softmax-fp32 router "
+                      "in bf16), " + _ONE_STATE,
+    "MoESpec.lora_mlp_to_experts": "estimate +8,970,240 B, trace +8,446,464 B: gap +523,776 B over 409,405 B, "
+                                   + _ONE_STATE + " (the 6 MiB gap before was the replica's grouped-mm fallback "
+                                   "saving the input of frozen experts: fixed in validate/moe.py)",
+    "LoraSpec.quant_block": "estimate -6,144 B, trace 0 B (block 64 -> 128: half the absmax constants): the "
+                            "estimator counts a 4-bit weight's packed codes and absmax constants as one allocation "
+                            "(engine.weights quantized_bytes), the replica (as bitsandbytes' QuantState) as separate "
+                            "tensors, each rounded to 512 B, so absmax under 512 B per weight moves nothing there; an "
+                            "estimator fix changes printed numbers",
+    "KernelProfile.rmsnorm": "estimate -2,617,344 B, trace -2,097,152 B: gap -520,192 B over 304,286 B "
+                             "(composite -> composite-legacy in bf16), " + _ONE_STATE,
+    "KernelProfile.norm_upcast": "estimate -5,459,968 B, trace -5,783,552 B: gap +323,584 B over 304,286 B "
+                                 "(the replica's RMSNorm now honours the field: validate/layers.py RMSNorm upcast); "
+                                 "the same family as KernelProfile.rmsnorm's gap; mechanism not found",
+    "KernelProfile.dropout_mask_bytes": "estimate +3,145,728 B, trace 0 B: the replica runs CUDA's native_dropout, "
+                                        "whose mask is bool whatever the field says (aten/src/ATen/native/cuda/"
+                                        "Dropout.cu); a wider mask is the non-fused _dropout_impl's (a mask in the "
+                                        "input's dtype, Dropout.cpp), which CUDA does not run for 0 < p < 1: the "
+                                        "field has no CUDA kernel to trace (KernelProfile.device is cuda only)",
+}
+
+
+_AS_PEAK = "as its peak (KNOWN_GAPS)"
+#: "Spec.field" -> the measured disagreement of the per-phase peaks (forward, backward, optimizer
+#: step; the same tolerance, against the traced base phase peak): strict xfail in the quick lane
+#: (tests/unit/test_field_contract_recorded.py). The phases give the rows whose peak does not move
+#: (logit_softcap, logit_scale, fused_gate_up, optimizer_impl, shift_copy) a number that does.
+PHASE_GAPS: dict[str, str] = {
+    "ModelSpec.n_heads": _AS_PEAK,
+    "ModelSpec.norm_placement": _AS_PEAK,
+    "ModelSpec.block": _AS_PEAK,
+    "ModelSpec.alibi_trainable": _AS_PEAK,
+    "MoESpec.router": _AS_PEAK,
+    "LoraSpec.quant_block": _AS_PEAK,
+    "KernelProfile.rmsnorm": _AS_PEAK,
+    "KernelProfile.norm_upcast": _AS_PEAK,
+    "KernelProfile.dropout_mask_bytes": _AS_PEAK,
+    "LoraSpec.dora": "optimizer step: estimate +1,613,824 B, trace +40,960 B (tolerance 40,197 B); mechanism not found",
+    "LoraSpec.dtype": "optimizer step: estimate +1,441,792 B, trace +655,360 B (fp32 adapters over bf16: their "
+                      "AdamW step's temporaries); mechanism not found",
+    "KernelProfile.lora_dtype": "optimizer step: estimate +1,441,792 B, trace +655,360 B, as LoraSpec.dtype",
+    "TrainingSpec.lora": "forward: estimate -14,826,496 B, trace -14,311,424 B (gap 515,072 B over 483,747 B); "
+                         "optimizer step: estimate -7,358,464 B, trace -9,455,616 B; mechanism not found",
+    "TrainingSpec.activation_offload": "backward: estimate -24,539,136 B, trace -25,522,176 B (gap 983,040 B over "
+                                       "351,129 B); mechanism not found",
+    "TrainingSpec.sequence_parallel": "forward: estimate -4,473,344 B, trace -3,969,536 B (gap 503,808 B over "
+                                      "314,782 B); mechanism not found",
+}
+
+
+TRACED = [k for k in PERTURB if k not in UNTRACED]
+
+
+def recorded() -> dict[str, dict]:
+    """The rows of tests/traces/field_contract.json by field."""
+    import json
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces", "field_contract.json")
+    with open(path, encoding="utf-8") as f:
+        return {r["field"]: r for r in json.load(f)["rows"]}
+
+
+def assert_phase_deltas_agree(key: str, eb: dict[str, int], ep: dict[str, int], tb: dict[str, int],
+                              tp: dict[str, int]) -> None:
+    """Per phase, the estimated delta against the traced delta (peaks per phase of both setups on both
+    sides); each side names the same phases (a fused optimizer has no optimizer-step phase)."""
+    assert set(eb) == set(tb) and set(ep) == set(tp), f"{key}: phases {set(eb)}/{set(ep)} vs traced {set(tb)}/{set(tp)}"
+    for phase in sorted(set(eb) & set(ep)):
+        assert_deltas_agree(f"{key} ({phase})", eb[phase], ep[phase], tb[phase], tp[phase])
+
+
+def assert_deltas_agree(key: str, eb: int, ep: int, tb: int, tp: int) -> None:
+    """The estimated delta ``ep - eb`` against the traced delta ``tp - tb`` (both sides' peaks)."""
+    de, dt = ep - eb, tp - tb
+    tol = delta_tolerance(tb)
+    where = (f"{key}: estimate {eb:,} -> {ep:,} B ({de:+,}), trace {tb:,} -> {tp:,} B ({dt:+,}): "
+             f"gap {de - dt:+,} B, tolerance {tol:,} B")
+    if de != 0:
+        assert dt != 0 and (dt > 0) == (de > 0), "the estimate moves, the trace does not move the same way: " + where
+    assert abs(de - dt) <= tol, where
+
+
+# -- the decoder blocks (tests/unit/test_blocks.py, tests/trace/test_blocks_twin.py) ----------------
+
+@dataclass(frozen=True)
+class Block:
+    """A block: which inventory entries are its parameters, which simulator roles its nodes carry,
+    and the fields it reads (keys of PERTURB)."""
+
+    owns: Callable[[ParamTensor], bool]
+    roles: tuple[str, ...]
+    fields: tuple[str, ...]
+
+
+def _layer_norm(p: ParamTensor) -> bool:
+    return p.layer is not None and p.name.split(".")[2].startswith("norm")
+
+
+#: Not listed, with the reason: ``positions`` and ``rotary_pct`` in attention (rotated or not, SDPA
+#: saves q and k of the same size; they move the RoPE tables and the transients, which the field
+#: contract checks).
+BLOCKS: dict[str, Block] = {
+    "embedding": Block(lambda p: p.name.startswith("embed_"), ("embedding",),
+                       ("ModelSpec.vocab_size", "ModelSpec.d_model", "ModelSpec.positions", "ModelSpec.max_seq_len",
+                        "ModelSpec.embd_dropout")),
+    "norm": Block(_layer_norm, ("layer",), ("ModelSpec.norm", "ModelSpec.norm_bias", "ModelSpec.d_model")),
+    "attention": Block(lambda p: ".attn." in p.name, ("attention",),
+                       ("ModelSpec.n_heads", "ModelSpec.n_kv_heads", "ModelSpec.head_dim", "ModelSpec.qkv_bias",
+                        "ModelSpec.o_bias", "ModelSpec.alibi_trainable",
+                        "ModelSpec.attn_dropout", "ModelSpec.qk_norm", "ModelSpec.fused_qkv",
+                        "ModelSpec.attn_sinks")),
+    "mla": Block(lambda p: ".attn." in p.name, ("attention",),
+                 ("MLASpec.q_lora_rank", "MLASpec.kv_lora_rank", "MLASpec.qk_nope_head_dim",
+                  "MLASpec.qk_rope_head_dim", "MLASpec.v_head_dim")),
+    "mlp": Block(lambda p: ".mlp." in p.name, ("mlp",),
+                 ("ModelSpec.d_ff", "ModelSpec.mlp", "ModelSpec.activation", "ModelSpec.mlp_bias",
+                  "ModelSpec.fused_gate_up")),
+    "moe": Block(lambda p: ".moe." in p.name, ("mlp",),
+                 ("MoESpec.n_experts", "MoESpec.top_k", "MoESpec.d_ff_expert", "MoESpec.n_shared_experts",
+                  "MoESpec.router", "MoESpec.router_bias", "MoESpec.expert_bias", "MoESpec.shared_expert_gate")),
+    "layer": Block(_layer_norm, ("layer",),
+                   ("ModelSpec.block", "ModelSpec.norm_placement", "ModelSpec.parallel_norms",
+                    "ModelSpec.resid_dropout")),
+    "adapters": Block(lambda p: p.kind == "lora", ("attention", "mlp"),
+                      ("LoraSpec.rank", "LoraSpec.targets", "LoraSpec.dropout", "LoraSpec.dora", "LoraSpec.dtype")),
+    "head": Block(lambda p: p.name.startswith(("lm_head", "final_norm")), ("head", "loss"),
+                  ("ModelSpec.vocab_size", "ModelSpec.tie_embeddings", "ModelSpec.lm_head_bias",
+                   "ModelSpec.final_norm", "ModelSpec.logit_softcap")),
+}
+
+
+#: a value of a block's own where the field contract's moves the estimate but not this block's bytes
+#: (pre -> post norm keeps the layer's norms and the sizes they save: the order of the adds differs)
+VALUES: dict[tuple[str, str], Any] = {("layer", "ModelSpec.norm_placement"): "sandwich"}
+
+CASES = [(name, key) for name, block in BLOCKS.items() for key in block.fields]
+
+
+def setup_for(name: str, setup: dict) -> dict:
+    """The field contract's setup, with the block present (MoE, MLA, LoRA)."""
+    needs = {"moe": ("model", "moe", dict(n_experts=4, top_k=2, d_ff_expert=128)),
+             "mla": ("model", "mla", dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                          v_head_dim=32))}
+    if name in needs:
+        part, field, value = needs[name]
+        inner = setup.get(part, {})
+        if field not in inner:
+            setup = {**setup, part: {**inner, field: value}}
+    if name == "adapters" and "lora" not in setup:
+        setup = {**setup, "lora": {}}
+    return setup
+
+
+def owned_name(block: Block, name: str) -> bool:
+    """Whether a parameter of the twin called ``name`` is the block's (its predicate on a stand-in)."""
+    layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+    kind = "lora" if ".lora_" in name else ""
+    return block.owns(ParamTensor(name, (), layer, False, kind))
