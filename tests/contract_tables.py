@@ -19,6 +19,11 @@ from typing import Any
 from memcalc.core.spec import (DeepSpeedSpec, ExperimentSpec, KernelProfile, LoraSpec, MLASpec, ModelSpec, MoESpec,
                                TrainingSpec)
 from memcalc.engine.blocks.base import ParamTensor
+from memcalc.engine.forward import Forward
+from memcalc.engine.records import Node
+from memcalc.engine.sim import Sim
+from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.weights import make_params
 
 # -- the field contract's rows (tests/unit/test_field_contract.py) --------------------------------
 
@@ -406,6 +411,30 @@ def setup_for(name: str, setup: dict) -> dict:
     if name == "adapters" and "lora" not in setup:
         setup = {**setup, "lora": {}}
     return setup
+
+
+def block_nodes(exp: ExperimentSpec, roles: tuple[str, ...]) -> list[Node]:
+    """The nodes of ``roles`` in the simulation of one eager forward."""
+    sim = Sim()
+    Forward(sim, exp, make_params(sim, exp), LayerStrategy()).run()
+    return [node for node in sim.nodes if node.role in roles]
+
+
+def saved_bytes(exp: ExperimentSpec, roles: tuple[str, ...]) -> int:
+    """Bytes the nodes of ``roles`` save for backward in one eager forward (each tensor once)."""
+    return saved_by(block_nodes(exp, roles))
+
+
+def saved_by(nodes: list[Node]) -> int:
+    """Bytes ``nodes`` save (a tensor saved by several of them once)."""
+    seen: set[int] = set()
+    total = 0
+    for node in nodes:
+        for t in node.saved:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.nbytes
+    return total
 
 
 def owned_name(block: Block, name: str) -> bool:

@@ -6,9 +6,10 @@ in the wrong block, fails here.
 
 Setups and perturbed values are the field contract's (``tests/contract_tables.py`` PERTURB), on its
 tiny decoder; the blocks' table (``BLOCKS``) is there too. Torch-free: the twin check (the block's
-PyTorch module under ``validate/``, built on meta: the same parameters) is
-``tests/trace/test_blocks_twin.py``; the same saved bytes, traced, are ``tests/trace/test_moe_mla_trace.py``,
-``tests/trace/test_family_activations_trace.py`` and ``tests/trace/test_estimator_vs_trace.py``, per family.
+PyTorch module under ``validate/``, built on meta: the same parameters, and the same saved bytes
+per block, ``validate/saved_probe.py``) is ``tests/trace/test_blocks_twin.py``; the whole step's saved
+bytes, traced, are ``tests/trace/test_moe_mla_trace.py``, ``tests/trace/test_family_activations_trace.py``
+and ``tests/trace/test_estimator_vs_trace.py``, per family.
 """
 
 from __future__ import annotations
@@ -16,35 +17,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from contract_tables import BLOCKS, CASES, PERTURB, VALUES, Block, build, perturbed, setup_for
+from contract_tables import BLOCKS, CASES, PERTURB, VALUES, Block, build, perturbed, saved_bytes, setup_for
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.forward import Forward
 from memcalc.engine.params import param_inventory
-from memcalc.engine.sim import Sim
-from memcalc.engine.strategy import LayerStrategy
-from memcalc.engine.weights import make_params
 
 
 def param_bytes(exp: ExperimentSpec, block: Block) -> tuple:
     """The block's parameters: (name, shape) of each, and their elements."""
     mine = [p for p in param_inventory(exp.model, exp.training.lora) if block.owns(p)]
     return tuple((p.name, p.shape) for p in mine), sum(p.numel for p in mine)
-
-
-def saved_bytes(exp: ExperimentSpec, roles: tuple[str, ...]) -> int:
-    """Bytes the nodes of ``roles`` save for backward in one eager forward (each tensor once)."""
-    sim = Sim()
-    Forward(sim, exp, make_params(sim, exp), LayerStrategy()).run()
-    seen: set[int] = set()
-    total = 0
-    for node in sim.nodes:
-        if node.role in roles:
-            for t in node.saved:
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    total += t.nbytes
-    return total
 
 
 def test_every_block_field_is_a_contract_field() -> None:
