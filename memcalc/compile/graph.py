@@ -257,9 +257,8 @@ def _record(exp: ExperimentSpec) -> tuple[Graph, dict[int, Value]]:
     rec = _Recorder(sim)
     outputs: dict[int, Value] = {}
     fwd = Forward(sim, eager, model, _Recording(rec, outputs))
-    sim.recorder = rec
-    fwd.run()
-    sim.recorder = None
+    with sim.recording(rec):
+        fwd.run()
     return Graph(rec.values), outputs
 
 

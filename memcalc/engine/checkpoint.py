@@ -14,6 +14,7 @@ about sqrt(n) layers, ``checkpoint_sequential``), ``selective`` (the attention c
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator, Optional
 
 from memcalc.core.spec import TrainingSpec, sqrt_segments
@@ -67,8 +68,7 @@ def count_save(sim: Sim, saved: list[T], inputs: list[T], params: list[Param], o
     for o in outputs:
         o.requires_grad = True
     if saved:
-        sim.last_save_count = sim.alloc_count
-        sim.last_save_hooks = sim.hook_allocs
+        sim.saves_here()
 
 
 class OpSaver:
@@ -84,7 +84,7 @@ class OpSaver:
     16-bit or fp32 weight (a 4-bit base runs bitsandbytes' matmul); attention is saved on the
     flash and memory-efficient kernels (the math path's matmuls are ``bmm``, not listed).
 
-    Installed as the simulator's op recorder (chaining the one already there). Modes: ``cache``
+    The simulator's op recorder while :meth:`recording` (chaining the one already there). Modes: ``cache``
     (the first forward: keep a reference to each saved op's new tensors), ``locate`` (the
     recompute's dry run: where those tensors are allocated), ``adopt`` (the recompute: the
     ghost allocations take the cached tensors' memory, :func:`adopt`)."""
@@ -94,7 +94,7 @@ class OpSaver:
         self.cache: list[list[T]] = []
         self.locs: list[list[int]] = []
         self.mode = "cache"
-        self.prev = None
+        self.prev: Optional[Callable[..., None]] = None
         self._reset()
 
     def _reset(self) -> None:
@@ -102,14 +102,14 @@ class OpSaver:
         self.mark = self.sim.alloc_count
         self.i = 0
 
-    def start(self, mode: str) -> None:
+    @contextmanager
+    def recording(self, mode: str) -> Iterator[None]:
+        """Within: the simulator's op recorder, in ``mode`` (chaining the recorder it replaces)."""
         self.mode = mode
         self._reset()
-        self.prev = self.sim.recorder
-        self.sim.recorder = self
-
-    def stop(self) -> None:
-        self.sim.recorder = self.prev
+        with self.sim.recording(self) as prev:
+            self.prev = prev
+            yield
 
     def _saved(self, name: str, params: list) -> bool:
         if name == "linear":
@@ -156,8 +156,6 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     assert sim.grad_enabled and sim.count_saves is None, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
-    if saver is not None:
-        saver.start("cache")
     # where the recompute may stop: counted by this forward, whose ops are the recompute's (the
     # layer hooks' allocations aside: Sim.hook_allocs), node() doing to requires_grad what it will
     # do then (count_save). None: a dry run finds it (torchtitan's op-level policy, whose
@@ -166,48 +164,35 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     count = saver is None and not (sim.offload is not None and sim.offload.active)
     if count:
         f0, h0 = sim.alloc_count, sim.hook_allocs
-        sim.last_save_count, sim.last_save_hooks = f0, h0
-        sim.count_saves = count_save
-    sim.grad_enabled = False
-    out = fn()
-    sim.grad_enabled = True
+        sim.saves_here()
+    with saver.recording("cache") if saver is not None else nullcontext(), \
+            sim.no_grad(count_save if count else None):
+        out = fn()
     if count:
-        sim.count_saves = None
         stop = (sim.last_save_count - f0) - (sim.last_save_hooks - h0)
-    if saver is not None:
-        saver.stop()
     out.requires_grad = True
 
     def recompute(s: Sim, node: Node) -> None:
-        saved_nodes, saved_phase, saved_layer = s.nodes, s.phase, s.layer
-        s.phase = "backward"
-        s.layer = layer  # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
-        s.label = f"bwd {label} (recompute)"
-        # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
-        # is recomputed (early stop): the first forward counted where (stop), or a dry run without
-        # memory finds that point.
-        here = stop
-        if here is None or CHECK_STOP:
-            here = _dry_run(s, ops, fn, saver)
-            assert stop is None or stop == here, (label, stop, here)
-        s.nodes = []
-        c1 = s.alloc_count
-        s.ghosts = Ghosts(c1 + here)
-        if saver is not None:  # the cached outputs' allocations take no memory: they adopt the cache
-            s.ghosts = Ghosts(c1 + here, {c1 + q for group in saver.locs[:len(saver.cache)] for q in group})
-            saver.start("adopt")
-        h1 = s.hook_allocs
-        out2 = fn()
-        # the counted stop leaves out the forward's layer-hook allocations: the recompute makes none
-        assert stop is None or s.hook_allocs == h1, f"{label}: a layer hook allocated during the recompute"
-        if saver is not None:
-            saver.stop()
-        ops.exit_autocast()
-        s.ghosts = None
-        sub = s.nodes
-        s.nodes = saved_nodes
-        s.phase = saved_phase
-        s.layer = saved_layer
+        # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
+        with s.recomputing(layer, f"bwd {label} (recompute)"):
+            # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
+            # is recomputed (early stop): the first forward counted where (stop), or a dry run without
+            # memory finds that point.
+            here = stop
+            if here is None or CHECK_STOP:
+                here = _dry_run(s, ops, fn, saver)
+                assert stop is None or stop == here, (label, stop, here)
+            c1 = s.alloc_count
+            # (with a saver, the cached outputs' allocations take no memory: they adopt the cache)
+            ghosts = Ghosts(c1 + here) if saver is None else \
+                Ghosts(c1 + here, {c1 + q for group in saver.locs[:len(saver.cache)] for q in group})
+            with s.apart(ghosts) as sub:
+                h1 = s.hook_allocs
+                with saver.recording("adopt") if saver is not None else nullcontext():
+                    out2 = fn()
+                # the counted stop leaves out the forward's layer-hook allocations: the recompute makes none
+                assert stop is None or s.hook_allocs == h1, f"{label}: a layer hook allocated during the recompute"
+                ops.exit_autocast()
         # the recomputed output is discarded; its gradient is the region output's gradient
         out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
         s.unref(out2)
@@ -245,23 +230,21 @@ def _dry_run(s: Sim, ops: Ops, fn: Callable[[], T], saver: Optional[OpSaver]) ->
     returns how many allocations the recompute makes up to its last node that saves something
     (``saver``: where the cached ops' outputs are allocated, relative to the start, goes to
     ``saver.locs``)."""
-    s.nodes = []
     c0 = s.alloc_count
-    s.ghosts = Ghosts(c0)
-    s.last_save_count = c0
-    if saver is not None:
-        saver.locs = []
-        saver.start("locate")
-    dry = fn()
-    if saver is not None:
-        saver.stop()
-        saver.locs = [[q - c0 for q in group] for group in saver.locs]
-    ops.exit_autocast()
-    for n in s.nodes:
-        for p in n.params:
-            p.uses -= 1
-        s._release_node(n)
-    s.unref(dry)
+    with s.apart(Ghosts(c0)) as nodes:
+        s.saves_here()
+        if saver is not None:
+            saver.locs = []
+        with saver.recording("locate") if saver is not None else nullcontext():
+            dry = fn()
+        if saver is not None:
+            saver.locs = [[q - c0 for q in group] for group in saver.locs]
+        ops.exit_autocast()
+        for n in nodes:
+            for p in n.params:
+                p.uses -= 1
+            s._release_node(n)
+        s.unref(dry)
     return s.last_save_count - c0
 
 

@@ -85,15 +85,15 @@ class Forward:
 
     # -- blocks -----------------------------------------------------------------------
     def attention(self, h: T, i: int) -> T:
-        role, self.sim.role = self.sim.role, "attention"
+        role = self.sim.set_role("attention")
         y = self._attention(h, i)
-        self.sim.role = role
+        self.sim.set_role(role)
         return y
 
     def mlp(self, h: T, i: int) -> T:
-        role, self.sim.role = self.sim.role, "mlp"
+        role = self.sim.set_role("mlp")
         y = self.strategy.mlp(self, h, i, lambda: self._mlp(h, i))
-        self.sim.role = role
+        self.sim.set_role(role)
         return y
 
     def _mlp(self, h: T, i: int) -> T:
@@ -104,20 +104,15 @@ class Forward:
 
     def layer(self, x: T, i: int) -> T:
         """One decoder layer; takes a reference to x and returns a new output reference."""
-        where = self.sim.layer, self.sim.role
-        self.sim.layer, self.sim.role = i, "layer"
+        sim = self.sim
+        where = sim.where(i, "layer")
         gather = self.gather
         if gather is not None:  # FSDP2's per-layer pre- and post-forward (engine.fsdp)
-            sim = self.sim
-            c = sim.alloc_count
-            gather.layer_enter(i)
-            sim.hook_allocs += sim.alloc_count - c  # (a checkpointed region's recompute skips them)
+            sim.layer_hook(gather.layer_enter, i)  # (a checkpointed region's recompute skips them)
         y = self._layer(x, i)
         if gather is not None:
-            c = sim.alloc_count
-            gather.layer_exit(i)
-            sim.hook_allocs += sim.alloc_count - c
-        self.sim.layer, self.sim.role = where
+            sim.layer_hook(gather.layer_exit, i)
+        sim.where(*where)
         return y
 
     # -- the layers -------------------------------------------------------------------
@@ -140,7 +135,7 @@ class Forward:
         """The whole forward: inputs, embedding, layers, final norm, head, loss."""
         sim, o, m = self.sim, self.ops, self.m
         sim.mark("inputs", "forward")
-        sim.layer, sim.role = None, "embedding"
+        sim.where(None, "embedding")
         if sim.offload is not None:  # torchtune wraps the model's forward in OffloadActivations
             sim.offload.active = True
         ids = sim.alloc(self.rows * 8, "activations", "inputs")
@@ -153,7 +148,7 @@ class Forward:
         self.masks = av.build_masks(self)
         x = self.layers(x)
         sim.mark("final norm & head")
-        sim.role = "head"
+        sim.set_role("head")
         x = head.final_norm(self, x)
         self.release_masks()
         if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside

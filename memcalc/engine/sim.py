@@ -33,6 +33,7 @@ from memcalc.engine.breakdown import PeakBreakdown
 from memcalc.engine.result import KINDS
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.engine.sharding import Share
+from memcalc.engine.sim_hooks import SimHooks
 
 __all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.records
 
@@ -42,10 +43,11 @@ _requires_grad = attrgetter("requires_grad")
 _trainable = attrgetter("trainable")
 
 
-class Sim(PeakBreakdown):
+class Sim(PeakBreakdown, SimHooks):
     """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``.
     What is alive at the peak is :class:`memcalc.engine.breakdown.PeakBreakdown`'s; what else a
-    caller wants of a step, an observer it registers (:meth:`watch`)."""
+    caller wants of a step, an observer it registers (:meth:`watch`); what other modules switch,
+    :class:`memcalc.engine.sim_hooks.SimHooks`'s methods (nothing else assigns a Sim's fields)."""
 
     def __init__(self, round_bytes: int = ALLOCATOR_ROUND_BYTES) -> None:
         self.round_bytes = round_bytes
@@ -102,14 +104,6 @@ class Sim(PeakBreakdown):
         # activation offloading (memcalc.engine.offload.ActivationOffload): while its ``active`` is
         # set, saved tensors are packed to host memory and come back in backward
         self.offload = None
-
-    def watch(self, observer: object) -> None:
-        """Register an observer (:mod:`memcalc.engine.observers`): each of its ``on_row``,
-        ``on_event``, ``on_peak``, ``on_phase`` and ``on_mark`` methods is called from now on."""
-        for name in ("on_row", "on_event", "on_peak", "on_phase", "on_mark"):
-            hook = getattr(observer, name, None)
-            if hook is not None:
-                getattr(self, "_" + name).append(hook)
 
     # -- allocation -----------------------------------------------------------------
     def alloc(self, nbytes: int, kind: str, category: str, requires_grad: bool = False, name: str = "",

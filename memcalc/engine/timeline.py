@@ -257,7 +257,7 @@ class _Step:
             opt.events = log.events
             self.state_moves = (frozenset(t.uid for ts in opt.state.values() for t in ts if t.uid), opt.created_at)
         if self.tr.activation_offload:
-            sim.offload = ActivationOffload()
+            sim.set_offload(ActivationOffload())
 
     def fused_step(self, s: Sim, p: Param) -> None:
         """A fused optimizer's post-accumulate-grad hook: the parameter steps, its gradient goes."""
@@ -272,12 +272,13 @@ class _Step:
         reduction, or with ``fused_twin`` a record of where a fused step would step and free it
         (:func:`memcalc.engine.twins.fused_twin_of`)."""
         sim, opt = self.sim, self.opt
+        hook: Optional[Callable[[Sim, Param], None]] = None
         if self.tr.fused_optimizer:
-            sim.grad_ready = (lambda s, p: self.deferred.append(p)) if leave_together else self.fused_step
+            hook = (lambda s, p: self.deferred.append(p)) if leave_together else self.fused_step
         if not isinstance(opt, OptimizerSim):  # DeepSpeed's optimizer side (weights_and_state)
-            sim.grad_ready = opt.grad_ready
+            hook = opt.grad_ready
         if fused_twin:
-            assert sim.grad_ready is None and isinstance(opt, OptimizerSim) and self.trace is not None
+            assert hook is None and isinstance(opt, OptimizerSim) and self.trace is not None
             grads_ready: list[GradReady] = []
             rows = self.trace.rows
 
@@ -285,8 +286,10 @@ class _Step:
                 grads_ready.append(GradReady(len(rows), s.total, s.label, s.phase,
                                              opt._temps_of(p), p.grad.nbytes))  # type: ignore[union-attr]
 
-            sim.grad_ready = ready
+            hook = ready
             self.grads_ready = grads_ready
+        if hook is not None:
+            sim.set_grad_ready(hook)
 
     def gather(self) -> Optional[GatherHooks]:
         """What gathers the sharded weights (DeepSpeed ZeRO-3 its own way, engine.deepspeed; FSDP2,
@@ -300,13 +303,13 @@ class _Step:
         if gather is None:
             gather = sharded_runtime(self.sim, self.exp, self.model)
         if gather is not None:
-            self.sim.on_layer = lambda s, i: gather.backward_enter(i)
+            self.sim.set_on_layer(lambda s, i: gather.backward_enter(i))
         return gather
 
     def micro_step(self, layers: LayerStrategy, gather: Optional[GatherHooks]) -> None:
         """One micro-step's forward and backward, the layers run by ``layers``."""
         sim = self.sim
-        sim.nodes = []
+        sim.new_graph()
         if gather is not None:
             gather.before_forward()
         fwd = Forward(sim, self.exp, self.model, layers, gather)

@@ -28,8 +28,8 @@ def test_alloc_sets_every_field_as_the_constructor_does():
     t = sim.alloc(1000, "activations", "saved activations", True, "x", 250, 32)
     expected = T(1024, "activations", "saved activations", requires_grad=True, numel=250, name="x", seq=1)
     assert _fields(t) == _fields(expected)
-    sim.ghosts = Ghosts(1)  # a ghost: no bytes, same fields otherwise
-    g = sim.alloc(1000, "temporaries", "op workspace")
+    with sim.apart(Ghosts(1)):  # a ghost: no bytes, same fields otherwise
+        g = sim.alloc(1000, "temporaries", "op workspace")
     assert _fields(g) == _fields(T(0, "temporaries", "op workspace", seq=2))
 
 

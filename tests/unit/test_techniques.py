@@ -94,7 +94,8 @@ def test_a_checkpoint_recomputes_on_its_reloaded_inputs():
     that keeps it (an fp32 RMSNorm's pow saves ``x.to(fp32)``, which is ``x``; a LayerNorm saves
     its input) keeps the reload alive after the backward stash lets go of it."""
     sim = Sim()
-    off = sim.offload = ActivationOffload()
+    off = ActivationOffload()
+    sim.set_offload(off)
     x = sim.alloc(4096, "activations", "activations", numel=1024)
     off.active = True
     node = Node("checkpoint layer 0", [], [], [], [], on_backward=lambda s, n: None)

@@ -228,7 +228,7 @@ def post_logits(fwd: ForwardContext, logits: T) -> T:
 
 def loss(fwd: ForwardContext, logits: T) -> T:
     """The LM loss on the logits (takes the reference), its tensors in the category "logits & loss"."""
-    fwd.sim.role = "loss"
+    fwd.sim.set_role("loss")
     o = fwd.ops
     o.category = CATEGORY
     out = lm_loss(o, logits, fwd.B, fwd.T, fwd.m.vocab_size, fwd.tp is not None)
