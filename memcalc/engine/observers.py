@@ -12,11 +12,14 @@ frame of its own: the plan's hot path traces every allocation):
   ``uid`` from 1 (``T.uid``), and ``(uid, 0)`` when it is freed;
 - ``on_peak(total)``: a new peak (it may raise, cutting the step short);
 - ``on_phase(phase)``: a phase begins (:meth:`Sim.mark`);
-- ``on_mark()``: the label (or phase) changed (:meth:`Sim.mark`, backward reaching another label).
+- ``on_mark()``: the label (or phase) changed (:meth:`Sim.mark`, backward reaching another label);
+- ``bind(sim)``: called once by :meth:`Sim.watch`, for an observer that reads the simulator.
 
-:func:`memcalc.engine.timeline.simulate` registers these for its ``record_timeline``,
-``trace_allocs``, ``events`` and ``stop_above`` arguments (the planner and ``estimate()`` ask for them
-there); a checkpointed region's ghost allocations are :class:`memcalc.engine.checkpoint.Ghosts`.
+A caller passes its own to :func:`memcalc.engine.timeline.simulate` (``observers``: the plan's
+:class:`StopAbove`); the ones whose records make fields of the step's result
+(:class:`memcalc.engine.result.SimResult`: ``timeline``, ``alloc_trace``, ``events``) it registers
+itself for its ``record_timeline``, ``trace_allocs`` and ``events`` arguments. A checkpointed region's
+ghost allocations are :class:`memcalc.engine.checkpoint.Ghosts`.
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ class PeakAbove(Exception):
 
 class StopAbove:
     """A new peak above ``limit`` raises :class:`PeakAbove`: a search that only needs to know that a
-    step does not fit a card stops there (:func:`memcalc.plan.limits.need`)."""
+    step does not fit a card stops there (:func:`memcalc.plan.limits.need`, through
+    :func:`memcalc.plan.steps.traced_step`)."""
 
-    def __init__(self, sim: Sim, limit: int) -> None:
-        self.sim = sim
+    def __init__(self, limit: int) -> None:
         self.limit = limit
+
+    def bind(self, sim: Sim) -> None:
+        self.sim = sim
 
     def on_peak(self, total: int) -> None:
         if total > self.limit:

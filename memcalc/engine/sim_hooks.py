@@ -52,7 +52,11 @@ class SimHooks:
 
     def watch(self, observer: object) -> None:
         """Register an observer (:mod:`memcalc.engine.observers`): each of its ``on_row``,
-        ``on_event``, ``on_peak``, ``on_phase`` and ``on_mark`` methods is called from now on."""
+        ``on_event``, ``on_peak``, ``on_phase`` and ``on_mark`` methods is called from now on (and
+        its ``bind(sim)`` now, for one that reads the simulator)."""
+        bind = getattr(observer, "bind", None)
+        if bind is not None:
+            bind(self)
         for name in ("on_row", "on_event", "on_peak", "on_phase", "on_mark"):
             hook = getattr(observer, name, None)
             if hook is not None:

@@ -15,6 +15,7 @@ frees its gradient at once.
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Callable, Optional
 
 from memcalc.core.errors import UserError
@@ -27,7 +28,7 @@ from memcalc.engine.fsdp import FSDP2, optimizer_training
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.offload import ActivationOffload
-from memcalc.engine.observers import AllocEvents, AllocTrace, StopAbove, Timeline
+from memcalc.engine.observers import AllocEvents, AllocTrace, Timeline
 from memcalc.engine.result import GradReady, SimResult
 from memcalc.engine.sharding import GatherHooks, LayerGather, uses_deepspeed
 from memcalc.engine.sim import Node, Param, Sim, T
@@ -173,7 +174,7 @@ def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model) -> Optional[Gat
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
              trace_allocs: bool = False, events: bool = False,
              strategy: Optional[Callable[[], LayerStrategy]] = None, fused_twin: bool = False,
-             stop_above: Optional[int] = None) -> SimResult:
+             observers: Sequence[object] = ()) -> SimResult:
     """Simulate one optimizer step of ``exp``; see the module docstring for what it covers.
     ``trace_allocs`` also returns the running total (and phase) after every allocation.
     ``strategy`` makes the layer strategy of each micro-step (default: eager, or
@@ -181,9 +182,11 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     (:func:`memcalc.estimate.step.simulate` chooses). ``fused_twin`` (with ``trace_allocs``, where
     :func:`memcalc.engine.twins.fused_twin_applies`) also records where each gradient becomes ready,
     for :func:`memcalc.engine.twins.fused_twin_of`. ``events`` records the allocation events (and
-    what :func:`memcalc.engine.twins.first_step_of` needs). ``stop_above``: stop, raising :class:`memcalc.engine.observers.PeakAbove`,
-    as soon as the running total passes this many bytes (the step does not fit: its peak is all
-    a caller asks about, and only whether it passes).
+    what :func:`memcalc.engine.twins.first_step_of` needs). ``observers``: the caller's own
+    (:mod:`memcalc.engine.observers`, registered with :meth:`memcalc.engine.sim.Sim.watch` before the
+    step starts), e.g. :class:`memcalc.engine.observers.StopAbove`, which stops the step by raising
+    :class:`memcalc.engine.observers.PeakAbove` as soon as the running total passes a card (its peak
+    is all a caller asks about, and only whether it passes).
 
     Python's cyclic garbage collector is paused while the step runs: the simulation makes tens of
     thousands of objects that live until it ends, which the collector would otherwise traverse
@@ -193,7 +196,7 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         gc.disable()
     try:
         return _simulate(exp, first_step, record_timeline, trace_allocs, events, strategy,
-                         fused_twin and trace_allocs and not first_step and fused_twin_applies(exp), stop_above)
+                         fused_twin and trace_allocs and not first_step and fused_twin_applies(exp), observers)
     finally:
         if paused:
             gc.enable()
@@ -201,7 +204,7 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
 
 def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trace_allocs: bool, events: bool,
               strategy: Optional[Callable[[], LayerStrategy]], fused_twin: bool = False,
-              stop_above: Optional[int] = None) -> SimResult:
+              observers: Sequence[object] = ()) -> SimResult:
     """The step, phase by phase: setup (weights, optimizer state), the micro-steps' forward and
     backward, the optimizer step (:class:`_Step`)."""
     check_supported(exp)
@@ -210,8 +213,8 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
         assert not tr.compile, "a compiled step needs the compiled layer strategy (memcalc.estimate.step)"
         strategy = lambda: layer_strategy(tr)  # noqa: E731
     sim = Sim(exp.profile.allocator_round_bytes)
-    if stop_above is not None:
-        sim.watch(StopAbove(sim, stop_above))
+    for observer in observers:
+        sim.watch(observer)
     step = _Step(sim, exp, Timeline(sim) if record_timeline else None, AllocTrace() if trace_allocs else None,
                  AllocEvents() if events else None)
     step.setup(first_step)

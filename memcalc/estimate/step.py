@@ -7,7 +7,8 @@ where the choice is made, once, for every caller (the estimate and plan's fits).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Sequence
+from typing import Callable
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
@@ -34,7 +35,7 @@ def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
 
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
              trace_allocs: bool = False, events: bool = False, fused_twin: bool = False,
-             stop_above: Optional[int] = None) -> SimResult:
+             observers: Sequence[object] = ()) -> SimResult:
     """:func:`memcalc.engine.timeline.simulate` with the strategy :func:`strategy_for` picks."""
     return simulate_with(exp, first_step=first_step, record_timeline=record_timeline, trace_allocs=trace_allocs,
-                         events=events, strategy=strategy_for(exp), fused_twin=fused_twin, stop_above=stop_above)
+                         events=events, strategy=strategy_for(exp), fused_twin=fused_twin, observers=observers)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.observers import PeakAbove
+from memcalc.engine.observers import PeakAbove, StopAbove
 from memcalc.engine.result import SimResult
 from memcalc.engine.twins import fused_twin_applies, fused_twin_of
 from memcalc.estimate.step import simulate
@@ -61,7 +61,7 @@ def traced_step(exp: ExperimentSpec, first_step: bool = False, stop_above: Optio
                 got = fused_twin_of(base, exp.profile.allocator_round_bytes)
         if got is None:
             got = simulate(exp, first_step=first_step, record_timeline=False, trace_allocs=True, fused_twin=True,
-                           stop_above=stop_above)
+                           observers=[StopAbove(stop_above)] if stop_above is not None else ())
     except PeakAbove as e:
         if len(BOUND_CACHE) >= SIM_CACHE_SIZE:
             BOUND_CACHE.clear()

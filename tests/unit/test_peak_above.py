@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from memcalc.api import _resolve
 from memcalc.core.units import GiB
-from memcalc.engine.observers import PeakAbove
+from memcalc.engine.observers import PeakAbove, StopAbove
 from memcalc.estimate.peak import largest_peak_within, required_bytes
 from memcalc.estimate.step import simulate
 from memcalc.plan import steps
@@ -45,10 +45,10 @@ def test_stop_above_is_a_lower_bound_past_the_limit(kw, frac):
     limit = int(full * frac)
     # source: definition: the step stops at the first total above the limit; none when the peak is within it
     if full <= limit:
-        assert simulate(exp, first_step=False, record_timeline=False, stop_above=limit).peak_bytes == full
+        assert simulate(exp, first_step=False, record_timeline=False, observers=[StopAbove(limit)]).peak_bytes == full
     else:
         with pytest.raises(PeakAbove) as got:
-            simulate(exp, first_step=False, record_timeline=False, stop_above=limit)
+            simulate(exp, first_step=False, record_timeline=False, observers=[StopAbove(limit)])
         assert limit < got.value.total <= full
 
 

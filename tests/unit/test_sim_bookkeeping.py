@@ -84,7 +84,7 @@ def _watched(stop_above=None):
     sim.watch(trace)
     sim.watch(log)
     if stop_above is not None:
-        sim.watch(StopAbove(sim, stop_above))
+        sim.watch(StopAbove(stop_above))
     return sim, trace, log
 
 
