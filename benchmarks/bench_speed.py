@@ -111,7 +111,7 @@ compare each shortcut with the simulation it replaces):
    simulates ahead, in parallel, the counts its searches ask next (from ``GPU_CAP`` where the fit
    gives none, a few above a seed where the fitted requirement is flat near the per-GPU floor).
 3b. *Steps cut short*: a probe whose "does not fit" ends the search (the neighbour above a count
-   that fits) stops its step at the first allocation past the card (``Sim.stop_above``,
+   that fits) stops its step at the first allocation past the card (``observers.StopAbove``,
    ``PeakAbove``; a fused twin shares the bound when no gradient was ready yet;
    ``tests/unit/test_peak_above.py``): a sqrt step 27 -> 10 ms, a compiled one's simulation 35 -> 7 ms.
 4. *Cheaper steps* (``bench_sim.py``): slotted blocks and nodes, the GC paused, a checkpointed

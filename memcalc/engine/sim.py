@@ -68,6 +68,8 @@ class Sim(PeakBreakdown, SimHooks):
         self.trace_label: Optional[str] = None  # a layer hook's label in backward, when not self.label
         self.phase_peaks: dict[str, int] = {}
         self.nodes: list[Node] = []
+        # (the fields below that other modules switch are set only through SimHooks' methods:
+        # memcalc.engine.sim_hooks; tests/unit/test_sim_hooks.py checks that nothing else assigns them)
         # the observers' hooks (memcalc.engine.observers, Sim.watch), each list tested only when non-empty
         self._on_row: list[Callable[[tuple[int, str, str, int]], None]] = []
         self._on_event: list[Callable[[tuple[int, int]], None]] = []
