@@ -24,6 +24,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
 from contract_tables import PERTURB, build, perturbed
+from traces.recording import write_rows
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "field_contract.json")
 
@@ -57,15 +58,10 @@ def load() -> dict[str, dict[str, Any]]:
 
 
 def write(done: dict[str, dict[str, Any]]) -> None:
-    doc = {"about": "validator peaks (bytes) of each tests/contract_tables.py PERTURB row, setup and perturbed, "
-                    "traced on meta by memcalc's replica; written by python tests/traces/field_contract_record.py; "
-                    "compared with the estimator's delta by tests/unit/test_field_contract_recorded.py",
-           "rows": [done[k] for k in PERTURB if k in done]}
-    tmp = PATH + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, PATH)
+    write_rows(PATH, "validator peaks (bytes) of each tests/contract_tables.py PERTURB row, setup and perturbed, "
+                     "traced on meta by memcalc's replica; written by python tests/traces/field_contract_record.py; "
+                     "compared with the estimator's delta by tests/unit/test_field_contract_recorded.py",
+               [done[k] for k in PERTURB if k in done])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: traces.rows
 
+from traces.recording import write_rows
 from traces.rows import ROWS, TOLERANCES, cli_of, spec_of
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recorded.json")
@@ -88,14 +89,9 @@ def load() -> dict[str, dict[str, Any]]:
 
 
 def write(done: dict[str, dict[str, Any]]) -> None:
-    doc = {"about": "validator peaks of the rows of tests/traces/rows.py (bytes); written by "
-                    "python tests/traces/record.py; compared with the estimate by tests/unit/test_recorded_traces.py",
-           "rows": [done[r["name"]] for r in ROWS if r["name"] in done]}
-    tmp = PATH + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, PATH)
+    write_rows(PATH, "validator peaks of the rows of tests/traces/rows.py (bytes); written by "
+                     "python tests/traces/record.py; compared with the estimate by tests/unit/test_recorded_traces.py",
+               [done[r["name"]] for r in ROWS if r["name"] in done])
 
 
 def main(argv: list[str] | None = None) -> int:
