@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch")
 from typer.testing import CliRunner  # noqa: E402
 
 from memcalc.cli import app  # noqa: E402
+from conftest import one_line_error  # noqa: E402
 from memcalc.core.errors import UserError  # noqa: E402
 from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec  # noqa: E402
 from memcalc.validate.sharded import lifetimes, trace_rank  # noqa: E402
@@ -138,10 +139,7 @@ BAD_CLI = [
 @pytest.mark.parametrize("args,code,message", BAD_CLI)
 def test_cli_bad_sharded_input_is_one_line_exit_2(args, code, message):
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == code, r.output
-    assert message in r.stderr, r.stderr
-    assert r.stderr.startswith("memcalc: error: ") and r.stderr.count("\n") == 1, r.stderr
-    assert "Traceback" not in r.output
+    one_line_error(r, code, message)
 
 
 def test_cli_traces_one_rank_and_writes_records(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
+from conftest import one_line_error
 
 
 def run(args: list[str]):
@@ -49,11 +50,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("args,code,message", BAD_INPUT)
 def test_bad_input_is_one_line_exit_2(args, code, message):
     r = run(args)
-    assert r.exit_code == code, r.output
-    err = r.stderr
-    assert message in err, err
-    assert err.count("\n") == 1 and err.startswith("memcalc: error: "), err
-    assert "Traceback" not in r.output
+    one_line_error(r, code, message)
 
 
 def _write(tmp_path, name, text):

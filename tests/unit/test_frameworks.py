@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
+from conftest import one_line_error
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
 from memcalc.engine.ops import Ops
@@ -48,9 +49,7 @@ BAD_INPUT = [
 @pytest.mark.parametrize("args,code,message", BAD_INPUT)
 def test_bad_input_is_one_line_exit_2(args, code, message):
     r = run(args)
-    assert r.exit_code == code, r.output
-    assert message in r.stderr, r.stderr
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("memcalc: error: "), r.stderr
+    one_line_error(r, code, message)
 
 
 #: (args, framework, torch, profile name, origin of the framework)
