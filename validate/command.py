@@ -59,10 +59,12 @@ from .predict import predict
 from .record import make_record, target_spec
 from .runner import measure
 from .step import Measurement, error_reason
+from .trainers import TRAINERS, load as load_trainer
 
 
-#: ``--framework``: memcalc's replica of the model, or the real transformers + PEFT step
-FRAMEWORKS = ("plain", "hf")
+#: ``--framework``: memcalc's replica of the model, the real transformers + PEFT step, or a trainer's
+#: own code (``trainers/``: one module each)
+FRAMEWORKS = ("plain", "hf", *TRAINERS)
 
 
 def default_device() -> str:
@@ -160,7 +162,12 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
         for _name, e in items:  # a model or LoRA setup HF cannot express: one line, before any trace
             if isinstance(e, ExperimentSpec):
                 check_hf(e)
-    elif reentrant:
+    elif framework in TRAINERS:
+        trainer = load_trainer(framework)
+        for _name, e in items:
+            if isinstance(e, ExperimentSpec):
+                trainer.check(e)
+    if reentrant and framework != "hf":
         raise UserError("--reentrant sets Hugging Face activation checkpointing: it needs --framework hf")
     if device == "cuda" and not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
@@ -227,6 +234,9 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                     meas = trace_deepspeed(exp, scale_layers=scale_layers, progress=say)
                 elif rank is not None:
                     meas, extra = measure_sharded(exp, dev, rank, scale_layers, progress=say, framework=framework)
+                elif framework in TRAINERS:
+                    meas = load_trainer(framework).measure(exp, dev, scale_layers=scale_layers, progress=say,
+                                                           allocator_sim=dev != "cuda")
                 elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
                                       allocator_sim=dev != "cuda", reentrant=reentrant)

@@ -17,7 +17,7 @@ from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, 
                                  FusedOptimizer, GradAccum, Json, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
                                  Loss, LossChunks, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
-from memcalc.core.choices import FRAMEWORKS
+from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
 from memcalc.core.errors import UserError
 
 
@@ -108,9 +108,9 @@ def _check_flags(device: Optional[str], framework: Optional[str], scale_layers: 
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
-    if framework is not None and framework not in ("plain", "hf"):
-        raise UserError(f"--framework {framework}: validate traces plain (memcalc's replica) or hf "
-                        "(transformers + PEFT); estimate models torchtune and litgpt from their sources")
+    if framework is not None and framework not in TRACED_FRAMEWORKS:
+        raise UserError(f"--framework {framework}: validate traces {', '.join(TRACED_FRAMEWORKS)} "
+                        f"(not yet {framework}; estimate models it from its sources)")
     if scale_layers is not None and scale_layers <= 0:
         raise UserError(f"--scale-layers must be positive, got {scale_layers}")
     if scale_layers is not None and scale_layers > MAX_LAYERS:

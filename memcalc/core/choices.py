@@ -29,3 +29,7 @@ LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 #: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
 Framework = Literal["plain", "hf", "torchtune", "litgpt"]
 FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
+
+#: ``validate --framework``: the frameworks whose own code the validator runs (plain: memcalc's replica;
+#: hf: transformers + PEFT; the others: one module each in validate/trainers/, registered in its TRAINERS)
+TRACED_FRAMEWORKS: tuple[str, ...] = ("plain", "hf")

@@ -253,7 +253,7 @@ def test_cli_plain_records_name_the_framework():
 BAD = [
     (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2, "'keras' is not one of"),
     (["validate", "--framework", "torchtune", "--model", "gpt2", "--device", "meta"], 2,
-     "validate traces plain (memcalc's replica) or hf"),
+     "validate traces plain, hf (not yet torchtune"),
     (["validate", "--framework", "hf", "--config", "control", "--device", "meta"], 2,
      "none of the Hugging Face families"),
     (["validate", "--framework", "hf", "--model", "gpt2", "--lora", "--lora-targets", "q,v", "--device", "meta"], 2,
@@ -348,3 +348,12 @@ def test_math_kernel_dropout_saves_a_bool_mask():
                                                               enable_gqa=True))
     assert mode.calls[0][0] == "math"
     assert ((B, H, T, T), torch.bool) in saved
+
+
+def test_the_cli_accepts_exactly_the_frameworks_the_validator_traces():
+    # memcalc/core/choices.py TRACED_FRAMEWORKS (the CLI's check, before torch loads) is the validator's
+    # own list: plain, hf and validate/trainers/ TRAINERS
+    from memcalc.core.choices import TRACED_FRAMEWORKS
+    from memcalc.validate.command import FRAMEWORKS
+
+    assert TRACED_FRAMEWORKS == FRAMEWORKS
