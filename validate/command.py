@@ -164,9 +164,9 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
                 check_hf(e)
     elif framework in TRAINERS:
         trainer = load_trainer(framework)
-        for _name, e in items:
-            if isinstance(e, ExperimentSpec):
-                trainer.check(e)
+        for _name, spec in items:
+            if isinstance(spec, ExperimentSpec):
+                trainer.check(spec)
     if reentrant and framework != "hf":
         raise UserError("--reentrant sets Hugging Face activation checkpointing: it needs --framework hf")
     if device == "cuda" and not torch.cuda.is_available():
