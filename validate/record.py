@@ -52,9 +52,12 @@ def hf_estimator_spec(exp: ExperimentSpec) -> ExperimentSpec:
 
 def target_spec(exp: ExperimentSpec, scale_layers: Optional[int], framework: str) -> ExperimentSpec:
     """The spec whose estimate a record compares with: the model as measured (``scale_layers``
-    layers when given), under the HF rules (:func:`hf_estimator_spec`) when ``framework`` is hf."""
+    layers when given), under the HF rules (:func:`hf_estimator_spec`) when ``framework`` is hf,
+    torchtune's when torchtune."""
     target = exp if scale_layers is None else exp.model_copy(
         update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
+    if framework == "torchtune":  # torchtune's layer code: FRAMEWORKS["torchtune"] (trainers/torchtune.py)
+        return target.model_copy(update={"profile": compose(target.profile, "torchtune", None)})
     return hf_estimator_spec(target) if framework == "hf" else target
 
 

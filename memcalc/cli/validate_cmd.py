@@ -48,8 +48,9 @@ def validate(
     framework: Annotated[Optional[Literal[FRAMEWORKS]], typer.Option(  # type: ignore[valid-type]
         "--framework",
         help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
-             "of the model) or hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
-             "get_peft_model, only kernel dispatch patched). Default: as for estimate, plain for a --config, "
+             "of the model), hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
+             "get_peft_model, only kernel dispatch patched) or torchtune (its builders, loss and "
+             "recipe step). Default: as for estimate, plain for a --config, "
              "hf for --model and --params.")] = None,
     reentrant: Annotated[bool, typer.Option(
         "--reentrant",
@@ -151,11 +152,11 @@ def _runner(as_json: bool) -> Callable[..., Any]:
 
 
 def _traced(items: list) -> str:
-    """The one framework the experiments trace: plain or hf (UserError otherwise)."""
+    """The one framework the experiments trace, one of TRACED_FRAMEWORKS (UserError otherwise)."""
     traced = {e.profile.framework for _, e in items if not isinstance(e, UserError)} or {"plain"}
-    if not traced <= {"plain", "hf"} or len(traced) > 1:
-        raise UserError(f"validate traces one framework per run, plain or hf; these experiments use "
-                        f"{', '.join(sorted(traced))}: pass --framework plain or --framework hf")
+    if not traced <= set(TRACED_FRAMEWORKS) or len(traced) > 1:
+        raise UserError(f"validate traces one framework per run, one of {', '.join(TRACED_FRAMEWORKS)}; these "
+                        f"experiments use {', '.join(sorted(traced))}: pass --framework with one of them")
     if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
         raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
     return traced.pop()

@@ -252,8 +252,8 @@ def test_cli_plain_records_name_the_framework():
 # (args, exit code, message)
 BAD = [
     (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2, "'keras' is not one of"),
-    (["validate", "--framework", "torchtune", "--model", "gpt2", "--device", "meta"], 2,
-     "validate traces plain, hf (not yet torchtune"),
+    (["validate", "--framework", "litgpt", "--model", "gpt2", "--device", "meta"], 2,
+     "(not yet litgpt"),
     (["validate", "--framework", "hf", "--config", "control", "--device", "meta"], 2,
      "none of the Hugging Face families"),
     (["validate", "--framework", "hf", "--model", "gpt2", "--lora", "--lora-targets", "q,v", "--device", "meta"], 2,
