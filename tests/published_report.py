@@ -4,7 +4,8 @@
     python tests/published_report.py --trainer litgpt
 
 Rows with an unknown input (or a metric memcalc cannot name) are printed but left out of the
-summary. Error = (estimate - published) / published, on the row's own metric.
+summary. Error = (estimate - published) / published, on the row's own metric; "alloc GiB" is the
+estimate's allocated peak whatever the metric (for rows whose metric memcalc cannot name yet).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def _line(res: Result) -> str:
     pub = res.published_bytes / GiB
     est = "-" if res.estimate_bytes is None else f"{res.estimate_bytes / GiB:8.2f}"
     err = "" if res.error_pct is None else f"{res.error_pct:+7.1f}%"
+    alloc = "-" if res.doc is None else f"{res.doc['peak_bytes'] / GiB:8.2f}"
     if not known(r):
         status = "unknown input" if r.get("unknown") else f"metric {r['metric']}"
     elif res.error_pct is None:
@@ -30,7 +32,7 @@ def _line(res: Result) -> str:
     else:
         ok, _ = pass_line(r, res.error_pct)
         status = "pass" if ok else "FAIL"
-    return f"{r['id']:46s} {r['metric']:12s} {pub:8.2f} {est:>8s} {err:>9s}  {status}"
+    return f"{r['id']:46s} {r['metric']:12s} {pub:8.2f} {est:>8s} {err:>9s} {alloc:>9s}  {status}"
 
 
 def summary(results: list[Result]) -> list[str]:
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer", help="only this trainer's rows")
     a = p.parse_args(argv)
     results = [run(r) for r in rows() if not a.trainer or r["trainer"] == a.trainer]
-    print(f"{'row':46s} {'metric':12s} {'pub GiB':>8s} {'est GiB':>8s} {'error':>9s}  status")
+    print(f"{'row':46s} {'metric':12s} {'pub GiB':>8s} {'est GiB':>8s} {'error':>9s} {'alloc GiB':>9s}  status")
     for res in results:
         print(_line(res))
     print()
