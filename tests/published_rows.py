@@ -57,10 +57,11 @@ def published_bytes(row: dict[str, Any]) -> int:
 
 
 def argv(row: dict[str, Any]) -> list[str]:
-    """The row's ``memcalc estimate`` arguments; ``hf_configs/NAME.json`` is the shipped config."""
+    """The row's ``memcalc estimate`` arguments; ``hf_configs/NAME.json`` and ``reference/models/NAME.json``
+    are shipped data files."""
     out = []
     for a in shlex.split(row["args"]):
-        if a.startswith("hf_configs/"):
+        if a.startswith(("hf_configs/", "reference/models/")):
             a = str(data_root() / a)
         out.append(a)
     return out
