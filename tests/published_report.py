@@ -55,6 +55,12 @@ def summary(results: list[Result]) -> list[str]:
         passed = sum(pass_line(x.row, x.error_pct)[0] for x in counted)
         lines.append(f"signed mean error {mean:+.1f}%, mean |error| {mabs:.1f}%, passing {passed}/{len(counted)}, "
                      f"low {sum(e < 0 for e in errs)}/{len(errs)}")
+        groups: dict[str, list[float]] = {}
+        for x in counted:
+            key = x.row["trainer"] + (" QLoRA" if x.row["qlora"] else "")
+            groups.setdefault(key, []).append(x.error_pct)
+        lines.append("signed mean by group: " + ", ".join(
+            f"{k} {sum(v) / len(v):+.1f}% ({len(v)})" for k, v in sorted(groups.items())))
         lines.append(f"worst low: {low.row['id']} {low.error_pct:+.1f}%; "
                      f"worst high: {high.row['id']} {high.error_pct:+.1f}%")
     refused = [x for x in results if known(x.row) and x.error_pct is None]
