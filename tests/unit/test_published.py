@@ -48,7 +48,8 @@ _LIT_QKV_DROPOUT = ("LitGPT's LoRAQKVLinear applies one lora_dropout to x for q,
 _LIT_QLORA = ("QLoRA as bitsandbytes 0.41/0.42 (LitGPT's pins) runs it: MatMul4Bit.forward saves each 4-bit linear's "
               "input (ctx.tensors = (A, B), autograd/_functions.py; dropped in 0.43.2 by bitsandbytes PR 1270, "
               "'delete useless buffered activation'), which memcalc's QLoRA (today's bitsandbytes) does not keep; "
-              "max_memory_allocated over the run also sees the load (bf16 weights on the GPU before quantisation); plus "
+              "max_memory_allocated over the run also sees the load (bf16 weights on the GPU before "
+              "quantisation); plus "
               + _LIT_HEAD.split(": ", 1)[1].split(";")[0])
 
 XFAIL = {
