@@ -21,7 +21,7 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.blocks import adapters, embedding, head
+from memcalc.engine.blocks import adapters, chunked_output, embedding, head
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -153,9 +153,12 @@ class Forward:
         self.release_masks()
         if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside
             sim.offload.active = False
-        logits = head.logits(self, x)
-        self.strategy.logits(self, logits)
-        loss = head.loss(self, logits)
+        if self.exp.profile.framework == "torchtune":  # TransformerDecoder.unembed + the recipes' loss
+            loss = chunked_output.head_and_loss(self, x)
+        else:
+            logits = head.logits(self, x)
+            self.strategy.logits(self, logits)
+            loss = head.loss(self, logits)
         o.exit_autocast()
         sim.mark("loss")
         return loss

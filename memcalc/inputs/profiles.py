@@ -44,12 +44,17 @@ FRAMEWORKS: dict[str, dict] = {
     #   layer a GradientCheckpointingLayer, modeling_layers.py) = memcalc's --checkpoint full.
     "hf": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="full",
                lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain"),
-    # torchtune:
-    # - modules/rms_norm.py RMSNorm: ``x_fp32 = x.float()``; ``(x_fp32 * rsqrt(...)).type_as(x)``
-    #   then ``* self.scale``: casts back before the weight multiply (composite-legacy);
-    # - modules/loss/ce_chunked_output_loss.py CEWithChunkedOutputLoss: 8 chunks, each
-    #   ``.float()``; the recipes shift the labels (``torch.hstack((labels[..., 1:], ignore))``),
-    #   not the logits;
+    # torchtune (0.6.1; validate --framework torchtune traces it):
+    # - modules/rms_norm.py RMSNorm.forward: ``F.rms_norm(x.float(), ..., weight=self.scale,
+    #   eps).to(x.dtype)``: an fp32 input with a 16-bit weight cannot take the fused kernel
+    #   (layer_norm.cpp rms_norm_symint: "Mismatch dtype between input and weight"), so the
+    #   composite runs on the fp32 copy, the weight multiply in fp32, the result cast back
+    #   (composite; an fp32 model on PyTorch >= 2.9 takes the fused kernel: not modelled);
+    # - modules/transformer.py TransformerDecoder.unembed: the chunked output (``chunked_output``)
+    #   with CEWithChunkedOutputLoss (modules/loss/ce_chunked_output_loss.py: 8 chunks, each
+    #   ``.float()``), else ``self.output(h).float()``: the head and loss are
+    #   memcalc.engine.blocks.chunked_output; the recipes shift the labels
+    #   (``torch.hstack((labels[..., 1:], ignore))``), not the logits;
     # - modules/peft/lora.py LoRALinear: ``out + lora_b(lora_a(dropout(x))) * alpha/rank`` with
     #   no cast; the recipes build every parameter in the training dtype (adapters included);
     # - modules/attention.py MultiHeadAttention: k/v ``expand`` + ``reshape`` to every query head
@@ -58,7 +63,7 @@ FRAMEWORKS: dict[str, dict] = {
     #   ``apply_activation_checkpointing`` with the default ``checkpoint_wrapper``
     #   (CheckpointImpl.NO_REENTRANT) on each TransformerSelfAttentionLayer = --checkpoint full.
     # Not verified: gelu_new (torchtune has no model using it; fused assumed).
-    "torchtune": dict(rmsnorm="composite-legacy", logits_fp32=False, shift_copy=False, cross_entropy="chunked",
+    "torchtune": dict(rmsnorm="composite", logits_fp32=False, shift_copy=False, cross_entropy="chunked",
                       lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused"),
     # LitGPT:
     # - litgpt/model.py RMSNorm: ``x.float()``, ``mean(x * x)``, ``(x_normed * weight.float()).to(dtype)``:

@@ -52,3 +52,43 @@ BAD = [
 @pytest.mark.parametrize("args,code,message", BAD)
 def test_cli_torchtune_bad_input_one_line_exit_2(args, code, message):
     one_line_error(run(["validate", "--framework", "torchtune", *args, "--device", "meta"]), code, message)
+
+
+# -- the grid: estimate vs torchtune's traced step ----------------------------------------------
+from memcalc.validate.predict import estimate  # noqa: E402
+from memcalc.validate.trainers.torchtune import measure  # noqa: E402
+from memcalc.validate.trainers.torchtune_grid import grid  # noqa: E402
+
+#: |estimate - trace| / trace, in percent, every grid row (issue 27: within 2%)
+GRID_TOLERANCE_PCT = 2.0
+
+#: rows with a known mechanism the estimator does not follow yet (strict: they must fail)
+KNOWN_GAPS = {
+    "gqa qlora bf16 loss=chunked ck=full 2x256": (
+        "torchao NF4Tensor.get_original_weight (linear_nf4, forward and checkpoint recompute): its dequantization "
+        "intermediates (nibble unpack and stack in uint8, the nf4 lookup index, the scaler products) live beside the "
+        "dequantized bf16 weight; the estimator counts one weight-sized transient (engine/ops.py linear)"),
+    "gqa qlora bf16 loss=chunked ck=full offload 2x256": (
+        "the NF4 dequantization intermediates above, plus OffloadActivations' stash of the recomputed layer"),
+    "gqa lora bf16 loss=chunked ck=full offload 2x256": (
+        "one (B, T, d) bf16 tensor (262,144 B) more alive at the traced forward peak with offloading; mechanism "
+        "not found"),
+}
+
+ROWS = grid()
+
+
+@pytest.mark.parametrize("name,exp", [
+    pytest.param(n, e, id=n, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])] if n in KNOWN_GAPS else [])
+    for n, e in ROWS  # source: torchtune 0.6.1 traced on meta (validate/trainers/torchtune.py), each row
+])
+def test_torchtune_grid_estimate_within_tolerance(name, exp):
+    meas = measure(exp, "meta")
+    assert meas.status == "ok", meas.reason
+    est = estimate(exp).peak_bytes
+    gap = (est - meas.measured_bytes) / meas.measured_bytes * 100
+    assert abs(gap) <= GRID_TOLERANCE_PCT, f"{name}: estimate {est:,} B, trace {meas.measured_bytes:,} B ({gap:+.2f}%)"
+
+
+def test_grid_has_30_setups():
+    assert len(ROWS) >= 30

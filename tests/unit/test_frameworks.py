@@ -190,7 +190,7 @@ RULES = [
     ("plain", "2.8", "rmsnorm", "composite"),  # source: aten rms_norm_symint 2.6-2.8
     ("plain", "2.9", "rmsnorm", "fused"),  # source: _fused_rms_norm from 2.9
     ("plain", "2.1", "mean_saves_input", True),  # source: mean backward kept its input in 2.1
-    ("torchtune", "2.8", "rmsnorm", "composite-legacy"),  # source: torchtune RMSNorm, .type_as(x) before * scale
+    ("torchtune", "2.8", "rmsnorm", "composite"),  # source: torchtune 0.6.1 RMSNorm, F.rms_norm(x.float()) (traced)
     ("torchtune", "2.8", "cross_entropy", "chunked"),  # source: torchtune CEWithChunkedOutputLoss
     ("torchtune", "2.8", "shift_copy", False),  # source: the recipes shift the labels (hstack)
     ("torchtune", "2.8", "sdpa_gqa", False),  # source: torchtune MultiHeadAttention expand + reshape

@@ -14,7 +14,8 @@ its adapters, its kernel dispatch as CUDA picks it. Used by :mod:`.torchtune`.
   host and its buffers moved to the traced device, so the cache ((max_seq_len, head_dim/2, 2)
   fp32) is there as on a GPU.
 - LoRA: ``get_adapter_params`` + ``set_trainable_params`` (lora_finetune_single_device.py
-  ``_setup_model``); DoRA: ``initialize_dora_magnitude`` on every module that has it (same place).
+  ``_setup_model``); DoRA: ``initialize_dora_magnitude`` on every module that has it (same place;
+  it sets values only, and refuses meta weights, so not on meta).
 - :class:`TorchtuneKernels`: :class:`~memcalc.validate.hf_kernels.HFKernels`' SDPA and dropout
   routing, plus ``F.rms_norm`` as CUDA dispatches it (aten/src/ATen/native/layer_norm.cpp
   ``rms_norm_symint``: ``_fused_rms_norm`` on CUDA from PyTorch 2.9 when input and weight have one
@@ -36,7 +37,7 @@ from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec
 
 from ..blocks.norm import _FusedRMSNorm
 from ..devices import kernel_device
-from ..hf_kernels import HFKernels
+from ..hf_kernels import HFKernels, _in_mode
 
 #: memcalc LoRA target -> torchtune's lora_attn_modules name
 ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "output_proj"}
@@ -116,7 +117,9 @@ def build(m: ModelSpec, lora: Optional[LoraSpec], dtype: torch.dtype, device: st
 
         adapters = get_adapter_params(model)
         set_trainable_params(model, adapters)
-        if any("magnitude" in k for k in adapters):  # lora_finetune_single_device._setup_model
+        # lora_finetune_single_device._setup_model; its values only (the magnitude parameter exists
+        # already), and it refuses meta weights: skipped there
+        if any("magnitude" in k for k in adapters) and device != "meta":
             for mod in model.modules():
                 if hasattr(mod, "initialize_dora_magnitude"):
                     mod.initialize_dora_magnitude()
@@ -159,3 +162,19 @@ class TorchtuneKernels(HFKernels):
         if self.fused_rms and same and kernel_device(input) == "meta" and len(normalized_shape) == 1:
             return _FusedRMSNorm.apply(input, weight, eps if eps is not None else torch.finfo(input.dtype).eps)
         return F.rms_norm(input, normalized_shape, weight, eps)
+
+
+def recompute_in_mode(model: torch.nn.Module, mode: TorchtuneKernels) -> None:
+    """Each ``CheckpointWrapper``'s recomputation run with the kernel routing on: backward is called
+    inside the mode's handler, where the mode is off (as :func:`~..hf_kernels.hf_patches` does for
+    transformers' checkpointed layers)."""
+    for mod in model.modules():
+        fn = mod.__dict__.get("checkpoint_fn")
+        if fn is not None:
+            mod.__dict__["checkpoint_fn"] = _routed(fn, mode)
+
+
+def _routed(fn, mode: TorchtuneKernels):
+    def checkpoint_fn(function, *a, **kw):
+        return fn(_in_mode(function, mode), *a, **kw)
+    return checkpoint_fn
