@@ -55,7 +55,7 @@ from ..offload import OffloadActivations as OffloadTwin
 from ..optim import allow_fused_on, build_optimizer
 from ..step import Measurement, Probe, Step, fill_measurement, track_inputs, two_steps, train_step
 from ..tracer import StorageTracer
-from .torchtune_model import TorchtuneKernels, build, check_spec
+from .torchtune_model import TorchtuneKernels, build, check_spec, recompute_in_mode
 
 EXTRA = "torchtune"
 IGNORE_INDEX = -100  # CEWithChunkedOutputLoss / CrossEntropyLoss ignore_index
@@ -244,6 +244,7 @@ class Run:
             track_inputs(tracer, _Flat(self.model), self.tokens, self.labels, None)
             tracer.track([self.ignore_labels_cache])
         kernels = TorchtuneKernels(self.exp.profile)
+        recompute_in_mode(self.model, kernels)
         with allow_fused_on(self.dev_type), kernels:
             if tracer is not None:
                 with tracer:
