@@ -135,6 +135,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.fused_optimizer": ({}, True),
     "TrainingSpec.compile": ({}, True),
     "TrainingSpec.memory_budget": ({"training": {"compile": True}}, 0.0),
+    # per-layer graphs: no chain held across layers, no shared buffer pool, the head eager
+    "TrainingSpec.compile_scope": ({"training": {"compile": True}}, "layer"),
     "TrainingSpec.lora": ({}, LoraSpec()),
     "TrainingSpec.zero": ({"training": {"gpus": 4}}, 3),
     "DeepSpeedSpec.reduce_bucket_size": (DS2, 2 * 10**6),  # the bucket's bytes (stage_1_and_2.py setup_buckets)
@@ -227,6 +229,9 @@ UNTRACED: dict[str, str] = {
     "TrainingSpec.compile": "torch.compile needs CUDA (inductor); off CUDA the partitioner's saved set is compared "
                             "instead (tests/unit/test_compile.py, tests/trace/test_validate_compiled.py)",
     "TrainingSpec.memory_budget": "a torch.compile option: needs CUDA (inductor), as TrainingSpec.compile",
+    "TrainingSpec.compile_scope": "its base, compile_scope model, needs CUDA (inductor), as TrainingSpec.compile; "
+                                  "compile_scope layer is traced on meta against the estimate in "
+                                  "tests/trace/test_compile_scope.py",
     "TrainingSpec.zero": _ZERO3,
     "TrainingSpec.gpus": _ZERO3,
     "TrainingSpec.sharding": _ZERO3,

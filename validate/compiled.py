@@ -85,6 +85,36 @@ def partition(exp: ExperimentSpec, budget: Optional[float] = None, scale_layers:
     return PartitionResult(total, len(seen), torch.__version__)
 
 
+def meta_backend():
+    """A ``torch.compile`` backend that runs on ``meta``: dynamo and AOTAutograd as under inductor
+    (inductor's decompositions, the min-cut partitioner at ``activation_memory_budget``), with the
+    partitioned forward and backward graphs run as FX code (each value freed after its last use)
+    instead of inductor's generated kernels, which need a device to compile for. The graph
+    boundaries, the saved sets and what reaches ``ctx.save_for_backward`` (a saved-tensor hook) are
+    PyTorch's; inductor's fusion and buffer reuse inside a graph are not traced."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    def run_as_fx(gm, _args):  # boxed arguments, the calling convention AOTAutograd expects (as inductor's)
+        return make_boxed_func(gm)
+
+    return aot_autograd(fw_compiler=run_as_fx, bw_compiler=run_as_fx,
+                        partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
+
+
+def compile_layers(model, budget: Optional[float]) -> None:
+    """``compile_scope layer`` on the replica: each decoder layer compiled apart, as torchtune's
+    ``training.compile_model`` does (``m.compile()`` per ``TransformerSelfAttentionLayer``,
+    torchtune/training/_compile.py 0.6.1), with :func:`meta_backend`; the budget is the
+    partitioner's global config."""
+    torch._dynamo.reset()
+    functorch_config.activation_memory_budget = 1.0 if budget is None else budget
+    backend = meta_backend()
+    for layer in model.layers:
+        layer.compile(backend=backend, dynamic=False)
+
+
 class _Logits(torch.nn.Module):
     """The compiled region as a module: input ids -> logits."""
 

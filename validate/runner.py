@@ -41,7 +41,7 @@ from .step import Measurement, error_reason, run_on_device
 def unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
     """Why this experiment cannot be run on this device (None when it can)."""
     tr = exp.training
-    if tr.compile and device != "cuda":
+    if tr.compile and device != "cuda" and not (device == "meta" and tr.compile_scope == "layer"):
         return f"torch.compile needs CUDA (inductor generates GPU kernels); cannot run on {device}"
     if tr.zero and tr.gpus > 1:
         return f"ZeRO-{tr.zero} across {tr.gpus} GPUs needs {tr.gpus} processes; the validator runs one"
@@ -107,7 +107,11 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
     say(f"building {m.name} ({m.n_layers} layers) on {device}")
     model = build_model(m, tr, exp.profile, device=device)
     meas.params = param_count(model)[0]
-    if tr.compile:
+    if tr.compile and dev_type == "meta":  # compile_scope layer (unsupported() refuses the rest)
+        from .compiled import compile_layers
+
+        compile_layers(model, tr.memory_budget)
+    elif tr.compile:
         import torch._functorch.config as fconfig
         from torch._dynamo import reset as dynamo_reset
 
@@ -115,7 +119,11 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         # graphs, or hit its recompile limit and fall back to eager), at this config's budget
         dynamo_reset()
         fconfig.activation_memory_budget = tr.memory_budget if tr.memory_budget is not None else 1.0
-        model.compile(backend="inductor", mode="default", dynamic=False)
+        if tr.compile_scope == "layer":  # torchtune's training.compile_model: each layer apart
+            for layer in model.layers:
+                layer.compile(backend="inductor", mode="default", dynamic=False)
+        else:
+            model.compile(backend="inductor", mode="default", dynamic=False)
 
     def attach(probe) -> None:
         # phase labels are Python callbacks inside forward: under torch.compile they would break the

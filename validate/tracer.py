@@ -81,6 +81,16 @@ class StorageTracer(TorchDispatchMode):
         self.label = ""
         self.record = PeakRecord()
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let ``torch.compile`` run under the tracer (a validator's per-layer compile on meta):
+        dynamo otherwise skips every frame while a dispatch mode is on the stack
+        (torch/_dynamo/convert_frame.py, "non-infra torch dispatch mode present"); with this the
+        mode is off while dynamo and AOTAutograd compile and on while the compiled graphs run
+        (torch/utils/_python_dispatch.py ``TorchDispatchMode.ignore_compile_internals``), so what
+        the compiled code allocates is counted and the compiler's own fake tensors are not."""
+        return True
+
     # -- accounting -------------------------------------------------------------------
     def _free(self, key: int, _ref: weakref.ref) -> None:
         entry = self._live.pop(key, None)

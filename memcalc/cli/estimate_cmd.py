@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Config, Deepspeed,
+from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+                                 CompileScope, Config, Deepspeed,
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Lora, LoraAlpha, LoraDropout,
                                  LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, MasterWeights, MemoryBudget, Model,
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
@@ -27,6 +28,7 @@ def estimate(
     master_weights: MasterWeights = False,
     optimizer: Optimizer = None, optimizer_impl: OptimizerImpl = None, checkpoint: Checkpoint = None,
     fused_optimizer: FusedOptimizer = False, compile: Compile = False, memory_budget: MemoryBudget = None,
+    compile_scope: CompileScope = None,
     lora: Lora = False, lora_rank: LoraRank = None, lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None,
     lora_dropout: LoraDropout = None, qlora: Qlora = False, lora_dtype: LoraDtype = None, profile: Profile = None,
     framework: Framework = None, torch: Torch = None, zero: Zero = None, gpus: Gpus = None,

@@ -55,6 +55,11 @@ FusedOptimizer = Annotated[bool, typer.Option(
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model.")]
 MemoryBudget = Annotated[Optional[float], typer.Option(
     "--memory-budget", help="torch.compile activation_memory_budget in [0, 1] (implies --compile).")]
+CompileScope = Annotated[Optional[str], typer.Option(
+    "--compile-scope",
+    help="What one torch.compile graph is: model (the whole forward; model.compile(), the default) or layer (each "
+         "decoder layer apart, the head eager, the loss compiled apart: torchtune's compile_model + compile_loss; the "
+         "default with --framework torchtune). Implies --compile.")]
 Lora = Annotated[bool, typer.Option(
     "--lora", help="LoRA adapters on a frozen base (default rank 16, alpha 32, targets q,k,v,o).")]
 LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank.")]

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Deepspeed, Dora,
+from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+                                 CompileScope, Deepspeed, Dora,
                                  FusedOptimizer, GradAccum, Json, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
                                  Loss, LossChunks, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
@@ -29,7 +30,8 @@ def validate(
     model: Model = None, params: Params = None, batch: Batch = None, seq: Seq = None, grad_accum: GradAccum = None,
     precision: Precision = None, bf16: Bf16 = False, master_weights: MasterWeights = False, optimizer: Optimizer = None,
     optimizer_impl: OptimizerImpl = None, checkpoint: Checkpoint = None, fused_optimizer: FusedOptimizer = False,
-    compile: Compile = False, memory_budget: MemoryBudget = None, lora: Lora = False, lora_rank: LoraRank = None,
+    compile: Compile = False, memory_budget: MemoryBudget = None,
+    compile_scope: CompileScope = None, lora: Lora = False, lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
     qlora: Qlora = False, profile: Profile = None, loss: Loss = None, loss_chunks: LossChunks = None,
     recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,

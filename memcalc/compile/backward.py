@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from memcalc.compile.compiled import CompiledPlan
+from memcalc.core.spec import TrainingSpec
 from memcalc.engine.checkpoint import Checkpointing, checkpoint
 from memcalc.engine.forward import Forward
+from memcalc.engine.offload import ActivationOffload, rope_region_inputs
 from memcalc.engine.sim import Node, Sim, T
 from memcalc.engine.strategy import LayerStrategy
 
@@ -30,17 +32,25 @@ def _chain(first: Optional[Callable[[Sim, Node], None]], then: Optional[Callable
 
 
 class _CompiledGraph:
-    """What any compiled step shares: the graph ends at the logits, whose gradient is an argument
-    of ``CompiledFunction.backward`` (AOTAutograd's runtime wrapper) and so stays referenced
-    until the whole compiled backward returns; parameter gradients are the compiled backward's
-    outputs, so they all appear together, and only then does AccumulateGrad (and any
-    post-accumulate-grad hook, a fused optimizer step) run."""
+    """What any compiled step shares. With ``compile_scope model`` the graph ends at the logits,
+    whose gradient is an argument of ``CompiledFunction.backward`` (AOTAutograd's runtime wrapper)
+    and so stays referenced until the whole compiled backward returns; parameter gradients are the
+    compiled backward's outputs, so they all appear together, and only then does AccumulateGrad
+    (and any post-accumulate-grad hook, a fused optimizer step) run. With ``compile_scope layer``
+    (:mod:`memcalc.compile.layer_scope`) the head runs eagerly, so neither holds: the logits'
+    gradient and the parameter gradients go as in eager mode (a layer's gradients leave its own
+    compiled backward together, which an unfused step does not see)."""
 
     grads_leave_together = True
+    whole = True  # compile_scope model: one graph, embedding to logits
     tangent: Optional[T] = None
 
+    def _scope(self, scope: str) -> None:
+        self.whole = scope == "model"
+        self.grads_leave_together = self.whole
+
     def logits(self, fwd: Forward, logits: T) -> None:
-        if logits.producer is None:
+        if logits.producer is None or not self.whole:
             return
 
         def keep_tangent(s: Sim, nd: Node) -> None:
@@ -56,14 +66,23 @@ class _CompiledGraph:
 
 
 class CompiledCheckpointing(_CompiledGraph, Checkpointing):
-    """torch.compile over checkpointed layers: the regions recompute whole, as in eager mode."""
+    """torch.compile over checkpointed layers: the regions recompute whole, as in eager mode.
+    With ``compile_scope layer`` the checkpoint wraps the compiled layer (torchtune applies
+    ``set_activation_checkpointing`` before ``compile_model`` compiles the wrapped
+    ``TransformerSelfAttentionLayer``): the region's input is what its forward saves, packed by an
+    outer saved-tensor hook (activation offloading) as in eager mode."""
+
+    def __init__(self, tr: TrainingSpec) -> None:
+        super().__init__(tr)
+        self._scope(tr.compile_scope)
 
 
 class CompiledLayers(_CompiledGraph, LayerStrategy):
     """torch.compile without checkpointing: the partitioner's saved set, per layer."""
 
-    def __init__(self, plan: CompiledPlan) -> None:
+    def __init__(self, plan: CompiledPlan, scope: str = "model") -> None:
         self.plan = plan
+        self._scope(scope)
         self.nodes: list[Node] = []  # each layer's region node, in forward order
         # called with the nodes each MLP creates while a layer's backward recomputes it
         self.mlp_sink: Optional[Callable[[list[Node]], None]] = None
@@ -86,9 +105,24 @@ class CompiledLayers(_CompiledGraph, LayerStrategy):
         saved_bytes = self.plan.extra_by_layer.get(i, 0)
         pool_bytes = self.plan.mlp_pool_by_layer.get(i, 0)
         sim = fwd.sim
-        block = sim.alloc(saved_bytes, "activations", "saved activations (compiled)") if saved_bytes else None
-        y = checkpoint(sim, fwd.ops, lambda: [x], lambda: fwd.layer(x, i), f"layer {i}", i)
+        off = sim.offload if sim.offload is not None and sim.offload.active else None
+        if off is not None and not self.whole:  # each saved tensor packed apart (_pack_layer)
+            order = self.plan.saved_order_by_layer.get(i, ())
+            pieces = [sim.alloc(n, "activations", "saved activations (compiled)") for n, param in order if not param]
+            block = None
+        else:
+            block = sim.alloc(saved_bytes, "activations", "saved activations (compiled)") if saved_bytes else None
+        # the layer graph's inputs besides the parameters: the layer input (a layer graph whose input needs no
+        # gradient does not save it) and, under offloading, the RoPE tables (graph inputs it saves, so packed
+        # too; no device bytes: they exist anyway)
+        keeps_x = self.plan.input_saved_by_layer is None or self.plan.input_saved_by_layer.get(i, True)
+        first = [x] if keeps_x else []
+        ins = (lambda: first + rope_region_inputs(fwd)) if off is not None and not self.whole else (lambda: first)
+        y = checkpoint(sim, fwd.ops, ins, lambda: fwd.layer(x, i), f"layer {i}", i)
         node = y.producer
+        if off is not None and not self.whole:
+            assert node is not None
+            return self._pack_layer(sim, off, node, order, pieces, y)
         recompute = node.on_backward
 
         def release_pool(s: Sim, nd: Node) -> None:  # the MLP backward reuses the pool
@@ -118,6 +152,64 @@ class CompiledLayers(_CompiledGraph, LayerStrategy):
         node.on_backward = on_backward
         if block is not None:
             node.saved.append(block)
+        self.nodes.append(node)
+        return y
+
+    def _pack_layer(self, sim: Sim, off: ActivationOffload, node: Node, order: tuple[tuple[int, bool], ...],
+                    pieces: list[T], y: T) -> T:
+        """A compiled layer's saved tensors under activation offloading (``compile_scope layer``).
+
+        When the layer's ``CompiledFunction`` returns, ``ctx.save_for_backward`` passes its saved
+        tensors through the offload hook (torchtune ``OffloadActivations.pack_tensor``): the layer
+        input and the RoPE tables (packed as the region inputs here), the parameters (``nn.Parameter`` objects: an id
+        each, kept as they are) and the saved activations, each offloaded from ``min_offload_size``
+        bytes (memcalc.engine.offload). At the layer's backward ``ctx.saved_tensors`` unpacks them
+        all in one autograd node, whose post-hook alone frees the previous node's reloads. Here the
+        backward recomputes the eager layer (the saved set and the recomputation together are the
+        layer's eager saved set), so the reloaded activations are represented by that recompute
+        while it runs and stay allocated after it, in the backward stash, until the next reloading
+        node's post-hook."""
+        keep: list[T] = []
+        mine: list[T] = []  # offloaded: only the forward stash references them now
+        it = iter(pieces)
+        for _, param in order:
+            if param:
+                off.skip()
+                continue
+            t = next(it)
+            kept, out = off.pack(sim, [t])
+            keep += kept
+            if out:
+                node.offloaded = [*node.offloaded, *out]
+                mine.append(t)
+                sim.unref(t)
+        node.saved.extend(keep)
+        recompute = node.on_backward
+        assert recompute is not None
+
+        def on_backward(s: Sim, nd: Node) -> None:
+            for t in keep:
+                if t in nd.saved:
+                    nd.saved.remove(t)
+                    s.unref(t)
+            back = []  # reloaded bytes, kept in the backward stash after the recompute
+            for t in mine:
+                if not t.alive:
+                    continue
+                if any(q is t for q in off.bwd_cur):
+                    off.bwd_cur = [q for q in off.bwd_cur if q is not t]
+                    back.append(t.nbytes)
+                else:  # still in the forward stash: used as it is
+                    off.fwd_stash = [(k, q) for k, q in off.fwd_stash if q is not t]
+                s.unref(t)
+            due, off.hook_due = off.hook_due, False  # one autograd node: its post-hook runs after it
+            try:
+                recompute(s, nd)
+            finally:
+                off.hook_due = due
+            off.bwd_cur += [s.alloc(n, "activations", "reloaded activations") for n in back]
+
+        node.on_backward = on_backward
         self.nodes.append(node)
         return y
 

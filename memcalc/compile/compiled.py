@@ -44,6 +44,11 @@ class CompiledPlan:
     # layer -> bytes of the MLP's buffers in that layer's compiled backward (see mlp_pool),
     # which inductor keeps for the next layer to reuse
     mlp_pool_by_layer: dict[int, int] = field(default_factory=dict)
+    # compile_scope layer: each layer graph's saved tensors as save_for_backward receives them,
+    # (bytes, a parameter?) each, its input left out (memcalc.compile.layer_scope.saved_order)
+    saved_order_by_layer: dict[int, tuple[tuple[int, bool], ...]] = field(default_factory=dict)
+    # compile_scope layer: whether each layer graph saves its input (None: always, the whole graph's rule)
+    input_saved_by_layer: Optional[dict[int, bool]] = None
 
     @property
     def recompute_pct(self) -> float:
@@ -106,6 +111,8 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
     key = graph_key(exp)
     g, outputs = _graph(key)
     budget = exp.training.memory_budget if exp.training.memory_budget is not None else 1.0
+    if exp.training.compile_scope == "layer":
+        return _layer_plan(g, outputs, budget)
     part: Partition = _partition(key, budget)
     default = part if budget == 1.0 else _partition(key, 1.0)
     by_layer: dict[Optional[int], int] = {}
@@ -129,6 +136,29 @@ def _plan(exp: ExperimentSpec) -> CompiledPlan:
         forward_flops=sum(v.flops for v in g.values),
         default_saved_bytes=default.saved_bytes,
         mlp_pool_by_layer=pool,
+    )
+
+
+def _layer_plan(g: Graph, outputs: dict[int, Value], budget: float) -> CompiledPlan:
+    """``compile_scope layer`` (:mod:`memcalc.compile.layer_scope`): one partition per layer graph;
+    nothing held across layers, no buffer pool shared between graphs."""
+    from memcalc.compile.layer_scope import layer_saved_bytes, partition_layers, saved_order
+
+    parts = partition_layers(g, outputs, budget)
+    defaults = partition_layers(g, outputs, 1.0) if budget != 1.0 else parts
+    in_layers = [v for v in g.values if v.layer is not None]
+    by_layer: dict[Optional[int], int] = {i: p.saved_bytes for i, (p, _, _) in parts.items()}
+    return CompiledPlan(
+        budget=budget,
+        how=",".join(sorted({p.how for p, _, _ in parts.values()})),
+        saved_bytes=sum(by_layer.values()),  # type: ignore[arg-type]
+        saved_by_layer=by_layer,
+        extra_by_layer={i: layer_saved_bytes(p, out) for i, (p, out, _) in parts.items()},
+        recompute_flops=sum(p.recompute_flops for p, _, _ in parts.values()),
+        forward_flops=sum(v.flops for v in in_layers),
+        default_saved_bytes=sum(p.saved_bytes for p, _, _ in defaults.values()),
+        saved_order_by_layer={i: saved_order(p) for i, (p, _, _) in parts.items()},
+        input_saved_by_layer={i: x for i, (_, _, x) in parts.items()},
     )
 
 

@@ -22,6 +22,10 @@ LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)
 Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 
+#: ``--compile-scope``: what one torch.compile graph is (the whole forward, or each decoder layer apart)
+CompileScope = Literal["model", "layer"]
+COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)
+
 #: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks
 LossKind = Literal["full", "chunked"]
 LOSSES: tuple[str, ...] = typing.get_args(LossKind)

@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 
 # the closed vocabularies (Literal types and their values) live in memcalc.core.choices, pydantic-free,
 # so that the CLI builds its choices without importing this module
-from memcalc.core.choices import (FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS, SHARDINGS, Framework,  # noqa: F401
+from memcalc.core.choices import (COMPILE_SCOPES, FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS, SHARDINGS, Framework,  # noqa: F401
                                   LoraDType, LossKind, Precision, Sharding)
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES

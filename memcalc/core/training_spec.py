@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from memcalc.core.choices import LoraDType, Precision, Sharding
+from memcalc.core.choices import CompileScope, LoraDType, Precision, Sharding
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
 from memcalc.core.spec_base import MAX_COUNT, MAX_SEQ, Spec
@@ -165,6 +165,13 @@ class TrainingSpec(Spec):
     memory_budget: Optional[float] = Field(
         None, ge=0, le=1, description="torch.compile activation_memory_budget (0 = recompute all, 1 = default)."
     )
+    compile_scope: CompileScope = Field(
+        "model",
+        description="What one torch.compile graph is: model = the whole forward, embedding to logits "
+        "(model.compile()), the loss eager; layer = each decoder layer apart (torchtune's "
+        "training.compile_model: m.compile() per TransformerSelfAttentionLayer), embedding, final norm and head "
+        "eager, the loss compiled apart (training.compile_loss).",
+    )
     lora: Optional[LoraSpec] = Field(None, description="LoRA/QLoRA adapters; None = full fine-tuning.")
     zero: Literal[0, 1, 2, 3] = Field(0, description="ZeRO stage (1: optimizer state, 2: +grads, 3: +weights sharded).")
     gpus: int = Field(1, gt=0, le=MAX_COUNT, description=f"Data-parallel GPUs that shard under ZeRO (at most {MAX_COUNT:,}).")
@@ -194,6 +201,8 @@ class TrainingSpec(Spec):
             )
         if self.memory_budget is not None and not self.compile:
             raise ValueError("memory_budget applies to torch.compile; set compile too")
+        if self.compile_scope != "model" and not self.compile:
+            raise ValueError(f"compile_scope {self.compile_scope} applies to torch.compile; set compile too")
         bad_impl = impl_error(self.optimizer, self.optimizer_impl)
         if bad_impl:
             raise ValueError(bad_impl)

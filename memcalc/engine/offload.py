@@ -83,6 +83,10 @@ class ActivationOffload:
             self.max_pinned_bytes = max(self.max_pinned_bytes, self.pinned_bytes)
         return keep, off
 
+    def skip(self) -> None:
+        """A saved ``nn.Parameter``: ``pack_tensor`` gives it an id and keeps it as it is."""
+        self.next_id += 1
+
     def unpack(self, sim: Sim, node: Node) -> None:
         """Before ``node``'s backward: its offloaded tensors come back (unless still stashed). A
         checkpoint node unpacks its inputs before recomputing; the hook then sits on the first

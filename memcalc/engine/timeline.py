@@ -63,9 +63,13 @@ def check_supported(exp: ExperimentSpec) -> None:
                         "drop --fused-optimizer / --compile with --sharding deepspeed")
     if tr.seq < 2:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
-    if tr.activation_offload and tr.compile:
-        raise UserError("activation offloading under torch.compile is not modelled (the compiled graph saves "
-                        "its tensors as a whole); drop --compile or --activation-offload")
+    if tr.activation_offload and tr.compile and tr.compile_scope == "model":
+        # one graph is one autograd node (AOTAutograd's CompiledFunction): OffloadActivations packs its
+        # whole saved set when the forward graph returns and unpacks all of it when its backward starts
+        raise UserError("activation offloading under --compile-scope model is not modelled (the whole forward is "
+                        "one compiled graph: its saved set would be offloaded and brought back all at once); use "
+                        "--compile-scope layer (torchtune's per-layer compile, its default with --framework "
+                        "torchtune) or drop --activation-offload")
     if tr.activation_offload and tr.checkpoint in ("sqrt", "selective"):
         # the offload hooks' reloads inside a multi-layer or sub-layer recompute are not modelled: the
         # simulated step loses track of a reloaded tensor (found 2026-11-23)

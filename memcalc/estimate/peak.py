@@ -276,7 +276,10 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
             "torch.compile: one graph from the embedding to the logits (the loss modelled eagerly); the "
             "saved set is AOTAutograd's min-cut partition at the memory budget; the backward "
             "recomputes the forward chain first and keeps what later layers read; all gradients "
-            "leave the compiled backward together")
+            "leave the compiled backward together" if tr.compile_scope == "model" else
+            "torch.compile per layer (compile_scope layer): each decoder layer one graph, its saved set "
+            "AOTAutograd's min-cut partition of that layer at the memory budget (its backward keeps nothing "
+            "for another layer's); the embedding, the final norm and the head eager")
     recompute = None
     if compiled:
         recompute = {"flops": compiled["recompute_flops"], "forward_flops": compiled["forward_flops"],
@@ -290,7 +293,9 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     if tr.compile and not compiled:
         assumptions.append(
             f"torch.compile with checkpointing ({tr.checkpoint}): checkpointed regions are recomputed "
-            "whole, as in eager mode; gradients leave the compiled backward together")
+            "whole, as in eager mode" + ("; gradients leave the compiled backward together"
+                                         if tr.compile_scope == "model" else
+                                         " (each layer compiled inside its checkpoint, the head eager)"))
     return Estimate(
         experiment=exp,
         params=counts.total,

@@ -28,7 +28,7 @@ def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
 
         if tr.compile_partitions:
             plan = compiled_plan(exp)
-            return lambda: CompiledLayers(plan)
+            return lambda: CompiledLayers(plan, tr.compile_scope)
         return lambda: CompiledCheckpointing(tr)
     return lambda: layer_strategy(tr)
 

@@ -33,7 +33,8 @@ from pydantic import ValidationError
 from memcalc.core.errors import UserError
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
-from memcalc.core.spec import (DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
+from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, LORA_DTYPES,
+                               LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
                                lora_targets_error)
 
@@ -60,6 +61,7 @@ class Options:
     fused_optimizer: bool = False
     compile: bool = False
     memory_budget: Optional[float] = None
+    compile_scope: Optional[str] = None
     lora: bool = False
     lora_rank: Optional[int] = None
     lora_alpha: Optional[float] = None
@@ -155,7 +157,8 @@ _FINITE = ("lora_alpha", "lora_dropout", "memory_budget")
 _POSITIVE = ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "tp")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
-                "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget", "zero", "gpus",
+                "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget", "compile_scope",
+                "zero", "gpus",
                 "sharding", "tp")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
@@ -268,11 +271,14 @@ def _flag_values(o: Options) -> dict[str, Any]:
     checkpoint, every = parse_checkpoint(o.checkpoint) if o.checkpoint is not None else (None, None)
     if o.sharding is not None and o.sharding not in SHARDINGS:
         raise UserError(f"unknown --sharding {clip(o.sharding)!r}; valid: {', '.join(SHARDINGS)}")
+    if o.compile_scope is not None and o.compile_scope not in COMPILE_SCOPES:
+        raise UserError(f"unknown --compile-scope {clip(o.compile_scope)!r}; valid: {', '.join(COMPILE_SCOPES)}")
     return dict(
         batch=o.batch, seq=o.seq, grad_accum=o.grad_accum, precision="bf16" if o.bf16 else o.precision,
         master_weights=o.master_weights or None, optimizer=o.optimizer, optimizer_impl=o.optimizer_impl,
         checkpoint=checkpoint, checkpoint_every=every, fused_optimizer=o.fused_optimizer or None,
-        compile=(o.compile or o.memory_budget is not None) or None, memory_budget=o.memory_budget,
+        compile=(o.compile or o.memory_budget is not None or o.compile_scope is not None) or None,
+        memory_budget=o.memory_budget, compile_scope=o.compile_scope,
         zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp,
     )
 
@@ -332,6 +338,10 @@ def _setup_defaults(o: Options, model: ModelSpec, profile: KernelProfile, tr: _T
                                     if lora.get("qlora") else "LoRA: a bf16 base (the model loaded in bfloat16)")
     elif "precision" not in tr.values:
         reasons["precision"] = "full fine-tuning: what Hugging Face Trainer runs without --bf16/--fp16 (fp32 weights)"
+    if tr.values.get("compile") and "compile_scope" not in tr.values and profile.framework == "torchtune":
+        tr.put("compile_scope", "layer", origin="default")
+        reasons["compile_scope"] = ("torchtune: training.compile_model compiles each TransformerSelfAttentionLayer "
+                                    "apart (torchtune/training/_compile.py) and compile_loss the loss")
     if "seq" not in tr.values:
         tr.put("seq", min(2048, model.max_seq_len), origin="default")
         if model.max_seq_len < 2048:

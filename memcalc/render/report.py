@@ -156,7 +156,8 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
                       + (", fused into backward" if tr.fused_optimizer else "")),
         ("checkpointing", _checkpointing(tr, o)),
         ("sharding", _sharding(tr, o)),
-        ("compile", (f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
+        ("compile", ((f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
+                     + (f", each layer a graph{_why(res, 'compile_scope')}" if tr.compile_scope == "layer" else ""))
          if tr.compile else None),
         ("tensor parallel", _tensor_parallel(tr, o)),
         ("adapters", _adapters(exp, res)),
