@@ -30,8 +30,6 @@ from published_rows import (
 )
 
 # --- what memcalc misses today, by mechanism (never a loosened tolerance) ---------------------
-_TT_FP32_LOGITS = ("torchtune's TransformerDecoder returns self.output(h).float() when the loss is not chunked "
-                   "(torchtune/modules/transformer.py): the fp32 copy of the whole logits is not modelled")
 _TT_CHUNKED = ("torchtune compiles each layer and the loss separately (training.compile_model, compile_loss) and "
                "computes the head chunk by chunk (num_output_chunks); memcalc compiles one graph, runs the loss "
                "eagerly and keeps every chunk's fp32 log-probabilities of one split logits tensor")
@@ -53,8 +51,6 @@ _LIT_QLORA = ("QLoRA as bitsandbytes 0.41/0.42 (LitGPT's pins) runs it: MatMul4B
               + _LIT_HEAD.split(": ", 1)[1].split(";")[0])
 
 XFAIL = {
-    "torchtune-flags-packed": _TT_FP32_LOGITS,
-    "torchtune-flags-compile": _TT_FP32_LOGITS,
     "torchtune-flags-chunked-ce": _TT_CHUNKED,
     "torchtune-flags-checkpointing": _TT_CHUNKED,
     "torchtune-flags-opt-in-bwd": _TT_CHUNKED,
