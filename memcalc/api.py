@@ -341,7 +341,8 @@ RECIPE_NOTE = ("recipe: plan takes the model, sequence length, framework and los
 def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = None, *, gpu: Optional[str] = None,
          seq: Optional[int] = None, profile: Optional[str] = None, framework: Optional[str] = None,
          torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
-         all: bool = False, compile: bool = False, recipe: Union[str, Sequence[str], None] = None,
+         loss_tokens: Optional[float] = None, all: bool = False, compile: bool = False,
+         recipe: Union[str, Sequence[str], None] = None,
          adapter_config: Optional[str] = None) -> PlanResult:
     """Which GPU, how many, with which techniques: ``memcalc plan`` as a function.
 
@@ -374,13 +375,15 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
             framework = v["framework"]
         if loss is None and loss_chunks is None and "loss" in v:
             loss, loss_chunks = v["loss"], v.get("loss_chunks")
+        if loss_tokens is None:
+            loss_tokens = v.get("loss_tokens")
     framework = _check_choice("framework", framework, _choices()["framework"])
     loss = _check_choice("loss", loss, _choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
     if rec is not None:
         notes[:0] = [*rec.lines(), RECIPE_NOTE]
     # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
-    prof, note = plan_profile(profile, framework, torch, loss, loss_chunks)
+    prof, note = plan_profile(profile, framework, torch, loss, loss_chunks, loss_tokens)
     notes.append(note)
     check_one_gpu_flags(gpu, all, compile)
     recipe_doc = rec.as_json() if rec is not None else None

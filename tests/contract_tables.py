@@ -167,6 +167,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "KernelProfile.cross_entropy": (BF16, "chunked"),  # each chunk's log-probabilities saved in fp32
     # fewer chunks: bigger fp32 chunk copies (a vocabulary large enough for the loss to set the peak)
     "KernelProfile.loss_chunks": ({**BF16, "profile": {"cross_entropy": "chunked"}, "model": {"vocab_size": 8192}}, 4),
+    "KernelProfile.loss_tokens": ({**BF16, "profile": {"cross_entropy": "trl-fused"}, "model": {"vocab_size": 8192}},
+                                  0.25),
     "KernelProfile.lora_dtype": ({**LORA, **BF16}, "fp32"),  # the framework's adapter dtype (LoraSpec.dtype None)
     # under autocast: o and down get a 16-bit input, which PEFT copies to fp32 before autocast casts it back
     "KernelProfile.lora_input_cast": ({**LORA, "training": {"precision": "amp-bf16"}}, True),
@@ -224,6 +226,8 @@ _DS = _MULTI.format("4 DeepSpeed", "tests/trace/test_deepspeed.py (validate/deep
 _ZERO3 = _MULTI.format("4 ZeRO-3", "tests/trace/test_fsdp_grid.py and tests/trace/test_deepspeed.py (validate/sharded, "
                                    "validate/deepspeed_trace.py)")
 UNTRACED: dict[str, str] = {
+    "KernelProfile.loss_tokens": "memcalc's replica has no TRL head; TRL's own step traces it: "
+                                 "tests/trace/test_trl_grid.py test_loss_tokens_move_the_traced_head",
     "MoESpec.router_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
     "MoESpec.expert_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
     "TrainingSpec.compile": "torch.compile needs CUDA (inductor); off CUDA the partitioner's saved set is compared "

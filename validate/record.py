@@ -58,6 +58,8 @@ def target_spec(exp: ExperimentSpec, scale_layers: Optional[int], framework: str
         update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
     if framework == "torchtune":  # torchtune's layer code: FRAMEWORKS["torchtune"] (trainers/torchtune.py)
         return target.model_copy(update={"profile": compose(target.profile, "torchtune", None)})
+    if framework == "trl":  # TRL's SFT step: the hf rules with TRL's fused head (profiles.FRAMEWORKS["trl"])
+        return target.model_copy(update={"profile": compose(target.profile, "trl", None)})
     return hf_estimator_spec(target) if framework == "hf" else target
 
 

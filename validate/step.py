@@ -249,13 +249,15 @@ def track_inputs(tracer, model, ids, labels, opt, local=lambda ts: ts) -> None:
 
 def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[str], None], debug: bool,
                   sim: Optional[CachingAllocatorSim], forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                  attach: Callable[[Probe], None], contexts: tuple = (), snapshot: Optional[str] = None) -> None:
+                  attach: Callable[[Probe], None], contexts: tuple = (), snapshot: Optional[str] = None,
+                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
     """The two steps of a model built on one device (cuda, meta, cpu) by a harness (its build-model hook:
     ``runner.py``'s replica, ``hf_runner.py``'s transformers model): the optimizer over its trainable
     parameters, the batch, the tracer (off CUDA), the probe (``attach`` gives it to the model's phase
     labels), a fused optimizer's hooks, then :func:`two_steps` of :func:`train_step` under
     ``contexts``; the result goes to ``meas``. ``snapshot`` (CUDA): a ``_dump_snapshot`` of the
-    measured step."""
+    measured step; ``backward``: :attr:`Step.backward` (a harness whose context spans forward and
+    backward closes it there)."""
     tr = exp.training
     dev_type = torch.device(device).type
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -275,7 +277,7 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     if tr.fused_optimizer:
         register_fused_step(opt, trainable)
     parts = Step(forward=lambda: forward(ids, labels), grad_accum=tr.grad_accum,
-                 optimizer_step=None if tr.fused_optimizer else optimizer_step(opt))
+                 optimizer_step=None if tr.fused_optimizer else optimizer_step(opt), backward=backward)
     record = bool(snapshot) and dev_type == "cuda"
 
     def before_measured() -> None:

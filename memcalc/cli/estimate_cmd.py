@@ -14,7 +14,8 @@ from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Config, Deepspeed,
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Lora, LoraAlpha, LoraDropout,
-                                 LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, MasterWeights, MemoryBudget, Model,
+                                 LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, LossTokens, MasterWeights,
+                                 MemoryBudget, Model,
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
                                  Seq, SequenceParallel, Sharding, Torch, Tp, Zero, _check_output,
                                  inputs_of)
@@ -34,7 +35,8 @@ def estimate(
     framework: Framework = None, torch: Torch = None, zero: Zero = None, gpus: Gpus = None,
     offload_optimizer: OffloadOptimizer = False, sharding: Sharding = None, tp: Tp = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
-    deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, recipe: Recipe = None,
+    deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, loss_tokens: LossTokens = None,
+    recipe: Recipe = None,
     adapter_config: AdapterConfig = None,
     gpu: Annotated[Optional[list[str]], typer.Option(
         "--gpu", metavar="<str>", help="Only these GPUs in the fits table (repeatable; see `memcalc gpus`), or a "

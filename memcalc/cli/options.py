@@ -89,9 +89,14 @@ Torch = Annotated[Optional[str], typer.Option(
                     "Replaces the version of --profile/--config's profile.")]
 Loss = Annotated[Optional[Literal[LOSSES]], typer.Option(  # type: ignore[valid-type]
     "--loss", help="Cross-entropy: full, or chunked (the logits rows in --loss-chunks pieces, each upcast to fp32 "
-                   "on its own, as torchtune's CEWithChunkedOutputLoss); overrides the profile.")]
+                   "on its own, as torchtune's CEWithChunkedOutputLoss), or trl-fused (TRL's fused LM head on the "
+                   "--loss-tokens only, no logits); overrides the profile.")]
 LossChunks = Annotated[Optional[int], typer.Option(
     "--loss-chunks", help="Chunks of --loss chunked (default 8); overrides the profile.")]
+LossTokens = Annotated[Optional[float], typer.Option(
+    "--loss-tokens", help="With --framework trl (--loss trl-fused): the fraction (0 to 1] of next-token positions "
+                          "whose label is not -100 (completion-only / assistant-only masks, padding); only those "
+                          "reach TRL's fused head (default 1).")]
 Json = Annotated[bool, typer.Option("--json", help="Print only JSON (integer bytes).")]
 Zero = Annotated[Optional[int], typer.Option(
     "--zero", help="ZeRO stage 0-3 (1: optimizer state, 2: + gradients, 3: + weights sharded over --gpus).")]

@@ -16,7 +16,8 @@ from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Deepspeed, Dora,
                                  FusedOptimizer, GradAccum, Json, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
-                                 Loss, LossChunks, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
+                                 Loss, LossChunks,
+                                 LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
 from memcalc.core.errors import UserError
@@ -34,6 +35,7 @@ def validate(
     compile_scope: CompileScope = None, lora: Lora = False, lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
     qlora: Qlora = False, profile: Profile = None, loss: Loss = None, loss_chunks: LossChunks = None,
+    loss_tokens: LossTokens = None,
     recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,
     sequence_parallel: SequenceParallel = False,
     device: Annotated[Optional[str], typer.Option(

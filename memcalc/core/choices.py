@@ -26,14 +26,14 @@ SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 CompileScope = Literal["model", "layer"]
 COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)
 
-#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks
-LossKind = Literal["full", "chunked"]
+#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks, or TRL's fused LM head
+LossKind = Literal["full", "chunked", "trl-fused"]
 LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 
 #: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
-Framework = Literal["plain", "hf", "torchtune", "litgpt"]
+Framework = Literal["plain", "hf", "torchtune", "litgpt", "trl"]
 FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
 
 #: ``validate --framework``: the frameworks whose own code the validator runs (plain: memcalc's replica;
 #: hf: transformers + PEFT; the others: one module each in validate/trainers/, registered in its TRAINERS)
-TRACED_FRAMEWORKS: tuple[str, ...] = ("plain", "hf", "torchtune")
+TRACED_FRAMEWORKS: tuple[str, ...] = ("plain", "hf", "torchtune", "trl")

@@ -9,6 +9,8 @@ module); only the choice both must make alike lives here.
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 from memcalc.core.errors import UserError
@@ -97,6 +99,15 @@ def chunk_rows(rows: int, chunks: int) -> list[int]:
     empty when there are fewer rows than chunks."""
     q, r = divmod(rows, chunks)
     return [q + 1] * r + [q] * (chunks - r)
+
+
+def loss_token_count(batch: int, seq: int, fraction: float) -> int:
+    """How many of the ``batch * (seq - 1)`` next-token positions reach TRL's fused head (the
+    profile's ``loss_tokens``): ``fraction`` of them rounded half up, at least 1 (trl/trainer/utils.py
+    ``add_fused_lm_head``: ``hidden_states[mask]`` with ``mask = labels[:, 1:] != -100``). The
+    estimator and the validator's label mask (validate/trainers/trl.py) both use it."""
+    positions = batch * (seq - 1)
+    return min(positions, max(1, math.floor(fraction * positions + 0.5)))
 
 
 

@@ -64,7 +64,15 @@ class KernelProfile(Spec):
         False, description="mean(x*x) backward keeps its input (PyTorch <= 2.1)."
     )
     cross_entropy: LossKind = Field(
-        "full", description="Cross-entropy on the full logits, or in chunks that never hold full fp32 logits."
+        "full", description="Cross-entropy on the full logits, or in chunks that never hold full fp32 logits, or "
+        "trl-fused: TRL's fused LM head (trl/trainer/utils.py add_fused_lm_head, ChunkedLogProbFunction: the head "
+        "projected in tiles on the loss tokens only, no logits tensor).",
+    )
+    loss_tokens: float = Field(
+        1.0, gt=0, le=1,
+        description="With cross_entropy trl-fused: the fraction of the B*(T-1) next-token positions whose label is "
+        "not -100 (completion-only / assistant-only masks, padding); only those reach TRL's fused head. Inert with "
+        "the full and chunked losses (they run on every position; ignored labels cost the same memory).",
     )
     loss_chunks: int = Field(
         DEFAULT_LOSS_CHUNKS, gt=0,

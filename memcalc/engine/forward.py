@@ -21,7 +21,7 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.blocks import adapters, chunked_output, embedding, head
+from memcalc.engine.blocks import adapters, chunked_output, embedding, head, trl_head
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -140,7 +140,9 @@ class Forward:
             sim.offload.active = True
         ids = sim.alloc(self.rows * 8, "activations", "inputs")
         labels = sim.alloc(self.rows * 8, "activations", "inputs")
-        self.ids_labels = (ids, labels)
+        self.ids_labels: tuple = (ids, labels)
+        if self.exp.profile.cross_entropy == "trl-fused":  # TRL's collator also sends the attention mask
+            self.ids_labels += (sim.alloc(self.rows * 8, "activations", "inputs"),)
         x = embedding.embed(self, ids)
         if m.positions == "rope":
             self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
@@ -151,10 +153,14 @@ class Forward:
         sim.set_role("head")
         x = head.final_norm(self, x)
         self.release_masks()
-        if sim.offload is not None:  # ... with a NoOpManager around the output head; the loss is outside
+        if sim.offload is not None and self.exp.profile.cross_entropy != "trl-fused":
+            # ... with a NoOpManager around the output head; the loss is outside. TRL's context spans the whole
+            # training_step and its NoOp hooks sit on lm_head, which the fused head never calls (profiles "trl")
             sim.offload.active = False
         if self.exp.profile.framework == "torchtune":  # TransformerDecoder.unembed + the recipes' loss
             loss = chunked_output.head_and_loss(self, x)
+        elif self.exp.profile.cross_entropy == "trl-fused":  # no logits tensor (blocks/trl_head.py)
+            loss = trl_head.fused_loss(self, x)
         else:
             logits = head.logits(self, x)
             self.strategy.logits(self, logits)

@@ -169,6 +169,9 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.profile.cross_entropy == "full" and s.profile.loss_chunks != DEFAULT_LOSS_CHUNKS,
      lambda s: f"loss_chunks {s.profile.loss_chunks} has no effect with the full cross-entropy "
                "(--loss chunked uses it)"),
+    (lambda s: s.profile.cross_entropy != "trl-fused" and s.profile.loss_tokens != 1.0,
+     lambda s: f"loss_tokens {s.profile.loss_tokens:g} has no effect with the {s.profile.cross_entropy} cross-entropy: "
+               "it runs on every position, ignored labels included (--framework trl projects only the loss tokens)"),
 ]
 
 
@@ -257,6 +260,11 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
             f"cross-entropy in {prof.loss_chunks} chunks of the logits rows (torchtune CEWithChunkedOutputLoss): "
             "each chunk's fp32 copy lives only for its own loss; every chunk's log-probabilities stay "
             "saved for backward, whose gradients are concatenated back to full size")
+    if prof.cross_entropy == "trl-fused":
+        assumptions.append(
+            f"TRL's fused LM head (add_fused_lm_head, ChunkedLogProbFunction, trl 1.16): no logits tensor; the head "
+            f"runs in tiles of 4096 tokens x 32768 vocabulary columns on the {prof.loss_tokens:.0%} of positions whose "
+            "label is not -100 (--loss-tokens)")
     compiled = None
     tr = exp.training
     if tr.compile_partitions:

@@ -78,6 +78,17 @@ FRAMEWORKS: dict[str, dict] = {
     # fused qkv projection (LoRAQKVLinear's zero-padding): memcalc keeps separate q, k, v.
     "litgpt": dict(rmsnorm="composite", logits_fp32=False, shift_copy=True, cross_entropy="full",
                    lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused"),
+    # TRL 1.16.0 SFTTrainer: transformers + PEFT (the hf rules above) with TRL's loss path:
+    # - trl/trainer/sft_trainer.py SFTTrainer.__init__: ``add_fused_lm_head(model, outputs=("log_probs",
+    #   "entropy", "is_top1"))``; compute_loss (``loss_type="nll"``, the default; "chunked_nll" its
+    #   deprecated alias, sft_config.py) calls ``model(**inputs, fused_lm_head=True)``: the head projected in
+    #   tiles on the positions whose label is not -100 (trl/kernels/chunked_logprob.py
+    #   ChunkedLogProbFunction), never the (B, T, V) logits (memcalc.engine.blocks.trl_head);
+    # - SFTConfig.activation_offloading: trl/models/activation_offloading.py OffloadActivations (torchtune's,
+    #   copied) around the whole training_step; its NoOpManager hooks sit on ``lm_head``, which the fused
+    #   head never calls, so the head's saved tensors are offloaded too.
+    "trl": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="trl-fused",
+                lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain"),
 }
 
 #: why each framework's adapters have the dtype they have (the inputs table's reason for the default)
@@ -86,6 +97,7 @@ LORA_DTYPE_WHY: dict[str, str] = {
     "hf": "PEFT keeps adapters in fp32 over a 16-bit base, autocast_adapter_dtype=True",
     "torchtune": "adapters in the base's dtype (the recipes build every parameter in the training dtype)",
     "litgpt": "adapters in the base's dtype (Fabric's bf16-true precision converts every parameter)",
+    "trl": "PEFT keeps adapters in fp32 over a 16-bit base, autocast_adapter_dtype=True (TRL wraps with PEFT)",
 }
 
 #: the fields :func:`profile_for` sets from the framework and the PyTorch version
@@ -174,9 +186,10 @@ def get_profile(name: str) -> KernelProfile:
         raise unknown_name("profile", name, list(PROFILES)) from None
 
 
-def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: Optional[int] = None) -> KernelProfile:
-    """``profile`` with ``--loss`` (its ``cross_entropy``) and ``--loss-chunks`` (its ``loss_chunks``)
-    overridden where given; bad values are one-line errors."""
+def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
+              loss_tokens: Optional[float] = None) -> KernelProfile:
+    """``profile`` with ``--loss`` (its ``cross_entropy``), ``--loss-chunks`` (its ``loss_chunks``) and
+    ``--loss-tokens`` (its ``loss_tokens``) overridden where given; bad values are one-line errors."""
     upd: dict = {}
     if loss is not None:
         if loss not in LOSSES:
@@ -188,19 +201,25 @@ def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: O
         if loss_chunks <= 0:
             raise UserError(f"--loss-chunks must be positive, got {loss_chunks}")
         upd["loss_chunks"] = loss_chunks
+    if loss_tokens is not None:
+        if isinstance(loss_tokens, bool) or not isinstance(loss_tokens, (int, float)) or not 0 < loss_tokens <= 1:
+            raise UserError(f"--loss-tokens must be a fraction in (0, 1] (the share of positions whose label is "
+                            f"not -100), got {loss_tokens!r}")
+        upd["loss_tokens"] = float(loss_tokens)
     if not upd:
         return profile
     return KernelProfile.model_validate({**profile.model_dump(), **upd})
 
 
 def plan_profile(profile: Optional[str] = None, framework: Optional[str] = None, torch: Optional[str] = None,
-                 loss: Optional[str] = None, loss_chunks: Optional[int] = None) -> tuple[KernelProfile, str]:
+                 loss: Optional[str] = None, loss_chunks: Optional[int] = None,
+                 loss_tokens: Optional[float] = None) -> tuple[KernelProfile, str]:
     """``memcalc plan``'s kernel profile (``--profile`` or the hf default of estimate's ``--model``,
     with ``--framework``/``--torch``/``--loss``/``--loss-chunks`` over it) and the note saying
     which it is and why; the CLI and the Python API both call this."""
     prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH), framework, torch)
-    if loss is not None or loss_chunks is not None:
-        prof = with_loss(prof, loss, loss_chunks)
+    if loss is not None or loss_chunks is not None or loss_tokens is not None:
+        prof = with_loss(prof, loss, loss_chunks, loss_tokens)
     note = (f"kernel profile {prof.name}: framework {prof.framework}"
             + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
                if profile is None and framework is None else "")

@@ -74,6 +74,7 @@ class Options:
     torch: Optional[str] = None
     loss: Optional[str] = None
     loss_chunks: Optional[int] = None
+    loss_tokens: Optional[float] = None
     zero: Optional[int] = None
     gpus: Optional[int] = None
     offload_optimizer: bool = False
@@ -361,10 +362,11 @@ def _lora_dtype_origin(o: Options, lora: dict, profile: KernelProfile, origin: d
 
 def _loss_flags(o: Options, profile: KernelProfile, origin: dict[str, str], notes: list[str]) -> KernelProfile:
     """``--loss`` / ``--loss-chunks`` over the profile's loss fields."""
-    if o.loss is None and o.loss_chunks is None:
+    if o.loss is None and o.loss_chunks is None and o.loss_tokens is None:
         return profile
-    profile = with_loss(profile, o.loss, o.loss_chunks)
-    origin.update({k: "flag" for k, v in (("cross_entropy", o.loss), ("loss_chunks", o.loss_chunks)) if v is not None})
+    profile = with_loss(profile, o.loss, o.loss_chunks, o.loss_tokens)
+    origin.update({k: "flag" for k, v in (("cross_entropy", o.loss), ("loss_chunks", o.loss_chunks),
+                                          ("loss_tokens", o.loss_tokens)) if v is not None})
     if profile.cross_entropy == "full" and o.loss_chunks == DEFAULT_LOSS_CHUNKS:
         # (other values under full are noted in the estimate's assumptions)
         notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")

@@ -234,9 +234,11 @@ def _kernel_profile(p: KernelProfile, m: ModelSpec, o: dict[str, str]) -> str:
 
 def _loss(p: KernelProfile, o: dict[str, str]) -> Optional[str]:
     """The loss, where it is chunked or was given as a flag."""
-    if not (p.cross_entropy == "chunked" or "cross_entropy" in o or "loss_chunks" in o):
+    if not (p.cross_entropy != "full" or "cross_entropy" in o or "loss_chunks" in o):
         return None
     chunks = f" in {p.loss_chunks}{_mark(o, 'loss_chunks')} chunks" if p.cross_entropy == "chunked" else ""
+    if p.cross_entropy == "trl-fused":
+        chunks = f" on {p.loss_tokens:g}{_mark(o, 'loss_tokens')} of the tokens"
     return f"cross-entropy {p.cross_entropy}{_mark(o, 'cross_entropy')}{chunks}"
 
 

@@ -217,7 +217,8 @@ HF_RUNS = [
     ({"per_device_train_batch_size": 2, "activation_checkpointing": True,
       "activation_checkpointing_kwargs": {"every_n_layers": 2, "offload": True}, "optim": "adamw_8bit", "max_length": 1024},
      "bfloat16", None, False, dict(batch=2, grad_accum=1, seq=1024, precision="bf16", checkpoint="every-2",
-                                   activation_offload=True, optimizer="adamw-8bit")),
+                                   activation_offload=True, optimizer="adamw-8bit",
+                                   framework="trl")),  # max_length: a TRL SFTConfig
     # source: a PEFT LoraConfig.to_dict() over a bitsandbytes 4-bit base (QLoRA), target_modules a set, DoRA;
     # paged_adamw_8bit: bitsandbytes AdamW(optim_bits=8, is_paged=True) = PagedAdamW8bit (transformers 5.24
     # trainer_optimizer.py _get_bitsandbytes_optimizer); q_proj/v_proj are memcalc's q/v (the --recipe reader's names)

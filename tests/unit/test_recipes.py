@@ -68,11 +68,11 @@ SAME_AS_FLAGS = [
                  "--optimizer paged-adamw-8bit --fused-optimizer --precision bf16 --loss chunked",
                  id="torchtune-8B-full"),
     # source: alignment-handbook zephyr SFT QLoRA: TRL ModelConfig (load_in_4bit, lora_*) + SFTConfig; optim default adamw_torch_fused
-    pytest.param(TRL_QLORA, "--model mistral-7b --framework hf --qlora --lora-rank 16 --lora-alpha 16 "
+    pytest.param(TRL_QLORA, "--model mistral-7b --framework trl --qlora --lora-rank 16 --lora-alpha 16 "
                  "--lora-dropout 0.05 --lora-targets q,k,v,o,gate,up,down --batch 4 --grad-accum 2 --seq 2048 "
                  "--checkpoint full --precision bf16 --optimizer adamw --optimizer-impl fused", id="trl-zephyr-qlora"),
     # source: alignment-handbook zephyr SFT full: torch_dtype bfloat16 + bf16 -> pure bf16 (its ZeRO-3 lives in the accelerate config, not here)
-    pytest.param(TRL_FULL, "--model mistral-7b --framework hf --batch 32 --grad-accum 2 --seq 2048 --checkpoint full "
+    pytest.param(TRL_FULL, "--model mistral-7b --framework trl --batch 32 --grad-accum 2 --seq 2048 --checkpoint full "
                  "--precision bf16 --optimizer adamw --optimizer-impl fused", id="trl-zephyr-full"),
     # source: axolotl examples/llama-3/lora-1b.yml: NousResearch/Llama-3.2-1B = meta-llama/Llama-3.2-1B; adamw_8bit = bnb AdamW8bit
     pytest.param(AX_LORA, "--model llama-3.2-1b --framework hf --lora --lora-rank 16 --lora-alpha 32 "

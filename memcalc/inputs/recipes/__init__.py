@@ -27,6 +27,7 @@ ORIGIN_KEYS = {
     "compile": ("compile",), "lora": ("lora",), "lora_rank": ("lora",), "lora_alpha": ("lora",),
     "lora_targets": ("lora",), "lora_dropout": ("lora",), "qlora": ("lora",), "dora": ("lora",),
     "framework": ("framework", "profile"), "loss": ("cross_entropy",), "loss_chunks": ("loss_chunks",),
+    "loss_tokens": ("loss_tokens",),
     "zero": ("zero",), "gpus": ("gpus",), "sharding": ("sharding",), "activation_offload": ("activation_offload",),
     "deepspeed": ("deepspeed",),
 }

@@ -23,6 +23,7 @@ from typing import Any, Optional
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import alias_table
 from memcalc.inputs.data_files import clip
+from memcalc.inputs.recipes import trl
 from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, float_value, int_value, model_for_hub_id,
                                            optimizer_name, peft_targets, set_deepspeed, set_fsdp)
 
@@ -44,7 +45,7 @@ IGNORE = (
     "seed", "data_seed", "run_name", "remove_unused_columns", "dataloader_*", "model_revision", "revision",
     "dataset_*", "chat_template*", "preprocessing_num_workers", "trust_remote_code", "tf32", "label_names",
     "load_best_model_at_end", "metric_for_best_model", "greater_is_better", "disable_tqdm", "ddp_*",
-    "completion_only_loss", "assistant_only_loss", "eos_token", "pad_token", "group_by_length", "optim_args",
+    "eos_token", "pad_token", "group_by_length", "optim_args",
     "neftune_noise_alpha", "include_*", "prediction_loss_only", "use_cpu", "local_rank", "resume_from_checkpoint",
     "use_flash_attention_2", "task_type", "peft_type", "base_model_name_or_path", "inference_mode", "bias",
     "fan_in_fan_out", "init_lora_weights", "auto_mapping", "layers_pattern", "layers_to_transform",
@@ -61,7 +62,11 @@ def read(raw: dict[str, Any], rec: Recipe, src: str, strict: bool = True) -> Non
     Trainer callback, which must never stop a run) an unknown ``optim`` or Liger's kernels are a note
     and the estimate keeps memcalc's default."""
     r = Reader(raw, rec, src, IGNORE)
-    r.set("framework", "hf", "(Hugging Face Trainer)", "hf")
+    sft = trl.is_trl(raw)
+    if sft:
+        trl.defaults(r, strict)
+    else:
+        r.set("framework", "hf", "(Hugging Face Trainer)", "hf")
     _model_and_shape(r)
     checkpointing(r)
     packing(r, "packing")
@@ -77,6 +82,8 @@ def read(raw: dict[str, Any], rec: Recipe, src: str, strict: bool = True) -> Non
         set_fsdp(r, fsdp, "fsdp", "fsdp_config")
     attention(r, "attn_implementation")
     _trl_peft(r)
+    if sft:
+        trl.read(r, strict)
     if isinstance(raw.get("peft_config"), dict):
         r.read.add("peft_config")
         peft(raw["peft_config"], rec, src, "peft_config.")
@@ -377,5 +384,6 @@ def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
         raw["peft_config"] = {k: getattr(v, "value", v) for k, v in peft.items()}
     rec = Recipe(kind="hf")
     read(raw, rec, "TrainingArguments", strict=False)
-    opts = {k: v for k, v in rec.values.items() if k not in ("framework", "model")}
+    # the framework only where TRL's SFTConfig says trl (its fused head); plain TrainingArguments: the default hf
+    opts = {k: v for k, v in rec.values.items() if k != "model" and (k != "framework" or v == "trl")}
     return opts, notes + rec.notes
