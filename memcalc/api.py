@@ -375,8 +375,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
             framework = v["framework"]
         if loss is None and loss_chunks is None and "loss" in v:
             loss, loss_chunks = v["loss"], v.get("loss_chunks")
-        if loss_tokens is None:
-            loss_tokens = v.get("loss_tokens")
+        loss_tokens = v.get("loss_tokens") if loss_tokens is None else loss_tokens
     framework = _check_choice("framework", framework, _choices()["framework"])
     loss = _check_choice("loss", loss, _choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
