@@ -65,6 +65,10 @@ XFAIL = {
     "litgpt-resource-phi-1.5-lora-mb2": _LIT_HEAD,
     "litgpt-resource-phi-1.5-lora-mb4": _LIT_HEAD,
     "litgpt-resource-stablelm-alpha-3b-lora-mb4": _LIT_HEAD,
+    "litgpt-tutorial-stablelm-alpha-3b-lora-bf16-mixed": (
+        "not identified (-13%): Fabric bf16-mixed (MixedPrecision autocast over fp32 weights, lit-gpt 8641822) keeps "
+        "more than memcalc's amp-bf16 (fp32 weights, the bf16 weight casts saved by frozen linears); candidates: "
+        + _LIT_HEAD.split(": ", 1)[1].split(";")[0]),
     "litgpt-resource-phi-1.5-qlora-nf4-dq-mb1": _LIT_QLORA,
     "litgpt-resource-stablelm-alpha-3b-qlora-nf4-dq-mb1": _LIT_QLORA,
     "litgpt-resource-llama-2-7b-qlora-nf4-dq-mb1": _LIT_QLORA,
