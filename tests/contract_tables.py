@@ -89,6 +89,11 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     # the scaled copy of the logits beside the logits outlasts the chunked loss's fp32 chunks
     "ModelSpec.logit_scale": ({"profile": {"cross_entropy": "chunked"}, "model": {"vocab_size": 8192}}, 0.5),
     "ModelSpec.fused_qkv": ({}, True),  # flash saves the v view: the whole q,k,v output stays alive
+    # the family's own RMSNorm multiplies the weight in fp32 (Olmo2RMSNorm): the fp32 normalised input is
+    # saved for the weight's gradient where LlamaRMSNorm saves its 16-bit cast
+    "ModelSpec.norm_impl": ({**BF16, "profile": {"rmsnorm": "composite-legacy"}}, "weight-fp32"),
+    # the DynamicCache's V copy is what attention saves: the fused q,k,v output is no longer kept by the v view
+    "ModelSpec.use_cache": ({"model": {"fused_qkv": True}, "profile": {"kv_cache": True}}, True),
     # one gradient of the fused output (split_backward) in the recomputed layer's backward
     "ModelSpec.fused_gate_up": ({"training": {"checkpoint": "full"}}, True),
     "ModelSpec.moe": ({}, MoESpec(**MOE["model"]["moe"])),
@@ -174,6 +179,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "KernelProfile.lora_input_cast": ({**LORA, "training": {"precision": "amp-bf16"}}, True),
     "KernelProfile.sdpa_gqa": ({**BF16, "model": {"n_kv_heads": 2}}, True),  # k, v saved un-expanded
     "KernelProfile.gelu_new": ({"model": {"activation": "gelu_new"}}, "chain"),  # four saved tensors, not one
+    # transformers' DynamicCache: the V copy is saved instead of the fused q,k,v output's v view (ModelSpec.use_cache)
+    "KernelProfile.kv_cache": ({"model": {"fused_qkv": True, "use_cache": True}}, True),
 }
 
 
@@ -246,6 +253,9 @@ UNTRACED: dict[str, str] = {
     "DeepSpeedSpec.max_live_parameters": _DS,
     "DeepSpeedSpec.max_reuse_distance": _DS,
     "DeepSpeedSpec.param_persistence_threshold": _DS,
+    "ModelSpec.use_cache": "the replica builds no KV cache (a transformers mechanism: DynamicCache); the HF "
+                           "harness traces it (tests/trace/test_hf_full_depth.py, the recorded hf rows)",
+    "KernelProfile.kv_cache": "the replica builds no KV cache (ModelSpec.use_cache's reason)",
     "TrainingSpec.offload_optimizer": "the optimizer state and step on the CPU: the validator does not measure it "
                                       "(runner.py skips it)",
 }
@@ -279,6 +289,9 @@ KNOWN_GAPS: dict[str, str] = {
                             "estimator fix changes printed numbers",
     "KernelProfile.rmsnorm": "estimate -2,617,344 B, trace -2,097,152 B: gap -520,192 B over 304,286 B "
                              "(composite -> composite-legacy in bf16), " + _ONE_STATE,
+    "ModelSpec.norm_impl": "estimate +2,617,344 B, trace +2,097,152 B: gap +520,192 B over 283,315 B "
+                           "(composite-legacy -> composite in bf16, as KernelProfile.rmsnorm the other way round: "
+                           "the same two formulas), " + _ONE_STATE,
     "KernelProfile.norm_upcast": "estimate -5,459,968 B, trace -5,783,552 B: gap +323,584 B over 304,286 B "
                                  "(the replica's RMSNorm now honours the field: validate/layers.py RMSNorm upcast); "
                                  "the same family as KernelProfile.rmsnorm's gap; mechanism not found",
@@ -303,6 +316,7 @@ PHASE_GAPS: dict[str, str] = {
     "MoESpec.router": _AS_PEAK,
     "LoraSpec.quant_block": _AS_PEAK,
     "KernelProfile.rmsnorm": _AS_PEAK,
+    "ModelSpec.norm_impl": _AS_PEAK,
     "KernelProfile.norm_upcast": _AS_PEAK,
     "KernelProfile.dropout_mask_bytes": _AS_PEAK,
     "LoraSpec.dora": "optimizer step: estimate +1,613,824 B, trace +40,960 B (tolerance 40,197 B); mechanism not found",
@@ -374,7 +388,8 @@ BLOCKS: dict[str, Block] = {
     "embedding": Block(lambda p: p.name.startswith("embed_"), ("embedding",),
                        ("ModelSpec.vocab_size", "ModelSpec.d_model", "ModelSpec.positions", "ModelSpec.max_seq_len",
                         "ModelSpec.embd_dropout")),
-    "norm": Block(_layer_norm, ("layer",), ("ModelSpec.norm", "ModelSpec.norm_bias", "ModelSpec.d_model")),
+    "norm": Block(_layer_norm, ("layer",), ("ModelSpec.norm", "ModelSpec.norm_bias", "ModelSpec.d_model",
+                                             "ModelSpec.norm_impl")),
     "attention": Block(lambda p: ".attn." in p.name, ("attention",),
                        ("ModelSpec.n_heads", "ModelSpec.n_kv_heads", "ModelSpec.head_dim", "ModelSpec.qkv_bias",
                         "ModelSpec.o_bias", "ModelSpec.alibi_trainable",

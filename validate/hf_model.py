@@ -78,7 +78,8 @@ def _no_inverse(model_type: str) -> Callable[[ModelSpec], dict[str, Any]]:
 
 #: ModelSpec fields of the newer families (issue 12) and their defaults: a family registered here
 #: builds none of them, so a model that sets one is not that family (it would trace another model)
-_NEWER_FEATURES = (("fused_gate_up", False), ("qk_norm", "none"), ("attn_softcap", None), ("logit_softcap", None),
+_NEWER_FEATURES = (("norm_impl", "framework"),
+                   ("fused_gate_up", False), ("qk_norm", "none"), ("attn_softcap", None), ("logit_softcap", None),
                    ("attn_sinks", False), ("sliding_window", None), ("embedding_scale", 1.0),
                    ("residual_multiplier", 1.0), ("logit_scale", 1.0), ("parallel_norms", 1), ("moe", None),
                    ("mla", None))
@@ -117,12 +118,31 @@ def preset_family(m: ModelSpec) -> Optional[Family]:
                         shape=f"preset {name}, data/hf_configs", fused_qkv=m.fused_qkv)
 
 
+def source_family(m: ModelSpec) -> Optional[Family]:
+    """The family of the config.json ``m`` was read from (``--model PATH``, an id's cached or fetched
+    file, a preset's shipped file: :attr:`ModelSpec.hf_source`), while ``m`` is still that file's model
+    at any depth: its config is that exact file, cut to ``m.n_layers`` (:func:`.hf_presets.config_kwargs`),
+    every key it sets (``use_cache``, ...) as given."""
+    from . import hf_presets
+
+    src = m.hf_source
+    if src is None:
+        return None
+    adapter = hf_families.get(src.config.get("model_type"))
+    if adapter is None or adapter.refused:
+        return None
+    raw = src.config
+    return from_adapter(adapter, lambda _m: [], lambda mm: hf_presets.config_kwargs(raw, mm.n_layers),
+                        shape=f"config.json {src.where}", fused_qkv=m.fused_qkv)
+
+
 def choose_family(m: ModelSpec) -> Family:
-    """The family that expresses ``m``: a preset's own config.json when ``m`` is such a preset's
-    model (:func:`preset_family`), else one whose ``model_type`` is in the model's name first
-    (``mistral-7b`` -> mistral), else the first in :data:`FAMILIES` order; a one-line
-    :class:`UserError` naming the closest family's differences when none can."""
-    pf = preset_family(m)
+    """The family that expresses ``m``: the config.json it was read from (:func:`source_family`), else
+    a preset's own config.json when ``m`` is such a preset's model (:func:`preset_family`), else one
+    whose ``model_type`` is in the model's name first (``mistral-7b`` -> mistral), else the first in
+    :data:`FAMILIES` order; a one-line :class:`UserError` naming the closest family's differences when
+    none can."""
+    pf = source_family(m) or preset_family(m)
     if pf is not None:
         return pf
     name = m.name.lower().replace("-", "").replace("_", "")
@@ -167,7 +187,9 @@ def hf_config(m: ModelSpec, family: Optional[Family] = None):
     from transformers import AutoConfig
 
     family = family or choose_family(m)
-    return AutoConfig.for_model(family.model_type, **family.config(m))
+    kw = family.config(m)
+    kw.setdefault("use_cache", m.use_cache)  # a hand-written spec's (a config.json's own stays as given)
+    return AutoConfig.for_model(family.model_type, **kw)
 
 
 def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = "meta", family: Optional[Family] = None):
@@ -188,9 +210,10 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
 
         from peft import LoraConfig, get_peft_model
 
-        from .hf_presets import patch_peft_meta_autocast
+        from .hf_presets import patch_peft_meta_autocast, patch_peft_old_torchao
 
         patch_peft_meta_autocast()
+        patch_peft_old_torchao()
         targets = peft_targets(family, lora)
         params = [p for t in lora.targets for p in family.lora_params.get(t, ())]
         extra = dict(family.lora_kwargs, **({"target_parameters": params} if params else {}))

@@ -95,6 +95,31 @@ def find_preset(m: ModelSpec) -> Optional[tuple[str, dict[str, Any]]]:
     return None
 
 
+def patch_peft_old_torchao() -> None:
+    """PEFT 0.21's LoRA dispatch asks ``is_torchao_available()`` for every target module
+    (peft/tuners/lora/torchao.py ``dispatch_torchao``), which *raises* ImportError when the installed
+    torchao is older than 0.16 (peft/import_utils.py) -- and torchtune 0.6.1 needs torchao 0.14.1
+    (the ``torchtune`` extra). The validator never builds a torchao-quantized base, so an old torchao
+    is treated as absent there (what PEFT does without torchao): dispatch falls through to the plain
+    ``lora.Linear``. Installed once, idempotent; nothing changes with torchao >= 0.16."""
+    try:
+        from peft.tuners.lora import torchao as peft_torchao
+    except ImportError:  # pragma: no cover - another PEFT layout
+        return
+    check = peft_torchao.is_torchao_available
+    if getattr(check, "_memcalc_old_torchao", False):
+        return
+
+    def available() -> bool:
+        try:
+            return check()
+        except ImportError:  # torchao < 0.16: unusable by PEFT, as if not installed
+            return False
+
+    available._memcalc_old_torchao = True  # type: ignore[attr-defined]
+    peft_torchao.is_torchao_available = available  # type: ignore[assignment]
+
+
 def patch_peft_meta_autocast() -> None:
     """PEFT 0.21 folds an expert adapter into its 3-D parameter under
     ``torch.autocast(device_type=W.device.type, enabled=False)``

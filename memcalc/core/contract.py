@@ -35,7 +35,7 @@ INERT: dict[str, str] = {
     "KernelProfile.device": "only cuda is modelled (the field's one allowed value)",
     "KernelProfile.framework": "a label: what a framework changes is set by the profile's rule fields "
                                "(memcalc.inputs.profiles.FRAMEWORKS: rmsnorm, logits_fp32, shift_copy, cross_entropy, "
-                               "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new)",
+                               "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new, kv_cache)",
     "MoESpec.routing": "one value (balanced), the stated assumption: transformers' default grouped_mm experts size "
                        "every routed tensor by batch x seq x top_k alone, so the routing moves no byte "
                        "(memcalc.engine.blocks.moe)",

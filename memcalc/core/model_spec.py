@@ -4,9 +4,9 @@ its help text; imported through :mod:`memcalc.core.spec`."""
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from memcalc.core.spec_base import MAX_LAYERS, MAX_SEQ, MAX_WIDTH, Spec
 
@@ -80,8 +80,31 @@ class MLASpec(Spec):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class HfSource:
+    """The Hugging Face ``config.json`` a ModelSpec was read from (``memcalc.inputs.hf_config``), so the
+    HF validator traces that exact file (``validate/hf_model.py``). Provenance, not identity: it
+    compares equal to any other source and to none, so two specs with the same fields stay equal."""
+
+    __slots__ = ("config", "fields", "where")
+
+    def __init__(self, config: dict[str, Any], where: str, fields: dict[str, Any]) -> None:
+        self.config, self.where, self.fields = config, where, fields
+
+    def __eq__(self, other: object) -> bool:
+        return other is None or isinstance(other, HfSource)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+#: ModelSpec fields a config.json's source still matches when they differ (the traced depth, the label)
+SOURCE_FREE_FIELDS = frozenset({"n_layers", "name"})
+
+
 class ModelSpec(Spec):
     """A decoder-only transformer, described by the shapes that decide its memory."""
+
+    #: the config.json this spec was read from (:class:`HfSource`; None for a spec written as fields)
+    _hf_source: Optional[HfSource] = PrivateAttr(None)
 
     name: str = Field("custom", description="A name for the model, shown in reports.")
     n_layers: int = Field(..., gt=0, le=MAX_LAYERS, description=f"Number of decoder layers (at most {MAX_LAYERS:,}).")
@@ -105,6 +128,14 @@ class ModelSpec(Spec):
     )
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalisation layer kind.")
     norm_eps: float = Field(1e-5, gt=0, description="Epsilon of the normalisation layers.")
+    norm_impl: Literal["framework", "weight-fp32", "layernorm-ops"] = Field(
+        "framework",
+        description="Whose norm code runs: framework = the framework's (the profile's rmsnorm; LayerNorm as "
+        "F.layer_norm); weight-fp32 = an RMSNorm that multiplies the weight in fp32 and casts the product back "
+        "(transformers Olmo2RMSNorm, GemmaRMSNorm, GptOssRMSNorm: the composite formula whatever the profile says); "
+        "layernorm-ops = a LayerNorm written as fp32 ops (transformers CohereLayerNorm: mean, x - mean twice, "
+        "rsqrt, weight multiply; each difference saved).",
+    )
     norm_placement: Literal["pre", "post", "sandwich", "output"] = Field(
         "pre",
         description="pre: x + f(norm(x)); post: norm(x * residual_scale + f(x)) (DeepNet style); "
@@ -183,6 +214,12 @@ class ModelSpec(Spec):
     attn_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on attention probabilities.")
     resid_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on each sublayer output.")
     embd_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the embeddings.")
+    use_cache: bool = Field(
+        False, description="transformers' config use_cache: a training forward without activation checkpointing "
+        "builds a DynamicCache (modeling_*.py ``if use_cache and cache is None``), whose update copies each "
+        "layer's K and V (cache_utils.py DynamicLayer.update: torch.cat); attention uses and saves the copies. "
+        "Every transformers config class defaults it to true; memcalc's own presets to false.",
+    )
 
     @model_validator(mode="after")
     def _check_shapes(self) -> "ModelSpec":
@@ -210,9 +247,26 @@ class ModelSpec(Spec):
             raise ValueError(f"full_attention_every ({self.full_attention_every}) needs a sliding_window")
         if self.fused_gate_up and self.mlp != "gated":
             raise ValueError("fused_gate_up needs a gated MLP")
+        kind = {"weight-fp32": "rmsnorm", "layernorm-ops": "layernorm"}.get(self.norm_impl, self.norm)
+        if self.norm != kind:
+            raise ValueError(f"norm_impl {self.norm_impl!r} needs norm {kind!r}, not {self.norm!r}")
         if self.mla is not None and (self.fused_qkv or self.qk_norm != "none"):
             raise ValueError("multi-head latent attention (mla) has no q/k/v projections: no fused_qkv or qk_norm")
         return self
+
+    def with_hf_source(self, config: dict[str, Any], where: str) -> ModelSpec:
+        """This spec, remembering the config.json it was read from (kept by ``model_copy``)."""
+        self._hf_source = HfSource(config, where, self.model_dump(exclude=set(SOURCE_FREE_FIELDS)))
+        return self
+
+    @property
+    def hf_source(self) -> Optional[HfSource]:
+        """The config.json this spec was read from, while the spec is still that file's model (any
+        depth, any name); None when it was written as fields or changed since."""
+        src = self._hf_source
+        if src is None or self.model_dump(exclude=set(SOURCE_FREE_FIELDS)) != src.fields:
+            return None
+        return src
 
     @property
     def kv_heads(self) -> int:

@@ -57,6 +57,28 @@ def is_variant_layer(m: ModelSpec) -> bool:
     return m.norm_placement in ("sandwich", "output") or m.parallel_norms == 2 or m.residual_multiplier != 1.0
 
 
+# -- the family's own norm code, the training-time KV cache (transformers 5.24) --------------
+def rmsnorm_mode(m: ModelSpec, profile_mode: str) -> str:
+    """The RMSNorm formula that runs: ``composite`` (the weight multiply in fp32, the product cast
+    back) when the model's own norm code is written that way (``norm_impl`` weight-fp32:
+    models/olmo2/modeling_olmo2.py Olmo2RMSNorm.forward ``(self.weight * hidden_states).to(input_dtype)``,
+    models/gemma/modeling_gemma.py GemmaRMSNorm.forward ``output * (1.0 + self.weight.float())`` then
+    ``type_as(x)``, models/gpt_oss/modeling_gpt_oss.py GptOssRMSNorm), else the profile's
+    ``profile_mode`` (LlamaRMSNorm's ``self.weight * hidden_states.to(input_dtype)``: composite-legacy)."""
+    return "composite" if m.norm_impl == "weight-fp32" else profile_mode
+
+
+def kv_cache(m: ModelSpec, checkpoint: str, framework_cache: bool) -> bool:
+    """A training forward fills transformers' DynamicCache: a framework that runs transformers' model
+    code (``framework_cache``: the profile's ``kv_cache``), the config's ``use_cache`` and no
+    activation checkpointing. utils/generic.py ``merge_with_config_defaults`` takes ``use_cache``
+    from the config and turns it off only when the model has ``gradient_checkpointing`` set and is
+    training (modeling_utils.py ``_set_gradient_checkpointing`` sets it on the inner model for any
+    ``every_n_layers``); models/llama/modeling_llama.py LlamaModel.forward then builds
+    ``DynamicCache(config=self.config)`` and every attention calls ``cache.update(k, v)``."""
+    return framework_cache and m.use_cache and checkpoint == "none" and m.mla is None
+
+
 # -- multi-head latent attention (DeepSeek-V3) ---------------------------------------------
 def rope_width(m: ModelSpec) -> int:
     """Columns of the RoPE tables: ``qk_rope_head_dim`` with MLA (DeepseekV3Config sets

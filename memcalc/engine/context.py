@@ -59,6 +59,7 @@ class ForwardContext(Walk, Protocol):
     projs: dict[tuple, tuple]  # proj's parameters by (layer, name, base, weight), looked up once a step
     masks: dict[str, Tensor]  # the step's attention masks by kind (attention_variants.build_masks)
     held_masks: list[Tensor]  # masks a checkpointed region holds until its backward
+    kv_cache: list[Tensor]  # transformers' DynamicCache: K, V copies held until the loss (rules.kv_cache)
 
     @property
     def model(self) -> Weights:

@@ -69,6 +69,7 @@ class Forward:
         self.masks: dict[str, T] = {}
         self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
         self.masks_released = False
+        self.kv_cache: list[T] = []  # transformers' DynamicCache: each layer's K, V copies (rules.kv_cache)
         self.projs: dict[tuple, tuple] = {}  # proj's parameters by (layer, name, base, weight)
         # what the layer walk asks of the (frozen) model spec for every layer, read once
         m = self.m
@@ -165,6 +166,7 @@ class Forward:
             logits = head.logits(self, x)
             self.strategy.logits(self, logits)
             loss = head.loss(self, logits)
+        self.release_cache()
         o.exit_autocast()
         sim.mark("loss")
         return loss
@@ -180,6 +182,14 @@ class Forward:
         for t in self.masks.values():
             self.sim.unref(t)
         self.masks_released = True  # the mapping stays for the recomputed layers to look up
+
+    def release_cache(self) -> None:
+        """The KV cache goes with the model's output object, once the loss is taken from it
+        (HF Trainer ``compute_loss``: ``outputs.loss``; the output, its ``cache`` included, is dropped
+        before backward)."""
+        for t in self.kv_cache:
+            self.sim.unref(t)
+        self.kv_cache = []
 
     def release_inputs(self) -> None:
         """The batch and the RoPE tables go away with the step (and any mask still held)."""

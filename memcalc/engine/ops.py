@@ -235,8 +235,8 @@ class Ops:
         self.drop(mask)
         return y
 
-    def rmsnorm(self, x: T, rows: int, d: int, w: Param) -> T:
-        """RMSNorm.
+    def rmsnorm(self, x: T, rows: int, d: int, w: Param, mode: Optional[str] = None) -> T:
+        """RMSNorm (``mode``: the formula, :func:`memcalc.core.rules.rmsnorm_mode`; None: the profile's).
 
         composite (PyTorch 2.6-2.8 on CUDA, aten/src/ATen/native/layer_norm.cpp ``rms_norm_symint``):
         ``xf = x.to(fp32)``; ``r = rsqrt(pow(xf, 2).mean(-1, keepdim).add_(eps))``;
@@ -249,7 +249,8 @@ class Ops:
         fused (``_fused_rms_norm``, later PyTorch): saves x and rstd only."""
         dt = self.dtype_of(x)
         n = rows * d
-        if self.profile.rmsnorm == "fused":
+        mode = mode or self.profile.rmsnorm
+        if mode == "fused":
             rstd = self.new(rows, FP32)
             y = self.new(n, dt)
             self.sim.node("rmsnorm_fused", [x, rstd], [x], [w], [y], temps=[n * 4])
@@ -272,7 +273,7 @@ class Ops:
         xn = self.new(n, fp32)  # xf * r
         self.sim.node("mul", [xf, r], [xf, r], [], [xn], temps=[n * (fp32.bits // 8)])
         self.drop(xf, r)
-        if self.profile.rmsnorm == "composite-legacy":
+        if mode == "composite-legacy":
             # PyTorch 2.4-2.5: (xf * r).type_as(x) * w -- the weight multiply runs in x's dtype
             xt = self.new(n, dt) if upcast else self.sim.ref(xn)
             if upcast:
@@ -336,6 +337,14 @@ class Ops:
             y = self.new(n, dt)
             self.drop(a, s)
         self.sim.node("rope", [], [x], [], [y], temps=[nr * (dt.bits // 8), nr * (dt.bits // 8)])
+        return y
+
+    def cache_cat(self, x: T) -> T:
+        """transformers' DynamicLayer.update on a first call (cache_utils.py, 5.24):
+        ``torch.cat([empty, x], dim=-2)``, a copy of x; its backward saves nothing and passes the
+        gradient on (``cat`` backward: narrow)."""
+        y = self.new(x.numel, self.dtype_of(x))
+        self.sim.node("cache_cat", [], [x], [], [y])
         return y
 
     def repeat_kv(self, x: T, n_rep: int) -> T:

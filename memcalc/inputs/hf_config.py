@@ -49,7 +49,7 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None, 
             f"unsupported model_type {model_type!r} in {where}; supported: {', '.join(supported_model_types())}"
         )
     r = Reader(cfg, where, str(model_type), family.defaults)
-    fields = family.read(r)
+    fields = read_fields(family, r)
     fields["name"] = name
     if fields.get("head_dim") is not None and fields["head_dim"] * fields["n_heads"] == fields["d_model"]:
         fields["head_dim"] = None  # the default, d_model / n_heads
@@ -61,11 +61,23 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None, 
         print(f"note: {where} (model_type {model_type}): keys memcalc does not read (they may change memory): "
               f"{shown}", file=sys.stderr)
     try:
-        return ModelSpec(**fields)
+        import copy
+
+        return ModelSpec(**fields).with_hf_source(copy.deepcopy(cfg), where)
     except ValidationError as e:
         from memcalc.inputs.pydantic_errors import pydantic_error_line
 
         raise UserError(pydantic_error_line(e, where)) from None
+
+
+def read_fields(family: Any, r: Reader) -> dict[str, Any]:
+    """The family's fields, and the keys every family shares: ``use_cache`` (every transformers 5.24
+    configuration class memcalc reads defaults it to true, e.g. models/llama/configuration_llama.py
+    ``use_cache: bool = True``; a training forward then fills a DynamicCache unless checkpointing:
+    :func:`memcalc.core.rules.kv_cache`)."""
+    fields = family.read(r)
+    fields["use_cache"] = r.bool("use_cache", family.defaults.get("use_cache", True))
+    return fields
 
 
 def unread_keys(cfg: dict[str, Any], seen: set[str]) -> list[str]:
@@ -80,6 +92,6 @@ def read_keys(cfg: dict[str, Any]) -> tuple[list[str], list[str]]:
     if family is None or family.refused:
         raise KeyError(cfg["model_type"])
     r = Reader(cfg, "config.json", str(cfg.get("model_type")), family.defaults)
-    family.read(r)
+    read_fields(family, r)
     skip = ignored(str(cfg.get("model_type")))
     return sorted(k for k in cfg if k in r.seen), sorted(k for k in cfg if k not in r.seen and k in skip)

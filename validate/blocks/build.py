@@ -8,12 +8,13 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from memcalc.core.rules import rmsnorm_mode
 from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec
 
 from ..amp import Amp
 from . import attention_variants as variants
 from .adapters import Linear
-from .norm import LayerNorm, RMSNorm
+from .norm import LayerNorm, OpsLayerNorm, RMSNorm
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,9 +56,11 @@ class BuildConfig:
     def norm(self) -> nn.Module:
         m = self.m
         if m.norm == "rmsnorm":
-            return RMSNorm(m.d_model, m.norm_eps, self.amp, mode=self.profile.rmsnorm,
+            return RMSNorm(m.d_model, m.norm_eps, self.amp, mode=rmsnorm_mode(m, self.profile.rmsnorm),
                            mean_saves_input=self.profile.mean_saves_input, bias=m.has_norm_bias,
                            dtype=self.dtype, device=self.device, trainable=self.full, upcast=self.profile.norm_upcast)
+        if m.norm_impl == "layernorm-ops":
+            return OpsLayerNorm(m.d_model, m.norm_eps, dtype=self.dtype, device=self.device, trainable=self.full)
         return LayerNorm(m.d_model, m.norm_eps, self.amp, bias=m.has_norm_bias, dtype=self.dtype,
                          device=self.device, trainable=self.full)
 
@@ -68,9 +71,11 @@ class BuildConfig:
         d = m.dim_head if m.qk_norm in ("head", "head_unshared") else heads * m.dim_head
         shape = (heads, m.dim_head) if m.qk_norm == "head_unshared" else (d,)
         if m.norm == "rmsnorm":
-            return RMSNorm(d, m.norm_eps, self.amp, mode=self.profile.rmsnorm, mean_saves_input=self.profile.mean_saves_input,
-                           bias=False, dtype=self.dtype, device=self.device, trainable=self.full, shape=shape,
-                           upcast=self.profile.norm_upcast)
+            return RMSNorm(d, m.norm_eps, self.amp, mode=rmsnorm_mode(m, self.profile.rmsnorm),
+                           mean_saves_input=self.profile.mean_saves_input, bias=False, dtype=self.dtype,
+                           device=self.device, trainable=self.full, shape=shape, upcast=self.profile.norm_upcast)
+        if m.norm_impl == "layernorm-ops":
+            return OpsLayerNorm(d, m.norm_eps, dtype=self.dtype, device=self.device, trainable=self.full, shape=shape)
         if m.qk_norm == "head_unshared":
             return variants.PerHeadLayerNorm(heads, d, m.norm_eps, self.amp, dtype=self.dtype, device=self.device,
                                              trainable=self.full)

@@ -5,6 +5,11 @@
   weight multiply), ``fused`` = ``_fused_rms_norm`` (saves input and rstd only); which PyTorch
   versions run which is ``memcalc.core.kernels.RMSNORM_BY_TORCH``, shared with the estimator.
 - :class:`LayerNorm`: ``F.layer_norm`` (``native_layer_norm`` saves input, mean, rstd).
+- :class:`OpsLayerNorm`: a LayerNorm written as fp32 ops (``norm_impl`` layernorm-ops:
+  transformers 5.24 models/cohere/modeling_cohere.py ``CohereLayerNorm.forward``).
+
+``norm_impl`` weight-fp32 (Olmo2RMSNorm, GemmaRMSNorm) is :class:`RMSNorm` in ``composite`` mode
+(:func:`memcalc.core.rules.rmsnorm_mode`, shared with the estimator).
 """
 
 from __future__ import annotations
@@ -125,3 +130,23 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.amp
         return F.layer_norm(a.fp32(x), (self.d,), a.fp32(self.weight), a.fp32(self.bias), self.eps)
+
+
+class OpsLayerNorm(nn.Module):
+    """``CohereLayerNorm.forward`` line by line (models/cohere/modeling_cohere.py, transformers 5.24);
+    ``shape`` (H, D) for the per-head q/k norm (the mean over the last dim, a weight per head)."""
+
+    def __init__(self, d: int, eps: float, *, dtype: torch.dtype, device, trainable: bool = True,
+                 shape: Optional[tuple[int, ...]] = None) -> None:
+        super().__init__()
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(shape or (d,), dtype=dtype, device=device), requires_grad=trainable)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        mean = hidden_states.mean(-1, keepdim=True)
+        variance = (hidden_states - mean).pow(2).mean(-1, keepdim=True)
+        hidden_states = (hidden_states - mean) * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight.to(torch.float32) * hidden_states
+        return hidden_states.to(input_dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memcalc.core.rules import kv_cache
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.blocks import attention_variants as av
 from memcalc.engine.blocks.base import Linear, Norm, ParamTensor
@@ -87,6 +88,10 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
         q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
     else:
         q2, k2 = o.ref_(q), o.ref_(k)
+    vc = None
+    if kv_cache(m, fwd.tr.checkpoint, fwd.exp.profile.kv_cache):  # DynamicCache: K, V copies (attention_variants)
+        k2, vc = av.cache_update(fwd, k2, v)
+        v = vc
     if gqa or fwd.kv_heads == 1:
         # one kv head (MQA, or a tensor-parallel rank's share): repeat_kv's reshape of the
         # (B, 1, n_rep, T, D) expand is a view (stride 0 over the heads), no copy
@@ -96,5 +101,5 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     o.drop(k2)
     out = o.sdpa(q2, k3, v3, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel,
                  n_rep=n_rep if gqa else 1)
-    o.drop(q2, k3, v3, bias)
+    o.drop(q2, k3, v3, bias, vc)
     return out

@@ -33,9 +33,7 @@ them (the validator's replica, ``validate/model.py`` and ``validate/variants.py`
 
 Ignores: tensors of a few elements (0-dim mask constants, the sinks' expand, the aranges of mask
 construction: T int64 each, gone before the layers); a padding ``attention_mask`` (none is passed:
-unpadded batches, so masks are (1, 1, T, T) expanded); Cohere's hand-written ``CohereLayerNorm``
-(modelled as ``native_layer_norm``); transformers' ``DynamicCache`` (``use_cache``: K/V copies
-when a config leaves it on without checkpointing -- a framework rule, not a family's).
+unpadded batches, so masks are (1, 1, T, T) expanded).
 """
 
 from __future__ import annotations
@@ -43,7 +41,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.rules import eager, layer_slides, mask_types, sliding_mask_materialised
+from memcalc.core.rules import eager, kv_cache, layer_slides, mask_types, rmsnorm_mode, sliding_mask_materialised
+from memcalc.engine.blocks.norm import layernorm_ops
 from memcalc.engine.ops import ACT, TMP, Ops
 from memcalc.engine.records import Node, NodeHook
 from memcalc.engine.sim import Param, Sim, T
@@ -181,7 +180,9 @@ def qk_norm(fwd: ForwardContext, x: T, i: int, which: str, heads: int) -> T:
     D = m.dim_head
     rows, d = (fwd.rows * heads, D) if m.qk_norm in ("head", "head_unshared") else (fwd.rows, heads * D)
     if m.norm == "rmsnorm":
-        return o.rmsnorm(x, rows, d, w)
+        return o.rmsnorm(x, rows, d, w, rmsnorm_mode(m, o.profile.rmsnorm))
+    if m.norm_impl == "layernorm-ops":  # CohereLayerNorm((H, D)) on q and k: over each head, a weight per head
+        return layernorm_ops(o, x, rows, d, w)
     if m.qk_norm != "head_unshared":
         return o.layernorm(x, rows, d, w, None)
     return _layernorm_per_head_weight(o, x, rows, d, w)
@@ -211,6 +212,19 @@ def _layernorm_per_head_weight(o: Ops, x: T, rows: int, d: int, w: Param) -> T:
 
 
 # -- the attention core ----------------------------------------------------------------------
+def cache_update(fwd: ForwardContext, k: T, v: T) -> tuple[T, T]:
+    """``key_states, value_states = cache.update(key_states, value_states, layer_idx)`` when the
+    forward fills a KV cache (:func:`memcalc.core.rules.kv_cache`): K (after RoPE) and V are copied
+    (``ops.cache_cat``); attention then runs on the copies, and the cache holds them until the model's
+    output is dropped (``Forward.release_cache``, after the loss). Takes over ``k``'s reference; the
+    caller drops the returned V copy as well as its own ``v``."""
+    o = fwd.ops
+    kc, vc = o.cache_cat(k), o.cache_cat(v)
+    o.drop(k)
+    fwd.kv_cache.extend((o.ref_(kc), o.ref_(vc)))
+    return kc, vc
+
+
 def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optional[dict[int, tuple[T, T]]] = None) -> T:
     """RoPE, GQA expansion and the kernel for the families' variants: eager attention (softcap,
     sinks), an explicit sliding mask for SDPA, views of a fused projection. The plain path is
@@ -222,6 +236,10 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optiona
         q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
     else:
         q2, k2 = o.ref_(q), o.ref_(k)
+    vc = None
+    if kv_cache(m, fwd.tr.checkpoint, fwd.exp.profile.kv_cache):
+        k2, vc = cache_update(fwd, k2, v)
+        v = vc
     n_rep = m.n_heads // m.kv_heads
     mask = layer_mask(fwd, i)
     if eager(m):
@@ -238,6 +256,7 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optiona
         kernel = o.attention_kernel(bias is not None, q2)
         out = o.sdpa(q2, k3, v3, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel)
         o.drop(q2, k3, v3, bias)
+    o.drop(vc)
     if views:
         pin_views(sim, n0, views)
     return out

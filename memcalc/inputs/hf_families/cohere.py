@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 def read(r: Reader) -> Fields:
     f = decoder(r, eps_key="layer_norm_eps", norm="layernorm")
-    f.update(attention_bias(r), norm_bias=False, block="parallel",
+    # CohereLayerNorm.forward (models/cohere/modeling_cohere.py, transformers 5.24): mean, variance and the
+    # weight multiply written as fp32 ops, not F.layer_norm (engine.ops.layernorm_ops)
+    f.update(attention_bias(r), norm_bias=False, block="parallel", norm_impl="layernorm-ops",
              logit_scale=r.float("logit_scale", lo=1e-12),
              qk_norm="head_unshared" if r.bool("use_qk_norm") else "none")
     return f

@@ -18,6 +18,9 @@ def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r), activation=gemma_act(r), embedding_scale=math.sqrt(f["d_model"]))
     r.seen.add("hidden_act")
+    # GemmaRMSNorm.forward (models/gemma/modeling_gemma.py, transformers 5.24):
+    # ``output * (1.0 + self.weight.float())`` then ``type_as(x)``: in fp32
+    f["norm_impl"] = "weight-fp32"
     return f
 
 

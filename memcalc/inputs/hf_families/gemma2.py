@@ -21,6 +21,9 @@ def read(r: Reader) -> Fields:
              logit_softcap=cap(r, "final_logit_softcapping"))
     f.update(sliding(r, n_layers=f["n_layers"], every=2))
     r.seen.add("query_pre_attn_scalar")
+    # Gemma2RMSNorm.forward (models/gemma2/modeling_gemma2.py, transformers 5.24):
+    # ``output * (1.0 + self.weight.float())`` then ``type_as(x)``: in fp32
+    f["norm_impl"] = "weight-fp32"
     return f
 
 

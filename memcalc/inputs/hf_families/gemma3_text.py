@@ -22,6 +22,9 @@ def read(r: Reader) -> Fields:
              logit_softcap=cap(r, "final_logit_softcapping"))
     f.update(sliding(r, n_layers=f["n_layers"], every=6, pattern_key="sliding_window_pattern"))
     r.seen.update(("query_pre_attn_scalar", "rope_local_base_freq"))
+    # Gemma3RMSNorm.forward (models/gemma3/modeling_gemma3.py, transformers 5.24):
+    # ``output * (1.0 + self.weight.float())`` then ``type_as(x)``: in fp32
+    f["norm_impl"] = "weight-fp32"
     return f
 
 

@@ -22,6 +22,9 @@ def read(r: Reader) -> Fields:
     f["moe"] = dict(n_experts=experts(r, "num_local_experts", "num_experts"),
                     top_k=r.int("num_experts_per_tok"), d_ff_expert=f["d_ff"], router_bias=True, expert_bias=True)
     f.update(sliding(r, n_layers=f["n_layers"], every=2))
+    # GptOssRMSNorm.forward (models/gpt_oss/modeling_gpt_oss.py, transformers 5.24):
+    # ``(self.weight * hidden_states).to(input_dtype)``: in fp32
+    f["norm_impl"] = "weight-fp32"
     return f
 
 

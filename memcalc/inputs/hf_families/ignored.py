@@ -22,7 +22,6 @@ COMMON: dict[str, str] = {
     "torch_dtype": "the stored checkpoint dtype; the training precision is memcalc's --precision",
     "dtype": "the stored checkpoint dtype; the training precision is memcalc's --precision",
     "transformers_version": "a label",
-    "use_cache": "the inference KV cache; a training step runs without it",
     "initializer_range": "initialisation values",
     "rope_theta": ROPE, "rope_scaling": ROPE, "rope_parameters": ROPE, "rope_type": ROPE,
     "original_max_position_embeddings": ROPE,

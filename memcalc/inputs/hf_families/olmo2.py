@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 def read(r: Reader) -> Fields:
     f = decoder(r)
     f.update(attention_bias(r), qk_norm="full", norm_placement="output")
+    # Olmo2RMSNorm.forward (models/olmo2/modeling_olmo2.py, transformers 5.24):
+    # ``(self.weight * hidden_states).to(input_dtype)``: the weight multiply in fp32
+    f["norm_impl"] = "weight-fp32"
     return f
 
 
