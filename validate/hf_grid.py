@@ -84,6 +84,42 @@ def grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
     return out
 
 
+# -- QLoRA (issue 28): a bitsandbytes 4-bit base, PEFT's prepare_model_for_kbit_training, LoRA ----------------
+QLORA_PRESETS = ("llama-3.1-8b", "mistral-7b", "qwen2.5-7b")
+QLORA_LAYERS = 2
+
+#: (rank, targets, checkpoint, double quantisation, precision, qlora_fp32_cast, lora dropout, batch, seq):
+#: per family, rank 16/64 x checkpoint none/full x double quantisation on/off, in bf16 (no autocast) and
+#: amp-bf16 (Trainer bf16=True: autocast), with and without the fp32 casts
+QLORA_SETUPS = (
+    (16, "all", "none", True, "bf16", True, 0.0, 2, 1024),
+    (64, "all", "full", False, "bf16", True, 0.05, 1, 2048),
+    (16, "qv", "full", True, "amp-bf16", True, 0.05, 4, 512),
+    (64, "qv", "none", False, "amp-bf16", False, 0.0, 1, 1024),
+    (16, "all", "full", False, "bf16", False, 0.0, 2, 1024),
+)
+
+
+def qlora_grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
+    """The QLoRA setups (name, spec) over :data:`QLORA_PRESETS` at :data:`QLORA_LAYERS` layers, with
+    the HF profile (its ``qlora_fp32_cast`` set per setup); ``only`` keeps names containing it."""
+    from memcalc.inputs.presets import load_preset
+
+    out = []
+    for preset in QLORA_PRESETS:
+        m = load_preset(preset).model_copy(update={"n_layers": QLORA_LAYERS})
+        for rank, tuning, ck, dq, prec, cast, drop, B, T in QLORA_SETUPS:
+            targets = ("q", "v") if tuning == "qv" else tuple(t for t in ALL if t in m.lora_targets)
+            lora = LoraSpec(rank=rank, alpha=2 * rank, targets=targets, dropout=drop, qlora=True, double_quant=dq)
+            tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora)
+            profile = get_profile(HF_ESTIMATOR_PROFILE).model_copy(update={"qlora_fp32_cast": cast})
+            name = (f"{m.name} qlora r{rank} {tuning} d{drop:g} {'dq' if dq else 'no-dq'} {prec} "
+                    f"{'fp32-cast' if cast else 'no-cast'} ck={ck} {B}x{T}")
+            if only is None or only in name:
+                out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=profile)))
+    return out
+
+
 def run_grid(items: list[tuple[str, ExperimentSpec]], device: str = "meta", progress=None) -> list[dict]:
     """One record per setup: measured (HF trace) and predicted bytes, the gap in percent, phases."""
     from .hf_runner import measure_hf
@@ -124,8 +160,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", help="keep setups whose name contains this")
     ap.add_argument("--json", action="store_true", help="print the records as JSON")
+    ap.add_argument("--qlora", action="store_true", help="the QLoRA grid (qlora_grid) instead")
     args = ap.parse_args(argv)
-    rows = run_grid(grid(args.only), progress=lambda s: print(s, file=sys.stderr))
+    rows = run_grid((qlora_grid if args.qlora else grid)(args.only), progress=lambda s: print(s, file=sys.stderr))
     print(json.dumps(rows, indent=2) if args.json else table(rows))
     return 0
 

@@ -17,6 +17,8 @@ step, changes only *which kernel* runs where the meta device would pick a differ
 - ``F.dropout``: ``at::dropout`` uses ``native_dropout`` (a 1-byte bool mask saved) when
   ``is_fused_kernel_acceptable`` (a CUDA input, 0 < p < 1); elsewhere ``_dropout_impl`` saves a mask
   in the activation dtype. Routed to ``torch.native_dropout`` (``memcalc.core.kernels.DROPOUT_MASK_BYTES``).
+- QLoRA: ``bitsandbytes::gemm_4bit`` (``MatMul4Bit.forward``) runs the allocations of its CUDA kernel's
+  dequantise-then-``F.linear`` path (:func:`~.hf_qlora.gemm_4bit`); its fake kernel allocates the output only.
 - AMP: ``torch.autocast`` does nothing on meta tensors, so with an :class:`~.amp.Amp` region open the
   mode applies CUDA's autocast op lists (aten/src/ATen/autocast_mode.h ``AT_FORALL_LOWER_PRECISION_FP``,
   ``AT_FORALL_FP32``, ``AT_FORALL_FP32_SET_OPT_DTYPE``) at the Python functions that reach those ops,
@@ -26,7 +28,8 @@ step, changes only *which kernel* runs where the meta device would pick a differ
 
 :func:`hf_patches` also answers transformers' packed-sequence detection
 (``masking_utils.find_packed_sequence_indices``, which reads ``position_ids`` with ``bool()``, impossible
-on meta) the way unpacked data answers it (``None``), after running the same ops, and re-enters the
+on meta) the way unpacked data answers it (``None``), after running the same ops, answers
+``torch.is_autocast_enabled()`` as CUDA would inside the emulated autocast region, and re-enters the
 autocast region in activation-checkpoint recomputation (``torch.utils.checkpoint`` saves and restores
 the autocast state; the emulated one is restored by wrapping the checkpointed function, which also
 turns the routing back on: ``loss.backward()`` runs inside the mode's handler, where the mode is off).
@@ -48,6 +51,7 @@ from memcalc.core.spec import KernelProfile
 from .amp import Amp
 from .blocks.sdpa import EfficientAttention, FlashAttention, align_mask, bool_mask_to_additive, math_attention
 from .devices import kernel_device
+from .hf_qlora import gemm_4bit, is_gemm_4bit
 
 aten = torch.ops.aten
 _LOW = (torch.float16, torch.bfloat16)
@@ -98,6 +102,8 @@ class HFKernels(TorchFunctionMode):
             return self.dropout(*args, **kwargs)
         if func in _GROUPED_MM:
             return self.grouped_mm(func, *args, **kwargs)
+        if is_gemm_4bit(func) and kernel_device(args[0]) == "meta":  # QLoRA's base matmul (hf_qlora.py)
+            return gemm_4bit(*args, **kwargs)
         if self.amp.active:
             if func in LOWER_PRECISION:
                 args, kwargs = self._cast(self.amp.lp, args, kwargs)
@@ -198,6 +204,18 @@ def _unpacked_sequences(original):
     return find_packed_sequence_indices
 
 
+def _autocast_enabled(original, mode: HFKernels):
+    """``torch.is_autocast_enabled()`` (CUDA's, the no-argument form) answered as inside a CUDA autocast
+    region while the emulated one is open: PEFT's quantized LoRA layers skip their dtype conversions
+    then (peft/tuners/lora/bnb.py ``requires_conversion = not torch.is_autocast_enabled()``)."""
+    def is_autocast_enabled(*args, **kwargs):
+        device = args[0] if args else kwargs.get("device_type", "cuda")
+        if device == "cuda" and mode.amp.active:
+            return True
+        return original(*args, **kwargs)
+    return is_autocast_enabled
+
+
 def _in_mode(fn, mode: TorchFunctionMode):
     """``fn`` run with ``mode`` active (it is not inside ``loss.backward()``, which the mode's own
     handler calls with the mode popped)."""
@@ -224,6 +242,8 @@ def hf_patches(model, mode: "HFKernels") -> Iterator[None]:
 
     saved = masking_utils.find_packed_sequence_indices
     masking_utils.find_packed_sequence_indices = _unpacked_sequences(saved)
+    enabled = torch.is_autocast_enabled
+    torch.is_autocast_enabled = _autocast_enabled(enabled, mode)
     wrapped = []
     for mod in model.modules():
         f = mod.__dict__.get("_gradient_checkpointing_func")
@@ -234,5 +254,6 @@ def hf_patches(model, mode: "HFKernels") -> Iterator[None]:
         yield
     finally:
         masking_utils.find_packed_sequence_indices = saved
+        torch.is_autocast_enabled = enabled
         for mod, f in wrapped:
             mod._gradient_checkpointing_func = f

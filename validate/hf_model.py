@@ -192,12 +192,14 @@ def hf_config(m: ModelSpec, family: Optional[Family] = None):
     return AutoConfig.for_model(family.model_type, **kw)
 
 
-def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = "meta", family: Optional[Family] = None):
+def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = "meta", family: Optional[Family] = None,
+                   compute_dtype=None, kbit_prepare: bool = False):
     """The real model: ``AutoModelForCausalLM.from_config(cfg, dtype=dtype)`` built directly on
     ``device`` (on ``meta``: no weights), in train mode; with ``lora``, PEFT's
     ``get_peft_model(model, LoraConfig(r, lora_alpha, target_modules, lora_dropout))`` with PEFT's
-    defaults (``autocast_adapter_dtype=True``: fp32 adapters over a 16-bit base). Returns
-    ``(model, family)``."""
+    defaults (``autocast_adapter_dtype=True``: fp32 adapters over a 16-bit base). A QLoRA base is
+    first loaded in 4-bit with ``compute_dtype`` and, with ``kbit_prepare``, passed through PEFT's
+    ``prepare_model_for_kbit_training`` (:mod:`.hf_qlora`). Returns ``(model, family)``."""
     import torch
     import transformers
 
@@ -205,6 +207,12 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
     cfg = hf_config(m, family)
     with torch.device(device):
         model = getattr(transformers, family.auto_class).from_config(cfg, dtype=dtype)
+    if lora is not None and lora.qlora:
+        from .hf_qlora import load_4bit, prepare_kbit
+
+        load_4bit(model, lora, compute_dtype or dtype)
+        if kbit_prepare:
+            prepare_kbit(model)
     if lora is not None:
         import warnings
 

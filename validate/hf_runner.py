@@ -22,8 +22,9 @@ Training setup as HF Trainer (transformers 5.23 ``Trainer.__init__``) makes it:
 - ``use_cache`` stays the config's (True: without checkpointing the forward fills a ``DynamicCache``,
   a ``torch.cat`` copy of each layer's K and V that attention then uses and saves).
 
-Only kernel dispatch is patched (:mod:`.hf_kernels`). QLoRA (bitsandbytes), torch.compile
-off CUDA, ZeRO across GPUs and optimizer offload are ``skipped`` with the reason.
+Only kernel dispatch is patched (:mod:`.hf_kernels`). QLoRA loads its base through bitsandbytes as
+``from_pretrained`` does (:mod:`.hf_qlora`; meta or cuda). torch.compile off CUDA, ZeRO across GPUs
+and optimizer offload are ``skipped`` with the reason.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
                 "(activation_checkpointing_enable checkpoints every layer or every N-th: full, every-K)")
     if tr.checkpoint == "every-k" and not _has_every_n_layers():
         return "--framework hf: checkpoint every-K needs transformers' activation_checkpointing_enable(every_n_layers)"
-    if tr.lora is not None and tr.lora.qlora:
-        return "--framework hf: QLoRA loads the base through bitsandbytes (CUDA only); the HF validator does not build it"
+    if tr.lora is not None and tr.lora.qlora and device == "cpu":
+        return "--framework hf: QLoRA runs bitsandbytes' CUDA kernels; traced on meta (their allocations) or run on cuda"
     if tr.lora is not None and tr.lora.dropout and _adapts_experts(exp.model, tr.lora.targets):
         return ("--framework hf: PEFT adapts MoE experts through lora.ParamWrapper, which refuses lora_dropout != 0 "
                 "(peft/tuners/lora/layer.py ParamWrapper.__init__); use --lora-dropout 0 or targets "
@@ -152,7 +153,14 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     torch.manual_seed(0)
     amp = Amp(torch_dtype(tr.compute_dtype.value) if tr.is_amp else None)
     say(f"building {m.name} ({m.n_layers} layers) with transformers on {device}")
-    model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device)
+    model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device,
+                                    compute_dtype=torch_dtype(tr.compute_dtype.value),
+                                    kbit_prepare=exp.profile.qlora_fp32_cast)
+    quant_state: tuple = ()
+    if tr.lora is not None and tr.lora.qlora:
+        from .hf_qlora import quant_state_tensors
+
+        quant_state = tuple(quant_state_tensors(model))
     if tr.checkpoint in ("full", "every-k"):
         every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x (every_n_layers)
@@ -187,7 +195,7 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
 
     kernels = HFKernels(exp.profile, amp)
     run_on_device(exp, m, device, model, meas, say, debug, sim, forward, attach,
-                  contexts=(hf_patches(model, kernels), kernels))
+                  contexts=(hf_patches(model, kernels), kernels), extra=quant_state)
     if offload is not None:
         meas.host_activation_bytes = offload.max_pinned_bytes
     if kernels_seen is not None:

@@ -32,7 +32,7 @@ from memcalc.core.rules import rope_width
 from memcalc.core.spec import KernelProfile, ModelSpec, TrainingSpec, sqrt_segments
 
 from .amp import Amp
-from .blocks.adapters import Linear, lora_branch, lora_input_cast, lora_result
+from .blocks.adapters import Linear, kbit_fp32_cast, lora_branch, lora_input_cast, lora_result
 from .blocks.attention import Attention
 from .blocks.base import dropout
 from .blocks.build import DTYPES, BuildConfig, torch_dtype
@@ -103,6 +103,8 @@ class Decoder(nn.Module):
         self.on_label: Optional[Callable[[str], None]] = None
         #: torchtune's OffloadActivations around the forward up to the head (offload.py)
         self.offload: Optional[OffloadActivations] = OffloadActivations() if tr.activation_offload else None
+        if tr.lora is not None and tr.lora.qlora and profile.qlora_fp32_cast:
+            kbit_fp32_cast(self)
 
     # -- helpers ----------------------------------------------------------------------
     def _label(self, text: str) -> None:

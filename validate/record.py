@@ -46,7 +46,10 @@ class Prediction:
 def hf_estimator_spec(exp: ExperimentSpec) -> ExperimentSpec:
     """The spec memcalc estimates for a traced HF step: ``exp`` with its profile's framework set to
     ``hf`` (the PyTorch version, kernel choice and allocator rounding kept from ``exp``;
-    :func:`memcalc.inputs.profiles.compose`)."""
+    :func:`memcalc.inputs.profiles.compose`); a profile that is hf's already is kept as it is (a rule
+    field it sets, such as ``qlora_fp32_cast``, is what the trace ran)."""
+    if exp.profile.framework == "hf":
+        return exp
     return exp.model_copy(update={"profile": compose(exp.profile, "hf", None)})
 
 

@@ -250,7 +250,7 @@ def track_inputs(tracer, model, ids, labels, opt, local=lambda ts: ts) -> None:
 def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[str], None], debug: bool,
                   sim: Optional[CachingAllocatorSim], forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   attach: Callable[[Probe], None], contexts: tuple = (), snapshot: Optional[str] = None,
-                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward) -> None:
+                  backward: Callable[[torch.Tensor], None] = torch.Tensor.backward, extra: tuple = ()) -> None:
     """The two steps of a model built on one device (cuda, meta, cpu) by a harness (its build-model hook:
     ``runner.py``'s replica, ``hf_runner.py``'s transformers model): the optimizer over its trainable
     parameters, the batch, the tracer (off CUDA), the probe (``attach`` gives it to the model's phase
@@ -286,6 +286,7 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
 
     if tracer is not None:
         track_inputs(tracer, model, ids, labels, opt)
+        tracer.track(extra)
     with allow_fused_on(dev_type), contextlib.ExitStack() as stack:
         for c in (*contexts, tracer if tracer is not None else contextlib.nullcontext()):
             stack.enter_context(c)

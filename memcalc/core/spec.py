@@ -47,7 +47,7 @@ class KernelProfile(Spec):
         description="Whose layer code runs the model: plain (memcalc's own PyTorch replica, the reference configs' "
         "build), hf (transformers 5.x + PEFT), torchtune, litgpt. What a framework changes is set by the "
         "profile's rule fields (rmsnorm, logits_fp32, shift_copy, cross_entropy, lora_dtype, lora_input_cast, "
-        "sdpa_gqa, gelu_new, kv_cache; memcalc.inputs.profiles.FRAMEWORKS).",
+        "sdpa_gqa, gelu_new, kv_cache, qlora_fp32_cast; memcalc.inputs.profiles.FRAMEWORKS).",
     )
     torch_version: str = Field("2.8", description="PyTorch version emulated (major.minor).")
     device: Literal["cuda"] = Field("cuda", description="Device whose kernels are emulated.")
@@ -108,6 +108,13 @@ class KernelProfile(Spec):
         description="The framework runs transformers' model code, whose training forward fills a DynamicCache when "
         "the model's config leaves use_cache true and nothing is checkpointed (ModelSpec.use_cache; "
         "memcalc.core.rules.kv_cache); memcalc's replica, torchtune and LitGPT build no cache.",
+    )
+    qlora_fp32_cast: bool = Field(
+        False,
+        description="QLoRA: every 16-bit parameter that is not 4-bit (embedding, norms, output head) is cast to "
+        "fp32 before training (PEFT prepare_model_for_kbit_training, peft/utils/other.py, as PEFT's QLoRA recipe "
+        "calls it), so the residual stream runs in fp32 and each 4-bit linear casts its input to the compute "
+        "dtype and its output back.",
     )
     dropout_mask_bytes: int = Field(DROPOUT_MASK_BYTES, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
     allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")

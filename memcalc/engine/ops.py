@@ -89,22 +89,31 @@ class Ops:
 
     # -- layers ---------------------------------------------------------------------
     def linear(self, x: T, rows: int, w: Param, b: Optional[Param], out_features: int,
-               quant_transient_bytes: int = 0) -> T:
+               quant_transient_bytes: int = 0, quant_absmax_bytes: int = 0) -> T:
         """y = x W^T + b (``addmm``/``mm``). Saves x iff W needs a gradient (grad_W = g^T x) and W
         iff x needs one (a parameter, no new bytes). A frozen linear keeps no input.
         Under autocast x and W are cast to the compute dtype; the casts are what is saved.
-        QLoRA: the 4-bit weight is dequantised to a transient full-size copy in forward and
-        again in backward (bitsandbytes MatMul4Bit saves only the packed weight)."""
+        QLoRA: the 4-bit weight is dequantised to a full-size copy in forward, alive with the
+        output, and again in backward (alive with the input's gradient): bitsandbytes 0.50
+        ``MatMul4Bit`` saves only the packed weight (autograd/_functions.py); its forward's
+        ``gemm_4bit`` runs the CUDA ``_dequant_linear_fallback`` (backends/cuda/ops.py: ``B_dq =
+        torch.empty(shapeB)``, ``F.linear(A, B_dq, bias)``, with double quantisation two fp32 absmax
+        buffers first, ``quant_absmax_bytes`` each), its backward ``functional.dequantize_4bit``
+        (the nested absmax it dequantises is freed before the matmul: not counted)."""
         if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
             xc, x_cast, wc = x, False, None
         else:
             xc, x_cast = self._cast_for_matmul(x)
             # a 4-bit weight is dequantised straight to the compute dtype (no autocast copy)
             wc = None if quant_transient_bytes else self._cast_weight(w)[0]
+        deq = []
         if quant_transient_bytes:
-            self.sim.transient(quant_transient_bytes, TMP, "dequantised weight")
+            deq = [self.sim.alloc(nb, TMP, "dequantised weight") for nb in (quant_absmax_bytes, quant_absmax_bytes,
+                                                                             quant_transient_bytes) if nb]
         odt = self.autocast or self.dtype_of(x)
         y = self.new(rows * out_features, odt)
+        for t in deq:
+            self.sim.unref(t)
         saved = []
         if w.trainable:
             saved.append(xc)
@@ -356,6 +365,17 @@ class Ops:
         return y
 
     # -- attention ------------------------------------------------------------------
+    def autocast_sdpa(self, q: T, k: T, v: T) -> tuple[T, T, T]:
+        """``scaled_dot_product_attention`` is on autocast's lower-precision list
+        (aten/src/ATen/autocast_mode.cpp): under autocast fp32 q, k, v (a 4-bit linear's output cast
+        back to an fp32 stream: :func:`memcalc.engine.blocks.adapters._linear_4bit`) are cast first;
+        the copies are what the kernel sees and saves. New references (the inputs themselves when
+        nothing is cast)."""
+        ac = self.autocast
+        if ac is None or q.itemsize_bits == ac.bits:
+            return self.sim.ref(q), self.sim.ref(k), self.sim.ref(v)
+        return self.cast(q, ac), self.cast(k, ac), self.cast(v, ac)
+
     def attention_kernel(self, has_mask: bool, q: T, enable_gqa: bool = False) -> str:
         """Which SDPA kernel runs: the profile's choice, or auto = flash for 16-bit inputs without
         an explicit mask, memory-efficient otherwise (fp32, or an additive mask such as ALiBi),

@@ -14,6 +14,8 @@ from functools import lru_cache
 from typing import Optional
 
 from memcalc.core.dtypes import DType
+from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
+from memcalc.core.units import round_up
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
 from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
@@ -22,13 +24,39 @@ from memcalc.engine.sim import Param, Sim
 from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
 
-def quantized_bytes(numel: int, block: int, double_quant: bool) -> int:
-    """NF4 storage of a QLoRA base weight: packed 4-bit values (numel/2 bytes) plus absmax
-    constants: fp32 per block, or with double quantisation uint8 per block plus an fp32
-    scale and offset per 256 blocks (Dettmers et al. 2023, bitsandbytes ``QuantState``)."""
+#: bitsandbytes' code books: NF4's 16 fp32 values (``functional.get_4bit_type``) and, with double
+#: quantisation, the 256-value dynamic map of the absmax (``create_dynamic_map``, ``state2.code``);
+#: the nested absmax is quantised in blocks of 256 (``quantize_blockwise(blocksize=256)``)
+NF4_CODE_VALUES, DYNAMIC_CODE_VALUES, NESTED_BLOCK = 16, 256, 256
+
+
+def quantized_bytes(numel: int, block: int, double_quant: bool, round_bytes: int = ALLOCATOR_ROUND_BYTES) -> int:
+    """NF4 storage of a QLoRA base weight as bitsandbytes 0.50 ``functional.quantize_4bit`` leaves it
+    (Dettmers et al. 2023), each tensor its own CUDA allocation (rounded to ``round_bytes``): the
+    packed 4-bit values (uint8, numel/2), the absmax (fp32 per block) and the NF4 code (16 fp32);
+    with double quantisation (``compress_statistics=True``) the absmax is uint8 per block, plus
+    ``offset`` (a 0-dim fp32: ``absmax.mean()``), ``state2.absmax`` (fp32 per 256 blocks) and
+    ``state2.code`` (256 fp32). The validator counts the same tensors (validate/hf_qlora.py)."""
     blocks = -(-numel // block)
-    consts = blocks + 8 * -(-blocks // 256) if double_quant else 4 * blocks
-    return DType.nf4.nbytes(numel) + consts
+    parts = [DType.nf4.nbytes(numel), 4 * NF4_CODE_VALUES]
+    if double_quant:
+        parts += [blocks, 4, 4 * -(-blocks // NESTED_BLOCK), 4 * DYNAMIC_CODE_VALUES]
+    else:
+        parts.append(4 * blocks)
+    return sum(round_up(p, round_bytes) for p in parts)
+
+
+def kbit_dtype(name: str, wdt: DType, quantized: set[str]) -> DType:
+    """A QLoRA model's non-4-bit parameter after PEFT 0.21 ``prepare_model_for_kbit_training``
+    (peft/utils/other.py: ``param.data = param.data.to(torch.float32)`` for every fp16/bf16
+    parameter that is not a ``Params4bit``): fp32, except a 4-bit linear's bias, which
+    ``Linear4bit.forward`` casts back to the compute dtype in the first step (bitsandbytes/nn/
+    modules.py: ``bias.data = bias.data.to(x.dtype)``)."""
+    if wdt.bits != 16:
+        return wdt
+    if name.endswith(".bias") and name.removesuffix(".bias") in quantized:
+        return wdt
+    return DType.fp32
 
 
 @dataclass
@@ -57,7 +85,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     rows, gather, shapes = _param_rows(
         local_experiment(exp).model, tr.lora, wdt, exp.adapter_dtype or wdt, tr.gpus, f2, f1,
         fsdp.policy(tr).orig if f2 else None, tr.zero >= 3 and tr.gpus > 1 and not f2, tr.zero, tr.sharding,
-        tr.offload_optimizer, tr.tp)
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast)
     params: dict[str, Param] = {}
     order: list[Param] = []
     blocks = sim.alloc_many("weights", [(nbytes, cat, name, numel, bits)
@@ -71,28 +99,39 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     return Model(exp.model, params, order, tr.compute_dtype, gather, dict(shapes), f2, f1)
 
 
+def _storage(pt, lora: Optional[LoraSpec], quant: bool, wdt: DType, adt: DType,
+             kbit_quantized: Optional[set[str]]) -> tuple[DType, int, str]:
+    """(dtype, whole-tensor bytes, category) of the parameter ``pt``: an adapter in the adapters'
+    dtype, a QLoRA base weight as packed NF4 (:func:`quantized_bytes`), any other in the weight
+    dtype, or after ``prepare_model_for_kbit_training`` (``kbit_quantized``: the 4-bit linears'
+    names) as :func:`kbit_dtype` says."""
+    if quant:
+        assert lora is not None
+        return wdt, quantized_bytes(pt.numel, lora.quant_block, lora.double_quant), "frozen base weights (NF4)"
+    pdt = adt if pt.kind == "lora" else wdt if kbit_quantized is None else kbit_dtype(pt.name, wdt, kbit_quantized)
+    return pdt, pdt.nbytes(pt.numel), "weights" if pt.trainable or lora is None else "frozen base weights"
+
+
 @lru_cache(maxsize=128)
 def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DType, n: int, f2: bool, f1: bool,
                 f2_orig: Optional[DType], zero3: bool, zero: int, sharding: str, offload_optimizer: bool,
-                tp: int) -> tuple[tuple, int, tuple]:
+                tp: int, kbit_fp32: bool = False) -> tuple[tuple, int, tuple]:
     """Each parameter's allocation as :func:`make_params` makes it: (name, bytes, category,
     elements, width in bits, trainable, gradient bytes, layer, the gradient shard kept after a
     reduce-scatter or None); the ZeRO-3 layer gather bytes; the shapes FSDP shards by. From
     everything make_params reads of the spec: the model one tensor-parallel rank holds, the LoRA
     spec, the weight and adapter dtypes, the GPUs, FSDP2/FSDP1 and FSDP's original dtype, ZeRO-3
-    (not FSDP), the ZeRO stage, the sharding, optimizer offload and the tensor-parallel degree."""
+    (not FSDP), the ZeRO stage, the sharding, optimizer offload, the tensor-parallel degree and the
+    profile's ``qlora_fp32_cast`` (:func:`kbit_dtype`)."""
     rows = []
     gather = 0
     inventory = param_inventory(local, lora)
+    qlora = lora is not None and lora.qlora
+    kbit = qlora and kbit_fp32
+    quantized = {pt.name.removesuffix(".weight") for pt in inventory if pt.quantizable} if kbit else set()
     for pt in inventory:
-        quant = lora is not None and lora.qlora and pt.quantizable
-        pdt = adt if pt.kind == "lora" else wdt
-        if quant:
-            full = quantized_bytes(pt.numel, lora.quant_block, lora.double_quant)
-            cat = "frozen base weights (NF4)"
-        else:
-            full = pdt.nbytes(pt.numel)
-            cat = "weights" if pt.trainable or lora is None else "frozen base weights"
+        quant = qlora and pt.quantizable
+        pdt, full, cat = _storage(pt, lora, quant, wdt, adt, quantized if kbit else None)
         nbytes = full
         if f2:  # this rank's padded row shard (FSDP1: its share of the flat shard), original dtype
             elems = -(-pt.numel // n) if f1 else fsdp.padded_shard_numel(pt.shape, n)

@@ -166,6 +166,14 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.tr.lora is not None and s.tr.lora.dtype is not None and s.tr.weight_dtype == DType.fp32,
      lambda s: f"lora dtype {s.tr.lora.dtype} has no effect with precision {s.tr.precision}: the weights are fp32, "
                "so are the adapters"),
+    # QLoRA under PEFT's recipe (profiles.FRAMEWORKS hf): what the profile's qlora_fp32_cast means for this run
+    (lambda s: s.tr.lora is not None and s.tr.lora.qlora and s.profile.qlora_fp32_cast,
+     lambda s: "QLoRA: PEFT's prepare_model_for_kbit_training makes the embedding, norms and head fp32, so the "
+               "residual stream runs in fp32 and each 4-bit linear casts its input to bf16 and its output back "
+               + ("(under autocast, as Trainer's bf16=True runs it)" if s.tr.is_amp else
+                  "(without autocast attention runs in fp32 too: Trainer's bf16=True autocasts, --precision "
+                  "amp-bf16)")
+               + "; TRL >= 0.20 does not call it (--framework trl; or profile qlora_fp32_cast: false)"),
     (lambda s: s.profile.cross_entropy == "full" and s.profile.loss_chunks != DEFAULT_LOSS_CHUNKS,
      lambda s: f"loss_chunks {s.profile.loss_chunks} has no effect with the full cross-entropy "
                "(--loss chunked uses it)"),

@@ -25,7 +25,8 @@ FRAMEWORKS: dict[str, dict] = {
     # with a shifted contiguous copy (Forgather's layers, the reference experiment's build);
     # repeat_kv before SDPA; adapters in the base's dtype; gelu_new as the fused tanh GELU.
     "plain": dict(rmsnorm=None, logits_fp32=False, shift_copy=True, cross_entropy="full", lora_dtype="model",
-                  lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False),
+                  lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
+                  qlora_fp32_cast=False),
     # transformers 5.x + PEFT 0.2x:
     # - LlamaRMSNorm (models/llama/modeling_llama.py): hidden.to(fp32) ... ``self.weight *
     #   hidden_states.to(input_dtype)``: casts back before the weight multiply (composite-legacy),
@@ -43,9 +44,13 @@ FRAMEWORKS: dict[str, dict] = {
     #   ``_activation_checkpointing_enable``: ``use_reentrant=False`` by default, each decoder
     #   layer a GradientCheckpointingLayer, modeling_layers.py) = memcalc's --checkpoint full;
     # - the model's forward builds a DynamicCache when the config's use_cache is true and no layer is
-    #   checkpointed (utils/generic.py merge_with_config_defaults; memcalc.core.rules.kv_cache).
+    #   checkpointed (utils/generic.py merge_with_config_defaults; memcalc.core.rules.kv_cache);
+    # - QLoRA as PEFT's recipe (docs "Quantization", the QLoRA paper's qlora.py) runs it:
+    #   ``prepare_model_for_kbit_training`` (peft/utils/other.py) casts every 16-bit parameter that is
+    #   not a bitsandbytes Params4bit to fp32 (TRL >= 0.20's SFTTrainer no longer calls it: trl below).
     "hf": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="full",
-               lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain", kv_cache=True),
+               lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain", kv_cache=True,
+               qlora_fp32_cast=True),
     # torchtune (0.6.1; validate --framework torchtune traces it):
     # - modules/rms_norm.py RMSNorm.forward: ``F.rms_norm(x.float(), ..., weight=self.scale,
     #   eps).to(x.dtype)``: an fp32 input with a 16-bit weight cannot take the fused kernel
@@ -66,7 +71,8 @@ FRAMEWORKS: dict[str, dict] = {
     #   (CheckpointImpl.NO_REENTRANT) on each TransformerSelfAttentionLayer = --checkpoint full.
     # Not verified: gelu_new (torchtune has no model using it; fused assumed).
     "torchtune": dict(rmsnorm="composite", logits_fp32=False, shift_copy=False, cross_entropy="chunked",
-                      lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False),
+                      lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
+                      qlora_fp32_cast=False),
     # LitGPT:
     # - litgpt/model.py RMSNorm: ``x.float()``, ``mean(x * x)``, ``(x_normed * weight.float()).to(dtype)``:
     #   the weight multiply in fp32 (composite);
@@ -79,7 +85,8 @@ FRAMEWORKS: dict[str, dict] = {
     # 128-token chunks -- approximate with --loss chunked --loss-chunks T/128) and LoRA on the
     # fused qkv projection (LoRAQKVLinear's zero-padding): memcalc keeps separate q, k, v.
     "litgpt": dict(rmsnorm="composite", logits_fp32=False, shift_copy=True, cross_entropy="full",
-                   lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False),
+                   lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
+                   qlora_fp32_cast=False),
     # TRL 1.16.0 SFTTrainer: transformers + PEFT (the hf rules above) with TRL's loss path:
     # - trl/trainer/sft_trainer.py SFTTrainer.__init__: ``add_fused_lm_head(model, outputs=("log_probs",
     #   "entropy", "is_top1"))``; compute_loss (``loss_type="nll"``, the default; "chunked_nll" its
@@ -88,11 +95,13 @@ FRAMEWORKS: dict[str, dict] = {
     #   ChunkedLogProbFunction), never the (B, T, V) logits (memcalc.engine.blocks.trl_head);
     # - SFTConfig.activation_offloading: trl/models/activation_offloading.py OffloadActivations (torchtune's,
     #   copied) around the whole training_step; its NoOpManager hooks sit on ``lm_head``, which the fused
-    #   head never calls, so the head's saved tensors are offloaded too.
+    #   head never calls, so the head's saved tensors are offloaded too;
+    # - a 4-bit model is not passed through ``prepare_model_for_kbit_training`` (SFTTrainer.__init__ only
+    #   calls get_peft_model; TRL dropped the call in 0.20): no fp32 casts.
     "trl": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="trl-fused",
                 lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain",
                 # SFTTrainer.compute_loss (trainer/sft_trainer.py): ``inputs["use_cache"] = False``: no DynamicCache
-                kv_cache=False),
+                kv_cache=False, qlora_fp32_cast=False),
 }
 
 #: why each framework's adapters have the dtype they have (the inputs table's reason for the default)

@@ -40,6 +40,7 @@ TOLERANCES: dict[str, tuple[float, str, str]] = {
     "dora": (2.0, "tests/trace/test_techniques_trace.py", "DORA_TOLERANCE_PCT"),  # issue 14
     "hf_grid": (2.0, "tests/trace/test_hf_grid.py", "TOLERANCE_PCT"),  # issue 11
     "hf_family": (3.0, "tests/trace/test_hf_families_trace.py", "TOLERANCE_PCT"),  # issue 12
+    "hf_qlora": (2.0, "tests/trace/test_qlora_grid.py", "TOLERANCE_PCT"),  # issue 28
     "fsdp": (2.0, "tests/trace/test_fsdp_grid.py", "TOLERANCE_PCT"),  # issue 13
     "tp": (3.0, "tests/trace/test_tp.py", "TOLERANCE_PCT"),  # issue 13
     "deepspeed": (3.0, "tests/trace/test_deepspeed.py", "TOLERANCE_PCT"),  # issue 13
@@ -143,6 +144,13 @@ ROWS: list[dict[str, Any]] = [
     _row("hf-phi-1.5-lora-all-amp", H, "hf_grid", HFG, 4, model="phi-1.5", batch=1, seq=1024,
          precision="amp-bf16", lora=True, lora_rank=16, lora_alpha=32, lora_targets="q,k,v,o,up,down",
          lora_dropout=0.0, **HF),
+    # -- QLoRA: bitsandbytes 4-bit base, prepare_model_for_kbit_training, PEFT LoRA (test_qlora_grid: 2 layers)
+    _row("hf-llama-3.1-8b-qlora-all-amp-ckpt-full", H, "hf_qlora", "tests/trace/test_qlora_grid.py", 2,
+         model="llama-3.1-8b", batch=2, seq=1024, precision="amp-bf16", checkpoint="full", qlora=True, lora_rank=64,
+         lora_alpha=128, lora_targets=ALL7, lora_dropout=0.05, **HF),
+    _row("hf-qwen2.5-7b-qlora-qv-bf16", H, "hf_qlora", "tests/trace/test_qlora_grid.py", 2, model="qwen2.5-7b",
+         batch=1, seq=1024, **BF16, qlora=True, lora_rank=16, lora_alpha=32, lora_targets="q,v", lora_dropout=0.0,
+         **HF),
     # -- transformers' own families from shipped config.json files (test_hf_families_trace)
     _row("hf-qwen3-0.6b-lora", H, "hf_family", HFF, 2, model="qwen3-0.6b", batch=1, seq=256, **BF16, lora=True,
          lora_rank=16, lora_alpha=32, lora_targets="all", **HF),

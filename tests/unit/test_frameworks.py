@@ -329,8 +329,28 @@ def test_qlora_targets_cast_their_input_too():
     # source: peft/tuners/lora/bnb.py Linear4bit.forward: outside autocast x is cast to the adapters'
     # dtype (saved by lora_A) as in lora.Linear; the base output is cloned and the branch's output
     # cast back before the add (transients only), so the saved difference is the same as LoRA's
+    # (without prepare_model_for_kbit_training's fp32 casts, as TRL >= 0.20's SFTTrainer runs it: with
+    # them the stream is fp32 already and the cast is no copy)
     rows, d, r = 2 * 256, 256, LoraSpec().rank
-    q32 = estimate(_lora_exp("hf", targets=("q", "k", "v"), qlora=True), timeline=False, replay=False)
-    q16 = estimate(_lora_exp("hf", targets=("q", "k", "v"), qlora=True, dtype="model"), timeline=False, replay=False)
+    q32 = estimate(_no_kbit_cast(_lora_exp("hf", targets=("q", "k", "v"), qlora=True)), timeline=False, replay=False)
+    q16 = estimate(_no_kbit_cast(_lora_exp("hf", targets=("q", "k", "v"), qlora=True, dtype="model")), timeline=False,
+                   replay=False)
     more = q32.extra["max_activation_bytes"] - q16.extra["max_activation_bytes"]
     assert more == 2 * (3 * rows * d * 4 - rows * d * 2 + 3 * rows * r * (4 - 2))
+
+
+def _no_kbit_cast(exp: ExperimentSpec) -> ExperimentSpec:
+    return exp.model_copy(update={"profile": exp.profile.model_copy(update={"qlora_fp32_cast": False})})
+
+
+def test_kbit_cast_makes_every_16_bit_parameter_fp32():
+    # source: peft/utils/other.py prepare_model_for_kbit_training: ``param.data = param.data.to(torch.float32)``
+    # for every fp16/bf16 parameter that is not a bitsandbytes Params4bit: the embedding, the norms and the
+    # untied head (2 more bytes each); the NF4 base and the fp32 adapters are unchanged
+    exp = _lora_exp("hf", qlora=True)
+    m = exp.model
+    frozen = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2) + m.d_model * (2 * m.n_layers + 1)
+    cast = estimate(exp, timeline=False, replay=False).components
+    plain = estimate(_no_kbit_cast(exp), timeline=False, replay=False).components
+    assert cast["frozen base weights"] - plain["frozen base weights"] == 2 * frozen
+    assert cast["frozen base weights (NF4)"] == plain["frozen base weights (NF4)"]

@@ -5,11 +5,9 @@ Saved tensors follow PyTorch's autograd formulas (tools/autograd/derivatives.yam
 these are plain PyTorch ops; where a library kernel is emulated, the docstring names it.
 
 - :class:`Linear`: ``F.linear`` (saves x and W). LoRA as in PEFT ``lora.Linear.forward``:
-  ``base(x) + lora_B(lora_A(dropout(x))) * scale``. QLoRA: the frozen base is NF4-packed
-  uint8 (numel/2 bytes) plus absmax constants (fp32 per block, or with double quantisation
-  uint8 per block + an fp32 scale and offset per 256 blocks), dequantised to the compute
-  dtype inside forward and again in backward; like bitsandbytes ``MatMul4Bit`` only the
-  packed weight is saved.
+  ``base(x) + lora_B(lora_A(dropout(x))) * scale``. QLoRA: the frozen base is stored as
+  bitsandbytes 0.50 lays it out (:class:`NF4Weight`), dequantised to the compute dtype inside
+  forward and again in backward; like bitsandbytes ``MatMul4Bit`` only the packed weight is saved.
 """
 
 from __future__ import annotations
@@ -40,9 +38,11 @@ NF4_CODE = (
 
 # -- QLoRA ---------------------------------------------------------------------------------
 class NF4Weight:
-    """Storage of one 4-bit base weight: ``packed`` uint8 (two codes per byte) and the absmax
-    constants (``absmax`` fp32 per block, or uint8 per block + ``absmax2`` fp32 scale and
-    offset per 256 blocks with double quantisation)."""
+    """Storage of one 4-bit base weight as bitsandbytes 0.50 ``functional.quantize_4bit`` leaves it
+    (each its own allocation; the estimator's ``memcalc.engine.weights.quantized_bytes``): ``packed``
+    uint8 (two codes per byte), ``absmax`` (fp32 per block) and ``code`` (the 16 NF4 values, fp32);
+    with double quantisation ``absmax`` is uint8 per block, ``offset`` a 0-dim fp32, ``absmax2``
+    fp32 per 256 blocks and ``code2`` the 256-value dynamic map (``state2``)."""
 
     def __init__(self, shape: tuple[int, int], block: int, double_quant: bool, device, init: bool) -> None:
         self.shape = shape
@@ -50,20 +50,26 @@ class NF4Weight:
         self.double_quant = double_quant
         n = shape[0] * shape[1]
         blocks = -(-n // block)
-        if init and torch.device(device).type != "meta":
+        real = init and torch.device(device).type != "meta"
+        if real:
             self.packed = torch.randint(0, 256, ((n + 1) // 2,), dtype=torch.uint8, device=device)
         else:
             self.packed = torch.empty(((n + 1) // 2,), dtype=torch.uint8, device=device)
+        self.code = torch.tensor(NF4_CODE, dtype=torch.float32, device=device)
+        self.offset: Optional[torch.Tensor] = None
+        self.absmax2: Optional[torch.Tensor] = None
+        self.code2: Optional[torch.Tensor] = None
         if double_quant:
             self.absmax = torch.empty((blocks,), dtype=torch.uint8, device=device)
-            self.absmax2 = torch.empty((2 * -(-blocks // 256),), dtype=torch.float32, device=device)
-            if init and torch.device(device).type != "meta":
+            self.offset = torch.zeros((), dtype=torch.float32, device=device)
+            self.absmax2 = torch.empty((-(-blocks // 256),), dtype=torch.float32, device=device)
+            self.code2 = torch.linspace(-1.0, 1.0, 256, dtype=torch.float32, device=device)
+            if real:
                 self.absmax.random_(0, 256)
                 self.absmax2.uniform_(0.0, 0.05)
         else:
             self.absmax = torch.empty((blocks,), dtype=torch.float32, device=device)
-            self.absmax2 = None
-            if init and torch.device(device).type != "meta":
+            if real:
                 self.absmax.uniform_(0.0, 0.05)
 
     @property
@@ -71,56 +77,97 @@ class NF4Weight:
         return self.shape[0] * self.shape[1]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.packed, self.absmax, self.absmax2) if t is not None]
+        return [t for t in (self.packed, self.absmax, self.code, self.offset, self.absmax2, self.code2)
+                if t is not None]
 
 
-def dequantize_nf4(q: NF4Weight, packed: torch.Tensor, absmax: torch.Tensor, absmax2: Optional[torch.Tensor],
-                   dtype: torch.dtype) -> torch.Tensor:
-    """The full-size weight in ``dtype``. Like bitsandbytes' ``dequantize_4bit`` kernel only the
-    output is allocated: on ``meta`` nothing else is; on real devices the codes are expanded
-    in chunks of 64K elements (a transient of about 1.5 MiB)."""
-    out = torch.empty(q.shape, dtype=dtype, device=packed.device)
-    if kernel_device(packed) == "meta":
+def blockwise_absmax(q: NF4Weight) -> torch.Tensor:
+    """``dequantize_blockwise(absmax, state2)`` of a double-quantised weight: its uint8 absmax as
+    fp32, one buffer of one element per block (the offset not yet added)."""
+    am = torch.empty(q.absmax.shape, dtype=torch.float32, device=q.absmax.device)
+    assert q.code2 is not None and q.absmax2 is not None
+    if kernel_device(q.absmax) != "meta":
+        g = torch.arange(am.numel(), device=am.device) // 256
+        am.copy_(q.code2[q.absmax.long()] * q.absmax2[g])
+    return am
+
+
+def nested_absmax(q: NF4Weight) -> torch.Tensor:
+    """The fp32 absmax as bitsandbytes ``functional.dequantize_4bit`` makes it:
+    ``dequantize_blockwise(absmax, state2)``, then ``absmax += offset`` (in place)."""
+    am = blockwise_absmax(q)
+    assert q.offset is not None
+    am += q.offset
+    return am
+
+
+def dequantize_nf4(q: NF4Weight, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The full-size weight in ``dtype`` from the fp32 ``absmax``. Like bitsandbytes'
+    ``dequantize_4bit`` kernel only the output is allocated: on ``meta`` nothing else is; on real
+    devices the codes are expanded in chunks of 64K elements (a transient of about 1.5 MiB)."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.packed.device)
+    if kernel_device(q.packed) == "meta":
         return out
     flat = out.view(-1)
-    code = torch.tensor(NF4_CODE, dtype=torch.float32, device=packed.device)
     n, blk = q.numel, q.block
     step = max(1, 65536 // blk) * blk
     for s in range(0, n, step):
         e = min(n, s + step)
         b0, b1 = s // blk, -(-e // blk)
-        hi = packed[s // 2: (e + 1) // 2]
+        hi = q.packed[s // 2: (e + 1) // 2]
         codes = torch.stack(((hi >> 4), (hi & 15)), dim=-1).view(-1)[: e - s].long()
-        am = absmax[b0:b1].float()
-        if absmax2 is not None:
-            g = torch.arange(b0, b1, device=packed.device) // 256
-            am = am / 255.0 * absmax2[2 * g] + absmax2[2 * g + 1]
-        vals = code[codes] * am.repeat_interleave(blk)[: e - s]
+        vals = q.code[codes] * absmax[b0:b1].float().repeat_interleave(blk)[: e - s]
         flat[s:e] = vals.to(dtype)
     return out
 
 
 class Linear4bit(torch.autograd.Function):
-    """bitsandbytes ``MatMul4Bit``: ``linear(x, dequant(W))``; saves only the packed weight."""
+    """bitsandbytes 0.50 ``MatMul4Bit`` (autograd/_functions.py): forward is ``gemm_4bit``'s CUDA
+    ``_dequant_linear_fallback`` (backends/cuda/ops.py: with double quantisation ``absmax_dq`` and
+    ``absmax_dq + offset``, two fp32 buffers per block, then ``B_dq`` and ``F.linear``, all freed as it
+    returns); only the packed weight is saved; backward ``functional.dequantize_4bit`` (the nested
+    absmax, freed before the matmul) and ``grad @ W``."""
 
     @staticmethod
-    def forward(ctx, x, packed, absmax, absmax2, q: NF4Weight, bias):
-        w = dequantize_nf4(q, packed, absmax, absmax2, x.dtype)
+    def forward(ctx, x, packed, q: NF4Weight, bias):
+        absmax = q.absmax
+        if q.double_quant:
+            absmax_dq = blockwise_absmax(q)
+            assert q.offset is not None
+            absmax = absmax_dq + q.offset  # both alive until the fallback returns
+        w = dequantize_nf4(q, absmax, x.dtype)
         out = F.linear(x, w, bias)
-        del w
+        del w, absmax
+        if q.double_quant:
+            del absmax_dq
         ctx.q = q
-        ctx.save_for_backward(packed, absmax, absmax2)
+        ctx.save_for_backward(packed)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        packed, absmax, absmax2 = ctx.saved_tensors
         gx = None
         if ctx.needs_input_grad[0]:
-            w = dequantize_nf4(ctx.q, packed, absmax, absmax2, grad.dtype)
+            q = ctx.q
+            absmax = nested_absmax(q) if q.double_quant else q.absmax
+            w = dequantize_nf4(q, absmax, grad.dtype)
+            del absmax
             gx = grad.matmul(w)
             del w
-        return gx, None, None, None, None, None
+        return gx, None, None, None
+
+
+def kbit_fp32_cast(model: nn.Module) -> None:
+    """PEFT 0.21 ``prepare_model_for_kbit_training`` (peft/utils/other.py) on the replica, before its
+    adapters exist there: every fp16/bf16 parameter that is not 4-bit becomes fp32
+    (``param.data = param.data.to(torch.float32)``); a 4-bit linear's bias is left as it is, since
+    bitsandbytes' ``Linear4bit.forward`` casts it back to the compute dtype in the first step
+    (``bias.data = bias.data.to(x.dtype)``). The estimator's twin: ``memcalc.engine.weights.kbit_dtype``."""
+    keep = {id(mod.bias) for mod in model.modules() if isinstance(mod, Linear) and mod.nf4 is not None}
+    for name, p in model.named_parameters():
+        if "lora_" in name or id(p) in keep or p.dtype not in (torch.float16, torch.bfloat16):
+            continue
+        p.data = p.data.to(torch.float32)
 
 
 # -- projections ---------------------------------------------------------------------------
@@ -171,13 +218,15 @@ class Linear(nn.Module):
         super().__init__()
         self.amp = amp
         self.d_in, self.d_out = d_in, d_out
+        self.compute = dtype  # bnb_4bit_compute_dtype: the weight dtype QLoRA's 16-bit base would have
         self.nf4: Optional[NF4Weight] = None
         if lora is not None and lora.qlora:
             self.nf4 = NF4Weight((d_out, d_in), lora.quant_block, lora.double_quant, device, init)
             self.register_buffer("weight_packed", self.nf4.packed)
-            self.register_buffer("weight_absmax", self.nf4.absmax)
-            if self.nf4.absmax2 is not None:
-                self.register_buffer("weight_absmax2", self.nf4.absmax2)
+            for name, t in (("absmax", self.nf4.absmax), ("code", self.nf4.code), ("offset", self.nf4.offset),
+                            ("absmax2", self.nf4.absmax2), ("code2", self.nf4.code2)):
+                if t is not None:
+                    self.register_buffer(f"weight_{name}", t)
             self.weight = None
         else:
             self.weight = nn.Parameter(torch.empty((d_out, d_in), dtype=dtype, device=device), requires_grad=trainable)
@@ -206,10 +255,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         amp = self.amp
-        if self.nf4 is not None:
-            xc = amp.lp(x)
-            y = Linear4bit.apply(xc, self.weight_packed, self.weight_absmax, getattr(self, "weight_absmax2", None),
-                                 self.nf4, amp.lp(self.bias))
+        if self.nf4 is not None:  # bitsandbytes Linear4bit.forward: x.to(compute), matmul_4bit, .to(inp_dtype)
+            xc = amp.lp(x) if amp.active else x.to(self.compute)
+            y = Linear4bit.apply(xc, self.weight_packed, self.nf4, amp.lp(self.bias)).to(x.dtype)
         else:
             y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
         if self.lora_A is None:
@@ -233,8 +281,9 @@ class Linear(nn.Module):
         lora_weight = F.linear(F.linear(eye, self.lora_A), self.lora_B).T
         lora_weight = lora_weight.to(x.dtype)
         if self.nf4 is not None:  # dequantize_module_weight
-            weight = dequantize_nf4(self.nf4, self.weight_packed, self.weight_absmax,
-                                    getattr(self, "weight_absmax2", None), torch.bfloat16)
+            absmax = nested_absmax(self.nf4) if self.nf4.double_quant else self.nf4.absmax
+            weight = dequantize_nf4(self.nf4, absmax, torch.bfloat16)
+            del absmax
         else:
             weight = self.weight
         weight = weight.to(x.dtype)

@@ -96,7 +96,9 @@ def proj(fwd: ForwardContext, x: T, layer: Optional[int], name: str, short: str,
     lora = fwd.lora
     if lora is not None and lora.qlora and w.weight.itemsize_bits == 4:
         qt = fwd.model.compute.nbytes(w.numel)
-    y = o.linear(x, fwd.rows, w, bias, d_out, quant_transient_bytes=qt)
+        y = _linear_4bit(fwd, x, w, bias, d_out, qt)
+    else:
+        y = o.linear(x, fwd.rows, w, bias, d_out)
     if fwd.tp and short not in ("o", "down"):
         fwd.tp.colwise(fwd, y, x)
     if a_p is None:
@@ -130,6 +132,28 @@ def proj(fwd: ForwardContext, x: T, layer: Optional[int], name: str, short: str,
     bs = o.scale(b, lora.alpha / lora.rank + 1e-12)
     o.drop(b)
     return _lora_out(o, y, bs, cast, quant)
+
+
+def _linear_4bit(fwd: ForwardContext, x: T, w: Param, bias: Optional[Param], d_out: int, deq_bytes: int) -> T:
+    """bitsandbytes 0.50 ``Linear4bit.forward`` (bitsandbytes/nn/modules.py): ``x =
+    x.to(compute_dtype)`` (a copy when x is not in it: an fp32 residual stream after PEFT's
+    ``prepare_model_for_kbit_training``; under autocast the same copy), ``matmul_4bit`` (the
+    dequantised weight, :meth:`Ops.linear`), ``.to(inp_dtype)`` (a copy back when the dtypes
+    differ). With double quantisation ``gemm_4bit`` first dequantises the uint8 absmax into two
+    fp32 buffers of one element per block (backends/cuda/ops.py ``_dequant_linear_fallback``)."""
+    o, lora = fwd.ops, fwd.lora
+    assert lora is not None
+    cast = o.autocast is None and x.itemsize_bits != fwd.model.compute.bits
+    xc = o.cast(x, fwd.model.compute) if cast else x
+    absmax = 4 * -(-w.numel // lora.quant_block) if lora.double_quant else 0
+    y = o.linear(xc, fwd.rows, w, bias, d_out, quant_transient_bytes=deq_bytes, quant_absmax_bytes=absmax)
+    if cast:
+        o.drop(xc)
+    if y.itemsize_bits == x.itemsize_bits:
+        return y
+    back = o.cast(y, o.dtype_of(x))
+    o.drop(y)
+    return back
 
 
 def _lora_out(o: Ops, y: T, bs: T, cast: bool, quant: bool) -> T:

@@ -83,7 +83,6 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     # transformers passes grouped K/V un-expanded (enable_gqa) when use_gqa_in_sdpa holds:
     # no explicit mask, head dim <= 256 (integrations/sdpa_attention.py)
     gqa = n_rep > 1 and fwd.exp.profile.sdpa_gqa and bias is None and D <= 256
-    kernel = o.attention_kernel(bias is not None, q, enable_gqa=gqa)
     if m.positions == "rope":
         q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
     else:
@@ -99,7 +98,9 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     else:
         k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
     o.drop(k2)
-    out = o.sdpa(q2, k3, v3, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel,
+    qa, ka, va = o.autocast_sdpa(q2, k3, v3)
+    kernel = o.attention_kernel(bias is not None, qa, enable_gqa=gqa)
+    out = o.sdpa(qa, ka, va, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel,
                  n_rep=n_rep if gqa else 1)
-    o.drop(q2, k3, v3, bias, vc)
+    o.drop(qa, ka, va, q2, k3, v3, bias, vc)
     return out

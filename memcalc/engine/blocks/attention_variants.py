@@ -253,9 +253,10 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optiona
         o.drop(k2)
         if mask is not None:
             bias, bias_bytes = sdpa_bool_mask(o, mask, fwd.B, fwd.T, q2)
-        kernel = o.attention_kernel(bias is not None, q2)
-        out = o.sdpa(q2, k3, v3, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel)
-        o.drop(q2, k3, v3, bias)
+        qa, ka, va = o.autocast_sdpa(q2, k3, v3)
+        kernel = o.attention_kernel(bias is not None, qa)
+        out = o.sdpa(qa, ka, va, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel)
+        o.drop(qa, ka, va, q2, k3, v3, bias)
     o.drop(vc)
     if views:
         pin_views(sim, n0, views)
