@@ -359,7 +359,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     memcalc.core.errors.UserError: --all lists the combinations that do not fit one GPU; give --gpu too
     """
     from memcalc.inputs.gpus import get_gpu
-    from memcalc.inputs.profiles import plan_profile
+    from memcalc.inputs.profiles import plan_model_profile
     from memcalc.plan.options import check_one_gpu_flags, plan_model
 
     rec = None
@@ -382,8 +382,8 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     if rec is not None:
         notes[:0] = [*rec.lines(), RECIPE_NOTE]
     # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
-    prof, note = plan_profile(profile, framework, torch, loss, loss_chunks, loss_tokens)
-    notes.append(note)
+    m, prof, more = plan_model_profile(m, profile, framework, torch, loss, loss_chunks, loss_tokens)
+    notes += more  # the profile's note; LitGPT's own lm_head (core.rules.framework_model)
     check_one_gpu_flags(gpu, all, compile)
     recipe_doc = rec.as_json() if rec is not None else None
     if gpu is None:

@@ -186,6 +186,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "KernelProfile.gelu_new": ({"model": {"activation": "gelu_new"}}, "chain"),  # four saved tensors, not one
     # transformers' DynamicCache: the V copy is saved instead of the fused q,k,v output's v view (ModelSpec.use_cache)
     "KernelProfile.kv_cache": ({"model": {"fused_qkv": True, "use_cache": True}}, True),
+    # LitGPT's fit() under Fabric: the fp32 logits of convert_output, kept until the next forward returns
+    "KernelProfile.fabric_head": (BF16, True),
 }
 
 
@@ -261,6 +263,9 @@ UNTRACED: dict[str, str] = {
     "ModelSpec.use_cache": "the replica builds no KV cache (a transformers mechanism: DynamicCache); the HF "
                            "harness traces it (tests/trace/test_hf_full_depth.py, the recorded hf rows)",
     "KernelProfile.kv_cache": "the replica builds no KV cache (ModelSpec.use_cache's reason)",
+    "KernelProfile.fabric_head": "LitGPT's finetune step under Lightning Fabric: the replica does not run it; LitGPT's "
+                                 "own code is traced against the estimate by tests/trace/test_litgpt_grid.py "
+                                 "(validate/trainers/litgpt.py)",
     "TrainingSpec.offload_optimizer": "the optimizer state and step on the CPU: the validator does not measure it "
                                       "(runner.py skips it)",
 }

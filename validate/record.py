@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.core.spec import ExperimentSpec
+from memcalc.core.rules import framework_model
 from memcalc.core.units import fmt_bytes
 from memcalc.inputs.profiles import compose
+
+from .trainers import TRAINERS
 
 if TYPE_CHECKING:
     from .step import Measurement
@@ -55,15 +58,23 @@ def hf_estimator_spec(exp: ExperimentSpec) -> ExperimentSpec:
 
 def target_spec(exp: ExperimentSpec, scale_layers: Optional[int], framework: str) -> ExperimentSpec:
     """The spec whose estimate a record compares with: the model as measured (``scale_layers``
-    layers when given), under the HF rules (:func:`hf_estimator_spec`) when ``framework`` is hf,
-    torchtune's when torchtune."""
+    layers when given), under the HF rules (:func:`hf_estimator_spec`) when ``framework`` is hf, a
+    trainer's (torchtune, litgpt: :func:`trainer_estimator_spec`) when it is one."""
     target = exp if scale_layers is None else exp.model_copy(
         update={"model": exp.model.model_copy(update={"n_layers": scale_layers})})
-    if framework == "torchtune":  # torchtune's layer code: FRAMEWORKS["torchtune"] (trainers/torchtune.py)
-        return target.model_copy(update={"profile": compose(target.profile, "torchtune", None)})
-    if framework == "trl":  # TRL's SFT step: the hf rules with TRL's fused head (profiles.FRAMEWORKS["trl"])
-        return target.model_copy(update={"profile": compose(target.profile, "trl", None)})
-    return hf_estimator_spec(target) if framework == "hf" else target
+    if framework == "hf":
+        return hf_estimator_spec(target)
+    if framework in TRAINERS:
+        return trainer_estimator_spec(target, framework)
+    return target
+
+
+def trainer_estimator_spec(exp: ExperimentSpec, framework: str) -> ExperimentSpec:
+    """The spec memcalc estimates for a trainer's traced step (validate/trainers/): the profile's rules
+    of ``framework`` (:func:`memcalc.inputs.profiles.compose`) and the model as that trainer builds it
+    (:func:`memcalc.core.rules.framework_model`: LitGPT's untied head and fused qkv)."""
+    model, _notes = framework_model(exp.model, framework, exp.training.lora)
+    return exp.model_copy(update={"profile": compose(exp.profile, framework, None), "model": model})
 
 
 def pct(a: Optional[int], b: Optional[int]) -> Optional[float]:
@@ -116,5 +127,7 @@ def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, sca
         "framework": meas.framework,
         "transformers_version": meas.transformers_version,
         "peft_version": meas.peft_version,
+        # a trainer's libraries (validate/trainers/): e.g. {"litgpt": "0.5.13", "lightning": "2.6.6"}
+        **({"library_versions": dict(meas.library_versions)} if meas.library_versions else {}),
         "seconds": meas.seconds,
     }

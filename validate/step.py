@@ -56,6 +56,8 @@ class Measurement:
     framework: str = "plain"
     transformers_version: Optional[str] = None
     peft_version: Optional[str] = None
+    #: the trainer's libraries and their versions (validate/trainers/: e.g. litgpt, lightning)
+    library_versions: dict[str, str] = field(default_factory=dict)
     seconds: float = 0.0
     peak_label: str = ""
     phase_peaks: dict[str, int] = field(default_factory=dict)

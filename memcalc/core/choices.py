@@ -36,4 +36,4 @@ FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
 
 #: ``validate --framework``: the frameworks whose own code the validator runs (plain: memcalc's replica;
 #: hf: transformers + PEFT; the others: one module each in validate/trainers/, registered in its TRAINERS)
-TRACED_FRAMEWORKS: tuple[str, ...] = ("plain", "hf", "torchtune", "trl")
+TRACED_FRAMEWORKS: tuple[str, ...] = ("plain", "hf", "torchtune", "trl", "litgpt")

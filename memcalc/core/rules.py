@@ -132,6 +132,35 @@ def loss_token_count(batch: int, seq: int, fraction: float) -> int:
     return min(positions, max(1, math.floor(fraction * positions + 0.5)))
 
 
+#: LitGPT 0.5.13: litgpt/finetune/lora.py ``fit`` runs ``model(input_ids, lm_head_chunk_size=128)`` (the head
+#: in chunks of 128 positions) and litgpt/utils.py ``chunked_cross_entropy(..., chunk_size=128)`` splits the
+#: loss rows by the same count (the validator's LitGPT step and the estimator's litgpt head both read it)
+LITGPT_LM_HEAD_CHUNK = 128
+
+
+def framework_model(m: ModelSpec, framework: str, lora: Optional[LoraSpec] = None,
+                    fuse_qkv: bool = True) -> tuple[ModelSpec, list[str]]:
+    """The model as ``framework``'s own code builds it, and a note per change (the estimate's
+    ``--framework`` and the validator's record both apply it). LitGPT 0.5.13 (litgpt/model.py
+    ``GPT.__init__``): ``lm_head`` is always its own ``nn.Linear`` (the finetune scripts refuse
+    ``train.tie_embeddings``, litgpt/finetune/lora.py ``validate_args``), and
+    ``CausalSelfAttention.qkv`` is one fused projection whose q, k, v are views (so attention saving
+    v keeps the whole qkv output). LoRA on q/k/v (``LoRAQKVLinear``) is modelled as separate adapters
+    over separate projections: the model stays unfused then (and with ``fuse_qkv`` False: ``memcalc
+    plan`` chooses LoRA targets itself)."""
+    if framework != "litgpt":
+        return m, []
+    upd: dict = {}
+    notes = []
+    if m.tie_embeddings:
+        upd["tie_embeddings"] = False
+        notes.append("framework litgpt: LitGPT's GPT builds its own lm_head (litgpt/model.py GPT.__init__): "
+                     "the head is not tied to the embedding")
+    qkv_lora = lora is not None and bool({"q", "k", "v"} & set(lora.targets))
+    if fuse_qkv and not m.fused_qkv and not qkv_lora and m.mla is None:
+        upd["fused_qkv"] = True
+    return (m.model_copy(update=upd) if upd else m), notes
+
 
 # -- activation offloading ------------------------------------------------------------------
 #: torchtune OffloadActivations defaults (min_offload_size, max_fwd_stash_size)

@@ -116,6 +116,13 @@ class KernelProfile(Spec):
         "calls it), so the residual stream runs in fp32 and each 4-bit linear casts its input to the compute "
         "dtype and its output back.",
     )
+    fabric_head: bool = Field(
+        False,
+        description="LitGPT's finetune step under Lightning Fabric (litgpt 0.5.13): the head in 128-position "
+        "chunks under LoRA (lm_head_chunk_size=128), Fabric's convert_output casting the logits to fp32, fit() "
+        "keeping them until the next forward returns, and litgpt.utils.chunked_cross_entropy (memcalc.engine."
+        "blocks.litgpt_head); cross_entropy, loss_chunks, logits_fp32 and shift_copy do not apply.",
+    )
     dropout_mask_bytes: int = Field(DROPOUT_MASK_BYTES, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
     allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")
 

@@ -21,7 +21,7 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.blocks import adapters, chunked_output, embedding, head, trl_head
+from memcalc.engine.blocks import adapters, chunked_output, embedding, head, litgpt_head, trl_head
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -162,6 +162,8 @@ class Forward:
             loss = chunked_output.head_and_loss(self, x)
         elif self.exp.profile.cross_entropy == "trl-fused":  # no logits tensor (blocks/trl_head.py)
             loss = trl_head.fused_loss(self, x)
+        elif self.exp.profile.fabric_head:  # LitGPT's fit() under Fabric (blocks/litgpt_head.py)
+            loss = litgpt_head.head_and_loss(self, x)
         else:
             logits = head.logits(self, x)
             self.strategy.logits(self, logits)

@@ -16,7 +16,8 @@ from typing import Optional
 
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.core.kernels import rmsnorm_for_torch
-from memcalc.core.spec import LOSSES, KernelProfile
+from memcalc.core.rules import framework_model
+from memcalc.core.spec import LOSSES, KernelProfile, ModelSpec
 
 #: what each framework's own layer code decides, with the library source each rule follows.
 #: ``rmsnorm`` None = the PyTorch version's ``nn.RMSNorm`` (:func:`rmsnorm_for_torch`).
@@ -26,7 +27,7 @@ FRAMEWORKS: dict[str, dict] = {
     # repeat_kv before SDPA; adapters in the base's dtype; gelu_new as the fused tanh GELU.
     "plain": dict(rmsnorm=None, logits_fp32=False, shift_copy=True, cross_entropy="full", lora_dtype="model",
                   lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
-                  qlora_fp32_cast=False),
+                  qlora_fp32_cast=False, fabric_head=False),
     # transformers 5.x + PEFT 0.2x:
     # - LlamaRMSNorm (models/llama/modeling_llama.py): hidden.to(fp32) ... ``self.weight *
     #   hidden_states.to(input_dtype)``: casts back before the weight multiply (composite-legacy),
@@ -50,7 +51,7 @@ FRAMEWORKS: dict[str, dict] = {
     #   not a bitsandbytes Params4bit to fp32 (TRL >= 0.20's SFTTrainer no longer calls it: trl below).
     "hf": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="full",
                lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain", kv_cache=True,
-               qlora_fp32_cast=True),
+               qlora_fp32_cast=True, fabric_head=False),
     # torchtune (0.6.1; validate --framework torchtune traces it):
     # - modules/rms_norm.py RMSNorm.forward: ``F.rms_norm(x.float(), ..., weight=self.scale,
     #   eps).to(x.dtype)``: an fp32 input with a 16-bit weight cannot take the fused kernel
@@ -72,7 +73,7 @@ FRAMEWORKS: dict[str, dict] = {
     # Not verified: gelu_new (torchtune has no model using it; fused assumed).
     "torchtune": dict(rmsnorm="composite", logits_fp32=False, shift_copy=False, cross_entropy="chunked",
                       lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
-                      qlora_fp32_cast=False),
+                      qlora_fp32_cast=False, fabric_head=False),
     # LitGPT:
     # - litgpt/model.py RMSNorm: ``x.float()``, ``mean(x * x)``, ``(x_normed * weight.float()).to(dtype)``:
     #   the weight multiply in fp32 (composite);
@@ -81,12 +82,16 @@ FRAMEWORKS: dict[str, dict] = {
     # - litgpt/lora.py LoRALinear: no cast; adapters in the Fabric precision's dtype (``bf16-true``);
     # - litgpt/utils.py chunked_cross_entropy on model-dtype logits (no fp32 upcast); the shift is
     #   ``logits[..., :-1, :]`` then ``reshape`` (a copy).
-    # Not modelled: the finetune scripts' head chunking (``lm_head_chunk_size=128``: the loss in
-    # 128-token chunks -- approximate with --loss chunked --loss-chunks T/128) and LoRA on the
-    # fused qkv projection (LoRAQKVLinear's zero-padding): memcalc keeps separate q, k, v.
+    # - the finetune scripts' step under Lightning Fabric (litgpt 0.5.13; validate --framework litgpt
+    #   traces it): ``fabric_head`` (memcalc.engine.blocks.litgpt_head: lightning/fabric/wrappers.py
+    #   _FabricModule.forward ``convert_output`` casts the logits to fp32; finetune/lora.py and full.py
+    #   ``fit`` keep ``logits`` until the next forward returns; lora.py ``lm_head_chunk_size=128``;
+    #   litgpt/utils.py chunked_cross_entropy), which replaces the loss fields below;
+    # - litgpt/model.py GPT.__init__: an untied lm_head and one fused qkv (core.rules.framework_model).
+    # Not modelled: LoRA on the fused qkv (LoRAQKVLinear's zero-padding): memcalc keeps separate q, k, v.
     "litgpt": dict(rmsnorm="composite", logits_fp32=False, shift_copy=True, cross_entropy="full",
                    lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
-                   qlora_fp32_cast=False),
+                   qlora_fp32_cast=False, fabric_head=True),
     # TRL 1.16.0 SFTTrainer: transformers + PEFT (the hf rules above) with TRL's loss path:
     # - trl/trainer/sft_trainer.py SFTTrainer.__init__: ``add_fused_lm_head(model, outputs=("log_probs",
     #   "entropy", "is_top1"))``; compute_loss (``loss_type="nll"``, the default; "chunked_nll" its
@@ -101,7 +106,7 @@ FRAMEWORKS: dict[str, dict] = {
     "trl": dict(rmsnorm="composite-legacy", logits_fp32=True, shift_copy=False, cross_entropy="trl-fused",
                 lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain",
                 # SFTTrainer.compute_loss (trainer/sft_trainer.py): ``inputs["use_cache"] = False``: no DynamicCache
-                kv_cache=False, qlora_fp32_cast=False),
+                kv_cache=False, qlora_fp32_cast=False, fabric_head=False),
 }
 
 #: why each framework's adapters have the dtype they have (the inputs table's reason for the default)
@@ -238,3 +243,12 @@ def plan_profile(profile: Optional[str] = None, framework: Optional[str] = None,
                if profile is None and framework is None else "")
             + f", PyTorch {prof.torch_version}" + (" (default)" if profile is None and torch is None else ""))
     return prof, note
+
+
+def plan_model_profile(model: ModelSpec, *args) -> tuple[ModelSpec, KernelProfile, list[str]]:
+    """:func:`plan_profile` (``args``: its arguments) and the model as that framework builds it
+    (:func:`memcalc.core.rules.framework_model`; LoRA targets are the plan's to choose, so the qkv
+    stays as the model has it): (model, profile, notes)."""
+    prof, note = plan_profile(*args)
+    model, why = framework_model(model, prof.framework, fuse_qkv=False)
+    return model, prof, [note, *why]

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
+from memcalc.core.rules import framework_model
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
 from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, LORA_DTYPES,
@@ -213,6 +214,8 @@ def resolve(o: Options) -> Resolved:
     for k in TrainingSpec.model_fields:
         origin.setdefault(k, tr.origin.get(k, "default"))
     profile = _loss_flags(o, profile, origin, notes)
+    model, why = framework_model(model, profile.framework, training.lora)  # LitGPT: untied head, fused qkv
+    notes.extend(why)
     exp = _experiment(base, model, training, profile)
     if recipe is None:
         return Resolved(exp, origin, notes, model_source, reasons)

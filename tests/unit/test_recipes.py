@@ -335,3 +335,15 @@ def test_plan_takes_model_seq_framework_from_recipe(monkeypatch):
     monkeypatch.setattr(search, "plan_gpu", spy)
     CliRunner().invoke(app, ["plan", "--recipe", LITGPT, "--gpu", "rtx-4090"])
     assert got == [("llama-3.2-1b", 512, "litgpt")]
+
+
+def test_litgpt_recipe_head_is_untied(monkeypatch):
+    """A LitGPT config-hub file on a model Hugging Face ties (Llama 3.2 1B, tie_word_embeddings true): LitGPT
+    0.5.13 builds its own lm_head whatever the checkpoint (litgpt/model.py GPT.__init__ ``self.lm_head =
+    nn.Linear(...)``; the finetune scripts refuse train.tie_embeddings, litgpt/finetune/lora.py validate_args)."""
+    from memcalc.inputs.presets import load_preset
+
+    assert load_preset("llama-3.2-1b").tie_embeddings
+    res = resolved(["--recipe", LITGPT], monkeypatch)
+    assert res.exp.profile.framework == "litgpt" and not res.exp.model.tie_embeddings
+    assert any("builds its own lm_head" in n for n in res.notes)

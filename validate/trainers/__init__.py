@@ -21,7 +21,7 @@ import importlib
 from types import ModuleType
 
 #: ``--framework`` name -> the module under ``memcalc.validate.trainers`` that runs it
-TRAINERS: dict[str, str] = {"torchtune": "torchtune", "trl": "trl"}
+TRAINERS: dict[str, str] = {"torchtune": "torchtune", "trl": "trl", "litgpt": "litgpt"}
 
 
 def load(framework: str) -> ModuleType:
