@@ -188,6 +188,11 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "KernelProfile.kv_cache": ({"model": {"fused_qkv": True, "use_cache": True}}, True),
     # LitGPT's fit() under Fabric: the fp32 logits of convert_output, kept until the next forward returns
     "KernelProfile.fabric_head": (BF16, True),
+    # Liger's fused linear cross-entropy: no logits kept, grad_input/grad_weight made in forward (memcalc.core.liger)
+    "KernelProfile.kernels": ({**BF16, "profile": {"framework": "hf"}}, "liger"),
+    # without its FLCE, Liger leaves transformers' head and loss (full logits) in place
+    "KernelProfile.liger_ops": ({**BF16, "profile": {"framework": "hf", "kernels": "liger"}},
+                                ("rope", "rms_norm", "glu")),
 }
 
 
@@ -268,6 +273,10 @@ UNTRACED: dict[str, str] = {
                                  "(validate/trainers/litgpt.py)",
     "TrainingSpec.offload_optimizer": "the optimizer state and step on the CPU: the validator does not measure it "
                                       "(runner.py skips it)",
+    "KernelProfile.kernels": "Liger patches transformers' model code: the replica is not it; the real step with Liger "
+                             "applied is traced by tests/trace/test_kernels_grid.py (validate/hf_liger.py)",
+    "KernelProfile.liger_ops": "as KernelProfile.kernels: each kernel subset is traced on transformers' model by "
+                               "tests/trace/test_kernels_grid.py",
 }
 
 #: "Spec.field" -> the measured disagreement (torch 2.13 on meta) and what is known of it: rows traced

@@ -37,6 +37,7 @@ from typing import Callable, Optional
 import torch
 
 from memcalc.core.allocator import CachingAllocatorSim
+from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 
 from .amp import Amp
@@ -75,6 +76,9 @@ def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
         return "--framework hf: checkpoint every-K needs transformers' activation_checkpointing_enable(every_n_layers)"
     if tr.lora is not None and tr.lora.qlora and device == "cpu":
         return "--framework hf: QLoRA runs bitsandbytes' CUDA kernels; traced on meta (their allocations) or run on cuda"
+    if exp.profile.kernels == "liger" and tr.lora is not None and "head" in tr.lora.targets:
+        return ("--kernels liger: the fused cross-entropy reads lm_head.weight directly (liger_kernel "
+                "model/llama.py lce_maybe_trainable_lm_head), so a LoRA adapter on the head is bypassed")
     if tr.lora is not None and tr.lora.dropout and _adapts_experts(exp.model, tr.lora.targets):
         return ("--framework hf: PEFT adapts MoE experts through lora.ParamWrapper, which refuses lora_dropout != 0 "
                 "(peft/tuners/lora/layer.py ParamWrapper.__init__); use --lora-dropout 0 or targets "
@@ -95,6 +99,10 @@ def check_hf(exp: ExperimentSpec) -> None:
     fam = choose_family(exp.model)
     if exp.training.lora is not None:
         peft_targets(fam, exp.training.lora)
+    if exp.profile.kernels == "liger":
+        from .hf_liger import check_liger
+
+        check_liger(exp, fam.model_type)
 
 
 def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None,
@@ -125,6 +133,8 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
             warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations PEFT still calls
             _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None,
                  reentrant, kernels_seen)
+    except UserError as e:  # a setup the kernel library's rules refuse (memcalc.core.liger)
+        meas.status, meas.reason = "skipped", str(e)
     except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
         meas.status = "oom"
         meas.reason = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
@@ -146,6 +156,17 @@ def _decoder_layers(model, n_layers: int):
 
 def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
          sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list]) -> None:
+    if exp.profile.kernels != "liger":
+        return _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen)
+    from .hf_liger import liger_trace
+
+    model_type = choose_family(m).model_type
+    with liger_trace(model_type):
+        _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen)
+
+
+def _run_step(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
+              sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list]) -> None:
     tr = exp.training
     dev_type = torch.device(device).type
     if dev_type == "cuda":
@@ -153,14 +174,19 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     torch.manual_seed(0)
     amp = Amp(torch_dtype(tr.compute_dtype.value) if tr.is_amp else None)
     say(f"building {m.name} ({m.n_layers} layers) with transformers on {device}")
-    model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device,
-                                    compute_dtype=torch_dtype(tr.compute_dtype.value),
-                                    kbit_prepare=exp.profile.qlora_fp32_cast)
+    model, family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device,
+                                   compute_dtype=torch_dtype(tr.compute_dtype.value),
+                                   kbit_prepare=exp.profile.qlora_fp32_cast)
     quant_state: tuple = ()
     if tr.lora is not None and tr.lora.qlora:
         from .hf_qlora import quant_state_tensors
 
         quant_state = tuple(quant_state_tensors(model))
+    if exp.profile.kernels == "liger":  # Trainer.train: apply_liger_kernel, then checkpointing (hf_liger.py)
+        from .hf_liger import apply_liger, check_liger
+
+        check_liger(exp, family.model_type)
+        apply_liger(model, exp)
     if tr.checkpoint in ("full", "every-k"):
         every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x (every_n_layers)

@@ -13,7 +13,8 @@ import typer
 from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Config, Deepspeed,
-                                 Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Lora, LoraAlpha, LoraDropout,
+                                 Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Kernels, Lora, LoraAlpha,
+                                 LoraDropout,
                                  LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, LossTokens, MasterWeights,
                                  MemoryBudget, Model,
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
@@ -36,6 +37,7 @@ def estimate(
     offload_optimizer: OffloadOptimizer = False, sharding: Sharding = None, tp: Tp = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
     deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, loss_tokens: LossTokens = None,
+    kernels: Kernels = None,
     recipe: Recipe = None,
     adapter_config: AdapterConfig = None,
     gpu: Annotated[Optional[list[str]], typer.Option(

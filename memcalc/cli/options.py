@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional
 
 import typer
 
-from memcalc.core.choices import FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS
+from memcalc.core.choices import FRAMEWORKS, KERNEL_LIBRARIES, LORA_DTYPES, LOSSES, PRECISIONS
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
 
@@ -91,6 +91,10 @@ Loss = Annotated[Optional[Literal[LOSSES]], typer.Option(  # type: ignore[valid-
     "--loss", help="Cross-entropy: full, or chunked (the logits rows in --loss-chunks pieces, each upcast to fp32 "
                    "on its own, as torchtune's CEWithChunkedOutputLoss), or trl-fused (TRL's fused LM head on the "
                    "--loss-tokens only, no logits); overrides the profile.")]
+Kernels = Annotated[Optional[Literal[KERNEL_LIBRARIES]], typer.Option(  # type: ignore[valid-type]
+    "--kernels", help="A kernel library that replaces the model's layers, as transformers' Trainer applies it "
+                      "(use_liger_kernel): none (default) or liger (Liger-Kernel's fused linear cross-entropy, "
+                      "RMSNorm, SwiGLU/GeGLU and RoPE for Llama, Mistral, Qwen2 and Gemma; --framework hf).")]
 LossChunks = Annotated[Optional[int], typer.Option(
     "--loss-chunks", help="Chunks of --loss chunked (default 8); overrides the profile.")]
 LossTokens = Annotated[Optional[float], typer.Option(

@@ -15,7 +15,7 @@ import typer
 from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Deepspeed, Dora,
-                                 FusedOptimizer, GradAccum, Json, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
+                                 FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
                                  Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
@@ -36,6 +36,7 @@ def validate(
     lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
     qlora: Qlora = False, profile: Profile = None, loss: Loss = None, loss_chunks: LossChunks = None,
     loss_tokens: LossTokens = None,
+    kernels: Kernels = None,
     recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,
     sequence_parallel: SequenceParallel = False,
     device: Annotated[Optional[str], typer.Option(

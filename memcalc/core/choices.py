@@ -30,6 +30,13 @@ COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)
 LossKind = Literal["full", "chunked", "trl-fused"]
 LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 
+#: ``--kernels``: a kernel library that replaces the model's layers (liger: Liger-Kernel, memcalc.core.liger)
+KernelLibrary = Literal["none", "liger"]
+KERNEL_LIBRARIES: tuple[str, ...] = typing.get_args(KernelLibrary)
+
+#: ``liger_ops`` of the kernel profile: which of Liger's kernels apply (memcalc.core.liger.LIGER_OPS)
+LigerOp = Literal["rope", "rms_norm", "glu", "flce"]
+
 #: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
 Framework = Literal["plain", "hf", "torchtune", "litgpt", "trl"]
 FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)

@@ -81,6 +81,7 @@ CONDITIONAL: dict[str, str] = {
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
     "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
     "KernelProfile.loss_tokens": "cross_entropy full or chunked (the loss runs on every position, ignored or not)",
+    "KernelProfile.liger_ops": "kernels none (no Liger kernel is applied)",
     "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
     "TrainingSpec.sequence_parallel": "tp 1 (no tensor-parallel group to shard the sequence over)",
 }

@@ -20,8 +20,9 @@ from pydantic import Field, model_validator
 
 # the closed vocabularies (Literal types and their values) live in memcalc.core.choices, pydantic-free,
 # so that the CLI builds its choices without importing this module
-from memcalc.core.choices import (COMPILE_SCOPES, FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS, SHARDINGS, Framework,  # noqa: F401
-                                  LoraDType, LossKind, Precision, Sharding)
+from memcalc.core.choices import (COMPILE_SCOPES, FRAMEWORKS, KERNEL_LIBRARIES, LORA_DTYPES, LOSSES,  # noqa: F401
+                                  PRECISIONS, SHARDINGS, Framework, KernelLibrary, LigerOp, LoraDType, LossKind,
+                                  Precision, Sharding)
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES, DROPOUT_MASK_BYTES
 from memcalc.core.model_spec import MLASpec, ModelSpec, MoESpec  # noqa: F401
@@ -123,8 +124,28 @@ class KernelProfile(Spec):
         "keeping them until the next forward returns, and litgpt.utils.chunked_cross_entropy (memcalc.engine."
         "blocks.litgpt_head); cross_entropy, loss_chunks, logits_fp32 and shift_copy do not apply.",
     )
+    kernels: KernelLibrary = Field(
+        "none",
+        description="A kernel library that replaces the model's own layers (framework hf only): none, or liger "
+        "(Liger-Kernel as transformers' Trainer applies it with use_liger_kernel: fused linear cross-entropy, RMSNorm, "
+        "SwiGLU/GeGLU, RoPE per model_type; liger_kernel/transformers/monkey_patch.py, memcalc.core.liger).",
+    )
+    liger_ops: tuple[LigerOp, ...] = Field(
+        ("rope", "rms_norm", "glu", "flce"),
+        description="With kernels liger: which of Liger's kernels are applied (liger_kernel_config / axolotl's "
+        "liger_rope, liger_rms_norm, liger_glu_activation, liger_fused_linear_cross_entropy): rope, rms_norm, glu "
+        "(SwiGLU or GeGLU), flce (fused linear cross-entropy). Inert with kernels none.",
+    )
     dropout_mask_bytes: int = Field(DROPOUT_MASK_BYTES, ge=1, le=4, description="Bytes per element of a dropout mask (CUDA: bool, 1).")
     allocator_round_bytes: int = Field(ALLOCATOR_ROUND_BYTES, ge=1, description="The caching allocator rounds every block up to this.")
+
+
+    @model_validator(mode="after")
+    def _check_kernels(self) -> KernelProfile:
+        if self.kernels != "none" and self.framework != "hf":
+            raise ValueError(f"kernels {self.kernels} runs on transformers' model code: it needs framework hf, "
+                             f"not {self.framework}")
+        return self
 
 
 class ExperimentSpec(Spec):

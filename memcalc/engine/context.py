@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from memcalc.engine.strategy import Walk
 
 if TYPE_CHECKING:
+    from memcalc.core.liger import LigerPlan
     from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
     from memcalc.engine.records import Param
     from memcalc.engine.records import T as Tensor
@@ -60,6 +61,7 @@ class ForwardContext(Walk, Protocol):
     masks: dict[str, Tensor]  # the step's attention masks by kind (attention_variants.build_masks)
     held_masks: list[Tensor]  # masks a checkpointed region holds until its backward
     kv_cache: list[Tensor]  # transformers' DynamicCache: K, V copies held until the loss (rules.kv_cache)
+    liger: Optional[LigerPlan]  # --kernels liger: the Liger kernels that replace the model's code (blocks/liger.py)
 
     @property
     def model(self) -> Weights:

@@ -21,7 +21,8 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
 from memcalc.core.spec import ExperimentSpec
-from memcalc.engine.blocks import adapters, chunked_output, embedding, head, litgpt_head, trl_head
+from memcalc.core.liger import liger_plan
+from memcalc.engine.blocks import adapters, chunked_output, embedding, head, liger, litgpt_head, trl_head
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -76,6 +77,8 @@ class Forward:
         self.variant_layer = is_variant_layer(m)
         self.variant_attention = m.mla is not None or is_attention_variant(m)
         self.q_dim, self.kv_dim, self.dim_head, self.kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
+        qlora = self.tr.lora is not None and self.tr.lora.qlora
+        self.liger = liger_plan(m, exp.profile, self.tr.is_amp, qlora) if exp.profile.kernels == "liger" else None
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -145,7 +148,9 @@ class Forward:
         if self.exp.profile.cross_entropy == "trl-fused":  # TRL's collator also sends the attention mask
             self.ids_labels += (sim.alloc(self.rows * 8, "activations", "inputs"),)
         x = embedding.embed(self, ids)
-        if m.positions == "rope":
+        if m.positions == "rope" and self.liger is not None and self.liger.rope:  # what LigerRopeFunction saves
+            self.rope_tables = liger.rope_tables(self, x)
+        elif m.positions == "rope":
             self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
         x = embedding.embed_dropout(self, x)
         self.masks = av.build_masks(self)
@@ -160,6 +165,8 @@ class Forward:
             sim.offload.active = False
         if self.exp.profile.framework == "torchtune":  # TransformerDecoder.unembed + the recipes' loss
             loss = chunked_output.head_and_loss(self, x)
+        elif self.liger is not None and self.liger.flce:  # Liger's fused linear cross-entropy (blocks/liger.py)
+            loss = liger.flce_loss(self, x)
         elif self.exp.profile.cross_entropy == "trl-fused":  # no logits tensor (blocks/trl_head.py)
             loss = trl_head.fused_loss(self, x)
         elif self.exp.profile.fabric_head:  # LitGPT's fit() under Fabric (blocks/litgpt_head.py)

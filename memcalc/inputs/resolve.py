@@ -34,7 +34,8 @@ from memcalc.core.errors import UserError
 from memcalc.core.rules import framework_model
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
-from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, LORA_DTYPES,
+from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, KERNEL_LIBRARIES,
+                               LORA_DTYPES,
                                LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
                                lora_targets_error)
@@ -76,6 +77,10 @@ class Options:
     loss: Optional[str] = None
     loss_chunks: Optional[int] = None
     loss_tokens: Optional[float] = None
+    #: ``--kernels``: a kernel library replacing the model's layers (liger); ``liger_ops``: which of its kernels
+    #: (a recipe's liger_kernel_config / axolotl plugin keys)
+    kernels: Optional[str] = None
+    liger_ops: Optional[tuple[str, ...]] = None
     zero: Optional[int] = None
     gpus: Optional[int] = None
     offload_optimizer: bool = False
@@ -214,6 +219,7 @@ def resolve(o: Options) -> Resolved:
     for k in TrainingSpec.model_fields:
         origin.setdefault(k, tr.origin.get(k, "default"))
     profile = _loss_flags(o, profile, origin, notes)
+    profile = _kernel_flags(o, profile, origin)
     model, why = framework_model(model, profile.framework, training.lora)  # LitGPT: untied head, fused qkv
     notes.extend(why)
     exp = _experiment(base, model, training, profile)
@@ -374,6 +380,24 @@ def _loss_flags(o: Options, profile: KernelProfile, origin: dict[str, str], note
         # (other values under full are noted in the estimate's assumptions)
         notes.append(f"--loss-chunks {o.loss_chunks} has no effect: the loss is full cross-entropy (add --loss chunked)")
     return profile
+
+
+def _kernel_flags(o: Options, profile: KernelProfile, origin: dict[str, str]) -> KernelProfile:
+    """``--kernels`` (and a recipe's ``liger_ops``) over the profile; Liger runs on transformers' model code only."""
+    if o.kernels is None and o.liger_ops is None:
+        return profile
+    kernels = o.kernels if o.kernels is not None else profile.kernels
+    if kernels not in KERNEL_LIBRARIES:
+        raise UserError(f"unknown --kernels {kernels!r}; valid: {', '.join(KERNEL_LIBRARIES)}")
+    if kernels != "none" and profile.framework != "hf":
+        raise UserError(f"--kernels {kernels} patches transformers' model code: it needs --framework hf, not "
+                        f"{profile.framework}")
+    upd: dict = {"kernels": kernels}
+    origin["kernels"] = "flag"
+    if o.liger_ops is not None:
+        upd["liger_ops"] = tuple(o.liger_ops)
+        origin["liger_ops"] = "flag"
+    return KernelProfile.model_validate({**profile.model_dump(), **upd})
 
 
 def _experiment(base: Optional[ExperimentSpec], model: ModelSpec, training: TrainingSpec,

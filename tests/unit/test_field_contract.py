@@ -113,6 +113,7 @@ NO_EFFECT = [
     ("LoraSpec.dtype", LORA, "fp32"),  # source: fp32 precision: the adapters are fp32 either way
     ("KernelProfile.loss_chunks", {}, 4),  # source: the full loss is not chunked
     ("KernelProfile.loss_tokens", {}, 0.5),  # source: the full loss runs on every position
+    ("KernelProfile.liger_ops", {}, ("flce",)),  # source: kernels none: Trainer applies no Liger kernel
     ("TrainingSpec.sequence_parallel", {}, True),  # source: tp 1, no tensor-parallel group
 ]
 

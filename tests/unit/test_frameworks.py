@@ -91,7 +91,7 @@ def test_framework_and_torch_compose(args, framework, torch, name, origin):
 
 def test_cli_profile_and_framework_compose():
     d = doc_of(["estimate", "--model", "gpt2", "--seq", "64", "--profile", "torch-2.9-cuda", "--framework", "hf"])
-    assert d["inputs"]["profile"] == profile_for("hf", "2.9").model_dump()
+    assert d["inputs"]["profile"] == profile_for("hf", "2.9").model_dump(mode="json")  # (JSON: tuples as lists)
 
 
 def test_reference_configs_keep_plain_and_their_published_peak():

@@ -230,7 +230,6 @@ BAD = [
      "load_in_8bit: an 8-bit (LLM.int8) base is not modelled"),
     ("sft.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nfsdp: full_shard offload\n", 2, "FSDP offload is not modelled"),
     ("sft.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nbf16: true\nfp16: true\n", 2, "bf16 and fp16 are both set"),
-    ("sft.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nuse_liger_kernel: true\n", 2, "Liger's fused kernels"),
     ("sft.json", '{"model_name_or_path": "Qwen/Qwen2.5-7B", "peft_config": {"r": 8, "target_modules": ".*proj"}}', 2,
      "a regular expression (.*proj) is not supported"),
     ("ax.yml", "base_model: mistralai/Mistral-7B-v0.1\nadapter: ia3\n", 2, "ax.yml:adapter: unknown value 'ia3'; valid: lora, qlora"),

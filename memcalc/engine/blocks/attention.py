@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from memcalc.core.rules import kv_cache
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.blocks import attention_variants as av
+from memcalc.engine.blocks import liger
 from memcalc.engine.blocks.base import Linear, Norm, ParamTensor
 from memcalc.engine.blocks.mla import mla_attention, mla_params
 
@@ -83,7 +84,9 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     # transformers passes grouped K/V un-expanded (enable_gqa) when use_gqa_in_sdpa holds:
     # no explicit mask, head dim <= 256 (integrations/sdpa_attention.py)
     gqa = n_rep > 1 and fwd.exp.profile.sdpa_gqa and bias is None and D <= 256
-    if m.positions == "rope":
+    if m.positions == "rope" and fwd.liger is not None and fwd.liger.rope:  # liger_rotary_pos_emb: in place
+        q2, k2 = liger.rope(fwd, q, k)
+    elif m.positions == "rope":
         q2, k2 = o.rope(q, m.rotary_pct), o.rope(k, m.rotary_pct)
     else:
         q2, k2 = o.ref_(q), o.ref_(k)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.blocks.attention_variants import pin_views, split_views, view_map
+from memcalc.engine.blocks import liger
 from memcalc.engine.blocks.base import Linear
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,10 +46,14 @@ def mlp(fwd: ForwardContext, h: T, i: int) -> T:
     if m.mlp == "gated":
         g = fwd.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
         u = fwd.proj(h, i, "mlp.up_proj", "up", m.d_ff)
-        a = o.activation(g, m.activation)
-        o.drop(g)
-        x = o.mul(a, u)
-        o.drop(a, u)
+        if fwd.liger is not None and fwd.liger.glu:  # LigerSwiGLUMLP / LigerGEGLUMLP (blocks/liger.py)
+            x = liger.glu(fwd, g, u)
+            o.drop(g, u)
+        else:
+            a = o.activation(g, m.activation)
+            o.drop(g)
+            x = o.mul(a, u)
+            o.drop(a, u)
         y = fwd.proj(x, i, "mlp.down_proj", "down", m.d_model)
     else:
         f = fwd.proj(h, i, "mlp.fc1", "up", m.d_ff)

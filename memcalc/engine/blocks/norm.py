@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import rmsnorm_mode
+from memcalc.engine.blocks import liger
 from memcalc.engine.blocks.base import Norm, ParamTensor
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +33,8 @@ def norm(fwd: ForwardContext, x: T, name: str) -> T:
     where ``norm_impl`` says so (:func:`memcalc.core.rules.rmsnorm_mode`; CohereLayerNorm as
     ``ops.layernorm_ops``), else the framework's."""
     o, m = fwd.ops, fwd.m
+    if fwd.liger is not None and fwd.liger.rms_norm and m.norm == "rmsnorm":  # LigerRMSNorm (blocks/liger.py)
+        return liger.rms_norm(fwd, x, fwd.p(name + ".weight"))
     if m.norm == "rmsnorm":
         return o.rmsnorm(x, fwd.seq_rows, m.d_model, fwd.p(name + ".weight"), rmsnorm_mode(m, o.profile.rmsnorm))
     if m.norm_impl == "layernorm-ops":

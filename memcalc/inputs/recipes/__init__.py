@@ -29,7 +29,7 @@ ORIGIN_KEYS = {
     "framework": ("framework", "profile"), "loss": ("cross_entropy",), "loss_chunks": ("loss_chunks",),
     "loss_tokens": ("loss_tokens",),
     "zero": ("zero",), "gpus": ("gpus",), "sharding": ("sharding",), "activation_offload": ("activation_offload",),
-    "deepspeed": ("deepspeed",),
+    "deepspeed": ("deepspeed",), "kernels": ("kernels",), "liger_ops": ("liger_ops",),
 }
 #: Options fields that stand for one choice: the user giving any of them keeps the recipe's out of all
 GROUPS = ({"model", "params", "config"}, {"precision", "bf16"}, {"profile", "framework"})

@@ -71,8 +71,9 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
     attention(r, "attn_implementation")
     if r.has("torch_compile") and bool_value(r.get("torch_compile"), f"{src}:torch_compile"):
         r.set("compile", True, "torch_compile")
-    for k in ("liger_fused_linear_cross_entropy", "cut_cross_entropy", "liger_rms_norm", "liger_glu_activation",
-              "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "lora_mlp_kernel", "lora_qkv_kernel",
+    _liger(r)
+    for k in ("cut_cross_entropy", "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "lora_mlp_kernel",
+              "lora_qkv_kernel",
               "lora_o_kernel"):
         if r.has(k) and bool_value(r.get(k), f"{src}:{k}"):
             raise UserError(f"{src}:{k}: custom fused kernels are not modelled; remove it")
@@ -85,6 +86,28 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
         set_fsdp(r, "full_shard auto_wrap", "fsdp_config", "fsdp_config")  # axolotl >= 0.10: fsdp_config alone
     _lora(r)
     r.finish()
+
+
+#: axolotl's Liger plugin keys (axolotl/integrations/liger/args.py LigerArgs) -> liger_ops; the plugin passes each
+#: as the apply function's argument (plugin.py: apply_liger_kernel_to_<model_type>(rope=cfg.liger_rope, ...)),
+#: so a kernel runs only where its key is true
+AXOLOTL_LIGER = {"liger_rope": "rope", "liger_rms_norm": "rms_norm", "liger_glu_activation": "glu",
+                 "liger_fused_linear_cross_entropy": "flce"}
+
+
+def _liger(r: Reader) -> None:
+    """axolotl's Liger plugin keys -> kernels liger with the kernels set true."""
+    src = r.src
+    on = [op for k, op in AXOLOTL_LIGER.items() if r.has(k) and bool_value(r.get(k), f"{src}:{k}")]
+    if r.has("liger_cross_entropy") and bool_value(r.get("liger_cross_entropy"), f"{src}:liger_cross_entropy"):
+        raise UserError(f"{src}:liger_cross_entropy: Liger's cross-entropy on full logits is not modelled; valid: "
+                        "liger_fused_linear_cross_entropy")
+    if r.has("liger_layer_norm") and bool_value(r.get("liger_layer_norm"), f"{src}:liger_layer_norm"):
+        r.rec.note("liger_layer_norm: the families whose Liger kernels are modelled (Llama, Mistral, Qwen2, Gemma) "
+                   "have no LayerNorm; it changes nothing")
+    if on:
+        r.set("kernels", "liger", "liger_*", True)
+        r.set("liger_ops", tuple(on), ", ".join(k for k, op in AXOLOTL_LIGER.items() if op in on), True)
 
 
 def _precision(r: Reader) -> None:

@@ -143,13 +143,40 @@ def _optim_args(r: Reader) -> dict[str, str]:
     return {kv[0]: kv[1] for kv in pairs}
 
 
+#: ``liger_kernel_config`` keys (the ``apply_liger_kernel_to_<model_type>`` keyword arguments) -> ``liger_ops``
+LIGER_CONFIG = {"rope": "rope", "rms_norm": "rms_norm", "swiglu": "glu", "geglu": "glu",
+                "fused_linear_cross_entropy": "flce"}
+
+
 def _liger(r: Reader, strict: bool) -> None:
-    for k in ("use_liger_kernel", "use_liger"):
-        if r.has(k) and bool_value(r.get(k), f"{r.src}:{k}"):
-            why = "Liger's fused kernels (fused linear cross-entropy, RMSNorm, SwiGLU) are not modelled"
-            if strict:
-                raise UserError(f"{r.src}:{k}: {why}; remove it")
-            r.rec.note(f"{k}: {why}; the estimate is without them")
+    """``use_liger_kernel`` (TrainingArguments, and so TRL's SFTConfig; ``use_liger``: TRL's former name) -> kernels
+    liger, and ``liger_kernel_config`` (the keyword arguments Trainer passes to ``_apply_liger_kernel_to_instance``,
+    transformers 5.24 integrations/liger.py; each defaults to True in liger_kernel's apply functions) -> which
+    kernels."""
+    key = next((k for k in ("use_liger_kernel", "use_liger") if r.has(k) and bool_value(r.get(k), f"{r.src}:{k}")),
+               None)
+    cfg = r.get("liger_kernel_config")
+    if key is None:
+        return
+    r.set("kernels", "liger", key, True)
+    if cfg is None:
+        return
+    if not isinstance(cfg, dict):
+        raise UserError(f"{r.src}:liger_kernel_config: expected a mapping of kernel names to true/false, got "
+                        f"{clip(repr(cfg))}")
+    ops = {"rope", "rms_norm", "glu", "flce"}
+    for k, v in cfg.items():
+        on = bool_value(v, f"{r.src}:liger_kernel_config.{k}")
+        r.read.add(f"liger_kernel_config.{k}")
+        if k == "cross_entropy" and on:
+            raise UserError(f"{r.src}:liger_kernel_config.cross_entropy: Liger's cross-entropy on full logits is not "
+                            "modelled; valid: fused_linear_cross_entropy (the default)")
+        if k in LIGER_CONFIG:
+            (ops.add if on else ops.discard)(LIGER_CONFIG[k])
+        elif k != "cross_entropy":
+            raise UserError(f"{r.src}:liger_kernel_config.{k}: not a Liger kernel memcalc models; valid: "
+                            f"{', '.join([*LIGER_CONFIG, 'cross_entropy'])}")
+    r.set("liger_ops", tuple(o for o in ("rope", "rms_norm", "glu", "flce") if o in ops), "liger_kernel_config", cfg)
 
 
 def dtype_of(r: Reader) -> Any:
