@@ -15,8 +15,8 @@ import typer
 from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Deepspeed, Dora,
-                                 FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank, LoraTargets,
-                                 Loss, LossChunks,
+                                 FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
+                                 LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS

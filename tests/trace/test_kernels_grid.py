@@ -64,14 +64,14 @@ def test_liger_leaves_transformers_as_it_was():
     from transformers.models.llama import modeling_llama
 
     before = (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP)
-    name, exp = ITEMS[0]
+    _name, exp = ITEMS[0]
     assert measure_hf(exp, "meta").status == "ok"
     assert (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == before
 
 
 def test_liger_refuses_what_it_does_not_model():
     """A family outside memcalc.core.liger's, or autocast: skipped with the estimator's one-line reason."""
-    name, exp = ITEMS[0]
+    _name, exp = ITEMS[0]
     amp = exp.model_copy(update={"training": exp.training.model_copy(update={"precision": "amp-bf16"})})
     meas = measure_hf(amp, "meta")
     assert meas.status == "skipped" and "under autocast" in meas.reason
