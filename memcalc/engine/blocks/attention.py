@@ -105,5 +105,6 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     kernel = o.attention_kernel(bias is not None, qa, enable_gqa=gqa)
     out = o.sdpa(qa, ka, va, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel,
                  n_rep=n_rep if gqa else 1)
+    out = av.output_copy(fwd, out, kernel)  # flash on a partial-rotary q: (B, H, T, D), transposed by a copy
     o.drop(qa, ka, va, q2, k3, v3, bias, vc)
     return out

@@ -212,6 +212,26 @@ def _layernorm_per_head_weight(o: Ops, x: T, rows: int, d: int, w: Param) -> T:
 
 
 # -- the attention core ----------------------------------------------------------------------
+def output_copy(fwd: ForwardContext, out: T, kernel: str) -> T:
+    """``attn_output.transpose(1, 2).contiguous()`` (integrations/sdpa_attention.py
+    ``sdpa_attention_forward``; the replica's ``reshape``) after SDPA: no copy when the kernel's
+    output is a transposed view of a (B, T, H, D) buffer, a copy otherwise. Flash allocates its
+    output like q (flash_api.cpp ``mha_fwd``: ``empty_like`` of q transposed; the meta kernel
+    ``torch.empty_like(query)``): partial rotary builds q by ``torch.cat([q_embed, q_pass], -1)``
+    (modeling_gpt_neox.py / modeling_phi.py / modeling_stablelm.py ``apply_rotary_pos_emb``), a
+    contiguous (B, H, T, D) tensor, so the output is (B, H, T, D) and the transpose copies (the
+    o projection then saves the copy for its weight's gradient). The memory-efficient kernel
+    always returns a (B, T, H, D) buffer. Returns ``out`` or its copy (``out`` dropped)."""
+    m = fwd.m
+    if kernel != "flash" or m.positions != "rope" or m.rotary_pct >= 1:
+        return out
+    o = fwd.ops
+    y = o.new(out.numel, o.dtype_of(out))
+    o.sim.node("contiguous", [], [out], [], [y])
+    o.drop(out)
+    return y
+
+
 def cache_update(fwd: ForwardContext, k: T, v: T) -> tuple[T, T]:
     """``key_states, value_states = cache.update(key_states, value_states, layer_idx)`` when the
     forward fills a KV cache (:func:`memcalc.core.rules.kv_cache`): K (after RoPE) and V are copied
@@ -256,6 +276,7 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optiona
         qa, ka, va = o.autocast_sdpa(q2, k3, v3)
         kernel = o.attention_kernel(bias is not None, qa)
         out = o.sdpa(qa, ka, va, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel)
+        out = output_copy(fwd, out, kernel)
         o.drop(qa, ka, va, q2, k3, v3, bias)
     o.drop(vc)
     if views:
