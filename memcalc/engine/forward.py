@@ -169,6 +169,8 @@ class Forward:
             loss = liger.flce_loss(self, x)
         elif self.exp.profile.cross_entropy == "trl-fused":  # no logits tensor (blocks/trl_head.py)
             loss = trl_head.fused_loss(self, x)
+            if sim.offload is not None:  # TRL's context stays open in backward, where checkpoint recomputation
+                sim.offload.active = False  # saves through its own innermost hooks (torch/utils/checkpoint.py)
         elif self.exp.profile.fabric_head:  # LitGPT's fit() under Fabric (blocks/litgpt_head.py)
             loss = litgpt_head.head_and_loss(self, x)
         else:

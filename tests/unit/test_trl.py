@@ -4,6 +4,7 @@ recipes, on the command line: (args, exit code, message) rows. The trace side is
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -12,7 +13,8 @@ from conftest import one_line_error
 from memcalc.cli import app
 
 runner = CliRunner()
-SMALL = ["estimate", "--model", "gpt2", "--bf16", "--seq", "256", "--json"]
+SPEC = str(Path(__file__).parent.parent / "fixtures" / "tiny-rope.yaml")  # 2 layers: milliseconds per estimate
+SMALL = ["estimate", "--model", SPEC, "--bf16", "--seq", "256", "--json"]
 
 
 def peak(args: list[str]) -> int:
@@ -55,7 +57,7 @@ def test_an_sft_config_selects_trl(tmp_path):
     # source: trl 1.16 SFTConfig: max_length, activation_offloading, completion_only_loss are TRL keys
     f = _recipe(tmp_path, {"per_device_train_batch_size": 2, "max_length": 512, "activation_offloading": True,
                            "completion_only_loss": True, "torch_dtype": "bfloat16", "output_dir": "out"})
-    r = runner.invoke(app, ["estimate", "--model", "gpt2", "--recipe", f, "--json"])
+    r = runner.invoke(app, ["estimate", "--model", SPEC, "--recipe", f, "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     inputs = json.dumps(out)
@@ -67,7 +69,7 @@ def test_an_sft_config_selects_trl(tmp_path):
 def test_dft_loss_is_refused(tmp_path):
     # source: loss_type "dft" keeps one more (B, T-1) fp32 tensor (sft_trainer.py compute_loss): not modelled
     f = _recipe(tmp_path, {"max_length": 512, "loss_type": "dft", "output_dir": "out"})
-    one_line_error(runner.invoke(app, ["estimate", "--model", "gpt2", "--recipe", f]), 2, "loss_type 'dft'")
+    one_line_error(runner.invoke(app, ["estimate", "--model", SPEC, "--recipe", f]), 2, "loss_type 'dft'")
 
 
 def test_plain_training_arguments_stay_hf(tmp_path):

@@ -291,6 +291,12 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
         if offload is not None:  # SFTTrainer.training_step: the whole step inside the context
+            # TRL's OffloadActivations.__enter__ first drops what the last step left (trl/models/
+            # activation_offloading.py: tracker, stashes; saved tensors of nodes backward never reached)
+            offload.tracker.clear()
+            offload.fwd_stash.clear()
+            offload.bwd_stash.clear()
+            offload.tensor_id, offload.first_backward_call = 0, True
             offload.__enter__()
         return SFTTrainer.compute_loss(trainer, model, inputs)  # type: ignore[arg-type]
 
