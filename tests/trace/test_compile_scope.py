@@ -67,3 +67,25 @@ def test_layer_scope_matches_meta_trace(preset, layers, tr):
         hgap = 100 * (host - meas.host_activation_bytes) / meas.host_activation_bytes
         assert abs(hgap) <= HOST_TOLERANCE_PCT, (f"host bytes {host:,} vs traced {meas.host_activation_bytes:,}: "
                                                  f"{hgap:+.2f}%")
+
+
+def test_compiled_chunk_saves():
+    """torchtune's compile_loss compiles ``CEWithChunkedOutputLoss.compute_cross_entropy``: PyTorch's
+    partition of one chunk (on CPU, real tensors; inductor's decompositions and min-cut partitioner)
+    saves the 16-bit logits, the labels and two (rows, 1) fp32 row reductions: no fp32 copy, no
+    log-probabilities (memcalc/engine/blocks/compiled_loss.py follows this)."""
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    from memcalc.validate.compiled import meta_backend
+
+    torch._dynamo.reset()
+    loss = CEWithChunkedOutputLoss()
+    fn = torch.compile(loss.compute_cross_entropy, backend=meta_backend())
+    x = torch.randn(64, 1000, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.zeros(64, dtype=torch.long)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        fn(x, labels)
+    torch._dynamo.reset()
+    assert sorted(saved, key=str) == sorted([((64, 1000), torch.bfloat16), ((64,), torch.int64),
+                                             ((64, 1), torch.float32), ((64, 1), torch.float32)], key=str)

@@ -45,6 +45,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memcalc.core.dtypes import DType
+from memcalc.engine.blocks.compiled_loss import compiled_cross_entropy, compiles_loss
 from memcalc.engine.blocks.head import CATEGORY, lm_loss, logits
 from memcalc.engine.sim import T
 
@@ -81,6 +82,7 @@ def whole_head(fwd: ForwardContext, x: T) -> T:
         fwd.sim.node("to_fp32", [], [y], [], [yf])
         o.drop(y)
         y = yf
+    # (compile_loss compiles this CrossEntropyLoss whole: modelled eagerly, its compiled graph not traced yet)
     out = lm_loss(o, y, fwd.B, fwd.T, fwd.m.vocab_size)
     o.category = "saved activations"
     o.drop(y)
@@ -123,6 +125,10 @@ def chunked_head(fwd: ForwardContext, x: T) -> T:
     o.category = CATEGORY
     total = None
     for y in outs:
+        if compiles_loss(fwd):  # training.compile_loss compiles compute_cross_entropy (compiled_loss.py)
+            part = compiled_cross_entropy(fwd, y, y.numel // m.vocab_size)
+            total = part if total is None else _add(fwd, total, part)
+            continue
         yf = o.new(y.numel, DType.fp32, CATEGORY)  # logits.float()
         sim.node("to_fp32", [], [y], [], [yf], grad_input_bytes=[dt.nbytes(y.numel)])
         lsm = o.new(y.numel, DType.fp32, CATEGORY)
@@ -131,13 +137,7 @@ def chunked_head(fwd: ForwardContext, x: T) -> T:
         part = o.new(1, DType.fp32, CATEGORY)
         sim.node("nll_loss", [], [lsm], [], [part])
         o.drop(lsm)
-        if total is None:
-            total = part
-        else:  # total_loss += ...: add's backward hands the same gradient on (no new bytes)
-            s = o.new(1, DType.fp32, CATEGORY)
-            sim.node("add", [], [total, part], [], [s], grad_input_bytes=[0, 0])
-            o.drop(total, part)
-            total = s
+        total = part if total is None else _add(fwd, total, part)
     assert total is not None
     loss = o.new(1, DType.fp32, CATEGORY)  # total_loss / total_elements
     sim.node("div", [], [total], [], [loss])
@@ -145,3 +145,12 @@ def chunked_head(fwd: ForwardContext, x: T) -> T:
     o.drop(*outs)  # the recipe's ``del logits``
     o.category = "saved activations"
     return loss
+
+
+def _add(fwd: ForwardContext, total: T, part: T) -> T:
+    """``total_loss += ...``: add's backward hands the same gradient on (no new bytes)."""
+    o = fwd.ops
+    s = o.new(1, DType.fp32, CATEGORY)
+    fwd.sim.node("add", [], [total, part], [], [s], grad_input_bytes=[0, 0])
+    o.drop(total, part)
+    return s

@@ -1,0 +1,50 @@
+"""A cross-entropy compiled apart: torchtune's ``training.compile_loss`` (torchtune 0.6.1).
+
+torchtune/training/_compile.py ``compile_loss``: for ``CEWithChunkedOutputLoss`` only
+``compute_cross_entropy`` (``F.cross_entropy(logits.float(), labels, reduction="sum")``, one chunk)
+is compiled, "not the chunking"; any other loss is compiled whole. The recipes call it when
+``compile`` is set (recipes/full_finetune_single_device.py and lora_finetune_single_device.py
+``setup``), which memcalc's ``compile_scope layer`` stands for.
+
+What the compiled chunk saves is AOTAutograd's min-cut partition of its joint graph (inductor's
+decompositions: ``_log_softmax`` as ``x - amax - log(sum(exp(x - amax)))``, ``nll_loss_forward``):
+the upcast and the log-probabilities are pointwise, so the backward recomputes them; the two row
+reductions are banned from recomputation (``should_ban_recomputation``: a reduction four times
+smaller than its input) and saved. Traced on CPU with PyTorch 2.13 (tests/trace/test_compile_scope.py
+``test_compiled_chunk_saves``): the chunk's 16-bit logits (a graph input: kept alive, not copied),
+the labels, and two (rows, 1) fp32 tensors. So per chunk, where the eager loss keeps the fp32
+log-probabilities (rows x V x 4 bytes), the compiled one keeps the 16-bit logits past the recipe's
+``del logits`` (rows x V x 2) and 8 bytes a row; its forward materialises no fp32 copy (the upcast
+is fused into the reductions), and its backward returns the 16-bit gradient of the chunk directly.
+The labels (rows x 8 bytes, the batch's own or a reshaped copy) are left out, as in the eager rule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from memcalc.core.dtypes import DType
+from memcalc.engine.blocks.head import CATEGORY
+from memcalc.engine.sim import T
+
+if TYPE_CHECKING:  # pragma: no cover
+    from memcalc.engine.context import ForwardContext
+
+
+def compiles_loss(fwd: ForwardContext) -> bool:
+    """Whether the trainer compiles its loss apart (``compile_scope layer``: torchtune's
+    ``compile_loss`` beside ``compile_model``)."""
+    return fwd.tr.compile and fwd.tr.compile_scope == "layer"
+
+
+def compiled_cross_entropy(fwd: ForwardContext, y: T, rows: int) -> T:
+    """One compiled ``F.cross_entropy(y.float(), labels, reduction="sum")`` over ``rows`` rows of
+    logits ``y``: saves ``y`` and the two row statistics; returns the summed loss (the caller
+    drops its own reference to ``y``)."""
+    o = fwd.ops
+    stats = [o.new(rows, DType.fp32, CATEGORY), o.new(rows, DType.fp32, CATEGORY)]  # amax, logsumexp
+    part = o.new(1, DType.fp32, CATEGORY)
+    fwd.sim.node("compiled_cross_entropy", [y, *stats], [y], [], [part],
+                 grad_input_bytes=[-(-y.numel * y.itemsize_bits // 8)])
+    o.drop(*stats)
+    return part
