@@ -55,6 +55,7 @@ SETUPS = (
     ("phi", "o", "fp32", 2, 320, "none"),
     ("phi", "o,up,down", "bf16", 2, 320, "full"),
     ("phi", "q,v", "bf16", 2, 320, "none"),
+    ("phi", "q,k,v,o", "amp-bf16", 3, 320, "none"),
     ("stablelm", "full", "bf16", 2, 320, "none"),
     ("stablelm", "full", "bf16", 4, 128, "none"),
     ("stablelm", "full", "amp-bf16", 1, 320, "none"),
@@ -65,6 +66,7 @@ SETUPS = (
     ("stablelm", "o,gate,up,down", "fp32", 4, 128, "none"),
     ("stablelm", "o,gate,up,down", "bf16", 2, 100, "full"),
     ("stablelm", "q,v", "bf16", 2, 320, "none"),
+    ("stablelm", "k", "fp32", 1, 100, "full"),
 )
 
 

@@ -145,9 +145,9 @@ def framework_model(m: ModelSpec, framework: str, lora: Optional[LoraSpec] = Non
     ``GPT.__init__``): ``lm_head`` is always its own ``nn.Linear`` (the finetune scripts refuse
     ``train.tie_embeddings``, litgpt/finetune/lora.py ``validate_args``), and
     ``CausalSelfAttention.qkv`` is one fused projection whose q, k, v are views (so attention saving
-    v keeps the whole qkv output). LoRA on q/k/v (``LoRAQKVLinear``) is modelled as separate adapters
-    over separate projections: the model stays unfused then (and with ``fuse_qkv`` False: ``memcalc
-    plan`` chooses LoRA targets itself)."""
+    v keeps the whole qkv output); LoRA targets q, k, v are then the parts of its ``LoRAQKVLinear``
+    (memcalc.engine.blocks.litgpt_lora). ``fuse_qkv`` False keeps the qkv as it is (``memcalc plan``
+    chooses LoRA targets itself)."""
     if framework != "litgpt":
         return m, []
     upd: dict = {}
@@ -156,8 +156,7 @@ def framework_model(m: ModelSpec, framework: str, lora: Optional[LoraSpec] = Non
         upd["tie_embeddings"] = False
         notes.append("framework litgpt: LitGPT's GPT builds its own lm_head (litgpt/model.py GPT.__init__): "
                      "the head is not tied to the embedding")
-    qkv_lora = lora is not None and bool({"q", "k", "v"} & set(lora.targets))
-    if fuse_qkv and not m.fused_qkv and not qkv_lora and m.mla is None:
+    if fuse_qkv and not m.fused_qkv and m.mla is None:
         upd["fused_qkv"] = True
     return (m.model_copy(update=upd) if upd else m), notes
 

@@ -122,7 +122,8 @@ class KernelProfile(Spec):
         description="LitGPT's finetune step under Lightning Fabric (litgpt 0.5.13): the head in 128-position "
         "chunks under LoRA (lm_head_chunk_size=128), Fabric's convert_output casting the logits to fp32, fit() "
         "keeping them until the next forward returns, and litgpt.utils.chunked_cross_entropy (memcalc.engine."
-        "blocks.litgpt_head); cross_entropy, loss_chunks, logits_fp32 and shift_copy do not apply.",
+        "blocks.litgpt_head); cross_entropy, loss_chunks, logits_fp32 and shift_copy do not apply. LoRA targets "
+        "q, k, v on a fused qkv are the parts of LitGPT's LoRAQKVLinear (memcalc.engine.blocks.litgpt_lora).",
     )
     kernels: KernelLibrary = Field(
         "none",
@@ -174,7 +175,10 @@ class ExperimentSpec(Spec):
     @model_validator(mode="after")
     def _check_lora_targets(self) -> "ExperimentSpec":
         lora = self.training.lora
-        missing = [t for t in lora.targets if t not in self.model.lora_targets and t != HEAD_TARGET] if lora is not None else []
+        # LitGPT's LoRAQKVLinear adapts the q, k, v parts of its fused qkv (fabric_head: LitGPT's step)
+        parts = {"q", "k", "v"} if self.profile.fabric_head and self.model.fused_qkv else set()
+        missing = [t for t in lora.targets if t not in self.model.lora_targets and t != HEAD_TARGET and t not in parts
+                   ] if lora is not None else []
         if missing:
             raise ValueError(lora_targets_error(self.model, missing))
         moe = self.model.moe

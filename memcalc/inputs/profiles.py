@@ -88,7 +88,7 @@ FRAMEWORKS: dict[str, dict] = {
     #   ``fit`` keep ``logits`` until the next forward returns; lora.py ``lm_head_chunk_size=128``;
     #   litgpt/utils.py chunked_cross_entropy), which replaces the loss fields below;
     # - litgpt/model.py GPT.__init__: an untied lm_head and one fused qkv (core.rules.framework_model).
-    # Not modelled: LoRA on the fused qkv (LoRAQKVLinear's zero-padding): memcalc keeps separate q, k, v.
+    # - litgpt/lora.py LoRAQKVLinear: LoRA on q/k/v as parts of the fused qkv (memcalc.engine.blocks.litgpt_lora).
     "litgpt": dict(rmsnorm="composite", logits_fp32=False, shift_copy=True, cross_entropy="full",
                    lora_dtype="model", lora_input_cast=False, sdpa_gqa=False, gelu_new="fused", kv_cache=False,
                    qlora_fp32_cast=False, fabric_head=True),

@@ -27,20 +27,10 @@ from memcalc.validate.trainers.litgpt import measure  # noqa: E402
 #: issue 27: "agree with memcalc estimate within 2% on the CI grids"
 TOLERANCE_PCT = 2.0
 
-#: LoRA on q/k/v of a multi-head (not grouped) model: LitGPT's LoRAQKVLinear (litgpt/lora.py) adds its
-#: branch to the fused qkv output, whose v view SDPA saves (the whole (B, T, 3d) sum stays alive), and
-#: zero_pad's index_copy_ saves its source (the conv1d output) for backward; the estimator models separate
-#: q/k/v adapters over separate projections (core.rules.framework_model keeps the model unfused then)
-QKV_LORA_MHA = ("LoRAQKVLinear on a multi-head model: the fused qkv sum kept by SDPA's v view and the "
-                "zero-padded conv1d output saved by index_copy_ are not modelled (separate q/k/v adapters)")
-GAPS = {"phi lora q,v bf16 2x320": QKV_LORA_MHA, "stablelm lora q,v bf16 2x320": QKV_LORA_MHA}
-
 ITEMS = grid()
 
 
-@pytest.mark.parametrize("name,exp", [pytest.param(n, e, marks=[pytest.mark.xfail(reason=GAPS[n], strict=True)]
-                                                   if n in GAPS else []) for n, e in ITEMS],
-                         ids=[n for n, _ in ITEMS])
+@pytest.mark.parametrize("name,exp", ITEMS, ids=[n for n, _ in ITEMS])
 def test_litgpt_estimate_matches_the_litgpt_trace(name, exp):
     meas = measure(exp, "meta")
     assert meas.status == "ok", meas.reason

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import LoraSpec, ModelSpec
+from memcalc.engine.blocks import litgpt_lora
 from memcalc.engine.blocks.base import Linear, ParamTensor
 from memcalc.engine.ops import Ops
 from memcalc.engine.sim import Param, T
@@ -67,7 +68,10 @@ def projection_params(m: ModelSpec, i: int, lora: Optional[LoraSpec], out: list[
             out.append(ParamTensor(f"layers.{i}.{name}.bias", (d_out,), i, full, "bias"))
         if to_experts and short in ("gate", "up", "down"):
             return
-        if lora is not None and short in lora.targets:
+        if short == "qkv" and litgpt_lora.qkv_parts(m, lora):  # LitGPT's LoRAQKVLinear (blocks/litgpt_lora.py)
+            assert lora is not None
+            out.extend(litgpt_lora.qkv_adapter_params(f"layers.{i}.{name}", m, i, lora))
+        elif lora is not None and short in lora.targets:
             out.extend(adapter_params(f"layers.{i}.{name}", d_in, d_out, i, lora))
     return linear
 
@@ -104,6 +108,8 @@ def proj(fwd: ForwardContext, x: T, layer: Optional[int], name: str, short: str,
     if a_p is None:
         return y
     assert lora is not None
+    if short == "qkv" and litgpt_lora.qkv_parts(fwd.m, lora):  # LitGPT's LoRAQKVLinear
+        return litgpt_lora.qkv_branch(fwd, x, y, a_p, fwd.p(base + ".lora_B"), d_out)
     peft = fwd.exp.profile.lora_input_cast
     # PEFT's bnb Linear4bit.forward (peft/tuners/lora/bnb.py) differs for a 4-bit base: the
     # base output is cloned (``result.clone()``), and the casts happen only outside autocast

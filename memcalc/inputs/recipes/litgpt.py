@@ -117,5 +117,3 @@ def _lora(r: Reader) -> None:
     if not targets:
         raise UserError(f"{src}: every lora_* switch is false; LoRA needs at least one of {', '.join(PARTS)}")
     r.set("lora_targets", ",".join(targets), "lora_query/key/value/projection/mlp/head")
-    r.rec.note("LitGPT's LoRA on the fused qkv projection (one adapter, LoRAQKVLinear) is modelled as separate "
-               "q/k/v adapters of the same ranks (its fused layout is not modelled yet)")
