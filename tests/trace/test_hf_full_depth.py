@@ -93,3 +93,19 @@ def test_the_config_file_given_is_traced() -> None:
     (g_on, _, t_on), (g_off, _, t_off) = _gap(on), _gap(off)
     assert t_off < t_on, (t_off, t_on)
     assert abs(g_on) <= TOLERANCE_PCT and abs(g_off) <= TOLERANCE_PCT, (g_on, g_off)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "LoRA on every projection with lora_dropout under checkpointing (Mistral-7B-v0.3, 4x4096, 2 layers): estimate "
+    "-4.1% (-389 MB; -1.43% at full depth, the same bytes: one step-constant transient, not per layer). At the "
+    "recomputed layer's peak the trace holds one (B, T, d) fp32 and one (B, T, d) bf16 tensor more than the "
+    "simulation (validate debug peak_live: mul.Tensor / add.Tensor / mm outputs in backward); without dropout the "
+    "row is +0.15%. Mechanism not pinned down yet"))
+def test_lora_dropout_all_targets_under_checkpointing() -> None:
+    raw = load_named("hf_configs", "mistralai--Mistral-7B-v0.3")
+    m = from_hf_config(raw, "mistral").model_copy(update={"n_layers": 2})
+    lora = LoraSpec(rank=16, alpha=32, targets=("q", "k", "v", "o", "gate", "up", "down"), dropout=0.05)
+    tr = TrainingSpec(batch=4, seq=4096, precision="bf16", checkpoint="full", lora=lora)
+    exp = ExperimentSpec(name="mistral", model=m, training=tr, profile=get_profile(HF_ESTIMATOR_PROFILE))
+    gap, pred, traced = _gap(exp)
+    assert abs(gap) <= TOLERANCE_PCT, f"estimate {pred} vs traced {traced} ({gap:+.2f}%)"
