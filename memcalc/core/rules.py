@@ -86,6 +86,30 @@ def rope_width(m: ModelSpec) -> int:
     return m.mla.qk_rope_head_dim if m.mla is not None else m.rotary_dim
 
 
+def torchtune_rope_buffers(m: ModelSpec) -> tuple[int, int]:
+    """The bytes of torchtune's RoPE buffers, one module shared by every layer (the component
+    builders make one ``rope`` and pass it to each layer): ``theta`` (head_dim / 2 fp32) and
+    ``cache`` = ``torch.stack([cos, sin], dim=-1)`` over ``max_seq_len`` positions, (max_seq_len,
+    head_dim / 2, 2) fp32 (torchtune 0.6.1 models/llama3_1/_position_embeddings.py
+    ``Llama3ScaledRoPE.rope_init`` / ``build_rope_cache``; modules/position_embeddings.py
+    ``RotaryPositionalEmbeddings`` the same). They live with the weights; the forward takes
+    ``self.cache[:seq_len]``, a view (no per-step tables)."""
+    half = m.rotary_dim // 2
+    return 4 * half, 4 * m.max_seq_len * half * 2
+
+
+def torchao_nf4_dequant_peak_bytes(numel: int, out_bytes: int) -> int:
+    """The most torchao's ``NF4Tensor.get_original_weight`` (torchao 0.14 dtypes/nf4tensor.py; what
+    ``LinearNF4`` runs in forward and again in backward, ``weight.to(dtype)``) holds at once for a
+    weight of ``numel`` elements dequantized to ``out_bytes`` per element, its result included:
+    the two nibble tensors as int64 (``(quantized_data >> 4).to(torch.long)`` and ``& 0b1111``:
+    numel/2 elements each), the two ``nf4[...]`` lookups and the two scaled halves (numel/2 each,
+    the output dtype) are all locals alive when ``torch.stack`` allocates the result (numel):
+    ``8 numel + 3 numel out_bytes`` (14 numel for bf16); the double-quantized scalers are
+    numel/64 elements and fall under the allocator's rounding of these."""
+    return 8 * numel + 3 * numel * out_bytes
+
+
 # -- mixture of experts ----------------------------------------------------------------------
 def deepseek_groups(n_experts: int) -> tuple[int, int]:
     """(n_group, topk_group) of the group-limited router: V3's 8 and 4 when the experts split

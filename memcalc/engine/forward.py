@@ -150,7 +150,7 @@ class Forward:
         x = embedding.embed(self, ids)
         if m.positions == "rope" and self.liger is not None and self.liger.rope:  # what LigerRopeFunction saves
             self.rope_tables = liger.rope_tables(self, x)
-        elif m.positions == "rope":
+        elif m.positions == "rope" and self.exp.profile.framework != "torchtune":  # torchtune: a cache view
             self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
         x = embedding.embed_dropout(self, x)
         self.masks = av.build_masks(self)

@@ -89,7 +89,7 @@ class Ops:
 
     # -- layers ---------------------------------------------------------------------
     def linear(self, x: T, rows: int, w: Param, b: Optional[Param], out_features: int,
-               quant_transient_bytes: int = 0, quant_absmax_bytes: int = 0) -> T:
+               quant_transient_bytes: int = 0, quant_absmax_bytes: int = 0, quant_peak_bytes: int = 0) -> T:
         """y = x W^T + b (``addmm``/``mm``). Saves x iff W needs a gradient (grad_W = g^T x) and W
         iff x needs one (a parameter, no new bytes). A frozen linear keeps no input.
         Under autocast x and W are cast to the compute dtype; the casts are what is saved.
@@ -99,7 +99,11 @@ class Ops:
         ``gemm_4bit`` runs the CUDA ``_dequant_linear_fallback`` (backends/cuda/ops.py: ``B_dq =
         torch.empty(shapeB)``, ``F.linear(A, B_dq, bias)``, with double quantisation two fp32 absmax
         buffers first, ``quant_absmax_bytes`` each), its backward ``functional.dequantize_4bit``
-        (the nested absmax it dequantises is freed before the matmul: not counted)."""
+        (the nested absmax it dequantises is freed before the matmul: not counted).
+        ``quant_peak_bytes`` (torchtune's NF4 weights, torchao ``LinearNF4``:
+        :func:`memcalc.core.rules.torchao_nf4_dequant_peak_bytes`): what the dequantization holds at
+        its most, its result included, in forward and before the backward's matmul; the result
+        alone stays with the output (forward) and the input's gradient (backward)."""
         if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
             xc, x_cast, wc = x, False, None
         else:
@@ -110,6 +114,8 @@ class Ops:
         if quant_transient_bytes:
             deq = [self.sim.alloc(nb, TMP, "dequantised weight") for nb in (quant_absmax_bytes, quant_absmax_bytes,
                                                                              quant_transient_bytes) if nb]
+            if quant_peak_bytes > quant_transient_bytes:  # torchao: get_original_weight's locals beside its result
+                self.sim.transient(quant_peak_bytes - quant_transient_bytes, TMP, "dequantisation")
         odt = self.autocast or self.dtype_of(x)
         y = self.new(rows * out_features, odt)
         for t in deq:
@@ -128,7 +134,9 @@ class Ops:
         if x_cast:  # grad arrives in the compute dtype, then _to_copy casts it back
             temps.append(xc.nbytes)
         in_features = w.numel // out_features
-        self.sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * in_features * out_features)
+        hook = _dequant_hook(quant_peak_bytes) if quant_peak_bytes > quant_transient_bytes and x.requires_grad else None
+        self.sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * in_features * out_features,
+                      **({"on_backward": hook} if hook is not None else {}))
         if x_cast:
             self.drop(xc)
         if wc is not None:
@@ -489,3 +497,9 @@ class Ops:
         self.drop(keep)
         return m, dt.nbytes(H * tt)
 
+
+def _dequant_hook(peak: int):
+    """A backward hook: the dequantization's peak, before the node's matmul (torchao ``LinearNF4.backward``)."""
+    def dequantize(sim, _node) -> None:
+        sim.transient(peak, TMP, "dequantised weight")
+    return dequantize

@@ -17,6 +17,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.core.units import round_up
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
+from memcalc.core.rules import torchtune_rope_buffers
 from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import shard
@@ -96,6 +97,9 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
             p.grad_keep_bytes = keep
         params[name] = p
         order.append(p)
+    if exp.profile.framework == "torchtune" and exp.model.positions == "rope":  # its RoPE cache buffers
+        sim.alloc_many("weights", [(b, "buffers", n, b // 4, 32) for n, b in
+                                   zip(("rope.theta", "rope.cache"), torchtune_rope_buffers(exp.model), strict=True)])
     return Model(exp.model, params, order, tr.compute_dtype, gather, dict(shapes), f2, f1)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
+from memcalc.core.rules import torchao_nf4_dequant_peak_bytes
 from memcalc.core.spec import LoraSpec, ModelSpec
 from memcalc.engine.blocks import litgpt_lora
 from memcalc.engine.blocks.base import Linear, ParamTensor
@@ -100,7 +101,11 @@ def proj(fwd: ForwardContext, x: T, layer: Optional[int], name: str, short: str,
     lora = fwd.lora
     if lora is not None and lora.qlora and w.weight.itemsize_bits == 4:
         qt = fwd.model.compute.nbytes(w.numel)
-        y = _linear_4bit(fwd, x, w, bias, d_out, qt)
+        if fwd.exp.profile.framework == "torchtune":  # its NF4 weights are torchao's: LinearNF4
+            qp = torchao_nf4_dequant_peak_bytes(w.numel, fwd.model.compute.bits // 8)
+            y = o.linear(x, fwd.rows, w, bias, d_out, quant_transient_bytes=qt, quant_peak_bytes=qp)
+        else:
+            y = _linear_4bit(fwd, x, w, bias, d_out, qt)
     else:
         y = o.linear(x, fwd.rows, w, bias, d_out)
     if fwd.tp and short not in ("o", "down"):
