@@ -10,7 +10,7 @@ statistics are kept because they are cheap to keep, not because they matter.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded
@@ -99,11 +99,8 @@ class Ops:
         ``gemm_4bit`` runs the CUDA ``_dequant_linear_fallback`` (backends/cuda/ops.py: ``B_dq =
         torch.empty(shapeB)``, ``F.linear(A, B_dq, bias)``, with double quantisation two fp32 absmax
         buffers first, ``quant_absmax_bytes`` each), its backward ``functional.dequantize_4bit``
-        (the nested absmax it dequantises is freed before the matmul: not counted).
-        ``quant_peak_bytes`` (torchtune's NF4 weights, torchao ``LinearNF4``:
-        :func:`memcalc.core.rules.torchao_nf4_dequant_peak_bytes`): what the dequantization holds at
-        its most, its result included, in forward and before the backward's matmul; the result
-        alone stays with the output (forward) and the input's gradient (backward)."""
+        (the nested absmax it dequantises is freed before the matmul: not counted). ``quant_peak_bytes``:
+        torchao ``LinearNF4``'s dequantization peak (rules.torchao_nf4_dequant_peak_bytes), both ways."""
         if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
             xc, x_cast, wc = x, False, None
         else:
@@ -134,9 +131,9 @@ class Ops:
         if x_cast:  # grad arrives in the compute dtype, then _to_copy casts it back
             temps.append(xc.nbytes)
         in_features = w.numel // out_features
-        hook = _dequant_hook(quant_peak_bytes) if quant_peak_bytes > quant_transient_bytes and x.requires_grad else None
-        self.sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * in_features * out_features,
-                      **({"on_backward": hook} if hook is not None else {}))
+        kw: dict[str, Any] = {"on_backward": lambda s, _n: s.transient(quant_peak_bytes, TMP, "dequantisation")} if (
+            quant_peak_bytes > quant_transient_bytes and x.requires_grad) else {}
+        self.sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * in_features * out_features, **kw)
         if x_cast:
             self.drop(xc)
         if wc is not None:
@@ -496,10 +493,3 @@ class Ops:
             self.sim.node("masked_fill", [keep], [m], [], [m])
         self.drop(keep)
         return m, dt.nbytes(H * tt)
-
-
-def _dequant_hook(peak: int):
-    """A backward hook: the dequantization's peak, before the node's matmul (torchao ``LinearNF4.backward``)."""
-    def dequantize(sim, _node) -> None:
-        sim.transient(peak, TMP, "dequantised weight")
-    return dequantize
