@@ -34,43 +34,26 @@ _TT_CKPT = ("not identified (+20%): the compiled, chunked step with activation c
             "layer (torchtune applies set_activation_checkpointing after compile_model) keeps less than memcalc's "
             "checkpointed regions recomputed eagerly; the rows after it (offloading, optimizer in backward, LoRA) "
             "are within 3.4%")
-_LIT_HEAD = ("LitGPT bf16-true: Fabric's HalfPrecision.convert_output upcasts each lm_head chunk "
-             "(lm_head_chunk_size=128) to fp32 and chunked_cross_entropy keeps them through backward; memcalc's "
-             "--loss chunked keeps bf16 logits (the error grows with the micro-batch)")
-_LIT_UNTIED = ("LitGPT 0.4.x has no tie_embeddings (litgpt/config.py): Gemma's and Llama 3.2's lm_head is a second "
-               "vocab x d bf16 matrix, where the preset and the Hugging Face config tie it to the embedding; plus "
-               + _LIT_HEAD.split(": ", 1)[1].split(";")[0])
-_LIT_QKV_DROPOUT = ("LitGPT's LoRAQKVLinear applies one lora_dropout to x for q, k and v together (litgpt/lora.py); "
-                    "memcalc's separate q, k, v targets each keep a dropout mask and output (high at micro-batch 8)")
+_LIT_OLD_NORM = ("lit-gpt 8641822 (Oct 2023, the resource tables' version) computes RMSNorm in the input dtype "
+                 "(lit_gpt/rmsnorm.py: torch.mean(x * x), no x.float()); memcalc's litgpt profile follows LitGPT "
+                 "0.5.13's RMSNorm, which upcasts to fp32 and keeps fp32 copies for backward (the Llama rows; the "
+                 "LayerNorm phi-1.5 and StableLM rows are within 5%)")
 _LIT_QLORA = ("QLoRA as bitsandbytes 0.41/0.42 (LitGPT's pins) runs it: MatMul4Bit.forward saves each 4-bit linear's "
               "input (ctx.tensors = (A, B), autograd/_functions.py; dropped in 0.43.2 by bitsandbytes PR 1270, "
               "'delete useless buffered activation'), which memcalc's QLoRA (today's bitsandbytes) does not keep; "
-              "max_memory_allocated over the run also sees the load (bf16 weights on the GPU before "
-              "quantisation); plus "
-              + _LIT_HEAD.split(": ", 1)[1].split(";")[0])
+              "max_memory_allocated over the run also sees the load (bf16 weights on the GPU before quantisation)")
 
 XFAIL = {
     "torchtune-flags-checkpointing": _TT_CKPT,
     "torchtune-flags-qlora": ("+6.4%: torchtune's QLoRA quantizes only the LoRA-wrapped linears (torchao NF4), and "
                               "torchao's NF4 dequantization intermediates are not modelled "
                               "(tests/trace/test_torchtune_grid.py KNOWN_GAPS)"),
-    "litgpt-falcon-7b-lora": _LIT_HEAD,
-    "litgpt-gemma-2b-lora": _LIT_UNTIED,
-    "litgpt-llama-3.2-1b-lora": _LIT_UNTIED,
-    "litgpt-llama-3.2-3b-lora": _LIT_UNTIED,
-    "litgpt-tiny-llama-lora": _LIT_QKV_DROPOUT,
-    "litgpt-resource-phi-1.5-lora-mb1": _LIT_HEAD,
-    "litgpt-resource-phi-1.5-lora-mb2": _LIT_HEAD,
-    "litgpt-resource-phi-1.5-lora-mb4": _LIT_HEAD,
-    "litgpt-resource-stablelm-alpha-3b-lora-mb4": _LIT_HEAD,
-    "litgpt-tutorial-stablelm-alpha-3b-lora-bf16-mixed": (
-        "not identified (-13%): Fabric bf16-mixed (MixedPrecision autocast over fp32 weights, lit-gpt 8641822) keeps "
-        "more than memcalc's amp-bf16 (fp32 weights, the bf16 weight casts saved by frozen linears); candidates: "
-        + _LIT_HEAD.split(": ", 1)[1].split(";")[0]),
+    "litgpt-resource-llama-2-7b-lora-mb1": _LIT_OLD_NORM,
+    "litgpt-resource-llama-2-7b-lora-mb2": _LIT_OLD_NORM,
+    "litgpt-resource-llama-2-13b-lora-mb1": _LIT_OLD_NORM,
     "litgpt-resource-phi-1.5-qlora-nf4-dq-mb1": _LIT_QLORA,
     "litgpt-resource-stablelm-alpha-3b-qlora-nf4-dq-mb1": _LIT_QLORA,
     "litgpt-resource-llama-2-7b-qlora-nf4-dq-mb1": _LIT_QLORA,
-    "litgpt-resource-llama-2-13b-qlora-nf4-dq-mb1": _LIT_QLORA,
     **{f"litgpt-{m}-qlora": _LIT_QLORA for m in (
         "falcon-7b", "gemma-2b", "gemma2b", "gemma2-9b", "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "llama-3.2-1b",
         "llama-3.2-3b", "mistral-7b-v0.2", "mistral-7b", "phi-2", "phi-3", "stablelm-base-alpha-3b", "tiny-llama")},
