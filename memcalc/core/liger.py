@@ -94,6 +94,8 @@ def liger_plan(m: ModelSpec, profile: KernelProfile, autocast: bool = False, qlo
                         "_can_use_mm_out); use --precision bf16, fp16 or fp32")
     fam = _family(m)
     ops = set(profile.liger_ops)
+    if profile.cross_entropy == "trl-fused":  # trl 1.16 SFTTrainer.__init__: liger_kernel_config gets
+        ops.discard("flce")  # fused_linear_cross_entropy False (its fused LM head stays; sft_trainer.py)
     gemma = fam == "gemma"
     return LigerPlan(rope="rope" in ops, rms_norm="rms_norm" in ops,
                      glu=("geglu" if gemma else "swiglu") if "glu" in ops else None, flce="flce" in ops,

@@ -127,7 +127,7 @@ class KernelProfile(Spec):
     )
     kernels: KernelLibrary = Field(
         "none",
-        description="A kernel library that replaces the model's own layers (framework hf only): none, or liger "
+        description="A kernel library that replaces the model's own layers (framework hf or trl): none, or liger "
         "(Liger-Kernel as transformers' Trainer applies it with use_liger_kernel: fused linear cross-entropy, RMSNorm, "
         "SwiGLU/GeGLU, RoPE per model_type; liger_kernel/transformers/monkey_patch.py, memcalc.core.liger).",
     )
@@ -143,9 +143,9 @@ class KernelProfile(Spec):
 
     @model_validator(mode="after")
     def _check_kernels(self) -> KernelProfile:
-        if self.kernels != "none" and self.framework != "hf":
-            raise ValueError(f"kernels {self.kernels} runs on transformers' model code: it needs framework hf, "
-                             f"not {self.framework}")
+        if self.kernels != "none" and self.framework not in ("hf", "trl"):  # TRL runs transformers' model code
+            raise ValueError(f"kernels {self.kernels} runs on transformers' model code: it needs framework hf or "
+                             f"trl, not {self.framework}")
         return self
 
 

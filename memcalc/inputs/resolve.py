@@ -389,8 +389,8 @@ def _kernel_flags(o: Options, profile: KernelProfile, origin: dict[str, str]) ->
     kernels = o.kernels if o.kernels is not None else profile.kernels
     if kernels not in KERNEL_LIBRARIES:
         raise UserError(f"unknown --kernels {kernels!r}; valid: {', '.join(KERNEL_LIBRARIES)}")
-    if kernels != "none" and profile.framework != "hf":
-        raise UserError(f"--kernels {kernels} patches transformers' model code: it needs --framework hf, not "
+    if kernels != "none" and profile.framework not in ("hf", "trl"):
+        raise UserError(f"--kernels {kernels} patches transformers' model code: it needs --framework hf or trl, not "
                         f"{profile.framework}")
     upd: dict = {"kernels": kernels}
     origin["kernels"] = "flag"

@@ -8,7 +8,8 @@ The grid: three families scaled down (Llama-, Qwen2- and GPT-2-shaped: RMSNorm/S
 bias, tied head with LayerNorm/GELU/learned positions), 2 layers, width 128, vocabulary 2048 (the fused
 head's tile is 32768 columns whatever the vocabulary: the trace checks that too); full fine-tuning and
 LoRA; checkpointing none and full; the fraction of tokens that reach the loss 1, 0.5 and 0.1 (``--loss-tokens``);
-activation offloading on and off; bf16 and fp32; batch and sequence varied.
+activation offloading on and off; bf16 and fp32; batch and sequence varied; Liger's layer kernels
+(``use_liger_kernel``: RoPE, RMSNorm, SwiGLU) on the Llama and Qwen2 shapes.
 
 # source: each row is a trace of trl 1.16.0 + transformers 5.x + PEFT 0.2x on meta
 """
@@ -48,6 +49,12 @@ SETUPS = (
     ("all", "bf16", "full", 1.0, True, 2, 128),
     ("qv", "bf16", "none", 0.1, True, 1, 256),
 )
+#: with use_liger_kernel (Liger's RoPE, RMSNorm, SwiGLU; SFTTrainer turns its fused linear cross-entropy off), on
+#: the families Liger patches (not GPT-2)
+LIGER_SETUPS = (
+    ("qv", "bf16", "none", 0.5, False, 2, 128),
+    ("full", "bf16", "full", 1.0, False, 2, 128),
+)
 
 
 def _model(preset: str, heads: int, kv: int, ff: int):
@@ -61,15 +68,20 @@ def grid() -> list[tuple[str, ExperimentSpec]]:
     out = []
     for preset, heads, kv, ff in FAMILIES:
         m = _model(preset, heads, kv, ff)
-        for tuning, prec, ck, frac, off, B, T in SETUPS:
+        rows = [(s, False) for s in SETUPS] + [(s, True) for s in LIGER_SETUPS if preset != "gpt2"]
+        for (tuning, prec, ck, frac, off, B, T), liger in rows:
             lora = None
             if tuning != "full":
                 qv = ("qkv",) if m.fused_qkv else ("q", "v")
                 targets = qv if tuning == "qv" else tuple(t for t in m.lora_targets if t != "qkv" or m.fused_qkv)
                 lora = LoraSpec(rank=8, alpha=16, targets=targets, dropout=0.0)
             tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora, activation_offload=off)
-            prof = profile_for("trl").model_copy(update={"loss_tokens": frac})
-            name = f"{preset} {tuning} {prec} ck={ck} tok={frac:g}{' offload' if off else ''} {B}x{T}"
+            upd: dict = {"loss_tokens": frac}
+            if liger:
+                upd.update(kernels="liger")  # all four; SFTTrainer's rule drops flce (memcalc.core.liger.liger_plan)
+            prof = profile_for("trl").model_copy(update=upd)
+            extra = (" offload" if off else "") + (" liger" if liger else "")
+            name = f"{preset} {tuning} {prec} ck={ck} tok={frac:g}{extra} {B}x{T}"
             out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=prof)))
     return out
 

@@ -79,3 +79,18 @@ def test_plain_training_arguments_stay_hf(tmp_path):
     f = _recipe(tmp_path, {"per_device_train_batch_size": 2, "bf16": True, "output_dir": "out"})
     assert load_recipe([f]).values["framework"] == "hf"
     assert load_recipe([_recipe(tmp_path, {"max_length": 64})]).values["framework"] == "trl"
+
+
+def test_use_liger_kernel_keeps_the_fused_head(tmp_path):
+    # source: trl 1.16 SFTTrainer.__init__ sets liger_kernel_config fused_linear_cross_entropy False: Liger's
+    # layer kernels apply, TRL's fused head stays
+    from memcalc.inputs.resolve import Options, resolve
+
+    f = _recipe(tmp_path, {"max_length": 128, "use_liger_kernel": True, "output_dir": "out"})
+    p = resolve(Options(model="llama-3.2-1b", recipe=[f])).exp.profile
+    assert (p.framework, p.cross_entropy, p.kernels) == ("trl", "trl-fused", "liger")
+    from memcalc.core.liger import liger_plan
+    from memcalc.inputs.presets import load_preset
+
+    plan = liger_plan(load_preset("llama-3.2-1b"), p)
+    assert not plan.flce and plan.rms_norm and plan.rope

@@ -81,6 +81,8 @@ def why_not(exp: ExperimentSpec) -> Optional[str]:
     if tr.is_amp:
         return ("--framework trl: AMP is not traced (ChunkedLogProbFunction reads "
                 "torch.is_autocast_enabled(device.type), which the meta device does not have); use --bf16 or fp32")
+    if tr.lora is not None and tr.lora.qlora:
+        return "--framework trl: QLoRA is not traced here yet (--framework hf traces bitsandbytes' step)"
     if tr.lora is not None and "head" in tr.lora.targets:
         return ("--framework trl: LoRA on the head is bypassed by TRL's fused head (add_fused_lm_head reads "
                 "lm_head.weight directly); drop head from --lora-targets")
@@ -252,7 +254,16 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            _run(exp, m, device, say, meas, debug, CachingAllocatorSim() if allocator_sim else None)
+            run = lambda: _run(exp, m, device, say, meas, debug,  # noqa: E731
+                               CachingAllocatorSim() if allocator_sim else None)
+            if exp.profile.kernels == "liger":  # Liger's layer kernels, traced as --framework hf traces them
+                from ..hf_liger import liger_trace
+                from ..hf_model import choose_family
+
+                with liger_trace(choose_family(m).model_type):
+                    run()
+            else:
+                run()
     finally:
         hf_logging.set_verbosity(verbosity)
         gc.collect()
@@ -272,6 +283,10 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     say(f"building {m.name} ({m.n_layers} layers) with transformers on {device}, TRL's fused LM head")
     with _peft_without_old_torchao():
         model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device)
+    if exp.profile.kernels == "liger":  # Trainer.train: apply_liger_kernel (rope, rms_norm, glu), then checkpointing
+        from ..hf_liger import apply_liger
+
+        apply_liger(model, exp)
     if tr.checkpoint in ("full", "every-k"):  # SFTConfig.gradient_checkpointing: Trainer's call, non-reentrant
         every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
