@@ -37,7 +37,9 @@ _TT_CKPT = ("not identified (+20%): the compiled, chunked step with activation c
 _LIT_OLD_NORM = ("lit-gpt 8641822 (Oct 2023, the resource tables' version) computes RMSNorm in the input dtype "
                  "(lit_gpt/rmsnorm.py: torch.mean(x * x), no x.float()); memcalc's litgpt profile follows LitGPT "
                  "0.5.13's RMSNorm, which upcasts to fp32 and keeps fp32 copies for backward (the Llama rows; the "
-                 "LayerNorm phi-1.5 and StableLM rows are within 5%)")
+                 "LayerNorm phi-1.5 and StableLM rows are within 5%); it also copies q, k and v out of the "
+                 "permuted qkv output (lit_gpt/model.py CausalSelfAttention.forward: qkv.permute(0, 2, 3, 1, 4), "
+                 "then q/k/v.reshape), where 0.5.13's v stays a view of the qkv output that SDPA keeps")
 _LIT_QLORA = ("QLoRA as bitsandbytes 0.41/0.42 (LitGPT's pins) runs it: MatMul4Bit.forward saves each 4-bit linear's "
               "input (ctx.tensors = (A, B), autograd/_functions.py; dropped in 0.43.2 by bitsandbytes PR 1270, "
               "'delete useless buffered activation'), which memcalc's QLoRA (today's bitsandbytes) does not keep; "
