@@ -71,8 +71,10 @@ KNOWN_GAPS = {
     "gqa qlora bf16 loss=chunked ck=full offload 2x256": (
         "the QLoRA recompute gap above, plus the offloading row's below"),
     "gqa lora bf16 loss=chunked ck=full offload 2x256": (
-        "offloading under checkpointing: one (B, T, d) bf16 tensor (262,144 B) more alive at the traced forward "
-        "peak than the estimate's forward stash keeps; mechanism not found"),
+        "offloading under checkpointing: at the forward peak the trace has freed only the first checkpointed "
+        "layer's input (the embedding output, 262,144 B: saved through the offload hooks by torch.utils.checkpoint's "
+        "_NoopSaveInputs and evicted from the 5-deep forward stash by later packs), the estimate 524,288 B "
+        "(engine/offload.py's stash count differs; not found where)"),
 }
 
 ROWS = grid()
