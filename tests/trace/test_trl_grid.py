@@ -121,3 +121,22 @@ def test_loss_tokens_move_the_traced_head():
     assert b.measured_bytes < a.measured_bytes
     moved_trace, moved_est = a.measured_bytes - b.measured_bytes, ea - eb
     assert abs(moved_est - moved_trace) <= TOLERANCE_PCT / 100 * a.measured_bytes
+
+
+# (training update, what the refusal names): source: validate/trainers/trl.py why_not
+REFUSED = [
+    ({"precision": "amp-bf16"}, "AMP is not traced"),
+    ({"lora": LoraSpec(rank=8, alpha=16, targets=("q", "v"), qlora=True)}, "QLoRA is not traced"),
+    ({"lora": LoraSpec(rank=8, alpha=16, targets=("q", "v", "head"))}, "LoRA on the head is bypassed"),
+]
+
+
+@pytest.mark.parametrize("update,message", REFUSED, ids=[m for _, m in REFUSED])
+def test_what_the_trl_trace_refuses_is_one_line(update, message):
+    from memcalc.core.errors import UserError
+
+    _, exp = grid()[0]
+    bad = exp.model_copy(update={"training": exp.training.model_copy(update=update)})
+    with pytest.raises(UserError, match=message):
+        trl_trainer.check(bad)
+    assert trl_trainer.measure(bad, "meta").status == "skipped"
