@@ -85,19 +85,21 @@ def partition(exp: ExperimentSpec, budget: Optional[float] = None, scale_layers:
     return PartitionResult(total, len(seen), torch.__version__)
 
 
-def meta_backend():
+def meta_backend(fused: bool = False):
     """A ``torch.compile`` backend that runs on ``meta``: dynamo and AOTAutograd as under inductor
     (inductor's decompositions, the min-cut partitioner at ``activation_memory_budget``), with the
     partitioned forward and backward graphs run as FX code (each value freed after its last use)
     instead of inductor's generated kernels, which need a device to compile for. The graph
     boundaries, the saved sets and what reaches ``ctx.save_for_backward`` (a saved-tensor hook) are
-    PyTorch's; inductor's fusion and buffer reuse inside a graph are not traced."""
+    PyTorch's; inductor's fusion and buffer reuse inside a graph are not traced. ``fused``: for a
+    graph of pointwise ops and reductions only (a loss), which inductor generates as fused kernels
+    that materialise only their outputs, each graph is counted by its outputs (:func:`_fused`)."""
     from torch._inductor.decomposition import select_decomp_table
 
     from torch._functorch.aot_autograd import make_boxed_func
 
     def run_as_fx(gm, _args):  # boxed arguments, the calling convention AOTAutograd expects (as inductor's)
-        return make_boxed_func(gm)
+        return make_boxed_func(_fused(gm) if fused else gm)
 
     return aot_autograd(fw_compiler=run_as_fx, bw_compiler=run_as_fx,
                         partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())
@@ -113,6 +115,93 @@ def compile_layers(model, budget: Optional[float]) -> None:
     backend = meta_backend()
     for layer in model.layers:
         layer.compile(backend=backend, dynamic=False)
+
+
+#: extern kernels: a graph that calls one is not all fused (inductor gives their outputs buffers of their own)
+_EXTERN = ("mm", "bmm", "addmm", "scaled_dot_product", "convolution", "embedding")
+
+
+def _fused(gm):
+    """``gm`` run as one fused kernel under the storage tracer: its intermediates are not counted,
+    its outputs are (inductor's code for a graph of pointwise ops and reductions: each kernel
+    writes only the buffers later kernels or the caller read, here row statistics and the
+    outputs; torch/_inductor/scheduler.py fuses the rest). Refuses a graph with an extern kernel."""
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
+
+    from .tracer import StorageTracer
+
+    calls = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    bad = [c for c in calls if any(e in c for e in _EXTERN)]
+    assert not bad, f"a fused graph calls extern kernels: {bad}"
+
+    def run(*args):
+        mode = _get_current_dispatch_mode()
+        if not isinstance(mode, StorageTracer):
+            return gm(*args)
+        with _disable_current_modes():
+            out = gm(*args)
+        mode.track(out if isinstance(out, (list, tuple)) else [out])
+        return out
+
+    return run
+
+
+#: the name :func:`compile_with` registers :func:`meta_backend` under (a trainer's own compile helper reads
+#: its backend by name: torchtune's ``TORCH_COMPILE_BACKEND``), and the fused one (a loss)
+META_BACKEND = "memcalc_meta"
+FUSED_BACKEND = "memcalc_meta_fused"
+
+
+def compile_with(device_type: str, budget: Optional[float], fn, reset: bool = False, fused: bool = False):
+    """Run a trainer's own compile helper ``fn`` (torchtune's ``training.compile_model`` /
+    ``compile_loss``, which read ``os.environ["TORCH_COMPILE_BACKEND"]``, default inductor) with
+    :func:`meta_backend` off CUDA, at the activation memory budget; returns what ``fn`` returns.
+    ``reset``: dynamo's caches emptied first (a fresh compile per traced setup); ``fused``: the
+    graphs are counted as fused kernels (``meta_backend(fused=True)``: a loss)."""
+    import os
+
+    from torch._dynamo import list_backends, register_backend
+
+    if reset:
+        torch._dynamo.reset()
+    functorch_config.activation_memory_budget = 1.0 if budget is None else budget
+    if device_type == "cuda":
+        return fn()
+    name = FUSED_BACKEND if fused else META_BACKEND
+    if name not in list_backends(exclude_tags=()):
+        register_backend(name=name)(meta_backend(fused))
+    before = os.environ.get("TORCH_COMPILE_BACKEND")
+    os.environ["TORCH_COMPILE_BACKEND"] = name
+    try:
+        return fn()
+    finally:
+        if before is None:
+            del os.environ["TORCH_COMPILE_BACKEND"]
+        else:
+            os.environ["TORCH_COMPILE_BACKEND"] = before
+
+
+_REDUCTION = {"none": 0, "mean": 1, "sum": 2}  # at::Reduction
+
+
+class MetaCrossEntropy(torch.overrides.TorchFunctionMode):
+    """``F.cross_entropy`` on a 2-D meta input dispatched as aten's composite does on CUDA
+    (aten/src/ATen/native/LossNLL.cpp ``cross_entropy_loss`` -> ``log_softmax`` + ``nll_loss_nd`` ->
+    ``nll_loss_forward`` for 2-D input). Needed under torch.compile only: AOTAutograd's joint trace of
+    ``aten.nll_loss`` on meta tensors (PyTorch 2.13) records no backward and saves nothing, where
+    on CPU it saves the input, the labels and the two row reductions; this routing gives the CPU
+    graph (tests/trace/test_compile_scope.py ``test_compiled_chunk_saves``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.cross_entropy and args[0].device.type == "meta" and args[0].dim() == 2 \
+                and kwargs.get("label_smoothing", 0.0) == 0.0:
+            inp, target = args[0], args[1]
+            lsm = torch.nn.functional.log_softmax(inp, 1)
+            return torch.ops.aten.nll_loss_forward(lsm, target, kwargs.get("weight"),
+                                                   _REDUCTION[kwargs.get("reduction", "mean")],
+                                                   kwargs.get("ignore_index", -100))[0]
+        return func(*args, **kwargs)
 
 
 class _Logits(torch.nn.Module):
