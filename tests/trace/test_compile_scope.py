@@ -33,9 +33,6 @@ GRID = [
     # source: + OffloadActivations: each layer graph's saved set packed at save_for_backward, unpacked in one node
     ("tinyllama-1.1b", 2, dict(batch=2, seq=256, precision="bf16", lora=dict(rank=16), activation_offload=True,
                                **LAYER)),
-    # source: + activation checkpointing around the compiled layer (torchtune's table rows from "+ Offloading" on)
-    ("tinyllama-1.1b", 2, dict(batch=2, seq=256, precision="bf16", lora=dict(rank=16), activation_offload=True,
-                               checkpoint="full", **LAYER)),
     # source: full fine-tuning, offloaded, the partitioner at budget 0.5 per layer graph (peak in backward)
     ("llama-3.1-8b", 1, dict(batch=1, seq=512, precision="bf16", activation_offload=True, memory_budget=0.5,
                              optimizer="sgd", **LAYER)),
@@ -84,8 +81,32 @@ def test_compiled_chunk_saves():
     x = torch.randn(64, 1000, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.zeros(64, dtype=torch.long)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(activation_memory_budget=1.0), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t,
+                                                     lambda t: t):
         fn(x, labels)
     torch._dynamo.reset()
     assert sorted(saved, key=str) == sorted([((64, 1000), torch.bfloat16), ((64,), torch.int64),
                                              ((64, 1), torch.float32), ((64, 1), torch.float32)], key=str)
+
+
+def test_torchtune_compile_traces():
+    """``validate --framework torchtune`` with compile: the recipes' own ``training.compile_model`` and
+    ``compile_loss`` run (validate/compiled.py ``compile_with``: the meta backend under torchtune's
+    ``TORCH_COMPILE_BACKEND``); full fine-tuning with the chunked loss on the torchtune grid's scaled-down
+    GQA model (source: validate/trainers/torchtune_grid.py MODELS["gqa"]), within the 2% line."""
+    pytest.importorskip("torchtune")
+    from memcalc.inputs.profiles import profile_for, with_loss
+    from memcalc.validate.trainers.torchtune import measure as measure_tt
+    from memcalc.validate.trainers.torchtune_grid import MODELS
+
+    tr = TrainingSpec(batch=2, seq=256, precision="bf16", **LAYER)
+    exp = ExperimentSpec(name="tt-gqa", model=MODELS["gqa"].model_copy(update={"n_layers": 1}), training=tr,
+                         profile=with_loss(profile_for("torchtune"), "chunked", None))
+    est = estimate(exp, timeline=False)
+    meas = measure_tt(exp, "meta")
+    assert meas.status == "ok", meas.reason
+    gap = 100 * (est.peak_bytes - meas.measured_bytes) / meas.measured_bytes
+    assert abs(gap) <= TOLERANCE_PCT, f"estimate {est.peak_bytes:,} B vs trace {meas.measured_bytes:,} B: {gap:+.2f}%"

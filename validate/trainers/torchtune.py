@@ -33,13 +33,15 @@ torchtune's own code):
 Only kernel dispatch is patched (:class:`.torchtune_model.TorchtuneKernels`). Two steps run, the
 second measured (:func:`memcalc.validate.step.two_steps`). The recipes train in one dtype (fp32 or
 bf16; no autocast), single device, no gradient clipping (``clip_grad_norm: null``, the configs'
-default). torch.compile is not traced here yet (refused with the reason).
+default). torch.compile (``compile_scope layer``): the recipes' ``training.compile_model`` and
+``compile_loss``, run with :func:`~..compiled.meta_backend` off CUDA (:func:`~..compiled.compile_with`).
 """
 
 from __future__ import annotations
 
 import gc
 import time
+from contextlib import nullcontext
 import warnings
 from collections.abc import Callable
 from typing import Any, Optional
@@ -50,6 +52,7 @@ from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 
+from ..compiled import MetaCrossEntropy, compile_with
 from ..model import torch_dtype
 from ..offload import OffloadActivations as OffloadTwin
 from ..optim import allow_fused_on, build_optimizer
@@ -91,7 +94,9 @@ def refusal(exp: ExperimentSpec) -> Optional[str]:
         (tr.gpus == 1 and tr.zero == 0 and tr.tp == 1, "several GPUs: validate traces the single-device recipes"),
         (not tr.offload_optimizer and not tr.master_weights, "optimizer offload or fp32 master weights: the "
                                                              "single-device recipes have neither"),
-        (not tr.compile, "torch.compile is not traced for torchtune yet"),
+        (not tr.compile or tr.compile_scope == "layer",
+         "compile_scope model: the recipes compile each layer apart (training.compile_model) and the loss apart: "
+         "compile_scope layer"),
         (tr.lora is None or tr.lora.dtype in (None, "model"), "adapters in fp32 over a 16-bit base: the recipes "
                                                               "build every parameter in the training dtype"),
         (tr.lora is None or not tr.lora.qlora or tr.precision == "bf16", "QLoRA in fp32: torchao's NF4 linear "
@@ -152,6 +157,9 @@ class Run:
         tr = self.tr
         self.say(f"building {self.m.name} ({self.m.n_layers} layers) with torchtune on {self.device}")
         self.model = build(self.m, tr.lora, torch_dtype(tr.weight_dtype.value), self.device)
+        if tr.compile:  # before checkpointing, as the recipes do (compile_model then set_activation_checkpointing)
+            compile_with(self.dev_type, tr.memory_budget, lambda: training.compile_model(self.model, verbose=False),
+                         reset=True)
         if tr.checkpoint == "full":
             training.set_activation_checkpointing(self.model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
         self.offload = None
@@ -169,6 +177,11 @@ class Run:
             self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
         else:
             self.loss_fn = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
+        if self.tr.compile:
+            from torchtune import training
+
+            self.loss_fn = compile_with(self.dev_type, self.tr.memory_budget,
+                                        lambda: training.compile_loss(self.loss_fn, verbose=False), fused=True)
 
     def setup_optimizer(self):
         """``_setup_optimizer``: one optimizer, or one per parameter with hooks (optimizer_in_bwd)."""
@@ -235,7 +248,7 @@ class Run:
                                    allocator=self.sim)
         probe = Probe(dev, tracer)
         hooks = [layer.register_forward_pre_hook(lambda *_a, i=i: probe.label(f"layer {i}"))
-                 for i, layer in enumerate(self.model.layers)]
+                 for i, layer in enumerate(self.model.layers)] if not tr.compile else []  # (no graph breaks)
         hooks.append(self.model.norm.register_forward_pre_hook(lambda *_a: probe.label("head & loss")))
         step = Step(forward=self.micro_step, grad_accum=tr.grad_accum,
                     optimizer_step=None if tr.fused_optimizer else self.optimizer_step,
@@ -245,7 +258,7 @@ class Run:
             tracer.track([self.ignore_labels_cache])
         kernels = TorchtuneKernels(self.exp.profile)
         recompute_in_mode(self.model, kernels)
-        with allow_fused_on(self.dev_type), kernels:
+        with allow_fused_on(self.dev_type), kernels, MetaCrossEntropy() if tr.compile else nullcontext():
             if tracer is not None:
                 with tracer:
                     self.meas.first_step_bytes, result = two_steps(probe, lambda: train_step(step, probe.set_phase),
