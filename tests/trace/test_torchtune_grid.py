@@ -31,6 +31,7 @@ def test_cli_framework_torchtune_json():
     assert r.exit_code == 0, r.output
     (rec,) = json.loads(r.stdout)
     assert rec["framework"] == "torchtune" and rec["status"] == "ok", rec
+    assert rec["library_versions"]["torchtune"] == "0.6.1", rec
     assert isinstance(rec["measured_bytes"], int) and isinstance(rec["predicted_bytes"], int)
 
 

@@ -64,13 +64,16 @@ EXTRA = "torchtune"
 IGNORE_INDEX = -100  # CEWithChunkedOutputLoss / CrossEntropyLoss ignore_index
 
 
-def library_version() -> Optional[str]:
-    try:
-        import torchtune
+def library_versions() -> dict[str, str]:
+    """torchtune's and torchao's versions (the ones installed)."""
+    from contextlib import suppress
+    from importlib.metadata import PackageNotFoundError, version
 
-        return torchtune.__version__
-    except ImportError:
-        return None
+    out = {}
+    for name in ("torchtune", "torchao"):
+        with suppress(PackageNotFoundError):
+            out[name] = version(name)
+    return out
 
 
 def refusal(exp: ExperimentSpec) -> Optional[str]:
@@ -124,6 +127,7 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     say = progress or (lambda _msg: None)
     meas = Measurement(device=device)
     meas.framework = "torchtune"
+    meas.library_versions = library_versions()
     meas.transformers_version = None
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
