@@ -218,7 +218,6 @@ def test_cpu_and_meta_peaks_agree_on_the_math_path(setup):
 
 @pytest.mark.parametrize("setup,why", [
     (dict(checkpoint="sqrt"), "no Hugging Face equivalent"),
-    (dict(precision="bf16", lora=LoraSpec(qlora=True)), "bitsandbytes"),
     (dict(compile=True), "torch.compile needs CUDA"),
 ])
 def test_skipped_with_reason(setup, why):
@@ -252,8 +251,6 @@ def test_cli_plain_records_name_the_framework():
 # (args, exit code, message)
 BAD = [
     (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2, "'keras' is not one of"),
-    (["validate", "--framework", "litgpt", "--model", "gpt2", "--device", "meta"], 2,
-     "(not yet litgpt"),
     (["validate", "--framework", "hf", "--config", "control", "--device", "meta"], 2,
      "none of the Hugging Face families"),
     (["validate", "--framework", "hf", "--model", "gpt2", "--lora", "--lora-targets", "q,v", "--device", "meta"], 2,
