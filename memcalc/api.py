@@ -343,13 +343,12 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
          torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
          loss_tokens: Optional[float] = None, all: bool = False, compile: bool = False,
          recipe: Union[str, Sequence[str], None] = None,
-         adapter_config: Optional[str] = None) -> PlanResult:
+         adapter_config: Optional[str] = None, kernels: Optional[str] = None) -> PlanResult:
     """Which GPU, how many, with which techniques: ``memcalc plan`` as a function.
 
-    With ``gpu``: every technique combination on that GPU (``all=True`` keeps those that do not
-    fit; ``compile=True`` adds torch.compile budgets). Without: for each catalog GPU, how many a
-    full fine-tune and a LoRA run need. ``recipe`` (files, as ``--recipe``) and ``adapter_config``
-    give the model, sequence length, framework and loss where the arguments do not.
+    With ``gpu``: every option on that GPU (``all=True`` keeps those that do not fit; ``compile=True`` adds
+    torch.compile budgets). Without: for each catalog GPU, how many a full fine-tune and a LoRA run need. ``recipe``
+    (files, as ``--recipe``) and ``adapter_config`` give model, sequence, framework, loss, kernels the arguments do not.
 
     >>> p = plan(model="llama-3.1-8b", gpu="rtx-4090")    # doctest: +SKIP
     >>> [o["option"] for o in p.fitting][:3]               # doctest: +SKIP
@@ -376,15 +375,16 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
         if loss is None and loss_chunks is None and "loss" in v:
             loss, loss_chunks = v["loss"], v.get("loss_chunks")
         loss_tokens = v.get("loss_tokens") if loss_tokens is None else loss_tokens
+        kernels = v.get("kernels") if kernels is None else kernels
     framework = _check_choice("framework", framework, _choices()["framework"])
     loss = _check_choice("loss", loss, _choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
     if rec is not None:
         notes[:0] = [*rec.lines(), RECIPE_NOTE]
     # the same default as estimate's for --model/--params: Hugging Face transformers + PEFT
-    m, prof, more = plan_model_profile(m, profile, framework, torch, loss, loss_chunks, loss_tokens)
+    m, prof, more = plan_model_profile(m, profile, framework, torch, loss, loss_chunks, loss_tokens, kernels)
     notes += more  # the profile's note; LitGPT's own lm_head (core.rules.framework_model)
-    check_one_gpu_flags(gpu, all, compile)
+    check_one_gpu_flags(gpu, all, compile, prof.kernels)
     recipe_doc = rec.as_json() if rec is not None else None
     if gpu is None:
         from memcalc.plan.cluster import plan_cluster

@@ -164,8 +164,7 @@ def check_liger(exp, model_type: str) -> None:
     if model_type not in LIGER_FAMILIES:
         raise UserError(f"--kernels liger: model_type {model_type} is not modelled (liger_kernel's "
                         f"apply_liger_kernel_to_{model_type} differs); modelled: {', '.join(LIGER_FAMILIES)}")
-    lora = exp.training.lora
-    liger_plan(exp.model, exp.profile, exp.training.is_amp, lora is not None and lora.qlora)  # as the estimator
+    liger_plan(exp.model, exp.profile, exp.training)  # the estimator's rule refuses the same setups
 
 
 def apply_liger(model, exp) -> None:

@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (AdapterConfig, Framework, Json, Loss, LossChunks, LossTokens, Model, Params, Profile,
-                                 Recipe, Seq, Torch)
+from memcalc.cli.options import (AdapterConfig, Framework, Json, Kernels, Loss, LossChunks, LossTokens, Model, Params,
+                                 Profile, Recipe, Seq, Torch)
 
 
 #: The variables that size the BLAS and OpenMP thread pools numpy starts with.
@@ -36,7 +36,7 @@ def plan(
                       "technique combination that fits it. Without --gpu: for every catalog GPU, how many a full "
                       "fine-tune and a LoRA run need.")] = None,
     seq: Seq = None, profile: Profile = None, framework: Framework = None, torch: Torch = None, loss: Loss = None,
-    loss_chunks: LossChunks = None, loss_tokens: LossTokens = None, recipe: Recipe = None,
+    loss_chunks: LossChunks = None, loss_tokens: LossTokens = None, kernels: Kernels = None, recipe: Recipe = None,
     adapter_config: AdapterConfig = None,
     show_all: Annotated[bool, typer.Option(
         "--all", help="With --gpu: also list the combinations that do not fit.")] = False,
@@ -61,7 +61,7 @@ def plan(
     p = memcalc.api.plan(model, params, gpu=gpu, seq=seq, profile=profile, framework=framework, torch=torch, loss=loss,
                          loss_chunks=loss_chunks, loss_tokens=loss_tokens, all=show_all, compile=compile_,
                          recipe=recipe or None,
-                         adapter_config=adapter_config)
+                         adapter_config=adapter_config, kernels=kernels)
     if as_json:
         from memcalc.render.report import dumps
 

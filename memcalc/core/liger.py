@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 from memcalc.core.errors import UserError
-from memcalc.core.spec import KernelProfile, ModelSpec
+from memcalc.core.spec import KernelProfile, ModelSpec, TrainingSpec
 
 #: HF model_type -> its gated MLP's Liger kernel (monkey_patch.py apply_liger_kernel_to_llama / _mistral /
 #: _qwen2: swiglu; apply_liger_kernel_to_gemma: geglu)
@@ -83,15 +83,29 @@ def _family(m: ModelSpec) -> str:
                     "no q/k norms or softcaps)")
 
 
-def liger_plan(m: ModelSpec, profile: KernelProfile, autocast: bool = False, qlora: bool = False) -> LigerPlan:
-    """The Liger kernels of ``profile.liger_ops`` that apply to ``m`` (see the module docstring)."""
-    if qlora:
+def liger_plan(m: ModelSpec, profile: KernelProfile, tr: Optional[TrainingSpec] = None) -> LigerPlan:
+    """The Liger kernels of ``profile.liger_ops`` that apply to ``m`` (see the module docstring); a one-line
+    UserError for a training setup they are not modelled with."""
+    if tr is not None:
+        _check_training(tr)
+    return _plan(m, profile)
+
+
+def _check_training(tr: TrainingSpec) -> None:
+    if tr.lora is not None and tr.lora.qlora:
         raise UserError("--kernels liger with QLoRA is not modelled yet (PEFT's prepare_model_for_kbit_training makes "
                         "the head and norms fp32, which changes the dtypes Liger's kernels see); use LoRA")
-    if autocast:
+    if tr.tp > 1 or tr.zero == 3 or tr.compile:
+        raise UserError("--kernels liger with tensor parallelism, ZeRO-3 or torch.compile is not modelled yet "
+                        "(Liger's fused cross-entropy reads the whole lm_head weight, outside the model's gathers "
+                        "and graphs)")
+    if tr.is_amp:
         raise UserError("--kernels liger under autocast (amp-bf16, amp-fp16) is not modelled: Liger's fused "
                         "cross-entropy picks its buffers by torch.is_autocast_enabled() (fused_linear_cross_entropy.py "
                         "_can_use_mm_out); use --precision bf16, fp16 or fp32")
+
+
+def _plan(m: ModelSpec, profile: KernelProfile) -> LigerPlan:
     fam = _family(m)
     ops = set(profile.liger_ops)
     if profile.cross_entropy == "trl-fused":  # trl 1.16 SFTTrainer.__init__: liger_kernel_config gets

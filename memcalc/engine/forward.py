@@ -77,8 +77,7 @@ class Forward:
         self.variant_layer = is_variant_layer(m)
         self.variant_attention = m.mla is not None or is_attention_variant(m)
         self.q_dim, self.kv_dim, self.dim_head, self.kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
-        qlora = self.tr.lora is not None and self.tr.lora.qlora
-        self.liger = liger_plan(m, exp.profile, self.tr.is_amp, qlora) if exp.profile.kernels == "liger" else None
+        self.liger = liger_plan(m, exp.profile, self.tr) if exp.profile.kernels == "liger" else None
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:

@@ -17,7 +17,7 @@ from typing import Optional
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.core.kernels import rmsnorm_for_torch
 from memcalc.core.rules import framework_model
-from memcalc.core.spec import LOSSES, KernelProfile, ModelSpec
+from memcalc.core.spec import KERNEL_LIBRARIES, LOSSES, KernelProfile, ModelSpec
 
 #: what each framework's own layer code decides, with the library source each rule follows.
 #: ``rmsnorm`` None = the PyTorch version's ``nn.RMSNorm`` (:func:`rmsnorm_for_torch`).
@@ -229,15 +229,32 @@ def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: O
     return KernelProfile.model_validate({**profile.model_dump(), **upd})
 
 
+def with_kernels(profile: KernelProfile, kernels: Optional[str], liger_ops: Optional[tuple[str, ...]] = None
+                 ) -> KernelProfile:
+    """``profile`` with ``--kernels`` (and a recipe's ``liger_ops``) where given; Liger runs on transformers'
+    model code only (framework hf). Bad values are one-line errors."""
+    if kernels is None and liger_ops is None:
+        return profile
+    kernels = kernels if kernels is not None else profile.kernels
+    if kernels not in KERNEL_LIBRARIES:
+        raise UserError(f"unknown --kernels {kernels!r}; valid: {', '.join(KERNEL_LIBRARIES)}")
+    if kernels != "none" and profile.framework not in ("hf", "trl"):
+        raise UserError(f"--kernels {kernels} patches transformers' model code: it needs --framework hf or trl, not "
+                        f"{profile.framework}")
+    upd: dict = {"kernels": kernels, **({"liger_ops": tuple(liger_ops)} if liger_ops is not None else {})}
+    return KernelProfile.model_validate({**profile.model_dump(), **upd})
+
+
 def plan_profile(profile: Optional[str] = None, framework: Optional[str] = None, torch: Optional[str] = None,
                  loss: Optional[str] = None, loss_chunks: Optional[int] = None,
-                 loss_tokens: Optional[float] = None) -> tuple[KernelProfile, str]:
+                 loss_tokens: Optional[float] = None, kernels: Optional[str] = None) -> tuple[KernelProfile, str]:
     """``memcalc plan``'s kernel profile (``--profile`` or the hf default of estimate's ``--model``,
     with ``--framework``/``--torch``/``--loss``/``--loss-chunks`` over it) and the note saying
     which it is and why; the CLI and the Python API both call this."""
     prof = compose(get_profile(profile) if profile else profile_for("hf", DEFAULT_TORCH), framework, torch)
     if loss is not None or loss_chunks is not None or loss_tokens is not None:
         prof = with_loss(prof, loss, loss_chunks, loss_tokens)
+    prof = with_kernels(prof, kernels)
     note = (f"kernel profile {prof.name}: framework {prof.framework}"
             + (" (default: most users fine-tune with Hugging Face transformers + PEFT; --framework to change)"
                if profile is None and framework is None else "")

@@ -33,8 +33,9 @@ from pydantic import ValidationError
 from memcalc.core.errors import UserError
 from memcalc.core.rules import framework_model
 from memcalc.inputs.data_files import clip
-from memcalc.inputs.profiles import DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_loss
-from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET, KERNEL_LIBRARIES,
+from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
+                                     with_loss)
+from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET,
                                LORA_DTYPES,
                                LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
@@ -219,7 +220,7 @@ def resolve(o: Options) -> Resolved:
     for k in TrainingSpec.model_fields:
         origin.setdefault(k, tr.origin.get(k, "default"))
     profile = _loss_flags(o, profile, origin, notes)
-    profile = _kernel_flags(o, profile, origin)
+    profile = kernel_flags(o, profile, origin)
     model, why = framework_model(model, profile.framework, training.lora)  # LitGPT: untied head, fused qkv
     notes.extend(why)
     exp = _experiment(base, model, training, profile)
@@ -382,22 +383,10 @@ def _loss_flags(o: Options, profile: KernelProfile, origin: dict[str, str], note
     return profile
 
 
-def _kernel_flags(o: Options, profile: KernelProfile, origin: dict[str, str]) -> KernelProfile:
+def kernel_flags(o: Options, profile: KernelProfile, origin: dict[str, str]) -> KernelProfile:
     """``--kernels`` (and a recipe's ``liger_ops``) over the profile; Liger runs on transformers' model code only."""
-    if o.kernels is None and o.liger_ops is None:
-        return profile
-    kernels = o.kernels if o.kernels is not None else profile.kernels
-    if kernels not in KERNEL_LIBRARIES:
-        raise UserError(f"unknown --kernels {kernels!r}; valid: {', '.join(KERNEL_LIBRARIES)}")
-    if kernels != "none" and profile.framework not in ("hf", "trl"):
-        raise UserError(f"--kernels {kernels} patches transformers' model code: it needs --framework hf or trl, not "
-                        f"{profile.framework}")
-    upd: dict = {"kernels": kernels}
-    origin["kernels"] = "flag"
-    if o.liger_ops is not None:
-        upd["liger_ops"] = tuple(o.liger_ops)
-        origin["liger_ops"] = "flag"
-    return KernelProfile.model_validate({**profile.model_dump(), **upd})
+    origin.update({k: "flag" for k, v in (("kernels", o.kernels), ("liger_ops", o.liger_ops)) if v is not None})
+    return with_kernels(profile, o.kernels, o.liger_ops)
 
 
 def _experiment(base: Optional[ExperimentSpec], model: ModelSpec, training: TrainingSpec,

@@ -116,10 +116,14 @@ def default_seq(model: ModelSpec, seq: Optional[int]) -> int:
     return seq
 
 
-def check_one_gpu_flags(gpu: Optional[object], show_all: bool, compile_: bool) -> None:
+def check_one_gpu_flags(gpu: Optional[object], show_all: bool, compile_: bool, kernels: str = "none") -> None:
     """``--all`` and ``--compile`` are about the options on one GPU: an error without ``--gpu``
-    (the CLI and the Python API both call this)."""
+    (the CLI and the Python API both call this); so is ``--kernels`` (the multi-GPU search runs ZeRO-3 and
+    tensor parallelism, which Liger is not modelled with: memcalc.core.liger)."""
     if gpu is None:
+        if kernels != "none":
+            raise UserError(f"plan --kernels {kernels} needs --gpu: the multi-GPU search uses ZeRO-3 and tensor "
+                            "parallelism, which are not modelled with Liger")
         if show_all:
             raise UserError("--all lists the combinations that do not fit one GPU; give --gpu too")
         if compile_:

@@ -299,9 +299,12 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     profile = profile or get_profile(DEFAULT_PROFILE)
     half = "bf16" if getattr(gpu, "bf16", True) else "fp16"
     techs = list(options) if options is not None else techniques()
+    notes = []
+    if profile.kernels == "liger":  # what memcalc.core.liger refuses: autocast, QLoRA; compile is not modelled with it
+        techs = [t for t in techs if t.precision != "amp" and t.adapters != "qlora" and t.budget is None]
+        notes.append("--kernels liger: AMP, QLoRA and torch.compile options are left out (not modelled with Liger)")
     exps = [ExperimentSpec(name=f"{model.name} {t.key(half)}", model=model, profile=profile,
                            training=t.training(1, seq, half, model.attention_lora_targets)) for t in techs]
-    notes = []
     if half == "fp16":
         notes.append(f"{getattr(gpu, 'display_name', gpu.name)} has no bf16: 16-bit options use fp16 (same memory)")
     search = _GpuSearch(model, techs, exps, int(gpu.capacity_bytes), seq, include_all, confirm)

@@ -1,15 +1,22 @@
-"""``--kernels liger`` on estimate and validate, and the recipe keys that select it (HF TrainingArguments /
-TRL ``use_liger_kernel`` + ``liger_kernel_config``, axolotl's Liger plugin keys): what the CLI resolves, and
-one-line errors for what is not modelled. Torch-free and quick: the resolved spec is read through a spy on
-``resolve`` (the estimate is a pure function of it); the error rows stop before any simulation."""
+"""``--kernels liger`` on estimate, plan and validate, and the recipe keys that select it (HF TrainingArguments /
+TRL ``use_liger_kernel`` + ``liger_kernel_config``, axolotl's Liger plugin keys): what is resolved, and one-line
+errors for what is not modelled. Torch-free and quick: a few CliRunner rows (the resolved spec read through a spy
+on ``resolve``; the error rows stop before any simulation), the recipe readers and the estimator's rule
+(:func:`memcalc.core.liger.liger_plan`) called directly."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import app
-from memcalc.core.liger import LIGER_OPS
+from memcalc.core.errors import UserError
+from memcalc.core.liger import LIGER_OPS, liger_plan
+from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.inputs.recipes import axolotl, hf
+from memcalc.inputs.recipes.common import Recipe
 from memcalc.inputs.resolve import Resolved
 
 
@@ -34,71 +41,121 @@ def resolved(args: list[str], monkeypatch) -> Resolved:
     return got[0]
 
 
-def _file(tmp_path, name: str, text: str) -> str:
-    p = tmp_path / name
-    p.write_text(text)
-    return str(p)
-
-
-HF = "model_name_or_path: Qwen/Qwen2.5-7B\nbf16: true\n"
-AX = "base_model: mistralai/Mistral-7B-v0.1\nbf16: true\nplugins:\n  - axolotl.integrations.liger.LigerPlugin\n"
-
-#: (args or recipe text, kernels, liger_ops)
-ROWS = [
-    # source: --kernels liger: every kernel apply_liger_kernel_to_llama applies by default (monkey_patch.py)
-    (["--model", "llama-3.1-8b", "--kernels", "liger"], None, "liger", LIGER_OPS),
-    (["--model", "llama-3.1-8b"], None, "none", LIGER_OPS),  # source: the default is no kernel library
-    # source: transformers training_args.py use_liger_kernel -> Trainer.train apply_liger_kernel
-    ([], ("sft.yaml", HF + "use_liger_kernel: true\n"), "liger", LIGER_OPS),
-    # source: liger_kernel_config is passed as the apply function's kwargs (integrations/liger.py)
-    ([], ("sft.yaml", HF + "use_liger_kernel: true\nliger_kernel_config:\n  rope: false\n  swiglu: false\n"), "liger",
-     ("rms_norm", "flce")),
-    # source: liger_kernel_config without use_liger_kernel: Trainer never applies it
-    ([], ("sft.yaml", HF + "liger_kernel_config:\n  rope: false\n"), "none", LIGER_OPS),
-    # source: axolotl integrations/liger plugin.py passes each liger_* key as the kernel's switch
-    ([], ("ax.yml", AX + "liger_rms_norm: true\nliger_glu_activation: true\n"), "liger", ("rms_norm", "glu")),
-    ([], ("ax.yml", AX + "liger_rope: true\nliger_rms_norm: true\nliger_glu_activation: true\n"
-                        "liger_fused_linear_cross_entropy: true\n"), "liger", LIGER_OPS),
-]
-
-
-@pytest.mark.parametrize("args,recipe,kernels,ops", ROWS)
-def test_kernels_resolve(args, recipe, kernels, ops, tmp_path, monkeypatch):
-    if recipe is not None:
-        args = [*args, "--recipe", _file(tmp_path, *recipe)]
-    prof = resolved(args, monkeypatch).exp.profile
-    assert (prof.kernels, prof.liger_ops) == (kernels, ops)
-
-
-#: (args, recipe, exit code, the one-line message)
-ERRORS = [
-    (["--model", "llama-3.1-8b", "--kernels", "cce"], None, 2, "Invalid value for '--kernels'"),
-    (["--model", "gpt2", "--kernels", "liger"], None, 2, "gpt2 is none of the families whose Liger kernels"),
-    (["--model", "llama-3.1-8b", "--kernels", "liger", "--framework", "plain"], None, 2, "it needs --framework hf"),
-    (["--model", "llama-3.1-8b", "--kernels", "liger", "--precision", "amp-bf16"], None, 2,
-     "under autocast (amp-bf16, amp-fp16) is not modelled"),
-    ([], ("sft.yaml", HF + "use_liger_kernel: true\nliger_kernel_config:\n  cross_entropy: true\n"), 2,
-     "Liger's cross-entropy on full logits is not modelled"),
-    ([], ("sft.yaml", HF + "use_liger_kernel: true\nliger_kernel_config:\n  tiled_mlp: true\n"), 2,
-     "liger_kernel_config.tiled_mlp: not a Liger kernel memcalc models; valid: rope"),
-    ([], ("sft.yaml", HF + "use_liger_kernel: true\nliger_kernel_config: [rope]\n"), 2,
-     "liger_kernel_config: expected a mapping"),
-    ([], ("ax.yml", AX + "liger_cross_entropy: true\n"), 2, "liger_cross_entropy: Liger's cross-entropy"),
-    ([], ("ax.yml", AX + "cut_cross_entropy: true\n"), 2, "cut_cross_entropy: custom fused kernels are not modelled"),
-]
-
-
-@pytest.mark.parametrize("args,recipe,code,message", ERRORS)
-def test_kernels_errors(args, recipe, code, message, tmp_path):
-    if recipe is not None:
-        args = [*args, "--recipe", _file(tmp_path, *recipe)]
-    r = CliRunner().invoke(app, ["estimate", *args])
-    assert r.exit_code == code, r.output
-    assert message in r.output
+def one_line(r) -> str:
+    assert r.exit_code == 2, r.output
     assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    return r.output
 
 
-def test_validate_takes_kernels():
-    """validate honours the flag too (its --help lists it; the run itself is the slow grid's)."""
-    r = CliRunner().invoke(app, ["validate", "--help"])
-    assert "--kernels" in r.output
+def test_flag_sets_the_profile(monkeypatch):
+    # source: --kernels liger: every kernel apply_liger_kernel_to_llama applies by default (monkey_patch.py)
+    prof = resolved(["--model", "llama-3.1-8b", "--kernels", "liger"], monkeypatch).exp.profile
+    assert (prof.kernels, prof.liger_ops) == ("liger", LIGER_OPS)
+
+
+def test_recipe_sets_the_profile(tmp_path, monkeypatch):
+    p = tmp_path / "sft.yaml"
+    p.write_text("model_name_or_path: Qwen/Qwen2.5-7B\nbf16: true\nuse_liger_kernel: true\n")
+    prof = resolved(["--recipe", str(p)], monkeypatch).exp.profile
+    assert (prof.kernels, prof.liger_ops) == ("liger", LIGER_OPS)
+
+
+#: (CLI args, the one-line message)
+CLI_ERRORS = [
+    (["estimate", "--model", "llama-3.1-8b", "--kernels", "cce"], "Invalid value for '--kernels'"),
+    (["estimate", "--model", "gpt2", "--kernels", "liger"], "gpt2 is none of the families whose Liger kernels"),
+    # source: the multi-GPU search runs ZeRO-3 and tensor parallelism, which Liger is not modelled with
+    (["plan", "--model", "llama-3.1-8b", "--kernels", "liger"], "plan --kernels liger needs --gpu"),
+]
+
+
+@pytest.mark.parametrize("args,message", CLI_ERRORS)
+def test_cli_errors(args, message):
+    assert message in one_line(CliRunner().invoke(app, args))
+
+
+@pytest.mark.parametrize("command", ["estimate_cmd.estimate", "validate_cmd.validate", "plan_cmd.plan"])
+def test_commands_take_kernels(command):
+    import importlib
+    import inspect
+
+    module, func = command.split(".")
+    assert "kernels" in inspect.signature(getattr(importlib.import_module(f"memcalc.cli.{module}"), func)).parameters
+
+
+def test_kernels_need_the_hf_framework():
+    from memcalc.inputs.resolve import Options, kernel_flags
+
+    with pytest.raises(UserError, match="it needs --framework hf or trl, not plain"):
+        kernel_flags(Options(kernels="liger"), KernelProfile(framework="plain"), {})
+
+
+HF = {"bf16": True, "use_liger_kernel": True}
+AX = {"bf16": True, "plugins": ["axolotl.integrations.liger.LigerPlugin"]}
+
+#: (reader, file keys, kernels, liger_ops; None: not set)
+RECIPES: list[tuple[Any, dict, Any, Any]] = [
+    # source: transformers training_args.py use_liger_kernel -> Trainer.train apply_liger_kernel
+    (hf, HF, "liger", None),
+    # source: liger_kernel_config is passed as the apply function's kwargs (integrations/liger.py)
+    (hf, {**HF, "liger_kernel_config": {"rope": False, "swiglu": False}}, "liger", ("rms_norm", "flce")),
+    (hf, {**HF, "use_liger_kernel": False, "liger_kernel_config": {"rope": False}}, None, None),  # never applied
+    (hf, {"bf16": True, "use_liger": True}, "liger", None),  # source: TRL's former name of the same switch
+    # source: axolotl integrations/liger plugin.py passes each liger_* key as that kernel's switch
+    (axolotl, {**AX, "liger_rms_norm": True, "liger_glu_activation": True}, "liger", ("rms_norm", "glu")),
+    (axolotl, {**AX, "liger_rope": True, "liger_rms_norm": True, "liger_glu_activation": True,
+               "liger_fused_linear_cross_entropy": True}, "liger", LIGER_OPS),
+    (axolotl, {**AX, "liger_rope": False}, None, None),
+]
+
+
+@pytest.mark.parametrize("reader,keys,kernels,ops", RECIPES)
+def test_recipe_keys(reader, keys, kernels, ops):
+    rec = Recipe(kind=reader.__name__.rsplit(".", 1)[1])
+    reader.read(dict(keys), rec, "f.yaml")
+    assert (rec.values.get("kernels"), rec.values.get("liger_ops")) == (kernels, ops)
+
+
+#: (reader, file keys, the error's message)
+RECIPE_ERRORS = [
+    (hf, {**HF, "liger_kernel_config": {"cross_entropy": True}},
+     "Liger's cross-entropy on full logits is not modelled"),
+    (hf, {**HF, "liger_kernel_config": {"tiled_mlp": True}}, "liger_kernel_config.tiled_mlp: not a Liger kernel"),
+    (hf, {**HF, "liger_kernel_config": ["rope"]}, "liger_kernel_config: expected a mapping"),
+    (axolotl, {**AX, "liger_cross_entropy": True}, "liger_cross_entropy: Liger's cross-entropy"),
+    (axolotl, {**AX, "cut_cross_entropy": True}, "cut_cross_entropy: custom fused kernels are not modelled"),
+]
+
+
+@pytest.mark.parametrize("reader,keys,message", RECIPE_ERRORS)
+def test_recipe_errors(reader, keys, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        reader.read(dict(keys), Recipe(kind="x"), "f.yaml")
+
+
+LLAMA = ModelSpec(name="llama-mini", n_layers=1, d_model=256, n_heads=4, n_kv_heads=2, d_ff=704, vocab_size=8192)
+GEMMA = LLAMA.model_copy(update={"name": "gemma-mini", "activation": "gelu_tanh", "embedding_scale": 16.0})
+LIGER = KernelProfile(framework="hf", kernels="liger")
+
+
+def test_plan_per_family():
+    # source: monkey_patch.py apply_liger_kernel_to_llama (swiglu, casting llama) / _gemma (geglu, casting gemma)
+    assert (liger_plan(LLAMA, LIGER).glu, liger_plan(LLAMA, LIGER).casting) == ("swiglu", "llama")
+    assert (liger_plan(GEMMA, LIGER).glu, liger_plan(GEMMA, LIGER).casting) == ("geglu", "gemma")
+    sub = liger_plan(LLAMA, LIGER.model_copy(update={"liger_ops": ("flce",)}))
+    assert (sub.rope, sub.rms_norm, sub.glu, sub.flce) == (False, False, None, True)
+
+
+#: (training, the refusal)
+PLAN_ERRORS = [
+    (TrainingSpec(precision="amp-bf16"), "under autocast (amp-bf16, amp-fp16) is not modelled"),
+    (TrainingSpec(precision="bf16", lora=LoraSpec(qlora=True)), "with QLoRA is not modelled yet"),
+    (TrainingSpec(zero=3, gpus=4), "ZeRO-3 or torch.compile is not modelled yet"),
+    (TrainingSpec(tp=2), "tensor parallelism"),
+]
+
+
+@pytest.mark.parametrize("tr,message", PLAN_ERRORS)
+def test_plan_refusals(tr, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        liger_plan(LLAMA, LIGER, tr)
