@@ -128,6 +128,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     # 128 (double-quantised, each uint8 absmax rounds to one 512-byte block either way)
     "LoraSpec.quant_block": ({"lora": {"qlora": True, "double_quant": False}, "training": {"precision": "bf16"}}, 128),
     "LoraSpec.double_quant": (QLORA, False),
+    "LoraSpec.bnb_saves_input": (QLORA, True),  # bitsandbytes < 0.43.2 MatMul4Bit keeps its input
     "LoraSpec.dtype": ({**LORA, **BF16}, "fp32"),  # fp32 adapters, their grads and state; fp32 input copies
     # -- TrainingSpec
     "TrainingSpec.batch": ({}, 3),

@@ -74,6 +74,9 @@ def hf_unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
                 "(activation_checkpointing_enable checkpoints every layer or every N-th: full, every-K)")
     if tr.checkpoint == "every-k" and not _has_every_n_layers():
         return "--framework hf: checkpoint every-K needs transformers' activation_checkpointing_enable(every_n_layers)"
+    if tr.lora is not None and tr.lora.qlora and tr.lora.bnb_saves_input:
+        return ("--framework hf: --bnb-saves-input is bitsandbytes before 0.43.2; the installed one keeps only the "
+                "packed weight (memcalc's replica, --framework plain, traces it)")
     if tr.lora is not None and tr.lora.qlora and device == "cpu":
         return "--framework hf: QLoRA runs bitsandbytes' CUDA kernels; traced on meta (their allocations) or run on cuda"
     if exp.profile.kernels == "liger" and tr.lora is not None and "head" in tr.lora.targets:

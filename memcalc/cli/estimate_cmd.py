@@ -13,6 +13,7 @@ import typer
 from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Config, Deepspeed,
+                                 BnbSavesInput,
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Kernels, Lora, LoraAlpha,
                                  LoraDropout,
                                  LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, LossTokens, MasterWeights,
@@ -36,6 +37,7 @@ def estimate(
     framework: Framework = None, torch: Torch = None, zero: Zero = None, gpus: Gpus = None,
     offload_optimizer: OffloadOptimizer = False, sharding: Sharding = None, tp: Tp = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
+    bnb_saves_input: BnbSavesInput = False,
     deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, loss_tokens: LossTokens = None,
     kernels: Kernels = None,
     recipe: Recipe = None,

@@ -131,6 +131,9 @@ Recipe = Annotated[Optional[list[str]], typer.Option(
 AdapterConfig = Annotated[Optional[str], typer.Option(
     "--adapter-config", help="A PEFT adapter_config.json (LoraConfig) for a Hugging Face / TRL or axolotl "
                              "--recipe, or on its own with --model.")]
+BnbSavesInput = Annotated[bool, typer.Option(
+    "--bnb-saves-input", help="QLoRA on bitsandbytes before 0.43.2 (LitGPT 0.4's 0.41/0.42): each 4-bit linear "
+                              "keeps its input for backward (MatMul4Bit ctx.tensors = (A, B)).")]
 Dora = Annotated[bool, typer.Option(
     "--dora", help="DoRA (PEFT use_dora=True): LoRA plus a trainable magnitude vector per target (implies --lora).")]
 

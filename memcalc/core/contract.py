@@ -79,6 +79,7 @@ CONDITIONAL: dict[str, str] = {
     "TrainingSpec.offload_optimizer": "optimizers without state (sgd) and no master weights",
     "LoraSpec.quant_block": "LoRA without qlora (the base is not quantised)",
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",
+    "LoraSpec.bnb_saves_input": "LoRA without qlora (the base is not quantised)",
     "KernelProfile.loss_chunks": "cross_entropy full (the loss is not chunked)",
     "KernelProfile.loss_tokens": "cross_entropy full or chunked (the loss runs on every position, ignored or not)",
     "KernelProfile.liger_ops": "kernels none (no Liger kernel is applied)",

@@ -64,6 +64,11 @@ class LoraSpec(Spec):
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
     quant_block: int = Field(64, gt=0, description="NF4 block size (elements per absmax constant).")
     double_quant: bool = Field(True, description="Quantise the absmax constants too (QLoRA double quantisation).")
+    bnb_saves_input: bool = Field(
+        False,
+        description="QLoRA with bitsandbytes before 0.43.2 (LitGPT 0.4's pins, 0.41/0.42): MatMul4Bit.forward keeps "
+        "each 4-bit linear's input for backward (autograd/_functions.py ``ctx.tensors = (A, B)``; bitsandbytes PR "
+        "1270, 0.43.2, keeps only the packed weight).")
     dora: bool = Field(
         False, description="DoRA (weight-decomposed LoRA, PEFT use_dora=True): a trainable magnitude vector per "
         "target and the column norm of W + scale * B @ A in every forward.")

@@ -89,7 +89,8 @@ class Ops:
 
     # -- layers ---------------------------------------------------------------------
     def linear(self, x: T, rows: int, w: Param, b: Optional[Param], out_features: int,
-               quant_transient_bytes: int = 0, quant_absmax_bytes: int = 0, quant_peak_bytes: int = 0) -> T:
+               quant_transient_bytes: int = 0, quant_absmax_bytes: int = 0, quant_peak_bytes: int = 0,
+               quant_saves_input: bool = False) -> T:
         """y = x W^T + b (``addmm``/``mm``). Saves x iff W needs a gradient (grad_W = g^T x) and W
         iff x needs one (a parameter, no new bytes). A frozen linear keeps no input.
         Under autocast x and W are cast to the compute dtype; the casts are what is saved.
@@ -99,8 +100,10 @@ class Ops:
         ``gemm_4bit`` runs the CUDA ``_dequant_linear_fallback`` (backends/cuda/ops.py: ``B_dq =
         torch.empty(shapeB)``, ``F.linear(A, B_dq, bias)``, with double quantisation two fp32 absmax
         buffers first, ``quant_absmax_bytes`` each), its backward ``functional.dequantize_4bit``
-        (the nested absmax it dequantises is freed before the matmul: not counted). ``quant_peak_bytes``:
-        torchao ``LinearNF4``'s dequantization peak (rules.torchao_nf4_dequant_peak_bytes), both ways."""
+        (the nested absmax it dequantises is freed before the matmul: not counted); before 0.43.2
+        (``quant_saves_input``, from source: the installed one is newer) it kept the input needing a gradient
+        (``ctx.tensors = (A, B)``). ``quant_peak_bytes``: torchao ``LinearNF4``'s dequantization peak
+        (rules.torchao_nf4_dequant_peak_bytes), both ways."""
         if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
             xc, x_cast, wc = x, False, None
         else:
@@ -118,7 +121,7 @@ class Ops:
         for t in deq:
             self.sim.unref(t)
         saved = []
-        if w.trainable:
+        if w.trainable or (quant_saves_input and x.requires_grad):
             saved.append(xc)
         if x.requires_grad and wc is not None:
             saved.append(wc)

@@ -166,6 +166,8 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
      lambda s: "lora quant_block has no effect without qlora: the base is not quantised"),
     (lambda s: s.lora_without_qlora("double_quant"),
      lambda s: "lora double_quant has no effect without qlora: the base is not quantised"),
+    (lambda s: s.lora_without_qlora("bnb_saves_input"),
+     lambda s: "lora bnb_saves_input has no effect without qlora: the base is not quantised"),
     (lambda s: s.tr.lora is not None and s.tr.lora.dtype is not None and s.tr.weight_dtype == DType.fp32,
      lambda s: f"lora dtype {s.tr.lora.dtype} has no effect with precision {s.tr.precision}: the weights are fp32, "
                "so are the adapters"),

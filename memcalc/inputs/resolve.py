@@ -92,6 +92,7 @@ class Options:
     #: path of a DeepSpeed config (``--deepspeed``; HF TrainingArguments' ``deepspeed``): implies sharding deepspeed
     deepspeed: Optional[str] = None
     dora: bool = False
+    bnb_saves_input: bool = False
     #: --recipe FILE (repeatable: a training recipe and a PEFT adapter config) and --adapter-config FILE:
     #: their values fill the fields above that the user left unset (memcalc.inputs.recipes)
     recipe: Optional[list[str]] = None
@@ -308,8 +309,8 @@ def _put_flags(o: Options, model: ModelSpec, tr: _Training, notes: list[str]) ->
 
 def _lora_given(o: Options) -> bool:
     """Whether any LoRA flag was given (each one means LoRA)."""
-    return o.lora or o.qlora or o.dora or any(v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets,
-                                                                      o.lora_dropout, o.lora_dtype))
+    return any((o.lora, o.qlora, o.dora, o.bnb_saves_input)) or any(
+        v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout, o.lora_dtype))
 
 
 def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
@@ -327,7 +328,7 @@ def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
         cur["targets"] = parse_targets(o.lora_targets, model)
     elif "targets" not in cur and model.attention_lora_targets != ("q", "k", "v", "o"):
         cur["targets"] = model.attention_lora_targets  # the default q,k,v,o as this model names them
-    for switch in ("qlora", "dora"):
+    for switch in ("qlora", "dora", "bnb_saves_input"):
         if getattr(o, switch):
             cur[switch] = True
     if o.lora_dtype is not None:

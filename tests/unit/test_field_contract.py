@@ -110,6 +110,7 @@ NO_EFFECT = [
     ("TrainingSpec.offload_optimizer", {"training": {"optimizer": "sgd"}}, True),  # source: SGD has no state
     ("LoraSpec.quant_block", LORA, 128),  # source: the base is not quantised
     ("LoraSpec.double_quant", LORA, False),
+    ("LoraSpec.bnb_saves_input", LORA, True),  # source: the base is not quantised
     ("LoraSpec.dtype", LORA, "fp32"),  # source: fp32 precision: the adapters are fp32 either way
     ("KernelProfile.loss_chunks", {}, 4),  # source: the full loss is not chunked
     ("KernelProfile.loss_tokens", {}, 0.5),  # source: the full loss runs on every position

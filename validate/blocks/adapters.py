@@ -129,7 +129,7 @@ class Linear4bit(torch.autograd.Function):
     absmax, freed before the matmul) and ``grad @ W``."""
 
     @staticmethod
-    def forward(ctx, x, packed, q: NF4Weight, bias):
+    def forward(ctx, x, packed, q: NF4Weight, bias, saves_input: bool = False):
         absmax = q.absmax
         if q.double_quant:
             absmax_dq = blockwise_absmax(q)
@@ -141,7 +141,8 @@ class Linear4bit(torch.autograd.Function):
         if q.double_quant:
             del absmax_dq
         ctx.q = q
-        ctx.save_for_backward(packed)
+        # bitsandbytes < 0.43.2 (LoraSpec.bnb_saves_input): ``ctx.tensors = (A, B)`` when A needs a gradient
+        ctx.save_for_backward(packed, x if saves_input and ctx.needs_input_grad[0] else None)
         return out
 
     @staticmethod
@@ -154,7 +155,7 @@ class Linear4bit(torch.autograd.Function):
             del absmax
             gx = grad.matmul(w)
             del w
-        return gx, None, None, None
+        return gx, None, None, None, None
 
 
 def kbit_fp32_cast(model: nn.Module) -> None:
@@ -219,6 +220,7 @@ class Linear(nn.Module):
         self.amp = amp
         self.d_in, self.d_out = d_in, d_out
         self.compute = dtype  # bnb_4bit_compute_dtype: the weight dtype QLoRA's 16-bit base would have
+        self.saves_input = lora is not None and lora.bnb_saves_input
         self.nf4: Optional[NF4Weight] = None
         if lora is not None and lora.qlora:
             self.nf4 = NF4Weight((d_out, d_in), lora.quant_block, lora.double_quant, device, init)
@@ -257,7 +259,7 @@ class Linear(nn.Module):
         amp = self.amp
         if self.nf4 is not None:  # bitsandbytes Linear4bit.forward: x.to(compute), matmul_4bit, .to(inp_dtype)
             xc = amp.lp(x) if amp.active else x.to(self.compute)
-            y = Linear4bit.apply(xc, self.weight_packed, self.nf4, amp.lp(self.bias)).to(x.dtype)
+            y = Linear4bit.apply(xc, self.weight_packed, self.nf4, amp.lp(self.bias), self.saves_input).to(x.dtype)
         else:
             y = F.linear(amp.lp(x), amp.lp(self.weight), amp.lp(self.bias))
         if self.lora_A is None:

@@ -151,13 +151,15 @@ def _linear_4bit(fwd: ForwardContext, x: T, w: Param, bias: Optional[Param], d_o
     ``prepare_model_for_kbit_training``; under autocast the same copy), ``matmul_4bit`` (the
     dequantised weight, :meth:`Ops.linear`), ``.to(inp_dtype)`` (a copy back when the dtypes
     differ). With double quantisation ``gemm_4bit`` first dequantises the uint8 absmax into two
-    fp32 buffers of one element per block (backends/cuda/ops.py ``_dequant_linear_fallback``)."""
+    fp32 buffers of one element per block (backends/cuda/ops.py ``_dequant_linear_fallback``).
+    ``LoraSpec.bnb_saves_input``: bitsandbytes < 0.43.2 saves the (cast) input for backward."""
     o, lora = fwd.ops, fwd.lora
     assert lora is not None
     cast = o.autocast is None and x.itemsize_bits != fwd.model.compute.bits
     xc = o.cast(x, fwd.model.compute) if cast else x
     absmax = 4 * -(-w.numel // lora.quant_block) if lora.double_quant else 0
-    y = o.linear(xc, fwd.rows, w, bias, d_out, quant_transient_bytes=deq_bytes, quant_absmax_bytes=absmax)
+    y = o.linear(xc, fwd.rows, w, bias, d_out, quant_transient_bytes=deq_bytes, quant_absmax_bytes=absmax,
+                 quant_saves_input=lora.bnb_saves_input)
     if cast:
         o.drop(xc)
     if y.itemsize_bits == x.itemsize_bits:
