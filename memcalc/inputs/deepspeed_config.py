@@ -13,7 +13,12 @@ What each key becomes (every key changes the estimate or is listed as ignored, w
   fills micro-batch, accumulation and bf16/fp16 from the trainer's arguments (here: the
   corresponding memcalc flags), ``trainer_config_finalize`` fills ``reduce_bucket_size =
   hidden_size**2``, ``stage3_prefetch_bucket_size = int(0.9 * hidden_size**2)`` and
-  ``stage3_param_persistence_threshold = 10 * hidden_size``.
+  ``stage3_param_persistence_threshold = 10 * hidden_size``. A ``bf16``/``fp16`` "auto" that decides the
+  precision is said in a note (:func:`auto_precision_note`): Hugging Face fills it from
+  ``TrainingArguments.bf16``/``fp16`` (``fill_match("bf16.enabled", args.bf16 or args.bf16_full_eval)``), so
+  without ``--bf16``/``--precision`` it is false; DeepSpeed alone drops "auto" to the field's default, false
+  (deepspeed 0.19 runtime/config_utils.py ``DeepSpeedConfigModel.__init__``, precision_config.py
+  ``DeepSpeedBF16Config.enabled = False``): fp32 either way.
 
 A key memcalc does not model is listed in one note (``IGNORED`` has the reasons); a bad value
 is a :class:`~memcalc.core.errors.UserError` (exit 2).
@@ -86,6 +91,8 @@ class DeepSpeedInputs:
     spec: dict[str, Any]
     training: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    #: the sections ("bf16", "fp16") whose ``enabled`` is "auto" and decides the precision (none set true)
+    auto_precision: tuple[str, ...] = ()
 
 
 def _is_auto(v: Any) -> bool:
@@ -149,7 +156,9 @@ def read_deepspeed(path: str, hidden_size: int) -> DeepSpeedInputs:
     spec, autos = _zero_spec(path, zo, hidden_size)
     spec = {"stage": stage, **spec, "offload_param": _offload(path, zo, "offload_param")}
     training: dict[str, Any] = {"offload_optimizer": _offload(path, zo, "offload_optimizer") or None}
-    training.update(_precision(path, raw))
+    precision = _precision(path, raw)
+    training.update(precision)
+    auto = () if precision else tuple(n for n in ("bf16", "fp16") if n in raw and _enabled(path, raw, n) is None)
     for key, fld in (("train_micro_batch_size_per_gpu", "batch"), ("gradient_accumulation_steps", "grad_accum")):
         if key in raw and not _is_auto(raw[key]):
             training[fld] = _int(path, key, raw[key], low=1)
@@ -160,7 +169,57 @@ def read_deepspeed(path: str, hidden_size: int) -> DeepSpeedInputs:
     listed = _ignored(raw, zo)
     if listed:
         notes.append("DeepSpeed config keys ignored (no effect on the estimate): " + ", ".join(listed))
-    return DeepSpeedInputs(stage, spec, {k: v for k, v in training.items() if v is not None}, notes)
+    return DeepSpeedInputs(stage, spec, {k: v for k, v in training.items() if v is not None}, notes, auto)
+
+
+def apply_deepspeed(o: Any, hidden_size: int, tr: dict, tr_origin: dict, notes: list, lora: bool) -> None:
+    """``--deepspeed FILE`` over the training fields ``tr`` (memcalc.inputs.resolve's, ``o`` its Options):
+    sharding deepspeed, the file's ZeRO stage, buffers, precision, micro-batch and accumulation. A flag that
+    contradicts the file is an error showing both; a value the file leaves "auto" keeps the flag's (or the
+    ``--config`` experiment's), and a precision "auto" says what it resolved to (``lora``: LoRA is on)."""
+    ds = read_deepspeed(o.deepspeed, hidden_size)
+    if o.zero is not None and o.zero != ds.stage:
+        raise UserError(f"--zero {o.zero} conflicts with --deepspeed {o.deepspeed} "
+                        f"(zero_optimization.stage {ds.stage})")
+    if o.sharding is not None and o.sharding != "deepspeed":
+        raise UserError(f"--sharding {o.sharding} conflicts with --deepspeed {o.deepspeed} (sharding deepspeed)")
+    flag_prec = "bf16" if o.bf16 else o.precision
+    for key, flag, shown in (("precision", flag_prec, "--precision"), ("batch", o.batch, "--batch"),
+                             ("grad_accum", o.grad_accum, "--grad-accum")):
+        if key in ds.training and flag is not None and flag != ds.training[key]:
+            raise UserError(f"{shown} {flag} conflicts with --deepspeed {o.deepspeed} ({key} {ds.training[key]})")
+    if ds.auto_precision:
+        src = {"flag": "--bf16" if o.bf16 else f"--precision {o.precision}", "config": f"--config {o.config}"}
+        given = src.get(tr_origin.get("precision") or "", "")
+        lora = lora or tr.get("lora") is not None
+        notes.append(auto_precision_note(ds.auto_precision, tr.get("precision"), given, lora))
+    for key, value in ds.training.items():
+        tr[key] = value
+        tr_origin[key] = "config"
+    tr.update(sharding="deepspeed", zero=ds.stage, deepspeed=ds.spec)
+    if tr.get("precision") in ("bf16", "fp16") and not tr.get("master_weights"):
+        # ZeRO keeps an fp32 partition under bf16/fp16 (stage_1_and_2.py single_partition_of_fp32_groups)
+        tr["master_weights"] = True
+        tr_origin["master_weights"] = "config"
+    tr_origin.update(sharding="config", zero="config", deepspeed="config")
+    notes.extend(ds.notes)
+
+
+def auto_precision_note(auto: tuple[str, ...], precision: Optional[str], source: str, lora: bool) -> str:
+    """What the ``auto`` sections' ``enabled`` resolved to, and why: the precision ``source`` gave
+    (a flag, the ``--config`` experiment), else false as Hugging Face and DeepSpeed resolve it (module
+    docstring); with LoRA and no precision the base stays as loaded, LoRA's default bf16."""
+    if precision is not None:
+        vals = ", ".join(f"{n}.enabled={str(precision == n).lower()}" for n in auto)
+        return (f"DeepSpeed \"auto\" resolved as Hugging Face fills it from TrainingArguments.bf16/fp16 "
+                f"(transformers integrations/deepspeed.py trainer_config_process), here {source}: {vals}, "
+                f"precision {precision}")
+    then = ("DeepSpeed casts nothing, the base stays as loaded: LoRA's default, a bf16 base" if lora else
+            "fp32 weights, gradients and optimizer state (--bf16 or --precision for a 16-bit run)")
+    return (f"DeepSpeed {' and '.join(n + '.enabled' for n in auto)} \"auto\" resolved to false: no --bf16 or "
+            f"--precision, and Hugging Face fills \"auto\" from TrainingArguments.bf16/fp16 (default False; "
+            f"integrations/deepspeed.py trainer_config_process), as DeepSpeed alone drops \"auto\" to its default, "
+            f"false (runtime/config_utils.py DeepSpeedConfigModel): {then}")
 
 
 def _stage(path: str, raw: dict) -> tuple[dict, int]:

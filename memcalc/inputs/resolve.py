@@ -36,8 +36,7 @@ from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
 from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET,
-                               LORA_DTYPES,
-                               LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
+                               LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
                                lora_targets_error)
 
@@ -167,8 +166,7 @@ _POSITIVE = ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "t
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
                 "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget", "compile_scope",
-                "zero", "gpus",
-                "sharding", "tp")
+                "zero", "gpus", "sharding", "tp")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -302,7 +300,9 @@ def _put_flags(o: Options, model: ModelSpec, tr: _Training, notes: list[str]) ->
     for key in _VALUE_FLAGS:
         tr.put(key, values[key])
     if o.deepspeed is not None:
-        _apply_deepspeed(o, model, tr.values, tr.origin, notes)
+        from memcalc.inputs.deepspeed_config import apply_deepspeed
+
+        apply_deepspeed(o, model.d_model, tr.values, tr.origin, notes, lora=_lora_given(o))
     for key in _LATE_SWITCHES:
         tr.put(key, getattr(o, key) or None)
 
@@ -418,34 +418,6 @@ def _recipe_origins(recipe: Any, from_recipe: set[str], origin: dict[str, str]) 
         for key in ORIGIN_KEYS.get(opt, ()):
             if origin.get(key) not in (None, "default") and not origin[key].startswith("recipe"):
                 origin[key] = f"recipe {recipe.keys[opt]}"
-
-
-def _apply_deepspeed(o: Options, model: ModelSpec, tr: dict, tr_origin: dict, notes: list) -> None:
-    """``--deepspeed FILE`` (memcalc.inputs.deepspeed_config): sharding deepspeed, the file's ZeRO stage,
-    buffers, precision, micro-batch and accumulation. A flag that contradicts the file is an error
-    showing both; a value the file leaves "auto" keeps the flag's."""
-    from memcalc.inputs.deepspeed_config import read_deepspeed
-
-    ds = read_deepspeed(o.deepspeed, model.d_model)
-    if o.zero is not None and o.zero != ds.stage:
-        raise UserError(f"--zero {o.zero} conflicts with --deepspeed {o.deepspeed} (zero_optimization.stage {ds.stage})")
-    if o.sharding is not None and o.sharding != "deepspeed":
-        raise UserError(f"--sharding {o.sharding} conflicts with --deepspeed {o.deepspeed} (sharding deepspeed)")
-    flag_prec = "bf16" if o.bf16 else o.precision
-    for key, flag, shown in (("precision", flag_prec, "--precision"), ("batch", o.batch, "--batch"),
-                             ("grad_accum", o.grad_accum, "--grad-accum")):
-        if key in ds.training and flag is not None and flag != ds.training[key]:
-            raise UserError(f"{shown} {flag} conflicts with --deepspeed {o.deepspeed} ({key} {ds.training[key]})")
-    for key, value in ds.training.items():
-        tr[key] = value
-        tr_origin[key] = "config"
-    tr.update(sharding="deepspeed", zero=ds.stage, deepspeed=ds.spec)
-    if tr.get("precision") in ("bf16", "fp16") and not tr.get("master_weights"):
-        # ZeRO keeps an fp32 partition under bf16/fp16 (stage_1_and_2.py single_partition_of_fp32_groups)
-        tr["master_weights"] = True
-        tr_origin["master_weights"] = "config"
-    tr_origin.update(sharding="config", zero="config", deepspeed="config")
-    notes.extend(ds.notes)
 
 
 def _model_why(o: Options) -> str:

@@ -126,3 +126,38 @@ def test_unknown_zero_keys_are_listed(tmp_path):
     r = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--gpus", "4", "--seq", "128", "--deepspeed", path])
     assert r.exit_code == 0, r.output
     assert "zero_optimization.frobnicate" in r.output
+
+
+AUTO = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+AUTO_PRECISION = [
+    # (extra args, precision, text of the note)
+    # source: transformers integrations/deepspeed.py trainer_config_process fill_match("bf16.enabled", args.bf16 ...)
+    # with TrainingArguments.bf16 = False, and deepspeed runtime/config_utils.py DeepSpeedConfigModel dropping "auto"
+    # to DeepSpeedBF16Config.enabled = False: fp32 either way
+    ([], "fp32", 'bf16.enabled and fp16.enabled "auto" resolved to false'),
+    # source: fill_match with args.bf16 = True (--bf16 is TrainingArguments.bf16)
+    (["--bf16"], "bf16", "here --bf16: bf16.enabled=true, fp16.enabled=false"),
+    # source: fill_match with args.fp16 = True
+    (["--precision", "fp16"], "fp16", "here --precision fp16: bf16.enabled=false, fp16.enabled=true"),
+    # source: bf16.enabled false casts nothing (deepspeed runtime/engine.py _configure_distributed_model): the
+    # base as loaded, LoRA's bf16 default (memcalc.inputs.resolve _setup_defaults)
+    (["--lora"], "bf16", "the base stays as loaded: LoRA's default, a bf16 base"),
+]
+
+
+@pytest.mark.parametrize("args,precision,note", AUTO_PRECISION)
+def test_auto_precision_says_what_it_resolved_to(tmp_path, args, precision, note):
+    path = _write(tmp_path, AUTO)
+    r = CliRunner().invoke(app, ["estimate", "--model", "gpt2", "--gpus", "2", "--seq", "64", "--json",
+                                 "--deepspeed", path, *args])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["inputs"]["training"]["precision"] == precision
+    assert any(note in n for n in doc["inferred"]), doc["inferred"]
+
+
+def test_auto_precision_takes_the_config_experiments():
+    # source: the --config experiment stands for the TrainingArguments fill_match reads (bfloat16 names bf16)
+    res = resolve(Options(config="bfloat16", deepspeed=f"{FIX}/ds_config_zero2.json", gpus=2))
+    assert (res.exp.training.precision, res.exp.training.master_weights) == ("bf16", True)
+    assert any("here --config bfloat16: bf16.enabled=true" in n for n in res.notes)
