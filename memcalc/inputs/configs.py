@@ -65,3 +65,12 @@ def load_config(name_or_path: str) -> ExperimentSpec:
     """A reference config by name (``memcalc configs`` lists them) or a config file path."""
     raw, where = _raw(name_or_path)
     return experiment_from_dict(raw, where)
+
+
+def lora_precision_note(config: str, precision: str, named: bool) -> str:
+    """``--config FILE`` with a LoRA flag: the precision the file names is kept; one it does not name
+    is LoRA's default bf16 base, as with ``--model`` (memcalc.inputs.resolve ``_setup_defaults``)."""
+    if named:
+        return (f"--config {config} names precision {precision}: kept under LoRA (a config naming none gets LoRA's "
+                f"default, a bf16 base; --bf16 for one)")
+    return f"--config {config} names no precision: LoRA's default, a bf16 base, as with --model"

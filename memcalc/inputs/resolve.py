@@ -14,7 +14,8 @@ Defaults that depend on the setup:
   is a Hugging Face model written from its config.json; a config.json or hub id is one)
   and for ``--params`` (what most users fine-tune with: transformers + PEFT);
 - PyTorch version: the profile's (2.8 unless ``--profile``/the config says otherwise);
-- precision: with LoRA/QLoRA and no precision given, ``bf16`` (a bf16 base; QLoRA computes
+- precision: with LoRA/QLoRA and no precision given (a ``--config`` file naming none gives none;
+  one naming fp32 keeps it, said in a note), ``bf16`` (a bf16 base; QLoRA computes
   in bf16, ``bnb_4bit_compute_dtype=torch.bfloat16`` in the QLoRA recipes); full fine-tuning
   ``fp32`` (what Hugging Face Trainer runs without ``--bf16``/``--fp16``);
 - LoRA adapter dtype: the framework's (``KernelProfile.lora_dtype``: hf fp32, the others the
@@ -179,6 +180,9 @@ class _Training:
     def __init__(self, base: Optional[ExperimentSpec]) -> None:
         self.values: dict[str, Any] = base.training.model_dump() if base is not None else {}
         self.origin: dict[str, str] = {k: "config" for k in self.values} if base is not None else {}
+        self.named_precision = base is not None and "precision" in base.training.model_fields_set
+        if base is not None and not self.named_precision:  # the setup's default decides (LoRA: bf16), as --model
+            del self.values["precision"], self.origin["precision"]
 
     def put(self, key: str, value: Any, origin: str = "flag") -> None:
         """Set ``key`` unless ``value`` is None (the flag was not given)."""
@@ -348,6 +352,10 @@ def _setup_defaults(o: Options, model: ModelSpec, profile: KernelProfile, tr: _T
             tr.put("precision", "bf16", origin="default")
             reasons["precision"] = ("QLoRA: a bf16 base (QLoRA computes in bf16, bnb_4bit_compute_dtype=bfloat16)"
                                     if lora.get("qlora") else "LoRA: a bf16 base (the model loaded in bfloat16)")
+        if o.config and _lora_given(o) and (tr.origin["precision"] == "default" or (
+                tr.named_precision and tr.origin["precision"] == "config" and not o.deepspeed)):
+            from memcalc.inputs.configs import lora_precision_note
+            notes.append(lora_precision_note(o.config, tr.values["precision"], tr.named_precision))
     elif "precision" not in tr.values:
         reasons["precision"] = "full fine-tuning: what Hugging Face Trainer runs without --bf16/--fp16 (fp32 weights)"
     if tr.values.get("compile") and "compile_scope" not in tr.values and profile.framework == "torchtune":

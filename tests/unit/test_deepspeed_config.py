@@ -129,6 +129,9 @@ def test_unknown_zero_keys_are_listed(tmp_path):
 
 
 AUTO = {"zero_optimization": {"stage": 2}, "bf16": {"enabled": "auto"}, "fp16": {"enabled": "auto"}}
+#: a user experiment config that names no precision (the shipped ones all name theirs)
+NO_PRECISION = "model: gpt2\ntraining: {batch: 1, seq: 128}\n"
+
 AUTO_PRECISION = [
     # (extra args, precision, text of the note)
     # source: transformers integrations/deepspeed.py trainer_config_process fill_match("bf16.enabled", args.bf16 ...)
@@ -161,3 +164,36 @@ def test_auto_precision_takes_the_config_experiments():
     res = resolve(Options(config="bfloat16", deepspeed=f"{FIX}/ds_config_zero2.json", gpus=2))
     assert (res.exp.training.precision, res.exp.training.master_weights) == ("bf16", True)
     assert any("here --config bfloat16: bf16.enabled=true" in n for n in res.notes)
+
+
+NAMES_FP32 = "model: gpt2\ntraining: {batch: 1, seq: 128, precision: fp32}\n"
+
+CONFIG_LORA = [
+    # (config file text, extra args, exit code, precision, note or None)
+    # source: memcalc.inputs.resolve _setup_defaults: LoRA without a precision is a bf16 base, as with --model
+    (NO_PRECISION, ["--lora"], 0, "bf16", "names no precision: LoRA's default, a bf16 base"),
+    # source: a config naming fp32 keeps it, and says so
+    (NAMES_FP32, ["--lora"], 0, "fp32", "names precision fp32: kept under LoRA"),
+    # source: a flag over the config: no note
+    (NAMES_FP32, ["--lora", "--bf16"], 0, "bf16", None),
+    # source: no LoRA: the config's own setup (TrainingSpec's fp32 default), no note
+    (NO_PRECISION, [], 0, "fp32", None),
+]
+
+
+@pytest.mark.parametrize("text,args,code,precision,note", CONFIG_LORA)
+def test_config_with_lora_precision(tmp_path, text, args, code, precision, note):
+    cfg = _write(tmp_path, text, "exp.yaml")
+    r = CliRunner().invoke(app, ["estimate", "--config", cfg, "--seq", "64", "--json", *args])
+    assert r.exit_code == code, r.output
+    doc = json.loads(r.stdout)
+    assert doc["inputs"]["training"]["precision"] == precision
+    found = [n for n in doc["inferred"] if "precision" in n and "--config" in n]
+    assert (note is None and not found) or any(note in n for n in found), doc["inferred"]
+
+
+def test_shipped_config_names_its_precision():
+    # source: data/configs/control.yaml names precision fp32: kept under --lora, and said
+    res = resolve(Options(config="control", lora=True))
+    assert res.exp.training.precision == "fp32"
+    assert any("--config control names precision fp32: kept under LoRA" in n for n in res.notes)
