@@ -72,9 +72,12 @@ def target_spec(exp: ExperimentSpec, scale_layers: Optional[int], framework: str
 def trainer_estimator_spec(exp: ExperimentSpec, framework: str) -> ExperimentSpec:
     """The spec memcalc estimates for a trainer's traced step (validate/trainers/): the profile's rules
     of ``framework`` (:func:`memcalc.inputs.profiles.compose`) and the model as that trainer builds it
-    (:func:`memcalc.core.rules.framework_model`: LitGPT's untied head and fused qkv)."""
+    (:func:`memcalc.core.rules.framework_model`: LitGPT's untied head and fused qkv). A profile that is
+    already the trainer's (``--framework NAME`` resolved it) is kept as it is: composing it again would
+    put the rule fields' defaults back over its flags (``--loss full`` under torchtune)."""
     model, _notes = framework_model(exp.model, framework, exp.training.lora)
-    return exp.model_copy(update={"profile": compose(exp.profile, framework, None), "model": model})
+    profile = exp.profile if exp.profile.framework == framework else compose(exp.profile, framework, None)
+    return exp.model_copy(update={"profile": profile, "model": model})
 
 
 def pct(a: Optional[int], b: Optional[int]) -> Optional[float]:

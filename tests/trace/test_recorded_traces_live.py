@@ -24,7 +24,9 @@ from traces.rows import spec_of  # noqa: E402
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "recorded.json")
 with open(PATH, encoding="utf-8") as _f:
     RECORDED: list[dict] = json.load(_f)["rows"]
-NEEDS = {"hf": ("transformers", "peft"), "deepspeed": ("deepspeed",)}
+NEEDS = {"hf": ("transformers", "peft"), "deepspeed": ("deepspeed",), "torchtune": ("torchtune", "torchao"),
+         "litgpt": ("litgpt", "lightning"), "trl": ("trl", "peft")}
+TRAINER_ROWS = [r for r in RECORDED if r["validator"] in ("torchtune", "litgpt", "trl")]
 
 
 @pytest.mark.parametrize("rec", RECORDED, ids=[r["name"] for r in RECORDED])
@@ -47,6 +49,17 @@ def test_hf_rows_estimate_what_the_hf_tests_estimate(rec):
 
     exp = spec_of(rec)
     assert hf_estimator_spec(exp) == exp
+
+
+@pytest.mark.parametrize("rec", TRAINER_ROWS, ids=lambda r: r["name"])
+def test_trainer_rows_estimate_what_the_trainer_tests_estimate(rec):
+    """The trainers' grids estimate ``target_spec(exp, None, NAME)`` (the trainer's profile rules and model,
+    ``trainer_estimator_spec``); the recorded rows resolve ``--framework NAME``, which is that spec already."""
+    from memcalc.validate.record import target_spec
+
+    exp = spec_of(rec)
+    assert exp.profile.framework == rec["validator"]
+    assert target_spec(exp, None, rec["validator"]) == exp
 
 
 #: one row per validator whose rows have a command line (see traces.rows.cli_of)

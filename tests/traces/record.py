@@ -66,6 +66,10 @@ def trace(row: dict[str, Any]) -> tuple[int, str]:
         from memcalc.validate.deepspeed_trace import trace_deepspeed
 
         meas = trace_deepspeed(exp)
+    elif kind in ("torchtune", "litgpt", "trl"):
+        from memcalc.validate.trainers import load as load_trainer
+
+        meas = load_trainer(kind).measure(exp, "meta")
     else:
         raise ValueError(f"unknown validator {kind!r}")
     if meas.status != "ok":

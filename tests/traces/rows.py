@@ -13,6 +13,9 @@ and ``validator`` names the tracer the slow test of the same row calls:
 - ``fsdp``: rank 0 of FSDP2 / FSDP1 on the fake process group (``memcalc.validate.sharded.trace_rank``)
 - ``tp``: rank 0 of torchtitan's tensor-parallel plan (``memcalc.validate.sharded.tp.measure_tp``)
 - ``deepspeed``: rank 0 of DeepSpeed's engine (``memcalc.validate.deepspeed_trace.trace_deepspeed``)
+- ``torchtune``, ``litgpt``, ``trl``: the trainer's own step (``memcalc.validate.trainers.load(NAME).measure``,
+  validate/trainers/NAME.py), estimated as ``--framework NAME`` resolves it (the trainer's profile rules and
+  model, ``validate.record.trainer_estimator_spec``)
 
 Every row is one of the slow tests' rows (scaled down where they run at more layers), and its
 tolerance is that test's constant, named by :data:`TOLERANCES` (``tests/unit/test_recorded_traces.py``
@@ -44,6 +47,9 @@ TOLERANCES: dict[str, tuple[float, str, str]] = {
     "fsdp": (2.0, "tests/trace/test_fsdp_grid.py", "TOLERANCE_PCT"),  # issue 13
     "tp": (3.0, "tests/trace/test_tp.py", "TOLERANCE_PCT"),  # issue 13
     "deepspeed": (3.0, "tests/trace/test_deepspeed.py", "TOLERANCE_PCT"),  # issue 13
+    "torchtune": (2.0, "tests/trace/test_torchtune_grid.py", "GRID_TOLERANCE_PCT"),  # issue 27
+    "litgpt": (2.0, "tests/trace/test_litgpt_grid.py", "TOLERANCE_PCT"),  # issue 27
+    "trl": (2.0, "tests/trace/test_trl_grid.py", "TOLERANCE_PCT"),  # issue 27
 }
 
 PLAIN = {"framework": "plain"}
@@ -53,6 +59,17 @@ BF16 = {"precision": "bf16"}
 MIXED = {"precision": "bf16", "master_weights": True}
 #: tests/trace/test_tp.py spec(): d_model 256, 8 heads, 4 kv heads, d_ff 704, vocabulary 1024
 TP_MODEL = {"d_model": 256, "n_heads": 8, "n_kv_heads": 4, "d_ff": 704, "vocab_size": 1024, "max_seq_len": 4096}
+#: validate/trainers/torchtune_grid.py MODELS: "gqa" (llama3_1's shape, untied head), "tied" (llama3_2's)
+TT_GQA = {"d_model": 256, "n_heads": 8, "n_kv_heads": 2, "d_ff": 512, "vocab_size": 2048, "max_seq_len": 1024}
+TT_TIED = {"d_model": 128, "n_heads": 4, "n_kv_heads": 4, "d_ff": 384, "vocab_size": 4096, "max_seq_len": 512}
+#: validate/litgpt_grid.py MODELS: "llama" (GQA) and "phi" (parallel residual, 40% rotary, biases)
+LIT_LLAMA = {"d_model": 256, "n_heads": 8, "n_kv_heads": 2, "d_ff": 704, "vocab_size": 4096, "max_seq_len": 1024}
+LIT_PHI = {"d_model": 256, "n_heads": 8, "d_ff": 1024, "vocab_size": 4096, "max_seq_len": 1024,
+           "activation": "gelu_tanh", "rotary_pct": 0.4}
+#: tests/trace/test_trl_grid.py _model: width 128, 4 heads, vocabulary 2048
+TRL_LLAMA = {"d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 256, "vocab_size": 2048, "max_seq_len": 1024}
+TRL_QWEN = {"d_model": 128, "n_heads": 4, "n_kv_heads": 2, "d_ff": 384, "vocab_size": 2048, "max_seq_len": 1024}
+TRL_GPT2 = {"d_model": 128, "n_heads": 4, "d_ff": 512, "vocab_size": 2048, "max_seq_len": 1024}
 
 
 def _row(name: str, validator: str, tolerance: str, source: str, layers: int, fields: dict | None = None,
@@ -62,9 +79,11 @@ def _row(name: str, validator: str, tolerance: str, source: str, layers: int, fi
 
 
 R, H, F, T, D = "replica", "hf", "fsdp", "tp", "deepspeed"
+TT, LIT, TRL = "torchtune", "litgpt", "trl"
 DEEP = "tests/trace/test_validate_deep_one.py (config); tolerance: "
 EVT, FAT, MMT, TET = ("tests/trace/test_estimator_vs_trace.py", "tests/trace/test_family_activations_trace.py",
                       "tests/trace/test_moe_mla_trace.py", "tests/trace/test_techniques_trace.py")
+TTG, LTG, TRG = "tests/trace/test_torchtune_grid.py", "tests/trace/test_litgpt_grid.py", "tests/trace/test_trl_grid.py"
 HFG, HFF, FSG, TPT, DST = ("tests/trace/test_hf_grid.py", "tests/trace/test_hf_families_trace.py",
                            "tests/trace/test_fsdp_grid.py", "tests/trace/test_tp.py", "tests/trace/test_deepspeed.py")
 ALL7 = "q,k,v,o,gate,up,down"
@@ -193,6 +212,30 @@ ROWS: list[dict[str, Any]] = [
          gpus=2, zero=3, checkpoint="full", deepspeed="tests/traces/deepspeed/zero3_reuse_0.json", **PLAIN),
     _row("deepspeed-zero2-gpt2-4gpus", D, "deepspeed", DST, 2, model="gpt2", seq=256, **MIXED, gpus=4, zero=2,
          deepspeed="tests/traces/deepspeed/zero2.json", **PLAIN),
+    # -- torchtune 0.6.1's own step (test_torchtune_grid: its gqa and tied models, 2 and 1 layers)
+    _row("torchtune-gqa-lora-qv-chunked-ckpt-full", TT, "torchtune", TTG, 2, TT_GQA, model="llama-3.1-8b", batch=2,
+         seq=256, **BF16, lora=True, lora_rank=8, lora_alpha=16, lora_targets="q,v", checkpoint="full",
+         loss="chunked", framework="torchtune"),
+    _row("torchtune-gqa-qlora-all-chunked", TT, "torchtune", TTG, 2, TT_GQA, model="llama-3.1-8b", batch=2, seq=256,
+         **BF16, qlora=True, lora_rank=8, lora_alpha=16, lora_targets=ALL7, loss="chunked", framework="torchtune"),
+    _row("torchtune-tied-full-loss-full", TT, "torchtune", TTG, 1, TT_TIED, model="llama-3.2-1b", batch=2, seq=256,
+         **BF16, loss="full", framework="torchtune"),
+    # -- LitGPT 0.5.13's own step (test_litgpt_grid: its Llama-like and phi shapes, 2 layers)
+    _row("litgpt-llama-lora-qv-bf16", LIT, "litgpt", LTG, 2, LIT_LLAMA, model="llama-3.1-8b", batch=1, seq=320,
+         **BF16, lora=True, lora_rank=8, lora_alpha=16, lora_targets="q,v", framework="litgpt"),
+    _row("litgpt-llama-full-bf16-ckpt-full", LIT, "litgpt", LTG, 2, LIT_LLAMA, model="llama-3.1-8b", batch=2,
+         seq=100, **BF16, checkpoint="full", framework="litgpt"),
+    _row("litgpt-phi-lora-o-up-down-amp", LIT, "litgpt", LTG, 2, LIT_PHI, model="phi-1.5", batch=2, seq=100,
+         precision="amp-bf16", lora=True, lora_rank=8, lora_alpha=16, lora_targets="o,up,down", framework="litgpt"),
+    # -- TRL 1.16's SFT step with its fused head (test_trl_grid: Llama-, Qwen2- and GPT-2-shaped, 2 layers)
+    _row("trl-tinyllama-lora-qv-ckpt-full-tok-0.1", TRL, "trl", TRG, 2, TRL_LLAMA, model="tinyllama-1.1b", batch=2,
+         seq=128, **BF16, lora=True, lora_rank=8, lora_alpha=16, lora_targets="q,v", lora_dropout=0.0,
+         checkpoint="full", loss_tokens=0.1, framework="trl"),
+    _row("trl-qwen2.5-lora-all-tok-0.5", TRL, "trl", TRG, 2, TRL_QWEN, model="qwen2.5-7b", batch=4, seq=64, **BF16,
+         lora=True, lora_rank=8, lora_alpha=16, lora_targets=ALL7, lora_dropout=0.0, loss_tokens=0.5,
+         framework="trl"),
+    _row("trl-gpt2-full-tok-1", TRL, "trl", TRG, 2, TRL_GPT2, model="gpt2", batch=2, seq=256, **BF16, loss_tokens=1.0,
+         framework="trl"),
 ]
 
 

@@ -3,7 +3,8 @@
 ``tests/traces/recorded.json`` holds, per row of ``tests/traces/rows.py``, the peak the validator
 traced (memcalc's PyTorch replica, the real transformers + PEFT step, one rank of FSDP2 / FSDP1,
 tensor parallelism or DeepSpeed, on meta or fake tensors) with the inputs it was traced for and
-the tolerance of the slow test the row comes from. Each row here estimates the same inputs through
+the tolerance of the slow test the row comes from; since issue 27 also the trainers' own steps
+(torchtune, LitGPT, TRL: validate/trainers/). Each row here estimates the same inputs through
 ``memcalc.estimate`` and compares: the estimator is checked against the validator on every run,
 without torch. ``python tests/traces/record.py`` records the peaks again;
 ``tests/trace/test_recorded_traces_live.py`` (slow) checks the recording equals a live trace.
@@ -22,7 +23,7 @@ import memcalc
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "recorded.json")
 with open(PATH, encoding="utf-8") as _f:
     RECORDED: list[dict] = json.load(_f)["rows"]
-VALIDATORS = {"replica", "hf", "fsdp", "tp", "deepspeed"}
+VALIDATORS = {"replica", "hf", "fsdp", "tp", "deepspeed", "torchtune", "litgpt", "trl"}
 
 
 def test_every_row_is_recorded_as_defined():
