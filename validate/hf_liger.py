@@ -54,8 +54,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memcalc.core.errors import UserError
 from memcalc.core.liger import LIGER_FAMILIES, LIGER_GPU, liger_kernel_config, liger_plan
 
-#: the packages whose own code sees CUDA (liger_kernel: every op module and its transformers patches)
-_LIBRARIES = ("liger_kernel",)
+#: the packages whose own code sees CUDA (liger_kernel: every op module and its transformers patches;
+#: cut_cross_entropy: its kernels' launchers, traced the same way by validate/hf_cce.py)
+_LIBRARIES = ("liger_kernel", "cut_cross_entropy")
 _CUDA = torch.device("cuda", 0)
 
 
@@ -96,6 +97,8 @@ class MetaValues(TorchDispatchMode):
             return False if args[0].dtype == torch.bool else 1
         if func is torch.ops.aten.equal.default and args[0].device.type == "meta":
             return True
+        if func is torch.ops.aten.nonzero.default and args[0].device.type == "meta":  # every element is nonzero
+            return torch.empty((args[0].numel(), args[0].dim()), dtype=torch.int64, device="meta")  # (CCE's valids)
         return func(*args, **kwargs)
 
 

@@ -106,6 +106,10 @@ def check_hf(exp: ExperimentSpec) -> None:
         from .hf_liger import check_liger
 
         check_liger(exp, fam.model_type)
+    if exp.profile.kernels == "cce":
+        from .hf_cce import check_cce_setup
+
+        check_cce_setup(exp, fam.model_type)
 
 
 def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None,
@@ -159,12 +163,13 @@ def _decoder_layers(model, n_layers: int):
 
 def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
          sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list]) -> None:
-    if exp.profile.kernels != "liger":
+    if exp.profile.kernels not in ("liger", "cce"):
         return _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen)
+    from .hf_cce import cce_trace
     from .hf_liger import liger_trace
 
     model_type = choose_family(m).model_type
-    with liger_trace(model_type):
+    with (liger_trace if exp.profile.kernels == "liger" else cce_trace)(model_type):
         _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen)
 
 
@@ -190,6 +195,11 @@ def _run_step(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug
 
         check_liger(exp, family.model_type)
         apply_liger(model, exp)
+    if exp.profile.kernels == "cce":  # axolotl's CutCrossEntropyPlugin: cce_patch before training (hf_cce.py)
+        from .hf_cce import apply_cce, check_cce_setup
+
+        check_cce_setup(exp, family.model_type)
+        apply_cce(model)
     if tr.checkpoint in ("full", "every-k"):
         every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x (every_n_layers)

@@ -30,8 +30,9 @@ COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)
 LossKind = Literal["full", "chunked", "trl-fused"]
 LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 
-#: ``--kernels``: a kernel library that replaces the model's layers (liger: Liger-Kernel, memcalc.core.liger)
-KernelLibrary = Literal["none", "liger"]
+#: ``--kernels``: a kernel library that replaces the model's layers (liger: Liger-Kernel, memcalc.core.liger;
+#: cce: Apple's Cut Cross-Entropy on the head and loss, memcalc.core.cce)
+KernelLibrary = Literal["none", "liger", "cce"]
 KERNEL_LIBRARIES: tuple[str, ...] = typing.get_args(KernelLibrary)
 
 #: ``liger_ops`` of the kernel profile: which of Liger's kernels apply (memcalc.core.liger.LIGER_OPS)

@@ -22,7 +22,8 @@ from memcalc.core.dtypes import DType
 from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.liger import liger_plan
-from memcalc.engine.blocks import adapters, chunked_output, embedding, head, liger, litgpt_head, trl_head
+from memcalc.core.cce import check_cce
+from memcalc.engine.blocks import adapters, cce, chunked_output, embedding, head, liger, litgpt_head, trl_head
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -78,6 +79,8 @@ class Forward:
         self.variant_attention = m.mla is not None or is_attention_variant(m)
         self.q_dim, self.kv_dim, self.dim_head, self.kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
         self.liger = liger_plan(m, exp.profile, self.tr) if exp.profile.kernels == "liger" else None
+        if exp.profile.kernels == "cce":
+            check_cce(m, self.tr)  # memcalc.core.cce: what Cut Cross-Entropy is modelled with
 
     # -- helpers ----------------------------------------------------------------------
     def p(self, name: str) -> Param:
@@ -166,6 +169,8 @@ class Forward:
             loss = chunked_output.head_and_loss(self, x)
         elif self.liger is not None and self.liger.flce:  # Liger's fused linear cross-entropy (blocks/liger.py)
             loss = liger.flce_loss(self, x)
+        elif self.exp.profile.kernels == "cce":  # Cut Cross-Entropy (blocks/cce.py): no logits tensor
+            loss = cce.cce_loss(self, x)
         elif self.exp.profile.cross_entropy == "trl-fused":  # no logits tensor (blocks/trl_head.py)
             loss = trl_head.fused_loss(self, x)
             if sim.offload is not None:  # TRL's context stays open in backward, where checkpoint recomputation

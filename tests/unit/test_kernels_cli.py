@@ -62,7 +62,11 @@ def test_recipe_sets_the_profile(tmp_path, monkeypatch):
 
 #: (CLI args, the one-line message)
 CLI_ERRORS = [
-    (["estimate", "--model", "llama-3.1-8b", "--kernels", "cce"], "Invalid value for '--kernels'"),
+    (["estimate", "--model", "llama-3.1-8b", "--kernels", "unsloth"], "Invalid value for '--kernels'"),
+    # source: cut_cross_entropy cce_backward.py cce_backward_kernel asserts bf16/fp16 embeddings
+    (["estimate", "--model", "llama-3.1-8b", "--kernels", "cce", "--precision", "fp32"], "needs 16-bit hidden states"),
+    # source: gemma2's cce_forward passes final_logit_softcapping (memcalc.core.cce: not modelled)
+    (["estimate", "--model", "gemma-2-9b", "--kernels", "cce"], "is none of the families whose Cut Cross-Entropy"),
     (["estimate", "--model", "gpt2", "--kernels", "liger"], "gpt2 is none of the families whose Liger kernels"),
     # source: the multi-GPU search runs ZeRO-3 and tensor parallelism, which Liger is not modelled with
     (["plan", "--model", "llama-3.1-8b", "--kernels", "liger"], "plan --kernels liger needs --gpu"),
@@ -106,6 +110,9 @@ RECIPES: list[tuple[Any, dict, Any, Any]] = [
     (axolotl, {**AX, "liger_rope": True, "liger_rms_norm": True, "liger_glu_activation": True,
                "liger_fused_linear_cross_entropy": True}, "liger", LIGER_OPS),
     (axolotl, {**AX, "liger_rope": False}, None, None),
+    # source: axolotl integrations/cut_cross_entropy: cut_cross_entropy: true -> cce_patch(cfg.model_config_type)
+    (axolotl, {"bf16": True, "plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"],
+               "cut_cross_entropy": True}, "cce", None),
 ]
 
 
@@ -123,7 +130,8 @@ RECIPE_ERRORS = [
     (hf, {**HF, "liger_kernel_config": {"tiled_mlp": True}}, "liger_kernel_config.tiled_mlp: not a Liger kernel"),
     (hf, {**HF, "liger_kernel_config": ["rope"]}, "liger_kernel_config: expected a mapping"),
     (axolotl, {**AX, "liger_cross_entropy": True}, "liger_cross_entropy: Liger's cross-entropy"),
-    (axolotl, {**AX, "cut_cross_entropy": True}, "cut_cross_entropy: custom fused kernels are not modelled"),
+    (axolotl, {**AX, "liger_fused_linear_cross_entropy": True, "cut_cross_entropy": True},
+     "cut_cross_entropy: with the Liger plugin too is not modelled"),
 ]
 
 

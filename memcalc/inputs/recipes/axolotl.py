@@ -72,7 +72,11 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
     if r.has("torch_compile") and bool_value(r.get("torch_compile"), f"{src}:torch_compile"):
         r.set("compile", True, "torch_compile")
     _liger(r)
-    for k in ("cut_cross_entropy", "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "lora_mlp_kernel",
+    if r.has("cut_cross_entropy") and bool_value(r.get("cut_cross_entropy"), f"{src}:cut_cross_entropy"):
+        if r.rec.values.get("kernels") == "liger":  # CutCrossEntropyPlugin and Liger's FLCE both own the loss
+            raise UserError(f"{src}:cut_cross_entropy: with the Liger plugin too is not modelled; keep one")
+        r.set("kernels", "cce", "cut_cross_entropy", True)  # integrations/cut_cross_entropy: cce_patch(model_type)
+    for k in ("unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "lora_mlp_kernel",
               "lora_qkv_kernel",
               "lora_o_kernel"):
         if r.has(k) and bool_value(r.get(k), f"{src}:{k}"):
