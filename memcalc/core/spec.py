@@ -166,10 +166,13 @@ class ExperimentSpec(Spec):
     def adapter_dtype(self) -> Optional[DType]:
         """The LoRA adapters' dtype (their weights, gradients and optimizer state): the LoRA spec's
         ``dtype``, else the framework's (``profile.lora_dtype``); ``model`` = the training's weight
-        dtype. None without LoRA."""
+        dtype. None without LoRA. TRL's QLoRA: bf16 (trl 1.16.0 trl/trainer/sft_trainer.py SFTTrainer.__init__,
+        lines 908-911: on a quantized base every trainable parameter is cast to torch.bfloat16 after get_peft_model)."""
         lora = self.training.lora
         if lora is None:
             return None
+        if lora.qlora and lora.dtype is None and self.profile.framework == "trl":
+            return DType.bf16
         return DType.fp32 if (lora.dtype or self.profile.lora_dtype) == "fp32" else self.training.weight_dtype
 
     @model_validator(mode="after")

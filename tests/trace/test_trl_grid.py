@@ -7,7 +7,8 @@ mask's data-dependent sizes answered, validate/trainers/trl.py).
 The grid: three families scaled down (Llama-, Qwen2- and GPT-2-shaped: RMSNorm/SwiGLU/RoPE/GQA, q/k/v
 bias, tied head with LayerNorm/GELU/learned positions), 2 layers, width 128, vocabulary 2048 (the fused
 head's tile is 32768 columns whatever the vocabulary: the trace checks that too); full fine-tuning and
-LoRA; checkpointing none and full; the fraction of tokens that reach the loss 1, 0.5 and 0.1 (``--loss-tokens``);
+LoRA and QLoRA (a bitsandbytes 4-bit base, SFTTrainer's own PEFT path); checkpointing none and full; the
+fraction of tokens that reach the loss 1, 0.5 and 0.1 (``--loss-tokens``);
 activation offloading on and off; bf16 and fp32; batch and sequence varied; Liger's layer kernels
 (``use_liger_kernel``: RoPE, RMSNorm, SwiGLU) on the Llama and Qwen2 shapes.
 
@@ -56,6 +57,14 @@ LIGER_SETUPS = (
     ("full", "bf16", "full", 1.0, False, 2, 128),
 )
 
+#: QLoRA (a bitsandbytes NF4 base as from_pretrained(quantization_config=...) loads it; SFTTrainer.__init__: no
+#: prepare_model_for_kbit_training, enable_input_require_grads under checkpointing, the adapters cast to bf16), on
+#: the Llama and Qwen2 shapes (GPT-2's Conv1D projections are not bitsandbytes linears)
+QLORA_SETUPS = (
+    ("qv", "bf16", "none", 1.0, False, 2, 256),
+    ("all", "bf16", "full", 0.5, False, 2, 128),
+)
+
 
 def _model(preset: str, heads: int, kv: int, ff: int):
     m = load_preset(preset)
@@ -68,20 +77,22 @@ def grid() -> list[tuple[str, ExperimentSpec]]:
     out = []
     for preset, heads, kv, ff in FAMILIES:
         m = _model(preset, heads, kv, ff)
-        rows = [(s, False) for s in SETUPS] + [(s, True) for s in LIGER_SETUPS if preset != "gpt2"]
-        for (tuning, prec, ck, frac, off, B, T), liger in rows:
-            lora = None
+        rows = [(s, "") for s in SETUPS]
+        if preset != "gpt2":
+            rows += [(s, "liger") for s in LIGER_SETUPS] + [(s, "qlora") for s in QLORA_SETUPS]
+        for (tuning, prec, ck, frac, off, B, T), kind in rows:
+            lora, liger = None, kind == "liger"
             if tuning != "full":
                 qv = ("qkv",) if m.fused_qkv else ("q", "v")
                 targets = qv if tuning == "qv" else tuple(t for t in m.lora_targets if t != "qkv" or m.fused_qkv)
-                lora = LoraSpec(rank=8, alpha=16, targets=targets, dropout=0.0)
+                lora = LoraSpec(rank=8, alpha=16, targets=targets, dropout=0.0, qlora=kind == "qlora")
             tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora, activation_offload=off)
             upd: dict = {"loss_tokens": frac}
             if liger:
                 upd.update(kernels="liger")  # all four; SFTTrainer's rule drops flce (memcalc.core.liger.liger_plan)
             prof = profile_for("trl").model_copy(update=upd)
             extra = (" offload" if off else "") + (" liger" if liger else "")
-            name = f"{preset} {tuning} {prec} ck={ck} tok={frac:g}{extra} {B}x{T}"
+            name = f"{preset} {'qlora ' if kind == 'qlora' else ''}{tuning} {prec} ck={ck} tok={frac:g}{extra} {B}x{T}"
             out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=prof)))
     return out
 
@@ -126,7 +137,7 @@ def test_loss_tokens_move_the_traced_head():
 # (training update, what the refusal names): source: validate/trainers/trl.py why_not
 REFUSED = [
     ({"precision": "amp-bf16"}, "AMP is not traced"),
-    ({"lora": LoraSpec(rank=8, alpha=16, targets=("q", "v"), qlora=True)}, "QLoRA is not traced"),
+    ({"lora": LoraSpec(rank=8, alpha=16, targets=("q", "v"), qlora=True, dora=True)}, "QLoRA with DoRA is not traced"),
     ({"lora": LoraSpec(rank=8, alpha=16, targets=("q", "v", "head"))}, "LoRA on the head is bypassed"),
 ]
 

@@ -35,7 +35,11 @@ Only kernel dispatch and the data-dependent answers meta cannot give are patched
 
 Not traced (``check`` refuses them): AMP (TRL reads ``torch.is_autocast_enabled(device.type)``, which
 meta does not have, and autocast is emulated here), LoRA on the head (the fused head reads
-``lm_head.weight`` directly: the adapter is bypassed), QLoRA and sharding (as ``--framework hf``).
+``lm_head.weight`` directly: the adapter is bypassed), QLoRA with DoRA, and sharding (as ``--framework hf``).
+
+QLoRA: the bitsandbytes 4-bit base of ``--framework hf --qlora`` (:mod:`..hf_qlora`), then what
+``SFTTrainer.__init__`` does to the model (:func:`_sft_peft_init`): no ``prepare_model_for_kbit_training``,
+``enable_input_require_grads`` under checkpointing, the trainable parameters cast to bf16.
 """
 
 from __future__ import annotations
@@ -81,8 +85,8 @@ def why_not(exp: ExperimentSpec) -> Optional[str]:
     if tr.is_amp:
         return ("--framework trl: AMP is not traced (ChunkedLogProbFunction reads "
                 "torch.is_autocast_enabled(device.type), which the meta device does not have); use --bf16 or fp32")
-    if tr.lora is not None and tr.lora.qlora:
-        return "--framework trl: QLoRA is not traced here yet (--framework hf traces bitsandbytes' step)"
+    if tr.lora is not None and tr.lora.qlora and tr.lora.dora:
+        return "--framework trl: QLoRA with DoRA is not traced (its fp32 magnitude beside bf16 adapters)"
     if tr.lora is not None and "head" in tr.lora.targets:
         return ("--framework trl: LoRA on the head is bypassed by TRL's fused head (add_fused_lm_head reads "
                 "lm_head.weight directly); drop head from --lora-targets")
@@ -271,6 +275,24 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     return meas
 
 
+def _sft_peft_init(model, checkpointing: bool, quantized: bool) -> None:
+    """What ``SFTTrainer.__init__`` (trl 1.16.0 trl/trainer/sft_trainer.py) does to the model after
+    ``get_peft_model``: with PEFT and ``gradient_checkpointing``, ``model.enable_input_require_grads()``
+    (line 899-900: the embedding output requires grad, so the first checkpointed layer's input has a
+    gradient); on a quantized base (``_is_quantized_model``: ``is_loaded_in_4bit``), every trainable
+    parameter but a DoRA magnitude vector is cast with ``param.data = param.data.to(torch.bfloat16)``
+    (lines 908-911: the QLoRA paper's bf16 adapters). It does not call ``prepare_model_for_kbit_training``
+    (no line of sft_trainer.py does; only trl/experimental's trainers)."""
+    from peft import PeftModel
+
+    if isinstance(model, PeftModel) and checkpointing:
+        model.enable_input_require_grads()
+    if quantized:
+        for name, param in model.named_parameters():
+            if param.requires_grad and "lora_magnitude_vector" not in name:
+                param.data = param.data.to(torch.bfloat16)
+
+
 def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
          sim: Optional[CachingAllocatorSim]) -> None:
     from peft import PeftModel
@@ -281,8 +303,17 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     torch.manual_seed(0)
     amp = Amp(None)
     say(f"building {m.name} ({m.n_layers} layers) with transformers on {device}, TRL's fused LM head")
-    with _peft_without_old_torchao():
-        model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device)
+    qlora = tr.lora is not None and tr.lora.qlora
+    with _peft_without_old_torchao():  # QLoRA: the bitsandbytes 4-bit base, no prepare_model_for_kbit_training
+        model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), device,
+                                        compute_dtype=torch_dtype(tr.compute_dtype.value),
+                                        kbit_prepare=exp.profile.qlora_fp32_cast)
+    quant_state: tuple = ()
+    if qlora:
+        from ..hf_qlora import quant_state_tensors
+
+        quant_state = tuple(quant_state_tensors(model))
+    _sft_peft_init(model, tr.checkpoint in ("full", "every-k"), qlora)
     if exp.profile.kernels == "liger":  # Trainer.train: apply_liger_kernel (rope, rms_norm, glu), then checkpointing
         from ..hf_liger import apply_liger
 
@@ -324,7 +355,7 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     kernels = HFKernels(exp.profile, amp)
     run_on_device(exp, m, device, model, meas, say, debug, sim, forward, attach,
                   contexts=(trl_patches(), hf_patches(model, kernels), kernels,
-                            LabelMask((tr.batch, tr.seq - 1), rows)), backward=backward)
+                            LabelMask((tr.batch, tr.seq - 1), rows)), backward=backward, extra=quant_state)
     if offload is not None:
         meas.host_activation_bytes = offload.max_pinned_bytes
     for h in hooks:
