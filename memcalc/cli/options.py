@@ -94,7 +94,9 @@ Loss = Annotated[Optional[Literal[LOSSES]], typer.Option(  # type: ignore[valid-
 Kernels = Annotated[Optional[Literal[KERNEL_LIBRARIES]], typer.Option(  # type: ignore[valid-type]
     "--kernels", help="A kernel library that replaces the model's layers, as transformers' Trainer applies it "
                       "(use_liger_kernel): none (default) or liger (Liger-Kernel's fused linear cross-entropy, "
-                      "RMSNorm, SwiGLU/GeGLU and RoPE for Llama, Mistral, Qwen2 and Gemma; --framework hf or trl).")]
+                      "RMSNorm, SwiGLU/GeGLU and RoPE for Llama, Mistral, Qwen2 and Gemma; --framework hf or trl) "
+                      "or cce (Apple's Cut Cross-Entropy on the head and loss, as its cce_patch applies it: Llama, "
+                      "Mistral, Phi-3; --framework hf; axolotl's cut_cross_entropy).")]
 LossChunks = Annotated[Optional[int], typer.Option(
     "--loss-chunks", help="Chunks of --loss chunked (default 8); overrides the profile.")]
 LossTokens = Annotated[Optional[float], typer.Option(

@@ -129,7 +129,9 @@ class KernelProfile(Spec):
         "none",
         description="A kernel library that replaces the model's own layers (framework hf or trl): none, or liger "
         "(Liger-Kernel as transformers' Trainer applies it with use_liger_kernel: fused linear cross-entropy, RMSNorm, "
-        "SwiGLU/GeGLU, RoPE per model_type; liger_kernel/transformers/monkey_patch.py, memcalc.core.liger).",
+        "SwiGLU/GeGLU, RoPE per model_type; liger_kernel/transformers/monkey_patch.py, memcalc.core.liger), or cce "
+        "(Apple's Cut Cross-Entropy as cut_cross_entropy's cce_patch applies it: the loss from the hidden states and "
+        "lm_head.weight, no logits; framework hf; memcalc.core.cce, memcalc.engine.blocks.cce).",
     )
     liger_ops: tuple[LigerOp, ...] = Field(
         ("rope", "rms_norm", "glu", "flce"),

@@ -179,7 +179,7 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
                   "(without autocast attention runs in fp32 too: Trainer's bf16=True autocasts, --precision "
                   "amp-bf16)")
                + "; TRL >= 0.20 does not call it (--framework trl; or profile qlora_fp32_cast: false)"),
-    (lambda s: s.profile.kernels == "none" and s.profile.liger_ops != _LIGER_DEFAULT,
+    (lambda s: s.profile.kernels != "liger" and s.profile.liger_ops != _LIGER_DEFAULT,
      lambda s: f"liger_ops {', '.join(s.profile.liger_ops)} has no effect without --kernels liger"),
     (lambda s: s.profile.cross_entropy == "full" and s.profile.loss_chunks != DEFAULT_LOSS_CHUNKS,
      lambda s: f"loss_chunks {s.profile.loss_chunks} has no effect with the full cross-entropy "

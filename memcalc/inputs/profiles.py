@@ -241,6 +241,9 @@ def with_kernels(profile: KernelProfile, kernels: Optional[str], liger_ops: Opti
     if kernels != "none" and profile.framework not in ("hf", "trl"):
         raise UserError(f"--kernels {kernels} patches transformers' model code: it needs --framework hf or trl, not "
                         f"{profile.framework}")
+    if kernels == "cce" and profile.framework != "hf":  # validate/trainers/trl.py does not apply cce_patch
+        raise UserError(f"--kernels cce replaces the CausalLM's forward (cut_cross_entropy cce_patch): it needs "
+                        f"--framework hf, not {profile.framework}")
     upd: dict = {"kernels": kernels, **({"liger_ops": tuple(liger_ops)} if liger_ops is not None else {})}
     return KernelProfile.model_validate({**profile.model_dump(), **upd})
 

@@ -303,6 +303,10 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
     if profile.kernels == "liger":  # what memcalc.core.liger refuses: autocast, QLoRA; compile is not modelled with it
         techs = [t for t in techs if t.precision != "amp" and t.adapters != "qlora" and t.budget is None]
         notes.append("--kernels liger: AMP, QLoRA and torch.compile options are left out (not modelled with Liger)")
+    if profile.kernels == "cce":  # what memcalc.core.cce refuses: fp32 and autocast, QLoRA, compile
+        techs = [t for t in techs if t.precision not in ("amp", "fp32") and t.adapters != "qlora" and t.budget is None]
+        notes.append("--kernels cce: fp32, AMP, QLoRA and torch.compile options are left out (not modelled with Cut "
+                     "Cross-Entropy)")
     exps = [ExperimentSpec(name=f"{model.name} {t.key(half)}", model=model, profile=profile,
                            training=t.training(1, seq, half, model.attention_lora_targets)) for t in techs]
     if half == "fp16":

@@ -230,7 +230,8 @@ def _kernel_profile(p: KernelProfile, m: ModelSpec, o: dict[str, str]) -> str:
             + (" (grouped K/V un-expanded)" if p.sdpa_gqa and m.kv_heads != m.n_heads else "")
             + f", logits {'fp32' if p.logits_fp32 else 'model dtype'}"
             + (f", gelu_new {p.gelu_new}" if m.activation == "gelu_new" else "")
-            + (f"; kernels {p.kernels}{_mark(o, 'kernels')} ({', '.join(p.liger_ops)})" if p.kernels != "none" else ""))
+            + (f"; kernels {p.kernels}{_mark(o, 'kernels')}" if p.kernels != "none" else "")
+            + (f" ({', '.join(p.liger_ops)})" if p.kernels == "liger" else ""))
 
 
 def _loss(p: KernelProfile, o: dict[str, str]) -> Optional[str]:

@@ -67,6 +67,8 @@ CLI_ERRORS = [
     (["estimate", "--model", "llama-3.1-8b", "--kernels", "cce", "--precision", "fp32"], "needs 16-bit hidden states"),
     # source: gemma2's cce_forward passes final_logit_softcapping (memcalc.core.cce: not modelled)
     (["estimate", "--model", "gemma-2-9b", "--kernels", "cce"], "is none of the families whose Cut Cross-Entropy"),
+    # source: validate/trainers/trl.py applies Liger only; cce_patch replaces transformers' CausalLM forward
+    (["estimate", "--model", "llama-3.1-8b", "--framework", "trl", "--kernels", "cce"], "it needs --framework hf"),
     (["estimate", "--model", "gpt2", "--kernels", "liger"], "gpt2 is none of the families whose Liger kernels"),
     # source: the multi-GPU search runs ZeRO-3 and tensor parallelism, which Liger is not modelled with
     (["plan", "--model", "llama-3.1-8b", "--kernels", "liger"], "plan --kernels liger needs --gpu"),
