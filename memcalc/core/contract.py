@@ -70,9 +70,11 @@ PENDING: dict[str, str] = {
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.
 CONDITIONAL: dict[str, str] = {
-    "TrainingSpec.zero": "one GPU (nothing to shard); stage 1 with offload_optimizer (the state is on the CPU)",
+    "TrainingSpec.zero": "one GPU (nothing to shard) but DeepSpeed ZeRO-2/3 (its partitions and buckets run on one "
+                         "rank too); stage 1 with offload_optimizer (the state is on the CPU)",
     "TrainingSpec.gpus": "zero 0 (plain data parallelism: a whole copy per GPU)",
-    "TrainingSpec.sharding": "one GPU or zero 0 (nothing is sharded, so no framework's sharding runs)",
+    "TrainingSpec.sharding": "one GPU or zero 0 (nothing is sharded, so no framework's sharding runs), but "
+                             "DeepSpeed ZeRO-2/3 on one GPU (DeepSpeed's partitions and buckets of world size 1)",
     "TrainingSpec.checkpoint_every": "any checkpoint mode but every-k",
     "TrainingSpec.memory_budget": "compile with checkpointing (the regions are recomputed whole)",
     "TrainingSpec.optimizer_impl": "optimizers whose step makes no temporaries (sgd, sgd-momentum)",

@@ -390,8 +390,8 @@ def sharding_mechanics(tr: TrainingSpec) -> str:
     """Whose mechanics the estimate runs for ``tr``'s ZeRO stage, in words (the inputs table):
     FSDP2's (:mod:`memcalc.engine.fsdp`, with its reshard and precision policy), FSDP1's, DeepSpeed's
     (:mod:`memcalc.engine.deepspeed`), or the ZeRO paper's stage 1; empty when nothing is sharded."""
-    if tr.gpus <= 1 or tr.zero == 0:
-        return ""
+    if tr.zero == 0 or (tr.gpus <= 1 and not (tr.sharding == "deepspeed" and tr.zero >= 2)):
+        return ""  # (DeepSpeed ZeRO-2/3 runs its partitions on one rank too: engine.sharding.uses_deepspeed)
     if fsdp2_active(tr):
         return f"FSDP2, {policy(tr).describe()}"
     if fsdp_active(tr):  # FSDP1 (engine.fsdp1)

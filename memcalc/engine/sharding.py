@@ -150,7 +150,10 @@ class LayerGather(GatherHooks):
 
 
 def uses_deepspeed(exp: ExperimentSpec) -> bool:
-    """This step runs DeepSpeed ZeRO-2/3 over more than one rank (the mechanics of
-    :mod:`memcalc.engine.deepspeed` apply; that module is imported only then)."""
+    """This step runs DeepSpeed ZeRO-2/3 (the mechanics of :mod:`memcalc.engine.deepspeed` apply; that
+    module is imported only then), on one rank too: DeepSpeed's engine builds the same flat fp32
+    partition, reduce buckets and gradient partition with world size 1 (stage_1_and_2.py
+    ``DeepSpeedZeroOptimizer.__init__`` takes ``dp_process_group`` of any size, partitions of ``flat / 1``;
+    stage3.py likewise), as validate/deepspeed_trace.py traces it."""
     tr = exp.training
-    return tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1
+    return tr.sharding == "deepspeed" and tr.zero >= 2

@@ -58,7 +58,7 @@ def check_supported(exp: ExperimentSpec) -> None:
         raise UserError(
             f"seq ({tr.seq}) exceeds {exp.model.name}'s learned position table ({exp.model.max_seq_len})"
         )
-    if tr.sharding == "deepspeed" and tr.zero >= 2 and tr.gpus > 1 and (tr.fused_optimizer or tr.compile):
+    if uses_deepspeed(exp) and (tr.fused_optimizer or tr.compile):
         raise UserError("DeepSpeed ZeRO runs the optimizer after backward, uncompiled, in memcalc's model; "
                         "drop --fused-optimizer / --compile with --sharding deepspeed")
     if tr.seq < 2:

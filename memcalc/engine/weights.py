@@ -20,7 +20,7 @@ from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
 from memcalc.core.rules import torchtune_rope_buffers
 from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
-from memcalc.engine.sharding import shard
+from memcalc.engine.sharding import shard, uses_deepspeed
 from memcalc.engine.sim import Param, Sim
 from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
@@ -83,9 +83,10 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     wdt = tr.weight_dtype
     f2 = fsdp.fsdp_active(tr)  # FSDP2 or FSDP1: every parameter sharded in the original dtype
     f1 = f2 and tr.sharding == "fsdp1"
+    z3 = tr.zero >= 3 and (tr.gpus > 1 or uses_deepspeed(exp)) and not f2  # DeepSpeed's ds_tensor on one rank too
     rows, gather, shapes = _param_rows(
         local_experiment(exp).model, tr.lora, wdt, exp.adapter_dtype or wdt, tr.gpus, f2, f1,
-        fsdp.policy(tr).orig if f2 else None, tr.zero >= 3 and tr.gpus > 1 and not f2, tr.zero, tr.sharding,
+        fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
         tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast)
     params: dict[str, Param] = {}
     order: list[Param] = []

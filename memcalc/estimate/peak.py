@@ -111,6 +111,10 @@ class _Setup:
         """Whether the training option ``name`` was set away from its default."""
         return getattr(self.tr, name) != type(self.tr).model_fields[name].default
 
+    def deepspeed(self) -> bool:
+        """DeepSpeed ZeRO-2/3 runs, on one GPU too (memcalc.engine.sharding.uses_deepspeed)."""
+        return self.tr.sharding == "deepspeed" and self.tr.zero >= 2
+
     def lora_without_qlora(self, name: str) -> bool:
         """Whether LoRA's QLoRA-only option ``name`` was set away from its default without QLoRA."""
         lo = self.tr.lora
@@ -123,11 +127,11 @@ _LIGER_DEFAULT = KernelProfile.model_fields["liger_ops"].default
 #: (when, note) of each option that changes nothing in a setup, in the order the notes are shown
 #: (the setup-dependent entries of ``memcalc.core.contract.CONDITIONAL``)
 NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
-    (lambda s: s.tr.zero >= 1 and s.tr.gpus == 1,
+    (lambda s: s.tr.zero >= 1 and s.tr.gpus == 1 and not s.deepspeed(),
      lambda s: f"zero {s.tr.zero} has no effect with one GPU: nothing to shard (set gpus)"),
     (lambda s: s.tr.zero == 1 and s.tr.gpus > 1 and s.tr.offload_optimizer,
      lambda s: "zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU"),
-    (lambda s: s.changed("sharding") and (s.tr.gpus == 1 or s.tr.zero == 0),
+    (lambda s: s.changed("sharding") and (s.tr.gpus == 1 or s.tr.zero == 0) and not s.deepspeed(),
      lambda s: f"sharding {s.tr.sharding} has no effect with zero {s.tr.zero} on {s.tr.gpus} GPU"
                f"{'s' if s.tr.gpus > 1 else ''}: nothing is sharded"),
     (lambda s: s.tr.zero == 1 and s.tr.gpus > 1 and s.tr.sharding in ("fsdp2", "fsdp1"),
