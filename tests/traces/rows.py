@@ -236,6 +236,9 @@ ROWS: list[dict[str, Any]] = [
          framework="trl"),
     _row("trl-gpt2-full-tok-1", TRL, "trl", TRG, 2, TRL_GPT2, model="gpt2", batch=2, seq=256, **BF16, loss_tokens=1.0,
          framework="trl"),
+    _row("trl-qwen2.5-qlora-all-ckpt-full-tok-0.5", TRL, "trl", TRG, 2, TRL_QWEN, model="qwen2.5-7b", batch=2,
+         seq=128, **BF16, qlora=True, lora_rank=8, lora_alpha=16, lora_targets=ALL7, lora_dropout=0.0,
+         checkpoint="full", loss_tokens=0.5, framework="trl"),
 ]
 
 

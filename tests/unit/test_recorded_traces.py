@@ -64,6 +64,9 @@ def test_rows_span_the_setups():
     assert sharded >= {("fsdp2", 2), ("fsdp2", 3), ("fsdp1", 2), ("fsdp1", 3)}
     assert {i["zero"] for r, i in zip(RECORDED, ins, strict=True) if r["validator"] == "deepspeed"} == {2, 3}
     assert {i["tp"] for i in ins if "tp" in i} >= {2, 4}
+    for trainer in ("torchtune", "litgpt", "trl"):  # issue 27: the trainers' own steps, full and LoRA at least
+        assert {_peft(r["inputs"]) for r in RECORDED if r["validator"] == trainer} >= {"full", "lora"}, trainer
+    assert {_peft(r["inputs"]) for r in RECORDED if r["validator"] in ("torchtune", "trl")} >= {"qlora"}
 
 
 @pytest.mark.parametrize("key", sorted(TOLERANCES))
