@@ -131,10 +131,18 @@ def render_table(records: list[dict], console: Optional[Console] = None) -> None
         console.print(f"  {n}", style="dim")
 
 
+def _deepspeed(exp: ExperimentSpec) -> bool:
+    """DeepSpeed ZeRO-2/3, on any number of GPUs (as memcalc.engine.sharding.uses_deepspeed, which the
+    validator does not import): DeepSpeed's engine traced as rank 0 (deepspeed_trace.py)."""
+    return exp.training.sharding == "deepspeed" and exp.training.zero >= 2
+
+
 def sharded_items(items: list) -> bool:
-    """Whether these experiments are sharded over several GPUs (traced one rank at a time)."""
+    """Whether these experiments are sharded over several GPUs (traced one rank at a time), or run
+    DeepSpeed ZeRO-2/3 (its engine traced as rank 0, of one rank too: memcalc.engine.sharding.uses_deepspeed)."""
     # with --tp the tensor-parallel trace runs them, 2-D FSDP2 x TP included (sharded/tp.py)
-    return any(isinstance(e, ExperimentSpec) and e.training.gpus > 1 and e.training.tp == 1 for _n, e in items)
+    return any(isinstance(e, ExperimentSpec) and e.training.tp == 1 and (e.training.gpus > 1 or _deepspeed(e))
+               for _n, e in items)
 
 
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
@@ -228,7 +236,7 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                 if isinstance(exp, Exception):  # a config that could not be read (one of several named)
                     raise exp
                 extra: dict = {}
-                if exp.training.sharding == "deepspeed" and exp.training.zero >= 2 and exp.training.gpus > 1:
+                if _deepspeed(exp):
                     from .deepspeed_trace import trace_deepspeed  # one rank on the fake process group
 
                     meas = trace_deepspeed(exp, scale_layers=scale_layers, progress=say)

@@ -130,7 +130,10 @@ def _sharded(device: Optional[str], framework: Optional[str], gpus: Optional[int
     """The sharded flags checked; the framework traced (plain for a sharded trace unless --framework
     hf is given)."""
     _check_sharded_flags(gpus, zero, sharding, rank, deepspeed)
-    if gpus is not None and gpus > 1:
+    if (gpus is not None and gpus > 1) or deepspeed is not None:  # (DeepSpeed: its engine on one rank too)
+        if device == "cuda" and not (gpus or 1) > 1:
+            raise UserError("--deepspeed --device cuda: validate traces DeepSpeed's engine as one rank on the fake "
+                            "process group; use --device meta")
         if device == "cuda":
             raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
                             "on CUDA; trace one rank with --device meta")

@@ -98,9 +98,11 @@ def test_unsupported_setups_are_skipped_with_the_reason(tr, why):
     assert meas.status == "skipped" and why in meas.reason
 
 
-def test_validate_command_traces_a_deepspeed_config(tmp_path):
+@pytest.mark.parametrize("gpus", [["--gpus", "4"], []])  # source: one GPU runs DeepSpeed's engine too (issue 28)
+def test_validate_command_traces_a_deepspeed_config(tmp_path, gpus):
     """``memcalc validate --deepspeed CONFIG --gpus N`` (README, DeepSpeed) reaches DeepSpeed's tracer: the
-    config's stage sets --zero, rank 0 is traced, and the record compares it with the estimate."""
+    config's stage sets --zero, rank 0 is traced, and the record compares it with the estimate; without
+    --gpus, the one rank of world size 1."""
     import json
     from pathlib import Path
 
@@ -109,7 +111,7 @@ def test_validate_command_traces_a_deepspeed_config(tmp_path):
     from memcalc.cli import app
 
     config = Path(__file__).parent.parent / "traces" / "deepspeed" / "zero2.json"
-    r = CliRunner().invoke(app, ["validate", "--model", "tinyllama-1.1b", "--deepspeed", str(config), "--gpus", "4",
+    r = CliRunner().invoke(app, ["validate", "--model", "tinyllama-1.1b", "--deepspeed", str(config), *gpus,
                                  "--seq", "64", "--scale-layers", "1", "--device", "meta", "--json"])
     assert r.exit_code == 0, r.output
     (rec,) = json.loads(r.stdout)

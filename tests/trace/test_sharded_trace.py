@@ -6,6 +6,7 @@ Every trace here is a tiny model (d 128, 2 layers, vocab 1000, batch 2 x 64): a 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,10 @@ BAD_CLI = [
      "--rank 1: the DeepSpeed trace runs rank 0"),
     (CLI + ["--gpus", "4", "--zero", "3", "--device", "cuda"], 2, "cannot measure 4 ranks on CUDA; trace one rank with --device meta"),
     (CLI + ["--gpus", "4"], 2, "--gpus 4 needs --zero 2 or 3"),
+    # source: one GPU under --deepspeed is DeepSpeed's engine, traced as rank 0 of 1 on meta (issue 28)
+    ([*CLI, "--deepspeed", str(Path(__file__).parent.parent / "traces" / "deepspeed" / "zero2.json"),
+      "--device", "cuda"],
+     2, "--deepspeed --device cuda: validate traces DeepSpeed's engine as one rank"),
     (CLI + ["--gpus", "4", "--zero", "1"], 2, "--gpus 4 needs --zero 2 or 3 for validate (got 1)"),
     (CLI + ["--gpus", "4", "--zero", "3", "--rank", "4"], 2, "--rank 4 is not a rank of --gpus 4 (valid: 0..3)"),
     (CLI + ["--rank", "1"], 2, "--rank 1 needs --gpus N (N >= 2)"),
