@@ -84,7 +84,7 @@ class Sim(PeakBreakdown, SimHooks):
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         # a checkpointed region's first forward (grad disabled) counts where its recompute's last
-        # saving node will be: node() then calls this (checkpoint.FirstForward), making no node
+        # saving node will be: node() then calls this (checkpoint.count_save), making no node
         self.count_saves: Optional[Callable[..., None]] = None
         # allocations made by a sharded runtime's per-layer forward hooks (FSDP's unshard), which
         # a checkpointed region's recompute does not repeat; ``last_save_hooks`` is its value at
@@ -296,7 +296,7 @@ class Sim(PeakBreakdown, SimHooks):
             self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
             if self.count_saves is not None:
-                self.count_saves(self, saved, inputs, params, outputs, temps, grad_input_bytes)
+                self.count_saves(self, saved, inputs, params, outputs)
             return None
         # the inputs that require grad and the trainable params (new lists; one element is the common case)
         if len(inputs) == 1:
