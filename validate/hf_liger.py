@@ -142,6 +142,9 @@ def liger_trace(model_type: str) -> Iterator[None]:
     saved = [dict(m.__dict__) for m in mods]
     props = SimpleNamespace(multi_processor_count=LIGER_GPU.sm_count, major=LIGER_GPU.capability[0],
                             minor=LIGER_GPU.capability[1], name=LIGER_GPU.name)
+    # torch.device("meta")'s mode knows its factories by identity (torch.utils._device._device_constructors, cached
+    # at first use): fill the cache with the real torch.tensor before _tensor stands in for it
+    torch.utils._device._device_constructors()
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_patched(jit.KernelInterface, "__getitem__", _noop_launch))
