@@ -12,8 +12,6 @@ longer ones (not a multiple of 128) in several.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from typing import Optional
 
@@ -21,6 +19,7 @@ from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
 from memcalc.inputs.profiles import profile_for
 
 from .record import trainer_estimator_spec
+from .trainers.grid import main as grid_main, run_rows, table  # noqa: F401 (table: the docs page)
 
 _SMALL = dict(n_layers=2, d_model=256, n_heads=8, vocab_size=4096, max_seq_len=1024)
 #: litgpt/config.py shapes (Llama-3.2, phi-2, stablelm-3b-4e1t), scaled down
@@ -96,40 +95,11 @@ def run_grid(items: list[tuple[str, ExperimentSpec]], progress=None) -> list[dic
     """One record per setup: traced and predicted bytes, the gap in percent, the phases."""
     from .trainers.litgpt import measure
 
-    rows = []
-    for k, (name, exp) in enumerate(items):
-        if progress:
-            progress(f"[{k + 1}/{len(items)}] {name}")
-        meas = measure(exp, "meta")
-        pred, phase = estimate_litgpt(exp)
-        gap = None if not meas.measured_bytes else round((pred - meas.measured_bytes) / meas.measured_bytes * 100, 2)
-        rows.append(dict(config=name, status=meas.status, reason=meas.reason, measured_bytes=meas.measured_bytes,
-                         predicted_bytes=pred, error_pct=gap, measured_phase=meas.peak_phase, peak_phase=phase))
-    return rows
-
-
-def table(rows: list[dict]) -> str:
-    """A Markdown table of the rows (MiB = 2**20)."""
-    from memcalc.core.units import MiB
-
-    lines = ["| setup | traced MiB | estimated MiB | gap | traced phase | estimated phase |",
-             "|---|---:|---:|---:|---|---|"]
-    for r in rows:
-        meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.2f}"
-        gap = "-" if r["error_pct"] is None else f"{r['error_pct']:+.2f}%"
-        lines.append(f"| {r['config']} | {meas} | {r['predicted_bytes'] / MiB:.2f} | {gap} | "
-                     f"{r['measured_phase'] or r['status']} | {r['peak_phase']} |")
-    return "\n".join(lines)
+    return run_rows(items, measure, estimate_litgpt, progress)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--only", help="keep setups whose name contains this")
-    ap.add_argument("--json", action="store_true", help="print the records as JSON")
-    args = ap.parse_args(argv)
-    rows = run_grid(grid(args.only), progress=lambda s: print(s, file=sys.stderr))
-    print(json.dumps(rows, indent=2) if args.json else table(rows))
-    return 0
+    return grid_main(__doc__, grid, run_grid, argv)
 
 
 if __name__ == "__main__":

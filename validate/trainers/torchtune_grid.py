@@ -9,12 +9,13 @@ mechanism: grouped-query attention, tied embeddings (llama3_2 1B/3B), an untied 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional
 
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
 from memcalc.inputs.profiles import profile_for, with_loss
+
+from .grid import main as grid_main, run_rows, table  # noqa: F401 (table: the docs page)
 
 #: GQA with an untied head (llama3_1 8B's shape, scaled down) and MHA with tied embeddings
 #: (llama3_2 1B/3B's shape: tie_word_embeddings=True, scaled down)
@@ -90,44 +91,19 @@ def grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
 
 
 def run_grid(items: list[tuple[str, ExperimentSpec]], progress=None) -> list[dict]:
-    """One record per setup: traced and estimated bytes, the gap in percent, the phases."""
+    """One record per setup: traced and predicted bytes, the gap in percent, the phases."""
     from ..predict import estimate
     from .torchtune import measure
 
-    rows = []
-    for k, (name, exp) in enumerate(items):
-        if progress:
-            progress(f"[{k + 1}/{len(items)}] {name}")
-        meas = measure(exp, "meta")
+    def predict(exp: ExperimentSpec) -> tuple[int, str]:
         est = estimate(exp)
-        gap = None if not meas.measured_bytes else round((est.peak_bytes - meas.measured_bytes)
-                                                         / meas.measured_bytes * 100, 2)
-        rows.append(dict(config=name, status=meas.status, reason=meas.reason, measured_bytes=meas.measured_bytes,
-                         predicted_bytes=est.peak_bytes, error_pct=gap, measured_phase=meas.peak_phase,
-                         peak_phase=est.peak_phase))
-    return rows
+        return est.peak_bytes, est.peak_phase
 
-
-def table(rows: list[dict]) -> str:
-    """A Markdown table of the rows (MiB = 2**20)."""
-    from memcalc.core.units import MiB
-
-    lines = ["| setup | traced MiB | estimated MiB | gap | traced phase | estimated phase |",
-             "|---|---:|---:|---:|---|---|"]
-    for r in rows:
-        meas = "-" if r["measured_bytes"] is None else f"{r['measured_bytes'] / MiB:.2f}"
-        gap = "-" if r["error_pct"] is None else f"{r['error_pct']:+.2f}%"
-        lines.append(f"| {r['config']} | {meas} | {r['predicted_bytes'] / MiB:.2f} | {gap} | "
-                     f"{r['measured_phase'] or r['status']} | {r['peak_phase']} |")
-    return "\n".join(lines)
+    return run_rows(items, measure, predict, progress)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--only", help="keep setups whose name contains this")
-    args = ap.parse_args(argv)
-    print(table(run_grid(grid(args.only), progress=lambda s: print(s, file=sys.stderr))))
-    return 0
+    return grid_main(__doc__, grid, run_grid, argv)
 
 
 if __name__ == "__main__":
