@@ -97,11 +97,19 @@ def _adapts_experts(m, targets) -> bool:
     return "experts" in targets or (m.moe.lora_mlp_to_experts and bool({"gate", "up", "down"} & set(targets)))
 
 
+#: families whose projections are transformers' ``Conv1D`` (pytorch_utils.py), weights stored (in, out)
+CONV1D_FAMILIES = ("gpt2",)
+
+
 def check_hf(exp: ExperimentSpec) -> None:
     """Raise the one-line UserError for a model or LoRA setup the HF families cannot express."""
     fam = choose_family(exp.model)
     if exp.training.lora is not None:
         peft_targets(fam, exp.training.lora)
+        if exp.training.lora.qlora and fam.model_type in CONV1D_FAMILIES:
+            raise UserError(f"--qlora on {fam.model_type}: its projections are transformers' Conv1D, which the "
+                            "QLoRA trace does not quantize yet (validate/hf_qlora.py load_4bit reads nn.Linear "
+                            "weights); memcalc estimate models it")
     if exp.profile.kernels == "liger":
         from .hf_liger import check_liger
 

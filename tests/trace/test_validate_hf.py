@@ -257,6 +257,11 @@ BAD = [
      "q, k, v are one fused projection: target qkv"),
     (["validate", "--reentrant", "--framework", "plain", "--model", "gpt2", "--device", "meta"], 2,
      "needs --framework hf"),
+    # source: validate/hf_runner.py CONV1D_FAMILIES (hf_qlora.load_4bit reads nn.Linear weights only)
+    (["validate", "--framework", "hf", "--model", "gpt2", "--bf16", "--qlora", "--lora-targets", "qkv",
+      "--device", "meta"], 2, "--qlora on gpt2: its projections are transformers' Conv1D"),
+    (["validate", "--framework", "trl", "--model", "gpt2", "--bf16", "--qlora", "--lora-targets", "qkv",
+      "--device", "meta"], 2, "--qlora on gpt2: its projections are transformers' Conv1D"),
 ]
 
 
