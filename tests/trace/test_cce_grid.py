@@ -72,7 +72,7 @@ def _params():
         yield pytest.param(name, exp, id=name, marks=marks)
 
 
-@pytest.mark.parametrize("name,exp", _params())
+@pytest.mark.parametrize("name,exp", list(_params()))
 def test_cce_estimate_matches_the_cce_trace(name, exp):
     meas = measure_hf(exp, "meta")
     assert meas.status == "ok", meas.reason

@@ -50,7 +50,7 @@ def test_the_grid_is_at_least_30_setups():
     assert set(KNOWN_GAPS) <= {n for n, _ in ITEMS}
 
 
-@pytest.mark.parametrize("name,exp", _params())
+@pytest.mark.parametrize("name,exp", list(_params()))
 def test_liger_estimate_matches_the_liger_trace(name, exp):
     meas = measure_hf(exp, "meta")
     assert meas.status == "ok", meas.reason
