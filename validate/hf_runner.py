@@ -29,9 +29,11 @@ and optimizer offload are ``skipped`` with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Callable, Optional
 
 import torch
@@ -120,6 +122,34 @@ def check_hf(exp: ExperimentSpec) -> None:
         check_cce_setup(exp, fam.model_type)
 
 
+def hf_measurement(exp: ExperimentSpec, device: str, framework: str) -> Measurement:
+    """A new measurement of a transformers step: the framework and the transformers (and, with LoRA,
+    PEFT) versions it runs."""
+    tv, pv = library_versions()
+    meas = Measurement(device=device)
+    meas.framework, meas.transformers_version = framework, tv
+    meas.peft_version = pv if exp.training.lora is not None else None
+    return meas
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' logging at error level ("use_cache=True is incompatible with checkpointing" and
+    the like) and FutureWarnings off (transformers 5 deprecations PEFT still calls) while a step runs;
+    the logging level restored and the garbage collected after."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        gc.collect()
+
+
 def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None,
                progress: Optional[Callable[[str], None]] = None, debug: bool = False, allocator_sim: bool = False,
                capacity: Optional[int] = None, reentrant: bool = False,
@@ -128,10 +158,7 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
     ``kernels_seen``, when given, receives :attr:`HFKernels.calls` (one entry per SDPA call)."""
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
-    tv, pv = library_versions()
-    meas = Measurement(device=device)
-    meas.framework, meas.transformers_version = "hf", tv
-    meas.peft_version = pv if exp.training.lora is not None else None
+    meas = hf_measurement(exp, device, "hf")
     why = hf_unsupported(exp, device)
     if why:
         meas.status, meas.reason = "skipped", why
@@ -139,13 +166,8 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
         return meas
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # "use_cache=True is incompatible with checkpointing" and the like
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # transformers 5 deprecations PEFT still calls
+        with quiet_transformers():
             _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None,
                  reentrant, kernels_seen)
     except UserError as e:  # a setup the kernel library's rules refuse (memcalc.core.liger)
@@ -154,8 +176,6 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
         meas.status = "oom"
         meas.reason = str(e).strip().splitlines()[0] if str(e).strip() else "CUDA out of memory"
     finally:
-        hf_logging.set_verbosity(verbosity)
-        gc.collect()
         if device == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
     meas.seconds = round(time.perf_counter() - t0, 3)

@@ -45,9 +45,7 @@ QLoRA: the bitsandbytes 4-bit base of ``--framework hf --qlora`` (:mod:`..hf_qlo
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
-import warnings
 from collections import defaultdict
 from types import SimpleNamespace
 from collections.abc import Callable, Iterator
@@ -63,7 +61,7 @@ from memcalc.core.spec import ExperimentSpec
 
 from ..hf_kernels import HFKernels, hf_patches
 from ..hf_model import build_hf_model, param_counts
-from ..hf_runner import _decoder_layers, check_hf, hf_unsupported, library_versions
+from ..hf_runner import _decoder_layers, check_hf, hf_measurement, hf_unsupported, quiet_transformers
 from ..amp import Amp
 from ..model import torch_dtype
 from ..offload import OffloadActivations
@@ -237,10 +235,7 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
 
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
-    tv, pv = library_versions()
-    meas = Measurement(device=device)
-    meas.framework, meas.transformers_version = "trl", tv
-    meas.peft_version = pv if exp.training.lora is not None else None
+    meas = hf_measurement(exp, device, "trl")
     meas.library_versions = {"trl": trl.__version__}  # type: ignore[attr-defined]
     why = why_not(exp) or hf_unsupported(exp, device)
     if why is None and device != "meta":
@@ -251,26 +246,17 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
         return meas
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
     meas.layers = m.n_layers
-    from transformers.utils import logging as hf_logging
+    run = lambda: _run(exp, m, device, say, meas, debug,  # noqa: E731
+                       CachingAllocatorSim() if allocator_sim else None)
+    with quiet_transformers():
+        if exp.profile.kernels == "liger":  # Liger's layer kernels, traced as --framework hf traces them
+            from ..hf_liger import liger_trace
+            from ..hf_model import choose_family
 
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            run = lambda: _run(exp, m, device, say, meas, debug,  # noqa: E731
-                               CachingAllocatorSim() if allocator_sim else None)
-            if exp.profile.kernels == "liger":  # Liger's layer kernels, traced as --framework hf traces them
-                from ..hf_liger import liger_trace
-                from ..hf_model import choose_family
-
-                with liger_trace(choose_family(m).model_type):
-                    run()
-            else:
+            with liger_trace(choose_family(m).model_type):
                 run()
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        gc.collect()
+        else:
+            run()
     meas.seconds = round(time.perf_counter() - t0, 3)
     return meas
 
