@@ -73,6 +73,31 @@ def one_line_error(r, code: int, message: str) -> None:
     assert "Traceback" not in r.output
 
 
+class _Stop(Exception):
+    """Raised by :func:`resolved`'s spy to stop the command once its inputs are resolved."""
+
+
+def resolved(args: list[str], monkeypatch):
+    """What `memcalc estimate ARGS` resolves (the CLI's own parsing), without running the estimate."""
+    from typer.testing import CliRunner
+
+    import memcalc.inputs.resolve as mod
+    from memcalc.cli import app
+
+    got: list = []
+    real = mod.resolve
+
+    def spy(o):
+        got.append(real(o))
+        raise _Stop
+
+    monkeypatch.setattr(mod, "resolve", spy)
+    r = CliRunner().invoke(app, ["estimate", *args])
+    monkeypatch.setattr(mod, "resolve", real)
+    assert got, r.output
+    return got[0]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_hugging_face_hub(tmp_path_factory):
     """No test reaches the Hugging Face Hub or reads the developer's cache: ``--model ORG/NAME``

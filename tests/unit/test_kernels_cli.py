@@ -11,40 +11,14 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from conftest import one_line_error, resolved
+
 from memcalc.cli import app
 from memcalc.core.errors import UserError
 from memcalc.core.liger import LIGER_OPS, liger_plan
 from memcalc.core.spec import KernelProfile, LoraSpec, ModelSpec, TrainingSpec
 from memcalc.inputs.recipes import axolotl, hf
 from memcalc.inputs.recipes.common import Recipe
-from memcalc.inputs.resolve import Resolved
-
-
-class _Stop(Exception):
-    pass
-
-
-def resolved(args: list[str], monkeypatch) -> Resolved:
-    """What `memcalc estimate ARGS` resolves, without running the estimate."""
-    import memcalc.inputs.resolve as mod
-
-    got: list[Resolved] = []
-    real = mod.resolve
-
-    def spy(o):
-        got.append(real(o))
-        raise _Stop
-
-    monkeypatch.setattr(mod, "resolve", spy)
-    r = CliRunner().invoke(app, ["estimate", *args])
-    assert got, r.output
-    return got[0]
-
-
-def one_line(r) -> str:
-    assert r.exit_code == 2, r.output
-    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
-    return r.output
 
 
 def test_flag_sets_the_profile(monkeypatch):
@@ -77,7 +51,7 @@ CLI_ERRORS = [
 
 @pytest.mark.parametrize("args,message", CLI_ERRORS)
 def test_cli_errors(args, message):
-    assert message in one_line(CliRunner().invoke(app, args))
+    one_line_error(CliRunner().invoke(app, args), 2, message)
 
 
 @pytest.mark.parametrize("command", ["estimate_cmd.estimate", "validate_cmd.validate", "plan_cmd.plan"])

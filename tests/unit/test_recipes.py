@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from conftest import _Stop, resolved
+
 from memcalc.cli import app
 from memcalc.inputs.recipes import load_recipe
 from memcalc.inputs.recipes.detect import detect
-from memcalc.inputs.resolve import Options, Resolved
+from memcalc.inputs.resolve import Options
 
 FIX = Path(__file__).parent.parent / "fixtures" / "recipes"
 TT_LORA = str(FIX / "torchtune_llama3_1_8B_lora_single_device.yaml")
@@ -28,29 +30,6 @@ TRL_FULL = str(FIX / "trl_zephyr-7b-beta_sft_config_full.yaml")
 AX_LORA = str(FIX / "axolotl_llama-3_lora-1b.yml")
 AX_QLORA = str(FIX / "axolotl_mistral_qlora.yml")
 LITGPT = str(FIX / "litgpt_llama-3.2-1B_lora.yaml")
-
-
-
-class _Stop(Exception):
-    pass
-
-
-def resolved(args: list[str], monkeypatch) -> Resolved:
-    """What `memcalc estimate ARGS` resolves (the CLI's own parsing), without running the estimate."""
-    import memcalc.inputs.resolve as mod
-
-    got: list[Resolved] = []
-    real = mod.resolve
-
-    def spy(o):
-        got.append(real(o))
-        raise _Stop
-
-    monkeypatch.setattr(mod, "resolve", spy)
-    r = CliRunner().invoke(app, ["estimate", *args])
-    monkeypatch.setattr(mod, "resolve", real)
-    assert got, r.output
-    return got[0]
 
 
 # (fixture, the same setup written with flags); each row: # source: where the recipe's values come from
