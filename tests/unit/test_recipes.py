@@ -159,6 +159,23 @@ def test_adapter_config_with_hf_recipe(tmp_path, monkeypatch):
         assert res.recipe["kind"] == "hf+peft"
 
 
+@pytest.mark.parametrize("source", [
+    ["--model", "llama-3.2-1b"],  # source: issue 32 (a documented use ended in KeyError: 'framework')
+    ["--params", "7e9"],  # source: README "--adapter-config FILE" (with --model, --params or --config)
+    ["--config", "control"],  # source: the same README line
+])
+def test_adapter_config_without_recipe(tmp_path, monkeypatch, source):
+    """``--adapter-config`` with a model source and no training recipe: the adapter's LoRA, framework hf
+    read from it, and only its unread keys called ignored."""
+    adapter = tmp_path / "adapter_config.json"
+    adapter.write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                                   "task_type": "CAUSAL_LM"}))
+    res = resolved([*source, "--adapter-config", str(adapter)], monkeypatch)
+    lo = res.exp.training.lora
+    assert (lo.rank, lo.alpha, lo.targets) == (4, 8.0, ("q", "v"))
+    assert res.exp.profile.framework == "hf" and res.recipe["ignored"] == ["task_type"]
+
+
 def test_embedded_peft_config(tmp_path, monkeypatch):
     p = tmp_path / "sft.json"
     p.write_text(json.dumps({"model_name_or_path": "Qwen/Qwen2.5-7B", "max_length": 512, "packing": True,

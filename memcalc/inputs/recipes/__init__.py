@@ -70,8 +70,8 @@ def load_recipe(paths: Sequence[str], adapter_config: Optional[str] = None) -> R
             raise UserError(f"{Path(f).name}: a PEFT adapter config goes with a Hugging Face / TRL or axolotl "
                             f"recipe (the {mains[0][1]} recipe sets its own LoRA)")
         hf.read_adapter(raw, rec, Path(f).name)
-        if not mains:
-            rec.values.setdefault("framework", "hf")
+        if not mains and "framework" not in rec.values:  # PEFT runs on transformers: framework hf
+            rec.set("framework", "hf", Path(f).name, "peft_type", raw.get("peft_type"))
     return rec
 
 

@@ -309,13 +309,18 @@ def _nf4(r: Reader, type_key: str, nested_key: str) -> None:
 
 def read_adapter(raw: dict[str, Any], rec: Recipe, src: str) -> None:
     """A PEFT ``adapter_config.json`` on its own (``--adapter-config`` or a second ``--recipe``)."""
-    r = Reader(raw, rec, src, IGNORE + ("r", "lora_alpha", "lora_dropout", "target_modules", "use_dora",
-                                         "modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters",
-                                         "trainable_token_indices", "layer_replication", "qalora_group_size",
-                                         "lora_ga_config", "corda_config", "eva_config", "use_qalora", "arrow_config",
-                                         "alora_invocation_tokens", "ensure_weight_tying"))
+    r = Reader(raw, rec, src, IGNORE + ("qalora_group_size", "lora_ga_config", "corda_config", "eva_config",
+                                         "use_qalora", "arrow_config", "alora_invocation_tokens",
+                                         "ensure_weight_tying"))
+    for k in PEFT_READ:  # what peft() reads (or refuses): not "ignored"
+        r.get(k)
     r.finish()
     peft(raw, rec, src, "")
+
+
+#: the LoraConfig keys :func:`peft` reads or refuses
+PEFT_READ = ("peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "use_dora", "modules_to_save",
+             "rank_pattern", "alpha_pattern", "target_parameters", "trainable_token_indices", "layer_replication")
 
 
 def peft(cfg: dict[str, Any], rec: Recipe, src: str, prefix: str) -> None:
