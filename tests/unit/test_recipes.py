@@ -161,8 +161,8 @@ def test_adapter_config_with_hf_recipe(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("source", [
     ["--model", "llama-3.2-1b"],  # source: issue 32 (a documented use ended in KeyError: 'framework')
-    ["--params", "7e9"],  # source: README "--adapter-config FILE" (with --model, --params or --config)
-    ["--config", "control"],  # source: the same README line
+    ["--params", "7e9"],  # source: README recipe table: a PEFT adapter_config.json via --adapter-config
+    ["--config", "control"],  # source: the same README row
 ])
 def test_adapter_config_without_recipe(tmp_path, monkeypatch, source):
     """``--adapter-config`` with a model source and no training recipe: the adapter's LoRA, framework hf
