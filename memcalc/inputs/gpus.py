@@ -130,11 +130,13 @@ def capacity_gpu(value: str) -> Optional[GPU]:
     unit, scale = _UNITS[m.group(2).lower()]
     number = Decimal(m.group(1))
     shown = clip(value.strip())
+    if number <= 0:  # before any arithmetic (-1e999999999GB overflows the Decimal context)
+        raise UserError(f"--gpu {shown}: a capacity must be positive")
     # bound the exponent before any arithmetic (1e400GB)
-    if number > 0 and number.adjusted() + len(str(scale)) - 1 > len(str(MAX_CAPACITY_BYTES)):
+    if number.adjusted() + len(str(scale)) - 1 > len(str(MAX_CAPACITY_BYTES)):
         raise UserError(f"--gpu {shown}: capacity out of range; give at most {MAX_CAPACITY_BYTES // TiB:,} TiB")
     capacity = int((number * scale).to_integral_value())
-    if capacity <= 0:
+    if capacity <= 0:  # a positive number under one byte
         raise UserError(f"--gpu {shown}: a capacity must be positive")
     if capacity > MAX_CAPACITY_BYTES:
         raise UserError(f"--gpu {shown}: capacity out of range; give at most {MAX_CAPACITY_BYTES // TiB:,} TiB")

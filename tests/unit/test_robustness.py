@@ -183,6 +183,9 @@ BAD_GPUS = [
     (["estimate", "--model", "gpt2", "--gpu", "-5GiB"], 2, "--gpu -5GiB: a capacity must be positive"),
     (["estimate", "--model", "gpt2", "--gpu", "1e400GB"], 2, f"--gpu 1e400GB: capacity out of range; give at most {MAX_CAPACITY_BYTES >> 40:,} TiB"),
     (["estimate", "--model", "gpt2", "--gpu", "1e-30GB"], 2, "a capacity must be positive"),
+    # issue 32: decimal.Overflow before the sign was checked
+    (["estimate", "--model", "gpt2", "--gpu", "-1e999999999GB"], 2, "--gpu -1e999999999GB: a capacity must be positive"),
+    (["estimate", "--model", "gpt2", "--gpu", "1e-999999999GB"], 2, "a capacity must be positive"),
     (["estimate", "--model", "gpt2", "--gpu", "48TB"], 2, "or a capacity such as 48GiB or 24GB"),
     (["plan", "--model", "gpt2", "--gpu", "0GiB"], 2, "--gpu 0GiB: a capacity must be positive"),
 ]
