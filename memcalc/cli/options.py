@@ -62,7 +62,7 @@ CompileScope = Annotated[Optional[str], typer.Option(
          "default with --framework torchtune). Implies --compile.")]
 Lora = Annotated[bool, typer.Option(
     "--lora", help="LoRA adapters on a frozen base (default rank 16, alpha 32, targets q,k,v,o).")]
-LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank.")]
+LoraRank = Annotated[Optional[int], typer.Option("--lora-rank", help="LoRA rank, 1 to 65,536.")]
 LoraAlpha = Annotated[Optional[float], typer.Option("--lora-alpha", help="LoRA alpha.")]
 LoraTargets = Annotated[Optional[str], typer.Option(
     "--lora-targets", help="Comma-separated from q,k,v,o,gate,up,down (or PEFT's q_proj, ..., down_proj); qkv / "

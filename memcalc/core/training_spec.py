@@ -50,10 +50,15 @@ def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
     return tuple(out)
 
 
+#: the largest LoRA rank accepted (2**16; the widest layer among memcalc's presets is 28,672: Llama-2-70B's MLP)
+MAX_LORA_RANK = 65_536
+
+
 class LoraSpec(Spec):
     """Low-rank adapters on a frozen base (LoRA; QLoRA when the base is 4-bit)."""
 
-    rank: int = Field(16, gt=0, description="Adapter rank r.")
+    rank: int = Field(16, gt=0, le=MAX_LORA_RANK,
+                      description=f"Adapter rank r (1 to {MAX_LORA_RANK:,}, beyond the widest layer of any preset).")
     alpha: float = Field(32.0, gt=0, description="Adapter scaling numerator (scale = alpha / rank).")
     targets: tuple[str, ...] = Field(
         ("q", "k", "v", "o"),

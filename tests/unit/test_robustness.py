@@ -68,6 +68,8 @@ BAD_NUMBERS = [
     (["estimate", "--model", "gpt2", "--lora", "--lora-alpha", "nan"], 2, "--lora-alpha must be a finite number, got nan"),
     (["estimate", "--model", "gpt2", "--lora", "--lora-dropout", "nan"], 2, "--lora-dropout must be a finite number, got nan"),
     (["estimate", "--model", "gpt2", "--memory-budget", "nan"], 2, "--memory-budget must be a finite number, got nan"),
+    # issue 32: a rank of 1e8 gave a 100-TiB peak (LoraSpec.rank: at most MAX_LORA_RANK)
+    (["estimate", "--model", "gpt2", "--lora", "--lora-rank", "65537"], 2, "lora.rank = 65537: Input should be less than or equal to 65536"),
 ]
 
 
