@@ -38,6 +38,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from memcalc.core.errors import UserError
+from memcalc.inputs.api_types import check_args, check_choice, check_options, option_choices
 
 if TYPE_CHECKING:
     from memcalc.core.spec import ExperimentSpec
@@ -46,26 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = ["EstimateResult", "PlanResult", "UserError", "estimate", "plan", "measure", "options_from", "experiments",
            "list_models", "list_configs", "list_gpus", "list_profiles", "error_line"]
-
-def _choices() -> dict[str, tuple[str, ...]]:
-    """The choices the CLI's options check (Literal types), checked here with the same tuples."""
-    from memcalc.core.choices import FRAMEWORKS, LORA_DTYPES, LOSSES, PRECISIONS
-    from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES
-
-    return {"precision": PRECISIONS, "optimizer": OPTIMIZER_NAMES, "optimizer_impl": IMPLS, "loss": LOSSES,
-            "framework": FRAMEWORKS, "lora_dtype": LORA_DTYPES}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _check_choice(name: str, value: Any, valid: Sequence[str]) -> Any:
-    value = getattr(value, "value", value)  # an enum member (a caller's own)
-    if value is not None and value not in valid:
-        raise UserError(f"unknown {_flag(name)} {value!r}; valid: {', '.join(valid)}")
-    return value
-
 
 def options_from(**kwargs: Any) -> "Options":
     """The :class:`~memcalc.inputs.resolve.Options` of these keyword arguments (flag names with
@@ -85,9 +66,10 @@ def options_from(**kwargs: Any) -> "Options":
     if bad:
         raise TypeError(f"unknown argument{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
                         f"valid: {', '.join(sorted(valid))}")
-    for name, choices in _choices().items():
+    kwargs = check_options(kwargs)
+    for name, choices in option_choices().items():
         if name in kwargs:
-            kwargs[name] = _check_choice(name, kwargs[name], choices)
+            kwargs[name] = check_choice(name, kwargs[name], choices)
     return Options(**kwargs)
 
 
@@ -277,6 +259,7 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
     """
     from memcalc.estimate.peak import estimate as run_estimate
 
+    check_args(estimate, gpu=gpu, max_batch=max_batch, max_seq=max_seq)
     res = _resolve(spec, options)
     cards = tuple(_cards(gpu))
     limits, limit_gpu = None, None
@@ -357,6 +340,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     ...
     memcalc.core.errors.UserError: --all lists the combinations that do not fit one GPU; give --gpu too
     """
+    check_args(plan, **{k: v for k, v in locals().items() if k != "params"})  # params: as --params reads it
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_model_profile
     from memcalc.plan.options import check_one_gpu_flags, plan_model
@@ -376,8 +360,8 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
             loss, loss_chunks = v["loss"], v.get("loss_chunks")
         loss_tokens = v.get("loss_tokens") if loss_tokens is None else loss_tokens
         kernels = v.get("kernels") if kernels is None else kernels
-    framework = _check_choice("framework", framework, _choices()["framework"])
-    loss = _check_choice("loss", loss, _choices()["loss"])
+    framework = check_choice("framework", framework, option_choices()["framework"])
+    loss = check_choice("loss", loss, option_choices()["loss"])
     m, notes = plan_model(model, params)  # a number is read as --params reads "7e9"
     if rec is not None:
         notes[:0] = [*rec.lines(), RECIPE_NOTE]

@@ -69,7 +69,8 @@ BAD_NUMBERS = [
     (["estimate", "--model", "gpt2", "--lora", "--lora-dropout", "nan"], 2, "--lora-dropout must be a finite number, got nan"),
     (["estimate", "--model", "gpt2", "--memory-budget", "nan"], 2, "--memory-budget must be a finite number, got nan"),
     # issue 32: a rank of 1e8 gave a 100-TiB peak (LoraSpec.rank: at most MAX_LORA_RANK)
-    (["estimate", "--model", "gpt2", "--lora", "--lora-rank", "65537"], 2, "lora.rank = 65537: Input should be less than or equal to 65536"),
+    (["estimate", "--model", "gpt2", "--lora", "--lora-rank", "65537"], 2,
+     "lora.rank = 65537: Input should be less than or equal to 65536"),
 ]
 
 
@@ -186,7 +187,8 @@ BAD_GPUS = [
     (["estimate", "--model", "gpt2", "--gpu", "1e400GB"], 2, f"--gpu 1e400GB: capacity out of range; give at most {MAX_CAPACITY_BYTES >> 40:,} TiB"),
     (["estimate", "--model", "gpt2", "--gpu", "1e-30GB"], 2, "a capacity must be positive"),
     # issue 32: decimal.Overflow before the sign was checked
-    (["estimate", "--model", "gpt2", "--gpu", "-1e999999999GB"], 2, "--gpu -1e999999999GB: a capacity must be positive"),
+    (["estimate", "--model", "gpt2", "--gpu", "-1e999999999GB"], 2,
+     "--gpu -1e999999999GB: a capacity must be positive"),
     (["estimate", "--model", "gpt2", "--gpu", "1e-999999999GB"], 2, "a capacity must be positive"),
     (["estimate", "--model", "gpt2", "--gpu", "48TB"], 2, "or a capacity such as 48GiB or 24GB"),
     (["plan", "--model", "gpt2", "--gpu", "0GiB"], 2, "--gpu 0GiB: a capacity must be positive"),
