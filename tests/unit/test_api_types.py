@@ -56,24 +56,27 @@ CASES = [
 
 @pytest.mark.parametrize("kwargs,message", CASES)
 def test_issue_cases(kwargs, message):
-    with pytest.raises(memcalc.UserError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(memcalc.UserError) as e:
         memcalc.estimate(model="gpt2", **kwargs)
+    assert str(e.value).startswith(message)
 
 
 def test_plan_keywords_are_typed():
     # source: plan's signature (all: bool, recipe: str or paths)
-    with pytest.raises(memcalc.UserError, match="^all= must be True or False"):
-        memcalc.plan(model="gpt2", all="no")
-    with pytest.raises(memcalc.UserError, match="^recipe= must be a string or a list of strings or None"):
-        memcalc.plan(model="gpt2", recipe=5)
+    for kwargs, message in (({"all": "no"}, "all= must be True or False"),
+                            ({"recipe": 5}, "recipe= must be a string or a list of strings or None")):
+        with pytest.raises(memcalc.UserError) as e:
+            memcalc.plan(model="gpt2", **kwargs)
+        assert str(e.value).startswith(message)
 
 
 def test_python_spellings_are_the_flags():
     """A list of targets and one recipe path are what a Python caller writes: the same as the flags."""
     a = memcalc.options_from(model="llama-3.2-1b", lora=True, lora_targets=["q", "v"], recipe="r.yaml")
     assert (a.lora_targets, a.recipe) == ("q,v", ["r.yaml"])
-    with pytest.raises(memcalc.UserError, match="^--recipe no-such.yaml: no such file"):
+    with pytest.raises(memcalc.UserError) as e:
         memcalc.estimate(recipe="no-such.yaml")
+    assert str(e.value).startswith("--recipe no-such.yaml: no such file")
 
 
 @pytest.mark.slow
