@@ -268,6 +268,9 @@ _MOE = re.compile(r"^\s*(.+?)\s*-\s*a\s*(.+?)\s*$", re.IGNORECASE)
 MOE_TOP_K = 8
 MOE_FF_STEP = 64
 MOE_EXPERT_STEP = 8
+#: the most routed experts per layer --params TOTAL-A<ACTIVE> infers: four times the most in a published MoE
+#: (Qwen3-Next-80B-A3B config.json: num_experts 512; Kimi K2: 384; DeepSeek-V3: 256)
+MOE_MAX_EXPERTS = 2048
 
 
 def infer_params(value: str) -> tuple[ModelSpec, list[str]]:
@@ -317,6 +320,10 @@ def infer_moe(total: int, active: int) -> tuple[ModelSpec, list[str]]:
             best = (score, n_experts, ff, got_total, got_active)
     assert best is not None
     _, n_experts, ff, got_total, got_active = best
+    if n_experts > MOE_MAX_EXPERTS:
+        raise UserError(f"--params {fmt_count(total)}-A{fmt_count(active)}: {fmt_count(total)} total over "
+                        f"{fmt_count(active)} active takes {n_experts:,} experts per layer; memcalc infers at most "
+                        f"{MOE_MAX_EXPERTS:,} (published MoEs have up to 512): give a larger active count")
     m = model(n_experts, ff)
     assert count_params(m).total == got_total, (count_params(m).total, got_total)
     reasons = [

@@ -54,6 +54,8 @@ BAD_NUMBERS = [
     (["estimate", "--params", "1e999999"], 2, "--params '1e999999' is out of range"),
     (["estimate", "--params", "9" * 5000], 2, "is out of range"),
     (["estimate", "--params", "2e13"], 2, "is out of range; give between 1e6 and 1e13"),
+    # issue 32: 10T-A1M inferred 202 million experts per layer (infer.MOE_MAX_EXPERTS)
+    (["estimate", "--params", "10T-A1M"], 2, "takes 202,396,360 experts per layer; memcalc infers at most 2,048"),
     (["estimate", "--params", "1e-999999999"], 2, "--params must be positive"),
     (["estimate", "--params", "nan"], 2, "--params 'nan' is not a parameter count"),
     (["estimate", "--params", "inf"], 2, "--params 'inf' is not a parameter count"),
