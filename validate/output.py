@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import uuid
 from contextlib import contextmanager
@@ -104,7 +105,22 @@ class RecordFile:
             self.ended = {i for i in self.ended if not _alive(i)}
 
     def write(self, records: list[dict]) -> None:
-        """Replace this run's records in the file with ``records`` (each gets this ``run_id``)."""
+        """Replace this run's records in the file with ``records`` (each gets this ``run_id``). When the
+        file cannot be written (a full disk, a folder made read-only mid-run), the records go to a
+        fallback file in the temporary folder, said on stderr, and every later write goes there too:
+        nothing already measured is lost."""
+        try:
+            self._write(records)
+        except OSError as e:
+            fallback = os.path.join(tempfile.gettempdir(), f"memcalc-validate-{self.run_id.replace(':', '-')}.json")
+            if self.path == fallback:
+                raise
+            sys.stderr.write(f"memcalc: cannot write --output {self.path}: {e.strerror or e}; the records go to "
+                             f"{fallback}\n")
+            self.path, self.folder, self.ended = fallback, os.path.dirname(fallback), set()
+            self._write(records)
+
+    def _write(self, records: list[dict]) -> None:
         mine = [{**r, "run_id": self.run_id} for r in records]
         with _locked(self.folder):
             others = [r for r in _read(self.path)

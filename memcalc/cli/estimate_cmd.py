@@ -19,7 +19,7 @@ from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, 
                                  LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, LossTokens, MasterWeights,
                                  MemoryBudget, Model,
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
-                                 Seq, SequenceParallel, Sharding, Torch, Tp, Zero, _check_output,
+                                 Seq, SequenceParallel, Sharding, Torch, Tp, Zero, _check_output, Force,
                                  inputs_of)
 from memcalc.core.errors import UserError
 
@@ -50,6 +50,7 @@ def estimate(
         "--timeline", help="Also draw memory across the step (after the tables; ignored with --json).")] = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", help="Also write a self-contained HTML report to this file.")] = None,
+    force: Force = False,
     max_batch: Annotated[bool, typer.Option(
         "--max-batch", help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search "
                             "over estimates).")] = False,
@@ -75,7 +76,7 @@ def estimate(
     inputs = inputs_of(locals(), _OWN)  # every other option is an input of the experiment
     import memcalc.api
 
-    _check_output(html, "--html")
+    _check_output(html, "--html", force)
     if check and not gpu:
         raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
     r = memcalc.api.estimate(gpu=gpu or None, max_batch=max_batch, max_seq=max_seq, **inputs)
@@ -116,7 +117,7 @@ def _render(r: Any, timeline: bool) -> None:
 
 
 #: estimate's own options; the others are the experiment's inputs
-_OWN = ("gpu", "as_json", "timeline", "html", "max_batch", "max_seq", "check")
+_OWN = ("gpu", "as_json", "timeline", "html", "force", "max_batch", "max_seq", "check")
 
 
 def _check_fits(est: Any, cards: list) -> int:

@@ -18,7 +18,8 @@ from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, 
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
-                                 Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of)
+                                 Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of,
+                                 Force)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
 from memcalc.core.errors import UserError
 
@@ -51,6 +52,7 @@ def validate(
     bnb_saves_input: BnbSavesInput = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file.")] = None,
+    force: Force = False,
     framework: Annotated[Optional[Literal[FRAMEWORKS]], typer.Option(  # type: ignore[valid-type]
         "--framework",
         help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
@@ -93,7 +95,7 @@ def validate(
 
     _check_flags(device, framework, scale_layers)
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
-        _check_output(path, flag)
+        _check_output(path, flag, force)
     framework = _sharded(device, framework, gpus, zero, sharding, rank, deepspeed)
     run_validate = _runner(as_json)
     items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero, gpus=gpus,
@@ -173,7 +175,7 @@ def _traced(items: list) -> str:
 
 #: validate's own options (and those it passes on itself); the others are the experiment's inputs
 _OWN = ("config", "all_configs", "device", "scale_layers", "output", "snapshot", "as_json", "html", "framework",
-        "reentrant", "gpus", "zero", "sharding", "rank")
+        "reentrant", "gpus", "zero", "sharding", "rank", "force")
 
 
 def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],

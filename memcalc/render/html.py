@@ -253,8 +253,14 @@ def write_report(path: str, text: str) -> None:
 
     try:
         Path(path).write_text(text, encoding="utf-8")
-    except OSError as err:
-        raise UserError(f"cannot write --html {path}: {err.strerror or err}") from None
+    except OSError as err:  # after the work (checked before it): keep the report in a fallback file
+        import os
+        import tempfile
+
+        fd, fallback = tempfile.mkstemp(prefix="memcalc-report-", suffix=".html")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        raise UserError(f"cannot write --html {path}: {err.strerror or err}; the report is in {fallback}") from None
     sys.stderr.write(f"memcalc: wrote {path} ({len(text.encode('utf-8')) / 1024:,.0f} KiB)\n")  # stderr: --json stays clean
 
 

@@ -7,6 +7,7 @@ checked by what they print.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -152,6 +153,40 @@ def test_validate_output_path_is_checked_before_torch(tmp_path, monkeypatch, fla
     monkeypatch.setitem(sys.modules, "memcalc.validate.command", None)
     path, message = _bad_paths(tmp_path)[which]
     one_line_error(run(["validate", "--config", "control", "--device", "meta", flag, path]), 2, message)
+
+
+def _special_paths(tmp_path):
+    """(path, message): what is not a regular file, a kernel interface, a file memcalc did not write (issue 32:
+    a FIFO blocked forever; /dev/full, /proc and /sys failed after the run; a text file was replaced)."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes\n")
+    return [
+        (str(fifo), "it is a FIFO (named pipe), not a regular file"),
+        ("/dev/full", "/dev/full is a kernel interface, not a file"),
+        ("/proc/self/status", "is a kernel interface, not a file"),
+        ("/sys/kernel/notes", "/sys/kernel/notes is a kernel interface, not a file"),
+        (str(text), "exists and is not a "),
+    ]
+
+
+@pytest.mark.parametrize("which", range(5))
+@pytest.mark.parametrize("command,flag", [("estimate", "--html"), ("validate", "--output"), ("validate", "--html"),
+                                          ("validate", "--snapshot")])
+def test_special_output_paths_are_refused_before_any_work(tmp_path, monkeypatch, command, flag, which):
+    monkeypatch.setitem(sys.modules, "memcalc.validate.command", None)
+    path, message = _special_paths(tmp_path)[which]
+    args = ["--model", "gpt2"] if command == "estimate" else ["--config", "control", "--device", "meta"]
+    one_line_error(run([command, *args, flag, path]), 2, message)
+
+
+def test_force_replaces_a_file_memcalc_did_not_write(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("my notes\n")
+    r = run(["estimate", "--model", "gpt2", "--html", str(text), "--force"])
+    assert r.exit_code == 0 and text.read_text().startswith("<!DOCTYPE html>")
+    assert run(["estimate", "--model", "gpt2", "--html", str(text)]).exit_code == 0  # now memcalc's own report
 
 
 # -- 4. --device cuda without CUDA: tests/trace/test_robustness_trace.py (imports torch) ------

@@ -87,3 +87,29 @@ def test_concurrent_writers_keep_every_record(tmp_path: Path):
     assert sorted((r["config"], r["measured_bytes"]) for r in got) == sorted(
         (f"w{i}", k) for i in range(3) for k in range(20))
     assert len({r["run_id"] for r in got}) == 3
+
+
+def test_a_write_that_fails_after_the_work_keeps_the_records(tmp_path: Path, monkeypatch, capsys):
+    """The disk fills up mid-run (issue 32: the measured record was lost): the records go to a fallback
+    file in the temporary folder, said on stderr, and later writes follow them there."""
+    import errno
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "r.json"
+    f = RecordFile(str(out))
+    f.write([rec("a", 1)])
+    real_replace = os.replace
+
+    def full_disk(src, dst):
+        if str(dst) == str(out):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    f.write([rec("a", 1), rec("b", 2)])
+    f.write([rec("a", 1), rec("b", 2), rec("c", 3)])
+    fallback = next((tmp_path / "tmp").glob("memcalc-validate-*.json"))
+    assert [r["config"] for r in json.loads(fallback.read_text())] == ["a", "b", "c"]
+    assert [r["config"] for r in json.loads(out.read_text())] == ["a"]
+    assert f"No space left on device; the records go to {fallback}" in capsys.readouterr().err
