@@ -140,10 +140,16 @@ def load_json(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--deepspeed {path}: no such file")
+    from memcalc.inputs.data_files import check_size, read_user_file
+
+    text = read_user_file(p, "--deepspeed")  # at most 1 MiB, UTF-8
     try:
-        raw = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
         raise UserError(f"--deepspeed {path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise UserError(f"--deepspeed {path}: nests too deep to be a DeepSpeed config") from None
+    check_size(raw, f"--deepspeed {path}")  # values and depth, as every other file read
     if not isinstance(raw, dict):
         raise UserError(f"--deepspeed {path}: a DeepSpeed config is a JSON object, got {type(raw).__name__}")
     return raw

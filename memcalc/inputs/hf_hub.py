@@ -145,7 +145,8 @@ def cached_config(repo_id: str) -> Optional[Path]:
         return None
     snapshots = repo / "snapshots"
     try:
-        main = (repo / "refs" / "main").read_text(encoding="utf-8").strip()
+        with open(repo / "refs" / "main", "rb") as f:  # a commit hash: 40 characters, read at most 256
+            main = f.read(256).decode("utf-8").strip()
     except (OSError, UnicodeDecodeError):
         main = ""
     if main and "/" not in main and main not in (".", ".."):

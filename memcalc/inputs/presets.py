@@ -312,19 +312,16 @@ def resolve_hf_id(repo_id: str) -> tuple[ModelSpec, ModelSource]:
         repo_id = hf_hub.repo_id_of(cached) or repo_id  # the cache's spelling, when it differs in case
         name = repo_id.split("/", 1)[1]
         where = str(cached)
-        try:
-            text = cached.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read {where}: {e}") from None
-        raw = parse_text(text, where)
+        raw = parse_text(read_user_file(cached, "cached config"), where)  # at most 1 MiB, as any file named
         src = ModelSource("hf-cache", repo_id, hf_id=repo_id, path=where)
     else:
         got = hf_hub.fetch_config(repo_id)
         where = str(got.stored) if got.stored is not None else got.url
         try:
-            raw = json.loads(got.data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            text = got.data.decode("utf-8")
+        except UnicodeDecodeError as e:
             raise UserError(f"malformed config.json from {got.url}: {e}") from None
+        raw = parse_text(text, f"config.json from {got.url}")  # the same bounds as a file
         src = ModelSource("hub", repo_id, hf_id=repo_id, path=str(got.stored) if got.stored else None, url=got.url,
                           note=got.not_stored)
     if not isinstance(raw, dict) or "model_type" not in raw:

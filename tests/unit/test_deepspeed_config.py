@@ -78,6 +78,10 @@ BAD = [
     (None, [], 2, "no such file"),
     ("{not json", [], 2, "not valid JSON"),
     ("[1, 2]", [], 2, "a DeepSpeed config is a JSON object"),
+    # issue 32: --deepspeed skipped the bounds the other readers have (50 MiB accepted, deep nesting a RecursionError)
+    ('{"pad": "' + "x" * 2**21 + '"}', [], 2, "is larger than 1 MiB"),
+    ("[" * 100_000 + "]" * 100_000, [], 2, "nests too deep to be a DeepSpeed config"),
+    ('{"a": ' + "[" * 70 + "]" * 70 + "}", [], 2, "nests deeper than 64 levels"),
     ({"zero_optimization": {"stage": 1}}, [], 2, "zero_optimization.stage must be 2 or 3"),
     ({"bf16": {"enabled": True}}, [], 2, "needs zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, [], 2, "reduce_bucket_size must be a whole number"),

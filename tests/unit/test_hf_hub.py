@@ -134,6 +134,19 @@ def test_cache_case_insensitive(cache):
     assert src.kind == "hf-cache" and src.hf_id == "org/name"  # the cache's spelling
 
 
+@pytest.mark.parametrize("text,message", [
+    # source: issue 32 (files in the Hugging Face cache skipped the 1 MiB / depth bounds)
+    ('{"model_type": "llama", "pad": "' + "x" * 2**21 + '"}', "is larger than 1 MiB"),
+    ('{"model_type": "llama", "a": ' + "[" * 70 + "]" * 70 + "}", "nests deeper than 64 levels"),
+])
+def test_a_cached_config_is_read_within_bounds(tmp_path, monkeypatch, text, message):
+    shutil.copytree(CACHE, tmp_path / "hub")
+    (tmp_path / "hub" / "models--org--name" / "snapshots" / "abc" / "config.json").write_text(text)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(UserError, match=message):
+        resolve_model_source("org/name")
+
+
 @pytest.mark.slow  # about 0.5 s: the quick lane stays under 30 s
 def test_cache_under_hf_home(tmp_path, monkeypatch):
     shutil.copytree(CACHE, tmp_path / "hub")
