@@ -117,6 +117,10 @@ def _check_flags(device: Optional[str], framework: Optional[str], scale_layers: 
 
     if device is not None and device not in ("cuda", "meta", "cpu"):
         raise UserError(f"unknown --device {device!r}; valid: cuda, meta, cpu")
+    if framework == "unsloth":
+        from memcalc.core.unsloth import UNTRACED
+
+        raise UserError(UNTRACED)
     if framework is not None and framework not in TRACED_FRAMEWORKS:
         raise UserError(f"--framework {framework}: validate traces {', '.join(TRACED_FRAMEWORKS)} "
                         f"(not yet {framework}; estimate models it from its sources)")

@@ -26,8 +26,9 @@ SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 CompileScope = Literal["model", "layer"]
 COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)
 
-#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks, or TRL's fused LM head
-LossKind = Literal["full", "chunked", "trl-fused"]
+#: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks, or TRL's fused LM head,
+#: or Unsloth's unsloth_fused_ce_loss (memcalc.core.unsloth)
+LossKind = Literal["full", "chunked", "trl-fused", "unsloth-fused"]
 LOSSES: tuple[str, ...] = typing.get_args(LossKind)
 
 #: ``--kernels``: a kernel library that replaces the model's layers (liger: Liger-Kernel, memcalc.core.liger;
@@ -39,7 +40,7 @@ KERNEL_LIBRARIES: tuple[str, ...] = typing.get_args(KernelLibrary)
 LigerOp = Literal["rope", "rms_norm", "glu", "flce"]
 
 #: ``--framework``: whose layer code runs the model (memcalc.inputs.profiles.FRAMEWORKS has each one's rules)
-Framework = Literal["plain", "hf", "torchtune", "litgpt", "trl"]
+Framework = Literal["plain", "hf", "torchtune", "litgpt", "trl", "unsloth"]
 FRAMEWORKS: tuple[str, ...] = typing.get_args(Framework)
 
 #: ``validate --framework``: the frameworks whose own code the validator runs (plain: memcalc's replica;

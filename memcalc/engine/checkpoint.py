@@ -149,10 +149,12 @@ class OpSaver:
 
 
 def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[], T], label: str,
-               layer: int, save_ops: bool = False) -> T:
+               layer: int, save_ops: bool = False, full_recompute: bool = False) -> T:
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
     ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
-    ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`)."""
+    ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`).
+    ``full_recompute``: a reentrant checkpoint (Unsloth's ``UnslothCheckpointFunction``) recomputes the whole
+    region, outputs included (no early stop)."""
     assert sim.grad_enabled and sim.count_saves is None, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
@@ -179,7 +181,9 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
             # is recomputed (early stop): the first forward counted where (stop), or a dry run without
             # memory finds that point.
             here = stop
-            if here is None or CHECK_STOP:
+            if full_recompute:
+                here = 1 << 62
+            elif here is None or CHECK_STOP:
                 here = _dry_run(s, ops, fn, saver)
                 assert stop is None or stop == here, (label, stop, here)
             c1 = s.alloc_count

@@ -32,6 +32,7 @@ class Weights(Protocol):
 
     params: dict[str, Param]
     compute: DType  # the compute dtype (a QLoRA base is dequantised to it)
+    buffers: dict[str, list]  # a framework's persistent GPU buffers (blocks/unsloth_lora.py), made once a step
 
 
 class ForwardContext(Walk, Protocol):
@@ -62,6 +63,7 @@ class ForwardContext(Walk, Protocol):
     held_masks: list[Tensor]  # masks a checkpointed region holds until its backward
     kv_cache: list[Tensor]  # transformers' DynamicCache: K, V copies held until the loss (rules.kv_cache)
     liger: Optional[LigerPlan]  # --kernels liger: the Liger kernels that replace the model's code (blocks/liger.py)
+    unsloth_lora: frozenset[str]  # --framework unsloth: its fused LoRA Functions that run (blocks/unsloth_lora.py)
 
     @property
     def model(self) -> Weights:

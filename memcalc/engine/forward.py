@@ -23,7 +23,8 @@ from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_widt
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.liger import liger_plan
 from memcalc.core.cce import check_cce
-from memcalc.engine.blocks import adapters, cce, chunked_output, embedding, head, liger, litgpt_head, trl_head
+from memcalc.engine.blocks import (adapters, cce, chunked_output, embedding, head, liger, litgpt_head, trl_head,
+                                   unsloth_head, unsloth_lora)
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -79,6 +80,7 @@ class Forward:
         self.variant_attention = m.mla is not None or is_attention_variant(m)
         self.q_dim, self.kv_dim, self.dim_head, self.kv_heads = m.q_dim, m.kv_dim, m.dim_head, m.kv_heads
         self.liger = liger_plan(m, exp.profile, self.tr) if exp.profile.kernels == "liger" else None
+        self.unsloth_lora = unsloth_lora.fused_groups(self)
         if exp.profile.kernels == "cce":
             check_cce(m, self.tr)  # memcalc.core.cce: what Cut Cross-Entropy is modelled with
 
@@ -175,6 +177,8 @@ class Forward:
             loss = trl_head.fused_loss(self, x)
             if sim.offload is not None:  # TRL's context stays open in backward, where checkpoint recomputation
                 sim.offload.active = False  # saves through its own innermost hooks (torch/utils/checkpoint.py)
+        elif self.exp.profile.cross_entropy == "unsloth-fused":  # unsloth_fused_ce_loss (blocks/unsloth_head.py)
+            loss = unsloth_head.fused_loss(self, x)
         elif self.exp.profile.fabric_head:  # LitGPT's fit() under Fabric (blocks/litgpt_head.py)
             loss = litgpt_head.head_and_loss(self, x)
         else:

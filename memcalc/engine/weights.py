@@ -72,6 +72,8 @@ class Model:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # parameter shapes (FSDP2 shards by rows)
     fsdp2: bool = False  # FSDP2 (or, with fsdp1, FSDP1) runs the step (engine.fsdp, engine.fsdp1)
     fsdp1: bool = False
+    # a framework's persistent GPU buffers, made once in the step and held (Unsloth's global dequantisation buffer)
+    buffers: dict[str, list] = field(default_factory=dict)
 
 
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:

@@ -317,6 +317,13 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         rf, ff = checkpoint_recompute_flops(exp)
         recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}
     assumptions += technique_assumptions(exp, steady)
+    if prof.framework == "unsloth":  # nothing of Unsloth's step is traced: say which numbers are read
+        from memcalc.core.unsloth import provenance
+
+        prov = provenance(exp)
+        alloc_extra["provenance"] = prov
+        assumptions += [prov["note"], *(f"{m['mechanism']}: {m['how']} from source, {m['rule']}"
+                                         for m in prov["mechanisms"])]
     if tr.compile and not compiled:
         assumptions.append(
             f"torch.compile with checkpointing ({tr.checkpoint}): checkpointed regions are recomputed "

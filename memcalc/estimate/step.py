@@ -30,6 +30,11 @@ def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
             plan = compiled_plan(exp)
             return lambda: CompiledLayers(plan, tr.compile_scope)
         return lambda: CompiledCheckpointing(tr)
+    if exp.profile.framework == "unsloth" and tr.checkpoint == "full":  # use_gradient_checkpointing="unsloth"
+        from memcalc.engine.unsloth_checkpoint import UnslothCheckpointing
+
+        buffers: list = []  # the staging buffers are module globals: one pair for every micro-step
+        return lambda: UnslothCheckpointing(tr, tr.seq, buffers)
     return lambda: layer_strategy(tr)
 
 

@@ -107,6 +107,23 @@ FRAMEWORKS: dict[str, dict] = {
                 lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=True, gelu_new="chain",
                 # SFTTrainer.compute_loss (trainer/sft_trainer.py): ``inputs["use_cache"] = False``: no DynamicCache
                 kv_cache=False, qlora_fp32_cast=False, fabric_head=False),
+    # Unsloth (unsloth 2026.10.9 + unsloth_zoo 2026.10.9, read from source, not traced: memcalc.core.unsloth):
+    # - kernels/rms_layernorm.py Fast_RMS_Layernorm: ``ctx.save_for_backward(X, W, r)`` with ``r`` fp32 per row,
+    #   ``Y = torch.empty(..., dtype=X.dtype)``: the fused rule (input + rstd);
+    # - models/llama.py CausalLM_fast_forward: with labels, ``unsloth_fused_ce_loss`` (unsloth_zoo
+    #   fused_losses/cross_entropy_loss.py UnslothFusedLoss): no logits tensor (memcalc.engine.blocks.unsloth_head);
+    # - unsloth_zoo training_utils.py prepare_model_for_training: ``.lora_A.`` / ``.lora_B.`` parameters
+    #   ``upcast = True``: fp32 adapters; kernels/utils.py matmul_lora: ``XA = torch_matmul(X, A.to(dtype))``,
+    #   ``addmm_(out, XA, B.to(dtype), alpha=s)``: the adapter weights are cast to the input's dtype, never the
+    #   input to fp32 (memcalc.engine.blocks.unsloth_lora: LoRA_QKV, LoRA_W, LoRA_MLP where patch_peft_model installs
+    #   them); a projection outside those groups (LoRA on q and v only, a bias, lora_dropout > 0) runs PEFT's
+    #   lora.Linear.forward, which casts x to the fp32 adapters' dtype (``lora_input_cast``, as hf);
+    # - models/llama.py LlamaAttention_fast_forward: K/V expanded to every query head for SDPA (the path without
+    #   flash-attn / xformers); no KV cache in training;
+    # - --checkpoint full is ``use_gradient_checkpointing="unsloth"`` (memcalc.engine.unsloth_checkpoint).
+    "unsloth": dict(rmsnorm="fused", logits_fp32=False, shift_copy=False, cross_entropy="unsloth-fused",
+                    lora_dtype="fp32", lora_input_cast=True, sdpa_gqa=False, gelu_new="chain", kv_cache=False,
+                    qlora_fp32_cast=False, fabric_head=False),
 }
 
 #: why each framework's adapters have the dtype they have (the inputs table's reason for the default)
@@ -116,6 +133,7 @@ LORA_DTYPE_WHY: dict[str, str] = {
     "torchtune": "adapters in the base's dtype (the recipes build every parameter in the training dtype)",
     "litgpt": "adapters in the base's dtype (Fabric's bf16-true precision converts every parameter)",
     "trl": "PEFT keeps adapters in fp32 over a 16-bit base, autocast_adapter_dtype=True (TRL wraps with PEFT)",
+    "unsloth": "Unsloth upcasts lora_A/lora_B to fp32 (unsloth_zoo training_utils.py prepare_model_for_training)",
 }
 
 #: the fields :func:`profile_for` sets from the framework and the PyTorch version

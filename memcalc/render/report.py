@@ -96,6 +96,8 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "recompute": est.extra.get("recompute"),
         **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
         **({"host_offload_bytes": est.extra["host_offload_bytes"]} if "host_offload_bytes" in est.extra else {}),
+        # only for a framework the validator cannot trace (unsloth): which numbers are read from source
+        **({"provenance": est.extra["provenance"]} if "provenance" in est.extra else {}),
         "gpus": fits_rows(est, gpus),
         "inputs": {
             "model": exp.model.model_dump(),

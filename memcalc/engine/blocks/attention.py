@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from memcalc.core.rules import kv_cache
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.blocks import attention_variants as av
-from memcalc.engine.blocks import liger
+from memcalc.engine.blocks import liger, unsloth_lora
 from memcalc.engine.blocks.base import Linear, Norm, ParamTensor
 from memcalc.engine.blocks.mla import mla_attention, mla_params
 
@@ -58,13 +58,13 @@ def attention(fwd: ForwardContext, h: T, i: int) -> T:
         # fused qkv, q/k norms, eager attention, sliding masks (blocks/attention_variants.py)
         return av.attention(fwd, h, i)
     h = fwd.tp.gather(fwd, h) if fwd.tp else o.ref_(h)
-    q = fwd.proj(h, i, "attn.q_proj", "q", fwd.q_dim)
-    k = fwd.proj(h, i, "attn.k_proj", "k", fwd.kv_dim)
-    v = fwd.proj(h, i, "attn.v_proj", "v", fwd.kv_dim)
+    q, k, v = unsloth_lora.qkv_or_none(fwd, h, i) or (  # Unsloth's LoRA_QKV (blocks/unsloth_lora.py)
+        fwd.proj(h, i, "attn.q_proj", "q", fwd.q_dim), fwd.proj(h, i, "attn.k_proj", "k", fwd.kv_dim),
+        fwd.proj(h, i, "attn.v_proj", "v", fwd.kv_dim))
     o.drop(h)
     out = fwd.strategy.core_attention(fwd, q, k, v, i, lambda: fwd.core_attention(q, k, v, i))
     o.drop(q, k, v)
-    y = fwd.proj(out, i, "attn.o_proj", "o", m.d_model)
+    y = unsloth_lora.o_or_none(fwd, out, i) or fwd.proj(out, i, "attn.o_proj", "o", m.d_model)
     o.drop(out)
     return fwd.tp.reduce(fwd, y) if fwd.tp else y
 

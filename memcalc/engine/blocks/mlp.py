@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.blocks.attention_variants import pin_views, split_views, view_map
-from memcalc.engine.blocks import liger
+from memcalc.engine.blocks import liger, unsloth_lora
 from memcalc.engine.blocks.base import Linear
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +43,10 @@ def mlp(fwd: ForwardContext, h: T, i: int) -> T:
     if m.fused_gate_up:  # Phi-3 / GLM-4 gate_up_proj
         return fused_gate_up_mlp(fwd, h, i)
     h = fwd.tp.gather(fwd, h) if fwd.tp else o.ref_(h)
+    y = unsloth_lora.mlp_or_none(fwd, h, i)  # Unsloth's LoRA_MLP (blocks/unsloth_lora.py)
+    if y is not None:
+        o.drop(h)
+        return y
     if m.mlp == "gated":
         g = fwd.proj(h, i, "mlp.gate_proj", "gate", m.d_ff)
         u = fwd.proj(h, i, "mlp.up_proj", "up", m.d_ff)
