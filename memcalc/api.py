@@ -153,6 +153,8 @@ class EstimateResult:
     resolved: "Resolved"
     cards: tuple
     limits: Optional[dict] = None
+    #: card name -> the smallest changes that make the setup fit it (:class:`memcalc.plan.remedies.Remedy`)
+    to_make_it_fit: Optional[dict] = None
 
     @property
     def spec(self) -> "ExperimentSpec":
@@ -223,6 +225,7 @@ class EstimateResult:
         from memcalc.render.report import to_json
 
         doc = to_json(self.estimate, self.resolved, list(self.cards))
+        doc["to_make_it_fit"] = {g: [x.as_json() for x in xs] for g, xs in (self.to_make_it_fit or {}).items()}
         if self.resolved.recipe is not None:
             doc["recipe"] = self.resolved.recipe
         if self.limits:
@@ -270,7 +273,15 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
     est = run_estimate(res.exp)
     if limit_gpu is not None:
         limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
-    return EstimateResult(est, res, cards, limits)
+    from memcalc.render.report import fits_rows
+
+    fits, fix = {r["name"]: r["fits"] for r in fits_rows(est, list(cards))}, None
+    if not all(fits.values()):  # what would make it fit (memcalc.plan, numpy: only then)
+        from memcalc.plan.remedies import remedies_for
+
+        fix = remedies_for(res.exp, cards, fits, gpu is not None,
+                           None if spec is not None else (lambda ch: _resolve(None, {**options, **ch}).exp), options)
+    return EstimateResult(est, res, cards, limits, fix)
 
 
 @dataclass(frozen=True)

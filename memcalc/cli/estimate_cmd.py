@@ -57,6 +57,9 @@ def estimate(
     max_seq: Annotated[bool, typer.Option(
         "--max-seq", help="Also find the longest sequence (at --batch) that fits the one --gpu, up to the model's "
                           "maximum.")] = False,
+    verbose: Annotated[bool, typer.Option(
+        "--verbose", "-v", help="Also print every input with where it came from (flag, config, default and why), "
+                                "and the assumptions (all of it is always in --json).")] = False,
     check: Annotated[bool, typer.Option(
         "--check", help="With --gpu: exit 3, with a warning on stderr, when the step needs more memory than a "
                         "--gpu card has (or the caching allocator's replayed reserved peak exceeds it).")] = False,
@@ -90,18 +93,21 @@ def estimate(
 
         typer.echo(dumps(r.document()))
     else:
-        _render(r, timeline)
+        _render(r, timeline, verbose, asked=bool(gpu))
     if check:
         return _check_fits(r.estimate, cards)
     return None
 
 
-def _render(r: Any, timeline: bool) -> None:
-    """The tables (and the limits, and with ``timeline`` the chart) of an estimate."""
-    from memcalc.render.report import render
+def _render(r: Any, timeline: bool, verbose: bool, asked: bool) -> None:
+    """The verdict first (and what would make it fit), then the tables (and the limits, and with
+    ``timeline`` the chart) of an estimate."""
+    from memcalc.render.report import print_items, report_items
+    from memcalc.render.verdict import verdict_items
 
     cards = list(r.cards)
-    render(r.estimate, r.resolved, cards)
+    print_items(verdict_items(r.estimate, cards, asked, r.to_make_it_fit)
+                + report_items(r.estimate, r.resolved, cards, verbose))
     if r.limits:
         from memcalc.render.plan_report import render_limits
 
@@ -117,7 +123,7 @@ def _render(r: Any, timeline: bool) -> None:
 
 
 #: estimate's own options; the others are the experiment's inputs
-_OWN = ("gpu", "as_json", "timeline", "html", "force", "max_batch", "max_seq", "check")
+_OWN = ("gpu", "as_json", "timeline", "html", "force", "max_batch", "max_seq", "check", "verbose")
 
 
 def _check_fits(est: Any, cards: list) -> int:

@@ -309,20 +309,38 @@ def print_items(items: list[Any], console: Optional[Console] = None) -> None:
         from rich.console import Console
 
         console = Console()
-    for item in items:
-        console.print(item)
+    for item in items:  # a Text that must not wrap (a command to paste) runs on past the width
+        console.print(item, soft_wrap=bool(getattr(item, "no_wrap", False)))
 
 
-def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None) -> None:
+def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Console] = None,
+           verbose: bool = True) -> None:
     """Print the report: on ``console``, else on stdout."""
-    print_items(report_items(est, res, gpus), console)
+    print_items(report_items(est, res, gpus, verbose), console)
 
 
-def report_items(est: Estimate, res: Resolved, gpus: list[Any]) -> list[Any]:
-    """The report in order: rich tables and lines of rich markup."""
+def setup_line(est: Estimate, res: Resolved) -> str:
+    """The setup in one line (``--verbose`` gives every input, with where it came from)."""
+    exp, tr = est.experiment, est.experiment.training
+    lo = tr.lora
+    method = ("full fine-tune" if lo is None
+              else f"{'QLoRA' if lo.qlora else 'LoRA'}{'+DoRA' if lo.dora else ''} r{lo.rank}")
+    gpus = f", {tr.gpus * tr.tp} GPUs" + (f" ZeRO-{tr.zero}" if tr.zero else "") if tr.gpus * tr.tp > 1 else ""
+    src = res.model_source
+    frm = f"; {escape(src.describe())}" if src is not None and src.kind != "preset" else ""
+    master = " + fp32 master" if tr.master_weights else ""
+    return (f"[bold]Setup[/bold]: {exp.model.name} ({fmt_count(est.params)} parameters, "
+            f"{fmt_count(est.trainable_params)} trainable{frm}), {method}, {tr.precision}{master}, batch {tr.batch} x "
+            f"seq {tr.seq}, {tr.optimizer}, checkpointing {tr.checkpoint}{gpus}; {exp.profile.framework}, PyTorch "
+            f"{exp.profile.torch_version}")
+
+
+def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = True) -> list[Any]:
+    """The report in order: rich tables and lines of rich markup; without ``verbose`` the inputs
+    table and the assumptions give way to one setup line and a pointer to ``--verbose``."""
     out: list[Any] = []
     add = out.append
-    add(inputs_table(est, res))
+    add(inputs_table(est, res) if verbose else setup_line(est, res))
     for n in res.notes:
         add(f"[yellow]note:[/yellow] {n}")
     for n in est.notes:
@@ -360,6 +378,10 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any]) -> list[Any]:
         add(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
                 "lives on the CPU (FSDP2 CPUOffloadPolicy, --offload-optimizer; not in the GPU peak)")
     add(gpu_table(est, gpus))
+    if not verbose:
+        add(f"[dim]every input with where it came from, and the {len(est.assumptions)} assumptions: --verbose; "
+            "all of it: --json[/dim]")
+        return out
     for a in est.assumptions:
         add(f"[dim]assumption: {a}[/dim]")
     return out

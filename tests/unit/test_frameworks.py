@@ -110,7 +110,7 @@ def test_issue_example_defaults_to_bf16_and_says_why():
     assert tr["precision"] == "bf16" and o["precision"] == "default" and "QLoRA computes in bf16" in why["precision"]
     assert d["inputs"]["profile"]["framework"] == "hf" and "preset" in why["framework"]
     assert d["inputs"]["adapter_dtype"] == "fp32" and "autocast_adapter_dtype" in why["lora_dtype"]
-    r = run(args)
+    r = run([*args, "--verbose"])  # (issue 29: the inputs with their reasons are --verbose's)
     text = " ".join(r.stdout.split())
     assert "bf16 (default: QLoRA: a bf16 base" in text, text
     assert "hf (default: a preset is a Hugging Face model" in text, text
@@ -163,7 +163,7 @@ def test_json_and_text_show_the_defaults_and_why():
     assert d["inputs"]["training"]["precision"] == "bf16" and "QLoRA computes in bf16" in why["precision"]
     assert d["inputs"]["adapter_dtype"] == "fp32" and "autocast_adapter_dtype" in why["lora_dtype"]
     assert d["inputs"]["origin"]["framework"] == "default" and "--params" in why["framework"]
-    text = " ".join(run(["estimate", *TINY, "--qlora"]).stdout.split())
+    text = " ".join(run(["estimate", *TINY, "--qlora", "--verbose"]).stdout.split())
     assert "bf16 (default: QLoRA: a bf16 base" in text and "hf (default: --params" in text, text
 
 

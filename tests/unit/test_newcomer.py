@@ -33,7 +33,7 @@ SHARDING = [
 
 @pytest.mark.parametrize("flags,row,note", SHARDING, ids=lambda a: " ".join(a) if isinstance(a, list) else None)
 def test_sharding_flags_are_shown_and_explained(flags, row, note):
-    r = run(["estimate", *TINY, *flags], COLUMNS="200")
+    r = run(["estimate", *TINY, *flags, "--verbose"], COLUMNS="200")  # (the inputs table is --verbose's)
     assert r.exit_code == 0, r.output
     assert row in r.stdout
     if note:

@@ -1,0 +1,83 @@
+"""The answer first: the lines ``memcalc estimate`` opens with (and the HTML report's first card).
+
+Whether the step fits each card asked (``--gpu``; else the catalog, summed up: how many fit, the
+smallest that does, the largest that does not), the headroom, the peak and the phase that sets it;
+then, for a card it does not fit, the smallest changes that do, each with the bytes it needs and the
+``memcalc estimate`` command that shows it (:mod:`memcalc.plan.remedies`). The verdict per card is
+:func:`memcalc.render.report.fits_rows`'s, the one place that decides "fits". Lines of rich
+markup; a command is a :class:`rich.text.Text` that is never wrapped (it must paste whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+from memcalc.core.units import fmt_auto
+from memcalc.engine.result import Estimate
+from memcalc.render.report import fits_rows
+
+#: up to this many cards asked get a line each; more are summed up as the catalog is
+CARD_LINES = 4
+
+
+def _room(row: Mapping[str, Any]) -> str:
+    h = row["headroom_bytes"]
+    return f"{fmt_auto(h)} to spare" if h >= 0 else f"{fmt_auto(-h)} short"
+
+
+def _card_line(est: Estimate, row: Mapping[str, Any]) -> str:
+    ok = row["fits"]
+    paging = ok and row.get("paged_state_resident") is False
+    answer = ("[yellow]yes, the paged optimizer state pages to the host[/yellow]" if paging
+              else "[green]yes[/green]" if ok else "[red]no[/red]")
+    return (f"[bold]Fits {row['name']}?[/bold] {answer}: needs {fmt_auto(est.required_bytes)} of its "
+            f"{fmt_auto(row['capacity_bytes'])}, {_room(row)}")
+
+
+def _catalog_lines(est: Estimate, rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The catalog in two lines: how many cards fit and the smallest that does; the largest that
+    does not."""
+    yes = [r for r in rows if r["fits"]]
+    no = [r for r in rows if not r["fits"]]
+    need = f"[bold]Needs {fmt_auto(est.required_bytes)}[/bold]"
+    if not yes:
+        big = max(no, key=lambda r: r["capacity_bytes"])
+        return [f"{need}: fits [red]none[/red] of {len(rows)} GPUs; the largest, {big['name']}, is {_room(big)}"]
+    small = min(yes, key=lambda r: r["capacity_bytes"])
+    head = "all" if not no else f"{len(yes)} of"
+    out = [f"{need}: fits [green]{head} {len(rows)} GPUs[/green], smallest {small['name']} ({_room(small)})"]
+    if no:
+        big = max(no, key=lambda r: r["capacity_bytes"])
+        out.append(f"Does [red]not[/red] fit {big['name']} ({fmt_auto(big['capacity_bytes'])}, {_room(big)})"
+                   + (f" or {len(no) - 1} other GPU{'s' if len(no) > 2 else ''}" if len(no) > 1 else ""))
+    return out
+
+
+def verdict_items(est: Estimate, gpus: Sequence[Any], asked: bool,
+                  remedies: Optional[Mapping[str, Sequence[Any]]] = None) -> list[Any]:
+    """The verdict lines, the peak line and the changes that make it fit (markup, and each command
+    as an unwrapped ``Text``)."""
+    from rich.text import Text
+
+    rows = fits_rows(est, list(gpus))
+    each = asked and len(rows) <= CARD_LINES
+    out: list[Any] = [*([_card_line(est, r) for r in rows] if each else _catalog_lines(est, rows))]
+    label, phase = est.peak_label, est.peak_phase
+    at = f"[bold]{label}[/bold]" if label.startswith(phase) else f"[bold]{phase}[/bold], at {label}"
+    out.append(f"Peak {fmt_auto(est.peak_bytes)} allocated in {at}")
+    for card, fixes in (remedies or {}).items():
+        if not fixes:
+            out.append(f"[bold]To make it fit {card}[/bold]: no single change memcalc tries is enough (with "
+                       f"--checkpoint full too); `memcalc plan --gpu {card}` searches every combination")
+            continue
+        out.append(f"[bold]To make it fit {card}[/bold] (smallest changes first):")
+        for x in fixes:
+            spare = f"{fmt_auto(x.headroom_bytes)} to spare (peak {fmt_auto(x.peak_bytes)})"
+            out.append(f"  [cyan]{x.flags}[/cyan]: {spare}")
+            if x.command:
+                out.append(Text("    " + x.command, no_wrap=True, overflow="ignore"))
+    return out
+
+
+__all__ = ["CARD_LINES", "verdict_items"]

@@ -1,0 +1,114 @@
+"""Issue 29, "answer first": ``memcalc estimate`` opens with the verdict (fits or not on each card
+asked, the headroom, the peak and its phase) and, where it does not fit, the smallest changes that
+do, each with the ``memcalc estimate`` command that shows it (memcalc/render/verdict.py,
+memcalc/plan/remedies.py); the same changes are ``to_make_it_fit`` in ``--json`` and the API."""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+
+#: the answer is within this many lines of output ...
+FIRST_LINES = 5
+#: ... at this terminal width
+COLUMNS = "80"
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(app, args, prog_name="memcalc", env={"COLUMNS": COLUMNS})
+
+
+def first_lines(r) -> list[str]:
+    assert r.exit_code == 0, r.output
+    return r.stdout.splitlines()[:FIRST_LINES]
+
+
+# (args, exit code, texts the first FIRST_LINES lines hold, in order)
+QUESTIONS = [
+    # source: issue 29, "will Llama-3.1-8B QLoRA fit my 4090 at 4096 tokens?" (no: checkpointing makes it fit)
+    (["estimate", "--model", "llama-3.1-8b", "--qlora", "--seq", "4096", "--gpu", "rtx-4090"], 0,
+     ["Fits rtx-4090? no: needs", "GiB short", "Peak", "in backward", "To make it fit rtx-4090",
+      "--checkpoint full:", "to spare",
+      "memcalc estimate --model llama-3.1-8b --seq 4096 --qlora --checkpoint full --gpu rtx-4090"]),
+    # source: issue 29, "how many H100s to fully fine-tune Qwen3-8B?" (the full fine-tune's own answer first)
+    (["estimate", "--model", "qwen3-8b", "--gpu", "h100-80gb"], 0,
+     ["Fits h100-80gb? no", "Peak", "To make it fit h100-80gb", "--gpus 8 --zero 3:",
+      "memcalc estimate --model qwen3-8b --gpus 8 --zero 3 --gpu h100-80gb"]),
+    # source: issue 29, "which GPU for LoRA on a 14B model?" (the catalog: how many fit, the smallest that does)
+    (["estimate", "--model", "qwen3-14b", "--lora"], 0,
+     ["fits 6 of 22 GPUs, smallest h100-80gb", "Does not fit rtx-a6000", "Peak"]),
+]
+
+
+@pytest.mark.slow  # three 8-14B estimates and their searches (about 2 s)
+@pytest.mark.parametrize("args,code,texts", QUESTIONS, ids=lambda a: " ".join(a) if isinstance(a, list) else None)
+def test_the_answer_comes_first(args, code, texts):
+    r = run(args)
+    assert r.exit_code == code, r.output
+    head = "\n".join(first_lines(r))
+    at = 0
+    for t in texts:
+        i = head.find(t, at)
+        assert i >= 0, f"{t!r} not in the first {FIRST_LINES} lines (after position {at}):\n{head}"
+        at = i
+
+
+# a small model on a card it does not fit (checkpointing makes it fit); the card as `memcalc gpus` names it
+TINY = ["estimate", "--model", "gpt2", "--seq", "1024", "--batch", "4", "--gpu", "6GiB"]
+CARD = "6gib"
+
+
+@pytest.mark.slow  # CLI runs with the search (about 0.3 s); the quick lane has the API row
+def test_a_change_listed_is_its_command_s_answer():
+    # the command printed for a change gives that change's bytes and fits the card (quick lane: gpt2)
+    doc = json.loads(run([*TINY, "--json"]).stdout)
+    assert not doc["gpus"][0]["fits"]
+    fixes = doc["to_make_it_fit"][CARD]
+    assert fixes and fixes[0]["flags"] == "--checkpoint full"
+    for fix in fixes[:2]:
+        assert fix["command"].startswith("memcalc estimate ")
+        got = json.loads(run([*shlex.split(fix["command"])[1:], "--json"]).stdout)
+        assert got["required_bytes"] == fix["required_bytes"] and got["peak_bytes"] == fix["peak_bytes"]
+        assert got["gpus"][0]["fits"] and got["gpus"][0]["headroom_bytes"] == fix["headroom_bytes"]
+        assert got["to_make_it_fit"] == {}
+
+
+@pytest.mark.slow  # CLI runs with the search (about 0.3 s); the quick lane has the API row
+def test_text_opens_with_the_verdict_and_the_changes():
+    lines = first_lines(run(TINY))
+    assert lines[0].startswith(f"Fits {CARD}? no: needs ") and lines[0].endswith(" short")
+    assert lines[1].startswith("Peak ") and lines[2].startswith(f"To make it fit {CARD}")
+    assert lines[3].startswith("  --checkpoint full: ") and lines[4].startswith("    memcalc estimate --model gpt2")
+
+
+@pytest.mark.slow  # CLI runs with the search (about 0.3 s); the quick lane has the API row
+def test_inputs_and_assumptions_are_verbose_s():
+    plain, verbose = run(TINY).stdout, run([*TINY, "--verbose"]).stdout
+    assert "assumption:" not in plain and "Inputs: gpt2" not in plain and "Setup: gpt2" in plain
+    assert "assumption:" in verbose and "Inputs: gpt2" in verbose
+
+
+def test_api_gives_the_same_changes():
+    import memcalc
+
+    r = memcalc.estimate(model="gpt2", seq=1024, batch=4, gpu="6GiB")
+    fixes = r.to_make_it_fit[CARD]
+    assert fixes and [f.as_json() for f in fixes] == r.to_dict()["to_make_it_fit"][CARD]
+    assert memcalc.estimate(model="gpt2", seq=128, gpu="6GiB").to_make_it_fit is None
+    from rich.console import Console
+
+    from memcalc.render.report import print_items
+    from memcalc.render.verdict import verdict_items
+
+    con = Console(width=int(COLUMNS), record=True, file=io.StringIO())
+    print_items(verdict_items(r.estimate, list(r.cards), True, r.to_make_it_fit), con)
+    lines = con.export_text().splitlines()
+    assert lines[0].startswith(f"Fits {CARD}? no: needs ")
+    assert lines[2] == f"To make it fit {CARD} (smallest changes first):"
+    assert lines[3].startswith(f"  {fixes[0].flags}: ") and lines[4] == "    " + fixes[0].command
