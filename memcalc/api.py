@@ -144,9 +144,9 @@ def _cards(gpu: Union[None, str, Sequence[str]]) -> list:
 class EstimateResult:
     """One predicted training step (integer bytes), as ``memcalc estimate`` shows it.
 
-    ``estimate`` is the engine's :class:`~memcalc.engine.result.Estimate` (timeline, phases,
-    first step); ``resolved`` the experiment with where each input came from; ``cards`` the
-    GPUs the fits are for (``gpu=``, else the catalog).
+    ``estimate`` is the engine's :class:`~memcalc.engine.result.Estimate` (timeline, phases, first step; the
+    three peaks and ``device_parts`` on the one ``gpu=`` card, else gpu_side's reference card); ``resolved``
+    the experiment with where each input came from; ``cards`` the GPUs the fits are for.
     """
 
     estimate: "Estimate"
@@ -178,7 +178,7 @@ class EstimateResult:
 
     @property
     def required_bytes(self) -> int:
-        """What a GPU must have: peak + CUDA context + allocator slack."""
+        """What a GPU must have: the device total (reserved + CUDA context + NCCL, :mod:`memcalc.core.gpu_side`)."""
         return self.estimate.required_bytes
 
     @property
@@ -260,7 +260,7 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
     ...
     memcalc.core.errors.UserError: --batch must be positive, got 0
     """
-    from memcalc.estimate.peak import estimate as run_estimate
+    from memcalc.estimate.peak import card_side, estimate as run_estimate
 
     check_args(estimate, gpu=gpu, max_batch=max_batch, max_seq=max_seq)
     res = _resolve(spec, options)
@@ -270,7 +270,7 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
         from memcalc.plan.limits import check_one_gpu, estimate_limits
 
         limit_gpu = check_one_gpu([gpu] if isinstance(gpu, str) else gpu, "--max-batch" if max_batch else "--max-seq")
-    est = run_estimate(res.exp)
+    est = run_estimate(res.exp, side=card_side(res.exp, cards[0]) if len(cards) == 1 else None)  # else the reference
     if limit_gpu is not None:
         limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
     from memcalc.render.report import fits_rows

@@ -129,16 +129,13 @@ _OWN = ("gpu", "as_json", "timeline", "html", "force", "max_batch", "max_seq", "
 def _check_fits(est: Any, cards: list) -> int:
     """``estimate --check``: 3 (and one warning line per card) when a card is too small, else 0."""
     from memcalc.core.units import fmt_bytes
+    from memcalc.render.report import fits_rows
 
-    reserved = est.extra.get("reserved_peak_bytes")
     short = []
-    for g in cards:
-        if est.required_bytes > g.capacity_bytes:
-            short.append(f"{g.name}: needs {fmt_bytes(est.required_bytes)} (peak + CUDA context + allocator slack), "
-                         f"has {fmt_bytes(g.capacity_bytes)}")
-        elif reserved is not None and reserved > g.capacity_bytes:
-            short.append(f"{g.name}: the caching allocator's replayed reserved peak {fmt_bytes(reserved)} "
-                         f"exceeds its {fmt_bytes(g.capacity_bytes)}")
+    for row in fits_rows(est, cards):
+        if not row["fits"]:
+            short.append(f"{row['name']}: needs {fmt_bytes(row['device_total_bytes'])} (the device total: reserved + "
+                         f"CUDA context + NCCL), has {fmt_bytes(row['capacity_bytes'])}")
     for line in short:
         sys.stderr.write(f"memcalc: warning: does not fit {line}\n")
     return 3 if short else 0

@@ -72,7 +72,8 @@ PENDING: dict[str, str] = {
 CONDITIONAL: dict[str, str] = {
     "TrainingSpec.zero": "one GPU (nothing to shard) but DeepSpeed ZeRO-2/3 (its partitions and buckets run on one "
                          "rank too); stage 1 with offload_optimizer (the state is on the CPU)",
-    "TrainingSpec.gpus": "zero 0 (plain data parallelism: a whole copy per GPU)",
+    "TrainingSpec.gpus": "zero 0 (plain data parallelism: a whole copy per GPU; only NCCL's buffers join the "
+                         "device total, memcalc.core.gpu_side)",
     "TrainingSpec.sharding": "one GPU or zero 0 (nothing is sharded, so no framework's sharding runs), but "
                              "DeepSpeed ZeRO-2/3 on one GPU (DeepSpeed's partitions and buckets of world size 1)",
     "TrainingSpec.checkpoint_every": "any checkpoint mode but every-k",

@@ -36,7 +36,11 @@ class Estimate:
 
     ``components`` is what is alive at the peak, by name, and sums exactly to
     ``peak_bytes``; ``phases`` is the highest point of each phase of the
-    steady-state step. ``required_bytes`` adds the stated overheads.
+    steady-state step. The GPU side (:mod:`memcalc.core.gpu_side`): ``step_allocated_bytes`` /
+    ``step_reserved_bytes`` are the caching-allocator replay's peaks of the step's own allocations
+    (``step_reserved_bytes`` None without a replay); ``allocated_peak_bytes``, ``reserved_peak_bytes``
+    and ``device_total_bytes`` (= ``required_bytes``, what "fits" compares) add the workspaces, the
+    CUDA context and NCCL on ``device``, with ``device_parts`` summing to the device total.
     """
 
     experiment: ExperimentSpec
@@ -53,8 +57,13 @@ class Estimate:
     timeline: list[TimelinePoint]
     bytes_per_param: dict[str, float]
     cuda_context_bytes: int
-    allocator_slack_bytes: int
-    required_bytes: int
+    step_allocated_bytes: int
+    step_reserved_bytes: Optional[int]
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    device_total_bytes: int
+    device_parts: dict[str, int]
+    device: str
     assumptions: list[str] = field(default_factory=list)
     inferred: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # options that have no effect in this setup
@@ -63,7 +72,12 @@ class Estimate:
     def __post_init__(self) -> None:
         assert sum(self.components.values()) == self.peak_bytes, "components must add up to the peak"
         assert sum(self.components_by_kind.values()) == self.peak_bytes, "kinds must add up to the peak"
-        assert self.required_bytes == self.peak_bytes + self.cuda_context_bytes + self.allocator_slack_bytes
+        assert sum(self.device_parts.values()) == self.device_total_bytes, "parts must add up to the device total"
+
+    @property
+    def required_bytes(self) -> int:
+        """What a GPU must have: the device total (what nvidia-smi shows at the peak)."""
+        return self.device_total_bytes
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 Runs the steady-state step on the simulator and takes the first step (where optimizer state is
 created) from it, or simulates that too under DeepSpeed; the reported peak is the higher of the two, as a
-``torch.cuda.max_memory_allocated`` reading over a run would be. The memory a
-GPU must have adds two stated overheads: the CUDA context and the caching
-allocator's slack (reserved minus allocated).
+``torch.cuda.max_memory_allocated`` reading over a run would be. The memory a GPU must have is
+the device total of :mod:`memcalc.core.gpu_side`: the caching allocator's replayed reserved peak,
+the cuBLAS workspaces, the CUDA context and NCCL's buffers, each from its source.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from memcalc.core.allocator import CachingAllocatorSim
+from memcalc.core.gpu_side import NOT_MODELLED, GpuSide, device_memory, gpu_side, overhead_bytes, reference_side
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
@@ -27,14 +28,6 @@ from memcalc.engine.timeline import first_step_within_steady
 from memcalc.engine.twins import first_step_of
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec
 from memcalc.estimate.step import simulate
-from memcalc.core.units import MiB
-
-#: CUDA context + cuBLAS/cuDNN handles + kernel images: not in max_memory_allocated.
-#: Typically 300-600 MiB with PyTorch 2.x; we assume 512 MiB.
-CUDA_CONTEXT_BYTES = 512 * MiB
-#: Reserved-but-unallocated memory of the caching allocator (fragmentation, rounding of
-#: large blocks to 2 MiB); we assume 5% of the allocated peak.
-ALLOCATOR_SLACK_FRACTION = 0.05
 
 
 def _is_array(x) -> bool:
@@ -44,39 +37,43 @@ def _is_array(x) -> bool:
     return np is not None and isinstance(x, np.ndarray)
 
 
-def allocator_slack_bytes(peak_bytes):
-    """The caching allocator's slack over an allocated peak: ``floor(peak x``
-    :data:`ALLOCATOR_SLACK_FRACTION` ``)`` bytes (an int; a float array of whole numbers for an
-    array of peaks, as the plan's vectorised search passes)."""
-    if _is_array(peak_bytes):
-        import numpy as np
-
-        return np.floor(np.asarray(peak_bytes, dtype=np.float64) * ALLOCATOR_SLACK_FRACTION)
-    return int(peak_bytes * ALLOCATOR_SLACK_FRACTION)
+def biased_linears(exp: ExperimentSpec) -> bool:
+    """Whether the model's linears carry biases (their addmm runs cuBLASLt, which has its own workspace)."""
+    m = exp.model
+    return bool(m.qkv_bias or m.o_bias or m.mlp_bias or m.lm_head_bias)
 
 
-def largest_peak_within(capacity_bytes: int) -> int:
+def step_side(exp: ExperimentSpec, side: Optional[GpuSide] = None) -> GpuSide:
+    """``side`` (a card's: :func:`memcalc.core.gpu_side.gpu_side`), else the reference card's for
+    ``exp``'s GPU count and linears."""
+    return side if side is not None else reference_side(exp.training.gpus, biased_linears(exp))
+
+
+def card_side(exp: ExperimentSpec, card) -> GpuSide:
+    """The GPU side of ``exp`` on ``card`` (a ``data/gpus.yaml`` entry: vendor, architecture, display_name;
+    a card without them, such as a bare capacity, is any vendor's of unspecified architecture)."""
+    return gpu_side(getattr(card, "vendor", "any"), getattr(card, "architecture", "unspecified"),
+                    getattr(card, "display_name", card.name), exp.training.gpus, biased_linears(exp))
+
+
+def largest_peak_within(capacity_bytes: int, side: Optional[GpuSide] = None) -> int:
     """The highest allocated peak whose :func:`required_bytes` fit ``capacity_bytes`` (-1 if none):
     a step whose running total passes it does not fit, whatever the rest of the step does."""
-    p = int((capacity_bytes - CUDA_CONTEXT_BYTES) / (1 + ALLOCATOR_SLACK_FRACTION))
-    while p >= 0 and required_bytes(p) > capacity_bytes:
-        p -= 1
-    while required_bytes(p + 1) <= capacity_bytes:
-        p += 1
-    return max(p, -1)
+    return max(capacity_bytes - overhead_bytes(side or reference_side()), -1)
 
 
-def required_bytes(peak_bytes):
-    """The bytes a GPU must have for an allocated peak (``torch.cuda.max_memory_allocated``):
-    peak + CUDA context (:data:`CUDA_CONTEXT_BYTES`) + allocator slack
-    (:func:`allocator_slack_bytes`). Ints stay exact ints; an array of peaks gives a float64
-    array (whole numbers), for :mod:`memcalc.plan`'s fits."""
+def required_bytes(peak_bytes, side: Optional[GpuSide] = None):
+    """The device total for an allocated step peak (the step's own tensors) without an allocator
+    replay (reserved taken as allocated): peak + the workspaces' segments + CUDA context + NCCL on
+    ``side``'s card (:func:`memcalc.core.gpu_side.device_memory`; default: the reference card, one
+    GPU). Ints stay exact ints; an array of peaks gives a float64 array (whole numbers), for
+    :mod:`memcalc.plan`'s fits."""
+    extra = overhead_bytes(side or reference_side())
     if _is_array(peak_bytes):
         import numpy as np
 
-        p = np.asarray(peak_bytes, dtype=np.float64)
-        return p + CUDA_CONTEXT_BYTES + allocator_slack_bytes(p)
-    return int(peak_bytes) + CUDA_CONTEXT_BYTES + allocator_slack_bytes(peak_bytes)
+        return np.asarray(peak_bytes, dtype=np.float64) + extra
+    return int(peak_bytes) + extra
 
 
 def bytes_per_param(exp: ExperimentSpec) -> dict[str, float]:
@@ -139,8 +136,8 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
                "as DDP + ZeroRedundancyOptimizer, the ZeRO paper's stage 1 (optimizer state sharded, whole "
                "weights and gradients; DDP's gradient buckets not modelled)"),
     (lambda s: s.tr.gpus > 1 and s.tr.zero == 0,
-     lambda s: f"gpus {s.tr.gpus} has no effect without ZeRO: plain data parallelism keeps a whole copy on "
-               "every GPU (the estimate is per GPU)"),
+     lambda s: f"gpus {s.tr.gpus} has no effect without ZeRO but NCCL's buffers: plain data parallelism keeps a "
+               "whole copy on every GPU (the estimate is per GPU)"),
     (lambda s: s.tr.deepspeed is not None and s.tr.deepspeed.offload_param,
      lambda s: "DeepSpeed offload_param is not modelled yet: the estimate keeps the 16-bit parameter "
                "partitions on the GPU, as without it (an over-estimate by about that partition)"),
@@ -240,21 +237,25 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool)
     return alloc.peak_allocated, alloc.peak_reserved
 
 
-def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None) -> Estimate:
+def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None,
+             side: Optional[GpuSide] = None) -> Estimate:
     """Predict the allocated peak of one training step of ``exp`` (see module docstring).
 
     ``replay`` (default: as ``timeline``) also replays the caching allocator over the steady
-    step and the first step, for ``allocator_peak_bytes`` and ``reserved_peak_bytes``."""
+    step and the first step, for the step's own allocated and reserved peaks; the device totals
+    are for ``side``'s card (default: the reference card, :func:`step_side`)."""
     replay = timeline if replay is None else replay
     # the first step follows from the steady step's events where it runs the same ones (not under
     # DeepSpeed: memcalc.engine.twins.first_step_of); otherwise it is simulated too
     steady = simulate(exp, first_step=False, record_timeline=timeline, events=True)
     first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay)
     alloc_extra: dict = {}
+    step_alloc: Optional[int] = None
+    step_reserved: Optional[int] = None
     if replay:
         a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)
         a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
-        alloc_extra = {"allocator_peak_bytes": max(a_steady, a_first), "reserved_peak_bytes": max(r_steady, r_first)}
+        step_alloc, step_reserved = max(a_steady, a_first), max(r_steady, r_first)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
     alloc_extra.update(techniques)
     assert first.peak_bytes <= steady.peak_bytes or not first_step_within_steady(exp), (
@@ -265,10 +266,15 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     counts = count_params(exp.model, exp.training.lora)
     peak = top.peak_bytes
     kinds = {k: top.peak_kinds.get(k, 0) for k in KINDS}
-    slack = allocator_slack_bytes(peak)
+    gside = step_side(exp, side)
+    dev = device_memory(peak if step_alloc is None else step_alloc, step_reserved, gside)
     assumptions = [
-        f"CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB (not part of max_memory_allocated)",
-        f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%} of the allocated peak (reserved minus allocated)",
+        f"device total on {gside.device}: " + "; ".join(gside.sources),
+        ("reserved: the caching-allocator replay of the step (c10/cuda/CUDACachingAllocator.cpp: 512-byte blocks, "
+         "small pool up to 1 MiB in 2 MiB segments, 20 MiB segments under 10 MiB, larger rounded to 2 MiB; no "
+         "expandable segments), the workspaces in segments of their own" if step_reserved is not None else
+         "reserved taken as allocated (no allocator replay), the workspaces in segments of their own"),
+        f"not in the device total: {NOT_MODELLED}",
         f"kernel profile {exp.profile.name}: PyTorch {exp.profile.torch_version} on {exp.profile.device}, "
         f"RMSNorm {exp.profile.rmsnorm}, attention {exp.profile.attention}",
         f"every allocation rounded up to {exp.profile.allocator_round_bytes} bytes, as the CUDA caching allocator does",
@@ -344,9 +350,14 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         first_step_peak_phase=first.peak_phase,
         timeline=steady.timeline,
         bytes_per_param=bytes_per_param(exp),
-        cuda_context_bytes=CUDA_CONTEXT_BYTES,
-        allocator_slack_bytes=slack,
-        required_bytes=required_bytes(peak),
+        cuda_context_bytes=gside.cuda_context_bytes,
+        step_allocated_bytes=peak if step_alloc is None else step_alloc,
+        step_reserved_bytes=step_reserved,
+        allocated_peak_bytes=dev.allocated_peak_bytes,
+        reserved_peak_bytes=dev.reserved_peak_bytes,
+        device_total_bytes=dev.device_total_bytes,
+        device_parts=dev.parts,
+        device=dev.device,
         assumptions=assumptions,
         notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(techniques),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
@@ -359,4 +370,4 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     )
 
 
-__all__ = ["estimate", "largest_peak_within", "required_bytes", "allocator_slack_bytes", "Estimate", "DType"]
+__all__ = ["estimate", "largest_peak_within", "required_bytes", "step_side", "card_side", "Estimate", "DType"]

@@ -2,8 +2,8 @@
 
 ``capacity_bytes`` is the whole-device total as ``nvidia-smi`` (``memory.total``, MiB)
 or ``rocminfo`` (VRAM pool, KiB) reports it, in integer bytes; see the comment at the
-top of ``data/gpus.yaml`` for the sources. The CUDA context and allocator slack are not
-subtracted here; the estimate adds them to the requirement.
+top of ``data/gpus.yaml`` for the sources. The CUDA context, workspaces and NCCL
+buffers are not subtracted here; the estimate's device total adds them (memcalc.core.gpu_side).
 
 Names resolve case-insensitively through the slug, the display name and the aliases,
 ignoring spaces, dashes and a leading vendor/brand word ("NVIDIA GeForce RTX 4090",

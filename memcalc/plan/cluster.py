@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.estimate.peak import required_bytes
+from memcalc.estimate.peak import required_bytes, step_side
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
 from memcalc.plan.layouts import layout_probes, layout_setups, search_layouts
@@ -226,7 +226,7 @@ class _ClusterSearch:
                 continue
             ck = cks[s] = self.checkpointing(s, n, cap)
             e = with_training(by_ck[ck], gpus=n)
-            reqs[s] = required_bytes(estimated_peak(e))
+            reqs[s] = required_bytes(estimated_peak(e), step_side(e))
         return ClusterRow(g, mins, cks, reqs)
 
     def fewest(self, s: str, cap: int) -> Optional[int]:
@@ -260,7 +260,7 @@ def _simulate_job(job: tuple[ExperimentSpec, bool, int]) -> None:
     """Simulate the steady step (and the first step too when ``job[1]``) into the peak cache, unless
     its weights and state alone exceed ``job[2]`` bytes (every card)."""
     exp, both, top = job
-    if required_bytes(state_floor(exp)) > top:
+    if required_bytes(state_floor(exp), step_side(exp)) > top:
         return
     if both:
         estimated_peak(exp)  # (the first step only where it can set the peak)

@@ -44,7 +44,8 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks.attention_variants import eager
 from memcalc.engine.timeline import first_step_within_steady
-from memcalc.estimate.peak import required_bytes
+from memcalc.core.gpu_side import reference_side
+from memcalc.estimate.peak import biased_linears, required_bytes, step_side
 from memcalc.plan.simulations import Trace, step_trace, with_training
 
 #: Names of the (B, T) features, in coefficient order.
@@ -146,8 +147,8 @@ class StepFit:
         return (f @ self.coefficients.T).max(axis=-1)
 
     def required(self, B, T) -> np.ndarray:
-        """Fitted required bytes: peak + CUDA context + allocator slack."""
-        return required_bytes(self.peak(B, T))
+        """Fitted required bytes: the device total of the fitted peak (:func:`required_bytes`)."""
+        return required_bytes(self.peak(B, T), step_side(self.exp))
 
 
 def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
@@ -238,7 +239,8 @@ class GpusFit:
         return np.where(n >= 2, out, np.nan)
 
     def required(self, n) -> np.ndarray:
-        return required_bytes(self.peak(n))
+        """The device total at each N >= 2 (NCCL's buffers do not depend on N: one ring)."""
+        return required_bytes(self.peak(n), reference_side(2, biased_linears(self.exp)))
 
 
 #: ZeRO degrees the N-fit simulates (two would do; the third checks the fit).

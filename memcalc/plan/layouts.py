@@ -25,7 +25,7 @@ import numpy as np
 from memcalc.core.errors import UserError
 from memcalc.core.rules import check_tp as check
 from memcalc.core.spec import ExperimentSpec
-from memcalc.estimate.peak import required_bytes
+from memcalc.estimate.peak import required_bytes, step_side
 from memcalc.plan.fits import GpusFit, fit_gpus
 from memcalc.plan.limits import fit_probe, fits_in, smallest_by_value
 from memcalc.plan.simulations import estimated_peak, with_training
@@ -146,6 +146,6 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
             ck = "none" if fits_in(exps["none"], cap) else "full"
             row.min_gpus["full"] = dp * tp
             row.checkpoint["full"] = ck
-            row.required_bytes["full"] = required_bytes(estimated_peak(exps[ck]))
+            row.required_bytes["full"] = required_bytes(estimated_peak(exps[ck]), step_side(exps[ck]))
             row.layout["full"] = layout_of(dp, tp)
             break

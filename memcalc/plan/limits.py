@@ -12,7 +12,7 @@ import numpy as np
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.observers import PeakAbove
-from memcalc.estimate.peak import largest_peak_within, required_bytes
+from memcalc.estimate.peak import largest_peak_within, required_bytes, step_side
 from memcalc.plan.simulations import estimated_peak, growing_peak, simulated_peak, state_floor, with_training
 
 #: Largest batch the search considers.
@@ -38,20 +38,22 @@ def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bo
     ``steer`` (a search over batch or sequence): the bytes that come back are those of the step's
     peak outside the phases that do not grow with them (:func:`memcalc.plan.simulations.growing_peak`)
     where that agrees with the verdict, so that a search follows what moves."""
-    got = required_bytes(state_floor(exp))
+    side = step_side(exp)
+    got = required_bytes(state_floor(exp), side)
     if got > capacity_bytes:
         return False, float(got)
     try:
-        got = required_bytes(simulated_peak(exp, stop_above=None if exact else largest_peak_within(capacity_bytes)))
+        stop = None if exact else largest_peak_within(capacity_bytes, side)
+        got = required_bytes(simulated_peak(exp, stop_above=stop), side)
     except PeakAbove as e:
-        return False, float(required_bytes(e.total))
+        return False, float(required_bytes(e.total, side))
     if got <= capacity_bytes:
-        got = required_bytes(estimated_peak(exp))
+        got = required_bytes(estimated_peak(exp), side)
     ok = got <= capacity_bytes
     if steer:
         g = growing_peak(exp)
-        if g is not None and (required_bytes(g) <= capacity_bytes) == ok:
-            return ok, float(required_bytes(g))
+        if g is not None and (required_bytes(g, side) <= capacity_bytes) == ok:
+            return ok, float(required_bytes(g, side))
     return ok, float(got)
 
 
@@ -302,18 +304,20 @@ def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: b
     cap = int(gpu.capacity_bytes)
     out: dict[str, Any] = {"gpu": gpu.name, "capacity_bytes": cap}
     tr = exp.training
+    side = step_side(exp)
     if want_batch:
         b = max_batch(exp, cap)
         out["max_batch"] = b
         out["max_batch_seq"] = tr.seq
-        out["max_batch_required_bytes"] = required_bytes(estimated_peak(with_training(exp, batch=b))) if b else None
-        out["next_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b + 1)))
+        out["max_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b)), side)
+                                           if b else None)
+        out["next_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b + 1)), side)
                                             if b < BATCH_CAP else None)
     if want_seq:
         t = max_seq(exp, cap)
         out["max_seq"] = t
         out["max_seq_batch"] = tr.batch
-        out["max_seq_required_bytes"] = required_bytes(estimated_peak(with_training(exp, seq=t))) if t else None
-        out["next_seq_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, seq=t + 1)))
+        out["max_seq_required_bytes"] = required_bytes(estimated_peak(with_training(exp, seq=t)), side) if t else None
+        out["next_seq_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, seq=t + 1)), side)
                                           if 2 <= t < exp.model.max_seq_len else None)
     return out

@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec
-from memcalc.estimate.peak import required_bytes
+from memcalc.estimate.peak import required_bytes, step_side
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.cost import relative_cost
 from memcalc.plan.fits import StepFit, bt_features, fit_points, fit_step, sorted_unique
@@ -76,7 +76,7 @@ class StackedFits:
 _GRID_CHUNK = 4_000_000  # floats per intermediate block of evaluate_grid
 
 
-def evaluate_grid(stack: StackedFits, batches: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+def evaluate_grid(stack: StackedFits, batches: np.ndarray, seqs: np.ndarray, side: Any = None) -> np.ndarray:
     """Fitted required bytes of every option at every (batch, seq): shape (options, batches, seqs).
     One matrix product of the (batches x seqs, 6) features with all options' candidate rows, then
     a maximum per option."""
@@ -93,7 +93,7 @@ def evaluate_grid(stack: StackedFits, batches: np.ndarray, seqs: np.ndarray) -> 
         v = f @ stack.coef[k0:k1].T  # (nB, nT, k)
         peak = np.maximum.reduceat(v, stack.starts[o0:o1] - k0, axis=-1)  # (nB, nT, o)
         out[o0:o1] = np.moveaxis(peak, -1, 0)
-    return required_bytes(out)
+    return required_bytes(out, side)
 
 
 def batch_grid() -> np.ndarray:
@@ -115,7 +115,7 @@ def _b1_peak(job: tuple[ExperimentSpec, int, bool]) -> Optional[int]:
     exp, cap, always = job
     b1 = exp.training.batch == 1 and exp.training.seq in fit_points(exp)
     peak = trace_peak(exp) if b1 else simulated_peak(exp)
-    if not always and required_bytes(peak) > cap:
+    if not always and required_bytes(peak, step_side(exp)) > cap:
         return None
     return estimated_peak(exp)
 
@@ -154,24 +154,24 @@ _FULL_DEPTH = ("sqrt",)
 
 
 def _seeds(stack: StackedFits, bs: np.ndarray, ts: np.ndarray, seq: int, cap: int, fit_b1: np.ndarray,
-           max_len: int) -> tuple[np.ndarray, np.ndarray, int]:
+           max_len: int, side: Any = None) -> tuple[np.ndarray, np.ndarray, int]:
     """The fitted (max batch at ``seq``, max seq at batch 1) of every option of ``stack``, and the
     number of (option, batch, seq) configurations evaluated: the grid brackets each answer, then
     a bisection on the fitted closed form finds the integer."""
-    req = evaluate_grid(stack, bs, ts)  # (O, nB, nT)
+    req = evaluate_grid(stack, bs, ts, side)  # (O, nB, nT)
     ok = req <= cap
     j_seq = int(np.searchsorted(ts, seq))
     n_b = ok[:, :, j_seq].sum(axis=1)  # the grid batches are sorted and the peak grows with batch
     lo_b = np.where(n_b > 0, bs[np.maximum(n_b - 1, 0)], 1)
     hi_b = np.where(n_b < len(bs), bs[np.minimum(n_b, len(bs) - 1)] - 1, BATCH_CAP)
     seqs_o = np.full(stack.n, seq)
-    mb = largest_true_array(lambda b: required_bytes(stack.peaks_at(b, seqs_o)) <= cap, lo_b, hi_b)
+    mb = largest_true_array(lambda b: required_bytes(stack.peaks_at(b, seqs_o), side) <= cap, lo_b, hi_b)
     mb = np.where(fit_b1, np.maximum(mb, 1), 0)
     n_t = ok[:, 0, :].sum(axis=1)
     lo_t = np.where(n_t > 0, ts[np.maximum(n_t - 1, 0)], 2)
     hi_t = np.where(n_t < len(ts), ts[np.minimum(n_t, len(ts) - 1)] - 1, max_len)
     ones = np.ones(stack.n)
-    ms = largest_true_array(lambda t: required_bytes(stack.peaks_at(ones, t)) <= cap, lo_t, hi_t)
+    ms = largest_true_array(lambda t: required_bytes(stack.peaks_at(ones, t), side) <= cap, lo_t, hi_t)
     ms = np.where(n_t > 0, np.maximum(ms, 2), 0)
     return mb, ms, int(req.size)
 
@@ -189,15 +189,16 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
              _scaled(fit, int(p), seq, phase_peaks_of(e)) if e.training.checkpoint != fitted.training.checkpoint else
              _moved(fit, e, int(p), seq) for e, p in zip(members, peaks)]
     stack = StackedFits.of(fits_)
-    fit_b1 = np.array([required_bytes(int(p)) <= cap for p in peaks], dtype=bool)
-    mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len)
+    side = step_side(members[0])  # one model on one GPU: every member's
+    fit_b1 = np.array([required_bytes(int(p), side) <= cap for p in peaks], dtype=bool)
+    mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len, side)
     rows = []
     for k, e in enumerate(members):
         p, b, t = int(peaks[k]), int(mb[k]), int(ms[k])
-        need = required_bytes(p)
+        need = required_bytes(p, side)
         if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or include_all):
             p, b, t = _confirm_option((e, cap, b, t, include_all))
-            rows.append((p, required_bytes(p) <= cap, b, t, True, fits_[k]))
+            rows.append((p, required_bytes(p, side) <= cap, b, t, True, fits_[k]))
         else:
             rows.append((p, bool(fit_b1[k]), b, t, False, fits_[k]))
     return rows, evaluated
@@ -243,7 +244,7 @@ def _confirm_option(job: tuple) -> tuple[int, int, int]:
     e, cap, mb, ms = job[:4]
     every = len(job) > 4 and job[4]
     p = estimated_peak(e)
-    ok = required_bytes(p) <= cap
+    ok = required_bytes(p, step_side(e)) <= cap
     b = max_batch(e, cap, seed=mb if mb > 0 else None, anchored=True) if ok else 0
     if ok or ms > 0:
         t = max_seq(e, cap, seed=ms if ms >= 2 else None, anchored=True)
@@ -355,7 +356,7 @@ class _GpuSearch:
     def above_floor(self) -> list[int]:
         """The eager options whose weights and optimizer state alone fit the card."""
         return [i for i, e in enumerate(self.exps)
-                if self.techs[i].budget is None and required_bytes(state_floor(e)) <= self.cap]
+                if self.techs[i].budget is None and required_bytes(state_floor(e), step_side(e)) <= self.cap]
 
     def batch1_peaks(self, idx: list[int]) -> dict[int, Optional[int]]:
         """The exact peak at batch 1 of each option of ``idx`` (None: its steady step alone does not
@@ -391,7 +392,8 @@ class _GpuSearch:
                 applies(e) for e in job[1]))):
             self.evaluated += n_eval
             for i, (p, fits, mb, ms, done, fit) in zip(pair, rows):
-                self.results[i] = OptionResult(self.techs[i], p, required_bytes(p), fits, mb, ms, None, done)
+                req = required_bytes(p, step_side(self.exps[i]))
+                self.results[i] = OptionResult(self.techs[i], p, req, fits, mb, ms, None, done)
                 self.fit_of[i] = fit
 
     def compiled(self) -> None:
@@ -403,7 +405,8 @@ class _GpuSearch:
                 for i in idx]
         for i, (p, mb, ms, frac) in zip(idx, parallel_map(_confirm_compiled, jobs,
                                                           heavy=lambda job: job[2] > 0 or job[3] > 0)):
-            r = OptionResult(self.techs[i], p, required_bytes(p), required_bytes(p) <= self.cap, mb, ms, None, True)
+            req = required_bytes(p, step_side(self.exps[i]))
+            r = OptionResult(self.techs[i], p, req, req <= self.cap, mb, ms, None, True)
             self.recompute[i] = frac
             if r.fits or self.include_all:
                 self.results[i] = r
@@ -412,7 +415,8 @@ class _GpuSearch:
         """The exact batch-1 numbers of the eager options that were not fitted (``--all``)."""
         rest = [i for i, t in enumerate(self.techs) if i not in self.results and t.budget is None]
         for i, p in zip(rest, parallel_map(estimated_peak, [self.exps[i] for i in rest])):
-            self.results[i] = OptionResult(self.techs[i], p, required_bytes(p), False, 0, 0, None, True)
+            req = required_bytes(p, step_side(self.exps[i]))
+            self.results[i] = OptionResult(self.techs[i], p, req, False, 0, 0, None, True)
 
     def ranked(self) -> list[OptionResult]:
         """The options shown (with --all every one), costed: fitting ones first, cheapest first."""
@@ -478,9 +482,10 @@ def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int) -> tup
     seq = exp.training.seq
     stack = StackedFits.of([_scaled(fit, peak, seq)])
     one = np.ones(1)
+    side = step_side(exp)
     # (largest_true_array gives lo - 1 where nothing fits: batch 0, seq 1)
-    mb = int(largest_true_array(lambda b: required_bytes(stack.peaks_at(b, np.full(1, seq))) <= cap,
+    mb = int(largest_true_array(lambda b: required_bytes(stack.peaks_at(b, np.full(1, seq)), side) <= cap,
                                 np.ones(1), np.full(1, BATCH_CAP))[0])
-    ms = int(largest_true_array(lambda t: required_bytes(stack.peaks_at(one, t)) <= cap,
+    ms = int(largest_true_array(lambda t: required_bytes(stack.peaks_at(one, t), side) <= cap,
                                 np.full(1, 2), np.full(1, exp.model.max_seq_len))[0])
     return mb, (ms if ms >= 2 else 0)

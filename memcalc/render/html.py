@@ -136,8 +136,10 @@ def _fits(est: Estimate, gpus: list[Any]) -> str:
         rows.append(f'<tr data-gpu="{e(r["name"])}" data-fits="{str(ok).lower()}"><td>{e(getattr(g, "display_name", g.name))}</td>'
                     f'{_gib_td(r["capacity_bytes"], 2)}<td class="{"yes" if ok else "no"}">{"yes" if ok else "no"}</td>'
                     f'{_gib_td(r["headroom_bytes"], 2)}</tr>')
-    return (f'<p class="muted">Needs {e(fmt_bytes(est.required_bytes))} = allocated peak {e(fmt_bytes(est.peak_bytes))} + CUDA context '
-            f'{e(fmt_bytes(est.cuda_context_bytes))} + allocator slack {e(fmt_bytes(est.allocator_slack_bytes))}.</p>'
+    parts = est.device_parts
+    return (f'<p class="muted">Needs {e(fmt_bytes(est.required_bytes))} on {e(est.device)} = reserved '
+            f'{e(fmt_bytes(est.reserved_peak_bytes))} (allocated {e(fmt_bytes(est.allocated_peak_bytes))}) + CUDA context '
+            f'{e(fmt_bytes(parts["cuda_context_bytes"]))} + NCCL {e(fmt_bytes(parts["nccl_bytes"]))}.</p>'
             f'<table id="fits"><thead><tr><th>GPU</th><th class="num">memory (GiB)</th><th>fits</th>'
             f'<th class="num">headroom (GiB)</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
 
@@ -151,7 +153,7 @@ def estimate_html(est: Estimate, res: Resolved, gpus: list[Any]) -> str:
         _card("allocated peak", f'<span data-bytes="{est.peak_bytes}">{gib(est.peak_bytes):.2f} GiB</span>',
               f"{est.peak_phase}, at {est.peak_label}", ' id="peak"'),
         _card("needs on the GPU", f'<span data-bytes="{est.required_bytes}">{gib(est.required_bytes):.2f} GiB</span>',
-              "peak + CUDA context + allocator slack", ' id="required"'),
+              "device total: reserved + CUDA context + NCCL", ' id="required"'),
         _card("parameters", e(fmt_count(est.params)), f"trainable {fmt_count(est.trainable_params)}"),
     ]
     if exp.published_peak_bytes:

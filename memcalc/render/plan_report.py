@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from memcalc.core.spec import ModelSpec
-from memcalc.core.units import MiB, fmt_bytes, fmt_count, gib
-from memcalc.estimate.peak import ALLOCATOR_SLACK_FRACTION, CUDA_CONTEXT_BYTES
+from memcalc.core.units import fmt_bytes, fmt_count, gib
 from memcalc.plan.cluster import GPU_CAP, ClusterPlan, next_pow2
 from memcalc.plan.cost import COST_MODEL_LINES
 from memcalc.plan.limits import BATCH_CAP
@@ -64,8 +63,8 @@ def gpu_plan_json(p: GpuPlan) -> dict[str, Any]:
         "options": [o.as_dict(p.half) for o in p.options],
         "fitting": len(p.fitting),
         "evaluated_configurations": p.evaluated,
-        "required_bytes_means": f"peak + CUDA context ({CUDA_CONTEXT_BYTES // MiB} MiB) + allocator slack "
-                                f"({ALLOCATOR_SLACK_FRACTION:.0%} of the peak)",
+        "required_bytes_means": "the device total without an allocator replay: peak + the cuBLAS workspaces' "
+                                "segments + CUDA context + NCCL (memcalc.core.gpu_side)",
         "cost_model": list(COST_MODEL_LINES),
         "notes": p.notes,
     }
@@ -102,8 +101,8 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
     if not p.fitting:
         out.append("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
                    f"{p.model.name}` for a multi-GPU count")
-    out.append(f"[dim]peak = allocated peak; needs = peak + CUDA context {CUDA_CONTEXT_BYTES // MiB} MiB + "
-               f"allocator slack {ALLOCATOR_SLACK_FRACTION:.0%}; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
+    out.append(f"[dim]peak = allocated peak; needs = peak + cuBLAS workspaces + CUDA context (+ NCCL), reserved taken "
+               f"as allocated; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
                f"numbers of fitting options confirmed by direct estimates (max seq capped at the model's "
                f"{p.model.max_seq_len:,})[/dim]")
     for line in COST_MODEL_LINES:

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
+from memcalc.core.gpu_side import DeviceMemory, device_memory
 from memcalc.engine.result import KINDS, Estimate
+from memcalc.estimate.peak import card_side
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 
 if TYPE_CHECKING:
@@ -45,21 +47,28 @@ def technique_lines(est: Estimate) -> list[str]:
     return out
 
 
+def card_memory(est: Estimate, g: Any) -> DeviceMemory:
+    """The step's three peaks on card ``g`` (its own workspaces, context; :mod:`memcalc.core.gpu_side`)."""
+    return device_memory(est.step_allocated_bytes, est.step_reserved_bytes, card_side(est.experiment, g))
+
+
 def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
-    """Per GPU: capacity, whether the required bytes fit, and the headroom (bytes, may be negative).
+    """Per GPU: capacity, its device total, whether it fits, and the headroom (bytes, may be negative).
     With a paged optimizer: whether its unified-memory state also stays resident in the headroom
     (``paged_state_resident``; when not, it pages to the host: the step still fits, slower)."""
     paged = est.extra.get("paged_optimizer_bytes")
-    return [
-        {
+    out = []
+    for g in gpus:
+        need = card_memory(est, g).device_total_bytes
+        out.append({
             "name": g.name,
             "capacity_bytes": g.capacity_bytes,
-            "fits": est.required_bytes <= g.capacity_bytes,
-            "headroom_bytes": g.capacity_bytes - est.required_bytes,
-            **({"paged_state_resident": est.required_bytes + paged <= g.capacity_bytes} if paged is not None else {}),
-        }
-        for g in gpus
-    ]
+            "device_total_bytes": need,
+            "fits": need <= g.capacity_bytes,
+            "headroom_bytes": g.capacity_bytes - need,
+            **({"paged_state_resident": need + paged <= g.capacity_bytes} if paged is not None else {}),
+        })
+    return out
 
 
 def recompute_pct(rec: dict[str, Any]) -> float:
@@ -84,11 +93,13 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "phases": est.phases,
         "first_step_peak_bytes": est.first_step_peak_bytes,
         "steady_peak_bytes": est.extra.get("steady_peak_bytes"),
-        "allocator_peak_bytes": est.extra.get("allocator_peak_bytes"),
-        "reserved_peak_bytes": est.extra.get("reserved_peak_bytes"),
+        "allocated_peak_bytes": est.allocated_peak_bytes,
+        "reserved_peak_bytes": est.reserved_peak_bytes,
+        "device_total_bytes": est.device_total_bytes,
+        "device": est.device,
+        "device_parts": est.device_parts,
         "required_bytes": est.required_bytes,
         "cuda_context_bytes": est.cuda_context_bytes,
-        "allocator_slack_bytes": est.allocator_slack_bytes,
         "bytes_per_param": est.bytes_per_param,
         "published_peak_bytes": exp.published_peak_bytes,
         **{k: est.extra[k] for k in TECHNIQUE_KEYS if k in est.extra},
@@ -281,16 +292,36 @@ def bpp_table(est: Estimate) -> Table:
     return t
 
 
+#: the device total's parts (``Estimate.device_parts``), as the report names them
+PART_LABELS = {"step_allocated_bytes": "allocated peak of the step's tensors (allocator replay)",
+               "workspace_bytes": "cuBLAS/cuBLASLt workspaces (allocated)",
+               "allocator_overhead_bytes": "allocator overhead to reserved (segments not in use)",
+               "cuda_context_bytes": "CUDA context", "nccl_bytes": "NCCL buffers"}
+
+
+def device_table(est: Estimate) -> Table:
+    """The device total on the estimate's card, part by part; allocated and reserved peaks."""
+    t = left_table(f"On {est.device}: max_memory_allocated {fmt_bytes(est.allocated_peak_bytes)}, max_memory_reserved "
+                   f"{fmt_bytes(est.reserved_peak_bytes)}, device total (nvidia-smi) {fmt_bytes(est.device_total_bytes)}")
+    t.add_column("part")
+    t.add_column("bytes", justify="right")
+    for k, v in est.device_parts.items():
+        if v or k in ("step_allocated_bytes", "cuda_context_bytes"):
+            t.add_row(PART_LABELS.get(k, k), fmt_bytes(v))
+    return t
+
+
 def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
-    t = left_table(f"Fits? needs {fmt_bytes(est.required_bytes)} = peak + CUDA context + allocator slack")
+    t = left_table("Fits? the device total (reserved + CUDA context + NCCL) on each card")
     t.add_column("GPU")
     t.add_column("memory", justify="right")
+    t.add_column("needs", justify="right")
     t.add_column("fits", justify="center")
     t.add_column("headroom", justify="right")
     for g, row in zip(gpus, fits_rows(est, gpus)):
         ok = row["fits"]
         paging = ok and row.get("paged_state_resident") is False  # the paged optimizer state pages to the host
-        t.add_row(getattr(g, "display_name", g.name), fmt_bytes(g.capacity_bytes),
+        t.add_row(getattr(g, "display_name", g.name), fmt_bytes(g.capacity_bytes), fmt_bytes(row["device_total_bytes"]),
                   "[yellow]yes, state pages out[/yellow]" if paging else "[green]yes[/green]" if ok else "[red]no[/red]",
                   ("" if ok else "-") + fmt_auto(abs(row["headroom_bytes"])))
     return t
@@ -358,16 +389,13 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = 
                 f"{fmt_bytes(comp['recomputed_in_backward_bytes'])} of the recomputed chain")
     elif rec:
         add(f"recomputation: {rec['by']} runs {recompute_pct(rec):.1f}% of the forward FLOPs again in backward")
-    alloc = est.extra.get("allocator_peak_bytes")
-    if alloc is not None:
-        add(f"caching-allocator replay: max_memory_allocated {fmt_bytes(alloc)} (whole cached blocks; "
-                f"live tensors {fmt_bytes(est.peak_bytes)}), max_memory_reserved {fmt_bytes(est.extra['reserved_peak_bytes'])}")
+    alloc = est.allocated_peak_bytes
     if est.experiment.published_peak_bytes:
         pub = est.experiment.published_peak_bytes
         line = (f"published peak: {fmt_bytes(pub)}; predicted {fmt_bytes(est.peak_bytes)} "
                 f"({100 * (est.peak_bytes - pub) / pub:+.1f}%)")
-        if alloc is not None:
-            line += f", with the allocator replay {fmt_bytes(alloc)} ({100 * (alloc - pub) / pub:+.1f}%)"
+        if est.step_reserved_bytes is not None:
+            line += f", max_memory_allocated with the workspaces {fmt_bytes(alloc)} ({100 * (alloc - pub) / pub:+.1f}%)"
         add(line)
     host = est.extra.get("host_optimizer_bytes")
     if host is not None:
@@ -377,6 +405,7 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = 
     if host is not None:
         add(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
                 "lives on the CPU (FSDP2 CPUOffloadPolicy, --offload-optimizer; not in the GPU peak)")
+    add(device_table(est))
     add(gpu_table(est, gpus))
     if not verbose:
         add(f"[dim]every input with where it came from, and the {len(est.assumptions)} assumptions: --verbose; "

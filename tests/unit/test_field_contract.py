@@ -29,7 +29,9 @@ def numbers(exp: ExperimentSpec) -> tuple:
     """Every estimated number: peaks, what is alive there, phases, bytes per parameter, counts, and
     the memory over the step's timeline (what --timeline and the HTML report draw)."""
     est = estimate(exp, timeline=True, replay=False)
-    return (est.peak_bytes, est.first_step_peak_bytes, est.required_bytes, est.params, est.trainable_params,
+    # NCCL's buffers follow the GPU count alone (a process group whenever gpus > 1: tests/unit/test_gpu_side.py)
+    step_need = est.required_bytes - est.device_parts["nccl_bytes"]
+    return (est.peak_bytes, est.first_step_peak_bytes, step_need, est.params, est.trainable_params,
             tuple(est.components.items()), tuple(est.phases.items()), tuple(est.bytes_per_param.items()),
             est.extra.get("max_activation_bytes"), repr(est.extra.get("compiled")),
             tuple(p.total_bytes for p in est.timeline))

@@ -12,6 +12,7 @@ import pytest
 from memcalc.inputs.configs import load_config
 from memcalc.estimate.peak import estimate
 from memcalc.render.html import estimate_html, validate_html
+from memcalc.render.report import fits_rows
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS
 from memcalc.core.units import GiB
@@ -144,10 +145,11 @@ def test_breakdown_components_and_fits(control):
     assert int(root.by_id("peak").find_all("span")[0].attrs["data-bytes"]) == est.peak_bytes
     assert int(root.by_id("required").find_all("span")[0].attrs["data-bytes"]) == est.required_bytes
     rows = root.by_id("fits").find_all("tr", data_gpu="rtx-4090")
-    assert len(rows) == 1 and rows[0].attrs["data-fits"] == str(est.required_bytes <= 24 * GiB).lower()
+    need = fits_rows(est, [g for g in GPUS if g.name == "rtx-4090"])[0]["device_total_bytes"]  # the card's own
+    assert len(rows) == 1 and rows[0].attrs["data-fits"] == str(need <= 24 * GiB).lower()
     tds = [td for td in rows[0].find_all("td") if "data-bytes" in td.attrs]
     assert int(tds[0].attrs["data-bytes"]) == 24 * GiB
-    assert int(tds[1].attrs["data-bytes"]) == 24 * GiB - est.required_bytes
+    assert int(tds[1].attrs["data-bytes"]) == 24 * GiB - need
 
 
 def test_text_is_escaped():

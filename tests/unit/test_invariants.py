@@ -87,6 +87,8 @@ def test_components_add_up(m, s, b, t, precision, lora):
     assert sum(e.components_by_kind.values()) == e.peak_bytes
     assert set(e.components_by_kind) == set(KINDS)
     assert all(isinstance(v, int) and v >= 0 for v in e.components.values())
-    assert e.required_bytes == e.peak_bytes + e.cuda_context_bytes + e.allocator_slack_bytes
+    assert e.required_bytes == e.device_total_bytes == sum(e.device_parts.values())
+    assert e.peak_bytes <= e.step_allocated_bytes < e.allocated_peak_bytes <= e.reserved_peak_bytes
+    assert e.reserved_peak_bytes < e.device_total_bytes
     assert max(e.phases.values()) <= e.peak_bytes
     assert e.first_step_peak_bytes <= e.peak_bytes

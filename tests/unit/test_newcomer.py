@@ -12,7 +12,6 @@ import pytest
 from typer.testing import CliRunner
 
 from memcalc.cli import _check_fits, app
-from memcalc.core.units import GiB
 
 
 def run(args: list[str], **env):
@@ -51,7 +50,7 @@ def test_offload_reports_host_memory():
     assert "host memory: " in run(["estimate", *TINY, "--offload-optimizer"], COLUMNS="200").stdout
 
 
-@pytest.mark.parametrize("gpu,code", [("h100", 0), ("0.2GiB", 3)])  # source: the tiny model needs ~0.5 GiB (CUDA context alone 0.5)
+@pytest.mark.parametrize("gpu,code", [("h100", 0), ("0.2GiB", 3)])  # source: the tiny model needs ~0.5 GiB (CUDA context alone 426 MiB)
 def test_check_exits_3_when_a_card_is_too_small(gpu, code):
     r = run(["estimate", *TINY, "--gpu", gpu, "--check", "--json"])
     assert r.exit_code == code, r.output
@@ -64,12 +63,16 @@ def test_check_needs_a_gpu():
     assert r.exit_code == 2 and "--check compares the estimate with a card: give --gpu" in r.stderr
 
 
-def test_check_counts_the_reserved_peak():
-    card = SimpleNamespace(name="card", capacity_bytes=10 * GiB)
-    fits = SimpleNamespace(required_bytes=9 * GiB, extra={"reserved_peak_bytes": 9 * GiB})
-    over = SimpleNamespace(required_bytes=9 * GiB, extra={"reserved_peak_bytes": 11 * GiB})
-    assert _check_fits(fits, [card]) == 0
-    assert _check_fits(over, [card]) == 3
+def test_check_counts_the_device_total():
+    """--check compares each card's device total (reserved + CUDA context + NCCL): one byte short fails."""
+    import memcalc.api
+
+    est = memcalc.api.estimate(model=SPEC, seq=256, gpu="1GiB").estimate
+    need = est.device_total_bytes  # source: the one --gpu's own device total
+    card = SimpleNamespace(name="card", vendor="any", architecture="unspecified", display_name="card",
+                           capacity_bytes=need)
+    assert _check_fits(est, [card]) == 0
+    assert _check_fits(est, [SimpleNamespace(**{**vars(card), "capacity_bytes": need - 1})]) == 3
 
 
 def test_seq_past_a_rope_context_warns_learned_refuses():

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from memcalc.api import _resolve
 from memcalc.core.units import GiB
 from memcalc.engine.observers import PeakAbove, StopAbove
-from memcalc.estimate.peak import largest_peak_within, required_bytes
+from memcalc.estimate.peak import largest_peak_within, required_bytes, step_side
 from memcalc.estimate.step import simulate
 from memcalc.plan import steps
 from memcalc.plan.limits import largest_by_value, max_batch, max_seq, need
@@ -59,14 +59,15 @@ def test_need_verdict_is_the_same_cut_short(kw):
         e = with_training(exp, batch=b)
         peak = max(simulate(e, first_step=False, record_timeline=False).peak_bytes,
                    simulate(e, first_step=True, record_timeline=False).peak_bytes)
-        for cap in (required_bytes(peak) - 1, required_bytes(peak), 16 * GiB):
+        req = required_bytes(peak, step_side(e))  # the step's own GPU side (GPU count, linears' biases)
+        for cap in (req - 1, req, 16 * GiB):
             steps.SIM_CACHE.clear()
             steps.BOUND_CACHE.clear()
             ok, value = need(e, cap, exact=False)
             # source: definition: fits iff the estimate's required bytes are within the card
-            assert ok == (required_bytes(peak) <= cap)
-            assert (value == required_bytes(peak)) if ok else (cap < value <= required_bytes(peak))
-            assert need(e, cap) == (ok, float(required_bytes(peak))) or not ok
+            assert ok == (req <= cap)
+            assert (value == req) if ok else (cap < value <= req)
+            assert need(e, cap) == (ok, float(req)) or not ok
 
 
 def test_fused_step_shares_the_bound_only_before_a_gradient():

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from memcalc.cli import app
 from memcalc.engine.timeline import floor_bytes, simulate, weights_and_state_bytes
-from memcalc.estimate.peak import CUDA_CONTEXT_BYTES, estimate, required_bytes
+from memcalc.core.gpu_side import overhead_bytes, reference_side
+from memcalc.estimate.peak import estimate, required_bytes
 from memcalc.plan.fits import fit_gpus, fit_step
 from memcalc.inputs.gpus import get_gpu
 from memcalc.inputs.profiles import get_profile
@@ -201,7 +202,7 @@ def test_plan_4090_max_batch_and_seq_are_exact(plan_8b_4090):
 
 
 FAKE = SimpleNamespace(name="fake-40m", display_name="a 40 MiB card (test)", bf16=True,
-                       capacity_bytes=CUDA_CONTEXT_BYTES + 40 * MiB)
+                       capacity_bytes=overhead_bytes(reference_side()) + 40 * MiB)
 
 
 @pytest.mark.slow  # an exact search for every option (seconds)
@@ -296,8 +297,7 @@ def test_largest_true_array_matches_scalar():
 # Allocated peaks the array path of required_bytes must treat exactly as the int path.
 REQUIRED_PEAKS = [
     0,  # source: nothing allocated
-    19,  # source: slack rounds down to 0 (19 x 0.05 = 0.95)
-    20,  # source: slack exactly 1 byte
+    19,  # source: an odd byte count
     4_157_993_472,  # source: tests/snapshots/config-bf16_fused_chkpt.json steady_peak_bytes
     86_220_810_240,  # source: tests/snapshots/llama70b-zero3-master.json steady_peak_bytes
     130_158_643_200,  # source: tests/snapshots/llama13b-compile-ckpt.json first_step_peak_bytes
@@ -308,7 +308,8 @@ def test_required_bytes_same_for_ints_and_arrays():
     """plan's vectorised search and estimate() share one required_bytes; both paths agree to the byte."""
     ints = [required_bytes(p) for p in REQUIRED_PEAKS]
     assert all(isinstance(r, int) for r in ints)
-    assert [r - p - CUDA_CONTEXT_BYTES for r, p in zip(ints, REQUIRED_PEAKS)][:3] == [0, 0, 1]
+    # source: memcalc.core.gpu_side: workspaces' segments + CUDA context, the same for every peak on one GPU
+    assert {r - p for r, p in zip(ints, REQUIRED_PEAKS)} == {overhead_bytes(reference_side())}
     arr = required_bytes(np.array(REQUIRED_PEAKS, dtype=np.float64))
     assert arr.astype(np.int64).tolist() == ints
     e = estimate(ExperimentSpec(model=tiny_llama(), training=TrainingSpec(batch=2, seq=64)), timeline=False)

@@ -234,8 +234,9 @@ def test_fits_says_when_paged_state_pages_out():
 
     est = _est(dict(batch=1, seq=64, precision="bf16", optimizer="paged-adamw"), BIG_VOCAB)
     paged = est.extra["paged_optimizer_bytes"]
-    roomy = SimpleNamespace(name="roomy", capacity_bytes=est.required_bytes + paged)
-    tight = SimpleNamespace(name="tight", capacity_bytes=est.required_bytes + paged - 1)
+    need = fits_rows(est, [SimpleNamespace(name="any", capacity_bytes=1)])[0]["device_total_bytes"]  # this card kind's
+    roomy = SimpleNamespace(name="roomy", capacity_bytes=need + paged)
+    tight = SimpleNamespace(name="tight", capacity_bytes=need + paged - 1)
     rows = fits_rows(est, [roomy, tight])
     assert [r["fits"] for r in rows] == [True, True]  # the paged state is not part of the required bytes
     assert [r["paged_state_resident"] for r in rows] == [True, False]

@@ -1,0 +1,80 @@
+"""The GPU side of a step (memcalc.core.gpu_side): workspaces, CUDA context, NCCL, and the three peaks.
+
+Torch-free. Each row's expected bytes are read from the source the module cites, computed by hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.core.gpu_side import device_memory, gpu_side, overhead_bytes
+from memcalc.core.units import KiB, MiB
+
+TINY = str(Path(__file__).parent.parent / "fixtures" / "tiny-rope.yaml")  # 2 layers, no biases
+
+# (vendor, architecture, gpus, biased linears, workspace bytes allocated, their segments, NCCL bytes)
+SIDES = [
+    # source: CublasHandlePool.cpp parseChosenWorkspaceSize ":4096:2:16:8" = 8,519,680 B, two handles; the first,
+    # under 10 MiB, takes a 20 MiB segment (CUDACachingAllocator.cpp kLargeBuffer), the second its free rest
+    ("nvidia", "Ampere", 1, False, 2 * 8_519_680, 20 * MiB, 0),
+    # source: the same, 32 MiB on sm90 (PR #89027): a 32 MiB request is its own 32 MiB segment
+    ("nvidia", "Hopper", 1, False, 2 * 32 * MiB, 2 * 32 * MiB, 0),
+    # source: + two 1 MiB cuBLASLt workspaces (parseCUDABlasLtWorkspaceSize 1024 KiB): small pool, one 2 MiB segment
+    ("nvidia", "Ada Lovelace", 1, True, 2 * 8_519_680 + 2 * 1024 * KiB, 20 * MiB + 2 * MiB, 0),
+    # source: NCCL src/init.cc LL 524,288 + LL128 4,915,200 + Simple 4,194,304 B per channel, 2 channels
+    ("nvidia", "Ampere", 8, False, 2 * 8_519_680, 20 * MiB, 2 * (524_288 + 4_915_200 + 4_194_304)),
+    # source: the ROCm branch: 128 MiB hipBLAS workspace on gfx94x (CDNA 3), two handles
+    ("amd", "CDNA 3", 1, False, 2 * 128 * MiB, 2 * 128 * MiB, 0),
+    # source: a card given by its capacity: the CUDA defaults outside Hopper
+    ("any", "unspecified", 1, False, 2 * 8_519_680, 20 * MiB, 0),
+]
+
+
+@pytest.mark.parametrize("vendor,arch,gpus,biased,ws,segs,nccl", SIDES)
+def test_gpu_side_parts(vendor, arch, gpus, biased, ws, segs, nccl):
+    side = gpu_side(vendor, arch, "card", gpus, biased)
+    assert (side.workspace_bytes, side.workspace_segment_bytes, side.nccl_bytes) == (ws, segs, nccl)
+    assert side.cuda_context_bytes == 426 * MiB  # source: unsloth-zoo PR #1053, RTX 6000 Ada, torch 2.10
+    assert overhead_bytes(side) == segs + 426 * MiB + nccl
+
+
+# (step allocated, step reserved or None): the three peaks follow from them on one card
+PEAKS = [
+    (10 * 2**30, 11 * 2**30),  # source: a replay with 1 GiB of segments not in use
+    (10 * 2**30, None),  # source: no replay: reserved taken as allocated
+]
+
+
+@pytest.mark.parametrize("alloc,reserved", PEAKS)
+def test_device_memory_adds_up(alloc, reserved):
+    side = gpu_side("nvidia", "Hopper", "H100", 4, False)
+    d = device_memory(alloc, reserved, side)
+    assert d.allocated_peak_bytes == alloc + side.workspace_bytes
+    assert d.reserved_peak_bytes == (reserved or alloc) + side.workspace_segment_bytes
+    assert d.device_total_bytes == d.reserved_peak_bytes + side.cuda_context_bytes + side.nccl_bytes
+    assert sum(d.parts.values()) == d.device_total_bytes
+    assert d.parts["allocator_overhead_bytes"] == d.reserved_peak_bytes - d.allocated_peak_bytes >= 0
+
+
+def test_estimate_json_reports_three_peaks_and_parts():
+    """--json: integer byte fields for the three peaks; the parts sum to the device total; each card's
+    row has its own device total and fits compares it with the card."""
+    r = CliRunner().invoke(app, ["estimate", "--model", TINY, "--batch", "1", "--seq", "64", "--gpu", "h100",
+                                 "--gpu", "a100-80gb", "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    for k in ("allocated_peak_bytes", "reserved_peak_bytes", "device_total_bytes"):
+        assert isinstance(doc[k], int)
+    assert doc["peak_bytes"] <= doc["allocated_peak_bytes"] <= doc["reserved_peak_bytes"] < doc["device_total_bytes"]
+    assert sum(doc["device_parts"].values()) == doc["device_total_bytes"] == doc["required_bytes"]
+    h100, a100 = doc["gpus"]
+    # source: the workspaces: 2 x 32 MiB segments on Hopper, one shared 20 MiB elsewhere (no biases: no cuBLASLt)
+    assert h100["device_total_bytes"] - a100["device_total_bytes"] == 2 * 32 * MiB - 20 * MiB
+    for g in doc["gpus"]:
+        assert g["fits"] == (g["device_total_bytes"] <= g["capacity_bytes"])
+        assert g["headroom_bytes"] == g["capacity_bytes"] - g["device_total_bytes"]
