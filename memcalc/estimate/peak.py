@@ -219,7 +219,7 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool)
     (weights, optimizer state) run once; with ``warm`` the step runs twice and the second,
     which starts from the cache the first left (a steady-state step), is measured."""
     alloc = CachingAllocatorSim()
-    blocks: dict[int, object] = {}
+    blocks: dict = {}  # id -> its block (memcalc.core.allocator._Block)
 
     def run(evs: list[tuple[int, int]]) -> None:
         for uid, n in evs:
@@ -231,7 +231,13 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool)
     run(events[:step_start])
     step = events[step_start:]
     if warm:
+        before = set(blocks)
         run(step)
+        # what the first step leaves alive (allocated in it, never freed in it) is its own: the steady step
+        # the timeline simulates starts from the setup's tensors alone, so the second run starts from them
+        # too, with the cache (the free blocks and segments) the first run left
+        for uid in [u for u in blocks if u not in before]:
+            alloc.free(blocks.pop(uid))
     alloc.reset_peak()
     run(step)
     return alloc.peak_allocated, alloc.peak_reserved
