@@ -118,7 +118,7 @@ class CompiledLayers(_CompiledGraph, LayerStrategy):
         keeps_x = self.plan.input_saved_by_layer is None or self.plan.input_saved_by_layer.get(i, True)
         first = [x] if keeps_x else []
         ins = (lambda: first + rope_region_inputs(fwd)) if off is not None and not self.whole else (lambda: first)
-        y = checkpoint(sim, fwd.ops, ins, lambda: fwd.layer(x, i), f"layer {i}", i)
+        y = checkpoint(sim, fwd.ops, ins, lambda: fwd.layer(x, i), f"layer {i}", i, first_unpack=False)
         node = y.producer
         if off is not None and not self.whole:
             assert node is not None

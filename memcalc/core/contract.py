@@ -24,9 +24,6 @@ INERT: dict[str, str] = {
     "ModelSpec.embedding_scale": "a value: the scaled copy of the embeddings (engine.blocks.embedding) lives beside "
                                  "the unscaled one only until the multiply returns, at the start of the forward "
                                  "(a multiply by a Python scalar saves nothing), so it sets no peak",
-    "ModelSpec.residual_multiplier": "a value: each scaled sublayer output (engine.blocks.layer) replaces the "
-                                     "unscaled one before the residual add and the multiply saves nothing; the "
-                                     "transient is smaller than the sublayer's own, so it sets no peak",
     "LoraSpec.alpha": "a value (the adapter scale alpha / rank), not a shape: the scaling op runs either way",
     "KernelProfile.name": "a label shown in reports",
     "KernelProfile.torch_version": "a label: what a version changes is set by the profile's other fields "

@@ -1,8 +1,10 @@
 """Activation checkpointing: ``torch.utils.checkpoint(use_reentrant=False)`` regions.
 
-A region's first forward keeps nothing but its inputs; at the region's first backward node
-the whole region is recomputed (all its saved tensors alive at once) and then
-back-propagated (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_generator``).
+A region's first forward keeps nothing but its inputs; when backward first unpacks a tensor the
+region saved the whole region is recomputed (all its saved tensors alive at once) and then
+back-propagated (torch/utils/checkpoint.py, ``_checkpoint_without_reentrant_generator``,
+``_checkpoint_hook``); the region's last nodes that save nothing run their backward before that
+(:class:`FirstForward`).
 Non-reentrant checkpointing stops recomputing once the last tensor the region saves has been
 recomputed (early stop, ``_StopRecomputationError``), so allocations after that point cost
 nothing; the region's first forward counts where that point is (its ops are the recompute's),
@@ -20,6 +22,7 @@ from typing import Callable, Iterator, Optional
 from memcalc.core.spec import TrainingSpec, sqrt_segments
 from memcalc.engine.offload import rope_region_inputs
 from memcalc.engine.ops import Ops
+from memcalc.engine.records import grad_inputs
 from memcalc.engine.sim import Node, Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy, Walk
 
@@ -50,12 +53,19 @@ def adopt(sim: Sim, dst: T, src: T) -> None:
     sim.unref(src)
 
 
-def count_save(sim: Sim, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T]) -> None:
+def count_save(sim: Sim, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
+               temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None, name: str = "",
+               kw: Optional[dict] = None) -> None:
+    """:func:`_count_save` (``Sim.count_saves`` where the trailing nodes are not kept)."""
+    _count_save(sim, saved, inputs, params, outputs)
+
+
+def _count_save(sim: Sim, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T]) -> bool:
     """What :meth:`Sim.node` does with grad enabled, short of making the node (``Sim.count_saves``
     in a checkpointed region's first forward): when an input needs a gradient or a parameter
     trains, the outputs need one, and a node that saves something moves ``last_save_count`` (and
     ``last_save_hooks``) to here. (Activation offloading is inactive in a recompute, so ``saved``
-    is what the node would keep.)"""
+    is what the node would keep.) Returns whether :meth:`Sim.node` would make the node."""
     for t in inputs:
         if t.requires_grad:
             break
@@ -64,11 +74,80 @@ def count_save(sim: Sim, saved: list[T], inputs: list[T], params: list[Param], o
             if p.trainable:
                 break
         else:
-            return
+            return False
     for o in outputs:
         o.requires_grad = True
     if saved:
         sim.saves_here()
+    return True
+
+
+class FirstForward:
+    """``Sim.count_saves`` in a checkpointed region's first forward: :func:`_count_save`, and the
+    region's trailing nodes, those made after its last node that saves something, kept as
+    :class:`Node` s of the first forward's tensors (``tail``: (index among the region's nodes, node)).
+
+    Non-reentrant checkpointing recomputes a region when backward first UNPACKS one of its saved
+    tensors, not when it reaches the region's first backward node (torch 2.13
+    torch/utils/checkpoint.py ``_checkpoint_hook``: every tensor the region saves is packed into a
+    ``_Holder`` (l. 1155); ``unpack_hook`` (l. 1165) runs ``frame.recompute_fn`` under
+    ``_recomputation_hook`` only ``if not frame.is_recomputed[gid]`` (l. 1175-1186)). The graph of
+    the first forward is the one backward walks, so the nodes that save nothing and come last run
+    their backward first, in reverse order, and their gradients are alive through the whole
+    recompute (PEFT's ``lora.Linear`` on down_proj: ``* scaling``, ``result + lora_out``,
+    ``result.to(torch_result_dtype)``, then the residual add). A trailing node with a trainable
+    parameter ends the tail here (its AccumulateGrad bookkeeping is the recompute's node's): none
+    of the modelled ops makes one."""
+
+    __slots__ = ("made", "tail")
+
+    def __init__(self) -> None:
+        self.made = 0  # the nodes Sim.node would have made so far (the recompute makes the same, in order)
+        self.tail: list[tuple[int, Node]] = []
+
+    def __call__(self, sim: Sim, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
+                 temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None,
+                 name: str = "", kw: Optional[dict] = None) -> None:
+        if not _count_save(sim, saved, inputs, params, outputs):
+            return
+        i = self.made
+        self.made = i + 1
+        # a node with a parameter operand unpacks it: mm saves mat2, the weight, for the input's gradient
+        # (torch 2.13 tools/autograd/derivatives.yaml ``mm``: ``self: mm_mat1_backward(grad, mat2, ...)``),
+        # and torch/csrc/autograd/saved_variable.cpp packs every saved tensor through the checkpoint's
+        # hooks but a wrapped number (``x * 0.5`` saves nothing the hooks see)
+        if saved or params:
+            self.tail.clear()
+            return
+        # Sim.node's node, short of its references (it saves nothing) and its outputs' producer
+        kept, sizes = grad_inputs(inputs, grad_input_bytes)
+        node = Node(name, [], kept, [], outputs, temps=list(temps) if temps else [], grad_input_bytes=sizes,
+                    fwd_label=sim.label, layer=sim.layer, role=sim.role,
+                    passes_grad=bool(kw and kw.get("passes_grad")))
+        self.tail.append((i, node))
+
+    def run_tail(self, s: Sim, bwd_label: str) -> None:
+        """The trailing nodes' backward, before the recompute: the gradients they send to the
+        region's own tensors land on the first forward's (moved to the recompute's by :meth:`hand_over`;
+        the first forward's tensors keep their sizes: in the recompute these are past its early
+        stop, allocations without memory)."""
+        if self.tail:
+            s.run_nodes([n for _, n in self.tail], lambda n: bwd_label)
+
+    def hand_over(self, s: Sim, sub: list[Node]) -> None:
+        """The recompute made ``sub``: the trailing nodes' twins are done (their backward ran), and
+        the gradients waiting on the first forward's tensors move to the recompute's."""
+        if not self.tail:
+            return
+        assert len(sub) == self.made, f"the recompute made {len(sub)} nodes, the first forward {self.made}"
+        for i, first in self.tail:
+            twin = sub[i]
+            for a, b in zip(first.inputs, twin.inputs, strict=True):
+                if a is not b and a.grad_buffer is not None:
+                    assert b.grad_buffer is None
+                    b.grad_buffer, a.grad_buffer = a.grad_buffer, None
+            s._release_node(twin)
+        self.tail = []
 
 
 class OpSaver:
@@ -149,12 +228,16 @@ class OpSaver:
 
 
 def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[], T], label: str,
-               layer: int, save_ops: bool = False, full_recompute: bool = False) -> T:
+               layer: int, save_ops: bool = False, first_unpack: bool = True, full_recompute: bool = False) -> T:
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
     ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
     ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`).
+    ``first_unpack``: the region's trailing nodes that save nothing run their backward before the
+    recompute (:class:`FirstForward`; where the first forward counts the early stop); False: the
+    recompute comes first (a compiled layer's backward graph, memcalc.compile.backward).
     ``full_recompute``: a reentrant checkpoint (Unsloth's ``UnslothCheckpointFunction``) recomputes the whole
-    region, outputs included (no early stop)."""
+    region, outputs included (no early stop), when backward reaches its one node (torch/utils/checkpoint.py
+    ``CheckpointFunction.backward``: the region is one autograd node, so none of its nodes runs before)."""
     assert sim.grad_enabled and sim.count_saves is None, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
@@ -164,17 +247,21 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     # cache must not see the recompute's requires_grad; offloading, which saves more in forward)
     stop: Optional[int] = None
     count = saver is None and not (sim.offload is not None and sim.offload.active)
+    first = FirstForward() if count and first_unpack and not full_recompute else None
     if count:
         f0, h0 = sim.alloc_count, sim.hook_allocs
         sim.saves_here()
     with saver.recording("cache") if saver is not None else nullcontext(), \
-            sim.no_grad(count_save if count else None):
+            sim.no_grad((first or count_save) if count else None):
         out = fn()
     if count:
         stop = (sim.last_save_count - f0) - (sim.last_save_hooks - h0)
     out.requires_grad = True
 
     def recompute(s: Sim, node: Node) -> None:
+        bwd_label = f"bwd {label}"
+        if first is not None:  # the nodes after the last saving one, before the first unpack
+            first.run_tail(s, bwd_label)
         # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
         with s.recomputing(layer, f"bwd {label} (recompute)"):
             # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
@@ -197,17 +284,19 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
                 # the counted stop leaves out the forward's layer-hook allocations: the recompute makes none
                 assert stop is None or s.hook_allocs == h1, f"{label}: a layer hook allocated during the recompute"
                 ops.exit_autocast()
-        # the recomputed output is discarded; its gradient is the region output's gradient
+        if first is not None:
+            first.hand_over(s, sub)
+        # the recomputed output is discarded; its gradient is the region output's gradient (none
+        # left when a trailing node's backward took it)
         out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
         s.unref(out2)
         # back-propagate the region now; the checkpoint node itself then has no work left
-        bwd_label = f"bwd {label}"
         s.run_nodes(sub, lambda n: bwd_label)
         if saver is not None:
             saver.release()
         out2.grad_buffer = None
         node.outputs = []
-        node.inputs = []
+        node.inputs, node.grad_input_bytes = [], None  # (the sub-graph sent the inputs their gradients)
 
     node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out], on_backward=recompute)
     node.fwd_label = f"fwd {label}"

@@ -152,10 +152,10 @@ class Ops:
         return y
 
     def add(self, a: T, b: T) -> T:
-        """a + b: saves nothing (grads pass through; broadcasting aside)."""
+        """a + b: saves nothing; its gradient passes through (``passes_grad``: engine.sim_backward)."""
         dt = self.dtype_of(a) if a.itemsize_bits >= b.itemsize_bits else self.dtype_of(b)
         y = self.new(max(a.numel, b.numel), dt)
-        self.sim.node("add", [], [a, b], [], [y], grad_input_bytes=[a.nbytes, b.nbytes])
+        self.sim.node("add", [], [a, b], [], [y], grad_input_bytes=[a.nbytes, b.nbytes], passes_grad=True)
         return y
 
     def scale(self, a: T, factor: float) -> T:
@@ -403,7 +403,8 @@ class Ops:
         efficient (``_scaled_dot_product_efficient_attention``): saves q, k, v, out, logsumexp
         (B,H,T rounded up to 32, fp32) and the additive bias. Backward allocates dq, dk, dv,
         ``delta`` (B,H,T fp32), an fp32 dq accumulator when inputs are 16-bit, and, when the bias
-        needs a gradient, a gradient of the broadcast (B,H,T,T) bias.
+        needs a gradient, a gradient of the broadcast (B,H,T,T) bias. Both make all of dq, dk, dv; those not
+        needed are temps (cuda/attention_backward.cu ``_scaled_dot_product_{flash,efficient}_attention_backward_cuda``).
         math (``_scaled_dot_product_attention_math``): materialises (B,H,T,T) scores, saves the
         pre-scaled q and k copies, the softmax output, v, and the dropout mask.
 
@@ -433,6 +434,7 @@ class Ops:
                 if dt != FP32:
                     temps.append(n_q * 4)
             saved = [q, k, v, out, lse] + ([bias] if bias is not None else [])
+            temps += [t.nbytes for t in (q, k, v) if not t.requires_grad]  # made anyway (docstring)
             inputs = [q, k, v] + ([bias] if bias is not None else [])
             sizes = [q.nbytes, k.nbytes, v.nbytes] + ([bias_bcast_bytes] if bias is not None else [])
             # FlopCounterMode's sdpa formula: two batched matmuls, 4*B*H*Tq*Tk*D

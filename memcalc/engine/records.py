@@ -76,13 +76,13 @@ class Node:
     fields without calling ``__init__`` (keep the two in step)."""
 
     __slots__ = ("name", "saved", "inputs", "params", "outputs", "temps", "grad_input_bytes", "on_backward",
-                 "after_backward", "done", "fwd_label", "flops", "layer", "role", "offloaded")
+                 "after_backward", "done", "fwd_label", "flops", "layer", "role", "offloaded", "passes_grad")
 
     def __init__(self, name: str, saved: list[T], inputs: list[T], params: list[Param], outputs: list[T],
                  temps: Optional[list[int]] = None, grad_input_bytes: Optional[list[int]] = None,
                  on_backward: Optional[NodeHook] = None, after_backward: Optional[NodeHook] = None, done: bool = False,
                  fwd_label: str = "", flops: int = 0, layer: Optional[int] = None, role: str = "",
-                 offloaded: Optional[list] = None) -> None:
+                 offloaded: Optional[list] = None, passes_grad: bool = False) -> None:
         self.name = name
         self.saved = saved
         self.inputs = inputs  # activation inputs requiring grad (each receives a grad of its own size)
@@ -98,3 +98,20 @@ class Node:
         self.layer = layer  # decoder layer the op belongs to (None: embedding, head, loss)
         self.role = role  # which part of the model issued it: embedding, attention, mlp, norm, head, loss
         self.offloaded = [] if offloaded is None else offloaded  # (pack id, tensor) moved to host (engine/offload.py)
+        # AddBackward0: the incoming gradient itself goes to each input of the output's size and element
+        # width, a new reference and no new tensor (memcalc.engine.sim_backward.SimBackward._input_grads)
+        self.passes_grad = passes_grad
+
+
+def grad_inputs(inputs: list[T], sizes: Optional[list[int]]) -> tuple[list[T], Optional[list[int]]]:
+    """The inputs a node sends gradients to (those that require grad) and their gradients' sizes:
+    ``sizes`` given per input (one per element of ``inputs``) keeps the kept inputs' entries. An
+    autograd formula computes only the gradients whose edge is valid (torch 2.13
+    tools/autograd/gen_autograd_functions.py: each input's formula under
+    ``task_should_compute_output({ <input>_ix })``); an op whose kernel makes the others anyway
+    (flash/efficient attention's dq, dk, dv) lists those in its ``temps``. ``sizes`` of another length
+    are already per kept input (a node that filtered them itself)."""
+    kept = [t for t in inputs if t.requires_grad]
+    if sizes is not None and len(kept) < len(inputs) and len(sizes) == len(inputs):
+        sizes = [b for t, b in zip(inputs, sizes, strict=True) if t.requires_grad] or None
+    return kept, sizes

@@ -4,12 +4,9 @@ Tensors are reference-counted blocks of bytes (each rounded up to the
 allocator's 512-byte granularity). Forward ops allocate outputs and register
 autograd nodes that hold references to the tensors they save for backward;
 Python-level references are held and dropped explicitly by the model code.
-Backward walks the nodes in reverse creation order (a valid topological order
-for a sequential decoder, and the order PyTorch's engine picks by sequence
-number), allocating activation gradients and parameter gradients, and
-releasing each node's saved tensors when it has run. Parameter gradients are
-accumulated at once (AccumulateGrad runs first among ready nodes), so a
-post-accumulate-grad hook (the fused optimizer) frees them right away.
+Backward (:mod:`memcalc.engine.sim_backward`, a base class) walks the nodes in
+reverse creation order, allocating activation gradients and parameter gradients,
+and releasing each node's saved tensors when it has run.
 
 Every allocation updates the running total, the per-kind totals, the per-phase
 maxima and, when it raises the peak, the peak; what is alive there by category and
@@ -28,22 +25,22 @@ from operator import attrgetter
 from collections.abc import Callable, Container
 from typing import Optional
 
-from memcalc.engine.records import Node, Param, T
+from memcalc.engine.records import Node, Param, T, grad_inputs
 from memcalc.engine.breakdown import PeakBreakdown
 from memcalc.engine.result import KINDS
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.engine.sharding import Share
+from memcalc.engine.sim_backward import SimBackward
 from memcalc.engine.sim_hooks import SimHooks
 
 __all__ = ["Node", "Param", "Sim", "T"]  # the blocks, parameters and nodes live in memcalc.engine.records
 
 
 _new = object.__new__
-_requires_grad = attrgetter("requires_grad")
 _trainable = attrgetter("trainable")
 
 
-class Sim(PeakBreakdown, SimHooks):
+class Sim(PeakBreakdown, SimHooks, SimBackward):
     """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``.
     What is alive at the peak is :class:`memcalc.engine.breakdown.PeakBreakdown`'s; what else a
     caller wants of a step, an observer it registers (:meth:`watch`); what other modules switch,
@@ -84,7 +81,7 @@ class Sim(PeakBreakdown, SimHooks):
         self.alloc_count = 0  # allocations so far
         self.last_save_count = 0  # alloc_count when the last node that saves something was made
         # a checkpointed region's first forward (grad disabled) counts where its recompute's last
-        # saving node will be: node() then calls this (checkpoint.count_save), making no node
+        # saving node will be: node() then calls this (checkpoint.FirstForward), making no node
         self.count_saves: Optional[Callable[..., None]] = None
         # allocations made by a sharded runtime's per-layer forward hooks (FSDP's unshard), which
         # a checkpointed region's recompute does not repeat; ``last_save_hooks`` is its value at
@@ -296,13 +293,17 @@ class Sim(PeakBreakdown, SimHooks):
             self.recorder(name, saved, inputs, params, outputs, heard)
         if not self.grad_enabled:
             if self.count_saves is not None:
-                self.count_saves(self, saved, inputs, params, outputs)
+                self.count_saves(self, saved, inputs, params, outputs, temps, grad_input_bytes, name, kw)
             return None
-        # the inputs that require grad and the trainable params (new lists; one element is the common case)
+        # the inputs that require grad (with their gradients' sizes: records.grad_inputs) and the
+        # trainable params (new lists; one element is the common case)
         if len(inputs) == 1:
-            inputs = [inputs[0]] if inputs[0].requires_grad else []
+            if inputs[0].requires_grad:
+                inputs = [inputs[0]]
+            else:
+                inputs, grad_input_bytes = [], None
         else:
-            inputs = list(filter(_requires_grad, inputs))
+            inputs, grad_input_bytes = grad_inputs(inputs, grad_input_bytes)
         if not params:
             params = []
         elif len(params) == 1:
@@ -334,6 +335,7 @@ class Sim(PeakBreakdown, SimHooks):
         n.after_backward = None
         n.done = False
         n.flops = flops
+        n.passes_grad = False
         if kw:
             for k, v in kw.items():
                 setattr(n, k, v)
@@ -352,137 +354,6 @@ class Sim(PeakBreakdown, SimHooks):
         graph recorder hears of it."""
         if self.recorder is not None:
             self.recorder(name, [], inputs, params, outputs, {})
-
-    def backward(self, loss: T, loss_grad_bytes: int, label_of: Callable[[Node], str]) -> None:
-        """Run backward from ``loss`` over all registered nodes (reverse creation order)."""
-        loss.grad_buffer = self.alloc(loss_grad_bytes, "temporaries", "activation gradients")
-        self.bwd_layer = None
-        self.run_nodes(self.nodes, label_of)
-        if self.offload is not None:
-            self.offload.end_backward(self)
-
-    def run_nodes(self, nodes: list[Node], label_of: Callable[[Node], str]) -> None:
-        """Backward over ``nodes`` in reverse order; nodes no gradient reaches just release."""
-        for node in reversed(nodes):
-            if node.done:
-                continue
-            for o in node.outputs:  # does a gradient reach the node?
-                if o.grad_buffer is not None:
-                    break
-            else:
-                self._release_node(node)
-                continue
-            lab = label_of(node)
-            if node.layer != self.bwd_layer:
-                if self.on_layer is not None:
-                    self.trace_label = lab  # the layer's own allocations (a ZeRO-3 regather), in the trace
-                    self.on_layer(self, node.layer)
-                    self.trace_label = None
-                self.bwd_layer = node.layer
-            if lab != self.label:
-                self.label = lab
-                for mark_hook in self._on_mark:
-                    mark_hook()
-            if node.offloaded:  # saved tensors come back from host memory first (before a recompute)
-                self.offload.unpack(self, node)
-            if node.on_backward is not None:
-                node.on_backward(self, node)
-            self._run_node(node)
-            if node.after_backward is not None:
-                node.after_backward(self, node)
-
-    def _release_node(self, node: Node) -> None:
-        """The node is done: its saved tensors are released; its outputs forget it (their
-        ``producer`` is read only in forward), which leaves no reference cycle behind."""
-        for t in node.saved:
-            self.unref(t)
-        node.saved = []
-        node.done = True
-        for o in node.outputs:
-            o.producer = None
-
-    def _run_node(self, node: Node) -> None:
-        """One node's backward: workspace, input gradients and weight gradients are allocated;
-        then the node's incoming gradients and saved tensors are released; then the
-        AccumulateGrad of each parameter runs (highest priority in the engine's ready queue),
-        and with it any post-accumulate-grad hook (a fused optimizer step)."""
-        alloc, unref = self.alloc, self.unref
-        # (one element is the common case: made without a comprehension's frame)
-        temps = node.temps
-        if not temps:
-            temps = ()
-        elif len(temps) == 1:
-            temps = [alloc(temps[0], "temporaries", "backward workspace")]
-        else:
-            temps = [alloc(b, "temporaries", "backward workspace") for b in temps]
-        sizes = node.grad_input_bytes
-        inputs = node.inputs
-        if sizes:
-            new_grads = [alloc(b, "temporaries", "activation gradients") for b in sizes]
-        elif len(inputs) == 1:
-            new_grads = [alloc(inputs[0].nbytes, "temporaries", "activation gradients")]
-        else:
-            new_grads = [alloc(t.nbytes, "temporaries", "activation gradients") for t in inputs]
-        params = node.params
-        if not params:
-            pgrads: list[T] | tuple = ()
-        elif len(params) == 1:
-            pgrads = [alloc(params[0].grad_bytes, "gradients", "gradients")]
-        else:
-            pgrads = [alloc(p.grad_bytes, "gradients", "gradients") for p in params]
-        for t in temps:
-            unref(t)
-        for o in node.outputs:
-            o.producer = None  # (as _release_node does; nothing reads it after forward)
-            g = o.grad_buffer
-            if g is not None:
-                unref(g)
-                o.grad_buffer = None
-        for t in node.saved:  # self._release_node(node), inline
-            if t.refs > 1:  # unref(t) frees nothing
-                assert t.alive, f"double free of {t.name}"
-                t.refs -= 1
-            else:
-                unref(t)
-        node.saved = []
-        node.done = True
-        if self.offload is not None and self.offload.hook_due:  # the unpacking node's post-hook
-            self.offload.after_node(self)
-        for inp, g in zip(node.inputs, new_grads):
-            if inp.grad_buffer is None:
-                inp.grad_buffer = g
-            else:  # InputBuffer accumulates in place
-                self.unref(g)
-        for p, g in zip(node.params, pgrads):
-            p.uses -= 1
-            if p.pending is not None:
-                # a parameter used twice (tied embeddings): its contributions meet in the
-                # AccumulateGrad node's input buffer; the linear's weight gradient is a transposed
-                # view, so the buffer adds out of place
-                total = self.alloc(p.grad_bytes, "gradients", "gradients")
-                self.unref(p.pending)
-                self.unref(g)
-                g, p.pending = total, None
-            if p.uses > 0:  # AccumulateGrad waits for the other uses
-                p.pending = g
-                continue
-            if p.deferred_reduce:  # FSDP2: the unit's post-backward reduces it (engine.fsdp)
-                if p.unsharded_grad is None:
-                    p.unsharded_grad = g
-                else:
-                    self.unref(g)
-                continue
-            if p.grad_keep_bytes is not None:  # reduce-scatter: keep only this rank's shard
-                shard = self.alloc(p.grad_keep_bytes, "gradients", "gradients")
-                self.unref(g)
-                g = shard
-            if p.grad is None:
-                p.grad = g
-            else:  # accumulate into the existing .grad in place
-                self.unref(g)
-            self.grads_ready += 1
-            if self.grad_ready is not None:
-                self.grad_ready(self, p)
 
     def release_graph(self) -> None:
         """Drop the simulator's references to the step's graph and hooks once the step is over,

@@ -76,8 +76,8 @@ class SimHooks:
     @contextmanager
     def no_grad(self, count_saves: Optional[Callable[..., None]] = None) -> Iterator[None]:
         """Within: grad is disabled (a checkpointed region's first forward); :meth:`Sim.node` makes no
-        node but calls ``count_saves(sim, saved, inputs, params, outputs)`` when given
-        (:func:`memcalc.engine.checkpoint.count_save`)."""
+        node but calls ``count_saves(sim, saved, inputs, params, outputs, temps, grad_input_bytes, name, kw)``
+        when given (:class:`memcalc.engine.checkpoint.FirstForward`)."""
         prev = self.count_saves
         self.count_saves, self.grad_enabled = count_saves, False
         try:

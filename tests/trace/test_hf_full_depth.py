@@ -95,18 +95,14 @@ def test_the_config_file_given_is_traced() -> None:
     assert abs(g_on) <= TOLERANCE_PCT and abs(g_off) <= TOLERANCE_PCT, (g_on, g_off)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "LoRA on down_proj with fp32 adapters under non-reentrant checkpointing (Mistral-7B-v0.3, every target, "
-    "lora_dropout 0.05, 4x4096, 2 layers): estimate -4.1% (-389 MB; -1.43% at full depth: step-constant). "
-    "torch.utils.checkpoint recomputes a layer only when backward first unpacks a saved tensor; the layer's last "
-    "nodes save none: down_proj's ``result.to(torch_result_dtype)`` (ToCopyBackward), ``result + lora_out`` "
-    "(AddBackward: a bf16 cast of the fp32 gradient for the base output) and ``* scaling`` (MulBackward: a new "
-    "fp32 gradient) run first (peft/tuners/lora/layer.py Linear.forward), so the whole recompute runs with "
-    "three (B, T, d) gradients alive (the residual's bf16, the base path's bf16, the adapter path's fp32) where "
-    "engine.checkpoint recomputes at the layer's first backward node with one; without dropout the recompute "
-    "is smaller and the peak sits elsewhere (+0.15%). To model: run a region's trailing no-save nodes before "
-    "its recompute"))
 def test_lora_dropout_all_targets_under_checkpointing() -> None:
+    """LoRA on down_proj with fp32 adapters under non-reentrant checkpointing (Mistral-7B-v0.3, every
+    target, lora_dropout 0.05, 4x4096, 2 layers; before engine.checkpoint.FirstForward: -4.1%, -389 MB).
+    torch.utils.checkpoint recomputes a layer when backward first unpacks a saved tensor; the layer's last
+    nodes save none: the residual add, down_proj's ``result.to(torch_result_dtype)`` (ToCopyBackward),
+    ``result + lora_out`` (AddBackward) and ``* scaling`` (MulBackward) run first (peft/tuners/lora/layer.py
+    Linear.forward), so the whole recompute runs with three (B, T, d) gradients alive (the residual's bf16,
+    the base path's bf16, the adapter path's fp32)."""
     raw = load_named("hf_configs", "mistralai--Mistral-7B-v0.3")
     m = from_hf_config(raw, "mistral").model_copy(update={"n_layers": 2})
     lora = LoraSpec(rank=16, alpha=32, targets=("q", "k", "v", "o", "gate", "up", "down"), dropout=0.05)

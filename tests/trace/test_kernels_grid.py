@@ -26,11 +26,6 @@ _SMALL = ("llama-mini", "mistral-mini", "qwen2-mini")
 #: rows whose gap is a residual of the HF rules that Liger's smaller head uncovers (kernels none: the same
 #: bytes, hidden under the logits' peak)
 KNOWN_GAPS = {
-    **{f"{m} all bf16 ck=full 2x1024": "estimate -5.3%: in the checkpointed layer's no-grad forward PEFT's "
-       "lora.Linear.forward holds its fp32 input copy (x = self._cast_input_dtype(x, ...), a local) through lora_B, "
-       "the scaling and the sum (the trace peaks at up_proj's sum: 2 MiB copy + lora_A's output), where the HF "
-       "rules (engine/blocks/adapters.py) drop it once lora_A has run, nothing saving it; without Liger the same "
-       "bytes sit under the fp32 logits' peak" for m in _SMALL},
     **{f"{m} qv bf16 ck=none flce 2x1024": "estimate -5.1%: with Liger's FLCE alone the final norm is transformers' "
        "composite RMSNorm, whose fp32 backward temporaries (mean's expanded gradient, pow's 2*x*g, the products) "
        "the HF rules under-count (engine/ops.py rmsnorm); with Liger's RMSNorm too the row agrees" for m in _SMALL},

@@ -61,3 +61,28 @@ def test_counted_stop_is_the_dry_runs(opts, counted, monkeypatch):
     checked = _digest(exp)
     assert runs  # the dry runs ran
     assert checked == fast  # and the bytes are the same with or without them
+
+
+def test_trailing_no_save_nodes_run_before_the_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Non-reentrant checkpointing recomputes at the first unpack (torch/utils/checkpoint.py
+    ``_checkpoint_hook.unpack_hook``): PEFT's down_proj ends with ``* scaling``, ``result + lora_out`` and
+    ``.to(bf16)``, which save nothing, so their backward runs first and the recompute holds the base path's
+    bf16 gradient and the adapter path's fp32 gradient besides the incoming one (the residual add's gradient
+    replaces it): (2 + 4) bytes per (B, T, d) element above the recompute-first order.
+    source: tests/trace/test_hf_full_depth.py::test_lora_dropout_all_targets_under_checkpointing (the trace)."""
+    from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
+    from memcalc.inputs.data_files import load_named
+    from memcalc.inputs.hf_config import from_hf_config
+    from memcalc.inputs.profiles import get_profile
+    from memcalc.validate.hf_grid import HF_ESTIMATOR_PROFILE, estimate_hf
+
+    m = from_hf_config(load_named("hf_configs", "mistralai--Mistral-7B-v0.3"), "mistral").model_copy(
+        update={"n_layers": 2})
+    lora = LoraSpec(rank=16, alpha=32, targets=("q", "k", "v", "o", "gate", "up", "down"), dropout=0.05)
+    tr = TrainingSpec(batch=1, seq=512, precision="bf16", checkpoint="full", lora=lora)
+    exp = ExperimentSpec(name="mistral", model=m, training=tr, profile=get_profile(HF_ESTIMATOR_PROFILE))
+    first_unpack, _ = estimate_hf(exp)
+    monkeypatch.setattr(ck.FirstForward, "run_tail", lambda self, s, label: None)
+    monkeypatch.setattr(ck.FirstForward, "hand_over", lambda self, s, sub: None)
+    recompute_first, _ = estimate_hf(exp)
+    assert first_unpack - recompute_first == (2 + 4) * 512 * m.d_model

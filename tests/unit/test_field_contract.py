@@ -63,7 +63,6 @@ INERT_CHECK: dict[str, tuple[dict, Any]] = {
     "ModelSpec.norm_eps": ({}, 1e-6),
     "ModelSpec.residual_scale": ({"model": {"norm_placement": "post"}}, 0.5),
     "ModelSpec.embedding_scale": ({}, 2.0),
-    "ModelSpec.residual_multiplier": ({"training": {"checkpoint": "full"}}, 0.5),
     "LoraSpec.alpha": (LORA, 8.0),
     "KernelProfile.name": ({}, "other"),
     "KernelProfile.torch_version": ({}, "2.4"),

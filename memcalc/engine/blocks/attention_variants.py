@@ -356,7 +356,7 @@ def eager_attention(o: Ops, q: T, k: T, v: T, B: int, H: int, Tq: int, D: int, n
     if mask is not None:  # the mask needs no gradient: the add's backward passes s's through
         wide = dt if dt.bits >= mask.itemsize_bits else o.dtype_of(mask)
         a = o.new(nTT, wide)
-        sim.node("add", [], [s, mask], [], [a], grad_input_bytes=[s.nbytes])
+        sim.node("add", [], [s, mask], [], [a], grad_input_bytes=[s.nbytes], passes_grad=True)  # AddBackward0
         o.drop(s)
         s = a
     sdt = o.dtype_of(s)  # the scores' dtype after the mask (an fp32 mask under autocast promotes)
