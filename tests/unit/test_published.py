@@ -116,9 +116,6 @@ def _params():
         marks = [pytest.mark.slow]
         if r["id"] in XFAIL:
             marks.append(pytest.mark.xfail(strict=True, reason=XFAIL[r["id"]]))
-        elif r["metric"] == "device_total":
-            marks.append(pytest.mark.xfail(strict=True, reason="memcalc reports no device total (what nvidia-smi "
-                                           "shows: CUDA context, cuBLAS workspaces, NCCL buffers; issue 28)"))
         out.append(pytest.param(r, id=r["id"], marks=marks))
     return out
 
