@@ -21,6 +21,12 @@ spec accepts); a test checks that every record has one.
   the same state, but the moment buffers of parameters of at least 1e5 elements are CUDA unified
   memory (``F.get_paged``), outside the caching allocator; the stand-in allocates them outside the
   tracer (:func:`_unified`).
+- ``adamw-4bit-torchao`` / ``adamw-8bit-torchao`` / ``adamw-fp8-torchao``: torchao's own
+  ``AdamW4bit`` / ``AdamW8bit`` / ``AdamWFp8`` (torchao 0.14.1 torchao/optim/adam.py), unmodified: its
+  state subclasses and its per-parameter ``torch.compile(single_param_adam, fullgraph=True)``. Off CUDA the
+  compile's backend is ``aot_eager`` (:class:`_TorchaoOnMeta`): the functional graph AOTAutograd would hand
+  Inductor runs op by op (the subclasses flattened to their codes/scale/qmap), every intermediate freed
+  at its last use; Inductor (Triton) needs CUDA.
 - ``master_weights``: 16-bit parameters and gradients, fp32 master copies and fp32 moments;
   each gradient is copied to fp32 for the step (``grad.float()``), the master is stepped by a
   fused (temporary-free) kernel like apex/DeepSpeed FusedAdam, then copied back.
@@ -29,7 +35,7 @@ spec accepts); a test checks that every record has one.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator, Tuple
+from typing import Callable, Iterable, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -223,6 +229,43 @@ class PagedAdamW(PagedAdamW8bit):
     BITS = 32
 
 
+# -- torchao low-bit AdamW (the real classes) -------------------------------------------------
+class _TorchaoOnMeta:
+    """Runs a torchao optimizer's step with ``torch.compile``'s backend ``aot_eager`` off CUDA (see the
+    module docstring); on CUDA the optimizer is returned unwrapped (Inductor)."""
+
+    def __init__(self, opt: Optimizer) -> None:
+        self.opt = opt
+        self.state = opt.state
+        self.param_groups = opt.param_groups
+
+    def step(self, closure: Optional[Callable] = None):
+        real = torch.compile
+
+        def aot_eager(fn, **kw):
+            kw.pop("backend", None)
+            return real(fn, backend="aot_eager", **kw)
+        torch.compile = aot_eager  # type: ignore[assignment]
+        try:
+            return self.opt.step(closure)
+        finally:
+            torch.compile = real
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none)
+
+
+def _torchao(cls_name: str) -> Callable[[list[Tensor], str, bool], Optimizer]:
+    def build(ps: list[Tensor], impl: str, master: bool) -> Optimizer:
+        import torchao.optim
+
+        opt = getattr(torchao.optim, cls_name)(ps, lr=1e-4, weight_decay=0.01)
+        if any(p.device.type == "cuda" for p in ps):
+            return opt
+        return _TorchaoOnMeta(opt)  # type: ignore[return-value]
+    return build
+
+
 # -- master weights ------------------------------------------------------------------------
 class MasterWeights:
     """fp32 masters beside 16-bit parameters (see the module docstring). Quacks like an
@@ -287,6 +330,9 @@ BUILDERS: dict[str, Callable[[list[Tensor], str, bool], Optimizer]] = {
     "adamw-8bit": lambda ps, impl, m: AdamW8bit(ps),
     "paged-adamw": lambda ps, impl, m: PagedAdamW(ps),
     "paged-adamw-8bit": lambda ps, impl, m: PagedAdamW8bit(ps),
+    "adamw-4bit-torchao": _torchao("AdamW4bit"),
+    "adamw-8bit-torchao": _torchao("AdamW8bit"),
+    "adamw-fp8-torchao": _torchao("AdamWFp8"),
 }
 
 
@@ -304,10 +350,20 @@ def build_optimizer(params: list[Tensor], tr: TrainingSpec):
 
 
 def optimizer_tensors(opt) -> list[Tensor]:
-    """Every tensor the optimizer holds (state, step counters, master copies)."""
+    """Every tensor the optimizer holds (state, step counters, master copies); a tensor subclass
+    (torchao's quantized state) as the plain tensors it holds (``__tensor_flatten__``)."""
     out: list[Tensor] = []
     for st in opt.state.values():
         for v in st.values():
             if isinstance(v, Tensor):
-                out.append(v)
+                out += plain_tensors(v)
     return out
+
+
+def plain_tensors(t: Tensor) -> list[Tensor]:
+    """``t``, or the inner tensors of a wrapper subclass (torchao ``OptimState4bit``: codes, scale, qmap)."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or type(t) is torch.nn.Parameter:
+        return [t]
+    names, _ = flatten()
+    return [x for n in names for x in plain_tensors(getattr(t, n))]

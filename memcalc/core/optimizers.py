@@ -34,9 +34,10 @@ DEFAULT_IMPL = "foreach"
 #: How the state of one parameter is laid out (``memcalc.engine.optimizers.state_bytes``):
 #: none; ``moments`` tensors like the parameter (in the state dtype); Adafactor's factored
 #: second moment (a row and a column vector for matrices); bitsandbytes' blockwise 8-bit.
-StateLayout = Literal["none", "like_param", "factored", "blockwise_8bit", "fp32"]
+StateLayout = Literal["none", "like_param", "factored", "blockwise_8bit", "fp32", "torchao_4bit", "torchao_8bit",
+                      "torchao_fp8"]
 #: Which temporaries the step makes (``memcalc.engine.optimizers.per_param_temps``).
-StepKind = Literal["none", "adam", "lion", "adafactor"]
+StepKind = Literal["none", "adam", "lion", "adafactor", "torchao"]
 
 #: bitsandbytes blockwise quantisation: one fp32 absmax per block of this many elements
 #: (bitsandbytes/optim/optimizer.py ``Optimizer8bit``, blockwise=True, block size 256).
@@ -47,6 +48,51 @@ BNB_MIN_8BIT_SIZE = 4096
 #: elements (bitsandbytes/optim/optimizer.py ``Optimizer8bit.get_state_buffer``: ``p.numel() < 1e5``
 #: -> ``torch.zeros_like``, else ``F.get_paged``: cudaMallocManaged unified memory)
 BNB_PAGED_MIN_NUMEL = 100_000
+
+
+@dataclass(frozen=True)
+class TorchaoLowBit:
+    """One torchao low-bit optimizer state (torchao 0.14.1 torchao/optim/adam.py ``_AdamBase._new_buffer``:
+    a parameter of at least :data:`TORCHAO_MIN_QUANT_SIZE` elements whose count divides by ``block`` gets a
+    quantized state tensor subclass per moment, any other gets ``torch.zeros_like(p)`` in the parameter's
+    dtype), and the temporaries of its ``single_param_adam`` step."""
+
+    #: the class's default ``block_size`` (AdamW4bit 128, AdamW8bit / AdamWFp8 256)
+    block: int
+    #: bytes of the codes per element: subclass_4bit.py ``OptimState4bit.zeros`` packs two 4-bit codes in a
+    #: uint8 (``n // 2``); subclass_8bit.py one uint8, subclass_fp8.py one float8_e4m3fn per element
+    code_bytes: float
+    #: the lookup table each quantized moment holds (``qmap``, fp32): 4-bit ``create_dynamic_map(True, 3, 4)`` /
+    #: 16 linear levels = 16 entries; 8-bit ``create_dynamic_map`` = 256 entries; fp8 none
+    qmap_bytes: int
+    #: the step's temporaries for one quantized parameter, bytes per element and a constant: the peak of
+    #: ``single_param_adam`` (adam.py, ``torch.compile(fullgraph=True)``) as the functional graph AOTAutograd
+    #: hands Inductor, every intermediate realised and freed at its last use (dequantized moments, the fp32
+    #: parameter and gradient, the blockwise ``scale_tensor`` and ``quantize_*_with_qmap`` codes of the
+    #: ``copy_`` back, int64 where ``torch.where`` makes them): traced on meta by
+    #: ``validate/optim.py`` (``tests/trace/test_torchao_optim.py`` re-traces it). Inductor fuses them on
+    #: CUDA, so the step there holds at most this (Triton's plan cannot be traced without CUDA)
+    temp_per_elem: float
+    temp_const: int
+
+
+#: torchao ``_new_buffer``: "follow bitsandbytes, only quantize tensors >= 4096 values"
+TORCHAO_MIN_QUANT_SIZE = 4096
+#: the step of a parameter whose state stays unquantized (``zeros_like(p)``): ``single_param_adam``'s fp32
+#: copies of the parameter, gradient and both moments and their updates, per element of the parameter, by
+#: its width in bytes (traced as :attr:`TorchaoLowBit.temp_per_elem`)
+TORCHAO_PLAIN_TEMP_PER_ELEM = {2: 20, 4: 24}
+#: state layout -> the torchao optimizer it is (adam.py AdamW4bit / AdamW8bit / AdamWFp8)
+TORCHAO: dict[str, TorchaoLowBit] = {
+    "torchao_4bit": TorchaoLowBit(128, 0.5, 64, 44.625, 128),
+    "torchao_8bit": TorchaoLowBit(256, 1.0, 1024, 45.0625, 2048),
+    "torchao_fp8": TorchaoLowBit(256, 1.0, 0, 20.03125, 0),
+}
+
+
+def torchao_quantized(numel: int, layout: str) -> bool:
+    """torchao ``_new_buffer``'s test: ``numel >= 4096 and numel % block_size == 0``."""
+    return numel >= TORCHAO_MIN_QUANT_SIZE and numel % TORCHAO[layout].block == 0
 
 
 #: Where an external name comes from: ``hf``: transformers ``TrainingArguments.optim``
@@ -109,6 +155,9 @@ class OptimizerRecord:
             return self.moments * (1 + 4 / BNB_BLOCK)
         if self.state == "fp32":
             return self.moments * 4.0
+        if self.state in TORCHAO:
+            ao = TORCHAO[self.state]
+            return self.moments * (ao.code_bytes + 4 / ao.block)
         return 0.0
 
 
@@ -120,7 +169,9 @@ _HF = "transformers 5.24 training_args.py OptimizerNames.{e}; trainer_optimizer.
 _BNB_HF = _HF.replace("{f}", "_get_bitsandbytes_optimizer: bitsandbytes.optim.{c}(optim_bits={b}, is_paged={p})")
 _CLASS = "the class path torchtune's _component_ / LitGPT's class_path instantiate"
 _LITGPT = "LitGPT litgpt/utils.py instantiate_torch_optimizer: a bare name is looked up in torch.optim"
-_TORCHAO_NOTE = "modelled as bitsandbytes' blockwise 8-bit AdamW (two 8-bit moments, one fp32 scale per block of 256)"
+_TORCHAO = "torchao 0.14.1 torchao/optim/adam.py {c} (_AdamBase._new_buffer, single_param_adam); subclass_{m}.py"
+_TORCHAO_HF_NOTE = ("transformers passes block_size=256 (optim_args block_size); modelled with torchao's default "
+                    "block of 128")
 
 
 def _hf(name: str, enum: str, how: str, impl: Optional[str] = None, note: Optional[str] = None) -> Alias:
@@ -174,11 +225,7 @@ OPTIMIZERS: dict[str, OptimizerRecord] = {
                         aliases=(
                             _bnb("adamw_bnb_8bit", "ADAMW_BNB", "AdamW", 8, False),
                             _bnb("adamw_8bit", "ADAMW_8BIT", "AdamW", 8, False),
-                            _hf("adamw_torch_8bit", "ADAMW_TORCH_8BIT",
-                                "_get_torchao_optimizer: torchao.optim.AdamW8bit", note=_TORCHAO_NOTE),
-                            _cls("bitsandbytes.optim.AdamW8bit"),
-                            _cls("torchao.optim.AdamW8bit", _TORCHAO_NOTE),
-                            _cls("torchao.prototype.low_bit_optim.AdamW8bit", _TORCHAO_NOTE))),
+                            _cls("bitsandbytes.optim.AdamW8bit"))),
         OptimizerRecord("paged-adamw", "PagedAdamW", "bitsandbytes PagedAdamW (paged_adamw_32bit), fp32 moments in "
                         "unified memory", "fp32", 2, "none", ("for-loop",), None,
                         "bitsandbytes bitsandbytes/optim/adamw.py PagedAdamW (optim_bits=32, is_paged=True); "
@@ -191,6 +238,22 @@ OPTIMIZERS: dict[str, OptimizerRecord] = {
                         "optimizer.py Optimizer2State.init_state, Optimizer8bit.get_state_buffer", paged=True,
                         aliases=(_bnb("paged_adamw_8bit", "PAGED_ADAMW_8BIT", "AdamW", 8, True),
                                  _cls("bitsandbytes.optim.PagedAdamW8bit"))),
+        OptimizerRecord("adamw-4bit-torchao", "AdamW-4bit (torchao)", "torchao AdamW4bit, blockwise 4-bit moments "
+                        "(block 128)", "torchao_4bit", 2, "torchao", ("for-loop",), None,
+                        _TORCHAO.format(c="AdamW4bit", m="4bit"), aliases=(
+                            _hf("adamw_torch_4bit", "ADAMW_TORCH_4BIT", "_get_torchao_optimizer: torchao.optim."
+                                "AdamW4bit", note=_TORCHAO_HF_NOTE),
+                            _cls("torchao.optim.AdamW4bit"), _cls("torchao.prototype.low_bit_optim.AdamW4bit"))),
+        OptimizerRecord("adamw-8bit-torchao", "AdamW-8bit (torchao)", "torchao AdamW8bit, blockwise 8-bit moments "
+                        "(block 256)", "torchao_8bit", 2, "torchao", ("for-loop",), None,
+                        _TORCHAO.format(c="AdamW8bit", m="8bit"), aliases=(
+                            _hf("adamw_torch_8bit", "ADAMW_TORCH_8BIT", "_get_torchao_optimizer: torchao.optim."
+                                "AdamW8bit (block_size=256)"),
+                            _cls("torchao.optim.AdamW8bit"), _cls("torchao.prototype.low_bit_optim.AdamW8bit"))),
+        OptimizerRecord("adamw-fp8-torchao", "AdamW-fp8 (torchao)", "torchao AdamWFp8, blockwise float8 moments "
+                        "(block 256)", "torchao_fp8", 2, "torchao", ("for-loop",), None,
+                        _TORCHAO.format(c="AdamWFp8", m="fp8"), aliases=(
+                            _cls("torchao.optim.AdamWFp8"), _cls("torchao.prototype.low_bit_optim.AdamWFp8"))),
     )
 }
 

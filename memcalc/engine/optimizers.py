@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import Callable, Optional, get_args
 
 from memcalc.core.dtypes import DType
-from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS, StateLayout, StepKind
+from memcalc.core.optimizers import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS, TORCHAO,
+                                     TORCHAO_PLAIN_TEMP_PER_ELEM, StateLayout, StepKind, torchao_quantized)
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import TrainingSpec
@@ -102,9 +103,24 @@ def _fp32(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
     return [4 * n] * moments
 
 
+def _torchao(layout: str) -> Callable[[int, int, int, TrainingSpec], list[int]]:
+    """torchao low-bit state (torchao 0.14.1 adam.py ``_AdamBase._new_buffer``): per moment, for a quantized
+    parameter (:func:`memcalc.core.optimizers.torchao_quantized`) the subclass's own tensors as
+    ``OptimState{4bit,8bit,Fp8}.zeros`` allocates them (codes, one fp32 ``scale`` per block, the ``qmap``
+    table: each its own allocation), else ``torch.zeros_like(p)`` in the parameter's dtype."""
+    ao = TORCHAO[layout]
+
+    def state(n: int, rows: int, moments: int, tr: TrainingSpec) -> list[int]:
+        if not torchao_quantized(n, layout):
+            return [state_dtype(tr).nbytes(n)] * moments
+        one = [int(n * ao.code_bytes), 4 * (n // ao.block)] + ([ao.qmap_bytes] if ao.qmap_bytes else [])
+        return one * moments
+    return state
+
+
 STATE_LAYOUTS: dict[str, Callable[[int, int, int, TrainingSpec], list[int]]] = {
     "none": _no_state, "like_param": _like_param, "factored": _factored, "blockwise_8bit": _blockwise_8bit,
-    "fp32": _fp32,
+    "fp32": _fp32, **{k: _torchao(k) for k in TORCHAO},
 }
 
 
@@ -167,9 +183,25 @@ def _adafactor_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingS
         ev += [("alloc", 4 * n), ("free", i_pf), ("free", i_lr)]
 
 
+def _torchao_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingSpec) -> None:
+    """torchao's ``single_param_adam`` on one parameter (adam.py, compiled per parameter): its peak, as
+    :attr:`memcalc.core.optimizers.TorchaoLowBit.temp_per_elem` (quantized state) or
+    ``TORCHAO_PLAIN_TEMP_PER_ELEM`` by the parameter's width (``zeros_like`` state), alive at once and
+    freed when the parameter's step returns."""
+    layout = OPTIMIZERS[tr.optimizer].state
+    if torchao_quantized(n, layout):
+        ao = TORCHAO[layout]
+        b = int(ao.temp_per_elem * n) + ao.temp_const
+    else:
+        b = TORCHAO_PLAIN_TEMP_PER_ELEM[state_dtype(tr).bits // 8] * n
+    i = len(ev)
+    ev += [("alloc", b), ("free", i)]
+
+
 #: step kind (``OptimizerRecord.step``) -> appends one parameter's step events
 STEP_KINDS: dict[str, Callable[[list[tuple[str, int]], int, int, TrainingSpec], None]] = {
     "none": _no_temps, "adam": _adam_temps, "lion": _lion_temps, "adafactor": _adafactor_temps,
+    "torchao": _torchao_temps,
 }
 
 assert set(STATE_LAYOUTS) == set(get_args(StateLayout)), "a state layout without a simulation"

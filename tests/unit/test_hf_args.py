@@ -119,9 +119,10 @@ ALIASES = [
     ("hf", "adamw_bnb_8bit", "adamw-8bit", None),
     # source: training_args.py ADAMW_8BIT = "adamw_8bit"  # just an alias for adamw_bnb_8bit
     ("hf", "adamw_8bit", "adamw-8bit", None),
-    # source: trainer_optimizer.py _get_torchao_optimizer: torchao AdamW8bit (noted: modelled as bitsandbytes'
-    # blockwise 8-bit)
-    ("hf", "adamw_torch_8bit", "adamw-8bit", None),
+    # source: trainer_optimizer.py _get_torchao_optimizer: torchao AdamW8bit (block_size 256)
+    ("hf", "adamw_torch_8bit", "adamw-8bit-torchao", None),
+    # source: trainer_optimizer.py _get_torchao_optimizer: torchao AdamW4bit (block_size 256 from optim_args' default)
+    ("hf", "adamw_torch_4bit", "adamw-4bit-torchao", None),
     # source: _get_bitsandbytes_optimizer: AdamW, optim_bits 32 (no "8bit"), is_paged True = PagedAdamW
     ("hf", "paged_adamw_32bit", "paged-adamw", None),
     # source: _get_bitsandbytes_optimizer: AdamW, optim_bits 8, is_paged True = PagedAdamW8bit
@@ -134,10 +135,18 @@ ALIASES = [
     ("class", "torch.optim.SGD", "sgd", None),
     # source: bitsandbytes/optim/adamw.py AdamW8bit (optim_bits=8)
     ("class", "bitsandbytes.optim.AdamW8bit", "adamw-8bit", None),
-    # source: torchao/optim AdamW8bit (torchtune's low-memory recipes; noted as bitsandbytes' layout)
-    ("class", "torchao.optim.AdamW8bit", "adamw-8bit", None),
+    # source: torchao 0.14.1 torchao/optim/adam.py AdamW8bit (torchtune's low-memory recipes)
+    ("class", "torchao.optim.AdamW8bit", "adamw-8bit-torchao", None),
     # source: torchao's former path of the same class (torchao.prototype.low_bit_optim)
-    ("class", "torchao.prototype.low_bit_optim.AdamW8bit", "adamw-8bit", None),
+    ("class", "torchao.prototype.low_bit_optim.AdamW8bit", "adamw-8bit-torchao", None),
+    # source: torchao/optim/adam.py AdamW4bit
+    ("class", "torchao.optim.AdamW4bit", "adamw-4bit-torchao", None),
+    # source: torchao's former path of the same class
+    ("class", "torchao.prototype.low_bit_optim.AdamW4bit", "adamw-4bit-torchao", None),
+    # source: torchao/optim/adam.py AdamWFp8
+    ("class", "torchao.optim.AdamWFp8", "adamw-fp8-torchao", None),
+    # source: torchao's former path of the same class
+    ("class", "torchao.prototype.low_bit_optim.AdamWFp8", "adamw-fp8-torchao", None),
     # source: bitsandbytes/optim/adamw.py PagedAdamW (optim_bits=32, is_paged=True)
     ("class", "bitsandbytes.optim.PagedAdamW", "paged-adamw", None),
     # source: bitsandbytes/optim/adamw.py PagedAdamW32bit (the same class with optim_bits fixed at 32)

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.core.optimizers import (DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, OPTIMIZERS, PLANNED_OPTIMIZERS, get_optimizer)
 from memcalc.core.errors import UserError
+from memcalc.core.optimizers import TORCHAO
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 from memcalc.engine.optimizers import STATE_LAYOUTS, STEP_KINDS
 from memcalc.estimate.peak import bytes_per_param, estimate
@@ -29,7 +30,7 @@ def test_records_are_well_formed() -> None:
         assert rec.name == name and rec.display and rec.help and rec.source
         assert rec.impls and set(rec.impls) <= set(IMPLS), name
         assert rec.state in STATE_LAYOUTS and rec.step in STEP_KINDS, name
-        assert (rec.moments > 0) == (rec.state in ("like_param", "blockwise_8bit", "fp32")), name
+        assert (rec.moments > 0) == (rec.state in ("like_param", "blockwise_8bit", "fp32", *TORCHAO)), name
 
 
 def _choices(tp: object) -> tuple:
@@ -66,7 +67,7 @@ def test_engine_simulates_every_valid_combination(name: str, impl: str) -> None:
         has_state = OPTIMIZERS[name].state != "none"
         assert (state_bytes > 0) == has_state or est.peak_phase != "optimizer step", (name, impl, est.components)
         bpp = bytes_per_param(exp)["optimizer_state"]
-        assert (bpp > 0) == (OPTIMIZERS[name].state in ("like_param", "blockwise_8bit", "fp32"))
+        assert (bpp > 0) == (OPTIMIZERS[name].state in ("like_param", "blockwise_8bit", "fp32", *TORCHAO))
 
 
 @pytest.mark.parametrize("name,impl", INVALID)
