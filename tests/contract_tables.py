@@ -134,6 +134,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "LoraSpec.quant_block": ({"lora": {"qlora": True, "double_quant": False}, "training": {"precision": "bf16"}}, 128),
     "LoraSpec.double_quant": (QLORA, False),
     "LoraSpec.bnb_saves_input": (QLORA, True),  # bitsandbytes < 0.43.2 MatMul4Bit keeps its input
+    # PEFT's ModulesToSaveWrapper: a frozen original and a trainable copy of each (weights, grads, state)
+    "LoraSpec.modules_to_save": (LORA, ("embed_tokens", "lm_head")),
     "LoraSpec.dtype": ({**LORA, **BF16}, "fp32"),  # fp32 adapters, their grads and state; fp32 input copies
     # -- TrainingSpec
     "TrainingSpec.batch": ({}, 3),
@@ -281,6 +283,9 @@ UNTRACED: dict[str, str] = {
                                       "(runner.py skips it)",
     "KernelProfile.kernels": "Liger patches transformers' model code: the replica is not it; the real step with Liger "
                              "applied is traced by tests/trace/test_kernels_grid.py (validate/hf_liger.py)",
+    "LoraSpec.modules_to_save": "memcalc's replica does not build PEFT's ModulesToSaveWrapper (validate refuses it "
+                                "there); transformers + PEFT's own step is traced against the estimate by "
+                                "tests/trace/test_modules_to_save_grid.py",
     "KernelProfile.liger_ops": "as KernelProfile.kernels: each kernel subset is traced on transformers' model by "
                                "tests/trace/test_kernels_grid.py",
 }

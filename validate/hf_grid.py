@@ -120,6 +120,37 @@ def qlora_grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
     return out
 
 
+# -- modules_to_save (issue 28): PEFT's ModulesToSaveWrapper beside LoRA ----------------------------------------
+#: (preset, modules, precision, checkpoint, qlora): untied (TinyLlama, GPT-2's wte / lm_head) and tied
+#: (Llama 3.2 1B: a copy of lm_head is a new untied weight; a copy of embed_tokens leaves the head on the
+#: frozen original) models, bf16 / fp32 / AMP, checkpointing, a 4-bit base (the copies of fp32-cast modules)
+MODULES_TO_SAVE_SETUPS = (
+    ("tinyllama-1.1b", ("embed_tokens", "lm_head"), "bf16", "none", False),
+    ("llama-3.2-1b", ("lm_head",), "bf16", "full", False),
+    ("llama-3.2-1b", ("embed_tokens",), "amp-bf16", "none", False),
+    ("gpt2", ("embed_tokens", "lm_head"), "fp32", "none", False),
+    ("tinyllama-1.1b", ("embed_tokens", "lm_head"), "bf16", "full", True),
+)
+
+
+def modules_to_save_grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
+    """LoRA q,v (GPT-2: its c_attn) rank 16 with ``modules_to_save``, one layer, 2 x 256 tokens: the
+    rows of :data:`MODULES_TO_SAVE_SETUPS` with the HF profile; ``only`` keeps names containing it."""
+    from memcalc.inputs.presets import load_preset
+
+    out = []
+    for preset, save, prec, ck, qlora in MODULES_TO_SAVE_SETUPS:
+        m = load_preset(preset).model_copy(update={"n_layers": 1})
+        targets = ("qkv",) if m.fused_qkv else ("q", "v")
+        lora = LoraSpec(rank=16, alpha=32, targets=targets, qlora=qlora, modules_to_save=save)
+        tr = TrainingSpec(batch=2, seq=256, precision=prec, checkpoint=ck, lora=lora)
+        name = f"{m.name} {'qlora' if qlora else 'lora'} save={','.join(save)} {prec} ck={ck} 2x256"
+        if only is None or only in name:
+            profile = get_profile(HF_ESTIMATOR_PROFILE)
+            out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=profile)))
+    return out
+
+
 def run_grid(items: list[tuple[str, ExperimentSpec]], device: str = "meta", progress=None) -> list[dict]:
     """One record per setup: measured (HF trace) and predicted bytes, the gap in percent, phases."""
     from .hf_runner import measure_hf
@@ -161,8 +192,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--only", help="keep setups whose name contains this")
     ap.add_argument("--json", action="store_true", help="print the records as JSON")
     ap.add_argument("--qlora", action="store_true", help="the QLoRA grid (qlora_grid) instead")
+    ap.add_argument("--modules-to-save", action="store_true", help="the modules_to_save grid instead")
     args = ap.parse_args(argv)
-    rows = run_grid((qlora_grid if args.qlora else grid)(args.only), progress=lambda s: print(s, file=sys.stderr))
+    which = qlora_grid if args.qlora else modules_to_save_grid if args.modules_to_save else grid
+    rows = run_grid(which(args.only), progress=lambda s: print(s, file=sys.stderr))
     print(json.dumps(rows, indent=2) if args.json else table(rows))
     return 0
 

@@ -225,6 +225,8 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
         targets = peft_targets(family, lora)
         params = [p for t in lora.targets for p in family.lora_params.get(t, ())]
         extra = dict(family.lora_kwargs, **({"target_parameters": params} if params else {}))
+        if lora.modules_to_save:
+            extra["modules_to_save"] = modules_to_save_names(model, lora.modules_to_save)
         cfg = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, target_modules=targets, lora_dropout=lora.dropout,
                          use_dora=lora.dora, **extra)
         with torch.device(device), warnings.catch_warnings():
@@ -235,6 +237,14 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
             model = get_peft_model(model, cfg)
     model.train()
     return model, family
+
+
+def modules_to_save_names(model, save: tuple[str, ...]) -> list[str]:
+    """PEFT ``modules_to_save`` for memcalc's names: the module names of the model's input embedding
+    (``embed_tokens``) and output head (``lm_head``), as the family calls them (GPT-2 ``wte``)."""
+    mods = {"embed_tokens": model.get_input_embeddings(), "lm_head": model.get_output_embeddings()}
+    names = {id(mod): name.rsplit(".", 1)[-1] for name, mod in model.named_modules()}
+    return [names[id(mods[s])] for s in save]
 
 
 def param_counts(model) -> tuple[int, int]:

@@ -45,6 +45,9 @@ def unsupported(exp: ExperimentSpec, device: str) -> Optional[str]:
         return f"torch.compile needs CUDA (inductor generates GPU kernels); cannot run on {device}"
     if tr.zero and tr.gpus > 1:
         return f"ZeRO-{tr.zero} across {tr.gpus} GPUs needs {tr.gpus} processes; the validator runs one"
+    if tr.lora is not None and tr.lora.modules_to_save and exp.profile.framework != "hf":
+        return ("modules_to_save: PEFT's ModulesToSaveWrapper is traced through PEFT itself (--framework hf); "
+                "memcalc's replica does not build it")
     if tr.offload_optimizer:
         return "optimizer offload (state and step on the CPU) is not measured by the validator"
     if tr.fused_optimizer and tr.grad_accum > 1:

@@ -71,6 +71,9 @@ LoraTargets = Annotated[Optional[str], typer.Option(
                            "Default: the attention projections.")]
 LoraDropout = Annotated[Optional[float], typer.Option("--lora-dropout", help="Dropout on the adapter input.")]
 Qlora = Annotated[bool, typer.Option("--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")]
+ModulesToSave = Annotated[Optional[str], typer.Option(
+    "--modules-to-save", help="PEFT modules_to_save beside LoRA: embed_tokens, lm_head (comma-separated; each trained "
+    "whole as a copy, the frozen original kept; implies --lora).")]
 LoraDtype = Annotated[Optional[Literal[LORA_DTYPES]], typer.Option(  # type: ignore[valid-type]
     "--lora-dtype", help="LoRA adapter dtype (weights, grads, optimizer state): fp32, or model (the base's). "
                          "Default: the framework's (hf: fp32, PEFT's autocast_adapter_dtype=True; plain, "

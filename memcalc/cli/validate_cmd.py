@@ -14,7 +14,7 @@ import typer
 
 from memcalc.cli.group import app
 from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
-                                 CompileScope, Deepspeed, BnbSavesInput, Dora,
+                                 CompileScope, Deepspeed, BnbSavesInput, Dora, ModulesToSave,
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
@@ -49,6 +49,7 @@ def validate(
     snapshot: Annotated[Optional[str], typer.Option(
         "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here.")] = None,
     as_json: Json = False, activation_offload: ActivationOffload = False, dora: Dora = False,
+    modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file.")] = None,

@@ -186,6 +186,9 @@ class ExperimentSpec(Spec):
                    ] if lora is not None else []
         if missing:
             raise ValueError(lora_targets_error(self.model, missing))
+        if lora is not None and lora.modules_to_save and self.profile.framework not in ("plain", "hf"):
+            raise ValueError(f"modules_to_save with framework {self.profile.framework}: PEFT's ModulesToSaveWrapper "
+                             "is modelled for --framework hf (transformers + PEFT); valid frameworks: hf, plain")
         moe = self.model.moe
         half = sorted({"gate", "up"} & set(lora.targets)) if lora is not None and moe is not None else []
         if moe is not None and moe.lora_mlp_to_experts and len(half) == 1:

@@ -39,6 +39,26 @@ LORA_TARGET_ALIASES = {
 }
 
 
+#: PEFT ``modules_to_save`` memcalc models: the token embedding and the output head (peft/utils/other.py
+#: ``ModulesToSaveWrapper``: the module stays as ``original_module``, frozen, beside a trainable
+#: ``copy.deepcopy`` of it in the base's dtype). Other names of the same modules map onto these.
+MODULES_TO_SAVE = ("embed_tokens", "lm_head")
+MODULES_TO_SAVE_ALIASES = {"embed": "embed_tokens", "wte": "embed_tokens", "embed_in": "embed_tokens",
+                           "tok_embeddings": "embed_tokens", "word_embeddings": "embed_tokens",
+                           "head": "lm_head", "embed_out": "lm_head", "output": "lm_head"}
+
+
+def canonical_modules_to_save(names: typing.Iterable[str]) -> tuple[str, ...]:
+    """``modules_to_save`` names lowercased, aliases mapped (wte -> embed_tokens), duplicates dropped."""
+    out: list[str] = []
+    for n in names:
+        t = n.strip().lower() if isinstance(n, str) else n
+        t = MODULES_TO_SAVE_ALIASES.get(t, t)
+        if t not in out:
+            out.append(t)
+    return tuple(out)
+
+
 def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
     """LoRA target names lowercased, PEFT aliases mapped (q_proj -> q), duplicates dropped, in order."""
     out: list[str] = []
@@ -84,10 +104,20 @@ class LoraSpec(Spec):
         "autocast_adapter_dtype=True; plain, torchtune, litgpt -> model).",
     )
 
+    modules_to_save: tuple[str, ...] = Field(
+        (), description="PEFT modules_to_save: modules trained whole beside the adapters, from "
+        f"{', '.join(MODULES_TO_SAVE)} (ModulesToSaveWrapper keeps the original frozen and a trainable copy in the "
+        "base's dtype: the weights twice, plus the copy's gradient and optimizer state).")
+
     @field_validator("targets", mode="before")
     @classmethod
     def _aliases(cls, v: Any) -> Any:
         return canonical_targets(v) if isinstance(v, (list, tuple)) else v
+
+    @field_validator("modules_to_save", mode="before")
+    @classmethod
+    def _save_aliases(cls, v: Any) -> Any:
+        return canonical_modules_to_save(v) if isinstance(v, (list, tuple)) else v
 
     @model_validator(mode="after")
     def _check_targets(self) -> "LoraSpec":
@@ -96,6 +126,13 @@ class LoraSpec(Spec):
             raise ValueError(f"unknown LoRA target(s) {', '.join(bad)}; valid: {', '.join(LORA_TARGETS)}")
         if not self.targets:
             raise ValueError("LoRA needs at least one target")
+        bad = [t for t in self.modules_to_save if t not in MODULES_TO_SAVE]
+        if bad:
+            raise ValueError(f"unknown modules_to_save {', '.join(bad)}; valid: {', '.join(MODULES_TO_SAVE)}")
+        if "lm_head" in self.modules_to_save and HEAD_TARGET in self.targets:
+            # memcalc models a module either adapted or wrapped whole (ModulesToSaveWrapper), not both
+            raise ValueError("lm_head is both a LoRA target (head) and in modules_to_save; PEFT trains it one way: "
+                             "drop head from the targets or lm_head from modules_to_save")
         if self.dora and "experts" in self.targets:
             # peft/tuners/lora/layer.py ParamWrapper.update_layer: "lora.ParamWrapper does not work with use_dora=True."
             raise ValueError("DoRA cannot adapt the MoE experts: PEFT's ParamWrapper (target_parameters) refuses "

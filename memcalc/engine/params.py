@@ -65,7 +65,7 @@ def _inventory(m: ModelSpec, lora: Optional[LoraSpec]) -> tuple[ParamTensor, ...
 
 def _build_inventory(m: ModelSpec, lora: Optional[LoraSpec]) -> list[ParamTensor]:
     full = lora is None
-    out = embedding_params(m, full)
+    out = embedding_params(m, full, lora.modules_to_save if lora is not None else ())
     for i in range(m.n_layers):
         out.extend(_layer_params(m, i, lora))
     out.extend(head_params(m, lora, full))

@@ -92,6 +92,8 @@ class Options:
     #: path of a DeepSpeed config (``--deepspeed``; HF TrainingArguments' ``deepspeed``): implies sharding deepspeed
     deepspeed: Optional[str] = None
     dora: bool = False
+    #: ``--modules-to-save`` / a recipe's ``modules_to_save``: PEFT's whole trainable copies (LoraSpec.modules_to_save)
+    modules_to_save: Optional[str] = None
     bnb_saves_input: bool = False
     #: --recipe FILE (repeatable: a training recipe and a PEFT adapter config) and --adapter-config FILE:
     #: their values fill the fields above that the user left unset (memcalc.inputs.recipes)
@@ -314,7 +316,8 @@ def _put_flags(o: Options, model: ModelSpec, tr: _Training, notes: list[str]) ->
 def _lora_given(o: Options) -> bool:
     """Whether any LoRA flag was given (each one means LoRA)."""
     return any((o.lora, o.qlora, o.dora, o.bnb_saves_input)) or any(
-        v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout, o.lora_dtype))
+        v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout, o.lora_dtype,
+                                o.modules_to_save))
 
 
 def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
@@ -337,7 +340,21 @@ def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
             cur[switch] = True
     if o.lora_dtype is not None:
         cur["dtype"] = o.lora_dtype
+    if o.modules_to_save is not None:
+        cur["modules_to_save"] = parse_modules_to_save(o.modules_to_save)
     tr.put("lora", cur)
+
+
+def parse_modules_to_save(text: str) -> tuple[str, ...]:
+    """``--modules-to-save embed_tokens,lm_head`` (PEFT's names or their aliases) as LoraSpec wants them."""
+    from memcalc.core.training_spec import MODULES_TO_SAVE, canonical_modules_to_save
+
+    names = canonical_modules_to_save(t for t in text.split(",") if t.strip())
+    bad = [n for n in names if n not in MODULES_TO_SAVE]
+    if bad or not names:
+        raise UserError(f"--modules-to-save: unknown module {', '.join(bad) or repr(text)}; valid: "
+                        f"{', '.join(MODULES_TO_SAVE)}")
+    return names
 
 
 def _setup_defaults(o: Options, model: ModelSpec, profile: KernelProfile, tr: _Training,

@@ -235,7 +235,9 @@ def _adapters(exp: ExperimentSpec, res: Resolved) -> Optional[str]:
     adt = exp.adapter_dtype
     return (f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'}{' + DoRA' if lo.dora else ''} rank {lo.rank}, "
             f"alpha {lo.alpha:g}, on {','.join(lo.targets)}"
-            f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}")
+            f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}"
+            + (f"; modules_to_save {','.join(lo.modules_to_save)} (trainable copies beside the frozen originals)"
+               if lo.modules_to_save else ""))
 
 
 def _kernel_profile(p: KernelProfile, m: ModelSpec, o: dict[str, str]) -> str:

@@ -14,13 +14,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.records import T
 
 
-def embedding_params(m: ModelSpec, full: bool) -> list[ParamTensor]:
-    """The token embedding (vocab x d) and, with learned positions, the position embedding."""
+def embedding_params(m: ModelSpec, full: bool, save: tuple[str, ...] = ()) -> list[ParamTensor]:
+    """The token embedding (vocab x d) and, with learned positions, the position embedding. With
+    ``embed_tokens`` in PEFT's ``modules_to_save`` (``save``): the original embedding stays, frozen
+    (``embed_tokens.original_module``), and the one the forward uses is PEFT's trainable copy
+    (peft 0.21 utils/other.py ``ModulesToSaveWrapper.update``: ``copy.deepcopy(self.original_module)``,
+    the base's dtype; ``_forward_wrapped`` calls the copy)."""
     d = m.d_model
-    out = [ParamTensor("embed_tokens.weight", (m.vocab_size, d), None, full, "embedding")]
+    out = []
+    if "embed_tokens" in save:
+        out.append(ParamTensor(ORIGINAL_EMBED, (m.vocab_size, d), None, False, "embedding"))
+    out.append(ParamTensor("embed_tokens.weight", (m.vocab_size, d), None, full or "embed_tokens" in save, "embedding"))
     if m.positions == "learned":
         out.append(ParamTensor("embed_positions.weight", (m.max_seq_len, d), None, full, "embedding"))
     return out
+
+
+#: the frozen original of an embedding in ``modules_to_save`` (with tied embeddings, the head's weight)
+ORIGINAL_EMBED = "embed_tokens.original_module.weight"
 
 
 def embed(fwd: ForwardContext, ids: T) -> T:

@@ -45,6 +45,7 @@ from memcalc.core.rules import chunk_rows
 from memcalc.core.spec import LoraSpec, ModelSpec
 from memcalc.engine.blocks.adapters import adapter_params
 from memcalc.engine.blocks.base import ParamTensor, scaled
+from memcalc.engine.blocks.embedding import ORIGINAL_EMBED
 from memcalc.engine.ops import Ops
 from memcalc.engine.sim import T
 
@@ -170,8 +171,13 @@ def head_params(m: ModelSpec, lora: Optional[LoraSpec], full: bool) -> list[Para
         out.append(ParamTensor("final_norm.weight", (d,), None, full, "norm"))
         if m.has_norm_bias:
             out.append(ParamTensor("final_norm.bias", (d,), None, full, "bias"))
-    if not m.tie_embeddings:
-        out.append(ParamTensor("lm_head.weight", (m.vocab_size, d), None, full, "embedding"))
+    save = lora.modules_to_save if lora is not None else ()
+    if "lm_head" in save and not m.tie_embeddings:  # ModulesToSaveWrapper: the original, frozen
+        out.append(ParamTensor("lm_head.original_module.weight", (m.vocab_size, d), None, False, "embedding"))
+    if not m.tie_embeddings or "lm_head" in save:
+        # with tied embeddings PEFT's copy of lm_head is a new, untied, trainable weight (peft 0.21
+        # utils/other.py ModulesToSaveWrapper.update: copy.deepcopy of the module)
+        out.append(ParamTensor("lm_head.weight", (m.vocab_size, d), None, full or "lm_head" in save, "embedding"))
     if m.lm_head_bias:
         out.append(ParamTensor("lm_head.bias", (m.vocab_size,), None, full, "bias"))
     if lora is not None and "head" in lora.targets:
@@ -196,7 +202,10 @@ def logits(fwd: ForwardContext, x: T) -> T:
     projection (with LoRA target head, its adapter branch is a vocab-wide B output), then
     :func:`post_logits`."""
     o, m = fwd.ops, fwd.m
-    weight = "lm_head.weight" if fwd.maybe("lm_head.weight") is not None else "embed_tokens.weight"
+    # tied embeddings: the embedding's weight, or its frozen original when PEFT trains a copy of the
+    # embedding alone (modules_to_save embed_tokens: lm_head keeps the original's tensor)
+    weight = ("lm_head.weight" if fwd.maybe("lm_head.weight") is not None else
+              ORIGINAL_EMBED if fwd.maybe(ORIGINAL_EMBED) is not None else "embed_tokens.weight")
     if fwd.tp:  # the head is column-parallel on the vocabulary
         h = fwd.tp.gather(fwd, x)
         o.drop(x)

@@ -16,10 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from memcalc.core.errors import UserError
-from memcalc.inputs.data_files import clip
 from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, model_for_hub_id,
                                            peft_targets, set_deepspeed, set_fsdp)
-from memcalc.inputs.recipes.hf import attention, lora_settings, optimizer, packing
+from memcalc.inputs.recipes.hf import attention, lora_settings, modules_to_save, optimizer, packing
 
 IGNORE = (
     "base_model_config", "model_type", "tokenizer_type", "tokenizer_config", "is_*_derived_model", "strict",
@@ -160,6 +159,6 @@ def _lora(r: Reader) -> None:
         r.set("lora_targets", peft_targets(mods, f"{src}:lora_target_modules"), "lora_target_modules", mods)
     if r.has("peft_use_dora") and bool_value(r.get("peft_use_dora"), f"{src}:peft_use_dora"):
         r.set("dora", True, "peft_use_dora")
-    if r.get("lora_modules_to_save"):
-        raise UserError(f"{src}:lora_modules_to_save: {clip(repr(r.get('lora_modules_to_save')))}: fully trained "
-                        "module copies are not modelled; remove it")
+    if r.get("lora_modules_to_save"):  # axolotl passes it to LoraConfig(modules_to_save=...)
+        v = r.get("lora_modules_to_save")
+        r.set("modules_to_save", modules_to_save(v, f"{src}:lora_modules_to_save"), "lora_modules_to_save", v)

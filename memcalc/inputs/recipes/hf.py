@@ -7,7 +7,7 @@ TRL's ``SFTConfig`` (``max_length``, formerly ``max_seq_length``; ``packing``) a
 (``model_name_or_path``, ``torch_dtype``/``dtype``, ``use_peft``, ``lora_r``, ``lora_alpha``,
 ``lora_dropout``, ``lora_target_modules``, ``use_dora``, ``load_in_4bit``, ``load_in_8bit``), and PEFT's
 ``LoraConfig`` (``r``, ``lora_alpha``, ``lora_dropout``, ``target_modules``, ``use_dora``,
-``modules_to_save``, ``rank_pattern``).
+``modules_to_save`` (embed_tokens, lm_head: LoraSpec.modules_to_save), ``rank_pattern``).
 
 This is memcalc's one reader of ``TrainingArguments``: ``--recipe`` reads a file with :func:`read`, and the
 Trainer callback (``memcalc.integrations.transformers.MemcalcCallback``) reads the live arguments with
@@ -285,8 +285,9 @@ def _trl_peft(r: Reader) -> None:
         _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
         return
     r.set("lora", True, "use_peft")
-    if r.get("lora_modules_to_save"):
-        raise UserError(f"{src}:lora_modules_to_save: fully trained module copies are not modelled; remove it")
+    if r.get("lora_modules_to_save"):  # TRL ModelConfig.lora_modules_to_save -> LoraConfig(modules_to_save=...)
+        v = r.get("lora_modules_to_save")
+        r.set("modules_to_save", modules_to_save(v, f"{src}:lora_modules_to_save"), "lora_modules_to_save", v)
     if q4:
         r.set("qlora", True, "load_in_4bit")
         _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
@@ -344,11 +345,29 @@ def peft(cfg: dict[str, Any], rec: Recipe, src: str, prefix: str) -> None:
             cfg["target_modules"])
     if cfg.get("use_dora") is not None and bool_value(cfg["use_dora"], f"{where}use_dora"):
         put("dora", True, "use_dora")
-    for k in ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters", "trainable_token_indices",
+    if cfg.get("modules_to_save"):
+        put("modules_to_save", modules_to_save(cfg["modules_to_save"], f"{where}modules_to_save"), "modules_to_save",
+            cfg["modules_to_save"])
+    for k in ("rank_pattern", "alpha_pattern", "target_parameters", "trainable_token_indices",
               "layer_replication"):
         if cfg.get(k):
             raise UserError(f"{where}{k}: {clip(repr(cfg[k]))} is not modelled (memcalc adapts every target "
                             "alike, with nothing else trainable); remove it")
+
+
+def modules_to_save(value: Any, where: str) -> str:
+    """PEFT ``modules_to_save`` (a list of module names, or one name) as ``--modules-to-save`` text; names
+    memcalc does not model are a one-line error listing the valid ones."""
+    from memcalc.core.training_spec import MODULES_TO_SAVE, canonical_modules_to_save
+
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise UserError(f"{where}: {clip(repr(value))} is not a list of module names")
+    names = canonical_modules_to_save(items)
+    bad = [n for n in names if n not in MODULES_TO_SAVE]
+    if bad:
+        raise UserError(f"{where}: {clip(', '.join(bad))} is not modelled; valid: {', '.join(MODULES_TO_SAVE)}")
+    return ",".join(names)
 
 
 def lora_settings(r: Reader, rank: int, alpha: float, dropout: Optional[float], whose: str) -> None:
