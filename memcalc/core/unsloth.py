@@ -3,10 +3,11 @@
 :mod:`memcalc.engine.blocks.unsloth_lora`) and the output's provenance lines.
 
 Source: the PyPI wheels unsloth 2026.10.9 and unsloth_zoo 2026.10.9 (``pip download unsloth unsloth_zoo
---no-deps``), read file by file; every rule below names its file and function. Nothing here is traced:
-Unsloth's training paths launch Triton kernels and CUDA streams, and on a machine without a GPU ``import
-unsloth`` takes its CPU fallback (unsloth/_cpu_init.py: "no GPU found, training on CPU"), which does not run
-the code modelled here. :data:`PROVENANCE` says so in every estimate's output.
+--no-deps``), read file by file; every rule below names its file and function. Unsloth's step is not traced:
+its model forward, offloading checkpoint (CUDA streams) and torch.compile'd loss need CUDA, and on a machine
+without a GPU ``import unsloth`` takes its CPU fallback (unsloth/_cpu_init.py: "no GPU found, training on CPU"),
+which does not run the code modelled here. Its LoRA Functions are traced on meta (:data:`KERNEL_TRACE`).
+:data:`PROVENANCE` says which is which in every estimate's output.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def ce_chunk_rows(rows: int, chunks: int) -> int:
     return -(-rows // chunks)
 
 
+#: the kernel-level trace of Unsloth's LoRA Functions (memcalc.validate.unsloth_kernels)
+KERNEL_TRACE = "tests/trace/test_unsloth_kernels.py"
+
 #: what the output says about an Unsloth estimate (``provenance``): each mechanism, read or traced
 PROVENANCE: tuple[tuple[str, str, str], ...] = (
     ("gradient checkpointing", "read",
@@ -87,10 +91,13 @@ PROVENANCE: tuple[tuple[str, str, str], ...] = (
     ("loss", "read",
      "unsloth_fused_ce_loss: grad_inputs kept from forward, chunks sized for a 4 GB target, 14 bytes per logit "
      "(unsloth_zoo fused_losses/cross_entropy_loss.py; torch.compile'd, not traced)"),
-    ("LoRA", "read",
-     "fast_lora LoRA_QKV / LoRA_W / LoRA_MLP where patch_peft_model installs them: adapters fp32 (unsloth_zoo "
-     "training_utils.py) cast to the input's dtype per call, the input saved once, dX written into it; a 4-bit base "
-     "dequantised into one global buffer (kernels/utils.py fast_dequantize)"),
+    ("LoRA", "traced",
+     "fast_lora LoRA_QKV / LoRA_W / LoRA_MLP where patch_peft_model installs them, run unmodified on meta (Triton "
+     f"launches no-ops): saved bytes and forward / backward peaks equal to the byte ({KERNEL_TRACE}); adapters fp32 "
+     "(unsloth_zoo training_utils.py, read)"),
+    ("4-bit dequantisation", "read",
+     "fast_dequantize: forward into one global buffer of the largest weight (kernels/utils.py), backward afresh "
+     "(bitsandbytes' CUDA kernels through ctypes: not traced)"),
     ("RMSNorm", "read", "Fast_RMS_Layernorm saves X, W and fp32 rstd (the fused rule)"),
     ("attention and RoPE", "not Unsloth's",
      "memcalc's transformers rules stand in for Unsloth's attention dispatch and in-place RoPE kernel "
@@ -98,14 +105,16 @@ PROVENANCE: tuple[tuple[str, str, str], ...] = (
 )
 
 #: the one line the output prints
-PROVENANCE_NOTE = (f"framework unsloth: every Unsloth number is read from its source ({UNSLOTH_VERSION}), none "
-                   "traced (its paths need CUDA; validate --framework unsloth says so); see docs/unsloth.md")
+PROVENANCE_NOTE = (f"framework unsloth: Unsloth's step is not traced (its model forward, offloading checkpoint and "
+                   f"compiled loss need CUDA); its LoRA kernels are traced on meta ({KERNEL_TRACE}), every other "
+                   f"Unsloth number is read from its source ({UNSLOTH_VERSION}); see docs/unsloth.md")
 
 
 def provenance(exp) -> dict:
-    """The ``provenance`` of an Unsloth estimate (``--json``; the table prints it as assumption lines): nothing
-    traced, each mechanism read from source with the rule memcalc applies in this setup."""
+    """The ``provenance`` of an Unsloth estimate (``--json``; the table prints it as assumption lines): which
+    mechanism is traced and which read from source, with the rule memcalc applies in this setup."""
     tr = exp.training
+    lora = tr.lora
     mechanisms = []
     for name, how, rule in PROVENANCE:
         if name == "gradient checkpointing":
@@ -114,15 +123,19 @@ def provenance(exp) -> dict:
             if tr.seq < GC_MIN_SEQ:
                 rule = (f"--seq {tr.seq} < {GC_MIN_SEQ}: apply_unsloth_gradient_checkpointing falls back to plain "
                         "reentrant checkpointing (nothing offloaded)")
-        if name == "LoRA" and tr.lora is None:
+        if name in ("LoRA", "4-bit dequantisation") and lora is None:
+            continue
+        if name == "4-bit dequantisation" and not lora.qlora:  # type: ignore[union-attr]
             continue
         mechanisms.append({"mechanism": name, "how": how, "rule": rule})
-    return {"framework": "unsloth", "source": UNSLOTH_VERSION, "traced": [], "note": PROVENANCE_NOTE,
-            "mechanisms": mechanisms}
+    return {"framework": "unsloth", "source": UNSLOTH_VERSION,
+            "traced": [m["mechanism"] for m in mechanisms if m["how"] == "traced"],
+            "note": PROVENANCE_NOTE, "mechanisms": mechanisms}
 
 
 #: ``memcalc validate --framework unsloth``: the one line (exit 2) saying what is not traced
-UNTRACED = ("validate --framework unsloth: nothing of Unsloth's step is traced (its LoRA kernels, fused loss and "
-            "offloaded checkpointing launch Triton kernels on CUDA streams; without a GPU, import unsloth takes its "
-            "CPU fallback); every Unsloth number of memcalc estimate --framework unsloth is read from "
+UNTRACED = ("validate --framework unsloth: Unsloth's step cannot be traced (its model forward, offloading "
+            "checkpoint and torch.compile'd fused loss need CUDA; without a GPU, import unsloth takes its CPU "
+            f"fallback); only its LoRA kernels are, on meta, by {KERNEL_TRACE} (memcalc.validate.unsloth_kernels), "
+            "equal to the estimate's to the byte; the rest of memcalc estimate --framework unsloth is read from "
             f"{UNSLOTH_VERSION} source (docs/unsloth.md)")

@@ -26,8 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.engine.blocks.liger import _hand_over
-from memcalc.engine.sim import Param, T
+from memcalc.engine.sim import Node, Param, Sim, T
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.context import ForwardContext
@@ -87,22 +86,55 @@ def _matmul_lora(fwd: ForwardContext, x: T, a: Param, b: Param, d_out: int) -> T
     o = fwd.ops
     dt = o.dtype_of(x)
     y = o.new(fwd.rows * d_out, dt)
-    casts = [o.new(p.numel, dt, kind=TMP) for p in (a, b) if p.weight.itemsize_bits != dt.bits]
     lora = fwd.lora
     assert lora is not None
+    cast = a.weight.itemsize_bits != dt.bits
+    a_cast = o.new(a.numel, dt, kind=TMP) if cast else None  # XA = torch_matmul(X, A.to(dtype))
     xa = o.new(fwd.rows * lora.rank, dt, kind=TMP)
-    o.drop(xa, *casts)
+    o.drop(a_cast)
+    b_cast = o.new(b.numel, dt, kind=TMP) if cast else None  # addmm_(out, XA, B.to(dtype), alpha=s)
+    o.drop(xa, b_cast)
     return y
 
 
-def _rank_temps(fwd: ForwardContext, x: T, adapters: list[Param]) -> list[int]:
-    """A backward's rank-sized temporaries: each adapter cast to the input's dtype, and per projection ``dY @
-    B.t()`` (rows x rank) and ``A.t() @ X.t()`` (rank x rows), counted alive together."""
+def _bwd_casts(fwd: ForwardContext, x: T, adapters: list[Param]) -> list[int]:
+    """Each adapter cast to the input's dtype at the start of a backward (``gateA.to(dtype)``, ...) and the
+    Function's gradient of it (``d_gateA = torch.empty_like(gateA)``, in that dtype), both alive to its return."""
     dt = fwd.ops.dtype_of(x)
+    return [dt.nbytes(p.numel) for p in adapters for _twice in (0, 1)]
+
+
+def _rank_rows(fwd: ForwardContext, x: T) -> int:
+    """One rows x rank product in the input's dtype (``dY @ B.t()``, or ``A.t() @ X.t()`` its transpose)."""
     lora = fwd.lora
     assert lora is not None
-    casts = [dt.nbytes(p.numel) for p in adapters if p.weight.itemsize_bits != dt.bits]
-    return casts + [dt.nbytes(fwd.rows * lora.rank)] * len(adapters)
+    return fwd.ops.dtype_of(x).nbytes(fwd.rows * lora.rank)
+
+
+def _backward(x: T, held: list[int], peak: int, dx_bytes: int = 0, deq: int = 0):
+    """A node hook running the Function's backward in its order before the node's own bookkeeping: ``held``
+    (alive to the return), a ``peak`` temporary beside them (freed), a 4-bit base's fresh dequantisation ``deq``
+    beside a new ``dx_bytes`` dX (``LoRA_W``) or, with ``dx_bytes`` 0, dX written into X (``out=X``): X's storage
+    becomes its gradient. Then everything but dX goes; the node itself only adds the adapters' gradients (the
+    Function returns them in the input's dtype, counted in ``held``; autograd casts each to the fp32 adapter's
+    dtype as it leaves: the fp32 gradients the simulator gives the parameters)."""
+    def hook(s: Sim, n: Node) -> None:
+        ts = [s.alloc(b, TMP, "backward workspace") for b in held if b]
+        if peak:
+            s.transient(peak, TMP, "backward workspace")
+        dq = s.alloc(deq, TMP, "dequantised weight") if deq else None
+        if dx_bytes:
+            dx = s.alloc(dx_bytes, TMP, "activation gradients")
+            if x.grad_buffer is None:
+                x.grad_buffer = dx
+            else:  # InputBuffer accumulates in place
+                s.unref(dx)
+        elif x.grad_buffer is None and x.alive:
+            x.grad_buffer = s.ref(x)
+        s.unref(dq)
+        for t in ts:
+            s.unref(t)
+    return hook
 
 
 def qkv(fwd: ForwardContext, x: T, i: int, widths: tuple[int, int, int]) -> tuple[T, T, T]:
@@ -110,11 +142,14 @@ def qkv(fwd: ForwardContext, x: T, i: int, widths: tuple[int, int, int]) -> tupl
     parts = [_base(fwd, f"layers.{i}.attn.{n}_proj") for n in "qkv"]
     outs = tuple(_matmul_lora(fwd, x, a, b, d) for (_w, a, b, _q), d in zip(parts, widths, strict=True))
     params = [p for w, a, b, _q in parts for p in (w, a, b)]
-    temps = [max(q for *_r, q in parts), *_rank_temps(fwd, x, [p for _w, a, b, _q in parts for p in (a, b)])]
-    node = fwd.sim.node("unsloth_lora_qkv", [x], [x], params, list(outs), temps=[t for t in temps if t],
-                        grad_input_bytes=[0], flops=2 * fwd.rows * sum(w.numel for w, *_r in parts))
-    if node is not None:  # dX = torch.matmul(dQ, QW.t(), out=X): X's storage becomes its gradient
-        node.on_backward = _hand_over([(x, x)])
+    node = fwd.sim.node("unsloth_lora_qkv", [x], [x], params, list(outs), grad_input_bytes=[0],
+                        flops=2 * fwd.rows * sum(w.numel for w, *_r in parts))
+    if node is not None:
+        # the casts and d_*, q_dB / k_dB / v_dB (alive to the return); one A.t() @ X.t() at a time, then, a 4-bit
+        # base, one fresh dequantisation at a time while dX goes into X (torch.matmul(dQ, QW.t(), out=X))
+        rr = _rank_rows(fwd, x)
+        held = [*_bwd_casts(fwd, x, [p for _w, a, b, _q in parts for p in (a, b)]), rr, rr, rr]
+        node.on_backward = _backward(x, held, max(rr, *(q for *_r, q in parts)))
     return outs  # type: ignore[return-value]
 
 
@@ -122,8 +157,13 @@ def o_proj(fwd: ForwardContext, x: T, i: int, d_out: int) -> T:
     """``LoRA_W.apply(X, OW, ...)`` for the attention output projection; saves X; backward allocates dX."""
     w, a, b, deq = _base(fwd, f"layers.{i}.attn.o_proj")
     y = _matmul_lora(fwd, x, a, b, d_out)
-    temps = [t for t in [deq, *_rank_temps(fwd, x, [a, b])] if t]
-    fwd.sim.node("unsloth_lora_w", [x], [x], [w, a, b], [y], temps=temps, flops=2 * fwd.rows * w.numel)
+    node = fwd.sim.node("unsloth_lora_w", [x], [x], [w, a, b], [y], grad_input_bytes=[0],
+                        flops=2 * fwd.rows * w.numel)
+    if node is not None:
+        # the casts and d_A, d_B, y_dB = dY @ B.t() (alive to the return); A.t() @ X.t(); then the base dequantised
+        # afresh (4-bit) beside dX = dY @ W.t(), into which addmm_ adds the adapter's term
+        rr = _rank_rows(fwd, x)
+        node.on_backward = _backward(x, [*_bwd_casts(fwd, x, [a, b]), rr], rr, x.nbytes, deq)
     return y
 
 
@@ -133,20 +173,21 @@ def mlp(fwd: ForwardContext, x: T, i: int) -> T:
     projection's output; saves X, e, g."""
     o, m = fwd.ops, fwd.m
     parts = [_base(fwd, f"layers.{i}.mlp.{n}_proj") for n in ("gate", "up", "down")]
-    (gw, ga, gb, _gq), (uw, ua, ub, _uq), (dw, da, db, _dq) = parts
+    (gw, ga, gb, gq), (uw, ua, ub, uq), (dw, da, db, _dq) = parts
     e = _matmul_lora(fwd, x, ga, gb, m.d_ff)
     g = _matmul_lora(fwd, x, ua, ub, m.d_ff)
     h = o.new(e.numel, o.dtype_of(e))
     y = _matmul_lora(fwd, h, da, db, m.d_model)
     o.drop(h)
-    dt = o.dtype_of(x)
-    # backward: DW (rows x d_ff) beside one fresh dequantisation at a time (up, then gate)
-    temps = [dt.nbytes(e.numel), max(_gq, _uq), *_rank_temps(fwd, x, [ga, gb, ua, ub, da, db])]
     node = fwd.sim.node("unsloth_lora_mlp", [x, e, g], [x], [gw, ga, gb, uw, ua, ub, dw, da, db], [y],
-                        temps=[t for t in temps if t], grad_input_bytes=[0],
-                        flops=2 * fwd.rows * (gw.numel + uw.numel + dw.numel))
+                        grad_input_bytes=[0], flops=2 * fwd.rows * (gw.numel + uw.numel + dw.numel))
     if node is not None:
-        node.on_backward = _hand_over([(x, x)])
+        # the casts and d_*, DW = matmul_lora(dY, downW.t(), ...) (rows x d_ff: h after swiglu_DWf_DW_dfg_kernel,
+        # down dequantised into the global buffer), up_dB and gate_dB (alive to the return); one A.t() @ h.t() /
+        # X.t() at a time, then one fresh dequantisation (up, then gate) while dX goes into X
+        rr = _rank_rows(fwd, x)
+        held = [*_bwd_casts(fwd, x, [ga, gb, ua, ub, da, db]), o.dtype_of(x).nbytes(e.numel), rr, rr]
+        node.on_backward = _backward(x, held, max(rr, gq, uq))
     o.drop(e, g)
     return y
 
