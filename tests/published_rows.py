@@ -27,6 +27,7 @@ QLORA_TOLERANCE_PCT = 5.0  # issue 28: QLoRA rows within 5%
 # the published metric -> the estimate's --json key that measures the same thing
 METRIC_KEY = {
     "allocated": "allocated_peak_bytes",  # torch.cuda.max_memory_allocated: whole blocks + cuBLAS workspaces
+    "allocated_run": "run_peak_bytes",  # max_memory_allocated never reset: the higher of the load phase and that
     "active": "allocated_peak_bytes",  # active_bytes.all.peak: allocated + blocks whose free waits on a stream
     "reserved": "reserved_peak_bytes",  # torch.cuda.max_memory_reserved
     "device_total": "device_total_bytes",  # what nvidia-smi shows: reserved + CUDA context + workspaces

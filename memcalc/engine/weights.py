@@ -76,6 +76,18 @@ class Model:
     buffers: dict[str, list] = field(default_factory=dict)
 
 
+def param_rows(exp: ExperimentSpec) -> tuple[tuple, ...]:
+    """Each parameter's allocation as :func:`make_params` makes it (:func:`_param_rows`' rows), for
+    what runs before the step (:mod:`memcalc.engine.loading`)."""
+    tr = exp.training
+    f2 = fsdp.fsdp_active(tr)
+    z3 = tr.zero >= 3 and (tr.gpus > 1 or uses_deepspeed(exp)) and not f2
+    return _param_rows(
+        local_experiment(exp).model, tr.lora, tr.weight_dtype, exp.adapter_dtype or tr.weight_dtype, tr.gpus, f2,
+        f2 and tr.sharding == "fsdp1", fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast)[0]
+
+
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     """Allocate every parameter at the precision policy's weight dtype, LoRA adapters at theirs
     (:attr:`ExperimentSpec.adapter_dtype`); weights exist before the step. What each parameter

@@ -19,6 +19,7 @@ from memcalc.core.gpu_side import NOT_MODELLED, GpuSide, device_memory, gpu_side
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
+from memcalc.engine.loading import load_phase
 from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
@@ -264,6 +265,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         step_alloc, step_reserved = max(a_steady, a_first), max(r_steady, r_first)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
     alloc_extra.update(techniques)
+    load = load_phase(exp)  # before the step (memcalc.engine.loading): QLoRA quantizes while it loads
+    alloc_extra.update({"load_peak_bytes": load.peak_bytes, "load_peak_label": load.peak_label})
     assert first.peak_bytes <= steady.peak_bytes or not first_step_within_steady(exp), (
         f"{exp.name}: first step {first.peak_bytes} > steady step {steady.peak_bytes} bytes "
         "(memcalc.engine.timeline.first_step_within_steady does not hold)")
@@ -274,6 +277,9 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     kinds = {k: top.peak_kinds.get(k, 0) for k in KINDS}
     gside = step_side(exp, side)
     dev = device_memory(peak if step_alloc is None else step_alloc, step_reserved, gside)
+    # torch.cuda.max_memory_allocated over the whole process (no reset_peak_memory_stats after set-up): the
+    # load has run no matmul yet (no cuBLAS workspace), so its peak is the load phase's own
+    alloc_extra["run_peak_bytes"] = max(dev.allocated_peak_bytes, load.peak_bytes)
     assumptions = [
         f"device total on {gside.device}: " + "; ".join(gside.sources),
         ("reserved: the caching-allocator replay of the step (c10/cuda/CUDACachingAllocator.cpp: 512-byte blocks, "

@@ -98,6 +98,9 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "device_total_bytes": est.device_total_bytes,
         "device": est.device,
         "device_parts": est.device_parts,
+        "load_peak_bytes": est.extra.get("load_peak_bytes"),
+        "load_peak_at": est.extra.get("load_peak_label"),
+        "run_peak_bytes": est.extra.get("run_peak_bytes"),
         "required_bytes": est.required_bytes,
         "cuda_context_bytes": est.cuda_context_bytes,
         "bytes_per_param": est.bytes_per_param,
@@ -391,6 +394,11 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = 
                 f"{fmt_bytes(comp['recomputed_in_backward_bytes'])} of the recomputed chain")
     elif rec:
         add(f"recomputation: {rec['by']} runs {recompute_pct(rec):.1f}% of the forward FLOPs again in backward")
+    lora = est.experiment.training.lora
+    if lora is not None and lora.qlora and est.extra.get("load_peak_bytes") is not None:
+        add(f"loading: {fmt_bytes(est.extra['load_peak_bytes'])} at its peak ({est.extra['load_peak_label']}; the "
+            f"base is quantized on the GPU as it loads); max_memory_allocated over the whole run, load included: "
+            f"{fmt_bytes(est.extra['run_peak_bytes'])}")
     alloc = est.allocated_peak_bytes
     if est.experiment.published_peak_bytes:
         pub = est.experiment.published_peak_bytes
