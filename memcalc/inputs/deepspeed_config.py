@@ -137,9 +137,16 @@ def _offload(path: str, zo: dict, key: str) -> bool:
 
 
 def load_json(path: str) -> dict:
+    from memcalc.inputs.data_files import check_name, clip
+
+    check_name(path, "--deepspeed")
     p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--deepspeed {path}: no such file")
+    try:
+        found = p.is_file()
+    except OSError as e:  # a name the OS refuses (a component over 255 bytes)
+        raise UserError(f"--deepspeed {clip(path, 200)}: {e.strerror or e}") from None
+    if not found:
+        raise UserError(f"--deepspeed {clip(path, 200)}: no such file")
     from memcalc.inputs.data_files import check_size, read_user_file
 
     text = read_user_file(p, "--deepspeed")  # at most 1 MiB, UTF-8

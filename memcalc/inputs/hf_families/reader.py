@@ -14,6 +14,18 @@ from collections.abc import Mapping
 from typing import Any, Optional, overload
 
 from memcalc.core.errors import UserError
+from memcalc.inputs.data_files import shorten
+
+#: the largest integer a config key takes (2**31 - 1: above any width, depth, vocabulary or context length)
+MAX_CONFIG_INT = 2**31 - 1
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` cut for an error line (an int of 4,000 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = str(value)
+        return digits if len(digits) <= 60 else f"{digits[:20]}... ({len(digits):,} digits)"
+    return shorten(value)
 
 # Hugging Face ACT2FN names -> ModelSpec.activation.
 ACTIVATIONS = {
@@ -73,27 +85,31 @@ class Reader:
         value = self._raw(key, default)
         if value is None:
             return None
-        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                or value != int(value) or value <= 0):  # JSON admits NaN and Infinity
-            raise UserError(f"{key} in {self.where} must be a positive integer, got {value!r}")
-        return int(value)
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):  # 4096.0
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:  # JSON admits NaN and Infinity
+            raise UserError(f"{key} in {self.where} must be a positive integer, got {_shown(value)}")
+        if value > MAX_CONFIG_INT:
+            raise UserError(f"{key} in {self.where} must be at most {MAX_CONFIG_INT:,}, got {_shown(value)}")
+        return value
 
     def float(self, key: str, default: Any = FAMILY_DEFAULT, lo: float = 0.0, hi: float = math.inf) -> float:
         value = self._raw(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-            raise UserError(f"{key} in {self.where} must be a number in [{lo:g}, {hi:g}], got {value!r}")
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi)
+                or abs(value) > 1e300):  # an int of 400 digits has no float
+            raise UserError(f"{key} in {self.where} must be a number in [{lo:g}, {hi:g}], got {_shown(value)}")
         return float(value)
 
     def bool(self, key: str, default: Any = FAMILY_DEFAULT) -> bool:
         value = self._raw(key, default)
         if not isinstance(value, bool):
-            raise UserError(f"{key} in {self.where} must be true or false, got {value!r}")
+            raise UserError(f"{key} in {self.where} must be true or false, got {_shown(value)}")
         return value
 
     def activation(self, key: str, default: Any = FAMILY_DEFAULT) -> str:
         value = self._raw(key, default)
         if not isinstance(value, str) or value not in ACTIVATIONS:
             raise UserError(
-                f"unsupported {key} {value!r} in {self.where}; valid: {', '.join(sorted(ACTIVATIONS))}"
+                f"unsupported {key} {_shown(value)} in {self.where}; valid: {', '.join(sorted(ACTIVATIONS))}"
             )
         return ACTIVATIONS[value]

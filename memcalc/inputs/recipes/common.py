@@ -10,6 +10,8 @@ memcalc cannot model is a :class:`~memcalc.core.errors.UserError` naming the val
 
 from __future__ import annotations
 
+import math
+
 import fnmatch
 import functools
 from dataclasses import dataclass, field
@@ -36,12 +38,22 @@ def bool_value(value: Any, where: str) -> bool:
 
 def int_value(value: Any, where: str) -> int:
     """A positive integer (a YAML int, or a string of digits); anything else is an error."""
-    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())):
+    # isdecimal, not isdigit: "²" is a digit int() refuses
+    digits = isinstance(value, str) and value.strip().isdecimal()
+    if isinstance(value, bool) or not (isinstance(value, int) or digits):
         raise UserError(f"{where}: expected a positive integer, got {clip(repr(value))}")
+    if isinstance(value, str) and len(value.strip()) > len(str(MAX_RECIPE_INT)):
+        raise UserError(f"{where}: {clip(value.strip())} is out of range; at most {MAX_RECIPE_INT:,}")
     v = int(value)
     if v <= 0:
         raise UserError(f"{where}: expected a positive integer, got {v}")
+    if v > MAX_RECIPE_INT:
+        raise UserError(f"{where}: {clip(str(v))} is out of range; at most {MAX_RECIPE_INT:,}")
     return v
+
+
+#: the largest integer a recipe key takes (2**31 - 1: above any batch, sequence, rank or step count)
+MAX_RECIPE_INT = 2**31 - 1
 
 
 def float_value(value: Any, where: str) -> float:
@@ -49,15 +61,18 @@ def float_value(value: Any, where: str) -> float:
     try:
         if isinstance(value, bool):
             raise ValueError
-        return float(value)
-    except (TypeError, ValueError):
+        v = float(value)
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int of 400 digits
         raise UserError(f"{where}: expected a number, got {clip(repr(value))}") from None
+    if not math.isfinite(v):
+        raise UserError(f"{where}: expected a finite number, got {clip(repr(value))}")
+    return v
 
 
 def choice(value: Any, table: dict[str, Any], where: str) -> Any:
     """``table[value]``; an unknown value is an error listing the valid ones."""
     key = value.strip() if isinstance(value, str) else value
-    if key in table:
+    if isinstance(key, (str, int, float)) and key in table:  # a list or dict is not a name (and not hashable)
         return table[key]
     raise UserError(f"{where}: unknown value {clip(repr(value))}; valid: {', '.join(map(str, table))}")
 
@@ -252,8 +267,11 @@ def set_deepspeed(r: Reader, value: Any, key: str, recipe_path: str) -> None:
     if not isinstance(value, str) or not value.strip():
         raise UserError(f"{r.src}:{key}: expected the path of a DeepSpeed JSON config, got {clip(repr(value))}")
     path = Path(value).expanduser()
-    if not path.is_absolute() and not path.exists() and (Path(recipe_path).parent / path).exists():
-        path = Path(recipe_path).parent / path
+    try:
+        if not path.is_absolute() and not path.exists() and (Path(recipe_path).parent / path).exists():
+            path = Path(recipe_path).parent / path
+    except OSError as e:  # a name the OS refuses (a component over 255 bytes)
+        raise UserError(f"{r.src}:{key}: {clip(value, 200)}: {e.strerror or e}") from None
     r.set("deepspeed", str(path), key, value)
 
 
