@@ -218,7 +218,7 @@ def get_profile(name: str) -> KernelProfile:
     """A named profile; unknown names list the valid ones."""
     try:
         return PROFILES[name]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: a list or dict (a config's profile.base: [1])
         raise unknown_name("profile", name, list(PROFILES)) from None
 
 

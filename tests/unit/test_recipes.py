@@ -240,6 +240,12 @@ BAD = [
      "  micro_batch_size: 2\n", 2, "per device 2 // 2 = 1, less than train.micro_batch_size 2"),
     ("ds.json", '{"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}', 2,
      "is a DeepSpeed config, not a training recipe"),
+    # issue 32: a list was taken silently
+    ("sft.yaml", 'model_name_or_path: Qwen/Qwen2.5-7B\nattn_implementation: ["eager"]\n', 2,
+     "sft.yaml:attn_implementation: expected an attention implementation name such as sdpa"),
+    # issue 32: a string that isdigit() but int() refuses
+    ("sft.yaml", "model_name_or_path: Qwen/Qwen2.5-7B\nper_device_train_batch_size: \"²\"\n", 2,
+     "sft.yaml:per_device_train_batch_size: expected a positive integer, got '²'"),
     ("what.yaml", "hello: world\n", 2, "cannot tell what kind of recipe what.yaml is"),
     ("list.yaml", "- 1\n- 2\n", 2, "a recipe is a YAML/JSON mapping"),
     ("bad.yaml", "model: [unclosed\n", 2, "malformed"),

@@ -252,7 +252,10 @@ def attention(r: Reader, key: str) -> None:
     logsumexp); eager attention saves the full score matrices, modelled only for the families whose
     modeling file forces it."""
     v = r.get(key)
-    if v is not None and str(v) == "eager":
+    if v is not None and not isinstance(v, str):  # transformers takes a name (or a Hub kernel repo id)
+        raise UserError(f"{r.src}:{key}: expected an attention implementation name such as sdpa, "
+                        f"flash_attention_2 or eager, got {clip(repr(v))}")
+    if v is not None and v.strip() == "eager":
         r.rec.note(f"{key}: eager: the estimate uses SDPA's kernels (eager attention saves the (B, H, T, T) "
                    "scores and probabilities per layer: more memory than estimated)")
 
