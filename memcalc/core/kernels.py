@@ -110,3 +110,15 @@ def mla_attention_kernel(kernel: str, qk_head_dim: int, v_head_dim: int) -> str:
 def pinned_bytes(n: int) -> int:
     """A pinned host allocation of ``n`` bytes: rounded up to a power of two (CachingHostAllocator)."""
     return 1 << (n - 1).bit_length() if n > 1 else n
+
+
+# -- autograd formulas with temporaries ------------------------------------------------
+def pow2_backward_temps(numel: int, itemsize: int) -> list[int]:
+    """The workspace of ``PowBackward0`` for ``x.pow(2)`` (tools/autograd/derivatives.yaml
+    ``pow.Tensor_Scalar``: ``self: pow_backward(grad, self, exponent)``; torch/csrc/autograd/
+    FunctionsManual.cpp ``pow_backward``: ``grad * (exponent * self.pow(exponent - 1)).conj()``):
+    ``self.pow(1)`` and ``2 * that`` are two tensors of the input's size, alive together while the
+    result (the input's gradient, counted by the node) is made. Traced on meta, torch 2.13:
+    ``pow.Tensor_Scalar``, ``mul.Scalar``, ``mul.Tensor`` each of numel * itemsize, freed after the
+    last (the incoming gradient, mean's ``expand / numel``, is freed with them)."""
+    return [numel * itemsize, numel * itemsize]

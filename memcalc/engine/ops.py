@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.kernels import choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded
+from memcalc.core.kernels import (choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded,
+                                  pow2_backward_temps)
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import KernelProfile
 
@@ -260,9 +261,8 @@ class Ops:
         ``y = ((xf * r) * w).type_as(x)``. Saved: xf (fp32, a copy when x is 16-bit; pow and mul
         share it), r (rows fp32), and the fp32 ``xf * r`` (for grad_w). composite-legacy
         (2.4-2.5) casts before the weight multiply, so it saves ``(xf*r).type_as(x)`` instead.
-        With ``mean_saves_input``
-        (PyTorch <= 2.1) the mean also keeps pow's result. Backward temporaries: a few fp32
-        row-by-d tensors (mean's expanded grad, pow's 2*x*g, mul's g*r).
+        With ``mean_saves_input`` (PyTorch <= 2.1) the mean also keeps pow's result. Backward: mean's
+        ``expand / numel``, pow's ``self.pow(1)``, ``2 * that`` (core.kernels.pow2_backward_temps), mul's g*r.
         fused (``_fused_rms_norm``, later PyTorch): saves x and rstd only."""
         dt = self.dtype_of(x)
         n = rows * d
@@ -280,7 +280,7 @@ class Ops:
             xf.requires_grad = x.requires_grad
             self.sim.node("to_fp32", [], [x], [], [xf])
         sq = self.new(n, fp32)  # pow(xf, 2)
-        self.sim.node("pow", [xf], [xf], [], [sq])
+        self.sim.node("pow", [xf], [xf], [], [sq], temps=pow2_backward_temps(n, fp32.bits // 8))
         ms = self.new(rows, fp32)  # mean(-1, keepdim)
         self.sim.node("mean", [sq] if self.profile.mean_saves_input else [], [sq], [], [ms])
         self.drop(sq)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from memcalc.core.dtypes import DType
+from memcalc.core.kernels import pow2_backward_temps
 from memcalc.core.rules import rmsnorm_mode
 from memcalc.engine.blocks import liger
 from memcalc.engine.blocks.base import Norm, ParamTensor
@@ -62,7 +63,7 @@ def layernorm_ops(o: Ops, x: T, rows: int, d: int, w: Param) -> T:
     d1 = o.new(n, FP32)  # h - mean
     sim.node("sub", [], [xf, mean], [], [d1])
     sq = o.new(n, FP32)
-    sim.node("pow", [d1], [d1], [], [sq])
+    sim.node("pow", [d1], [d1], [], [sq], temps=pow2_backward_temps(n, 4))
     o.drop(d1)
     var = o.new(rows, FP32)
     sim.node("mean", [], [sq], [], [var])
