@@ -44,40 +44,44 @@ def gc_buffer_bytes(input_bytes: int, itemsize: int = 2) -> int:
     return itemsize * max(GC_INITIAL_GPU_BUFFER_ELEMENTS, -(-input_bytes // itemsize))
 
 
-# ---- unsloth_fused_ce_loss (unsloth_zoo/fused_losses/cross_entropy_loss.py) ----
-#: ``_CE_BYTES_PER_LOGIT = 16.0``: Unsloth's own count per (token x vocab) element of one chunk's eager chain
-#: ("bf16 logits + float32 upcast + saved log_softmax + backward gradient = 14, and 16 under softcapping"); the
-#: chunk runs under torch.compile (``torch_compile = True``), whose buffers memcalc cannot trace here, so the
-#: chunk's transient is this count, as Unsloth sizes its chunks by it
-CE_BYTES_PER_LOGIT = 16
-#: the breakdown in that comment without softcapping: bf16 logits 2 + fp32 upcast 4 + log_softmax 4 + gradient 4
-CE_CHUNK_BYTES_PER_LOGIT = 14
-#: ``_CE_TARGET_GB_CAP = 4.0``: ``_free_target_gb`` = ``min(_default_target_gb(device), 4.0)``, where
-#: ``_default_target_gb`` (unsloth_zoo/tiled_mlp.py) is half the GPU's free memory at the first loss call
-#: (``_measured_target_gb`` is cached). memcalc takes the cap: the chunks are as large as Unsloth lets them be
-#: whenever at least 8 GiB were free then.
-CE_TARGET_GB = 4.0
+# ---- unsloth_fused_ce_loss (unsloth_zoo/fused_losses/cross_entropy_loss.py -> fused_linear.py) ----
+# With the defaults (UNSLOTH_CHUNKED_CE=1, UNSLOTH_FUSED_LINEAR=1) ``unsloth_fused_ce_loss`` calls
+# ``_chunked_ce`` -> chunked_logprob.py ``unsloth_chunked_ce_loss`` -> fused_linear.py
+# ``fused_linear_cross_entropy`` -> ``torch.ops.unsloth_zoo.fused_linear_ce_v2`` (``_ce_impl``): the gradient taken
+# in forward, one (R, V) row chunk of logits at a time.
+#: ``_CHUNK_GB = 2.0`` (UNSLOTH_LOGPROB_CHUNK_GB): ``_budget_bytes`` = min(2.0, half the free memory) GiB; memcalc
+#: takes 2.0 (the chunks are as large as Unsloth lets them be whenever 4 GiB were free at the first loss)
+CE_CHUNK_GB = 2.0
+#: ``_MAX_ROWS = 4096``, ``_MIN_LOGITS = 512 * 151936`` (fused_linear.py)
+CE_MAX_ROWS = 4096
+CE_MIN_LOGITS = 512 * 151936
+#: ``_SPLIT_COLS = 16384``: ``_tiled_vocab(V)`` = more than two 16384-column splits
+CE_SPLIT_COLS = 16384
 
 
-def ce_chunks(rows: int, vocab: int, fixed_bytes: int, target_gb: float = CE_TARGET_GB) -> int:
-    """``get_chunk_size(bsz, qlen, vocab_size, target_gb=None, fixed_gb)``: ``_get_chunk_multiplier`` takes
-    ``fixed_gb`` (``grad_inputs`` plus twice a trainable head's gradient, ``UnslothFusedLoss.forward``) off the
-    target when it is smaller; ``exact = rows * vocab * 16 / 2**30 / target``; one chunk when ``exact <= 1``,
-    else ``ceil(exact / 4) * 4`` chunks, at most ``rows``."""
-    gib = 1024 ** 3
-    fixed_gb = fixed_bytes / gib
-    if 0.0 < fixed_gb < target_gb:
-        target_gb -= fixed_gb
-    exact = rows * vocab * CE_BYTES_PER_LOGIT / gib / target_gb
-    if exact <= 1.0 + 1e-9:
-        return 1
-    return min(math.ceil(exact / 4 - 1e-9) * 4, rows)
+def _pow2_at_most(x: float) -> int:
+    """``_pow2`` (the next power of two) halved when above ``x``: the power of two at or below ``x`` (1 at least)."""
+    p = 1 << max(math.ceil(math.log2(max(x, 1))), 0)
+    return p // 2 if p > x else p
 
 
-def ce_chunk_rows(rows: int, chunks: int) -> int:
-    """The largest chunk: ``CHUNK_ALIGN_ROWS = 0`` by default (temporary_patches/common.py), so
-    ``chunk_row_bounds`` returns None and ``torch.chunk`` splits the rows: ``ceil(rows / chunks)``."""
-    return -(-rows // chunks)
+def ce_chunk_rows(n_rows: int, hidden: int, vocab: int, bytes_per_logit: int = 4,
+                  budget_bytes: int = int(CE_CHUNK_GB * 1024 ** 3)) -> int:
+    """``fused_linear_rows(n_rows, hidden_size, vocab_size, bytes_per_logit)``: the power of two at or below
+    ``n_rows * hidden / vocab`` (as Liger), at least ``min_rows`` (the power of two at or below ``_MIN_LOGITS /
+    vocab``, clamped to [512, 4096]) and at most 4096, then at most ``budget // (vocab * bytes_per_logit)`` (2 at
+    least) and ``n_rows``. ``bytes_per_logit`` 4: fp32 logits (``_logits_mode`` on CUDA with bf16, sm >= 80)."""
+    rows = _pow2_at_most(n_rows * hidden / max(vocab, 1))
+    min_rows = min(max(_pow2_at_most(CE_MIN_LOGITS / max(vocab, 1)), 512), CE_MAX_ROWS)
+    rows = min(max(rows, min_rows), CE_MAX_ROWS)
+    rows = min(rows, max(budget_bytes // max(vocab * bytes_per_logit, 1), 2))
+    return max(min(rows, max(n_rows, 1)), 1)
+
+
+def ce_buffer_bytes(rows: int, vocab: int, bytes_per_logit: int = 4) -> int:
+    """``_Buffers(R, V, ...)``: one ``(R, stride)`` logits buffer reused by every chunk, ``stride`` = V rounded up
+    to a multiple of 8, fp32 (``fp32_logits``)."""
+    return rows * -(-vocab // 8) * 8 * bytes_per_logit
 
 
 #: the kernel-level trace of Unsloth's LoRA Functions (memcalc.validate.unsloth_kernels)
@@ -89,8 +93,10 @@ PROVENANCE: tuple[tuple[str, str, str], ...] = (
      "use_gradient_checkpointing='unsloth' = --checkpoint full: each layer input offloaded to host memory except "
      "the last (unsloth_zoo gradient_checkpointing.py UnslothCheckpointFunction), two GPU staging buffers"),
     ("loss", "read",
-     "unsloth_fused_ce_loss: grad_inputs kept from forward, chunks sized for a 4 GB target, 14 bytes per logit "
-     "(unsloth_zoo fused_losses/cross_entropy_loss.py; torch.compile'd, not traced)"),
+     "unsloth_fused_ce_loss -> fused_linear_ce_v2 (unsloth_zoo fused_losses/fused_linear.py _ce_impl): the hidden "
+     "states' gradient made in forward and saved, one fp32 (R, V) logits buffer, R = fused_linear_rows for a 2 GiB "
+     "budget; its tiled no-buffer forward (frozen head, vocabulary over 32768, sm >= 80) is not modelled: the "
+     "estimate keeps the buffer there (Triton, not traced)"),
     ("LoRA", "traced",
      "fast_lora LoRA_QKV / LoRA_W / LoRA_MLP where patch_peft_model installs them, run unmodified on meta (Triton "
      f"launches no-ops): saved bytes and forward / backward peaks equal to the byte ({KERNEL_TRACE}); adapters fp32 "
@@ -106,7 +112,7 @@ PROVENANCE: tuple[tuple[str, str, str], ...] = (
 
 #: the one line the output prints
 PROVENANCE_NOTE = (f"framework unsloth: Unsloth's step is not traced (its model forward, offloading checkpoint and "
-                   f"compiled loss need CUDA); its LoRA kernels are traced on meta ({KERNEL_TRACE}), every other "
+                   f"Triton loss need CUDA); its LoRA kernels are traced on meta ({KERNEL_TRACE}), every other "
                    f"Unsloth number is read from its source ({UNSLOTH_VERSION}); see docs/unsloth.md")
 
 
@@ -135,7 +141,7 @@ def provenance(exp) -> dict:
 
 #: ``memcalc validate --framework unsloth``: the one line (exit 2) saying what is not traced
 UNTRACED = ("validate --framework unsloth: Unsloth's step cannot be traced (its model forward, offloading "
-            "checkpoint and torch.compile'd fused loss need CUDA; without a GPU, import unsloth takes its CPU "
+            "checkpoint and Triton fused loss need CUDA; without a GPU, import unsloth takes its CPU "
             f"fallback); only its LoRA kernels are, on meta, by {KERNEL_TRACE} (memcalc.validate.unsloth_kernels), "
             "equal to the estimate's to the byte; the rest of memcalc estimate --framework unsloth is read from "
             f"{UNSLOTH_VERSION} source (docs/unsloth.md)")

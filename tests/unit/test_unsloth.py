@@ -12,34 +12,35 @@ from conftest import one_line_error, tiny_llama
 from memcalc.api import estimate
 from memcalc.cli import app
 from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
-from memcalc.core.unsloth import (GC_MIN_OFFLOAD_BYTES, UNTRACED, ce_chunk_rows, ce_chunks, gc_buffer_bytes,
+from memcalc.core.unsloth import (GC_MIN_OFFLOAD_BYTES, UNTRACED, ce_buffer_bytes, ce_chunk_rows, gc_buffer_bytes,
                                   gc_offloads, provenance)
 
 GIB = 2 ** 30
 
-#: (rows, vocab, fixed bytes, chunks)
-CE_CHUNKS = [
-    # source: get_chunk_size: exact = rows * V * 16 / 2**30 / target <= 1 -> one chunk (4096 x 32000 x 16 = 1.95 GiB)
-    (4096, 32000, 0, 1),
-    # source: exact = 4096 * 128256 * 16 / 2**30 / 4 = 1.96 -> ceil(1.96 / 4) * 4 = 4 chunks
-    (4096, 128256, 0, 4),
-    # source: _get_chunk_multiplier: fixed_gb 3.5 < 4 leaves a 0.5 GiB target: exact 15.7 -> 16 chunks
-    (4096, 128256, int(3.5 * GIB), 16),
-    # source: fixed_gb 5 >= target 4: "keep the full budget instead"
-    (4096, 128256, 5 * GIB, 4),
-    # source: get_chunk_size: min(n_chunks, bsz*qlen)
-    (2, 2 ** 40, 0, 2),
+#: (rows, hidden, vocab, rows per chunk)
+CE_ROWS = [
+    # source: fused_linear_rows: pow2 <= 4096 * 4096 / 128256 = 128, raised to min_rows (pow2 <= 512 * 151936 /
+    # 128256 = 512), under the 2 GiB budget (4186 rows of fp32 logits)
+    (4096, 4096, 128256, 512),
+    # source: pow2 <= 4096 * 4096 / 32000 = 512, min_rows pow2 <= 2431 = 2048
+    (4096, 4096, 32000, 2048),
+    # source: pow2 <= 65536 * 4096 / 128256 = 2048
+    (65536, 4096, 128256, 2048),
+    # source: at most n_rows
+    (100, 64, 1000, 100),
+    # source: _MAX_ROWS 4096 (min_rows clamped to it), then the budget: 2 GiB / (8 * 4) bytes
+    (10 ** 9, 4096, 8, 4096),
 ]
 
 
-@pytest.mark.parametrize("rows,vocab,fixed,chunks", CE_CHUNKS)
-def test_ce_chunks(rows, vocab, fixed, chunks):
-    assert ce_chunks(rows, vocab, fixed) == chunks
+@pytest.mark.parametrize("rows,hidden,vocab,chunk", CE_ROWS)
+def test_ce_chunk_rows(rows, hidden, vocab, chunk):
+    assert ce_chunk_rows(rows, hidden, vocab) == chunk
 
 
-def test_ce_chunk_rows():
-    # source: torch.chunk (CHUNK_ALIGN_ROWS 0): ceil(rows / chunks) rows in the first chunks
-    assert (ce_chunk_rows(4096, 4), ce_chunk_rows(4097, 4), ce_chunk_rows(5, 1)) == (1024, 1025, 5)
+def test_ce_buffer_bytes():
+    # source: _Buffers: (R, stride) fp32, stride = V rounded up to a multiple of 8
+    assert (ce_buffer_bytes(512, 128256), ce_buffer_bytes(2, 1001)) == (512 * 128256 * 4, 2 * 1008 * 4)
 
 
 #: (layer, n_layers, input bytes, offloaded)
@@ -96,12 +97,15 @@ def _round(n: int) -> int:
 
 
 def test_no_logits_tensor(unsloth_est):
-    """At the head the loss holds the shifted labels, grad_inputs and one chunk's 14 bytes per logit: with 128256
-    columns and 4096 rows, get_chunk_size gives 4 chunks of 1024 rows; no (B, T, V) tensor."""
-    # source: unsloth_zoo fused_losses/cross_entropy_loss.py UnslothFusedLoss.forward, get_chunk_size
+    """At its peak the loss holds the shifted labels, the labelled rows' indices, grad_h, lp_all, the one (R, V) fp32
+    buffer and one chunk's (R, H) fp32 gradient: with 128256 columns, 4096 rows and width 512, R = 512; no (B, T, V)
+    tensor."""
+    # source: unsloth_zoo fused_losses/fused_linear.py _ce_impl, fused_linear_rows, _Buffers
+    n, d = 4096, 512
+    loss_at_peak = (_round(n * 8) * 2 + _round(n * d * 2) + _round(n * 4) + _round(ce_buffer_bytes(512, 128256))
+                    + _round(512 * d * 4))
     assert unsloth_est.peak_at.startswith("final norm & head")
-    assert unsloth_est.components["logits & loss"] == (_round(4096 * 8) + _round(4096 * 512 * 2)
-                                                       + _round(1024 * 128256 * 14))
+    assert unsloth_est.components["logits & loss"] == loss_at_peak
 
 
 def test_provenance_says_read_not_traced(unsloth_est):

@@ -1,26 +1,30 @@
 """Unsloth's head and loss (``--framework unsloth``): ``unsloth_fused_ce_loss`` on the final norm's output, as
 unsloth 2026.10.9's ``CausalLM_fast_forward`` (unsloth/models/llama.py) calls it whenever labels are given and
-``UNSLOTH_RETURN_LOGITS`` is not set: the logits are never a (B, T, V) tensor. Read from unsloth_zoo 2026.10.9
-``fused_losses/cross_entropy_loss.py``; not traced (the chunk runs under torch.compile on CUDA; rules:
-:mod:`memcalc.core.unsloth`).
+``UNSLOTH_RETURN_LOGITS`` is not set: the logits are never a (B, T, V) tensor. With unsloth_zoo 2026.10.9's
+defaults it runs ``torch.ops.unsloth_zoo.fused_linear_ce_v2`` (fused_losses/fused_linear.py ``_ce_impl``, reached
+through cross_entropy_loss.py ``_chunked_ce`` and chunked_logprob.py ``unsloth_chunked_ce_loss``). Read from
+source, not traced (Triton kernels; rules: :mod:`memcalc.core.unsloth`).
 
-``UnslothFusedLoss.forward``: ``_labels = torch.empty_like(labels)`` (the shifted labels, B*T int64, alive to the
-return); ``grad_inputs = torch.empty_like(hidden_states)`` (the hidden states' gradient, written chunk by chunk in
-forward); ``grad_lm_head = torch.zeros_like(lm_head_weight)`` when the head trains; the row count is split into
-:func:`memcalc.core.unsloth.ce_chunks` chunks (``torch.chunk``: views); each chunk's ``accumulate_chunk`` runs
-``torch.func.grad_and_value`` of ``compute_fused_ce_loss`` (its logits, fp32 upcast, log-softmax and gradient:
-:data:`memcalc.core.unsloth.CE_CHUNK_BYTES_PER_LOGIT` bytes per logit, freed with the chunk) and, the head
-training, adds the chunk's head gradient (a (V, H) temporary) into ``grad_lm_head``; ``ctx.save_for_backward(
-grad_inputs, grad_lm_head, ...)``. ``backward`` scales them by ``grad_output`` and returns them: they become the
-hidden states' and the head's gradients (no new bytes)."""
+Forward: ``_ce_targets`` shifts the labels (``torch.cat((labels[..., 1:], pad))``: a (B, T) int64 copy);
+``_keep_index`` keeps the indices of the labelled rows (``keep.nonzero()``: N int64, every row labelled);
+``grad_h = torch.zeros((N, H), dtype=hidden.dtype)`` (the hidden states' gradient, written chunk by chunk);
+a trainable head's ``acc_w = torch.zeros(weight.shape)``; ``lp_all`` (N fp32); ``_Buffers(R, V)``: one fp32
+``(R, stride)`` logits buffer reused by every chunk (:func:`memcalc.core.unsloth.ce_chunk_rows`,
+:func:`memcalc.core.unsloth.ce_buffer_bytes`), into which the Triton row kernel also writes the logits' gradient;
+per chunk ``gh = _dz_w(dz, w)`` ((R, H) fp32, copied into ``grad_h``); ``nll = -lp_all.to(float64)`` (two N-long
+float64 temporaries). The op's outputs ``grad_h`` (and ``grad_w``) are saved (``_ce_setup``); backward returns
+``fused_linear_scale_rows(grad_h, s)``: a new (N, H) gradient beside the saved one.
+
+Not modelled: the tiled forward without the (R, V) buffer that ``_ce_impl`` takes for a frozen head with a
+vocabulary over 32768 columns on an sm >= 80 GPU (``_FLASH``, ``_tiled_vocab``, ``_flash_ce_ok``): there the
+estimate keeps the buffer (high by it)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from memcalc.core.dtypes import DType
-from memcalc.core.unsloth import CE_CHUNK_BYTES_PER_LOGIT, ce_chunk_rows, ce_chunks
-from memcalc.engine.blocks.liger import _hand_over
+from memcalc.core.unsloth import ce_buffer_bytes, ce_chunk_rows
 from memcalc.engine.records import Node
 from memcalc.engine.sim import Sim, T
 
@@ -28,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.context import ForwardContext
 
 CATEGORY = "logits & loss"
+FP32 = DType.fp32
 
 
 def fused_loss(fwd: ForwardContext, x: T) -> T:
@@ -38,24 +43,29 @@ def fused_loss(fwd: ForwardContext, x: T) -> T:
     rows, d, V = fwd.B * fwd.T, m.d_model, m.vocab_size
     w = fwd.maybe("lm_head.weight") or fwd.p("embed_tokens.weight")
     dt = o.dtype_of(x)
-    labels = o.new(rows, DType.int64)
-    gi = o.new(rows * d, dt)
-    gw = o.new(w.numel, o.dtype_of(w.weight)) if w.trainable else None
-    fixed = gi.nbytes + (2 * gw.nbytes if gw is not None else 0)
-    chunk = ce_chunk_rows(rows, ce_chunks(rows, V, fixed))
-    if gw is not None:  # the chunk's head gradient, added into grad_lm_head
-        sim.transient(gw.nbytes, "temporaries", CATEGORY)
-    sim.transient(chunk * V * CE_CHUNK_BYTES_PER_LOGIT, "temporaries", CATEGORY)
-    loss = o.new(1, DType.fp32)  # accumulated_loss
-    saved = [gi] + ([gw] if gw is not None else [])
-    node = sim.node("unsloth_fused_ce", saved, [x], [w], [loss], grad_input_bytes=[0])
-    if node is not None:
-        def on_backward(s: Sim, n: Node) -> None:
-            _hand_over([(x, gi)])(s, n)
-            if gw is not None and gw in n.saved:  # the saved grad_lm_head becomes the parameter's gradient
+    targets = o.new(rows, DType.int64)  # _ce_targets: the shifted labels
+    keep = sim.alloc(rows, "temporaries", CATEGORY)  # (targets >= 0) & ... : bool
+    idx = o.new(rows, DType.int64)  # keep.nonzero(): every row labelled
+    o.drop(keep)
+    gh_all = o.new(rows * d, dt)  # grad_h
+    gw = o.new(w.numel, o.dtype_of(w.weight)) if w.trainable else None  # acc_w
+    lp_all = o.new(rows, FP32)
+    buf = sim.alloc(ce_buffer_bytes(ce_chunk_rows(rows, d, V), V), "temporaries", CATEGORY)  # _Buffers
+    sim.transient(FP32.nbytes(ce_chunk_rows(rows, d, V) * d), "temporaries", CATEGORY)  # gh = _dz_w(dz, w)
+    sim.unref(buf)
+    nll = [sim.alloc(8 * rows, "temporaries", CATEGORY) for _ in range(2)]  # -lp_all.to(float64): N float64 each
+    loss = o.new(1, FP32)
+    for t in nll:
+        sim.unref(t)
+    o.drop(lp_all, idx)
+    saved = [gh_all] + ([gw] if gw is not None else [])
+    node = sim.node("unsloth_fused_linear_ce", saved, [x], [w], [loss])
+    if node is not None and gw is not None:
+        def on_backward(s: Sim, n: Node) -> None:  # the saved acc_w, scaled, is the head's gradient
+            if gw in n.saved:
                 n.saved.remove(gw)
                 s.unref(gw)
         node.on_backward = on_backward
-    o.drop(gi, gw, labels, x)
+    o.drop(gh_all, gw, targets, x)
     o.category = "saved activations"
     return loss
