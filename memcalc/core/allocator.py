@@ -19,7 +19,9 @@ Rules reproduced:
   under 10 MiB (``kLargeBuffer`` / ``kMinLargeAlloc``), else the request rounded to 2 MiB;
 - ``should_split`` as above; freed blocks merge with free neighbours of their segment;
 - with a ``capacity``, a segment that does not fit first releases every wholly free cached
-  segment (``release_cached_blocks``), as the allocator does before reporting OOM.
+  segment (``release_cached_blocks``), as the allocator does before reporting OOM; if the segment
+  still does not fit, ``out_of_memory`` is set (where torch raises ``OutOfMemoryError``) and the replay
+  goes on as if it had fitted.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class CachingAllocatorSim:
         self.reserved = 0
         self.peak_allocated = 0
         self.peak_reserved = 0
+        self.out_of_memory = False  # a segment did not fit the capacity even after the cache was released
 
     # -- pools ----------------------------------------------------------------------------
     def _insert(self, b: _Block) -> None:
@@ -90,6 +93,7 @@ class CachingAllocatorSim:
     def _new_segment(self, size: int, small: bool) -> _Block:
         if self.capacity is not None and self.reserved + size > self.capacity:
             self._release_cached()
+            self.out_of_memory |= self.reserved + size > self.capacity
         seg = self._next_seg
         self._next_seg += 1
         b = _Block(seg, self._next_addr, size, small)

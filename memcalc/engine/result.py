@@ -64,6 +64,9 @@ class Estimate:
     device_total_bytes: int
     device_parts: dict[str, int]
     device: str
+    #: the allocator replays' inputs, (events, step start, warm) of the steady and the first step
+    #: (``memcalc.estimate.peak.runs_within``); empty without a replay
+    replays: tuple = field(default=(), repr=False, compare=False)
     assumptions: list[str] = field(default_factory=list)
     inferred: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # options that have no effect in this setup

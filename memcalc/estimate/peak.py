@@ -213,19 +213,24 @@ def host_optimizer_bytes(exp: ExperimentSpec, trainable_params: int) -> int:
     return -(-total // div)
 
 
-def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool) -> tuple[int, int]:
+def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
+                     capacity: Optional[int] = None) -> tuple[int, int]:
     """Replay the simulated allocations through the CUDA caching allocator model
     (``memcalc.core.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
     live tensors) and ``max_memory_reserved`` (cudaMalloc segments). Setup allocations
     (weights, optimizer state) run once; with ``warm`` the step runs twice and the second,
-    which starts from the cache the first left (a steady-state step), is measured."""
-    alloc = CachingAllocatorSim()
+    which starts from the cache the first left (a steady-state step), is measured. With ``capacity``
+    (the bytes the allocator may reserve on a card), (-1, -1) when a segment does not fit even after the
+    cached ones are released (``CachingAllocatorSim.out_of_memory``: torch's OutOfMemoryError)."""
+    alloc = CachingAllocatorSim(capacity)
     blocks: dict = {}  # id -> its block (memcalc.core.allocator._Block)
 
     def run(evs: list[tuple[int, int]]) -> None:
         for uid, n in evs:
             if n:
                 blocks[uid] = alloc.malloc(n)
+                if alloc.out_of_memory:
+                    return
             else:
                 alloc.free(blocks.pop(uid))
 
@@ -241,7 +246,25 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool)
             alloc.free(blocks.pop(uid))
     alloc.reset_peak()
     run(step)
-    return alloc.peak_allocated, alloc.peak_reserved
+    return (-1, -1) if alloc.out_of_memory else (alloc.peak_allocated, alloc.peak_reserved)
+
+
+def runs_within(est: Estimate, allocator_bytes: int) -> Optional[bool]:
+    """Whether the step's allocations run with at most ``allocator_bytes`` reserved, the caching
+    allocator releasing its cached segments before it gives up (c10/cuda/CUDACachingAllocator.cpp
+    ``release_cached_blocks`` then retry, before OutOfMemoryError): the steady and the first step
+    replayed with that capacity. None without the replay's events (``estimate(replay=False)``)."""
+    if not est.replays:
+        return None
+    return all(replay_allocator(ev, start, warm, allocator_bytes)[0] >= 0 for ev, start, warm in est.replays)
+
+
+def _replayed(steady, first) -> tuple[tuple, int, int]:
+    """The steady step (warm: run twice, the second measured) and the first step replayed through the
+    caching allocator: their inputs (:attr:`Estimate.replays`) and the higher allocated and reserved peaks."""
+    replays = ((steady.events or [], steady.step_start, True), (first.events or [], first.step_start, False))
+    (a_steady, r_steady), (a_first, r_first) = (replay_allocator(*r) for r in replays)
+    return replays, max(a_steady, a_first), max(r_steady, r_first)
 
 
 def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None,
@@ -257,12 +280,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     steady = simulate(exp, first_step=False, record_timeline=timeline, events=True)
     first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay)
     alloc_extra: dict = {}
-    step_alloc: Optional[int] = None
-    step_reserved: Optional[int] = None
-    if replay:
-        a_steady, r_steady = replay_allocator(steady.events or [], steady.step_start, warm=True)
-        a_first, r_first = replay_allocator(first.events or [], first.step_start, warm=False)
-        step_alloc, step_reserved = max(a_steady, a_first), max(r_steady, r_first)
+    replays, step_alloc, step_reserved = _replayed(steady, first) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
     alloc_extra.update(techniques)
     load = load_phase(exp)  # before the step (memcalc.engine.loading): QLoRA quantizes while it loads
@@ -370,6 +388,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         device_total_bytes=dev.device_total_bytes,
         device_parts=dev.parts,
         device=dev.device,
+        replays=replays,
         assumptions=assumptions,
         notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(techniques),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,

@@ -14,7 +14,7 @@ from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.core.gpu_side import DeviceMemory, device_memory
 from memcalc.engine.result import KINDS, Estimate
-from memcalc.estimate.peak import card_side
+from memcalc.estimate.peak import card_side, runs_within
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 
 if TYPE_CHECKING:
@@ -52,19 +52,49 @@ def card_memory(est: Estimate, g: Any) -> DeviceMemory:
     return device_memory(est.step_allocated_bytes, est.step_reserved_bytes, card_side(est.experiment, g))
 
 
+#: (id of an estimate's replays, the allocator's room) -> (those replays, whether the step runs there)
+_AFTER: dict[tuple[int, int], tuple[Any, bool]] = {}
+#: the capacity-limited replays run for at most this many cards (those asked for: each gets a verdict
+#: line, memcalc.render.verdict.CARD_LINES); the catalog's summary does not show them
+AFTER_RELEASE_CARDS = 4
+
+
+def _after_release(est: Estimate, g: Any) -> Optional[bool]:
+    """Whether a step whose device total exceeds card ``g`` still runs there: the allocator replay with
+    the card's room for it (capacity less the CUDA context, NCCL and the workspaces' segments), cached
+    segments released before a new one would not fit (:func:`memcalc.estimate.peak.runs_within`). None
+    without a replay."""
+    if est.step_reserved_bytes is None:
+        return None
+    side = card_side(est.experiment, g)
+    room = g.capacity_bytes - side.cuda_context_bytes - side.nccl_bytes - side.workspace_segment_bytes
+    key = (id(est.replays), room)
+    got = _AFTER.get(key)
+    if got is None or got[0] is not est.replays:
+        if len(_AFTER) > 64:
+            _AFTER.clear()
+        got = _AFTER[key] = (est.replays, est.step_allocated_bytes <= room and bool(runs_within(est, room)))
+    return got[1]
+
+
 def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
     """Per GPU: capacity, its device total, whether it fits, and the headroom (bytes, may be negative).
+    A card the device total exceeds says whether the step still runs once the caching allocator has
+    released its cached segments (``fits_after_cache_release``; absent without an allocator replay or
+    for more than :data:`AFTER_RELEASE_CARDS` cards).
     With a paged optimizer: whether its unified-memory state also stays resident in the headroom
     (``paged_state_resident``; when not, it pages to the host: the step still fits, slower)."""
     paged = est.extra.get("paged_optimizer_bytes")
     out = []
     for g in gpus:
         need = card_memory(est, g).device_total_bytes
+        after = _after_release(est, g) if need > g.capacity_bytes and len(gpus) <= AFTER_RELEASE_CARDS else None
         out.append({
             "name": g.name,
             "capacity_bytes": g.capacity_bytes,
             "device_total_bytes": need,
             "fits": need <= g.capacity_bytes,
+            **({"fits_after_cache_release": after} if after is not None else {}),
             "headroom_bytes": g.capacity_bytes - need,
             **({"paged_state_resident": need + paged <= g.capacity_bytes} if paged is not None else {}),
         })
@@ -327,7 +357,9 @@ def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
         ok = row["fits"]
         paging = ok and row.get("paged_state_resident") is False  # the paged optimizer state pages to the host
         t.add_row(getattr(g, "display_name", g.name), fmt_bytes(g.capacity_bytes), fmt_bytes(row["device_total_bytes"]),
-                  "[yellow]yes, state pages out[/yellow]" if paging else "[green]yes[/green]" if ok else "[red]no[/red]",
+                  "[yellow]yes, state pages out[/yellow]" if paging else "[green]yes[/green]" if ok else
+                  "[yellow]no; runs once the cache is released[/yellow]" if row.get("fits_after_cache_release")
+                  else "[red]no[/red]",
                   ("" if ok else "-") + fmt_auto(abs(row["headroom_bytes"])))
     return t
 

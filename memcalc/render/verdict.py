@@ -30,7 +30,8 @@ def _card_line(est: Estimate, row: Mapping[str, Any]) -> str:
     ok = row["fits"]
     paging = ok and row.get("paged_state_resident") is False
     answer = ("[yellow]yes, the paged optimizer state pages to the host[/yellow]" if paging
-              else "[green]yes[/green]" if ok else "[red]no[/red]")
+              else "[green]yes[/green]" if ok else "[red]no[/red]"
+              + (" (it runs once the allocator releases its cache)" if row.get("fits_after_cache_release") else ""))
     return (f"[bold]Fits {row['name']}?[/bold] {answer}: needs {fmt_auto(est.required_bytes)} of its "
             f"{fmt_auto(row['capacity_bytes'])}, {_room(row)}")
 

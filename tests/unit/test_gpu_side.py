@@ -89,3 +89,38 @@ def test_warm_replay_starts_the_second_step_from_the_setup():
     # source: setup 100 MiB; the step allocates 50 MiB (kept past its end) and 30 MiB (freed): 180 MiB at its peak
     events = [(1, 100 * MiB), (2, 50 * MiB), (3, 30 * MiB), (3, 0)]
     assert replay_allocator(events, 1, warm=False)[0] == replay_allocator(events, 1, warm=True)[0] == 180 * MiB
+
+
+# (allocator capacity, runs): a 20 MiB tensor kept, a 20 MiB one freed (its segment cached), then 24 MiB: 64 MiB
+# reserved unconstrained; releasing the cached 20 MiB segment (release_cached_blocks) leaves 44 MiB
+CAPACITY_ROWS = [
+    (64 * MiB, True),  # source: the unconstrained reserved peak
+    (44 * MiB, True),  # source: fits once the cached segment is released
+    (44 * MiB - 1, False),  # source: one byte short even then: torch's OutOfMemoryError
+]
+
+
+@pytest.mark.parametrize("capacity,runs", CAPACITY_ROWS)
+def test_replay_with_a_capacity_releases_the_cache_first(capacity, runs):
+    from memcalc.estimate.peak import replay_allocator
+
+    events = [(1, 20 * MiB), (2, 20 * MiB), (2, 0), (3, 24 * MiB)]
+    assert replay_allocator(events, 0, warm=False)[1] == 64 * MiB
+    assert (replay_allocator(events, 0, warm=False, capacity=capacity)[0] >= 0) is runs
+
+
+def test_fits_after_cache_release_only_for_cards_asked():
+    """A card the device total exceeds gets fits_after_cache_release (a capacity-limited replay) when
+    at most AFTER_RELEASE_CARDS cards are asked; the catalog's rows do not (it would take a replay each)."""
+    import memcalc.api
+    from memcalc.render.report import AFTER_RELEASE_CARDS, fits_rows
+
+    est = memcalc.api.estimate(model=TINY, seq=64, gpu="1GiB").estimate
+    card = {"vendor": "any", "architecture": "unspecified", "display_name": "card"}
+    from types import SimpleNamespace
+
+    short = SimpleNamespace(name="short", capacity_bytes=est.device_total_bytes - 1, **card)
+    row = fits_rows(est, [short])[0]
+    assert row["fits"] is False and isinstance(row["fits_after_cache_release"], bool)
+    many = fits_rows(est, [short] * (AFTER_RELEASE_CARDS + 1))
+    assert all("fits_after_cache_release" not in r for r in many)
