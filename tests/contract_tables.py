@@ -147,6 +147,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.master_weights": (BF16, True),
     "TrainingSpec.optimizer": ({}, "sgd"),
     "TrainingSpec.optimizer_impl": ({}, "for-loop"),
+    "TrainingSpec.galore_rank": ({"training": {"optimizer": "galore-adamw"}}, 16),
     "TrainingSpec.checkpoint": ({}, "full"),
     "TrainingSpec.checkpoint_every": ({"training": {"checkpoint": "every-k"}}, 3),
     "TrainingSpec.fused_optimizer": ({}, True),

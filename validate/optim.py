@@ -27,6 +27,11 @@ spec accepts); a test checks that every record has one.
   compile's backend is ``aot_eager`` (:class:`_TorchaoOnMeta`): the functional graph AOTAutograd would hand
   Inductor runs op by op (the subclasses flattened to their codes/scale/qmap), every intermediate freed
   at its last use; Inductor (Triton) needs CUDA.
+- ``galore-adamw``: galore_torch 1.0's own ``GaLoreAdamW`` (galore_torch/adamw.py), unmodified, with the param
+  groups transformers' ``_setup_low_rank_optimizer`` makes (the others first, then the targeted linears with
+  rank, scale 0.25, proj_type "std"); ``update_proj_gap`` is 1 so that every traced step is the one that
+  recomputes the projection by SVD (the first and every 200th in a run: the peak one, which the estimate
+  models). ``torch.linalg.svd`` runs as its meta kernel (its outputs only; cuSOLVER's workspace is not seen).
 - ``master_weights``: 16-bit parameters and gradients, fp32 master copies and fp32 moments;
   each gradient is copied to fp32 for the step (``grad.float()``), the master is stepped by a
   fused (temporary-free) kernel like apex/DeepSpeed FusedAdam, then copied back.
@@ -42,7 +47,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from memcalc.core.errors import UserError
-from memcalc.core.optimizers import BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, get_optimizer
+from memcalc.core.optimizers import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, GALORE_RANK, galore_target,
+                                     get_optimizer)
 from memcalc.core.spec import TrainingSpec
 
 
@@ -266,6 +272,22 @@ def _torchao(cls_name: str) -> Callable[[list[Tensor], str, bool], Optimizer]:
     return build
 
 
+# -- GaLore (the real galore_torch) ---------------------------------------------------------
+def galore(ps: list[Tensor], names: Optional[list[str]], rank: int) -> Optimizer:
+    """galore_torch ``GaLoreAdamW`` over ``ps`` (see the module docstring); ``names`` pick the targets
+    (:func:`memcalc.core.optimizers.galore_target`), every matrix when None."""
+    from galore_torch import GaLoreAdamW  # type: ignore[import-untyped]
+
+    named = list(zip(names or [f"layers.{i}" for i in range(len(ps))], ps, strict=True))
+    targets = [p for n, p in named if galore_target(n, tuple(p.shape))]
+    ids = {id(p) for p in targets}
+    rest = [p for p in ps if id(p) not in ids]
+    groups: list[dict] = [{"params": rest}] if rest else []
+    if targets:
+        groups.append({"params": targets, "rank": rank, "update_proj_gap": 1, "scale": 0.25, "proj_type": "std"})
+    return GaLoreAdamW(groups, lr=1e-4, weight_decay=0.0, no_deprecation_warning=True)
+
+
 # -- master weights ------------------------------------------------------------------------
 class MasterWeights:
     """fp32 masters beside 16-bit parameters (see the module docstring). Quacks like an
@@ -333,12 +355,16 @@ BUILDERS: dict[str, Callable[[list[Tensor], str, bool], Optimizer]] = {
     "adamw-4bit-torchao": _torchao("AdamW4bit"),
     "adamw-8bit-torchao": _torchao("AdamW8bit"),
     "adamw-fp8-torchao": _torchao("AdamWFp8"),
+    "galore-adamw": lambda ps, impl, m: galore(ps, None, GALORE_RANK),
 }
 
 
-def build_optimizer(params: list[Tensor], tr: TrainingSpec):
-    """The optimizer over the trainable ``params`` (an Optimizer, or MasterWeights)."""
+def build_optimizer(params: list[Tensor], tr: TrainingSpec, names: Optional[list[str]] = None):
+    """The optimizer over the trainable ``params`` (an Optimizer, or MasterWeights); ``names``: theirs, for
+    an optimizer that treats parameters by name (GaLore's targets)."""
     rec = get_optimizer(tr.optimizer)
+    if rec.step == "galore":
+        return galore(params, names, tr.galore_rank)
     builder = BUILDERS.get(rec.name)
     if builder is None:
         raise UserError(f"validate has no builder for optimizer {rec.name!r}; it builds: {', '.join(BUILDERS)}")

@@ -262,8 +262,9 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     backward closes it there)."""
     tr = exp.training
     dev_type = torch.device(device).type
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(trainable, tr)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [p for _, p in named]
+    opt = build_optimizer(trainable, tr, [n for n, _ in named])
     B, T = tr.batch, tr.seq
     if dev_type == "meta":
         ids = torch.empty((B, T), dtype=torch.int64, device=device)

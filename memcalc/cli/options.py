@@ -48,6 +48,9 @@ Optimizer = Annotated[Optional[Literal[OPTIMIZER_NAMES]], typer.Option(  # type:
 OptimizerImpl = Annotated[Optional[Literal[IMPLS]], typer.Option(  # type: ignore[valid-type]
     "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default): " + "; ".join(
     f"{r.name}: {', '.join(r.impls)}" for r in OPTIMIZERS.values() if r.impls != IMPLS) + "; the others: all.")]
+GaloreRank = Annotated[Optional[int], typer.Option(
+    "--galore-rank", help="With --optimizer galore-adamw: the projection rank r (default 128, transformers' "
+                          "optim_args rank).")]
 Checkpoint = Annotated[Optional[str], typer.Option(
     "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective | selective-op (torchtitan).")]
 FusedOptimizer = Annotated[bool, typer.Option(

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+from memcalc.cli.options import (GaloreRank, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Deepspeed, BnbSavesInput, Dora, ModulesToSave,
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,
@@ -31,7 +31,8 @@ def validate(
     all_configs: Annotated[bool, typer.Option("--all", help="Every shipped reference config.")] = False,
     model: Model = None, params: Params = None, batch: Batch = None, seq: Seq = None, grad_accum: GradAccum = None,
     precision: Precision = None, bf16: Bf16 = False, master_weights: MasterWeights = False, optimizer: Optimizer = None,
-    optimizer_impl: OptimizerImpl = None, checkpoint: Checkpoint = None, fused_optimizer: FusedOptimizer = False,
+    optimizer_impl: OptimizerImpl = None,
+    galore_rank: GaloreRank = None, checkpoint: Checkpoint = None, fused_optimizer: FusedOptimizer = False,
     compile: Compile = False, memory_budget: MemoryBudget = None,
     compile_scope: CompileScope = None, lora: Lora = False, lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,

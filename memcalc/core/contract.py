@@ -76,6 +76,7 @@ CONDITIONAL: dict[str, str] = {
     "TrainingSpec.checkpoint_every": "any checkpoint mode but every-k",
     "TrainingSpec.memory_budget": "compile with checkpointing (the regions are recomputed whole)",
     "TrainingSpec.optimizer_impl": "optimizers whose step makes no temporaries (sgd, sgd-momentum)",
+    "TrainingSpec.galore_rank": "every optimizer but galore-adamw (the rank of GaLore's projection)",
     "TrainingSpec.offload_optimizer": "optimizers without state (sgd) and no master weights",
     "LoraSpec.quant_block": "LoRA without qlora (the base is not quantised)",
     "LoraSpec.double_quant": "LoRA without qlora (the base is not quantised)",

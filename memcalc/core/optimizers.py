@@ -36,8 +36,9 @@ DEFAULT_IMPL = "foreach"
 #: second moment (a row and a column vector for matrices); bitsandbytes' blockwise 8-bit.
 StateLayout = Literal["none", "like_param", "factored", "blockwise_8bit", "fp32", "torchao_4bit", "torchao_8bit",
                       "torchao_fp8"]
-#: Which temporaries the step makes (``memcalc.engine.optimizers.per_param_temps``).
-StepKind = Literal["none", "adam", "lion", "adafactor", "torchao"]
+#: Which temporaries the step makes (``memcalc.engine.optimizers.per_param_temps``; ``galore``: its own loop,
+#: ``memcalc.engine.galore``).
+StepKind = Literal["none", "adam", "lion", "adafactor", "torchao", "galore"]
 
 #: bitsandbytes blockwise quantisation: one fp32 absmax per block of this many elements
 #: (bitsandbytes/optim/optimizer.py ``Optimizer8bit``, blockwise=True, block size 256).
@@ -88,6 +89,30 @@ TORCHAO: dict[str, TorchaoLowBit] = {
     "torchao_8bit": TorchaoLowBit(256, 1.0, 1024, 45.0625, 2048),
     "torchao_fp8": TorchaoLowBit(256, 1.0, 0, 20.03125, 0),
 }
+
+
+#: GaLore's projection rank when none is given: transformers 5.24 trainer_optimizer.py ``_get_galore_optimizer``
+#: (``optim_args`` rank 128; update_proj_gap 200, scale 0.25, proj_type "std")
+GALORE_RANK = 128
+
+
+def galore_target(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether GaLore projects this parameter: a matrix of a decoder layer (its linears: transformers'
+    ``_setup_low_rank_optimizer`` takes the ``nn.Linear`` modules ``optim_target_modules`` names, the GaLore
+    recipe's ``["attn", "mlp"]`` being every projection of a Llama-style layer); the embedding, head and norms
+    step as plain AdamW in galore_torch's loop (their own param group)."""
+    return len(shape) == 2 and min(shape) > 1 and "layers." in name
+
+
+def galore_shapes(m: int, n: int, rank: int, itemsize: int) -> tuple[int, int]:
+    """(bytes of one low-rank moment, bytes of the projector) of an m x n weight: the projected gradient is
+    max(m, n) x r (r = min(rank, m, n)), in the weight's dtype (galore_torch adamw.py ``zeros_like(grad)``);
+    the projector is ``Vh[:r]`` / ``U[:, :r]`` cast to a 16-bit weight's dtype (r x min(m, n)), or for an fp32
+    weight a view that keeps the whole fp32 ``Vh`` / ``U`` (min(m, n) squared; galore_projector.py
+    ``get_orthogonal_matrix``)."""
+    k = min(m, n)
+    r = min(rank, k)
+    return itemsize * r * max(m, n), (4 * k * k if itemsize == 4 else itemsize * r * k)
 
 
 def torchao_quantized(numel: int, layout: str) -> bool:
@@ -250,6 +275,14 @@ OPTIMIZERS: dict[str, OptimizerRecord] = {
                             _hf("adamw_torch_8bit", "ADAMW_TORCH_8BIT", "_get_torchao_optimizer: torchao.optim."
                                 "AdamW8bit (block_size=256)"),
                             _cls("torchao.optim.AdamW8bit"), _cls("torchao.prototype.low_bit_optim.AdamW8bit"))),
+        OptimizerRecord("galore-adamw", "GaLore-AdamW", "GaLore AdamW (galore-torch): rank --galore-rank moments "
+                        "for every decoder linear, the SVD step's fp32 temporaries", "like_param", 2, "galore",
+                        ("for-loop",), None, "galore_torch 1.0 galore_torch/adamw.py AdamW.step; "
+                        "galore_projector.py GaLoreProjector (memcalc.engine.galore)", aliases=(
+                            _hf("galore_adamw", "GALORE_ADAMW", "_get_galore_optimizer: galore_torch.GaLoreAdamW "
+                                "(rank, update_proj_gap, scale from optim_args)",
+                                note="GaLore targets every decoder linear (optim_target_modules attn + mlp)"),
+                            _cls("galore_torch.GaLoreAdamW"))),
         OptimizerRecord("adamw-fp8-torchao", "AdamW-fp8 (torchao)", "torchao AdamWFp8, blockwise float8 moments "
                         "(block 256)", "torchao_fp8", 2, "torchao", ("for-loop",), None,
                         _TORCHAO.format(c="AdamWFp8", m="fp8"), aliases=(

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from memcalc.core.choices import CompileScope, LoraDType, Precision, Sharding
 from memcalc.core.dtypes import DType
-from memcalc.core.optimizers import DEFAULT_IMPL, IMPLS, OPTIMIZER_NAMES, impl_error
+from memcalc.core.optimizers import DEFAULT_IMPL, GALORE_RANK, IMPLS, OPTIMIZER_NAMES, impl_error
 from memcalc.core.spec_base import MAX_COUNT, MAX_SEQ, Spec
 
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up", "q_a", "q_b", "kv_a", "kv_b", "experts",
@@ -197,6 +197,10 @@ class TrainingSpec(Spec):
         description="ZeRO-paper layout: 16-bit weights and grads plus fp32 master weights and fp32 moments.",
     )
     optimizer: Optimizer = Field("adamw", description="Optimizer whose state and step temporaries are counted.")
+    galore_rank: int = Field(
+        GALORE_RANK, gt=0, le=MAX_COUNT, description="GaLore's projection rank r (optimizer galore-adamw; transformers "
+        "optim_args rank, default 128): each decoder linear's moments are max(m, n) x r instead of m x n, beside an "
+        "r x min(m, n) projector.")
     optimizer_impl: OptimizerImpl = Field(
         DEFAULT_IMPL, description="Optimizer implementation (CUDA default for AdamW is foreach; for an optimizer without one, its own step)."
     )
@@ -253,10 +257,22 @@ class TrainingSpec(Spec):
         bad_impl = impl_error(self.optimizer, self.optimizer_impl)
         if bad_impl:
             raise ValueError(bad_impl)
+        if self.optimizer == "galore-adamw":
+            self._check_galore()
         if self.deepspeed is not None and (self.sharding != "deepspeed" or self.zero != self.deepspeed.stage):
             raise ValueError(f"a DeepSpeed config (ZeRO stage {self.deepspeed.stage}) needs sharding deepspeed and "
                              f"zero {self.deepspeed.stage}, not sharding {self.sharding} and zero {self.zero}")
         return self
+
+    def _check_galore(self) -> None:
+        """GaLore (galore_torch's own optimizer over full, unsharded weights): what it does not combine with here."""
+        clash = [name for name, on in (
+            ("LoRA (GaLore trains the full weights)", self.lora is not None),
+            ("master weights", self.master_weights), ("ZeRO or FSDP sharding", self.zero > 0),
+            ("tensor parallelism", self.tp > 1), ("an offloaded optimizer", self.offload_optimizer)) if on]
+        if clash:
+            raise ValueError(f"optimizer galore-adamw is modelled for full, unsharded training on the GPU; not with "
+                             f"{', '.join(clash)}")
 
     @property
     def weight_dtype(self) -> DType:

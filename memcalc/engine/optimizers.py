@@ -15,7 +15,9 @@ from typing import Callable, Optional, get_args
 
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN_NUMEL, OPTIMIZERS, TORCHAO,
-                                     TORCHAO_PLAIN_TEMP_PER_ELEM, StateLayout, StepKind, torchao_quantized)
+                                     TORCHAO_PLAIN_TEMP_PER_ELEM, StateLayout, StepKind, galore_target,
+                                     torchao_quantized)
+from memcalc.engine.galore import galore_state, galore_step
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import TrainingSpec
@@ -202,6 +204,7 @@ def _torchao_temps(ev: list[tuple[str, int]], n: int, rows: int, tr: TrainingSpe
 STEP_KINDS: dict[str, Callable[[list[tuple[str, int]], int, int, TrainingSpec], None]] = {
     "none": _no_temps, "adam": _adam_temps, "lion": _lion_temps, "adafactor": _adafactor_temps,
     "torchao": _torchao_temps,
+    "galore": _no_temps,  # its own loop: memcalc.engine.galore (OptimizerSim.step_all / step_param)
 }
 
 assert set(STATE_LAYOUTS) == set(get_args(StateLayout)), "a state layout without a simulation"
@@ -254,6 +257,11 @@ class OptimizerSim:
         self.created_at: Optional[list[tuple[int, list[T]]]] = None
         self.events: list[tuple[int, int]] = []  # with created_at: the step's events (observers.AllocEvents)
         self._created: set[str] = set()
+        #: GaLore: the projected weights, name -> (rows, columns) (memcalc.engine.galore); None otherwise
+        self.galore: Optional[dict[str, tuple[int, int]]] = None
+        if OPTIMIZERS[tr.optimizer].step == "galore":
+            shapes = {p.name: (rows_of[p.name], p.numel // rows_of[p.name]) for p in self.params if rows_of.get(p.name)}
+            self.galore = {name: mn for name, mn in shapes.items() if galore_target(name, mn)}
 
     def _by_shape(self, cache: dict, fn: Callable[[Param, int, TrainingSpec], list[tuple[str, int]]],
                   p: Param) -> list[tuple[str, int]]:
@@ -265,6 +273,10 @@ class OptimizerSim:
         return got
 
     def _state_of(self, p: Param) -> list[tuple[str, int]]:
+        if self.galore is not None and p.name in self.galore:
+            m, n = self.galore[p.name]
+            rank, width = self.tr.galore_rank, p.weight.itemsize_bits // 8
+            return [("optimizer state", b) for b in galore_state(m, n, rank, width)]
         return self._by_shape(self._states, state_bytes, p)
 
     def _temps_of(self, p: Param) -> list[tuple[str, int]]:
@@ -333,6 +345,9 @@ class OptimizerSim:
 
     def step_param(self, p: Param) -> None:
         """One parameter's step (for-loop implementations, or a step in a backward hook)."""
+        if self.galore is not None:
+            galore_step(self, self.tr.galore_rank, [p])
+            return
         self.create_state(p)
         self.run_events(self._temps_of(p))
 
@@ -346,6 +361,8 @@ class OptimizerSim:
             t = shard(foreach_temps(self.params, self.tr), self.div)
             if t:
                 self.sim.transient(t, TMP, "optimizer-step temporaries")
+        elif self.galore is not None:
+            galore_step(self, self.tr.galore_rank, self.params)
         else:
             for p in self.params:
                 if p.grad is not None:

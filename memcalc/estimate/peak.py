@@ -162,6 +162,9 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
                "torch.compile recomputes the checkpointed regions whole"),
     (lambda s: s.changed("optimizer_impl") and s.opt.step == "none" and len(s.opt.impls) > 1,
      lambda s: f"optimizer_impl {s.tr.optimizer_impl} has no effect with {s.opt.name}: its step makes no temporaries"),
+    (lambda s: s.changed("galore_rank") and s.opt.step != "galore",
+     lambda s: f"galore_rank {s.tr.galore_rank} has no effect with {s.opt.name}: it is GaLore's projection rank "
+               "(optimizer galore-adamw)"),
     (lambda s: s.tr.offload_optimizer and s.opt.state == "none" and not s.tr.master_weights,
      lambda s: f"offload_optimizer has no effect with {s.opt.name}: it has no optimizer state"),
     (lambda s: s.lora_without_qlora("quant_block"),

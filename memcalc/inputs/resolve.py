@@ -60,6 +60,7 @@ class Options:
     master_weights: bool = False
     optimizer: Optional[str] = None
     optimizer_impl: Optional[str] = None
+    galore_rank: Optional[int] = None
     checkpoint: Optional[str] = None
     fused_optimizer: bool = False
     compile: bool = False
@@ -165,11 +166,11 @@ def _check_finite(name: str, v: Optional[float]) -> None:
 
 #: the numeric options that must be finite, and those that must be positive (checked in this order)
 _FINITE = ("lora_alpha", "lora_dropout", "memory_budget")
-_POSITIVE = ("batch", "seq", "grad_accum", "lora_rank", "lora_alpha", "gpus", "tp")
+_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
-                "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget", "compile_scope",
-                "zero", "gpus", "sharding", "tp")
+                "galore_rank", "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget",
+                "compile_scope", "zero", "gpus", "sharding", "tp")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -292,6 +293,7 @@ def _flag_values(o: Options) -> dict[str, Any]:
     return dict(
         batch=o.batch, seq=o.seq, grad_accum=o.grad_accum, precision="bf16" if o.bf16 else o.precision,
         master_weights=o.master_weights or None, optimizer=o.optimizer, optimizer_impl=o.optimizer_impl,
+        galore_rank=o.galore_rank,
         checkpoint=checkpoint, checkpoint_every=every, fused_optimizer=o.fused_optimizer or None,
         compile=(o.compile or o.memory_budget is not None or o.compile_scope is not None) or None,
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,

@@ -109,6 +109,7 @@ NO_EFFECT = [
     ("TrainingSpec.memory_budget", {"training": {"compile": True, "checkpoint": "full"}}, 0.5),
     ("TrainingSpec.optimizer_impl", {"training": {"optimizer": "sgd"}}, "for-loop"),  # source: SGD makes no temporaries
     ("TrainingSpec.offload_optimizer", {"training": {"optimizer": "sgd"}}, True),  # source: SGD has no state
+    ("TrainingSpec.galore_rank", {}, 16),  # source: adamw projects nothing (galore_rank is GaLore's)
     ("LoraSpec.quant_block", LORA, 128),  # source: the base is not quantised
     ("LoraSpec.double_quant", LORA, False),
     ("LoraSpec.bnb_saves_input", LORA, True),  # source: the base is not quantised

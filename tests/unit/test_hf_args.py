@@ -123,6 +123,8 @@ ALIASES = [
     ("hf", "adamw_torch_8bit", "adamw-8bit-torchao", None),
     # source: trainer_optimizer.py _get_torchao_optimizer: torchao AdamW4bit (block_size 256 from optim_args' default)
     ("hf", "adamw_torch_4bit", "adamw-4bit-torchao", None),
+    # source: trainer_optimizer.py _get_galore_optimizer: galore_torch.GaLoreAdamW over optim_target_modules
+    ("hf", "galore_adamw", "galore-adamw", None),
     # source: _get_bitsandbytes_optimizer: AdamW, optim_bits 32 (no "8bit"), is_paged True = PagedAdamW
     ("hf", "paged_adamw_32bit", "paged-adamw", None),
     # source: _get_bitsandbytes_optimizer: AdamW, optim_bits 8, is_paged True = PagedAdamW8bit
@@ -135,6 +137,8 @@ ALIASES = [
     ("class", "torch.optim.SGD", "sgd", None),
     # source: bitsandbytes/optim/adamw.py AdamW8bit (optim_bits=8)
     ("class", "bitsandbytes.optim.AdamW8bit", "adamw-8bit", None),
+    # source: galore_torch 1.0 __init__.py GaLoreAdamW (galore_torch/adamw.py AdamW)
+    ("class", "galore_torch.GaLoreAdamW", "galore-adamw", None),
     # source: torchao 0.14.1 torchao/optim/adam.py AdamW8bit (torchtune's low-memory recipes)
     ("class", "torchao.optim.AdamW8bit", "adamw-8bit-torchao", None),
     # source: torchao's former path of the same class (torchao.prototype.low_bit_optim)
