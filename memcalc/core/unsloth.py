@@ -108,6 +108,8 @@ PROVENANCE: tuple[tuple[str, str, str], ...] = (
     ("attention and RoPE", "not Unsloth's",
      "memcalc's transformers rules stand in for Unsloth's attention dispatch and in-place RoPE kernel "
      "(docs/unsloth.md)"),
+    ("MoE experts", "not Unsloth's",
+     "memcalc's transformers rules stand in for Unsloth's grouped-GEMM MoE kernels (unsloth/kernels/moe)"),
 )
 
 #: the one line the output prints
@@ -132,6 +134,8 @@ def provenance(exp) -> dict:
         if name in ("LoRA", "4-bit dequantisation") and lora is None:
             continue
         if name == "4-bit dequantisation" and not lora.qlora:  # type: ignore[union-attr]
+            continue
+        if name == "MoE experts" and exp.model.moe is None:
             continue
         mechanisms.append({"mechanism": name, "how": how, "rule": rule})
     return {"framework": "unsloth", "source": UNSLOTH_VERSION,

@@ -63,6 +63,10 @@ def check_supported(exp: ExperimentSpec) -> None:
                         "drop --fused-optimizer / --compile with --sharding deepspeed")
     if tr.seq < 2:
         raise UserError(f"seq ({tr.seq}) must be at least 2 for a causal LM loss")
+    if exp.profile.framework == "unsloth" and (tr.compile or tr.activation_offload or uses_deepspeed(exp)):
+        # memcalc.core.unsloth: Unsloth's own kernels run eagerly; it compiles and offloads in its own ways
+        raise UserError("--framework unsloth models Unsloth's eager kernels and its own offloading checkpoint "
+                        "(--checkpoint full); --compile, --activation-offload and DeepSpeed with it are not modelled")
     if tr.activation_offload and tr.compile and tr.compile_scope == "model":
         # one graph is one autograd node (AOTAutograd's CompiledFunction): OffloadActivations packs its
         # whole saved set when the forward graph returns and unpacks all of it when its backward starts

@@ -356,7 +356,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         rf, ff = checkpoint_recompute_flops(exp)
         recompute = {"flops": rf, "forward_flops": ff, "by": f"activation checkpointing {tr.checkpoint}"}
     assumptions += technique_assumptions(exp, steady)
-    if prof.framework == "unsloth":  # nothing of Unsloth's step is traced: say which numbers are read
+    if prof.framework == "unsloth":  # Unsloth's step is not traced: say which numbers are read, which traced
         from memcalc.core.unsloth import provenance
 
         prov = provenance(exp)

@@ -111,7 +111,8 @@ FRAMEWORKS: dict[str, dict] = {
     # - kernels/rms_layernorm.py Fast_RMS_Layernorm: ``ctx.save_for_backward(X, W, r)`` with ``r`` fp32 per row,
     #   ``Y = torch.empty(..., dtype=X.dtype)``: the fused rule (input + rstd);
     # - models/llama.py CausalLM_fast_forward: with labels, ``unsloth_fused_ce_loss`` (unsloth_zoo
-    #   fused_losses/cross_entropy_loss.py UnslothFusedLoss): no logits tensor (memcalc.engine.blocks.unsloth_head);
+    #   fused_losses/cross_entropy_loss.py, by default fused_linear.py ``fused_linear_ce_v2``): no logits tensor
+    #   (memcalc.engine.blocks.unsloth_head);
     # - unsloth_zoo training_utils.py prepare_model_for_training: ``.lora_A.`` / ``.lora_B.`` parameters
     #   ``upcast = True``: fp32 adapters; kernels/utils.py matmul_lora: ``XA = torch_matmul(X, A.to(dtype))``,
     #   ``addmm_(out, XA, B.to(dtype), alpha=s)``: the adapter weights are cast to the input's dtype, never the

@@ -120,6 +120,9 @@ def test_provenance_says_read_not_traced(unsloth_est):
 #: (CLI args, exit code, the one-line message)
 CLI_ROWS = [
     (["validate", "--framework", "unsloth", "--model", "llama-3.2-1b", "--lora"], 2, UNTRACED),
+    # source: Unsloth compiles its own modules (unsloth_zoo compiler.py) and offloads through its checkpoint
+    (["estimate", "--model", "llama-3.2-1b", "--framework", "unsloth", "--lora", "--compile"], 2,
+     "--framework unsloth models Unsloth's eager kernels"),
 ]
 
 
