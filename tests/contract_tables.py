@@ -164,6 +164,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "DeepSpeedSpec.max_live_parameters": (DS3, 0),  # no room to prefetch
     "DeepSpeedSpec.max_reuse_distance": (DS3, 0),  # layers released after their forward
     "DeepSpeedSpec.param_persistence_threshold": (DS3, 10**5),  # every parameter of the tiny model stays whole
+    "DeepSpeedSpec.offload_param": (DS3, True),  # the 16-bit partitions on the host, copied to the GPU per gather
     "TrainingSpec.gpus": ({"training": {"zero": 3}}, 4),
     # FSDP2's per-unit buffers (engine.fsdp) vs the generic ZeRO-3 layer gathers (engine.sharding)
     "TrainingSpec.sharding": ({"training": {"zero": 3, "gpus": 4}}, "fsdp1"),
@@ -276,6 +277,7 @@ UNTRACED: dict[str, str] = {
     "DeepSpeedSpec.max_live_parameters": _DS,
     "DeepSpeedSpec.max_reuse_distance": _DS,
     "DeepSpeedSpec.param_persistence_threshold": _DS,
+    "DeepSpeedSpec.offload_param": _DS,
     "ModelSpec.use_cache": "the replica builds no KV cache (a transformers mechanism: DynamicCache); the HF "
                            "harness traces it (tests/trace/test_hf_full_depth.py, the recorded hf rows)",
     "KernelProfile.kv_cache": "the replica builds no KV cache (ModelSpec.use_cache's reason)",

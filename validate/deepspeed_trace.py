@@ -51,8 +51,8 @@ def deepspeed_unsupported(exp: ExperimentSpec) -> Optional[str]:
         return "the DeepSpeed tracer runs full fine-tuning (no LoRA)"
     if tr.fused_optimizer or tr.compile:
         return "the DeepSpeed tracer runs an eager step with the optimizer after backward"
-    if tr.offload_optimizer or (tr.deepspeed is not None and tr.deepspeed.offload_param):
-        return "offload keeps state in host memory, which the CPU trace cannot tell from device memory"
+    if tr.offload_optimizer:
+        return "offload_optimizer steps on the host (DeepSpeedCPUAdam), which the trace does not run"
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:  # not imported here: it is slow and logs on import
@@ -66,11 +66,13 @@ def ds_config(exp: ExperimentSpec) -> dict:
     enabled as its precision says."""
     tr = exp.training
     ds = tr.deepspeed or DeepSpeedSpec(stage=tr.zero)
-    zo = {"stage": ds.stage, "reduce_bucket_size": ds.reduce_bucket_size,
+    zo: dict[str, object] = {"stage": ds.stage, "reduce_bucket_size": ds.reduce_bucket_size,
           "allgather_bucket_size": ds.allgather_bucket_size, "overlap_comm": ds.overlap,
           "contiguous_gradients": ds.contiguous_gradients, "stage3_prefetch_bucket_size": ds.prefetch_bucket_size,
           "stage3_max_live_parameters": ds.max_live_parameters, "stage3_max_reuse_distance": ds.max_reuse_distance,
           "stage3_param_persistence_threshold": ds.param_persistence_threshold}
+    if ds.offload_param:  # offload_config.py DeepSpeedZeroOffloadParamConfig defaults (pin_memory true)
+        zo["offload_param"] = {"device": "cpu", "pin_memory": True}
     # micro-steps after the second repeat it (as memcalc's timeline assumes): two run, the second is the boundary
     return {"train_micro_batch_size_per_gpu": tr.batch, "gradient_accumulation_steps": min(tr.grad_accum, 2),
             "zero_optimization": zo, "bf16": {"enabled": tr.precision == "bf16"},
@@ -131,6 +133,53 @@ def _patches() -> Iterator[None]:
 
 
 _MISSING = object()
+
+
+@contextlib.contextmanager
+def _host_memory(tracer) -> Iterator[None]:
+    """Host and device apart on DeepSpeed's CPU accelerator, where both are ``cpu``. Nothing is
+    allocated or freed that would not be on CUDA; only where a buffer lives is said:
+
+    - ``CPU_Accelerator.pin_memory`` (accelerator/cpu_accelerator.py) returns its tensor (nothing is
+      page-locked there); DeepSpeed pins every host buffer it offloads to (partition_parameters.py
+      ``_partition_param``: the partitions on ``remote_device`` cpu; stage3.py
+      ``_create_param_groups_fp16_flat_cpu_memory``: the flat 16-bit partition buffers), so a pinned
+      tensor's storage is marked host memory (:meth:`~.tracer.StorageTracer.mark_host`);
+    - ``Tensor.to(device)`` of a host tensor is a host-to-device copy on CUDA (a new device tensor,
+      ``NoGatherHandle``: ``param.ds_tensor.data.to(device=current_device_name())``), where on the CPU
+      accelerator it returns the tensor itself: the copy is made (``clone``); a ``to(dtype)`` of a host
+      tensor without a device stays on the host.
+    """
+    import torch
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    pin = CPU_Accelerator.pin_memory
+
+    def pin_memory(self, tensor, *a, **k):
+        out = pin(self, tensor, *a, **k)
+        tracer.mark_host(out)
+        return out
+
+    class HostToDevice(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            if func is torch.Tensor.to and isinstance(args[0], torch.Tensor) and tracer.is_host(args[0]):
+                to_device = kwargs.get("device") is not None or any(
+                    isinstance(a, (str, torch.device)) for a in args[1:])
+                same = out.untyped_storage()._cdata == args[0].untyped_storage()._cdata
+                if to_device and same:
+                    out = out.clone()
+                elif not to_device and not same:
+                    tracer.mark_host(out)
+            return out
+
+    CPU_Accelerator.pin_memory = pin_memory
+    try:
+        with HostToDevice():
+            yield
+    finally:
+        CPU_Accelerator.pin_memory = pin
 
 
 @contextlib.contextmanager
@@ -207,7 +256,7 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
     tracer = StorageTracer("cpu", exp.profile.allocator_round_bytes, debug=debug)
     probe = Probe("cpu", tracer)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with _patches(), _replica_sees_meta(), fake, tracer:
+    with _patches(), _host_memory(tracer), _replica_sees_meta(), fake, tracer:
         say(f"building {m.name} ({m.n_layers} layers), DeepSpeed ZeRO-{tr.zero}, rank {rank} of {n}")
         model = build_model(m, tr, exp.profile, device="cpu")
         model.cfg.preserve_rng = False  # as on meta: CUDA keeps the RNG state on the host
@@ -228,6 +277,8 @@ def _trace(exp: ExperimentSpec, scale_layers: Optional[int], rank: int, debug: b
                      backward=engine.backward, scale=False, step_each_micro=True, release_loss=True)
         meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say)
         fill_measurement(meas, result, probe, "cpu", None, tracer, debug)
+        if tr.deepspeed is not None and tr.deepspeed.offload_param:
+            meas.host_param_bytes = tracer.host_current  # the pinned buffers held through the step
     return meas
 
 

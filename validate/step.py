@@ -71,6 +71,8 @@ class Measurement:
     partition_saved_bytes: Optional[int] = None
     #: activation offloading: pinned host bytes its hooks offloaded in one forward (validate/offload.py)
     host_activation_bytes: Optional[int] = None
+    #: DeepSpeed offload_param: the pinned host bytes of its 16-bit partitions (validate/deepspeed_trace.py)
+    host_param_bytes: Optional[int] = None
     peak_live: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:

@@ -76,6 +76,10 @@ class StorageTracer(TorchDispatchMode):
         self.device_type = device_type
         self.round_bytes = round_bytes
         self._live: dict[int, tuple[int, weakref.ref, object]] = {}
+        #: storages marked as host memory (:meth:`mark_host`): not device bytes; their raw bytes live and at most
+        self._host: dict[int, tuple[int, weakref.ref]] = {}
+        self.host_current = 0
+        self.host_peak = 0
         self.current = 0
         self.phase = "setup"
         self.label = ""
@@ -99,12 +103,38 @@ class StorageTracer(TorchDispatchMode):
             if self.allocator is not None:
                 self.allocator.free(entry[2])
 
+    def mark_host(self, t: torch.Tensor) -> None:
+        """``t``'s storage is host memory (a pinned buffer where the traced device is the host too, as on
+        DeepSpeed's CPU accelerator): it leaves the device count, its raw bytes count as host bytes until
+        it dies, and views of it are never counted as device storages."""
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self._host:
+            return
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[0]
+        def dead(_ref: weakref.ref, k: int = key) -> None:
+            self._free_host(k)
+
+        self._host[key] = (st.nbytes(), weakref.ref(st, dead))
+        self.host_current += st.nbytes()
+        self.host_peak = max(self.host_peak, self.host_current)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage()._cdata in self._host
+
+    def _free_host(self, key: int) -> None:
+        entry = self._host.pop(key, None)
+        if entry is not None:
+            self.host_current -= entry[0]
+
     def _add(self, t: torch.Tensor) -> None:
         if t.device.type != self.device_type:
             return
         st = t.untyped_storage()
         key = st._cdata
-        if key in self._live:
+        if key in self._live or key in self._host:
             return
         raw = st.nbytes()
         nbytes = round_up(raw, self.round_bytes)

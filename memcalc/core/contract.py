@@ -61,8 +61,6 @@ NESTED: dict[str, str] = {
 #: the estimate only through their parameters) and their activation rules are still to come
 #: (issue 12: the helpers modelling activations replace each entry with a PERTURB row).
 PENDING: dict[str, str] = {
-    "DeepSpeedSpec.offload_param": "issue 13: DeepSpeed ZeRO-3 parameter offload (16-bit partitions on the host) "
-                                   "is to come; the estimate's notes say it is not modelled",
 }
 
 #: "Spec.field" -> the setups where the option changes nothing; the estimate's notes say so there.
@@ -85,5 +83,6 @@ CONDITIONAL: dict[str, str] = {
     "KernelProfile.loss_tokens": "cross_entropy full or chunked (the loss runs on every position, ignored or not)",
     "KernelProfile.liger_ops": "kernels none (no Liger kernel is applied)",
     "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
+    "DeepSpeedSpec.offload_param": "ZeRO-2 or no DeepSpeed (DeepSpeed reads it at stage 3 only)",
     "TrainingSpec.sequence_parallel": "tp 1 (no tensor-parallel group to shard the sequence over)",
 }

@@ -38,13 +38,20 @@ releases them after, with small parameters (at most ``stage3_param_persistence_t
 elements) kept whole on every rank; its reduce bucket exists from the start and its gradient
 partitions are one flat buffer (``grad_partitions_flat_buffer``).
 
+``offload_param`` (ZeRO-3, :func:`memcalc.engine.sharding.offload_param`): the 16-bit partitions live in
+pinned host memory (:func:`host_param_bytes`, reported apart, not in the GPU peak); every gather copies
+them to the GPU (:class:`_Gathers`), bounded by the same prefetch / live / reuse limits; the fp32 master
+partition, its state, the gradient partition and the buckets stay on the GPU unless ``offload_optimizer``
+moves the first three (stage3.py ``self.device``); after the step the fp32 partition is copied into the
+host buffer in place (``_reassign_or_swap_out_partitioned_parameters``).
+
 Gradient accumulation runs as the timeline runs it (micro-steps after the second repeat it;
 the gradient partitions persist across micro-steps, the ZeRO-2 bucket is made again in each).
 
 Not modelled: ZeRO-3's
 gathers are followed per layer, not per module (DeepSpeed releases and prefetches module by
 module: with a small ``stage3_max_reuse_distance`` and prefetch bucket the estimate can be
-several percent low), and the coalesced all-gather's transient flat buffer; ``offload_param``;
+several percent low), and the coalesced all-gather's transient flat buffer;
 ``round_robin_gradients``, pipeline or tensor parallel groups, MoE expert groups, NVMe.
 """
 
@@ -56,7 +63,7 @@ from typing import Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.spec import DeepSpeedSpec, ExperimentSpec
 from memcalc.engine.sim import Param, Sim, T
-from memcalc.engine.sharding import GatherHooks
+from memcalc.engine.sharding import GatherHooks, offload_param
 
 #: stage_1_and_2.py ``nccl_start_alignment_factor``: 4-byte alignment / sizeof(fp16)
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -248,11 +255,19 @@ class _Gathers(GatherHooks):
     elements (``__params_to_release``); after its backward it is released. Embedding and head
     are the root module's: fetched when the step starts, released when its backward ends;
     parameters of at most ``stage3_param_persistence_threshold`` elements are never released
-    (``ds_persist``, allocated whole by :class:`DeepSpeedZero3`)."""
+    (``ds_persist``, allocated whole by :class:`DeepSpeedZero3`).
+
+    A gathered parameter is a new device tensor unless it is its own partition: with one rank and the
+    partitions on the GPU, ``all_gather_coalesced`` takes ``_no_gather_coalesced`` and ``NoGatherHandle``
+    sets ``param.data = param.ds_tensor.data.to(device)``, the partition itself (no copy; ``copies``
+    False). With ``offload_param`` that ``.to(device)`` copies the host partition to the GPU (one rank),
+    or, over N ranks, ``torch.cat([p.ds_tensor.to(device) ...], out=...)`` first copies each host
+    partition to the GPU (``host_copies``: a transient of the layer's partitions at each gather)."""
 
     def __init__(self, sim: Sim, ds: DeepSpeedSpec, wdt: DType, layer_numel: list[int], embed_numel: int,
-                 head_numel: int) -> None:
+                 head_numel: int, copies: bool = True, host_copies: int = 0) -> None:
         self.sim, self.ds, self.wdt = sim, ds, wdt
+        self.copies, self.host_copies = copies, host_copies
         self.layer_numel, self.embed_numel, self.head_numel = layer_numel, embed_numel, head_numel
         self.live: dict[object, T] = {}  # "embed" / "head" / layer index -> gathered block
         self.in_backward = False
@@ -266,9 +281,12 @@ class _Gathers(GatherHooks):
             else self.layer_numel[key]
 
     def _get(self, key) -> None:
-        if key not in self.live and self._numel(key):
+        if key not in self.live and self._numel(key) and self.copies:
             self.live[key] = self.sim.alloc(self.wdt.nbytes(self._numel(key)), "weights",
                                             "all-gathered weights (DeepSpeed ZeRO-3)")
+            if self.host_copies:  # the partitions copied to the GPU, then cat into the gathered buffer
+                self.sim.transient(self.wdt.nbytes(-(-self._numel(key) // self.host_copies)), "temporaries",
+                                   "host-to-GPU partition copies (DeepSpeed offload_param)")
 
     def _drop(self, key) -> None:
         t = self.live.pop(key, None)
@@ -343,9 +361,12 @@ class DeepSpeedZero3(DeepSpeedZero2):
         self.pns = [-(-p.numel // n) for p in self.trainable]
         pn = sum(self.pns)
         self.offload = tr.offload_optimizer
+        #: a gathered parameter is a new GPU tensor (not its partition itself: see _Gathers)
+        host = offload_param(exp)
+        copies = n > 1 or host
         persist = [p for p in params if p.numel <= self.ds.param_persistence_threshold]
         self.persistent = [sim.alloc(self.wdt.nbytes(p.numel), "weights", "persistent small parameters (DeepSpeed)")
-                           for p in persist]
+                           for p in persist] if copies else []
         self._master_partition(sim, tr, pn)
         self.buckets = ([sim.alloc(self.wdt.nbytes(self.ds.reduce_bucket_size), "gradients", "reduce bucket (DeepSpeed)")]
                         if self.ds.contiguous_gradients else [])
@@ -364,7 +385,8 @@ class DeepSpeedZero3(DeepSpeedZero2):
                 layer_numel[p.layer] += p.numel
             else:
                 root["embed" if "embed" in p.name else "head"] += p.numel
-        self.gather = _Gathers(sim, self.ds, self.wdt, layer_numel, root["embed"], root["head"])
+        self.gather = _Gathers(sim, self.ds, self.wdt, layer_numel, root["embed"], root["head"], copies,
+                               n if host and n > 1 else 0)
 
     def grad_ready(self, sim: Sim, p: Param) -> None:
         """``reduce_independent_p_g_buckets_and_remove_grads`` (stage3.py)."""
@@ -417,3 +439,13 @@ class DeepSpeedZero3(DeepSpeedZero2):
         self.opt.step_all()
         sim.unref(grad32)
         self.flat.grad = None
+
+
+def host_param_bytes(exp: ExperimentSpec, numels: list[int]) -> int:
+    """Pinned host bytes of ZeRO-3's ``offload_param`` on one rank: every parameter's 16-bit partition,
+    ``ceil(numel / N)`` elements in the weights' dtype (partition_parameters.py ``_aligned_size`` /
+    ``partition_numel``; stage3.py ``_create_param_groups_fp16_flat_cpu_memory``: one pinned buffer of the
+    trainable partitions per parameter group, frozen parameters' partitions pinned one by one). Raw
+    bytes: DeepSpeed pins with ``torch.Tensor.pin_memory`` (no caching host allocator rounding)."""
+    n = exp.training.gpus
+    return sum(exp.training.weight_dtype.nbytes(-(-k // n)) for k in numels)

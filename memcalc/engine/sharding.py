@@ -157,3 +157,14 @@ def uses_deepspeed(exp: ExperimentSpec) -> bool:
     stage3.py likewise), as validate/deepspeed_trace.py traces it."""
     tr = exp.training
     return tr.sharding == "deepspeed" and tr.zero >= 2
+
+
+def offload_param(exp: ExperimentSpec) -> bool:
+    """DeepSpeed ZeRO-3's ``offload_param`` is on: each parameter's 16-bit partition (``ds_tensor``) lives
+    in pinned host memory (deepspeed 0.19.8 runtime/zero/partition_parameters.py ``Init._partition_param``:
+    ``device = self.remote_device`` = ``offload_param.device``, ``get_accelerator().pin_memory``; stage3.py
+    ``_create_fp16_partitions_with_defragmentation``: the trainable partitions moved into one pinned flat
+    host buffer per parameter group instead of the GPU's ``lp_param_buffer``); DeepSpeed reads it at
+    stage 3 only (offload_config.py: "Valid only with stage 3")."""
+    tr = exp.training
+    return uses_deepspeed(exp) and tr.zero >= 3 and tr.deepspeed is not None and tr.deepspeed.offload_param

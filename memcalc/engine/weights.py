@@ -20,7 +20,7 @@ from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
 from memcalc.core.rules import torchtune_rope_buffers
 from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
-from memcalc.engine.sharding import shard, uses_deepspeed
+from memcalc.engine.sharding import offload_param, shard, uses_deepspeed
 from memcalc.engine.sim import Param, Sim
 from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
@@ -101,7 +101,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     rows, gather, shapes = _param_rows(
         local_experiment(exp).model, tr.lora, wdt, exp.adapter_dtype or wdt, tr.gpus, f2, f1,
         fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
-        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast)
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp))
     params: dict[str, Param] = {}
     order: list[Param] = []
     blocks = sim.alloc_many("weights", [(nbytes, cat, name, numel, bits)
@@ -134,14 +134,15 @@ def _storage(pt, lora: Optional[LoraSpec], quant: bool, wdt: DType, adt: DType,
 @lru_cache(maxsize=128)
 def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DType, n: int, f2: bool, f1: bool,
                 f2_orig: Optional[DType], zero3: bool, zero: int, sharding: str, offload_optimizer: bool,
-                tp: int, kbit_fp32: bool = False) -> tuple[tuple, int, tuple]:
+                tp: int, kbit_fp32: bool = False, ds_offload_param: bool = False) -> tuple[tuple, int, tuple]:
     """Each parameter's allocation as :func:`make_params` makes it: (name, bytes, category,
     elements, width in bits, trainable, gradient bytes, layer, the gradient shard kept after a
     reduce-scatter or None); the ZeRO-3 layer gather bytes; the shapes FSDP shards by. From
     everything make_params reads of the spec: the model one tensor-parallel rank holds, the LoRA
     spec, the weight and adapter dtypes, the GPUs, FSDP2/FSDP1 and FSDP's original dtype, ZeRO-3
     (not FSDP), the ZeRO stage, the sharding, optimizer offload, the tensor-parallel degree and the
-    profile's ``qlora_fp32_cast`` (:func:`kbit_dtype`)."""
+    profile's ``qlora_fp32_cast`` (:func:`kbit_dtype`) and DeepSpeed ZeRO-3's ``offload_param`` (the
+    partitions on the host: no device bytes, :func:`memcalc.engine.sharding.offload_param`)."""
     rows = []
     gather = 0
     inventory = param_inventory(local, lora)
@@ -160,8 +161,8 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
             if offload_optimizer:  # CPUOffloadPolicy: the shards live in host memory
                 nbytes = 0
         elif zero3 and (pt.layer is not None or sharding == "deepspeed"):  # DeepSpeed shards the root too
-            nbytes = shard(full, n)
-            cat += f" (ZeRO-3 shard 1/{n})"
+            nbytes = 0 if ds_offload_param else shard(full, n)
+            cat += f" (ZeRO-3 shard 1/{n}{', on the host' if ds_offload_param else ''})"
             if pt.layer == 0 and sharding != "deepspeed":  # DeepSpeed gathers its own way (engine.deepspeed)
                 gather += full
         grad_bytes = pdt.nbytes(grad_numel(pt.name, pt.numel, tp))

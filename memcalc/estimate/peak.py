@@ -20,6 +20,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.loading import load_phase
+from memcalc.engine.sharding import offload_param
 from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
@@ -139,9 +140,10 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.tr.gpus > 1 and s.tr.zero == 0,
      lambda s: f"gpus {s.tr.gpus} has no effect without ZeRO but NCCL's buffers: plain data parallelism keeps a "
                "whole copy on every GPU (the estimate is per GPU)"),
-    (lambda s: s.tr.deepspeed is not None and s.tr.deepspeed.offload_param,
-     lambda s: "DeepSpeed offload_param is not modelled yet: the estimate keeps the 16-bit parameter "
-               "partitions on the GPU, as without it (an over-estimate by about that partition)"),
+    (lambda s: s.tr.deepspeed is not None and s.tr.deepspeed.offload_param
+     and (s.tr.zero < 3 or s.tr.sharding != "deepspeed"),
+     lambda s: "offload_param has no effect without DeepSpeed ZeRO-3: DeepSpeed reads it at stage 3 only "
+               "(runtime/zero/offload_config.py)"),
     (lambda s: s.tr.sequence_parallel and s.tr.tp == 1,
      lambda s: "sequence_parallel has no effect with tp 1: there is no tensor-parallel group to shard the "
                "sequence over (set tp)"),
@@ -199,6 +201,25 @@ def no_effect_notes(exp: ExperimentSpec) -> list[str]:
     """The options that change nothing in this setup, one line each (:data:`NO_EFFECT`)."""
     s = _Setup(exp.training, exp.model, exp.profile, OPTIMIZERS[exp.training.optimizer])
     return [note(s) for when, note in NO_EFFECT if when(s)]
+
+
+def _host_extra(exp: ExperimentSpec, trainable: int) -> dict[str, int]:
+    """The host memory entries of ``Estimate.extra``: offloaded optimizer state (DeepSpeed / plain), FSDP2's
+    CPUOffloadPolicy shards, DeepSpeed ZeRO-3's offloaded parameter partitions."""
+    tr = exp.training
+    return {**({"host_optimizer_bytes": host_optimizer_bytes(exp, trainable)}
+               if tr.offload_optimizer and not fsdp_active(tr) else {}),
+            **({"host_offload_bytes": host_offload_bytes(exp)} if tr.offload_optimizer and fsdp_active(tr) else {}),
+            **({"host_param_bytes": _host_param_bytes(exp)} if offload_param(exp) else {})}
+
+
+def _host_param_bytes(exp: ExperimentSpec) -> int:
+    """DeepSpeed ZeRO-3 ``offload_param``'s pinned host partitions (memcalc.engine.deepspeed.host_param_bytes)."""
+    from memcalc.engine.deepspeed import host_param_bytes
+    from memcalc.engine.params import param_inventory
+    from memcalc.engine.tensor_parallel import local_experiment
+
+    return host_param_bytes(exp, [p.numel for p in param_inventory(local_experiment(exp).model, exp.training.lora)])
 
 
 def host_optimizer_bytes(exp: ExperimentSpec, trainable_params: int) -> int:
@@ -396,10 +417,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(techniques),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
-               **({"host_optimizer_bytes": host_optimizer_bytes(exp, counts.trainable)}
-                  if exp.training.offload_optimizer and not fsdp_active(exp.training) else {}),
-               **({"host_offload_bytes": host_offload_bytes(exp)}
-                  if exp.training.offload_optimizer and fsdp_active(exp.training) else {}),
+               **_host_extra(exp, counts.trainable),
                **({"recompute": recompute} if recompute else {})},
     )
 

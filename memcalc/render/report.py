@@ -140,6 +140,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "recompute": est.extra.get("recompute"),
         **({"host_optimizer_bytes": est.extra["host_optimizer_bytes"]} if "host_optimizer_bytes" in est.extra else {}),
         **({"host_offload_bytes": est.extra["host_offload_bytes"]} if "host_offload_bytes" in est.extra else {}),
+        **({"host_param_bytes": est.extra["host_param_bytes"]} if "host_param_bytes" in est.extra else {}),
         # only for a framework the validator cannot trace (unsloth): which numbers are read from source
         **({"provenance": est.extra["provenance"]} if "provenance" in est.extra else {}),
         "gpus": fits_rows(est, gpus),
@@ -447,6 +448,10 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = 
     if host is not None:
         add(f"host memory: {fmt_bytes(host)} per GPU of parameter shards, gradient shards and optimizer state "
                 "lives on the CPU (FSDP2 CPUOffloadPolicy, --offload-optimizer; not in the GPU peak)")
+    host = est.extra.get("host_param_bytes")
+    if host is not None:
+        add(f"host memory: {fmt_bytes(host)} per GPU of pinned 16-bit parameter partitions (DeepSpeed ZeRO-3 "
+            "offload_param; not in the GPU peak, copied to the GPU at each gather)")
     add(device_table(est))
     add(gpu_table(est, gpus))
     if not verbose:

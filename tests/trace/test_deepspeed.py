@@ -21,6 +21,7 @@ from memcalc.inputs.presets import load_preset  # noqa: E402
 from memcalc.validate.deepspeed_trace import trace_deepspeed  # noqa: E402
 
 TOLERANCE_PCT = 3.0  # issue 13: DeepSpeed setups within 3% of the traced rank peak
+OFFLOAD_TOLERANCE_PCT = 2.0  # issue 28: offload_param "a trace row within 2%"
 MIXED = dict(precision="bf16", master_weights=True)
 
 # (preset, layers, stage, gpus, training, DeepSpeed config) -- every row a distinct combination
@@ -56,6 +57,14 @@ GRID = [
     # source: ZeRO-3 on one GPU: ds_tensor partitions of the whole numel and the gathered parameters beside them
     # (stage3.py, partition_parameters.py), the flat gradient partition; the estimate without them was -22.5%
     ("gpt2", 2, 3, 1, dict(seq=256, **MIXED), dict(reduce_bucket_size=10_000_000)),
+    # source: offload_param on one GPU (issue 28): the 16-bit partitions in a pinned host buffer (stage3.py
+    # _create_param_groups_fp16_flat_cpu_memory), each gather a host-to-GPU copy (NoGatherHandle .to(device)); the
+    # estimate without it kept the partitions on the GPU (+8.9%)
+    ("gpt2", 2, 3, 1, dict(seq=256, **MIXED), dict(reduce_bucket_size=10_000_000, offload_param=True)),
+    # source: offload_param with stage3_max_reuse_distance 0 and no prefetch: each layer's GPU copy released after its
+    # forward and copied again for its backward; full checkpointing
+    ("tinyllama-1.1b", 2, 3, 1, dict(seq=256, checkpoint="full", **MIXED),
+     dict(reduce_bucket_size=10_000_000, offload_param=True, max_reuse_distance=0, prefetch_bucket_size=0)),
     # source: 16 ranks, batch 4, a persistence threshold of 1e6 keeps GPT-2's attention and norm parameters whole
     ("gpt2", 2, 3, 16, dict(batch=4, seq=256, **MIXED), dict(reduce_bucket_size=10_000_000,
                                                            param_persistence_threshold=1_000_000)),
@@ -80,8 +89,12 @@ def test_estimate_matches_deepspeed_trace(row):
     assert meas.status == "ok", meas.reason
     est = estimate(exp, timeline=False)
     gap = 100 * (est.peak_bytes - meas.measured_bytes) / meas.measured_bytes
-    assert abs(gap) <= TOLERANCE_PCT, (f"estimate {est.peak_bytes:,} B ({est.peak_phase}) vs trace "
-                                       f"{meas.measured_bytes:,} B ({meas.peak_phase}): {gap:+.2f}%")
+    offload = exp.training.deepspeed.offload_param
+    if offload:  # the pinned host partitions, reported apart: exactly what the trace marked host
+        assert meas.host_param_bytes == est.extra["host_param_bytes"], (meas.host_param_bytes, est.extra)
+    tolerance = OFFLOAD_TOLERANCE_PCT if offload else TOLERANCE_PCT
+    assert abs(gap) <= tolerance, (f"estimate {est.peak_bytes:,} B ({est.peak_phase}) vs trace "
+                                   f"{meas.measured_bytes:,} B ({meas.peak_phase}): {gap:+.2f}%")
 
 
 def test_grid_is_large_enough():

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 import pytest
-from contract_tables import LORA, PERTURB, build, perturbed  # the rows: tests/contract_tables.py
+from contract_tables import DS2, LORA, PERTURB, build, perturbed  # the rows: tests/contract_tables.py
 from typer.testing import CliRunner
 
 from memcalc.cli import app
@@ -118,6 +118,7 @@ NO_EFFECT = [
     ("KernelProfile.loss_tokens", {}, 0.5),  # source: the full loss runs on every position
     ("KernelProfile.liger_ops", {}, ("flce",)),  # source: kernels none: Trainer applies no Liger kernel
     ("TrainingSpec.sequence_parallel", {}, True),  # source: tp 1, no tensor-parallel group
+    ("DeepSpeedSpec.offload_param", DS2, True),  # source: offload_config.py, offload_param is read at stage 3 only
 ]
 
 
