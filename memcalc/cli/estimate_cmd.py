@@ -77,7 +77,7 @@ def estimate(
       memcalc estimate --model llama-3.1-8b --qlora --checkpoint full --gpu rtx-4090 --max-batch --max-seq
       memcalc estimate --model llama-3.1-8b --lora --framework torchtune --torch 2.9
       memcalc estimate --config control --json
-      memcalc estimate --recipe 8B_lora_single_device.yaml --gpu rtx-4090
+      memcalc estimate --recipe examples/torchtune_llama3_1_8B_lora_single_device.yaml --gpu rtx-4090
     """
     inputs = inputs_of(locals(), _OWN)  # every other option is an input of the experiment
     import memcalc.api

@@ -84,13 +84,13 @@ def validate(
     Examples:
 
     \b
-      memcalc validate --config fused --device meta
-      memcalc validate --all --device meta --output results.json
+      memcalc validate --config fused --device meta --scale-layers 2
+      memcalc validate --all --device meta --scale-layers 1 --output results.json
       memcalc validate --model llama-2-7b --batch 2 --seq 1024 --bf16 --checkpoint full --device meta --scale-layers 4
       memcalc validate --framework hf --model mistral-7b --bf16 --lora --device meta --scale-layers 2
-      memcalc validate --model tinyllama-1.1b --deepspeed ds_config.json --gpus 8 --seq 512 --scale-layers 2
+      memcalc validate --model gpt2 --deepspeed examples/ds_zero2.json --gpus 8 --seq 256 --scale-layers 1
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
-      memcalc validate --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --device meta --scale-layers 2
+      memcalc validate --framework plain --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --scale-layers 2
     """
     inputs = inputs_of(locals(), _OWN)  # the experiment's inputs
     import memcalc.api
