@@ -183,8 +183,9 @@ class EstimateResult:
 
     @property
     def breakdown(self) -> dict[str, int]:
-        """Bytes alive at the peak by kind: weights, optimizer_state, gradients, activations,
-        temporaries (sums to :attr:`peak_bytes`)."""
+        """Bytes alive at the peak by kind (:data:`memcalc.engine.result.KINDS`: weights, optimizer_state,
+        gradients, activations, temporaries; the table, chart and HTML name them the same, spaced), summing
+        to :attr:`peak_bytes`; ``to_dict()["breakdown"]`` splits each kind by component."""
         return dict(self.estimate.components_by_kind)
 
     @property

@@ -90,7 +90,7 @@ def estimate(
     if html is not None:
         from memcalc.render.html import estimate_html, write_report
 
-        write_report(html, estimate_html(r.estimate, r.resolved, cards))
+        write_report(html, estimate_html(r.estimate, r.resolved, cards, bool(gpu), r.to_make_it_fit))
     if as_json:
         from memcalc.render.report import dumps
 

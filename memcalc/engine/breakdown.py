@@ -11,11 +11,13 @@ from __future__ import annotations
 
 
 class PeakBreakdown:
-    """The peak's breakdown, over the simulator's running totals (a base of :class:`Sim`)."""
+    """The peak's breakdown, over the simulator's running totals (a base of :class:`Sim`);
+    ``by_cat`` is keyed by (kind, category): a category can hold bytes of two kinds (the head's
+    logits are saved for backward and also live as temporaries)."""
 
-    by_cat: dict[str, int]
+    by_cat: dict[tuple[str, str], int]
     by_kind: dict[str, int]
-    peak_cats: dict[str, int]
+    peak_cats: dict[tuple[str, str], int]
     peak_kinds: dict[str, int]
     _peak_open: bool
 
@@ -33,7 +35,20 @@ class PeakBreakdown:
         first appeared."""
         if self._peak_open:
             self._snap_peak()
-        return {k: v for k, v in self.peak_cats.items() if v}
+        out: dict[str, int] = {}
+        for (_, cat), v in self.peak_cats.items():
+            out[cat] = out.get(cat, 0) + v
+        return {k: v for k, v in out.items() if v}
+
+    def peak_by_kind(self) -> dict[str, dict[str, int]]:
+        """What was alive at the peak, by kind and, within it, by category (those with bytes)."""
+        if self._peak_open:
+            self._snap_peak()
+        out: dict[str, dict[str, int]] = {}
+        for (kind, cat), v in self.peak_cats.items():
+            if v:
+                out.setdefault(kind, {})[cat] = v
+        return out
 
     def peak_kinds_alive(self) -> dict[str, int]:
         """What was alive at the peak, by kind (every kind)."""

@@ -12,8 +12,20 @@ from typing import Any, Optional
 
 from memcalc.core.spec import ExperimentSpec
 
-#: The kinds memory is stacked by, in display order.
+#: The kinds memory is stacked by, in display order: the one vocabulary of the tables, the chart, the
+#: HTML report and the API (``EstimateResult.breakdown``'s keys, ``--json``'s ``components_by_kind``).
 KINDS = ("weights", "optimizer_state", "gradients", "activations", "temporaries")
+#: Each kind's name for people (the key, spaced) and what it holds: every component of the peak
+#: (a category the engine allocates under, such as "frozen base weights (NF4)" or "logits & loss")
+#: is shown under its kind, with these names wherever memory is split by kind.
+KIND_NAMES = {k: k.replace("_", " ") for k in KINDS}
+KIND_MEANING = {
+    "weights": "the model's parameters (trainable and frozen, quantized bases, gathered shards)",
+    "optimizer_state": "the optimizer's state (moments, fp32 master weights)",
+    "gradients": "the parameters' gradients",
+    "activations": "tensors the forward pass saves for backward (and the inputs)",
+    "temporaries": "tensors that live within a phase: activation gradients, logits and loss, workspaces",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,8 @@ class Estimate:
     inferred: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # options that have no effect in this setup
     extra: dict[str, Any] = field(default_factory=dict)
+    #: what is alive at the peak, by kind (KINDS) and, within it, by component: ``components`` split by kind
+    by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         assert sum(self.components.values()) == self.peak_bytes, "components must add up to the peak"
@@ -112,6 +126,9 @@ class SimResult:
     #: (:class:`GradReady`), from which :func:`fused_twin_of` derives the same step with the
     #: optimizer fused into backward
     grads_ready: Optional[list[GradReady]] = None
+    #: what is alive at the peak by kind, then category (:meth:`PeakBreakdown.peak_by_kind`); empty for a
+    #: step derived from another's records (memcalc.engine.twins)
+    peak_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

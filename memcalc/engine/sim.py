@@ -51,12 +51,12 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
         self._round = max(round_bytes, 1)  # round_up leaves sizes as they are below 2, as does rounding to 1
         self.total = 0
         self.by_kind: dict[str, int] = {k: 0 for k in KINDS}
-        self.by_cat: dict[str, int] = defaultdict(int)
+        self.by_cat: dict[tuple[str, str], int] = defaultdict(int)  # (kind, category) -> bytes alive
         self.peak = 0
         self.max_activations = 0  # the highest activation bytes alive at any instant
         self.peak_phase = ""
         self.peak_label = ""
-        self.peak_cats: dict[str, int] = {}
+        self.peak_cats: dict[tuple[str, str], int] = {}
         self.peak_kinds: dict[str, int] = {}
         self._peak_open = False  # a new peak whose breakdown is not copied yet (alloc, _snap_peak)
         self.grads_ready = 0  # gradients ready so far (observers.PeakAbove)
@@ -144,7 +144,7 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
         total = self.total = self.total + n
         by_kind = self.by_kind
         k = by_kind[kind] = by_kind[kind] + n
-        self.by_cat[category] += n
+        self.by_cat[(kind, category)] += n
         if k > self.max_activations and kind == "activations":
             self.max_activations = k
         phase = self.phase
@@ -222,7 +222,7 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
         self.by_kind[kind] += added
         by_cat = self.by_cat
         for cat, n in sums.items():
-            by_cat[cat] += n
+            by_cat[(kind, cat)] += n
         if rows:  # totals only grew: the last one is the batch's highest
             pp = self.phase_peaks
             if total > pp.get(phase, 0):
@@ -262,7 +262,7 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
                     event_hook((t.uid, 0))
             self.total -= n
             self.by_kind[t.kind] -= n
-            self.by_cat[t.category] -= n
+            self.by_cat[(t.kind, t.category)] -= n
 
     def mark(self, label: str, phase: Optional[str] = None) -> None:
         """Set the current label (and phase) and tell the observers."""

@@ -369,6 +369,7 @@ class _Step:
             peak_label=sim.peak_label,
             peak_categories=sim.peak_categories(),
             peak_kinds=sim.peak_kinds_alive(),
+            peak_by_kind=sim.peak_by_kind(),
             phases={k: v for k, v in sim.phase_peaks.items() if k != "setup"},
             timeline=self.timeline.points if self.timeline is not None else [],
             max_activation_bytes=sim.max_activations,

@@ -399,6 +399,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         peak_label=f"{top.peak_label} ({which})",
         components=dict(sorted(top.peak_categories.items(), key=lambda kv: -kv[1])),
         components_by_kind=kinds,
+        by_kind={k: dict(sorted(top.peak_by_kind[k].items(), key=lambda kv: -kv[1]))
+                 for k in KINDS if k in top.peak_by_kind},
         phases=dict(steady.phases),
         first_step_peak_bytes=first.peak_bytes,
         first_step_peak_phase=first.peak_phase,

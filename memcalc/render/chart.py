@@ -20,7 +20,7 @@ from rich.console import Group
 from rich.style import Style
 from rich.text import Text
 
-from memcalc.engine.result import KINDS, Estimate
+from memcalc.engine.result import KIND_NAMES, KINDS, Estimate
 from memcalc.render.timeline_view import Column, phase_runs, resample, step_columns
 from memcalc.core.units import GiB, gib
 
@@ -33,7 +33,6 @@ KIND_COLORS = {
     "temporaries": "#edc948",
 }
 CAPACITY_COLOR = "#e15759"
-KIND_NAMES = {k: k.replace("_", " ") for k in KINDS}
 PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "optimizer step": "optim"}
 LOWER = " ▁▂▃▄▅▆▇█"  # LOWER[n]: the lower n eighths of a cell filled
 
@@ -184,4 +183,4 @@ def timeline_chart(est: Estimate, capacity_bytes: int | None = None, width: int 
     return Group(*lines)
 
 
-__all__ = ["timeline_chart", "KIND_COLORS", "CAPACITY_COLOR", "nice_step"]
+__all__ = ["timeline_chart", "KIND_COLORS", "KIND_NAMES", "CAPACITY_COLOR", "nice_step"]

@@ -16,10 +16,10 @@ from rich.text import Text
 
 from memcalc.render.chart import KIND_COLORS, KIND_NAMES
 from memcalc.inputs.resolve import Resolved
-from memcalc.render.report import fits_rows, inputs_table, recompute_pct
+from memcalc.render.report import fits_rows, inputs_table, peak_rows, recompute_pct
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.render.svg import SERIES_COLORS, breakdown_svg, e, grouped_bars_svg, legend, timeline_svg
-from memcalc.core.units import MiB, fmt_bytes, fmt_count, gib
+from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 
 CSS = """
 :root { --fg:#1f2328; --muted:#59636e; --line:#d1d9e0; --soft:#f6f8fa; }
@@ -110,11 +110,13 @@ def _inputs(est: Estimate, res: Resolved) -> str:
 
 
 def _components(est: Estimate) -> str:
-    rows = "".join(f"<tr><td>{e(name)}</td>{_gib_td(b)}<td class=\"num\">{b / MiB:,.1f}</td></tr>"
-                   for name, b in est.components.items())
+    """The peak by kind and, under each, by component (the terminal report's rows: ``peak_rows``)."""
+    rows = "".join(f'<tr class="{"part" if part else "kind"}"><td>{"&emsp;" if part else ""}{e(name)}</td>{_gib_td(b)}'
+                   f'<td class="num">{b / MiB:,.1f}</td></tr>' for name, part, b in peak_rows(est))
     total = (f'<tr class="total"><td>total (allocated peak)</td>{_gib_td(est.peak_bytes)}'
              f'<td class="num">{est.peak_bytes / MiB:,.1f}</td></tr>')
-    return (f'<table id="components"><thead><tr><th>component</th><th class="num">GiB</th><th class="num">MiB</th></tr>'
+    return ('<table id="components"><thead><tr><th>kind: component</th><th class="num">GiB</th>'
+            '<th class="num">MiB</th></tr>'
             f"</thead><tbody>{rows}{total}</tbody></table>")
 
 
@@ -144,12 +146,38 @@ def _fits(est: Estimate, gpus: list[Any]) -> str:
             f'<th class="num">headroom (GiB)</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
 
 
-def estimate_html(est: Estimate, res: Resolved, gpus: list[Any]) -> str:
-    """The estimate report as one self-contained HTML page (see module docstring)."""
+def _verdict(est: Estimate, gpus: list[Any], asked: bool, remedies: Any) -> tuple[str, str]:
+    """The first card (the terminal report's verdict lines, :func:`memcalc.render.verdict.verdict_items`)
+    and, under the cards, the changes that make it fit with their commands."""
+    from memcalc.render.verdict import verdict_items
+
+    rows = fits_rows(est, gpus)
+    yes = sum(r["fits"] for r in rows)
+    value = ("yes" if yes else "no") if len(rows) == 1 else f"{yes} of {len(rows)} GPUs"
+    lines = [Text.from_markup(x).plain if isinstance(x, str) else x.plain
+             for x in verdict_items(est, gpus, asked, None)]
+    card = _card("fits?", f'<span class="{"yes" if yes else "no"}">{e(value)}</span>', lines[0], ' id="verdict"')
+    fixes = ""
+    for name, xs in (remedies or {}).items():
+        items = "".join(f"<li><b>{e(x.flags)}</b>: {e(fmt_auto(x.headroom_bytes))} to spare (peak "
+                        f"{e(fmt_auto(x.peak_bytes))})" + (f"<br><code>{e(x.command)}</code>" if x.command else "")
+                        + "</li>" for x in xs)
+        fixes += (f'<h3>To make it fit {e(name)}</h3><ul class="notes" data-gpu="{e(name)}">{items}</ul>' if xs else
+                  f"<p>To make it fit {e(name)}: no single change memcalc tries is enough; "
+                  f"<code>memcalc plan --gpu {e(name)}</code> searches every combination.</p>")
+    return card, (f'<div id="to-make-it-fit">{fixes}</div>' if fixes else "")
+
+
+def estimate_html(est: Estimate, res: Resolved, gpus: list[Any], asked: bool = False, remedies: Any = None) -> str:
+    """The estimate report as one self-contained HTML page (see module docstring); its first card is
+    the verdict (``asked``: the cards were asked for, ``--gpu``), then what makes it fit (``remedies``:
+    ``EstimateResult.to_make_it_fit``)."""
     exp = est.experiment
     cap = gpus[0].capacity_bytes if len(gpus) == 1 else None
     cap_name = getattr(gpus[0], "display_name", gpus[0].name) if len(gpus) == 1 else "GPU"
+    first, fixes = _verdict(est, gpus, asked, remedies)
     cards = [
+        first,
         _card("allocated peak", f'<span data-bytes="{est.peak_bytes}">{gib(est.peak_bytes):.2f} GiB</span>',
               f"{est.peak_phase}, at {est.peak_label}", ' id="peak"'),
         _card("needs on the GPU", f'<span data-bytes="{est.required_bytes}">{gib(est.required_bytes):.2f} GiB</span>',
@@ -169,7 +197,7 @@ def estimate_html(est: Estimate, res: Resolved, gpus: list[Any]) -> str:
                            f"{e(rec['by'])}; {sub}" if comp else sub, ' id="recompute"'))
     body = f"""<header><h1>memcalc estimate: {e(exp.name)}</h1>
 <p class="sub">{e(exp.description or exp.model.name)} &middot; {e(exp.model.name)}, batch {exp.training.batch} &times; seq {exp.training.seq}, {e(exp.training.precision)}, {e(exp.training.optimizer)}</p>
-<div class="cards">{"".join(cards)}</div></header>
+<div class="cards">{"".join(cards)}</div>{fixes}</header>
 <section id="timeline-section"><h2>Memory across one training step</h2>
 {timeline_svg(est, cap, cap_name)}{kinds_legend(est)}
 <p class="muted">Columns are the simulator's points at layer boundaries, from the first forward point to the end of the optimizer step; the peak, reached inside a segment, is its own column. Hover a column for its numbers.</p></section>

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.core.gpu_side import DeviceMemory, device_memory
-from memcalc.engine.result import KINDS, Estimate
+from memcalc.engine.result import KIND_NAMES, KINDS, Estimate
 from memcalc.estimate.peak import card_side, runs_within
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 
@@ -120,6 +120,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         "peak_step": est.extra.get("peak_step"),
         "components": est.components,
         "components_by_kind": est.components_by_kind,
+        "breakdown": est.by_kind,
         "phases": est.phases,
         "first_step_peak_bytes": est.first_step_peak_bytes,
         "steady_peak_bytes": est.extra.get("steady_peak_bytes"),
@@ -295,15 +296,33 @@ def _loss(p: KernelProfile, o: dict[str, str]) -> Optional[str]:
 
 def peak_table(est: Estimate) -> Table:
     t = left_table(f"Alive at the peak: {fmt_bytes(est.peak_bytes)} in {est.peak_phase}, at {est.peak_label}")
-    t.add_column("component")
+    t.add_column("kind: component")
     t.add_column("GiB", justify="right")
     t.add_column("MiB", justify="right")
     t.add_column("share", justify="right")
-    for name, b in est.components.items():
-        t.add_row(name, f"{gib(b):.3f}", f"{b / MiB:,.1f}", f"{100 * b / est.peak_bytes:.1f}%")
+    for name, indent, b in peak_rows(est):
+        t.add_row(f"  {name}" if indent else f"[bold]{name}[/bold]", f"{gib(b):.3f}", f"{b / MiB:,.1f}",
+                  f"{100 * b / est.peak_bytes:.1f}%")
     t.add_row("[bold]total (allocated peak)[/bold]", f"[bold]{gib(est.peak_bytes):.3f}[/bold]",
               f"{est.peak_bytes / MiB:,.1f}", "100.0%")
     return t
+
+
+def peak_rows(est: Estimate) -> list[tuple[str, bool, int]]:
+    """The peak's rows: each kind with bytes (:data:`memcalc.engine.result.KIND_NAMES`), then its
+    components (indented: True) where it has more than one or one named otherwise; a step without
+    the split by kind (``Estimate.by_kind`` empty) lists its components alone."""
+    if not est.by_kind:
+        return [(name, False, b) for name, b in est.components.items()]
+    out = []
+    for k in KINDS:
+        parts = est.by_kind.get(k)
+        if not parts:
+            continue
+        out.append((KIND_NAMES[k], False, sum(parts.values())))
+        if len(parts) > 1 or next(iter(parts)) != KIND_NAMES[k]:
+            out += [(name, True, b) for name, b in parts.items()]
+    return out
 
 
 def phases_table(est: Estimate) -> Table:

@@ -133,7 +133,7 @@ _ARGS = ["estimate", "--params", "1e8", "--seq", "128", "--bf16", "--master-weig
 ])
 @pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_cli_rows(args, code, message):
-    r = CliRunner().invoke(app, args, env={"COLUMNS": "300"})  # table cells on one line
+    r = CliRunner().invoke(app, [*args, "--verbose"], env={"COLUMNS": "300"})  # the inputs table, its cells on one line
     assert r.exit_code == code, r.output
     assert message in " ".join(r.output.split())
 

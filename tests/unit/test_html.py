@@ -12,7 +12,7 @@ import pytest
 from memcalc.inputs.configs import load_config
 from memcalc.estimate.peak import estimate
 from memcalc.render.html import estimate_html, validate_html
-from memcalc.render.report import fits_rows
+from memcalc.render.report import fits_rows, peak_rows
 from memcalc.inputs.resolve import Resolved
 from memcalc.engine.result import KINDS
 from memcalc.core.units import GiB
@@ -141,7 +141,11 @@ def test_breakdown_components_and_fits(control):
     assert {b.attrs["data-kind"]: int(b.attrs["data-bytes"]) for b in bars} == {k: v for k, v in est.components_by_kind.items() if v}
     comp = root.by_id("components")
     cells = [int(td.attrs["data-bytes"]) for td in comp.find_all("td") if "data-bytes" in td.attrs]
-    assert cells[:-1] == list(est.components.values()) and cells[-1] == est.peak_bytes
+    # each kind (KIND_NAMES), then its components: the terminal table's rows (render.report.peak_rows)
+    assert cells[:-1] == [b for _, _, b in peak_rows(est)] and cells[-1] == est.peak_bytes
+    kinds = [int(tr.find_all("td")[1].attrs["data-bytes"]) for tr in comp.find_all("tr")
+             if tr.attrs.get("class") == "kind"]
+    assert kinds == [v for v in est.components_by_kind.values() if v]
     assert int(root.by_id("peak").find_all("span")[0].attrs["data-bytes"]) == est.peak_bytes
     assert int(root.by_id("required").find_all("span")[0].attrs["data-bytes"]) == est.required_bytes
     rows = root.by_id("fits").find_all("tr", data_gpu="rtx-4090")

@@ -55,7 +55,11 @@ class _Eager(Sim):
         before = self.peak
         t = super().alloc(*args, **kw)
         if self.peak > before:
-            self.eager_cats = {k: v for k, v in self.by_cat.items() if v}
+            cats: dict[str, int] = {}
+            for (_, cat), v in self.by_cat.items():  # (kind, category) keys, summed per category in first-seen order
+                cats[cat] = cats.get(cat, 0) + v
+            self.eager_cats = {k: v for k, v in cats.items() if v}
+            self.eager_split = {kc: v for kc, v in self.by_cat.items() if v}
             self.eager_kinds = dict(self.by_kind)
         return t
 
@@ -75,6 +79,9 @@ def test_lazy_peak_breakdown_equals_an_eager_copy(seed):
             alive.append(sim.alloc(size, rng.choice(KINDS), rng.choice(cats)))
     assert list(sim.peak_categories().items()) == list(sim.eager_cats.items())  # the order too (ties in the breakdown)
     assert sim.peak_kinds_alive() == sim.eager_kinds
+    split = sim.peak_by_kind()
+    assert {(k, c): v for k, cs in split.items() for c, v in cs.items()} == sim.eager_split
+    assert {k: sum(cs.values()) for k, cs in split.items()} == {k: v for k, v in sim.eager_kinds.items() if v}
     assert sum(sim.peak_categories().values()) == sim.peak
 
 

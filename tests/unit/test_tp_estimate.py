@@ -86,7 +86,7 @@ def test_bad_tp_is_one_line_exit_2(args, code, message):
 
 @pytest.mark.slow  # the quick lane stays under 30 s; CI runs it
 def test_inputs_table_names_the_layout():
-    r = run(["estimate", "--model", "llama-3.2-3b", "--seq", "256", "--tp", "4", "--sequence-parallel"])
+    r = run(["estimate", "--model", "llama-3.2-3b", "--seq", "256", "--tp", "4", "--sequence-parallel", "--verbose"])
     assert r.exit_code == 0, r.output
     assert "TP 4 (sequence parallel)" in r.stdout
 
