@@ -281,7 +281,8 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
         from memcalc.plan.remedies import remedies_for
 
         fix = remedies_for(res.exp, cards, fits, gpu is not None,
-                           None if spec is not None else (lambda ch: _resolve(None, {**options, **ch}).exp), options)
+                           None if spec is not None else (lambda ch: _resolve(None, {**options, **ch}).exp),
+                           lambda e, g: fits_rows(e, [g])[0], options)
     return EstimateResult(est, res, cards, limits, fix)
 
 

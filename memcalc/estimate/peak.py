@@ -291,6 +291,11 @@ def _replayed(steady, first) -> tuple[tuple, int, int]:
     return replays, max(a_steady, a_first), max(r_steady, r_first)
 
 
+def _by_kind(split: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """The peak by kind (in KINDS' order) and, within each, by component (largest first)."""
+    return {k: dict(sorted(split[k].items(), key=lambda kv: -kv[1])) for k in KINDS if k in split}
+
+
 def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None,
              side: Optional[GpuSide] = None) -> Estimate:
     """Predict the allocated peak of one training step of ``exp`` (see module docstring).
@@ -399,8 +404,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         peak_label=f"{top.peak_label} ({which})",
         components=dict(sorted(top.peak_categories.items(), key=lambda kv: -kv[1])),
         components_by_kind=kinds,
-        by_kind={k: dict(sorted(top.peak_by_kind[k].items(), key=lambda kv: -kv[1]))
-                 for k in KINDS if k in top.peak_by_kind},
+        by_kind=_by_kind(top.peak_by_kind),
         phases=dict(steady.phases),
         first_step_peak_bytes=first.peak_bytes,
         first_step_peak_phase=first.peak_phase,

@@ -7,9 +7,11 @@ setup's own method first: recomputation, fewer sequences per step, a smaller opt
 shorter sequences, host traffic, more GPUs; then a different method), and, when no single change
 fits, the same changes on top of ``--checkpoint full``. Each candidate is resolved from the flags
 exactly as ``memcalc estimate`` resolves its command line (``exp_of``), so the command printed gives
-the same bytes, and is checked with the plan's own verdict (:func:`memcalc.plan.limits.need`: the
-weights-and-state floor first, then a step simulated until it passes the card), which is the
-estimate's ``required_bytes <= capacity_bytes``. A batch or sequence is halved until it fits (round numbers,
+the same bytes. It is screened with the plan's verdict (:func:`memcalc.plan.limits.need`: the
+weights-and-state floor first, then a step simulated until it passes the card; reserved taken as
+allocated, so it never refuses what the estimate would take), then estimated in full and judged by
+the estimate's own verdict (``verdict``: :func:`memcalc.render.report.fits_rows`, the one place
+that decides "fits"), whose bytes are the ones shown. A batch or sequence is halved until it fits (round numbers,
 at most :data:`HALVINGS` tries); more GPUs are 2, 4, ..., 64 (:data:`GPU_COUNTS`).
 """
 
@@ -24,9 +26,8 @@ from typing import Any, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
-from memcalc.estimate.peak import required_bytes
+from memcalc.estimate.peak import estimate
 from memcalc.plan.limits import need
-from memcalc.plan.simulations import estimated_peak
 
 #: how many changes are listed per card
 SHOWN = 4
@@ -45,13 +46,14 @@ _NO_FLAG = ("liger_ops",)
 
 @dataclass(frozen=True)
 class Remedy:
-    """A change that makes the setup fit ``gpu``: its options (API keywords), its peak and the
-    bytes a card needs, the headroom left, and the ``memcalc estimate`` command that shows it."""
+    """A change that makes the setup fit ``gpu``: its options (API keywords), its allocated peak and
+    the card's device total (the estimate's ``fits_rows``), the headroom left, and the
+    ``memcalc estimate`` command that shows it."""
 
     gpu: str
     change: dict[str, Any]
     peak_bytes: int
-    required_bytes: int
+    device_total_bytes: int
     headroom_bytes: int
     command: Optional[str]
 
@@ -62,7 +64,7 @@ class Remedy:
 
     def as_json(self) -> dict[str, Any]:
         return {"gpu": self.gpu, "flags": self.flags, "change": dict(self.change), "peak_bytes": self.peak_bytes,
-                "required_bytes": self.required_bytes, "headroom_bytes": self.headroom_bytes,
+                "device_total_bytes": self.device_total_bytes, "headroom_bytes": self.headroom_bytes,
                 "command": self.command}
 
 
@@ -125,13 +127,17 @@ def _halvings(x: int, lo: int) -> list[int]:
     return out
 
 
+#: the estimate's verdict on one card: (estimate, card) -> its ``fits_rows`` row (fits, device_total_bytes,
+#: headroom_bytes)
+Verdict = Callable[[Any, Any], Mapping[str, Any]]
+
+
 def to_make_it_fit(exp: ExperimentSpec, gpu: Any, exp_of: Callable[[dict[str, Any]], ExperimentSpec],
-                   options: Optional[Mapping[str, Any]] = None) -> list[Remedy]:
+                   verdict: Verdict, options: Optional[Mapping[str, Any]] = None) -> list[Remedy]:
     """Up to :data:`SHOWN` changes that make ``exp`` fit ``gpu`` (a catalog card), smallest first:
     single changes, else each on top of ``--checkpoint full``. ``exp_of(change)`` is the setup with
     that change (resolved as the command line would be); ``options`` the setup's own keywords, for
     the commands."""
-    cap = int(gpu.capacity_bytes)
     found: list[Remedy] = []
     singles = list(_singles(exp))
     levels = [singles]
@@ -139,11 +145,11 @@ def to_make_it_fit(exp: ExperimentSpec, gpu: Any, exp_of: Callable[[dict[str, An
         levels.append([[{"checkpoint": "full", **c} for c in alts] for alts in singles[1:]])
     for level in levels:
         for alts in level:
-            got = _first_fit(alts, cap, exp_of)
+            got = _first_fit(alts, gpu, exp_of, verdict)
             if got is not None:
-                change, peak = got
-                req = required_bytes(peak)
-                found.append(Remedy(gpu.name, change, peak, req, cap - req, command(options, change, gpu.name)))
+                change, peak, row = got
+                found.append(Remedy(gpu.name, change, peak, row["device_total_bytes"], row["headroom_bytes"],
+                                    command(options, change, gpu.name)))
                 if len(found) == SHOWN:
                     return found
         if found:
@@ -151,17 +157,21 @@ def to_make_it_fit(exp: ExperimentSpec, gpu: Any, exp_of: Callable[[dict[str, An
     return found
 
 
-def _first_fit(alts: list[dict[str, Any]], cap: int,
-               exp_of: Callable[[dict[str, Any]], ExperimentSpec]) -> Optional[tuple[dict[str, Any], int]]:
-    """The first of ``alts`` that fits ``cap`` bytes, with its peak; a change the inputs refuse
-    (a flag that does not go with the setup) is skipped."""
+def _first_fit(alts: list[dict[str, Any]], gpu: Any, exp_of: Callable[[dict[str, Any]], ExperimentSpec],
+               verdict: Verdict) -> Optional[tuple[dict[str, Any], int, Mapping[str, Any]]]:
+    """The first of ``alts`` that fits ``gpu``, with its peak and the estimate's verdict row; a change
+    the inputs refuse (a flag that does not go with the setup) is skipped."""
     for change in alts:
         try:
             e = exp_of(change)
         except (UserError, ValueError):
             return None
-        if need(e, cap, exact=False)[0]:
-            return change, estimated_peak(e)
+        if not need(e, int(gpu.capacity_bytes), exact=False)[0]:
+            continue
+        est = estimate(e, timeline=False, replay=True)
+        row = verdict(est, gpu)
+        if row["fits"]:
+            return change, est.peak_bytes, row
     return None
 
 
@@ -170,11 +180,12 @@ MAX_CARDS = 3
 
 
 def remedies_for(exp: ExperimentSpec, cards: Sequence[Any], fits: Mapping[str, bool], asked: bool,
-                 exp_of: Optional[Callable[[dict[str, Any]], ExperimentSpec]],
+                 exp_of: Optional[Callable[[dict[str, Any]], ExperimentSpec]], verdict: Verdict,
                  options: Optional[Mapping[str, Any]] = None) -> dict[str, list[Remedy]]:
     """Card name -> the changes that make ``exp`` fit it, for the cards it does not fit (``fits``:
     the estimate's verdict per card): every card asked for (``asked``: ``--gpu``; the first
-    :data:`MAX_CARDS`); of the catalog, only when no card fits, the largest. ``exp_of`` resolves a
+    :data:`MAX_CARDS`); of the catalog, only when no card fits, the largest (``verdict``: the estimate's
+    verdict on a card, :data:`Verdict`). ``exp_of`` resolves a
     change with the setup's options (the notes it writes on stderr were written once, for the setup
     itself, and are dropped); None (a spec given as such): the change is made to its training fields."""
     short = [g for g in cards if not fits[g.name]]
@@ -185,7 +196,7 @@ def remedies_for(exp: ExperimentSpec, cards: Sequence[Any], fits: Mapping[str, b
     if exp_of is None:
         exp_of, options = _training_change(exp), None
     quiet = _quietly(exp_of)
-    return {g.name: to_make_it_fit(exp, g, quiet, options) for g in short[:MAX_CARDS]}
+    return {g.name: to_make_it_fit(exp, g, quiet, verdict, options) for g in short[:MAX_CARDS]}
 
 
 def _quietly(exp_of: Callable[[dict[str, Any]], ExperimentSpec]) -> Callable[[dict[str, Any]], ExperimentSpec]:

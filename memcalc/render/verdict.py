@@ -32,7 +32,7 @@ def _card_line(est: Estimate, row: Mapping[str, Any]) -> str:
     answer = ("[yellow]yes, the paged optimizer state pages to the host[/yellow]" if paging
               else "[green]yes[/green]" if ok else "[red]no[/red]"
               + (" (it runs once the allocator releases its cache)" if row.get("fits_after_cache_release") else ""))
-    return (f"[bold]Fits {row['name']}?[/bold] {answer}: needs {fmt_auto(est.required_bytes)} of its "
+    return (f"[bold]Fits {row['name']}?[/bold] {answer}: needs {fmt_auto(row['device_total_bytes'])} of its "
             f"{fmt_auto(row['capacity_bytes'])}, {_room(row)}")
 
 
@@ -41,13 +41,14 @@ def _catalog_lines(est: Estimate, rows: Sequence[Mapping[str, Any]]) -> list[str
     does not."""
     yes = [r for r in rows if r["fits"]]
     no = [r for r in rows if not r["fits"]]
-    need = f"[bold]Needs {fmt_auto(est.required_bytes)}[/bold]"
     if not yes:
         big = max(no, key=lambda r: r["capacity_bytes"])
-        return [f"{need}: fits [red]none[/red] of {len(rows)} GPUs; the largest, {big['name']}, is {_room(big)}"]
+        return [f"Fits [red]none[/red] of {len(rows)} GPUs; the largest, {big['name']}: needs "
+                f"{fmt_auto(big['device_total_bytes'])}, {_room(big)}"]
     small = min(yes, key=lambda r: r["capacity_bytes"])
     head = "all" if not no else f"{len(yes)} of"
-    out = [f"{need}: fits [green]{head} {len(rows)} GPUs[/green], smallest {small['name']} ({_room(small)})"]
+    out = [f"Fits [green]{head} {len(rows)} GPUs[/green]; smallest {small['name']}: needs "
+           f"{fmt_auto(small['device_total_bytes'])}, {_room(small)}"]
     if no:
         big = max(no, key=lambda r: r["capacity_bytes"])
         out.append(f"Does [red]not[/red] fit {big['name']} ({fmt_auto(big['capacity_bytes'])}, {_room(big)})"
