@@ -114,7 +114,7 @@ def test_api_gives_the_same_changes():
     con = Console(width=int(COLUMNS), record=True, file=io.StringIO())
     print_items(verdict_items(r.estimate, list(r.cards), True, r.to_make_it_fit), con)
     lines = con.export_text().splitlines()
-    assert lines[0].startswith(f"Fits {card}? no: needs ")
+    assert lines[0].startswith(f"Fits {card}? no") and ": needs " in lines[0]
     assert lines[2] == f"To make it fit {card} (smallest changes first):"
     assert lines[3].startswith(f"  {fixes[0].flags}: ") and lines[4] == "    " + fixes[0].command
 
