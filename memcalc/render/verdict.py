@@ -26,14 +26,18 @@ def _room(row: Mapping[str, Any]) -> str:
     return f"{fmt_auto(h)} to spare" if h >= 0 else f"{fmt_auto(-h)} short"
 
 
-def _card_line(est: Estimate, row: Mapping[str, Any]) -> str:
+def _card_lines(est: Estimate, row: Mapping[str, Any]) -> list[str]:
+    """A card's verdict line; a card the step misses but runs on once the caching allocator
+    releases its cache (``fits_after_cache_release``) says so on a line of its own."""
     ok = row["fits"]
     paging = ok and row.get("paged_state_resident") is False
     answer = ("[yellow]yes, the paged optimizer state pages to the host[/yellow]" if paging
-              else "[green]yes[/green]" if ok else "[red]no[/red]"
-              + (" (it runs once the allocator releases its cache)" if row.get("fits_after_cache_release") else ""))
-    return (f"[bold]Fits {row['name']}?[/bold] {answer}: needs {fmt_auto(row['device_total_bytes'])} of its "
-            f"{fmt_auto(row['capacity_bytes'])}, {_room(row)}")
+              else "[green]yes[/green]" if ok else "[red]no[/red]")
+    out = [f"[bold]Fits {row['name']}?[/bold] {answer}: needs {fmt_auto(row['device_total_bytes'])} of its "
+           f"{fmt_auto(row['capacity_bytes'])}, {_room(row)}"]
+    if row.get("fits_after_cache_release"):
+        out.append("  [yellow]it runs once the allocator releases its cache[/yellow] (slower: cudaMalloc retries)")
+    return out
 
 
 def _catalog_lines(est: Estimate, rows: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -64,7 +68,7 @@ def verdict_items(est: Estimate, gpus: Sequence[Any], asked: bool,
 
     rows = fits_rows(est, list(gpus))
     each = asked and len(rows) <= CARD_LINES
-    out: list[Any] = [*([_card_line(est, r) for r in rows] if each else _catalog_lines(est, rows))]
+    out: list[Any] = [x for r in rows for x in _card_lines(est, r)] if each else [*_catalog_lines(est, rows)]
     label, phase = est.peak_label, est.peak_phase
     at = f"[bold]{label}[/bold]" if label.startswith(phase) else f"[bold]{phase}[/bold], at {label}"
     out.append(f"Peak {fmt_auto(est.peak_bytes)} allocated in {at}")
