@@ -130,6 +130,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "LoraSpec.targets": (LORA, ("q", "v")),
     "LoraSpec.dropout": (LORA, 0.1),
     "LoraSpec.qlora": ({**LORA, **BF16}, True),
+    "LoraSpec.quant": ({**LORA, **BF16}, "gptq"),
     "LoraSpec.dora": (LORA, True),  # magnitude vectors, the weight-norm temporaries, saved base and lora results
     # without double quantisation: the fp32 absmax of a (128, 128) weight is 1 KiB at block 64, 512 B at
     # 128 (double-quantised, each uint8 absmax rounds to one 512-byte block either way)
@@ -257,6 +258,8 @@ _DS = _MULTI.format("4 DeepSpeed", "tests/trace/test_deepspeed.py (validate/deep
 _ZERO3 = _MULTI.format("4 ZeRO-3", "tests/trace/test_fsdp_grid.py and tests/trace/test_deepspeed.py (validate/sharded, "
                                    "validate/deepspeed_trace.py)")
 UNTRACED: dict[str, str] = {
+    "LoraSpec.quant": "a GPTQ / AWQ base runs gptqmodel's kernels, which need CUDA: read from source (validate "
+                      "refuses it in one line)",
     "KernelProfile.loss_tokens": "memcalc's replica has no TRL head; TRL's own step traces it: "
                                  "tests/trace/test_trl_grid.py test_loss_tokens_move_the_traced_head",
     "MoESpec.router_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",

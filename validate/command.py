@@ -145,6 +145,17 @@ def sharded_items(items: list) -> bool:
                for _n, e in items)
 
 
+def _refuse_quant_base(items: list) -> None:
+    """A GPTQ / AWQ base (LoraSpec.quant) runs gptqmodel's kernels, which need CUDA: one line, before any trace."""
+    from memcalc.core.errors import UserError
+
+    for _name, e in items:
+        lo = e.training.lora if isinstance(e, ExperimentSpec) else None
+        if lo is not None and lo.quant is not None:
+            raise UserError(f"--quant {lo.quant}: a {lo.quant.upper()} base cannot be traced without CUDA (gptqmodel's "
+                            "kernels); the estimate reads it from source (docs/techniques.md)")
+
+
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
                  output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None,
                  framework: str = "plain", reentrant: bool = False, rank: int = 0) -> list[dict]:
@@ -156,6 +167,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
 
     if framework not in FRAMEWORKS:
         raise UserError(f"unknown --framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
+    _refuse_quant_base(items)
     sharded = sharded_items(items)
     if sharded:
         from .sharded.command import check_sharded_run

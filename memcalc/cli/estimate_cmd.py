@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (GaloreRank, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Config, Deepspeed,
                                  BnbSavesInput,
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Kernels, Lora, LoraAlpha,
@@ -35,7 +35,8 @@ def estimate(
     fused_optimizer: FusedOptimizer = False, compile: Compile = False, memory_budget: MemoryBudget = None,
     compile_scope: CompileScope = None,
     lora: Lora = False, lora_rank: LoraRank = None, lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None,
-    lora_dropout: LoraDropout = None, qlora: Qlora = False, lora_dtype: LoraDtype = None, profile: Profile = None,
+    lora_dropout: LoraDropout = None, qlora: Qlora = False,
+    quant: Quant = None, lora_dtype: LoraDtype = None, profile: Profile = None,
     framework: Framework = None, torch: Torch = None, zero: Zero = None, gpus: Gpus = None,
     offload_optimizer: OffloadOptimizer = False, sharding: Sharding = None, tp: Tp = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,

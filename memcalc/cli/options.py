@@ -74,6 +74,9 @@ LoraTargets = Annotated[Optional[str], typer.Option(
                            "Default: the attention projections.")]
 LoraDropout = Annotated[Optional[float], typer.Option("--lora-dropout", help="Dropout on the adapter input.")]
 Qlora = Annotated[bool, typer.Option("--qlora", help="QLoRA: LoRA over a 4-bit NF4 frozen base.")]
+Quant = Annotated[Optional[str], typer.Option(
+    "--quant", help="gptq | awq: LoRA over a GPTQ / AWQ 4-bit base (group 128, gptqmodel's torch training kernel; "
+                    "read from source, validate cannot trace it without CUDA; implies --lora).")]
 ModulesToSave = Annotated[Optional[str], typer.Option(
     "--modules-to-save", help="PEFT modules_to_save beside LoRA: embed_tokens, lm_head (comma-separated; each trained "
     "whole as a copy, the frozen original kept; implies --lora).")]

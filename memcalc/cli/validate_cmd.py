@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (GaloreRank, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
                                  CompileScope, Deepspeed, BnbSavesInput, Dora, ModulesToSave,
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,
@@ -36,7 +36,8 @@ def validate(
     compile: Compile = False, memory_budget: MemoryBudget = None,
     compile_scope: CompileScope = None, lora: Lora = False, lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
-    qlora: Qlora = False, profile: Profile = None, loss: Loss = None, loss_chunks: LossChunks = None,
+    qlora: Qlora = False,
+    quant: Quant = None, profile: Profile = None, loss: Loss = None, loss_chunks: LossChunks = None,
     loss_tokens: LossTokens = None,
     kernels: Kernels = None,
     recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,

@@ -220,3 +220,33 @@ def check_tp(exp: ExperimentSpec) -> None:
             raise UserError(f"--tp {tp} must divide {what} ({n}): {n} / {tp} = {n / tp:g} "
                             f"(remainder {n % tp}); each rank holds {what} / tp (torchtitan shards the "
                             "rows of every column-parallel weight evenly and views whole local heads)")
+
+
+#: the 4-bit base formats ``LoraSpec.quant`` names (``--quant``)
+QUANT_METHODS = ("gptq", "awq")
+#: GPTQ / AWQ group size (elements of in_features per scale and zero): 128, the default of transformers'
+#: GPTQConfig / AwqConfig and of the published 4-bit checkpoints
+QUANT_GROUP = 128
+
+
+def packed_4bit_parts(method: str, in_features: int, out_features: int, group: int = QUANT_GROUP) -> list[int]:
+    """Bytes of each buffer of a 4-bit GPTQ / AWQ linear (``LoraSpec.quant``), each its own allocation.
+    GPTQ (auto-gptq / gptqmodel ``QuantLinear``: ``qweight`` int32 [in * 4 / 32, out], ``qzeros`` int32
+    [ceil(in / group), out * 4 / 32], ``scales`` fp16 [ceil(in / group), out], ``g_idx`` int32 [in]);
+    AWQ (AutoAWQ / gptqmodel ``WQLinear_GEMM`` / ``AwqTorchLinear``: ``qweight`` int32 [in, out * 4 / 32],
+    ``qzeros`` int32 [in / group, out * 4 / 32], ``scales`` fp16 [in / group, out], no ``g_idx``)."""
+    groups = -(-in_features // group)
+    parts = [in_features * out_features // 2, groups * out_features // 2, 2 * groups * out_features]
+    return [*parts, 4 * in_features] if method == "gptq" else parts
+
+
+def awq_dequant_peak_bytes(in_features: int, out_features: int, out_bytes: int) -> int:
+    """The peak of gptqmodel's ``dequantize_gemm`` (quantization/awq/utils/packing_utils.py) on one weight,
+    its result included: ``unpack_awq`` shifts the int32 ``qweight`` to int32 [in, out / 8, 8] (4 bytes an
+    element) then ``.to(int8)`` (1); ``reverse_awq_order`` and ``bitwise_and`` each make a new int8 copy while
+    the old one is alive (2); then ``scales.repeat_interleave`` (``out_bytes``) and
+    ``izeros.repeat_interleave`` (1) beside ``iweight``, ``iweight - izeros`` (int8) and its product with the
+    scales (the result, ``out_bytes``): max(5, 3 + 2 x out_bytes) bytes an element (the group-sized zeros
+    left out)."""
+    n = in_features * out_features
+    return max(5 * n, 3 * n + 2 * out_bytes * n)

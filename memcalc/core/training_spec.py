@@ -87,6 +87,10 @@ class LoraSpec(Spec):
     )
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter input.")
     qlora: bool = Field(False, description="Quantise the frozen base to 4-bit NF4 (QLoRA).")
+    quant: Optional[Literal["gptq", "awq"]] = Field(
+        None, description="A GPTQ or AWQ 4-bit base under LoRA (transformers + gptqmodel, PEFT's GPTQLoraLinear / "
+        "AwqLoraLinear): packed int32 weights, per-group scales and zeros (group 128), and the torch training "
+        "kernel's dequantized 16-bit weight saved per linear for backward; read from source (needs CUDA to trace).")
     quant_block: int = Field(64, gt=0, description="NF4 block size (elements per absmax constant).")
     double_quant: bool = Field(True, description="Quantise the absmax constants too (QLoRA double quantisation).")
     bnb_saves_input: bool = Field(
@@ -137,6 +141,10 @@ class LoraSpec(Spec):
             # peft/tuners/lora/layer.py ParamWrapper.update_layer: "lora.ParamWrapper does not work with use_dora=True."
             raise ValueError("DoRA cannot adapt the MoE experts: PEFT's ParamWrapper (target_parameters) refuses "
                              "use_dora=True; drop the experts target or --dora")
+        if self.quant is not None and (self.qlora or self.dora):
+            # peft/tuners/lora/gptq.py GPTQLoraLinear.__init__: "does not support DoRA yet"
+            raise ValueError(f"quant {self.quant} is the base's own 4-bit format: not with "
+                             f"{'qlora (bitsandbytes NF4)' if self.qlora else 'DoRA (PEFT GPTQLoraLinear refuses it)'}")
         return self
 
 
@@ -259,6 +267,9 @@ class TrainingSpec(Spec):
             raise ValueError(bad_impl)
         if self.optimizer == "galore-adamw":
             self._check_galore()
+        if self.lora is not None and self.lora.quant is not None and self.precision not in ("bf16", "fp16"):
+            raise ValueError(f"quant {self.lora.quant}: gptqmodel's kernels run in fp16/bf16 (SUPPORTS_DTYPES); "
+                             f"use precision bf16 or fp16, not {self.precision}")
         if self.deepspeed is not None and (self.sharding != "deepspeed" or self.zero != self.deepspeed.stage):
             raise ValueError(f"a DeepSpeed config (ZeRO stage {self.deepspeed.stage}) needs sharding deepspeed and "
                              f"zero {self.deepspeed.stage}, not sharding {self.sharding} and zero {self.zero}")

@@ -17,7 +17,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.kernels import ALLOCATOR_ROUND_BYTES
 from memcalc.core.units import round_up
 from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec
-from memcalc.core.rules import torchtune_rope_buffers
+from memcalc.core.rules import packed_4bit_parts, torchtune_rope_buffers
 from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import offload_param, shard, uses_deepspeed
@@ -126,9 +126,21 @@ def _storage(pt, lora: Optional[LoraSpec], quant: bool, wdt: DType, adt: DType,
     names) as :func:`kbit_dtype` says."""
     if quant:
         assert lora is not None
+        if lora.quant is not None:  # GPTQ / AWQ: core.rules.packed_4bit_parts, each buffer its own allocation
+            parts = packed_4bit_parts(lora.quant, pt.shape[1], pt.shape[0])
+            return wdt, sum(round_up(p, ALLOCATOR_ROUND_BYTES) for p in parts), \
+                f"frozen base weights ({lora.quant.upper()})"
         return wdt, quantized_bytes(pt.numel, lora.quant_block, lora.double_quant), "frozen base weights (NF4)"
     pdt = adt if pt.kind == "lora" else wdt if kbit_quantized is None else kbit_dtype(pt.name, wdt, kbit_quantized)
     return pdt, pdt.nbytes(pt.numel), "weights" if pt.trainable or lora is None else "frozen base weights"
+
+
+def _quantized_base(lora: Optional[LoraSpec], kbit_fp32: bool) -> tuple[bool, bool]:
+    """(whether the base's linears are 4-bit: QLoRA's NF4 or a GPTQ / AWQ base, whether PEFT's
+    ``prepare_model_for_kbit_training`` casts the other 16-bit parameters to fp32): not for a GPTQ model
+    (peft/utils/other.py ``not is_gptq_quantized``); an AWQ one is cast as a bitsandbytes one."""
+    quant = lora is not None and (lora.qlora or lora.quant is not None)
+    return quant, quant and kbit_fp32 and not (lora is not None and lora.quant == "gptq")
 
 
 @lru_cache(maxsize=128)
@@ -146,8 +158,7 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
     rows = []
     gather = 0
     inventory = param_inventory(local, lora)
-    qlora = lora is not None and lora.qlora
-    kbit = qlora and kbit_fp32
+    qlora, kbit = _quantized_base(lora, kbit_fp32)
     quantized = {pt.name.removesuffix(".weight") for pt in inventory if pt.quantizable} if kbit else set()
     for pt in inventory:
         quant = qlora and pt.quantizable

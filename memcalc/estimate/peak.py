@@ -164,6 +164,11 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
                "torch.compile recomputes the checkpointed regions whole"),
     (lambda s: s.changed("optimizer_impl") and s.opt.step == "none" and len(s.opt.impls) > 1,
      lambda s: f"optimizer_impl {s.tr.optimizer_impl} has no effect with {s.opt.name}: its step makes no temporaries"),
+    (lambda s: s.tr.lora is not None and s.tr.lora.quant is not None,
+     lambda s: f"quant {s.tr.lora.quant if s.tr.lora else ''}: read from source, not traced (gptqmodel's kernels "
+               "need CUDA): the packed layout of gptqmodel's QuantLinear, and its torch training kernel's "
+               "dequantized 16-bit weight saved per linear for backward (gptqmodel nn_modules/qlinear/torch.py, "
+               "torch_awq.py; docs/techniques.md)"),
     (lambda s: s.changed("galore_rank") and s.opt.step != "galore",
      lambda s: f"galore_rank {s.tr.galore_rank} has no effect with {s.opt.name}: it is GaLore's projection rank "
                "(optimizer galore-adamw)"),

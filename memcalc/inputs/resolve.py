@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
-from memcalc.core.rules import framework_model
+from memcalc.core.rules import QUANT_METHODS, framework_model
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
@@ -72,6 +72,7 @@ class Options:
     lora_targets: Optional[str] = None
     lora_dropout: Optional[float] = None
     qlora: bool = False
+    quant: Optional[str] = None
     lora_dtype: Optional[str] = None
     profile: Optional[str] = None
     framework: Optional[str] = None
@@ -318,7 +319,7 @@ def _put_flags(o: Options, model: ModelSpec, tr: _Training, notes: list[str]) ->
 def _lora_given(o: Options) -> bool:
     """Whether any LoRA flag was given (each one means LoRA)."""
     return any((o.lora, o.qlora, o.dora, o.bnb_saves_input)) or any(
-        v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout, o.lora_dtype,
+        v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout, o.lora_dtype, o.quant,
                                 o.modules_to_save))
 
 
@@ -342,6 +343,10 @@ def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
             cur[switch] = True
     if o.lora_dtype is not None:
         cur["dtype"] = o.lora_dtype
+    if o.quant is not None:
+        if o.quant not in QUANT_METHODS:
+            raise UserError(f"unknown --quant {clip(o.quant)!r}; valid: {', '.join(QUANT_METHODS)}")
+        cur["quant"] = o.quant
     if o.modules_to_save is not None:
         cur["modules_to_save"] = parse_modules_to_save(o.modules_to_save)
     tr.put("lora", cur)

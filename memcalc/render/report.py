@@ -268,7 +268,8 @@ def _adapters(exp: ExperimentSpec, res: Resolved) -> Optional[str]:
     if lo is None:
         return None
     adt = exp.adapter_dtype
-    return (f"{'QLoRA (NF4 base)' if lo.qlora else 'LoRA'}{' + DoRA' if lo.dora else ''} rank {lo.rank}, "
+    kind = "QLoRA (NF4 base)" if lo.qlora else f"LoRA ({lo.quant.upper()} base)" if lo.quant else "LoRA"
+    return (f"{kind}{' + DoRA' if lo.dora else ''} rank {lo.rank}, "
             f"alpha {lo.alpha:g}, on {','.join(lo.targets)}"
             f"; adapters {adt.name if adt is not None else '-'}{_why(res, 'lora_dtype')}"
             + (f"; modules_to_save {','.join(lo.modules_to_save)} (trainable copies beside the frozen originals)"
@@ -407,12 +408,17 @@ def render(est: Estimate, res: Resolved, gpus: list[Any], console: Optional[Cons
     print_items(report_items(est, res, gpus, verbose), console)
 
 
+def _lora_kind(lo) -> str:
+    """QLoRA, LoRA-GPTQ / LoRA-AWQ (a 4-bit base of its own format), or LoRA."""
+    return "QLoRA" if lo.qlora else f"LoRA-{lo.quant.upper()}" if lo.quant else "LoRA"
+
+
 def setup_line(est: Estimate, res: Resolved) -> str:
     """The setup in one line (``--verbose`` gives every input, with where it came from)."""
     exp, tr = est.experiment, est.experiment.training
     lo = tr.lora
     method = ("full fine-tune" if lo is None
-              else f"{'QLoRA' if lo.qlora else 'LoRA'}{'+DoRA' if lo.dora else ''} r{lo.rank}")
+              else f"{_lora_kind(lo)}{'+DoRA' if lo.dora else ''} r{lo.rank}")
     gpus = f", {tr.gpus * tr.tp} GPUs" + (f" ZeRO-{tr.zero}" if tr.zero else "") if tr.gpus * tr.tp > 1 else ""
     src = res.model_source
     frm = f"; {escape(src.describe())}" if src is not None and src.kind != "preset" else ""

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.dtypes import DType
+from memcalc.engine.blocks.quant_linear import quant_linear
 from memcalc.core.rules import torchao_nf4_dequant_peak_bytes
 from memcalc.core.spec import LoraSpec, ModelSpec
 from memcalc.engine.blocks import litgpt_lora
@@ -106,6 +107,8 @@ def proj(fwd: ForwardContext, x: T, layer: Optional[int], name: str, short: str,
             y = o.linear(x, fwd.rows, w, bias, d_out, quant_transient_bytes=qt, quant_peak_bytes=qp)
         else:
             y = _linear_4bit(fwd, x, w, bias, d_out, qt)
+    elif lora is not None and lora.quant is not None and w.weight.itemsize_bits == 4:  # GPTQ / AWQ base
+        y = quant_linear(fwd, x, w, bias, d_out, lora.quant)
     else:
         y = o.linear(x, fwd.rows, w, bias, d_out)
     if fwd.tp and short not in ("o", "down"):
