@@ -24,6 +24,8 @@ Each returns the tracer's peak (``max_memory_allocated`` over the load, 512-byte
 from __future__ import annotations
 
 
+from typing import Any
+
 import torch
 
 from memcalc.core.spec import ExperimentSpec
@@ -86,4 +88,64 @@ def trace_torchtune_load(exp: ExperimentSpec) -> StorageTracer:
     return tracer
 
 
-__all__ = ["LoadTracer", "trace_torchtune_load"]
+def trace_hf_load(exp: ExperimentSpec) -> StorageTracer:
+    """``from_pretrained(..., quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...))``'s load of
+    ``exp`` on meta, traced (see the module docstring), then PEFT's kbit preparation and LoRA."""
+    import bitsandbytes as bnb
+    import transformers
+    from transformers import BitsAndBytesConfig
+    from transformers.core_model_loading import _materialize_copy, dot_natural_key
+    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from .hf_model import choose_family, hf_config, peft_targets
+    from .hf_presets import patch_peft_meta_autocast, patch_peft_old_torchao
+    from .hf_qlora import prepare_kbit
+
+    lora = exp.training.lora
+    assert lora is not None and lora.qlora
+    dtype = _dtype(exp)
+    family = choose_family(exp.model)
+    with torch.device("meta"):  # from_pretrained builds the model empty, then loads into it
+        model = getattr(transformers, family.auto_class).from_config(hf_config(exp.model, family), dtype=dtype)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}  # a tied head once, as the checkpoint
+    quantizer = Bnb4BitHfQuantizer(BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_use_double_quant=lora.double_quant))
+    quantizer._process_model_before_weight_loading(model, device_map=None)
+    convert = Bnb4bitQuantize(quantizer)
+    tracer = LoadTracer("meta")
+    with tracer:
+        tracer.set_phase("load", "convert_and_load_state_dict_in_model")
+        for key in sorted(shapes, key=dot_natural_key):  # l.1893: the checkpoint's names in this order
+            value: Any = _materialize_copy(torch.empty(shapes[key], dtype=dtype), "meta", dtype)
+            path, _, name = key.rpartition(".")
+            mod = model.get_submodule(path)
+            if isinstance(mod, bnb.nn.Linear4bit) and name == "weight":
+                weight: Any = mod.weight
+                weight.blocksize = lora.quant_block
+                new: Any = convert.convert({key: value}, full_layer_name=key, model=model)[key]
+                if not new.bnb_quantized:  # .to("meta") skipped it: what .to("cuda") runs
+                    new = new._quantize(value.device)
+                mod.weight = new
+                del new, weight
+            else:  # set_param_for_module (l.1568-1610): the value as the module's parameter
+                setattr(mod, name, torch.nn.Parameter(value, requires_grad=value.is_floating_point()))
+            del value  # del realized_value (l.1990)
+        model.tie_weights()  # from_pretrained ties a tied head to the loaded embedding after loading
+        if exp.profile.qlora_fp32_cast:
+            tracer.set_phase("load", "prepare_model_for_kbit_training")
+            prepare_kbit(model)
+        from peft import LoraConfig, get_peft_model
+
+        patch_peft_meta_autocast()
+        patch_peft_old_torchao()
+        tracer.set_phase("load", "get_peft_model")
+        with torch.device("meta"):
+            model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
+                                                     lora_dropout=lora.dropout,
+                                                     target_modules=peft_targets(family, lora)))
+    return tracer
+
+
+__all__ = ["LoadTracer", "trace_hf_load", "trace_torchtune_load"]
