@@ -70,7 +70,7 @@ def validate(
         "--gpus",
         help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
              "process group, fake tensors (--device meta or cpu; nothing is allocated); memcalc's replica unless "
-             "--framework hf (FSDP2 only).")] = None,
+             "--framework hf (FSDP2, or FSDP1 with PEFT's wrap policy).")] = None,
     zero: Annotated[Optional[int], typer.Option(
         "--zero", help="With --gpus: 3 reshards parameters after forward (FSDP2 reshard_after_forward=True, "
                        "FSDP1 FULL_SHARD), 2 keeps them until backward (False, SHARD_GRAD_OP).")] = None,
@@ -146,7 +146,7 @@ def _sharded(device: Optional[str], framework: Optional[str], gpus: Optional[int
         if device == "cuda":
             raise UserError(f"--gpus {gpus} --device cuda: validate runs one process and cannot measure {gpus} ranks "
                             "on CUDA; trace one rank with --device meta")
-        if framework is None:  # the sharded trace builds the replica unless --framework hf (FSDP2 only) is given
+        if framework is None:  # the sharded trace builds the replica unless --framework hf is given
             framework = "plain"
     return framework
 

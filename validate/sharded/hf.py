@@ -6,7 +6,9 @@ Built as ``validate/hf_runner.py`` builds it (:func:`~..hf_model.build_hf_model`
 decoder layer (the model's ``ModuleList`` of ``n_layers`` modules) and the root, as for the replica
 (``fsdp2.py``). The step is HF's: ``model(input_ids=ids, labels=labels).loss`` inside the emulated
 autocast region, with :class:`~..hf_kernels.HFKernels` and :func:`~..hf_kernels.hf_patches` active
-(kernel dispatch only). FSDP1 is not built for HF models here.
+(kernel dispatch only). FSDP1 (``sharding="fsdp1"``): the model built on ``meta`` as for FSDP2, its
+parameters made fake ``cpu`` tensors (:func:`_to_empty_cpu`), then ``FullyShardedDataParallel`` with PEFT's
+``fsdp_auto_wrap_policy`` (:func:`apply_fsdp1_hf`); QLoRA under FSDP1 is refused (not traced yet).
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
     from ..hf_runner import _decoder_layers, hf_unsupported
     from .fsdp2 import RESHARD_AFTER_FORWARD
 
-    if sharding != "fsdp2":
-        raise UserError("--framework hf with --sharding fsdp1: the sharded trace wraps the Hugging Face model with "
-                        "FSDP2 only; use --framework plain for FSDP1")
+    if sharding == "fsdp1" and exp.training.lora is not None and exp.training.lora.qlora:
+        raise UserError("--framework hf with --sharding fsdp1 and QLoRA: not traced yet (bitsandbytes' Params4bit "
+                        "in FSDP1's flat parameters needs bnb_4bit_quant_storage bf16 and its quant_state kept); "
+                        "LoRA and full fine-tuning are traced, and QLoRA under FSDP2")
     why = hf_unsupported(exp.model_copy(update={"training": exp.training.model_copy(update={"gpus": 1, "zero": 0})}),
                          "meta")
     if why:
@@ -51,6 +54,10 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
     layers = list(_decoder_layers(model, m.n_layers))
     if len(layers) != m.n_layers:
         raise UserError(f"--framework hf: could not find the {m.n_layers} decoder layers of {m.name} to shard")
+    if sharding == "fsdp1":
+        with fake:
+            _to_empty_cpu(model)
+            return apply_fsdp1_hf(model, mesh, zero, plan, layers), layers, params
     policy = plan.policy()
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[zero], mp_policy=policy)
@@ -58,6 +65,49 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
     with fake:
         model.to_empty(device="cpu")
     return model, layers, params
+
+
+def _to_empty_cpu(model) -> None:
+    """``model.to_empty(device="cpu")`` for a fake model on ``meta``, parameter by parameter: ``_apply``
+    always swaps a fake parameter and fails ("Couldn't swap"), so each parameter and buffer is replaced
+    by an uninitialised ``cpu`` one of its shape, dtype and ``requires_grad`` (tied weights stay tied).
+    FSDP1 then flattens plain (fake) cpu tensors, as the replica's (runner.py)."""
+    import torch.nn as nn
+
+    done: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                if id(p) not in done:
+                    done[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                mod._parameters[name] = done[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = done.setdefault(id(b), torch.empty_like(b, device="cpu"))
+
+
+def apply_fsdp1_hf(model, mesh, zero: int, plan, layers):
+    """FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=False``) over the HF model as accelerate wraps
+    it: with PEFT, ``peft.utils.other.fsdp_auto_wrap_policy(model)`` (every leaf module whose weight requires
+    grad, i.e. each LoRA ``lora_A`` / ``lora_B``, its own unit, and the model's ``_no_split_modules``
+    decoder layers); without, the decoder layers (``ModuleWrapPolicy``); the root holds the rest."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from .fsdp1 import STRATEGIES
+
+    if any(not p.requires_grad for p in model.parameters()):
+        from peft.utils.other import fsdp_auto_wrap_policy
+
+        wrap = fsdp_auto_wrap_policy(model)
+    else:
+        wrap = ModuleWrapPolicy({type(layers[0])})
+    mp = None
+    if plan.param_dtype is not None:
+        mp = MixedPrecision(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
+    return FSDP(model, process_group=mesh.get_group(), sharding_strategy=getattr(ShardingStrategy, STRATEGIES[zero]),
+                auto_wrap_policy=wrap, mixed_precision=mp, use_orig_params=False, limit_all_gathers=True,
+                device_id=torch.device("cpu"))
 
 
 def hf_step_parts(exp: ExperimentSpec, model, layers, set_label: Callable[[str], None]):
