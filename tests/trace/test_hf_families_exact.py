@@ -24,6 +24,12 @@ from memcalc.core.spec import LoraSpec  # noqa: E402
 from memcalc.engine.params import count_params  # noqa: E402
 from memcalc.inputs import hf_families  # noqa: E402
 from memcalc.inputs.hf_config import from_hf_config  # noqa: E402
+from memcalc.validate.hf_presets import patch_peft_old_torchao  # noqa: E402
+
+# PEFT 0.21 raises on torchao 0.14 (torchtune's pin) at every LoRA dispatch; the validator treats the old
+# torchao as absent, and so must this file, which calls get_peft_model itself (it passed only after a file
+# that went through the validator first: under xdist it runs alone)
+patch_peft_old_torchao()
 
 pytestmark = pytest.mark.slow
 

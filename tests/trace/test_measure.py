@@ -13,6 +13,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import memcalc  # noqa: E402
+from memcalc.validate.hf_presets import patch_peft_old_torchao  # noqa: E402
+
+patch_peft_old_torchao()  # PEFT 0.21 raises on torchao 0.14 (torchtune's pin): see validate/hf_presets.py
 
 pytestmark = pytest.mark.slow
 
