@@ -104,18 +104,18 @@ def estimate(
 
 
 def _render(r: Any, timeline: bool, verbose: bool, asked: bool) -> None:
-    """The verdict first (and what would make it fit), then the tables (and the limits, and with
-    ``timeline`` the chart) of an estimate."""
+    """The verdict first (and what would make it fit, and the limits asked for), then the tables (and
+    with ``timeline`` the chart) of an estimate."""
     from memcalc.render.report import print_items, report_items
     from memcalc.render.verdict import verdict_items
 
     cards = list(r.cards)
-    print_items(verdict_items(r.estimate, cards, asked, r.to_make_it_fit)
-                + report_items(r.estimate, r.resolved, cards, verbose))
+    items = verdict_items(r.estimate, cards, asked, r.to_make_it_fit)
     if r.limits:
-        from memcalc.render.plan_report import render_limits
+        from memcalc.render.plan_report import limits_lines
 
-        render_limits(r.limits, cards[0], r.resolved.exp.model)  # (the limits are for the one --gpu)
+        items += limits_lines(r.limits, cards[0], r.resolved.exp.model)  # (the limits are for the one --gpu)
+    print_items(items + report_items(r.estimate, r.resolved, cards, verbose))
     if timeline:
         from rich.console import Console
 

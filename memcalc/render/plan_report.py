@@ -30,7 +30,7 @@ def limits_lines(lim: dict[str, Any], gpu: Any, model: ModelSpec) -> list[str]:
         b = lim["max_batch"]
         if b == 0:
             out.append(f"[bold]max batch[/bold] at seq {lim['max_batch_seq']} on {name} ({cap}): [red]0[/red] "
-                       "(batch 1 does not fit)")
+                       "(batch 1 does not fit; see 'To make it fit' above)")
         else:
             nxt = lim["next_batch_required_bytes"]
             why = f"; batch {b + 1} needs {fmt_bytes(nxt)}" if nxt is not None else f" (the search stops at {BATCH_CAP:,})"

@@ -139,3 +139,13 @@ def test_one_vocabulary_for_the_kinds_of_memory():
     assert per_component == r.components
     kinds = [(name, b) for name, part, b in peak_rows(r.estimate) if not part]
     assert kinds == [(KIND_NAMES[k], v) for k, v in r.breakdown.items() if v]
+
+
+@pytest.mark.slow  # an 8B estimate, its search and the batch search (about 2 s)
+def test_max_batch_0_points_at_what_makes_batch_1_fit():
+    # source: issue 29, "--max-batch without checkpointing prints '0': it should say what would make batch 1 fit"
+    r = run(["estimate", "--model", "llama-3.1-8b", "--qlora", "--seq", "4096", "--gpu", "rtx-4090", "--max-batch"])
+    head = " ".join(r.stdout.split("Setup:")[0].split())  # the answer block, before the details
+    assert "To make it fit rtx-4090" in head and "--checkpoint full --gpu rtx-4090" in head
+    assert head.endswith("max batch at seq 4096 on NVIDIA GeForce RTX 4090 (23.988 GiB): 0 (batch 1 does not fit; "
+                         "see 'To make it fit' above)"), head
