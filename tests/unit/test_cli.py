@@ -208,7 +208,7 @@ def test_main_exits_with_the_commands_status(monkeypatch, capsys, argv, code):
     (["estimate", "--help"],
      "\n    memcalc estimate --model llama-3.1-8b --batch 2 --seq 4096 --qlora --checkpoint full --gpu rtx-4090\n"),
     (["plan", "--help"], "\n    memcalc plan --model llama-3.1-8b --gpu rtx-4090 --seq 4096 --all --json\n"),
-    (["validate", "--help"], "\n    memcalc validate --all --device meta --output results.json\n"),
+    (["validate", "--help"], "\n    memcalc validate --all --device meta --scale-layers 1 --output results.json\n"),
     (["estimate", "--help"], "--precision <fp32|bf16|fp16|amp-bf16|amp-fp16>"),
 ])
 def test_help_shows(args, shown):
