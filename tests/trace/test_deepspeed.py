@@ -113,7 +113,7 @@ def test_unsupported_setups_are_skipped_with_the_reason(tr, why):
 
 @pytest.mark.parametrize("gpus", [["--gpus", "4"], []])  # source: one GPU runs DeepSpeed's engine too (issue 28)
 def test_validate_command_traces_a_deepspeed_config(tmp_path, gpus):
-    """``memcalc validate --deepspeed CONFIG --gpus N`` (README, DeepSpeed) reaches DeepSpeed's tracer: the
+    """``memcalc validate --deepspeed CONFIG --gpus N`` (docs/multi-gpu.md, DeepSpeed) reaches DeepSpeed's tracer: the
     config's stage sets --zero, rank 0 is traced, and the record compares it with the estimate; without
     --gpus, the one rank of world size 1."""
     import json

@@ -90,7 +90,7 @@ def test_vocabulary_parallel_embedding_gradient_is_whole():
 
 # 2-D FSDP2 x TP (torchtitan's order: apply_tp, then fully_shard over the dp mesh dimension), bf16
 # or bf16 + MixedPrecisionPolicy. fp32 2-D setups are 6-8% low (the peak at the head and loss
-# parallel; see README "Tensor parallelism") and are not in this table.
+# parallel; see docs/multi-gpu.md, "Tensor parallelism") and are not in this table.
 ROWS_2D = [
     (2, True, {"precision": "bf16", "gpus": 2, "zero": 3}),  # source: trace, 2 x 2 mesh, +0.51%
     (2, True, {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 3}),  # source: trace, +0.43%

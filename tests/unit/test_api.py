@@ -41,7 +41,7 @@ SAME_AS_CLI = [
     # source: issue 14's done-criterion
     pytest.param(dict(model="llama-3.1-8b", precision="bf16", lora=True),
                  ["--model", "llama-3.1-8b", "--precision", "bf16", "--lora"], marks=_SLOW),
-    # source: README quick start (a small model, checkpointing, two GPUs by name and capacity)
+    # source: docs/usage.md Python API (a small model, checkpointing, two GPUs by name and capacity)
     (dict(model="gpt2", batch=2, seq=512, checkpoint="full", gpu=["rtx-4090", "24GB"]),
      ["--model", "gpt2", "--batch", "2", "--seq", "512", "--checkpoint", "full", "--gpu", "rtx-4090", "--gpu", "24GB"]),
     # source: --params inference with QLoRA on every projection

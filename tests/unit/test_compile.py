@@ -18,7 +18,7 @@ from conftest import preset_exp, small_config
 TOL_PUBLISHED = 0.05  # issue 4: within 5% of the published peak
 
 COMPILED = ["compile", "memory_budget_60", "memory_budget_05", "fused_memory_budget_05", "bf16_budget_60"]
-# Rows the model does not yet reproduce within 5% (see the README, "torch.compile"):
+# Rows the model does not yet reproduce within 5% (see docs/how-it-works.md, "torch.compile"):
 # bf16_budget_60's published peak is below weights + the saved set the partitioner chooses
 # for the configuration as written.
 OPEN = {"bf16_budget_60"}

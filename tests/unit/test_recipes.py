@@ -161,7 +161,7 @@ def test_adapter_config_with_hf_recipe(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("source", [
     ["--model", "llama-3.2-1b"],  # source: issue 32 (a documented use ended in KeyError: 'framework')
-    ["--params", "7e9"],  # source: README recipe table: a PEFT adapter_config.json via --adapter-config
+    ["--params", "7e9"],  # source: docs/usage.md recipe table: a PEFT adapter_config.json via --adapter-config
     ["--config", "control"],  # source: the same README row
 ])
 def test_adapter_config_without_recipe(tmp_path, monkeypatch, source):
