@@ -38,6 +38,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 from memcalc.core.errors import UserError
+from memcalc.core import aliases
 from memcalc.inputs.api_types import check_args, check_choice, check_options, option_choices
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def _cards(gpu: Union[None, str, Sequence[str]]) -> list:
 
     if gpu is None:
         return list_gpus()
+    gpu = aliases.gpus(gpu)  # rtx-4090,rtx-3090: two cards
     return [get_gpu(g) for g in ([gpu] if isinstance(gpu, str) else gpu)]
 
 
@@ -335,7 +337,7 @@ RECIPE_NOTE = ("recipe: plan takes the model, sequence length, framework and los
 
 
 def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = None, *, gpu: Optional[str] = None,
-         seq: Optional[int] = None, profile: Optional[str] = None, framework: Optional[str] = None,
+         seq: Union[int, str, None] = None, profile: Optional[str] = None, framework: Optional[str] = None,
          torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
          loss_tokens: Optional[float] = None, all: bool = False, compile: bool = False,
          recipe: Union[str, Sequence[str], None] = None,
@@ -353,6 +355,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     ...
     memcalc.core.errors.UserError: --all lists the combinations that do not fit one GPU; give --gpu too
     """
+    seq, framework, gpu = aliases.seq(seq), aliases.framework(framework), aliases.one_gpu(gpu)  # 4k, transformers
     check_args(plan, **{k: v for k, v in locals().items() if k != "params"})  # params: as --params reads it
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_model_profile
@@ -386,7 +389,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     if gpu is None:
         from memcalc.plan.cluster import plan_cluster
 
-        cp = plan_cluster(m, seq, prof)
+        cp = plan_cluster(m, seq, prof)  # type: ignore[arg-type]  # (an int: aliases.seq)
         cp.notes[:0] = notes
         return PlanResult(cp, recipe_doc)
     from memcalc.plan.search import plan_gpu
@@ -396,7 +399,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
         from memcalc.plan.options import compile_techniques, techniques
 
         options = techniques() + compile_techniques()
-    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=all, options=options)
+    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=all, options=options)  # type: ignore[arg-type]
     gp.notes[:0] = notes
     return PlanResult(gp, recipe_doc)
 

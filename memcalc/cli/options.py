@@ -15,6 +15,7 @@ import typer
 from memcalc.core.choices import FRAMEWORKS, KERNEL_LIBRARIES, LORA_DTYPES, LOSSES, PRECISIONS
 from memcalc.core.errors import UserError
 from memcalc.core.optimizers import IMPLS, OPTIMIZER_NAMES, OPTIMIZERS
+from memcalc.core.aliases import alias_help
 
 # -- shared options (a flag is declared by its one name: --lora, not typer's --lora/--no-lora) -----
 # (a choice is a Literal of the registry's tuple: built at run time, which mypy does not accept)
@@ -29,22 +30,25 @@ Config = Annotated[Optional[str], typer.Option(
     "--config", "-c", help="A reference config name (see `memcalc configs`) or an experiment YAML/JSON; flags "
                            "override it.")]
 Batch = Annotated[Optional[int], typer.Option("--batch", "-b", help="Micro-batch size (default 1).")]
-Seq = Annotated[Optional[int], typer.Option(
-    "--seq", "-s", help="Sequence length (default 2048, or the model's maximum if smaller).")]
+Seq = Annotated[Optional[str], typer.Option(
+    "--seq", "-s", metavar="<int>", help="Sequence length in tokens (default 2048, or the model's maximum if "
+                                           "smaller); 4k = 4,096, 32k = 32,768, 128k = 131,072, 1M = 1,048,576 "
+                                           "(k = 1024 tokens, as model cards and trainer configs mean it).")]
 GradAccum = Annotated[Optional[int], typer.Option(
     "--grad-accum", help="Gradient-accumulation micro-steps (default 1).")]
-Precision = Annotated[Optional[Literal[PRECISIONS]], typer.Option(  # type: ignore[valid-type]
-    "--precision", help="fp32 | bf16 | fp16 (pure 16-bit) | amp-bf16 | amp-fp16 (autocast over fp32 weights). "
+Precision = Annotated[Optional[str], typer.Option(
+    "--precision", metavar="<" + "|".join(PRECISIONS) + ">",
+    help="fp32 | bf16 | fp16 (pure 16-bit) | amp-bf16 | amp-fp16 (autocast over fp32 weights). "
                         "Default: bf16 with --lora/--qlora (a bf16 base; QLoRA computes in bf16), else fp32 (what "
-                        "Hugging Face Trainer runs without --bf16), or the --config's.")]
+                        "Hugging Face Trainer runs without --bf16), or the --config's. " + alias_help("precision"))]
 Bf16 = Annotated[bool, typer.Option(
     "--bf16", help="Short for --precision bf16: weights, grads and optimizer state all bf16.")]
 MasterWeights = Annotated[bool, typer.Option(
     "--master-weights", help="16-bit weights and grads + fp32 master weights and moments (16 bytes/param with "
                              "Adam).")]
-Optimizer = Annotated[Optional[Literal[OPTIMIZER_NAMES]], typer.Option(  # type: ignore[valid-type]
-    "--optimizer", help="Optimizer (default adamw): " + "; ".join(
-    f"{r.name} = {r.help}" for r in OPTIMIZERS.values()) + ".")]
+Optimizer = Annotated[Optional[str], typer.Option(
+    "--optimizer", metavar="<" + "|".join(OPTIMIZER_NAMES) + ">", help="Optimizer (default adamw): " + "; ".join(
+    f"{r.name} = {r.help}" for r in OPTIMIZERS.values()) + ". " + alias_help("optimizer"))]
 OptimizerImpl = Annotated[Optional[Literal[IMPLS]], typer.Option(  # type: ignore[valid-type]
     "--optimizer-impl", help="Optimizer implementation (default foreach, CUDA's default): " + "; ".join(
     f"{r.name}: {', '.join(r.impls)}" for r in OPTIMIZERS.values() if r.impls != IMPLS) + "; the others: all.")]
@@ -88,11 +92,12 @@ Profile = Annotated[Optional[str], typer.Option(
     "--profile", help="Kernel profile by name (see `memcalc profiles`): a (framework, PyTorch version) pair; "
                       "--framework/--torch replace that part of it. Default: the --config's profile "
                       "(torch-2.8-cuda, plain, for the reference configs), else hf-torch-2.8-cuda.")]
-Framework = Annotated[Optional[Literal[FRAMEWORKS]], typer.Option(  # type: ignore[valid-type]
-    "--framework", help="Whose layer code runs the model: hf (transformers 5.x + PEFT), torchtune, litgpt, or "
-                        "plain (memcalc's own PyTorch replica). Default: plain for a --config (the reference "
-                        "configs), hf for --model and --params (most users run transformers + PEFT). Replaces the "
-                        "framework of --profile/--config's profile.")]
+Framework = Annotated[Optional[str], typer.Option(
+    "--framework", metavar="<" + "|".join(FRAMEWORKS) + ">",
+    help="Whose layer code runs the model: hf (transformers 5.x + PEFT), torchtune, litgpt, or plain (memcalc's own "
+         "PyTorch replica). Default: plain for a --config (the reference configs), hf for --model and --params (most "
+         "users run transformers + PEFT). Replaces the framework of --profile/--config's profile. "
+         + alias_help("framework"))]
 Torch = Annotated[Optional[str], typer.Option(
     "--torch", help="PyTorch version whose kernels run (major.minor, 2.1 to 2.13; default 2.8, or the profile's). "
                     "Replaces the version of --profile/--config's profile.")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -56,8 +56,8 @@ def validate(
     html: Annotated[Optional[str], typer.Option(
         "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file.")] = None,
     force: Force = False,
-    framework: Annotated[Optional[Literal[FRAMEWORKS]], typer.Option(  # type: ignore[valid-type]
-        "--framework",
+    framework: Annotated[Optional[str], typer.Option(
+        "--framework", metavar="<" + "|".join(FRAMEWORKS) + ">",
         help="Whose step is traced, and whose rules the estimate beside it uses: plain (memcalc's PyTorch replica "
              "of the model), hf (the real transformers + PEFT step: AutoModelForCausalLM.from_config, "
              "get_peft_model, only kernel dispatch patched) or torchtune (its builders, loss and "
@@ -93,7 +93,11 @@ def validate(
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
       memcalc validate --framework plain --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --scale-layers 2
     """
-    inputs = inputs_of(locals(), _OWN)  # the experiment's inputs
+    from memcalc.core.aliases import canonical
+
+    # the users' spellings (transformers, bfloat16, 4k) as memcalc's names, a note each, before torch loads
+    inputs = canonical({**inputs_of(locals(), _OWN), "framework": framework})
+    framework = inputs.pop("framework")
     import memcalc.api
 
     _check_flags(device, framework, scale_layers)

@@ -81,14 +81,17 @@ def check_types(values: Mapping[str, Any], hints: Mapping[str, Any]) -> None:
 def check_options(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The API's Options keywords, each of the type its :class:`~memcalc.inputs.resolve.Options` field
     declares, with the spellings a Python caller uses made the CLI's: ``params`` may be a number (as
-    ``--params`` reads ``7e9``), ``recipe`` one path, ``lora_targets`` a list of names."""
+    ``--params`` reads ``7e9``), ``recipe`` one path, ``lora_targets`` a list of names; and the aliases
+    of :mod:`memcalc.core.aliases` (``seq="4k"``, ``optimizer="paged_adamw_8bit"``) made memcalc's names."""
     from memcalc.inputs.resolve import Options
 
     hints = typing.get_type_hints(Options)
     hints.update(params=Union[str, int, float, None], recipe=Union[str, list[str], tuple[str, ...], None],
-                 lora_targets=Union[str, list[str], tuple[str, ...], None])
+                 lora_targets=Union[str, list[str], tuple[str, ...], None], seq=Union[int, str, None])
     check_types(kwargs, hints)  # model= a dict or PretrainedConfig was made a path by the API's _resolve
-    out = dict(kwargs)
+    from memcalc.core.aliases import canonical
+
+    out = canonical(kwargs)  # the users' spellings (paged_adamw_8bit, bfloat16, 4k, transformers), with a note each
     if isinstance(out.get("recipe"), str):
         out["recipe"] = [out["recipe"]]
     if isinstance(out.get("lora_targets"), (list, tuple)):  # ["q", "v"] as --lora-targets q,v

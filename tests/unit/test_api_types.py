@@ -22,11 +22,12 @@ ODD_VALUES = ["false", "2", 2.5, 1, True, None, [1], {"a": 1}, ("q",), object(),
 
 def _wrong(field: str, value: object) -> bool:
     """Whether ``value`` is not of ``field``'s declared type (as the API reads it: params may be a number,
-    recipe and lora_targets a list)."""
+    recipe and lora_targets a list, seq a string such as "4k": memcalc.core.aliases)."""
     from memcalc.inputs.api_types import _args, _matches
 
     hint = HINTS[field]
-    extra = {"params": (int, float), "recipe": (str, list, tuple), "lora_targets": (list, tuple)}.get(field, ())
+    extra = {"params": (int, float), "recipe": (str, list, tuple), "lora_targets": (list, tuple),
+             "seq": (str,)}.get(field, ())
     if isinstance(value, extra) and not isinstance(value, bool):
         return False
     return not any(_matches(value, a) for a in _args(hint))

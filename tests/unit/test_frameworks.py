@@ -36,12 +36,12 @@ def doc_of(args: list[str]) -> dict:
 
 BAD_INPUT = [
     # (args, exit code, message on stderr)
-    (["estimate", "--model", "gpt2", "--framework", "jax"], 2, "'jax' is not one of 'plain', 'hf', 'torchtune', 'litgpt'"),
+    (["estimate", "--model", "gpt2", "--framework", "jax"], 2, "unknown --framework 'jax'; valid: plain, hf, torchtune, litgpt"),
     (["estimate", "--model", "gpt2", "--torch", "3.0"], 2, "unknown --torch '3.0'; valid: 2.1 to 2.13"),
     (["estimate", "--model", "gpt2", "--torch", "2.0"], 2, "unknown --torch '2.0'; valid: 2.1 to 2.13"),
     (["estimate", "--model", "gpt2", "--torch", "latest"], 2, "unknown --torch 'latest'"),
     (["estimate", "--model", "gpt2", "--lora-dtype", "fp16"], 2, "'fp16' is not one of 'fp32', 'model'"),
-    (["plan", "--model", "gpt2", "--framework", "deepspeed"], 2, "'deepspeed' is not one of"),
+    (["plan", "--model", "gpt2", "--framework", "deepspeed"], 2, "unknown --framework 'deepspeed'; valid: "),
     (["plan", "--model", "gpt2", "--torch", "1.13"], 2, "unknown --torch '1.13'"),
 ]
 

@@ -50,7 +50,7 @@ ERRORS = [
     (["estimate", "--model", "qwen3-30b-a3b", "--lora", "--lora-targets", "experts", "--dora"], 2,
      "PEFT's ParamWrapper (target_parameters) refuses use_dora=True"),
     # source: the registry's names are the CLI's choices
-    (["estimate", *SMALL, "--optimizer", "adamx"], 2, "'paged-adamw', 'paged-adamw-8bit'"),
+    (["estimate", *SMALL, "--optimizer", "adamx"], 2, "paged-adamw, paged-adamw-8bit"),
     # source: a target name outside LORA_TARGETS and its aliases
     (["estimate", *SMALL, "--lora", "--lora-targets", "q,heads"], 2, "unknown --lora-targets heads"),
 ]
