@@ -1,7 +1,8 @@
 """Every ``memcalc`` command in README.md and ``docs/*.md`` runs as printed, from a clone (issue 29).
 
 The commands are read from the pages' fenced ``bash`` blocks (and unlabelled ones; ``text`` blocks are
-output), so a new example is run without a new row here. A line continued with ``\\`` is one command.
+output, except a transcript's ``$ memcalc ...`` line), so a new example is run without a new row
+here. A line continued with ``\\`` is one command.
 Each runs in-process from a temporary folder holding what a clone has (``examples/`` and
 ``tests/fixtures/``); files an example writes land there. The expected exit code is 0 unless the
 line's comment says ``# exit N``. A command that cannot run here says why in its comment,
@@ -35,11 +36,14 @@ def doc_commands(page: Path) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     text = page.read_text()
     for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M):
-        if m.group(1) not in COMMAND_FENCES:
-            continue
+        commands = m.group(1) in COMMAND_FENCES
         lines = m.group(2).replace("\\\n", " ").splitlines()
         start = text[: m.start()].count("\n") + 2
         for k, line in enumerate(lines):
+            prompted = line.startswith("$ ")  # a transcript's command, in any fence
+            if not (commands or prompted):
+                continue
+            line = line[2:] if prompted else line
             words = line.split()
             if len(words) > 1 and words[0] == "memcalc" and words[1] in SUBCOMMANDS:
                 out.append((line.strip(), f"{page.relative_to(ROOT)}:{start + k}"))
