@@ -354,8 +354,8 @@ BUILDERS: dict[str, Callable[[list[Tensor], str, bool], Optimizer]] = {
     "paged-adamw-8bit": lambda ps, impl, m: PagedAdamW8bit(ps),
     "adamw-4bit-torchao": _torchao("AdamW4bit"),
     "adamw-8bit-torchao": _torchao("AdamW8bit"),
-    "adamw-fp8-torchao": _torchao("AdamWFp8"),
     "galore-adamw": lambda ps, impl, m: galore(ps, None, GALORE_RANK),
+    "adamw-fp8-torchao": _torchao("AdamWFp8"),
 }
 
 

@@ -21,6 +21,8 @@ def test_validate_builds_every_optimizer() -> None:
     assert list(BUILDERS) == list(OPTIMIZER_NAMES)
     for name, impl in VALID:
         for master in (False, True):
+            if master and OPTIMIZERS[name].step == "galore":
+                continue  # the spec refuses GaLore with master weights (TrainingSpec._check_galore)
             tr = TrainingSpec(optimizer=name, optimizer_impl=impl, precision="bf16" if master else "fp32",
                               master_weights=master)
             dtype = torch.bfloat16 if master else torch.float32
