@@ -340,13 +340,14 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
          seq: Union[int, str, None] = None, profile: Optional[str] = None, framework: Optional[str] = None,
          torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,
          loss_tokens: Optional[float] = None, all: bool = False, compile: bool = False,
-         recipe: Union[str, Sequence[str], None] = None,
-         adapter_config: Optional[str] = None, kernels: Optional[str] = None) -> PlanResult:
+         recipe: Union[str, Sequence[str], None] = None, adapter_config: Optional[str] = None,
+         kernels: Optional[str] = None, lora: bool = False, qlora: bool = False, full: bool = False) -> PlanResult:
     """Which GPU, how many, with which techniques: ``memcalc plan`` as a function.
 
     With ``gpu``: every option on that GPU (``all=True`` keeps those that do not fit; ``compile=True`` adds
-    torch.compile budgets). Without: for each catalog GPU, how many a full fine-tune and a LoRA run need. ``recipe``
-    (files, as ``--recipe``) and ``adapter_config`` give model, sequence, framework, loss, kernels the arguments do not.
+    torch.compile budgets; ``lora``/``qlora``/``full``: only those runs; each row with its ``memcalc estimate``
+    command). Without: for each catalog GPU, how many a full fine-tune and a LoRA run need. ``recipe`` (files,
+    as ``--recipe``) and ``adapter_config`` give model, sequence, framework, loss, kernels the arguments do not.
 
     >>> p = plan(model="llama-3.1-8b", gpu="rtx-4090")    # doctest: +SKIP
     >>> [o["option"] for o in p.fitting][:3]               # doctest: +SKIP
@@ -360,8 +361,9 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_model_profile
     from memcalc.plan.options import check_one_gpu_flags, plan_model
+    from memcalc.plan.rows import adapter_kinds, dedup, keep_adapters, with_commands
 
-    rec = None
+    kinds, rec = adapter_kinds(full, lora, qlora, gpu), None  # --lora/--qlora/--full: the plan for one GPU only
     if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
         from memcalc.inputs.recipes import load_recipe
 
@@ -392,14 +394,12 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
         cp = plan_cluster(m, seq, prof)  # type: ignore[arg-type]  # (an int: aliases.seq)
         cp.notes[:0] = notes
         return PlanResult(cp, recipe_doc)
+    from memcalc.plan.options import compile_techniques, techniques
     from memcalc.plan.search import plan_gpu
 
-    options = None
-    if compile:
-        from memcalc.plan.options import compile_techniques, techniques
-
-        options = techniques() + compile_techniques()
-    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=all, options=options)  # type: ignore[arg-type]
+    techs = keep_adapters(techniques() + (compile_techniques() if compile else []), kinds)
+    gp = plan_gpu(m, get_gpu(gpu), seq, prof, include_all=all, options=techs)  # type: ignore[arg-type]
+    gp.options = with_commands(dedup(gp.options), gp.half, gp.seq, gpu, dict(locals()))
     gp.notes[:0] = notes
     return PlanResult(gp, recipe_doc)
 

@@ -43,6 +43,10 @@ def plan(
     compile_: Annotated[bool, typer.Option(
         "--compile", help="With --gpu: also try torch.compile at activation memory budgets 1.0, 0.5 and 0.1 (full "
                           "fine-tune, LoRA, QLoRA; direct estimates, slower).")] = False,
+    lora: Annotated[bool, typer.Option("--lora", help="With --gpu: only LoRA runs (combine with --qlora/--full for "
+                                                      "several kinds).")] = False,
+    qlora: Annotated[bool, typer.Option("--qlora", help="With --gpu: only QLoRA runs.")] = False,
+    full: Annotated[bool, typer.Option("--full", help="With --gpu: only full fine-tunes.")] = False,
     as_json: Json = False,
 ) -> None:
     """Which GPU, how many, and with which memory techniques (precision, optimizer, checkpointing, LoRA/QLoRA, fused step).
@@ -53,6 +57,7 @@ def plan(
       memcalc plan --model llama-3.1-8b --gpu rtx-4090
       memcalc plan --model llama-3.1-8b --gpu rtx-4090 --seq 4096 --all --json
       memcalc plan --model tinyllama-1.1b --gpu rtx-4090 --compile
+      memcalc plan --model llama-3.1-8b --gpu rtx-4090 --qlora --seq 4k
       memcalc plan --model llama-3.1-70b
     """
     _one_blas_thread()
@@ -61,7 +66,7 @@ def plan(
     p = memcalc.api.plan(model, params, gpu=gpu, seq=seq, profile=profile, framework=framework, torch=torch, loss=loss,
                          loss_chunks=loss_chunks, loss_tokens=loss_tokens, all=show_all, compile=compile_,
                          recipe=recipe or None,
-                         adapter_config=adapter_config, kernels=kernels)
+                         adapter_config=adapter_config, kernels=kernels, lora=lora, qlora=qlora, full=full)
     if as_json:
         from memcalc.render.report import dumps
 

@@ -265,13 +265,14 @@ class OptionResult:
     max_seq: int
     relative_cost: Optional[float]
     confirmed: bool  # every number above comes from (or was checked by) direct estimates
+    command: Optional[str] = None  # the `memcalc estimate` behind this row (memcalc.plan.rows)
 
     def as_dict(self, half: str) -> dict[str, Any]:
         d = self.technique.as_dict(half)
         d.update(peak_bytes=self.peak_bytes, required_bytes=self.required_bytes, fits=self.fits,
                  max_batch=self.max_batch, max_seq=self.max_seq,
                  relative_cost=None if self.relative_cost is None else round(self.relative_cost, 4),
-                 confirmed=self.confirmed)
+                 confirmed=self.confirmed, command=self.command)
         return d
 
 

@@ -98,6 +98,11 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
                   mb if o.fits else "0", ms if o.max_seq else "0",
                   "-" if o.relative_cost is None else f"{o.relative_cost:.2f}", style=style)
     out: list[Any] = [t]
+    for k, o in enumerate(p.fitting, 1):  # the estimate behind each numbered row gives its numbers
+        if o.command:
+            from rich.markup import escape
+
+            out.append(f"[dim]#{k}:[/dim] {escape(o.command)}")
     if not p.fitting:
         out.append("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
                    f"{p.model.name}` for a multi-GPU count")

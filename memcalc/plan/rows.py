@@ -1,0 +1,96 @@
+"""What ``memcalc plan --gpu`` prints of its search: the kinds of run asked for (``--lora`` / ``--qlora`` /
+``--full``), rows deduplicated (a fused-step row whose numbers are its unfused twin's), and the
+``memcalc estimate`` command behind every row, which gives exactly the row's numbers (the same
+:class:`~memcalc.core.spec.TrainingSpec`: :meth:`memcalc.plan.options.Technique.training` at batch 1 and
+the plan's sequence, on the plan's model and profile)."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import replace
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from memcalc.core.errors import UserError
+from memcalc.core.units import gib
+from memcalc.plan.options import Technique
+
+#: --lora / --qlora / --full -> Technique.adapters
+ADAPTER_FLAGS = {"full": "none", "lora": "lora", "qlora": "qlora"}
+
+
+def adapter_kinds(full: bool, lora: bool, qlora: bool, gpu: Optional[str]) -> Optional[tuple[str, ...]]:
+    """The ``Technique.adapters`` kept by ``--full`` / ``--lora`` / ``--qlora`` (several: their union), None
+    when none is given. The multi-GPU plan (no ``--gpu``) has its own full and LoRA columns: refused there."""
+    asked = [k for k, on in (("full", full), ("lora", lora), ("qlora", qlora)) if on]
+    if not asked:
+        return None
+    if gpu is None:
+        raise UserError(f"plan --{asked[0]} restricts the plan for one GPU to that kind of run; give --gpu too "
+                        "(without --gpu, plan shows how many GPUs a full fine-tune and a LoRA run need)")
+    return tuple(ADAPTER_FLAGS[k] for k in asked)
+
+
+def keep_adapters(techs: Sequence[Technique], kinds: Optional[tuple[str, ...]]) -> list[Technique]:
+    """``techs`` of these adapter kinds (all when ``kinds`` is None)."""
+    return [t for t in techs if kinds is None or t.adapters in kinds]
+
+
+def _numbers(o: Any) -> tuple:
+    """What the table shows of a row: GiB to 2 decimals, fits, max batch and seq, cost to 2 decimals."""
+    return (round(gib(o.peak_bytes), 2), round(gib(o.required_bytes), 2), o.fits, o.max_batch, o.max_seq,
+            None if o.relative_cost is None else round(o.relative_cost, 2))
+
+
+def dedup(options: Sequence[Any]) -> list[Any]:
+    """``options`` (:class:`memcalc.plan.search.OptionResult`) less each fused-step row that shows the numbers
+    of its unfused twin (two rows the table would print alike but for "fused"; the unfused one is kept: every
+    framework runs it, while Hugging Face Trainer has no optimizer step in backward)."""
+    by_tech = {o.technique: o for o in options}
+    out = []
+    for o in options:
+        twin = by_tech.get(replace(o.technique, fused=False)) if o.technique.fused else None
+        if twin is not None and _numbers(twin) == _numbers(o):
+            continue
+        out.append(o)
+    return out
+
+
+def estimate_command(t: Technique, half: str, seq: int, gpu: str, source: Sequence[str]) -> str:
+    """The ``memcalc estimate`` command whose step is the plan row of ``t`` at batch 1 x ``seq`` on ``gpu``;
+    ``source``: the plan's model and profile flags (``--model NAME``, ``--framework hf``, ...) as given."""
+    args = ["memcalc", "estimate", *source, "--batch", "1", "--seq", str(seq), "--precision", t.precision_name(half)]
+    if t.precision == "16+master":
+        args.append("--master-weights")
+    args += ["--optimizer", t.optimizer, "--checkpoint", t.checkpoint]
+    if t.fused:
+        args.append("--fused-optimizer")
+    if t.adapters != "none":
+        args.append(f"--{t.adapters}")
+    if t.budget is not None:
+        args.append("--compile")
+        if t.budget != 1.0:
+            args += ["--memory-budget", f"{t.budget:g}"]
+    return shlex.join([*args, "--gpu", gpu])
+
+
+#: the plan's flags that estimate takes as they are (the model's profile)
+PROFILE_FLAGS = ("profile", "framework", "torch", "loss", "loss_chunks", "loss_tokens", "kernels")
+
+
+def source_flags(values: dict[str, Any]) -> list[str]:
+    """The plan's model (``--model`` or ``--params``) and the profile flags it was given (``values``: the
+    plan's arguments, the recipe's filled in), as estimate flags."""
+    model = values.get("model")
+    out = ["--model", str(model)] if model is not None else ["--params", str(values.get("params"))]
+    for key in PROFILE_FLAGS:
+        if values.get(key) is not None:
+            out += ["--" + key.replace("_", "-"), str(values[key])]
+    return out
+
+
+def with_commands(options: Sequence[Any], half: str, seq: int, gpu: str, values: dict[str, Any]) -> list[Any]:
+    """``options``, each with its :func:`estimate_command` (``OptionResult.command``); ``values``: the plan's
+    arguments (:func:`source_flags`)."""
+    source = source_flags(values)
+    return [replace(o, command=estimate_command(o.technique, half, seq, gpu, source)) for o in options]

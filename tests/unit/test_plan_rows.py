@@ -1,0 +1,84 @@
+"""``memcalc plan --gpu`` rows (memcalc.plan.rows): ``--lora`` / ``--qlora`` / ``--full`` keep that kind of run,
+fused-step rows that show their unfused twin's numbers are left out, and every row carries the
+``memcalc estimate`` command that gives its numbers (checked here: a few rows' commands run through the CLI
+reproduce the row's bytes exactly). Torch-free."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+
+import pytest
+from typer.testing import CliRunner
+
+from conftest import one_line_error
+
+import memcalc.api
+from memcalc.cli import app
+from memcalc.plan.options import Technique
+from memcalc.plan.rows import dedup
+from memcalc.plan.search import OptionResult
+
+
+@functools.cache
+def _plan(*flags: str) -> dict:
+    r = CliRunner().invoke(app, ["plan", "--model", "tinyllama-1.1b", "--gpu", "rtx-4090", "--seq", "512", *flags,
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+@pytest.mark.slow  # one plan search (about 2.5 s, torch-free)
+def test_filter_keeps_that_kind():
+    rows = _plan("--lora", "--qlora")["options"]
+    assert rows and {o["adapters"] for o in rows} == {"lora", "qlora"}
+
+
+def test_filters_combine():
+    assert memcalc.api.plan  # (the API takes the same keywords: lora=, qlora=, full=)
+    from memcalc.plan.rows import adapter_kinds
+
+    assert adapter_kinds(True, False, True, "rtx-4090") == ("none", "qlora")
+    assert adapter_kinds(False, False, False, "rtx-4090") is None
+
+
+@pytest.mark.slow  # the same plan search, and 3 estimates
+def test_every_row_has_its_command_and_it_gives_the_row():
+    # source: the row's TrainingSpec is Technique.training(1, seq); the command names each of its fields
+    rows = _plan("--lora", "--qlora")["options"]
+    assert all(o["command"] for o in rows)
+    for o in (rows[0], rows[len(rows) // 2], rows[-1]):
+        args = shlex.split(o["command"])
+        assert args[:2] == ["memcalc", "estimate"] and f"--{o['adapters']}" in args
+        r = CliRunner().invoke(app, [*args[1:], "--json"])
+        assert r.exit_code == 0, r.output
+        est = json.loads(r.stdout)
+        # the peak exactly; the row's "needs" takes reserved as allocated, the estimate replays the allocator
+        assert est["peak_bytes"] == o["peak_bytes"], o["command"]
+        assert est["required_bytes"] >= o["required_bytes"], o["command"]
+
+
+def _row(t: Technique, peak: int) -> OptionResult:
+    return OptionResult(t, peak, peak + 2**29, True, 4, 4096, 1.0, True)
+
+
+def test_dedup_drops_a_fused_twin_with_the_same_numbers():
+    plain = Technique("lora", "16", "adamw", "full", False)
+    fused = Technique("lora", "16", "adamw", "full", True)
+    same = [_row(fused, 10 * 2**30 + 1000), _row(plain, 10 * 2**30)]  # 1000 B apart: the same row at 0.01 GiB
+    assert [o.technique for o in dedup(same)] == [plain]
+    apart = [_row(fused, 9 * 2**30), _row(plain, 10 * 2**30)]  # the fused step saves a GiB: both stay
+    assert len(dedup(apart)) == 2
+
+
+#: (args, exit code, message)
+CLI_ERRORS = [
+    (["plan", "--model", "gpt2", "--lora"], 2, "plan --lora restricts the plan for one GPU"),
+    (["plan", "--model", "gpt2", "--full"], 2, "give --gpu too"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", CLI_ERRORS)
+def test_cli_errors(args, code, message):
+    one_line_error(CliRunner().invoke(app, args), code, message)
