@@ -93,10 +93,11 @@ def validate(
       memcalc validate --framework plain --model llama-2-7b --bf16 --master-weights --gpus 8 --zero 3 --scale-layers 2
       memcalc validate --framework plain --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --scale-layers 2
     """
+    inputs = inputs_of(locals(), _OWN)  # first: locals() are the options only until the next name is bound
     from memcalc.core.aliases import canonical
 
     # the users' spellings (transformers, bfloat16, 4k) as memcalc's names, a note each, before torch loads
-    inputs = canonical({**inputs_of(locals(), _OWN), "framework": framework})
+    inputs = canonical({**inputs, "framework": framework})
     framework = inputs.pop("framework")
     import memcalc.api
 
