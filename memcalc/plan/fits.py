@@ -23,7 +23,7 @@ the first step only where it can be the higher
 (:func:`memcalc.engine.timeline.first_step_within_steady`: under DeepSpeed).
 
 The fit is linear in ``B`` (exact: two batch sizes) and, when the simulated allocations show
-no curvature in ``T`` at batch 1 (three sequence lengths), linear in ``T`` too (flash and
+no curvature in ``T`` at batch 2 (three sequence lengths), linear in ``T`` too (flash and
 memory-efficient attention, RoPE, learned positions); otherwise quadratic (a sixth point).
 Under ZeRO the per-GPU state is ``ceil(bytes / N)``: :func:`fit_gpus` fits ``a + b / N``.
 
@@ -52,6 +52,8 @@ from memcalc.plan.simulations import Trace, step_trace, with_training
 FEATURES = ("1", "B", "T", "B*T", "T^2", "B*T^2")
 #: The batch range the fitted candidates are selected over (larger batches are extrapolated).
 BATCH_DOMAIN = (1, 1 << 16)
+#: The two batch sizes the fit simulates (see fit_step: the step has one shape from batch 2 on).
+FIT_BATCHES = (2, 3)
 #: Relative residual (of the largest total) above which the T-linear fit is rejected.
 CURVATURE_TOL = 2e-6
 
@@ -178,14 +180,20 @@ def fit_points(exp: ExperimentSpec) -> tuple[int, int, int]:
 def fit_step(exp: ExperimentSpec) -> StepFit:
     """Fit ``exp``'s step (its own batch and seq are ignored) in batch and sequence length.
 
-    Simulates the steady-state step at (1, T1), (2, T1), (1, T3), (2, T3) and (1, T2) (see
-    :func:`fit_points`), and at (2, T2) too when the totals curve in T; the first step (only
+    Simulates the steady-state step at (2, T1), (3, T1), (2, T3), (3, T3) and (2, T2) (see
+    :func:`fit_points` and FIT_BATCHES), and at (3, T2) too when the totals curve in T; the first step (only
     where it can set the peak) at the same points less (1, T2) when they do not. Cached per
     experiment within the process.
     """
     t1, t2, t3 = fit_points(exp)
     scale = float(t3)
-    pts = [(1, t1), (2, t1), (1, t3), (2, t3), (1, t2)]
+    # batches 2 and 3, not 1: at batch 1 a broadcast add's gradient is the incoming one itself
+    # (GPT-2's wte(x) + wpe(pos): AddBackward0 hands it through when the shapes are equal, Node.passes_grad),
+    # from batch 2 on it is reduced into a new tensor: one allocation more, so the step changes shape
+    # at B = 1 -> 2. Fitted from B >= 2, batch 1 is over-estimated by that one reduction, which the
+    # callers' direct estimate corrects.
+    b1, b2 = FIT_BATCHES
+    pts = [(b1, t1), (b2, t1), (b1, t3), (b2, t3), (b1, t2)]
     lin = [0, 1, 2, 3]
 
     def solve(points, first_step, cols):
@@ -197,11 +205,11 @@ def fit_step(exp: ExperimentSpec) -> StepFit:
         resid = np.abs(X @ c - Y).max() / max(1.0, Y.max())
         return coef, phases, resid
 
-    # the steady step: T-linear unless its totals curve in T at batch 1 (three sequence lengths)
+    # the steady step: T-linear unless its totals curve in T at batch 2 (three sequence lengths)
     coef_s, ph_s, resid = solve(pts, False, lin)
     quadratic = bool(resid > CURVATURE_TOL)
     if quadratic:
-        pts.append((2, t2))
+        pts.append((b2, t2))
         coef_s, ph_s, _ = solve(pts, False, list(range(len(FEATURES))))
     # the first step runs the same forward and backward, so the same terms; it is fitted only where
     # it can set the peak (memcalc.engine.timeline.first_step_within_steady)
