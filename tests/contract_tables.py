@@ -303,8 +303,6 @@ UNTRACED: dict[str, str] = {
 _ONE_STATE = ("about one (batch, seq, d_model) fp32 hidden state (524,288 B) apart; mechanism not found "
               "(ModelSpec.block's was AddBackward0's gradient, which passes through: memcalc.engine.sim_backward)")
 KNOWN_GAPS: dict[str, str] = {
-    "ModelSpec.n_heads": "estimate -65,536 B, trace +32,768 B: opposite signs (gap -98,304 B, within the tolerance); "
-                         "mechanism not found",
     "ModelSpec.alibi_trainable": "estimate +5,511,168 B, trace +1,314,816 B: gap +4,196,352 B, on the base: the "
                                  "estimator builds an ALiBi mask only from a slopes parameter (engine.forward "
                                  "core_attention; engine.params makes one only when alibi_trainable), so with fixed "
@@ -331,7 +329,6 @@ _AS_PEAK = "as its peak (KNOWN_GAPS)"
 #: (tests/unit/test_field_contract_recorded.py). The phases give the rows whose peak does not move
 #: (logit_softcap, logit_scale, fused_gate_up, optimizer_impl, shift_copy) a number that does.
 PHASE_GAPS: dict[str, str] = {
-    "ModelSpec.n_heads": _AS_PEAK,
     "ModelSpec.alibi_trainable": _AS_PEAK,
     "ModelSpec.norm_placement": "forward (checkpointed, post-norm): estimate -524,288 B, trace +524,288 B, one (4, "
                                 "256, 128) fp32 hidden state each way (the peaks agree exactly); mechanism not found",

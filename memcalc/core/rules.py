@@ -86,6 +86,34 @@ def rope_width(m: ModelSpec) -> int:
     return m.mla.qk_rope_head_dim if m.mla is not None else m.rotary_dim
 
 
+def rope_tables_bytes(framework: str, batch: int, seq: int, width: int, itemsize: int) -> int:
+    """The step's RoPE cos and sin, made once after the embedding and alive to the step's end (every
+    layer's rotation uses them; its multiplies save them). transformers (hf, trl): models/llama/
+    modeling_llama.py ``LlamaModel.forward`` makes ``position_ids = torch.arange(T).unsqueeze(0)`` when the
+    batch brings none (the HF Trainer's and TRL's default collators send none), and
+    ``LlamaRotaryEmbedding.forward`` returns ``cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)``: two (1, T,
+    width) tensors in the hidden states' dtype (``itemsize``), the fp32 ``freqs``/``emb``/``cos()``/``sin()``
+    freed inside (transformers 5.24; traced on meta: two ``_to_copy`` outputs of T * width * 2 B each
+    in bf16); memcalc's replica builds the same (validate/blocks/sdpa.py ``rope_tables``). litgpt keeps
+    the earlier rule, two (B, T, width) fp32 tables (its own are views of the ``cos``/``sin`` buffers,
+    litgpt/model.py ``GPT.forward`` ``self.cos[:T]``; its grid agrees with this rule as it is)."""
+    if framework == "litgpt":
+        return 2 * 4 * batch * seq * width
+    return 2 * itemsize * seq * width
+
+
+def input_require_grads(framework: str, checkpoint: str, embedding_trains: bool) -> bool:
+    """Whether the token embedding's output is a leaf that requires grad: ``enable_input_require_grads``'s
+    forward hook on the input embeddings, ``output.requires_grad_(True)`` (transformers 5.24 modeling_utils.py).
+    transformers registers it whenever it enables checkpointing on a model whose ``main_input_name`` is
+    ``input_ids`` (``activation_checkpointing_enable``: ``needs_embedding_grads``), which the HF Trainer calls
+    (validate/hf_runner.py); TRL 1.16 ``SFTTrainer.__init__`` with PEFT and ``gradient_checkpointing``
+    (trainer/sft_trainer.py l.899-900). A trainable embedding's output requires grad already (no leaf).
+    The leaf's ``AccumulateGrad`` node keeps it to the end of backward, gradients flow into the first layer's
+    input (and the embedding dropout saves its mask), and the leaf's ``.grad`` stays with it."""
+    return framework in ("hf", "trl") and checkpoint != "none" and not embedding_trains
+
+
 def torchtune_rope_buffers(m: ModelSpec) -> tuple[int, int]:
     """The bytes of torchtune's RoPE buffers, one module shared by every layer (the component
     builders make one ``rope`` and pass it to each layer): ``theta`` (head_dim / 2 fp32) and

@@ -61,6 +61,7 @@ class ForwardContext(Walk, Protocol):
     projs: dict[tuple, tuple]  # proj's parameters by (layer, name, base, weight), looked up once a step
     masks: dict[str, Tensor]  # the step's attention masks by kind (attention_variants.build_masks)
     held_masks: list[Tensor]  # masks a checkpointed region holds until its backward
+    input_leaf: Optional[Tensor]  # the embedding output as enable_input_require_grads leaves it (rules)
     kv_cache: list[Tensor]  # transformers' DynamicCache: K, V copies held until the loss (rules.kv_cache)
     liger: Optional[LigerPlan]  # --kernels liger: the Liger kernels that replace the model's code (blocks/liger.py)
     unsloth_lora: frozenset[str]  # --framework unsloth: its fused LoRA Functions that run (blocks/unsloth_lora.py)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional
 
 from memcalc.core.dtypes import DType
-from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_width
+from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_tables_bytes, rope_width
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.liger import liger_plan
 from memcalc.core.cce import check_cce
@@ -69,6 +69,7 @@ class Forward:
         self.seq_rows = self.tp.seq_rows if self.tp else self.rows  # rows of the residual stream on this rank
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
+        self.input_leaf: Optional[T] = None  # the embedding output as enable_input_require_grads leaves it
         self.masks: dict[str, T] = {}
         self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward
         self.masks_released = False
@@ -155,7 +156,8 @@ class Forward:
         if m.positions == "rope" and self.liger is not None and self.liger.rope:  # what LigerRopeFunction saves
             self.rope_tables = liger.rope_tables(self, x)
         elif m.positions == "rope" and self.exp.profile.framework != "torchtune":  # torchtune: a cache view
-            self.rope_tables = sim.alloc(2 * DType.fp32.nbytes(self.rows * rope_width(m)), "activations", "rope tables")
+            self.rope_tables = sim.alloc(rope_tables_bytes(self.exp.profile.framework, self.B, self.T, rope_width(m),
+                                                           o.dtype_of(x).nbytes(1)), "activations", "rope tables")
         x = embedding.embed_dropout(self, x)
         self.masks = av.build_masks(self)
         x = self.layers(x)
@@ -219,6 +221,11 @@ class Forward:
         self.held_masks = []
         for t in (*self.ids_labels, self.rope_tables):
             self.sim.unref(t)
+        if self.input_leaf is not None:  # freed with the graph; its .grad with it
+            self.sim.unref(self.input_leaf.grad_buffer)
+            self.input_leaf.grad_buffer = None
+            self.sim.unref(self.input_leaf)
+            self.input_leaf = None
 
 
 def tr_autocast(exp: ExperimentSpec) -> Optional[DType]:

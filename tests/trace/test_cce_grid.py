@@ -52,12 +52,7 @@ def _items() -> list[tuple[str, ExperimentSpec]]:
 
 
 ITEMS = _items()
-KNOWN_GAPS: dict[str, str] = {
-    **{f"{m} qv bf16 ck=full cce 4x512": "estimate -2.9% in backward: the trace peaks in layer 0's recompute and "
-       "backward (the MLP's silu/mul/mm outputs beside four fp32 copies: RMSNorm's upcasts and PEFT's fp32 adapter "
-       "input); the HF rules hold 1.2 MB less there; without kernels the fp32 logits' peak hides it, with Liger its "
-       "RMSNorm and SwiGLU replace those ops; mechanism not pinned down" for m in ("llama-mini", "mistral-mini")},
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def _params():

@@ -101,8 +101,6 @@ def grid() -> list[tuple[str, ExperimentSpec]]:
 #: with --framework hf (measured: -99,840 B there, -100,864 B here; -300 KB in the forward phase there, -299 KB
 #: here); TRL's smaller head only uncovers them
 HF_RESIDUALS = {
-    "gpt2 qv bf16 ck=full tok=0.1 2x128": "HF-path residual on GPT-2 LoRA (c_attn) under checkpointing: "
-                                          "--framework hf's estimate of the same setup misses the same ~99 KB",
     "gpt2 qv bf16 ck=none tok=0.1 offload 1x256": "HF-path residual on GPT-2 with activation offloading (the "
                                                   "gelu_new chain's reloaded tensors in backward): --framework hf's "
                                                   "forward phase misses the same ~300 KB",

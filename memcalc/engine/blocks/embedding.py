@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memcalc.core.rules import input_require_grads
 from memcalc.core.spec import ModelSpec
 from memcalc.engine.blocks.base import ParamTensor, scaled
 
@@ -37,7 +38,11 @@ ORIGINAL_EMBED = "embed_tokens.original_module.weight"
 def embed(fwd: ForwardContext, ids: T) -> T:
     """The embeddings of the token ids ``ids`` (scaled, plus learned positions); a new reference."""
     o, m = fwd.ops, fwd.m
-    x = o.embedding(ids, fwd.rows, fwd.p("embed_tokens.weight"), m.d_model)
+    w = fwd.p("embed_tokens.weight")
+    x = o.embedding(ids, fwd.rows, w, m.d_model)
+    if input_require_grads(o.profile.framework, fwd.tr.checkpoint, w.trainable):  # a leaf requiring grad
+        x.requires_grad = True
+        fwd.input_leaf = fwd.sim.ref(x)  # its AccumulateGrad's reference (Forward.release_inputs)
     if fwd.tp:  # vocabulary-parallel embedding: its Partial output reduced
         x = fwd.tp.reduce(fwd, x)
     x = scale_embeddings(fwd, x)
