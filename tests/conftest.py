@@ -77,8 +77,9 @@ class _Stop(Exception):
     """Raised by :func:`resolved`'s spy to stop the command once its inputs are resolved."""
 
 
-def resolved(args: list[str], monkeypatch):
-    """What `memcalc estimate ARGS` resolves (the CLI's own parsing), without running the estimate."""
+def resolved_run(args: list[str], monkeypatch):
+    """``memcalc ARGS`` stopped once the estimate's inputs are resolved (the CLI's own parsing, without
+    running the estimate): (the CliRunner result, the Resolved, or None when it stopped before)."""
     from typer.testing import CliRunner
 
     import memcalc.inputs.resolve as mod
@@ -92,10 +93,16 @@ def resolved(args: list[str], monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(mod, "resolve", spy)
-    r = CliRunner().invoke(app, ["estimate", *args])
+    r = CliRunner().invoke(app, args)
     monkeypatch.setattr(mod, "resolve", real)
-    assert got, r.output
-    return got[0]
+    return r, (got[0] if got else None)
+
+
+def resolved(args: list[str], monkeypatch):
+    """What `memcalc estimate ARGS` resolves (the CLI's own parsing), without running the estimate."""
+    r, res = resolved_run(["estimate", *args], monkeypatch)
+    assert res is not None, r.output
+    return res
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -35,6 +35,18 @@ def estimate_hf(exp: ExperimentSpec) -> tuple[int, str]:
     return est.peak_bytes, est.peak_phase
 
 
+def hf_gap(name: str, exp: ExperimentSpec) -> tuple[float, str]:
+    """The estimate's gap to the HF trace of ``exp`` on meta, in percent, and a line naming both numbers
+    (what every HF-path grid test asserts). A trace that did not run is an AssertionError with its reason."""
+    from .hf_runner import measure_hf
+
+    meas = measure_hf(exp, "meta")
+    assert meas.status == "ok" and meas.measured_bytes is not None, meas.reason
+    predicted, _phase = estimate_hf(exp)
+    gap_pct = (predicted - meas.measured_bytes) / meas.measured_bytes * 100
+    return gap_pct, f"{name}: predicted {predicted:,} B, traced {meas.measured_bytes:,} B ({gap_pct:+.2f}%)"
+
+
 # -- the models: the shipped presets' widths and vocabularies, 4 layers ----------------------------
 PRESETS = ("llama-3.1-8b", "tinyllama-1.1b", "mistral-7b", "qwen2.5-7b", "gpt2", "phi-1.5")
 LAYERS = 4

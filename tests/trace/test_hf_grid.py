@@ -17,8 +17,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from memcalc.validate.hf_grid import estimate_hf, grid  # noqa: E402
-from memcalc.validate.hf_runner import measure_hf  # noqa: E402
+from memcalc.validate.hf_grid import grid, hf_gap  # noqa: E402
 
 #: issue 11: "within 2% of memcalc validate --framework hf --device meta"
 TOLERANCE_PCT = 2.0
@@ -28,9 +27,5 @@ ITEMS = grid()
 
 @pytest.mark.parametrize("name,exp", ITEMS, ids=[n for n, _ in ITEMS])
 def test_hf_estimate_matches_the_hf_trace(name, exp):
-    meas = measure_hf(exp, "meta")
-    assert meas.status == "ok", meas.reason
-    predicted, _phase = estimate_hf(exp)
-    gap_pct = (predicted - meas.measured_bytes) / meas.measured_bytes * 100
-    assert abs(gap_pct) <= TOLERANCE_PCT, (
-        f"{name}: predicted {predicted:,} B, traced {meas.measured_bytes:,} B ({gap_pct:+.2f}%)")
+    gap_pct, line = hf_gap(name, exp)
+    assert abs(gap_pct) <= TOLERANCE_PCT, line

@@ -21,8 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
-from memcalc.validate.hf_grid import estimate_hf, qlora_grid  # noqa: E402
-from memcalc.validate.hf_runner import measure_hf  # noqa: E402
+from memcalc.validate.hf_grid import hf_gap, qlora_grid  # noqa: E402
 
 #: issue 28: "QLoRA rows then within 2% of the trace"
 TOLERANCE_PCT = 2.0
@@ -40,9 +39,5 @@ def test_the_grid_covers_each_mechanism():
 
 @pytest.mark.parametrize("name,exp", ITEMS, ids=[n for n, _ in ITEMS])
 def test_qlora_estimate_matches_the_bitsandbytes_trace(name, exp):
-    meas = measure_hf(exp, "meta")
-    assert meas.status == "ok", meas.reason
-    predicted, _phase = estimate_hf(exp)
-    gap_pct = (predicted - meas.measured_bytes) / meas.measured_bytes * 100
-    assert abs(gap_pct) <= TOLERANCE_PCT, (
-        f"{name}: predicted {predicted:,} B, traced {meas.measured_bytes:,} B ({gap_pct:+.2f}%)")
+    gap_pct, line = hf_gap(name, exp)
+    assert abs(gap_pct) <= TOLERANCE_PCT, line

@@ -9,33 +9,12 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from conftest import one_line_error
+from conftest import one_line_error, resolved_run
 
 import memcalc.api
 from memcalc.cli import app
 from memcalc.core.errors import UserError
 from memcalc.core import aliases
-
-
-class _Stop(Exception):
-    pass
-
-
-def _invoke(args: list[str], monkeypatch):
-    """``memcalc ARGS`` stopped once the estimate's inputs are resolved: (the CliRunner result, the Resolved)."""
-    import memcalc.inputs.resolve as mod
-
-    got: list = []
-    real = mod.resolve
-
-    def spy(o):
-        got.append(real(o))
-        raise _Stop
-
-    monkeypatch.setattr(mod, "resolve", spy)
-    r = CliRunner().invoke(app, args)
-    monkeypatch.setattr(mod, "resolve", real)
-    return r, (got[0] if got else None)
 
 
 #: (input, the alias, memcalc's value, the note's words)
@@ -95,7 +74,7 @@ def test_canonical_names_say_nothing(capsys):
 
 def test_estimate_cli(monkeypatch):
     # the CLI end to end: every alias of one run resolved into the spec, a note each on stderr before any output
-    r, res = _invoke(["estimate", "--model", "llama-3.1-8b", "--optimizer", "paged_adamw_8bit", "--precision",
+    r, res = resolved_run(["estimate", "--model", "llama-3.1-8b", "--optimizer", "paged_adamw_8bit", "--precision",
                       "bfloat16", "--seq", "4k", "--framework", "transformers"], monkeypatch)
     tr = res.exp.training
     assert (tr.optimizer, tr.precision, tr.seq, res.exp.profile.framework) == ("paged-adamw-8bit", "bf16", 4096, "hf")
