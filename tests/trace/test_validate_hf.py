@@ -250,7 +250,8 @@ def test_cli_plain_records_name_the_framework():
 
 # (args, exit code, message)
 BAD = [
-    (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2, "'keras' is not one of"),
+    (["validate", "--framework", "keras", "--model", "gpt2", "--device", "meta"], 2,
+     "unknown --framework 'keras'; valid: plain, hf, torchtune, litgpt, trl, unsloth; aliases: transformers"),
     (["validate", "--framework", "hf", "--config", "control", "--device", "meta"], 2,
      "none of the Hugging Face families"),
     (["validate", "--framework", "hf", "--model", "gpt2", "--lora", "--lora-targets", "q,v", "--device", "meta"], 2,
