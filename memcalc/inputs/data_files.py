@@ -178,5 +178,7 @@ def parse_text(text: str, where: str) -> Any:
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise UserError(f"malformed {where}{at}: {first}") from None
+    except ValueError as e:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise UserError(f"malformed {where}: {clip(str(e), 120)}") from None
     check_size(data, where)
     return data

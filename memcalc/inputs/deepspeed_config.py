@@ -101,7 +101,7 @@ def _is_auto(v: Any) -> bool:
 
 def _int(path: str, key: str, v: Any, low: int = 0) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not v.is_integer()):
-        raise UserError(f"{path}: {key} must be a whole number, got {json.dumps(v)}")
+        raise UserError(f"{path}: {key} must be a whole number, got {_shown(v)}")
     if v < low:
         raise UserError(f"{path}: {key} must be at least {low}, got {int(v)}")
     return int(v)
@@ -109,7 +109,7 @@ def _int(path: str, key: str, v: Any, low: int = 0) -> int:
 
 def _bool(path: str, key: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise UserError(f"{path}: {key} must be true or false, got {json.dumps(v)}")
+        raise UserError(f"{path}: {key} must be true or false, got {_shown(v)}")
     return v
 
 
@@ -119,7 +119,7 @@ def _enabled(path: str, raw: dict, name: str) -> Optional[bool]:
     if sec is None:
         return None
     if not isinstance(sec, dict):
-        raise UserError(f"{path}: {name} must be an object like {{\"enabled\": true}}, got {json.dumps(sec)}")
+        raise UserError(f"{path}: {name} must be an object like {{\"enabled\": true}}, got {_shown(sec)}")
     v = sec.get("enabled", False)
     return None if _is_auto(v) else _bool(path, f"{name}.enabled", v)
 
@@ -132,8 +132,15 @@ def _offload(path: str, zo: dict, key: str) -> bool:
         raise UserError(f"{path}: zero_optimization.{key} must be an object like {{\"device\": \"cpu\"}}")
     dev = sec.get("device", "none")
     if dev not in ("none", "cpu", "nvme", None):
-        raise UserError(f"{path}: zero_optimization.{key}.device must be none, cpu or nvme, got {json.dumps(dev)}")
+        raise UserError(f"{path}: zero_optimization.{key}.device must be none, cpu or nvme, got {_shown(dev)}")
     return dev in ("cpu", "nvme")
+
+
+def _shown(value: Any) -> str:
+    """A config value as JSON for an error line, cut to 60 characters (a 4,000-digit number is not echoed)."""
+    from memcalc.inputs.data_files import clip
+
+    return clip(json.dumps(value), 60)
 
 
 def load_json(path: str) -> dict:
@@ -156,6 +163,8 @@ def load_json(path: str) -> dict:
         raise UserError(f"--deepspeed {path}: not valid JSON ({e})") from None
     except RecursionError:
         raise UserError(f"--deepspeed {path}: nests too deep to be a DeepSpeed config") from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise UserError(f"--deepspeed {path}: not valid JSON ({clip(str(e), 120)})") from None
     check_size(raw, f"--deepspeed {path}")  # values and depth, as every other file read
     if not isinstance(raw, dict):
         raise UserError(f"--deepspeed {path}: a DeepSpeed config is a JSON object, got {type(raw).__name__}")
@@ -243,7 +252,7 @@ def _stage(path: str, raw: dict) -> tuple[dict, int]:
     stage = zo["stage"]
     if isinstance(stage, bool) or stage not in (2, 3):
         raise UserError(f"--deepspeed {path}: zero_optimization.stage must be 2 or 3 (the stages memcalc models), "
-                        f"got {json.dumps(stage)}")
+                        f"got {_shown(stage)}")
     return zo, stage
 
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ModelSpec
+from memcalc.inputs.data_files import clip, shorten
 from memcalc.inputs.hf_families.reader import Reader
 from memcalc.inputs.hf_families.registry import get, ignored, supported_model_types
 
@@ -43,10 +44,10 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None, 
     model_type = cfg.get("model_type")
     family = get(model_type)
     if family is not None and family.refused:
-        raise UserError(f"{where}: model_type {model_type} {family.refused}")
+        raise UserError(f"{where}: model_type {clip(str(model_type))} {family.refused}")
     if family is None:
         raise UserError(
-            f"unsupported model_type {model_type!r} in {where}; supported: {', '.join(supported_model_types())}"
+            f"unsupported model_type {shorten(model_type)} in {where}; supported: {', '.join(supported_model_types())}"
         )
     r = Reader(cfg, where, str(model_type), family.defaults)
     fields = read_fields(family, r)

@@ -82,6 +82,12 @@ BAD = [
     ('{"pad": "' + "x" * 2**21 + '"}', [], 2, "is larger than 1 MiB"),
     ("[" * 100_000 + "]" * 100_000, [], 2, "nests too deep to be a DeepSpeed config"),
     ('{"a": ' + "[" * 70 + "]" * 70 + "}", [], 2, "nests deeper than 64 levels"),
+    # a number of more digits than Python converts (4,300): a ValueError json raised through the reader
+    ('{"zero_optimization": {"stage": 2, "overlap_comm": ' + "9" * 5000 + "}}", [], 2,
+     "not valid JSON (Exceeds the limit"),
+    # a 4,000-digit value is not echoed whole (the slow fuzz found it)
+    ('{"zero_optimization": {"stage": 2, "overlap_comm": ' + "9" * 4000 + "}}", [], 2,
+     "overlap_comm must be true or false, got " + "9" * 56 + "...\n"),
     ({"zero_optimization": {"stage": 1}}, [], 2, "zero_optimization.stage must be 2 or 3"),
     ({"bf16": {"enabled": True}}, [], 2, "needs zero_optimization.stage"),
     ({"zero_optimization": {"stage": 2, "reduce_bucket_size": "big"}}, [], 2, "reduce_bucket_size must be a whole number"),

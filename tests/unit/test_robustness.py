@@ -117,6 +117,8 @@ BAD_CONFIG_VALUES = [
     ("model: gpt2\ntraining:\n  lora: {dropout: .nan}\n", "training.lora.dropout = nan: Input should be a finite number"),
     ("model: gpt2\nprofile: {base: torch-2.8-cuda, loss_chunks: true}\n", "invalid experiment"),
     ("model: gpt2\nprofile: {base: [1]}\n", "unknown profile [1]; valid: "),  # issue 32: unhashable list
+    # an integer of more digits than Python converts: a ValueError from the YAML loader
+    ("model: gpt2\ntraining:\n  batch: " + "9" * 5000 + "\n", "Exceeds the limit (4300 digits)"),
     ("model: gpt2\npublished_peak_bytes: .nan\n", "published_peak_bytes = nan: Input should be a finite number"),
 ]
 
