@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ModelSpec
-from memcalc.inputs.data_files import clip, shorten
+from memcalc.inputs.data_files import clip
 from memcalc.inputs.hf_families.reader import Reader
 from memcalc.inputs.hf_families.registry import get, ignored, supported_model_types
 
@@ -47,7 +47,7 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None, 
         raise UserError(f"{where}: model_type {clip(str(model_type))} {family.refused}")
     if family is None:
         raise UserError(
-            f"unsupported model_type {shorten(model_type)} in {where}; supported: {', '.join(supported_model_types())}"
+            f"unsupported model_type {clip(repr(model_type), 60)} in {where}; supported: {', '.join(supported_model_types())}"
         )
     r = Reader(cfg, where, str(model_type), family.defaults)
     fields = read_fields(family, r)
