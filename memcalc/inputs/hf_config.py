@@ -47,7 +47,8 @@ def from_hf_config(cfg: dict[str, Any], name: str, where: Optional[str] = None, 
         raise UserError(f"{where}: model_type {clip(str(model_type))} {family.refused}")
     if family is None:
         raise UserError(
-            f"unsupported model_type {clip(repr(model_type), 60)} in {where}; supported: {', '.join(supported_model_types())}"
+            f"unsupported model_type {clip(repr(model_type), 60)} in {where}; "
+            f"supported: {', '.join(supported_model_types())}"
         )
     r = Reader(cfg, where, str(model_type), family.defaults)
     fields = read_fields(family, r)
