@@ -48,26 +48,25 @@ MODULES_TO_SAVE_ALIASES = {"embed": "embed_tokens", "wte": "embed_tokens", "embe
                            "head": "lm_head", "embed_out": "lm_head", "output": "lm_head"}
 
 
-def canonical_modules_to_save(names: typing.Iterable[str]) -> tuple[str, ...]:
-    """``modules_to_save`` names lowercased, aliases mapped (wte -> embed_tokens), duplicates dropped."""
+def _canonical(names: typing.Iterable[str], aliases: dict[str, str]) -> tuple[str, ...]:
+    """``names`` lowercased and stripped, ``aliases`` mapped, duplicates dropped, in order."""
     out: list[str] = []
     for n in names:
         t = n.strip().lower() if isinstance(n, str) else n
-        t = MODULES_TO_SAVE_ALIASES.get(t, t)
+        t = aliases.get(t, t)
         if t not in out:
             out.append(t)
     return tuple(out)
+
+
+def canonical_modules_to_save(names: typing.Iterable[str]) -> tuple[str, ...]:
+    """``modules_to_save`` names lowercased, aliases mapped (wte -> embed_tokens), duplicates dropped."""
+    return _canonical(names, MODULES_TO_SAVE_ALIASES)
 
 
 def canonical_targets(names: "typing.Iterable[str]") -> tuple[str, ...]:
     """LoRA target names lowercased, PEFT aliases mapped (q_proj -> q), duplicates dropped, in order."""
-    out: list[str] = []
-    for n in names:
-        t = n.strip().lower() if isinstance(n, str) else n
-        t = LORA_TARGET_ALIASES.get(t, t)
-        if t not in out:
-            out.append(t)
-    return tuple(out)
+    return _canonical(names, LORA_TARGET_ALIASES)
 
 
 #: the largest LoRA rank accepted (2**16; the widest layer among memcalc's presets is 28,672: Llama-2-70B's MLP)
