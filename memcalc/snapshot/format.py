@@ -1,0 +1,143 @@
+"""PyTorch's CUDA memory snapshot, as memcalc writes and reads it (torch-free).
+
+The format is exactly what ``torch.cuda.memory._snapshot()`` returns and ``_dump_snapshot()`` pickles
+(torch 2.13: ``torch/cuda/memory.py`` ``_snapshot`` documents it; ``torch/csrc/cuda/Module.cpp``
+``THCPModule_memorySnapshot`` builds it; ``torch/cuda/_memory_viz.py`` and
+``torch/utils/viz/MemoryViz.js``, the pytorch.org/memory_viz page, read it):
+
+- ``segments``: the allocator's ``cudaMalloc`` segments when the snapshot was taken, each
+  ``{device, address, total_size, allocated_size, active_size, requested_size, stream,
+  segment_type ("small" | "large"), segment_pool_id, is_expandable, frames, blocks}``, the blocks in
+  address order ``{address, size, requested_size, state ("active_allocated" |
+  "active_pending_free" | "inactive"), frames}``;
+- ``device_traces``: per device, the allocator's actions in order, ``{action, addr, size, stream,
+  time_us, frames}`` with ``action`` one of ``alloc`` / ``free_requested`` / ``free_completed`` (``size``
+  the bytes requested: c10/cuda/CUDACachingAllocator.cpp ``malloc`` records ``orig_size``, ``free``
+  and ``free_block`` the block's ``requested_size``), ``segment_alloc`` / ``segment_free`` (``size`` the
+  segment's), ``oom``, ``snapshot``;
+- ``allocator_settings`` (``PYTORCH_CUDA_ALLOC_CONF``, ``max_split_size``, ``expandable_segments``, ...)
+  and ``external_annotations``.
+
+A frame is ``{filename, line, name}``, innermost first. memcalc's own frames (:func:`memcalc_frame`)
+say which of memcalc's memory kinds (:data:`memcalc.engine.result.KINDS`) an allocation is, its
+decoder layer and its label; every alloc / free entry memcalc writes (``memcalc estimate
+--snapshot``, ``memcalc validate --device meta --snapshot``) carries one as its FIRST frame:
+``{"filename": "memcalc/<kind>", "line": <layer index, or 0 when none>, "name": "<label>"}``.
+:func:`parse_memcalc_frame` reads it back (``memcalc compare``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+from memcalc.core.allocator import round_size
+from memcalc.core.errors import UserError
+from memcalc.engine.result import KINDS
+
+#: the filename of a memcalc frame is this prefix and one of KINDS
+FRAME_PREFIX = "memcalc/"
+#: the actions of a trace entry (torch/csrc/cuda/Module.cpp ``action_to_str``)
+ACTIONS = ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free",
+           "segment_map", "segment_unmap", "oom", "snapshot")
+
+
+def memcalc_frame(kind: str, layer: Optional[int], label: str) -> dict[str, Any]:
+    """The frame that says an allocation is memcalc's ``kind`` (one of KINDS), in decoder layer
+    ``layer`` (None: outside the layers, written as line 0), labelled ``label``."""
+    assert kind in KINDS, f"{kind!r} is not one of memcalc's kinds {KINDS}"
+    return {"filename": FRAME_PREFIX + kind, "line": int(layer or 0), "name": str(label)}
+
+
+def parse_memcalc_frame(frame: Any) -> Optional[tuple[str, int, str]]:
+    """(kind, layer, label) of a memcalc frame (:func:`memcalc_frame`); None for any other frame
+    (a real snapshot's Python / C++ frames)."""
+    if not isinstance(frame, dict):
+        return None
+    filename = frame.get("filename")
+    if not isinstance(filename, str) or not filename.startswith(FRAME_PREFIX):
+        return None
+    kind = filename[len(FRAME_PREFIX):]
+    if kind not in KINDS:
+        return None
+    line = frame.get("line", 0)
+    return kind, line if isinstance(line, int) else 0, str(frame.get("name", ""))
+
+
+def entry_memcalc(entry: dict[str, Any]) -> Optional[tuple[str, int, str]]:
+    """(kind, layer, label) of a trace entry or block whose first frame is memcalc's, else None."""
+    frames = entry.get("frames") or []
+    return parse_memcalc_frame(frames[0]) if frames else None
+
+
+class TracePeak(NamedTuple):
+    """The highest live bytes over a device's trace and the index of the entry that reached it
+    (-1: before the first entry, the allocations made before recording began)."""
+
+    peak_bytes: int
+    at: int
+
+
+def trace_peak(snapshot: dict[str, Any], device: int = 0, rounded: bool = True) -> TracePeak:
+    """The most bytes alive at once over ``device``'s trace: what the viewer's Active Memory Timeline
+    stacks (MemoryViz.js ``process_alloc_data``): each ``alloc`` adds its size, its
+    ``free_completed`` takes it away; a block freed in the trace but allocated before it, and an
+    allocated block of ``segments`` the trace never allocated, are alive from the start.
+    ``rounded``: each size rounded up as the allocator rounds a request (c10 ``round_size``, 512-byte
+    multiples), what memcalc's peak counts (``Estimate.peak_bytes``); else the bytes requested
+    (what the viewer draws)."""
+    entries = snapshot["device_traces"][device] if device < len(snapshot["device_traces"]) else []
+    size = round_size if rounded else int
+    allocated_in_trace: set[int] = set()
+    before = 0  # alive before the trace began
+    for e in entries:
+        if e["action"] == "alloc":
+            allocated_in_trace.add(e["addr"])
+        elif e["action"] == "free_completed" and e["addr"] not in allocated_in_trace:
+            before += size(e["size"])
+    live_at_end = {e["addr"] for e in entries if e["action"] == "alloc"}
+    for e in entries:
+        if e["action"] == "free_completed":
+            live_at_end.discard(e["addr"])
+    for seg in snapshot["segments"]:
+        if seg.get("device", device) != device:
+            continue
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b["address"] not in live_at_end:
+                before += size(b["requested_size"])
+    live = peak = before
+    at = -1
+    for i, e in enumerate(entries):
+        if e["action"] == "alloc":
+            live += size(e["size"])
+            if live > peak:
+                peak, at = live, i
+        elif e["action"] == "free_completed":
+            live -= size(e["size"])
+    return TracePeak(peak, at)
+
+
+def load_snapshot(path: str | Path) -> dict[str, Any]:
+    """A snapshot pickle (``_dump_snapshot``'s file); one clear :class:`UserError` when it is missing
+    or is no snapshot. (Unpickling runs code a hostile file names: read only files you trust, as
+    PyTorch's own ``_memory_viz`` does.)"""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            data = pickle.load(f)
+    except FileNotFoundError:
+        raise UserError(f"snapshot {str(p)!r} not found") from None
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
+        raise UserError(f"snapshot {str(p)!r} is not a PyTorch memory snapshot pickle ({type(e).__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("segments"), list) \
+            or not isinstance(data.get("device_traces"), list):
+        raise UserError(f"snapshot {str(p)!r} is not a PyTorch memory snapshot (no 'segments' and "
+                        "'device_traces'; write one with torch.cuda.memory._dump_snapshot)")
+    return data
+
+
+def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> None:
+    """Pickle ``snapshot`` to ``path`` as ``_dump_snapshot`` does (``pickle.dump`` of the dict)."""
+    with Path(path).open("wb") as f:
+        pickle.dump(snapshot, f)

@@ -1,0 +1,83 @@
+"""memcalc.snapshot.format: memcalc's frames in a PyTorch memory snapshot, the trace's peak, loading (torch-free)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from memcalc.core.errors import UserError
+from memcalc.snapshot.format import (entry_memcalc, load_snapshot, memcalc_frame, parse_memcalc_frame, trace_peak,
+                                     write_snapshot)
+
+
+@pytest.mark.parametrize("frame, parsed", [
+    # source: the contract of memcalc.snapshot.format (first frame of every entry memcalc writes)
+    ({"filename": "memcalc/activations", "line": 3, "name": "layers.3.mlp.up_proj out"},
+     ("activations", 3, "layers.3.mlp.up_proj out")),
+    # source: memcalc.engine.result.KINDS, a kind with an underscore
+    ({"filename": "memcalc/optimizer_state", "line": 0, "name": "exp_avg"}, ("optimizer_state", 0, "exp_avg")),
+    # source: a real snapshot's Python frame (torch/csrc/profiler/combined_traceback.cpp symbolize)
+    ({"filename": "/usr/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+     None),
+    # source: a memcalc-looking frame with a kind memcalc does not have
+    ({"filename": "memcalc/loss", "line": 0, "name": "x"}, None),
+    ("not a frame", None),
+])
+def test_parse_memcalc_frame(frame, parsed):
+    assert parse_memcalc_frame(frame) == parsed
+
+
+def test_memcalc_frame_round_trip():
+    f = memcalc_frame("gradients", None, "layers.0.self_attn.q_proj.weight grad")
+    assert f == {"filename": "memcalc/gradients", "line": 0, "name": "layers.0.self_attn.q_proj.weight grad"}
+    assert entry_memcalc({"frames": [f, {"filename": "memcalc", "line": 0, "name": "backward"}]}) == (
+        "gradients", 0, "layers.0.self_attn.q_proj.weight grad")
+    with pytest.raises(AssertionError):
+        memcalc_frame("loss", 0, "x")
+
+
+def _snapshot():
+    """A block allocated before recording (still alive, in segments), one freed in the trace that the
+    trace never allocated (100 bytes: 512 rounded), then 1000 + 600 requested, 1000 freed, 513 more."""
+    seg_blocks = [
+        {"address": 0, "size": 1024, "requested_size": 1000, "state": "active_allocated", "frames": []},  # pre-trace
+        {"address": 1024, "size": 1024, "requested_size": 513, "state": "active_allocated", "frames": []},
+        {"address": 2048, "size": 2048, "requested_size": 0, "state": "inactive", "frames": []},
+    ]
+    trace = [
+        {"action": "free_requested", "addr": 4096, "size": 100, "stream": 0},
+        {"action": "free_completed", "addr": 4096, "size": 100, "stream": 0},
+        {"action": "alloc", "addr": 2048, "size": 1000, "stream": 0},
+        {"action": "alloc", "addr": 3072, "size": 600, "stream": 0},
+        {"action": "free_requested", "addr": 2048, "size": 1000, "stream": 0},
+        {"action": "free_completed", "addr": 2048, "size": 1000, "stream": 0},
+        {"action": "free_completed", "addr": 3072, "size": 600, "stream": 0},
+        {"action": "alloc", "addr": 1024, "size": 513, "stream": 0},
+    ]
+    return {"segments": [{"device": 0, "address": 0, "total_size": 4096, "blocks": seg_blocks}],
+            "device_traces": [trace]}
+
+
+def test_trace_peak():
+    s = _snapshot()
+    # source: hand count: alive at the start 1024 (the pre-trace block, rounded) + 512 (the 100 bytes freed at
+    # index 1); after index 3: 1024 + 1024 (1000) + 1024 (600) = 3072
+    assert trace_peak(s) == (3072, 3)
+    assert trace_peak(s, rounded=False) == (1000 + 1000 + 600, 3)
+    s["segments"][0]["blocks"][0]["state"] = "inactive"  # without the pre-trace block, and 1 byte at index 3
+    s["device_traces"][0][3]["size"] = 1
+    assert trace_peak(s) == (1024 + 512, 3)
+    assert trace_peak(s, device=1) == (0, -1)  # no trace and no segment on device 1
+
+
+def test_load_snapshot(tmp_path):
+    p = tmp_path / "s.pickle"
+    write_snapshot(_snapshot(), p)
+    assert load_snapshot(p) == _snapshot()
+    (tmp_path / "bad.pickle").write_bytes(b"not a pickle")
+    (tmp_path / "dict.pickle").write_bytes(pickle.dumps({"segments": []}))
+    for name, msg in [("missing.pickle", "not found"), ("bad.pickle", "is not a PyTorch memory snapshot pickle"),
+                      ("dict.pickle", "no 'segments' and 'device_traces'")]:
+        with pytest.raises(UserError, match=msg):
+            load_snapshot(tmp_path / name)
