@@ -30,10 +30,6 @@ from published_rows import (
 )
 
 # --- what memcalc misses today, by mechanism (never a loosened tolerance) ---------------------
-_TT_CKPT = ("not identified (+20%): the compiled, chunked step with activation checkpointing around each compiled "
-            "layer (torchtune applies set_activation_checkpointing after compile_model) keeps less than memcalc's "
-            "checkpointed regions recomputed eagerly; the rows after it (offloading, optimizer in backward, LoRA) "
-            "are within 3.4%")
 _LIT_OLD_NORM = ("lit-gpt 8641822 (Oct 2023, the resource tables' version) computes RMSNorm in the input dtype "
                  "(lit_gpt/rmsnorm.py: torch.mean(x * x), no x.float()); memcalc's litgpt profile follows LitGPT "
                  "0.5.13's RMSNorm, which upcasts to fp32 and keeps fp32 copies for backward (the Llama rows; the "
@@ -47,7 +43,6 @@ _LIT_QLORA = ("QLoRA on LitGPT's bitsandbytes 0.41/0.42 pins: the input their Ma
               "lm_head is a 4-bit _Linear4bit dequantized per 128-token chunk, memcalc keeps it 16-bit)")
 
 XFAIL = {
-    "torchtune-flags-checkpointing": _TT_CKPT,
     "torchtune-flags-qlora": ("+6.4%: torchtune's QLoRA quantizes only the LoRA-wrapped linears (torchao NF4), and "
                               "torchao's NF4 dequantization intermediates are not modelled "
                               "(tests/trace/test_torchtune_grid.py KNOWN_GAPS)"),
