@@ -19,7 +19,7 @@ import sys
 from memcalc.cli.group import app
 
 # the commands register on `app` as they are imported, in the order `memcalc --help` lists them
-from memcalc.cli import estimate_cmd, plan_cmd, listing, validate_cmd  # noqa: F401  isort: skip
+from memcalc.cli import estimate_cmd, plan_cmd, listing, validate_cmd, compare_cmd  # noqa: F401  isort: skip
 from memcalc.cli.estimate_cmd import _check_fits, estimate  # noqa: F401  (tests use _check_fits)
 from memcalc.cli.listing import configs, gpus, models, profiles
 from memcalc.cli.plan_cmd import plan

@@ -1,0 +1,218 @@
+"""``memcalc compare``: a PyTorch memory snapshot replayed, attributed by kind and held against the
+estimate (torch-free: the snapshots are small dicts pickled here, in both styles: memcalc's frames and
+a real run's stacks)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from types import SimpleNamespace
+
+import pytest
+from conftest import cli_run, one_line_error
+
+from memcalc.core.errors import UserError
+from memcalc.engine.result import KINDS, TimelinePoint
+from memcalc.snapshot.attribute import BACKWARD, FORWARD, OPTIMIZER, entry_phase
+from memcalc.snapshot.compare import PART_FRACTION, compare, comparison_lines
+from memcalc.snapshot.format import memcalc_frame
+from memcalc.snapshot.reader import read_snapshot
+from memcalc.snapshot.replay import pick_device, replay
+
+MiB = 2**20
+
+# -- frames of a real CUDA run (the shapes torch/csrc/profiler/combined_traceback.cpp symbolizes) ------
+PY_FORWARD = {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/linear.py", "line": 125,
+              "name": "forward"}
+PY_CALL = {"filename": "/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", "line": 1784,
+           "name": "_call_impl"}
+CPP_ENGINE = {"filename": "??", "line": 0, "name": "torch::autograd::Engine::evaluate_function(...)"}
+PY_ENGINE = {"filename": "/venv/lib/python3.11/site-packages/torch/autograd/graph.py", "line": 829,
+             "name": "_engine_run_backward"}
+PY_ADAMW = {"filename": "/venv/lib/python3.11/site-packages/torch/optim/adamw.py", "line": 430,
+            "name": "_multi_tensor_adamw"}
+CPP_WORKSPACE = {"filename": "??", "line": 0, "name": "at::cuda::getNewWorkspace()"}
+PY_TRAIN = {"filename": "train.py", "line": 10, "name": "<module>"}
+
+
+@pytest.mark.parametrize("frames, phase", [
+    ([PY_FORWARD, PY_CALL, PY_TRAIN], FORWARD),  # source: torch/nn/modules/module.py _call_impl -> forward
+    ([CPP_ENGINE, PY_TRAIN], BACKWARD),  # source: torch/csrc/autograd/engine.cpp Engine::evaluate_function
+    ([PY_ENGINE, PY_TRAIN], BACKWARD),  # source: torch/autograd/graph.py _engine_run_backward
+    ([PY_FORWARD, PY_CALL, CPP_ENGINE], BACKWARD),  # source: checkpoint recompute runs forward inside the engine
+    ([PY_ADAMW, PY_TRAIN], OPTIMIZER),  # source: torch/optim/adamw.py _multi_tensor_adamw
+    ([{"filename": "/x/bitsandbytes/optim/optimizer.py", "line": 1, "name": "step"}], OPTIMIZER),  # source: bnb step
+    ([PY_TRAIN], None),  # source: a frame of the user's script shows no phase
+    ([memcalc_frame("activations", 2, "x"), {"filename": "memcalc", "line": 0, "name": "forward"}], "forward"),
+])
+def test_entry_phase(frames, phase):
+    assert entry_phase(frames) == phase
+
+
+def _pickle(tmp_path, obj, name="s.pickle"):
+    p = tmp_path / name
+    p.write_bytes(pickle.dumps(obj))
+    return str(p)
+
+
+def _real_snapshot():
+    """A real-style step (sizes in MiB, multiples of 512 B so rounding keeps them): 8 weights before
+    recording (a segment block), a 1 workspace, forward: 4 saved + 2 freed in forward; backward: 8
+    gradients kept + 3 freed; optimizer: 16 state kept + 8 freed; zero_grad frees the gradients."""
+    t = []
+
+    def alloc(addr, mib, frames):
+        t.append({"action": "alloc", "addr": addr, "size": mib * MiB, "stream": 0, "frames": frames})
+
+    def free(addr, mib, frames):
+        t.append({"action": "free_requested", "addr": addr, "size": mib * MiB, "stream": 0, "frames": frames})
+        t.append({"action": "free_completed", "addr": addr, "size": mib * MiB, "stream": 0, "frames": frames})
+
+    fwd, bwd, opt = [PY_FORWARD, PY_CALL, PY_TRAIN], [CPP_ENGINE, PY_TRAIN], [PY_ADAMW, PY_TRAIN]
+    alloc(100, 1, [CPP_WORKSPACE, *fwd])
+    alloc(200, 4, fwd)
+    alloc(300, 2, fwd)
+    free(300, 2, fwd)
+    alloc(400, 8, bwd)  # the gradient
+    alloc(500, 3, bwd)  # an activation gradient: peak here = 8 + 1 + 4 + 8 + 3 = 24
+    free(500, 3, bwd)
+    free(200, 4, bwd)
+    alloc(600, 16, opt)
+    alloc(700, 8, opt)  # 8 + 1 + 8 + 16 + 8 = 41: the peak
+    free(700, 8, opt)
+    free(400, 8, opt)  # zero_grad
+    segments = [{"device": 0, "address": 0, "total_size": 8 * MiB, "stream": 0, "blocks": [
+        {"address": 0, "size": 8 * MiB, "requested_size": 8 * MiB, "state": "active_allocated", "frames": []}]}]
+    return {"segments": segments, "device_traces": [t]}
+
+
+def _estimate(**kw):
+    """The attributes of memcalc.engine.result.Estimate that compare reads."""
+    base = dict(peak_bytes=40 * MiB, peak_phase=OPTIMIZER, peak_label="optimizer step",
+                components_by_kind={"weights": 8 * MiB, "optimizer_state": 16 * MiB, "gradients": 8 * MiB,
+                                    "activations": 0, "temporaries": 8 * MiB},
+                phases={FORWARD: 14 * MiB, BACKWARD: 23 * MiB, OPTIMIZER: 40 * MiB},
+                timeline=[TimelinePoint(0, "fwd", FORWARD, {k: 0 for k in KINDS})],
+                device_parts={"workspace_bytes": 1 * MiB})
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_real_snapshot_kinds_at_peak():
+    rep = replay(_real_snapshot(), 0)
+    kinds = {a.addr: a.kind for a in rep.allocations}
+    # source: the attribution rules of memcalc/snapshot/attribute.py, one allocation each
+    assert kinds == {0: "weights", 100: "workspace", 200: "activations", 300: "temporaries", 400: "gradients",
+                     500: "temporaries", 600: "optimizer_state", 700: "temporaries"}
+    c = compare(rep, _estimate(), "s.pickle")
+    assert c.measured_peak_bytes == 40 * MiB  # 41 less the workspace
+    assert c.measured_phase == OPTIMIZER
+    got = {r.name: (r.predicted_bytes, r.measured_bytes) for r in c.kinds}
+    assert got["optimizer_state"] == (16 * MiB, 16 * MiB) and got["gradients"] == (8 * MiB, 8 * MiB)
+    assert got["workspace"] == (1 * MiB, 1 * MiB)
+    assert c.parts_at is None  # every phase within PART_FRACTION: forward 14, backward 23, optimizer 40
+
+
+def test_first_parting_phase():
+    est = _estimate(phases={FORWARD: 14 * MiB, BACKWARD: 30 * MiB, OPTIMIZER: 40 * MiB},
+                    timeline=[TimelinePoint(0, "bwd", BACKWARD, {"weights": 8 * MiB, "gradients": 15 * MiB,
+                                                                  "activations": 4 * MiB, "temporaries": 3 * MiB})])
+    c = compare(replay(_real_snapshot(), 0), est, "s.pickle")
+    assert 7 * MiB > PART_FRACTION * est.peak_bytes
+    assert c.parts_at["phase"] == BACKWARD and c.parts_at["difference_bytes"] == -7 * MiB
+    assert c.parts_at["kind"] == "gradients"
+    lines = comparison_lines(c)
+    assert lines[0].startswith("Measured peak 40.00 MiB in optimizer step: +0.0%, within 1% of the predicted")
+    assert lines[1].startswith("They part in backward: measured 23.00 MiB vs predicted 30.00 MiB")
+
+
+def _memcalc_snapshot(est):
+    """A snapshot in memcalc's style holding exactly the estimate's peak, kind by kind: one block per
+    kind allocated in the peak's phase, then freed."""
+    t = []
+    for i, (kind, n) in enumerate(est.components_by_kind.items()):
+        if n:
+            frames = [memcalc_frame(kind, 0, f"{kind} block"), {"filename": "memcalc", "line": 0,
+                                                                "name": est.peak_phase}]
+            t.append({"action": "alloc", "addr": 4096 * (i + 1), "size": n, "stream": 0, "frames": frames})
+    for e in list(t):
+        t.append({**e, "action": "free_requested"})
+    return {"segments": [], "device_traces": [t]}
+
+
+def test_memcalc_snapshot_round_trip(tmp_path):
+    est = _estimate()
+    path = _pickle(tmp_path, _memcalc_snapshot(est))
+    rep = replay(read_snapshot(path), 0)
+    assert rep.memcalc_frames
+    c = compare(rep, est, path)
+    assert c.source == "memcalc" and c.measured_peak_bytes == est.peak_bytes
+    assert all(r.measured_bytes == r.predicted_bytes for r in c.kinds)
+
+
+class _Evil:
+    def __reduce__(self):
+        return os.system, ("touch pwned",)
+
+
+def _rows(tmp_path):
+    """(args, exit code, message) for the command line; files made in tmp_path."""
+    good = _pickle(tmp_path, _real_snapshot(), "good.pickle")
+    two = _real_snapshot()
+    two["device_traces"].append(list(two["device_traces"][0]))
+    bad_size = _real_snapshot()
+    bad_size["device_traces"][0][0]["size"] = -5
+    (tmp_path / "text.pickle").write_text("not a pickle at all")
+    setup = ["--model", "gpt2", "--batch", "1", "--seq", "128"]
+    return [
+        # source: memcalc/snapshot/reader.py read_snapshot, a missing file
+        ([str(tmp_path / "nope.pickle"), *setup], 2, "not found"),
+        # source: reader.DataOnlyUnpickler.find_class refuses every global (no code runs)
+        ([_pickle(tmp_path, _Evil(), "evil.pickle"), *setup], 2, "refused global"),
+        # source: reader.read_snapshot, a file that is no pickle
+        ([str(tmp_path / "text.pickle"), *setup], 2, "not a plain PyTorch memory snapshot pickle"),
+        # source: reader.check_snapshot, a pickle of another shape
+        ([_pickle(tmp_path, [1, 2], "list.pickle"), *setup], 2, "no 'segments' and 'device_traces'"),
+        # source: replay._int, a negative size
+        ([_pickle(tmp_path, bad_size, "neg.pickle"), *setup], 2, "not a non-negative integer"),
+        # source: replay.pick_device, an empty trace
+        ([_pickle(tmp_path, {"segments": [], "device_traces": [[]]}, "empty.pickle"), *setup], 2, "trace is empty"),
+        # source: replay.pick_device, two traced devices
+        ([_pickle(tmp_path, two, "two.pickle"), *setup], 2, "pick one with --device"),
+        ([_pickle(tmp_path, two, "two2.pickle"), "--device", "5", *setup], 2, "--device 5"),
+        # source: the estimate's own checks (memcalc.api.estimate)
+        ([good, "--model", "gpt2", "--batch", "0"], 2, "--batch must be positive"),
+        ([good, "--device", "1", *setup], 2, "--device 1"),
+        ([good, *setup], 0, "Measured peak"),
+        ([good, "--device", "0", *setup, "--json"], 0, '"kinds_at_peak"'),
+    ]
+
+
+@pytest.mark.slow  # 12 command lines at about 40 ms each (typer builds the command every time)
+def test_cli_rows(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for args, code, message in _rows(tmp_path):
+        r = cli_run(["compare", *args])
+        if code == 2:
+            one_line_error(r, code, message)
+        else:
+            assert r.exit_code == code and message in r.stdout, (args, r.output)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_cli_rows_quick(tmp_path, monkeypatch):
+    """The quick lane's share of the rows: the reader's refusals called directly, and one command
+    line (a pickle that names a callable: one line, exit 2, and nothing ran)."""
+    monkeypatch.chdir(tmp_path)
+    rows = _rows(tmp_path)
+    for args, _, message in rows[:7]:
+        try:
+            snap = read_snapshot(args[0])
+            replay(snap, pick_device(snap, None))
+        except UserError as e:
+            assert message in str(e)
+        else:
+            raise AssertionError(f"{args[0]}: no error")
+    args, code, message = rows[1]
+    one_line_error(cli_run(["compare", *args]), code, message)
+    assert not (tmp_path / "pwned").exists()
