@@ -153,9 +153,10 @@ def quiet_transformers() -> Iterator[None]:
 def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None,
                progress: Optional[Callable[[str], None]] = None, debug: bool = False, allocator_sim: bool = False,
                capacity: Optional[int] = None, reentrant: bool = False,
-               kernels_seen: Optional[list] = None) -> Measurement:
+               kernels_seen: Optional[list] = None, snapshot: Optional[str] = None) -> Measurement:
     """Trace (meta) or measure (cpu, cuda) the HF step of ``exp``; see the module docstring.
-    ``kernels_seen``, when given, receives :attr:`HFKernels.calls` (one entry per SDPA call)."""
+    ``kernels_seen``, when given, receives :attr:`HFKernels.calls` (one entry per SDPA call); ``snapshot``
+    (CUDA): a ``_dump_snapshot`` of the measured step (:func:`.step.run_on_device`)."""
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     meas = hf_measurement(exp, device, "hf")
@@ -169,7 +170,7 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
     try:
         with quiet_transformers():
             _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None,
-                 reentrant, kernels_seen)
+                 reentrant, kernels_seen, snapshot)
     except UserError as e:  # a setup the kernel library's rules refuse (memcalc.core.liger)
         meas.status, meas.reason = "skipped", str(e)
     except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
@@ -190,19 +191,21 @@ def _decoder_layers(model, n_layers: int):
 
 
 def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
-         sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list]) -> None:
+         sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list],
+         snapshot: Optional[str] = None) -> None:
     if exp.profile.kernels not in ("liger", "cce"):
-        return _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen)
+        return _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen, snapshot)
     from .hf_cce import cce_trace
     from .hf_liger import liger_trace
 
     model_type = choose_family(m).model_type
     with (liger_trace if exp.profile.kernels == "liger" else cce_trace)(model_type):
-        _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen)
+        _run_step(exp, m, device, say, meas, debug, sim, reentrant, kernels_seen, snapshot)
 
 
 def _run_step(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: bool,
-              sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list]) -> None:
+              sim: Optional[CachingAllocatorSim], reentrant: bool, kernels_seen: Optional[list],
+              snapshot: Optional[str] = None) -> None:
     tr = exp.training
     dev_type = torch.device(device).type
     if dev_type == "cuda":
@@ -262,7 +265,7 @@ def _run_step(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug
 
     kernels = HFKernels(exp.profile, amp)
     run_on_device(exp, m, device, model, meas, say, debug, sim, forward, attach,
-                  contexts=(hf_patches(model, kernels), kernels), extra=quant_state)
+                  contexts=(hf_patches(model, kernels), kernels), extra=quant_state, snapshot=snapshot)
     if offload is not None:
         meas.host_activation_bytes = offload.max_pinned_bytes
     if kernels_seen is not None:

@@ -287,7 +287,9 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
 
     def before_measured() -> None:
         if record:
-            torch.cuda.memory._record_memory_history(max_entries=200000)
+            # Python frames only: C++ frames are symbolized when the snapshot is dumped, which can take
+            # minutes on a long trace (torch/csrc/profiler/combined_traceback.cpp symbolize)
+            torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python")
 
     if tracer is not None:
         track_inputs(tracer, model, ids, labels, opt)

@@ -79,6 +79,12 @@ def validate(
                            "(FullyShardedDataParallel, one unit per layer) or deepspeed (ZeRO-2/3 with "
                            "DeepSpeed's defaults, or the buckets of --deepspeed).")] = None,
     rank: Annotated[Optional[int], typer.Option("--rank", help="With --gpus: which rank to trace (default 0).")] = None,
+    protocol: Annotated[bool, typer.Option(
+        "--protocol", help="Run the one-command GPU protocol (docs/protocol.md): the reference configs, HF LoRA "
+                           "and QLoRA, torch.compile with a memory budget, the chunked loss, the Trainer callback, "
+                           "the allocator, cuBLAS workspace and CUDA context, each predicted vs measured; --output "
+                           "is then a folder (default data/reference/measured/ on CUDA). --device meta runs it "
+                           "traced.")] = False,
 ) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
@@ -94,6 +100,13 @@ def validate(
       memcalc validate --framework plain --model llama-3.1-8b --bf16 --tp 4 --sequence-parallel --scale-layers 2
     """
     inputs = inputs_of(locals(), _OWN)  # first: locals() are the options only until the next name is bound
+    if protocol:
+        given = [k for k, v in inputs.items() if v not in (None, False, ())]
+        given += [k for k, v in (("config", config), ("all", all_configs), ("scale_layers", scale_layers),
+                                 ("snapshot", snapshot), ("html", html), ("framework", framework), ("gpus", gpus),
+                                 ("zero", zero), ("sharding", sharding), ("rank", rank), ("reentrant", reentrant))
+                  if v not in (None, False, ())]
+        return _protocol(device, output, as_json, given)
     from memcalc.core.aliases import canonical
 
     # the users' spellings (transformers, bfloat16, 4k) as memcalc's names, a note each, before torch loads
@@ -187,7 +200,40 @@ def _traced(items: list) -> str:
 
 #: validate's own options (and those it passes on itself); the others are the experiment's inputs
 _OWN = ("config", "all_configs", "device", "scale_layers", "output", "snapshot", "as_json", "html", "framework",
-        "reentrant", "gpus", "zero", "sharding", "rank", "force")
+        "reentrant", "gpus", "zero", "sharding", "rank", "force", "protocol")
+
+
+def _protocol(device: Optional[str], output: Optional[str], as_json: bool, given: list[str]) -> None:
+    """``--protocol``: its fixed list of cases (memcalc.validate.protocol), the records in the folder ``output``."""
+    if given:
+        flags = ", ".join("--" + g.replace("_", "-") for g in given)
+        raise UserError(f"--protocol runs its own fixed list of cases (docs/protocol.md): drop {flags}")
+    if device is not None and device not in ("cuda", "meta"):
+        raise UserError(f"--protocol --device {device}: the protocol runs on cuda, or traced on meta")
+    if output is not None:
+        _check_folder(output)
+    _runner(as_json)  # imports memcalc.validate (torch): missing torch is one line, a signal meanwhile stops cleanly
+    from memcalc.validate.protocol import default_output, run_protocol
+
+    run_protocol(device, output if output is not None else default_output(device), as_json)
+
+
+def _check_folder(path: str) -> None:
+    """--protocol --output: a folder that exists or can be made in one that does, writable."""
+    import os
+
+    if not path.strip():
+        raise UserError(f"cannot write --output {path!r}: an empty path; give a folder")
+    p = os.path.realpath(os.path.expanduser(path))
+    if p.split(os.sep)[1:2] in (["proc"], ["sys"], ["dev"]):
+        raise UserError(f"cannot write --output {path}: {p} is a kernel interface, not a folder")
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise UserError(f"cannot write --output {path}: it is a file; --protocol writes a folder of records")
+    parent = p if os.path.isdir(p) else os.path.dirname(p)
+    if not os.path.isdir(parent):
+        raise UserError(f"cannot write --output {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write --output {path}: permission denied")
 
 
 def _check_sharded_flags(gpus: Optional[int], zero: Optional[int], sharding: Optional[str],
