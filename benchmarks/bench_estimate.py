@@ -52,6 +52,8 @@ from pathlib import Path
 COMMANDS = [
     ["estimate", "--params", "7e9", "--bf16", "--lora"],
     ["estimate", "--model", "llama-3.1-8b", "--json"],
+    # a setup that does not fit the card asked: the verdict, then "to make it fit" (changes confirmed by estimates)
+    ["estimate", "--model", "llama-3.1-8b", "--qlora", "--seq", "4096", "--gpu", "rtx-4090"],
     ["--help"],
     ["estimate", "--help"],
 ]

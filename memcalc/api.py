@@ -243,7 +243,7 @@ class EstimateResult:
 
 
 def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, Sequence[str]] = None,
-             max_batch: bool = False, max_seq: bool = False, **options: Any) -> EstimateResult:
+             max_batch: bool = False, max_seq: bool = False, timeline: bool = True, **options: Any) -> EstimateResult:
     """Predict the peak memory of one training step: ``memcalc estimate`` as a function.
 
     ``options`` are the flags of ``memcalc estimate`` (``model``, ``params``, ``config``, ``batch``,
@@ -251,7 +251,7 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
     ...; see :class:`memcalc.inputs.resolve.Options`), or ``spec=`` an
     :class:`~memcalc.core.spec.ExperimentSpec`. ``gpu`` restricts the fits to these GPUs (names or
     capacities such as ``"24GB"``); ``max_batch`` / ``max_seq`` also search the largest batch /
-    sequence that fits the one ``gpu``.
+    sequence that fits the one ``gpu``. ``timeline=False``: the same numbers, without ``estimate.timeline``.
 
     >>> r = estimate(model="gpt2", batch=2, seq=512, precision="bf16", gpu=["24GB"])
     >>> r.peak_bytes == sum(r.breakdown.values())
@@ -264,8 +264,7 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
     memcalc.core.errors.UserError: --batch must be positive, got 0
     """
     from memcalc.estimate.peak import card_side, estimate as run_estimate
-
-    check_args(estimate, gpu=gpu, max_batch=max_batch, max_seq=max_seq)
+    check_args(estimate, gpu=gpu, max_batch=max_batch, max_seq=max_seq, timeline=timeline)
     res = _resolve(spec, options)
     cards = tuple(_cards(gpu))
     limits, limit_gpu = None, None
@@ -273,7 +272,8 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
         from memcalc.plan.limits import check_one_gpu, estimate_limits
 
         limit_gpu = check_one_gpu([gpu] if isinstance(gpu, str) else gpu, "--max-batch" if max_batch else "--max-seq")
-    est = run_estimate(res.exp, side=card_side(res.exp, cards[0]) if len(cards) == 1 else None)  # else the reference
+    side = card_side(res.exp, cards[0]) if len(cards) == 1 else None  # else the reference card's
+    est = run_estimate(res.exp, timeline=timeline, replay=True, side=side)
     if limit_gpu is not None:
         limits = estimate_limits(res.exp, limit_gpu, max_batch, max_seq)
     from memcalc.render.report import fits_rows

@@ -86,7 +86,9 @@ def estimate(
     _check_output(html, "--html", force)
     if check and not gpu:
         raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
-    r = memcalc.api.estimate(gpu=gpu or None, max_batch=max_batch, max_seq=max_seq, **inputs)
+    # the timeline is recorded only for what draws it (--timeline, --html): the tables and --json do not show it
+    r = memcalc.api.estimate(gpu=gpu or None, max_batch=max_batch, max_seq=max_seq,
+                             timeline=(timeline and not as_json) or html is not None, **inputs)
     cards = list(r.cards)
     if html is not None:
         from memcalc.render.html import estimate_html, write_report

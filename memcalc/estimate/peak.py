@@ -20,6 +20,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.loading import load_phase
+from memcalc.engine.observers import StopAbove
 from memcalc.engine.sharding import offload_param
 from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
@@ -302,17 +303,24 @@ def _by_kind(split: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
 
 
 def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None,
-             side: Optional[GpuSide] = None) -> Estimate:
+             side: Optional[GpuSide] = None, flops: bool = True, stop_above: Optional[int] = None) -> Estimate:
     """Predict the allocated peak of one training step of ``exp`` (see module docstring).
 
     ``replay`` (default: as ``timeline``) also replays the caching allocator over the steady
     step and the first step, for the step's own allocated and reserved peaks; the device totals
-    are for ``side``'s card (default: the reference card, :func:`step_side`)."""
+    are for ``side``'s card (default: the reference card, :func:`step_side`). Without ``flops`` the
+    FLOPs that checkpointing recomputes (``extra["recompute"]``, a graph of the forward) are not
+    counted: a caller that needs the bytes alone (estimate's "to make it fit"). ``stop_above``: raise
+    :class:`memcalc.engine.observers.PeakAbove` as soon as a simulated step's running total passes
+    this many bytes (a caller that only asks whether the step fits a card:
+    :func:`largest_peak_within`)."""
     replay = timeline if replay is None else replay
+    observers = [StopAbove(stop_above)] if stop_above is not None else []
     # the first step follows from the steady step's events where it runs the same ones (not under
     # DeepSpeed: memcalc.engine.twins.first_step_of); otherwise it is simulated too
-    steady = simulate(exp, first_step=False, record_timeline=timeline, events=True)
-    first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay)
+    steady = simulate(exp, first_step=False, record_timeline=timeline, events=True, observers=observers)
+    first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay,
+                                              observers=observers)
     alloc_extra: dict = {}
     replays, step_alloc, step_reserved = _replayed(steady, first) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
@@ -381,7 +389,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     if compiled:
         recompute = {"flops": compiled["recompute_flops"], "forward_flops": compiled["forward_flops"],
                      "by": f"torch.compile, memory budget {compiled['memory_budget']:g}"}
-    elif tr.checkpoint != "none":
+    elif tr.checkpoint != "none" and flops:
         from memcalc.compile.graph import checkpoint_recompute_flops
 
         rf, ff = checkpoint_recompute_flops(exp)

@@ -7,12 +7,12 @@ setup's own method first: recomputation, fewer sequences per step, a smaller opt
 shorter sequences, host traffic, more GPUs; then a different method), and, when no single change
 fits, the same changes on top of ``--checkpoint full``. Each candidate is resolved from the flags
 exactly as ``memcalc estimate`` resolves its command line (``exp_of``), so the command printed gives
-the same bytes. It is screened with the plan's verdict (:func:`memcalc.plan.limits.need`: the
-weights-and-state floor first, then a step simulated until it passes the card; reserved taken as
-allocated, so it never refuses what the estimate would take), then estimated in full and judged by
-the estimate's own verdict (``verdict``: :func:`memcalc.render.report.fits_rows`, the one place
-that decides "fits"), whose bytes are the ones shown. A batch or sequence is halved until it fits (round numbers,
-at most :data:`HALVINGS` tries); more GPUs are 2, 4, ..., 64 (:data:`GPU_COUNTS`).
+the same bytes. It is estimated (the simulation stopped as soon as it passes the card: an exact
+screen, :func:`_first_fit`) and judged by the estimate's own verdict (``verdict``:
+:func:`memcalc.render.report.fits_rows`, the one place that decides "fits"), whose bytes are the
+ones shown (no numpy, no plan search: only what ``memcalc estimate`` loads). A batch or sequence is
+halved until it fits (round numbers, at most :data:`HALVINGS` tries); more GPUs are 2, 4, ..., 64
+(:data:`GPU_COUNTS`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
-from memcalc.estimate.peak import estimate
-from memcalc.plan.limits import need
+from memcalc.engine.observers import PeakAbove
+from memcalc.estimate.peak import card_side, estimate, largest_peak_within
 
 #: how many changes are listed per card (each is confirmed by a full estimate with its allocator replay: the
 #: search stays within estimate's 0.5 s)
@@ -161,15 +161,21 @@ def to_make_it_fit(exp: ExperimentSpec, gpu: Any, exp_of: Callable[[dict[str, An
 def _first_fit(alts: list[dict[str, Any]], gpu: Any, exp_of: Callable[[dict[str, Any]], ExperimentSpec],
                verdict: Verdict) -> Optional[tuple[dict[str, Any], int, Mapping[str, Any]]]:
     """The first of ``alts`` that fits ``gpu``, with its peak and the estimate's verdict row; a change
-    the inputs refuse (a flag that does not go with the setup) is skipped."""
+    the inputs refuse (a flag that does not go with the setup) is skipped. Each is estimated with the
+    simulation stopped as soon as its running total passes what the card can hold
+    (:func:`memcalc.estimate.peak.largest_peak_within` on the card's own side: the device total is at
+    least the allocated peak plus the workspaces, context and NCCL buffers), so a change that does not
+    fit costs part of one simulation and no allocator replay."""
     for change in alts:
         try:
             e = exp_of(change)
         except (UserError, ValueError):
             return None
-        if not need(e, int(gpu.capacity_bytes), exact=False)[0]:
+        try:
+            est = estimate(e, timeline=False, replay=True, flops=False,
+                           stop_above=largest_peak_within(int(gpu.capacity_bytes), card_side(e, gpu)))
+        except PeakAbove:
             continue
-        est = estimate(e, timeline=False, replay=True)
         row = verdict(est, gpu)
         if row["fits"]:
             return change, est.peak_bytes, row
