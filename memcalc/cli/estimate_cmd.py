@@ -54,6 +54,11 @@ def estimate(
         "--timeline", help="Also draw memory across the step (after the tables; ignored with --json).")] = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", help="Also write a self-contained HTML report to this file.")] = None,
+    snapshot: Annotated[Optional[str], typer.Option(
+        "--snapshot", metavar="FILE.pickle",
+        help="Also write the predicted step as a PyTorch CUDA memory snapshot (what "
+             "torch.cuda.memory._dump_snapshot writes: open it at pytorch.org/memory_viz, or hold it against "
+             "a real run's), each allocation labelled with memcalc's kind, layer and name.")] = None,
     force: Force = False,
     max_batch: Annotated[bool, typer.Option(
         "--max-batch", help="Also find the largest batch (at --seq) that fits the one --gpu (exact: binary search "
@@ -84,6 +89,7 @@ def estimate(
     import memcalc.api
 
     _check_output(html, "--html", force)
+    _check_output(snapshot, "--snapshot", force)
     if check and not gpu:
         raise UserError("--check compares the estimate with a card: give --gpu (e.g. --gpu rtx-4090 or --gpu 24GB)")
     # the timeline is recorded only for what draws it (--timeline, --html): the tables and --json do not show it
@@ -94,12 +100,23 @@ def estimate(
         from memcalc.render.html import estimate_html, write_report
 
         write_report(html, estimate_html(r.estimate, r.resolved, cards, bool(gpu), r.to_make_it_fit))
+    written = None
+    if snapshot is not None:
+        from memcalc.snapshot.export import write_estimate_snapshot
+
+        written = write_estimate_snapshot(r.estimate, snapshot)
     if as_json:
         from memcalc.render.report import dumps
 
-        typer.echo(dumps(r.document()))
+        doc = r.document()
+        if written is not None:
+            doc["snapshot"] = written
+        typer.echo(dumps(doc))
     else:
         _render(r, timeline, verbose, asked=bool(gpu))
+        if written is not None:
+            typer.echo(f"Snapshot: {snapshot} ({written['trace_entries']:,} allocator events of the {written['step']} "
+                       "step; open it at https://pytorch.org/memory_viz)")
     if check:
         return _check_fits(r.estimate, cards)
     return None
@@ -129,7 +146,7 @@ def _render(r: Any, timeline: bool, verbose: bool, asked: bool) -> None:
 
 
 #: estimate's own options; the others are the experiment's inputs
-_OWN = ("gpu", "as_json", "timeline", "html", "force", "max_batch", "max_seq", "check", "verbose")
+_OWN = ("gpu", "as_json", "timeline", "html", "snapshot", "force", "max_batch", "max_seq", "check", "verbose")
 
 
 def _check_fits(est: Any, cards: list) -> int:

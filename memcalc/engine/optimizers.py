@@ -299,7 +299,7 @@ class OptimizerSim:
             if cat == PAGED:
                 self.paged_bytes += shard(b, div)
             else:
-                out.append(alloc(shard(b, div), STATE, cat))
+                out.append(alloc(shard(b, div), STATE, cat, False, p.name))
         self.state[p.name] = out
 
     def create_all(self) -> None:
@@ -322,7 +322,7 @@ class OptimizerSim:
                 if cat == PAGED:
                     self.paged_bytes += shard(b, div)
                 else:
-                    rows.append((shard(b, div), cat, "", 0, 32))
+                    rows.append((shard(b, div), cat, p.name, 0, 32))
                     k += 1
             counts.append((p, k))
         blocks = self.sim.alloc_many(STATE, rows)

@@ -71,6 +71,9 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
         self._on_row: list[Callable[[tuple[int, str, str, int]], None]] = []
         self._on_event: list[Callable[[tuple[int, int]], None]] = []
         self._uid = 0  # the last block numbered for the on_event hooks
+        # the block the on_event hooks hear of, for an observer that reads its kind, category and name
+        # (memcalc.snapshot.export labels a snapshot's allocations with them)
+        self.event_block: Optional[T] = None
         self._on_peak: list[Callable[[int], None]] = []
         self._on_phase: list[Callable[[str], None]] = []
         self._on_mark: list[Callable[[], None]] = []
@@ -139,6 +142,7 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
         if self._on_event and n:
             uid = self._uid = self._uid + 1
             t.uid = uid
+            self.event_block = t
             for event_hook in self._on_event:
                 event_hook((uid, n))
         total = self.total = self.total + n
@@ -204,6 +208,7 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
             if event_hooks and n:
                 uid += 1
                 t.uid = uid
+                self.event_block = t
                 for event_hook in event_hooks:
                     event_hook((uid, n))
             else:

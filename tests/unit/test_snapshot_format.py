@@ -81,3 +81,61 @@ def test_load_snapshot(tmp_path):
                       ("dict.pickle", "no 'segments' and 'device_traces'")]:
         with pytest.raises(UserError, match=msg):
             load_snapshot(tmp_path / name)
+
+
+# -- the estimate's step as a snapshot (memcalc.snapshot.export), torch-free --------------------------------------
+
+def _labels(events):
+    """Labels as memcalc.snapshot.export.LabelledEvents gives them, requesting 100 bytes less than each event."""
+    return {uid: ("activations", "saved activations", "", 1, "fwd layer 1", "forward", n - 100)
+            for uid, n in events if n}
+
+
+@pytest.mark.parametrize("events, start, warm", [
+    # source: memcalc.core.allocator rules: two small blocks share a 2 MiB segment, a 3 MiB request takes a 20 MiB one
+    ([(1, 1024), (2, 1536), (3, 3 << 20), (2, 0), (4, 512), (3, 0), (4, 0)], 1, True),
+    # source: the first step (not warm): what the step leaves alive stays in the segments
+    ([(1, 12 << 20), (2, 1024), (3, 2 << 20), (2, 0)], 1, False),
+])
+def test_snapshot_of_replays_as_the_estimate(events, start, warm):
+    """The snapshot's trace replays the events exactly as memcalc.estimate.peak.replay_allocator does: the same
+    allocated and reserved peaks; its live peak is the events' (rounded bytes), and trace_peak reads it back."""
+    from memcalc.estimate.peak import replay_allocator
+    from memcalc.snapshot.export import snapshot_of
+
+    out = snapshot_of(events, start, warm, _labels(events))
+    assert (out.allocated_peak_bytes, out.reserved_peak_bytes) == replay_allocator(events, start, warm)
+    sizes = {uid: n for uid, n in events if n}
+    live = peak = 0
+    for uid, n in events[:start] + (events[start:] if warm else []) + events[start:]:
+        live += n if n else -sizes[uid]
+        peak = max(peak, live)
+    assert out.live_peak_bytes == trace_peak(out.snapshot).peak_bytes == peak
+    trace = out.snapshot["device_traces"][0]
+    assert all(entry_memcalc(e) == ("activations", 1, "fwd layer 1") for e in trace if e["action"] != "segment_alloc")
+    assert {e["size"] for e in trace if e["action"] == "alloc"} == {n - 100 for _u, n in events if n}
+    for seg in out.snapshot["segments"]:  # blocks tile their segment (what _memory_viz.segsum asserts)
+        assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+
+
+SNAPSHOT_CLI = [
+    # (args, exit code, message); source: memcalc.cli.options._check_output
+    (["--snapshot", "{tmp}/notours.txt"], 2,
+     "exists and is not a memory snapshot (pickle); give another path, or --force"),
+    (["--snapshot", "{tmp}/missing/s.pickle"], 2, "folder {tmp}/missing does not exist"),
+    (["--snapshot", "{tmp}"], 2, "it is a directory; give a file path"),
+    (["--snapshot", " "], 2, "an empty path"),
+]
+
+
+@pytest.mark.parametrize("args, code, message", SNAPSHOT_CLI)
+def test_estimate_snapshot_cli_errors(tmp_path, args, code, message):
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    (tmp_path / "notours.txt").write_text("x")
+    res = CliRunner().invoke(app, ["estimate", "--params", "20M"] + [a.format(tmp=tmp_path) for a in args])
+    assert res.exit_code == code
+    assert message.format(tmp=tmp_path) in res.output
+    assert res.output.count("\n") == 1 and "Traceback" not in res.output

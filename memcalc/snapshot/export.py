@@ -1,0 +1,173 @@
+"""The estimate's step written as a PyTorch CUDA memory snapshot (``memcalc estimate --snapshot``).
+
+The step the estimate's peak comes from (the steady-state step, or the first step where it is the
+higher: :func:`memcalc.estimate.peak.estimate`) is simulated again with :class:`LabelledEvents`
+watching, which hears every allocation's kind, category, name, layer and requested bytes; its events
+are then replayed through the caching allocator model exactly as the estimate replays them
+(:func:`memcalc.estimate.peak.replay_allocator`: setup, then for the steady step a warm-up pass whose
+leftovers are freed and the measured pass; :class:`memcalc.core.allocator.CachingAllocatorSim`),
+and every ``malloc`` / ``free`` / new segment of that replay becomes a trace entry, as the CUDA
+caching allocator records them with ``torch.cuda.memory._record_memory_history()`` on (the fields:
+:mod:`memcalc.snapshot.format`, cited there from torch's source). ``segments`` is the allocator's
+state after the step, as ``_snapshot()`` taken then would show it.
+
+Every alloc / free entry's first frame is memcalc's (:func:`memcalc.snapshot.format.memcalc_frame`:
+kind, decoder layer, label); a second frame ``{"filename": "memcalc", "line": 0, "name": "<phase>:
+<category>"}`` says the phase and the engine's category ("frozen base weights (NF4)", "logits &
+loss", "op workspace", ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from memcalc.snapshot.builder import SnapshotBuilder
+from memcalc.snapshot.format import memcalc_frame
+
+if TYPE_CHECKING:
+    from memcalc.core.spec import ExperimentSpec
+    from memcalc.engine.result import Estimate
+    from memcalc.engine.sim import Sim
+
+#: torch's allocator_settings of a default ``PYTORCH_CUDA_ALLOC_CONF`` (torch/csrc/cuda/Module.cpp
+#: THCPModule_memorySnapshot; c10/cuda/CUDAAllocatorConfig.h defaults: no max_split_size, i.e.
+#: SIZE_MAX, no expandable segments), the settings memcalc.core.allocator simulates
+ALLOCATOR_SETTINGS: dict[str, Any] = {
+    "PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
+    "expandable_segments": False, "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
+    "pinned_use_cuda_host_register": False, "roundup_power2_divisions": {},
+}
+
+
+class LabelledEvents:
+    """An observer (:mod:`memcalc.engine.observers`) that labels each allocation event: ``labels[uid]``
+    = (kind, category, name, layer, sim label, phase, requested bytes). The block is the simulator's
+    ``event_block`` when ``on_event`` hears of it; its requested bytes come with the ``on_row`` that
+    follows the same allocation."""
+
+    def __init__(self) -> None:
+        self.labels: dict[int, tuple[str, str, str, Optional[int], str, str, int]] = {}
+        self._pending: Optional[tuple] = None
+
+    def bind(self, sim: Sim) -> None:
+        self.sim = sim
+
+    def on_event(self, event: tuple[int, int]) -> None:
+        uid, n = event
+        if not n:
+            return
+        sim = self.sim
+        t = sim.event_block
+        assert t is not None and t.uid == uid
+        fwd = sim.phase != "backward"
+        layer = sim.layer if fwd or sim.bwd_layer is None else sim.bwd_layer
+        if layer is None and t.name.startswith("layers."):  # a parameter's own (weights, state): layers.<i>.
+            head = t.name.split(".", 2)[1]
+            layer = int(head) if head.isdigit() else None
+        where = sim.trace_label or sim.label
+        self._pending = (uid, t.kind, t.category, t.name, layer,
+                         f"{where} {sim.role}" if sim.role and fwd else where, sim.phase)
+
+    def on_row(self, row: tuple) -> None:
+        p = self._pending
+        if p is not None:
+            self._pending = None
+            self.labels[p[0]] = (*p[1:], int(row[3]))
+
+
+def labelled_step(exp: ExperimentSpec, first_step: bool):
+    """The step simulated as :func:`memcalc.estimate.peak.estimate` simulates it, with its events
+    (uid, bytes) and each allocation's labels (:class:`LabelledEvents`)."""
+    from memcalc.estimate.step import simulate
+
+    watch = LabelledEvents()
+    res = simulate(exp, first_step=first_step, record_timeline=False, events=True, observers=[watch])
+    return res, watch.labels
+
+
+@dataclass
+class Exported:
+    """A snapshot (the dict ``_snapshot()`` returns) and what its replay measured: the allocator's
+    allocated and reserved peaks over the measured pass (``replay_allocator``'s), the live peak of
+    the tensors (sizes rounded to 512 bytes) over the whole trace, and which step it is."""
+
+    snapshot: dict[str, Any]
+    allocated_peak_bytes: int
+    reserved_peak_bytes: int
+    live_peak_bytes: int
+    step: str
+
+
+def _frames(lab: tuple) -> list[dict[str, Any]]:
+    kind, category, name, layer, label, phase, _req = lab
+    return [memcalc_frame(kind, layer, name or label or category),
+            {"filename": "memcalc", "line": 0, "name": f"{phase}: {category}"}]
+
+
+def snapshot_of(events: list[tuple[int, int]], step_start: int, warm: bool,
+                labels: dict[int, tuple]) -> Exported:
+    """Replay ``events`` as :func:`memcalc.estimate.peak.replay_allocator` does (without a capacity)
+    through a :class:`memcalc.snapshot.builder.SnapshotBuilder`: a trace entry for every allocator
+    action, and the segments left at the end."""
+    frames = {uid: _frames(lab) for uid, lab in labels.items()}
+    build = SnapshotBuilder()
+    counted: dict[int, int] = {}  # uid -> the bytes the simulator counted (rounded to 512)
+    live = peak = 0
+
+    def run(evs: list[tuple[int, int]]) -> None:
+        nonlocal live, peak
+        for uid, n in evs:
+            if n:
+                build.malloc(uid, labels[uid][6])
+                counted[uid] = n
+                live += n
+                peak = max(peak, live)
+            else:
+                build.free(uid)
+                live -= counted.pop(uid)
+
+    run(events[:step_start])
+    step = events[step_start:]
+    if warm:
+        before = set(build.blocks)
+        run(step)
+        for uid in [u for u in build.blocks if u not in before]:
+            build.free(uid)
+            live -= counted.pop(uid)
+    build.alloc.reset_peak()
+    run(step)
+    snap = build.snapshot(frames.__getitem__, ALLOCATOR_SETTINGS)
+    return Exported(snap, build.alloc.peak_allocated, build.alloc.peak_reserved, peak, "")
+
+
+def export_estimate(est: Estimate) -> Exported:
+    """The step that sets ``est``'s peak as a snapshot: the steady-state step (warm: its cache left by
+    a first pass, as the estimate replays it), or the first step where that is the higher."""
+    exp = est.experiment
+    steady, labels = labelled_step(exp, first_step=False)
+    if steady.peak_bytes >= est.peak_bytes:
+        out = snapshot_of(steady.events or [], steady.step_start, True, labels)
+        out.step = "steady state"
+    else:
+        first, labels = labelled_step(exp, first_step=True)
+        out = snapshot_of(first.events or [], first.step_start, False, labels)
+        out.step = "first step"
+    out.snapshot["memcalc"] = {"experiment": exp.name, "step": out.step, "peak_bytes": est.peak_bytes,
+                               "step_allocated_bytes": est.step_allocated_bytes,
+                               "step_reserved_bytes": est.step_reserved_bytes}
+    return out
+
+
+def write_estimate_snapshot(est: Estimate, path: str) -> dict[str, Any]:
+    """Write ``est``'s step to ``path`` as a PyTorch CUDA memory snapshot (the pickle
+    ``torch.cuda.memory._dump_snapshot`` writes; pytorch.org/memory_viz opens it): ``memcalc estimate
+    --snapshot``. Returns what was written (``--json``'s ``snapshot``): path, step, trace entries,
+    segments, and the trace's peaks (the live tensors', the allocator's allocated and reserved)."""
+    from memcalc.snapshot.format import write_snapshot
+
+    out = export_estimate(est)
+    write_snapshot(out.snapshot, path)
+    return {"path": str(path), "step": out.step, "trace_entries": len(out.snapshot["device_traces"][0]),
+            "segments": len(out.snapshot["segments"]), "peak_bytes": out.live_peak_bytes,
+            "allocated_peak_bytes": out.allocated_peak_bytes, "reserved_peak_bytes": out.reserved_peak_bytes}

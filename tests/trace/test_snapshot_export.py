@@ -1,0 +1,74 @@
+"""``memcalc estimate --snapshot``: the predicted step as a PyTorch CUDA memory snapshot, loaded by PyTorch's own
+snapshot tooling (``torch.cuda._memory_viz``, what ``python -m torch.cuda._memory_viz`` and pytorch.org/memory_viz
+run on a real ``_dump_snapshot``), its peak the estimate's to the byte (issue 30, Done when)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.estimate.peak import replay_allocator
+from memcalc.snapshot.format import KINDS, entry_memcalc, trace_peak
+
+pytestmark = pytest.mark.slow
+
+_memory_viz = pytest.importorskip("torch.cuda._memory_viz")
+
+ROWS = [
+    # source: the steady-state step of a full fine-tune (AdamW state in setup, warm cache)
+    ["--model", "gpt2", "--batch", "1", "--seq", "128", "--precision", "bf16"],
+    # source: LoRA over a frozen base, checkpointed (the recompute's allocations in backward)
+    ["--params", "60M", "--seq", "256", "--lora", "--checkpoint", "full"],
+    # source: QLoRA (NF4 base, dequantised weights as temporaries) with gradient accumulation
+    ["--params", "60M", "--seq", "128", "--qlora", "--grad-accum", "2"],
+]
+
+
+@pytest.mark.parametrize("args", ROWS)
+def test_snapshot_loads_in_memory_viz_and_peaks_as_the_estimate(tmp_path, args):
+    path = tmp_path / "step.pickle"
+    res = CliRunner().invoke(app, ["estimate", *args, "--snapshot", str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output)
+    with path.open("rb") as f:
+        snap = pickle.load(f)
+    # PyTorch's tooling reads every part of it: segsum (segments, blocks, states, requested sizes; it asserts the
+    # blocks tile each segment), trace (device_traces' actions, addresses, sizes), segments / memory (frames, through
+    # the flamegraph lines), the HTML viewers' embedding (pickled as given)
+    summary = _memory_viz.segsum(snap)
+    assert f"segments: {len(snap['segments'])}" in summary
+    assert "entries" in _memory_viz.trace(snap)
+    lines = _memory_viz.segments(snap, format_flamegraph=lambda s: s)
+    assert "weights:" in lines and "optimizer_state:" in lines  # memcalc's frames of what outlives the step
+    assert _memory_viz.memory(snap, format_flamegraph=lambda s: s)
+    assert "snapshot.pickle" in _memory_viz.trace_plot(snap) and _memory_viz.segment_plot(snap)
+    # the peak: the live tensors over the trace are the estimate's peak to the byte, and the replay the estimate's
+    est = doc["peak_bytes"]
+    assert trace_peak(snap).peak_bytes == doc["snapshot"]["peak_bytes"] == est
+    import memcalc.api
+
+    e = memcalc.api.estimate(**_options(args)).estimate
+    steady = doc["snapshot"]["step"] == "steady state"
+    a, r = replay_allocator(*e.replays[0 if steady else 1])
+    assert (doc["snapshot"]["allocated_peak_bytes"], doc["snapshot"]["reserved_peak_bytes"]) == (a, r)
+    # every alloc / free carries memcalc's frame first, of memcalc's kinds
+    kinds = {entry_memcalc(e)[0] for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")}
+    assert kinds <= set(KINDS) and {"weights", "activations", "gradients"} <= kinds
+
+
+def _options(args: list[str]) -> dict:
+    out: dict = {}
+    i = 0
+    while i < len(args):
+        key = args[i][2:].replace("-", "_")
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[key] = int(args[i + 1]) if args[i + 1].isdigit() else args[i + 1]
+            i += 2
+        else:
+            out[key] = True
+            i += 1
+    return out
