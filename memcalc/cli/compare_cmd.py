@@ -90,3 +90,53 @@ def compare(
 
 
 app.command("compare")(with_setup(compare))
+
+
+def _message_text(message: Optional[str]) -> str:
+    """The OOM text: stdin for ``-`` or no argument, else :func:`memcalc.snapshot.oom.message_text`."""
+    import sys
+
+    from memcalc.snapshot.oom import MAX_MESSAGE_CHARS, message_text
+
+    if message is None or message == "-":
+        return sys.stdin.read(MAX_MESSAGE_CHARS)
+    return message_text(message)
+
+
+def explain(
+    message: Annotated[Optional[str], typer.Argument(
+        metavar="[MESSAGE|FILE|-]", help="The CUDA out-of-memory error: its text, a file holding it (a log: the "
+                                          "last one is read), or - / nothing for stdin.")] = None,
+    as_json: Json = False,
+    **setup: Any,
+) -> None:
+    """Read a CUDA out-of-memory error against the estimate of its step: what crossed the card, fragmentation, the fix.
+
+    Give the setup flags of `memcalc estimate` for the run that failed. The card is the capacity the
+    message names (its allowed fraction when one is set); the answer is the phase and the kind where
+    the predicted step crosses it, whether the memory PyTorch held but could not use
+    ("reserved but unallocated") was the cause, and the smallest changes that fit, as commands.
+
+    Examples:
+
+    \b
+      memcalc explain examples/oom_h100.txt --model llama-3.1-8b --lora --seq 16k
+      memcalc explain examples/oom_h100.txt --model llama-3.1-8b --lora --seq 16k --checkpoint full --json
+    """
+    import memcalc.api
+    from memcalc.snapshot.explain import explain as run_explain, explanation_lines
+    from memcalc.snapshot.oom import capacity_flag, parse_oom
+
+    msg = parse_oom(_message_text(message))
+    r = memcalc.api.estimate(gpu=[capacity_flag(msg)], **inputs_of(setup, ()))
+    fixes = [x for v in (r.to_make_it_fit or {}).values() for x in v]
+    x = run_explain(r.estimate, msg, fixes)
+    if as_json:
+        from memcalc.render.report import dumps
+
+        typer.echo(dumps(x.document()))
+    else:
+        typer.echo("\n".join(explanation_lines(x)))
+
+
+app.command("explain")(with_setup(explain))

@@ -86,6 +86,16 @@ def _flag_words(options: Mapping[str, Any]) -> list[str]:
     return words
 
 
+def gpu_word(gpu: Any) -> str:
+    """What ``--gpu`` takes to name ``gpu`` again: its catalog name, or for a card given as a capacity
+    the capacity as typed (``23.99GiB``: the card's name, ``23-99gib``, is no ``--gpu`` value;
+    :func:`memcalc.inputs.gpus.capacity_gpu` writes it first in ``capacity_source``)."""
+    source = getattr(gpu, "capacity_source", "")
+    if source.startswith("--gpu ") and ": " in source:
+        return source[len("--gpu "):].split(": ", 1)[0]
+    return str(gpu.name)
+
+
 def command(options: Optional[Mapping[str, Any]], change: Mapping[str, Any], gpu: str) -> Optional[str]:
     """``memcalc estimate`` with ``options`` (the API keywords a setup was given with), ``change``
     on top (replacing what it sets) and ``--gpu gpu``; None where the setup has no command line
@@ -150,7 +160,7 @@ def to_make_it_fit(exp: ExperimentSpec, gpu: Any, exp_of: Callable[[dict[str, An
             if got is not None:
                 change, peak, row = got
                 found.append(Remedy(gpu.name, change, peak, row["device_total_bytes"], row["headroom_bytes"],
-                                    command(options, change, gpu.name)))
+                                    command(options, change, gpu_word(gpu))))
                 if len(found) == SHOWN:
                     return found
         if found:

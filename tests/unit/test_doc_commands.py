@@ -26,7 +26,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 README_MAX_BYTES = 12 * 1024
 #: fence languages whose lines are commands (``text`` / ``console`` blocks hold output)
 COMMAND_FENCES = ("bash", "sh", "")
-SUBCOMMANDS = ("estimate", "plan", "validate", "models", "configs", "gpus", "profiles")
+SUBCOMMANDS = ("estimate", "plan", "validate", "models", "configs", "gpus", "profiles", "compare", "explain")
 NEEDS = re.compile(r"#.*\bneeds:\s*(.+)$")
 EXIT = re.compile(r"#.*\bexit (\d+)\b")
 
