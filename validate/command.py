@@ -259,7 +259,7 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                                                            allocator_sim=dev != "cuda")
                 elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
-                                      allocator_sim=dev != "cuda", reentrant=reentrant)
+                                      allocator_sim=dev != "cuda", reentrant=reentrant, snapshot=snap)
                 else:
                     meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
                                    allocator_sim=dev != "cuda")

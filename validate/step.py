@@ -207,6 +207,24 @@ def two_steps(probe: Probe, step: Callable[[], None], say: Callable[[str], None]
     return first, probe.result()
 
 
+def traced_snapshot(tracer: Optional[StorageTracer], snapshot: Optional[str], model, trainable, batch, opt):
+    """Off CUDA with a ``snapshot`` path: a :class:`.snapshot_trace.TraceRecorder` listening to the tracer
+    (before anything is tracked), told the parameters' and buffers' names and which tensors are the batch
+    and the fp32 master weights; else None."""
+    if tracer is None or not snapshot:
+        return None
+    from .snapshot_trace import TraceRecorder
+
+    rec = TraceRecorder(trainable)
+    rec.name(model.named_parameters())
+    rec.name(model.named_buffers())
+    rec.kind(batch, "activations")
+    if isinstance(opt, MasterWeights):
+        rec.kind(opt.masters.values(), "optimizer_state")
+    tracer.recorder = rec
+    return rec
+
+
 def fill_measurement(meas: Measurement, result: tuple, probe: Probe, dev_type: str,
                      sim: Optional[CachingAllocatorSim], tracer: Optional[StorageTracer], debug: bool) -> None:
     """Record the measured step's ``probe.result()`` (peak, phase, label, per-phase peaks) in ``meas``,
@@ -284,8 +302,11 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     parts = Step(forward=lambda: forward(ids, labels), grad_accum=tr.grad_accum,
                  optimizer_step=None if tr.fused_optimizer else optimizer_step(opt), backward=backward)
     record = bool(snapshot) and dev_type == "cuda"
+    recorder = traced_snapshot(tracer, snapshot, model, trainable, [ids, labels], opt)
 
     def before_measured() -> None:
+        if recorder is not None:
+            recorder.start()
         if record:
             # Python frames only: C++ frames are symbolized when the snapshot is dumped, which can take
             # minutes on a long trace (torch/csrc/profiler/combined_traceback.cpp symbolize)
@@ -302,4 +323,6 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
         if record:
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
+        if recorder is not None and snapshot:
+            recorder.write(snapshot)
     fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)

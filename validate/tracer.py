@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,6 +84,9 @@ class StorageTracer(TorchDispatchMode):
         self.phase = "setup"
         self.label = ""
         self.record = PeakRecord()
+        #: hears every counted allocation and free, and the phases (.snapshot_trace.TraceRecorder:
+        #: ``validate --device meta --snapshot``); None: nobody listens
+        self.recorder: Optional[Any] = None
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -102,6 +105,8 @@ class StorageTracer(TorchDispatchMode):
             self.current -= entry[0]
             if self.allocator is not None:
                 self.allocator.free(entry[2])
+            if self.recorder is not None:
+                self.recorder.on_free(key)
 
     def mark_host(self, t: torch.Tensor) -> None:
         """``t``'s storage is host memory (a pinned buffer where the traced device is the host too, as on
@@ -114,6 +119,8 @@ class StorageTracer(TorchDispatchMode):
         entry = self._live.pop(key, None)
         if entry is not None:
             self.current -= entry[0]
+            if self.recorder is not None:
+                self.recorder.on_free(key)
         def dead(_ref: weakref.ref, k: int = key) -> None:
             self._free_host(k)
 
@@ -141,6 +148,8 @@ class StorageTracer(TorchDispatchMode):
         block = self.allocator.malloc(raw) if self.allocator is not None else None
         self._live[key] = (nbytes, weakref.ref(st, lambda r, k=key: self._free(k, r)), block)
         self.current += nbytes
+        if self.recorder is not None:
+            self.recorder.on_alloc(key, raw, self._op, self.label)
         if self.debug:
             self._origin[key] = f"{self._op} @ {self.phase}/{self.label}"
         rec = self.record
@@ -166,6 +175,8 @@ class StorageTracer(TorchDispatchMode):
             self.allocator.reset_peak()
 
     def set_phase(self, phase: str, label: str = "") -> None:
+        if self.recorder is not None:
+            self.recorder.on_phase(phase)
         self.phase = phase
         self.label = label
         if self.current > self.record.phase_peaks.get(phase, -1):
@@ -178,7 +189,7 @@ class StorageTracer(TorchDispatchMode):
     # -- dispatch ---------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         _check_stop()  # a safe point for SIGINT/SIGTERM (interrupt.py): never inside a finalizer
-        if self.debug:
+        if self.debug or self.recorder is not None:
             self._op = str(func)
         out = func(*args, **(kwargs or {}))
         for_each_output(out, self._add)

@@ -49,7 +49,10 @@ def validate(
     output: Annotated[Optional[str], typer.Option(
         "--output", "-o", help="Write records to this JSON file as each one finishes.")] = None,
     snapshot: Annotated[Optional[str], typer.Option(
-        "--snapshot", help="CUDA only: write a memory snapshot (memory_viz) here.")] = None,
+        "--snapshot", help="Write the measured step as a PyTorch memory snapshot here (open it at "
+                           "pytorch.org/memory_viz, or give it to `memcalc compare`): on CUDA torch's own "
+                           "_dump_snapshot; on meta/cpu the tracer's allocations replayed through the caching "
+                           "allocator model, labelled with memcalc's kinds (the replica and --framework hf).")] = None,
     as_json: Json = False, activation_offload: ActivationOffload = False, dora: Dora = False,
     modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,

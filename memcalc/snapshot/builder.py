@@ -20,6 +20,16 @@ from typing import Any, Optional
 from memcalc.core.allocator import CachingAllocatorSim, _Block
 
 
+#: torch's allocator_settings of a default ``PYTORCH_CUDA_ALLOC_CONF`` (torch/csrc/cuda/Module.cpp
+#: THCPModule_memorySnapshot; c10/cuda/CUDAAllocatorConfig.h defaults: no max_split_size, i.e.
+#: SIZE_MAX, -1 as an int64; no expandable segments), the settings memcalc.core.allocator simulates
+ALLOCATOR_SETTINGS: dict[str, Any] = {
+    "PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
+    "expandable_segments": False, "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
+    "pinned_use_cuda_host_register": False, "roundup_power2_divisions": {},
+}
+
+
 class _Recording(CachingAllocatorSim):
     """The caching allocator model, telling its builder of each new segment."""
 
@@ -68,8 +78,7 @@ class SnapshotBuilder:
         if self.recording:
             self.entries.append(("free_completed", b.addr, n, handle))
 
-    def snapshot(self, frames_of: Callable[[Any], list[dict[str, Any]]],
-                 settings: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    def snapshot(self, frames_of: Callable[[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The dict ``torch.cuda.memory._snapshot()`` would return now: the segments as they are, the
         trace so far (device 0, stream 0, ``time_us`` the entry's index)."""
         trace = [{"action": a, "addr": addr, "size": size, "stream": 0, "time_us": i,
@@ -78,7 +87,7 @@ class SnapshotBuilder:
         owner = {b.addr: h for h, b in self.blocks.items()}
         segments = [self._segment_dict(first, self.alloc._seg_size[seg], owner, frames_of)
                     for seg, first in sorted(self.alloc._segments.items(), key=lambda kv: kv[1].addr)]
-        return {"segments": segments, "device_traces": [trace], "allocator_settings": dict(settings or {}),
+        return {"segments": segments, "device_traces": [trace], "allocator_settings": dict(ALLOCATOR_SETTINGS),
                 "external_annotations": []}
 
     def _segment_dict(self, first: _Block, total: int, owner: dict[int, Any],

@@ -11,10 +11,9 @@ caching allocator records them with ``torch.cuda.memory._record_memory_history()
 :mod:`memcalc.snapshot.format`, cited there from torch's source). ``segments`` is the allocator's
 state after the step, as ``_snapshot()`` taken then would show it.
 
-Every alloc / free entry's first frame is memcalc's (:func:`memcalc.snapshot.format.memcalc_frame`:
-kind, decoder layer, label); a second frame ``{"filename": "memcalc", "line": 0, "name": "<phase>:
-<category>"}`` says the phase and the engine's category ("frozen base weights (NF4)", "logits &
-loss", "op workspace", ...).
+Every alloc / free entry's frames are memcalc's (:func:`memcalc.snapshot.format.memcalc_frames`): the
+kind, decoder layer and label first, then the phase, then the engine's category ("frozen base weights
+(NF4)", "logits & loss", "op workspace", ...).
 """
 
 from __future__ import annotations
@@ -23,22 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.snapshot.builder import SnapshotBuilder
-from memcalc.snapshot.format import memcalc_frame
+from memcalc.snapshot.format import memcalc_frames
 
 if TYPE_CHECKING:
     from memcalc.core.spec import ExperimentSpec
     from memcalc.engine.result import Estimate
     from memcalc.engine.sim import Sim
-
-#: torch's allocator_settings of a default ``PYTORCH_CUDA_ALLOC_CONF`` (torch/csrc/cuda/Module.cpp
-#: THCPModule_memorySnapshot; c10/cuda/CUDAAllocatorConfig.h defaults: no max_split_size, i.e.
-#: SIZE_MAX, no expandable segments), the settings memcalc.core.allocator simulates
-ALLOCATOR_SETTINGS: dict[str, Any] = {
-    "PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
-    "expandable_segments": False, "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
-    "pinned_use_cuda_host_register": False, "roundup_power2_divisions": {},
-}
-
 
 class LabelledEvents:
     """An observer (:mod:`memcalc.engine.observers`) that labels each allocation event: ``labels[uid]``
@@ -101,8 +90,7 @@ class Exported:
 
 def _frames(lab: tuple) -> list[dict[str, Any]]:
     kind, category, name, layer, label, phase, _req = lab
-    return [memcalc_frame(kind, layer, name or label or category),
-            {"filename": "memcalc", "line": 0, "name": f"{phase}: {category}"}]
+    return memcalc_frames(kind, layer, name or label or category, phase, category)
 
 
 def snapshot_of(events: list[tuple[int, int]], step_start: int, warm: bool,
@@ -137,7 +125,7 @@ def snapshot_of(events: list[tuple[int, int]], step_start: int, warm: bool,
             live -= counted.pop(uid)
     build.alloc.reset_peak()
     run(step)
-    snap = build.snapshot(frames.__getitem__, ALLOCATOR_SETTINGS)
+    snap = build.snapshot(frames.__getitem__)
     return Exported(snap, build.alloc.peak_allocated, build.alloc.peak_reserved, peak, "")
 
 

@@ -22,8 +22,9 @@ A frame is ``{filename, line, name}``, innermost first. memcalc's own frames (:f
 say which of memcalc's memory kinds (:data:`memcalc.engine.result.KINDS`) an allocation is, its
 decoder layer and its label; every alloc / free entry memcalc writes (``memcalc estimate
 --snapshot``, ``memcalc validate --device meta --snapshot``) carries one as its FIRST frame:
-``{"filename": "memcalc/<kind>", "line": <layer index, or 0 when none>, "name": "<label>"}``.
-:func:`parse_memcalc_frame` reads it back (``memcalc compare``).
+``{"filename": "memcalc/<kind>", "line": <layer index, or 0 when none>, "name": "<label>"}``, then the
+phase frame and the category frame (:func:`memcalc_frames`). :func:`parse_memcalc_frame` reads the
+first back (``memcalc compare``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,24 @@ def memcalc_frame(kind: str, layer: Optional[int], label: str) -> dict[str, Any]
     ``layer`` (None: outside the layers, written as line 0), labelled ``label``."""
     assert kind in KINDS, f"{kind!r} is not one of memcalc's kinds {KINDS}"
     return {"filename": FRAME_PREFIX + kind, "line": int(layer or 0), "name": str(label)}
+
+
+#: the frame after memcalc's kind frame: ``{"filename": "memcalc", "line": 0, "name": <phase>}`` (setup,
+#: forward, backward, optimizer step: the phase the allocation was made in); then ``{"filename":
+#: "memcalc/category", "line": 0, "name": <the engine's category>}`` ("frozen base weights (NF4)", "logits
+#: & loss", ...) where the writer has one
+PHASE_FILENAME = "memcalc"
+CATEGORY_FILENAME = "memcalc/category"
+
+
+def memcalc_frames(kind: str, layer: Optional[int], label: str, phase: str,
+                   category: Optional[str] = None) -> list[dict[str, Any]]:
+    """The frames memcalc writes on an allocation, innermost first: the kind frame
+    (:func:`memcalc_frame`), the phase frame, and the category frame when given."""
+    out = [memcalc_frame(kind, layer, label), {"filename": PHASE_FILENAME, "line": 0, "name": phase}]
+    if category:
+        out.append({"filename": CATEGORY_FILENAME, "line": 0, "name": category})
+    return out
 
 
 def parse_memcalc_frame(frame: Any) -> Optional[tuple[str, int, str]]:

@@ -72,3 +72,32 @@ def _options(args: list[str]) -> dict:
             out[key] = True
             i += 1
     return out
+
+
+TRACED = [
+    # source: memcalc's replica (validate/runner.py), a full bf16 fine-tune: AdamW state made in the first step
+    ["--framework", "plain", "--model", "tinyllama-1.1b", "--bf16", "--seq", "64"],
+    # source: transformers + PEFT LoRA (validate/hf_runner.py)
+    ["--framework", "hf", "--model", "tinyllama-1.1b", "--bf16", "--lora", "--seq", "64"],
+]
+
+
+@pytest.mark.parametrize("args", TRACED)
+def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args):
+    """``validate --device meta --snapshot``: the tracer's measured step as a snapshot PyTorch's tooling reads,
+    its peak the trace's measured peak to the byte, every allocation of memcalc's kinds."""
+    path = tmp_path / "trace.pickle"
+    res = CliRunner().invoke(app, ["validate", *args, "--scale-layers", "1", "--device", "meta", "--snapshot",
+                                   str(path), "--json"])
+    assert res.exit_code == 0, res.output
+    (rec,) = json.loads(res.stdout)
+    assert rec["status"] == "ok", rec["reason"]
+    with path.open("rb") as f:
+        snap = pickle.load(f)
+    assert f"segments: {len(snap['segments'])}" in _memory_viz.segsum(snap)
+    assert "entries" in _memory_viz.trace(snap)
+    assert trace_peak(snap).peak_bytes == rec["measured_bytes"]
+    traced = [e for e in snap["device_traces"][0] if e["action"] != "segment_alloc"]
+    blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+    kinds = {entry_memcalc(e)[0] for e in traced + blocks}
+    assert {"weights", "activations", "gradients", "optimizer_state", "temporaries"} <= kinds <= set(KINDS)

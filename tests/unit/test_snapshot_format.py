@@ -7,8 +7,8 @@ import pickle
 import pytest
 
 from memcalc.core.errors import UserError
-from memcalc.snapshot.format import (entry_memcalc, load_snapshot, memcalc_frame, parse_memcalc_frame, trace_peak,
-                                     write_snapshot)
+from memcalc.snapshot.format import (entry_memcalc, load_snapshot, memcalc_frame, memcalc_frames, parse_memcalc_frame,
+                                     trace_peak, write_snapshot)
 
 
 @pytest.mark.parametrize("frame, parsed", [
@@ -35,6 +35,17 @@ def test_memcalc_frame_round_trip():
         "gradients", 0, "layers.0.self_attn.q_proj.weight grad")
     with pytest.raises(AssertionError):
         memcalc_frame("loss", 0, "x")
+
+
+def test_memcalc_frames_name_the_phase_for_compare():
+    """The frames after the kind frame: the phase (what memcalc.snapshot.attribute.entry_phase reads), the category."""
+    from memcalc.snapshot.attribute import entry_phase
+
+    frames = memcalc_frames("temporaries", 2, "aten.mm.default (layer 2)", "backward", "activation gradients")
+    assert entry_memcalc({"frames": frames}) == ("temporaries", 2, "aten.mm.default (layer 2)")
+    assert entry_phase(frames) == "backward"
+    assert frames[2] == {"filename": "memcalc/category", "line": 0, "name": "activation gradients"}
+    assert len(memcalc_frames("weights", None, "wte.weight", "setup")) == 2
 
 
 def _snapshot():
