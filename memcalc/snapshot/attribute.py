@@ -2,8 +2,8 @@
 
 A snapshot memcalc wrote (``estimate --snapshot``, the meta tracer) says both itself: the first frame
 of every entry is ``{"filename": "memcalc/<kind>", "line": <layer>, "name": <label>}``
-(:func:`memcalc.snapshot.format.parse_memcalc_frame`) and a later frame ``{"filename": "memcalc",
-"name": <phase>}`` names the phase.
+(:func:`memcalc.snapshot.format.parse_memcalc_frame`) and the next, ``{"filename": "memcalc", "name":
+"<phase>: <category>"}`` (:mod:`memcalc.snapshot.export`), names the phase.
 
 A real CUDA snapshot has the stack of each allocation instead (``_record_memory_history(context="all",
 stacks="all")``, the defaults: Python frames and C++ frames, innermost first; torch 2.13
@@ -67,7 +67,7 @@ def entry_phase(frames: list) -> Optional[str]:
     for f in frames[:MAX_FRAMES]:
         filename, name = _text(f, "filename"), _text(f, "name")
         if filename == PHASE_FRAME and name:
-            return name
+            return name.split(": ", 1)[0]  # "backward: activation gradients" (memcalc.snapshot.export)
         path = filename.replace("\\", "/")
         if "torch/optim/" in path or (name == "step" and "optim" in path):
             return OPTIMIZER
