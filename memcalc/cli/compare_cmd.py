@@ -69,8 +69,8 @@ def compare(
     Examples:
 
     \b
-      memcalc compare step.pickle --model gpt2 --batch 2 --seq 512 --bf16
-      memcalc compare step.pickle --recipe examples/torchtune_llama3_1_8B_lora_single_device.yaml --json
+      memcalc compare examples/gpt2_step.pickle --model gpt2 --batch 1 --seq 128 --bf16
+      memcalc compare examples/gpt2_step.pickle --model gpt2 --batch 1 --seq 128 --bf16 --optimizer sgd --json
     """
     import memcalc.api
     from memcalc.snapshot.compare import compare as run_compare, comparison_lines

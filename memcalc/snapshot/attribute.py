@@ -9,8 +9,10 @@ A real CUDA snapshot has the stack of each allocation instead (``_record_memory_
 stacks="all")``, the defaults: Python frames and C++ frames, innermost first; torch 2.13
 ``torch/cuda/memory.py``). The rules, each from the code that runs the step:
 
-- **phase** of an entry (:func:`entry_phase`; the first rule that matches, an entry with none
-  continues the phase before it, ``setup`` before the first):
+- **phase** of an allocation (:func:`entry_phase` on its ``alloc`` entry; the first rule that
+  matches; an entry with none, and every free, continues the phase before it, ``setup`` before the
+  first: a free's frames can be its allocation's, CUDACachingAllocator.cpp ``free`` records
+  ``context ? context : block->context_when_allocated``):
   ``optimizer step``: a frame in ``torch/optim/`` (``Optimizer.step``'s wrapper
   ``torch/optim/optimizer.py`` ``profile_hook_step``, the ``_single_tensor_*`` / ``_multi_tensor_*``
   / ``_fused_*`` kernels of ``adamw.py``, ``adam.py``, ``sgd.py``; ``zero_grad``), or a ``step`` in a

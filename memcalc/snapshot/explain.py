@@ -10,9 +10,9 @@ itself) whose allocated bytes pass it is where the step crosses the card. When n
 device total does, the caching allocator's reserved overhead at the peak
 (``allocator_overhead_bytes``, the replay's reserved less allocated) is what crosses.
 
-Fragmentation is the issue when the message's "reserved by PyTorch but unallocated" is at least the
-request: PyTorch held that much and could not hand it out as one block. The remedy is the message's
-own: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (c10/cuda/CUDACachingAllocator.cpp, the OOM
+Fragmentation failed the request when the message's "reserved by PyTorch but unallocated" is at least
+the request: PyTorch held that much and could not hand it out as one block. It is *the* issue when the
+predicted step fits the card; then the remedy is the message's own: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (c10/cuda/CUDACachingAllocator.cpp, the OOM
 message; PyTorch's CUDA notes, :data:`memcalc.snapshot.oom.EXPANDABLE_SEGMENTS_DOC`).
 """
 
@@ -47,6 +47,7 @@ class Explanation:
         return {"message": self.message.to_dict(), "capacity_bytes": self.capacity_bytes,
                 "device_total_bytes": self.device_total_bytes, "tensor_budget_bytes": self.tensor_budget_bytes,
                 "crosses": self.crosses, "fragmentation": self.fragmentation,
+                "fragmentation_is_the_issue": self.fragmentation and self.crosses is None,
                 "expandable_segments_doc": EXPANDABLE_SEGMENTS_DOC if self.fragmentation else None,
                 "failed_at": self.failed_at, "predicted_outside_allocator_bytes": self.outside_bytes,
                 "to_make_it_fit": [r.as_json() for r in self.remedies]}
@@ -105,14 +106,18 @@ def explanation_lines(x: Explanation) -> list[str]:
                f"largest ({fmt_auto(c['kind_bytes'])}); the tensors have {fmt_auto(x.tensor_budget_bytes)} of the "
                f"card beside the CUDA context and workspaces; the step needs {fmt_auto(x.device_total_bytes)} in all"]
     held = fmt_auto(m.reserved_unallocated_bytes)
-    if x.fragmentation:
-        out.append(f"Fragmentation is the issue: PyTorch held {held} reserved but unallocated, at least the "
-                   f"{fmt_auto(m.requested_bytes)} asked for, and had no block that large; run with "
-                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the message's own advice; "
-                   f"{EXPANDABLE_SEGMENTS_DOC})")
+    asked = fmt_auto(m.requested_bytes)
+    if x.fragmentation and c is None:
+        out.append(f"Fragmentation is the issue: PyTorch held {held} reserved but unallocated, at least the {asked} "
+                   "asked for, and had no block that large; run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                   f"(the message's own advice; {EXPANDABLE_SEGMENTS_DOC})")
+    elif x.fragmentation:
+        out.append(f"Fragmentation failed this request ({held} reserved but unallocated, at least the {asked} asked "
+                   "for), but PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True alone will not make the step fit: "
+                   "it needs more than the card (above)")
     else:
-        out.append(f"Fragmentation is not the issue: {held} reserved but unallocated is less than the "
-                   f"{fmt_auto(m.requested_bytes)} asked for")
+        out.append(f"Fragmentation is not the issue: {held} reserved but unallocated is less than the {asked} "
+                   "asked for")
     level = fmt_auto(m.allocated_bytes + m.requested_bytes)
     f = x.failed_at
     out.append(f"The run failed asking for {level} in all (allocated + requested); the predicted step first "

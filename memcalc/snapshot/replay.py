@@ -147,11 +147,14 @@ def _pre_trace_blocks(snapshot: dict[str, Any], device: int) -> list[tuple[int, 
 def replay(snapshot: dict[str, Any], device: int) -> Replay:
     """The trace of ``device`` replayed and attributed (see the module docstring)."""
     entries = snapshot["device_traces"][device]
-    # an entry without a phase of its own continues the one before it (setup before the first)
+    # the phase is read off allocations only: a free's frames may be the allocation's (``free`` records
+    # ``context ? context : block->context_when_allocated``), and every other entry continues the phase
+    # before it (setup before the first)
     phases: list[str] = []
     current = SETUP
     for e in entries:
-        current = entry_phase(_frames(e)) or current
+        if e.get("action") == "alloc":
+            current = entry_phase(_frames(e)) or current
         phases.append(current)
     live_allocs: dict[int, Allocation] = {}
     done: list[Allocation] = []

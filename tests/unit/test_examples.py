@@ -17,7 +17,7 @@ import pytest
 from conftest import cli_run
 
 ROOT = Path(__file__).parent.parent.parent
-COMMANDS = ("estimate", "plan", "validate", "models", "configs", "gpus", "profiles", "explain")
+COMMANDS = ("estimate", "plan", "validate", "models", "configs", "gpus", "profiles", "compare", "explain")
 
 
 def help_examples(command: str) -> list[str]:

@@ -91,7 +91,11 @@ def test_explain_crossing_and_fragmentation():
     assert x.failed_at["label"] == "fwd layer 2"  # 75.10 + 2.00 GiB: first held at 80 GiB
     lines = explanation_lines(x)
     assert lines[0].startswith("The step crosses the 79.15 GiB card in forward, at fwd layer 2")
-    assert lines[1].startswith("Fragmentation is the issue") and "expandable_segments:True" in lines[1]
+    assert lines[1].startswith("Fragmentation failed this request") and "will not make the step fit" in lines[1]
+    fits = explain(SimpleNamespace(**{**vars(_estimate()), "timeline": [], "peak_bytes": 60 * GiB,
+                                      "device_total_bytes": 62 * GiB}), parse_oom(H100), [])
+    assert explanation_lines(fits)[1].startswith("Fragmentation is the issue") and "expandable_segments:True" in \
+        explanation_lines(fits)[1]
 
 
 def test_explain_fits_and_no_fragmentation():
@@ -122,7 +126,7 @@ def _rows(tmp_path):
         # source: the estimate's own checks (memcalc.api.estimate)
         ([SMALL, "--model", "gpt2", "--batch", "0"], 2, "--batch must be positive"),
         ([SMALL, *setup], 0, "The step crosses the 7.63 GiB card in forward"),
-        ([str(log), *setup], 0, "Fragmentation is the issue"),
+        ([str(log), *setup], 0, "Fragmentation failed this request"),
         ([str(log), *setup, "--json"], 0, '"fragmentation": true'),
         ([SMALL, *setup], 0, "--batch 2 --gpu 7.63GiB"),  # source: plan.remedies.gpu_word
     ]
