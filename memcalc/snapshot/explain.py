@@ -12,7 +12,8 @@ device total does, the caching allocator's reserved overhead at the peak
 
 Fragmentation failed the request when the message's "reserved by PyTorch but unallocated" is at least
 the request: PyTorch held that much and could not hand it out as one block. It is *the* issue when the
-predicted step fits the card; then the remedy is the message's own: ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (c10/cuda/CUDACachingAllocator.cpp, the OOM
+predicted step fits the card; then the remedy is the message's own:
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (c10/cuda/CUDACachingAllocator.cpp, the OOM
 message; PyTorch's CUDA notes, :data:`memcalc.snapshot.oom.EXPANDABLE_SEGMENTS_DOC`).
 """
 
