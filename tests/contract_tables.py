@@ -174,6 +174,9 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.activation_offload": (LORA, True),
     "TrainingSpec.tp": ({}, 2),
     "TrainingSpec.sequence_parallel": ({"training": {"tp": 2}}, True),
+    # the routed experts split over 2 of the 2 data-parallel GPUs (engine.expert_parallel)
+    "TrainingSpec.ep": ({"model": MOE["model"], "training": {"gpus": 2}}, 2),
+    "TrainingSpec.ep_capacity_factor": ({"model": MOE["model"], "training": {"gpus": 2, "ep": 2}}, 1.5),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),
@@ -271,6 +274,10 @@ UNTRACED: dict[str, str] = {
                                   "compile_scope layer is traced on meta against the estimate in "
                                   "tests/trace/test_compile_scope.py",
     "TrainingSpec.zero": _ZERO3,
+    "TrainingSpec.ep": _MULTI.format("2 expert-parallel", "tests/trace/test_expert_parallel.py "
+                                     "(validate/sharded/expert_parallel.py, torchtitan's dispatcher)"),
+    "TrainingSpec.ep_capacity_factor": _MULTI.format("2 expert-parallel", "tests/trace/test_expert_parallel.py "
+                                                     "(validate/sharded/expert_parallel.py)"),
     "TrainingSpec.gpus": _ZERO3,
     "TrainingSpec.sharding": _ZERO3,
     "DeepSpeedSpec.reduce_bucket_size": _DS,

@@ -72,6 +72,10 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
         from .sharded.tp import measure_tp
 
         return measure_tp(exp, scale_layers, progress, debug, device=device)
+    if exp.training.ep > 1:  # expert parallelism: one rank on the fake process group (sharded/expert_parallel.py)
+        from .sharded.expert_parallel import measure_ep
+
+        return measure_ep(exp, scale_layers, progress, debug, device=device)
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     meas = Measurement(device=device)

@@ -133,6 +133,12 @@ Deepspeed = Annotated[Optional[str], typer.Option(
 Tp = Annotated[Optional[int], typer.Option(
     "--tp", help="Tensor-parallel degree (Megatron-style column/row parallel linears); GPUs in all = --gpus x "
                  "--tp.")]
+Ep = Annotated[Optional[int], typer.Option(
+    "--ep", help="Expert-parallel degree (MoE models): the routed experts split over --ep of the --gpus "
+                 "data-parallel GPUs, tokens exchanged by all-to-all (torchtitan's dispatcher).")]
+EpCapacityFactor = Annotated[Optional[float], typer.Option(
+    "--ep-capacity-factor", help="With --ep: rows a rank receives for its experts over the rows it sends; 1.0 "
+                                 "(default) = the even split, larger = the busiest rank of an imbalanced routing.")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --tp: norms and dropout on sequence shards.")]
 ActivationOffload = Annotated[bool, typer.Option(

@@ -18,7 +18,8 @@ from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterCo
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
-                                 Precision, Profile, Qlora, Recipe, Seq, SequenceParallel, Tp, _check_output, inputs_of,
+                                 Precision, Profile, Qlora, Recipe, Seq, Ep, EpCapacityFactor, SequenceParallel, Tp,
+                                 _check_output, inputs_of,
                                  Force)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
 from memcalc.core.errors import UserError
@@ -41,6 +42,7 @@ def validate(
     loss_tokens: LossTokens = None,
     kernels: Kernels = None,
     recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,
+    ep: Ep = None, ep_capacity_factor: EpCapacityFactor = None,
     sequence_parallel: SequenceParallel = False,
     device: Annotated[Optional[str], typer.Option(
         "--device", help="cuda | meta | cpu (default: cuda when available, else meta).")] = None,

@@ -85,4 +85,5 @@ CONDITIONAL: dict[str, str] = {
     "LoraSpec.dtype": "precision fp32 or amp-* (the base weights are fp32, so are the adapters either way)",
     "DeepSpeedSpec.offload_param": "ZeRO-2 or no DeepSpeed (DeepSpeed reads it at stage 3 only)",
     "TrainingSpec.sequence_parallel": "tp 1 (no tensor-parallel group to shard the sequence over)",
+    "TrainingSpec.ep_capacity_factor": "ep 1 (no all-to-all dispatch whose received rows it scales)",
 }

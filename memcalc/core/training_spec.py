@@ -244,6 +244,13 @@ class TrainingSpec(Spec):
                     "linears (DTensor parallelize_module); the GPUs of one replica. Total GPUs = gpus x tp.")
     sequence_parallel: bool = Field(
         False, description="With tp > 1: norms and dropout run on sequence shards (Megatron sequence parallelism).")
+    ep: int = Field(1, gt=0, le=MAX_COUNT, description="Expert-parallel degree: the routed experts of a MoE model "
+                    "split over ep of the data-parallel GPUs (n_experts / ep each), tokens exchanged by all-to-all "
+                    "(torchtitan's AllToAllTokenDispatcher; memcalc.engine.expert_parallel).")
+    ep_capacity_factor: float = Field(
+        1.0, ge=1.0, le=MAX_COUNT, allow_inf_nan=False,
+        description="With ep > 1: the rows a rank receives for its experts over the rows it sends (tokens x top_k); "
+                    "1.0 = the even split, larger = the busiest rank of an imbalanced routing (a stated input).")
     activation_offload: bool = Field(
         False, description="Move saved activations to host memory during forward and back for backward "
         "(torchtune OffloadActivations); the host memory it needs is reported.")

@@ -37,37 +37,38 @@ from memcalc.engine.blocks.norm import norm_params
 __all__ = ["ParamCounts", "ParamTensor", "count_params", "param_inventory"]
 
 
-def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec]) -> list[ParamTensor]:
+def _layer_params(m: ModelSpec, i: int, lora: Optional[LoraSpec], ep: int = 1) -> list[ParamTensor]:
     full = lora is None
     out: list[ParamTensor] = []
     linear = projection_params(m, i, lora, out)
     norm = norm_params(i, full, out)
     attention_params(m, i, linear, norm, out, full)
     if m.moe is not None and m.moe.is_moe_layer(i):
-        moe_params(m, i, linear, out, full, lora)
+        moe_params(m, i, linear, out, full, lora, ep)
     else:
         mlp_params(m, "mlp", m.d_ff, m.mlp_bias, linear)
     layer_norm_params(m, norm)
     return out
 
 
-def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None) -> list[ParamTensor]:
+def param_inventory(m: ModelSpec, lora: Optional[LoraSpec] = None, ep: int = 1) -> list[ParamTensor]:
     """Every parameter tensor, in module order (embedding, layers, final norm, head). A new list
-    each call; the (frozen) tensors are built once per (model, LoRA spec): every simulated step
-    asks for them two or three times."""
-    return list(_inventory(m, lora))
+    each call; the (frozen) tensors are built once per (model, LoRA spec, expert-parallel degree):
+    every simulated step asks for them two or three times. ``ep`` > 1: the routed experts one
+    expert-parallel rank holds (:mod:`memcalc.engine.expert_parallel`)."""
+    return list(_inventory(m, lora, ep))
 
 
 @lru_cache(maxsize=64)
-def _inventory(m: ModelSpec, lora: Optional[LoraSpec]) -> tuple[ParamTensor, ...]:
-    return tuple(_build_inventory(m, lora))
+def _inventory(m: ModelSpec, lora: Optional[LoraSpec], ep: int = 1) -> tuple[ParamTensor, ...]:
+    return tuple(_build_inventory(m, lora, ep))
 
 
-def _build_inventory(m: ModelSpec, lora: Optional[LoraSpec]) -> list[ParamTensor]:
+def _build_inventory(m: ModelSpec, lora: Optional[LoraSpec], ep: int = 1) -> list[ParamTensor]:
     full = lora is None
     out = embedding_params(m, full, lora.modules_to_save if lora is not None else ())
     for i in range(m.n_layers):
-        out.extend(_layer_params(m, i, lora))
+        out.extend(_layer_params(m, i, lora, ep))
     out.extend(head_params(m, lora, full))
     return out
 

@@ -22,6 +22,7 @@ from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import offload_param, shard, uses_deepspeed
 from memcalc.engine.sim import Param, Sim
+from memcalc.engine.expert_parallel import expert_degree
 from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
 
@@ -85,7 +86,7 @@ def param_rows(exp: ExperimentSpec) -> tuple[tuple, ...]:
     return _param_rows(
         local_experiment(exp).model, tr.lora, tr.weight_dtype, exp.adapter_dtype or tr.weight_dtype, tr.gpus, f2,
         f2 and tr.sharding == "fsdp1", fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
-        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast)[0]
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, ep=expert_degree(exp))[0]
 
 
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
@@ -101,7 +102,7 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     rows, gather, shapes = _param_rows(
         local_experiment(exp).model, tr.lora, wdt, exp.adapter_dtype or wdt, tr.gpus, f2, f1,
         fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
-        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp))
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp), expert_degree(exp))
     params: dict[str, Param] = {}
     order: list[Param] = []
     blocks = sim.alloc_many("weights", [(nbytes, cat, name, numel, bits)
@@ -146,7 +147,8 @@ def _quantized_base(lora: Optional[LoraSpec], kbit_fp32: bool) -> tuple[bool, bo
 @lru_cache(maxsize=128)
 def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DType, n: int, f2: bool, f1: bool,
                 f2_orig: Optional[DType], zero3: bool, zero: int, sharding: str, offload_optimizer: bool,
-                tp: int, kbit_fp32: bool = False, ds_offload_param: bool = False) -> tuple[tuple, int, tuple]:
+                tp: int, kbit_fp32: bool = False, ds_offload_param: bool = False,
+                ep: int = 1) -> tuple[tuple, int, tuple]:
     """Each parameter's allocation as :func:`make_params` makes it: (name, bytes, category,
     elements, width in bits, trainable, gradient bytes, layer, the gradient shard kept after a
     reduce-scatter or None); the ZeRO-3 layer gather bytes; the shapes FSDP shards by. From
@@ -154,10 +156,11 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
     spec, the weight and adapter dtypes, the GPUs, FSDP2/FSDP1 and FSDP's original dtype, ZeRO-3
     (not FSDP), the ZeRO stage, the sharding, optimizer offload, the tensor-parallel degree and the
     profile's ``qlora_fp32_cast`` (:func:`kbit_dtype`) and DeepSpeed ZeRO-3's ``offload_param`` (the
-    partitions on the host: no device bytes, :func:`memcalc.engine.sharding.offload_param`)."""
+    partitions on the host: no device bytes, :func:`memcalc.engine.sharding.offload_param`) and the
+    expert-parallel degree (this rank's routed experts: :mod:`memcalc.engine.expert_parallel`)."""
     rows = []
     gather = 0
-    inventory = param_inventory(local, lora)
+    inventory = param_inventory(local, lora, ep)  # expert parallelism: this rank's experts
     qlora, kbit = _quantized_base(lora, kbit_fp32)
     quantized = {pt.name.removesuffix(".weight") for pt in inventory if pt.quantizable} if kbit else set()
     for pt in inventory:

@@ -148,6 +148,9 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.tr.sequence_parallel and s.tr.tp == 1,
      lambda s: "sequence_parallel has no effect with tp 1: there is no tensor-parallel group to shard the "
                "sequence over (set tp)"),
+    (lambda s: s.tr.ep == 1 and s.tr.ep_capacity_factor != 1.0,
+     lambda s: f"ep_capacity_factor {s.tr.ep_capacity_factor:g} has no effect with ep 1: no all-to-all dispatch "
+               "receives rows (set ep)"),
     (lambda s: s.tr.checkpoint != "every-k" and s.changed("checkpoint_every"),
      lambda s: f"checkpoint_every {s.tr.checkpoint_every} has no effect with checkpoint {s.tr.checkpoint}: "
                "it is the K of every-k"),

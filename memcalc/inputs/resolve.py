@@ -89,6 +89,8 @@ class Options:
     offload_optimizer: bool = False
     sharding: Optional[str] = None
     tp: Optional[int] = None
+    ep: Optional[int] = None
+    ep_capacity_factor: Optional[float] = None
     sequence_parallel: bool = False
     activation_offload: bool = False
     #: path of a DeepSpeed config (``--deepspeed``; HF TrainingArguments' ``deepspeed``): implies sharding deepspeed
@@ -166,12 +168,12 @@ def _check_finite(name: str, v: Optional[float]) -> None:
 
 
 #: the numeric options that must be finite, and those that must be positive (checked in this order)
-_FINITE = ("lora_alpha", "lora_dropout", "memory_budget")
-_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp")
+_FINITE = ("lora_alpha", "lora_dropout", "memory_budget", "ep_capacity_factor")
+_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
                 "galore_rank", "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget",
-                "compile_scope", "zero", "gpus", "sharding", "tp")
+                "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -298,7 +300,7 @@ def _flag_values(o: Options) -> dict[str, Any]:
         checkpoint=checkpoint, checkpoint_every=every, fused_optimizer=o.fused_optimizer or None,
         compile=(o.compile or o.memory_budget is not None or o.compile_scope is not None) or None,
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,
-        zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp,
+        zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp, ep=o.ep, ep_capacity_factor=o.ep_capacity_factor,
     )
 
 

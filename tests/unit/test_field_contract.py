@@ -118,6 +118,7 @@ NO_EFFECT = [
     ("KernelProfile.loss_tokens", {}, 0.5),  # source: the full loss runs on every position
     ("KernelProfile.liger_ops", {}, ("flce",)),  # source: kernels none: Trainer applies no Liger kernel
     ("TrainingSpec.sequence_parallel", {}, True),  # source: tp 1, no tensor-parallel group
+    ("TrainingSpec.ep_capacity_factor", {}, 1.5),  # source: ep 1, no all-to-all dispatch
     ("DeepSpeedSpec.offload_param", DS2, True),  # source: offload_config.py, offload_param is read at stage 3 only
 ]
 

@@ -69,7 +69,7 @@ def router_kind(m: ModelSpec) -> str:
 
 
 def moe_params(m: ModelSpec, i: int, linear: Linear, out: list[ParamTensor], full: bool,
-               lora: Optional[LoraSpec]) -> None:
+               lora: Optional[LoraSpec], ep: int = 1) -> None:
     """One MoE block: router (E x d, a bias on gpt-oss), routed experts stored as 3-D parameters
     (transformers 5 MixtralExperts / Qwen3MoeExperts / DeepseekV3NaiveMoe / GptOssExperts:
     gate_up_proj E x 2f x d, down_proj E x d x f, biases E x 2f and E x d on gpt-oss), shared
@@ -85,6 +85,9 @@ def moe_params(m: ModelSpec, i: int, linear: Linear, out: list[ParamTensor], ful
     ``replace_with_bnb_linear``; quantizer_bnb_4bit ``param_needs_quantization``: a Linear4bit's
     weight), and the experts are 3-D ``nn.Parameter``s. Shared experts and dense layers (nn.Linear)
     are quantized.
+    Expert parallelism (``ep`` > 1, :mod:`memcalc.engine.expert_parallel`): the routed experts'
+    tensors hold this rank's ``n_experts / ep`` experts (torchtitan's ``Shard(0)``); the router
+    and the shared experts are whole.
     """
     moe = m.moe
     assert moe is not None
@@ -95,7 +98,7 @@ def moe_params(m: ModelSpec, i: int, linear: Linear, out: list[ParamTensor], ful
     up_width = 2 * f if m.mlp == "gated" else f
     ranks = expert_lora_ranks(m, lora)
     for name, d_in, d_out in (("gate_up_proj", d, up_width), ("down_proj", f, d)):
-        out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e, d_out, d_in), i, full, "experts"))
+        out.append(ParamTensor(f"layers.{i}.moe.experts.{name}", (e // ep, d_out, d_in), i, full, "experts"))
         if moe.expert_bias:
             out.append(ParamTensor(f"layers.{i}.moe.experts.{name}_bias", (e, d_out), i, full, "bias"))
         r = ranks[name]
@@ -257,6 +260,10 @@ class _Block:
 
     def experts(self, x: T, wts: T, idx: T, dt: DType) -> T:
         """``grouped_mm_experts_forward`` (see the module docstring); returns the (N, d) output."""
+        if self.fwd.exp.training.ep > 1:  # torchtitan's all-to-all dispatch around them
+            from memcalc.engine.expert_parallel import ep_experts
+
+            return ep_experts(self, x, wts, idx, dt)
         o = self.o
         N, E, k, d, f = self.N, self.moe.n_experts, self.moe.top_k, self.m.d_model, self.moe.d_ff_expert
         S = N * k

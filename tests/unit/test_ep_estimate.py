@@ -1,0 +1,87 @@
+"""Expert parallelism in the estimator, torch-free: what a rank holds, and the inputs it refuses.
+
+The traced grid (the estimate against torchtitan's all-to-all dispatcher on the fake process group)
+is ``tests/trace/test_expert_parallel.py`` (slow).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.core.expert_parallel import max_capacity_factor, received_rows
+from memcalc.core.spec import ExperimentSpec, ModelSpec, MoESpec, TrainingSpec
+from memcalc.engine.weights import param_rows
+
+MODEL = ModelSpec(name="tiny-moe", n_layers=2, d_model=128, n_heads=4, d_ff=256, vocab_size=512,
+                  moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=64, n_shared_experts=1))
+
+
+def spec(ep: int, gpus: int) -> ExperimentSpec:
+    return ExperimentSpec(model=MODEL, training=TrainingSpec(batch=2, seq=128, precision="bf16", gpus=gpus, ep=ep))
+
+
+def weight_bytes(exp: ExperimentSpec, part: str) -> int:
+    return sum(r[1] for r in param_rows(exp) if part in r[0])
+
+
+@pytest.mark.parametrize("ep,gpus", [
+    (2, 2),  # source: torchtitan 0.3.0 moe_sharding.expert_param_placement_sparse: Shard(0) over ep
+    (4, 4),
+    (2, 8),  # source: parallel_dims.py efsdp = dp_shard // ep: without FSDP each ep group holds all experts
+])
+def test_a_rank_holds_n_experts_over_ep(ep, gpus):
+    one, many = spec(1, 1), spec(ep, gpus)
+    assert weight_bytes(many, ".moe.experts.") * ep == weight_bytes(one, ".moe.experts.")
+    # the router and the shared experts are whole on every rank
+    for part in (".moe.router.", ".moe.shared_experts."):
+        assert weight_bytes(many, part) == weight_bytes(one, part) > 0
+
+
+# source: core/expert_parallel.py: the capacity factor scales the rows a rank receives, and is bounded
+# by every rank routing all its tokens to this rank's experts (torchtitan's dispatcher drops none)
+@pytest.mark.parametrize("sent,cf,rows", [(512, 1.0, 512), (512, 1.5, 768), (3, 1.5, 4)])
+def test_received_rows(sent, cf, rows):
+    assert received_rows(sent, cf) == rows
+
+
+def test_capacity_bound():
+    assert max_capacity_factor(top_k=2, n_experts=8, ep=4) == 4  # 4 ranks x 2 local experts / 2
+    assert max_capacity_factor(top_k=8, n_experts=128, ep=2) == 2
+    assert max_capacity_factor(top_k=8, n_experts=16, ep=8) == Fraction(8 * 2, 8)
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(app, args)
+
+
+#: the quick lane keeps the two refusals the issue names; each CliRunner row costs about 0.1 s
+SLOW = pytest.mark.slow
+
+# (args, exit code, message): one line on stderr, exit 2
+BAD_EP = [
+    (["estimate", "--model", "llama-3.1-8b", "--ep", "2", "--gpus", "2"], 2,
+     "llama-3.1-8b is a dense model (no experts to shard)"),  # source: EP shards routed experts only
+    (["estimate", "--model", "qwen3-30b-a3b", "--ep", "3", "--gpus", "3"], 2,
+     "--ep 3 must divide the routed experts (128): 128 / 3 = 42.6667 (remainder 2)"),  # source: Shard(0) evenly
+    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "4"], 2,
+     "--ep 4 must divide --gpus 1", marks=SLOW),  # source: parallel_dims.py, ep borrows data-parallel ranks
+    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--zero", "3"], 2,
+     "not with --zero 3", marks=SLOW),  # source: FSDP2 over the efsdp mesh is not modelled yet
+    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "0"], 2, "--ep must be positive", marks=SLOW),
+    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--ep-capacity-factor", "3"], 2,
+     "at most ep x min(top_k, n_experts / ep) / top_k = 2 x 8 / 8 = 2", marks=SLOW),  # source: no token dropped
+    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--ep-capacity-factor", "0.5"], 2,
+     "ep_capacity_factor = 0.5", marks=SLOW),  # source: >= 1, the even split is the least a busiest rank receives
+]
+
+
+@pytest.mark.parametrize("args,code,message", BAD_EP)
+def test_bad_ep_is_one_line_exit_2(args, code, message):
+    r = run(args)
+    assert r.exit_code == code, r.output
+    assert message in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
