@@ -122,7 +122,7 @@ def validate(
     _check_flags(device, framework, scale_layers)
     for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
         _check_output(path, flag, force)
-    framework = _sharded(device, framework, gpus, zero, sharding, rank, deepspeed)
+    framework = _sharded(device, framework, gpus, zero, sharding, rank, deepspeed, ep)
     run_validate = _runner(as_json)
     items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero, gpus=gpus,
                                     sharding=sharding, **inputs)
@@ -158,10 +158,12 @@ def _check_flags(device: Optional[str], framework: Optional[str], scale_layers: 
 
 
 def _sharded(device: Optional[str], framework: Optional[str], gpus: Optional[int], zero: Optional[int],
-             sharding: Optional[str], rank: Optional[int], deepspeed: Optional[str]) -> Optional[str]:
+             sharding: Optional[str], rank: Optional[int], deepspeed: Optional[str],
+             ep: Optional[int] = None) -> Optional[str]:
     """The sharded flags checked; the framework traced (plain for a sharded trace unless --framework
     hf is given)."""
-    _check_sharded_flags(gpus, zero, sharding, rank, deepspeed)
+    if ep is None or ep == 1:  # --ep traces its own data-parallel ranks (validate/sharded/expert_parallel.py)
+        _check_sharded_flags(gpus, zero, sharding, rank, deepspeed)
     if (gpus is not None and gpus > 1) or deepspeed is not None:  # (DeepSpeed: its engine on one rank too)
         if device == "cuda" and not (gpus or 1) > 1:
             raise UserError("--deepspeed --device cuda: validate traces DeepSpeed's engine as one rank on the fake "
