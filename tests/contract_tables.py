@@ -177,6 +177,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     # the routed experts split over 2 of the 2 data-parallel GPUs (engine.expert_parallel)
     "TrainingSpec.ep": ({"model": MOE["model"], "training": {"gpus": 2}}, 2),
     "TrainingSpec.ep_capacity_factor": ({"model": MOE["model"], "training": {"gpus": 2, "ep": 2}}, 1.5),
+    "TrainingSpec.cp": ({"training": {"precision": "bf16"}}, 2),  # ring attention (flash: 16-bit)
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),

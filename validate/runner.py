@@ -68,6 +68,10 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     caching allocator (``capacity``: the GPU's usable bytes) and reports its allocated and
     reserved peaks in ``sim_allocated_bytes`` / ``sim_reserved_bytes``.
     """
+    if exp.training.cp > 1:  # context parallelism: one rank on the fake process group (sharded/context_parallel.py)
+        from .sharded.context_parallel import measure_cp
+
+        return measure_cp(exp, scale_layers, progress, debug, device=device)
     if exp.training.tp > 1:  # tensor parallelism: one rank on the fake process group (sharded/tp.py)
         from .sharded.tp import measure_tp
 

@@ -20,7 +20,7 @@ from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterCo
                                  LoraDtype, LoraRank, LoraTargets, Loss, LossChunks, LossTokens, MasterWeights,
                                  MemoryBudget, Model,
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
-                                 Seq, Ep, EpCapacityFactor, SequenceParallel, Sharding, Torch, Tp, Zero,
+                                 Seq, Ep, EpCapacityFactor, Cp, CpMethod, SequenceParallel, Sharding, Torch, Tp, Zero,
                                  _check_output, Force,
                                  inputs_of)
 from memcalc.core.errors import UserError
@@ -41,6 +41,7 @@ def estimate(
     framework: Framework = None, torch: Torch = None, zero: Zero = None, gpus: Gpus = None,
     offload_optimizer: OffloadOptimizer = False, sharding: Sharding = None, tp: Tp = None,
     ep: Ep = None, ep_capacity_factor: EpCapacityFactor = None,
+    cp: Cp = None, cp_method: CpMethod = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
     modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,

@@ -139,6 +139,12 @@ Ep = Annotated[Optional[int], typer.Option(
 EpCapacityFactor = Annotated[Optional[float], typer.Option(
     "--ep-capacity-factor", help="With --ep: rows a rank receives for its experts over the rows it sends; 1.0 "
                                  "(default) = the even split, larger = the busiest rank of an imbalanced routing.")]
+Cp = Annotated[Optional[int], typer.Option(
+    "--cp", help="Context-parallel degree: the sequence split over --cp ranks (ring attention or Ulysses, "
+                 "--cp-method); GPUs in all = --gpus x --tp x --cp.")]
+CpMethod = Annotated[Optional[str], typer.Option(
+    "--cp-method", help="With --cp: ring (torch's context_parallel as torchtitan applies it; default) or ulysses "
+                        "(DeepSpeed's DistributedAttention all-to-all).")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --tp: norms and dropout on sequence shards.")]
 ActivationOffload = Annotated[bool, typer.Option(

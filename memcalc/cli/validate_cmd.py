@@ -20,7 +20,7 @@ from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterCo
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, Ep, EpCapacityFactor, SequenceParallel, Tp,
                                  _check_output, inputs_of,
-                                 Force)
+                                 Force, Cp, CpMethod)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
 from memcalc.core.errors import UserError
 
@@ -43,6 +43,7 @@ def validate(
     kernels: Kernels = None,
     recipe: Recipe = None, adapter_config: AdapterConfig = None, deepspeed: Deepspeed = None, tp: Tp = None,
     ep: Ep = None, ep_capacity_factor: EpCapacityFactor = None,
+    cp: Cp = None, cp_method: CpMethod = None,
     sequence_parallel: SequenceParallel = False,
     device: Annotated[Optional[str], typer.Option(
         "--device", help="cuda | meta | cpu (default: cuda when available, else meta).")] = None,
@@ -202,6 +203,9 @@ def _traced(items: list) -> str:
                         f"experiments use {', '.join(sorted(traced))}: pass --framework with one of them")
     if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
         raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
+    if traced != {"plain"} and any(not isinstance(e, UserError) and e.training.cp > 1 for _, e in items):
+        raise UserError("--cp traces memcalc's replica under torch's ring attention or DeepSpeed's Ulysses: pass "
+                        "--framework plain")
     return traced.pop()
 
 

@@ -22,6 +22,11 @@ LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)
 Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 
+#: ``--cp-method``: how context parallelism splits attention (memcalc.engine.context_parallel): ring (torch's
+#: context_parallel, as torchtitan applies it) or ulysses (DeepSpeed's DistributedAttention all-to-all)
+CpMethod = Literal["ring", "ulysses"]
+CP_METHODS: tuple[str, ...] = typing.get_args(CpMethod)
+
 #: ``--compile-scope``: what one torch.compile graph is (the whole forward, or each decoder layer apart)
 CompileScope = Literal["model", "layer"]
 COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)

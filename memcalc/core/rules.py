@@ -250,6 +250,46 @@ def check_tp(exp: ExperimentSpec) -> None:
                             "rows of every column-parallel weight evenly and views whole local heads)")
 
 
+# -- context parallelism (memcalc.engine.context_parallel) ---------------------------------------
+def check_cp(exp: ExperimentSpec) -> None:
+    """Refuse context-parallel setups the model does not cover, or shapes ``cp`` does not divide.
+
+    ring: torch 2.13's ``context_parallel`` with its default head-tail load balancer
+    (torch/distributed/tensor/experimental/_context_parallel/_load_balancer.py ``_HeadTailLoadBalancer``)
+    cuts the sequence into ``2 x cp`` equal chunks, and its ring runs only the flash / memory-efficient /
+    cuDNN kernels (``_sdpa_handler``: "CP only supports flash attention and memory efficient attention")
+    with ``is_causal`` and no mask. ulysses: DeepSpeed 0.19's ``DistributedAttention`` all-to-all
+    (deepspeed/sequence/layer.py ``_generate_layout_params``) asserts the heads divide by the group size
+    and the sequence is scattered evenly; an uneven head count takes ``uneven_heads_all2all``, not modelled."""
+    tr, m = exp.training, exp.model
+    cp = tr.cp
+    if cp == 1:
+        return
+    unsupported = [name for cond, name in (
+        (m.mla is not None, "multi-head latent attention"),
+        (is_attention_variant(m), "an attention variant (fused qkv, q/k norms, eager or sliding attention)"),
+        (m.positions not in ("rope", "none"), f"{m.positions} positions (an additive mask or position table)"),
+        (m.attn_dropout > 0, "attention dropout"),
+        (tr.compile, "torch.compile"),
+        (tr.checkpoint not in ("none", "full"), f"--checkpoint {tr.checkpoint}"),
+    ) if cond]
+    if unsupported:
+        raise UserError(f"--cp {cp} models causal SDPA attention (flash or memory-efficient kernels); {m.name} with "
+                        f"{', '.join(unsupported)} is not covered")
+    if tr.cp_method == "ring" and tr.seq % (2 * cp):
+        raise UserError(f"--cp {cp} --cp-method ring: seq ({tr.seq}) must divide by 2 x cp = {2 * cp} (remainder "
+                        f"{tr.seq % (2 * cp)}); torch's load-balanced ring attention gives each rank two of "
+                        f"2 x cp equal chunks")
+    if tr.cp_method == "ulysses":
+        if tr.seq % cp:
+            raise UserError(f"--cp {cp} --cp-method ulysses: seq ({tr.seq}) must divide by cp (remainder "
+                            f"{tr.seq % cp}); each rank holds seq / cp tokens")
+        for what, n in (("n_heads", m.n_heads // tr.tp), ("n_kv_heads", m.kv_heads // tr.tp)):
+            if n % cp:
+                raise UserError(f"--cp {cp} --cp-method ulysses: {what} ({n}) must divide by cp (remainder "
+                                f"{n % cp}); DeepSpeed's all-to-all gives each rank {what} / cp whole heads")
+
+
 #: the 4-bit base formats ``LoraSpec.quant`` names (``--quant``)
 QUANT_METHODS = ("gptq", "awq")
 #: GPTQ / AWQ group size (elements of in_features per scale and zero): 128, the default of transformers'

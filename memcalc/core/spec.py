@@ -20,7 +20,7 @@ from pydantic import Field, model_validator
 
 # the closed vocabularies (Literal types and their values) live in memcalc.core.choices, pydantic-free,
 # so that the CLI builds its choices without importing this module
-from memcalc.core.choices import (COMPILE_SCOPES, FRAMEWORKS, KERNEL_LIBRARIES, LORA_DTYPES, LOSSES,  # noqa: F401
+from memcalc.core.choices import (COMPILE_SCOPES, CP_METHODS, FRAMEWORKS, KERNEL_LIBRARIES, LORA_DTYPES, LOSSES,  # noqa: F401
                                   PRECISIONS, SHARDINGS, Framework, KernelLibrary, LigerOp, LoraDType, LossKind,
                                   Precision, Sharding)
 from memcalc.core.dtypes import DType

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from memcalc.core.choices import CompileScope, LoraDType, Precision, Sharding
+from memcalc.core.choices import CompileScope, CpMethod, LoraDType, Precision, Sharding
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import DEFAULT_IMPL, GALORE_RANK, IMPLS, OPTIMIZER_NAMES, impl_error
 from memcalc.core.spec_base import MAX_COUNT, MAX_SEQ, Spec
@@ -251,6 +251,11 @@ class TrainingSpec(Spec):
         1.0, ge=1.0, le=MAX_COUNT, allow_inf_nan=False,
         description="With ep > 1: the rows a rank receives for its experts over the rows it sends (tokens x top_k); "
                     "1.0 = the even split, larger = the busiest rank of an imbalanced routing (a stated input).")
+    cp: int = Field(1, gt=0, le=MAX_COUNT, description="Context-parallel degree: the sequence split over cp ranks "
+                    "(memcalc.engine.context_parallel). Total GPUs = gpus x tp x cp.")
+    cp_method: CpMethod = Field("ring", description="With cp > 1: ring (torch's context_parallel as torchtitan "
+                                "applies it: load-balanced sequence shards, K/V all-gathered per attention) or "
+                                "ulysses (DeepSpeed's DistributedAttention: all-to-all from sequence to heads).")
     activation_offload: bool = Field(
         False, description="Move saved activations to host memory during forward and back for backward "
         "(torchtune OffloadActivations); the host memory it needs is reported.")

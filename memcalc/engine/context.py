@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from memcalc.engine.sim import Sim
     from memcalc.engine.strategy import LayerStrategy
     from memcalc.core.dtypes import DType
+    from memcalc.engine.context_parallel import ContextParallel
     from memcalc.engine.tensor_parallel import TensorParallel
 
 
@@ -47,6 +48,7 @@ class ForwardContext(Walk, Protocol):
     tr: TrainingSpec
     lora: Optional[LoraSpec]
     tp: Optional[TensorParallel]  # the tensor-parallel collectives (None without tensor parallelism)
+    cp: Optional[ContextParallel]  # the context-parallel attention (None without context parallelism)
     B: int  # batch
     T: int  # sequence length
     rows: int  # B * T

@@ -35,6 +35,7 @@ from memcalc.engine.ops import Ops
 from memcalc.engine.sharding import GatherHooks
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine import context_parallel
 from memcalc.engine.tensor_parallel import TensorParallel, local_experiment
 from memcalc.engine.weights import Model
 
@@ -54,6 +55,8 @@ class Forward:
     def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
                  gather: Optional[GatherHooks] = None) -> None:
         exp = local_experiment(exp)  # tensor parallelism: the decoder one rank runs (engine.tensor_parallel)
+        self.cp = context_parallel.ContextParallel.of(exp)  # its attention (None without context parallelism)
+        exp = context_parallel.local_experiment(exp)  # context parallelism: seq / cp tokens (engine.context_parallel)
         self.sim = sim
         self.strategy = strategy
         self.gather = gather

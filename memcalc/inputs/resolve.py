@@ -36,7 +36,7 @@ from memcalc.core.rules import QUANT_METHODS, framework_model
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
-from memcalc.core.spec import (COMPILE_SCOPES, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET,
+from memcalc.core.spec import (COMPILE_SCOPES, CP_METHODS, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET,
                                LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
                                ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
                                lora_targets_error)
@@ -91,6 +91,8 @@ class Options:
     tp: Optional[int] = None
     ep: Optional[int] = None
     ep_capacity_factor: Optional[float] = None
+    cp: Optional[int] = None
+    cp_method: Optional[str] = None
     sequence_parallel: bool = False
     activation_offload: bool = False
     #: path of a DeepSpeed config (``--deepspeed``; HF TrainingArguments' ``deepspeed``): implies sharding deepspeed
@@ -169,11 +171,11 @@ def _check_finite(name: str, v: Optional[float]) -> None:
 
 #: the numeric options that must be finite, and those that must be positive (checked in this order)
 _FINITE = ("lora_alpha", "lora_dropout", "memory_budget", "ep_capacity_factor")
-_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep")
+_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep", "cp")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
                 "galore_rank", "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget",
-                "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor")
+                "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp", "cp_method")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -291,6 +293,8 @@ def _flag_values(o: Options) -> dict[str, Any]:
     checkpoint, every = parse_checkpoint(o.checkpoint) if o.checkpoint is not None else (None, None)
     if o.sharding is not None and o.sharding not in SHARDINGS:
         raise UserError(f"unknown --sharding {clip(o.sharding)!r}; valid: {', '.join(SHARDINGS)}")
+    if o.cp_method is not None and o.cp_method not in CP_METHODS:
+        raise UserError(f"unknown --cp-method {clip(o.cp_method)!r}; valid: {', '.join(CP_METHODS)}")
     if o.compile_scope is not None and o.compile_scope not in COMPILE_SCOPES:
         raise UserError(f"unknown --compile-scope {clip(o.compile_scope)!r}; valid: {', '.join(COMPILE_SCOPES)}")
     return dict(
@@ -301,6 +305,7 @@ def _flag_values(o: Options) -> dict[str, Any]:
         compile=(o.compile or o.memory_budget is not None or o.compile_scope is not None) or None,
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,
         zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp, ep=o.ep, ep_capacity_factor=o.ep_capacity_factor,
+        cp=o.cp, cp_method=o.cp_method,
     )
 
 

@@ -58,6 +58,14 @@ def choose_kernel(profile_choice: str, compute_dtype: torch.dtype, has_mask: boo
                                    enable_gqa)
 
 
+def _ring_dispatched(q) -> bool:
+    """q is a DTensor: context parallelism's ring attention runs the kernel once per ring step, and the
+    kernel's scratch is allocated around each of those calls (``validate/sharded/context_parallel.py``)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(q, DTensor)
+
+
 def _math_forward(q, k, v, bias, is_causal, scale):
     gqa = k.shape[-3] != q.shape[-3]  # grouped K/V (flash takes them un-expanded)
     return aten._scaled_dot_product_attention_math(q, k, v, bias, 0.0, is_causal, None, scale=scale, enable_gqa=gqa)[0]
@@ -102,7 +110,7 @@ class EfficientAttention(torch.autograd.Function):
             dq, dk, dv, db = _math_backward(ctx, grad, q, k, v, bias)
             return dq, dk, dv, db, None, None, None
         scratch = []
-        if kernel_device(q) != "cuda":
+        if kernel_device(q) != "cuda" and not _ring_dispatched(q):
             B, H, T, D = q.shape
             scratch.append(q.new_empty((B, H, T), dtype=torch.float32))  # delta
             if q.dtype != torch.float32:
@@ -147,7 +155,7 @@ class FlashAttention(torch.autograd.Function):
         out, lse, rng, unused = saved[3:]
         cq, ck, mq, mk = ctx.meta
         scratch = []
-        if kernel_device(q) != "cuda":
+        if kernel_device(q) != "cuda" and not _ring_dispatched(q):
             B, H, T, D = q.shape
             tr = flash_seq_rounded(T)
             dr = flash_head_dim_rounded(D)

@@ -103,8 +103,11 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     o.drop(k2)
     qa, ka, va = o.autocast_sdpa(q2, k3, v3)
     kernel = o.attention_kernel(bias is not None, qa, enable_gqa=gqa)
-    out = o.sdpa(qa, ka, va, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel,
-                 n_rep=n_rep if gqa else 1)
-    out = av.output_copy(fwd, out, kernel)  # flash on a partial-rotary q: (B, H, T, D), transposed by a copy
+    if fwd.cp:  # context parallelism: ring or Ulysses around the kernel, its output's layout copy included
+        out = fwd.cp.attention(fwd, qa, ka, va, kernel)  # (engine/context_parallel.py)
+    else:
+        out = o.sdpa(qa, ka, va, fwd.B, H, fwd.T, D, bias, bias_bytes, m.attn_dropout, kernel,
+                     n_rep=n_rep if gqa else 1)
+        out = av.output_copy(fwd, out, kernel)  # flash on a partial-rotary q: (B, H, T, D), transposed by a copy
     o.drop(qa, ka, va, q2, k3, v3, bias, vc)
     return out

@@ -1,0 +1,71 @@
+"""Context parallelism (``--cp``, memcalc.engine.context_parallel), torch-free: bad input is one line, the
+ring's replay (memcalc.core.ring_attention) balances, and the long-context row of issue 31 is answered.
+The estimate against the traced rank is tests/trace/test_context_parallel.py (slow)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import one_line_error
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.core.dtypes import DType
+from memcalc.core.ring_attention import Shapes, ring_backward, ring_forward, worst_rank
+
+TINY = ["estimate", "--params", "1e8", "--bf16"]
+
+# (args, exit code, message)
+CLI_ERRORS = [
+    # source: torch 2.13 _HeadTailLoadBalancer: 2 x cp equal chunks per sequence
+    ([*TINY, "--seq", "1000", "--cp", "8"], 2, "seq (1000) must divide by 2 x cp = 16"),
+    # source: deepspeed 0.19 sequence/layer.py _generate_layout_params asserts heads % world == 0
+    (["estimate", "--model", "llama-3.1-8b", "--bf16", "--seq", "6144", "--cp", "3", "--cp-method", "ulysses"],
+     2, "n_heads (32) must divide by cp"),
+    # source: memcalc.core.choices.CP_METHODS
+    ([*TINY, "--cp", "2", "--cp-method", "striped"], 2, "unknown --cp-method 'striped'; valid: ring, ulysses"),
+    ([*TINY, "--cp", "0"], 2, "--cp must be positive"),
+    # source: torch 2.13 _sdpa_handler: the ring dispatches the flash / efficient kernels only (flash modelled)
+    (["estimate", "--params", "1e8", "--precision", "fp32", "--seq", "512", "--cp", "2"], 2,
+     "--cp-method ring is modelled with the flash kernel"),
+]
+
+
+@pytest.mark.parametrize("args,code,message", CLI_ERRORS)
+def test_cli_errors(args, code, message):
+    one_line_error(CliRunner().invoke(app, args), code, message)
+
+
+def _live_after(events) -> dict:
+    live: dict = {}
+    for op, name, b in events:
+        if op == "+":
+            assert name not in live, f"{name} allocated twice"
+            live[name] = b
+        else:
+            assert name in live, f"{name} freed but not alive"
+            live.pop(name)
+    return live
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+@pytest.mark.parametrize("copies", [False, True])
+def test_ring_replay_frees_all_but_its_results(cp, copies):
+    # source: _templated_ring_attention returns (out, lse); the backward returns dq and one dk/dv buffer
+    s = Shapes(2, 8, 4, 64, 32, DType.bf16, copies)
+    for r in range(cp):
+        assert set(_live_after(ring_forward(r, cp, s))) == {"out", "lse"}
+        assert set(_live_after(ring_backward(r, cp, s))) == {"dq", "dkv"}
+    assert 0 <= worst_rank(cp, s) < cp
+
+
+@pytest.mark.slow  # two full-size estimates (about 1 s): torch-free, but over the quick lane's budget
+def test_long_context_row_per_rank():
+    # source: issue 31's Done-when row: Llama-3.1-8B at 1M tokens over 32 context-parallel ranks, per rank
+    import memcalc.api
+
+    one = memcalc.api.estimate(model="llama-3.1-8b", seq="32k", bf16=True, checkpoint="full").estimate.peak_bytes
+    r = memcalc.api.estimate(model="llama-3.1-8b", seq="1m", cp=32, bf16=True, checkpoint="full").estimate
+    # 1M tokens over 32 ranks is 32k tokens a rank: everything outside attention as at 32k on one GPU; the ring's
+    # all-gathered K/V (32 x 2 x 8 kv heads x 32k x 128 x 2 B = 1 GiB) and fp32 accumulators live inside one
+    # layer's attention, below the peak that the head and loss set (32k x 128,256 fp32 logits and their gradient)
+    assert r.peak_bytes == one and "head" in r.peak_label
