@@ -44,6 +44,7 @@ class DeviceUsed:
     def __init__(self) -> None:
         self.source: Optional[str] = None
         self.driver: Optional[str] = None
+        self.name: Optional[str] = None  # the card's name, read without making a CUDA context
         self._handle: Any = None
         self._index = _nvml_index()
         try:
@@ -51,14 +52,15 @@ class DeviceUsed:
 
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(self._index)
-            drv = pynvml.nvmlSystemGetDriverVersion()
+            drv, name = pynvml.nvmlSystemGetDriverVersion(), pynvml.nvmlDeviceGetName(self._handle)
             self.driver = drv.decode() if isinstance(drv, bytes) else str(drv)
+            self.name = name.decode() if isinstance(name, bytes) else str(name)
             self.source = "nvml"
         except Exception:  # not installed, no driver: try nvidia-smi
             self._handle = None
             smi = self._smi("driver_version")
             if smi is not None:
-                self.source, self.driver = "nvidia-smi", smi
+                self.source, self.driver, self.name = "nvidia-smi", smi, self._smi("name")
         self.before = self.used()
 
     def _smi(self, field: str) -> Optional[str]:
@@ -205,6 +207,17 @@ def _linear_step(bias: bool, n: int = 1024) -> int:
     return int(torch.cuda.memory_allocated() - before - left)
 
 
+def clear_workspaces() -> bool:
+    """Free the cuBLAS workspaces (``torch._C._cuda_clearCublasWorkspaces``, where torch has it) and empty
+    the cache, so that the next case's first step allocates its own, as a fresh process would."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        torch.cuda.synchronize()
+        clear()
+    torch.cuda.empty_cache()
+    return clear is not None
+
+
 def workspace_probe(device: str) -> ProbeResult:
     """The cuBLAS / cuBLASLt workspaces a training step leaves allocated: after
     ``torch._C._cuda_clearCublasWorkspaces()`` (where torch has it), an unbiased bf16 linear's forward
@@ -218,16 +231,14 @@ def workspace_probe(device: str) -> ProbeResult:
     if device != "cuda":
         return ("skipped", NO_CUDA.format(what="cuBLAS's workspace", device=device),
                 [comparison(m, p, None, how) for m, p in preds], details)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
-    torch.cuda.empty_cache()
+    cleared = clear_workspaces()
     first = _linear_step(False)
     second = _linear_step(True)
-    details.update(unbiased_step_bytes=first, biased_step_added_bytes=second, cleared=clear is not None,
+    clear_workspaces()  # the later cases allocate their own
+    details.update(unbiased_step_bytes=first, biased_step_added_bytes=second, cleared=cleared,
                    env={k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "CUBLASLT_WORKSPACE_SIZE",
                                                        "TORCH_CUBLASLT_UNIFIED_WORKSPACE")})
-    reason = "" if clear is not None else "torch has no _cuda_clearCublasWorkspaces: workspaces of earlier cases stay"
+    reason = "" if cleared else "torch has no _cuda_clearCublasWorkspaces: workspaces of earlier cases stay"
     return "ok", reason, [comparison("workspace", plain.workspace_bytes, first, how + " (unbiased linear)"),
                           comparison("workspace", biased.workspace_bytes, first + second,
                                      how + " (then a biased linear)")], details
