@@ -19,7 +19,8 @@ slowest part):
 Every step case states memcalc's three peaks (allocated, reserved, device total, on this card:
 memcalc.core.gpu_side) beside ``max_memory_allocated``, ``max_memory_reserved`` and the device's used
 memory read when the step ends (:func:`_reading`), and dumps a memory snapshot
-(``torch.cuda.memory._dump_snapshot``) beside the records. ``--device meta`` runs the same list traced,
+(``torch.cuda.memory._dump_snapshot``; on meta the tracer's, of the same format: validate/snapshot_trace.py)
+beside the records. ``--device meta`` runs the same list traced,
 each model cut to :data:`META_LAYERS` layer (the Trainer callback on the CPU with a tiny model): the
 step cases compare the traced step (and its allocator replay) with the estimate's step figures; the
 GPU-only probes are ``skipped`` with the reason, their prediction stated. A case that fails is an
@@ -301,11 +302,9 @@ def _run_case(case: Case, device: str, used: Optional[probes.DeviceUsed], snap: 
     return dict(status=status, reason=reason, comparisons=comps, details=details, setup={})
 
 
-#: why a case has no snapshot off CUDA, by kind (a step's: until the meta tracer writes one for
-#: ``measure(snapshot=)``, issue 30's export; the protocol picks its file up once it does)
+#: why a case has no snapshot off CUDA, by kind (a traced step's is the tracer's, validate/snapshot_trace.py)
 META_SNAPSHOT = {
-    "step": "the meta tracer wrote no memory snapshot for this step (issue 30's export for validate --device meta "
-            "has not landed); on CUDA each case dumps torch.cuda.memory._dump_snapshot",
+    "step": "the step was not traced (see the reason), so the tracer wrote no snapshot",
     "callback": "the Trainer ran on the CPU: there is no CUDA allocator history to dump",
 }
 NOTHING_TRACED = "nothing is traced off CUDA for this probe: no allocator history to dump"
@@ -322,15 +321,19 @@ def _one(case: Case, device: str, used: Optional[probes.DeviceUsed], env: dict, 
                                                   "this case", comparisons=[], setup={})
     else:
         try:
-            out = _run_case(case, device, used, snap, say)
+            with contextlib.redirect_stdout(sys.stderr):  # stdout is the table or --json's list alone
+                out = _run_case(case, device, used, snap, say)
         except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]
             out = dict(status="oom", reason=error_reason(e), comparisons=[], setup={})
         except Exception as e:  # a case that fails is a record; the run goes on
             out = dict(status="error", reason=error_reason(e), comparisons=[], setup={})
     written = snap is not None and os.path.exists(snap)
-    if written or device == "cuda":
-        snapshot_reason = "" if written else "no snapshot: " + ("no --output folder" if not snapdir else
-                                                                f"the case ended {out['status']}")
+    if written:
+        snapshot_reason = ""
+    elif not snapdir:
+        snapshot_reason = "no --output folder: the snapshots are written beside the records"
+    elif device == "cuda":
+        snapshot_reason = f"the case ended {out['status']}"
     else:
         snapshot_reason = META_SNAPSHOT.get(case.kind, NOTHING_TRACED)
     rec = dict(format=MEASURED_FORMAT, case=case.name, kind=case.kind, environment=env,

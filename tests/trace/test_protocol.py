@@ -58,6 +58,18 @@ def test_meta_protocol_gpu_only_cases_say_why(meta_run):
     assert cb["validate_record"]["source"] == "callback" and cb["validate_record"]["predicted_bytes"]
 
 
+def test_meta_protocol_snapshots_hold_the_traced_peak(meta_run):
+    """Each traced step's snapshot (validate/snapshot_trace.py) peaks where the trace does."""
+    from memcalc.snapshot.format import load_snapshot, trace_peak
+
+    records, out = meta_run
+    ok = [r for r in records if r["kind"] == "step" and r["status"] == "ok"]
+    assert ok and all(r["snapshot"] for r in ok)
+    for r in ok:
+        traced = next(c for c in r["comparisons"] if c["metric"] == "step_allocated")["measured_bytes"]
+        assert trace_peak(load_snapshot(out / r["snapshot"])).peak_bytes == traced, r["case"]
+
+
 def test_meta_protocol_steps_match_the_estimate(meta_run):
     """Every traced step beside its estimate; a compiled config (inductor needs CUDA) compares
     PyTorch's partition with memcalc's saved set instead."""
