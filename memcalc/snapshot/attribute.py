@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from memcalc.snapshot.format import parse_memcalc_frame
+from memcalc.snapshot.format import PHASE_FILENAME, parse_memcalc_frame
 
 BEFORE = "before recording"
 SETUP = "setup"
@@ -54,8 +54,6 @@ FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer step"
 WORKSPACE, OTHER = "workspace", "other"
 #: frames looked at per entry (a deep Python + C++ stack is a few hundred)
 MAX_FRAMES = 1000
-#: the frame memcalc writes after its kind frame: filename "memcalc", name the phase
-PHASE_FRAME = "memcalc"
 
 
 def _text(frame: object, key: str) -> str:
@@ -68,7 +66,7 @@ def entry_phase(frames: list) -> Optional[str]:
     found: set[str] = set()
     for f in frames[:MAX_FRAMES]:
         filename, name = _text(f, "filename"), _text(f, "name")
-        if filename == PHASE_FRAME and name:
+        if filename == PHASE_FILENAME and name:
             return name.split(": ", 1)[0]  # "backward: activation gradients" (memcalc.snapshot.export)
         path = filename.replace("\\", "/")
         if "torch/optim/" in path or (name == "step" and "optim" in path):

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 from memcalc.core.allocator import round_size
-from memcalc.core.errors import UserError
 from memcalc.engine.result import KINDS
 
 #: the filename of a memcalc frame is this prefix and one of KINDS
@@ -138,22 +137,12 @@ def trace_peak(snapshot: dict[str, Any], device: int = 0, rounded: bool = True) 
 
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
-    """A snapshot pickle (``_dump_snapshot``'s file); one clear :class:`UserError` when it is missing
-    or is no snapshot. (Unpickling runs code a hostile file names: read only files you trust, as
-    PyTorch's own ``_memory_viz`` does.)"""
-    p = Path(path)
-    try:
-        with p.open("rb") as f:
-            data = pickle.load(f)
-    except FileNotFoundError:
-        raise UserError(f"snapshot {str(p)!r} not found") from None
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError, ValueError, TypeError) as e:
-        raise UserError(f"snapshot {str(p)!r} is not a PyTorch memory snapshot pickle ({type(e).__name__})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("segments"), list) \
-            or not isinstance(data.get("device_traces"), list):
-        raise UserError(f"snapshot {str(p)!r} is not a PyTorch memory snapshot (no 'segments' and "
-                        "'device_traces'; write one with torch.cuda.memory._dump_snapshot)")
-    return data
+    """A snapshot pickle (``_dump_snapshot``'s file), read as data only
+    (:func:`memcalc.snapshot.reader.read_snapshot`: no global a hostile file names is ever loaded);
+    one clear :class:`UserError` when it is missing, refused or no snapshot."""
+    from memcalc.snapshot.reader import read_snapshot
+
+    return read_snapshot(path)
 
 
 def write_snapshot(snapshot: dict[str, Any], path: str | Path) -> None:

@@ -63,8 +63,8 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
         snap = unpickle_data(data)
     except pickle.UnpicklingError as e:
         why = str(e).splitlines()[0][:150] if str(e) else "malformed pickle"
-        raise UserError(f"snapshot {shown!r} is not a plain PyTorch memory snapshot pickle ({why}); memcalc "
-                        "reads only dicts, lists, strings and numbers, never code") from None
+        raise UserError(f"snapshot {shown!r} is not a PyTorch memory snapshot pickle ({why}); memcalc reads "
+                        "only dicts, lists, strings and numbers from it, never code") from None
     except Exception as e:  # EOFError, ValueError, MemoryError, RecursionError...: a damaged file
         raise UserError(f"snapshot {shown!r} is not a PyTorch memory snapshot pickle ({type(e).__name__})") from None
     return check_snapshot(snap, shown)

@@ -170,7 +170,7 @@ def _rows(tmp_path):
         # source: reader.DataOnlyUnpickler.find_class refuses every global (no code runs)
         ([_pickle(tmp_path, _Evil(), "evil.pickle"), *setup], 2, "refused global"),
         # source: reader.read_snapshot, a file that is no pickle
-        ([str(tmp_path / "text.pickle"), *setup], 2, "not a plain PyTorch memory snapshot pickle"),
+        ([str(tmp_path / "text.pickle"), *setup], 2, "is not a PyTorch memory snapshot pickle"),
         # source: reader.check_snapshot, a pickle of another shape
         ([_pickle(tmp_path, [1, 2], "list.pickle"), *setup], 2, "no 'segments' and 'device_traces'"),
         # source: replay._int, a negative size
@@ -216,3 +216,23 @@ def test_cli_rows_quick(tmp_path, monkeypatch):
     args, code, message = rows[1]
     one_line_error(cli_run(["compare", *args]), code, message)
     assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.slow  # two estimates written as snapshots and compared: about 1 s
+@pytest.mark.parametrize("setup", [
+    # source: memcalc.snapshot.export, the steady-state step of a full fine-tune (peak in the optimizer step)
+    ["--model", "gpt2", "--batch", "1", "--seq", "128", "--bf16"],
+    # source: LoRA with full checkpointing (the recompute's allocations in backward)
+    ["--params", "60M", "--seq", "256", "--lora", "--checkpoint", "full"],
+])
+def test_estimate_snapshot_compares_to_the_byte(tmp_path, setup):
+    import json
+
+    path = str(tmp_path / "step.pickle")
+    assert cli_run(["estimate", *setup, "--snapshot", path]).exit_code == 0
+    r = cli_run(["compare", path, *setup, "--json"])
+    doc = json.loads(r.stdout)
+    assert doc["attributed_from"] == "memcalc" and doc["peak"]["difference_bytes"] == 0
+    assert all(k["difference_bytes"] == 0 for k in doc["kinds_at_peak"]), doc["kinds_at_peak"]
+    assert all(p["difference_bytes"] in (0, None) for p in doc["phases"]), doc["phases"]
+    assert doc["parts_at"] is None
