@@ -24,7 +24,8 @@ beside the records. ``--device meta`` runs the same list traced,
 each model cut to :data:`META_LAYERS` layer (the Trainer callback on the CPU with a tiny model): the
 step cases compare the traced step (and its allocator replay) with the estimate's step figures; the
 GPU-only probes are ``skipped`` with the reason, their prediction stated. A case that fails is an
-``error`` record and the run goes on; once :data:`BUDGET_S` seconds have passed the remaining cases are
+``error`` record and the run goes on; a case that would end past :data:`BUDGET_S` seconds (its
+:attr:`Case.cost_s` guessed from its kind) and every later one are
 ``skipped`` ("time budget"), so the summary is always printed.
 """
 
@@ -60,7 +61,7 @@ META_LAYERS = 1
 COMPILE_LAYERS = 8
 #: the protocol's wall-clock budget on CUDA, seconds: the remaining cases are skipped after it (10 minutes
 #: for the whole command, less the interpreter's start, torch's import and the summary)
-BUDGET_S = 510.0
+BUDGET_S = 480.0
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class Case:
     config: Optional[str] = None
     options: dict = field(default_factory=dict)
     cuda_layers: Optional[int] = None  # None: the whole model on CUDA
+    cost_s: float = 20.0  # about how long it takes on an H100 (inductor's compile of 8 layers: ~60 s)
 
 
 _EAGER = ("control", "fused", "checkpoint", "fused_checkpoint", "bfloat16", "bf16_fused_chkpt")
@@ -93,7 +95,7 @@ CASES: tuple[Case, ...] = (
          options=dict(_LLAMA, framework="plain", precision="bf16", loss="chunked", loss_chunks=8)),
     Case("callback-trainer", "callback", "MemcalcCallback on a 3-step Hugging Face Trainer run (gpt2)"),
     *(Case(f"config-{n}", "step", f"reference config {n}: torch.compile (inductor)", config=n,
-           cuda_layers=COMPILE_LAYERS) for n in _COMPILED),
+           cuda_layers=COMPILE_LAYERS, cost_s=60.0) for n in _COMPILED),
 )
 
 
@@ -311,14 +313,13 @@ NOTHING_TRACED = "nothing is traced off CUDA for this probe: no allocator histor
 
 
 def _one(case: Case, device: str, used: Optional[probes.DeviceUsed], env: dict, snapdir: Optional[str],
-         say: Callable[[str], None], over_budget: bool) -> dict:
+         say: Callable[[str], None], over_budget: str) -> dict:
     """The measured-format record of one case (an exception in it is an ``error`` record)."""
     t0 = time.perf_counter()
     layers = case.cuda_layers if device == "cuda" else META_LAYERS
     snap = os.path.join(snapdir, f"{case.name}.pickle") if snapdir else None
     if over_budget:
-        out: dict = dict(status="skipped", reason=f"time budget: the protocol's {BUDGET_S:.0f} s were spent before "
-                                                  "this case", comparisons=[], setup={})
+        out: dict = dict(status="skipped", reason=over_budget, comparisons=[], setup={})
     else:
         try:
             with contextlib.redirect_stdout(sys.stderr):  # stdout is the table or --json's list alone
@@ -368,6 +369,7 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
     probes.warn(f"{len(cases)} cases on {device}" + (f"; records: {path}" if path else "; no --output: nothing written")
                 + ("" if device == "cuda" else f" (traced, models cut to {META_LAYERS} layer)"))
     t_start = time.perf_counter()
+    out_of_time = False
     stop: Optional[StopRequested] = None
     with stoppable():
         try:
@@ -380,7 +382,8 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
                 say(case.what)
                 # CUDA: the GPU's name and memory are read once the first case (the context probe) made the context
                 rec = _one(case, device, used, env or probes.environment(device, used, gpu=False), snapdir, say,
-                           time.perf_counter() - t_start > budget_s)
+                           _over(time.perf_counter() - t_start, case, budget_s, out_of_time))
+                out_of_time = out_of_time or rec["reason"].startswith("time budget")
                 if env is None:
                     env = rec["environment"] = probes.environment(device, used)
                 rec["run_id"] = rf.run_id if rf else None
@@ -402,6 +405,14 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
         sys.stdout.flush()
         raise SystemExit(stop.exit_code)
     return records
+
+
+def _over(elapsed: float, case: Case, budget_s: float, already: bool) -> str:
+    """Why ``case`` is skipped for time ("" when it runs): once one is, every later one is too."""
+    if not already and elapsed + case.cost_s <= budget_s:
+        return ""
+    return (f"time budget: {elapsed:.0f} s of the protocol's {budget_s:.0f} s spent, and this case takes about "
+            f"{case.cost_s:.0f} s" if not already else "time budget: an earlier case was skipped for time")
 
 
 def _line(rec: dict) -> str:

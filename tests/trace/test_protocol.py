@@ -104,3 +104,22 @@ def test_cuda_protocol(tmp_path):
                    if c["metric"] not in ("device_total", "context")), r["case"]
         assert r["snapshot"] and os.path.getsize(tmp_path / r["snapshot"]) > 0, r["case"]
         assert r["environment"]["gpu_name"] and r["environment"]["torch_version"] == torch.__version__
+
+
+def test_cuda_comparisons_on_the_reference_card(monkeypatch):
+    """The CUDA records' predicted peaks are the estimate's own on the card the protocol finds: on an H100
+    (the estimate's reference card) exactly its allocated_peak_bytes, reserved_peak_bytes and
+    device_total_bytes."""
+    import memcalc.api
+    from memcalc.core.gpu_side import reference_side
+    from memcalc.validate import protocol, protocol_probes
+
+    monkeypatch.setattr(protocol_probes, "card_side", lambda _device, biased=False: reference_side(1, biased))
+    for opts in (dict(model="gpt2", batch=2, seq=256, precision="bf16"),  # source: biased linears (cuBLASLt)
+                 dict(config="control")):  # source: no biases
+        est = memcalc.api.estimate(**opts).estimate
+        comps = {c.metric: c for c in protocol._comparisons("cuda", est, est.experiment, (100, 200), 300)}
+        assert comps["allocated"].predicted_bytes == est.allocated_peak_bytes
+        assert comps["reserved"].predicted_bytes == est.reserved_peak_bytes
+        assert comps["device_total"].predicted_bytes == est.device_total_bytes
+        assert [comps[m].measured_bytes for m in ("allocated", "reserved", "device_total")] == [100, 200, 300]
