@@ -56,10 +56,10 @@ def compare(
 ) -> None:
     """Hold a PyTorch memory snapshot against the estimate of its step: peak, kinds, phases, where they part.
 
-    Record the snapshot of a steady-state step (after a first step, so the optimizer state exists)
-    with torch.cuda.memory._record_memory_history() before it and
-    torch.cuda.memory._dump_snapshot("step.pickle") after it, then give the setup flags of
-    `memcalc estimate` for that run. A snapshot memcalc wrote names each allocation's kind; a real
+    Record two steps (the first makes the optimizer state, the second is the steady state):
+    torch.cuda.memory._record_memory_history() before the first,
+    torch.cuda.memory._dump_snapshot("step.pickle") after the second, then give the setup flags of
+    `memcalc estimate` for that run (docs/compare.md). A snapshot memcalc wrote names each allocation's kind; a real
     one is attributed from the stacks (stacks="all", the default) and the lifetimes: made before the
     first forward and kept = weights; made in forward and alive when backward begins = activations;
     made in backward (the autograd engine) and alive at the optimizer step = gradients; made in

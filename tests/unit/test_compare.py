@@ -86,6 +86,27 @@ def _real_snapshot():
     return {"segments": segments, "device_traces": [t]}
 
 
+def test_two_recorded_steps():
+    """docs/compare.md's recipe: recording from before the first step, two steps; the state made in the
+    first step's optimizer step is optimizer state, each step's gradients are gradients, and the peak is
+    the second step's (the state exists then)."""
+    snap = _real_snapshot()
+    t = snap["device_traces"][0]
+    fwd, bwd, opt = [PY_FORWARD, PY_CALL, PY_TRAIN], [CPP_ENGINE, PY_TRAIN], [PY_ADAMW, PY_TRAIN]
+    for action, addr, mib, frames in [("alloc", 210, 4, fwd), ("alloc", 410, 8, bwd), ("free", 210, 4, bwd),
+                                      ("alloc", 710, 9, opt), ("free", 710, 9, opt), ("free", 410, 8, opt)]:
+        for a in (["alloc"] if action == "alloc" else ["free_requested", "free_completed"]):
+            t.append({"action": a, "addr": addr, "size": mib * MiB, "stream": 0, "frames": frames})
+    rep = replay(snap, 0)
+    kinds = {a.addr: a.kind for a in rep.allocations}
+    # source: attribute.real_kind, the second step's allocations
+    assert (kinds[210], kinds[410], kinds[600], kinds[710]) == ("activations", "gradients", "optimizer_state",
+                                                                "temporaries")
+    c = compare(rep, _estimate(), "s.pickle")
+    assert c.measured_peak_bytes == 41 * MiB  # weights 8 + state 16 + gradients 8 + step temporaries 9
+    assert rep.phases[-1] == OPTIMIZER
+
+
 def _estimate(**kw):
     """The attributes of memcalc.engine.result.Estimate that compare reads."""
     base = dict(peak_bytes=40 * MiB, peak_phase=OPTIMIZER, peak_label="optimizer step",
