@@ -90,8 +90,9 @@ class TraceRecorder:
         h = self.handle_of.pop(key, None)
         if h is None or self.done:
             return
-        self.info[h][5] = self.number
-        self.build.free(h)
+        info = self.info[h]
+        info[5] = self.number
+        self.build.free(h, self.phase if self.phase != info[1] else None)
 
     def on_phase(self, phase: str) -> None:
         if self.phase == "backward" and phase != "backward":

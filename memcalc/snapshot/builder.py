@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from memcalc.core.allocator import CachingAllocatorSim, _Block
+from memcalc.snapshot.format import PHASE_FILENAME
 
 
 #: torch's allocator_settings of a default ``PYTORCH_CUDA_ALLOC_CONF`` (torch/csrc/cuda/Module.cpp
@@ -28,6 +29,13 @@ ALLOCATOR_SETTINGS: dict[str, Any] = {
     "expandable_segments": False, "pinned_num_register_threads": 1, "release_lock_on_cudamalloc": False,
     "pinned_use_cuda_host_register": False, "roundup_power2_divisions": {},
 }
+
+
+def _in_phase(frames: list[dict[str, Any]], phase: Optional[str]) -> list[dict[str, Any]]:
+    """``frames`` with their phase frame (:data:`memcalc.snapshot.format.PHASE_FILENAME`) saying ``phase``."""
+    if phase is None:
+        return frames
+    return [{**f, "name": phase} if f.get("filename") == PHASE_FILENAME else f for f in frames]
 
 
 class _Recording(CachingAllocatorSim):
@@ -50,15 +58,15 @@ class SnapshotBuilder:
 
     def __init__(self, recording: bool = True) -> None:
         self.recording = recording
-        #: (action, addr, size, handle or None) per trace entry
-        self.entries: list[tuple[str, int, int, Any]] = []
+        #: (action, addr, size, handle or None, the phase a free was made in or None) per trace entry
+        self.entries: list[tuple[str, int, int, Any, Optional[str]]] = []
         self.alloc = _Recording(self._segment)
         self.blocks: dict[Any, _Block] = {}
         self.requested: dict[Any, int] = {}
 
     def _segment(self, b: _Block, size: int) -> None:
         if self.recording:
-            self.entries.append(("segment_alloc", b.addr, size, None))
+            self.entries.append(("segment_alloc", b.addr, size, None, None))
 
     def malloc(self, handle: Any, nbytes: int) -> None:
         """Allocate ``nbytes`` (requested, > 0) for ``handle``."""
@@ -67,23 +75,26 @@ class SnapshotBuilder:
         self.blocks[handle] = b
         self.requested[handle] = nbytes
         if self.recording:
-            self.entries.append(("alloc", b.addr, nbytes, handle))
+            self.entries.append(("alloc", b.addr, nbytes, handle, None))
 
-    def free(self, handle: Any) -> None:
+    def free(self, handle: Any, phase: Optional[str] = None) -> None:
+        """Free ``handle``'s block; ``phase``: the phase the free happens in, when it is not the one the
+        allocation was made in (its entries' phase frame says it, as a real snapshot's free entries carry
+        the stack of the free with ``context="all"``)."""
         b = self.blocks.pop(handle)
         n = self.requested[handle]
         if self.recording:
-            self.entries.append(("free_requested", b.addr, n, handle))
+            self.entries.append(("free_requested", b.addr, n, handle, phase))
         self.alloc.free(b)
         if self.recording:
-            self.entries.append(("free_completed", b.addr, n, handle))
+            self.entries.append(("free_completed", b.addr, n, handle, phase))
 
     def snapshot(self, frames_of: Callable[[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The dict ``torch.cuda.memory._snapshot()`` would return now: the segments as they are, the
         trace so far (device 0, stream 0, ``time_us`` the entry's index)."""
         trace = [{"action": a, "addr": addr, "size": size, "stream": 0, "time_us": i,
-                  "frames": frames_of(h) if h is not None else []}
-                 for i, (a, addr, size, h) in enumerate(self.entries)]
+                  "frames": [] if h is None else _in_phase(frames_of(h), phase)}
+                 for i, (a, addr, size, h, phase) in enumerate(self.entries)]
         owner = {b.addr: h for h, b in self.blocks.items()}
         segments = [self._segment_dict(first, self.alloc._seg_size[seg], owner, frames_of)
                     for seg, first in sorted(self.alloc._segments.items(), key=lambda kv: kv[1].addr)]

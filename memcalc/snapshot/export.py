@@ -18,6 +18,7 @@ kind, decoder layer and label first, then the phase, then the engine's category 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -93,38 +94,46 @@ def _frames(lab: tuple) -> list[dict[str, Any]]:
     return memcalc_frames(kind, layer, name or label or category, phase, category)
 
 
-def snapshot_of(events: list[tuple[int, int]], step_start: int, warm: bool,
-                labels: dict[int, tuple]) -> Exported:
+def snapshot_of(events: list[tuple[int, int]], step_start: int, warm: bool, labels: dict[int, tuple],
+                phases: Optional[list[tuple[int, str]]] = None) -> Exported:
     """Replay ``events`` as :func:`memcalc.estimate.peak.replay_allocator` does (without a capacity)
     through a :class:`memcalc.snapshot.builder.SnapshotBuilder`: a trace entry for every allocator
-    action, and the segments left at the end."""
+    action, and the segments left at the end. ``phases``: (index into ``events``, phase) where each phase
+    begins (``SimResult.event_phases``): a free's entries name the phase it is made in."""
     frames = {uid: _frames(lab) for uid, lab in labels.items()}
+    starts = sorted(phases or [])
+    at = [i for i, _ in starts]
+
+    def phase_of(i: int) -> Optional[str]:
+        k = bisect_right(at, i) - 1
+        return starts[k][1] if k >= 0 else None
+
     build = SnapshotBuilder()
     counted: dict[int, int] = {}  # uid -> the bytes the simulator counted (rounded to 512)
     live = peak = 0
 
-    def run(evs: list[tuple[int, int]]) -> None:
+    def run(lo: int, hi: int) -> None:
         nonlocal live, peak
-        for uid, n in evs:
+        for i in range(lo, hi):
+            uid, n = events[i]
             if n:
                 build.malloc(uid, labels[uid][6])
                 counted[uid] = n
                 live += n
                 peak = max(peak, live)
             else:
-                build.free(uid)
+                build.free(uid, phase_of(i))
                 live -= counted.pop(uid)
 
-    run(events[:step_start])
-    step = events[step_start:]
+    run(0, step_start)
     if warm:
         before = set(build.blocks)
-        run(step)
-        for uid in [u for u in build.blocks if u not in before]:
-            build.free(uid)
+        run(step_start, len(events))
+        for uid in [u for u in build.blocks if u not in before]:  # freed as the next step begins
+            build.free(uid, phase_of(step_start))
             live -= counted.pop(uid)
     build.alloc.reset_peak()
-    run(step)
+    run(step_start, len(events))
     snap = build.snapshot(frames.__getitem__)
     return Exported(snap, build.alloc.peak_allocated, build.alloc.peak_reserved, peak, "")
 
@@ -135,11 +144,11 @@ def export_estimate(est: Estimate) -> Exported:
     exp = est.experiment
     steady, labels = labelled_step(exp, first_step=False)
     if steady.peak_bytes >= est.peak_bytes:
-        out = snapshot_of(steady.events or [], steady.step_start, True, labels)
+        out = snapshot_of(steady.events or [], steady.step_start, True, labels, steady.event_phases)
         out.step = "steady state"
     else:
         first, labels = labelled_step(exp, first_step=True)
-        out = snapshot_of(first.events or [], first.step_start, False, labels)
+        out = snapshot_of(first.events or [], first.step_start, False, labels, first.event_phases)
         out.step = "first step"
     out.snapshot["memcalc"] = {"experiment": exp.name, "step": out.step, "peak_bytes": est.peak_bytes,
                                "step_allocated_bytes": est.step_allocated_bytes,

@@ -51,7 +51,8 @@ def memcalc_frame(kind: str, layer: Optional[int], label: str) -> dict[str, Any]
 
 
 #: the frame after memcalc's kind frame: ``{"filename": "memcalc", "line": 0, "name": <phase>}`` (setup,
-#: forward, backward, optimizer step: the phase the allocation was made in); then ``{"filename":
+#: forward, backward, optimizer step: the phase the entry happens in, an alloc's where it is made, a free's
+#: where it is freed, as a real free entry carries the stack of the free with ``context="all"``); then ``{"filename":
 #: "memcalc/category", "line": 0, "name": <the engine's category>}`` ("frozen base weights (NF4)", "logits
 #: & loss", ...) where the writer has one
 PHASE_FILENAME = "memcalc"

@@ -75,20 +75,24 @@ def _options(args: list[str]) -> dict:
 
 
 TRACED = [
-    # source: memcalc's replica (validate/runner.py), a full bf16 fine-tune: AdamW state made in the first step
-    ["--framework", "plain", "--model", "tinyllama-1.1b", "--bf16", "--seq", "64"],
-    # source: transformers + PEFT LoRA (validate/hf_runner.py)
-    ["--framework", "hf", "--model", "tinyllama-1.1b", "--bf16", "--lora", "--seq", "64"],
+    # (validate args, compare's setup flags or None); source: validate's default for --params, transformers'
+    # LlamaForCausalLM (validate/hf_runner.py), a full bf16 fine-tune at full depth: AdamW state made in the first
+    # step, held against the estimate by memcalc compare
+    (["--params", "20M", "--bf16", "--seq", "64"], ["--params", "20M", "--bf16", "--seq", "64"]),
+    # source: memcalc's replica (validate/runner.py), one layer (no estimate of the cut model to compare)
+    (["--framework", "plain", "--model", "tinyllama-1.1b", "--bf16", "--seq", "64", "--scale-layers", "1"], None),
 ]
 
 
-@pytest.mark.parametrize("args", TRACED)
-def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args):
+@pytest.mark.parametrize("args, setup", TRACED)
+def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args, setup):
     """``validate --device meta --snapshot``: the tracer's measured step as a snapshot PyTorch's tooling reads,
-    its peak the trace's measured peak to the byte, every allocation of memcalc's kinds."""
+    its peak the trace's measured peak to the byte, every allocation of memcalc's kinds; ``memcalc compare`` on it
+    finds every kind at the peak within AGREE_FRACTION of the estimate's (issue 30, Done when)."""
+    from memcalc.snapshot.compare import AGREE_FRACTION
+
     path = tmp_path / "trace.pickle"
-    res = CliRunner().invoke(app, ["validate", *args, "--scale-layers", "1", "--device", "meta", "--snapshot",
-                                   str(path), "--json"])
+    res = CliRunner().invoke(app, ["validate", *args, "--device", "meta", "--snapshot", str(path), "--json"])
     assert res.exit_code == 0, res.output
     (rec,) = json.loads(res.stdout)
     assert rec["status"] == "ok", rec["reason"]
@@ -101,3 +105,12 @@ def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args):
     blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     kinds = {entry_memcalc(e)[0] for e in traced + blocks}
     assert {"weights", "activations", "gradients", "optimizer_state", "temporaries"} <= kinds <= set(KINDS)
+    if setup is None:
+        return
+    res = CliRunner().invoke(app, ["compare", str(path), *setup, "--json"])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["attributed_from"] == "memcalc" and doc["peak"]["measured_bytes"] == rec["measured_bytes"]
+    room = AGREE_FRACTION * doc["peak"]["predicted_bytes"]
+    assert all(abs(k["difference_bytes"]) <= room for k in doc["kinds_at_peak"]), doc["kinds_at_peak"]
+    assert doc["parts_at"] is None  # no phase parts by more than compare's PART_FRACTION

@@ -150,3 +150,15 @@ def test_estimate_snapshot_cli_errors(tmp_path, args, code, message):
     assert res.exit_code == code
     assert message.format(tmp=tmp_path) in res.output
     assert res.output.count("\n") == 1 and "Traceback" not in res.output
+
+
+def test_free_entries_name_the_phase_they_happen_in():
+    """A free's phase frame is the phase it is made in (SimResult.event_phases), its kind frame the allocation's."""
+    from memcalc.snapshot.export import snapshot_of
+
+    events = [(1, 1024), (2, 1536), (3, 3 << 20), (2, 0), (3, 0)]
+    out = snapshot_of(events, 1, False, _labels(events), [(0, "setup"), (1, "forward"), (3, "backward")])
+    phases = [(e["action"], e["frames"][1]["name"]) for e in out.snapshot["device_traces"][0] if e["frames"]]
+    assert phases == [("alloc", "forward"), ("alloc", "forward"), ("alloc", "forward"),
+                      ("free_requested", "backward"), ("free_completed", "backward"),
+                      ("free_requested", "backward"), ("free_completed", "backward")]
