@@ -230,9 +230,9 @@ def _rows(exp: ExperimentSpec) -> Iterator[tuple[str, int, int, bool, str]]:
     """(name, bytes as the step holds it, elements, quantized, kind) of every parameter, in module order."""
     kinds = {p.name: (p.kind, p.quantizable) for p in param_inventory(exp.model, exp.training.lora)}
     qlora = exp.training.lora is not None and exp.training.lora.qlora
-    for name, nbytes, _cat, numel, _bits, *_ in param_rows(exp):
-        kind, quantizable = kinds[name]
-        yield name, nbytes, numel, qlora and quantizable, kind
+    for name, nbytes, _cat, numel, bits, *_ in param_rows(exp):
+        kind, _quantizable = kinds[name]
+        yield name, nbytes, numel, qlora and bits == 4, kind  # (LitGPT's head too: weights.quantized_head)
 
 
 def load_phase(exp: ExperimentSpec, events: bool = False) -> LoadPhase:

@@ -16,6 +16,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.kernels import (choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded,
                                   pow2_backward_temps)
 from memcalc.engine.sim import Param, Sim, T
+from memcalc.engine.retained import Retained
 from memcalc.core.spec import KernelProfile
 
 ACT = "activations"
@@ -37,6 +38,7 @@ class Ops:
         self.autocast = autocast
         self.autocast_cache: list[T] = []
         self.category = "saved activations"
+        self.retained = Retained()  # what a 4-bit linear keeps on its ctx (:meth:`linear` quant_retain)
 
     # -- basics ---------------------------------------------------------------------
     def new(self, numel: int, dtype: DType, category: Optional[str] = None, kind: str = ACT) -> T:
@@ -91,20 +93,19 @@ class Ops:
     # -- layers ---------------------------------------------------------------------
     def linear(self, x: T, rows: int, w: Param, b: Optional[Param], out_features: int,
                quant_transient_bytes: int = 0, quant_absmax_bytes: int = 0, quant_peak_bytes: int = 0,
-               quant_saves_input: bool = False) -> T:
+               quant_saves_input: bool = False, quant_retain: bool = False) -> T:
         """y = x W^T + b (``addmm``/``mm``). Saves x iff W needs a gradient (grad_W = g^T x) and W
-        iff x needs one (a parameter, no new bytes). A frozen linear keeps no input.
-        Under autocast x and W are cast to the compute dtype; the casts are what is saved.
-        QLoRA: the 4-bit weight is dequantised to a full-size copy in forward, alive with the
-        output, and again in backward (alive with the input's gradient): bitsandbytes 0.50
-        ``MatMul4Bit`` saves only the packed weight (autograd/_functions.py); its forward's
-        ``gemm_4bit`` runs the CUDA ``_dequant_linear_fallback`` (backends/cuda/ops.py: ``B_dq =
-        torch.empty(shapeB)``, ``F.linear(A, B_dq, bias)``, with double quantisation two fp32 absmax
-        buffers first, ``quant_absmax_bytes`` each), its backward ``functional.dequantize_4bit``
-        (the nested absmax it dequantises is freed before the matmul: not counted); before 0.43.2
-        (``quant_saves_input``, from source: the installed one is newer) it kept the input needing a gradient
-        (``ctx.tensors = (A, B)``). ``quant_peak_bytes``: torchao ``LinearNF4``'s dequantization peak
-        (rules.torchao_nf4_dequant_peak_bytes), both ways."""
+        iff x needs one (a parameter, no new bytes). A frozen linear keeps no input. Under autocast
+        x and W are cast to the compute dtype; the casts are what is saved. QLoRA: the 4-bit weight
+        is dequantised to a full-size copy in forward, alive with the output, and again in backward
+        (alive with the input's gradient): bitsandbytes 0.50 ``MatMul4Bit`` saves only the packed
+        weight (autograd/_functions.py); its forward's ``gemm_4bit`` runs the CUDA
+        ``_dequant_linear_fallback`` (backends/cuda/ops.py: ``B_dq = torch.empty(shapeB)``, ``F.linear(A,
+        B_dq, bias)``, with double quantisation two fp32 absmax buffers first, ``quant_absmax_bytes``
+        each), its backward ``functional.dequantize_4bit`` (the nested absmax freed before the matmul);
+        before 0.43.2 (``quant_saves_input``) it kept the input needing a gradient (``ctx.tensors = (A,
+        B)``; ``quant_retain``: with the graph, :mod:`memcalc.engine.retained`). ``quant_peak_bytes``:
+        a dequantization's peak both ways (torchao ``LinearNF4``'s, bitsandbytes 0.41/0.42's)."""
         if self.autocast is None:  # no casts (what _cast_for_matmul and _cast_weight return)
             xc, x_cast, wc = x, False, None
         else:
@@ -122,14 +123,14 @@ class Ops:
         for t in deq:
             self.sim.unref(t)
         saved = []
-        if w.trainable or (quant_saves_input and x.requires_grad):
+        if w.trainable or (quant_saves_input and x.requires_grad and not quant_retain):
             saved.append(xc)
+        elif quant_saves_input and x.requires_grad:  # on the ctx
+            self.retained.add(xc)
         if x.requires_grad and wc is not None:
             saved.append(wc)
         elif x.requires_grad and self.sim.offload is not None and self.sim.offload.active:
-            # the saved ``weight.t()`` view costs nothing on the GPU, but activation offloading
-            # packs it (a view is no nn.Parameter; memcalc.engine.offload)
-            saved.append(w.weight)
+            saved.append(w.weight)  # ``weight.t()``: no GPU bytes, but offloading packs a view (engine.offload)
         params = [w] + ([b] if b is not None else [])
         temps = [quant_transient_bytes] if quant_transient_bytes and x.requires_grad else []
         if x_cast:  # grad arrives in the compute dtype, then _to_copy casts it back
@@ -138,10 +139,7 @@ class Ops:
         kw: dict[str, Any] = {"on_backward": lambda s, _n: s.transient(quant_peak_bytes, TMP, "dequantisation")} if (
             quant_peak_bytes > quant_transient_bytes and x.requires_grad) else {}
         self.sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * in_features * out_features, **kw)
-        if x_cast:
-            self.drop(xc)
-        if wc is not None:
-            self.drop(wc)
+        self.drop(xc if x_cast else None, wc)
         return y
 
     def embedding(self, ids: T, rows: int, w: Param, d: int) -> T:

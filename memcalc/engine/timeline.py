@@ -253,6 +253,7 @@ class _Step:
         self.deferred: list[Param] = []  # gradients whose fused optimizer step waits (grads_leave_together)
         self.grads_ready: Optional[list[GradReady]] = None
         self.state_moves: Optional[tuple[frozenset[int], list[tuple[int, list[T]]]]] = None
+        self.carried: list[T] = []  # a micro-step's graph-held tensors the loop's `loss` still keeps
 
     def setup(self, first_step: bool) -> None:
         """The weights and (outside a first step) the optimizer state; activation offloading."""
@@ -325,6 +326,9 @@ class _Step:
             gather.before_forward()
         fwd = Forward(sim, self.exp, self.model, layers, gather)
         loss = fwd.run()
+        for t in self.carried:  # the previous micro-step's loss is rebound: its graph goes
+            sim.unref(t)
+        self.carried = []
         if gather is not None:
             gather.after_forward()
         sim.mark("backward start", "backward")
@@ -342,6 +346,14 @@ class _Step:
         if gather is not None:
             gather.release()
         sim.unref(loss)
+        # what a 4-bit linear kept on its ctx goes with the graph (memcalc.engine.retained): Hugging Face's
+        # Trainer returns loss.detach() from training_step (the graph goes after backward); memcalc's own loop
+        # (validate/step.py train_step) keeps `loss` until the next forward returns or the step ends
+        self.carried = fwd.ops.retained.take()
+        if self.exp.profile.framework != "plain":
+            for t in self.carried:
+                sim.unref(t)
+            self.carried = []
         fwd.release_inputs()
         sim.mark("backward end", "backward")
 
@@ -354,6 +366,9 @@ class _Step:
             if p.grad is not None:
                 sim.unref(p.grad)
                 p.grad = None
+        for t in self.carried:  # the step ends (validate/step.py train_step: ``del loss``)
+            sim.unref(t)
+        self.carried = []
         sim.mark("step end", "optimizer step")
 
     def result(self) -> SimResult:

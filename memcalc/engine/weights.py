@@ -77,6 +77,18 @@ class Model:
     buffers: dict[str, list] = field(default_factory=dict)
 
 
+def quantized_head(exp: ExperimentSpec) -> bool:
+    """Whether QLoRA stores the output head in 4-bit too: LitGPT's finetune/lora.py builds the model
+    under ``fabric.init_module()`` with ``BitsandbytesPrecision(quantize[4:], dtype)`` and no
+    ``ignore_modules``, whose ``module_init_context`` replaces ``torch.nn.Linear`` itself with the
+    4-bit class (lightning/fabric/plugins/precision/bitsandbytes.py ``_ClassReplacementContextManager``),
+    so ``GPT.lm_head`` is a ``_Linear4bit`` as every other linear is (LitGPT 0.4 to 0.5.13, lightning
+    2.3 to 2.6). transformers' bitsandbytes quantizer keeps ``lm_head`` 16-bit (``get_keys_to_not_convert``)
+    and torchtune quantizes only the LoRA-wrapped linears."""
+    lora = exp.training.lora
+    return lora is not None and lora.qlora and exp.profile.framework == "litgpt"
+
+
 def param_rows(exp: ExperimentSpec) -> tuple[tuple, ...]:
     """Each parameter's allocation as :func:`make_params` makes it (:func:`_param_rows`' rows), for
     what runs before the step (:mod:`memcalc.engine.loading`)."""
@@ -86,7 +98,8 @@ def param_rows(exp: ExperimentSpec) -> tuple[tuple, ...]:
     return _param_rows(
         local_experiment(exp).model, tr.lora, tr.weight_dtype, exp.adapter_dtype or tr.weight_dtype, tr.gpus, f2,
         f2 and tr.sharding == "fsdp1", fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
-        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, ep=expert_degree(exp))[0]
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, ep=expert_degree(exp),
+        quant_head=quantized_head(exp))[0]
 
 
 def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
@@ -102,7 +115,8 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
     rows, gather, shapes = _param_rows(
         local_experiment(exp).model, tr.lora, wdt, exp.adapter_dtype or wdt, tr.gpus, f2, f1,
         fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
-        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp), expert_degree(exp))
+        tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp), expert_degree(exp),
+        quantized_head(exp))
     params: dict[str, Param] = {}
     order: list[Param] = []
     blocks = sim.alloc_many("weights", [(nbytes, cat, name, numel, bits)
@@ -148,7 +162,7 @@ def _quantized_base(lora: Optional[LoraSpec], kbit_fp32: bool) -> tuple[bool, bo
 def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DType, n: int, f2: bool, f1: bool,
                 f2_orig: Optional[DType], zero3: bool, zero: int, sharding: str, offload_optimizer: bool,
                 tp: int, kbit_fp32: bool = False, ds_offload_param: bool = False,
-                ep: int = 1) -> tuple[tuple, int, tuple]:
+                ep: int = 1, quant_head: bool = False) -> tuple[tuple, int, tuple]:
     """Each parameter's allocation as :func:`make_params` makes it: (name, bytes, category,
     elements, width in bits, trainable, gradient bytes, layer, the gradient shard kept after a
     reduce-scatter or None); the ZeRO-3 layer gather bytes; the shapes FSDP shards by. From
@@ -157,14 +171,15 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
     (not FSDP), the ZeRO stage, the sharding, optimizer offload, the tensor-parallel degree and the
     profile's ``qlora_fp32_cast`` (:func:`kbit_dtype`) and DeepSpeed ZeRO-3's ``offload_param`` (the
     partitions on the host: no device bytes, :func:`memcalc.engine.sharding.offload_param`) and the
-    expert-parallel degree (this rank's routed experts: :mod:`memcalc.engine.expert_parallel`)."""
+    expert-parallel degree (this rank's routed experts: :mod:`memcalc.engine.expert_parallel`) and whether
+    QLoRA quantizes the output head too (:func:`quantized_head`)."""
     rows = []
     gather = 0
     inventory = param_inventory(local, lora, ep)  # expert parallelism: this rank's experts
     qlora, kbit = _quantized_base(lora, kbit_fp32)
     quantized = {pt.name.removesuffix(".weight") for pt in inventory if pt.quantizable} if kbit else set()
     for pt in inventory:
-        quant = qlora and pt.quantizable
+        quant = qlora and (pt.quantizable or (quant_head and pt.name == "lm_head.weight" and not pt.trainable))
         pdt, full, cat = _storage(pt, lora, quant, wdt, adt, quantized if kbit else None)
         nbytes = full
         if f2:  # this rank's padded row shard (FSDP1: its share of the flat shard), original dtype

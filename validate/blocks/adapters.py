@@ -126,10 +126,21 @@ class Linear4bit(torch.autograd.Function):
     ``_dequant_linear_fallback`` (backends/cuda/ops.py: with double quantisation ``absmax_dq`` and
     ``absmax_dq + offset``, two fp32 buffers per block, then ``B_dq`` and ``F.linear``, all freed as it
     returns); only the packed weight is saved; backward ``functional.dequantize_4bit`` (the nested
-    absmax, freed before the matmul) and ``grad @ W``."""
+    absmax, freed before the matmul) and ``grad @ W``. ``saves_input``: 0.41/0.42's instead
+    (:func:`legacy_weight`, the input kept on the ctx)."""
 
     @staticmethod
     def forward(ctx, x, packed, q: NF4Weight, bias, saves_input: bool = False):
+        ctx.q, ctx.legacy = q, saves_input
+        if saves_input:  # bitsandbytes 0.41/0.42 (LoraSpec.bnb_saves_input): see legacy_weight
+            w = legacy_weight(q, x.dtype)
+            out = F.linear(x, w, bias)
+            del w
+            # ``ctx.tensors = (A, B)``: on the ctx, not saved; autograd's release_variables leaves it,
+            # so it lives as long as the graph (memcalc.engine.retained)
+            ctx.tensors = (x if ctx.needs_input_grad[0] else None, packed)
+            ctx.save_for_backward(packed)
+            return out
         absmax = q.absmax
         if q.double_quant:
             absmax_dq = blockwise_absmax(q)
@@ -140,9 +151,7 @@ class Linear4bit(torch.autograd.Function):
         del w, absmax
         if q.double_quant:
             del absmax_dq
-        ctx.q = q
-        # bitsandbytes < 0.43.2 (LoraSpec.bnb_saves_input): ``ctx.tensors = (A, B)`` when A needs a gradient
-        ctx.save_for_backward(packed, x if saves_input and ctx.needs_input_grad[0] else None)
+        ctx.save_for_backward(packed)
         return out
 
     @staticmethod
@@ -150,12 +159,30 @@ class Linear4bit(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             q = ctx.q
-            absmax = nested_absmax(q) if q.double_quant else q.absmax
-            w = dequantize_nf4(q, absmax, grad.dtype)
-            del absmax
+            if ctx.legacy:
+                w = legacy_weight(q, grad.dtype)
+            else:
+                absmax = nested_absmax(q) if q.double_quant else q.absmax
+                w = dequantize_nf4(q, absmax, grad.dtype)
+                del absmax
             gx = grad.matmul(w)
             del w
         return gx, None, None, None, None
+
+
+def legacy_weight(q: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """bitsandbytes 0.41/0.42 ``MatMul4Bit``: ``F.dequantize_4bit(B, quant_state).to(A.dtype)``
+    (autograd/_functions.py, forward and backward alike): ``dequantize_4bit`` (functional.py)
+    dequantises a nested absmax to fp32 (``absmax += offset`` in place), makes the weight in
+    ``quant_state.dtype`` (fp16: ``Params4bit.cuda`` quantizes ``data.half()``, Lightning's
+    ``_Linear4bit.quantize`` ``weight.to(torch.half)``) and returns it, the absmax freed; ``.to``
+    then copies it into the compute dtype while it is alive."""
+    absmax = nested_absmax(q) if q.double_quant else q.absmax
+    w16 = dequantize_nf4(q, absmax, torch.float16)
+    del absmax
+    w = w16.to(dtype)
+    del w16
+    return w
 
 
 def kbit_fp32_cast(model: nn.Module) -> None:

@@ -155,14 +155,21 @@ def _linear_4bit(fwd: ForwardContext, x: T, w: Param, bias: Optional[Param], d_o
     dequantised weight, :meth:`Ops.linear`), ``.to(inp_dtype)`` (a copy back when the dtypes
     differ). With double quantisation ``gemm_4bit`` first dequantises the uint8 absmax into two
     fp32 buffers of one element per block (backends/cuda/ops.py ``_dequant_linear_fallback``).
-    ``LoraSpec.bnb_saves_input``: bitsandbytes < 0.43.2 saves the (cast) input for backward."""
+    ``LoraSpec.bnb_saves_input``: bitsandbytes < 0.43.2 keeps the (cast) input on the ``ctx`` for
+    backward (alive as long as the graph: ``Ops.linear`` ``quant_retain``; not under checkpointing,
+    whose recomputed graphs are not modelled so), and 0.41/0.42's dequantisation
+    (:func:`bnb_legacy_dequant_peak_bytes`)."""
     o, lora = fwd.ops, fwd.lora
     assert lora is not None
     cast = o.autocast is None and x.itemsize_bits != fwd.model.compute.bits
     xc = o.cast(x, fwd.model.compute) if cast else x
     absmax = 4 * -(-w.numel // lora.quant_block) if lora.double_quant else 0
+    peak = 0
+    if lora.bnb_saves_input:  # 0.41/0.42: the weight dequantised in its quant_state dtype, then cast
+        absmax, peak = 0, bnb_legacy_dequant_peak_bytes(w.numel, fwd.model.compute, lora)
     y = o.linear(xc, fwd.rows, w, bias, d_out, quant_transient_bytes=deq_bytes, quant_absmax_bytes=absmax,
-                 quant_saves_input=lora.bnb_saves_input)
+                 quant_peak_bytes=peak, quant_saves_input=lora.bnb_saves_input,
+                 quant_retain=lora.bnb_saves_input and fwd.tr.checkpoint == "none")
     if cast:
         o.drop(xc)
     if y.itemsize_bits == x.itemsize_bits:
@@ -170,6 +177,21 @@ def _linear_4bit(fwd: ForwardContext, x: T, w: Param, bias: Optional[Param], d_o
     back = o.cast(y, o.dtype_of(x))
     o.drop(y)
     return back
+
+
+def bnb_legacy_dequant_peak_bytes(numel: int, compute: DType, lora: LoraSpec) -> int:
+    """bitsandbytes 0.41/0.42 ``MatMul4Bit`` (autograd/_functions.py): forward
+    ``F.dequantize_4bit(B, quant_state).to(A.dtype)``, backward ``F.dequantize_4bit(B, ctx.state)
+    .to(grad_output.dtype)``. ``dequantize_4bit`` (functional.py) makes the weight in
+    ``quant_state.dtype``, which is fp16: ``Params4bit.cuda`` quantizes ``self.data.contiguous().half()``
+    (nn/modules.py) and Lightning's ``_Linear4bit.quantize`` ``weight.to(device, torch.half)``
+    (lightning/fabric/plugins/precision/bitsandbytes.py, every version); with double quantisation
+    it first dequantises the absmax to fp32 (one per block, freed on return). ``.to`` then copies
+    the fp16 weight into a bf16 compute dtype while it is alive: the peak of the two is
+    the compute-dtype copy + the fp16 weight; in fp16 no copy, the fp32 absmax beside the weight."""
+    if compute != DType.fp16:
+        return compute.nbytes(numel) + 2 * numel
+    return 2 * numel + (4 * -(-numel // lora.quant_block) if lora.double_quant else 0)
 
 
 def _lora_out(o: Ops, y: T, bs: T, cast: bool, quant: bool) -> T:

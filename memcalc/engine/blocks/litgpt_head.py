@@ -48,7 +48,7 @@ size). A copy that B = 1 does not make is a zero-byte allocation there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 from weakref import WeakKeyDictionary
 
 from memcalc.core.dtypes import DType
@@ -61,6 +61,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.sim import Sim
 
 CATEGORY = "logits & loss"
+#: what the previous micro-step's graph keeps: its 4-bit linears' inputs (bitsandbytes < 0.43.2 ``ctx.tensors``)
+RETAINED = "previous step's 4-bit linear inputs"
 #: per step (its Sim): the previous micro-step's converted output, which ``fit`` still holds
 _HELD: WeakKeyDictionary[Sim, list[T]] = WeakKeyDictionary()
 _F32 = DType.fp32
@@ -83,6 +85,9 @@ def head_and_loss(fwd: ForwardContext, x: T) -> T:
     if prev is None:  # the previous step's output (the steady state)
         V = fwd.m.vocab_size
         prev = [sim.alloc(_F32.nbytes(fwd.B * c * V), "activations", CATEGORY) for c in sizes]
+        kept = _retained_bytes(fwd, x)
+        if kept:  # and the 4-bit linears' inputs its graph still holds (bitsandbytes < 0.43.2)
+            prev.append(sim.alloc(kept, "activations", RETAINED))
     outs = _head(fwd, x, sizes)
     for t in prev:  # fit(): `logits = model(...)` rebinds the name once the new output exists
         sim.unref(t)
@@ -90,8 +95,28 @@ def head_and_loss(fwd: ForwardContext, x: T) -> T:
     o.category = CATEGORY
     loss = _loss(fwd, outs, sizes, chunked)
     o.category = "saved activations"
-    _HELD[sim] = outs
+    _HELD[sim] = outs + o.retained.take()  # the graph lives with the output (the module docstring)
     return loss
+
+
+def _retained_bytes(fwd: ForwardContext, x: T) -> int:
+    """The bytes the previous micro-step's graph keeps alive through ``logits`` (the same shapes as
+    this one's): each distinct input a 4-bit linear kept on its ``ctx`` (``Ops.retained``, the layers
+    so far), and the head's input ``x`` when the head is a 4-bit linear that keeps it."""
+    o = fwd.ops
+    total = o.retained.nbytes()
+    w = fwd.maybe("lm_head.weight")
+    if w is not None and _keeps_input(fwd, w, x) and x not in o.retained:
+        total += x.nbytes
+    return total
+
+
+def _keeps_input(fwd: ForwardContext, w: Param, x: T) -> bool:
+    """Whether the 4-bit head keeps its input ``x`` with the graph (bitsandbytes < 0.43.2, as
+    ``Ops.linear`` ``quant_retain``)."""
+    lora = fwd.lora
+    return (w.weight.itemsize_bits == 4 and lora is not None and lora.bnb_saves_input and x.requires_grad
+            and fwd.tr.checkpoint == "none")
 
 
 def _view(sim: Sim, numel: int, bits: int) -> T:
@@ -112,6 +137,8 @@ def _head(fwd: ForwardContext, x: T, sizes: list[int]) -> list[T]:
         # x.split(128, dim=1): views; a LoRA head's lora_A saves them, which keeps x's storage
         head_adapter = fwd.maybe("lm_head.lora_A") is not None
         sim.node("split_head", [x] if head_adapter else [], [x], [], views, grad_input_bytes=[x.nbytes])
+        if _keeps_input(fwd, fwd.p(weight), x):  # a 4-bit head's ctx.tensors: the chunks, views of x
+            o.retained.add(x)
         rows = fwd.rows
         ys = []
         try:
@@ -158,10 +185,31 @@ def _group_linear(fwd: ForwardContext, x: T, rows: int, calls: int, w: Param, b:
         temps.append(xc.nbytes)
         o.drop(xc)
     y = o.new(rows * V, ac or o.dtype_of(x))
+    kw: dict[str, Any] = {}
+    if w.weight.itemsize_bits == 4:  # LitGPT's 4-bit head (weights.quantized_head): each call dequantises
+        deq, peak = _dequant_bytes(fwd, w)
+        # the last call's dequantisation beside the other calls' outputs, then its own output beside it
+        sim.transient(max(peak - y.nbytes // calls, deq), "temporaries", "dequantised weight")
+        temps.append(deq)  # backward, a call at a time: the weight dequantised again beside its input gradient
+        if x.requires_grad and peak > deq:
+            kw["on_backward"] = lambda s, _n: s.transient(peak, "temporaries", "dequantisation")
     params = [w] + ([b] if b is not None else [])
-    sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * fwd.m.d_model * V)
+    sim.node("linear", saved, [x], params, [y], temps=temps, flops=2 * rows * fwd.m.d_model * V, **kw)
     o.drop(*saved)
     return y
+
+
+def _dequant_bytes(fwd: ForwardContext, w: Param) -> tuple[int, int]:
+    """(the dequantised weight in the compute dtype, the dequantisation's peak) of a 4-bit head call, as
+    :func:`memcalc.engine.blocks.adapters._linear_4bit` counts them for any 4-bit linear."""
+    from memcalc.engine.blocks.adapters import bnb_legacy_dequant_peak_bytes
+
+    lora = fwd.lora
+    assert lora is not None
+    deq = fwd.model.compute.nbytes(w.numel)
+    if lora.bnb_saves_input:
+        return deq, bnb_legacy_dequant_peak_bytes(w.numel, fwd.model.compute, lora)
+    return deq, deq + (2 * 4 * -(-w.numel // lora.quant_block) if lora.double_quant else 0)
 
 
 def _cast_chunkwise(chunk_bytes: int):
