@@ -85,13 +85,23 @@ class OomMessage:
                                                "process_bytes", "other_processes_bytes")}
 
 
+def _last(flat: str, pattern: re.Pattern[str], end: str) -> Optional[re.Match[str]]:
+    """The last message of ``pattern`` in ``flat``: the text from the last "Tried to allocate" before
+    the last ``end`` marker (a window of one message, so a long log of partial messages is read in
+    linear time, never by a lazy match scanning the rest of the log from each of them)."""
+    stop = flat.rfind(end)
+    if stop < 0:
+        return None
+    start = flat.rfind("Tried to allocate", 0, stop)
+    return pattern.search(flat, start, stop + len(end)) if start >= 0 else None
+
+
 def parse_oom(text: str) -> OomMessage:
     """The last CUDA out-of-memory message in ``text`` (either format of the module docstring; line
     breaks and repeated spaces of a wrapped log are read as one space); a UserError when none is there."""
     flat = " ".join(text[:MAX_MESSAGE_CHARS].split())
-    new = list(_NEW.finditer(flat))
-    if new:
-        m = new[-1]
+    m = _last(flat, _NEW, "is reserved by PyTorch but unallocated")
+    if m:
         g = m.groups()
         info = g[7]
         this = _THIS_PROCESS.search(info)
@@ -104,9 +114,9 @@ def parse_oom(text: str) -> OomMessage:
             allowed_bytes=size_bytes(allowed.group(1), allowed.group(2)) if allowed else None,
             process_bytes=size_bytes(this.group(1), this.group(2)) if this else None,
             other_processes_bytes=sum(others) if others else None, total_text=f"{g[3]} {g[4]}")
-    old = list(_OLD.finditer(flat))
-    if old:
-        g = old[-1].groups()
+    m = _last(flat, _OLD, "reserved in total by PyTorch)")
+    if m:
+        g = m.groups()
         allocated = size_bytes(g[5], g[6])
         return OomMessage(
             requested_bytes=size_bytes(g[0], g[1]), device=int(g[2]), total_bytes=size_bytes(g[3], g[4]),

@@ -130,7 +130,7 @@ def _pre_trace_blocks(snapshot: dict[str, Any], device: int) -> list[tuple[int, 
     for seg in snapshot["segments"]:
         if seg.get("device", device) != device:
             continue
-        addr = seg.get("address", 0)
+        addr = _int(seg.get("address", 0), "a segment's address")
         blocks = seg.get("blocks")
         for b in blocks if isinstance(blocks, list) else []:
             if not isinstance(b, dict):

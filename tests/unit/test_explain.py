@@ -57,6 +57,10 @@ def test_parse_oom(text, want):
 @pytest.mark.parametrize("text, message", [
     ("Segmentation fault", "it names no CUDA out-of-memory error"),  # source: parse_oom, no message at all
     ("CUDA out of memory. Tried to allocate lots", "its numbers are not in PyTorch's layout"),  # source: parse_oom
+    # source: oom._last reads one message's window (from the last "Tried to allocate" before the end marker): a log
+    # of 2,000 partial messages is read in linear time (a lazy match from each of them scanned the rest: seconds)
+    ("CUDA out of memory. Tried to allocate 1 bytes. GPU 0 has a total capacity of 1 bytes of which 1 bytes is free. "
+     * 2000, "its numbers are not in PyTorch's layout"),
 ])
 def test_parse_oom_refuses(text, message):
     with pytest.raises(UserError, match=message):
