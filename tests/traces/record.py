@@ -62,6 +62,10 @@ def trace(row: dict[str, Any]) -> tuple[int, str]:
         from memcalc.validate.sharded.tp import measure_tp
 
         meas = measure_tp(exp)
+    elif kind == "ep":
+        from memcalc.validate.sharded.expert_parallel import measure_ep
+
+        meas = measure_ep(exp)
     elif kind == "deepspeed":
         from memcalc.validate.deepspeed_trace import trace_deepspeed
 

@@ -12,6 +12,7 @@ and ``validator`` names the tracer the slow test of the same row calls:
 - ``hf``: the real transformers + PEFT step on meta (``memcalc.validate.hf_runner.measure_hf``)
 - ``fsdp``: rank 0 of FSDP2 / FSDP1 on the fake process group (``memcalc.validate.sharded.trace_rank``)
 - ``tp``: rank 0 of torchtitan's tensor-parallel plan (``memcalc.validate.sharded.tp.measure_tp``)
+- ``ep``: rank 0 of torchtitan's expert-parallel dispatcher (``memcalc.validate.sharded.expert_parallel.measure_ep``)
 - ``deepspeed``: rank 0 of DeepSpeed's engine (``memcalc.validate.deepspeed_trace.trace_deepspeed``)
 - ``torchtune``, ``litgpt``, ``trl``: the trainer's own step (``memcalc.validate.trainers.load(NAME).measure``,
   validate/trainers/NAME.py), estimated as ``--framework NAME`` resolves it (the trainer's profile rules and
@@ -46,6 +47,7 @@ TOLERANCES: dict[str, tuple[float, str, str]] = {
     "hf_qlora": (2.0, "tests/trace/test_qlora_grid.py", "TOLERANCE_PCT"),  # issue 28
     "fsdp": (2.0, "tests/trace/test_fsdp_grid.py", "TOLERANCE_PCT"),  # issue 13
     "tp": (3.0, "tests/trace/test_tp.py", "TOLERANCE_PCT"),  # issue 13
+    "ep": (2.0, "tests/trace/test_expert_parallel.py", "TOLERANCE_PCT"),  # issue 31
     "deepspeed": (3.0, "tests/trace/test_deepspeed.py", "TOLERANCE_PCT"),  # issue 13
     "torchtune": (2.0, "tests/trace/test_torchtune_grid.py", "GRID_TOLERANCE_PCT"),  # issue 27
     "litgpt": (2.0, "tests/trace/test_litgpt_grid.py", "TOLERANCE_PCT"),  # issue 27
@@ -78,7 +80,7 @@ def _row(name: str, validator: str, tolerance: str, source: str, layers: int, fi
             "tolerance": tolerance, "source": source}
 
 
-R, H, F, T, D = "replica", "hf", "fsdp", "tp", "deepspeed"
+R, H, F, T, D, EP = "replica", "hf", "fsdp", "tp", "deepspeed", "ep"
 TT, LIT, TRL = "torchtune", "litgpt", "trl"
 DEEP = "tests/trace/test_validate_deep_one.py (config); tolerance: "
 EVT, FAT, MMT, TET = ("tests/trace/test_estimator_vs_trace.py", "tests/trace/test_family_activations_trace.py",
@@ -201,6 +203,11 @@ ROWS: list[dict[str, Any]] = [
          sequence_parallel=True, **BF16, **PLAIN),
     _row("tp2-sp-bf16-fsdp2-zero3-2d", T, "tp", TPT, 2, TP_MODEL, model="tinyllama-1.1b", batch=2, seq=256, tp=2,
          sequence_parallel=True, **BF16, gpus=2, zero=3, **PLAIN),
+    # -- expert parallelism, one rank (test_expert_parallel: torchtitan's all-to-all dispatcher on the replica)
+    _row("ep2-mixtral-bf16", EP, "ep", "tests/trace/test_expert_parallel.py", 2, model="mixtral-8x7b", batch=1,
+         seq=1024, ep=2, gpus=2, **BF16, **PLAIN),
+    _row("ep4-qwen3-moe-bf16-cf1.5", EP, "ep", "tests/trace/test_expert_parallel.py", 2, model="qwen3-30b-a3b",
+         batch=1, seq=1024, ep=4, gpus=4, ep_capacity_factor=1.5, **BF16, **PLAIN),
     # -- DeepSpeed ZeRO-2/3, one rank (test_deepspeed); --deepspeed FILE as validate takes it (tests/traces/deepspeed/)
     _row("deepspeed-zero2-4gpus", D, "deepspeed", DST, 2, model="tinyllama-1.1b", seq=256, **MIXED, gpus=4, zero=2,
          deepspeed="tests/traces/deepspeed/zero2.json", **PLAIN),

@@ -23,7 +23,7 @@ import memcalc
 PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "traces", "recorded.json")
 with open(PATH, encoding="utf-8") as _f:
     RECORDED: list[dict] = json.load(_f)["rows"]
-VALIDATORS = {"replica", "hf", "fsdp", "tp", "deepspeed", "torchtune", "litgpt", "trl"}
+VALIDATORS = {"replica", "hf", "fsdp", "tp", "ep", "deepspeed", "torchtune", "litgpt", "trl"}
 
 
 def test_every_row_is_recorded_as_defined():
