@@ -27,6 +27,7 @@ experts: ``ep x N x min(top_k, n_experts / ep)`` rows (:func:`max_capacity_facto
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
@@ -78,3 +79,14 @@ def check_ep(exp: ExperimentSpec) -> None:
         raise UserError(f"--ep-capacity-factor {tr.ep_capacity_factor:g} is more than a rank can receive: at most "
                         f"ep x min(top_k, n_experts / ep) / top_k = {ep} x {min(m.moe.top_k, e // ep)} / "
                         f"{m.moe.top_k} = {float(top):g} (every rank's tokens all routed to this rank's experts)")
+
+
+def ep_line(exp: ExperimentSpec, ep_mark: str = "", cf_mark: str = "") -> Optional[str]:
+    """The inputs table's "expert parallel" line (None without expert parallelism); the marks say
+    where each value came from."""
+    tr, moe = exp.training, exp.model.moe
+    if tr.ep == 1 or moe is None:
+        return None
+    return (f"EP {tr.ep}{ep_mark}: {moe.n_experts // tr.ep} of {moe.n_experts} routed experts per rank, "
+            f"capacity factor {tr.ep_capacity_factor:g}{cf_mark}; "
+            f"{tr.gpus // tr.ep} groups of {tr.ep} over {tr.gpus} data-parallel GPUs")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
+from memcalc.core.expert_parallel import ep_line
 from memcalc.core.gpu_side import DeviceMemory, device_memory
 from memcalc.engine.result import KIND_NAMES, KINDS, Estimate
 from memcalc.estimate.peak import card_side, runs_within
@@ -208,7 +209,7 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
                      + (f", each layer a graph{_why(res, 'compile_scope')}" if tr.compile_scope == "layer" else ""))
          if tr.compile else None),
         ("tensor parallel", _tensor_parallel(tr, o)),
-        ("expert parallel", _expert_parallel(exp, o)),
+        ("expert parallel", ep_line(exp, _mark(o, "ep"), _mark(o, "ep_capacity_factor"))),
         ("adapters", _adapters(exp, res)),
         ("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}"),
         ("kernel profile", _kernel_profile(p, m, o)),
@@ -262,16 +263,6 @@ def _tensor_parallel(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
     return (f"TP {tr.tp}{_mark(o, 'tp')}"
             + (f" (sequence parallel{_mark(o, 'sequence_parallel')})" if tr.sequence_parallel else "")
             + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
-
-
-def _expert_parallel(exp: ExperimentSpec, o: dict[str, str]) -> Optional[str]:
-    """Per rank of an expert-parallel group (engine/expert_parallel.py), where there is one."""
-    tr, moe = exp.training, exp.model.moe
-    if tr.ep == 1 or moe is None:
-        return None
-    return (f"EP {tr.ep}{_mark(o, 'ep')}: {moe.n_experts // tr.ep} of {moe.n_experts} routed experts per rank, "
-            f"capacity factor {tr.ep_capacity_factor:g}{_mark(o, 'ep_capacity_factor')}; "
-            f"{tr.gpus // tr.ep} groups of {tr.ep} over {tr.gpus} data-parallel GPUs")
 
 
 def _adapters(exp: ExperimentSpec, res: Resolved) -> Optional[str]:
