@@ -115,10 +115,21 @@ def records_path(folder: str, device: str, gpu_name: Optional[str]) -> str:
 MEASURED_DIR = os.path.join("data", "reference", "measured")
 
 
+def resolve_device(device: Optional[str]) -> str:
+    """cuda or meta (default: cuda when available); --device cuda without CUDA is a UserError."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--protocol --device cuda: no CUDA device is available (torch {torch.__version__}); "
+                        "use --device meta to run the protocol traced")
+    device = device or ("cuda" if torch.cuda.is_available() else "meta")
+    if device not in ("cuda", "meta"):
+        raise UserError(f"--protocol runs on cuda or meta, not {device}")
+    return device
+
+
 def default_output(device: Optional[str]) -> Optional[str]:
     """``--output`` when not given: on CUDA the clone's ``data/reference/measured/`` (UserError outside a
     clone); traced on meta, nothing is written."""
-    if (device or ("cuda" if torch.cuda.is_available() else "meta")) != "cuda":
+    if resolve_device(device) != "cuda":
         return None
     if not os.path.isdir(MEASURED_DIR):
         raise UserError(f"--protocol on CUDA writes its records to {MEASURED_DIR}/ of a memcalc clone, and "
@@ -350,12 +361,7 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
                  cases: tuple[Case, ...] = CASES) -> list[dict]:
     """Run :data:`CASES` on ``device`` (cuda when available, else meta), writing each record to a new
     file in the folder ``output`` as it finishes; prints progress and the summary (or ``--json``)."""
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--protocol --device cuda: no CUDA device is available (torch {torch.__version__}); "
-                        "use --device meta to run the protocol traced")
-    device = device or ("cuda" if torch.cuda.is_available() else "meta")
-    if device not in ("cuda", "meta"):
-        raise UserError(f"--protocol runs on cuda or meta, not {device}")
+    device = resolve_device(device)
     used = probes.DeviceUsed() if device == "cuda" else None  # before this process's CUDA context
     records: list[dict] = []
     env: Optional[dict] = None if device == "cuda" else probes.environment(device, None)

@@ -123,3 +123,16 @@ def test_cuda_comparisons_on_the_reference_card(monkeypatch):
         assert comps["reserved"].predicted_bytes == est.reserved_peak_bytes
         assert comps["device_total"].predicted_bytes == est.device_total_bytes
         assert [comps[m].measured_bytes for m in ("allocated", "reserved", "device_total")] == [100, 200, 300]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_protocol_on_cuda_without_cuda_is_one_line(tmp_path, monkeypatch):
+    """Checked before the output folder's default (a clone's data/reference/measured/)."""
+    from conftest import one_line_error
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(app, ["validate", "--protocol", "--device", "cuda"])
+    one_line_error(r, 2, "--protocol --device cuda: no CUDA device is available")
