@@ -247,12 +247,14 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     # cache must not see the recompute's requires_grad; offloading, which saves more in forward)
     stop: Optional[int] = None
     count = saver is None and not (sim.offload is not None and sim.offload.active)
-    first = FirstForward() if count and first_unpack and not full_recompute else None
+    # the trailing nodes run before the recompute with offloading too (its hooks only change what a
+    # node packs, not which node unpacks first): the first forward keeps them, the dry run counts
+    first = FirstForward() if saver is None and first_unpack and not full_recompute else None
     if count:
         f0, h0 = sim.alloc_count, sim.hook_allocs
         sim.saves_here()
     with saver.recording("cache") if saver is not None else nullcontext(), \
-            sim.no_grad((first or count_save) if count else None):
+            sim.no_grad(first or (count_save if count else None)):
         out = fn()
     if count:
         stop = (sim.last_save_count - f0) - (sim.last_save_hooks - h0)
@@ -262,6 +264,10 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         bwd_label = f"bwd {label}"
         if first is not None:  # the nodes after the last saving one, before the first unpack
             first.run_tail(s, bwd_label)
+        if region_off:  # the region's inputs come back from the host at that unpack, after the tail
+            node.offloaded = region_off
+            s.offload.unpack(s, node)
+            node.offloaded = []
         # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
         with s.recomputing(layer, f"bwd {label} (recompute)"):
             # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
@@ -298,6 +304,10 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         node.outputs = []
         node.inputs, node.grad_input_bytes = [], None  # (the sub-graph sent the inputs their gradients)
 
+    # the offloaded inputs (id, tensor): unpacked by recompute itself, after the trailing nodes' backward
+    # (torch 2.13 checkpoint.py: ``frame.get_inputs()`` unpacks them in ``recompute_fn``, run at the
+    # region's first unpack, so the offload hook's post-hook sits on that node, not on a trailing one)
+    region_off: list[tuple[int, T]] = []
     node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out], on_backward=recompute)
     node.fwd_label = f"fwd {label}"
     node.layer, node.role = layer, "checkpoint"
@@ -305,7 +315,7 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     if sim.offload is not None and sim.offload.active:
         # torch.utils.checkpoint saves the inputs with save_for_backward (_NoopSaveInputs), so an
         # outer saved-tensor hook (activation offloading) packs them (memcalc.engine.offload)
-        saved, node.offloaded = sim.offload.pack(sim, saved)
+        saved, region_off = sim.offload.pack(sim, saved)
     for t in saved:
         sim.ref(t)
     node.saved = saved

@@ -139,9 +139,12 @@ def rope_region_inputs(fwd) -> list[T]:
     Face passes ``position_embeddings`` into every decoder layer; ``(1, T, rotary width)`` in the
     hidden states' dtype, ``LlamaRotaryEmbedding.forward``). torch.utils.checkpoint saves them with the
     layer input, so the offload hook copies them to the host per region; on the GPU they exist
-    anyway (shared by all layers), so they are host-only blocks here (no device bytes)."""
+    anyway (shared by all layers), so they are host-only blocks here (no device bytes). torchtune
+    passes none: ``TransformerDecoder.forward`` calls ``layer(h, mask=mask, input_pos=input_pos)``
+    and each attention reads its own RoPE cache buffer (modules/transformer.py, 0.6.1), so its
+    checkpointed region saves ``h`` alone (one pack id, not three: the forward stash's count)."""
     off = offload_of(fwd.sim)
-    if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None:
+    if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None or fwd.exp.profile.framework == "torchtune":
         return []
     from memcalc.core.rules import rope_width
 

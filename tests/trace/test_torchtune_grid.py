@@ -63,20 +63,11 @@ from memcalc.validate.trainers.torchtune_grid import grid  # noqa: E402
 #: |estimate - trace| / trace, in percent, every grid row (issue 27: within 2%)
 GRID_TOLERANCE_PCT = 2.0
 
-#: rows with a known mechanism the estimator does not follow yet (strict: they must fail)
-KNOWN_GAPS = {
-    "gqa qlora bf16 loss=chunked ck=full 2x256": (
-        "QLoRA under checkpointing: the traced backward peak (in a layer's recompute, torchao LinearNF4 "
-        "dequantizing through get_original_weight) sits 0.5 MiB above the estimate's, which counts the "
-        "dequantization's peak (rules.torchao_nf4_dequant_peak_bytes) once per linear; mechanism not found"),
-    "gqa qlora bf16 loss=chunked ck=full offload 2x256": (
-        "the QLoRA recompute gap above, plus the offloading row's below"),
-    "gqa lora bf16 loss=chunked ck=full offload 2x256": (
-        "offloading under checkpointing: at the forward peak the trace has freed only the first checkpointed "
-        "layer's input (the embedding output, 262,144 B: saved through the offload hooks by torch.utils.checkpoint's "
-        "_NoopSaveInputs and evicted from the 5-deep forward stash by later packs), the estimate 524,288 B "
-        "(engine/offload.py's stash count differs; not found where)"),
-}
+#: rows with a known mechanism the estimator does not follow yet (strict: they must fail); the QLoRA
+#: recompute and offloading rows pass since torchtune's layer keeps ``attn_out`` through the MLP
+#: (engine/blocks/layer.py), its checkpointed regions save ``h`` alone (engine/offload.py
+#: rope_region_inputs) and a region's trailing nodes run before its inputs' reload (engine/checkpoint.py)
+KNOWN_GAPS: dict[str, str] = {}
 
 ROWS = grid()
 

@@ -30,6 +30,13 @@ from published_rows import (
 )
 
 # --- what memcalc misses today, by mechanism (never a loosened tolerance) ---------------------
+_TT_COMPILED_OFFLOAD = (
+    "high (LoRA +5.3%, QLoRA +10.1%), not identified: torchtune compiles each layer, then wraps it in "
+    "activation checkpointing, under activation offloading (the README's reproduce command); that combination "
+    "is outside the traced torchtune grid (validate's meta trace of it on the grid's scaled-down GQA model is "
+    "6-15% above the estimate, so neither side is checked there); since the checkpointed regions save h alone "
+    "(no RoPE tables: engine/offload.py rope_region_inputs) the last layer's input stays in the 5-deep forward "
+    "stash through the head's backward (+48 MiB on the LoRA row, +4.8% -> +5.3%)")
 _LIT_OLD_NORM = ("lit-gpt 8641822 (Oct 2023, the resource tables' version) computes RMSNorm in the input dtype "
                  "(lit_gpt/rmsnorm.py: torch.mean(x * x), no x.float()); memcalc's litgpt profile follows LitGPT "
                  "0.5.13's RMSNorm, which upcasts to fp32 and keeps fp32 copies for backward (the Llama rows; the "
@@ -47,9 +54,8 @@ _LIT_FIRST = ("lit-gpt 8641822 runs the longest sample first (finetune/lora.py "
               "inputs: memcalc.engine.retained), +12% to +22%; an input saying the --seq step is the run's first "
               "(a spec field both sides honour) is the next step")
 XFAIL = {
-    "torchtune-flags-qlora": ("+6.4%: torchtune's QLoRA quantizes only the LoRA-wrapped linears (torchao NF4), and "
-                              "torchao's NF4 dequantization intermediates are not modelled "
-                              "(tests/trace/test_torchtune_grid.py KNOWN_GAPS)"),
+    "torchtune-flags-lora": _TT_COMPILED_OFFLOAD,
+    "torchtune-flags-qlora": _TT_COMPILED_OFFLOAD,
     "litgpt-resource-llama-2-7b-lora-mb1": _LIT_OLD_NORM,
     "litgpt-resource-llama-2-7b-lora-mb2": _LIT_OLD_NORM,
     "litgpt-resource-llama-2-13b-lora-mb1": _LIT_OLD_NORM,

@@ -59,16 +59,24 @@ def layer(fwd: ForwardContext, x: T, i: int) -> T:
         o.drop(s)
         return y
     if m.norm_placement == "pre":
+        # torchtune's TransformerSelfAttentionLayer.forward (modules/transformer.py, 0.6.1) binds the
+        # attention output to a local (``attn_out = self.attn(h, h, ...)``; ``h = self.sa_scale(attn_out)
+        # + x``; ``mlp_out = self.mlp(self.mlp_norm(h))``; ``return h + ...``): it lives until the layer
+        # returns, through the MLP (and its recompute under checkpointing); transformers reassigns it
+        keep_attn = fwd.exp.profile.framework == "torchtune" and not fwd.exp.training.compile
         h = fwd.norm(x, f"layers.{i}.norm1")
         a = fwd.resid_drop(fwd.attention(h, i))
         o.drop(h)
         x1 = o.add(x, a)
-        o.drop(a)
+        if not keep_attn:
+            o.drop(a)
         h2 = fwd.norm(x1, f"layers.{i}.norm2")
         f = fwd.resid_drop(fwd.mlp(h2, i))
         o.drop(h2)
         y = o.add(x1, f)
         o.drop(x1, f)
+        if keep_attn:
+            o.drop(a)
         return y
     # post-norm (DeepNet): x = norm(x * alpha + f(x))
     a = fwd.resid_drop(fwd.attention(x, i))
