@@ -158,6 +158,21 @@ def _refuse_quant_base(items: list) -> None:
                             "kernels); the estimate reads it from source (docs/techniques.md)")
 
 
+def _check_snapshot(snapshot: Optional[str], items: list, framework: str, sharded: bool) -> None:
+    """``--snapshot`` is written by the one-GPU steps of memcalc's replica and ``--framework hf``
+    (:func:`.step.run_on_device`); elsewhere one line says so rather than no file."""
+    from memcalc.core.errors import UserError
+
+    if not snapshot:
+        return
+    which = (f"--framework {framework}" if framework in TRAINERS else "a sharded step" if sharded
+             else "a DeepSpeed step" if any(isinstance(e, ExperimentSpec) and _deepspeed(e) for _n, e in items)
+             else None)
+    if which is not None:
+        raise UserError(f"--snapshot: {which} does not write one yet; it is written for memcalc's replica and "
+                        "--framework hf on one GPU (drop --snapshot, or validate that setup)")
+
+
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
                  output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None,
                  framework: str = "plain", reentrant: bool = False, rank: int = 0) -> list[dict]:
@@ -171,6 +186,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
         raise UserError(f"unknown --framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
     _refuse_quant_base(items)
     sharded = sharded_items(items)
+    _check_snapshot(snapshot, items, framework, sharded)
     if sharded:
         from .sharded.command import check_sharded_run
 

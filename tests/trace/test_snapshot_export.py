@@ -114,3 +114,20 @@ def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args, setup):
     room = AGREE_FRACTION * doc["peak"]["predicted_bytes"]
     assert all(abs(k["difference_bytes"]) <= room for k in doc["kinds_at_peak"]), doc["kinds_at_peak"]
     assert doc["parts_at"] is None  # no phase parts by more than compare's PART_FRACTION
+
+
+NO_SNAPSHOT = [
+    # (args, exit code, message); source: validate/command._check_snapshot (only run_on_device's steps write one)
+    (["--framework", "torchtune", "--model", "llama-3.2-1b", "--lora"], 2,
+     "--snapshot: --framework torchtune does not write one yet"),
+    (["--framework", "plain", "--model", "gpt2", "--gpus", "2", "--zero", "3"], 2,
+     "--snapshot: a sharded step does not write one yet"),
+]
+
+
+@pytest.mark.parametrize("args, code, message", NO_SNAPSHOT)
+def test_validate_snapshot_where_none_is_written(tmp_path, args, code, message):
+    res = CliRunner().invoke(app, ["validate", *args, "--device", "meta", "--scale-layers", "1", "--snapshot",
+                                   str(tmp_path / "s.pickle")])
+    assert res.exit_code == code and message in res.output, res.output
+    assert not (tmp_path / "s.pickle").exists()
