@@ -138,9 +138,13 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
      lambda s: f"zero 1 under {s.tr.sharding}: FSDP has no stage 1 (it always shards the parameters); estimated "
                "as DDP + ZeroRedundancyOptimizer, the ZeRO paper's stage 1 (optimizer state sharded, whole "
                "weights and gradients; DDP's gradient buckets not modelled)"),
-    (lambda s: s.tr.gpus > 1 and s.tr.zero == 0,
+    (lambda s: s.tr.gpus > 1 and s.tr.zero == 0 and s.tr.ep == 1,
      lambda s: f"gpus {s.tr.gpus} has no effect without ZeRO but NCCL's buffers: plain data parallelism keeps a "
                "whole copy on every GPU (the estimate is per GPU)"),
+    (lambda s: s.tr.gpus > s.tr.ep > 1 and s.tr.zero == 0,
+     lambda s: f"gpus {s.tr.gpus} beyond ep {s.tr.ep} changes nothing per GPU without ZeRO: each group of "
+               f"{s.tr.ep} ranks holds the rest of the model whole and 1/{s.tr.ep} of the experts (engine."
+               "expert_parallel)"),
     (lambda s: s.tr.deepspeed is not None and s.tr.deepspeed.offload_param
      and (s.tr.zero < 3 or s.tr.sharding != "deepspeed"),
      lambda s: "offload_param has no effect without DeepSpeed ZeRO-3: DeepSpeed reads it at stage 3 only "

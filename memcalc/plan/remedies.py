@@ -186,6 +186,8 @@ def _first_fit(alts: list[dict[str, Any]], gpu: Any, exp_of: Callable[[dict[str,
                            stop_above=largest_peak_within(int(gpu.capacity_bytes), card_side(e, gpu)))
         except PeakAbove:
             continue
+        except UserError:  # refused by the engine's own checks (LoRA under --tp / --ep): not a change for this setup
+            return None
         row = verdict(est, gpu)
         if row["fits"]:
             return change, est.peak_bytes, row

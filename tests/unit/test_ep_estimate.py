@@ -85,3 +85,16 @@ def test_bad_ep_is_one_line_exit_2(args, code, message):
     assert r.exit_code == code, r.output
     assert message in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.output
+
+
+@pytest.mark.slow  # two full estimates with their "to make it fit" searches: seconds
+@pytest.mark.parametrize("args", [
+    # source: plan/remedies.py tried --lora on top, which --ep (and --tp) refuse in the engine: the
+    # whole estimate failed with that refusal instead of skipping the change
+    ["estimate", "--model", "deepseek-v3", "--bf16", "--ep", "8", "--gpus", "8", "--seq", "512"],
+    ["estimate", "--model", "llama-3.1-70b", "--bf16", "--tp", "2", "--seq", "512"],
+])
+def test_a_remedy_the_engine_refuses_is_skipped(args):
+    r = run(args)
+    assert r.exit_code == 0, r.output
+    assert "LoRA / QLoRA adapters" not in r.output

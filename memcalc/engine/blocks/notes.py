@@ -14,10 +14,17 @@ def family_notes(exp: ExperimentSpec) -> list[str]:
     notes = []
     if m.moe is not None:
         moe = m.moe
-        notes.append(
-            f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
-            "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
-            "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
+        if tr.ep > 1:  # engine/expert_parallel.py: the rows a rank receives are the stated capacity factor's
+            notes.append(
+                f"expert parallelism: this rank receives {tr.ep_capacity_factor:g} x its batch x seq x "
+                f"{moe.top_k} routed rows for its {moe.n_experts // tr.ep} experts (--ep-capacity-factor; 1 = "
+                "the even split); the busiest rank of an imbalanced routing receives more, and every buffer the "
+                "dispatcher and the experts make grows with it")
+        else:
+            notes.append(
+                f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
+                "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
+                "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
         adapted = [p for p in param_inventory(m, tr.lora) if ".moe.experts." in p.name and p.kind == "lora"]
         if adapted:
             n_layers = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
