@@ -39,7 +39,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -97,6 +97,17 @@ CASES: tuple[Case, ...] = (
     *(Case(f"config-{n}", "step", f"reference config {n}: torch.compile (inductor)", config=n,
            cuda_layers=COMPILE_LAYERS, cost_s=60.0) for n in _COMPILED),
 )
+
+
+def select(names: Sequence[str]) -> tuple[Case, ...]:
+    """The cases named (``--case``; all when none), in the protocol's order; an unknown name is one
+    UserError listing the valid ones."""
+    names = list(names)
+    known = {c.name for c in CASES}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UserError(f"unknown --case {', '.join(map(repr, unknown))}; valid: {', '.join(c.name for c in CASES)}")
+    return tuple(c for c in CASES if not names or c.name in names)
 
 
 def _slug(text: str) -> str:

@@ -91,6 +91,9 @@ def validate(
                            "the allocator, cuBLAS workspace and CUDA context, each predicted vs measured; --output "
                            "is then a folder (default data/reference/measured/ on CUDA). --device meta runs it "
                            "traced.")] = False,
+    case: Annotated[Optional[list[str]], typer.Option(
+        "--case", metavar="<str>", help="With --protocol: run only this case (repeatable; e.g. to rerun the ones "
+                                        "a run skipped for time). Default: all, in the protocol's order.")] = None,
 ) -> None:
     """Run the real training step (CUDA) or trace it on the meta device, and compare with the estimate.
 
@@ -112,7 +115,9 @@ def validate(
                                  ("snapshot", snapshot), ("html", html), ("framework", framework), ("gpus", gpus),
                                  ("zero", zero), ("sharding", sharding), ("rank", rank), ("reentrant", reentrant))
                   if v not in (None, False, ())]
-        return _protocol(device, output, as_json, given)
+        return _protocol(device, output, as_json, given, case)
+    if case:
+        raise UserError("--case selects the cases of --protocol: add --protocol")
     from memcalc.core.aliases import canonical
 
     # the users' spellings (transformers, bfloat16, 4k) as memcalc's names, a note each, before torch loads
@@ -211,10 +216,11 @@ def _traced(items: list) -> str:
 
 #: validate's own options (and those it passes on itself); the others are the experiment's inputs
 _OWN = ("config", "all_configs", "device", "scale_layers", "output", "snapshot", "as_json", "html", "framework",
-        "reentrant", "gpus", "zero", "sharding", "rank", "force", "protocol")
+        "reentrant", "gpus", "zero", "sharding", "rank", "force", "protocol", "case")
 
 
-def _protocol(device: Optional[str], output: Optional[str], as_json: bool, given: list[str]) -> None:
+def _protocol(device: Optional[str], output: Optional[str], as_json: bool, given: list[str],
+              case: Optional[list[str]] = None) -> None:
     """``--protocol``: its fixed list of cases (memcalc.validate.protocol), the records in the folder ``output``."""
     if given:
         flags = ", ".join("--" + g.replace("_", "-") for g in given)
@@ -224,9 +230,10 @@ def _protocol(device: Optional[str], output: Optional[str], as_json: bool, given
     if output is not None:
         _check_folder(output)
     _runner(as_json)  # imports memcalc.validate (torch): missing torch is one line, a signal meanwhile stops cleanly
-    from memcalc.validate.protocol import default_output, run_protocol
+    from memcalc.validate.protocol import default_output, run_protocol, select
 
-    run_protocol(device, output if output is not None else default_output(device), as_json)
+    cases = select(case or ())  # unknown names: one line listing the valid ones, before any case runs
+    run_protocol(device, output if output is not None else default_output(device), as_json, cases=cases)
 
 
 def _check_folder(path: str) -> None:

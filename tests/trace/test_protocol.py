@@ -136,3 +136,13 @@ def test_protocol_on_cuda_without_cuda_is_one_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = CliRunner().invoke(app, ["validate", "--protocol", "--device", "cuda"])
     one_line_error(r, 2, "--protocol --device cuda: no CUDA device is available")
+
+
+def test_case_selection_keeps_the_protocols_order():
+    from memcalc.core.errors import UserError
+    from memcalc.validate.protocol import select
+
+    assert [c.name for c in select(["hf-lora", "cuda-context"])] == ["cuda-context", "hf-lora"]
+    assert select([]) == CASES
+    with pytest.raises(UserError, match=r"unknown --case 'hf-lorra'; valid: cuda-context, allocator-pattern"):
+        select(["hf-lorra"])

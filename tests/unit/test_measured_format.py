@@ -89,3 +89,8 @@ def test_protocol_flag_refusals(args, code, message, monkeypatch):
     monkeypatch.chdir(ROOT)
     r = CliRunner().invoke(app, ["validate", "--protocol", *args])
     one_line_error(r, code, message)
+
+
+def test_case_needs_protocol():
+    r = CliRunner().invoke(app, ["validate", "--config", "control", "--case", "hf-lora"])
+    one_line_error(r, 2, "--case selects the cases of --protocol: add --protocol")
