@@ -178,6 +178,11 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.ep": ({"model": MOE["model"], "training": {"gpus": 2}}, 2),
     "TrainingSpec.ep_capacity_factor": ({"model": MOE["model"], "training": {"gpus": 2, "ep": 2}}, 1.5),
     "TrainingSpec.cp": ({"training": {"precision": "bf16"}}, 2),  # ring attention (flash: 16-bit)
+    # pipeline parallelism (engine.pipeline): a rank holds half the layers; the schedule and the micro-batches
+    # decide how many micro-batches' activations it holds at once
+    "TrainingSpec.pp": ({}, 2),
+    "TrainingSpec.pp_schedule": ({"training": {"pp": 2, "microbatches": 4}}, "gpipe"),
+    "TrainingSpec.microbatches": ({"training": {"pp": 2}}, 4),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),

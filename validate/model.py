@@ -155,8 +155,21 @@ class Decoder(nn.Module):
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding, layers, final norm and head: what ``model.compile()`` compiles (the loss
         stays eager in Forgather's trainer). Call inside ``self.amp.region()``."""
-        m, amp = self.m, self.amp
         B, T = input_ids.shape
+        x = self.embed(input_ids)
+        cos, sin = self.rope(T, x.dtype)
+        masks = variants.build_masks(self.m, B, T, x.dtype, x.device)
+        x = self.final(self.run_layers(x, cos, sin, masks))
+        del masks  # the model's forward returns (checkpoint closures may still hold them)
+        box = [x]
+        del x  # handed over: the head frees it after its matmul
+        return self.head(box)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding (positions, scale, dropout): the first pipeline stage's start too
+        (validate/sharded/pipeline.py)."""
+        m = self.m
+        T = input_ids.shape[1]
         self._label("embedding")
         if self.offload is not None:
             self.offload.__enter__()
@@ -166,16 +179,24 @@ class Decoder(nn.Module):
         if m.positions == "learned":
             pos = torch.arange(T, device=input_ids.device)[None, :]
             x = x + self.embed_positions(pos)
-        x = dropout(x, m.embd_dropout if self.training else 0.0)
-        cos = sin = None
-        if m.positions == "rope":
-            cos, sin = rope_tables(self.inv_freq, T, x.dtype)
-        masks = variants.build_masks(m, B, T, x.dtype, x.device)
-        x = self.run_layers(x, cos, sin, masks)
+        return dropout(x, m.embd_dropout if self.training else 0.0)
+
+    def rope(self, T: int, dtype: torch.dtype) -> tuple:
+        """The RoPE tables of a forward ((None, None) without RoPE)."""
+        if self.m.positions == "rope":
+            return rope_tables(self.inv_freq, T, dtype)
+        return None, None
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm (the last pipeline stage's end starts here)."""
         self._label("head & loss")
-        if m.final_norm:
-            x = self.final_norm(x)
-        del masks  # the model's forward returns (checkpoint closures may still hold them)
+        return self.final_norm(x) if self.m.final_norm else x
+
+    def head(self, box: list) -> torch.Tensor:
+        """The head on the final norm's output, handed over in a one-element list ``box`` (no caller's
+        reference keeps it alive: it goes after the head's matmul): the logits."""
+        m, amp = self.m, self.amp
+        x = box.pop()
         if self.offload is not None:  # torchtune: a NoOpManager around the output head
             self.offload.__exit__(None, None, None)
         tied = self.embed_tokens.weight if m.tie_embeddings else None

@@ -68,6 +68,10 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     caching allocator (``capacity``: the GPU's usable bytes) and reports its allocated and
     reserved peaks in ``sim_allocated_bytes`` / ``sim_reserved_bytes``.
     """
+    if exp.training.pp > 1:  # pipeline parallelism: every rank in turn on the fake process group (sharded/pipeline.py)
+        from .sharded.pipeline import measure_pp
+
+        return measure_pp(exp, scale_layers, progress, debug, device=device)
     if exp.training.cp > 1:  # context parallelism: one rank on the fake process group (sharded/context_parallel.py)
         from .sharded.context_parallel import measure_cp
 

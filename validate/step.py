@@ -73,6 +73,8 @@ class Measurement:
     host_activation_bytes: Optional[int] = None
     #: DeepSpeed offload_param: the pinned host bytes of its 16-bit partitions (validate/deepspeed_trace.py)
     host_param_bytes: Optional[int] = None
+    #: pipeline parallelism: every rank's traced stage and peak (validate/sharded/pipeline.py); the worst is measured
+    pipeline_stages: list = field(default_factory=list)
     peak_live: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:

@@ -22,6 +22,7 @@ from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterCo
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
                                  Seq, Ep, EpCapacityFactor, Cp, CpMethod, SequenceParallel, Sharding, Torch, Tp, Zero,
                                  _check_output, Force,
+                                 Pp, PpSchedule, Microbatches,
                                  inputs_of)
 from memcalc.core.errors import UserError
 
@@ -43,6 +44,7 @@ def estimate(
     ep: Ep = None, ep_capacity_factor: EpCapacityFactor = None,
     cp: Cp = None, cp_method: CpMethod = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
+    pp: Pp = None, pp_schedule: PpSchedule = None, microbatches: Microbatches = None,
     modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,
     deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, loss_tokens: LossTokens = None,

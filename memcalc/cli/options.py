@@ -145,6 +145,13 @@ Cp = Annotated[Optional[int], typer.Option(
 CpMethod = Annotated[Optional[str], typer.Option(
     "--cp-method", help="With --cp: ring (torch's context_parallel as torchtitan applies it; default) or ulysses "
                         "(DeepSpeed's DistributedAttention all-to-all).")]
+Pp = Annotated[Optional[int], typer.Option(
+    "--pp", help="Pipeline-parallel degree: the layers split evenly into --pp stages (torch.distributed.pipelining); "
+                 "the worst rank is reported. GPUs in all = --gpus x --tp x --pp.")]
+PpSchedule = Annotated[Optional[str], typer.Option(
+    "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe) or 1f1b (Schedule1F1B, the default).")]
+Microbatches = Annotated[Optional[int], typer.Option(
+    "--microbatches", help="With --pp: micro-batches per step; --batch is split into them (default: --pp).")]
 SequenceParallel = Annotated[bool, typer.Option(
     "--sequence-parallel", help="With --tp: norms and dropout on sequence shards.")]
 ActivationOffload = Annotated[bool, typer.Option(

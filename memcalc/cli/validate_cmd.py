@@ -19,6 +19,7 @@ from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterCo
                                  LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, Ep, EpCapacityFactor, SequenceParallel, Tp,
+                                 Pp, PpSchedule, Microbatches,
                                  _check_output, inputs_of,
                                  Force, Cp, CpMethod)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
@@ -45,6 +46,7 @@ def validate(
     ep: Ep = None, ep_capacity_factor: EpCapacityFactor = None,
     cp: Cp = None, cp_method: CpMethod = None,
     sequence_parallel: SequenceParallel = False,
+    pp: Pp = None, pp_schedule: PpSchedule = None, microbatches: Microbatches = None,
     device: Annotated[Optional[str], typer.Option(
         "--device", help="cuda | meta | cpu (default: cuda when available, else meta).")] = None,
     scale_layers: Annotated[Optional[int], typer.Option(
@@ -206,8 +208,9 @@ def _traced(items: list) -> str:
     if not traced <= set(TRACED_FRAMEWORKS) or len(traced) > 1:
         raise UserError(f"validate traces one framework per run, one of {', '.join(TRACED_FRAMEWORKS)}; these "
                         f"experiments use {', '.join(sorted(traced))}: pass --framework with one of them")
-    if "hf" in traced and any(not isinstance(e, UserError) and e.training.tp > 1 for _, e in items):
-        raise UserError("--tp traces memcalc's replica under torchtitan's plan: pass --framework plain")
+    for flag in ("tp", "pp"):
+        if "hf" in traced and any(not isinstance(e, UserError) and getattr(e.training, flag) > 1 for _, e in items):
+            raise UserError(f"--{flag} traces memcalc's replica under torchtitan's plan: pass --framework plain")
     if traced != {"plain"} and any(not isinstance(e, UserError) and e.training.cp > 1 for _, e in items):
         raise UserError("--cp traces memcalc's replica under torch's ring attention or DeepSpeed's Ulysses: pass "
                         "--framework plain")

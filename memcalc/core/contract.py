@@ -88,4 +88,6 @@ CONDITIONAL: dict[str, str] = {
     "DeepSpeedSpec.offload_param": "ZeRO-2 or no DeepSpeed (DeepSpeed reads it at stage 3 only)",
     "TrainingSpec.sequence_parallel": "tp 1 (no tensor-parallel group to shard the sequence over)",
     "TrainingSpec.ep_capacity_factor": "ep 1 (no all-to-all dispatch whose received rows it scales)",
+    "TrainingSpec.pp_schedule": "pp 1 (no pipeline: nothing is scheduled over stages)",
+    "TrainingSpec.microbatches": "pp 1 (no pipeline: the batch is not split into micro-batches)",
 }

@@ -9,7 +9,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
 
-from memcalc.core.choices import CompileScope, CpMethod, LoraDType, Precision, Sharding
+from memcalc.core.choices import CompileScope, CpMethod, LoraDType, PipelineSchedule, Precision, Sharding
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import DEFAULT_IMPL, GALORE_RANK, IMPLS, OPTIMIZER_NAMES, impl_error
 from memcalc.core.spec_base import MAX_COUNT, MAX_SEQ, Spec
@@ -256,6 +256,14 @@ class TrainingSpec(Spec):
     cp_method: CpMethod = Field("ring", description="With cp > 1: ring (torch's context_parallel as torchtitan "
                                 "applies it: load-balanced sequence shards, K/V all-gathered per attention) or "
                                 "ulysses (DeepSpeed's DistributedAttention: all-to-all from sequence to heads).")
+    pp: int = Field(1, gt=0, le=MAX_COUNT, description="Pipeline-parallel degree: the layers split evenly into pp "
+                    "stages on pp ranks (torch.distributed.pipelining; memcalc.core.pipeline). "
+                    "Total GPUs = gpus x tp x pp.")
+    pp_schedule: PipelineSchedule = Field(
+        "1f1b", description="With pp > 1: the pipeline schedule (gpipe = ScheduleGPipe, 1f1b = Schedule1F1B).")
+    microbatches: Optional[int] = Field(
+        None, gt=0, le=MAX_COUNT, description="With pp > 1: micro-batches the batch is split into per step "
+        "(None: pp).")
     activation_offload: bool = Field(
         False, description="Move saved activations to host memory during forward and back for backward "
         "(torchtune OffloadActivations); the host memory it needs is reported.")

@@ -129,6 +129,8 @@ class SimResult:
     #: what is alive at the peak by kind, then category (:meth:`PeakBreakdown.peak_by_kind`); empty for a
     #: step derived from another's records (memcalc.engine.twins)
     peak_by_kind: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: pipeline parallelism: every rank's stage and peak (:mod:`memcalc.engine.pipeline`); the result is the worst's
+    stages: Optional[list[dict]] = None
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,11 @@ class SimHooks:
         """A micro-step's forward begins: no node registered yet."""
         self.nodes = []
 
+    def use_graph(self, nodes: list) -> None:
+        """Backward of a graph recorded earlier (pipeline parallelism keeps one per micro-batch in flight,
+        :mod:`memcalc.engine.pipeline`): its nodes become the ones backward runs."""
+        self.nodes = nodes
+
     @contextmanager
     def recomputing(self, layer: int, label: str) -> Iterator[None]:
         """Within: a checkpointed region's recompute in backward, in decoder layer ``layer``, labelled

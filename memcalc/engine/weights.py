@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from collections.abc import Callable
 from typing import Optional
 
 from memcalc.core.dtypes import DType
@@ -102,11 +103,13 @@ def param_rows(exp: ExperimentSpec) -> tuple[tuple, ...]:
         quant_head=quantized_head(exp))[0]
 
 
-def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
+def make_params(sim: Sim, exp: ExperimentSpec,
+                only: Optional[Callable[[str, Optional[int]], bool]] = None) -> Model:
     """Allocate every parameter at the precision policy's weight dtype, LoRA adapters at theirs
     (:attr:`ExperimentSpec.adapter_dtype`); weights exist before the step. What each parameter
     allocates depends only on the model and a few training fields, so it is worked out once per
-    those (:func:`_param_rows`) and every simulated step of them only allocates."""
+    those (:func:`_param_rows`) and every simulated step of them only allocates. ``only(name, layer)``:
+    only the parameters it accepts (a pipeline stage's, :mod:`memcalc.engine.pipeline`)."""
     tr = exp.training
     wdt = tr.weight_dtype
     f2 = fsdp.fsdp_active(tr)  # FSDP2 or FSDP1: every parameter sharded in the original dtype
@@ -117,6 +120,8 @@ def make_params(sim: Sim, exp: ExperimentSpec) -> Model:
         fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
         tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp), expert_degree(exp),
         quantized_head(exp))
+    if only is not None:
+        rows = tuple(r for r in rows if only(r[0], r[7]))
     params: dict[str, Param] = {}
     order: list[Param] = []
     blocks = sim.alloc_many("weights", [(nbytes, cat, name, numel, bits)

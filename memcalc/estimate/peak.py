@@ -155,6 +155,8 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.tr.ep == 1 and s.tr.ep_capacity_factor != 1.0,
      lambda s: f"ep_capacity_factor {s.tr.ep_capacity_factor:g} has no effect with ep 1: no all-to-all dispatch "
                "receives rows (set ep)"),
+    (lambda s: s.tr.pp == 1 and (s.changed("pp_schedule") or s.changed("microbatches")),
+     lambda s: "pp_schedule and microbatches have no effect with pp 1: there is no pipeline to schedule (set pp)"),
     (lambda s: s.tr.checkpoint != "every-k" and s.changed("checkpoint_every"),
      lambda s: f"checkpoint_every {s.tr.checkpoint_every} has no effect with checkpoint {s.tr.checkpoint}: "
                "it is the K of every-k"),
@@ -332,6 +334,10 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     replays, step_alloc, step_reserved = _replayed(steady, first) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
     alloc_extra.update(techniques)
+    if steady.stages is not None:  # pipeline parallelism: every rank's stage and peak (memcalc.engine.pipeline)
+        from memcalc.engine.pipeline import pipeline_extra
+
+        alloc_extra["pipeline"] = pipeline_extra(exp, steady.stages)
     load = load_phase(exp)  # before the step (memcalc.engine.loading): QLoRA quantizes while it loads
     alloc_extra.update({"load_peak_bytes": load.peak_bytes, "load_peak_label": load.peak_label})
     assert first.peak_bytes <= steady.peak_bytes or not first_step_within_steady(exp), (

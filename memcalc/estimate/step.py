@@ -41,6 +41,12 @@ def strategy_for(exp: ExperimentSpec) -> Callable[[], LayerStrategy]:
 def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: bool = True,
              trace_allocs: bool = False, events: bool = False, fused_twin: bool = False,
              observers: Sequence[object] = ()) -> SimResult:
-    """:func:`memcalc.engine.timeline.simulate` with the strategy :func:`strategy_for` picks."""
+    """:func:`memcalc.engine.timeline.simulate` with the strategy :func:`strategy_for` picks (pipeline
+    parallelism: every rank's step, :func:`memcalc.engine.pipeline.simulate_pp`, the worst rank's result)."""
+    if exp.training.pp > 1:
+        from memcalc.engine.pipeline import simulate_pp
+
+        return simulate_pp(exp, strategy_for(exp), first_step=first_step, record_timeline=record_timeline,
+                           trace_allocs=trace_allocs, events=events, observers=observers)
     return simulate_with(exp, first_step=first_step, record_timeline=record_timeline, trace_allocs=trace_allocs,
                          events=events, strategy=strategy_for(exp), fused_twin=fused_twin, observers=observers)

@@ -94,6 +94,9 @@ class Options:
     cp: Optional[int] = None
     cp_method: Optional[str] = None
     sequence_parallel: bool = False
+    pp: Optional[int] = None
+    pp_schedule: Optional[str] = None
+    microbatches: Optional[int] = None
     activation_offload: bool = False
     #: path of a DeepSpeed config (``--deepspeed``; HF TrainingArguments' ``deepspeed``): implies sharding deepspeed
     deepspeed: Optional[str] = None
@@ -159,23 +162,20 @@ def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, .
     return ts
 
 
-def _check_positive(name: str, v: Optional[float]) -> None:
-    if v is not None and v <= 0:
-        raise UserError(f"--{name} must be positive, got {v}")
-
-
-def _check_finite(name: str, v: Optional[float]) -> None:
-    if v is not None and not math.isfinite(v):
-        raise UserError(f"--{name} must be a finite number, got {v}")
+def _check_number(name: str, v: Optional[float], positive: bool) -> None:
+    """One line for an option that is not a finite number (or, ``positive``, not above 0)."""
+    if v is not None and (v <= 0 if positive else not math.isfinite(v)):
+        raise UserError(f"--{name} must be {'positive' if positive else 'a finite number'}, got {v}")
 
 
 #: the numeric options that must be finite, and those that must be positive (checked in this order)
 _FINITE = ("lora_alpha", "lora_dropout", "memory_budget", "ep_capacity_factor")
-_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep", "cp")
+_POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep", "cp", "pp")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
                 "galore_rank", "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget",
-                "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp", "cp_method")
+                "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp", "cp_method", "pp",
+                "pp_schedule", "microbatches")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -243,10 +243,9 @@ def resolve(o: Options) -> Resolved:
 
 def _check_numbers(o: Options) -> None:
     """The numeric flags' ranges (before anything is read)."""
-    for name in _FINITE:
-        _check_finite(name.replace("_", "-"), getattr(o, name))
-    for name in _POSITIVE:
-        _check_positive(name.replace("_", "-"), getattr(o, name))
+    for names, positive in ((_FINITE, False), (_POSITIVE, True)):
+        for name in names:
+            _check_number(name.replace("_", "-"), getattr(o, name), positive)
     if o.zero is not None and o.zero not in (0, 1, 2, 3):
         raise UserError(f"--zero must be 0, 1, 2 or 3, got {o.zero}")
     if o.memory_budget is not None and not 0 <= o.memory_budget <= 1:
@@ -305,7 +304,7 @@ def _flag_values(o: Options) -> dict[str, Any]:
         compile=(o.compile or o.memory_budget is not None or o.compile_scope is not None) or None,
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,
         zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp, ep=o.ep, ep_capacity_factor=o.ep_capacity_factor,
-        cp=o.cp, cp_method=o.cp_method,
+        cp=o.cp, cp_method=o.cp_method, pp=o.pp, pp_schedule=o.pp_schedule, microbatches=o.microbatches,
     )
 
 

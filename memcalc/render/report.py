@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Optional
 
+from memcalc.core.pipeline import pipeline_line
 from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.core.expert_parallel import ep_line
@@ -145,6 +146,7 @@ def to_json(est: Estimate, res: Resolved, gpus: list[Any]) -> dict[str, Any]:
         **({"host_param_bytes": est.extra["host_param_bytes"]} if "host_param_bytes" in est.extra else {}),
         # only for a framework the validator cannot trace (unsloth): which numbers are read from source
         **({"provenance": est.extra["provenance"]} if "provenance" in est.extra else {}),
+        **({"pipeline": est.extra["pipeline"]} if "pipeline" in est.extra else {}),
         "gpus": fits_rows(est, gpus),
         "inputs": {
             "model": exp.model.model_dump(),
@@ -210,6 +212,7 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
          if tr.compile else None),
         ("tensor parallel", _tensor_parallel(tr, o)),
         ("expert parallel", ep_line(exp, _mark(o, "ep"), _mark(o, "ep_capacity_factor"))),
+        ("pipeline parallel", pipeline_line(est.extra["pipeline"]) if "pipeline" in est.extra else None),
         ("adapters", _adapters(exp, res)),
         ("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}"),
         ("kernel profile", _kernel_profile(p, m, o)),

@@ -119,6 +119,8 @@ NO_EFFECT = [
     ("KernelProfile.liger_ops", {}, ("flce",)),  # source: kernels none: Trainer applies no Liger kernel
     ("TrainingSpec.sequence_parallel", {}, True),  # source: tp 1, no tensor-parallel group
     ("TrainingSpec.ep_capacity_factor", {}, 1.5),  # source: ep 1, no all-to-all dispatch
+    ("TrainingSpec.pp_schedule", {}, "gpipe"),  # source: pp 1, no pipeline
+    ("TrainingSpec.microbatches", {}, 2),  # source: pp 1, the batch is not split
     ("DeepSpeedSpec.offload_param", DS2, True),  # source: offload_config.py, offload_param is read at stage 3 only
 ]
 

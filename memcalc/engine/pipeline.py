@@ -1,0 +1,312 @@
+"""Pipeline parallelism: the step of each rank of a ``pp``-stage pipeline, as torch.distributed.pipelining runs it.
+
+A rank holds its stage (:func:`memcalc.core.pipeline.stage_layers`: an even split, the embedding on the
+first stage, the final norm, head and loss on the last) and runs the schedule's actions in the order
+torch's schedule runs them on that rank (:func:`actions`; torch 2.13 torch/distributed/pipelining/
+schedules.py ``ScheduleGPipe._step_microbatches``, ``Schedule1F1B._step_microbatches``): a forward of
+micro-batch ``i`` (``F``), a backward of it (``B``). Each forward runs the decoder walk
+(:class:`memcalc.engine.forward.Forward`) over the stage's layers on ``batch / M`` rows and keeps its
+autograd graph until that micro-batch's backward, so the schedule's micro-batches in flight hold their
+saved activations at once (GPipe: all ``M`` before the first backward; 1F1B: ``min(M, pp - rank)``).
+
+What the schedule itself holds, from its source (torch 2.13):
+
+- **receive buffers** (stage.py ``_setup_forward_recv_info`` / ``_create_grad_recv_info``): a stage
+  that is not the first has one ``(b, T, d)`` activation buffer per micro-batch, one that is not the
+  last one ``(b, T, d)`` gradient buffer per micro-batch, made once and kept across steps; the
+  received activation is the buffer itself, a leaf requiring grad;
+- **the stage's output** (``fwd_cache[i] = (output_tuple, input_values)``) until micro-batch ``i``'s
+  backward pops it, and the schedule's local ``output`` (the latest forward's) until the next forward
+  returns: on the last stage these are the logits (the loss is ``loss_fn(output, target)`` outside the
+  module, ``_maybe_compute_loss``); every micro-batch's loss stays in ``_internal_losses`` to the end;
+- **the input gradient** sent back (non-first stages): ``stage_backward`` reads it from the buffer's
+  ``.grad`` and clears it (_backward.py), ``bwd_cache`` -> ``get_bwd_send_ops`` -> a ``P2POp`` held by the
+  schedule's ``ops`` (GPipe: until the next backward's receive ops replace it) or ``bwd_sends`` (1F1B:
+  until the next backward's send ops replace it, after that backward);
+- gradients accumulate over the micro-batches into ``.grad`` (``perform_reduce_grad`` scales them in
+  place), then the optimizer steps and ``zero_grad(set_to_none=True)``.
+
+Every rank also holds the whole batch's ids and labels (torchtitan's ``forward_backward_step`` moves
+both to the GPU before branching on the stage); each micro-batch's are views of them
+(``torch.tensor_split``, microbatch.py ``_split_tensor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Optional
+
+from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp, micro_batch, stage_layers
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.blocks import attention_variants as av
+from memcalc.engine.blocks import embedding, head
+from memcalc.engine.forward import Forward
+from memcalc.engine.fsdp import optimizer_training
+from memcalc.engine.observers import AllocEvents, AllocTrace, Timeline
+from memcalc.engine.optimizers import OptimizerSim
+from memcalc.engine.params import param_inventory
+from memcalc.engine.result import SimResult
+from memcalc.engine.sim import Node, Sim, T
+from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.weights import Model, make_params
+
+
+def actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple[str, int]]:
+    """The rank's ``(F | B, micro-batch)`` actions in the order torch's schedule runs them."""
+    if schedule == "gpipe":  # ScheduleGPipe: every forward, then every backward
+        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
+    # Schedule1F1B: warm-up forwards, then B and F in turn (B first), then the cool-down backwards
+    warmup = min(M, pp - rank)
+    out = [("F", i) for i in range(warmup)]
+    f, b = warmup, 0
+    while True:
+        out.append(("B", b))
+        b += 1
+        if f == M:
+            break
+        out.append(("F", f))
+        f += 1
+    out += [("B", i) for i in range(b, M)]
+    return out
+
+
+@dataclass
+class StagePeak:
+    """One rank's simulated step: its stage and its peak."""
+
+    rank: int
+    layers: tuple[int, int]
+    peak_bytes: int
+    peak_phase: str
+    peak_label: str
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "layers": list(self.layers), "embedding": self.rank == 0,
+                "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase, "peak_label": self.peak_label}
+
+
+class StageForward(Forward):
+    """The decoder walk over one stage: the embedding if first, layers ``[lo, hi)`` (their global
+    indices, so every parameter and per-layer rule is the layer's own), the final norm and the head if
+    last. :meth:`run_stage` returns the stage's output (hidden states, or the logits)."""
+
+    def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
+                 lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__(sim, exp, model, strategy)
+        self.lo, self.hi, self.first, self.last = lo, hi, first, last
+
+    def layers(self, x: T) -> T:
+        for lo, hi in self.strategy.regions(self.hi - self.lo):
+            self.sim.mark(f"fwd layer {lo + self.lo}")
+            y = self.strategy.run(self, x, lo + self.lo, hi + self.lo)
+            self.ops.drop(x)
+            x = y
+        self.strategy.after_layers(self)
+        return x
+
+    def run_stage(self, x_in: T) -> T:
+        """The stage's module forward on ``x_in`` (the ids view, or the received buffer; not taken)."""
+        sim, o, m = self.sim, self.ops, self.m
+        sim.where(None, "embedding")
+        self.ids_labels = ()
+        x = embedding.embed_dropout(self, embedding.embed(self, x_in)) if self.first else sim.ref(x_in)
+        if m.positions == "rope":  # the stage's RoPE tables (a local of its forward; saved by RoPE's nodes)
+            from memcalc.core.rules import rope_tables_bytes, rope_width
+
+            self.rope_tables = sim.alloc(rope_tables_bytes(self.exp.profile.framework, self.B, self.T, rope_width(m),
+                                                           o.dtype_of(x).nbytes(1)), "activations", "rope tables")
+        self.masks = av.build_masks(self)
+        x = self.layers(x)
+        if self.last:
+            sim.mark("final norm & head")
+            sim.set_role("head")
+            x = head.final_norm(self, x)
+        self.release_masks()
+        if self.last:
+            x = head.logits(self, x)
+            self.strategy.logits(self, x)
+        o.exit_autocast()
+        sim.unref(self.rope_tables)  # the forward's local goes as it returns
+        self.rope_tables = None
+        return x
+
+
+class RankStep:
+    """One rank's step (see the module docstring); :meth:`run` returns its :class:`SimResult`."""
+
+    def __init__(self, exp: ExperimentSpec, rank: int, strategy, first_step: bool,
+                 observers: Sequence[object] = ()) -> None:
+        tr = exp.training
+        self.M, b = micro_batch(tr)
+        self.exp = exp
+        self.mexp = exp.model_copy(update={"training": tr.model_copy(update={"batch": b})})  # what one F runs
+        self.rank, self.pp = rank, tr.pp
+        self.lo, self.hi = stage_layers(exp.model.n_layers, tr.pp)[rank]
+        self.first, self.last = rank == 0, rank == tr.pp - 1
+        self.strategy, self.first_step = strategy, first_step
+        self.sim = Sim(exp.profile.allocator_round_bytes)
+        self.log: Optional[AllocEvents] = next((ob for ob in observers if isinstance(ob, AllocEvents)), None)
+        for ob in observers:
+            self.sim.watch(ob)
+
+    def keep(self, name: str, layer: Optional[int]) -> bool:
+        """Whether parameter ``name`` (of decoder layer ``layer``, None outside the layers) is this stage's."""
+        if layer is not None:
+            return self.lo <= layer < self.hi
+        return self.first if name.startswith("embed_") else self.last
+
+    def setup(self) -> None:
+        sim, exp = self.sim, self.exp
+        sim.mark("weights", "setup")
+        self.model = make_params(sim, exp, only=self.keep)
+        rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, None)}
+        self.opt = OptimizerSim(sim, optimizer_training(exp.training), self.model.order, rows_of)
+        if not self.first_step:
+            self.opt.create_all()
+        tr, d = exp.training, exp.model.d_model
+        b, seq = tr.batch // self.M, tr.seq
+        dt = tr.weight_dtype  # the residual stream between stages
+        n = b * seq * d
+
+        def buffers() -> list[T]:
+            return [sim.alloc(dt.nbytes(n), "activations", "pipeline receive buffers", numel=n, itemsize_bits=dt.bits)
+                    for _ in range(self.M)]
+
+        self.recv = buffers() if not self.first else []
+        self.grad_recv = buffers() if not self.last else []
+        self.ids = sim.alloc(tr.batch * seq * 8, "activations", "inputs")
+        self.labels = sim.alloc(tr.batch * seq * 8, "activations", "inputs")
+        sim.mark("step start", "setup")
+        self.step_start = len(self.log.events) if self.log is not None else 0
+
+    def run(self) -> SimResult:
+        self.setup()
+        sim = self.sim
+        self.graphs: dict[int, tuple] = {}
+        self.output: Optional[T] = None  # the schedule's local ``output``
+        self.losses: list[T] = []
+        self.sending: Optional[T] = None  # the input gradient the schedule's send ops hold
+        for kind, i in actions(self.exp.training.pp_schedule, self.pp, self.M, self.rank):
+            if kind == "F":
+                self.forward(i)
+            else:
+                self.backward(i)
+        for t in [self.output, self.sending, *self.losses]:
+            sim.unref(t)
+        sim.mark("optimizer step", "optimizer step")
+        self.opt.step_all()
+        for p in self.model.order:
+            if p.grad is not None:
+                sim.unref(p.grad)
+                p.grad = None
+        sim.mark("step end", "optimizer step")
+        return self.result()
+
+    def forward(self, i: int) -> None:
+        sim = self.sim
+        sim.mark(f"mb {i} forward", "forward")
+        sim.new_graph()
+        layers = self.strategy()
+        fwd = StageForward(sim, self.mexp, self.model, layers, self.lo, self.hi, self.first, self.last)
+        x_in = self.ids if self.first else self.recv[i]
+        if not self.first:
+            x_in.requires_grad = True  # the received activation: a leaf requiring grad
+        out = fwd.run_stage(x_in)
+        loss = None
+        if self.last:  # _maybe_compute_loss: loss_fn(output, target) on the kept logits
+            sim.mark(f"mb {i} loss")
+            loss = head.loss(fwd, sim.ref(out))
+            self.losses.append(loss)
+        uses = {p.name: p.uses for p in self.model.order if p.uses}
+        for p in self.model.order:  # each graph's uses are its own (restored at its backward)
+            p.uses = 0
+        self.graphs[i] = (sim.nodes, fwd, layers, out, loss, uses)
+        sim.new_graph()
+        if self.output is not None:
+            sim.unref(self.output)
+        self.output = sim.ref(out)
+
+    def backward(self, i: int) -> None:
+        sim = self.sim
+        nodes, fwd, layers, out, loss, uses = self.graphs.pop(i)
+        sim.mark(f"mb {i} backward", "backward")
+        if self.pp_schedule == "gpipe" and self.sending is not None:  # ``ops`` replaced by the receive ops
+            sim.unref(self.sending)
+            self.sending = None
+        for p in self.model.order:
+            p.uses = uses.get(p.name, 0)
+        sim.use_graph(nodes)
+        if loss is not None:
+            sim.backward(loss, 4, _label_of)
+        else:
+            out.grad_buffer = sim.ref(self.grad_recv[i])
+            sim.run_nodes(nodes, _label_of)
+        layers.end_backward(fwd)
+        sim.new_graph()
+        sim.unref(out)  # fwd_cache's reference
+        if not self.first:
+            buf = self.recv[i]
+            g, buf.grad_buffer = buf.grad_buffer, None  # stage_backward: val.grad read, then set to None
+            if self.sending is not None:  # 1F1B: ``bwd_sends`` replaced after this backward
+                sim.unref(self.sending)
+            self.sending = g
+
+    @property
+    def pp_schedule(self) -> str:
+        return self.exp.training.pp_schedule
+
+    def result(self) -> SimResult:
+        sim = self.sim
+        return SimResult(
+            peak_bytes=sim.peak, peak_phase=sim.peak_phase, peak_label=sim.peak_label,
+            peak_categories=sim.peak_categories(), peak_kinds=sim.peak_kinds_alive(),
+            peak_by_kind=sim.peak_by_kind(),
+            phases={k: v for k, v in sim.phase_peaks.items() if k != "setup"},
+            timeline=[], max_activation_bytes=sim.max_activations)
+
+
+def _label_of(node: Node) -> str:
+    lab = node.fwd_label or ""
+    return lab.replace("fwd ", "bwd ") if lab.startswith("fwd ") else (lab or "backward")
+
+
+def simulate_pp(exp: ExperimentSpec, strategy, first_step: bool = False, record_timeline: bool = True,
+                trace_allocs: bool = False, events: bool = False,
+                observers: Sequence[object] = ()) -> SimResult:
+    """Every rank's step (:class:`RankStep`); the result is the worst rank's (the highest peak, the first
+    such rank), with every rank's :class:`StagePeak` in ``stages``."""
+    check_pp(exp)
+    peaks: list[StagePeak] = []
+    results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
+    for r in range(exp.training.pp):
+        tracer = AllocTrace() if trace_allocs else None
+        log = AllocEvents() if events else None
+        step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])
+        tl = Timeline(step.sim) if record_timeline else None
+        if tl is not None:
+            step.sim.watch(tl)
+        res = step.run()
+        res.step_start = step.step_start
+        step.sim.release_graph()
+        results.append((res, tl, tracer, log))
+        peaks.append(StagePeak(r, (step.lo, step.hi), res.peak_bytes, res.peak_phase, res.peak_label))
+    worst = max(range(len(peaks)), key=lambda r: (peaks[r].peak_bytes, -r))
+    res, tl, tracer, log = results[worst]
+    res.timeline = tl.points if tl is not None else []
+    res.alloc_trace = tracer.rows if tracer is not None else None
+    if log is not None:
+        res.events, res.event_phases = log.events, log.phases
+    res.peak_label = f"rank {worst} {res.peak_label}".strip()
+    res.stages = [p.to_dict() for p in peaks]
+    return res
+
+
+def pipeline_extra(exp: ExperimentSpec, stages: list[dict]) -> dict:
+    """``--json``'s ``pipeline``: the schedule (its torch class), the micro-batches, every rank's stage and
+    steady-state peak, and the worst rank (the estimate's peak is its)."""
+    tr = exp.training
+    M, b = micro_batch(tr)
+    worst = max(stages, key=lambda s: (s["peak_bytes"], -s["rank"]))
+    return {"pp": tr.pp, "schedule": tr.pp_schedule, "torch_schedule": TORCH_SCHEDULES[tr.pp_schedule],
+            "microbatches": M, "microbatch_size": b, "worst_rank": worst["rank"], "stages": stages}

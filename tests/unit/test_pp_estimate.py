@@ -1,0 +1,71 @@
+"""Pipeline parallelism in the estimator, torch-free: the schedules' action orders, what a rank holds, and
+the inputs it refuses.
+
+The traced grid (the estimate against torch.distributed.pipelining's real schedules on the fake process
+group, every rank) is ``tests/trace/test_pp_grid.py`` (slow); it also checks :func:`actions` against torch's
+own pipeline order.
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from memcalc.cli import app
+from memcalc.core.pipeline import stage_layers
+from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.engine.pipeline import actions
+from memcalc.estimate.peak import estimate
+
+MODEL = ModelSpec(name="tiny", n_layers=4, d_model=128, n_heads=4, d_ff=256, vocab_size=256, max_seq_len=512)
+
+
+def exp(**tr) -> ExperimentSpec:
+    return ExperimentSpec(model=MODEL, training=TrainingSpec(seq=64, **{"batch": 4, **tr}))
+
+
+@pytest.mark.parametrize("schedule,pp,M,rank,order", [
+    # source: torch 2.13 schedules.py ScheduleGPipe._step_microbatches (all forwards, then all backwards)
+    ("gpipe", 2, 3, 1, "F0 F1 F2 B0 B1 B2"),
+    # source: Schedule1F1B._step_microbatches: warmup min(M, pp - rank) forwards, then B/F in turn, B first
+    ("1f1b", 4, 6, 0, "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"),
+    ("1f1b", 4, 6, 3, "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"),
+    ("1f1b", 2, 2, 0, "F0 F1 B0 B1"),
+])
+def test_actions_follow_torchs_loops(schedule, pp, M, rank, order):
+    assert " ".join(f"{k}{i}" for k, i in actions(schedule, pp, M, rank)) == order
+
+
+def test_even_split():
+    # source: memcalc.core.pipeline: n_layers / pp consecutive layers per stage
+    assert stage_layers(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
+def test_stages_hold_their_share_and_gpipe_holds_more():
+    # source: invariant -- a stage holds its layers' weights only; GPipe keeps every micro-batch in flight,
+    # 1F1B at most pp - rank (so never more)
+    one = estimate(exp())
+    two = estimate(exp(pp=2, microbatches=4))
+    stages = two.extra["pipeline"]["stages"]
+    assert len(stages) == 2 and two.components["weights"] < one.components["weights"]
+    assert two.peak_bytes == max(s["peak_bytes"] for s in stages)
+    gpipe = estimate(exp(pp=2, microbatches=4, pp_schedule="gpipe"))
+    assert gpipe.peak_bytes > two.peak_bytes
+
+
+def run(args: list[str]):
+    return CliRunner().invoke(app, ["estimate", "--model", "llama-2-7b", *args])
+
+
+@pytest.mark.parametrize("args,code,message", [
+    # source: memcalc.core.pipeline.check_pp (the even split)
+    (["--pp", "3"], 2, "--pp 3 must divide the layers (32)"),
+    # source: torch Schedule1F1B.__init__ raises for n_microbatches < num_stages
+    (["--pp", "4", "--microbatches", "2", "--batch", "4"], 2, "needs --microbatches >= --pp: 2 < 4"),
+    # source: TrainingSpec.pp_schedule's Literal (pydantic lists the valid names)
+    (["--pp", "2", "--batch", "2", "--pp-schedule", "zb"], 2, "pp_schedule = 'zb': Input should be 'gpipe' or '1f1b'"),
+])
+def test_bad_pipeline_input_is_one_line(args, code, message):
+    r = run(args)
+    assert r.exit_code == code, r.output
+    assert message in r.output and "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1

@@ -1,0 +1,258 @@
+"""Pipeline parallelism (``--pp``) traced: ``torch.distributed.pipelining``'s real schedules, one rank at a time.
+
+Each of the ``pp`` ranks is traced in turn on PyTorch's fake process group (``fake_dist.fake_world``,
+rank ``r`` of ``pp``), on ``meta``. The rank's stage is memcalc's replica (:mod:`..model`) cut as
+torchtitan cuts a Llama for pipelining (torchtitan/distributed/pipeline_parallel.py
+``pipeline_module_split``: every stage a copy of the model with the modules it does not own set to
+``None``; its ``forward`` runs ``tok_embeddings`` if present, its layers, then ``norm`` and ``output``
+if present): the first stage holds the embedding, the last the final norm and the head, and the
+layers are split evenly (:func:`memcalc.core.pipeline.stage_layers`). The stage is wrapped in
+``PipelineStage`` with static metadata (``input_args`` / ``output_args``: the micro-batch's
+``(b, T, d)`` hidden states, or the token ids on the first stage), and the schedule
+(:data:`memcalc.core.pipeline.TORCH_SCHEDULES`) runs its unmodified ``step``:
+``step(ids, target=labels, losses=...)`` on the first stage, ``step(target=labels, losses=...)`` on
+the last, ``step()`` between (torchtitan/train.py ``forward_backward_step``, with
+``return_outputs=False`` as torchtitan passes), then the optimizer step and
+``zero_grad(set_to_none=True)``. The loss function is the replica's ``lm_loss`` on the logits the
+last stage returns. Two steps run; the second is measured.
+
+Two patches, both of communication only (the fake process group delivers no data):
+
+- ``schedules._batch_p2p`` (the send/recv dispatch every schedule calls): a no-op returning no
+  works. The fake backend cannot run ``batch_isend_irecv`` on ``meta`` tensors ("No backend type
+  associated with device type meta"); a receive on a GPU fills a buffer the stage allocated
+  beforehand (``_RecvInfo.buffer``, made in ``_prepare_forward_infra`` / ``_prepare_backward_infra``
+  and counted here), a send reads a tensor the stage holds, so dropping the transfer allocates
+  nothing less.
+- ``_PipelineSchedule._warmup_p2p`` (the vote of ``PipelineStage`` ranks on static or dynamic
+  metadata, a ``dist.send`` / ``dist.recv`` of one int32 and ``.item()``): every stage is given
+  complete static metadata, so every rank votes STATIC and the exchange's answer is STATIC; it is
+  set directly (a ``recv`` on the fake group leaves zeros, which would read as DYNAMIC).
+
+Every rank loads the whole batch (``inputs`` and ``labels`` moved to the GPU before the stage
+branch in torchtitan's ``forward_backward_step``); both are counted on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn as nn
+
+from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp, micro_batch, stage_layers
+
+from ..blocks import attention_variants as variants
+from ..blocks.head import lm_loss
+
+if TYPE_CHECKING:
+    from ..model import Decoder
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of the replica: embedding if first, layers ``[lo, hi)``, final norm and head if
+    last (torchtitan's split: the other modules dropped). ``forward(x)``: token ids (first stage) or
+    hidden states in, hidden states or logits out."""
+
+    def __init__(self, dec: Decoder, lo: int, hi: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.dec: Decoder = dec
+        self.first, self.last = first, last
+        dec.layers = nn.ModuleList(list(dec.layers)[lo:hi])  # the stage's layers (indices lo..hi-1)
+        dec.m = dec.m.model_copy(update={"n_layers": hi - lo})
+        # torchtitan's split sets the modules a stage does not own to None
+        drop = ([] if first else ["embed_tokens", "embed_positions"]) + ([] if last else ["lm_head", "final_norm"])
+        for name in drop:
+            if hasattr(dec, name):
+                setattr(dec, name, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dec = self.dec
+        with dec.amp.region():
+            if self.first:
+                B, T = x.shape
+                x = dec.embed(x)
+            else:
+                B, T = x.shape[:2]
+            cos, sin = dec.rope(T, x.dtype)
+            masks = variants.build_masks(dec.m, B, T, x.dtype, x.device)
+            x = dec.run_layers(x, cos, sin, masks)
+            del masks
+            if not self.last:
+                return x
+            x = dec.final(x)
+            box = [x]
+            del x
+            return dec.head(box)
+
+
+def _patch_p2p() -> contextlib.AbstractContextManager:
+    """The two communication patches of the module docstring, undone on exit."""
+    from torch.distributed.pipelining import schedules
+    from torch.distributed.pipelining.stage import InferenceMode
+
+    @contextlib.contextmanager
+    def patched():
+        saved = schedules._batch_p2p, schedules._PipelineSchedule._warmup_p2p
+
+        def warmup(self, stages, has_backward, p2p_done):
+            for stage in stages:
+                stage._inference_mode = InferenceMode.STATIC
+
+        schedules._batch_p2p = lambda ops, desc=None: []
+        schedules._PipelineSchedule._warmup_p2p = warmup
+        try:
+            yield
+        finally:
+            schedules._batch_p2p, schedules._PipelineSchedule._warmup_p2p = saved
+
+    return patched()
+
+
+def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = False) -> dict:
+    """Trace rank ``rank`` of the pipeline (see the module docstring): its peak, phase, label, first step."""
+    from torch.distributed import pipelining
+
+    from ..model import build_model
+    from ..optim import allow_fused_on, build_optimizer
+    from ..step import Probe, track_inputs, two_steps
+    from .fake_dist import fake_world
+    from .rank_tracer import RankTracer
+
+    tr = exp.training
+    pp, M = tr.pp, micro_batch(tr)[0]
+    b = micro_batch(tr)[1]
+    stages = stage_layers(m.n_layers, pp, 1)
+    lo, hi = stages[rank]
+    first, last = rank == 0, rank == pp - 1
+    out: dict = {"rank": rank, "layers": [lo, hi]}
+    with fake_world(pp, rank, names=("pp",)), _patch_p2p():
+        say(f"rank {rank} of {pp}: layers {lo}..{hi - 1}{' + embedding' if first else ''}"
+            f"{' + head' if last else ''}, {tr.pp_schedule}, {M} micro-batches")
+        torch.manual_seed(0)
+        dec = build_model(m, tr, exp.profile, device="meta")
+        stage_mod = StageModule(dec, lo, hi, first, last)
+        T = tr.seq
+        with allow_fused_on("meta"):
+            ids = torch.zeros((tr.batch, T), dtype=torch.int64, device="meta")
+            labels = ids.clone()
+            hidden = torch.empty((b, T, m.d_model), dtype=_hidden_dtype(tr), device="meta")
+            in_args = (ids[:b],) if first else (hidden.detach().requires_grad_(True),)
+            out_args = (hidden.detach().requires_grad_(True),) if not last else \
+                (torch.empty((b, T, m.vocab_size), dtype=_logits_dtype(tr), device="meta").requires_grad_(True),)
+            stage = pipelining.PipelineStage(stage_mod, rank, pp, torch.device("meta"), input_args=in_args,
+                                             output_args=out_args)
+            del in_args, out_args, hidden
+            amp = dec.amp
+            profile = exp.profile
+
+            def loss_fn(logits, target):
+                with amp.region():
+                    return lm_loss(logits, target, profile, amp)
+
+            sched = getattr(pipelining, TORCH_SCHEDULES[tr.pp_schedule])(stage, M, loss_fn=loss_fn)
+            trainable: list[torch.Tensor] = [p for p in stage_mod.parameters() if p.requires_grad]
+            opt = build_optimizer(trainable, tr)
+            tracer = RankTracer("meta", exp.profile.allocator_round_bytes, debug=debug)
+            probe = Probe("meta", tracer)
+            dec.on_label = probe.label
+            ran: list = []
+            _label_chunks(stage, tracer, ran)
+            track_inputs(tracer, stage_mod, ids, labels, opt)
+
+            def step() -> None:
+                ran.clear()
+                tracer.set_phase("forward")
+                losses: list = []
+                if first:
+                    sched.step(ids, target=labels if last else None, losses=losses if last else None,
+                               return_outputs=False)
+                elif last:
+                    sched.step(target=labels, losses=losses, return_outputs=False)
+                else:
+                    sched.step(return_outputs=False)
+                del losses
+                tracer.set_phase("optimizer step")
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            with tracer:
+                out["first_step_bytes"], (peak, phase, label, peaks) = two_steps(
+                    probe, step, say, before_measured=_collect)
+            out.update(peak_bytes=peak, phase=phase, label=label, phase_peaks=peaks, actions=list(ran))
+            if debug:
+                out["peak_live"] = sorted(([bb, w] for bb, w, _ in tracer.peak_live), reverse=True)
+            dec.on_label = None
+    return out
+
+
+def _collect() -> None:
+    gc.collect()
+
+
+def _hidden_dtype(tr) -> torch.dtype:
+    """The residual stream's dtype between stages: the weights' (under emulated AMP the layers' outputs
+    stay in the residual's fp32)."""
+    from ..blocks.build import torch_dtype
+
+    return torch_dtype(tr.weight_dtype.value)
+
+
+def _logits_dtype(tr) -> torch.dtype:
+    from ..blocks.build import torch_dtype
+
+    return torch_dtype(tr.compute_dtype.value)
+
+
+def _label_chunks(stage, tracer, ran: list) -> None:
+    """Phase ``forward`` / ``backward`` and label ``mb i`` around each chunk, and the order they ran in
+    (``ran``: ``("F" | "B", i)``; instrumentation only)."""
+    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(i, *a, **k):
+        tracer.set_phase("forward")
+        tracer.label = f"mb {i}"
+        ran.append(("F", i))
+        return fwd(i, *a, **k)
+
+    def backward_one_chunk(i, *a, **k):
+        tracer.set_phase("backward")
+        tracer.label = f"mb {i}"
+        ran.append(("B", i))
+        return bwd(i, *a, **k)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+
+
+def measure_pp(exp, scale_layers: Optional[int] = None, progress=None, debug: bool = False, device: str = "meta"):
+    """Trace every rank of a ``pp``-stage pipeline (:func:`trace_pp_rank`); the Measurement is the worst
+    rank's, and ``pipeline_stages`` holds every rank's (peak, layers, phase, label)."""
+    from ..step import Measurement, error_reason
+
+    t0 = time.perf_counter()
+    meas = Measurement(device=device)
+    m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
+    meas.layers = m.n_layers
+    say = progress or (lambda _msg: None)
+    stages: list[dict] = meas.pipeline_stages
+    if device != "meta":
+        meas.status, meas.reason = "skipped", f"pipeline parallelism is traced on meta, not on {device}"
+        return meas
+    try:
+        check_pp(exp.model_copy(update={"model": m}))
+        for r in range(exp.training.pp):
+            stages.append(trace_pp_rank(exp, r, m, say, debug))
+        worst = max(stages, key=lambda s: s["peak_bytes"])
+        meas.measured_bytes = worst["peak_bytes"]
+        meas.first_step_bytes = max(s["first_step_bytes"] for s in stages)
+        meas.peak_phase, meas.peak_label = worst["phase"], f"rank {worst['rank']} {worst['label']}".strip()
+        meas.phase_peaks = {k: v for k, v in worst["phase_peaks"].items() if k != "setup"}
+    except Exception as e:  # the record says why, as runner.measure does
+        meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
+    meas.seconds = round(time.perf_counter() - t0, 3)
+    return meas
