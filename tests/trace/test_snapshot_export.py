@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -58,6 +59,37 @@ def test_snapshot_loads_in_memory_viz_and_peaks_as_the_estimate(tmp_path, args):
     # every alloc / free carries memcalc's frame first, of memcalc's kinds
     kinds = {entry_memcalc(e)[0] for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")}
     assert kinds <= set(KINDS) and {"weights", "activations", "gradients"} <= kinds
+
+
+SETUPS = [
+    # source: DeepSpeed ZeRO-2 (memcalc.engine.deepspeed: its own steady and first steps)
+    dict(model="gpt2", deepspeed=str(Path(__file__).resolve().parents[2] / "examples" / "ds_zero2.json"), gpus=8,
+         seq=256),
+    # source: ZeRO-3 over 8 ranks with fp32 master weights (memcalc.engine.sharding gathers)
+    dict(framework="plain", model="llama-2-7b", precision="bf16", master_weights=True, gpus=8, zero=3, seq=512),
+    # source: tensor parallelism with sequence parallelism (memcalc.engine.tensor_parallel)
+    dict(framework="plain", model="llama-3.2-1b", precision="bf16", tp=4, sequence_parallel=True, seq=512),
+    # source: activation offloading under checkpointing (memcalc.engine.offload)
+    dict(model="llama-3.2-1b", lora=True, activation_offload=True, checkpoint="full", seq=512),
+    # source: a fused optimizer step (each gradient freed in its hook), and a compiled reference config
+    dict(params="1e9", fused_optimizer=True, precision="bf16", seq=512),
+    dict(config="compile"),
+]
+
+
+@pytest.mark.parametrize("options", SETUPS)
+def test_snapshot_peaks_as_the_estimate_across_techniques(options):
+    """memcalc.snapshot.export on the engine's other step shapes: the trace's live peak is the estimate's peak, the
+    replay the estimate's allocator replay, and PyTorch's segsum reads the segments."""
+    import memcalc.api
+    from memcalc.snapshot.export import export_estimate
+
+    e = memcalc.api.estimate(**options).estimate
+    out = export_estimate(e)
+    assert trace_peak(out.snapshot).peak_bytes == out.live_peak_bytes == e.peak_bytes
+    replay = replay_allocator(*e.replays[0 if out.step == "steady state" else 1])
+    assert (out.allocated_peak_bytes, out.reserved_peak_bytes) == replay
+    assert f"segments: {len(out.snapshot['segments'])}" in _memory_viz.segsum(out.snapshot)
 
 
 def _options(args: list[str]) -> dict:
