@@ -179,6 +179,11 @@ class RankStep:
         self.labels = sim.alloc(tr.batch * seq * 8, "activations", "inputs")
         sim.mark("step start", "setup")
         self.step_start = len(self.log.events) if self.log is not None else 0
+        self.state_moves = None
+        if self.log is not None and not self.first_step:  # where a first step would create the state
+            self.opt.created_at, self.opt.events = [], self.log.events  # (as timeline._Step.setup records it)
+            self.state_moves = (frozenset(t.uid for ts in self.opt.state.values() for t in ts if t.uid),
+                                self.opt.created_at)
 
     def run(self) -> SimResult:
         self.setup()
@@ -258,7 +263,11 @@ class RankStep:
 
     def result(self) -> SimResult:
         sim = self.sim
-        return SimResult(
+        moves = None
+        if self.state_moves is not None:
+            setup_state, created_at = self.state_moves
+            moves = (setup_state, [(i, [(t.uid, t.nbytes) for t in ts if t.uid]) for i, ts in created_at])
+        return SimResult(state_moves=moves,
             peak_bytes=sim.peak, peak_phase=sim.peak_phase, peak_label=sim.peak_label,
             peak_categories=sim.peak_categories(), peak_kinds=sim.peak_kinds_alive(),
             peak_by_kind=sim.peak_by_kind(),
