@@ -251,10 +251,12 @@ def _step(case: Case, device: str, used: Optional[probes.DeviceUsed], snap: Opti
                 details={k: v for k, v in reading.items() if k != "used"})
 
 
-def _callback(device: str, snap: Optional[str], say: Callable[[str], None]) -> dict:
+def _callback(device: str, used: Optional[probes.DeviceUsed], snap: Optional[str],
+              say: Callable[[str], None]) -> dict:
     """A tiny Hugging Face Trainer run (3 steps, random tokens, the model from its preset's config with
     random weights) with ``MemcalcCallback``; on meta the Trainer runs on the CPU with gpt2 cut to one
-    narrow layer (the callback's record then holds the estimate, nothing measured)."""
+    narrow layer (the callback's record then holds the estimate, nothing measured). The device total is
+    read as training ends, the Trainer still holding the model, its optimizer and the cache."""
     import tempfile
 
     from transformers import Trainer, TrainingArguments
@@ -287,17 +289,18 @@ def _callback(device: str, snap: Optional[str], say: Callable[[str], None]) -> d
         finally:
             if recording and snap:
                 probes.snapshot_stop(snap)
+        dev_used = used.since_start() if used is not None and cuda else None
+        del trainer, model
     rec = cb.recorder.record if cb.recorder is not None else None
     if rec is None:
         raise RuntimeError("MemcalcCallback made no record")
     est = cb.recorder.estimate.estimate if cb.recorder.estimate is not None else None
     exp = est.experiment if est is not None else None
     alloc, reserved = rec["measured_bytes"], rec["reserved_bytes"]
-    comps = _comparisons(device, est, exp, (alloc, reserved), None)
+    comps = _comparisons(device, est, exp, (alloc, reserved), dev_used)
     if not cuda:  # nothing measured off CUDA: the estimate's step figures stated alone
         comps = [c.model_copy(update={"how": "no measurement off CUDA (MemcalcCallback: " + c.how + ")"})
                  for c in comps]
-    comps = [c for c in comps if c.metric != "device_total"]
     return dict(status=rec["status"], reason=rec["reason"], validate_record=rec, comparisons=comps,
                 setup={"model": m.model_dump(mode="json"), "batch": batch, "seq": seq, "steps": steps,
                        "bf16": cuda, "estimate_options": {k: v for k, v in cb.options.items() if k != "model"}},
@@ -311,7 +314,7 @@ def _run_case(case: Case, device: str, used: Optional[probes.DeviceUsed], snap: 
     if case.kind == "step":
         return _step(case, device, used, snap, say)
     if case.kind == "callback":
-        return _callback(device, snap, say)
+        return _callback(device, used, snap, say)
     recording = bool(snap) and probes.snapshot_start(device)
     try:
         if case.kind == "context":
