@@ -131,10 +131,10 @@ class SimBackward:
         pgrads: list[T]
         if not params:
             pgrads = []
-        elif len(params) == 1:
+        elif len(params) == 1 and params[0].uses == 1 and params[0].pending is None:
             pgrads = [alloc(params[0].grad_bytes, "gradients", "gradients")]
         else:
-            pgrads = [alloc(p.grad_bytes, "gradients", "gradients") for p in params]
+            pgrads = [alloc(p.grad_bytes, *_grad_kind(p)) for p in params]
         for t in temps:
             unref(t)
         for o in node.outputs:
@@ -192,3 +192,14 @@ class SimBackward:
         self.grads_ready += 1
         if self.grad_ready is not None:
             self.grad_ready(self, p)
+
+
+def _grad_kind(p: Param) -> tuple[str, str]:
+    """(kind, category) of the gradient one use of ``p`` makes: the parameter's gradient, or, for a
+    parameter used more than once (tied embeddings), one part of it: the parts meet in the
+    AccumulateGrad node's input buffer (torch/csrc/autograd/input_buffer.cpp ``InputBuffer::add``) and
+    only their sum becomes ``.grad`` (:meth:`SimBackward._accumulate`), so each part lives only within
+    backward."""
+    if p.uses > 1 or p.pending is not None:
+        return "temporaries", "tied gradient parts"
+    return "gradients", "gradients"
