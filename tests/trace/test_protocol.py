@@ -146,3 +146,12 @@ def test_case_selection_keeps_the_protocols_order():
     assert select([]) == CASES
     with pytest.raises(UserError, match=r"unknown --case 'hf-lorra'; valid: cuda-context, allocator-pattern"):
         select(["hf-lorra"])
+
+
+def test_time_budget_skips_the_case_that_would_end_past_it_and_every_later_one():
+    from memcalc.validate.protocol import _over
+
+    cheap, compiled = CASES[3], CASES[-1]  # source: Case.cost_s 20 s, a compiled config's 60 s
+    assert _over(430.0, cheap, 480.0, False) == ""
+    assert _over(430.0, compiled, 480.0, False).startswith("time budget: 430 s of the protocol's 480 s spent")
+    assert _over(0.0, cheap, 480.0, True) == "time budget: an earlier case was skipped for time"
