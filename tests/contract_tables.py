@@ -151,6 +151,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.galore_rank": ({"training": {"optimizer": "galore-adamw"}}, 16),
     "TrainingSpec.checkpoint": ({}, "full"),
     "TrainingSpec.checkpoint_every": ({"training": {"checkpoint": "every-k"}}, 3),
+    "TrainingSpec.checkpoint_reentrant": ({"training": {"checkpoint": "full"}}, True),
     "TrainingSpec.fused_optimizer": ({}, True),
     "TrainingSpec.compile": ({}, True),
     "TrainingSpec.memory_budget": ({"training": {"compile": True}}, 0.0),
@@ -279,6 +280,9 @@ UNTRACED: dict[str, str] = {
     "TrainingSpec.compile_scope": "its base, compile_scope model, needs CUDA (inductor), as TrainingSpec.compile; "
                                   "compile_scope layer is traced on meta against the estimate in "
                                   "tests/trace/test_compile_scope.py",
+    "TrainingSpec.checkpoint_reentrant": "the replica checkpoints non-reentrant (validate refuses --reentrant with "
+                                         "framework plain in one line); the HF harness traces it against the estimate: "
+                                         "tests/trace/test_validate_hf.py test_reentrant_estimate_matches_trace",
     "TrainingSpec.zero": _ZERO3,
     "TrainingSpec.ep": _MULTI.format("2 expert-parallel", "tests/trace/test_expert_parallel.py "
                                      "(validate/sharded/expert_parallel.py, torchtitan's dispatcher)"),

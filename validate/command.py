@@ -50,6 +50,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import gib
 
@@ -149,8 +150,6 @@ def sharded_items(items: list) -> bool:
 
 def _refuse_quant_base(items: list) -> None:
     """A GPTQ / AWQ base (LoraSpec.quant) runs gptqmodel's kernels, which need CUDA: one line, before any trace."""
-    from memcalc.core.errors import UserError
-
     for _name, e in items:
         lo = e.training.lora if isinstance(e, ExperimentSpec) else None
         if lo is not None and lo.quant is not None:
@@ -173,15 +172,27 @@ def _check_snapshot(snapshot: Optional[str], items: list, framework: str, sharde
                         "--framework hf on one GPU (drop --snapshot, or validate that setup)")
 
 
+#: the harnesses whose checkpointing runs torch's reentrant kind when the spec asks (checkpoint_reentrant)
+REENTRANT_TRACED = ("hf", "trl")
+
+
+def _check_reentrant(items: list, framework: str, sharded: bool) -> None:
+    """Reentrant checkpointing is traced on one GPU by :data:`REENTRANT_TRACED` only (UserError otherwise)."""
+    specs = [e for _, e in items if isinstance(e, ExperimentSpec) and e.training.checkpoint_reentrant]
+    if specs and (framework not in REENTRANT_TRACED or sharded or any(_deepspeed(e) for e in specs)):
+        where = "a sharded step's" if sharded or framework in REENTRANT_TRACED else f"{framework}'s"
+        raise UserError(f"reentrant checkpointing (--reentrant; hf --qlora's default without --checkpoint) is traced "
+                        f"by --framework {' or '.join(REENTRANT_TRACED)} on one GPU; {where} checkpointing is "
+                        "non-reentrant: pass --checkpoint full for that kind")
+
+
 def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str], as_json: bool,
                  output: Optional[str], scale_layers: Optional[int], snapshot: Optional[str] = None,
-                 framework: str = "plain", reentrant: bool = False, rank: int = 0) -> list[dict]:
+                 framework: str = "plain", rank: int = 0) -> list[dict]:
     """Measure every experiment on ``device`` (default cuda if available, else meta) beside its
     prediction; returns the records (see the module docstring). ``framework`` ``hf`` runs the
-    transformers + PEFT step (``reentrant``: its activation checkpointing with ``use_reentrant=True``).
+    transformers + PEFT step (a spec's ``checkpoint_reentrant``: its checkpointing with ``use_reentrant=True``).
     Experiments with ``gpus`` > 1 trace rank ``rank`` of the sharded step (default device meta)."""
-    from memcalc.core.errors import UserError
-
     if framework not in FRAMEWORKS:
         raise UserError(f"unknown --framework {framework!r}; valid: {', '.join(FRAMEWORKS)}")
     _refuse_quant_base(items)
@@ -205,8 +216,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
         for _name, spec in items:
             if isinstance(spec, ExperimentSpec):
                 trainer.check(spec)
-    if reentrant and framework != "hf":
-        raise UserError("--reentrant sets Hugging Face activation checkpointing: it needs --framework hf")
+    _check_reentrant(items, framework, sharded)
     if device == "cuda" and not torch.cuda.is_available():
         built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA"
         raise UserError(f"--device cuda: no CUDA device is available (torch {torch.__version__}, built with {built}); "
@@ -224,7 +234,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
     with stoppable():
         try:
             _run_all(items, dev, RecordFile(output) if output else None, scale_layers, snapshot, records, err,
-                     framework, reentrant, rank if sharded else None)
+                     framework, rank if sharded else None)
         except StopRequested as e:
             stopped(e)
             stop = e
@@ -240,7 +250,7 @@ def run_validate(items: list[tuple[str, ExperimentSpec]], device: Optional[str],
 
 def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional[RecordFile],
              scale_layers: Optional[int], snapshot: Optional[str], records: list[dict], err: Console,
-             framework: str = "plain", reentrant: bool = False, rank: Optional[int] = None) -> None:
+             framework: str = "plain", rank: Optional[int] = None) -> None:
     """Measure each item in turn (``framework`` hf: the transformers + PEFT step; ``rank`` given: rank
     ``rank`` of a sharded step), appending its record to ``records`` (and to ``output``)."""
     if framework == "hf":
@@ -277,7 +287,7 @@ def _run_all(items: list[tuple[str, ExperimentSpec]], dev: str, output: Optional
                                                            allocator_sim=dev != "cuda")
                 elif framework == "hf":
                     meas = measure_hf(exp, dev, scale_layers=scale_layers, progress=say,
-                                      allocator_sim=dev != "cuda", reentrant=reentrant, snapshot=snap)
+                                      allocator_sim=dev != "cuda", snapshot=snap)
                 else:
                     meas = measure(exp, dev, scale_layers=scale_layers, snapshot=snap, progress=say,
                                    allocator_sim=dev != "cuda")

@@ -14,7 +14,7 @@ Training setup as HF Trainer (transformers 5.23 ``Trainer.__init__``) makes it:
 - ``--checkpoint full`` / ``every-K``: ``model.activation_checkpointing_enable(
   activation_checkpointing_kwargs={"use_reentrant": ...}, every_n_layers=1 | K)`` after PEFT is applied
   (Trainer enables it on the PEFT model); the default is non-reentrant, as ``_activation_checkpointing_enable``
-  chooses when no kwargs are given; ``reentrant=True`` selects the other. That call also registers
+  chooses when no kwargs are given; the spec's ``checkpoint_reentrant`` selects the other. That call also registers
   ``enable_input_require_grads`` (the embedding output requires grad). ``sqrt`` and ``selective``
   have no HF equivalent: ``skipped``.
 - AMP: the forward and the loss run in an autocast region (Trainer's ``autocast_smart_context_manager``),
@@ -152,7 +152,7 @@ def quiet_transformers() -> Iterator[None]:
 
 def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None,
                progress: Optional[Callable[[str], None]] = None, debug: bool = False, allocator_sim: bool = False,
-               capacity: Optional[int] = None, reentrant: bool = False,
+               capacity: Optional[int] = None,
                kernels_seen: Optional[list] = None, snapshot: Optional[str] = None) -> Measurement:
     """Trace (meta) or measure (cpu, cuda) the HF step of ``exp``; see the module docstring.
     ``kernels_seen``, when given, receives :attr:`HFKernels.calls` (one entry per SDPA call); ``snapshot``
@@ -170,7 +170,7 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
     try:
         with quiet_transformers():
             _run(exp, m, device, say, meas, debug, CachingAllocatorSim(capacity) if allocator_sim else None,
-                 reentrant, kernels_seen, snapshot)
+                 exp.training.checkpoint_reentrant, kernels_seen, snapshot)
     except UserError as e:  # a setup the kernel library's rules refuse (memcalc.core.liger)
         meas.status, meas.reason = "skipped", str(e)
     except torch.cuda.OutOfMemoryError as e:  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Reentrant,
                                  CompileScope, Config, Deepspeed,
                                  BnbSavesInput,
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Kernels, Lora, LoraAlpha,
@@ -33,7 +33,7 @@ def estimate(
     grad_accum: GradAccum = None, precision: Precision = None, bf16: Bf16 = False,
     master_weights: MasterWeights = False,
     optimizer: Optimizer = None, optimizer_impl: OptimizerImpl = None,
-    galore_rank: GaloreRank = None, checkpoint: Checkpoint = None,
+    galore_rank: GaloreRank = None, checkpoint: Checkpoint = None, reentrant: Reentrant = False,
     fused_optimizer: FusedOptimizer = False, compile: Compile = False, memory_budget: MemoryBudget = None,
     compile_scope: CompileScope = None,
     lora: Lora = False, lora_rank: LoraRank = None, lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None,

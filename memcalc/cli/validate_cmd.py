@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile,
+from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Reentrant,
                                  CompileScope, Deepspeed, BnbSavesInput, Dora, ModulesToSave,
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,
@@ -34,7 +34,8 @@ def validate(
     model: Model = None, params: Params = None, batch: Batch = None, seq: Seq = None, grad_accum: GradAccum = None,
     precision: Precision = None, bf16: Bf16 = False, master_weights: MasterWeights = False, optimizer: Optimizer = None,
     optimizer_impl: OptimizerImpl = None,
-    galore_rank: GaloreRank = None, checkpoint: Checkpoint = None, fused_optimizer: FusedOptimizer = False,
+    galore_rank: GaloreRank = None, checkpoint: Checkpoint = None, reentrant: Reentrant = False,
+    fused_optimizer: FusedOptimizer = False,
     compile: Compile = False, memory_budget: MemoryBudget = None,
     compile_scope: CompileScope = None, lora: Lora = False, lora_rank: LoraRank = None,
     lora_alpha: LoraAlpha = None, lora_targets: LoraTargets = None, lora_dropout: LoraDropout = None,
@@ -71,9 +72,6 @@ def validate(
              "get_peft_model, only kernel dispatch patched) or torchtune (its builders, loss and "
              "recipe step). Default: as for estimate, plain for a --config, "
              "hf for --model and --params.")] = None,
-    reentrant: Annotated[bool, typer.Option(
-        "--reentrant",
-        help="With --framework hf and --checkpoint: use_reentrant=True (HF Trainer's default is False).")] = False,
     gpus: Annotated[Optional[int], typer.Option(
         "--gpus",
         help="Trace one rank of N GPUs (with --zero 2|3): the sharded step runs in one process on PyTorch's fake "
@@ -115,7 +113,7 @@ def validate(
         given = [k for k, v in inputs.items() if v not in (None, False, ())]
         given += [k for k, v in (("config", config), ("all", all_configs), ("scale_layers", scale_layers),
                                  ("snapshot", snapshot), ("html", html), ("framework", framework), ("gpus", gpus),
-                                 ("zero", zero), ("sharding", sharding), ("rank", rank), ("reentrant", reentrant))
+                                 ("zero", zero), ("sharding", sharding), ("rank", rank))
                   if v not in (None, False, ())]
         return _protocol(device, output, as_json, given, case)
     if case:
@@ -135,7 +133,7 @@ def validate(
     items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero, gpus=gpus,
                                     sharding=sharding, **inputs)
     records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=_traced(items),
-                           reentrant=reentrant, rank=rank or 0)
+                           rank=rank or 0)
     if html is not None:
         from memcalc.render.html import validate_html, write_report
 
@@ -219,7 +217,7 @@ def _traced(items: list) -> str:
 
 #: validate's own options (and those it passes on itself); the others are the experiment's inputs
 _OWN = ("config", "all_configs", "device", "scale_layers", "output", "snapshot", "as_json", "html", "framework",
-        "reentrant", "gpus", "zero", "sharding", "rank", "force", "protocol", "case")
+        "gpus", "zero", "sharding", "rank", "force", "protocol", "case")
 
 
 def _protocol(device: Optional[str], output: Optional[str], as_json: bool, given: list[str],

@@ -216,6 +216,10 @@ class TrainingSpec(Spec):
         description="Activation checkpointing: full = every layer, every-k = every K-th layer, sqrt = segments of ~sqrt(n) layers, selective = attention internals only, selective-op = torchtitan's op-level policy (every layer, keeping every other matmul output and the attention outputs).",
     )
     checkpoint_every: int = Field(2, gt=0, description="K for --checkpoint every-K.")
+    checkpoint_reentrant: bool = Field(
+        False, description="torch.utils.checkpoint(use_reentrant=True), the kind PEFT's prepare_model_for_kbit_training "
+        "turns on: each region is recomputed whole and its backward runs nested, holding the recomputed output and its "
+        "gradient until it ends (needs --checkpoint full, every-K or sqrt).")
     fused_optimizer: bool = Field(
         False, description="Run the optimizer step per parameter in post-accumulate-grad hooks (frees grads early)."
     )
@@ -279,6 +283,9 @@ class TrainingSpec(Spec):
             )
         if self.memory_budget is not None and not self.compile:
             raise ValueError("memory_budget applies to torch.compile; set compile too")
+        if self.checkpoint_reentrant and self.checkpoint not in ("full", "every-k", "sqrt"):
+            raise ValueError(f"reentrant checkpointing applies to checkpointed layers (checkpoint full, every-k or "
+                             f"sqrt), not checkpoint {self.checkpoint}")
         if self.compile_scope != "model" and not self.compile:
             raise ValueError(f"compile_scope {self.compile_scope} applies to torch.compile; set compile too")
         bad_impl = impl_error(self.optimizer, self.optimizer_impl)

@@ -228,7 +228,8 @@ class OpSaver:
 
 
 def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[], T], label: str,
-               layer: int, save_ops: bool = False, first_unpack: bool = True, full_recompute: bool = False) -> T:
+               layer: int, save_ops: bool = False, first_unpack: bool = True, full_recompute: bool = False,
+               reentrant: bool = False) -> T:
     """Non-reentrant checkpoint of ``fn``: forward keeps only the inputs; backward recomputes.
     ``layer``: the decoder layer the region starts at (the checkpoint node carries it).
     ``save_ops``: torchtitan's op-level policy keeps some op outputs from forward (:class:`OpSaver`).
@@ -237,7 +238,12 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     recompute comes first (a compiled layer's backward graph, memcalc.compile.backward).
     ``full_recompute``: a reentrant checkpoint (Unsloth's ``UnslothCheckpointFunction``) recomputes the whole
     region, outputs included (no early stop), when backward reaches its one node (torch/utils/checkpoint.py
-    ``CheckpointFunction.backward``: the region is one autograd node, so none of its nodes runs before)."""
+    ``CheckpointFunction.backward``: the region is one autograd node, so none of its nodes runs before).
+    ``reentrant``: ``torch.utils.checkpoint(use_reentrant=True)``: a full recompute whose backward is the
+    nested ``torch.autograd.backward(outputs, args)`` of ``CheckpointFunction.backward`` (torch/utils/checkpoint.py,
+    torch 2.13), so the recomputed output (``outputs``) and the gradient it receives (``args``, the engine's
+    input buffer of the checkpoint node) stay alive until the region's backward has run."""
+    full_recompute = full_recompute or reentrant
     assert sim.grad_enabled and sim.count_saves is None, f"{label}: a checkpointed region inside another's forward"
     ins = inputs()
     saver = OpSaver(sim) if save_ops else None
@@ -295,9 +301,16 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         # the recomputed output is discarded; its gradient is the region output's gradient (none
         # left when a trailing node's backward took it)
         out2.grad_buffer, node.outputs[0].grad_buffer = node.outputs[0].grad_buffer, None
+        held = [out2, out2.grad_buffer] if reentrant else []  # alive through the nested backward
+        for t in held:
+            if t is not None:
+                s.ref(t)
         s.unref(out2)
         # back-propagate the region now; the checkpoint node itself then has no work left
         s.run_nodes(sub, lambda n: bwd_label)
+        for t in held:
+            if t is not None and t.alive:
+                s.unref(t)
         if saver is not None:
             saver.release()
         out2.grad_buffer = None
@@ -357,6 +370,7 @@ class Checkpointing(LayerStrategy):
     def __init__(self, tr: TrainingSpec) -> None:
         self.mode = tr.checkpoint
         self.every = tr.checkpoint_every
+        self.reentrant = tr.checkpoint_reentrant
 
     def regions(self, n_layers: int) -> Iterator[tuple[int, int]]:
         if self.mode != "sqrt":
@@ -373,9 +387,10 @@ class Checkpointing(LayerStrategy):
                               save_ops=True)
         if self.mode == "sqrt":
             return checkpoint(fwd.sim, fwd.ops, ins, lambda: super(Checkpointing, self).run(fwd, x, lo, hi),
-                              f"layers {lo}-{hi - 1}", lo)
+                              f"layers {lo}-{hi - 1}", lo, reentrant=self.reentrant)
         if self.mode == "full" or (self.mode == "every-k" and lo % self.every == 0):
-            return checkpoint(fwd.sim, fwd.ops, ins, lambda: fwd.layer(x, lo), f"layer {lo}", lo)
+            return checkpoint(fwd.sim, fwd.ops, ins, lambda: fwd.layer(x, lo), f"layer {lo}", lo,
+                              reentrant=self.reentrant)
         return fwd.layer(x, lo)
 
     def core_attention(self, fwd: Walk, q: T, k: T, v: T, i: int, fn: Callable[[], T]) -> T:

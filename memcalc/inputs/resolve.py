@@ -34,6 +34,7 @@ from pydantic import ValidationError
 from memcalc.core.errors import UserError
 from memcalc.core.rules import QUANT_METHODS, framework_model
 from memcalc.inputs.data_files import clip
+from memcalc.inputs.trainer_defaults import trainer_checkpointing
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
 from memcalc.core.spec import (COMPILE_SCOPES, CP_METHODS, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET,
@@ -62,6 +63,7 @@ class Options:
     optimizer_impl: Optional[str] = None
     galore_rank: Optional[int] = None
     checkpoint: Optional[str] = None
+    reentrant: bool = False
     fused_optimizer: bool = False
     compile: bool = False
     memory_budget: Optional[float] = None
@@ -173,9 +175,9 @@ _FINITE = ("lora_alpha", "lora_dropout", "memory_budget", "ep_capacity_factor")
 _POSITIVE = ("batch", "seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep", "cp", "pp")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
-                "galore_rank", "checkpoint", "checkpoint_every", "fused_optimizer", "compile", "memory_budget",
-                "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp", "cp_method", "pp",
-                "pp_schedule", "microbatches")
+                "galore_rank", "checkpoint", "checkpoint_every", "checkpoint_reentrant", "fused_optimizer", "compile",
+                "memory_budget", "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp",
+                "cp_method", "pp", "pp_schedule", "microbatches")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -300,7 +302,8 @@ def _flag_values(o: Options) -> dict[str, Any]:
         batch=o.batch, seq=o.seq, grad_accum=o.grad_accum, precision="bf16" if o.bf16 else o.precision,
         master_weights=o.master_weights or None, optimizer=o.optimizer, optimizer_impl=o.optimizer_impl,
         galore_rank=o.galore_rank,
-        checkpoint=checkpoint, checkpoint_every=every, fused_optimizer=o.fused_optimizer or None,
+        checkpoint=checkpoint, checkpoint_every=every, checkpoint_reentrant=o.reentrant or None,
+        fused_optimizer=o.fused_optimizer or None,
         compile=(o.compile or o.memory_budget is not None or o.compile_scope is not None) or None,
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,
         zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp, ep=o.ep, ep_capacity_factor=o.ep_capacity_factor,
@@ -392,6 +395,7 @@ def _setup_defaults(o: Options, model: ModelSpec, profile: KernelProfile, tr: _T
         tr.put("compile_scope", "layer", origin="default")
         reasons["compile_scope"] = ("torchtune: training.compile_model compiles each TransformerSelfAttentionLayer "
                                     "apart (torchtune/training/_compile.py) and compile_loss the loss")
+    trainer_checkpointing(profile, tr.values, tr.origin, reasons, notes)
     if "seq" not in tr.values:
         tr.put("seq", min(2048, model.max_seq_len), origin="default")
         if model.max_seq_len < 2048:

@@ -430,7 +430,7 @@ def setup_line(est: Estimate, res: Resolved) -> str:
     master = " + fp32 master" if tr.master_weights else ""
     return (f"[bold]Setup[/bold]: {exp.model.name} ({fmt_count(est.params)} parameters, "
             f"{fmt_count(est.trainable_params)} trainable{frm}), {method}, {tr.precision}{master}, batch {tr.batch} x "
-            f"seq {tr.seq}, {tr.optimizer}, checkpointing {tr.checkpoint}{gpus}; {exp.profile.framework}, PyTorch "
+            f"seq {tr.seq}, {tr.optimizer}, checkpointing {tr.checkpoint}{' (reentrant)' if tr.checkpoint_reentrant else ''}{gpus}; {exp.profile.framework}, PyTorch "
             f"{exp.profile.torch_version}")
 
 

@@ -178,9 +178,42 @@ def test_reentrant_checkpointing_traces():
     none = measure_hf(exp_of(m, precision="bf16", seq=128, lora=lora), "meta")
     e = exp_of(m, precision="bf16", seq=128, checkpoint="full", lora=lora)
     a = measure_hf(e, "meta")
-    b = measure_hf(e, "meta", reentrant=True)
+    b = measure_hf(exp_of(m, precision="bf16", seq=128, checkpoint="full", checkpoint_reentrant=True, lora=lora), "meta")
     assert none.status == a.status == b.status == "ok"
     assert a.measured_bytes < none.measured_bytes and b.measured_bytes < none.measured_bytes
+
+
+#: the estimate of a reentrant-checkpointed step against the HF trace (relative)
+REENTRANT_TOL = 0.005
+_QLORA_REENTRANT_GAP = ("the reentrant QLoRA trace holds one fp32 hidden state (B, T, d) more than the estimate while "
+                        "the last layer's region runs its backward (4 x 128 x 64 x 4 B here; every-2, whose last layer "
+                        "is not checkpointed, agrees); mechanism not found: the detached input's gradient under "
+                        "prepare_model_for_kbit_training's fp32 residual?")
+
+
+@pytest.mark.parametrize("adapter,checkpoint", [
+    # source: torch 2.13 utils/checkpoint.py CheckpointFunction.backward (nested autograd.backward holding the
+    # recomputed outputs and their gradient; memcalc.engine.checkpoint reentrant)
+    ("lora", "full"),
+    ("lora", "every-k"),
+    ("none", "full"),
+    # source: peft 0.21 prepare_model_for_kbit_training: the checkpointing hf --qlora gets by default
+    pytest.param("qlora", "full", marks=pytest.mark.xfail(strict=True, reason=_QLORA_REENTRANT_GAP)),
+    ("qlora", "every-k"),
+])
+def test_reentrant_estimate_matches_trace(adapter, checkpoint):
+    """The estimate of torch's reentrant checkpoint (recomputed whole, its output and gradient held through
+    the nested backward) against transformers' activation_checkpointing_enable(use_reentrant=True)."""
+    from memcalc.estimate.peak import estimate
+
+    m = TINY["llama"].model_copy(update={"n_layers": 2})
+    lora = {"none": None, "lora": LoraSpec(rank=8, targets=("q", "k", "v", "o")),
+            "qlora": LoraSpec(rank=8, qlora=True, targets=("q", "k", "v", "o"))}[adapter]
+    e = exp_of(m, precision="bf16", seq=128, batch=4, checkpoint=checkpoint, checkpoint_every=2,
+               checkpoint_reentrant=True, lora=lora)
+    traced = measure_hf(e, "meta")
+    assert traced.status == "ok", traced.reason
+    assert estimate(e, timeline=False).peak_bytes == pytest.approx(traced.measured_bytes, rel=REENTRANT_TOL)
 
 
 def test_checkpointing_saves_memory():
@@ -256,8 +289,12 @@ BAD = [
      "none of the Hugging Face families"),
     (["validate", "--framework", "hf", "--model", "gpt2", "--lora", "--lora-targets", "q,v", "--device", "meta"], 2,
      "q, k, v are one fused projection: target qkv"),
-    (["validate", "--reentrant", "--framework", "plain", "--model", "gpt2", "--device", "meta"], 2,
-     "needs --framework hf"),
+    # source: validate/command.py REENTRANT_TRACED (the replica's checkpoint is non-reentrant)
+    (["validate", "--reentrant", "--checkpoint", "full", "--framework", "plain", "--model", "gpt2", "--device",
+      "meta"], 2, "is traced by --framework hf or trl on one GPU; plain's checkpointing is non-reentrant"),
+    # source: memcalc/core/training_spec.py TrainingSpec._check (reentrant needs checkpointed layers)
+    (["validate", "--reentrant", "--framework", "hf", "--model", "gpt2", "--device", "meta"], 2,
+     "reentrant checkpointing applies to checkpointed layers"),
     # source: validate/hf_runner.py CONV1D_FAMILIES (hf_qlora.load_4bit reads nn.Linear weights only)
     (["validate", "--framework", "hf", "--model", "gpt2", "--bf16", "--qlora", "--lora-targets", "qkv",
       "--device", "meta"], 2, "--qlora on gpt2: its projections are transformers' Conv1D"),

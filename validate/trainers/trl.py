@@ -305,9 +305,9 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
 
         apply_liger(model, exp)
     if tr.checkpoint in ("full", "every-k"):  # SFTConfig.gradient_checkpointing: Trainer's call, non-reentrant
-        every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                              every_n_layers=every)
+        every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1  # unless gradient_checkpointing_kwargs say
+        kwargs = {"use_reentrant": tr.checkpoint_reentrant}
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, every_n_layers=every)
     add_fused_lm_head(model.get_base_model() if isinstance(model, PeftModel) else model,  # type: ignore[arg-type]
                       outputs=SFT_OUTPUTS)
     meas.params = param_counts(model)[0]

@@ -241,8 +241,7 @@ def checkpointing(r: Reader) -> None:
     if kwarg("offload") is not None and bool_value(kwarg("offload"), f"{src}:{kw}.offload"):
         r.set("activation_offload", True, f"{kw}.offload")
     if kwarg("use_reentrant") is not None and bool_value(kwarg("use_reentrant"), f"{src}:{kw}.use_reentrant"):
-        r.rec.note(f"{kw}.use_reentrant: true: reentrant checkpointing is modelled as the non-reentrant kind (the "
-                   "same saved inputs per layer); `memcalc validate --reentrant` traces it")
+        r.set("reentrant", True, f"{kw}.use_reentrant")
     for k in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
         r.get(k)
 

@@ -1,0 +1,69 @@
+"""The defaults a trainer runs with that memcalc's own would get wrong: activation checkpointing.
+
+Without ``--checkpoint`` (nor a config's, nor a recipe's), memcalc checkpoints nothing, as Hugging
+Face Trainer does (``TrainingArguments.gradient_checkpointing`` is False). Three trainers turn it on
+themselves; the estimate follows them and says so (a note, and the reason in ``--verbose`` and
+``--json``), each rule with its source:
+
+- Hugging Face QLoRA under PEFT's k-bit preparation (the profile's ``qlora_fp32_cast``):
+  ``prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)`` (peft 0.21.2
+  ``utils/other.py``) calls ``model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={})``;
+  with no ``use_reentrant`` in them transformers 5's ``_activation_checkpointing_enable`` passes none
+  to ``torch.utils.checkpoint``, which then takes ``use_reentrant=True`` (torch 2.13
+  ``utils/checkpoint.py``, with its warning): every layer, reentrant (``checkpoint_reentrant``).
+- TRL: ``SFTConfig.gradient_checkpointing`` defaults to True (trl 1.16.0 ``trainer/sft_config.py``,
+  "Defaults to True instead of False"); Trainer enables it with
+  ``gradient_checkpointing_kwargs=None``, which ``_activation_checkpointing_enable`` makes
+  ``{"use_reentrant": False}``: every layer, non-reentrant.
+- Unsloth LoRA: ``FastLanguageModel.get_peft_model(use_gradient_checkpointing="unsloth")`` is the
+  default (unsloth 2026.10.9 ``models/llama.py``): Unsloth's own checkpointing
+  (:mod:`memcalc.engine.unsloth_checkpoint`).
+
+Left as memcalc's own: batch 1 and sequence 2048 (the trainers' 8 x up to ``max_length`` depend on
+the data), the optimizer's implementation (TRL's ``adamw_torch_fused``: plan's rows would part from
+the estimate), torchtune and LitGPT (their recipe files say what they run: ``--recipe``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memcalc.core.spec import KernelProfile
+
+#: trainer -> (reentrant, why): the trainers that checkpoint every layer unless told not to
+TRAINER_CHECKPOINTING: dict[str, tuple[bool, str]] = {
+    "hf-qlora": (True, "PEFT's prepare_model_for_kbit_training runs with use_gradient_checkpointing=True by default "
+                       "and passes no use_reentrant, so torch.utils.checkpoint takes True (peft 0.21 utils/other.py, "
+                       "torch 2.13 utils/checkpoint.py)"),
+    "trl": (False, "TRL's SFTConfig.gradient_checkpointing defaults to True and Trainer enables it non-reentrant "
+                   "(trl 1.16 sft_config.py; transformers 5 _activation_checkpointing_enable)"),
+    "unsloth": (False, "Unsloth's get_peft_model defaults to use_gradient_checkpointing=\"unsloth\" (unsloth 2026.10 "
+                       "models/llama.py)"),
+}
+
+
+def trainer_of(profile: KernelProfile, lora: Any) -> str | None:
+    """The :data:`TRAINER_CHECKPOINTING` key that applies to a setup (``lora``: its adapter fields, or None)."""
+    if profile.framework == "hf" and lora is not None and lora.get("qlora") and profile.qlora_fp32_cast:
+        return "hf-qlora"
+    if profile.framework == "trl":
+        return "trl"
+    if profile.framework == "unsloth" and lora is not None:
+        return "unsloth"
+    return None
+
+
+def trainer_checkpointing(profile: KernelProfile, values: dict[str, Any], origin: dict[str, str],
+                          reasons: dict[str, str], notes: list[str]) -> None:
+    """Where no ``checkpoint`` is among the training ``values`` being assembled, the trainer's own
+    (:data:`TRAINER_CHECKPOINTING`), its ``origin`` "default", its reason and a note."""
+    key = None if "checkpoint" in values else trainer_of(profile, values.get("lora"))
+    if key is None:
+        return
+    reentrant, why = TRAINER_CHECKPOINTING[key]
+    values["checkpoint"], origin["checkpoint"], reasons["checkpoint"] = "full", "default", why
+    if reentrant and "checkpoint_reentrant" not in values:
+        values["checkpoint_reentrant"], origin["checkpoint_reentrant"] = True, "default"
+        reasons["checkpoint_reentrant"] = why
+    notes.append(f"checkpointing every layer{', reentrant,' if reentrant else ''} by default: {why}; "
+                 "--checkpoint none to run without")
