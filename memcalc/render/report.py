@@ -428,10 +428,11 @@ def setup_line(est: Estimate, res: Resolved) -> str:
     src = res.model_source
     frm = f"; {escape(src.describe())}" if src is not None and src.kind != "preset" else ""
     master = " + fp32 master" if tr.master_weights else ""
+    reentrant = " (reentrant)" if tr.checkpoint_reentrant else ""
     return (f"[bold]Setup[/bold]: {exp.model.name} ({fmt_count(est.params)} parameters, "
             f"{fmt_count(est.trainable_params)} trainable{frm}), {method}, {tr.precision}{master}, batch {tr.batch} x "
-            f"seq {tr.seq}, {tr.optimizer}, checkpointing {tr.checkpoint}{' (reentrant)' if tr.checkpoint_reentrant else ''}{gpus}; {exp.profile.framework}, PyTorch "
-            f"{exp.profile.torch_version}")
+            f"seq {tr.seq}, {tr.optimizer}, checkpointing {tr.checkpoint}{reentrant}{gpus}; {exp.profile.framework}, "
+            f"PyTorch {exp.profile.torch_version}")
 
 
 def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = True) -> list[Any]:

@@ -178,7 +178,8 @@ def test_reentrant_checkpointing_traces():
     none = measure_hf(exp_of(m, precision="bf16", seq=128, lora=lora), "meta")
     e = exp_of(m, precision="bf16", seq=128, checkpoint="full", lora=lora)
     a = measure_hf(e, "meta")
-    b = measure_hf(exp_of(m, precision="bf16", seq=128, checkpoint="full", checkpoint_reentrant=True, lora=lora), "meta")
+    b = measure_hf(exp_of(m, precision="bf16", seq=128, checkpoint="full", checkpoint_reentrant=True, lora=lora),
+                   "meta")
     assert none.status == a.status == b.status == "ok"
     assert a.measured_bytes < none.measured_bytes and b.measured_bytes < none.measured_bytes
 
