@@ -11,7 +11,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Reentrant,
+from memcalc.cli.options import (Reentrant, GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16,
+                                 Checkpoint, Compile,
                                  CompileScope, Config, Deepspeed,
                                  BnbSavesInput,
                                  Dora, Framework, FusedOptimizer, Gpus, GradAccum, Json, Kernels, Lora, LoraAlpha,

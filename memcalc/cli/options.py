@@ -59,7 +59,8 @@ Checkpoint = Annotated[Optional[str], typer.Option(
     "--checkpoint", help="none | full | every-K (e.g. every-2) | sqrt | selective | selective-op (torchtitan).")]
 Reentrant = Annotated[bool, typer.Option(
     "--reentrant", help="With --checkpoint: torch's reentrant checkpoint (use_reentrant=True), as PEFT's "
-                        "prepare_model_for_kbit_training turns it on (the default for --qlora on hf without --checkpoint).")]
+                        "prepare_model_for_kbit_training turns it on (the default for --qlora on hf without "
+                        "--checkpoint).")]
 FusedOptimizer = Annotated[bool, typer.Option(
     "--fused-optimizer", help="Step the optimizer in post-accumulate-grad hooks during backward.")]
 Compile = Annotated[bool, typer.Option("--compile", help="torch.compile the model.")]

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from memcalc.cli.group import app
-from memcalc.cli.options import (GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16, Checkpoint, Compile, Reentrant,
+from memcalc.cli.options import (Reentrant, GaloreRank, Quant, ActivationOffload, AdapterConfig, Batch, Bf16,
+                                 Checkpoint, Compile,
                                  CompileScope, Deepspeed, BnbSavesInput, Dora, ModulesToSave,
                                  FusedOptimizer, GradAccum, Json, Kernels, Lora, LoraAlpha, LoraDropout, LoraRank,
                                  LoraTargets, Loss, LossChunks,

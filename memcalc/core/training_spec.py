@@ -217,9 +217,9 @@ class TrainingSpec(Spec):
     )
     checkpoint_every: int = Field(2, gt=0, description="K for --checkpoint every-K.")
     checkpoint_reentrant: bool = Field(
-        False, description="torch.utils.checkpoint(use_reentrant=True), the kind PEFT's prepare_model_for_kbit_training "
-        "turns on: each region is recomputed whole and its backward runs nested, holding the recomputed output and its "
-        "gradient until it ends (needs --checkpoint full, every-K or sqrt).")
+        False, description="torch.utils.checkpoint(use_reentrant=True), the kind PEFT's "
+        "prepare_model_for_kbit_training turns on: each region is recomputed whole and its backward runs nested, "
+        "holding the recomputed output and its gradient until it ends (needs --checkpoint full, every-K or sqrt).")
     fused_optimizer: bool = Field(
         False, description="Run the optimizer step per parameter in post-accumulate-grad hooks (frees grads early)."
     )

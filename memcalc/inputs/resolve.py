@@ -37,10 +37,8 @@ from memcalc.inputs.parsers import parse_checkpoint, parse_modules_to_save, pars
 from memcalc.inputs.trainer_defaults import trainer_checkpointing
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
-from memcalc.core.spec import (COMPILE_SCOPES, CP_METHODS, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, HEAD_TARGET,
-                               LORA_DTYPES, LORA_TARGET_ALIASES, LORA_TARGETS, SHARDINGS,
-                               ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec, canonical_targets,
-                               lora_targets_error)
+from memcalc.core.spec import (COMPILE_SCOPES, CP_METHODS, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, SHARDINGS,
+                               ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec)
 
 if TYPE_CHECKING:
     from memcalc.inputs.presets import ModelSource
