@@ -427,8 +427,7 @@ def setup_line(est: Estimate, res: Resolved) -> str:
     gpus = f", {tr.gpus * tr.tp} GPUs" + (f" ZeRO-{tr.zero}" if tr.zero else "") if tr.gpus * tr.tp > 1 else ""
     src = res.model_source
     frm = f"; {escape(src.describe())}" if src is not None and src.kind != "preset" else ""
-    master = " + fp32 master" if tr.master_weights else ""
-    reentrant = " (reentrant)" if tr.checkpoint_reentrant else ""
+    master, reentrant = " + fp32 master" * tr.master_weights, " (reentrant)" * tr.checkpoint_reentrant
     return (f"[bold]Setup[/bold]: {exp.model.name} ({fmt_count(est.params)} parameters, "
             f"{fmt_count(est.trainable_params)} trainable{frm}), {method}, {tr.precision}{master}, batch {tr.batch} x "
             f"seq {tr.seq}, {tr.optimizer}, checkpointing {tr.checkpoint}{reentrant}{gpus}; {exp.profile.framework}, "
