@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Optional, Protocol
 from collections.abc import Callable, Iterable
 
 from memcalc.core.dtypes import DType
-from memcalc.core.ring_attention import Event, ring_backward, ring_forward, ring_shapes, worst_rank
+from memcalc.core.ring_attention import Event, ring_events, ring_shapes, worst_rank
 from memcalc.core.rules import check_cp
 from memcalc.core.spec import ExperimentSpec
 
@@ -78,6 +78,17 @@ def local_experiment(exp: ExperimentSpec) -> ExperimentSpec:
         return exp
     check_cp(exp)
     return exp.model_copy(update={"training": tr.model_copy(update={"seq": tr.seq // tr.cp})})
+
+
+def shard_group(exp: ExperimentSpec) -> ExperimentSpec:
+    """The experiment as ZeRO sees it: with context parallelism the sharded data-parallel group is
+    ``gpus x cp`` ranks (torchtitan's ``apply_fsdp`` on the ``dp_shard_cp`` mesh dimension,
+    torchtitan/models/llama3/infra/parallelize.py; DeepSpeed's ZeRO over its ``seq_data_parallel_group``,
+    deepspeed/runtime/engine.py), since the cp ranks of one batch hold the same parameters."""
+    tr = exp.training
+    if tr.cp == 1 or tr.zero == 0:
+        return exp
+    return exp.model_copy(update={"training": tr.model_copy(update={"gpus": tr.gpus * tr.cp})})
 
 
 class _Replay:
@@ -150,14 +161,15 @@ class ContextParallel:
             return mk
 
         rep = _Replay(sim, {"out": make("out", B * H * S * D, dt), "lse": make("lse", B * H * S, DType.fp32)})
-        rep.run(ring_forward(r, c, s))
+        fwd_events, bwd_events = ring_events(r, c, s, sim._round)
+        rep.run(fwd_events)
         out, lse = res["out"], res["lse"]
         rep.live.pop("out")
         rep.live.pop("lse")
         node = sim.node("sdpa_ring_flash", [q, k, v, out, lse], [q, k, v], [], [out],
                         grad_input_bytes=[q.nbytes, k.nbytes, v.nbytes], flops=4 * B * H * S * S * D * c)
         if node is not None:  # the ring's backward up to its return; its results are the node's gradients
-            node.on_backward = lambda sim_, _n: _Replay(sim_).run(ring_backward(r, c, s), free_rest=True)
+            node.on_backward = lambda sim_, _n: _Replay(sim_).run(bwd_events, free_rest=True)
         o.drop(lse)
         # the merged output is made by _partial_update's torch.cat (a contiguous (B, H, S, D) tensor) once a
         # step is partial (i > r), else it keeps the flash output's (B, S, H, D) layout, unless q itself

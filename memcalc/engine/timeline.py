@@ -23,6 +23,7 @@ from memcalc.core.units import round_up
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.engine.checkpoint import layer_strategy
+from memcalc.engine.context_parallel import shard_group
 from memcalc.engine.forward import Forward
 from memcalc.engine.fsdp import FSDP2, optimizer_training
 from memcalc.engine.optimizers import OptimizerSim
@@ -216,6 +217,7 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
     """The step, phase by phase: setup (weights, optimizer state), the micro-steps' forward and
     backward, the optimizer step (:class:`_Step`)."""
     check_supported(exp)
+    exp = shard_group(exp)  # context parallelism: ZeRO over data-parallel x context-parallel ranks
     tr = exp.training
     if strategy is None:
         assert not tr.compile, "a compiled step needs the compiled layer strategy (memcalc.estimate.step)"

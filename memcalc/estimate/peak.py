@@ -127,11 +127,11 @@ _LIGER_DEFAULT = KernelProfile.model_fields["liger_ops"].default
 #: (when, note) of each option that changes nothing in a setup, in the order the notes are shown
 #: (the setup-dependent entries of ``memcalc.core.contract.CONDITIONAL``)
 NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
-    (lambda s: s.tr.zero >= 1 and s.tr.gpus == 1 and not s.deepspeed(),
+    (lambda s: s.tr.zero >= 1 and s.tr.gpus * s.tr.cp == 1 and not s.deepspeed(),
      lambda s: f"zero {s.tr.zero} has no effect with one GPU: nothing to shard (set gpus)"),
     (lambda s: s.tr.zero == 1 and s.tr.gpus > 1 and s.tr.offload_optimizer,
      lambda s: "zero 1 has no effect with offload_optimizer: the optimizer state it shards is on the CPU"),
-    (lambda s: s.changed("sharding") and (s.tr.gpus == 1 or s.tr.zero == 0) and not s.deepspeed(),
+    (lambda s: s.changed("sharding") and (s.tr.gpus * s.tr.cp == 1 or s.tr.zero == 0) and not s.deepspeed(),
      lambda s: f"sharding {s.tr.sharding} has no effect with zero {s.tr.zero} on {s.tr.gpus} GPU"
                f"{'s' if s.tr.gpus > 1 else ''}: nothing is sharded"),
     (lambda s: s.tr.zero == 1 and s.tr.gpus > 1 and s.tr.sharding in ("fsdp2", "fsdp1"),

@@ -137,7 +137,8 @@ def _notes(seq: int) -> list[str]:
         f"GPU is not enough; checkpointing as above",
         "tp: the full fine-tune's count as dp x tp = FSDP2 (ZeRO-3) over dp = full / tp data-parallel ranks x tensor "
         "parallelism with sequence parallelism over tp (torchtitan's 2-D layout; tp 2/4/8, within a node), batch 1 "
-        "per data-parallel rank (--json: layout_full); LoRA runs ZeRO-3 alone",
+        "per data-parallel rank (--json: layout_full); LoRA runs ZeRO-3 alone; cpN: dp x N GPUs with context "
+        "parallelism (ring attention, seq / N tokens a GPU, ZeRO-3 over dp x N), tried from seq 16k",
         f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
         "and nodes of 8, so the next power of two is shown too",
     ]

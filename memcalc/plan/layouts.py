@@ -14,6 +14,11 @@ node, where TP's per-layer collectives stay on NVLink) that the model allows
 keeps the layout with the fewest GPUs in all (the smaller ``tp`` on a tie: less communication),
 confirmed with direct estimates. LoRA runs are not searched: the tensor-parallel
 model covers full fine-tuning only.
+
+For long sequences (``seq >= CP_MIN_SEQ``) the search also tries context parallelism: ``dp x cp``
+GPUs, ring attention over ``cp`` ranks (:mod:`memcalc.engine.context_parallel`) and ZeRO-3 over all
+``dp x cp`` of them (torchtitan's ``dp_shard_cp`` mesh dimension), each ``cp`` in :data:`CP_DEGREES`
+that :func:`memcalc.core.rules.check_cp` allows; the layout is ``{"dp", "tp": 1, "cp"}``.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any, Optional
 import numpy as np
 
 from memcalc.core.errors import UserError
+from memcalc.core.rules import check_cp
 from memcalc.core.rules import check_tp as check
 from memcalc.core.spec import ExperimentSpec
 from memcalc.estimate.peak import required_bytes, step_side
@@ -32,6 +38,38 @@ from memcalc.plan.simulations import estimated_peak, with_training
 
 #: tensor-parallel degrees searched: within one 8-GPU node (NVLink), as torchtitan's recipes use
 TP_DEGREES = (2, 4, 8)
+
+
+#: context-parallel degrees searched (ring attention over up to 4 nodes of 8), for sequences of at least
+#: :data:`CP_MIN_SEQ` tokens (where activations, not model states, set the GPU count)
+CP_DEGREES = (2, 4, 8, 16, 32)
+CP_MIN_SEQ = 16384
+
+
+def cp_degrees(exp: ExperimentSpec) -> list[int]:
+    """The degrees of :data:`CP_DEGREES` the model and setup allow (none below :data:`CP_MIN_SEQ`)."""
+    if exp.training.seq < CP_MIN_SEQ:
+        return []
+    out = []
+    for cp in CP_DEGREES:
+        try:
+            check_cp(with_training(exp, cp=cp))
+        except UserError:
+            continue
+        out.append(cp)
+    return out
+
+
+def parallel(exp: ExperimentSpec, tp: int, cp: int = 1, **kw: Any) -> ExperimentSpec:
+    """``exp`` at tensor-parallel degree ``tp`` (with sequence parallelism) or context-parallel degree ``cp``."""
+    if cp > 1:
+        return with_training(exp, cp=cp, **kw)
+    return with_training(exp, tp=tp, sequence_parallel=True, **kw)
+
+
+def degrees(exp: ExperimentSpec) -> list[tuple[int, int]]:
+    """The ``(tp, cp)`` pairs the search tries: tensor parallelism within a node, or context parallelism."""
+    return [(tp, 1) for tp in tp_degrees(exp)] + [(1, cp) for cp in cp_degrees(exp)]
 
 
 def tp_degrees(exp: ExperimentSpec) -> list[int]:
@@ -46,15 +84,16 @@ def tp_degrees(exp: ExperimentSpec) -> list[int]:
     return out
 
 
-def layout_of(dp: Optional[int], tp: int) -> Optional[dict[str, int]]:
-    """The layout as ``--json`` shows it: ``{"dp": ..., "tp": ...}`` (None when nothing fits)."""
-    return None if dp is None else {"dp": dp, "tp": tp}
+def layout_of(dp: Optional[int], tp: int, cp: int = 1) -> Optional[dict[str, int]]:
+    """The layout as ``--json`` shows it: ``{"dp": ..., "tp": ...}`` (and ``"cp"`` with context
+    parallelism; None when nothing fits)."""
+    return None if dp is None else {"dp": dp, "tp": tp} | ({"cp": cp} if cp > 1 else {})
 
 
 def layout_setups(base: ExperimentSpec) -> list[ExperimentSpec]:
     """The full fine-tune at each tensor-parallel degree the search tries (``gpus`` as in ``base``):
     what :func:`search_layouts` fits in the data-parallel degree."""
-    return [with_training(base, tp=tp, sequence_parallel=True) for tp in tp_degrees(base)]
+    return [parallel(base, tp, cp) for tp, cp in degrees(base)]
 
 
 def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int, fit: Optional[GpusFit] = None) -> Optional[int]:
@@ -81,26 +120,27 @@ def layout_probes(full: dict[str, ExperimentSpec], caps: dict[int, Optional[int]
     what is missing."""
     out: set[tuple[ExperimentSpec, bool]] = set()
     base = full["full"]
-    best: dict[int, tuple[int, int, ExperimentSpec]] = {}  # cap -> (dp x tp, tp, dp): the first confirmed
-    for tp in tp_degrees(base):
-        e = with_training(base, tp=tp, sequence_parallel=True)
+    best: dict[int, tuple[int, int, int, int]] = {}  # cap -> (dp x tp x cp, tp, cp, dp): the first confirmed
+    for tp, cp in degrees(base):
+        e = parallel(base, tp, cp)
         out.add((with_training(e, gpus=1), False))  # one tensor-parallel group, checked first (_fewest_dp)
         fit = fits.get(e)
-        hi = n_max // tp
+        hi = n_max // (tp * cp)
         if fit is None or hi < 2:
             continue
         req = fit.required(np.arange(2, hi + 1))
         for cap, n in caps.items():
             ok = np.nonzero(req <= cap)[0]
-            if len(ok) and (n is None or (int(ok[0]) + 2) * tp < n):  # fewer GPUs than ZeRO-3 alone
+            if len(ok) and (n is None or (int(ok[0]) + 2) * tp * cp < n):  # fewer GPUs than ZeRO-3 alone
                 dp = int(ok[0]) + 2
-                best[cap] = min(best.get(cap, (dp * tp, tp, dp)), (dp * tp, tp, dp))
-    for _, tp, dp in best.values():
-        e = with_training(base, tp=tp, sequence_parallel=True)
+                cand = (dp * tp * cp, tp, cp, dp)
+                best[cap] = min(best.get(cap, cand), cand)
+    for _, tp, cp, dp in best.values():
+        e = parallel(base, tp, cp)
         out.add((with_training(e, gpus=dp), True))
         if dp > 2:
             out.add((with_training(e, gpus=dp - 1), False))
-        out.add((with_training(full["none"], tp=tp, sequence_parallel=True, gpus=dp), True))
+        out.add((parallel(full["none"], tp, cp, gpus=dp), True))
     return out
 
 
@@ -121,31 +161,32 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
     counts; only the winner is confirmed with direct estimates. ``fits``: the fits in
     ``dp`` of :func:`layout_setups` already made (fitted here otherwise)."""
     base = full["full"]
-    degrees = tp_degrees(base)
+    pairs = degrees(base)
     for row in rows:
         n = row.min_gpus.get("full")
         row.layout["full"] = layout_of(n, 1)
         row.layout["lora"] = layout_of(row.min_gpus.get("lora"), 1)
         cap = int(row.gpu.capacity_bytes)
-        cands = []  # (total, tp, dp)
-        for tp in degrees:
-            bound = n_max // tp if n is None else min(n_max // tp, (n - 1) // tp)
+        cands = []  # (total, tp, cp, dp)
+        for tp, cp in pairs:
+            w = tp * cp
+            bound = n_max // w if n is None else min(n_max // w, (n - 1) // w)
             if bound < 1:
                 continue
-            e = with_training(base, tp=tp, sequence_parallel=True)
+            e = parallel(base, tp, cp)
             dp = _fewest_dp(e, cap, bound, n_max, (fits or {}).get(e))
             if dp is not None:
-                cands.append((dp * tp, tp, dp))
-        for total, tp, dp in sorted(cands):
-            exp = with_training(base, tp=tp, sequence_parallel=True)
+                cands.append((dp * w, tp, cp, dp))
+        for total, tp, cp, dp in sorted(cands):
+            exp = parallel(base, tp, cp)
             if dp > 1:
-                dp = _confirmed(exp, cap, dp, n_max // tp)
-                if dp is None or (n is not None and dp * tp >= n):
+                dp = _confirmed(exp, cap, dp, n_max // (tp * cp))
+                if dp is None or (n is not None and dp * tp * cp >= n):
                     continue
-            exps = {ck: with_training(e, tp=tp, sequence_parallel=True, gpus=dp) for ck, e in full.items()}
+            exps = {ck: parallel(e, tp, cp, gpus=dp) for ck, e in full.items()}
             ck = "none" if fits_in(exps["none"], cap) else "full"
-            row.min_gpus["full"] = dp * tp
+            row.min_gpus["full"] = dp * tp * cp
             row.checkpoint["full"] = ck
             row.required_bytes["full"] = required_bytes(estimated_peak(exps[ck]), step_side(exps[ck]))
-            row.layout["full"] = layout_of(dp, tp)
+            row.layout["full"] = layout_of(dp, tp, cp)
             break

@@ -142,7 +142,7 @@ def cluster_plan_items(p: ClusterPlan) -> list[Any]:
             cells += [f">{GPU_CAP}" if n is None else str(n)]
             if s == "full":  # the tensor-parallel degree of that count: dp = full / tp (plan/layouts.py)
                 lay = r.layout.get(s)
-                cells.append("-" if lay is None else str(lay["tp"]))
+                cells.append("-" if lay is None else f"cp{lay['cp']}" if "cp" in lay else str(lay["tp"]))
             cells += ["-" if n is None else str(next_pow2(n)),
                       r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
         t.add_row(*cells)

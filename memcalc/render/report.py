@@ -213,6 +213,10 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
         ("tensor parallel", _tensor_parallel(tr, o)),
         ("expert parallel", ep_line(exp, _mark(o, "ep"), _mark(o, "ep_capacity_factor"))),
         ("pipeline parallel", pipeline_line(est.extra["pipeline"]) if "pipeline" in est.extra else None),
+        ("context parallel", (f"CP {tr.cp}{_mark(o, 'cp')} ({tr.cp_method}{_mark(o, 'cp_method')}); "
+                              f"seq {tr.seq // tr.cp} a rank; {tr.gpus * tr.tp * tr.cp} GPUs in all"
+                              + (f"; ZeRO over {tr.gpus} x {tr.cp} ranks" if tr.zero else ""))
+         if tr.cp > 1 else None),
         ("adapters", _adapters(exp, res)),
         ("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}"),
         ("kernel profile", _kernel_profile(p, m, o)),

@@ -69,3 +69,25 @@ def test_long_context_row_per_rank():
     # all-gathered K/V (32 x 2 x 8 kv heads x 32k x 128 x 2 B = 1 GiB) and fp32 accumulators live inside one
     # layer's attention, below the peak that the head and loss set (32k x 128,256 fp32 logits and their gradient)
     assert r.peak_bytes == one and "head" in r.peak_label
+
+
+@pytest.mark.parametrize("cp", [2, 5, 32])
+def test_compressed_ring_keeps_the_peak_and_the_end(cp):
+    # source: memcalc.core.ring_attention.compressed: the simulator replays the ring as a few blocks
+    from memcalc.core.ring_attention import compressed, summary
+
+    s = Shapes(1, 32, 8, 4096, 128, DType.bf16, True)
+    r = worst_rank(cp, s)
+    for events in (list(ring_forward(r, cp, s)), list(ring_backward(r, cp, s))):
+        assert summary(compressed(events, 512), 512) == summary(events, 512)
+
+
+@pytest.mark.slow  # a cluster plan (about 1.5 s of CPU)
+def test_plan_offers_context_parallelism_for_long_sequences():
+    # source: memcalc.plan.layouts: from seq 16k the search tries dp x cp; at 128k tokens Llama-3.1-8B's
+    # activations (its 128k x 128,256 fp32 logits alone are 64 GiB) need context parallelism on every card
+    import memcalc.api
+
+    plan = memcalc.api.plan(model="llama-3.1-8b", seq="128k")
+    layouts = [g["layout_full"] for g in plan.options if g["layout_full"]]
+    assert layouts and all(lay.get("cp", 1) > 1 for lay in layouts)
