@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import flash_head_dim_rounded, flash_seq_rounded
@@ -227,3 +228,19 @@ def ring_shapes(exp) -> Shapes:
     expanded = n_rep > 1 and not native and kvH != 1
     return Shapes(tr.batch, H, H if expanded else kvH, tr.seq // tr.cp, m.dim_head, tr.compute_dtype,
                   copies=not expanded)
+
+
+def tp_line(tr, tp_mark: str = "", sp_mark: str = "") -> Optional[str]:
+    """The setup table's tensor-parallel row (memcalc.engine.tensor_parallel), beside :func:`cp_line`."""
+    if not (tr.tp > 1 or tr.sequence_parallel):
+        return None
+    return (f"TP {tr.tp}{tp_mark}" + (f" (sequence parallel{sp_mark})" if tr.sequence_parallel else "")
+            + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
+
+
+def cp_line(tr, cp_mark: str = "", method_mark: str = "") -> Optional[str]:
+    """The setup table's context-parallel row (``tr``: the training spec), or None without it."""
+    if tr.cp == 1:
+        return None
+    return (f"CP {tr.cp}{cp_mark} ({tr.cp_method}{method_mark}); seq {tr.seq // tr.cp} a rank; "
+            f"{tr.gpus * tr.tp * tr.cp} GPUs in all" + (f"; ZeRO over {tr.gpus} x {tr.cp} ranks" if tr.zero else ""))

@@ -14,6 +14,7 @@ from memcalc.core.pipeline import pipeline_line
 from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.core.expert_parallel import ep_line
+from memcalc.core.ring_attention import cp_line, tp_line
 from memcalc.core.gpu_side import DeviceMemory, device_memory
 from memcalc.engine.result import KIND_NAMES, KINDS, Estimate
 from memcalc.estimate.peak import card_side, runs_within
@@ -210,13 +211,10 @@ def inputs_table(est: Estimate, res: Resolved) -> Table:
         ("compile", ((f"yes, memory budget {tr.memory_budget}" if tr.memory_budget is not None else "yes")
                      + (f", each layer a graph{_why(res, 'compile_scope')}" if tr.compile_scope == "layer" else ""))
          if tr.compile else None),
-        ("tensor parallel", _tensor_parallel(tr, o)),
+        ("tensor parallel", tp_line(tr, _mark(o, "tp"), _mark(o, "sequence_parallel"))),
         ("expert parallel", ep_line(exp, _mark(o, "ep"), _mark(o, "ep_capacity_factor"))),
         ("pipeline parallel", pipeline_line(est.extra["pipeline"]) if "pipeline" in est.extra else None),
-        ("context parallel", (f"CP {tr.cp}{_mark(o, 'cp')} ({tr.cp_method}{_mark(o, 'cp_method')}); "
-                              f"seq {tr.seq // tr.cp} a rank; {tr.gpus * tr.tp * tr.cp} GPUs in all"
-                              + (f"; ZeRO over {tr.gpus} x {tr.cp} ranks" if tr.zero else ""))
-         if tr.cp > 1 else None),
+        ("context parallel", cp_line(tr, _mark(o, "cp"), _mark(o, "cp_method"))),
         ("adapters", _adapters(exp, res)),
         ("framework", f"{p.framework}{_why(res, 'framework')}, PyTorch {p.torch_version}{_why(res, 'torch_version')}"),
         ("kernel profile", _kernel_profile(p, m, o)),
@@ -261,15 +259,6 @@ def _sharding(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
     return (f"{shard} over {tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
             + (f" ({how}){_mark(o, 'sharding')}" if how else "")
             + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
-
-
-def _tensor_parallel(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
-    """Per rank of a tensor-parallel group (engine/tensor_parallel.py), where there is one."""
-    if not (tr.tp > 1 or tr.sequence_parallel):
-        return None
-    return (f"TP {tr.tp}{_mark(o, 'tp')}"
-            + (f" (sequence parallel{_mark(o, 'sequence_parallel')})" if tr.sequence_parallel else "")
-            + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
 
 
 def _adapters(exp: ExperimentSpec, res: Resolved) -> Optional[str]:
