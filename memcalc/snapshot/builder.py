@@ -31,11 +31,16 @@ ALLOCATOR_SETTINGS: dict[str, Any] = {
 }
 
 
-def _in_phase(frames: list[dict[str, Any]], phase: Optional[str]) -> list[dict[str, Any]]:
-    """``frames`` with their phase frame (:data:`memcalc.snapshot.format.PHASE_FILENAME`) saying ``phase``."""
+def _in_phase(frames: list[dict[str, Any]], phase: Optional[str],
+              said: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """``frames`` with their phase frame (:data:`memcalc.snapshot.format.PHASE_FILENAME`) saying ``phase``
+    (``said``: the phase frames made so far, one per phase)."""
     if phase is None:
         return frames
-    return [{**f, "name": phase} if f.get("filename") == PHASE_FILENAME else f for f in frames]
+    f_phase = said.get(phase)
+    if f_phase is None:
+        f_phase = said[phase] = {"filename": PHASE_FILENAME, "line": 0, "name": phase}
+    return [f_phase if f.get("filename") == PHASE_FILENAME else f for f in frames]
 
 
 class _Recording(CachingAllocatorSim):
@@ -92,8 +97,17 @@ class SnapshotBuilder:
     def snapshot(self, frames_of: Callable[[Any], list[dict[str, Any]]]) -> dict[str, Any]:
         """The dict ``torch.cuda.memory._snapshot()`` would return now: the segments as they are, the
         trace so far (device 0, stream 0, ``time_us`` the entry's index)."""
+        shared: dict[tuple[Any, Optional[str]], list[dict[str, Any]]] = {}  # one list per allocation and phase
+        said: dict[str, dict[str, Any]] = {}
+
+        def frames(h: Any, phase: Optional[str]) -> list[dict[str, Any]]:
+            got = shared.get((h, phase))
+            if got is None:
+                got = shared[(h, phase)] = _in_phase(frames_of(h), phase, said)
+            return got
+
         trace = [{"action": a, "addr": addr, "size": size, "stream": 0, "time_us": i,
-                  "frames": [] if h is None else _in_phase(frames_of(h), phase)}
+                  "frames": [] if h is None else frames(h, phase)}
                  for i, (a, addr, size, h, phase) in enumerate(self.entries)]
         owner = {b.addr: h for h, b in self.blocks.items()}
         segments = [self._segment_dict(first, self.alloc._seg_size[seg], owner, frames_of)
