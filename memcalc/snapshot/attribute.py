@@ -130,7 +130,7 @@ def attribute(rep: Any) -> None:
         if mine is None and a.free_frames:
             mine = parse_memcalc_frame(a.free_frames[0])
         if mine is not None:
-            a.kind, a.label = mine[0], mine[2]
+            a.kind, a.layer, a.label = mine
             rep.memcalc_frames = True
         else:
             a.kind = real_kind(a, starts)

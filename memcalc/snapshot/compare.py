@@ -69,6 +69,8 @@ class Comparison:
     kinds: tuple[Row, ...]  # alive at the peak
     phases: tuple[Row, ...]  # each phase's highest point
     parts_at: Optional[dict[str, Any]]  # the first phase where they part, or None
+    snapshot_layers: Optional[int] = None  # decoder layers memcalc's frames name (None: no such frames)
+    setup_layers: Optional[int] = None  # the estimated model's decoder layers
 
     @property
     def difference_fraction(self) -> float:
@@ -85,7 +87,7 @@ class Comparison:
                      "measured_phase": self.measured_phase, "measured_at": self.measured_label},
             "kinds_at_peak": [r.to_dict() for r in self.kinds],
             "phases": [r.to_dict() for r in self.phases],
-            "parts_at": self.parts_at,
+            "parts_at": self.parts_at, "snapshot_layers": self.snapshot_layers, "setup_layers": self.setup_layers,
         }
 
 
@@ -158,8 +160,11 @@ def compare(rep: Replay, est: Estimate, snapshot: str) -> Comparison:
             break
     source = "memcalc" if rep.memcalc_frames else "stacks" if rep.has_frames else "no stacks"
     label = _label_at(rep, at)
+    layers = [a.layer for a in rep.allocations if a.layer is not None]
+    model = getattr(getattr(est, "experiment", None), "model", None)
     return Comparison(snapshot, rep.device, source, est.peak_bytes, est.peak_phase, est.peak_label, peak,
-                      rep.phase_at(at), label, kinds, phases, parts_at)
+                      rep.phase_at(at), label, kinds, phases, parts_at, max(layers) + 1 if layers else None,
+                      getattr(model, "n_layers", None))
 
 
 def _series_before(rep: Replay, leave_out: frozenset[str]) -> int:
@@ -200,6 +205,9 @@ def comparison_lines(c: Comparison) -> list[str]:
                    f"{fmt_auto(p['predicted_bytes'])} ({_pct(p['difference_bytes'], p['predicted_bytes'])}), most in "
                    f"{KIND_NAMES.get(p['kind'], p['kind'])} ({fmt_auto(p['kind_measured_bytes'])} vs "
                    f"{fmt_auto(p['kind_predicted_bytes'])})")
+    if c.snapshot_layers is not None and c.setup_layers is not None and c.snapshot_layers < c.setup_layers:
+        out.append(f"Note: the snapshot's frames name {c.snapshot_layers} decoder layers, the setup has "
+                   f"{c.setup_layers}: is it another model (validate --scale-layers cuts it)?")
     head = f" {'':<18}{'predicted':>12}{'measured':>12}{'difference':>13}"
     out += ["", "At the peak" + (f" (measured at {c.measured_label})" if c.measured_label else ""), head]
     for r in c.kinds:

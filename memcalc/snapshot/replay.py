@@ -45,6 +45,7 @@ class Allocation:
     end_phase: Optional[str] = None  # the phase it was freed in
     kind: str = "other"
     label: str = ""
+    layer: Optional[int] = None  # the decoder layer memcalc's frame names (None: a real run's, or none)
 
     def alive_at(self, i: int) -> bool:
         """Alive after entry ``i`` (-1: before the first entry)."""

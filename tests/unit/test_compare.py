@@ -257,3 +257,16 @@ def test_estimate_snapshot_compares_to_the_byte(tmp_path, setup):
     assert all(k["difference_bytes"] == 0 for k in doc["kinds_at_peak"]), doc["kinds_at_peak"]
     assert all(p["difference_bytes"] in (0, None) for p in doc["phases"]), doc["phases"]
     assert doc["parts_at"] is None
+
+
+def test_layer_count_note():
+    """A snapshot of a model cut to fewer layers (validate --scale-layers) against the whole model's estimate:
+    the layers memcalc's frames name are fewer than the setup's, and the output says so."""
+    est = _estimate(experiment=SimpleNamespace(model=SimpleNamespace(n_layers=12)))
+    snap = _memcalc_snapshot(est)  # every frame names layer 0: one layer
+    c = compare(replay(snap, 0), est, "s.pickle")
+    assert (c.snapshot_layers, c.setup_layers) == (1, 12)
+    assert any(line.startswith("Note: the snapshot's frames name 1 decoder layers, the setup has 12")
+               for line in comparison_lines(c))
+    est.experiment.model.n_layers = 1
+    assert not any(line.startswith("Note:") for line in comparison_lines(compare(replay(snap, 0), est, "s.pickle")))
