@@ -127,8 +127,9 @@ class StageForward(Forward):
             x = head.logits(self, x)
             self.strategy.logits(self, x)
         o.exit_autocast()
-        sim.unref(self.rope_tables)  # the forward's local goes as it returns
-        self.rope_tables = None
+        # the tables stay to the end of the stage's backward (:meth:`RankStep.backward`): the forward's local goes as
+        # it returns, but the first layer's RoPE multiplications save them (eager), or its checkpointed region saves
+        # them as inputs (torch/utils/checkpoint.py, use_reentrant=False) until its backward
         return x
 
 
@@ -248,6 +249,8 @@ class RankStep:
             out.grad_buffer = sim.ref(self.grad_recv[i])
             sim.run_nodes(nodes, _label_of)
         layers.end_backward(fwd)
+        sim.unref(fwd.rope_tables)  # (held by the first layer's saved tensors until now: StageForward.run_stage)
+        fwd.rope_tables = None
         sim.new_graph()
         sim.unref(out)  # fwd_cache's reference
         if not self.first:
