@@ -26,6 +26,10 @@ What the schedule itself holds, from its source (torch 2.13):
 - gradients accumulate over the micro-batches into ``.grad`` (``perform_reduce_grad`` scales them in
   place), then the optimizer steps and ``zero_grad(set_to_none=True)``.
 
+Frees follow those Python references; on GPUs NCCL keeps a sent tensor's block until its transfer
+completes (``recordStream`` on P2P ops, ProcessGroupNCCL.cpp ``pointToPoint``; pytorch/pytorch#132292),
+a matter of timing the fake process group cannot show, not modelled.
+
 Every rank also holds the whole batch's ids and labels (torchtitan's ``forward_backward_step`` moves
 both to the GPU before branching on the stage); each micro-batch's are views of them
 (``torch.tensor_split``, microbatch.py ``_split_tensor``).
