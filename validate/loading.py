@@ -56,12 +56,13 @@ def _dtype(exp: ExperimentSpec) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[exp.training.weight_dtype.value]
 
 
-def trace_torchtune_load(exp: ExperimentSpec) -> StorageTracer:
-    """torchtune's ``_setup_model`` build and ``load_state_dict`` of ``exp`` on meta, traced."""
+def trace_torchtune_load(exp: ExperimentSpec, allocator: Any = None) -> StorageTracer:
+    """torchtune's ``_setup_model`` build and ``load_state_dict`` of ``exp`` on meta, traced
+    (``allocator``: a :class:`memcalc.core.allocator.CachingAllocatorSim` the storages go through)."""
     from .trainers.torchtune_model import build
 
     dtype = _dtype(exp)
-    tracer = LoadTracer("meta")
+    tracer = LoadTracer("meta", allocator=allocator)
     with tracer:
         tracer.set_phase("load", "build")
         model = build(exp.model, exp.training.lora, dtype, "meta")

@@ -288,6 +288,24 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
     return (-1, -1) if alloc.out_of_memory else (alloc.peak_allocated, alloc.peak_reserved)
 
 
+def setup_cache_events(exp: ExperimentSpec) -> list[tuple[int, int]]:
+    """The allocator events of the model's set-up that the step's replay starts from: torchtune's QLoRA
+    build and ``load_state_dict`` (:func:`memcalc.engine.loading.load_phase`: each weight made in 16 bits
+    and quantized on the GPU, twice), then every block it still holds freed, so that the step's own
+    set-up allocations (the same weights) take their place in the segments the load left. torchtune's
+    recipes never release that cache: ``_setup_model`` ends with ``training.get_memory_stats`` (its
+    ``reset_peak_memory_stats``) and no ``torch.cuda.empty_cache`` (recipes/lora_finetune_single_device.py
+    at v0.6.1, l.422-492; the same at 0914d5c, 2024-04-15), so ``max_memory_reserved`` in training is at
+    least what the load reserved. Empty for other frameworks and without QLoRA (a load that writes each
+    weight once reserves what the step's weights do)."""
+    tr = exp.training
+    if exp.profile.framework != "torchtune" or tr.lora is None or not tr.lora.qlora:
+        return []
+    ld = load_phase(exp, events=True)
+    evs = list(ld.events or [])
+    return evs + [(uid, 0) for uid, _n in ld._held.values()]
+
+
 def runs_within(est: Estimate, allocator_bytes: int) -> Optional[bool]:
     """Whether the step's allocations run with at most ``allocator_bytes`` reserved, the caching
     allocator releasing its cached segments before it gives up (c10/cuda/CUDACachingAllocator.cpp
@@ -298,10 +316,13 @@ def runs_within(est: Estimate, allocator_bytes: int) -> Optional[bool]:
     return all(replay_allocator(ev, start, warm, allocator_bytes)[0] >= 0 for ev, start, warm in est.replays)
 
 
-def _replayed(steady, first) -> tuple[tuple, int, int]:
+def _replayed(steady, first, exp: ExperimentSpec) -> tuple[tuple, int, int]:
     """The steady step (warm: run twice, the second measured) and the first step replayed through the
-    caching allocator: their inputs (:attr:`Estimate.replays`) and the higher allocated and reserved peaks."""
-    replays = ((steady.events or [], steady.step_start, True), (first.events or [], first.step_start, False))
+    caching allocator: their inputs (:attr:`Estimate.replays`) and the higher allocated and reserved peaks.
+    Each starts from the cache the model's set-up leaves (:func:`setup_cache_events`)."""
+    pre = setup_cache_events(exp)
+    replays = ((pre + (steady.events or []), len(pre) + steady.step_start, True),
+               (pre + (first.events or []), len(pre) + first.step_start, False))
     (a_steady, r_steady), (a_first, r_first) = (replay_allocator(*r) for r in replays)
     return replays, max(a_steady, a_first), max(r_steady, r_first)
 
@@ -331,7 +352,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay,
                                               observers=observers)
     alloc_extra: dict = {}
-    replays, step_alloc, step_reserved = _replayed(steady, first) if replay else ((), None, None)
+    replays, step_alloc, step_reserved = _replayed(steady, first, exp) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
     alloc_extra.update(techniques)
     if steady.stages is not None:  # pipeline parallelism: every rank's stage and peak (memcalc.engine.pipeline)

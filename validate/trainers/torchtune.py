@@ -134,11 +134,28 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # rms_norm's "Mismatch dtype ... fused implementation"
-            Run(exp, m, device, say, meas, debug, CachingAllocatorSim() if allocator_sim else None).run()
+            sim = CachingAllocatorSim() if allocator_sim else None
+            if sim is not None and device == "meta":
+                _setup_cache(exp.model_copy(update={"model": m}), sim)
+            Run(exp, m, device, say, meas, debug, sim).run()
     finally:
         gc.collect()
     meas.seconds = round(time.perf_counter() - t0, 3)
     return meas
+
+
+def _setup_cache(exp: ExperimentSpec, sim: CachingAllocatorSim) -> None:
+    """A QLoRA model's build and ``load_state_dict`` (:func:`..loading.trace_torchtune_load`) through the
+    allocator the step then uses, every block freed after (the load's model is dropped; the step's own
+    model takes its place in those segments): ``_setup_model`` runs on the GPU before training and the
+    recipe never calls ``torch.cuda.empty_cache`` (recipes/lora_finetune_single_device.py, v0.6.1)."""
+    lora = exp.training.lora
+    if lora is None or not lora.qlora:
+        return
+    from ..loading import trace_torchtune_load
+
+    trace_torchtune_load(exp, sim)
+    gc.collect()
 
 
 class Run:
