@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from memcalc.core.units import fmt_auto
 from memcalc.engine.result import KINDS, KIND_NAMES, Estimate
-from memcalc.snapshot.attribute import WORKSPACE
+from memcalc.snapshot.attribute import FORWARD, WORKSPACE, phase_starts
 from memcalc.snapshot.replay import Replay
 
 #: the measured and predicted steps "part" at the first phase whose highest point differs by more
@@ -71,6 +71,8 @@ class Comparison:
     parts_at: Optional[dict[str, Any]]  # the first phase where they part, or None
     snapshot_layers: Optional[int] = None  # decoder layers memcalc's frames name (None: no such frames)
     setup_layers: Optional[int] = None  # the estimated model's decoder layers
+    steps: int = 1  # the steps recorded (forward phases); the last is compared, the steady state
+    first_step: Optional[tuple[int, int]] = None  # (predicted, measured) peak of the first, when several
 
     @property
     def difference_fraction(self) -> float:
@@ -88,6 +90,10 @@ class Comparison:
             "kinds_at_peak": [r.to_dict() for r in self.kinds],
             "phases": [r.to_dict() for r in self.phases],
             "parts_at": self.parts_at, "snapshot_layers": self.snapshot_layers, "setup_layers": self.setup_layers,
+            "steps": self.steps,
+            "first_step": None if self.first_step is None else {
+                "predicted_bytes": self.first_step[0], "measured_bytes": self.first_step[1],
+                "difference_bytes": self.first_step[1] - self.first_step[0]},
         }
 
 
@@ -132,16 +138,24 @@ def compare(rep: Replay, est: Estimate, snapshot: str) -> Comparison:
     """The snapshot replayed in ``rep`` against the estimate ``est`` (module docstring)."""
     leave_out = frozenset({WORKSPACE})
     step = _series(rep, leave_out)
-    peak, at = _series_before(rep, leave_out), -1
-    for i, v in enumerate(step):
-        if v > peak:
-            peak, at = v, i
+    forwards = phase_starts(rep.phases).get(FORWARD, [])
+    # several steps recorded: the last is the steady state the estimate predicts, the first is reported
+    # beside the estimate's first step (its optimizer state made in its optimizer step)
+    steady = forwards[-1] if len(forwards) > 1 else 0
+    first_step = None
+    if len(forwards) > 1:
+        first_step = max([_series_before(rep, leave_out), *step[:forwards[1]]])
+    peak, at = (_series_before(rep, leave_out), -1) if steady == 0 else (-1, steady)
+    for i in range(steady, len(step)):
+        if step[i] > peak:
+            peak, at = step[i], i
     kinds = _kind_rows(dict(est.components_by_kind), _kinds_at(rep, at, leave_out))
     workspace = max(_series(rep, frozenset(k for k in _all_kinds(rep) if k != WORKSPACE)), default=0)
     if workspace:
         kinds += (Row(WORKSPACE, est.device_parts.get("workspace_bytes", 0), workspace),)
     measured_phases: dict[str, tuple[int, int]] = {}
-    for i, (v, ph) in enumerate(zip(step, rep.phases, strict=True)):
+    for i in range(steady, len(step)):
+        v, ph = step[i], rep.phases[i]
         if ph not in measured_phases or v > measured_phases[ph][0]:
             measured_phases[ph] = (v, i)
     phase_names = list(measured_phases) + [p for p in est.phases if p not in measured_phases]
@@ -164,7 +178,8 @@ def compare(rep: Replay, est: Estimate, snapshot: str) -> Comparison:
     model = getattr(getattr(est, "experiment", None), "model", None)
     return Comparison(snapshot, rep.device, source, est.peak_bytes, est.peak_phase, est.peak_label, peak,
                       rep.phase_at(at), label, kinds, phases, parts_at, max(layers) + 1 if layers else None,
-                      getattr(model, "n_layers", None))
+                      getattr(model, "n_layers", None), len(forwards),
+                      None if first_step is None else (est.first_step_peak_bytes, first_step))
 
 
 def _series_before(rep: Replay, leave_out: frozenset[str]) -> int:
@@ -205,6 +220,10 @@ def comparison_lines(c: Comparison) -> list[str]:
                    f"{fmt_auto(p['predicted_bytes'])} ({_pct(p['difference_bytes'], p['predicted_bytes'])}), most in "
                    f"{KIND_NAMES.get(p['kind'], p['kind'])} ({fmt_auto(p['kind_measured_bytes'])} vs "
                    f"{fmt_auto(p['kind_predicted_bytes'])})")
+    if c.first_step is not None:
+        p1, m1 = c.first_step
+        out.append(f"{c.steps} steps recorded: the last is compared (the steady state); the first peaks at "
+                   f"{fmt_auto(m1)}, {_pct(m1 - p1, p1)} against the estimate's first step ({fmt_auto(p1)})")
     if c.snapshot_layers is not None and c.setup_layers is not None and c.snapshot_layers < c.setup_layers:
         out.append(f"Note: the snapshot's frames name {c.snapshot_layers} decoder layers, the setup has "
                    f"{c.setup_layers}: is it another model (validate --scale-layers cuts it)?")

@@ -105,11 +105,16 @@ def test_two_recorded_steps():
     c = compare(rep, _estimate(), "s.pickle")
     assert c.measured_peak_bytes == 41 * MiB  # weights 8 + state 16 + gradients 8 + step temporaries 9
     assert rep.phases[-1] == OPTIMIZER
+    # the last step is compared; the first (which made the state: 8 + 1 + 8 + 16 + 8 = 41 with the workspace,
+    # 40 without) beside the estimate's first step
+    assert c.steps == 2 and c.first_step == (32 * MiB, 40 * MiB)
+    assert comparison_lines(c)[2].startswith("2 steps recorded: the last is compared (the steady state); the first "
+                                             "peaks at 40.00 MiB, +25.0% against the estimate's first step")
 
 
 def _estimate(**kw):
     """The attributes of memcalc.engine.result.Estimate that compare reads."""
-    base = dict(peak_bytes=40 * MiB, peak_phase=OPTIMIZER, peak_label="optimizer step",
+    base = dict(peak_bytes=40 * MiB, peak_phase=OPTIMIZER, peak_label="optimizer step", first_step_peak_bytes=32 * MiB,
                 components_by_kind={"weights": 8 * MiB, "optimizer_state": 16 * MiB, "gradients": 8 * MiB,
                                     "activations": 0, "temporaries": 8 * MiB},
                 phases={FORWARD: 14 * MiB, BACKWARD: 23 * MiB, OPTIMIZER: 40 * MiB},
