@@ -66,7 +66,9 @@ def check_ep(exp: ExperimentSpec) -> None:
                         f"ranks (torchtitan's efsdp = dp_shard // ep); {tr.gpus} / {ep} = {tr.gpus / ep:g}")
     unsupported = [name for cond, name in (
         (tr.tp > 1, "--tp (tensor parallelism does not cover MoE layers here)"),
-        (tr.zero > 0, f"--zero {tr.zero} (ZeRO / FSDP sharding with expert parallelism is not modelled yet)"),
+        (tr.zero == 1 or (tr.zero > 1 and tr.sharding != "fsdp2"),
+         f"--zero {tr.zero} --sharding {tr.sharding} (with expert parallelism FSDP2 --zero 2/3 is modelled)"),
+        (tr.offload_optimizer, "--offload-optimizer"),
         (tr.lora is not None, "LoRA / QLoRA adapters"),
         (tr.compile, "torch.compile"),
         (m.moe.expert_bias, "expert biases (gpt-oss)"),

@@ -18,6 +18,7 @@ from memcalc.core.optimizers import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN
                                      TORCHAO_PLAIN_TEMP_PER_ELEM, StateLayout, StepKind, galore_target,
                                      torchao_quantized)
 from memcalc.engine.galore import galore_state, galore_step
+from memcalc.engine.expert_parallel import expert_divisors
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import TrainingSpec
@@ -245,6 +246,8 @@ class OptimizerSim:
         self.state: dict[str, list[T]] = {}
         # ZeRO-1+ shards state (and so the step's work) over the ranks; offload moves both to the CPU
         self.div = tr.gpus if tr.zero >= 1 else 1
+        # expert parallelism: the routed experts' state is sharded over gpus / ep (engine.expert_parallel)
+        self.div_of: dict[str, int] = expert_divisors(tr, self.params, self.div)
         self.on_gpu = not tr.offload_optimizer
         self.paged_bytes = 0  # bitsandbytes paged state: unified memory, outside the allocator (PAGED)
         # state_bytes / per_param_temps depend on the parameter only through its size, rows and
@@ -292,7 +295,7 @@ class OptimizerSim:
             self.state[p.name] = []
             return
         st = self._state_of(p)
-        div = self.div
+        div = self.div_of.get(p.name, self.div)
         alloc = self.sim.alloc
         out = []
         for cat, b in st:
@@ -318,6 +321,7 @@ class OptimizerSim:
                 continue
             seen.add(p.name)
             k = 0
+            div = self.div_of.get(p.name, self.div)
             for cat, b in self._state_of(p):
                 if cat == PAGED:
                     self.paged_bytes += shard(b, div)
@@ -331,13 +335,13 @@ class OptimizerSim:
             self.state[p.name] = blocks[i:i + k]
             i += k
 
-    def run_events(self, events: list[tuple[str, int]]) -> None:
+    def run_events(self, events: list[tuple[str, int]], div: Optional[int] = None) -> None:
         if not self.on_gpu:
             return
         live: dict[int, T] = {}
         for i, (what, val) in enumerate(events):
             if what == "alloc":
-                live[i] = self.sim.alloc(shard(val, self.div), TMP, "optimizer-step temporaries")
+                live[i] = self.sim.alloc(shard(val, div or self.div), TMP, "optimizer-step temporaries")
             else:
                 self.sim.unref(live.pop(val))
         for t in live.values():
@@ -349,7 +353,7 @@ class OptimizerSim:
             galore_step(self, self.tr.galore_rank, [p])
             return
         self.create_state(p)
-        self.run_events(self._temps_of(p))
+        self.run_events(self._temps_of(p), self.div_of.get(p.name))
 
     def step_all(self) -> None:
         """optimizer.step() after backward: foreach (all state first, one group temporary) or per parameter."""
@@ -358,7 +362,10 @@ class OptimizerSim:
                 self.create_state(p)
             if not self.on_gpu:
                 return
-            t = shard(foreach_temps(self.params, self.tr), self.div)
+            t = shard(foreach_temps([p for p in self.params if p.name not in self.div_of], self.tr), self.div)
+            if self.div_of:  # the experts' copies at their own shard
+                t += shard(foreach_temps([p for p in self.params if p.name in self.div_of], self.tr),
+                           next(iter(self.div_of.values())))
             if t:
                 self.sim.transient(t, TMP, "optimizer-step temporaries")
         elif self.galore is not None:

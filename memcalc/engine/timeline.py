@@ -173,6 +173,10 @@ def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model) -> Optional[Gat
         from memcalc.engine.fsdp1 import FSDP1
 
         return FSDP1(sim, exp, model.order, model.shapes)
+    if model.fsdp2 and exp.training.ep > 1:  # two FSDP2 parameter groups per MoE layer
+        from memcalc.engine.expert_parallel import ep_fsdp2
+
+        return ep_fsdp2(sim, exp, model.order, model.shapes)
     if model.fsdp2:
         return FSDP2(sim, exp, model.order, model.shapes)
     if model.layer_gather_bytes:

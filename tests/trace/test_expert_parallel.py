@@ -57,6 +57,32 @@ def test_estimate_matches_traced_rank(ep, moe, tr):
                                        f"({gap:+.2f}%, {meas.peak_phase} {meas.peak_label})")
 
 
+# (ep, gpus, zero, training fields): FSDP2 x EP, torchtitan's apply_fsdp_to_decoder (two parameter groups per
+# MoE layer: the experts over efsdp = gpus / ep, the rest over gpus; explicit prefetching)
+FSDP_ROWS = [
+    (2, 4, 3, {"precision": "bf16"}),  # source: trace, efsdp 2, peak in backward
+    (4, 8, 3, {"precision": "bf16"}),  # source: trace, ep 4 over 8 GPUs
+    (2, 4, 2, {"precision": "bf16"}),  # source: trace, zero 2 (no reshard after forward)
+    (2, 4, 3, {"precision": "bf16", "master_weights": True}),  # source: trace, MixedPrecisionPolicy bf16/fp32
+    (2, 16, 3, {"precision": "bf16"}),  # source: trace, efsdp x ep = 16 > 8 experts: Shard(1) on the experts
+    (2, 4, 3, {"precision": "bf16", "checkpoint": "full"}),  # source: trace, -1.45%
+    (2, 2, 3, {"precision": "bf16"}),  # source: trace, gpus == ep: efsdp 1, FSDP2's world-size-1 path (no all-gather)
+]
+
+
+@pytest.mark.parametrize("ep,gpus,zero,tr", FSDP_ROWS)
+def test_fsdp2_x_ep_estimate_matches_traced_rank(ep, gpus, zero, tr):
+    from memcalc.validate.sharded.expert_parallel import measure_ep
+
+    exp = spec(ep, gpus=gpus, zero=zero, **tr)
+    meas = measure_ep(exp)
+    assert meas.status == "ok", meas.reason
+    est = estimate(exp).peak_bytes
+    gap = 100 * (est - meas.measured_bytes) / meas.measured_bytes
+    assert abs(gap) <= TOLERANCE_PCT, (f"ep {ep} gpus {gpus} zero {zero} {tr}: estimate {est:,} vs traced "
+                                       f"{meas.measured_bytes:,} ({gap:+.2f}%, {meas.peak_phase} {meas.peak_label})")
+
+
 def test_experts_are_divided_by_ep_not_by_the_data_parallel_degree():
     # source: torchtitan 0.3.0 parallel_dims.py (efsdp = dp_shard // ep): with 4 data-parallel GPUs and
     # ep 2, two groups of 2 ranks each hold all the experts, so a rank holds half of them (the peer

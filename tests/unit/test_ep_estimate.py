@@ -69,8 +69,8 @@ BAD_EP = [
      "--ep 3 must divide the routed experts (128): 128 / 3 = 42.6667 (remainder 2)"),  # source: Shard(0) evenly
     pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "4"], 2,
      "--ep 4 must divide --gpus 1", marks=SLOW),  # source: parallel_dims.py, ep borrows data-parallel ranks
-    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--zero", "3"], 2,
-     "not with --zero 3", marks=SLOW),  # source: FSDP2 over the efsdp mesh is not modelled yet
+    pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--zero", "3", "--sharding",
+                  "fsdp1"], 2, "not with --zero 3 --sharding fsdp1", marks=SLOW),  # source: FSDP2 x EP only
     pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "0"], 2, "--ep must be positive", marks=SLOW),
     pytest.param(["estimate", "--model", "qwen3-30b-a3b", "--ep", "2", "--gpus", "2", "--ep-capacity-factor", "3"], 2,
      "at most ep x min(top_k, n_experts / ep) / top_k = 2 x 8 / 8 = 2", marks=SLOW),  # source: no token dropped
@@ -98,3 +98,25 @@ def test_a_remedy_the_engine_refuses_is_skipped(args):
     r = run(args)
     assert r.exit_code == 0, r.output
     assert "LoRA / QLoRA adapters" not in r.output
+
+
+# source: torchtitan 0.3.0 distributed/fsdp.py apply_fsdp_to_decoder: with ep > 1 the experts are FSDP-sharded
+# over efsdp = gpus / ep ranks, Shard(0), or Shard(1) when efsdp x ep exceeds the experts; the rest over gpus
+@pytest.mark.parametrize("shape,kind,n,ep,experts,numel", [
+    ((4, 128, 64), "experts", 8, 2, 8, 1 * 128 * 64),  # efsdp 4 over 4 local experts: one each
+    ((4, 128, 64), "experts", 16, 2, 8, 4 * 16 * 64),  # efsdp 8 x ep 2 = 16 > 8 experts: Shard(1), 128 / 8 rows
+    ((4, 128, 64), "experts", 4, 4, 16, 4 * 128 * 64),  # gpus == ep: efsdp 1, the local experts whole
+    ((512, 128), "weights", 8, 2, 8, 64 * 128),  # anything else over all 8 ranks
+])
+def test_fsdp2_shards_the_experts_over_efsdp(shape, kind, n, ep, experts, numel):
+    from memcalc.engine.expert_parallel import fsdp_shard_numel
+
+    assert fsdp_shard_numel(shape, kind, n, ep, experts) == numel
+
+
+def test_fsdp2_expert_shards_are_gpus_over_ep():
+    # source: the same rule on the parameter rows of a ZeRO-3 run: experts 1/(gpus/ep), the rest 1/gpus
+    exp = ExperimentSpec(model=MODEL, training=TrainingSpec(batch=2, seq=128, precision="bf16", gpus=8, ep=2, zero=3))
+    one = spec(1, 1)
+    assert weight_bytes(exp, ".moe.experts.") * 8 == weight_bytes(one, ".moe.experts.")  # / ep 2 / efsdp 4
+    assert weight_bytes(exp, ".moe.router.") * 8 == weight_bytes(one, ".moe.router.")

@@ -33,7 +33,10 @@ What is ported, with memory-identical code, and why:
   makes them.
 
 The step runs on ``meta`` (as the tensor-parallel trace without FSDP: ``tp.py``) on a
-``(gpus / ep, ep)`` fake mesh; the all-to-alls allocate their outputs and move no data.
+``(gpus / ep, ep)`` fake mesh; the all-to-alls allocate their outputs and move no data. With
+``--zero 2/3`` (:func:`trace_fsdp2_ep`): torchtitan's ``apply_fsdp_to_decoder`` for ``ep_degree > 1``
+(:func:`apply_fsdp2_ep`) on a ``(efsdp, ep)`` mesh and its flattened ``dp`` mesh, traced as the
+FSDP2 harness traces (``runner._steps``: fake tensors on ``cpu``).
 """
 
 from __future__ import annotations
@@ -155,7 +158,13 @@ def measure_ep(exp: ExperimentSpec, scale_layers=None, progress=None, debug: boo
         return meas
     try:
         check_ep(exp)
-        _trace(exp, m, meas, progress or (lambda _msg: None), debug)
+        if exp.training.zero in (2, 3):  # FSDP2 x EP: the FSDP2 harness's steps (runner._steps)
+            r = trace_fsdp2_ep(exp, scale_layers, debug, progress)
+            meas.measured_bytes, meas.first_step_bytes = r["peak_bytes"], r["first_step_bytes"]
+            meas.peak_phase, meas.peak_label, meas.params = r["phase"], r["label"], r["params"]
+            meas.phase_peaks = dict(r["phase_peaks"])
+        else:
+            _trace(exp, m, meas, progress or (lambda _msg: None), debug)
     except Exception as e:  # the record says why, as runner.measure does
         meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
     meas.seconds = round(time.perf_counter() - t0, 3)
@@ -192,3 +201,90 @@ def _trace(exp: ExperimentSpec, m, meas, say, debug: bool) -> None:
                 model.on_label = None
     finally:
         set_spmd_backend(backend)
+
+
+def apply_fsdp2_ep(model: nn.Module, exp: ExperimentSpec, dp_mesh, efsdp_mesh, plan) -> None:
+    """torchtitan 0.3.0's ``apply_fsdp_to_decoder`` with ``ep_degree > 1`` on the replica: each MoE layer
+    one ``fully_shard`` whose ``shard_placement_fn`` puts the routed experts on the ``efsdp`` mesh
+    (``gpus / ep`` ranks; ``Shard(0)``, or ``Shard(1)`` when ``efsdp x ep`` exceeds the experts) and the
+    rest on the whole data-parallel mesh (two FSDP2 parameter groups per layer), every other layer a
+    plain ``fully_shard``, then the root (as ``fsdp2.apply_fsdp2``); and its explicit prefetching
+    ("D2H syncs in EP could interfere with implicit prefetching"): each layer prefetches the next in
+    forward and the one before in backward."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+
+    from .fsdp2 import RESHARD_AFTER_FORWARD
+
+    tr = exp.training
+    moe = exp.model.moe
+    assert moe is not None
+    reshard = RESHARD_AFTER_FORWARD[tr.zero]
+    policy = plan.policy()
+    edp_info, dp_info = _get_mesh_info(efsdp_mesh), _get_mesh_info(dp_mesh)
+    placement = Shard(1) if efsdp_mesh.size() * tr.ep > moe.n_experts else Shard(0)
+    layers: list = list(model.layers)  # type: ignore[arg-type]  # an nn.ModuleList
+    for layer in layers:
+        experts = {p for mod in layer.modules() if isinstance(mod, Experts) for p in mod.parameters()}
+        if not experts:
+            fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+            continue
+
+        def fn(param, _experts=experts):
+            if param in _experts:
+                return ShardPlacementResult(placement=placement, mesh_info=edp_info)
+            return ShardPlacementResult(placement=Shard(0), mesh_info=dp_info)
+
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=fn)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    for i, layer in enumerate(layers):
+        if i + 1 < len(layers):
+            layer.set_modules_to_forward_prefetch([layers[i + 1]])
+        if i > 0:
+            layer.set_modules_to_backward_prefetch([layers[i - 1]])
+
+
+def trace_fsdp2_ep(exp: ExperimentSpec, scale_layers=None, debug: bool = False, say=None) -> dict:
+    """Rank 0 of FSDP2 (``--zero 2/3``) x expert parallelism, traced as the FSDP2 harness traces
+    (``runner._steps``: fake tensors on ``cpu``, two steps, the second measured)."""
+    import time
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    from ..model import build_model, param_count
+    from .fake_dist import DEVICE, fake_world
+    from .fsdp2 import precision_plan
+    from .runner import _steps
+
+    t0 = time.perf_counter()
+    tr = exp.training
+    check_ep(exp)
+    m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
+    plan = precision_plan(tr)
+    out: dict = {"gpus": tr.gpus, "ep": tr.ep, "zero": tr.zero, "layers": m.n_layers}
+    backend = get_spmd_backend()
+    set_spmd_backend("partial_dtensor")
+    fake = FakeTensorMode()
+    try:
+        with fake_world(tr.gpus, 0, shape=(tr.gpus // tr.ep, tr.ep), names=("efsdp", "ep")) as mesh, \
+                splits_from_spec(exp):
+            dp_mesh = mesh._flatten("dp")
+            with fake:
+                model = build_model(m, plan.build, exp.profile, device="meta")
+                shard_experts(model, exp, mesh["ep"])
+            out["params"] = param_count(model)[0]
+            apply_fsdp2_ep(model, exp, dp_mesh, mesh["efsdp"], plan)
+            with fake:
+                model.to_empty(device=DEVICE)
+            try:
+                _steps(exp, model, model, None, plan, fake, fake, out, False, False, debug, say or (lambda _m: None),
+                       True)
+            finally:
+                model.on_label = None
+    finally:
+        set_spmd_backend(backend)
+    out["seconds"] = round(time.perf_counter() - t0, 3)
+    return out
