@@ -30,7 +30,7 @@ from fractions import Fraction
 from typing import Optional
 
 from memcalc.core.errors import UserError
-from memcalc.core.spec import ExperimentSpec
+from memcalc.core.spec import ExperimentSpec, TrainingSpec
 
 
 def max_capacity_factor(top_k: int, n_experts: int, ep: int) -> Fraction:
@@ -92,3 +92,12 @@ def ep_line(exp: ExperimentSpec, ep_mark: str = "", cf_mark: str = "") -> Option
     return (f"EP {tr.ep}{ep_mark}: {moe.n_experts // tr.ep} of {moe.n_experts} routed experts per rank, "
             f"capacity factor {tr.ep_capacity_factor:g}{cf_mark}; "
             f"{tr.gpus // tr.ep} groups of {tr.ep} over {tr.gpus} data-parallel GPUs")
+
+
+def expert_divisors(tr: TrainingSpec, params: list, div: int) -> dict[str, int]:
+    """The optimizer's shard divisor of each routed-expert parameter under expert parallelism with
+    ZeRO / FSDP2 (``div`` = ``gpus``): ``gpus / ep``, the ``efsdp`` mesh its shards live on; empty
+    otherwise (every parameter's state divided by ``div``)."""
+    if tr.ep == 1 or div == 1:
+        return {}
+    return {p.name: div // tr.ep for p in params if ".moe.experts." in p.name}

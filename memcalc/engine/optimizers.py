@@ -18,7 +18,7 @@ from memcalc.core.optimizers import (BNB_BLOCK, BNB_MIN_8BIT_SIZE, BNB_PAGED_MIN
                                      TORCHAO_PLAIN_TEMP_PER_ELEM, StateLayout, StepKind, galore_target,
                                      torchao_quantized)
 from memcalc.engine.galore import galore_state, galore_step
-from memcalc.engine.expert_parallel import expert_divisors
+from memcalc.core.expert_parallel import expert_divisors
 from memcalc.engine.sharding import shard
 from memcalc.engine.sim import Param, Sim, T
 from memcalc.core.spec import TrainingSpec

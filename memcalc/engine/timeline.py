@@ -174,7 +174,7 @@ def sharded_runtime(sim: Sim, exp: ExperimentSpec, model: Model) -> Optional[Gat
 
         return FSDP1(sim, exp, model.order, model.shapes)
     if model.fsdp2 and exp.training.ep > 1:  # two FSDP2 parameter groups per MoE layer
-        from memcalc.engine.expert_parallel import ep_fsdp2
+        from memcalc.engine.expert_fsdp import ep_fsdp2
 
         return ep_fsdp2(sim, exp, model.order, model.shapes)
     if model.fsdp2:

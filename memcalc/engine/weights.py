@@ -23,7 +23,8 @@ from memcalc.engine import fsdp
 from memcalc.engine.params import param_inventory
 from memcalc.engine.sharding import offload_param, shard, uses_deepspeed
 from memcalc.engine.sim import Param, Sim
-from memcalc.engine.expert_parallel import expert_degree, fsdp_shard_numel
+from memcalc.engine.expert_fsdp import fsdp_shard_numel, routed_experts, shard_world
+from memcalc.engine.expert_parallel import expert_degree
 from memcalc.engine.tensor_parallel import grad_numel, local_experiment
 
 
@@ -181,6 +182,7 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
     rows = []
     gather = 0
     inventory = param_inventory(local, lora, ep)  # expert parallelism: this rank's experts
+    n_experts = routed_experts(local)
     qlora, kbit = _quantized_base(lora, kbit_fp32)
     quantized = {pt.name.removesuffix(".weight") for pt in inventory if pt.quantizable} if kbit else set()
     for pt in inventory:
@@ -188,11 +190,10 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
         pdt, full, cat = _storage(pt, lora, quant, wdt, adt, quantized if kbit else None)
         nbytes = full
         if f2:  # this rank's padded row shard (FSDP1: its share of the flat shard), original dtype
-            elems = -(-pt.numel // n) if f1 else fsdp_shard_numel(pt.shape, pt.kind, n, ep, local.moe.n_experts) \
-                if ep > 1 and local.moe is not None else fsdp.padded_shard_numel(pt.shape, n)
+            elems = -(-pt.numel // n) if f1 else fsdp_shard_numel(pt.shape, pt.kind, n, ep, n_experts)
             nbytes = -(-full * elems // pt.numel) if quant else (
                 pdt if pt.kind == "lora" else f2_orig).nbytes(elems)
-            cat += f" (FSDP{1 if f1 else 2} shard 1/{n // ep if pt.kind == 'experts' else n})"
+            cat += f" (FSDP{1 if f1 else 2} shard 1/{shard_world(pt.kind, n, ep)})"
             if offload_optimizer:  # CPUOffloadPolicy: the shards live in host memory
                 nbytes = 0
         elif zero3 and (pt.layer is not None or sharding == "deepspeed"):  # DeepSpeed shards the root too

@@ -109,7 +109,7 @@ def test_a_remedy_the_engine_refuses_is_skipped(args):
     ((512, 128), "weights", 8, 2, 8, 64 * 128),  # anything else over all 8 ranks
 ])
 def test_fsdp2_shards_the_experts_over_efsdp(shape, kind, n, ep, experts, numel):
-    from memcalc.engine.expert_parallel import fsdp_shard_numel
+    from memcalc.engine.expert_fsdp import fsdp_shard_numel
 
     assert fsdp_shard_numel(shape, kind, n, ep, experts) == numel
 
