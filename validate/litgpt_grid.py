@@ -7,7 +7,9 @@ The models are scaled down (2 layers, width 256, vocabulary 4096) in three LitGP
 Llama-like grouped-query attention (RMSNorm, ``LLaMAMLP``), phi (parallel residual with one shared
 LayerNorm, ``GptNeoxMLP`` with tanh GELU, 40% rotary, biases, a head bias) and StableLM (sequential
 LayerNorm blocks, ``LLaMAMLP``, 25% rotary). Sequences of 128 or less run the head in one chunk,
-longer ones (not a multiple of 128) in several.
+longer ones (not a multiple of 128) in several. QLoRA rows (:data:`QLORA_SETUPS`) run LitGPT's model with
+every linear converted as ``BitsandbytesPrecision`` converts it, to memcalc's replica of bitsandbytes'
+4-bit linear (CUDA-only otherwise).
 """
 
 from __future__ import annotations
@@ -69,15 +71,36 @@ SETUPS = (
 )
 
 
+#: QLoRA (finetune/lora.py --quantize bnb.nf4-dq: every linear 4-bit, lm_head too, trainers/litgpt.py
+#: to_4bit): (model, targets, precision, batch, seq, checkpoint, grad_accum, bitsandbytes < 0.43.2 as
+#: LitGPT 0.4 pinned it: its MatMul4Bit keeps the input on the ctx, alive with the graph fit's logits hold)
+QLORA_SETUPS = (
+    ("llama", "q,v", "bf16", 2, 320, "none", 2, True),
+    ("llama", "q,v", "bf16", 2, 320, "none", 1, False),
+    ("llama", "q,v,head", "bf16", 2, 320, "none", 1, True),
+    ("llama", "q,v", "fp16", 2, 100, "none", 2, True),
+    ("llama", "q,v", "bf16", 2, 320, "full", 2, True),
+    ("phi", "q,v", "bf16", 2, 320, "none", 2, True),
+    ("stablelm", "q,k,v,o,gate,up,down", "bf16", 1, 320, "none", 2, True),
+)
+
+
 def grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
     """The setups (name, spec); ``only`` keeps names containing it."""
+    rows: list[tuple[str, str, str, int, int, str, int, Optional[bool]]] = [
+        (model, tuning, prec, B, T, ck, 1, None) for model, tuning, prec, B, T, ck in SETUPS]
+    rows += [(model, tuning, prec, B, T, ck, ga, legacy) for model, tuning, prec, B, T, ck, ga, legacy in QLORA_SETUPS]
     out = []
-    for model, tuning, prec, B, T, ck in SETUPS:
+    for model, tuning, prec, B, T, ck, ga, legacy in rows:
         m = MODELS[model]
-        lora = None if tuning == "full" else LoraSpec(rank=8, alpha=16, targets=tuple(tuning.split(",")))
-        tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora)
+        qlora = legacy is not None
+        lora = None if tuning == "full" else LoraSpec(rank=8, alpha=16, targets=tuple(tuning.split(",")),
+                                                      qlora=qlora, bnb_saves_input=bool(legacy))
+        tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora, grad_accum=ga)
         ck_tag = " ck" if ck != "none" else ""
-        name = f"{m.name} {'full' if lora is None else 'lora ' + tuning} {prec} {B}x{T}{ck_tag}"
+        kind = "full" if lora is None else (
+            f"qlora{' bnb<0.43.2' if legacy else ''} " if qlora else "lora ") + tuning
+        name = f"{m.name} {kind} {prec} {B}x{T}{ck_tag}{f' ga{ga}' if ga > 1 else ''}"
         if only is None or only in name:
             out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=profile_for("litgpt"))))
     return out

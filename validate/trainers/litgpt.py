@@ -106,8 +106,11 @@ def _why_not(exp: ExperimentSpec) -> Optional[str]:
         return f"--framework litgpt: LitGPT's single-device finetune scripts do not run {bad[0]}"
     lora = tr.lora
     if lora is not None:
-        if lora.qlora:
-            return "--framework litgpt: QLoRA loads the base through bitsandbytes (CUDA only); not traced"
+        if lora.qlora and tr.precision not in ("bf16", "fp16"):
+            return ("--framework litgpt: QLoRA is BitsandbytesPrecision(mode, dtype) with bf16-true or 16-true "
+                    "(finetune/lora.py: mixed precision refused; 32-true is not traced)")
+        if lora.quant is not None:
+            return "--framework litgpt: LitGPT quantizes with bitsandbytes (--quantize bnb.*), not GPTQ / AWQ"
         if lora.dora:
             return "--framework litgpt: LitGPT 0.5.13 has no DoRA"
         if lora.dtype == "fp32" and tr.weight_dtype.value != "fp32":
@@ -257,7 +260,36 @@ def build(m: ModelSpec, lora, plugin, device: str, checkpoint: bool):
         model.transformer.h = torch.nn.ModuleList(
             [checkpoint_wrapper(el, preserve_rng_state=False) for el in model.transformer.h])
     model = plugin.convert_module(model)
+    if lora is not None and lora.qlora:
+        to_4bit(model, lora, device)
     return model.to(device)
+
+
+def to_4bit(module: torch.nn.Module, lora, device: str) -> None:
+    """``BitsandbytesPrecision.convert_module`` (lightning/fabric/plugins/precision/bitsandbytes.py
+    ``_convert_layers``, ``ignore_modules`` empty as finetune/lora.py builds it): every ``torch.nn.Linear``
+    child, LoRA layers' ``.linear`` and ``lm_head`` included, becomes the 4-bit class. Here that class
+    is memcalc's replica of bitsandbytes' ``Linear4bit`` (``validate/blocks/adapters.py`` ``Linear``:
+    ``x.to(compute_dtype)``, ``MatMul4Bit``, ``.to(inp_dtype)``; ``--bnb-saves-input``: 0.41/0.42's
+    ``MatMul4Bit``, which LitGPT 0.4 pinned), since bitsandbytes' quantization and 0.42 need CUDA; the
+    storage is what ``quantize_4bit`` leaves. The bias stays a parameter in the model dtype."""
+    from ..amp import Amp as _Amp
+    from ..blocks.adapters import Linear as Replica
+
+    for name, child in module.named_children():
+        if type(child) is torch.nn.Linear:
+            q = Replica(child.in_features, child.out_features, child.bias is not None, _Amp(None),
+                        dtype=child.weight.dtype, device=device, trainable=False, lora=lora,
+                        init=torch.device(device).type != "meta")
+            # an nn.Linear subclass's sizes; its ``weight`` the packed storage (LoRAQKVLinear.lora_ind reads its device)
+            for attr, value in (("in_features", child.in_features), ("out_features", child.out_features),
+                                ("weight", q.nf4.packed if q.nf4 is not None else None)):
+                setattr(q, attr, value)
+            if child.bias is not None:
+                q.bias = child.bias
+            setattr(module, name, q)
+        else:
+            to_4bit(child, lora, device)
 
 
 def fabric_forward(model, plugin) -> Callable:

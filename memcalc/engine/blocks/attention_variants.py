@@ -221,9 +221,13 @@ def output_copy(fwd: ForwardContext, out: T, kernel: str) -> T:
     (modeling_gpt_neox.py / modeling_phi.py / modeling_stablelm.py ``apply_rotary_pos_emb``), a
     contiguous (B, H, T, D) tensor, so the output is (B, H, T, D) and the transpose copies (the
     o projection then saves the copy for its weight's gradient). The memory-efficient kernel
-    always returns a (B, T, H, D) buffer. Returns ``out`` or its copy (``out`` dropped)."""
+    always returns a (B, T, H, D) buffer. LitGPT builds q by ``torch.cat((q_roped, q[..., rope_n_elem:]),
+    dim=-1)`` whatever the rotary share (litgpt/model.py ``CausalSelfAttention.forward``, 0.4 to 0.5.13),
+    so its flash output is always (B, H, T, D) and ``y.transpose(1, 2)`` then ``y.reshape(B, T, C)``
+    copies. Returns ``out`` or its copy (``out`` dropped)."""
     m = fwd.m
-    if kernel != "flash" or m.positions != "rope" or m.rotary_pct >= 1:
+    always_cat = fwd.exp.profile.framework == "litgpt"
+    if kernel != "flash" or m.positions != "rope" or (m.rotary_pct >= 1 and not always_cat):
         return out
     o = fwd.ops
     y = o.new(out.numel, o.dtype_of(out))

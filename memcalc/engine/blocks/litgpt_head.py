@@ -186,7 +186,7 @@ def _group_linear(fwd: ForwardContext, x: T, rows: int, calls: int, w: Param, b:
         o.drop(xc)
     y = o.new(rows * V, ac or o.dtype_of(x))
     kw: dict[str, Any] = {}
-    if w.weight.itemsize_bits == 4:  # LitGPT's 4-bit head (weights.quantized_head): each call dequantises
+    if calls and w.weight.itemsize_bits == 4:  # LitGPT's 4-bit head (weights.quantized_head): each call dequantises
         deq, peak = _dequant_bytes(fwd, w)
         # the last call's dequantisation beside the other calls' outputs, then its own output beside it
         sim.transient(max(peak - y.nbytes // calls, deq), "temporaries", "dequantised weight")
