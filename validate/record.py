@@ -33,12 +33,16 @@ class Prediction:
     peak_phase: Optional[str] = None
     why: str = ""
     saved_bytes: Optional[int] = None
+    #: pipeline parallelism: every rank's estimated peak (``--json``'s ``pipeline.stages``)
+    stage_bytes: Optional[list[int]] = None
 
     @classmethod
     def of(cls, est: Any) -> Prediction:
         """From the estimator's ``Estimate`` (:attr:`memcalc.api.EstimateResult.estimate`)."""
         compiled = est.extra.get("compiled")
-        return cls(est.peak_bytes, est.peak_phase, "", compiled["saved_bytes"] if compiled else None)
+        pipe = est.extra.get("pipeline")
+        return cls(est.peak_bytes, est.peak_phase, "", compiled["saved_bytes"] if compiled else None,
+                   [s["peak_bytes"] for s in pipe["stages"]] if pipe else None)
 
     @classmethod
     def failed(cls, e: Exception) -> Prediction:
@@ -132,5 +136,17 @@ def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, sca
         "peft_version": meas.peft_version,
         # a trainer's libraries (validate/trainers/): e.g. {"litgpt": "0.5.13", "lightning": "2.6.6"}
         **({"library_versions": dict(meas.library_versions)} if meas.library_versions else {}),
+        **({"pipeline_stages": _stages(meas.pipeline_stages, p.stage_bytes)} if meas.pipeline_stages else {}),
         "seconds": meas.seconds,
     }
+
+
+def _stages(traced: list[dict], predicted: Optional[list[int]]) -> list[dict]:
+    """``validate --pp``: every rank's traced peak (validate/sharded/pipeline.py) beside its estimate."""
+    out = []
+    for i, s in enumerate(traced):
+        est = predicted[i] if predicted is not None and i < len(predicted) else None
+        out.append({"rank": s["rank"], "layers": s["layers"], "measured_bytes": s["peak_bytes"],
+                    "predicted_bytes": est, "error_pct": pct(est, s["peak_bytes"]),
+                    "measured_phase": s["phase"], "measured_label": s["label"]})
+    return out
