@@ -20,7 +20,12 @@ stacks="all")``, the defaults: Python frames and C++ frames, innermost first; to
   ``backward``: the autograd engine, which runs every backward node (C++ frames
   ``torch::autograd::Engine::evaluate_function`` / ``thread_main`` of
   ``torch/csrc/autograd/engine.cpp``; the Python entry ``_engine_run_backward`` of
-  ``torch/autograd/graph.py``), checkpoint recomputation included (it runs inside the engine);
+  ``torch/autograd/graph.py``), checkpoint recomputation included (it runs inside the engine:
+  ``torch/utils/checkpoint.py`` ``unpack_hook`` / ``recompute_fn``, ``CheckpointFunction.backward``);
+  with Python frames only (``stacks="python"``, what ``validate --protocol`` records) an allocation
+  with no frame at all after a forward began: the engine runs a CUDA device's backward on its own
+  thread (engine.cpp ``thread_main``), which holds no Python frame, while the training loop's
+  thread always has one;
   ``forward``: a module's ``forward`` or ``torch/nn/modules/module.py`` ``_call_impl``.
 - **kind** of an allocation (:func:`real_kind`), by where it was made and how long it lives:
   ``workspace``: made by ``getNewWorkspace`` / ``getCUDABlasLtWorkspace``
@@ -36,9 +41,11 @@ stacks="all")``, the defaults: Python frames and C++ frames, innermost first; to
   an ``optimizer step`` and alive at the next forward (or the end): ``optimizer_state`` (the state
   ``torch.optim`` creates lazily on the first step), else ``temporaries``; anything else ``other``.
 
-Known limits: a run recorded with ``stacks="python"`` has no engine frames for backward (the
-engine's device threads run no Python), so its backward reads as the phase before it; logits and the
-loss, which memcalc counts as temporaries, are saved for backward and read as activations here.
+Known limits: what was allocated before recording has no frames, so a snapshot of a later step
+alone (the optimizer state made in an earlier one) reads that state as weights; logits and the loss,
+which memcalc counts as temporaries, are saved for backward and read as activations here; a Python
+custom Function's backward run by the engine has Python frames of its own (``Function.apply``) and
+reads as the phase before it.
 """
 
 from __future__ import annotations
@@ -56,6 +63,12 @@ WORKSPACE, OTHER = "workspace", "other"
 MAX_FRAMES = 1000
 
 
+#: torch/utils/checkpoint.py functions that run only in backward: the non-reentrant checkpoint's
+#: ``unpack_hook`` / ``recompute_fn`` (the recompute, called as a saved tensor is unpacked) and the
+#: reentrant ``CheckpointFunction.backward``
+_RECOMPUTE = ("unpack_hook", "recompute_fn", "backward")
+
+
 def _text(frame: object, key: str) -> str:
     v = frame.get(key) if isinstance(frame, dict) else None
     return v if isinstance(v, str) else ""
@@ -71,7 +84,8 @@ def entry_phase(frames: list) -> Optional[str]:
         path = filename.replace("\\", "/")
         if "torch/optim/" in path or (name == "step" and "optim" in path):
             return OPTIMIZER
-        if "autograd::Engine" in name or (name == "_engine_run_backward" and path.endswith("autograd/graph.py")):
+        if "autograd::Engine" in name or (name == "_engine_run_backward" and path.endswith("autograd/graph.py")) \
+                or (name in _RECOMPUTE and path.endswith("torch/utils/checkpoint.py")):
             found.add(BACKWARD)
         elif name in ("forward", "_call_impl") and path.endswith(".py"):
             found.add(FORWARD)

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from memcalc.core.allocator import round_size
 from memcalc.core.errors import UserError
-from memcalc.snapshot.attribute import BEFORE, SETUP, attribute, entry_phase
+from memcalc.snapshot.attribute import BACKWARD, BEFORE, FORWARD, SETUP, attribute, entry_phase
 
 #: the trace actions that end an allocation, in the order the allocator records them
 _FREES = ("free_requested", "free_completed")
@@ -153,9 +153,14 @@ def replay(snapshot: dict[str, Any], device: int) -> Replay:
     # before it (setup before the first)
     phases: list[str] = []
     current = SETUP
+    has_frames = any(_frames(e) for e in entries)
     for e in entries:
         if e.get("action") == "alloc":
-            current = entry_phase(_frames(e)) or current
+            frames = _frames(e)
+            if not frames and has_frames and current in (FORWARD, BACKWARD):
+                current = BACKWARD  # the engine's device thread: no Python frame (attribute's docstring)
+            else:
+                current = entry_phase(frames) or current
         phases.append(current)
     live_allocs: dict[int, Allocation] = {}
     done: list[Allocation] = []
@@ -198,8 +203,7 @@ def replay(snapshot: dict[str, Any], device: int) -> Replay:
     before_bytes = sum(a.bytes for a in before) + sum(a.bytes for a in pre)
     live = [v + before_bytes for v in live]
     allocations = before + pre + done + list(live_allocs.values())
-    rep = Replay(device, allocations, live, phases, before_bytes,
-                 memcalc_frames=False, has_frames=any(_frames(e) for e in entries))
+    rep = Replay(device, allocations, live, phases, before_bytes, memcalc_frames=False, has_frames=has_frames)
     attribute(rep)
     return rep
 

@@ -43,6 +43,9 @@ PY_TRAIN = {"filename": "train.py", "line": 10, "name": "<module>"}
     ([PY_ADAMW, PY_TRAIN], OPTIMIZER),  # source: torch/optim/adamw.py _multi_tensor_adamw
     ([{"filename": "/x/bitsandbytes/optim/optimizer.py", "line": 1, "name": "step"}], OPTIMIZER),  # source: bnb step
     ([PY_TRAIN], None),  # source: a frame of the user's script shows no phase
+    # source: torch/utils/checkpoint.py, the non-reentrant checkpoint's recompute runs from the unpack hook
+    ([PY_FORWARD, PY_CALL, {"filename": "/venv/lib/python3.11/site-packages/torch/utils/checkpoint.py", "line": 1,
+                            "name": "recompute_fn"}], BACKWARD),
     ([memcalc_frame("activations", 2, "x"), {"filename": "memcalc", "line": 0, "name": "forward"}], "forward"),
 ])
 def test_entry_phase(frames, phase):
@@ -110,6 +113,20 @@ def test_two_recorded_steps():
     assert c.steps == 2 and c.first_step == (32 * MiB, 40 * MiB)
     assert comparison_lines(c)[2].startswith("2 steps recorded: the last is compared (the steady state); the first "
                                              "peaks at 40.00 MiB, +25.0% against the estimate's first step")
+
+
+def test_python_frames_only():
+    """A snapshot recorded with stacks="python" (validate --protocol's): the engine's device thread holds no
+    Python frame, so backward's allocations have none; the kinds come out as with every frame."""
+    snap = _real_snapshot()
+    for e in snap["device_traces"][0]:  # the engine's thread: no frame at all; the loop's: its Python frames
+        e["frames"] = [] if CPP_ENGINE in e["frames"] else [f for f in e["frames"] if f is not CPP_WORKSPACE]
+    rep = replay(snap, 0)
+    kinds = {a.addr: a.kind for a in rep.allocations}
+    # source: attribute's docstring (no frame after a forward began: backward); the workspace needs C++ frames
+    assert (kinds[200], kinds[400], kinds[500], kinds[600]) == ("activations", "gradients", "temporaries",
+                                                                "optimizer_state")
+    assert kinds[100] == "activations"  # the cuBLAS workspace, unnamed without its C++ frame: a known limit
 
 
 def _estimate(**kw):
