@@ -179,6 +179,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.ep": ({"model": MOE["model"], "training": {"gpus": 2}}, 2),
     "TrainingSpec.ep_capacity_factor": ({"model": MOE["model"], "training": {"gpus": 2, "ep": 2}}, 1.5),
     "TrainingSpec.cp": ({"training": {"precision": "bf16"}}, 2),  # ring attention (flash: 16-bit)
+    "TrainingSpec.cp_method": ({"training": {"precision": "bf16", "cp": 2}}, "ulysses"),  # DeepSpeed's all-to-all
     # pipeline parallelism (engine.pipeline): a rank holds half the layers; the schedule and the micro-batches
     # decide how many micro-batches' activations it holds at once
     "TrainingSpec.pp": ({}, 2),

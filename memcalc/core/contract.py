@@ -17,8 +17,6 @@ from __future__ import annotations
 #: "Spec.field" -> why the field never changes an estimated number.
 INERT: dict[str, str] = {
     "ModelSpec.name": "a label shown in reports",
-    "TrainingSpec.cp_method": "only ring is modelled: --cp-method ulysses is refused with one line "
-                              "(memcalc.engine.context_parallel.ulysses_attention)",
     "ModelSpec.norm_eps": "a value, not a shape: no tensor changes size",
     "ModelSpec.residual_scale": "a value: with post-norm, a scale other than 1 adds one transient x * alpha "
                                 "(engine.ops.scale) that is freed before the layer's larger allocations, so it "

@@ -135,7 +135,7 @@ class ContextParallel:
         returns the output as the o projection takes it (``(B, seq / cp, H x D)``, a copy where the
         output's layout needs one)."""
         if self.method == "ulysses":
-            return ulysses_attention(fwd, q, k, v, kernel)
+            return ulysses_attention(fwd, q, k, v, kernel, self.cp)
         return self.ring(fwd, q, k, v, kernel)
 
     def ring(self, fwd: _Walk, q: T, k: T, v: T, kernel: str) -> T:
@@ -183,8 +183,39 @@ class ContextParallel:
         return out
 
 
-def ulysses_attention(fwd: _Walk, q: T, k: T, v: T, kernel: str) -> T:
-    """DeepSpeed's ``DistributedAttention`` (the module docstring): not yet modelled."""
-    from memcalc.core.errors import UserError
+def _all_to_all(fwd: _Walk, x: T, contiguous: bool) -> T:
+    """One ``_SeqAllToAll`` (deepspeed 0.19 sequence/layer.py ``single_all_to_all``): ``pre_all2all_fun``'s
+    ``reshape(...).contiguous()`` (a copy only of a transposed input) and ``permute(...).contiguous()``,
+    the ``empty_like`` receive buffer, ``post_all2all``'s ``permute(...).contiguous()`` (the result);
+    the copies before it freed as the function returns. It saves nothing; its backward is the reverse
+    all-to-all of the (contiguous) gradient: a permuted copy and a receive buffer beside the result."""
+    o, sim = fwd.ops, fwd.sim
+    pre = None if contiguous else sim.alloc(x.nbytes, "temporaries", CATEGORY)
+    perm = sim.alloc(x.nbytes, "temporaries", CATEGORY)
+    sim.unref(pre)
+    recv = sim.alloc(x.nbytes, "temporaries", CATEGORY)
+    y = o.new(x.numel, o.dtype_of(x))
+    sim.unref(perm)
+    sim.unref(recv)
+    sim.node("ulysses_all_to_all", [], [x], [], [y], temps=[x.nbytes, x.nbytes], grad_input_bytes=[x.nbytes])
+    return y
 
-    raise UserError("--cp-method ulysses is not modelled yet")
+
+def ulysses_attention(fwd: _Walk, q: T, k: T, v: T, kernel: str, c: int) -> T:
+    """DeepSpeed's ``DistributedAttention`` around the SDPA call (the module docstring): q, k, v as the
+    ``(B, seq / cp, H, D)`` views of the kernel's inputs through ``_SeqAllToAll`` to ``(B, seq, H / cp, D)``,
+    the kernel on those, its output back to ``(B, seq / cp, H, D)``, which the o projection takes as it is.
+    q (RoPE's output) and un-expanded k, v are contiguous in that layout; ``repeat_kv``'s copies are
+    ``(B, H, S, D)`` tensors, copied by ``pre_all2all_fun``'s ``contiguous()``."""
+    o, m = fwd.ops, fwd.m
+    H, D, B, S = m.n_heads, fwd.dim_head, fwd.B, fwd.T
+    n_rep = H * D * B * S // max(k.numel, 1)  # the kernel's K/V: expanded (n_rep 1) or grouped
+    expanded = n_rep == 1 and m.n_heads != m.kv_heads
+    qs = _all_to_all(fwd, q, True)
+    ks = _all_to_all(fwd, k, not expanded)
+    vs = _all_to_all(fwd, v, not expanded)
+    out = o.sdpa(qs, ks, vs, B, H // c, S * c, D, None, 0, m.attn_dropout, kernel, n_rep=n_rep)
+    o.drop(qs, ks, vs)
+    y = _all_to_all(fwd, out, True)
+    o.drop(out)
+    return y

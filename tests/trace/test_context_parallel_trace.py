@@ -51,6 +51,32 @@ def test_estimate_matches_traced_ring_rank(cp, kv, tr, where):
                                        f"({gap:+.2f}%, {meas.peak_phase} {meas.peak_label})")
 
 
+# (cp, kv heads, training fields): DeepSpeed 0.19's DistributedAttention around the kernel (validate/sharded/
+# context_parallel.py ulysses_sdpa), vocab 256 so that attention and its all-to-alls are near the peak
+ULYSSES_ROWS = [
+    (2, 4, {"seq": 1024}),  # source: trace, -0.01%: repeat_kv's copies (transposed: pre_all2all_fun copies them)
+    (4, 8, {"seq": 1024}),  # source: trace, -0.01%: K/V contiguous in (B, S, H, D): no pre-copy
+    (2, 4, {"precision": "fp32"}),  # source: trace, -0.00%: the memory-efficient kernel on the gathered heads
+    (2, 4, {"checkpoint": "full"}),  # source: trace, -0.01%: the all-to-alls recomputed
+]
+
+
+@pytest.mark.parametrize("cp,kv,tr", ULYSSES_ROWS)
+def test_estimate_matches_traced_ulysses_rank(cp, kv, tr):
+    from memcalc.validate.sharded.context_parallel import measure_cp
+
+    tr = {"precision": "bf16", "seq": 512, **tr}
+    m = ModelSpec(name="tiny-llama", n_layers=2, d_model=256, n_heads=8, n_kv_heads=kv, d_ff=704, vocab_size=256,
+                  max_seq_len=8192)
+    exp = ExperimentSpec(model=m, training=TrainingSpec(batch=2, cp=cp, cp_method="ulysses", **tr))
+    meas = measure_cp(exp)
+    assert meas.status == "ok", meas.reason
+    est = estimate(exp).peak_bytes
+    gap = 100 * (est - meas.measured_bytes) / meas.measured_bytes
+    assert abs(gap) <= TOLERANCE_PCT, (f"ulysses cp {cp} kv {kv} {tr}: estimate {est:,} vs traced "
+                                       f"{meas.measured_bytes:,} ({gap:+.2f}%, {meas.peak_phase} {meas.peak_label})")
+
+
 def test_the_simulated_rank_holds_most():
     # source: trace: the estimate simulates worst_rank's rank; rank 0 (no step on the whole q after the first)
     # and the last rank (no partial step) hold no more

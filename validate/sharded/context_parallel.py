@@ -25,7 +25,10 @@ sharded on the sequence, the default head-tail load balancer, rotate method ``al
   :mod:`..blocks.sdpa`) is allocated around each of those calls (the replica's kernel wrapper
   allocates it around its own call when it is not ring-dispatched).
 
-Ulysses (``--cp-method ulysses``, DeepSpeed 0.19's ``DistributedAttention``) is not traced yet.
+Ulysses (``--cp-method ulysses``): DeepSpeed 0.19's ``DistributedAttention`` (deepspeed/sequence/layer.py)
+unmodified, with the replica's SDPA call as its local attention (:func:`ulysses_sdpa`), its
+all-to-alls through ``deepspeed.comm`` on the fake process group (no patch: ``all_to_all_single`` writes
+into the ``empty_like`` buffer DeepSpeed allocates).
 """
 
 from __future__ import annotations
@@ -140,6 +143,35 @@ def ring_sdpa(mesh, inner: Callable) -> Callable:
     return sdpa
 
 
+def ulysses_sdpa(mesh, inner: Callable, rank: int, cp: int) -> Callable:
+    """The replica's ``sdpa`` as the local attention of DeepSpeed 0.19's ``DistributedAttention``
+    (deepspeed/sequence/layer.py; ``scatter_idx=2, gather_idx=1``, batch first): q, k, v go in as the
+    ``(B, seq / cp, H, D)`` views of the kernel's ``(B, H, seq / cp, D)`` inputs, each through
+    ``_SeqAllToAll`` to ``(B, seq, H / cp, D)``; the kernel runs on those (transposed to its layout)
+    and its output comes back the same way. ``deepspeed.comm`` runs on the fake process group."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), LOCAL_RANK="0", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
+    from deepspeed import comm as ds_comm
+    from deepspeed.sequence.layer import DistributedAttention
+
+    ds_comm.init_distributed(dist_backend="fake", auto_mpi_discovery=False, dist_init_required=False)
+    group = mesh.get_group()
+
+    def sdpa(q, k, v, mask, kernel, dropout_p, is_causal, scale=None):
+        if mask is not None:
+            raise UserError("--cp-method ulysses runs SDPA without a mask here")
+
+        def local_attn(ql, kl, vl):
+            out = inner(ql.transpose(1, 2), kl.transpose(1, 2), vl.transpose(1, 2), None, kernel, dropout_p,
+                        is_causal, scale)
+            return out.transpose(1, 2)
+
+        attn = DistributedAttention(local_attn, group, scatter_idx=2, gather_idx=1)
+        return attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0).transpose(1, 2)
+    return sdpa
+
+
 def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, device: str = "meta",
                timeline: Optional[list] = None, rank: Optional[int] = None):
     """Trace rank 0 of a ``cp``-way context-parallel step: two steps, the second measured (a
@@ -157,8 +189,6 @@ def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, devic
         why.append(f"context parallelism is traced on meta (one rank of a fake process group), not on {device}")
     if tr.gpus > 1 or tr.tp > 1:
         why.append("--cp with --gpus or --tp: not traced yet (context parallelism alone)")
-    if tr.cp_method == "ulysses":
-        why.append("--cp-method ulysses: not traced yet (ring only)")
     if why:
         meas.status, meas.reason = "skipped", "; ".join(why)
         return meas
@@ -200,8 +230,13 @@ def _trace(exp, m, meas, say, debug: bool, timeline: Optional[list] = None, rank
         meas.params = param_count(model)[0]
         inner = attention_mod.sdpa
         tracer = make_tracer(exp.profile.allocator_round_bytes, debug, "meta", None)
-        attention_mod.sdpa = ring_sdpa(mesh["cp"], inner)  # (ulysses is refused by measure_cp)
-        dispatch = ring_dispatch(mesh["cp"], tracer)
+        dispatch: contextlib.AbstractContextManager
+        if tr.cp_method == "ring":
+            attention_mod.sdpa = ring_sdpa(mesh["cp"], inner)
+            dispatch = ring_dispatch(mesh["cp"], tracer)
+        else:
+            attention_mod.sdpa = ulysses_sdpa(mesh["cp"], inner, rank, cp)
+            dispatch = contextlib.nullcontext()
         try:
             with dispatch, allow_fused_on("meta"):
                 ids = torch.zeros((tr.batch, local_seq), dtype=torch.int64, device="meta")
