@@ -82,9 +82,10 @@ def applies(exp: ExperimentSpec) -> bool:
     (none, full, selective) without torch.compile, and a model whose layout repeats deep enough to
     gain (:func:`memcalc.core.layout.repeating` at :data:`SHALLOW_DEPTHS`: more layers than the
     copies together, :data:`MIN_DEPTH` for a uniform stack, and each copy's layout the deep one's
-    prefix, first periods and suffix)."""
+    prefix, first periods and suffix). Not with expert parallelism: its one-GPU reference (``gpus``
+    1) is no setup of it (``ep`` divides ``gpus``), and its shards are of two sizes (engine.expert_fsdp)."""
     tr = exp.training
-    if tr.compile or tr.checkpoint not in ("none", "full", "selective"):
+    if tr.compile or tr.ep > 1 or tr.checkpoint not in ("none", "full", "selective"):
         return False
     return repeating(exp.model, SHALLOW_DEPTHS) is not None
 

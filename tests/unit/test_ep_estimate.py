@@ -120,3 +120,14 @@ def test_fsdp2_expert_shards_are_gpus_over_ep():
     one = spec(1, 1)
     assert weight_bytes(exp, ".moe.experts.") * 8 == weight_bytes(one, ".moe.experts.")  # / ep 2 / efsdp 4
     assert weight_bytes(exp, ".moe.router.") * 8 == weight_bytes(one, ".moe.router.")
+
+
+@pytest.mark.slow  # a binary search over direct estimates of a 48-layer model: seconds
+def test_max_batch_with_ep():
+    # source: plan/depth.py applies(): the depth extrapolation's one-GPU reference (gpus 1) is no --ep setup
+    # (ep divides gpus), so expert-parallel steps are simulated directly; --max-batch used to fail with
+    # "--ep 4 must divide --gpus 1"
+    r = run(["estimate", "--model", "qwen3-30b-a3b", "--bf16", "--ep", "4", "--gpus", "8", "--zero", "3", "--gpu",
+             "h100-80gb", "--max-batch", "--seq", "1024"])
+    assert r.exit_code == 0, r.output
+    assert "max batch at seq 1024" in r.stdout
