@@ -100,3 +100,18 @@ def count_params(m: ModelSpec, lora: Optional[LoraSpec] = None) -> ParamCounts:
     head = sum(p.numel for p in inv if p.name.startswith("lm_head"))
     lora_n = sum(p.numel for p in inv if p.kind == "lora")
     return ParamCounts(total, trainable, per_layer, emb, head, lora_n)
+
+
+def active_params(m: ModelSpec) -> int:
+    """Parameters one token uses: the total less the routed experts it skips (a dense model: the total).
+
+    Each routed-expert tensor (``moe.experts.*``, :func:`memcalc.engine.blocks.moe.moe_params`) counts
+    ``top_k / n_experts`` of its elements; the router, shared experts, attention, embedding and head
+    count whole (what Qwen's "A3B" and DeepSeek's "37B activated" name, embeddings included).
+    """
+    inv = param_inventory(m)
+    total = sum(p.numel for p in inv)
+    if m.moe is None:
+        return total
+    routed = sum(p.numel for p in inv if ".moe.experts." in p.name)
+    return total - routed // m.moe.n_experts * (m.moe.n_experts - m.moe.top_k)

@@ -275,12 +275,94 @@ MOE_MAX_EXPERTS = 2048
 
 def infer_params(value: str) -> tuple[ModelSpec, list[str]]:
     """``--params``: a count (``7e9``, ``7B``: :func:`infer_from_params`) or a mixture of experts given
-    as ``TOTAL-A<ACTIVE>`` (``30B-A3B``, as Qwen names its MoE checkpoints: :func:`infer_moe`)."""
+    as ``TOTAL-A<ACTIVE>`` (``30B-A3B``, as Qwen names its MoE checkpoints: :func:`infer_moe`).
+
+    The last line names the shipped presets of that size, if any (:func:`preset_note`); the model
+    stays the inferred one (the user asked for it)."""
     if isinstance(value, str):
         m = _MOE.match(value)
         if m:
-            return infer_moe(parse_count(m.group(1)), parse_count(m.group(2)))
-    return infer_from_params(float(parse_count(value)))
+            model, reasons = infer_moe(parse_count(m.group(1)), parse_count(m.group(2)))
+            return model, reasons + preset_note(m.group(1), m.group(2))
+    model, reasons = infer_from_params(float(parse_count(value)))
+    return model, reasons + (preset_note(value) if isinstance(value, str) else [])
+
+
+# -- the shipped presets of the size asked ---------------------------------------------------------
+#: (preset, total, active) of every shipped preset (``data/models/*.yaml``): ``count_params(m).total``
+#: and ``active_params(m)`` (memcalc/engine/params.py), precomputed so that ``--params`` need not read
+#: the presets; tests/unit/test_infer.py checks it against them (and prints the rows to paste)
+PRESET_SIZES: tuple[tuple[str, int, int], ...] = (
+    ("deep-one-1.6b", 1_631_455_744, 1_631_455_744),
+    ("deepseek-v3", 671_026_404_352, 37_552_282_624),
+    ("gemma-2-9b", 9_241_705_984, 9_241_705_984),
+    ("gemma-3-1b", 999_885_952, 999_885_952),
+    ("gpt-oss-20b", 20_914_757_184, 4_187_440_704),
+    ("gpt2", 124_439_808, 124_439_808),
+    ("gpt2-xl", 1_557_611_200, 1_557_611_200),
+    ("granite-3.1-8b", 8_170_848_256, 8_170_848_256),
+    ("llama-2-13b", 13_015_864_320, 13_015_864_320),
+    ("llama-2-70b", 68_976_648_192, 68_976_648_192),
+    ("llama-2-7b", 6_738_415_616, 6_738_415_616),
+    ("llama-3.1-70b", 70_553_706_496, 70_553_706_496),
+    ("llama-3.1-8b", 8_030_261_248, 8_030_261_248),
+    ("llama-3.2-1b", 1_235_814_400, 1_235_814_400),
+    ("llama-3.2-3b", 3_212_749_824, 3_212_749_824),
+    ("llama-3.3-70b", 70_553_706_496, 70_553_706_496),
+    ("mistral-7b", 7_241_732_096, 7_241_732_096),
+    ("mistral-7b-v0.3", 7_248_023_552, 7_248_023_552),
+    ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
+    ("olmo-2-7b", 7_298_617_344, 7_298_617_344),
+    ("phi-1.5", 1_418_270_720, 1_418_270_720),
+    ("phi-4", 14_659_507_200, 14_659_507_200),
+    ("qwen2.5-7b", 7_615_616_512, 7_615_616_512),
+    ("qwen3-0.6b", 596_049_920, 596_049_920),
+    ("qwen3-14b", 14_768_307_200, 14_768_307_200),
+    ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
+    ("qwen3-32b", 32_762_123_264, 32_762_123_264),
+    ("qwen3-4b", 4_022_468_096, 4_022_468_096),
+    ("qwen3-8b", 8_190_735_360, 8_190_735_360),
+    ("smollm3-3b", 3_075_098_624, 3_075_098_624),
+    ("tinyllama-1.1b", 1_100_048_384, 1_100_048_384),
+)
+
+
+#: the most presets :func:`preset_note` names (the closest); the rest are counted
+PRESET_NOTE_MAX = 3
+
+
+def typed_range(value: str) -> tuple[float, float]:
+    """The counts ``value`` names at the precision it was typed: from half a unit of its last digit
+    below to one unit above (``30B``: 29.5B to 31B), as published names round or truncate
+    (Qwen3-30B-A3B holds 30.53B, Mixtral-8x7B's 46.70B is "47B"). ``3e10``: one digit (25B to 40B);
+    a plain integer (``30000000000``) names itself only."""
+    m = _COUNT.match(value)
+    assert m is not None, value  # parse_count accepted it
+    exponent = Decimal(m.group(1).replace("_", "").replace(",", "")).as_tuple().exponent
+    assert isinstance(exponent, int), value  # finite: parse_count checked
+    unit = 10.0 ** exponent * _SUFFIX[m.group(2).lower()]
+    count = parse_count(value)
+    return count - unit / 2, count + unit
+
+
+def preset_note(total: str, active: Optional[str] = None) -> list[str]:
+    """One line naming the shipped presets whose total (and, for ``TOTAL-A<ACTIVE>``, active) count
+    lies in :func:`typed_range` of what was typed (:data:`PRESET_SIZES`; a dense count matches dense
+    presets only, an MoE form MoE presets only), closest total first; none: no line."""
+    t_lo, t_hi = typed_range(total)
+    a_lo, a_hi = typed_range(active) if active is not None else (0.0, 0.0)
+    hits = [(name, t, a) for name, t, a in PRESET_SIZES
+            if t_lo <= t < t_hi and ((a < t and a_lo <= a < a_hi) if active is not None else a == t)]
+    if not hits:
+        return []
+    hits.sort(key=lambda h: abs(h[1] - parse_count(total)))
+    sizes = ", ".join(f"{n} ({fmt_count(t)}" + (f", {fmt_count(a)} active)" if a < t else ")")
+                      for n, t, a in hits[:PRESET_NOTE_MAX])
+    if len(hits) > PRESET_NOTE_MAX:
+        sizes += f" and {len(hits) - PRESET_NOTE_MAX} more (memcalc models)"
+    if len(hits) == 1:
+        return [f"a preset of this size exists: {sizes}; --model {hits[0][0]} uses its real shapes"]
+    return [f"presets of this size exist: {sizes}; --model with one of them uses its real shapes"]
 
 
 def infer_moe(total: int, active: int) -> tuple[ModelSpec, list[str]]:

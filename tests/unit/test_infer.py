@@ -149,4 +149,42 @@ def test_moe_params_cli(args, code, message):
     assert r.exit_code == code, r.output
     assert message in r.stderr
     if code == 0:
-        assert json.loads(r.stdout)["inferred"][0].startswith("inferred: Llama-style mixture of experts")
+        inferred = json.loads(r.stdout)["inferred"]
+        assert inferred[0].startswith("inferred: Llama-style mixture of experts")
+        # the shipped preset of that size is named, the model stays the inferred one
+        assert inferred[-1].startswith("a preset of this size exists: qwen3-30b-a3b (30.53B, 3.35B active)")
+        assert json.loads(r.stdout)["model"].startswith("llama-style-moe-")
+
+
+# -- --params names the shipped presets of the size typed (issue 29) ------------------------------
+@pytest.mark.parametrize("value,note", [
+    # source: Qwen/Qwen3-30B-A3B (30.53B total, 3.35B active: truncated in its name)
+    ("30B-A3B", "a preset of this size exists: qwen3-30b-a3b (30.53B, 3.35B active); --model qwen3-30b-a3b"),
+    # source: deepseek-ai/DeepSeek-V3's model card ("671B total parameters with 37B activated")
+    ("671B-A37B", "a preset of this size exists: deepseek-v3 (671.03B, 37.55B active)"),
+    # source: Mixtral-8x7B (46.70B total, 12.88B active: rounded up to 47B, 13B)
+    ("47b-a13b", "a preset of this size exists: mixtral-8x7b"),
+    # source: memcalc models (no Qwen3-235B-A22B preset ships): no line
+    ("235B-A22B", None),
+    # the typed precision: 30.5B reaches 30.45B-30.6B (30.53B in), 31B 30.5B-32B (in), 29B 28.5B-30B (out)
+    ("30.5B-A3.3B", "qwen3-30b-a3b"), ("31B-A3B", "qwen3-30b-a3b"), ("29B-A3B", None),
+    # an MoE form never names a dense preset, a dense count never an MoE one (qwen3-32b, qwen3-30b-a3b)
+    ("32B-A32B", None), ("30B", None),
+    # one digit typed: 3e10 reaches 25B-40B (qwen3-32b in)
+    ("3e10", "a preset of this size exists: qwen3-32b (32.76B)"),
+    # source: Qwen/Qwen3-4B (4.02B; llama-3.2-3b's 3.21B is below 3.5B)
+    ("4B", "a preset of this size exists: qwen3-4b (4.02B); --model qwen3-4b uses its real shapes"),
+    # several: the closest three and a count of the rest (7.5B to 9B: llama-3.1-8b, granite, qwen3-8b, qwen2.5-7b)
+    ("8e9", "presets of this size exist: llama-3.1-8b (8.03B), granite-3.1-8b (8.17B), qwen3-8b (8.19B) and 1 more"),
+    # a plain integer names itself only
+    ("8030261248", "a preset of this size exists: llama-3.1-8b"), ("8000000000", None),
+])
+def test_params_name_the_preset_of_that_size(value, note):
+    from memcalc.inputs.infer import preset_note
+
+    total, _, active = value.partition("-")
+    lines = preset_note(total, active[1:] if active else None)
+    if note is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and (lines[0].startswith(note) or f": {note} (" in lines[0]), lines

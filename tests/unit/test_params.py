@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.engine.params import count_params, param_inventory
+from memcalc.engine.params import active_params, count_params, param_inventory
+from memcalc.inputs.infer import PRESET_SIZES
 from memcalc.inputs.presets import list_presets, load_preset
 from memcalc.core.spec import LoraSpec
 
@@ -83,11 +84,28 @@ LORA_TRAINABLE = [
 
 @pytest.mark.parametrize("preset,expected", PUBLISHED_TOTALS)
 def test_published_total(preset, expected):
-    assert count_params(load_preset(preset)).total == expected
+    m = load_preset(preset)
+    assert count_params(m).total == expected
+    # --params's table of preset sizes (memcalc/inputs/infer.py PRESET_SIZES: --params names the
+    # presets of the size typed without reading them) holds the same total and the active count
+    row = (preset, expected, active_params(m))
+    assert row in PRESET_SIZES, f"infer.py PRESET_SIZES needs the row ({preset!r}, {expected:_}, {row[2]:_})"
 
 
 def test_every_preset_has_a_published_total():
     assert sorted(p for p, _ in PUBLISHED_TOTALS) == list_presets()
+    assert [n for n, _, _ in PRESET_SIZES] == list_presets(), "infer.py PRESET_SIZES: one row per preset, sorted"
+
+
+@pytest.mark.parametrize("preset,active", [
+    ("qwen3-30b-a3b", 3_353_032_704),  # source: Qwen/Qwen3-30B-A3B's model card, "3.3B activated"
+    ("deepseek-v3", 37_552_282_624),  # source: deepseek-ai/DeepSeek-V3's model card, "37B activated"
+    ("mixtral-8x7b", 12_879_925_248),  # source: Mixtral of Experts (arXiv 2401.04088), "13B active parameters"
+    ("llama-3.1-8b", 8_030_261_248),  # dense: every parameter
+])
+def test_active_params(preset, active):
+    """active_params: the total less the routed experts a token skips (embeddings counted)."""
+    assert active_params(load_preset(preset)) == active
 
 
 @pytest.mark.parametrize("preset,rank,targets,expected", LORA_TRAINABLE)
