@@ -77,6 +77,27 @@ def test_estimate_matches_traced_ulysses_rank(cp, kv, tr):
                                        f"{meas.measured_bytes:,} ({gap:+.2f}%, {meas.peak_phase} {meas.peak_label})")
 
 
+# context parallelism x FSDP2: fully_shard over the flattened dp x cp mesh (torchtitan's dp_shard_cp), traced as
+# the FSDP2 x TP harness traces (fake tensors on cpu); the estimate shards over gpus x cp
+# (engine.context_parallel.shard_group)
+FSDP_ROWS = [
+    ("ring", {"zero": 3, "gpus": 2}),  # source: trace, -0.01%: a 2 x 2 mesh, ZeRO-3 over 4 ranks
+    ("ulysses", {"zero": 3}),  # source: trace, -0.03%: ZeRO-3 over the 2 cp ranks alone
+]
+
+
+@pytest.mark.parametrize("method,tr", FSDP_ROWS)
+def test_estimate_matches_traced_cp_x_fsdp2_rank(method, tr):
+    from memcalc.validate.sharded.context_parallel import measure_cp
+
+    exp = spec(2, cp_method=method, **tr)
+    meas = measure_cp(exp)
+    assert meas.status == "ok", meas.reason
+    est = estimate(exp).peak_bytes
+    gap = 100 * (est - meas.measured_bytes) / meas.measured_bytes
+    assert abs(gap) <= TOLERANCE_PCT, f"{method} {tr}: estimate {est:,} vs traced {meas.measured_bytes:,} ({gap:+.2f}%)"
+
+
 def test_the_simulated_rank_holds_most():
     # source: trace: the estimate simulates worst_rank's rank; rank 0 (no step on the whole q after the first)
     # and the last rank (no partial step) hold no more

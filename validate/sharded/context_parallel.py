@@ -29,6 +29,10 @@ Ulysses (``--cp-method ulysses``): DeepSpeed 0.19's ``DistributedAttention`` (de
 unmodified, with the replica's SDPA call as its local attention (:func:`ulysses_sdpa`), its
 all-to-alls through ``deepspeed.comm`` on the fake process group (no patch: ``all_to_all_single`` writes
 into the ``empty_like`` buffer DeepSpeed allocates).
+
+With ``--zero 2|3`` the replica is first wrapped by FSDP2's ``fully_shard`` over the flattened ``dp x cp``
+mesh (torchtitan's ``dp_shard_cp``; ``fsdp2.apply_fsdp2``) and traced on fake tensors on ``cpu``, as the
+FSDP2 x TP harness (:mod:`.tp`) is.
 """
 
 from __future__ import annotations
@@ -187,8 +191,12 @@ def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, devic
     why = []
     if device != "meta":
         why.append(f"context parallelism is traced on meta (one rank of a fake process group), not on {device}")
-    if tr.gpus > 1 or tr.tp > 1:
-        why.append("--cp with --gpus or --tp: not traced yet (context parallelism alone)")
+    if tr.tp > 1:
+        why.append("--cp with --tp: not traced yet")
+    if tr.gpus > 1 and tr.zero not in (2, 3):
+        why.append("--cp with --gpus and no ZeRO (replicated data parallelism): not traced yet")
+    if tr.zero and tr.sharding != "fsdp2":
+        why.append(f"--cp with --sharding {tr.sharding}: ZeRO with context parallelism is traced with FSDP2 only")
     if why:
         meas.status, meas.reason = "skipped", "; ".join(why)
         return meas
@@ -212,7 +220,11 @@ def _trace(exp, m, meas, say, debug: bool, timeline: Optional[list] = None, rank
     from ..model import build_model, param_count
     from ..optim import allow_fused_on, build_optimizer
     from ..step import Probe, Step, fill_measurement, optimizer_step, track_inputs, train_step, two_steps
-    from .fake_dist import fake_world
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..devices import fake_as_meta
+    from .fake_dist import DEVICE, fake_world
+    from .fsdp2 import apply_fsdp2, precision_plan
     from .rank_tracer import local_tensors
     from .tp import make_tracer
 
@@ -223,13 +235,26 @@ def _trace(exp, m, meas, say, debug: bool, timeline: Optional[list] = None, rank
         from memcalc.core.ring_attention import ring_shapes, worst_rank
 
         rank = worst_rank(cp, ring_shapes(exp)) if tr.cp_method == "ring" else 0
-    with fake_world(cp, rank, shape=(cp,), names=("cp",)) as mesh:
-        say(f"building {m.name} ({m.n_layers} layers), cp {cp} ({tr.cp_method})")
+    fsdp = tr.zero in (2, 3)  # FSDP2 over the dp x cp ranks (torchtitan's dp_shard_cp), as the FSDP2 x TP trace
+    plan = precision_plan(tr) if fsdp else None
+    build = plan.build if plan is not None else tr
+    fake = FakeTensorMode() if fsdp else None
+    in_fake = fake if fake is not None else contextlib.nullcontext()
+    dev = DEVICE if fsdp else "meta"
+    dp = tr.gpus
+    with fake_world(dp * cp, rank, shape=(dp, cp), names=("dp", "cp")) as mesh:  # data-parallel rank 0
+        say(f"building {m.name} ({m.n_layers} layers), cp {cp} ({tr.cp_method})"
+            + (f" x FSDP2 zero {tr.zero} over {dp} x {cp}" if fsdp else ""))
         torch.manual_seed(0)
-        model = build_model(m, tr, exp.profile, device="meta")
+        with in_fake:
+            model = build_model(m, build, exp.profile, device="meta")
         meas.params = param_count(model)[0]
+        if plan is not None and fake is not None:
+            apply_fsdp2(model, mesh["dp", "cp"]._flatten("dp_cp"), tr.zero, plan)
+            with fake:
+                model.to_empty(device=DEVICE)
         inner = attention_mod.sdpa
-        tracer = make_tracer(exp.profile.allocator_round_bytes, debug, "meta", None)
+        tracer = make_tracer(exp.profile.allocator_round_bytes, debug, "cpu" if fsdp else "meta", fake)
         dispatch: contextlib.AbstractContextManager
         if tr.cp_method == "ring":
             attention_mod.sdpa = ring_sdpa(mesh["cp"], inner)
@@ -238,11 +263,11 @@ def _trace(exp, m, meas, say, debug: bool, timeline: Optional[list] = None, rank
             attention_mod.sdpa = ulysses_sdpa(mesh["cp"], inner, rank, cp)
             dispatch = contextlib.nullcontext()
         try:
-            with dispatch, allow_fused_on("meta"):
-                ids = torch.zeros((tr.batch, local_seq), dtype=torch.int64, device="meta")
+            with in_fake, fake_as_meta(fsdp), dispatch, allow_fused_on("meta"):
+                ids = torch.zeros((tr.batch, local_seq), dtype=torch.int64, device=dev)
                 labels = ids.clone()
                 trainable = [p for p in model.parameters() if p.requires_grad]
-                opt = build_optimizer(trainable, tr)  # type: ignore[arg-type]
+                opt = build_optimizer(trainable, build)  # type: ignore[arg-type]
                 probe = Probe("meta", tracer)
                 model.on_label = probe.label
                 parts = Step(forward=lambda: model(ids, labels), grad_accum=tr.grad_accum,  # noqa: F821
