@@ -53,6 +53,7 @@ from memcalc.engine.params import param_inventory
 from memcalc.engine.result import SimResult
 from memcalc.engine.sim import Node, Sim, T
 from memcalc.engine.strategy import LayerStrategy
+from memcalc.engine.timeline import step_and_zero_grad
 from memcalc.engine.weights import Model, make_params
 
 
@@ -204,12 +205,7 @@ class RankStep:
                 self.backward(i)
         for t in [self.output, self.sending, *self.losses]:
             sim.unref(t)
-        sim.mark("optimizer step", "optimizer step")
-        self.opt.step_all()
-        for p in self.model.order:
-            if p.grad is not None:
-                sim.unref(p.grad)
-                p.grad = None
+        step_and_zero_grad(sim, self.opt, self.model)
         sim.mark("step end", "optimizer step")
         return self.result()
 

@@ -244,6 +244,17 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
     return result
 
 
+def step_and_zero_grad(sim: Sim, opt: OptimizerSim | DeepSpeedZero2, model: Model) -> None:
+    """The optimizer step (phase "optimizer step"), then ``optimizer.zero_grad(set_to_none=True)``:
+    every parameter's gradient freed (torch/optim/optimizer.py ``zero_grad``)."""
+    sim.mark("optimizer step", "optimizer step")
+    opt.step_all()
+    for p in model.order:
+        if p.grad is not None:
+            sim.unref(p.grad)
+            p.grad = None
+
+
 class _Step:
     """One simulated step's parts (:func:`_simulate` runs them in order) and what they leave for its
     result: the observers it registered (``timeline``, ``trace``, ``log``: the allocation events),
@@ -366,12 +377,7 @@ class _Step:
     def optimizer_step(self) -> None:
         """The optimizer step, then ``zero_grad(set_to_none=True)``."""
         sim = self.sim
-        sim.mark("optimizer step", "optimizer step")
-        self.opt.step_all()
-        for p in self.model.order:
-            if p.grad is not None:
-                sim.unref(p.grad)
-                p.grad = None
+        step_and_zero_grad(sim, self.opt, self.model)
         for t in self.carried:  # the step ends (validate/step.py train_step: ``del loss``)
             sim.unref(t)
         self.carried = []
