@@ -31,6 +31,8 @@ MODELS = {
                      block="parallel", parallel_norms=1, rotary_pct=0.4, qkv_bias=True, o_bias=True, mlp_bias=True,
                      lm_head_bias=True),
     "stablelm": ModelSpec(name="stablelm", **_SMALL, d_ff=704, norm="layernorm", rotary_pct=0.25),
+    # one kv head (Falcon-7B's multi-query): LitGPT's repeat_interleave still copies K and V
+    "mqa": ModelSpec(name="llama-mqa", **_SMALL, n_kv_heads=1, d_ff=704),
 }
 
 #: (model, tuning, precision, batch, seq, checkpoint); tuning: full, or the LoRA targets
@@ -82,6 +84,7 @@ QLORA_SETUPS = (
     ("llama", "q,v", "bf16", 2, 320, "full", 2, True),
     ("phi", "q,v", "bf16", 2, 320, "none", 2, True),
     ("stablelm", "q,k,v,o,gate,up,down", "bf16", 1, 320, "none", 2, True),
+    ("mqa", "q,v", "bf16", 2, 320, "none", 2, True),
 )
 
 

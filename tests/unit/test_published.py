@@ -43,9 +43,10 @@ _LIT_OLD_NORM = ("lit-gpt 8641822 (Oct 2023, the resource tables' version) compu
                  "LayerNorm phi-1.5 and StableLM rows are within 5%); it also copies q, k and v out of the "
                  "permuted qkv output (lit_gpt/model.py CausalSelfAttention.forward: qkv.permute(0, 2, 3, 1, 4), "
                  "then q/k/v.reshape), where 0.5.13's v stays a view of the qkv output that SDPA keeps")
-_LIT_QLORA = ("LitGPT 0.4 QLoRA (bitsandbytes 0.42.0 pinned), not identified: -6.8% on falcon-7b (LoRA on the fused "
-              "qkv, multi-query attention, parallel residual); the other 14 LitGPT 0.4 QLoRA rows are within 5% with "
-              "the graph-held 4-bit inputs, the 4-bit head and 0.42's fp16-then-bf16 dequantisation modelled")
+_LIT_QLORA = ("LitGPT 0.4 QLoRA (bitsandbytes 0.42.0 pinned), not identified: -5.2% on falcon-7b (LoRA on the fused "
+              "qkv, multi-query attention, parallel residual, a 65,024 x 4,544 4-bit head); the other 14 LitGPT 0.4 "
+              "QLoRA rows are within 5% with the graph-held 4-bit inputs, the 4-bit head and 0.42's fp16-then-bf16 "
+              "dequantisation modelled")
 _LIT_FIRST = ("lit-gpt 8641822 runs the longest sample first (finetune/lora.py "
               "get_batch(longest_seq_ix if iter_num == 0)) and shorter ones after: the peak is the run's first "
               "micro-step, with no previous micro-step's graph alive; memcalc's steady state at --seq keeps a "

@@ -94,9 +94,11 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int) -> T:
     if kv_cache(m, fwd.tr.checkpoint, fwd.exp.profile.kv_cache):  # DynamicCache: K, V copies (attention_variants)
         k2, vc = av.cache_update(fwd, k2, v)
         v = vc
-    if gqa or fwd.kv_heads == 1:
+    if gqa or (fwd.kv_heads == 1 and fwd.exp.profile.framework != "litgpt"):
         # one kv head (MQA, or a tensor-parallel rank's share): repeat_kv's reshape of the
-        # (B, 1, n_rep, T, D) expand is a view (stride 0 over the heads), no copy
+        # (B, 1, n_rep, T, D) expand is a view (stride 0 over the heads), no copy; LitGPT's
+        # ``k.repeat_interleave(q_per_kv, dim=1)`` copies whatever the groups (litgpt/model.py
+        # CausalSelfAttention.forward: skipped only with a KV cache and one group)
         k3, v3 = o.ref_(k2), o.ref_(v)
     else:
         k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
