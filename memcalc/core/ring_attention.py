@@ -215,14 +215,14 @@ def worst_rank(c: int, s: Shapes) -> int:
 
 
 def ring_shapes(exp) -> Shapes:
-    """The shapes one rank's ring sees for ``exp`` (``seq / cp`` tokens; ``exp``'s model is the rank's
-    decoder, :func:`memcalc.engine.tensor_parallel.local_model`'s under tensor parallelism): the kernel's
+    """The shapes one rank's ring sees for ``exp`` (``seq / cp`` tokens of ``heads / tp`` heads, as
+    :func:`memcalc.engine.tensor_parallel.local_model` divides them): the kernel's
     k/v are ``repeat_kv``'s contiguous copies with all heads when the model expands grouped K/V (the
     engine's and the replica's attention core), else the grouped (transposed, so copied by
     ``key.contiguous()``) ones, passed with ``enable_gqa`` where transformers' ``use_gqa_in_sdpa`` holds
     (the profile's ``sdpa_gqa``, head dim <= 256)."""
     m, tr = exp.model, exp.training
-    H, kvH = m.n_heads, m.kv_heads
+    H, kvH = m.n_heads // tr.tp, m.kv_heads // tr.tp
     n_rep = H // kvH
     native = n_rep > 1 and exp.profile.sdpa_gqa and m.dim_head <= 256
     expanded = n_rep > 1 and not native and kvH != 1

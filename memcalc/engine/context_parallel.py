@@ -72,11 +72,10 @@ class _Walk(Protocol):
 
 
 def local_experiment(exp: ExperimentSpec) -> ExperimentSpec:
-    """The experiment one context-parallel rank runs: ``seq / cp`` tokens (after :func:`check_cp`)."""
+    """The experiment one context-parallel rank runs: ``seq / cp`` tokens (:meth:`ContextParallel.of` checks)."""
     tr = exp.training
     if tr.cp == 1:
         return exp
-    check_cp(exp)
     return exp.model_copy(update={"training": tr.model_copy(update={"seq": tr.seq // tr.cp})})
 
 
@@ -120,15 +119,21 @@ class ContextParallel:
     and (ring) the rank simulated."""
 
     def __init__(self, exp: ExperimentSpec) -> None:
-        self.exp = exp  # the full-sequence experiment (ring_shapes divides seq by cp)
+        self.exp = exp  # the experiment as given (ring_shapes divides seq by cp and heads by tp)
         self.cp = exp.training.cp
         self.method = exp.training.cp_method
         self.rank: Optional[int] = None
 
     @staticmethod
-    def of(exp: ExperimentSpec) -> Optional[ContextParallel]:
+    def of(exp: ExperimentSpec, full: Optional[ExperimentSpec] = None) -> Optional[ContextParallel]:
+        """``exp``'s context-parallel attention (None without it); ``exp`` is the rank's decoder (tensor
+        parallelism's local model), ``full`` the experiment as given, which :func:`check_cp` checks."""
         tr = exp.training
-        return ContextParallel(exp) if tr.cp > 1 else None
+        if tr.cp == 1:
+            return None
+        full = full if full is not None else exp
+        check_cp(full)
+        return ContextParallel(full)
 
     def attention(self, fwd: _Walk, q: T, k: T, v: T, kernel: str) -> T:
         """The attention core on this rank's q, k, v (``(B, H, seq / cp, D)``, as the kernel takes them);

@@ -54,8 +54,8 @@ class Forward:
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
                  gather: Optional[GatherHooks] = None) -> None:
-        exp = local_experiment(exp)  # tensor parallelism: the decoder one rank runs (engine.tensor_parallel)
-        self.cp = context_parallel.ContextParallel.of(exp)  # its attention (None without context parallelism)
+        full, exp = exp, local_experiment(exp)  # tensor parallelism: the decoder one rank runs (engine.tensor_parallel)
+        self.cp = context_parallel.ContextParallel.of(exp, full)  # its attention (None without context parallelism)
         exp = context_parallel.local_experiment(exp)  # context parallelism: seq / cp tokens (engine.context_parallel)
         self.sim = sim
         self.strategy = strategy

@@ -83,6 +83,9 @@ def test_estimate_matches_traced_ulysses_rank(cp, kv, tr):
 FSDP_ROWS = [
     ("ring", {"zero": 3, "gpus": 2}),  # source: trace, -0.01%: a 2 x 2 mesh, ZeRO-3 over 4 ranks
     ("ulysses", {"zero": 3}),  # source: trace, -0.03%: ZeRO-3 over the 2 cp ranks alone
+    # source: trace, -0.07%: torchtitan's apply_tp (tp 2, sequence parallel) under the ring, a 1 x 2 x 2 mesh; the
+    # ring on tp-local heads (TP's ignored ids mask of the vocabulary-parallel embedding: engine.tensor_parallel)
+    ("ring", {"tp": 2, "sequence_parallel": True}),
 ]
 
 

@@ -191,8 +191,9 @@ def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, devic
     why = []
     if device != "meta":
         why.append(f"context parallelism is traced on meta (one rank of a fake process group), not on {device}")
-    if tr.tp > 1:
-        why.append("--cp with --tp: not traced yet")
+    if tr.tp > 1 and tr.cp_method == "ulysses":
+        why.append("--cp-method ulysses with --tp: not traced yet (DeepSpeed's all-to-all after a DTensor plan in "
+                   "one process fails to resolve its process group)")
     if tr.gpus > 1 and tr.zero not in (2, 3):
         why.append("--cp with --gpus and no ZeRO (replicated data parallelism): not traced yet")
     if tr.zero and tr.sharding != "fsdp2":
@@ -242,13 +243,18 @@ def _trace(exp, m, meas, say, debug: bool, timeline: Optional[list] = None, rank
     in_fake = fake if fake is not None else contextlib.nullcontext()
     dev = DEVICE if fsdp else "meta"
     dp = tr.gpus
-    with fake_world(dp * cp, rank, shape=(dp, cp), names=("dp", "cp")) as mesh:  # data-parallel rank 0
+    tp = tr.tp
+    with fake_world(dp * cp * tp, rank * tp, shape=(dp, cp, tp), names=("dp", "cp", "tp")) as mesh:  # dp, tp rank 0
         say(f"building {m.name} ({m.n_layers} layers), cp {cp} ({tr.cp_method})"
             + (f" x FSDP2 zero {tr.zero} over {dp} x {cp}" if fsdp else ""))
         torch.manual_seed(0)
         with in_fake:
             model = build_model(m, build, exp.profile, device="meta")
         meas.params = param_count(model)[0]
+        if tp > 1:  # torchtitan's order: apply_tp, then context parallelism around SDPA, then apply_fsdp
+            from .tp import apply_tp
+
+            apply_tp(model, mesh["tp"], tr.sequence_parallel)
         if plan is not None and fake is not None:
             apply_fsdp2(model, mesh["dp", "cp"]._flatten("dp_cp"), tr.zero, plan)
             with fake:
@@ -270,8 +276,11 @@ def _trace(exp, m, meas, say, debug: bool, timeline: Optional[list] = None, rank
                 opt = build_optimizer(trainable, build)  # type: ignore[arg-type]
                 probe = Probe("meta", tracer)
                 model.on_label = probe.label
+                from torch.distributed.tensor.parallel import loss_parallel
+
                 parts = Step(forward=lambda: model(ids, labels), grad_accum=tr.grad_accum,  # noqa: F821
-                             optimizer_step=optimizer_step(opt), release_loss=True, before=tracer.scopes.clear)
+                             optimizer_step=optimizer_step(opt), release_loss=True, before=tracer.scopes.clear,
+                             around=loss_parallel if tp > 1 else contextlib.nullcontext)
                 track_inputs(tracer, model, ids, labels, opt, local_tensors)
                 with tracer:
                     def before_measured() -> None:
