@@ -142,8 +142,9 @@ def sharded_items(items: list) -> bool:
     """Whether these experiments are sharded over several GPUs (traced one rank at a time), or run
     DeepSpeed ZeRO-2/3 (its engine traced as rank 0, of one rank too: memcalc.engine.sharding.uses_deepspeed)."""
     # with --tp the tensor-parallel trace runs them, 2-D FSDP2 x TP included (sharded/tp.py)
-    # with --ep the expert-parallel trace runs them (sharded/expert_parallel.py)
-    return any(isinstance(e, ExperimentSpec) and e.training.tp == 1 and e.training.ep == 1
+    # with --ep the expert-parallel trace runs them (sharded/expert_parallel.py), with --cp the context-parallel
+    # one, FSDP2 over dp x cp included (sharded/context_parallel.py)
+    return any(isinstance(e, ExperimentSpec) and e.training.tp == 1 and e.training.ep == 1 and e.training.cp == 1
                and (e.training.gpus > 1 or _deepspeed(e))
                for _n, e in items)
 
