@@ -361,7 +361,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_model_profile
     from memcalc.plan.options import check_one_gpu_flags, plan_model
-    from memcalc.plan.rows import adapter_kinds, dedup, keep_adapters, with_commands
+    from memcalc.plan.rows import adapter_kinds, cluster_commands, dedup, keep_adapters, with_commands
 
     kinds, rec = adapter_kinds(full, lora, qlora, gpu), None  # --lora/--qlora/--full: the plan for one GPU only
     if recipe or adapter_config:  # the recipe's model, sequence, framework and loss; plan searches the rest
@@ -391,7 +391,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     if gpu is None:
         from memcalc.plan.cluster import plan_cluster
 
-        cp = plan_cluster(m, seq, prof)  # type: ignore[arg-type]  # (an int: aliases.seq)
+        cp = cluster_commands(plan_cluster(m, seq, prof), dict(locals()))  # type: ignore[arg-type]  # (an int: aliases.seq)
         cp.notes[:0] = notes
         return PlanResult(cp, recipe_doc)
     from memcalc.plan.options import compile_techniques, techniques

@@ -1,5 +1,5 @@
 """``memcalc plan --model M`` (:func:`plan_cluster`): for every GPU in the catalog, the fewest
-GPUs for a full fine-tune and for a LoRA run at batch 1 per GPU (ZeRO-3 over N GPUs run by FSDP2,
+GPUs for a full fine-tune, a LoRA and a QLoRA run at batch 1 per GPU (ZeRO-3 over N GPUs run by FSDP2,
 :data:`SHARDING`: :mod:`memcalc.engine.fsdp`), fitted in N (:func:`memcalc.plan.fits.fit_gpus`)
 and confirmed with direct estimates."""
 
@@ -35,15 +35,20 @@ SHARDING_TEXT = ("FSDP2 (torch fully_shard per decoder layer and on the root, to
                  "reduce over fp32 shards for the full fine-tune")
 
 
+#: the multi-GPU plan's setups (columns, and the ``*_full`` / ``*_lora`` / ``*_qlora`` keys of --json)
+SETUPS = ("full", "lora", "qlora")
+
+
 def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[str, dict[str, ExperimentSpec]]:
-    """The two multi-GPU setups (per GPU: batch 1 x ``seq``), each with checkpointing none and full.
+    """The three multi-GPU setups (per GPU: batch 1 x ``seq``), each with checkpointing none and full.
 
     full: ``--bf16 --master-weights`` (16 B/param: under FSDP2 fp32 shards, fp32 gradient shards and
     fp32 AdamW moments, bf16 all-gathers), ZeRO-3 over the GPUs run by FSDP2 (:data:`SHARDING`), no
     offload. lora: bf16 frozen base, rank-16 adapters on q,k,v,o, AdamW, ZeRO-3 (FSDP2, sharding the
-    frozen base too) over the GPUs.
+    frozen base too) over the GPUs. qlora: the same with the base in 4-bit NF4 (``LoraSpec.qlora``: what
+    ``estimate --qlora`` runs; FSDP2 shards the quantized base as it shards the bf16 one).
     """
-    out: dict[str, dict[str, ExperimentSpec]] = {"full": {}, "lora": {}}
+    out: dict[str, dict[str, ExperimentSpec]] = {s: {} for s in SETUPS}
     for ck in ("none", "full"):
         out["full"][ck] = ExperimentSpec(
             name=f"{model.name} full fine-tune", model=model, profile=profile,
@@ -54,6 +59,11 @@ def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[s
             training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
                                   checkpoint=ck, sharding=SHARDING,
                                   lora=LoraSpec(rank=LORA_RANK, targets=model.attention_lora_targets)))
+        out["qlora"][ck] = ExperimentSpec(
+            name=f"{model.name} QLoRA", model=model, profile=profile,
+            training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
+                                  checkpoint=ck, sharding=SHARDING,
+                                  lora=LoraSpec(rank=LORA_RANK, qlora=True, targets=model.attention_lora_targets)))
     return out
 
 
@@ -80,17 +90,23 @@ class ClusterRow:
     checkpoint: dict[str, Optional[str]]  # setup -> checkpointing used at that count
     required_bytes: dict[str, Optional[int]]  # setup -> per-GPU required bytes at that count
     layout: dict[str, Optional[dict]] = field(default_factory=dict)  # setup -> {"dp", "tp"} (plan/layouts.py)
+    #: setup -> the ``memcalc estimate`` command of that count (None: none fits; memcalc.plan.rows.cluster_commands)
+    commands: dict[str, Optional[str]] = field(default_factory=dict)
+    #: setup -> the allocated peak at that count (what its command's estimate reports as peak_bytes)
+    peak_bytes: dict[str, Optional[int]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"name": self.gpu.name, "display_name": getattr(self.gpu, "display_name", self.gpu.name),
                              "capacity_bytes": self.gpu.capacity_bytes}
-        for s in ("full", "lora"):
+        for s in SETUPS:
             n = self.min_gpus[s]
             d[f"min_gpus_{s}"] = n
             d[f"min_gpus_{s}_pow2"] = next_pow2(n)
             d[f"checkpoint_{s}"] = self.checkpoint[s]
             d[f"required_bytes_{s}"] = self.required_bytes[s]
             d[f"layout_{s}"] = self.layout.get(s)
+            d[f"peak_bytes_{s}"] = self.peak_bytes.get(s)
+            d[f"command_{s}"] = self.commands.get(s)
         return d
 
 
@@ -107,7 +123,7 @@ class ClusterPlan:
 
 def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[KernelProfile] = None,
                  gpus: Optional[Sequence[Any]] = None) -> ClusterPlan:
-    """For each GPU, the fewest GPUs (1..GPU_CAP) for a full fine-tune and for a LoRA run (see
+    """For each GPU, the fewest GPUs (1..GPU_CAP) for a full fine-tune, a LoRA and a QLoRA run (see
     :func:`cluster_setups`); checkpointing none when that fits at the count, else full. Every
     printed count and requirement is confirmed with direct estimates (the fits only seed the
     searches)."""
@@ -134,13 +150,13 @@ def _notes(seq: int) -> list[str]:
         f"full fine-tune: bf16 compute with fp32 shards, gradient shards and AdamW moments (16 bytes/param over N), "
         f"no offload, batch 1 x seq {seq} per GPU, activation checkpointing none if it fits at that count, else full",
         f"LoRA: bf16 frozen base, rank {LORA_RANK} adapters on q,k,v,o, AdamW; FSDP2 shards the frozen base when one "
-        f"GPU is not enough; checkpointing as above",
+        f"GPU is not enough; checkpointing as above; QLoRA: the same over a 4-bit NF4 base (estimate --qlora)",
         "tp: the full fine-tune's count as dp x tp = FSDP2 (ZeRO-3) over dp = full / tp data-parallel ranks x tensor "
         "parallelism with sequence parallelism over tp (torchtitan's 2-D layout; tp 2/4/8, within a node), batch 1 "
         "per data-parallel rank (--json: layout_full); LoRA runs ZeRO-3 alone; cpN: dp x N GPUs with context "
         "parallelism (ring attention, seq / N tokens a GPU, ZeRO-3 over dp x N), tried from seq 16k",
         f"searched 1..{GPU_CAP} GPUs; the minimal integer count is exact (direct estimates); people rent powers of two "
-        "and nodes of 8, so the next power of two is shown too",
+        "and nodes of 8: --json gives the next power of two of each count (min_gpus_full_pow2, ...)",
     ]
 
 
@@ -220,15 +236,17 @@ class _ClusterSearch:
         mins: dict[str, Optional[int]] = {}
         cks: dict[str, Optional[str]] = {}
         reqs: dict[str, Optional[int]] = {}
+        peaks: dict[str, Optional[int]] = {}
         for s, by_ck in self.setups.items():
             n = mins[s] = self.fewest(s, cap)
             if n is None:
-                cks[s], reqs[s] = None, None
+                cks[s], reqs[s], peaks[s] = None, None, None
                 continue
             ck = cks[s] = self.checkpointing(s, n, cap)
             e = with_training(by_ck[ck], gpus=n)
-            reqs[s] = required_bytes(estimated_peak(e), step_side(e))
-        return ClusterRow(g, mins, cks, reqs)
+            peaks[s] = estimated_peak(e)
+            reqs[s] = required_bytes(peaks[s], step_side(e))
+        return ClusterRow(g, mins, cks, reqs, peak_bytes=peaks)
 
     def fewest(self, s: str, cap: int) -> Optional[int]:
         """The fewest N with checkpointing full (the frugal one): fitted, then exact."""

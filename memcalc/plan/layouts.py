@@ -165,7 +165,8 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
     for row in rows:
         n = row.min_gpus.get("full")
         row.layout["full"] = layout_of(n, 1)
-        row.layout["lora"] = layout_of(row.min_gpus.get("lora"), 1)
+        for s in row.min_gpus.keys() - {"full"}:  # LoRA and QLoRA: ZeRO-3 alone
+            row.layout[s] = layout_of(row.min_gpus[s], 1)
         cap = int(row.gpu.capacity_bytes)
         cands = []  # (total, tp, cp, dp)
         for tp, cp in pairs:
@@ -187,6 +188,7 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
             ck = "none" if fits_in(exps["none"], cap) else "full"
             row.min_gpus["full"] = dp * tp * cp
             row.checkpoint["full"] = ck
-            row.required_bytes["full"] = required_bytes(estimated_peak(exps[ck]), step_side(exps[ck]))
+            row.peak_bytes["full"] = estimated_peak(exps[ck])
+            row.required_bytes["full"] = required_bytes(row.peak_bytes["full"], step_side(exps[ck]))
             row.layout["full"] = layout_of(dp, tp, cp)
             break

@@ -94,3 +94,36 @@ def with_commands(options: Sequence[Any], half: str, seq: int, gpu: str, values:
     arguments (:func:`source_flags`)."""
     source = source_flags(values)
     return [replace(o, command=estimate_command(o.technique, half, seq, gpu, source)) for o in options]
+
+
+def cluster_command(setup: str, layout: dict[str, int], checkpoint: str, seq: int, gpu: str, sharding: str,
+                    source: Sequence[str]) -> str:
+    """The ``memcalc estimate`` command whose step is the multi-GPU plan's ``setup`` (full / lora / qlora,
+    :func:`memcalc.plan.cluster.cluster_setups`) in ``layout`` (``dp`` data-parallel ranks, ``tp`` with
+    sequence parallelism or ``cp``: memcalc.plan.layouts.parallel) with ``checkpoint`` on ``gpu``: batch 1 x
+    ``seq`` per GPU, bf16 (+ fp32 master weights for the full fine-tune), AdamW, ZeRO-3 by ``sharding``.
+    --checkpoint is always given (estimate's own default differs by run: trainer_defaults.py)."""
+    args = ["memcalc", "estimate", *source, "--batch", "1", "--seq", str(seq), "--precision", "bf16"]
+    if setup == "full":
+        args.append("--master-weights")
+    args += ["--optimizer", "adamw", "--checkpoint", checkpoint]
+    if setup != "full":
+        args.append(f"--{setup}")
+    args += ["--zero", "3", "--gpus", str(layout["dp"]), "--sharding", sharding]
+    if layout.get("cp", 1) > 1:
+        args += ["--cp", str(layout["cp"])]
+    elif layout["tp"] > 1:
+        args += ["--tp", str(layout["tp"]), "--sequence-parallel"]
+    return shlex.join([*args, "--gpu", gpu])
+
+
+def cluster_commands(plan: Any, values: dict[str, Any]) -> Any:
+    """``plan`` (:class:`memcalc.plan.cluster.ClusterPlan`) with each row's ``commands`` filled: per setup
+    that fits, the :func:`cluster_command` of its layout and checkpointing; ``values``: the plan's arguments
+    (:func:`source_flags`)."""
+    source = source_flags(values)
+    for r in plan.rows:
+        r.commands = {s: None if r.layout.get(s) is None else
+                      cluster_command(s, r.layout[s], str(r.checkpoint[s]), plan.seq, r.gpu.name, plan.sharding, source)
+                      for s in r.min_gpus}
+    return plan

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from memcalc.core.spec import ModelSpec
 from memcalc.core.units import fmt_bytes, fmt_count, gib
-from memcalc.plan.cluster import GPU_CAP, ClusterPlan, next_pow2
+from memcalc.plan.cluster import GPU_CAP, SETUPS, ClusterPlan
 from memcalc.plan.cost import COST_MODEL_LINES
 from memcalc.plan.limits import BATCH_CAP
 from memcalc.plan.options import LORA_RANK, techniques
@@ -128,24 +128,53 @@ def render_cluster_plan(p: ClusterPlan, console=None) -> None:
 
 def cluster_plan_items(p: ClusterPlan) -> list[Any]:
     """The multi-GPU plan in order: its table, then lines of markup."""
-    # SIMPLE_HEAD without edges and with collapsed padding: ten columns fit 80 terminal columns
+    # SIMPLE_HEAD without edges or padding (its blank vertical rule is the one space between columns): twelve
+    # columns fit 80 terminal columns
     from rich import box
 
     t = left_table(f"{p.model.name} ({fmt_count(p.params)} params): fewest GPUs at batch 1 x seq {p.seq} per GPU",
-                   box=box.SIMPLE_HEAD, show_edge=False, collapse_padding=True)
-    for col in ("GPU", "GiB", "full", "tp", "pow2", "ckpt", "need", "LoRA", "pow2", "ckpt", "need"):
+                   box=box.SIMPLE_HEAD, show_edge=False, padding=0, pad_edge=False)
+    # (the next power of two of each count is in --json, min_gpus_*_pow2: thirteen columns would not fit 80)
+    for col in ("GPU", "GiB", "full", "tp", "ckpt", "need", "LoRA", "ckpt", "need", "QLoRA", "ckpt", "need"):
         t.add_column(col, justify="left" if col in ("GPU", "ckpt") else "right", no_wrap=True)
     for r in p.rows:
         cells = [r.gpu.name, f"{gib(r.gpu.capacity_bytes):.1f}"]
-        for s in ("full", "lora"):
+        for s in SETUPS:
             n = r.min_gpus[s]
             cells += [f">{GPU_CAP}" if n is None else str(n)]
             if s == "full":  # the tensor-parallel degree of that count: dp = full / tp (plan/layouts.py)
                 lay = r.layout.get(s)
                 cells.append("-" if lay is None else f"cp{lay['cp']}" if "cp" in lay else str(lay["tp"]))
-            cells += ["-" if n is None else str(next_pow2(n)),
-                      r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
+            cells += [r.checkpoint[s] or "-", "-" if r.required_bytes[s] is None else f"{gib(r.required_bytes[s]):.1f}"]
         t.add_row(*cells)
     out: list[Any] = [t, f"sharding assumed: ZeRO-3 by {p.sharding} (--sharding {p.sharding})"]
+    out += _command_lines(p)
     out += [f"[dim]{n}[/dim]" for n in p.notes]
+    return out
+
+
+def _command_lines(p: ClusterPlan) -> list[str]:
+    """Each column's ``memcalc estimate`` command, with the row's card, count and checkpointing as
+    GPU / N / CKPT (one row's own: ``--json``'s ``command_full`` / ``command_lora`` / ``command_qlora``);
+    the estimate's peak is the row's to the byte (its needs adds the allocator replay)."""
+    from rich.markup import escape
+
+    out = []
+    for s, label in zip(SETUPS, ("full", "LoRA", "QLoRA"), strict=True):
+        # a row without tensor or context parallelism (its command has the flags every row has)
+        rows = [r for r in p.rows if r.commands.get(s)]
+        row = next((r for r in rows if (r.layout[s] or {}).get("tp") == 1 and "cp" not in (r.layout[s] or {})),
+                   rows[0] if rows else None)
+        if row is None:
+            continue
+        lay, ck = row.layout[s] or {}, row.checkpoint[s]
+        cmd = str(row.commands[s])
+        # the first row's own command, its card / count / checkpointing named by what they stand for
+        for flag, value, name in (("--gpu", row.gpu.name, "GPU"), ("--gpus", str(lay.get("dp")), "N"),
+                                  ("--checkpoint", str(ck), "CKPT")):
+            cmd = cmd.replace(f" {flag} {value}", f" {flag} {name}", 1)
+        out.append(f"[dim]{label}:[/dim] {escape(cmd)}")
+    if out:
+        out.insert(0, "[dim]the estimate behind each column (GPU, N, CKPT: the row's; tensor- or context-parallel "
+                      "rows add --tp T --sequence-parallel or --cp C, and --json has every row's command):[/dim]")
     return out

@@ -82,3 +82,58 @@ CLI_ERRORS = [
 @pytest.mark.parametrize("args,code,message", CLI_ERRORS)
 def test_cli_errors(args, code, message):
     one_line_error(CliRunner().invoke(app, args), code, message)
+
+
+# --------------------------------------------------------------------------- plan --model M (no --gpu)
+#: (setup, layout, checkpointing): each kind of command the multi-GPU plan prints
+CLUSTER_ROWS = [
+    ("full", {"dp": 2, "tp": 1}, "full"),  # ZeRO-3 alone (source: plan/cluster.py cluster_setups)
+    ("full", {"dp": 1, "tp": 2}, "none"),  # dp x tp with sequence parallelism (source: plan/layouts.py parallel)
+    ("full", {"dp": 1, "tp": 1, "cp": 2}, "full"),  # context parallelism (source: plan/layouts.py parallel)
+    ("qlora", {"dp": 2, "tp": 1}, "full"),  # --checkpoint given: estimate's own QLoRA default is reentrant
+]
+
+
+@pytest.mark.parametrize("setup,layout,ck", CLUSTER_ROWS)
+def test_cluster_command_is_the_setup(setup, layout, ck):
+    # the command's estimate has the plan's step to the byte: the allocated peak of the same spec
+    from memcalc.inputs.infer import infer_params
+    from memcalc.inputs.profiles import plan_model_profile
+    from memcalc.plan.cluster import SHARDING, cluster_setups
+    from memcalc.plan.layouts import parallel
+    from memcalc.plan.rows import cluster_command
+    from memcalc.plan.simulations import estimated_peak
+
+    m, prof, _ = plan_model_profile(infer_params("20M")[0], None, None, None, None, None, None, None)
+    exp = parallel(cluster_setups(m, 32, prof)[setup][ck], layout["tp"], layout.get("cp", 1), gpus=layout["dp"])
+    cmd = cluster_command(setup, layout, ck, 32, "h100-80gb", SHARDING, ["--params", "20M"])
+    args = shlex.split(cmd)
+    assert args[:2] == ["memcalc", "estimate"] and args[args.index("--checkpoint") + 1] == ck
+    r = CliRunner().invoke(app, [*args[1:], "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["peak_bytes"] == estimated_peak(exp), cmd
+
+
+@pytest.mark.slow  # a multi-GPU plan search on one card (about 1.5 s)
+def test_cluster_plan_rows_agree_with_their_commands():
+    # source: issue 29 ("plan and the estimate command it prints agree to the byte"): a 300M model on a 3 GB card
+    # needs 2 GPUs for a full fine-tune (tp 2) and one for LoRA / QLoRA
+    r = CliRunner().invoke(app, ["plan", "--params", "300M", "--seq", "512", "--json"])
+    assert r.exit_code == 0, r.output
+    from memcalc.inputs.gpus import get_gpu
+    from memcalc.inputs.infer import infer_params
+    from memcalc.inputs.profiles import plan_model_profile
+    from memcalc.plan.cluster import plan_cluster
+    from memcalc.plan.rows import cluster_commands
+
+    m, prof, _ = plan_model_profile(infer_params("300M")[0], None, None, None, None, None, None, None)
+    cp = plan_cluster(m, 512, prof, gpus=[get_gpu("3GB")])
+    cluster_commands(cp, {"params": "300M"})
+    row = cp.rows[0]
+    assert row.min_gpus == {"full": 2, "lora": 1, "qlora": 1}
+    for s in ("full", "lora", "qlora"):
+        got = CliRunner().invoke(app, [*shlex.split(str(row.commands[s]))[1:], "--json"])
+        assert got.exit_code == 0, got.output
+        assert json.loads(got.stdout)["peak_bytes"] == row.peak_bytes[s], row.commands[s]
+    doc = json.loads(r.stdout)["gpus"]
+    assert all(g["command_qlora"] and "--qlora" in g["command_qlora"] and g["min_gpus_qlora"] for g in doc)
