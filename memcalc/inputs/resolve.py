@@ -34,7 +34,7 @@ from memcalc.core.errors import UserError
 from memcalc.core.rules import QUANT_METHODS, framework_model
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.parsers import parse_checkpoint, parse_modules_to_save, parse_targets
-from memcalc.inputs.trainer_defaults import trainer_checkpointing
+from memcalc.inputs.trainer_defaults import default_precision, trainer_checkpointing
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
 from memcalc.core.spec import (COMPILE_SCOPES, CP_METHODS, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, SHARDINGS,
@@ -331,15 +331,14 @@ def _setup_defaults(o: Options, model: ModelSpec, profile: KernelProfile, tr: _T
         tr.values["lora"] = dict(lora)
         _lora_dtype_origin(o, lora, profile, origin, reasons)
         if "precision" not in tr.values:
-            tr.put("precision", "bf16", origin="default")
-            reasons["precision"] = ("QLoRA: a bf16 base (QLoRA computes in bf16, bnb_4bit_compute_dtype=bfloat16)"
-                                    if lora.get("qlora") else "LoRA: a bf16 base (the model loaded in bfloat16)")
+            precision, reasons["precision"] = default_precision("qlora" if lora.get("qlora") else "lora")
+            tr.put("precision", precision, origin="default")
         if o.config and _lora_given(o) and (tr.origin["precision"] == "default" or (
                 tr.named_precision and tr.origin["precision"] == "config" and not o.deepspeed)):
             from memcalc.inputs.configs import lora_precision_note
             notes.append(lora_precision_note(o.config, tr.values["precision"], tr.named_precision))
-    elif "precision" not in tr.values:
-        reasons["precision"] = "full fine-tuning: what Hugging Face Trainer runs without --bf16/--fp16 (fp32 weights)"
+    elif "precision" not in tr.values:  # (TrainingSpec's own default: fp32)
+        reasons["precision"] = default_precision("none")[1]
     if tr.values.get("compile") and "compile_scope" not in tr.values and profile.framework == "torchtune":
         tr.put("compile_scope", "layer", origin="default")
         reasons["compile_scope"] = ("torchtune: training.compile_model compiles each TransformerSelfAttentionLayer "

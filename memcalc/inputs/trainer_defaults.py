@@ -1,4 +1,5 @@
-"""The defaults a trainer runs with that memcalc's own would get wrong: activation checkpointing.
+"""The defaults a trainer runs with that memcalc's own would get wrong: activation checkpointing; and
+the precision policy ``estimate`` and ``plan`` share (:func:`default_precision`).
 
 Without ``--checkpoint`` (nor a config's, nor a recipe's), memcalc checkpoints nothing, as Hugging
 Face Trainer does (``TrainingArguments.gradient_checkpointing`` is False). Three trainers turn it on
@@ -67,3 +68,21 @@ def trainer_checkpointing(profile: KernelProfile, values: dict[str, Any], origin
         reasons["checkpoint_reentrant"] = why
     notes.append(f"checkpointing every layer{', reentrant,' if reentrant else ''} by default: {why}; "
                  "--checkpoint none to run without")
+
+
+#: adapters ("none" | "lora" | "qlora") -> (--precision, why): what estimate assumes without --precision
+#: (Hugging Face Trainer on one GPU) and what plan's LoRA / QLoRA setups run (memcalc/plan/cluster.py)
+DEFAULT_PRECISION: dict[str, tuple[str, str]] = {
+    "none": ("fp32", "full fine-tuning: what Hugging Face Trainer runs without --bf16/--fp16 (fp32 weights)"),
+    "lora": ("bf16", "LoRA: a bf16 base (the model loaded in bfloat16)"),
+    "qlora": ("bf16", "QLoRA: a bf16 base (QLoRA computes in bf16, bnb_4bit_compute_dtype=bfloat16)"),
+}
+#: the one departure, plan's multi-GPU full fine-tune: FSDP2 as torchtitan runs it (MixedPrecisionPolicy
+#: param_dtype bf16, reduce_dtype fp32, over fp32 shards: --precision bf16 --master-weights), not Trainer's
+#: fp32; its printed estimate command states both flags (memcalc/plan/rows.py cluster_command)
+SHARDED_FULL_PRECISION = ("bf16", True)
+
+
+def default_precision(adapters: str) -> tuple[str, str]:
+    """--precision's default for a kind of run (``adapters``: none, lora, qlora) and its reason."""
+    return DEFAULT_PRECISION[adapters]

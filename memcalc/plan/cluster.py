@@ -48,21 +48,24 @@ def cluster_setups(model: ModelSpec, seq: int, profile: KernelProfile) -> dict[s
     frozen base too) over the GPUs. qlora: the same with the base in 4-bit NF4 (``LoraSpec.qlora``: what
     ``estimate --qlora`` runs; FSDP2 shards the quantized base as it shards the bf16 one).
     """
+    from memcalc.inputs.trainer_defaults import SHARDED_FULL_PRECISION, default_precision
+
     out: dict[str, dict[str, ExperimentSpec]] = {s: {} for s in SETUPS}
+    full_precision, master = SHARDED_FULL_PRECISION  # (the precision policy: inputs/trainer_defaults.py)
     for ck in ("none", "full"):
         out["full"][ck] = ExperimentSpec(
             name=f"{model.name} full fine-tune", model=model, profile=profile,
-            training=TrainingSpec(batch=1, seq=seq, precision="bf16", master_weights=True, optimizer="adamw",
+            training=TrainingSpec(batch=1, seq=seq, precision=full_precision, master_weights=master, optimizer="adamw",
                                   zero=3, gpus=1, checkpoint=ck, sharding=SHARDING))
         out["lora"][ck] = ExperimentSpec(
             name=f"{model.name} LoRA", model=model, profile=profile,
-            training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
-                                  checkpoint=ck, sharding=SHARDING,
+            training=TrainingSpec(batch=1, seq=seq, precision=default_precision("lora")[0], optimizer="adamw",
+                                  zero=3, gpus=1, checkpoint=ck, sharding=SHARDING,
                                   lora=LoraSpec(rank=LORA_RANK, targets=model.attention_lora_targets)))
         out["qlora"][ck] = ExperimentSpec(
             name=f"{model.name} QLoRA", model=model, profile=profile,
-            training=TrainingSpec(batch=1, seq=seq, precision="bf16", optimizer="adamw", zero=3, gpus=1,
-                                  checkpoint=ck, sharding=SHARDING,
+            training=TrainingSpec(batch=1, seq=seq, precision=default_precision("qlora")[0], optimizer="adamw",
+                                  zero=3, gpus=1, checkpoint=ck, sharding=SHARDING,
                                   lora=LoraSpec(rank=LORA_RANK, qlora=True, targets=model.attention_lora_targets)))
     return out
 

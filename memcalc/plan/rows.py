@@ -103,8 +103,11 @@ def cluster_command(setup: str, layout: dict[str, int], checkpoint: str, seq: in
     sequence parallelism or ``cp``: memcalc.plan.layouts.parallel) with ``checkpoint`` on ``gpu``: batch 1 x
     ``seq`` per GPU, bf16 (+ fp32 master weights for the full fine-tune), AdamW, ZeRO-3 by ``sharding``.
     --checkpoint is always given (estimate's own default differs by run: trainer_defaults.py)."""
-    args = ["memcalc", "estimate", *source, "--batch", "1", "--seq", str(seq), "--precision", "bf16"]
-    if setup == "full":
+    from memcalc.inputs.trainer_defaults import SHARDED_FULL_PRECISION, default_precision
+
+    precision, master = SHARDED_FULL_PRECISION if setup == "full" else (default_precision(setup)[0], False)
+    args = ["memcalc", "estimate", *source, "--batch", "1", "--seq", str(seq), "--precision", precision]
+    if master:
         args.append("--master-weights")
     args += ["--optimizer", "adamw", "--checkpoint", checkpoint]
     if setup != "full":

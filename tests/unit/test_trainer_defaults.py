@@ -47,3 +47,35 @@ def test_trainer_checkpointing_default(options, checkpoint, reentrant, note):
     else:
         assert len(notes) == 1 and note in notes[0] and "--checkpoint none" in notes[0]
         assert r.origin["checkpoint"] == "default" and note.split("(")[0] in r.reasons["checkpoint"]
+
+
+# -- one precision policy for estimate and plan (issue 29) -----------------------------------------
+@pytest.mark.parametrize("options,adapters", [
+    # source: memcalc.inputs.trainer_defaults.DEFAULT_PRECISION: Trainer's fp32 without --bf16 (TrainingSpec's
+    # own default), a bf16 base under LoRA (the model loaded in bfloat16) and QLoRA (bnb_4bit_compute_dtype)
+    (dict(model="gpt2"), "none"),
+    (dict(model="gpt2", lora=True), "lora"),
+    (dict(model="gpt2", qlora=True), "qlora"),
+])
+def test_estimate_precision_default_is_the_policy(options, adapters):
+    from memcalc.inputs.trainer_defaults import default_precision
+
+    r = resolve(Options(**options))
+    precision, why = default_precision(adapters)
+    assert (r.exp.training.precision, r.reasons["precision"]) == (precision, why)
+
+
+def test_plan_setups_take_the_policy():
+    # source: plan's multi-GPU LoRA / QLoRA setups run estimate's default precision; its full fine-tune is the one
+    # departure (SHARDED_FULL_PRECISION: FSDP2's bf16 MixedPrecisionPolicy over fp32 shards), stated in its command
+    from memcalc.inputs.presets import load_preset
+    from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
+    from memcalc.inputs.trainer_defaults import SHARDED_FULL_PRECISION, default_precision
+    from memcalc.plan.cluster import cluster_setups
+
+    setups = cluster_setups(load_preset("gpt2"), 64, get_profile(DEFAULT_PROFILE))
+    for s in ("lora", "qlora"):
+        assert setups[s]["full"].training.precision == default_precision(s)[0]
+        assert not setups[s]["full"].training.master_weights
+    full = setups["full"]["full"].training
+    assert (full.precision, full.master_weights) == SHARDED_FULL_PRECISION
