@@ -201,7 +201,10 @@ def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, devic
     if why:
         meas.status, meas.reason = "skipped", "; ".join(why)
         return meas
-    try:
+    import os
+
+    env = dict(os.environ)  # ulysses_sdpa sets DeepSpeed's RANK / WORLD_SIZE / LOCAL_RANK: a later Trainer
+    try:  # in this process would read them as a distributed launch (accelerate's PartialState)
         from memcalc.core.rules import check_cp
 
         check_cp(exp)
@@ -210,6 +213,9 @@ def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, devic
         raise
     except Exception as e:
         meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
     meas.seconds = round(time.perf_counter() - t0, 3)
     return meas
 
