@@ -64,12 +64,6 @@ def fake_world(world: int, rank: int = 0, shape: Optional[Sequence[int]] = None,
         raise UserError(f"mesh names {names} do not match the mesh shape {shape}")
     if dist.is_initialized():  # a trace that failed half-way, or a caller's own group: start clean
         dist.destroy_process_group()
-    # DTensor's sharding-propagation cache outlives a process group: a plan of an earlier world (a TP
-    # trace) answered for this one's mesh of the same shape gave a context-parallel x TP trace the
-    # earlier local shapes (torch/distributed/tensor/_sharding_prop.py LocalLRUCache)
-    from torch.distributed.tensor import DTensor
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield init_device_mesh(DEVICE, shape, mesh_dim_names=names)
