@@ -65,13 +65,21 @@ def test_a_zero_budget_with_nothing_saved_is_a_record():
     assert rec["status"] == "skipped" and "Error" not in rec["reason"], rec["reason"]
 
 
+def _as_in_a_terminal() -> None:
+    """The child as a foreground command gets it: SIGINT and SIGTERM at their defaults. A suite run as a
+    background job (``.ci/run &``) ignores SIGINT, the child inherits that, and memcalc leaves a signal
+    its parent ignores ignored (validate/interrupt.py ``stoppable``): the Ctrl-C under test would not come."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_stops_the_run_and_prints_what_finished(tmp_path: Path, sig: int, code: int):
     out = tmp_path / "out.json"
     env = dict(os.environ, COLUMNS="100")
     p = subprocess.Popen(MEMCALC + ["validate", "--all", "--device", "meta", "--scale-layers", "1", "--json",
                                     "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+                         text=True, env=env, preexec_fn=_as_in_a_terminal)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.stat().st_size) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.05)
