@@ -49,6 +49,7 @@ from memcalc.core.gpu_side import device_memory
 from memcalc.core.units import fmt_auto
 from memcalc.inputs.measured import MEASURED_FORMAT, MeasuredRecord, comparison
 
+from . import protocol_child as child
 from . import protocol_probes as probes
 from .interrupt import StopRequested, check as check_stop, stoppable, stopped
 from .output import RecordFile, new_run_id
@@ -164,13 +165,17 @@ def command_of(case: Case, device: str, layers: Optional[int]) -> Optional[str]:
 def _reading(used: Optional[probes.DeviceUsed], out: dict) -> Iterator[None]:
     """The device's used memory when the step ends: the harnesses call ``torch.cuda.empty_cache()`` once
     the step's tensors are freed, when the caching allocator still holds every segment the step reserved
-    (segments are returned only by ``empty_cache``); it is read there, then the cache is emptied."""
+    (segments are returned only by ``empty_cache``); it is read there, then the cache is emptied. The
+    reading kept is the one taken with the most reserved: model loading may empty the cache before the
+    step too (transformers + bitsandbytes did, so the first GPU run read hf-qlora's device total before
+    its step: 4.41 GiB against 9.34 GiB reserved)."""
     real = torch.cuda.empty_cache
 
     def reading_then_empty() -> None:
-        if "used" not in out and used is not None:
+        reserved_now = int(torch.cuda.memory_reserved())
+        if used is not None and reserved_now >= out.get("reserved_now", -1):
             out["used"] = used.since_start()
-            out["reserved_now"] = int(torch.cuda.memory_reserved())
+            out["reserved_now"] = reserved_now
         real()
 
     torch.cuda.empty_cache = reading_then_empty  # type: ignore[assignment]
@@ -372,10 +377,13 @@ def _one(case: Case, device: str, used: Optional[probes.DeviceUsed], env: dict, 
 
 
 def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, budget_s: float = BUDGET_S,
-                 cases: tuple[Case, ...] = CASES) -> list[dict]:
+                 cases: tuple[Case, ...] = CASES, isolate: Optional[bool] = None) -> list[dict]:
     """Run :data:`CASES` on ``device`` (cuda when available, else meta), writing each record to a new
-    file in the folder ``output`` as it finishes; prints progress and the summary (or ``--json``)."""
+    file in the folder ``output`` as it finishes; prints progress and the summary (or ``--json``).
+    ``isolate`` (default: on CUDA) runs each case in a process of its own (validate/protocol_child.py)."""
     device = resolve_device(device)
+    if isolate is None:
+        isolate = device == "cuda" and not child.in_child()
     used = probes.DeviceUsed() if device == "cuda" else None  # before this process's CUDA context
     records: list[dict] = []
     env: Optional[dict] = None if device == "cuda" else probes.environment(device, None)
@@ -386,8 +394,10 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
     snapdir = path[:-5] + "-snapshots" if path else None
     if snapdir:
         os.makedirs(snapdir, exist_ok=True)
-    probes.warn(f"{len(cases)} cases on {device}" + (f"; records: {path}" if path else "; no --output: nothing written")
-                + ("" if device == "cuda" else f" (traced, models cut to {META_LAYERS} layer)"))
+    if not child.in_child():  # a case's own process: the parent said it
+        probes.warn(f"{len(cases)} cases on {device}"
+                    + (f"; records: {path}" if path else "; no --output: nothing written")
+                    + ("" if device == "cuda" else f" (traced, models cut to {META_LAYERS} layer)"))
     t_start = time.perf_counter()
     out_of_time = False
     stop: Optional[StopRequested] = None
@@ -400,11 +410,18 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
                     probes.warn(f"{head}: {msg}")
 
                 say(case.what)
-                # CUDA: the GPU's name and memory are read once the first case (the context probe) made the context
-                rec = _one(case, device, used, env or probes.environment(device, used, gpu=False), snapdir, say,
-                           _over(time.perf_counter() - t_start, case, budget_s, out_of_time))
+                over = _over(time.perf_counter() - t_start + (child.CHILD_START_S if isolate else 0), case,
+                             budget_s, out_of_time)
+                if isolate and not over:
+                    rec = child.record(case, device, env or probes.environment(device, used, gpu=False), snapdir,
+                                       command_of(case, device, case.cuda_layers if device == "cuda" else META_LAYERS))
+                    env = env or rec["environment"]  # the GPU's, as the case's process read it
+                else:
+                    # CUDA: the GPU's name and memory are read once the first case (the context probe) made it
+                    rec = _one(case, device, used, env or probes.environment(device, used, gpu=False), snapdir,
+                               say, over)
                 out_of_time = out_of_time or rec["reason"].startswith("time budget")
-                if env is None:
+                if env is None and not isolate:
                     env = rec["environment"] = probes.environment(device, used)
                 rec["run_id"] = rf.run_id if rf else None
                 records.append(rec)

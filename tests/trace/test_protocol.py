@@ -155,3 +155,35 @@ def test_time_budget_skips_the_case_that_would_end_past_it_and_every_later_one()
     assert _over(430.0, cheap, 480.0, False) == ""
     assert _over(430.0, compiled, 480.0, False).startswith("time budget: 430 s of the protocol's 480 s spent")
     assert _over(0.0, cheap, 480.0, True) == "time budget: an earlier case was skipped for time"
+
+
+def test_each_case_in_its_own_process_keeps_records_and_snapshots(tmp_path, meta_run):
+    """On CUDA every case runs in a fresh interpreter (validate/protocol_child.py): a second case measured
+    in the first one's process counted what the first left behind (the first H200 run). The plumbing is
+    the same on meta: the child's record comes back whole, its snapshot moves beside the parent's records,
+    and it equals the in-process record of the same case."""
+    from memcalc.validate.protocol import select
+
+    records = run_protocol("meta", str(tmp_path), as_json=True, cases=select(["cuda-context", "config-control"]),
+                           isolate=True)
+    assert [r["case"] for r in records] == ["cuda-context", "config-control"]
+    step = records[1]
+    (path,) = tmp_path.glob("protocol-meta-*.json")
+    assert step["snapshot"] and (tmp_path / step["snapshot"]).is_file()
+    assert step["snapshot"].startswith(path.stem + "-snapshots/")
+    in_process = {r["case"]: r for r in meta_run[0]}["config-control"]
+    assert step["comparisons"] == in_process["comparisons"]
+    assert len({r["run_id"] for r in records}) == 1
+
+
+def test_a_case_process_that_gives_no_record_is_an_error_record(monkeypatch):
+    from memcalc.validate import protocol_child
+    from memcalc.validate.protocol import select
+
+    def dies(*_a, **_k):
+        raise RuntimeError("the case's own process exited -9 without its record (no output)")
+
+    monkeypatch.setattr(protocol_child, "run_case", dies)
+    (rec,) = run_protocol("meta", None, as_json=True, cases=select(["config-control"]), isolate=True)
+    assert rec["status"] == "error" and "exited -9" in rec["reason"]
+    assert rec["command"] == "memcalc validate --config control --device meta --scale-layers 1"
