@@ -21,9 +21,9 @@ REPO = Path(__file__).resolve().parents[2]
 EXPECTED = ["deep-one-1.6b", "gpt2", "gpt2-xl", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3.1-70b",
             "llama-3.1-8b", "mistral-7b", "phi-1.5", "qwen2.5-7b", "tinyllama-1.1b",
             # read from data/hf_configs (issue 12)
-            "deepseek-v3", "gemma-2-9b", "gemma-3-1b", "gpt-oss-20b", "granite-3.1-8b", "llama-3.1-405b", "llama-3.2-1b",
-            "llama-3.2-3b",             "llama-3.3-70b", "mistral-7b-v0.3", "mixtral-8x7b", "olmo-2-7b", "phi-4", "qwen3-0.6b", "qwen3-14b",
-            "qwen3-30b-a3b", "qwen3-32b", "qwen3-4b", "qwen3-8b", "smollm3-3b"]
+            "deepseek-v3", "gemma-2-9b", "gemma-3-1b", "gpt-oss-20b", "granite-3.1-8b", "llama-3.1-405b",
+            "llama-3.2-1b", "llama-3.2-3b", "llama-3.3-70b", "mistral-7b-v0.3", "mixtral-8x7b", "olmo-2-7b", "phi-4",
+            "qwen3-0.6b", "qwen3-14b", "qwen3-30b-a3b", "qwen3-32b", "qwen3-4b", "qwen3-8b", "smollm3-3b"]
 
 
 def test_list_presets():
