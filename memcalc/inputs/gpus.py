@@ -46,6 +46,10 @@ class GPU(BaseModel):
     )
     capacity_bytes: int = Field(..., gt=0, description="Device memory total in bytes (nvidia-smi / rocminfo).")
     capacity_source: str = Field(..., description="Where capacity_bytes comes from, with the reported figure.")
+    given_as: Optional[str] = Field(
+        None, description="The --gpu value a card given by its capacity was named with, as typed (23.99GiB); "
+        "None for a catalog card, whose name is its --gpu value."
+    )
     bf16: bool = Field(..., description="Native bfloat16 tensor-core math (Ampere and later, CDNA 2 and later).")
     fp8: bool = Field(..., description="Native FP8 tensor-core math (Ada, Hopper, Blackwell, CDNA 3).")
 
@@ -151,6 +155,7 @@ def capacity_gpu(value: str) -> Optional[GPU]:
         marketed_unit=unit,
         capacity_bytes=capacity,
         capacity_source=f"--gpu {value.strip()}: {text} x {'2**30' if unit == 'GiB' else '10**9'} bytes, as given",
+        given_as=value.strip(),
         bf16=True,
         fp8=False,
     )

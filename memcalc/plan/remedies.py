@@ -89,11 +89,9 @@ def _flag_words(options: Mapping[str, Any]) -> list[str]:
 def gpu_word(gpu: Any) -> str:
     """What ``--gpu`` takes to name ``gpu`` again: its catalog name, or for a card given as a capacity
     the capacity as typed (``23.99GiB``: the card's name, ``23-99gib``, is no ``--gpu`` value;
-    :func:`memcalc.inputs.gpus.capacity_gpu` writes it first in ``capacity_source``)."""
-    source = getattr(gpu, "capacity_source", "")
-    if source.startswith("--gpu ") and ": " in source:
-        return source[len("--gpu "):].split(": ", 1)[0]
-    return str(gpu.name)
+    :func:`memcalc.inputs.gpus.capacity_gpu` keeps it in ``GPU.given_as``)."""
+    given = getattr(gpu, "given_as", None)
+    return str(given) if given else str(gpu.name)
 
 
 def command(options: Optional[Mapping[str, Any]], change: Mapping[str, Any], gpu: str) -> Optional[str]:

@@ -117,3 +117,21 @@ def test_gpu_model_is_frozen_and_strict():
 def test_model_dump_is_json_friendly():
     d = get_gpu("h100-80gb").model_dump()
     assert d["capacity_bytes"] == 85_520_809_984 and d["display_name"] == "NVIDIA H100 80GB"
+
+
+# source: memcalc.inputs.gpus.capacity_gpu keeps the value as typed in GPU.given_as;
+# memcalc.plan.remedies.gpu_word gives it back to --gpu (a capacity card's slug is no --gpu value)
+GPU_WORDS = [
+    ("23.99GiB", "23-99gib", "23.99GiB"),
+    (" 24 GB ", "24gb", "24 GB"),
+    ("h100", "h100-80gb", "h100-80gb"),  # a catalog card: its slug
+]
+
+
+@pytest.mark.parametrize("given,name,word", GPU_WORDS)
+def test_gpu_word_is_the_value_given(given, name, word):
+    from memcalc.plan.remedies import gpu_word
+
+    g = get_gpu(given)
+    assert g.name == name and gpu_word(g) == word
+    assert get_gpu(word).capacity_bytes == g.capacity_bytes
