@@ -209,7 +209,9 @@ def _check_output(path: Optional[str], flag: str, force: bool = False) -> None:
         if _under(p, _KERNEL_FOLDERS) and not _under(p, _FILE_FOLDERS):
             raise UserError(f"cannot write {flag} {path}: {p} is a kernel interface, not a file; give a file path")
         if p.exists() and not stat.S_ISREG(p.stat().st_mode):
-            raise UserError(f"cannot write {flag} {path}: it is {_file_kind(p.stat().st_mode)}, not a regular "
+            from memcalc.core.files import file_kind
+
+            raise UserError(f"cannot write {flag} {path}: it is {file_kind(p.stat().st_mode)}, not a regular "
                             "file; give a file path")
         parent = p.parent
         if not parent.is_dir():
@@ -230,16 +232,6 @@ def _under(p: Any, folders: tuple[str, ...]) -> bool:
 #: what each output flag writes (and accepts to replace)
 _OURS = {"--html": "a memcalc HTML report", "--output": "a JSON list of validate records",
          "--snapshot": "a memory snapshot (pickle)"}
-
-
-def _file_kind(mode: int) -> str:
-    import stat
-
-    for test, name in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def _written_by_memcalc(p: Any, flag: str) -> bool:

@@ -29,7 +29,7 @@ def _raw(name_or_path: str) -> tuple[Any, str]:
     p = Path(name_or_path)
     kind = path_kind(p)
     if p.suffix.lower() in (".yaml", ".yml", ".json") or kind != "none":
-        if kind != "file":
+        if kind in ("dir", "none"):  # (a FIFO or a device: refused unread, its kind named)
             raise UserError(f"config file not found: {name_or_path if len(name_or_path) <= 200 else shorten(name_or_path, 200)}")
         return parse_text(read_user_file(p, "config file"), str(p)), str(p)
     if name_or_path not in list_configs():

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memcalc.core.errors import UserError
+from memcalc.core.files import read_bounded
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable  # importlib.resources.abc from Python 3.11
@@ -93,9 +94,10 @@ def clip(text: str, limit: int = 40) -> str:
 
 
 def path_kind(path: Path) -> str:
-    """'file', 'dir' or 'none'; a path the OS refuses to look up (a component over 255 bytes) is 'none'."""
+    """'file', 'dir', 'other' (a FIFO, a device, a socket: :func:`read_user_file` refuses it with its
+    kind named) or 'none'; a path the OS refuses to look up (a component over 255 bytes) is 'none'."""
     try:
-        return "file" if path.is_file() else "dir" if path.is_dir() else "none"
+        return "file" if path.is_file() else "dir" if path.is_dir() else "other" if path.exists() else "none"
     except (OSError, ValueError):  # ENAMETOOLONG; ValueError: an embedded NUL byte
         return "none"
 
@@ -109,16 +111,10 @@ MAX_DEPTH = 64
 
 
 def read_user_file(path: Path, what: str) -> str:
-    """The text of a file the user named, refused (one line) over MAX_FILE_BYTES or not UTF-8.
-    Reads at most one byte past the limit, so a FIFO or /dev/zero cannot hold it up."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise UserError(f"cannot read {what} {clip(str(path), 200)}: {e.strerror or e}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise UserError(f"{what} {clip(str(path), 200)} is larger than {MAX_FILE_BYTES // 2**20} MiB; "
-                        "a config or model spec is a few KiB")
+    """The text of a file the user named, refused (one line) over MAX_FILE_BYTES, not a regular file
+    (a FIFO or a device: refused before a byte is read, :func:`memcalc.core.files.read_bounded`) or not
+    UTF-8."""
+    data = read_bounded(path, what, MAX_FILE_BYTES, "a config or model spec is a few KiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:

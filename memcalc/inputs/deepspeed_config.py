@@ -149,11 +149,11 @@ def load_json(path: str) -> dict:
     check_name(path, "--deepspeed")
     p = Path(path)
     try:
-        found = p.is_file()
+        found = p.exists() and not p.is_dir()  # (a FIFO or a device: refused unread by read_user_file)
     except OSError as e:  # a name the OS refuses (a component over 255 bytes)
         raise UserError(f"--deepspeed {clip(path, 200)}: {e.strerror or e}") from None
     if not found:
-        raise UserError(f"--deepspeed {clip(path, 200)}: no such file")
+        raise UserError(f"--deepspeed {clip(path, 200)}: {'a directory' if p.is_dir() else 'no such file'}")
     from memcalc.inputs.data_files import check_size, read_user_file
 
     text = read_user_file(p, "--deepspeed")  # at most 1 MiB, UTF-8

@@ -40,11 +40,14 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from memcalc.core.errors import UserError
+from memcalc.core.files import read_bounded
 
 #: seconds to wait for the Hub before giving up (connect and each read)
 FETCH_TIMEOUT_S = 10.0
 #: the largest config.json accepted from the Hub (published ones are a few KiB)
 MAX_CONFIG_BYTES = 4 * 2**20
+#: the most read of ``refs/main`` (a 40-character commit hash) or the token file (a ~40-character token)
+MAX_REF_BYTES = 4096
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -98,8 +101,8 @@ def token() -> Optional[str]:
     if not t:
         path = _env_path("HF_TOKEN_PATH") or hf_home() / "token"
         try:
-            t = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            t = read_bounded(path, "token file", MAX_REF_BYTES).decode("utf-8")
+        except (UserError, UnicodeDecodeError):
             return None
     t = t.replace("\r", "").replace("\n", "").strip()
     return t or None
@@ -144,10 +147,9 @@ def cached_config(repo_id: str) -> Optional[Path]:
     if repo is None:
         return None
     snapshots = repo / "snapshots"
-    try:
-        with open(repo / "refs" / "main", "rb") as f:  # a commit hash: 40 characters, read at most 256
-            main = f.read(256).decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
+    try:  # a commit hash: 40 characters; a FIFO or device here is refused unread, as any file is
+        main = read_bounded(repo / "refs" / "main", "refs/main", MAX_REF_BYTES).decode("utf-8").strip()
+    except (UserError, UnicodeDecodeError):
         main = ""
     if main and "/" not in main and main not in (".", ".."):
         cfg = snapshots / main / "config.json"

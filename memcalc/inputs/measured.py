@@ -29,6 +29,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationError
 
 from memcalc.core.errors import UserError
+from memcalc.core.files import read_bounded
 from memcalc.core.spec_base import Spec
 
 MEASURED_FORMAT = "memcalc-measured/1"
@@ -118,15 +119,19 @@ def parse_records(data: Any, where: str) -> list[MeasuredRecord]:
     return out
 
 
+#: the largest records file read (bytes): a protocol run's is about 100 KiB (data/reference/measured/)
+MAX_RECORDS_BYTES = 256 * 2**20
+
+
 def load_measured(path: str) -> list[MeasuredRecord]:
     """Read a records file ``validate --protocol`` wrote (UserError, one line, when it cannot)."""
+    raw = read_bounded(path, "measured records file", MAX_RECORDS_BYTES, "a protocol run's records are about 100 KiB")
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
-    except ValueError as e:
+        data = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # (UnicodeDecodeError is a ValueError)
         raise UserError(f"{path}: not JSON ({str(e)[:80]})") from None
+    except RecursionError:
+        raise UserError(f"{path}: nests too deep for a records file") from None
     return parse_records(data, path)
 
 

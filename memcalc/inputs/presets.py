@@ -264,7 +264,7 @@ def resolve_model_source(value: str) -> tuple[ModelSpec, ModelSource]:
         return load_preset(value), ModelSource("preset", value, preset=key)
     path = Path(value).expanduser()
     kind = path_kind(path)
-    if kind == "file":
+    if kind in ("file", "other"):  # (a FIFO or a device: refused unread, its kind named)
         return _model_file(value, path), ModelSource("file", value, path=str(path))
     if kind == "dir":
         cfg = path / "config.json"

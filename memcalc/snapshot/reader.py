@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from memcalc.core.errors import UserError
+from memcalc.core.files import read_bounded
 
 #: the largest snapshot file read (bytes). PyTorch's own note: "Snapshot file sizes scale with
 #: max_entries and stack trace depth per entry, with several KB per entry" (``_dump_snapshot``'s
@@ -46,18 +47,10 @@ def unpickle_data(data: bytes) -> Any:
 def read_snapshot(path: str | Path) -> dict[str, Any]:
     """The snapshot dict in ``path`` (``_dump_snapshot``'s pickle), read with
     :func:`unpickle_data` and checked for ``segments`` and ``device_traces`` lists; a missing,
-    oversized, refused or malformed file is one :class:`UserError` line."""
-    p = Path(path)
-    shown = str(p)[:200]
-    try:
-        with p.open("rb") as f:
-            data = f.read(MAX_SNAPSHOT_BYTES + 1)
-    except FileNotFoundError:
-        raise UserError(f"snapshot {shown!r} not found") from None
-    except OSError as e:
-        raise UserError(f"cannot read snapshot {shown!r}: {e.strerror or e}") from None
-    if len(data) > MAX_SNAPSHOT_BYTES:
-        raise UserError(f"snapshot {shown!r} is larger than {MAX_SNAPSHOT_BYTES // 2**30} GiB; record fewer entries "
+    oversized (:func:`memcalc.core.files.read_bounded`: a FIFO or device is refused unread), refused or
+    malformed file is one :class:`UserError` line."""
+    shown = str(path)[:200]
+    data = read_bounded(path, "snapshot", MAX_SNAPSHOT_BYTES, "record fewer entries "
                         "(torch.cuda.memory._record_memory_history(max_entries=...))")
     try:
         snap = unpickle_data(data)

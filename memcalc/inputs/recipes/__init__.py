@@ -36,12 +36,12 @@ ORIGIN_KEYS = {
 GROUPS = ({"model", "params", "config"}, {"precision", "bf16"}, {"profile", "framework"})
 
 
-def _read(path: str) -> tuple[str, dict]:
+def _read(path: str, flag: str = "--recipe") -> tuple[str, dict]:
     p = Path(path).expanduser()
     kind = path_kind(p)
-    if kind != "file":
-        raise UserError(f"--recipe {clip(path, 200)}: {'a directory' if kind == 'dir' else 'no such file'}")
-    raw = parse_text(read_user_file(p, "recipe"), str(p))
+    if kind in ("dir", "none"):
+        raise UserError(f"{flag} {clip(path, 200)}: {'a directory' if kind == 'dir' else 'no such file'}")
+    raw = parse_text(read_user_file(p, flag), str(p))  # a FIFO or a device: refused unread
     return detect(raw, p.name), raw
 
 
@@ -52,7 +52,7 @@ def load_recipe(paths: Sequence[str], adapter_config: Optional[str] = None) -> R
 
     readers = {"torchtune": torchtune.read, "hf": hf.read, "axolotl": axolotl.read, "litgpt": litgpt.read}
     files = list(paths) + ([adapter_config] if adapter_config else [])
-    parsed = [(f, *_read(f)) for f in files]
+    parsed = [(f, *_read(f, "--adapter-config" if i == len(paths) else "--recipe")) for i, f in enumerate(files)]
     if adapter_config and parsed[-1][1] != "peft":
         raise UserError(f"--adapter-config {clip(adapter_config, 200)}: not a PEFT adapter config "
                         f"(it looks like a {DESCRIBE[parsed[-1][1]]})")
