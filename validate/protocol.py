@@ -387,13 +387,7 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
     used = probes.DeviceUsed() if device == "cuda" else None  # before this process's CUDA context
     records: list[dict] = []
     env: Optional[dict] = None if device == "cuda" else probes.environment(device, None)
-    if output:
-        os.makedirs(output, exist_ok=True)
-    path = records_path(output, device, used.name if used is not None else None) if output else None
-    rf = RecordFile(path, new_run_id()) if path else None
-    snapdir = path[:-5] + "-snapshots" if path else None
-    if snapdir:
-        os.makedirs(snapdir, exist_ok=True)
+    path, rf, snapdir = _run_files(output, device, used)
     if not child.in_child():  # a case's own process: the parent said it
         probes.warn(f"{len(cases)} cases on {device}"
                     + (f"; records: {path}" if path else "; no --output: nothing written")
@@ -442,6 +436,15 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
         sys.stdout.flush()
         raise SystemExit(stop.exit_code)
     return records
+
+
+def _run_files(output: Optional[str], device: str, used: Any) -> tuple[Optional[str], Optional[RecordFile], Any]:
+    """(records file, its writer, the snapshot folder beside it) in the folder ``output``; None without one."""
+    if not output:
+        return None, None, None
+    path = records_path(output, device, used.name if used is not None else None)
+    os.makedirs(snapdir := path[:-5] + "-snapshots", exist_ok=True)  # (and ``output`` with it)
+    return path, RecordFile(path, new_run_id()), snapdir
 
 
 def _over(elapsed: float, case: Case, budget_s: float, already: bool) -> str:
