@@ -191,6 +191,9 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "KernelProfile.rmsnorm": (BF16, "composite-legacy"),
     "KernelProfile.norm_upcast": (BF16, False),
     "KernelProfile.mean_saves_input": ({}, True),
+    # the MLP buffers a compiled layer keeps for the next layer's backward: dropped where they raise the peak
+    "KernelProfile.inductor_reuse": ({"training": {"compile": True, "memory_budget": 0.05}, "model": {"d_ff": 1024}},
+                                     "peak-aware"),
     "KernelProfile.logits_fp32": (BF16, True),
     "KernelProfile.shift_copy": ({}, False),
     "KernelProfile.dropout_mask_bytes": ({"model": {"resid_dropout": 0.1}}, 4),
@@ -278,6 +281,9 @@ UNTRACED: dict[str, str] = {
     "TrainingSpec.compile": "torch.compile needs CUDA (inductor); off CUDA the partitioner's saved set is compared "
                             "instead (tests/unit/test_compile.py, tests/trace/test_validate_compiled.py)",
     "TrainingSpec.memory_budget": "a torch.compile option: needs CUDA (inductor), as TrainingSpec.compile",
+    "KernelProfile.inductor_reuse": "inductor's buffer reuse: needs CUDA, as TrainingSpec.compile; the H200 record's "
+                                    "compiled configs (PyTorch 2.11, peak-aware) check it "
+                                    "(tests/unit/test_compiled_cuda_record.py)",
     "TrainingSpec.compile_scope": "its base, compile_scope model, needs CUDA (inductor), as TrainingSpec.compile; "
                                   "compile_scope layer is traced on meta against the estimate in "
                                   "tests/trace/test_compile_scope.py",

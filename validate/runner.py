@@ -137,6 +137,9 @@ def _run(exp: ExperimentSpec, m, device: str, snapshot: Optional[str], say, meas
         if tr.compile_scope == "layer":  # torchtune's training.compile_model: each layer apart
             for layer in model.layers:
                 layer.compile(backend="inductor", mode="default", dynamic=False)
+        elif tr.compile_scope == "logits":  # a module returning logits compiled; Decoder.forward's loss eager
+            model.logits = torch.compile(  # type: ignore[method-assign]
+                model.logits, backend="inductor", mode="default", dynamic=False)
         else:
             model.compile(backend="inductor", mode="default", dynamic=False)
 

@@ -68,7 +68,8 @@ MemoryBudget = Annotated[Optional[float], typer.Option(
     "--memory-budget", help="torch.compile activation_memory_budget in [0, 1] (implies --compile).")]
 CompileScope = Annotated[Optional[str], typer.Option(
     "--compile-scope",
-    help="What one torch.compile graph is: model (the whole forward; model.compile(), the default) or layer (each "
+    help="What one torch.compile graph is: model (the whole forward with its loss; model.compile(), the default), "
+         "logits (the forward up to the logits, the loss eager after it) or layer (each "
          "decoder layer apart, the head eager, the loss compiled apart: torchtune's compile_model + compile_loss; the "
          "default with --framework torchtune). Implies --compile.")]
 Lora = Annotated[bool, typer.Option(

@@ -32,8 +32,9 @@ def _chain(first: Optional[Callable[[Sim, Node], None]], then: Optional[Callable
 
 
 class _CompiledGraph:
-    """What any compiled step shares. With ``compile_scope model`` the graph ends at the logits,
-    whose gradient is an argument of ``CompiledFunction.backward`` (AOTAutograd's runtime wrapper)
+    """What any compiled step shares. With ``compile_scope model`` the graph ends at the loss where the
+    forward computes it (memcalc.engine.blocks.compiled_loss.loss_in_model_graph), else at the logits,
+    whose gradient is then an argument of ``CompiledFunction.backward`` (AOTAutograd's runtime wrapper)
     and so stays referenced until the whole compiled backward returns; parameter gradients are the
     compiled backward's outputs, so they all appear together, and only then does AccumulateGrad
     (and any post-accumulate-grad hook, a fused optimizer step) run. With ``compile_scope layer``
@@ -46,11 +47,17 @@ class _CompiledGraph:
     tangent: Optional[T] = None
 
     def _scope(self, scope: str) -> None:
-        self.whole = scope == "model"
+        self.whole = scope != "layer"
         self.grads_leave_together = self.whole
 
     def logits(self, fwd: Forward, logits: T) -> None:
-        if logits.producer is None or not self.whole:
+        from memcalc.engine.blocks.compiled_loss import loss_in_model_graph
+
+        # a loss inside the graph (loss_in_model_graph): the graph's output is the scalar loss, and the
+        # logits' gradient is one of the compiled backward's own buffers, freed after its last use
+        # (inductor's wrapper frees each buffer after its last reader: FreeIfNotReusedLine in
+        # torch/_inductor/codegen/wrapper.py)
+        if logits.producer is None or not self.whole or loss_in_model_graph(fwd):
             return
 
         def keep_tangent(s: Sim, nd: Node) -> None:
@@ -80,13 +87,54 @@ class CompiledCheckpointing(_CompiledGraph, Checkpointing):
 class CompiledLayers(_CompiledGraph, LayerStrategy):
     """torch.compile without checkpointing: the partitioner's saved set, per layer."""
 
-    def __init__(self, plan: CompiledPlan, scope: str = "model") -> None:
+    def __init__(self, plan: CompiledPlan, scope: str = "model", keep_pools: Optional[frozenset[int]] = None,
+                 probe: bool = False) -> None:
         self.plan = plan
         self._scope(scope)
         self.nodes: list[Node] = []  # each layer's region node, in forward order
         # called with the nodes each MLP creates while a layer's backward recomputes it
         self.mlp_sink: Optional[Callable[[list[Node]], None]] = None
         self.mlp_pool: Optional[T] = None  # MLP buffers a compiled layer leaves for the next
+        # the layers whose pool inductor keeps (None: every one, KernelProfile.inductor_reuse always);
+        # probe: keep none, and measure where each would have been kept (see kept_pools)
+        self.keep_pools = keep_pools
+        self.probe = probe
+        self.pool_spans: dict[int, int] = {}  # probe: layer -> the highest total while its pool would be kept
+        self.backward_peak = 0  # probe: the highest total of the backward phase, at its end
+        self._span: Optional[list[int]] = None  # probe: [layer, highest total so far] of the open span
+        self._watching = False
+
+    def on_row(self, row: tuple) -> None:
+        """Observer hook (memcalc.engine.observers, registered by the probe): the running total after
+        each allocation, while a pool's span is open."""
+        span = self._span
+        if span is not None and row[0] > span[1]:
+            span[1] = row[0]
+
+    def _open_span(self, s: Sim, i: int) -> None:
+        if not self._watching:
+            s.watch(self)
+            self._watching = True
+        self._span = [i, s.total]
+
+    def _close_span(self) -> None:
+        if self._span is not None:
+            self.pool_spans[self._span[0]] = self._span[1]
+        self._span = None
+
+    def kept_pools(self) -> frozenset[int]:
+        """After a probe's backward: the layers whose MLP buffers inductor keeps for the next layer
+        under peak-aware reuse (KernelProfile.inductor_reuse; torch/_inductor/codegen/wrapper.py
+        AllocateLine.should_reuse_buffer, PyTorch >= 2.9): a freed buffer is reused by a later
+        allocation of its size only when its size plus the highest memory between its free and that
+        allocation (EfficientPeakEstimate.peak_between) stays within the graph's peak
+        (overall_peak_memory), else it is freed and the later one allocated anew. Measured in the probe,
+        which keeps no pool: each span's highest total plus the pool against the backward's highest
+        total (the graph's own bytes differ from the step's by what stays constant meanwhile: weights,
+        optimizer state). Pools never overlap (each is taken before the next is left), so each is
+        decided alone."""
+        pools = self.plan.mlp_pool_by_layer
+        return frozenset(i for i, m in self.pool_spans.items() if m + pools.get(i, 0) <= self.backward_peak)
 
     def run(self, fwd: Forward, x: T, lo: int, hi: int) -> T:
         """One layer inside the compiled graph.
@@ -126,6 +174,7 @@ class CompiledLayers(_CompiledGraph, LayerStrategy):
         recompute = node.on_backward
 
         def release_pool(s: Sim, nd: Node) -> None:  # the MLP backward reuses the pool
+            self._close_span()
             if self.mlp_pool is not None:
                 s.unref(self.mlp_pool)
                 self.mlp_pool = None
@@ -133,7 +182,10 @@ class CompiledLayers(_CompiledGraph, LayerStrategy):
         def keep_pool(s: Sim, nd: Node) -> None:
             if i > 0 and pool_bytes:
                 release_pool(s, nd)
-                self.mlp_pool = s.alloc(pool_bytes, "temporaries", "compiled backward buffers kept for reuse")
+                if self.probe:
+                    self._open_span(s, i)
+                elif self.keep_pools is None or i in self.keep_pools:
+                    self.mlp_pool = s.alloc(pool_bytes, "temporaries", "compiled backward buffers kept for reuse")
 
         def hook_mlp(nodes: list[Node]) -> None:
             nodes[-1].on_backward = _chain(release_pool, nodes[-1].on_backward)  # first in backward
@@ -252,6 +304,9 @@ class CompiledLayers(_CompiledGraph, LayerStrategy):
 
     def end_backward(self, fwd: Forward) -> None:
         """End of the compiled backward: what it kept to the end goes."""
+        self._close_span()
+        if self.probe:
+            self.backward_peak = fwd.sim.phase_peaks.get("backward", 0)
         if self.mlp_pool is not None:
             fwd.sim.unref(self.mlp_pool)
         self.mlp_pool = None

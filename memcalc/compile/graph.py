@@ -26,8 +26,8 @@ COMPUTE = {"linear", "matmul_qk", "matmul_pv", "sdpa_flash", "sdpa_efficient"}
 #: outside the allowlist but cheap (banned by the default cut, recomputable when aggressive)
 OTHER = {"embedding"}
 RANDOM = {"dropout"}
-#: the eager loss after the compiled region (memcalc.engine.blocks.head.lm_loss)
-LOSS = {"shift_slice", "loss_split", "log_softmax", "nll_loss"}
+#: the loss after the recorded region (memcalc.engine.blocks.head.lm_loss, or compiled_loss.compiled_cross_entropy)
+LOSS = {"shift_slice", "loss_split", "log_softmax", "nll_loss", "compiled_cross_entropy"}
 #: op name -> kind (anything else is pointwise)
 _KIND = {**{n: "compute" for n in COMPUTE}, **{n: "other" for n in OTHER}, **{n: "random" for n in RANDOM}}
 

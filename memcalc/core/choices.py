@@ -30,7 +30,7 @@ CpMethod = Literal["ring", "ulysses"]
 CP_METHODS: tuple[str, ...] = typing.get_args(CpMethod)
 
 #: ``--compile-scope``: what one torch.compile graph is (the whole forward, or each decoder layer apart)
-CompileScope = Literal["model", "layer"]
+CompileScope = Literal["model", "logits", "layer"]
 COMPILE_SCOPES: tuple[str, ...] = typing.get_args(CompileScope)
 
 #: ``cross_entropy`` of the kernel profile (``--loss``): on the full logits, or in chunks, or TRL's fused LM head,

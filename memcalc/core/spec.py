@@ -61,6 +61,14 @@ class KernelProfile(Spec):
         description="RMSNorm implementation: composite (2.6-2.8: fp32 upcast, saves fp32 input and fp32 normalised), composite-legacy (2.4-2.5: casts back before the weight), or fused (saves input + rstd).",
     )
     norm_upcast: bool = Field(True, description="The composite norm computes in fp32 (upcasts 16-bit input).")
+    inductor_reuse: Literal["always", "peak-aware"] = Field(
+        "always",
+        description="How torch.compile's inductor reuses a dead buffer for a later allocation of the same size "
+        "(torch/_inductor/codegen/wrapper.py, AllocateLine.plan): always (PyTorch <= 2.8: it is kept from its last "
+        "use to the reuse), or peak-aware (PyTorch >= 2.9, AllocateLine.should_reuse_buffer, pytorch#159530: only "
+        "when keeping it does not raise the graph's estimated peak, else freed and allocated anew). Decides whether a "
+        "compiled layer's MLP buffers stay for the next layer's backward (memcalc.compile.compiled.mlp_pool).",
+    )
     mean_saves_input: bool = Field(
         False, description="mean(x*x) backward keeps its input (PyTorch <= 2.1)."
     )

@@ -229,8 +229,10 @@ class TrainingSpec(Spec):
     )
     compile_scope: CompileScope = Field(
         "model",
-        description="What one torch.compile graph is: model = the whole forward, embedding to logits "
-        "(model.compile()), the loss eager; layer = each decoder layer apart (torchtune's "
+        description="What one torch.compile graph is: model = the whole forward, embedding to the loss "
+        "(model.compile() on a module whose forward computes its loss: Hugging Face's CausalLM with labels, "
+        "Forgather's models, memcalc's validator); logits = embedding to logits (model.compile() on a module "
+        "returning logits), the loss eager after it; layer = each decoder layer apart (torchtune's "
         "training.compile_model: m.compile() per TransformerSelfAttentionLayer), embedding, final norm and head "
         "eager, the loss compiled apart (training.compile_loss).",
     )

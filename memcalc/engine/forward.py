@@ -23,8 +23,8 @@ from memcalc.core.rules import is_attention_variant, is_variant_layer, rope_tabl
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.liger import liger_plan
 from memcalc.core.cce import check_cce
-from memcalc.engine.blocks import (adapters, cce, chunked_output, embedding, head, liger, litgpt_head, trl_head,
-                                   unsloth_head, unsloth_lora)
+from memcalc.engine.blocks import (adapters, cce, chunked_output, compiled_loss, embedding, head, liger, litgpt_head,
+                                   trl_head, unsloth_head, unsloth_lora)
 from memcalc.engine.blocks import attention as attention_block
 from memcalc.engine.blocks import layer as layer_block
 from memcalc.engine.blocks import mlp as mlp_block
@@ -189,7 +189,7 @@ class Forward:
         else:
             logits = head.logits(self, x)
             self.strategy.logits(self, logits)
-            loss = head.loss(self, logits)
+            loss = (compiled_loss.graph_loss if compiled_loss.loss_in_model_graph(self) else head.loss)(self, logits)
         self.release_cache()
         o.exit_autocast()
         sim.mark("loss")

@@ -68,12 +68,12 @@ def check_supported(exp: ExperimentSpec) -> None:
         # memcalc.core.unsloth: Unsloth's own kernels run eagerly; it compiles and offloads in its own ways
         raise UserError("--framework unsloth models Unsloth's eager kernels and its own offloading checkpoint "
                         "(--checkpoint full); --compile, --activation-offload and DeepSpeed with it are not modelled")
-    if tr.activation_offload and tr.compile and tr.compile_scope == "model":
+    if tr.activation_offload and tr.compile and tr.compile_scope != "layer":
         # one graph is one autograd node (AOTAutograd's CompiledFunction): OffloadActivations packs its
         # whole saved set when the forward graph returns and unpacks all of it when its backward starts
-        raise UserError("activation offloading under --compile-scope model is not modelled (the whole forward is "
-                        "one compiled graph: its saved set would be offloaded and brought back all at once); use "
-                        "--compile-scope layer (torchtune's per-layer compile, its default with --framework "
+        raise UserError(f"activation offloading under --compile-scope {tr.compile_scope} is not modelled (the "
+                        "whole forward is one compiled graph: its saved set would be offloaded and brought back all at "
+                        "once); use --compile-scope layer (torchtune's per-layer compile, its default with --framework "
                         "torchtune) or drop --activation-offload")
     if tr.activation_offload and tr.checkpoint in ("sqrt", "selective"):
         # the offload hooks' reloads inside a multi-layer or sub-layer recompute are not modelled: the

@@ -417,10 +417,11 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
             "forward_flops": plan.forward_flops,
         }
         assumptions.append(
-            "torch.compile: one graph from the embedding to the logits (the loss modelled eagerly); the "
-            "saved set is AOTAutograd's min-cut partition at the memory budget; the backward "
+            "torch.compile: one graph from the embedding to the "
+            + ("loss" if tr.compile_scope == "model" else "logits (the loss eager after it)")
+            + "; the saved set is AOTAutograd's min-cut partition at the memory budget; the backward "
             "recomputes the forward chain first and keeps what later layers read; all gradients "
-            "leave the compiled backward together" if tr.compile_scope == "model" else
+            "leave the compiled backward together" if tr.compile_scope != "layer" else
             "torch.compile per layer (compile_scope layer): each decoder layer one graph, its saved set "
             "AOTAutograd's min-cut partition of that layer at the memory budget (its backward keeps nothing "
             "for another layer's); the embedding, the final norm and the head eager")
@@ -445,7 +446,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         assumptions.append(
             f"torch.compile with checkpointing ({tr.checkpoint}): checkpointed regions are recomputed "
             "whole, as in eager mode" + ("; gradients leave the compiled backward together"
-                                         if tr.compile_scope == "model" else
+                                         if tr.compile_scope != "layer" else
                                          " (each layer compiled inside its checkpoint, the head eager)"))
     return Estimate(
         experiment=exp,

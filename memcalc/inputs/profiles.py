@@ -138,7 +138,7 @@ LORA_DTYPE_WHY: dict[str, str] = {
 }
 
 #: the fields :func:`profile_for` sets from the framework and the PyTorch version
-RULE_FIELDS = ("rmsnorm", "mean_saves_input", *FRAMEWORKS["plain"])
+RULE_FIELDS = ("rmsnorm", "mean_saves_input", "inductor_reuse", *FRAMEWORKS["plain"])
 
 #: ``--torch``: the PyTorch versions memcalc has rules for (major.minor, 2.1 .. 2.13)
 TORCH_MIN, TORCH_MAX = (2, 1), (2, 13)
@@ -146,6 +146,9 @@ TORCH_MIN, TORCH_MAX = (2, 1), (2, 13)
 SDPA_GQA_SINCE = (2, 5)
 #: last PyTorch whose ``mean(x*x)`` backward keeps its input
 MEAN_SAVES_INPUT_UNTIL = (2, 1)
+#: first PyTorch whose inductor reuses a dead buffer only when that does not raise the graph's peak
+#: (torch/_inductor/codegen/wrapper.py AllocateLine.should_reuse_buffer, pytorch#159530, in 2.9)
+PEAK_AWARE_REUSE_SINCE = (2, 9)
 
 DEFAULT_TORCH = "2.8"
 
@@ -167,8 +170,8 @@ def profile_name(framework: str, torch: str) -> str:
 
 def profile_for(framework: str, torch: str = DEFAULT_TORCH) -> KernelProfile:
     """The profile of ``framework``'s layer code on PyTorch ``torch`` (:data:`FRAMEWORKS`); the
-    version decides ``nn.RMSNorm`` (plain), ``mean_saves_input`` (<= 2.1) and whether
-    ``enable_gqa`` exists (>= 2.5)."""
+    version decides ``nn.RMSNorm`` (plain), ``mean_saves_input`` (<= 2.1), whether
+    ``enable_gqa`` exists (>= 2.5) and inductor's buffer reuse (``inductor_reuse``, peak-aware >= 2.9)."""
     if framework not in FRAMEWORKS:
         raise unknown_name("framework", framework, list(FRAMEWORKS))
     v = parse_torch(torch)
@@ -177,7 +180,8 @@ def profile_for(framework: str, torch: str = DEFAULT_TORCH) -> KernelProfile:
     rules["rmsnorm"] = rules["rmsnorm"] or rmsnorm_for_torch(t)
     rules["sdpa_gqa"] = rules["sdpa_gqa"] and v >= SDPA_GQA_SINCE
     return KernelProfile(name=profile_name(framework, t), framework=framework, torch_version=t,
-                         mean_saves_input=v <= MEAN_SAVES_INPUT_UNTIL, **rules)
+                         mean_saves_input=v <= MEAN_SAVES_INPUT_UNTIL,
+                         inductor_reuse="peak-aware" if v >= PEAK_AWARE_REUSE_SINCE else "always", **rules)
 
 
 def compose(base: KernelProfile, framework: Optional[str] = None, torch: Optional[str] = None) -> KernelProfile:

@@ -146,7 +146,8 @@ def _probe_exp(layers: int, batch: int, budget: float, precision: str = "fp32"):
     return exp.model_copy(update={
         "model": exp.model.model_copy(update={"n_layers": layers, "residual_scale": (2 * layers) ** 0.25}),
         "training": exp.training.model_copy(update={
-            "memory_budget": budget, "batch": batch, "seq": 768, "precision": precision}),
+            "memory_budget": budget, "batch": batch, "seq": 768, "precision": precision,
+            "compile_scope": "logits"}),  # the probe compiles the model to its logits, the loss eager
     })
 
 

@@ -47,7 +47,7 @@ ERRORS = [
     # (the whole-model scope's refusal of offloading is a row of tests/unit/test_techniques.py)
     # source: memcalc.core.choices.COMPILE_SCOPES
     (["estimate", "--model", SPEC, "--seq", "256", "--compile-scope", "block"], 2,
-     "unknown --compile-scope 'block'; valid: model, layer"),
+     "unknown --compile-scope 'block'; valid: model, logits, layer"),
 ]
 
 

@@ -37,6 +37,37 @@ def compiles_loss(fwd: ForwardContext) -> bool:
     return fwd.tr.compile and fwd.tr.compile_scope == "layer"
 
 
+def loss_in_model_graph(fwd: ForwardContext) -> bool:
+    """Whether the loss is part of the one compiled graph (``compile_scope model``): ``model.compile()``
+    compiles the module's ``forward``, and the forward the validator measures computes its loss there
+    (validate/model.py ``Decoder.forward``: ``lm_loss`` on the logits; so do Hugging Face's
+    ``*ForCausalLM.forward`` with labels and Forgather's models). Inductor then fuses the shift, the
+    upcast and the cross-entropy's reductions into kernels over the logits, and the graph's output is the
+    scalar loss, as :func:`compiled_cross_entropy` models: measured on an H200 (PyTorch 2.11,
+    data/reference/measured/protocol-cuda-nvidia-h200-20261128-070544.json, config-compile at 8 layers:
+    the forward keeps the logits and two row statistics of 12 KiB, no shifted copy, no log-probabilities;
+    the backward makes one logits-sized gradient and frees it after the head's backward). The plain
+    full cross-entropy only: a chunked or fused loss, or tensor parallelism's loss_parallel, is modelled as
+    it runs eagerly."""
+    tr = fwd.tr
+    return (tr.compile and tr.compile_scope == "model" and fwd.ops.profile.cross_entropy == "full"
+            and fwd.ops.profile.kernels == "none" and fwd.tp is None)
+
+
+def graph_loss(fwd: ForwardContext, logits: T) -> T:
+    """The loss inside the model's compiled graph (:func:`loss_in_model_graph`; takes the reference to
+    ``logits``), its tensors in the category "logits & loss" as the eager loss's
+    (memcalc.engine.blocks.head.loss)."""
+    fwd.sim.set_role("loss")
+    o = fwd.ops
+    o.category = CATEGORY
+    rows = fwd.B * (fwd.T - 1 if o.profile.shift_copy else fwd.T)
+    out = compiled_cross_entropy(fwd, logits, rows)
+    o.category = "saved activations"
+    o.drop(logits)
+    return out
+
+
 def compiled_cross_entropy(fwd: ForwardContext, y: T, rows: int) -> T:
     """One compiled ``F.cross_entropy(y.float(), labels, reduction="sum")`` over ``rows`` rows of
     logits ``y``: saves ``y`` and the two row statistics; returns the summed loss (the caller
