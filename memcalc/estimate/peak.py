@@ -20,7 +20,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.loading import load_phase
-from memcalc.engine.observers import StopAbove
+from memcalc.engine.observers import PeakAbove, StopAbove
 from memcalc.engine.sharding import offload_param
 from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
@@ -258,15 +258,20 @@ def host_optimizer_bytes(exp: ExperimentSpec, trainable_params: int) -> int:
 
 
 def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
-                     capacity: Optional[int] = None) -> tuple[int, int]:
+                     capacity: Optional[int] = None, stop_above: Optional[int] = None) -> tuple[int, int]:
     """Replay the simulated allocations through the CUDA caching allocator model
     (``memcalc.core.allocator``): its ``max_memory_allocated`` (whole blocks, so at least the sum of
     live tensors) and ``max_memory_reserved`` (cudaMalloc segments). Setup allocations
     (weights, optimizer state) run once; with ``warm`` the step runs twice and the second,
     which starts from the cache the first left (a steady-state step), is measured. With ``capacity``
     (the bytes the allocator may reserve on a card), (-1, -1) when a segment does not fit even after the
-    cached ones are released (``CachingAllocatorSim.out_of_memory``: torch's OutOfMemoryError)."""
+    cached ones are released (``CachingAllocatorSim.out_of_memory``: torch's OutOfMemoryError).
+    ``stop_above`` (without ``capacity``): raise :class:`memcalc.engine.observers.PeakAbove` as soon as
+    the allocator reserves more than that: without a capacity no segment is ever released, so reserved
+    only grows, and the reserved peak this returns (the measured run's) is at least what was reserved at
+    any point of the replay."""
     alloc = CachingAllocatorSim(capacity)
+    limit = math.inf if stop_above is None else stop_above
     blocks: dict = {}  # id -> its block (memcalc.core.allocator._Block)
 
     def run(evs: list[tuple[int, int]]) -> None:
@@ -275,6 +280,8 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
                 blocks[uid] = alloc.malloc(n)
                 if alloc.out_of_memory:
                     return
+                if alloc.reserved > limit:
+                    raise PeakAbove(alloc.reserved, 0)
             else:
                 alloc.free(blocks.pop(uid))
 
@@ -321,14 +328,15 @@ def runs_within(est: Estimate, allocator_bytes: int) -> Optional[bool]:
     return all(replay_allocator(ev, start, warm, allocator_bytes)[0] >= 0 for ev, start, warm in est.replays)
 
 
-def _replayed(steady, first, exp: ExperimentSpec) -> tuple[tuple, int, int]:
+def _replayed(steady, first, exp: ExperimentSpec, stop_above: Optional[int] = None) -> tuple[tuple, int, int]:
     """The steady step (warm: run twice, the second measured) and the first step replayed through the
     caching allocator: their inputs (:attr:`Estimate.replays`) and the higher allocated and reserved peaks.
-    Each starts from the cache the model's set-up leaves (:func:`setup_cache_events`)."""
+    Each starts from the cache the model's set-up leaves (:func:`setup_cache_events`). ``stop_above``:
+    :class:`memcalc.engine.observers.PeakAbove` as soon as either reserves more (:func:`replay_allocator`)."""
     pre = setup_cache_events(exp)
     replays = ((pre + (steady.events or []), len(pre) + steady.step_start, True),
                (pre + (first.events or []), len(pre) + first.step_start, False))
-    (a_steady, r_steady), (a_first, r_first) = (replay_allocator(*r) for r in replays)
+    (a_steady, r_steady), (a_first, r_first) = (replay_allocator(*r, stop_above=stop_above) for r in replays)
     return replays, max(a_steady, a_first), max(r_steady, r_first)
 
 
@@ -346,9 +354,10 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     are for ``side``'s card (default: the reference card, :func:`step_side`). Without ``flops`` the
     FLOPs that checkpointing recomputes (``extra["recompute"]``, a graph of the forward) are not
     counted: a caller that needs the bytes alone (estimate's "to make it fit"). ``stop_above``: raise
-    :class:`memcalc.engine.observers.PeakAbove` as soon as a simulated step's running total passes
-    this many bytes (a caller that only asks whether the step fits a card:
-    :func:`largest_peak_within`)."""
+    :class:`memcalc.engine.observers.PeakAbove` as soon as a simulated step's running total, or with
+    ``replay`` the bytes its allocator replay reserves, passes this many bytes (a caller that only asks
+    whether the step fits a card: :func:`largest_peak_within`; the device total is the reserved peak plus
+    :func:`memcalc.core.gpu_side.overhead_bytes`, so a step that reserves more does not fit)."""
     replay = timeline if replay is None else replay
     observers = [StopAbove(stop_above)] if stop_above is not None else []
     # the first step follows from the steady step's events where it runs the same ones (not under
@@ -357,7 +366,7 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay,
                                               observers=observers)
     alloc_extra: dict = {}
-    replays, step_alloc, step_reserved = _replayed(steady, first, exp) if replay else ((), None, None)
+    replays, step_alloc, step_reserved = _replayed(steady, first, exp, stop_above) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state
     alloc_extra.update(techniques)
     if steady.stages is not None:  # pipeline parallelism: every rank's stage and peak (memcalc.engine.pipeline)

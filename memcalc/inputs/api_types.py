@@ -10,6 +10,7 @@ a list or tuple of strings.
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 import typing
@@ -78,17 +79,25 @@ def check_types(values: Mapping[str, Any], hints: Mapping[str, Any]) -> None:
             raise UserError(f"{name}= must be {_kind(hint)}, not {type(value).__name__} {shown}")
 
 
-def check_options(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The API's Options keywords, each of the type its :class:`~memcalc.inputs.resolve.Options` field
-    declares, with the spellings a Python caller uses made the CLI's: ``params`` may be a number (as
-    ``--params`` reads ``7e9``), ``recipe`` one path, ``lora_targets`` a list of names; and the aliases
-    of :mod:`memcalc.core.aliases` (``seq="4k"``, ``optimizer="paged_adamw_8bit"``) made memcalc's names."""
+@functools.cache
+def _option_hints() -> dict[str, Any]:
+    """The type of each :class:`~memcalc.inputs.resolve.Options` keyword, with the spellings a Python caller
+    may use besides (evaluated once: ``typing.get_type_hints`` evaluates every string annotation anew, ~1 ms,
+    and "to make it fit" resolves a dozen setups)."""
     from memcalc.inputs.resolve import Options
 
     hints = typing.get_type_hints(Options)
     hints.update(params=Union[str, int, float, None], recipe=Union[str, list[str], tuple[str, ...], None],
                  lora_targets=Union[str, list[str], tuple[str, ...], None], seq=Union[int, str, None])
-    check_types(kwargs, hints)  # model= a dict or PretrainedConfig was made a path by the API's _resolve
+    return hints
+
+
+def check_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The API's Options keywords, each of the type its :class:`~memcalc.inputs.resolve.Options` field
+    declares, with the spellings a Python caller uses made the CLI's: ``params`` may be a number (as
+    ``--params`` reads ``7e9``), ``recipe`` one path, ``lora_targets`` a list of names; and the aliases
+    of :mod:`memcalc.core.aliases` (``seq="4k"``, ``optimizer="paged_adamw_8bit"``) made memcalc's names."""
+    check_types(kwargs, _option_hints())  # model= a dict or PretrainedConfig was made a path by the API's _resolve
     from memcalc.core.aliases import canonical
 
     out = canonical(kwargs)  # the users' spellings (paged_adamw_8bit, bfloat16, 4k, transformers), with a note each

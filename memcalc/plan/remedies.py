@@ -172,8 +172,11 @@ def _first_fit(alts: list[dict[str, Any]], gpu: Any, exp_of: Callable[[dict[str,
     the inputs refuse (a flag that does not go with the setup) is skipped. Each is estimated with the
     simulation stopped as soon as its running total passes what the card can hold
     (:func:`memcalc.estimate.peak.largest_peak_within` on the card's own side: the device total is at
-    least the allocated peak plus the workspaces, context and NCCL buffers), so a change that does not
-    fit costs part of one simulation and no allocator replay."""
+    least the allocated peak plus the workspaces, context and NCCL buffers), and its allocator replay as
+    soon as it reserves more than that (the device total is the reserved peak plus those), so a change
+    that does not fit costs part of one simulation, or one simulation and part of a replay, and never
+    the verdict's replay with the card's capacity (``fits_after_cache_release``: only for a step that
+    does not fit)."""
     for change in alts:
         try:
             e = exp_of(change)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -153,3 +154,33 @@ def test_max_batch_0_points_at_what_makes_batch_1_fit():
     assert "To make it fit rtx-4090" in head and "--checkpoint full --gpu rtx-4090" in head
     assert head.endswith("max batch at seq 4096 on NVIDIA GeForce RTX 4090 (23.988 GiB): 0 (batch 1 does not fit; "
                          "see 'To make it fit' above)"), head
+
+
+def test_the_screen_stops_where_the_verdict_says_no():
+    """"To make it fit" screens each change with ``estimate(stop_above=largest_peak_within(card))``
+    (memcalc/plan/remedies.py ``_first_fit``): the simulation stops once its running total passes the
+    limit, the allocator replay once what it reserves does (the device total is the reserved peak plus
+    the card's overhead). So it must raise PeakAbove exactly where the verdict (``fits_rows``) says no:
+    here one byte either side of the device total, the simulated peak fitting both (the replay decides)."""
+    from types import SimpleNamespace
+
+    import memcalc
+    from memcalc.engine.observers import PeakAbove
+    from memcalc.estimate.peak import card_side, estimate, largest_peak_within
+    from memcalc.render.report import fits_rows
+
+    tiny = str(Path(__file__).parent.parent / "fixtures" / "tiny-rope.yaml")  # 2 layers
+    r = memcalc.estimate(model=tiny, seq=64, gpu="1GiB", timeline=False)
+    exp, est = r.spec, r.estimate
+    for capacity, fits in ((est.device_total_bytes, True), (est.device_total_bytes - 1, False)):
+        card = SimpleNamespace(name="card", capacity_bytes=capacity, vendor="any", architecture="unspecified",
+                               display_name="card")
+        assert fits_rows(est, [card])[0]["fits"] is fits
+        limit = largest_peak_within(capacity, card_side(exp, card))
+        assert est.peak_bytes < limit  # the simulation passes: the replay's reserved bytes decide
+        if fits:
+            screened = estimate(exp, timeline=False, replay=True, flops=False, stop_above=limit)
+            assert fits_rows(screened, [card])[0]["device_total_bytes"] == capacity
+        else:
+            with pytest.raises(PeakAbove):
+                estimate(exp, timeline=False, replay=True, flops=False, stop_above=limit)
