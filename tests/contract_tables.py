@@ -144,6 +144,8 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.batch": ({}, 3),
     "TrainingSpec.seq": ({}, 128),
     "TrainingSpec.grad_accum": ({}, 2),
+    # the run's first micro-batch twice as long, with nothing of an earlier micro-step alive (engine.timeline)
+    "TrainingSpec.first_seq": ({"training": {"grad_accum": 2}}, 512),
     "TrainingSpec.precision": ({}, "bf16"),
     "TrainingSpec.master_weights": (BF16, True),
     "TrainingSpec.optimizer": ({}, "sgd"),

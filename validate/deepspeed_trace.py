@@ -39,6 +39,9 @@ REPLICA_MODULES = frozenset(f"memcalc.validate.{m}" for m in
 def deepspeed_unsupported(exp: ExperimentSpec) -> Optional[str]:
     """Why this experiment cannot be traced under DeepSpeed (None when it can)."""
     tr = exp.training
+    if tr.first_seq is not None:
+        return ("first_seq (a longer first micro-batch) is traced by the single-process harnesses (validate/step.py "
+                "run_on_device: the replica, hf, trl, litgpt), not under DeepSpeed")
     if tr.sharding != "deepspeed" or tr.zero not in (2, 3):
         return f"the DeepSpeed tracer runs ZeRO-2/3 with sharding deepspeed (got sharding {tr.sharding}, zero {tr.zero})"
     if tr.precision.startswith("amp-"):

@@ -271,6 +271,15 @@ def track_inputs(tracer, model, ids, labels, opt, local=lambda ts: ts) -> None:
         tracer.track(local(opt.masters.values()))
 
 
+def _batch(B: int, T: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (B, T) batch of token ids and labels: empty on meta, random ids elsewhere."""
+    if torch.device(device).type == "meta":
+        return (torch.empty((B, T), dtype=torch.int64, device=device),
+                torch.empty((B, T), dtype=torch.int64, device=device))
+    ids = torch.randint(0, vocab, (B, T), device=device)
+    return ids, ids.clone()
+
+
 def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[str], None], debug: bool,
                   sim: Optional[CachingAllocatorSim], forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                   attach: Callable[[Probe], None], contexts: tuple = (), snapshot: Optional[str] = None,
@@ -287,13 +296,14 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     trainable = [p for _, p in named]
     opt = build_optimizer(trainable, tr, [n for n, _ in named])
-    B, T = tr.batch, tr.seq
-    if dev_type == "meta":
-        ids = torch.empty((B, T), dtype=torch.int64, device=device)
-        labels = torch.empty((B, T), dtype=torch.int64, device=device)
-    else:
-        ids = torch.randint(0, m.vocab_size, (B, T), device=device)
-        labels = ids.clone()
+    ids, labels = _batch(tr.batch, tr.seq, m.vocab_size, device)
+    # TrainingSpec.first_seq: the run's first micro-batch is first_seq tokens (memcalc.engine.timeline), used once
+    firsts = [] if tr.first_seq is None else [_batch(tr.batch, tr.first_seq, m.vocab_size, device)]
+
+    def micro_forward() -> torch.Tensor:
+        if firsts:
+            return forward(*firsts.pop())
+        return forward(ids, labels)
     tracer = None
     if dev_type != "cuda":
         tracer = StorageTracer(dev_type, exp.profile.allocator_round_bytes, debug=debug, allocator=sim)
@@ -301,7 +311,7 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     attach(probe)
     if tr.fused_optimizer:
         register_fused_step(opt, trainable)
-    parts = Step(forward=lambda: forward(ids, labels), grad_accum=tr.grad_accum,
+    parts = Step(forward=micro_forward, grad_accum=tr.grad_accum,
                  optimizer_step=None if tr.fused_optimizer else optimizer_step(opt), backward=backward)
     record = bool(snapshot) and dev_type == "cuda"
     recorder = traced_snapshot(tracer, snapshot, model, trainable, [ids, labels], opt)
@@ -317,6 +327,8 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     if tracer is not None:
         track_inputs(tracer, model, ids, labels, opt)
         tracer.track(extra)
+        for first in firsts:
+            tracer.track(first)
     with allow_fused_on(dev_type), contextlib.ExitStack() as stack:
         for c in (*contexts, tracer if tracer is not None else contextlib.nullcontext()):
             stack.enter_context(c)
@@ -328,3 +340,12 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
         if recorder is not None and snapshot:
             recorder.write(snapshot)
     fill_measurement(meas, result, probe, dev_type, sim, tracer, debug)
+    if firsts_used(tr, meas):  # first_seq: the run's peak is its first step's where that is the higher
+        meas.measured_bytes, meas.peak_phase, meas.peak_label = meas.first_step_bytes, "first step", "first step"
+
+
+def firsts_used(tr, meas: Measurement) -> bool:
+    """With ``first_seq`` (a first micro-batch of its own length), whether the first step's peak is the run's:
+    the estimator's peak is the higher of its first and steady steps then (memcalc.estimate.peak)."""
+    return (tr.first_seq is not None and meas.first_step_bytes is not None and meas.measured_bytes is not None
+            and meas.first_step_bytes > meas.measured_bytes)

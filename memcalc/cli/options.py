@@ -155,6 +155,10 @@ Pp = Annotated[Optional[int], typer.Option(
                  "the worst rank is reported. GPUs in all = --gpus x --tp x --pp.")]
 PpSchedule = Annotated[Optional[str], typer.Option(
     "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe) or 1f1b (Schedule1F1B, the default).")]
+FirstSeq = Annotated[Optional[int], typer.Option(
+    "--first-seq", metavar="<int>", help="Tokens per sequence of the run's first micro-batch, where the trainer runs "
+    "it apart (lit-gpt's finetune/lora.py before LitGPT 0.4 runs the longest sample first): that micro-step runs "
+    "with nothing of an earlier one alive; --seq is then the longest later micro-batch. Default: --seq.")]
 Microbatches = Annotated[Optional[int], typer.Option(
     "--microbatches", help="With --pp: micro-batches per step; --batch is split into them (default: --pp).")]
 SequenceParallel = Annotated[bool, typer.Option(

@@ -195,6 +195,15 @@ class TrainingSpec(Spec):
     batch: int = Field(1, gt=0, le=MAX_COUNT, description=f"Micro-batch size (sequences per forward pass; at most {MAX_COUNT:,}).")
     seq: int = Field(2048, gt=0, le=MAX_SEQ, description=f"Sequence length in tokens (at most {MAX_SEQ:,}).")
     grad_accum: int = Field(1, gt=0, le=MAX_COUNT, description=f"Gradient-accumulation micro-steps per optimizer step (at most {MAX_COUNT:,}).")
+    first_seq: Optional[int] = Field(
+        None, gt=0, le=MAX_SEQ,
+        description="Tokens per sequence of the run's first micro-batch, where a trainer runs it apart from the "
+        "others (lit-gpt's finetune/lora.py before LitGPT 0.4 puts the longest training sample first, get_batch("
+        "..., longest_seq_ix if iter_num == 0), and pads each micro-batch to its longest sample): the first step's "
+        "first micro-step runs first_seq tokens with nothing of an earlier micro-step alive (no previous output or "
+        "graph held, no gradients, no optimizer state), its later micro-steps and every later step seq tokens; the "
+        "peak is the higher of that first step and the steady step. None: the first micro-batch is seq tokens, "
+        "like the rest (memcalc.engine.timeline).")
     precision: Precision = Field(
         "fp32",
         description="fp32; bf16/fp16 = pure 16-bit (weights, grads, state); amp-* = autocast over fp32 weights.",
@@ -298,6 +307,9 @@ class TrainingSpec(Spec):
         if self.lora is not None and self.lora.quant is not None and self.precision not in ("bf16", "fp16"):
             raise ValueError(f"quant {self.lora.quant}: gptqmodel's kernels run in fp16/bf16 (SUPPORTS_DTYPES); "
                              f"use precision bf16 or fp16, not {self.precision}")
+        if self.first_seq is not None and self.pp > 1:
+            raise ValueError("first_seq (a longer first micro-batch) is not modelled under pipeline parallelism "
+                             "(pp > 1): leave it out and give --seq the longest micro-batch")
         if self.deepspeed is not None and (self.sharding != "deepspeed" or self.zero != self.deepspeed.stage):
             raise ValueError(f"a DeepSpeed config (ZeRO stage {self.deepspeed.stage}) needs sharding deepspeed and "
                              f"zero {self.deepspeed.stage}, not sharding {self.sharding} and zero {self.zero}")

@@ -47,6 +47,7 @@ class ForwardContext(Walk, Protocol):
     m: ModelSpec  # the model (one rank's share of it under tensor parallelism)
     tr: TrainingSpec
     lora: Optional[LoraSpec]
+    run_start: bool  # the run's first micro-step (TrainingSpec.first_seq): nothing of an earlier one alive
     tp: Optional[TensorParallel]  # the tensor-parallel collectives (None without tensor parallelism)
     cp: Optional[ContextParallel]  # the context-parallel attention (None without context parallelism)
     B: int  # batch

@@ -72,6 +72,8 @@ class Forward:
         self.seq_rows = self.tp.seq_rows if self.tp else self.rows  # rows of the residual stream on this rank
         self.lora = self.tr.lora
         self.rope_tables: Optional[T] = None
+        #: the run's first micro-step (TrainingSpec.first_seq): nothing of an earlier micro-step alive
+        self.run_start = False
         self.input_leaf: Optional[T] = None  # the embedding output as enable_input_require_grads leaves it
         self.masks: dict[str, T] = {}
         self.held_masks: list[T] = []  # masks a checkpointed region holds until its backward

@@ -8,6 +8,9 @@
 Gradient accumulation runs the first micro-step (no gradients alive) and a
 later one (all gradients alive, each new gradient allocated and added in
 place); micro-steps after the second repeat the second exactly.
+With ``TrainingSpec.first_seq`` the first step is the run's first: its first
+micro-step runs ``first_seq`` tokens with nothing of an earlier micro-step
+alive (``Forward.run_start``: no previous output held), the later ones ``seq``.
 A fused optimizer steps each parameter in its post-accumulate-grad hook and
 frees its gradient at once.
 """
@@ -122,10 +125,11 @@ def first_step_within_steady(exp: ExperimentSpec) -> bool:
     the steady step allocates it in setup, the first step creates each tensor of it inside the
     step (:meth:`memcalc.engine.optimizers.OptimizerSim.create_state`, which does nothing for
     state that exists). So at every event the first step's live bytes are the steady step's less
-    the state not yet created, and its peak cannot be higher. ``estimate()`` checks this on every
+    the state not yet created, and its peak cannot be higher. Not with ``first_seq``: the run's first
+    micro-step is then a different length. ``estimate()`` checks this on every
     estimate it makes (an internal invariant); the plan relies on it to skip first-step
     simulations (:func:`memcalc.plan.simulations.estimated_peak`)."""
-    return not uses_deepspeed(exp)
+    return not uses_deepspeed(exp) and exp.training.first_seq is None
 
 
 def weights_and_state_bytes(exp: ExperimentSpec) -> int:
@@ -235,8 +239,8 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
     strategies = [strategy() for _ in range(min(tr.grad_accum, 2))]
     step.gradient_hooks(strategies[0].grads_leave_together, fused_twin)
     gather = step.gather()
-    for layers in strategies:
-        step.micro_step(layers, gather)
+    for k, layers in enumerate(strategies):
+        step.micro_step(layers, gather, run_start=first_step and tr.first_seq is not None and k == 0)
     if not tr.fused_optimizer:
         step.optimizer_step()
     result = step.result()
@@ -335,13 +339,19 @@ class _Step:
             self.sim.set_on_layer(lambda s, i: gather.backward_enter(i))
         return gather
 
-    def micro_step(self, layers: LayerStrategy, gather: Optional[GatherHooks]) -> None:
-        """One micro-step's forward and backward, the layers run by ``layers``."""
+    def micro_step(self, layers: LayerStrategy, gather: Optional[GatherHooks], run_start: bool = False) -> None:
+        """One micro-step's forward and backward, the layers run by ``layers``. ``run_start``: the run's
+        first micro-step, ``first_seq`` tokens, nothing of an earlier one alive (module docstring)."""
         sim = self.sim
         sim.new_graph()
         if gather is not None:
             gather.before_forward()
-        fwd = Forward(sim, self.exp, self.model, layers, gather)
+        exp = self.exp
+        if run_start:
+            assert self.tr.first_seq is not None
+            exp = exp.model_copy(update={"training": self.tr.model_copy(update={"seq": self.tr.first_seq})})
+        fwd = Forward(sim, exp, self.model, layers, gather)
+        fwd.run_start = run_start
         loss = fwd.run()
         for t in self.carried:  # the previous micro-step's loss is rebound: its graph goes
             sim.unref(t)

@@ -361,10 +361,11 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     replay = timeline if replay is None else replay
     observers = [StopAbove(stop_above)] if stop_above is not None else []
     # the first step follows from the steady step's events where it runs the same ones (not under
-    # DeepSpeed: memcalc.engine.twins.first_step_of); otherwise it is simulated too
+    # DeepSpeed: memcalc.engine.twins.first_step_of, nor with a first micro-batch of its own length, first_seq);
+    # otherwise it is simulated too
     steady = simulate(exp, first_step=False, record_timeline=timeline, events=True, observers=observers)
-    first = first_step_of(steady) or simulate(exp, first_step=True, record_timeline=False, events=replay,
-                                              observers=observers)
+    derived = first_step_of(steady) if exp.training.first_seq is None else None
+    first = derived or simulate(exp, first_step=True, record_timeline=False, events=replay, observers=observers)
     alloc_extra: dict = {}
     replays, step_alloc, step_reserved = _replayed(steady, first, exp, stop_above) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state

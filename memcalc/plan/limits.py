@@ -301,9 +301,12 @@ def check_one_gpu(gpu: Optional[Sequence[str]], flag: str):
 def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: bool) -> dict[str, Any]:
     """``estimate --max-batch/--max-seq``: the exact answers on one ``gpu``, and the required bytes
     at the answer and one past it (what makes the answer the answer)."""
+    tr = exp.training
+    if tr.first_seq is not None:  # the searches fit the steady step in batch and sequence (memcalc.plan.fits)
+        raise UserError(f"{'--max-batch' if want_batch else '--max-seq'} searches the steady step; with --first-seq "
+                        "the run's first step can set the peak: leave one of them out")
     cap = int(gpu.capacity_bytes)
     out: dict[str, Any] = {"gpu": gpu.name, "capacity_bytes": cap}
-    tr = exp.training
     side = step_side(exp)
     if want_batch:
         b = max_batch(exp, cap)

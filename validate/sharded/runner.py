@@ -52,6 +52,9 @@ def check_sharded(exp: ExperimentSpec, sharding: Optional[str] = None) -> str:
     """Why this experiment cannot be traced as a sharded step (a UserError), else its sharding."""
     tr = exp.training
     sharding = sharding or tr.sharding
+    if tr.first_seq is not None:
+        raise UserError("first_seq (a longer first micro-batch) is traced by the single-process harnesses "
+                        "(validate/step.py run_on_device: the replica, hf, trl, litgpt), not sharded")
     if sharding not in TRACED:
         hint = " (DeepSpeed ZeRO is traced by its own path: --sharding deepspeed with --deepspeed CONFIG)" \
             if sharding == "deepspeed" else ""

@@ -313,7 +313,8 @@ def _run(exp: ExperimentSpec, m: ModelSpec, device: str, say, meas: Measurement,
     amp = Amp(torch.bfloat16 if tr.precision == "amp-bf16" else None)
     say(f"building {m.name} ({m.n_layers} layers) with LitGPT on {device}")
     model = build(m, tr.lora, plugin, device, tr.checkpoint == "full")
-    model.max_seq_length = tr.seq  # fit(): min(longest_seq_length, train.max_seq_length)
+    # fit(): min(longest_seq_length, train.max_seq_length): the longest micro-batch, the first one with first_seq
+    model.max_seq_length = max(tr.seq, tr.first_seq or 0)
     meas.params = sum(p.numel() for p in model.parameters())
     kernels = HFKernels(exp.profile, amp)
     run = fabric_forward(model, plugin)

@@ -95,6 +95,8 @@ def refusal(exp: ExperimentSpec) -> Optional[str]:
                                                        "recipe raises (\"Gradient accumulation is not supported with "
                                                        "optimizer in bwd\")"),
         (tr.gpus == 1 and tr.zero == 0 and tr.tp == 1, "several GPUs: validate traces the single-device recipes"),
+        (tr.first_seq is None, "first_seq (a longer first micro-batch): the recipes' loop is not traced with one "
+                               "(the single-process harnesses of validate/step.py are)"),
         (not tr.offload_optimizer and not tr.master_weights, "optimizer offload or fp32 master weights: the "
                                                              "single-device recipes have neither"),
         (not tr.compile or tr.compile_scope == "layer",

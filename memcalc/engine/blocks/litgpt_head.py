@@ -24,7 +24,10 @@ code itself):
   and the optimizer step. Here the previous output is carried from one micro-step to the next; in
   the first micro-step of a step a stand-in of the same sizes (the previous step's) is allocated as
   the head starts and freed with the previous output (the steady state: a first training step has
-  none, so the first-step peak is over-counted by it).
+  none, so the first-step peak is over-counted by it), except in the run's first micro-step when
+  ``TrainingSpec.first_seq`` says it runs apart (``Forward.run_start``): ``fit`` has bound no
+  ``logits`` before its first forward (finetune/lora.py; the sanity ``validate`` before it runs under
+  ``torch.inference_mode``, no graph).
 - **the shift**: LoRA: ``logits[-1] = logits[-1][..., :-1, :]`` (a view); full:
   ``logits[..., :-1, :]`` (a view). ``SliceBackward`` allocates the unsliced gradient.
 - **the loss**: litgpt/utils.py ``chunked_cross_entropy(logits, targets, chunk_size=128)``. A list:
@@ -82,6 +85,8 @@ def head_and_loss(fwd: ForwardContext, x: T) -> T:
     chunked = fwd.lora is not None  # lora.py fit: lm_head_chunk_size=128; full.py: none
     sizes = list(groups(fwd.T)) if chunked else [fwd.T]
     prev = _HELD.pop(sim, None)
+    if prev is None and fwd.run_start:  # the run's first micro-step: fit() has bound no `logits` yet
+        prev = []
     if prev is None:  # the previous step's output (the steady state)
         V = fwd.m.vocab_size
         prev = [sim.alloc(_F32.nbytes(fwd.B * c * V), "activations", CATEGORY) for c in sizes]
