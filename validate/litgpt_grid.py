@@ -88,22 +88,34 @@ QLORA_SETUPS = (
 )
 
 
+#: the run's first micro-batch longer than the rest (TrainingSpec.first_seq, lit-gpt 8641822's longest sample
+#: first): (model, targets, precision, batch, seq, first_seq, grad_accum, bitsandbytes < 0.43.2 or None: LoRA)
+FIRST_SEQ_SETUPS = (
+    ("llama", "q,v", "bf16", 1, 100, 320, 2, True),
+    ("phi", "q,v", "bf16", 2, 100, 320, 2, None),
+)
+
+
 def grid(only: Optional[str] = None) -> list[tuple[str, ExperimentSpec]]:
     """The setups (name, spec); ``only`` keeps names containing it."""
     rows: list[tuple[str, str, str, int, int, str, int, Optional[bool]]] = [
         (model, tuning, prec, B, T, ck, 1, None) for model, tuning, prec, B, T, ck in SETUPS]
     rows += [(model, tuning, prec, B, T, ck, ga, legacy) for model, tuning, prec, B, T, ck, ga, legacy in QLORA_SETUPS]
+    firsts = [None] * len(rows) + [first for *_, first, _ga, _legacy in FIRST_SEQ_SETUPS]
+    rows += [(model, tuning, prec, B, T, "none", ga, legacy)
+             for model, tuning, prec, B, T, _first, ga, legacy in FIRST_SEQ_SETUPS]
     out = []
-    for model, tuning, prec, B, T, ck, ga, legacy in rows:
+    for (model, tuning, prec, B, T, ck, ga, legacy), first in zip(rows, firsts, strict=True):
         m = MODELS[model]
         qlora = legacy is not None
         lora = None if tuning == "full" else LoraSpec(rank=8, alpha=16, targets=tuple(tuning.split(",")),
                                                       qlora=qlora, bnb_saves_input=bool(legacy))
-        tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora, grad_accum=ga)
+        tr = TrainingSpec(batch=B, seq=T, precision=prec, checkpoint=ck, lora=lora, grad_accum=ga, first_seq=first)
         ck_tag = " ck" if ck != "none" else ""
         kind = "full" if lora is None else (
             f"qlora{' bnb<0.43.2' if legacy else ''} " if qlora else "lora ") + tuning
-        name = f"{m.name} {kind} {prec} {B}x{T}{ck_tag}{f' ga{ga}' if ga > 1 else ''}"
+        name = (f"{m.name} {kind} {prec} {B}x{T}{ck_tag}{f' ga{ga}' if ga > 1 else ''}"
+                f"{f' first {first}' if first else ''}")
         if only is None or only in name:
             out.append((name, ExperimentSpec(name=name, model=m, training=tr, profile=profile_for("litgpt"))))
     return out
