@@ -13,6 +13,8 @@ gpipe             ``ScheduleGPipe``            all ``M`` forwards, then all ``M`
                                                backwards (``M >= pp``: torch raises otherwise)
 ================  ===========================  =====================================================
 
+With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus).
+
 The split is even: each stage gets ``n_layers / pp`` consecutive layers (the first stage also the
 embedding, the last the final norm, the head and the loss), as torchtitan's
 ``pipeline_module_split`` cuts a model given per-stage module names; ``n_layers`` must divide by
@@ -76,7 +78,6 @@ def check_pp(exp: ExperimentSpec) -> None:
         (m.tie_embeddings, "tied embeddings (the embedding and the head sit on different stages)"),
         (m.moe is not None, "mixture-of-experts layers"),
         (m.mla is not None, "multi-head latent attention"),
-        (tr.tp > 1, "--tp"),
         (tr.ep > 1, "--ep"),
         (tr.cp > 1, "--cp"),
         (tr.zero > 0 and tr.gpus > 1, "ZeRO / FSDP over data-parallel GPUs"),

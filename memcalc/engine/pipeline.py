@@ -30,6 +30,11 @@ Frees follow those Python references; on GPUs NCCL keeps a sent tensor's block u
 completes (``recordStream`` on P2P ops, ProcessGroupNCCL.cpp ``pointToPoint``; pytorch/pytorch#132292),
 a matter of timing the fake process group cannot show, not modelled.
 
+With ``--tp`` each rank runs its stage of the tensor-parallel local model (torchtitan's ``apply_tp`` on each
+model part over the ``tp`` mesh dimension; :mod:`memcalc.engine.tensor_parallel`); with sequence parallelism
+the stages exchange the rank's ``seq / tp`` rows (a row-parallel linear's local output), and the last stage's
+loss runs under loss parallel.
+
 Every rank also holds the whole batch's ids and labels (torchtitan's ``forward_backward_step`` moves
 both to the GPU before branching on the stage); each micro-batch's are views of them
 (``torch.tensor_split``, microbatch.py ``_split_tensor``).
@@ -172,6 +177,8 @@ class RankStep:
             self.opt.create_all()
         tr, d = exp.training, exp.model.d_model
         b, seq = tr.batch // self.M, tr.seq
+        if tr.tp > 1 and tr.sequence_parallel:  # the stage's output: the rank's local seq / tp rows (a plain tensor:
+            seq //= tr.tp  # the rowwise linears' use_local_output; torch/distributed/tensor/parallel/style.py)
         dt = tr.weight_dtype  # the residual stream between stages
         n = b * seq * d
 
@@ -181,8 +188,8 @@ class RankStep:
 
         self.recv = buffers() if not self.first else []
         self.grad_recv = buffers() if not self.last else []
-        self.ids = sim.alloc(tr.batch * seq * 8, "activations", "inputs")
-        self.labels = sim.alloc(tr.batch * seq * 8, "activations", "inputs")
+        self.ids = sim.alloc(tr.batch * tr.seq * 8, "activations", "inputs")
+        self.labels = sim.alloc(tr.batch * tr.seq * 8, "activations", "inputs")
         sim.mark("step start", "setup")
         self.step_start = len(self.log.events) if self.log is not None else 0
         self.state_moves = None
@@ -219,6 +226,9 @@ class RankStep:
         if not self.first:
             x_in.requires_grad = True  # the received activation: a leaf requiring grad
         out = fwd.run_stage(x_in)
+        if self.output is not None:  # ``output = forward_one_chunk(...)`` rebinds before the loss is computed
+            sim.unref(self.output)
+        self.output = sim.ref(out)
         loss = None
         if self.last:  # _maybe_compute_loss: loss_fn(output, target) on the kept logits
             sim.mark(f"mb {i} loss")
@@ -229,9 +239,6 @@ class RankStep:
             p.uses = 0
         self.graphs[i] = (sim.nodes, fwd, layers, out, loss, uses)
         sim.new_graph()
-        if self.output is not None:
-            sim.unref(self.output)
-        self.output = sim.ref(out)
 
     def backward(self, i: int) -> None:
         sim = self.sim

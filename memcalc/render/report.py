@@ -417,7 +417,8 @@ def setup_line(est: Estimate, res: Resolved) -> str:
     lo = tr.lora
     method = ("full fine-tune" if lo is None
               else f"{_lora_kind(lo)}{'+DoRA' if lo.dora else ''} r{lo.rank}")
-    gpus = f", {tr.gpus * tr.tp} GPUs" + (f" ZeRO-{tr.zero}" if tr.zero else "") if tr.gpus * tr.tp > 1 else ""
+    n = tr.gpus * tr.tp * tr.cp * tr.pp  # every rank of the mesh (TrainingSpec's tp, cp and pp fields)
+    gpus = f", {n} GPUs" + (f" ZeRO-{tr.zero}" if tr.zero else "") if n > 1 else ""
     src = res.model_source
     frm = f"; {escape(src.describe())}" if src is not None and src.kind != "preset" else ""
     master, reentrant = " + fp32 master" * tr.master_weights, " (reentrant)" * tr.checkpoint_reentrant

@@ -47,6 +47,11 @@ ROWS = [
     (2, 2, "1f1b", 2, 2, 128, "hf", {"precision": "amp-bf16"}),
     # source: trace, bf16 with fp32 master weights
     (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "master_weights": True}),
+    # source: trace, pp x tp (torchtitan's apply_tp on each stage over the tp mesh dimension), 1F1B: the last
+    # stage's vocabulary-sharded logits under loss parallel
+    (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "tp": 2}),
+    # source: trace, pp x tp with sequence parallelism, GPipe: stages exchange this rank's seq / tp rows
+    (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "tp": 2, "sequence_parallel": True}),
 ]
 
 

@@ -64,6 +64,17 @@ def fake_world(world: int, rank: int = 0, shape: Optional[Sequence[int]] = None,
         raise UserError(f"mesh names {names} do not match the mesh shape {shape}")
     if dist.is_initialized():  # a trace that failed half-way, or a caller's own group: start clean
         dist.destroy_process_group()
+    # DTensor's sharding propagation caches outlive a process group: an output spec cached for an earlier
+    # world's mesh of the same shape (DeviceMesh compares by its ranks, not its groups) names that world's
+    # process groups, which no longer resolve ("Could not resolve the process group registered under the
+    # name 3": the pipeline x sequence-parallel trace of a second stage). Both caches are cleared: the C++
+    # dispatch fast path's (torch._C._clear_DTensor_sharding_propagator_cache) and the Python one it falls
+    # back on (torch/distributed/tensor/_sharding_prop.py LocalLRUCache)
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield init_device_mesh(DEVICE, shape, mesh_dim_names=names)

@@ -29,6 +29,12 @@ Two patches, both of communication only (the fake process group delivers no data
   complete static metadata, so every rank votes STATIC and the exchange's answer is STATIC; it is
   set directly (a ``recv`` on the fake group leaves zeros, which would read as DYNAMIC).
 
+With ``--tp`` the mesh is ``pp x tp`` (this rank at tp coordinate 0) and torchtitan's ``apply_tp``
+(:func:`.tp.apply_tp`, which skips the modules a stage does not own) parallelizes the stage over the ``tp``
+dimension before ``PipelineStage`` wraps it (given the ``pp`` group); with sequence parallelism the
+stage boundary is the rank's ``seq / tp`` rows; the schedule's ``step`` runs under ``loss_parallel``, as
+torchtitan's ``train_context`` wraps it; the tracer counts each DTensor by its local shard.
+
 Every rank loads the whole batch (``inputs`` and ``labels`` moved to the GPU before the stage
 branch in torchtitan's ``forward_backward_step``); both are counted on every rank.
 """
@@ -58,10 +64,10 @@ class StageModule(nn.Module):
     last (torchtitan's split: the other modules dropped). ``forward(x)``: token ids (first stage) or
     hidden states in, hidden states or logits out."""
 
-    def __init__(self, dec: Decoder, lo: int, hi: int, first: bool, last: bool) -> None:
+    def __init__(self, dec: Decoder, lo: int, hi: int, first: bool, last: bool, seq: int) -> None:
         super().__init__()
         self.dec: Decoder = dec
-        self.first, self.last = first, last
+        self.first, self.last, self.seq = first, last, seq
         dec.layers = nn.ModuleList(list(dec.layers)[lo:hi])  # the stage's layers (indices lo..hi-1)
         dec.m = dec.m.model_copy(update={"n_layers": hi - lo})
         # torchtitan's split sets the modules a stage does not own to None
@@ -76,8 +82,8 @@ class StageModule(nn.Module):
             if self.first:
                 B, T = x.shape
                 x = dec.embed(x)
-            else:
-                B, T = x.shape[:2]
+            else:  # (with sequence parallelism the received hidden states are this rank's seq / tp rows)
+                B, T = x.shape[0], self.seq
             cos, sin = dec.rope(T, x.dtype)
             masks = variants.build_masks(dec.m, B, T, x.dtype, x.device)
             x = dec.run_layers(x, cos, sin, masks)
@@ -121,7 +127,8 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
     from ..optim import allow_fused_on, build_optimizer
     from ..step import Probe, track_inputs, two_steps
     from .fake_dist import fake_world
-    from .rank_tracer import RankTracer
+    from .rank_tracer import RankTracer, local_tensors
+    from .tp import apply_tp, make_tracer
 
     tr = exp.training
     pp, M = tr.pp, micro_batch(tr)[0]
@@ -130,22 +137,28 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
     lo, hi = stages[rank]
     first, last = rank == 0, rank == pp - 1
     out: dict = {"rank": rank, "layers": [lo, hi]}
-    with fake_world(pp, rank, names=("pp",)), _patch_p2p():
+    tp = tr.tp
+    world = (pp * tp, rank * tp, (pp, tp), ("pp", "tp")) if tp > 1 else (pp, rank, None, ("pp",))
+    with fake_world(*world) as mesh, _patch_p2p():
         say(f"rank {rank} of {pp}: layers {lo}..{hi - 1}{' + embedding' if first else ''}"
-            f"{' + head' if last else ''}, {tr.pp_schedule}, {M} micro-batches")
+            f"{' + head' if last else ''}, {tr.pp_schedule}, {M} micro-batches" + (f", tp {tp}" if tp > 1 else ""))
         torch.manual_seed(0)
         dec = build_model(m, tr, exp.profile, device="meta")
-        stage_mod = StageModule(dec, lo, hi, first, last)
         T = tr.seq
+        stage_mod = StageModule(dec, lo, hi, first, last, T)
+        if tp > 1:  # torchtitan's parallelize_llama: apply_tp on each model part (its stage) over the tp mesh
+            apply_tp(dec, mesh["tp"], tr.sequence_parallel)
+        group = mesh["pp"].get_group() if tp > 1 else None
         with allow_fused_on("meta"):
             ids = torch.zeros((tr.batch, T), dtype=torch.int64, device="meta")
             labels = ids.clone()
-            hidden = torch.empty((b, T, m.d_model), dtype=_hidden_dtype(tr), device="meta")
+            t_local = T // tp if tp > 1 and tr.sequence_parallel else T  # the stage boundary: a local tensor
+            hidden = torch.empty((b, t_local, m.d_model), dtype=_hidden_dtype(tr), device="meta")
             in_args = (ids[:b],) if first else (hidden.detach().requires_grad_(True),)
             out_args = (hidden.detach().requires_grad_(True),) if not last else \
                 (torch.empty((b, T, m.vocab_size), dtype=_logits_dtype(tr), device="meta").requires_grad_(True),)
             stage = pipelining.PipelineStage(stage_mod, rank, pp, torch.device("meta"), input_args=in_args,
-                                             output_args=out_args)
+                                             output_args=out_args, group=group)
             del in_args, out_args, hidden
             amp = dec.amp
             profile = exp.profile
@@ -157,24 +170,21 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
             sched = getattr(pipelining, TORCH_SCHEDULES[tr.pp_schedule])(stage, M, loss_fn=loss_fn)
             trainable: list[torch.Tensor] = [p for p in stage_mod.parameters() if p.requires_grad]
             opt = build_optimizer(trainable, tr)
-            tracer = RankTracer("meta", exp.profile.allocator_round_bytes, debug=debug)
+            tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, "meta") if tp > 1
+                      else RankTracer("meta", exp.profile.allocator_round_bytes, debug=debug))
             probe = Probe("meta", tracer)
             dec.on_label = probe.label
             ran: list = []
             _label_chunks(stage, tracer, ran)
-            track_inputs(tracer, stage_mod, ids, labels, opt)
+            track_inputs(tracer, stage_mod, ids, labels, opt, local_tensors)
+            around = _loss_parallel if tp > 1 else contextlib.nullcontext
 
             def step() -> None:
                 ran.clear()
                 tracer.set_phase("forward")
                 losses: list = []
-                if first:
-                    sched.step(ids, target=labels if last else None, losses=losses if last else None,
-                               return_outputs=False)
-                elif last:
-                    sched.step(target=labels, losses=losses, return_outputs=False)
-                else:
-                    sched.step(return_outputs=False)
+                with around():  # torchtitan's train_context: loss parallel around the schedule's step
+                    _run_schedule(sched, first, last, ids, labels, losses)
                 del losses
                 tracer.set_phase("optimizer step")
                 opt.step()
@@ -188,6 +198,22 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
                 out["peak_live"] = sorted(([bb, w] for bb, w, _ in tracer.peak_live), reverse=True)
             dec.on_label = None
     return out
+
+
+def _run_schedule(sched, first: bool, last: bool, ids, labels, losses: list) -> None:
+    """The schedule's unmodified ``step`` as torchtitan's ``forward_backward_step`` calls it on this stage."""
+    if first:
+        sched.step(ids, target=labels if last else None, losses=losses if last else None, return_outputs=False)
+    elif last:
+        sched.step(target=labels, losses=losses, return_outputs=False)
+    else:
+        sched.step(return_outputs=False)
+
+
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def _collect() -> None:

@@ -98,12 +98,18 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     """torchtitan's ``apply_tp`` on the replica (see the module docstring's table)."""
     sp = sequence_parallel
     resid = Shard(1) if sp else Replicate()
-    model.lm_head.call_module = True  # ColwiseParallel works through the head module's hooks
-    parallelize_module(model, tp_mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid),
-        "lm_head": _Colwise(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False),
-    })
-    if sp:
+    # a pipeline stage holds the embedding (first), the final norm and the head (last) or neither: the modules
+    # it does not own are None (torchtitan's pipeline_module_split), and apply_tp's plan skips them
+    ends = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=resid),
+            "lm_head": _Colwise(input_layouts=resid, output_layouts=Shard(-1), use_local_output=False)}
+    ends = {k: v for k, v in ends.items() if getattr(model, k, None) is not None}
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head.call_module = True  # ColwiseParallel works through the head module's hooks
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
+    if getattr(model, "final_norm", None) is None:
+        pass
+    elif sp:
         parallelize_module(model, tp_mesh, {"final_norm": SequenceParallel()})
     else:
         _replicate_norm(model.final_norm, tp_mesh)
