@@ -77,6 +77,34 @@ def test_estimate_matches_traced_ulysses_rank(cp, kv, tr):
                                        f"{meas.measured_bytes:,} ({gap:+.2f}%, {meas.peak_phase} {meas.peak_label})")
 
 
+def test_ulysses_trace_restores_only_what_it_set(monkeypatch):
+    """RANK / WORLD_SIZE / ... (context_parallel.ulysses_env) each back as it was: a value given before
+    comes back, one unset is deleted; a variable something else set during the trace stays (the whole
+    environment used to be put back, deleting what libraries set on import)."""
+    import os
+
+    from memcalc.validate.sharded import context_parallel as cpm
+
+    monkeypatch.setenv("RANK", "5")
+    for key in cpm.ULYSSES_ENV_KEYS[1:]:
+        monkeypatch.delenv(key, raising=False)
+    trace = cpm._trace
+
+    def traced(*args, **kwargs):
+        os.environ["MEMCALC_SET_DURING_TRACE"] = "1"
+        return trace(*args, **kwargs)
+
+    monkeypatch.setattr(cpm, "_trace", traced)
+    monkeypatch.delenv("MEMCALC_SET_DURING_TRACE", raising=False)
+    m = ModelSpec(name="tiny-llama", n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, vocab_size=64,
+                  max_seq_len=256)
+    exp = ExperimentSpec(model=m, training=TrainingSpec(batch=1, seq=64, cp=2, cp_method="ulysses"))
+    assert cpm.measure_cp(exp).status == "ok"
+    assert os.environ["RANK"] == "5"
+    assert not [k for k in cpm.ULYSSES_ENV_KEYS[1:] if k in os.environ]
+    assert os.environ["MEMCALC_SET_DURING_TRACE"] == "1"
+
+
 # context parallelism x FSDP2: fully_shard over the flattened dp x cp mesh (torchtitan's dp_shard_cp), traced as
 # the FSDP2 x TP harness traces (fake tensors on cpu); the estimate shards over gpus x cp
 # (engine.context_parallel.shard_group)

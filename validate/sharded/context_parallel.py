@@ -147,6 +147,38 @@ def ring_sdpa(mesh, inner: Callable) -> Callable:
     return sdpa
 
 
+def ulysses_env(rank: int, cp: int) -> dict[str, str]:
+    """What ``deepspeed.comm`` reads of a launch, as rank ``rank`` of ``cp`` on the CPU accelerator
+    (deepspeed 0.19 ``comm/comm.py`` ``init_distributed`` reads RANK / WORLD_SIZE / LOCAL_RANK;
+    ``accelerator/real_accelerator.py`` DS_ACCELERATOR). With ``auto_mpi_discovery=False`` and
+    ``dist_init_required=False`` DeepSpeed writes none of its own (MASTER_ADDR / MASTER_PORT are
+    written on the MPI-discovery path only): these are all the Ulysses trace sets."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(cp), "LOCAL_RANK": "0", "LOCAL_SIZE": "1", "DS_ACCELERATOR": "cpu"}
+
+
+#: the variables :func:`ulysses_sdpa` sets, which :func:`measure_cp` restores
+ULYSSES_ENV_KEYS = tuple(ulysses_env(0, 1))
+
+
+@contextlib.contextmanager
+def restored_env(keys: tuple[str, ...]) -> Iterator[None]:
+    """Each of ``keys`` back to its value on entry when the block ends (deleted where it was unset);
+    every other variable as the block left it (what a library sets on import, e.g. inductor's
+    TORCHINDUCTOR_CACHE_DIR, stays). A RANK / WORLD_SIZE left behind made a later Trainer in the process
+    (accelerate's PartialState) and its subprocesses take themselves for a distributed launch."""
+    import os
+
+    saved = {k: os.environ.get(k) for k in keys}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def ulysses_sdpa(mesh, inner: Callable, rank: int, cp: int) -> Callable:
     """The replica's ``sdpa`` as the local attention of DeepSpeed 0.19's ``DistributedAttention``
     (deepspeed/sequence/layer.py; ``scatter_idx=2, gather_idx=1``, batch first): q, k, v go in as the
@@ -155,7 +187,7 @@ def ulysses_sdpa(mesh, inner: Callable, rank: int, cp: int) -> Callable:
     and its output comes back the same way. ``deepspeed.comm`` runs on the fake process group."""
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cp), LOCAL_RANK="0", LOCAL_SIZE="1", DS_ACCELERATOR="cpu")
+    os.environ.update(ulysses_env(rank, cp))  # measure_cp puts each back as it was (restored_env)
     from deepspeed import comm as ds_comm
     from deepspeed.sequence.layer import DistributedAttention
 
@@ -201,21 +233,16 @@ def measure_cp(exp, scale_layers=None, progress=None, debug: bool = False, devic
     if why:
         meas.status, meas.reason = "skipped", "; ".join(why)
         return meas
-    import os
+    with restored_env(ULYSSES_ENV_KEYS):  # what ulysses_sdpa sets for deepspeed.comm, put back as it was
+        try:
+            from memcalc.core.rules import check_cp
 
-    env = dict(os.environ)  # ulysses_sdpa sets DeepSpeed's RANK / WORLD_SIZE / LOCAL_RANK: a later Trainer
-    try:  # in this process would read them as a distributed launch (accelerate's PartialState)
-        from memcalc.core.rules import check_cp
-
-        check_cp(exp)
-        _trace(exp, m, meas, progress or (lambda _msg: None), debug, timeline, rank)
-    except UserError:
-        raise
-    except Exception as e:
-        meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
+            check_cp(exp)
+            _trace(exp, m, meas, progress or (lambda _msg: None), debug, timeline, rank)
+        except UserError:
+            raise
+        except Exception as e:
+            meas.status, meas.reason, meas.measured_bytes = "error", error_reason(e), None
     meas.seconds = round(time.perf_counter() - t0, 3)
     return meas
 
