@@ -48,7 +48,10 @@ read from torch 2.13, ``torch/distributed/fsdp/_fully_shard/``:
 - **Mixed precision** (``MixedPrecisionPolicy``, ``FSDPParam.init_dtype_attrs``): under
   ``--bf16 --master-weights`` the shards are fp32, ``param_dtype`` bf16, ``reduce_dtype`` fp32
   (torchtitan's default): gradient shards fp32, the optimizer steps the fp32 shards (no separate
-  master copy). Pure ``--bf16``: everything bf16. ``amp-*`` / fp32: fp32 shards, no cast.
+  master copy). With LoRA only the trainable parameters have fp32 shards; the frozen base keeps its
+  16-bit ones and is all-gathered without a cast copy (:meth:`FSDP2._cast`; accelerate's
+  ``fsdp2_prepare_model`` upcast, memcalc.engine.weights ``_shard_dtype``). Pure ``--bf16``:
+  everything bf16. ``amp-*`` / fp32: fp32 shards, no cast.
 - **CPU offload** (``CPUOffloadPolicy``, ``offload_to_cpu``): shards, gradient shards and the
   optimizer (which steps on the CPU) live in host memory; the GPU keeps the per-unit buffers.
 
@@ -179,6 +182,14 @@ class FSDP2(GatherHooks):
         bits = p.weight.itemsize_bits
         return -(-numel * bits // 8)
 
+    def _cast(self, p: Param) -> bool:
+        """Whether ``p`` is all-gathered through a cast copy (torch 2.13 ``_fsdp_collectives.py``
+        ``_get_param_all_gather_inputs``: ``use_foreach_copy`` when its ``param_dtype`` is set): under
+        the policy the trainable parameters' fp32 shards; a frozen one is 16-bit already
+        (``init_dtype_attrs`` clears a ``param_dtype`` equal to the original dtype; memcalc.engine.weights
+        ``_shard_dtype``)."""
+        return self.pol.cast and p.trainable
+
     # -- all-gather ---------------------------------------------------------------------
     def unshard(self, u: Unit) -> None:
         """``FSDPParamGroup.unshard`` -> ``foreach_all_gather``: copy-in, then the flat output."""
@@ -188,16 +199,17 @@ class FSDP2(GatherHooks):
         ins: list[T] = []
         if pol.offload:  # all_gather_inputs: sharded_param_data.to(device), then the cast
             for p, s in zip(u.params, u.shard_numels):
-                h2d = sim.alloc(pol.orig.nbytes(s) if p.weight.itemsize_bits >= 8 else self._param_dtype_bytes(p, s),
+                h2d = sim.alloc(pol.orig.nbytes(s) if self._cast(p) else self._param_dtype_bytes(p, s),
                                 "temporaries", CAT_AG)
-                if pol.cast:
+                if self._cast(p):
                     c = sim.alloc(self._param_dtype_bytes(p, s), "temporaries", CAT_AG)
                     sim.unref(h2d)
                     h2d = c
                 ins.append(h2d)
-        elif pol.cast:  # flat_foreach_copy_input
-            ins.append(sim.alloc(sum(self._param_dtype_bytes(p, s) for p, s in zip(u.params, u.shard_numels)),
-                                 "temporaries", CAT_AG))
+        elif pol.cast:  # flat_foreach_copy_input: the parameters with a param_dtype (use_foreach_copy)
+            copied = sum(self._param_dtype_bytes(p, s) for p, s in zip(u.params, u.shard_numels) if self._cast(p))
+            if copied:
+                ins.append(sim.alloc(copied, "temporaries", CAT_AG))
         u.ag_out = sim.alloc(self.n * sum(self._param_dtype_bytes(p, s) for p, s in zip(u.params, u.shard_numels)),
                              "temporaries", CAT_AG)
         for t in ins:
@@ -376,7 +388,7 @@ def host_offload_bytes(exp: ExperimentSpec) -> int:
     total = 0
     for pt in param_inventory(local_experiment(exp).model, tr.lora):  # with TP: this rank's shards
         s = padded_shard_numel(pt.shape, tr.gpus)
-        total += pol.orig.nbytes(s)
+        total += (pol.orig if pt.trainable or not pol.cast else tr.weight_dtype).nbytes(s)  # weights._shard_dtype
         if pt.trainable:
             total += pol.orig.nbytes(s)
             w = T(0, "weights", "", itemsize_bits=pol.orig.bits)

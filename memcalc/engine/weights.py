@@ -156,6 +156,19 @@ def _storage(pt, lora: Optional[LoraSpec], quant: bool, wdt: DType, adt: DType,
     return pdt, pdt.nbytes(pt.numel), "weights" if pt.trainable or lora is None else "frozen base weights"
 
 
+def _shard_dtype(pt, pdt: DType, wdt: DType, f2_orig: Optional[DType], f1: bool) -> DType:
+    """The dtype of ``pt``'s FSDP shard: the policy's original dtype (``f2_orig``), an adapter in its own.
+    FSDP2 under ``--master-weights`` (an fp32 ``f2_orig`` over a 16-bit weight dtype) holds fp32 shards
+    of the trainable parameters only: accelerate 1.15 ``utils/fsdp_utils.py`` ``fsdp2_prepare_model``
+    casts up ``param.requires_grad and param.dtype != torch.float32`` ones ("FSDP2 requires uniform
+    orig_dtype among trainable params in each group"; torch 2.13 ``_fsdp_param_group.py``
+    ``_init_mp_dtypes`` checks the trainable ones alone), so a frozen base keeps its 16-bit shards
+    (validate/sharded/fsdp2.py ``upcast_trainable`` builds the same)."""
+    if not f1 and f2_orig is not None and f2_orig != wdt:
+        return f2_orig if pt.trainable else pdt
+    return pdt if pt.kind == "lora" else f2_orig  # type: ignore[return-value]
+
+
 def _quantized_base(lora: Optional[LoraSpec], kbit_fp32: bool) -> tuple[bool, bool]:
     """(whether the base's linears are 4-bit: QLoRA's NF4 or a GPTQ / AWQ base, whether PEFT's
     ``prepare_model_for_kbit_training`` casts the other 16-bit parameters to fp32): not for a GPTQ model
@@ -191,8 +204,7 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
         nbytes = full
         if f2:  # this rank's padded row shard (FSDP1: its share of the flat shard), original dtype
             elems = -(-pt.numel // n) if f1 else fsdp_shard_numel(pt.shape, pt.kind, n, ep, n_experts)
-            nbytes = -(-full * elems // pt.numel) if quant else (
-                pdt if pt.kind == "lora" else f2_orig).nbytes(elems)
+            nbytes = -(-full * elems // pt.numel) if quant else _shard_dtype(pt, pdt, wdt, f2_orig, f1).nbytes(elems)
             cat += f" (FSDP{1 if f1 else 2} shard 1/{shard_world(pt.kind, n, ep)})"
             if offload_optimizer:  # CPUOffloadPolicy: the shards live in host memory
                 nbytes = 0

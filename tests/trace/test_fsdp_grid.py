@@ -62,6 +62,9 @@ GRID = [
     ("tinyllama-1.1b", 2, dict(**BF16, zero=2, gpus=8, grad_accum=2)),  # source: trace_rank
     ("tinyllama-1.1b", 2, dict(precision="amp-bf16", zero=3, gpus=4)),  # source: trace_rank, autocast
     ("tinyllama-1.1b", 2, dict(**BF16, zero=3, gpus=4, lora=dict(rank=16))),  # source: trace_rank, LoRA
+    # LoRA under MixedPrecisionPolicy: fp32 adapter shards, the frozen base's stay bf16 (fsdp2.upcast_trainable,
+    # accelerate's fsdp2_prepare_model); -0.00% (it was fp32 base shards on both sides before: 922.6 MB)
+    ("tinyllama-1.1b", 2, dict(**MP, zero=3, gpus=4, lora=dict(rank=16))),  # source: trace_rank, 813.2 MB
     ("gpt2", 2, dict(**FP32, zero=3, gpus=4)),  # source: trace_rank, tied embedding and head
     # FSDP1 (engine/fsdp1.py): FullyShardedDataParallel, flat parameters, FULL_SHARD / SHARD_GRAD_OP
     ("tinyllama-1.1b", 2, dict(**BF16, zero=3, gpus=4, sharding="fsdp1")),  # source: trace_rank, FSDP1
@@ -104,3 +107,20 @@ def test_estimate_matches_fsdp2_rank_trace(preset, layers, tr):
         f"estimate {est.peak_bytes:,} B ({est.peak_phase}, {est.peak_label}) vs rank trace "
         f"{traced['peak_bytes']:,} B ({traced['phase']}, {traced['label']}): {gap:+.2f}%")
 
+
+
+def test_hf_peft_lora_master_weights_keep_the_frozen_base_16_bit():
+    """transformers + PEFT under FSDP2 with ``--master-weights`` (validate/sharded/hf.py): accelerate 1.15's
+    ``fsdp2_prepare_model`` casts up the trainable parameters only (PEFT's adapters are fp32 already), so
+    every projection adapted, the frozen base is all-gathered from bf16 shards without a cast copy."""
+    from memcalc.inputs.resolve import Options, resolve
+
+    exp = resolve(Options(model="tinyllama-1.1b", framework="hf", batch=1, seq=256, gpus=4, zero=2, bf16=True,
+                          master_weights=True, lora=True, lora_targets="all")).exp
+    exp = exp.model_copy(update={"model": exp.model.model_copy(update={"n_layers": 2})})
+    traced = trace_rank(exp, rank=0, framework="hf")
+    est = estimate(exp, timeline=False)
+    assert traced["baseline_bytes"] < 120_000_000  # bf16 base shards: 2 bytes x 220M parameters / 4 ranks
+    gap = 100 * (est.peak_bytes - traced["peak_bytes"]) / traced["peak_bytes"]
+    assert abs(gap) <= TOLERANCE_PCT, (f"estimate {est.peak_bytes:,} B vs rank trace {traced['peak_bytes']:,} B: "
+                                       f"{gap:+.2f}%")  # source: trace_rank(framework="hf"), +0.28%

@@ -103,6 +103,21 @@ def test_mixed_precision_has_no_master_copy():
     assert abs(with_mp - shards) / shards < 0.01
 
 
+def test_lora_master_weights_keep_the_frozen_base_16_bit():
+    # source: accelerate 1.15 utils/fsdp_utils.py fsdp2_prepare_model casts up the trainable parameters only
+    # (torch 2.13 _fsdp_param_group.py _init_mp_dtypes: one original dtype among the trainable ones): bf16 base
+    # shards, fp32 adapter shards and moments (tests/trace/test_fsdp_grid.py traces it)
+    from memcalc.core.spec import LoraSpec
+
+    lora = LoraSpec(rank=16)
+    n, trainable = count_params(SMALL).total, count_params(SMALL, lora).trainable
+    got = weights_and_state_bytes(_exp(lora=lora))
+    want = (2 * (n - trainable) + (4 + 8) * trainable) / 4
+    assert abs(got - want) / want < 0.01, (got, want)
+    host = host_offload_bytes(_exp(lora=lora, offload_optimizer=True))
+    assert host < host_offload_bytes(_exp(offload_optimizer=True))
+
+
 def test_offload_host_bytes_and_gpu_without_shards():
     # source: CPUOffloadPolicy (_fsdp_param.py: shards moved to CPU; foreach_reduce copies each
     # gradient shard to CPU; the optimizer steps there): host = shards + gradient shards + state

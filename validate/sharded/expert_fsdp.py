@@ -36,12 +36,13 @@ def apply_fsdp2_ep(model: nn.Module, exp: ExperimentSpec, dp_mesh, efsdp_mesh, p
     from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
     from torch.distributed.tensor import Shard
 
-    from .fsdp2 import RESHARD_AFTER_FORWARD
+    from .fsdp2 import RESHARD_AFTER_FORWARD, upcast_trainable
 
     tr = exp.training
     moe = exp.model.moe
     assert moe is not None
     reshard = RESHARD_AFTER_FORWARD[tr.zero]
+    upcast_trainable(model, plan)
     policy = plan.policy()
     edp_info, dp_info = _get_mesh_info(efsdp_mesh), _get_mesh_info(dp_mesh)
     placement = Shard(1) if efsdp_mesh.size() * tr.ep > moe.n_experts else Shard(0)

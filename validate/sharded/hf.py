@@ -58,6 +58,9 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
         with fake:
             _to_empty_cpu(model)
             return apply_fsdp1_hf(model, mesh, zero, plan, layers), layers, params
+    from .fsdp2 import upcast_trainable
+
+    upcast_trainable(model, plan)  # (PEFT's adapters are fp32 already: autocast_adapter_dtype)
     policy = plan.policy()
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[zero], mp_policy=policy)

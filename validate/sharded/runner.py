@@ -108,7 +108,7 @@ def trace_rank(exp: ExperimentSpec, rank: int = 0, scale_layers: Optional[int] =
     tr = exp.training
     sharding = check_sharded(exp, sharding)
     m = exp.model if scale_layers is None else exp.model.model_copy(update={"n_layers": scale_layers})
-    plan = precision_plan(tr)
+    plan = precision_plan(tr, sharding)
     if framework not in ("plain", "hf"):
         raise UserError(f"unknown framework {framework!r}; valid: plain, hf")
     if framework == "hf" and real:
