@@ -292,13 +292,13 @@ def _label_of(node: Node) -> str:
 
 def simulate_pp(exp: ExperimentSpec, strategy, first_step: bool = False, record_timeline: bool = True,
                 trace_allocs: bool = False, events: bool = False,
-                observers: Sequence[object] = ()) -> SimResult:
-    """Every rank's step (:class:`RankStep`); the result is the worst rank's (the highest peak, the first
-    such rank), with every rank's :class:`StagePeak` in ``stages``."""
+                observers: Sequence[object] = (), ranks: Optional[Sequence[int]] = None) -> SimResult:
+    """Every rank's step (:class:`RankStep`; ``ranks``: only these, in order); the result is the worst
+    rank's (the highest peak, the first such rank), with each simulated rank's :class:`StagePeak` in ``stages``."""
     check_pp(exp)
     peaks: list[StagePeak] = []
     results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
-    for r in range(exp.training.pp):
+    for r in (range(exp.training.pp) if ranks is None else ranks):
         tracer = AllocTrace() if trace_allocs else None
         log = AllocEvents() if events else None
         step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])
@@ -310,8 +310,9 @@ def simulate_pp(exp: ExperimentSpec, strategy, first_step: bool = False, record_
         step.sim.release_graph()
         results.append((res, tl, tracer, log))
         peaks.append(StagePeak(r, (step.lo, step.hi), res.peak_bytes, res.peak_phase, res.peak_label))
-    worst = max(range(len(peaks)), key=lambda r: (peaks[r].peak_bytes, -r))
-    res, tl, tracer, log = results[worst]
+    at = max(range(len(peaks)), key=lambda i: (peaks[i].peak_bytes, -peaks[i].rank))
+    worst = peaks[at].rank
+    res, tl, tracer, log = results[at]
     res.timeline = tl.points if tl is not None else []
     res.alloc_trace = tracer.rows if tracer is not None else None
     if log is not None:

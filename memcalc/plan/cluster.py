@@ -18,6 +18,7 @@ from memcalc.plan.layouts import layout_probes, layout_setups, search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, smallest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
+from memcalc.plan.pipelines import search_pipelines
 from memcalc.engine.timeline import first_step_within_steady
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
 
@@ -122,6 +123,10 @@ class ClusterPlan:
     notes: list[str] = field(default_factory=list)
     sharding: str = SHARDING  # whose sharding the counts assume (TrainingSpec.sharding)
     sharding_text: str = SHARDING_TEXT
+    #: per card, the fewest GPUs of a pipeline x tensor-parallel full fine-tune (memcalc.plan.pipelines)
+    pipelines: list = field(default_factory=list)
+    #: why no pipeline layout is listed (the model cannot be pipelined), else None
+    pipelines_note: Optional[str] = None
 
 
 def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[KernelProfile] = None,
@@ -141,7 +146,8 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     search.presimulate(cards, tp_fits, ones, top)  # the counts the confirmation will ask about, in parallel
     rows = [search.row(g) for g in cards]
     search_layouts(rows, search.setups["full"], GPU_CAP, tp_fits)  # data x tensor parallel (plan/layouts.py)
-    return ClusterPlan(model, seq, rows, count_params(model).total, _notes(seq))
+    pipes, why = search_pipelines(search.setups["full"]["full"], cards)  # pipeline x tensor parallel
+    return ClusterPlan(model, seq, rows, count_params(model).total, _notes(seq), pipelines=pipes, pipelines_note=why)
 
 
 def _notes(seq: int) -> list[str]:

@@ -129,4 +129,9 @@ def cluster_commands(plan: Any, values: dict[str, Any]) -> Any:
         r.commands = {s: None if r.layout.get(s) is None else
                       cluster_command(s, r.layout[s], str(r.checkpoint[s]), plan.seq, r.gpu.name, plan.sharding, source)
                       for s in r.min_gpus}
+    from memcalc.plan.pipelines import pipeline_command
+
+    for pr in getattr(plan, "pipelines", []):
+        if pr.layout is not None:
+            pr.command = pipeline_command(plan.seq, pr.layout, pr.gpu.name, source)
     return plan

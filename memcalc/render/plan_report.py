@@ -119,7 +119,8 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
 
 def cluster_plan_json(p: ClusterPlan) -> dict[str, Any]:
     return {"model": p.model.name, "params": p.params, "seq": p.seq, "sharding": p.sharding,
-            "sharding_mechanics": p.sharding_text, "gpus": [r.as_dict() for r in p.rows], "notes": p.notes}
+            "sharding_mechanics": p.sharding_text, "gpus": [r.as_dict() for r in p.rows], "notes": p.notes,
+            "pipelines": [r.as_dict() for r in p.pipelines], "pipelines_note": p.pipelines_note}
 
 
 def render_cluster_plan(p: ClusterPlan, console=None) -> None:
@@ -150,6 +151,40 @@ def cluster_plan_items(p: ClusterPlan) -> list[Any]:
     out: list[Any] = [t, f"sharding assumed: ZeRO-3 by {p.sharding} (--sharding {p.sharding})"]
     out += _command_lines(p)
     out += [f"[dim]{n}[/dim]" for n in p.notes]
+    return out + _pipeline_items(p)
+
+
+def _pipeline_items(p: ClusterPlan) -> list[Any]:
+    """The pipeline x tensor-parallel layouts (memcalc.plan.pipelines): per card, the fewest GPUs, the worst
+    rank (its layers) and its peak; or why the model has none."""
+    from rich import box
+    from rich.markup import escape
+
+    if p.pipelines_note is not None:
+        return [f"[dim]pipeline layouts: none ({escape(p.pipelines_note)})[/dim]"]
+    if not p.pipelines:
+        return []
+    t = left_table(f"{p.model.name}: pipeline x tensor parallel (pp x tp GPUs)", box=box.SIMPLE_HEAD,
+                   show_edge=False, padding=0, pad_edge=False)
+    for col in ("GPU", "GPUs", "pp", "tp", "worst rank", "peak", "need"):
+        t.add_column(col, justify="left" if col in ("GPU", "worst rank") else "right", no_wrap=True)
+    for r in p.pipelines:
+        lay = r.layout
+        if lay is None:
+            t.add_row(r.gpu.name, f">{GPU_CAP}", "-", "-", "-", "-", "-")
+            continue
+        lo, hi = lay.layers
+        t.add_row(r.gpu.name, str(lay.pp * lay.tp), str(lay.pp), str(lay.tp), f"{lay.rank} (layers {lo}-{hi - 1})",
+                  f"{gib(lay.peak_bytes):.1f}", f"{gib(lay.required_bytes):.1f}")
+    out: list[Any] = [t]
+    row = next((r for r in p.pipelines if r.command), None)
+    if row is not None and row.layout is not None:
+        out.append(f"[dim]pipeline ({row.gpu.name}'s row; --json has every row's command): "
+                   f"{escape(str(row.command))}[/dim]")
+    out.append(f"[dim]pipeline layouts: the full fine-tune as 1F1B over pp stages, pp micro-batches of 1 x seq "
+               f"{p.seq}, checkpointing full; tp within a node of 8, pp stages across nodes, no ZeRO (each rank holds "
+               "1/(pp x tp) of the model states; data-parallel replicas add GPUs, not memory); the peak is the "
+               "worst rank's (GiB allocated; need: the device total)[/dim]")
     return out
 
 

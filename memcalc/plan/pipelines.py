@@ -1,0 +1,175 @@
+"""Pipeline x tensor-parallel layouts for ``memcalc plan --model M`` (issue 31): per GPU, the fewest GPUs of
+a ``pp x tp`` full fine-tune, its worst rank and that rank's peak.
+
+The layout is the one a user of a cluster of 8-GPU nodes runs (torchtitan's recipes for Llama 3.1 405B:
+tensor parallelism within a node, pipeline stages across nodes): ``tp`` the largest of :data:`TP_DEGREES`
+the model allows (:func:`memcalc.core.rules.check_tp`, with sequence parallelism), ``pp`` a divisor of the
+layer count (:func:`memcalc.core.pipeline.check_pp`: the even split), :data:`SCHEDULE` with ``M = pp``
+micro-batches of one sequence each (the batch of one pipeline step is ``pp`` sequences), full activation
+checkpointing, bf16 with fp32 master weights and AdamW (the full fine-tune of ``plan --model``), no ZeRO:
+each rank holds ``1 / (pp x tp)`` of the model states. Data-parallel replicas multiply the GPUs without
+changing a rank's memory, so the fewest GPUs is ``pp x tp``.
+
+A layout's peak does not depend on the card, so each ``pp`` tried is estimated once
+(:func:`stage_peaks`), and each card takes the smallest ``pp`` whose device total fits it, by bisection
+over the divisors (a rank's state shrinks as ``1 / pp`` while the 1F1B activations in flight stay
+``n_layers`` checkpointed layer inputs: the requirement falls with ``pp``). Of the ranks, the first
+(embedding, ``pp`` micro-batches in flight), the second (the most in flight of the middle ranks, which
+hold the same layers and buffers: 1F1B's warm-up is ``pp - rank``) and the last (head, logits and loss)
+are simulated (:func:`simulated_ranks`); ``tests/unit/test_plan_pipelines.py`` checks that no other rank peaks higher.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from memcalc.core.errors import UserError
+from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp
+from memcalc.core.rules import check_tp
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine.timeline import first_step_within_steady
+from memcalc.estimate.peak import required_bytes, step_side
+from memcalc.plan.simulations import with_training
+
+#: tensor-parallel degrees, largest first: within one 8-GPU node (NVLink)
+TP_DEGREES = (8, 4, 2)
+#: the pipeline schedule the plan's layouts run (torchtitan's default)
+SCHEDULE = "1f1b"
+#: the most GPUs a pipeline layout may use (as plan's other searches: plan.cluster.GPU_CAP)
+MAX_GPUS = 1024
+
+
+def simulated_ranks(pp: int) -> list[int]:
+    """The ranks simulated for a ``pp``-stage layout: the first, the second and the last."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+@dataclass(frozen=True)
+class StagePeak:
+    """One ``pp x tp`` layout's estimate: the worst simulated rank, its layers and peaks."""
+
+    pp: int
+    tp: int
+    rank: int
+    layers: tuple[int, int]
+    peak_bytes: int
+    required_bytes: int
+
+
+def pipeline_setup(full: ExperimentSpec, pp: int, tp: int) -> ExperimentSpec:
+    """The plan's full fine-tune (``full``: plan.cluster's, one GPU, ZeRO-3 by FSDP2) as a ``pp x tp``
+    pipeline (see the module docstring)."""
+    return with_training(full, pp=pp, tp=tp, sequence_parallel=tp > 1, microbatches=pp, pp_schedule=SCHEDULE,
+                         batch=pp, zero=0, gpus=1, checkpoint="full")
+
+
+def pipeline_degrees(full: ExperimentSpec) -> tuple[Optional[int], list[int], Optional[str]]:
+    """``(tp, the pp tried in increasing order, why none)``: ``tp`` the largest allowed, the divisors ``pp >= 2``
+    of the layers with ``pp x tp <= MAX_GPUS``; none (with the one-line reason) when the model cannot be
+    pipelined."""
+    n = full.model.n_layers
+    tp = next((t for t in TP_DEGREES if _allows_tp(full, t)), 1)
+    pps = [p for p in range(2, n + 1) if n % p == 0 and p * tp <= MAX_GPUS]
+    if not pps:
+        return None, [], f"{n} layers cannot be split into pipeline stages"
+    try:
+        check_pp(pipeline_setup(full, pps[0], tp))
+    except UserError as e:
+        return None, [], str(e)
+    return tp, pps, None
+
+
+def _allows_tp(full: ExperimentSpec, tp: int) -> bool:
+    try:
+        check_tp(with_training(full, tp=tp, sequence_parallel=True))
+    except UserError:
+        return False
+    return True
+
+
+def stage_peaks(exp: ExperimentSpec) -> StagePeak:
+    """The worst of :func:`simulated_ranks`' steady-state and (where it can be higher) first steps."""
+    from memcalc.engine.pipeline import simulate_pp
+    from memcalc.estimate.step import strategy_for
+
+    tr = exp.training
+    firsts = (False,) if first_step_within_steady(exp) else (False, True)
+    best = None
+    for first in firsts:
+        res = simulate_pp(exp, strategy_for(exp), first_step=first, record_timeline=False, ranks=simulated_ranks(tr.pp))
+        for s in res.stages or []:
+            if best is None or s["peak_bytes"] > best["peak_bytes"]:
+                best = s
+    assert best is not None
+    peak = int(best["peak_bytes"])
+    return StagePeak(tr.pp, tr.tp, best["rank"], tuple(best["layers"]), peak,  # type: ignore[arg-type]
+                     int(required_bytes(peak, step_side(exp))))
+
+
+@dataclass
+class PipelineRow:
+    """One card's fewest-GPU pipeline layout (None: none of ``pp x tp <= MAX_GPUS`` fits)."""
+
+    gpu: Any
+    layout: Optional[StagePeak]
+    command: Optional[str] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        lay = self.layout
+        d: dict[str, Any] = {"name": self.gpu.name, "gpus": None if lay is None else lay.pp * lay.tp}
+        if lay is not None:
+            d.update(pp=lay.pp, tp=lay.tp, microbatches=lay.pp, schedule=SCHEDULE,
+                     torch_schedule=TORCH_SCHEDULES[SCHEDULE], worst_rank=lay.rank, worst_rank_layers=list(lay.layers),
+                     peak_bytes=lay.peak_bytes, required_bytes=lay.required_bytes, command=self.command)
+        return d
+
+
+def search_pipelines(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, Optional[str]]:
+    """Each card's :class:`PipelineRow` (its command filled in by :func:`memcalc.plan.rows.cluster_commands`)
+    and, when the model cannot be pipelined, why (rows empty then)."""
+    tp, pps, why = pipeline_degrees(full)
+    if tp is None:
+        return [], why
+    cache: dict[int, StagePeak] = {}
+
+    def at(i: int) -> StagePeak:
+        pp = pps[i]
+        if pp not in cache:
+            cache[pp] = stage_peaks(pipeline_setup(full, pp, tp))
+        return cache[pp]
+
+    rows = []
+    for g in sorted(cards, key=lambda c: -c.capacity_bytes):  # larger cards first: their bisection ends lower
+        cap = int(g.capacity_bytes)
+        lo, hi = 0, len(pps) - 1
+        if at(hi).required_bytes > cap:
+            rows.append(PipelineRow(g, None))
+            continue
+        while lo < hi:  # the smallest index that fits
+            mid = (lo + hi) // 2
+            if at(mid).required_bytes <= cap:
+                hi = mid
+            else:
+                lo = mid + 1
+        lay = at(lo)
+        rows.append(PipelineRow(g, lay))
+    order = {g.name: i for i, g in enumerate(cards)}
+    rows.sort(key=lambda r: order[r.gpu.name])
+    return rows, None
+
+
+def pipeline_command(seq: int, lay: StagePeak, gpu: str, source: Sequence[str]) -> str:
+    """The ``memcalc estimate`` command of a layout (its peak is the layout's, every rank simulated)."""
+    from memcalc.inputs.trainer_defaults import SHARDED_FULL_PRECISION
+
+    precision, master = SHARDED_FULL_PRECISION
+    args = ["memcalc", "estimate", *source, "--batch", str(lay.pp), "--seq", str(seq),
+            "--precision", precision] + (["--master-weights"] if master else [])
+    args += ["--optimizer", "adamw", "--checkpoint", "full", "--pp", str(lay.pp), "--pp-schedule", SCHEDULE,
+             "--microbatches", str(lay.pp)]
+    if lay.tp > 1:
+        args += ["--tp", str(lay.tp), "--sequence-parallel"]
+    return shlex.join([*args, "--gpu", gpu])

@@ -1,0 +1,85 @@
+"""plan --model's pipeline x tensor-parallel layouts (memcalc/plan/pipelines.py, issue 31)."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.engine.pipeline import simulate_pp
+from memcalc.estimate.step import strategy_for
+from memcalc.inputs.gpus import list_gpus
+from memcalc.inputs.presets import load_preset
+from memcalc.plan.cluster import cluster_setups
+from memcalc.plan.pipelines import simulated_ranks, pipeline_command, pipeline_degrees, search_pipelines, stage_peaks
+
+TINY = ModelSpec(name="tiny", n_layers=12, d_model=64, n_heads=4, d_ff=128, vocab_size=512, max_seq_len=1024)
+
+
+@pytest.mark.parametrize("pp,schedule,checkpoint,tp,M", [
+    # source: memcalc.engine.pipeline.simulate_pp, every rank; the rule plan.pipelines.simulated_ranks relies on
+    (4, "1f1b", "full", 1, 4), (4, "1f1b", "none", 2, 8), (6, "gpipe", "full", 2, 6),
+])
+def test_no_middle_rank_peaks_above_the_second(pp, schedule, checkpoint, tp, M):
+    # the middle ranks hold the same layers and buffers; 1F1B's warm-up (pp - rank) is the second's the most
+    tr = TrainingSpec(batch=M, seq=32, precision="bf16", master_weights=True, pp=pp, microbatches=M,
+                      pp_schedule=schedule, checkpoint=checkpoint, tp=tp, sequence_parallel=tp > 1)
+    exp = ExperimentSpec(model=TINY, training=tr)
+    stages = simulate_pp(exp, strategy_for(exp), record_timeline=False).stages
+    peaks = [s["peak_bytes"] for s in stages]
+    assert max(peaks[1:pp - 1]) == peaks[1]
+    picked = simulate_pp(exp, strategy_for(exp), record_timeline=False, ranks=simulated_ranks(pp))
+    assert picked.peak_bytes == max(peaks)
+    assert [s["rank"] for s in picked.stages] == sorted({0, 1, pp - 1})
+
+
+def test_a_model_that_cannot_be_pipelined_says_why():
+    # source: memcalc.core.pipeline.check_pp (tied embeddings, MoE and MLA are refused with --pp)
+    tied = TINY.model_copy(update={"tie_embeddings": True})
+    full = cluster_setups(tied, 64, _profile())["full"]["full"]
+    tp, pps, why = pipeline_degrees(full)
+    assert (tp, pps) == (None, [])
+    assert "tied embeddings" in why
+
+
+def test_degrees_tp_within_a_node_pp_the_divisors():
+    # source: llama-3.1-405b's 126 layers (data/hf_configs/meta-llama--Llama-3.1-405B.json), 128 heads, 8 kv heads
+    full = cluster_setups(load_preset("llama-3.1-405b"), 2048, _profile())["full"]["full"]
+    assert pipeline_degrees(full) == (8, [2, 3, 6, 7, 9, 14, 18, 21, 42, 63, 126], None)
+
+
+def _profile():
+    from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
+
+    return get_profile(DEFAULT_PROFILE)
+
+
+@pytest.mark.slow  # simulates TinyLlama's pipelines (seconds)
+def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
+    # source: memcalc estimate of the row's command (every rank simulated); tolerance: none (bytes)
+    from memcalc.api import estimate
+    from memcalc.cli.group import app  # noqa: F401  (the CLI's flags resolve as the command line does)
+
+    model = load_preset("tinyllama-1.1b")  # 22 layers: pp 2, 11, 22; 32 heads, 4 kv heads: tp 4
+    full = cluster_setups(model, 1024, _profile())["full"]["full"]
+    cards = [g for g in list_gpus() if g.name in ("rtx-4080", "a100-40gb", "h100-80gb")]
+    rows, why = search_pipelines(full, cards)
+    assert why is None
+    for r in rows:
+        lay = r.layout
+        assert lay is not None and lay.tp == 4
+        assert lay.required_bytes <= r.gpu.capacity_bytes
+        smaller = [p for p in (2, 11, 22) if p < lay.pp]
+        if smaller:  # the next smaller pp does not fit
+            from memcalc.plan.pipelines import pipeline_setup
+
+            assert stage_peaks(pipeline_setup(full, smaller[-1], 4)).required_bytes > r.gpu.capacity_bytes
+        args = shlex.split(pipeline_command(1024, lay, r.gpu.name, ["--model", "tinyllama-1.1b"]))[2:]
+        kw = {}
+        flags = iter(args)
+        for a in flags:
+            key = a[2:].replace("-", "_")
+            kw[key] = True if key in ("master_weights", "sequence_parallel") else next(flags)
+        got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+        assert got.peak_bytes == lay.peak_bytes, r.gpu.name
