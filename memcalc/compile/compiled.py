@@ -2,9 +2,10 @@
 
 Under ``model.compile()`` the model's forward (embedding, layers, final norm, head)
 is one graph; AOTAutograd traces it jointly with its backward and its partitioner
-(:mod:`memcalc.compile.partitioner`) chooses the saved set. The loss is modelled eagerly after
-the graph (a model that computes its loss in ``forward``, as Forgather's does, compiles
-it too; the difference is the loss's own saved tensors).
+(:mod:`memcalc.compile.partitioner`) chooses the saved set. The partition graph ends at the logits;
+the loss is the graph's own fused cross-entropy with ``compile_scope model`` (a forward that computes
+its loss, as Forgather's and the validator's do: memcalc.engine.blocks.compiled_loss.graph_loss) and
+runs eagerly after the graph with ``compile_scope logits``.
 
 The forward graph comes from :mod:`memcalc.compile.graph`. This module reduces the
 partitioner's answer to what the compiled timeline (:mod:`memcalc.compile.backward`) needs: bytes saved per layer, the bytes the backward recomputes
