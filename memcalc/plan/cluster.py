@@ -18,6 +18,7 @@ from memcalc.plan.layouts import layout_probes, layout_setups, search_layouts
 from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, smallest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
+from memcalc.plan.experts import search_experts
 from memcalc.plan.pipelines import search_pipelines
 from memcalc.engine.timeline import first_step_within_steady
 from memcalc.plan.simulations import estimated_peak, simulated_peak, state_floor, with_training
@@ -127,6 +128,10 @@ class ClusterPlan:
     pipelines: list = field(default_factory=list)
     #: why no pipeline layout is listed (the model cannot be pipelined), else None
     pipelines_note: Optional[str] = None
+    #: a mixture-of-experts model: per card, the fewest GPUs with expert parallelism (memcalc.plan.experts)
+    experts: list = field(default_factory=list)
+    #: why no expert-parallel layout is listed (experts that cannot be sharded), else None
+    experts_note: Optional[str] = None
 
 
 def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[KernelProfile] = None,
@@ -147,7 +152,9 @@ def plan_cluster(model: ModelSpec, seq: Optional[int] = None, profile: Optional[
     rows = [search.row(g) for g in cards]
     search_layouts(rows, search.setups["full"], GPU_CAP, tp_fits)  # data x tensor parallel (plan/layouts.py)
     pipes, why = search_pipelines(search.setups["full"]["full"], cards)  # pipeline x tensor parallel
-    return ClusterPlan(model, seq, rows, count_params(model).total, _notes(seq), pipelines=pipes, pipelines_note=why)
+    experts, why_ep = search_experts(search.setups["full"]["full"], cards)  # expert parallel (MoE)
+    return ClusterPlan(model, seq, rows, count_params(model).total, _notes(seq), pipelines=pipes, pipelines_note=why,
+                       experts=experts, experts_note=why_ep)
 
 
 def _notes(seq: int) -> list[str]:

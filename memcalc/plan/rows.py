@@ -131,7 +131,12 @@ def cluster_commands(plan: Any, values: dict[str, Any]) -> Any:
                       for s in r.min_gpus}
     from memcalc.plan.pipelines import pipeline_command
 
+    from memcalc.plan.experts import expert_command
+
     for pr in getattr(plan, "pipelines", []):
         if pr.layout is not None:
             pr.command = pipeline_command(plan.seq, pr.layout, pr.gpu.name, source)
+    for er in getattr(plan, "experts", []):
+        if er.layout is not None:
+            er.command = expert_command(plan.seq, er.layout, er.gpu.name, plan.sharding, source)
     return plan

@@ -120,7 +120,8 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
 def cluster_plan_json(p: ClusterPlan) -> dict[str, Any]:
     return {"model": p.model.name, "params": p.params, "seq": p.seq, "sharding": p.sharding,
             "sharding_mechanics": p.sharding_text, "gpus": [r.as_dict() for r in p.rows], "notes": p.notes,
-            "pipelines": [r.as_dict() for r in p.pipelines], "pipelines_note": p.pipelines_note}
+            "pipelines": [r.as_dict() for r in p.pipelines], "pipelines_note": p.pipelines_note,
+            "experts": [r.as_dict() for r in p.experts], "experts_note": p.experts_note}
 
 
 def render_cluster_plan(p: ClusterPlan, console=None) -> None:
@@ -151,7 +152,42 @@ def cluster_plan_items(p: ClusterPlan) -> list[Any]:
     out: list[Any] = [t, f"sharding assumed: ZeRO-3 by {p.sharding} (--sharding {p.sharding})"]
     out += _command_lines(p)
     out += [f"[dim]{n}[/dim]" for n in p.notes]
-    return out + _pipeline_items(p)
+    return out + _pipeline_items(p) + _expert_items(p)
+
+
+def _expert_items(p: ClusterPlan) -> list[Any]:
+    """A mixture-of-experts model's expert-parallel layouts (memcalc.plan.experts): per card, the fewest GPUs
+    and the per-rank peak; or why its experts cannot be sharded."""
+    from rich import box
+    from rich.markup import escape
+
+    from memcalc.plan.experts import COUNTS, EP
+
+    if p.experts_note is not None:
+        return [f"[dim]expert-parallel layouts: none ({escape(p.experts_note)})[/dim]"]
+    if not p.experts:
+        return []
+    t = left_table(f"{p.model.name}: expert parallel (ep {EP})", box=box.SIMPLE_HEAD,
+                   show_edge=False, padding=0, pad_edge=False)
+    for col in ("GPU", "GPUs", "ep", "peak", "need"):
+        t.add_column(col, justify="left" if col == "GPU" else "right", no_wrap=True)
+    for r in p.experts:
+        lay = r.layout
+        if lay is None:
+            t.add_row(r.gpu.name, f">{COUNTS[-1]}", "-", "-", "-")
+        else:
+            t.add_row(r.gpu.name, str(lay.gpus), str(lay.ep), f"{gib(lay.peak_bytes):.1f}",
+                      f"{gib(lay.required_bytes):.1f}")
+    out: list[Any] = [t]
+    row = next((r for r in p.experts if r.command), None)
+    if row is not None:
+        out.append(f"[dim]expert parallel ({row.gpu.name}'s row; --json has every row's command): "
+                   f"{escape(str(row.command))}[/dim]")
+    out.append(f"[dim]expert-parallel layouts: the full fine-tune, ZeRO-3 by FSDP2 over N GPUs, each MoE layer's "
+               f"routed experts split over {EP} of them (one node) and sharded over the other N / {EP}, batch 1 x seq "
+               f"{p.seq} per GPU, checkpointing full; N whole nodes, powers of two "
+               f"({', '.join(map(str, COUNTS))})[/dim]")
+    return out
 
 
 def _pipeline_items(p: ClusterPlan) -> list[Any]:

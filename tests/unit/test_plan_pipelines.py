@@ -59,7 +59,6 @@ def _profile():
 def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
     # source: memcalc estimate of the row's command (every rank simulated); tolerance: none (bytes)
     from memcalc.api import estimate
-    from memcalc.cli.group import app  # noqa: F401  (the CLI's flags resolve as the command line does)
 
     model = load_preset("tinyllama-1.1b")  # 22 layers: pp 2, 11, 22; 32 heads, 4 kv heads: tp 4
     full = cluster_setups(model, 1024, _profile())["full"]["full"]
@@ -81,5 +80,54 @@ def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
         for a in flags:
             key = a[2:].replace("-", "_")
             kw[key] = True if key in ("master_weights", "sequence_parallel") else next(flags)
+        got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+        assert got.peak_bytes == lay.peak_bytes, r.gpu.name
+
+
+# -- expert-parallel layouts (memcalc/plan/experts.py) ---------------------------------------------------------
+def test_a_dense_model_has_no_expert_layouts_and_no_note():
+    # source: memcalc.plan.experts.expert_refusal (no experts to shard: nothing to say)
+    from memcalc.plan.experts import search_experts
+
+    full = cluster_setups(TINY, 64, _profile())["full"]["full"]
+    assert search_experts(full, list_gpus()) == ([], None)
+
+
+def test_experts_ep_does_not_divide_says_why():
+    # source: memcalc.core.expert_parallel.check_ep (ep 8 must divide the routed experts)
+    from memcalc.core.spec import MoESpec
+    from memcalc.plan.experts import search_experts
+
+    moe = TINY.model_copy(update={"moe": MoESpec(n_experts=4, top_k=2, d_ff_expert=32)})
+    full = cluster_setups(moe, 64, _profile())["full"]["full"]
+    rows, why = search_experts(full, list_gpus())
+    assert rows == [] and "must divide the routed experts (4)" in why
+
+
+@pytest.mark.slow  # estimates Qwen3-30B-A3B at several GPU counts (seconds)
+def test_expert_rows_are_the_fewest_counts_and_commands_reproduce_their_peaks():
+    # source: memcalc estimate of the row's command; tolerance: none (bytes)
+    from memcalc.api import estimate
+    from memcalc.plan.experts import COUNTS, expert_command, expert_setup, search_experts
+    from memcalc.plan.simulations import estimated_peak
+
+    full = cluster_setups(load_preset("qwen3-30b-a3b"), 2048, _profile())["full"]["full"]
+    cards = [g for g in list_gpus() if g.name in ("rtx-4090", "h100-80gb")]
+    rows, why = search_experts(full, cards)
+    assert why is None
+    for r in rows:
+        lay = r.layout
+        assert lay is not None and lay.required_bytes <= r.gpu.capacity_bytes
+        i = COUNTS.index(lay.gpus)
+        if i:
+            from memcalc.estimate.peak import required_bytes, step_side
+
+            smaller = expert_setup(full, COUNTS[i - 1])
+            assert required_bytes(estimated_peak(smaller), step_side(smaller)) > r.gpu.capacity_bytes
+        args = shlex.split(expert_command(2048, lay, r.gpu.name, "fsdp2", ["--model", "qwen3-30b-a3b"]))[2:]
+        kw, flags = {}, iter(args)
+        for a in flags:
+            key = a[2:].replace("-", "_")
+            kw[key] = True if key == "master_weights" else next(flags)
         got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
