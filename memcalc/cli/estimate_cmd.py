@@ -23,7 +23,7 @@ from memcalc.cli.options import (Reentrant, GaloreRank, Quant, ActivationOffload
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
                                  Seq, Ep, EpCapacityFactor, Cp, CpMethod, SequenceParallel, Sharding, Torch, Tp, Zero,
                                  _check_output, Force,
-                                 Pp, PpSchedule, Microbatches, FirstSeq,
+                                 Pp, PpSchedule, Microbatches, FirstSeq, NoDoubleQuant,
                                  inputs_of)
 from memcalc.core.errors import UserError
 
@@ -49,6 +49,7 @@ def estimate(
     first_seq: FirstSeq = None,
     modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,
+    no_double_quant: NoDoubleQuant = False,
     deepspeed: Deepspeed = None, loss: Loss = None, loss_chunks: LossChunks = None, loss_tokens: LossTokens = None,
     kernels: Kernels = None,
     recipe: Recipe = None,

@@ -175,6 +175,11 @@ Recipe = Annotated[Optional[list[str]], typer.Option(
 AdapterConfig = Annotated[Optional[str], typer.Option(
     "--adapter-config", help="A PEFT adapter_config.json (LoraConfig) for a Hugging Face / TRL or axolotl "
                              "--recipe, or on its own with --model.")]
+NoDoubleQuant = Annotated[bool, typer.Option(
+    "--no-double-quant", help="QLoRA without double quantisation: bitsandbytes keeps each 64-weight block's "
+                              "absmax in fp32 (compress_statistics=False: bnb_4bit_use_double_quant=False, LitGPT's "
+                              "--quantize bnb.nf4 rather than bnb.nf4-dq), 0.5 bit per weight beside the 4 where "
+                              "double quantisation keeps about 0.13.")]
 BnbSavesInput = Annotated[bool, typer.Option(
     "--bnb-saves-input", help="QLoRA on bitsandbytes before 0.43.2 (LitGPT 0.4's 0.41/0.42): each 4-bit linear "
                               "keeps its input on its ctx (MatMul4Bit ctx.tensors = (A, B)), alive as long as the "

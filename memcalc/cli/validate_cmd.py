@@ -20,7 +20,7 @@ from memcalc.cli.options import (Reentrant, GaloreRank, Quant, ActivationOffload
                                  LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, Ep, EpCapacityFactor, SequenceParallel, Tp,
-                                 Pp, PpSchedule, Microbatches, FirstSeq,
+                                 Pp, PpSchedule, Microbatches, FirstSeq, NoDoubleQuant,
                                  _check_output, inputs_of,
                                  Force, Cp, CpMethod)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
@@ -64,6 +64,7 @@ def validate(
     as_json: Json = False, activation_offload: ActivationOffload = False, dora: Dora = False,
     modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,
+    no_double_quant: NoDoubleQuant = False,
     html: Annotated[Optional[str], typer.Option(
         "--html", help="Also write a self-contained HTML report (predicted vs measured) to this file.")] = None,
     force: Force = False,

@@ -106,6 +106,8 @@ class Options:
     #: ``--modules-to-save`` / a recipe's ``modules_to_save``: PEFT's whole trainable copies (LoraSpec.modules_to_save)
     modules_to_save: Optional[str] = None
     bnb_saves_input: bool = False
+    #: ``--no-double-quant``: QLoRA absmax constants in fp32 (LoraSpec.double_quant False)
+    no_double_quant: bool = False
     #: --recipe FILE (repeatable: a training recipe and a PEFT adapter config) and --adapter-config FILE:
     #: their values fill the fields above that the user left unset (memcalc.inputs.recipes)
     recipe: Optional[list[str]] = None
@@ -292,7 +294,7 @@ def _put_flags(o: Options, model: ModelSpec, tr: _Training, notes: list[str]) ->
 
 def _lora_given(o: Options) -> bool:
     """Whether any LoRA flag was given (each one means LoRA)."""
-    return any((o.lora, o.qlora, o.dora, o.bnb_saves_input)) or any(
+    return any((o.lora, o.qlora, o.dora, o.bnb_saves_input, o.no_double_quant)) or any(
         v is not None for v in (o.lora_rank, o.lora_alpha, o.lora_targets, o.lora_dropout, o.lora_dtype, o.quant,
                                 o.modules_to_save))
 
@@ -315,6 +317,8 @@ def _put_lora_flags(o: Options, model: ModelSpec, tr: _Training) -> None:
     for switch in ("qlora", "dora", "bnb_saves_input"):
         if getattr(o, switch):
             cur[switch] = True
+    if o.no_double_quant:
+        cur["double_quant"] = False
     if o.lora_dtype is not None:
         cur["dtype"] = o.lora_dtype
     if o.quant is not None:

@@ -241,3 +241,13 @@ def test_the_console_script_exits_with_all_its_output(args, code):
     assert p.stdout == r.stdout
     if code == 2:
         assert p.stderr.startswith("memcalc: error:") and p.stderr.count("\n") == 1
+
+
+
+def test_no_double_quant_sets_lora_double_quant():
+    """--no-double-quant (LitGPT's bnb.nf4, compress_statistics=False) is LoraSpec.double_quant False; its bytes
+    (the fp32 absmax: memcalc.engine.weights.quantized_bytes) are the field contract's LoraSpec.double_quant row."""
+    from memcalc.inputs.resolve import Options, resolve
+
+    specs = [resolve(Options(model="llama-3.2-1b", qlora=True, no_double_quant=flag)).exp for flag in (False, True)]
+    assert [s.training.lora.double_quant for s in specs] == [True, False]

@@ -26,7 +26,7 @@ ORIGIN_KEYS = {
     "checkpoint": ("checkpoint", "checkpoint_every"), "fused_optimizer": ("fused_optimizer",),
     "compile": ("compile",), "lora": ("lora",), "lora_rank": ("lora",), "lora_alpha": ("lora",),
     "lora_targets": ("lora",), "lora_dropout": ("lora",), "qlora": ("lora",), "dora": ("lora",),
-    "modules_to_save": ("lora",),
+    "modules_to_save": ("lora",), "no_double_quant": ("lora",),
     "framework": ("framework", "profile"), "loss": ("cross_entropy",), "loss_chunks": ("loss_chunks",),
     "loss_tokens": ("loss_tokens",),
     "zero": ("zero",), "gpus": ("gpus",), "sharding": ("sharding",), "activation_offload": ("activation_offload",),

@@ -306,8 +306,7 @@ def _nf4(r: Reader, type_key: str, nested_key: str) -> None:
     if r.has(type_key) and r.get(type_key) != "nf4":
         raise UserError(f"{src}:{type_key}: {clip(repr(r.get(type_key)))} is not modelled; valid: nf4")
     if r.has(nested_key) and not bool_value(r.get(nested_key), f"{src}:{nested_key}"):
-        r.rec.note(f"{nested_key}: false: memcalc's QLoRA double-quantises the absmax constants (0.37 bits per "
-                   "weight less than without); the difference is not modelled")
+        r.set("no_double_quant", True, nested_key, r.get(nested_key))  # fp32 absmax (LoraSpec.double_quant False)
 
 
 def read_adapter(raw: dict[str, Any], rec: Recipe, src: str) -> None:

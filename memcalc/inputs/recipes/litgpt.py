@@ -2,7 +2,8 @@
 
 Keys follow litgpt/finetune/lora.py ``setup`` and litgpt/args.py ``TrainArgs``: ``checkpoint_dir``
 (checkpoints/ORG/NAME: the Hugging Face id), ``precision`` (Lightning Fabric: bf16-true, bf16-mixed,
-16-true, 16-mixed, 32-true), ``quantize`` (bnb.nf4, bnb.nf4-dq: QLoRA), ``devices`` and ``num_nodes``,
+16-true, 16-mixed, 32-true), ``quantize`` (bnb.nf4, bnb.nf4-dq: QLoRA; bnb.nf4 without double quantisation),
+``devices`` and ``num_nodes``,
 ``lora_r``/``lora_alpha``/``lora_dropout``, ``lora_query``/``key``/``value``/``projection``/``mlp``/
 ``head``, ``train.micro_batch_size``, ``train.global_batch_size`` (accumulation = global batch /
 (devices x nodes) / micro batch, litgpt/args.py ``gradient_accumulation_iters``),
@@ -58,9 +59,8 @@ def read(raw: dict[str, Any], rec: Recipe, src: str) -> None:
         if not lora:
             raise UserError(f"{src}:quantize: a quantized base is trained only with LoRA (litgpt finetune lora)")
         r.set("qlora", True, "quantize", quant)
-        if q == "nf4":
-            rec.note("quantize: bnb.nf4 (no double quantisation): memcalc's QLoRA double-quantises the absmax "
-                     "constants (0.37 bits per weight less); the difference is not modelled")
+        if q == "nf4":  # lightning/fabric/plugins/precision/bitsandbytes.py _NF4Linear: compress_statistics=False
+            r.set("no_double_quant", True, "quantize", quant)
     devices = r.get("devices", 1)
     nodes = r.get("num_nodes", 1)
     if devices in ("auto", -1, "-1"):
