@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from operator import attrgetter
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Optional
 
 from memcalc.engine.records import Node, Param, T, grad_inputs
@@ -363,8 +363,24 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
     def release_graph(self) -> None:
         """Drop the simulator's references to the step's graph and hooks once the step is over,
         so that reference counting frees them (the hooks' closures refer back to the simulator:
-        without this the whole graph waits for the cyclic garbage collector)."""
+        without this the whole graph waits for the cyclic garbage collector), and to its observers
+        (one that reads the simulator refers back to it too: :class:`memcalc.engine.observers.StopAbove`;
+        what the others recorded stays theirs)."""
         self.nodes = []
         self.grad_ready = None
         self.on_layer = None
         self.recorder = None
+        for hooks in (self._on_row, self._on_event, self._on_peak, self._on_phase, self._on_mark):
+            hooks.clear()
+
+    def abandon_graph(self, graphs: Iterable[list[Node]] = ()) -> None:
+        """:meth:`release_graph` for a step cut short (:class:`memcalc.engine.observers.PeakAbove`), whose
+        nodes still hold the tensors they save and make (each tensor's ``producer`` refers back to its node):
+        those references go too, so that reference counting frees the step at once instead of the cyclic
+        garbage collector later ("to make it fit" stops a dozen steps part-way). ``graphs``: the node lists
+        kept elsewhere (the pipeline's micro-batches in flight)."""
+        for nodes in (self.nodes, *graphs):
+            for n in nodes:
+                n.saved, n.outputs, n.inputs, n.params = [], [], [], []
+                n.on_backward = n.after_backward = None
+        self.release_graph()

@@ -32,7 +32,7 @@ from memcalc.engine.fsdp import FSDP2, optimizer_training
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.offload import ActivationOffload
-from memcalc.engine.observers import AllocEvents, AllocTrace, Timeline
+from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, Timeline
 from memcalc.engine.result import GradReady, SimResult
 from memcalc.engine.sharding import GatherHooks, LayerGather, uses_deepspeed
 from memcalc.engine.sim import Node, Param, Sim, T
@@ -235,15 +235,19 @@ def _simulate(exp: ExperimentSpec, first_step: bool, record_timeline: bool, trac
         sim.watch(observer)
     step = _Step(sim, exp, Timeline(sim) if record_timeline else None, AllocTrace() if trace_allocs else None,
                  AllocEvents() if events else None)
-    step.setup(first_step)
     strategies = [strategy() for _ in range(min(tr.grad_accum, 2))]
-    step.gradient_hooks(strategies[0].grads_leave_together, fused_twin)
-    gather = step.gather()
-    for k, layers in enumerate(strategies):
-        step.micro_step(layers, gather, run_start=first_step and tr.first_seq is not None and k == 0)
-    if not tr.fused_optimizer:
-        step.optimizer_step()
-    result = step.result()
+    try:
+        step.setup(first_step)
+        step.gradient_hooks(strategies[0].grads_leave_together, fused_twin)
+        gather = step.gather()
+        for k, layers in enumerate(strategies):
+            step.micro_step(layers, gather, run_start=first_step and tr.first_seq is not None and k == 0)
+        if not tr.fused_optimizer:
+            step.optimizer_step()
+        result = step.result()
+    except PeakAbove:  # cut short: its graph let go as a whole step's is
+        sim.abandon_graph()
+        raise
     sim.release_graph()
     return result
 
