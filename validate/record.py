@@ -33,8 +33,9 @@ class Prediction:
     peak_phase: Optional[str] = None
     why: str = ""
     saved_bytes: Optional[int] = None
-    #: pipeline parallelism: every rank's estimated peak (``--json``'s ``pipeline.stages``)
-    stage_bytes: Optional[list[int]] = None
+    #: pipeline parallelism: each rank's estimated peak (``--json``'s ``pipeline.stages``; None: a middle rank of a
+    #: long pipeline, not simulated: memcalc.core.pipeline.simulated_ranks)
+    stage_bytes: Optional[list[Optional[int]]] = None
 
     @classmethod
     def of(cls, est: Any) -> Prediction:
@@ -42,7 +43,7 @@ class Prediction:
         compiled = est.extra.get("compiled")
         pipe = est.extra.get("pipeline")
         return cls(est.peak_bytes, est.peak_phase, "", compiled["saved_bytes"] if compiled else None,
-                   [s["peak_bytes"] for s in pipe["stages"]] if pipe else None)
+                   _by_rank(pipe) if pipe else None)
 
     @classmethod
     def failed(cls, e: Exception) -> Prediction:
@@ -141,11 +142,17 @@ def make_record(name: str, exp: Optional[ExperimentSpec], meas: Measurement, sca
     }
 
 
-def _stages(traced: list[dict], predicted: Optional[list[int]]) -> list[dict]:
+def _by_rank(pipe: dict) -> list[Optional[int]]:
+    """Each rank's estimated peak, in rank order (None where the estimate did not simulate the rank)."""
+    peaks = {s["rank"]: s["peak_bytes"] for s in pipe["stages"]}
+    return [peaks.get(r) for r in range(pipe["pp"])]
+
+
+def _stages(traced: list[dict], predicted: Optional[list[Optional[int]]]) -> list[dict]:
     """``validate --pp``: every rank's traced peak (validate/sharded/pipeline.py) beside its estimate."""
     out = []
-    for i, s in enumerate(traced):
-        est = predicted[i] if predicted is not None and i < len(predicted) else None
+    for s in traced:
+        est = predicted[s["rank"]] if predicted is not None and s["rank"] < len(predicted) else None
         out.append({"rank": s["rank"], "layers": s["layers"], "measured_bytes": s["peak_bytes"],
                     "predicted_bytes": est, "error_pct": pct(est, s["peak_bytes"]),
                     "measured_phase": s["phase"], "measured_label": s["label"]})

@@ -96,9 +96,23 @@ def check_pp(exp: ExperimentSpec) -> None:
                         f"not with {'; '.join(unsupported)}")
 
 
+#: pipelines of more stages than this simulate only :func:`simulated_ranks` (estimate and plan alike)
+ALL_RANKS_UP_TO = 4
+
+
+def simulated_ranks(pp: int) -> list[int]:
+    """The ranks whose step is simulated: every rank up to :data:`ALL_RANKS_UP_TO` stages, else the first
+    (embedding, the most micro-batches in flight), the second and the last (head, logits and loss). The middle
+    ranks hold the same layers and buffers as the second and, under 1F1B, fewer micro-batches in flight
+    (warm-up ``pp - rank``; GPipe: as many): none peaks above the second (``tests/unit/test_plan_pipelines.py``
+    simulates every rank and checks it)."""
+    return list(range(pp)) if pp <= ALL_RANKS_UP_TO else [0, 1, pp - 1]
+
+
 def pipeline_line(pipe: dict) -> str:
     """The inputs table's line for ``--json``'s ``pipeline`` (memcalc.engine.pipeline.pipeline_extra)."""
-    lo, hi = pipe["stages"][pipe["worst_rank"]]["layers"]
+    lo, hi = next(s for s in pipe["stages"] if s["rank"] == pipe["worst_rank"])["layers"]
+    every = ("every rank's in --json" if len(pipe["stages"]) == pipe["pp"] else
+             "ranks 0, 1 and the last simulated, in --json (no middle rank peaks above rank 1)")
     return (f"PP {pipe['pp']}, {pipe['schedule']} ({pipe['torch_schedule']}), {pipe['microbatches']} micro-batches "
-            f"of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s (layers {lo}-{hi - 1}), every "
-            "rank's in --json")
+            f"of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s (layers {lo}-{hi - 1}), {every}")

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Optional
 
-from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp, micro_batch, stage_layers
+from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp, micro_batch, simulated_ranks, stage_layers
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks import attention_variants as av
 from memcalc.engine.blocks import embedding, head
@@ -301,8 +301,9 @@ def _label_of(node: Node) -> str:
 def simulate_pp(exp: ExperimentSpec, strategy, first_step: bool = False, record_timeline: bool = True,
                 trace_allocs: bool = False, events: bool = False,
                 observers: Sequence[object] = (), ranks: Optional[Sequence[int]] = None) -> SimResult:
-    """Every rank's step (:class:`RankStep`; ``ranks``: only these, in order); the result is the worst
-    rank's (the highest peak, the first such rank), with each simulated rank's :class:`StagePeak` in ``stages``.
+    """Each rank's step (:class:`RankStep`) of ``ranks`` (default :func:`memcalc.core.pipeline.simulated_ranks`:
+    every rank of a short pipeline); the result is the worst rank's (the highest peak, the first such rank),
+    with each simulated rank's :class:`StagePeak` in ``stages``.
     Python's cyclic garbage collector is paused meanwhile, as for one step (:func:`memcalc.engine.timeline.simulate`:
     the ranks' objects live until each rank's step ends; collected, they are traversed again and again, about a
     fifth of the time)."""
@@ -321,7 +322,7 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
     check_pp(exp)
     peaks: list[StagePeak] = []
     results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
-    for r in (range(exp.training.pp) if ranks is None else ranks):
+    for r in (simulated_ranks(exp.training.pp) if ranks is None else ranks):
         tracer = AllocTrace() if trace_allocs else None
         log = AllocEvents() if events else None
         step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])
@@ -346,8 +347,9 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
 
 
 def pipeline_extra(exp: ExperimentSpec, stages: list[dict]) -> dict:
-    """``--json``'s ``pipeline``: the schedule (its torch class), the micro-batches, every rank's stage and
-    steady-state peak, and the worst rank (the estimate's peak is its)."""
+    """``--json``'s ``pipeline``: the schedule (its torch class), the micro-batches, each simulated rank's stage
+    and steady-state peak (:func:`memcalc.core.pipeline.simulated_ranks`), and the worst rank (the estimate's
+    peak is its)."""
     tr = exp.training
     M, b = micro_batch(tr)
     worst = max(stages, key=lambda s: (s["peak_bytes"], -s["rank"]))

@@ -16,7 +16,8 @@ over the divisors (a rank's state shrinks as ``1 / pp`` while the 1F1B activatio
 ``n_layers`` checkpointed layer inputs: the requirement falls with ``pp``). Of the ranks, the first
 (embedding, ``pp`` micro-batches in flight), the second (the most in flight of the middle ranks, which
 hold the same layers and buffers: 1F1B's warm-up is ``pp - rank``) and the last (head, logits and loss)
-are simulated (:func:`simulated_ranks`); ``tests/unit/test_plan_pipelines.py`` checks that no other rank peaks higher.
+are simulated (:func:`memcalc.core.pipeline.simulated_ranks`, as the estimate does);
+``tests/unit/test_plan_pipelines.py`` checks that no other rank peaks higher.
 """
 
 from __future__ import annotations
@@ -40,11 +41,6 @@ TP_DEGREES = (8, 4, 2)
 SCHEDULE = "1f1b"
 #: the most GPUs a pipeline layout may use (as plan's other searches: plan.cluster.GPU_CAP)
 MAX_GPUS = 1024
-
-
-def simulated_ranks(pp: int) -> list[int]:
-    """The ranks simulated for a ``pp``-stage layout: the first, the second and the last."""
-    return sorted({0, min(1, pp - 1), pp - 1})
 
 
 @dataclass(frozen=True)
@@ -91,7 +87,8 @@ def _allows_tp(full: ExperimentSpec, tp: int) -> bool:
 
 
 def stage_peaks(exp: ExperimentSpec) -> StagePeak:
-    """The worst of :func:`simulated_ranks`' steady-state and (where it can be higher) first steps."""
+    """The worst simulated rank's (:func:`memcalc.core.pipeline.simulated_ranks`) steady-state and (where it can be
+    higher) first steps: the estimate's peak."""
     from memcalc.engine.pipeline import simulate_pp
     from memcalc.estimate.step import strategy_for
 
@@ -99,7 +96,7 @@ def stage_peaks(exp: ExperimentSpec) -> StagePeak:
     firsts = (False,) if first_step_within_steady(exp) else (False, True)
     best = None
     for first in firsts:
-        res = simulate_pp(exp, strategy_for(exp), first_step=first, record_timeline=False, ranks=simulated_ranks(tr.pp))
+        res = simulate_pp(exp, strategy_for(exp), first_step=first, record_timeline=False)  # simulated_ranks
         for s in res.stages or []:
             if best is None or s["peak_bytes"] > best["peak_bytes"]:
                 best = s
