@@ -215,17 +215,24 @@ assert set(STEP_KINDS) == set(get_args(StepKind)), "a step kind without a simula
 def foreach_temps(trainable: list[Param], tr: TrainingSpec) -> int:
     """The whole-group temporary of a foreach step: ``_foreach_sqrt(exp_avg_sqs)`` for Adam/AdamW
     (one state-sized copy of every tensor at once); none for SGD(-momentum) without weight decay."""
+    return sum(foreach_temp_sizes(trainable, tr))
+
+
+def foreach_temp_sizes(trainable: list[Param], tr: TrainingSpec) -> list[int]:
+    """:func:`foreach_temps` tensor by tensor: ``_foreach_sqrt`` returns one new tensor per state tensor
+    (torch/optim/adam.py ``_multi_tensor_adam``: ``exp_avg_sq_sqrt = torch._foreach_sqrt(device_exp_avg_sqs)``,
+    then ``_foreach_div_`` / ``_foreach_add_`` in place), each its own caching-allocator request."""
     if OPTIMIZERS[tr.optimizer].step == "adam" and tr.optimizer_impl == "foreach":
         dtypes: dict[int, DType] = {}  # for_param depends on the parameter only through its width
-        total = 0
+        sizes = []
         for p in trainable:
             bits = p.weight.itemsize_bits
             dt = dtypes.get(bits)
             if dt is None:
                 dt = dtypes[bits] = state_dtype(for_param(p, tr))
-            total += dt.nbytes(p.numel)
-        return total
-    return 0
+            sizes.append(dt.nbytes(p.numel))
+        return sizes
+    return []
 
 
 def uses_foreach(tr: TrainingSpec) -> bool:
@@ -361,6 +368,12 @@ class OptimizerSim:
             for p in self.params:
                 self.create_state(p)
             if not self.on_gpu:
+                return
+            if self.div == 1 and not self.div_of:  # one request per tensor (foreach_temp_sizes)
+                held = [self.sim.alloc(n, TMP, "optimizer-step temporaries")
+                        for n in foreach_temp_sizes(self.params, self.tr)]
+                for h in held:
+                    self.sim.unref(h)
                 return
             t = shard(foreach_temps([p for p in self.params if p.name not in self.div_of], self.tr), self.div)
             if self.div_of:  # the experts' copies at their own shard
