@@ -185,11 +185,14 @@ def _reading(used: Optional[probes.DeviceUsed], out: dict) -> Iterator[None]:
         torch.cuda.empty_cache = real  # type: ignore[assignment]
 
 
-def _biased(exp: Any) -> bool:
-    """memcalc.estimate.peak.biased_linears (the validator does not import the estimator): linears with a
-    bias run cuBLASLt's addmm, which has its own workspace."""
+def _biased(exp: Any) -> int:
+    """memcalc.estimate.peak.biased_linears (the validator does not import the estimator): the threads that
+    run a biased linear's forward (cuBLASLt's addmm, a workspace per thread): the Python thread, and the
+    autograd thread too when checkpointing recomputes the linears in backward."""
     m = exp.model
-    return bool(m.qkv_bias or m.o_bias or m.mlp_bias or m.lm_head_bias)
+    if not (m.qkv_bias or m.o_bias or m.mlp_bias or m.lm_head_bias):
+        return 0
+    return 2 if exp.training.checkpoint not in ("none", "selective") else 1
 
 
 def _comparisons(device: str, est: Any, exp: Any, measured: tuple, used: Optional[int]) -> list:
@@ -201,14 +204,15 @@ def _comparisons(device: str, est: Any, exp: Any, measured: tuple, used: Optiona
         return [comparison("step_allocated", est.peak_bytes, alloc, "estimate peak_bytes vs the traced step's tensors"),
                 comparison("step_reserved", est.step_reserved_bytes, reserved,
                            "estimate step_reserved_bytes vs the caching-allocator replay over the traced step")]
-    dev = device_memory(est.step_allocated_bytes, est.step_reserved_bytes, probes.card_side(device, _biased(exp)))
+    side = probes.card_side(device, _biased(exp), exp.training.compile)
+    dev = device_memory(est.step_allocated_bytes, est.step_reserved_bytes, side)
     return [comparison("allocated", dev.allocated_peak_bytes, alloc,
                        "estimate allocated_peak_bytes (with the cuBLAS workspaces) vs max_memory_allocated"),
             comparison("reserved", dev.reserved_peak_bytes, reserved,
                        "estimate reserved_peak_bytes vs max_memory_reserved"),
             comparison("device_total", dev.device_total_bytes, used,
-                       "estimate device_total_bytes (reserved + CUDA context) vs the device's used memory at the "
-                       "step's end less before this process")]
+                       "estimate device_total_bytes (reserved + CUDA context + what the step loads) vs the device's "
+                       "used memory at the step's end less before this process")]
 
 
 def _step(case: Case, device: str, used: Optional[probes.DeviceUsed], snap: Optional[str],

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from memcalc.core.allocator import CachingAllocatorSim, round_size
-from memcalc.core.gpu_side import CUDA_CONTEXT_LAZY_BYTES, CUDA_CONTEXT_SOURCE, GpuSide, gpu_side
+from memcalc.core.gpu_side import REFERENCE_DEVICE, GpuSide, architecture_of, context_of, gpu_side
 from memcalc.core.units import MiB
 from memcalc.inputs.measured import comparison
 
@@ -118,32 +118,37 @@ def environment(device: str, used: Optional[DeviceUsed], gpu: bool = True) -> di
     return env
 
 
-def card_side(device: str, biased_linears: bool = False) -> GpuSide:
-    """memcalc's GPU side for the card the protocol runs on: Hopper's workspace on compute capability
-    9.0 (CublasHandlePool.cpp's test), the CUDA defaults on any other card; the reference card (H100)
-    on meta."""
+def card_side(device: str, biased_linears: int = 0, compiled: bool = False) -> GpuSide:
+    """memcalc's GPU side for the card the protocol runs on, by its architecture
+    (:func:`memcalc.core.gpu_side.architecture_of` its compute capability);
+    the reference card (H100) on meta."""
     if device != "cuda":
         from memcalc.core.gpu_side import reference_side
 
-        return reference_side(1, biased_linears)
-    arch = "Hopper" if torch.cuda.get_device_capability() == (9, 0) else "unspecified"
-    return gpu_side("nvidia", arch, torch.cuda.get_device_name(), 1, biased_linears)
+        return reference_side(1, biased_linears, compiled)
+    arch = architecture_of(torch.cuda.get_device_capability())
+    return gpu_side("nvidia", arch, torch.cuda.get_device_name(), 1, biased_linears, compiled)
 
 
 # -- the CUDA context -----------------------------------------------------------------------------
 def context_probe(device: str, used: Optional[DeviceUsed]) -> ProbeResult:
     """The CUDA context: the device's used memory once ``torch.cuda.mem_get_info`` has created it, less
-    what was used before, beside memcalc's ``CUDA_CONTEXT_LAZY_BYTES``."""
-    how = f"measured: device used after context creation - before (nothing allocated); predicted: {CUDA_CONTEXT_SOURCE}"
+    what was used before, beside memcalc's context for this card's architecture
+    (:func:`memcalc.core.gpu_side.context_of`; on meta the reference card's, Hopper)."""
+    how = "measured: device used after context creation - before (nothing allocated); predicted: {}"
     if device != "cuda":
+        ctx, src = context_of(REFERENCE_DEVICE[1])
         return ("skipped", NO_CUDA.format(what="a CUDA context", device=device),
-                [comparison("context", CUDA_CONTEXT_LAZY_BYTES, None, how)], {})
+                [comparison("context", ctx, None, how.format(src))], {})
     free, total = torch.cuda.mem_get_info()  # creates the primary context
-    details = {"mem_get_info_used_bytes": int(total - free), "memory_reserved_bytes": int(torch.cuda.memory_reserved())}
+    arch = architecture_of(torch.cuda.get_device_capability())
+    ctx, src = context_of(arch)
+    details = {"mem_get_info_used_bytes": int(total - free), "memory_reserved_bytes": int(torch.cuda.memory_reserved()),
+               "architecture": arch}
     measured = used.since_start() if used is not None else None
     reason = ("" if measured is not None else
               "neither NVML (nvidia-ml-py) nor nvidia-smi: the used memory before is unknown")
-    return "ok", reason, [comparison("context", CUDA_CONTEXT_LAZY_BYTES, measured, how)], details
+    return "ok", reason, [comparison("context", ctx, measured, how.format(src))], details
 
 
 # -- the caching allocator ------------------------------------------------------------------------

@@ -248,7 +248,7 @@ class GpusFit:
 
     def required(self, n) -> np.ndarray:
         """The device total at each N >= 2 (NCCL's buffers do not depend on N: one ring)."""
-        return required_bytes(self.peak(n), reference_side(2, biased_linears(self.exp)))
+        return required_bytes(self.peak(n), reference_side(2, biased_linears(self.exp), self.exp.training.compile))
 
 
 #: ZeRO degrees the N-fit simulates (two would do; the third checks the fit).

@@ -12,7 +12,7 @@ import numpy as np
 from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.observers import PeakAbove
-from memcalc.estimate.peak import largest_peak_within, required_bytes, step_side
+from memcalc.estimate.peak import card_side, largest_peak_within, required_bytes, step_side
 from memcalc.plan.simulations import estimated_peak, growing_peak, simulated_peak, state_floor, with_training
 
 #: Largest batch the search considers.
@@ -21,12 +21,19 @@ BATCH_CAP = 1 << 16
 CONFIRM_MARGIN = 0.02
 
 
+def side_of(exp: ExperimentSpec, gpu: Any = None):
+    """The GPU side the required bytes count on: ``gpu``'s own (a ``data/gpus.yaml`` entry), else the
+    estimate's reference card (:func:`memcalc.estimate.peak.step_side`)."""
+    return step_side(exp) if gpu is None else card_side(exp, gpu)
+
+
 def fits_in(exp: ExperimentSpec, capacity_bytes: int) -> bool:
     """Whether ``estimate(exp).required_bytes <= capacity_bytes`` (:func:`need`'s verdict)."""
     return need(exp, capacity_bytes)[0]
 
 
-def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bool = False) -> tuple[bool, float]:
+def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bool = False,
+         gpu: Any = None) -> tuple[bool, float]:
     """Whether ``estimate(exp)`` fits ``capacity_bytes``, with its required bytes. Two exact
     shortcuts come first: weights plus optimizer state (no forward pass) and the steady-state step
     alone; when either does not fit, the estimate (at least as high) cannot either, and the
@@ -37,8 +44,9 @@ def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bo
 
     ``steer`` (a search over batch or sequence): the bytes that come back are those of the step's
     peak outside the phases that do not grow with them (:func:`memcalc.plan.simulations.growing_peak`)
-    where that agrees with the verdict, so that a search follows what moves."""
-    side = step_side(exp)
+    where that agrees with the verdict, so that a search follows what moves. ``gpu``: the card whose GPU
+    side counts (:func:`side_of`)."""
+    side = side_of(exp, gpu)
     got = required_bytes(state_floor(exp), side)
     if got > capacity_bytes:
         return False, float(got)
@@ -251,40 +259,42 @@ def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optiona
 
 
 def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int, exact: bool = True,
-              steer: bool = False) -> Probe:
-    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``, ``steer``: as there)."""
-    return lambda x: need(exp_at(x), capacity_bytes, exact, steer)
+              steer: bool = False, gpu: Any = None) -> Probe:
+    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``, ``steer``, ``gpu``: as there)."""
+    return lambda x: need(exp_at(x), capacity_bytes, exact, steer, gpu)
 
 
-def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False) -> int:
+def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False,
+              gpu: Any = None) -> int:
     """The largest batch (at ``exp``'s seq, everything else as given) whose required bytes fit
     ``capacity_bytes``; 0 if batch 1 does not fit; at most :data:`BATCH_CAP`. Exact: a search over
     direct estimates (the estimate is monotone in batch), :func:`largest_by_value`; ``anchored``:
     ``exp``'s own batch is a known point of it (:func:`_own_point`)."""
     at = lambda b: with_training(exp, batch=int(b))  # noqa: E731
-    known = _own_point(exp, exp.training.batch, capacity_bytes) if anchored else ()
-    return largest_by_value(fit_probe(at, capacity_bytes, steer=True), 1, BATCH_CAP, capacity_bytes, seed, known,
-                            last=fit_probe(at, capacity_bytes, exact=False, steer=True))
+    known = _own_point(exp, exp.training.batch, capacity_bytes, gpu) if anchored else ()
+    return largest_by_value(fit_probe(at, capacity_bytes, steer=True, gpu=gpu), 1, BATCH_CAP, capacity_bytes, seed,
+                            known, last=fit_probe(at, capacity_bytes, exact=False, steer=True, gpu=gpu))
 
 
-def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False) -> int:
+def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False,
+            gpu: Any = None) -> int:
     """The largest sequence (at ``exp``'s batch) whose required bytes fit ``capacity_bytes``, at most
     the model's ``max_seq_len``; 0 if not even 2 tokens fit. Exact: a search over direct estimates
     (monotone in seq), :func:`largest_by_value`, from the seed or else from the middle of the range;
     ``anchored``: ``exp``'s own seq is a known point of it (:func:`_own_point`)."""
     hi = exp.model.max_seq_len
     at = lambda t: with_training(exp, seq=int(t))  # noqa: E731
-    known = _own_point(exp, exp.training.seq, capacity_bytes) if anchored else ()
-    r = largest_by_value(fit_probe(at, capacity_bytes, steer=True), 2, hi, capacity_bytes,
+    known = _own_point(exp, exp.training.seq, capacity_bytes, gpu) if anchored else ()
+    r = largest_by_value(fit_probe(at, capacity_bytes, steer=True, gpu=gpu), 2, hi, capacity_bytes,
                          seed if seed is not None else (2 + hi) // 2, known,
-                         last=fit_probe(at, capacity_bytes, exact=False, steer=True))
+                         last=fit_probe(at, capacity_bytes, exact=False, steer=True, gpu=gpu))
     return r if r >= 2 else 0
 
 
-def _own_point(exp: ExperimentSpec, x: int, capacity_bytes: int) -> tuple[tuple[int, bool, float]]:
+def _own_point(exp: ExperimentSpec, x: int, capacity_bytes: int, gpu: Any = None) -> tuple[tuple[int, bool, float]]:
     """``exp`` itself as a known point ``(x, *need(exp))`` of a search over its batch or seq (its
     estimate is at hand: the plan has just made it)."""
-    return ((x, *need(exp, capacity_bytes, steer=True)),)
+    return ((x, *need(exp, capacity_bytes, steer=True, gpu=gpu)),)
 
 
 def check_one_gpu(gpu: Optional[Sequence[str]], flag: str):
@@ -307,9 +317,9 @@ def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: b
                         "the run's first step can set the peak: leave one of them out")
     cap = int(gpu.capacity_bytes)
     out: dict[str, Any] = {"gpu": gpu.name, "capacity_bytes": cap}
-    side = step_side(exp)
+    side = card_side(exp, gpu)
     if want_batch:
-        b = max_batch(exp, cap)
+        b = max_batch(exp, cap, gpu=gpu)
         out["max_batch"] = b
         out["max_batch_seq"] = tr.seq
         out["max_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b)), side)
@@ -317,7 +327,7 @@ def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: b
         out["next_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b + 1)), side)
                                             if b < BATCH_CAP else None)
     if want_seq:
-        t = max_seq(exp, cap)
+        t = max_seq(exp, cap, gpu=gpu)
         out["max_seq"] = t
         out["max_seq_batch"] = tr.batch
         out["max_seq_required_bytes"] = required_bytes(estimated_peak(with_training(exp, seq=t)), side) if t else None

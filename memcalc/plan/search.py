@@ -26,7 +26,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec
-from memcalc.estimate.peak import required_bytes, step_side
+from memcalc.estimate.peak import card_side, required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.cost import relative_cost
 from memcalc.plan.fits import StepFit, bt_features, fit_points, fit_step, sorted_unique
@@ -108,19 +108,19 @@ def seq_grid(model: ModelSpec, seq: int) -> np.ndarray:
     return sorted_unique(np.concatenate([g, [seq, hi]])).astype(np.int64)
 
 
-def _b1_peak(job: tuple[ExperimentSpec, int, bool]) -> Optional[int]:
+def _b1_peak(job: tuple[ExperimentSpec, int, bool, Any]) -> Optional[int]:
     """One option's exact peak at batch 1 and the plan's seq (what ``estimate()`` gives), or None
     when (``always`` false) its steady step alone already exceeds ``cap``. That simulation keeps
     its allocation trace when the plan's seq is a fit sequence: it is one of the fit's own points."""
-    exp, cap, always = job
+    exp, cap, always, gpu = job
     b1 = exp.training.batch == 1 and exp.training.seq in fit_points(exp)
     peak = trace_peak(exp) if b1 else simulated_peak(exp)
-    if not always and required_bytes(peak, step_side(exp)) > cap:
+    if not always and required_bytes(peak, card_side(exp, gpu)) > cap:
         return None
     return estimated_peak(exp)
 
 
-def _b1_peaks(jobs: list[tuple[ExperimentSpec, int, bool]]) -> list[Optional[int]]:
+def _b1_peaks(jobs: list[tuple[ExperimentSpec, int, bool, Any]]) -> list[Optional[int]]:
     """:func:`_b1_peak` of each job, in one process (an option and its fused twin)."""
     return [_b1_peak(j) for j in jobs]
 
@@ -181,7 +181,7 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
     option's seeds, and its exact answers from direct estimates where they are printed (it fits, is
     near the line, or ``include_all`` shows every option). Returns
     (peak, fits, max batch, max seq, confirmed) per option and the configurations evaluated."""
-    fitted, members, peaks, cap, seq, bs, ts, confirm, include_all = job
+    fitted, members, peaks, cap, seq, bs, ts, confirm, include_all, gpu = job
     fit = fit_step(fitted)
     # a member with the fitted one's checkpointing differs by optimizer state and gradients (moved);
     # sqrt segments (fitted by per-layer checkpointing) save a different amount per token (scaled)
@@ -189,7 +189,7 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
              _scaled(fit, int(p), seq, phase_peaks_of(e)) if e.training.checkpoint != fitted.training.checkpoint else
              _moved(fit, e, int(p), seq) for e, p in zip(members, peaks)]
     stack = StackedFits.of(fits_)
-    side = step_side(members[0])  # one model on one GPU: every member's
+    side = card_side(members[0], gpu)  # one model on one GPU: every member's
     fit_b1 = np.array([required_bytes(int(p), side) <= cap for p in peaks], dtype=bool)
     mb, ms, evaluated = _seeds(stack, bs, ts, seq, cap, fit_b1, members[0].model.max_seq_len, side)
     rows = []
@@ -197,7 +197,7 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
         p, b, t = int(peaks[k]), int(mb[k]), int(ms[k])
         need = required_bytes(p, side)
         if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or include_all):
-            p, b, t = _confirm_option((e, cap, b, t, include_all))
+            p, b, t = _confirm_option((e, cap, b, t, gpu, include_all))
             rows.append((p, required_bytes(p, side) <= cap, b, t, True, fits_[k]))
         else:
             rows.append((p, bool(fit_b1[k]), b, t, False, fits_[k]))
@@ -230,26 +230,27 @@ def _confirm_compiled(job: tuple) -> tuple[int, int, int, float]:
     partition recomputes at batch 1 (for the cost model; the worker has the partition at hand)."""
     from memcalc.compile.compiled import compiled_plan
 
-    e, cap, mb, ms, fit = job
+    e, cap, mb, ms, fit, gpu = job
     if fit is not None:
-        mb, ms = _scaled_seeds(fit, e, estimated_peak(e), cap)
-    return (*_confirm_option((e, cap, mb, ms)), compiled_plan(e).recompute_pct / 100)
+        mb, ms = _scaled_seeds(fit, e, estimated_peak(e), cap, gpu)
+    return (*_confirm_option((e, cap, mb, ms, gpu)), compiled_plan(e).recompute_pct / 100)
 
 
 def _confirm_option(job: tuple) -> tuple[int, int, int]:
     """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers:
-    ``(experiment, capacity, max batch seed, max seq seed[, every])``. Where batch 1 does not fit at
+    ``(experiment, capacity, max batch seed, max seq seed, gpu[, every])`` (``gpu``: the card, whose GPU side
+    counts: :func:`memcalc.estimate.peak.card_side`). Where batch 1 does not fit at
     the plan's seq, the max seq (at batch 1) is searched when the seed says some seq fits, or always
     with ``every`` (``plan --all``: from seq 2, one estimate when not even that fits)."""
-    e, cap, mb, ms = job[:4]
-    every = len(job) > 4 and job[4]
+    e, cap, mb, ms, gpu = job[:5]
+    every = len(job) > 5 and job[5]
     p = estimated_peak(e)
-    ok = required_bytes(p, step_side(e)) <= cap
-    b = max_batch(e, cap, seed=mb if mb > 0 else None, anchored=True) if ok else 0
+    ok = required_bytes(p, card_side(e, gpu)) <= cap
+    b = max_batch(e, cap, seed=mb if mb > 0 else None, anchored=True, gpu=gpu) if ok else 0
     if ok or ms > 0:
-        t = max_seq(e, cap, seed=ms if ms >= 2 else None, anchored=True)
+        t = max_seq(e, cap, seed=ms if ms >= 2 else None, anchored=True, gpu=gpu)
     else:
-        t = max_seq(e, cap, seed=2) if every else 0
+        t = max_seq(e, cap, seed=2, gpu=gpu) if every else 0
     return p, b, t
 
 
@@ -313,7 +314,7 @@ def plan_gpu(model: ModelSpec, gpu: Any, seq: Optional[int] = None, profile: Opt
                            training=t.training(1, seq, half, model.attention_lora_targets)) for t in techs]
     if half == "fp16":
         notes.append(f"{getattr(gpu, 'display_name', gpu.name)} has no bf16: 16-bit options use fp16 (same memory)")
-    search = _GpuSearch(model, techs, exps, int(gpu.capacity_bytes), seq, include_all, confirm)
+    search = _GpuSearch(model, techs, exps, int(gpu.capacity_bytes), seq, include_all, confirm, gpu)
     # 1. weights + optimizer state alone: options beyond the card cannot fit at any batch or seq;
     #    without --all, neither can options whose steady step at batch 1 does not fit.
     #    Compiled options are not fitted (see compile_techniques): they are estimated directly.
@@ -348,6 +349,7 @@ class _GpuSearch:
     seq: int
     include_all: bool
     confirm: bool
+    gpu: Any  # the card: its GPU side counts in the required bytes (memcalc.estimate.peak.card_side)
     results: dict[int, OptionResult] = field(default_factory=dict)
     fit_of: dict[int, StepFit] = field(default_factory=dict)
     #: compiled option -> the fraction of its forward its partition recomputes (for the cost model)
@@ -357,13 +359,13 @@ class _GpuSearch:
     def above_floor(self) -> list[int]:
         """The eager options whose weights and optimizer state alone fit the card."""
         return [i for i, e in enumerate(self.exps)
-                if self.techs[i].budget is None and required_bytes(state_floor(e), step_side(e)) <= self.cap]
+                if self.techs[i].budget is None and required_bytes(state_floor(e), card_side(e, self.gpu)) <= self.cap]
 
     def batch1_peaks(self, idx: list[int]) -> dict[int, Optional[int]]:
         """The exact peak at batch 1 of each option of ``idx`` (None: its steady step alone does not
         fit, without --all); an option and its fused twin in one job."""
         pairs = _by_unfused(self.techs, sorted(idx, key=lambda i: self.techs[i].fused))
-        jobs = [[(self.exps[i], self.cap, self.include_all) for i in pair] for pair in pairs]
+        jobs = [[(self.exps[i], self.cap, self.include_all, self.gpu) for i in pair] for pair in pairs]
         b1: dict[int, Optional[int]] = {}
         heavy = lambda pair_jobs: not applies(pair_jobs[0][0])  # noqa: E731
         for pair, peaks in zip(pairs, parallel_map(_b1_peaks, jobs, heavy=heavy)):
@@ -388,12 +390,12 @@ class _GpuSearch:
         bs, ts = batch_grid(), seq_grid(self.model, self.seq)
         parts = [(r, pair) for r, g in self.fit_groups(b1).items() for pair in _by_unfused(self.techs, g)]
         jobs = [(self.exps[r], [self.exps[i] for i in pair], [b1[i] for i in pair], self.cap, self.seq, bs, ts,
-                 self.confirm, self.include_all) for r, pair in parts]
+                 self.confirm, self.include_all, self.gpu) for r, pair in parts]
         for (_, pair), (rows, n_eval) in zip(parts, parallel_map(_plan_group, jobs, heavy=lambda job: not all(
                 applies(e) for e in job[1]))):
             self.evaluated += n_eval
             for i, (p, fits, mb, ms, done, fit) in zip(pair, rows):
-                req = required_bytes(p, step_side(self.exps[i]))
+                req = required_bytes(p, card_side(self.exps[i], self.gpu))
                 self.results[i] = OptionResult(self.techs[i], p, req, fits, mb, ms, None, done)
                 self.fit_of[i] = fit
 
@@ -402,11 +404,11 @@ class _GpuSearch:
         the compiled step's own batch-1 peak (jobs whose eager setup fits first: their searches run
         the most estimates)."""
         idx = [i for i, t in enumerate(self.techs) if t.budget is not None]
-        jobs = [(self.exps[i], self.cap, *_eager_seeds(self.techs[i], self.techs, self.results, self.fit_of))
+        jobs = [(self.exps[i], self.cap, *_eager_seeds(self.techs[i], self.techs, self.results, self.fit_of), self.gpu)
                 for i in idx]
         for i, (p, mb, ms, frac) in zip(idx, parallel_map(_confirm_compiled, jobs,
                                                           heavy=lambda job: job[2] > 0 or job[3] > 0)):
-            req = required_bytes(p, step_side(self.exps[i]))
+            req = required_bytes(p, card_side(self.exps[i], self.gpu))
             r = OptionResult(self.techs[i], p, req, req <= self.cap, mb, ms, None, True)
             self.recompute[i] = frac
             if r.fits or self.include_all:
@@ -416,7 +418,7 @@ class _GpuSearch:
         """The exact batch-1 numbers of the eager options that were not fitted (``--all``)."""
         rest = [i for i, t in enumerate(self.techs) if i not in self.results and t.budget is None]
         for i, p in zip(rest, parallel_map(estimated_peak, [self.exps[i] for i in rest])):
-            req = required_bytes(p, step_side(self.exps[i]))
+            req = required_bytes(p, card_side(self.exps[i], self.gpu))
             self.results[i] = OptionResult(self.techs[i], p, req, False, 0, 0, None, True)
 
     def ranked(self) -> list[OptionResult]:
@@ -474,7 +476,7 @@ def _scaled(fit: StepFit, peak: int, seq: int, own: Optional[dict[str, int]] = N
     return replace(fit, phases=out or fit.phases)
 
 
-def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int) -> tuple[int, int]:
+def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int, gpu: Any) -> tuple[int, int]:
     """(max batch at ``exp``'s seq, max seq at batch 1) by ``fit`` (another setup's: the same one
     without compile) with what grows with batch and sequence scaled so that its peak at batch 1
     is ``peak``, ``exp``'s own: compiled and eager steps keep the same weights and state, and
@@ -483,7 +485,7 @@ def _scaled_seeds(fit: StepFit, exp: ExperimentSpec, peak: int, cap: int) -> tup
     seq = exp.training.seq
     stack = StackedFits.of([_scaled(fit, peak, seq)])
     one = np.ones(1)
-    side = step_side(exp)
+    side = card_side(exp, gpu)
     # (largest_true_array gives lo - 1 where nothing fits: batch 0, seq 1)
     mb = int(largest_true_array(lambda b: required_bytes(stack.peaks_at(b, np.full(1, seq)), side) <= cap,
                                 np.ones(1), np.full(1, BATCH_CAP))[0])

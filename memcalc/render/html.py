@@ -141,7 +141,8 @@ def _fits(est: Estimate, gpus: list[Any]) -> str:
     parts = est.device_parts
     return (f'<p class="muted">Needs {e(fmt_bytes(est.required_bytes))} on {e(est.device)} = reserved '
             f'{e(fmt_bytes(est.reserved_peak_bytes))} (allocated {e(fmt_bytes(est.allocated_peak_bytes))}) + CUDA context '
-            f'{e(fmt_bytes(parts["cuda_context_bytes"]))} + NCCL {e(fmt_bytes(parts["nccl_bytes"]))}.</p>'
+            f'{e(fmt_bytes(parts["cuda_context_bytes"]))} + loaded by the step '
+            f'{e(fmt_bytes(parts.get("step_loaded_bytes", 0)))} + NCCL {e(fmt_bytes(parts["nccl_bytes"]))}.</p>'
             f'<table id="fits"><thead><tr><th>GPU</th><th class="num">memory (GiB)</th><th>fits</th>'
             f'<th class="num">headroom (GiB)</th></tr></thead><tbody>{"".join(rows)}</tbody></table>')
 

@@ -70,7 +70,7 @@ def _after_release(est: Estimate, g: Any) -> Optional[bool]:
     if est.step_reserved_bytes is None:
         return None
     side = card_side(est.experiment, g)
-    room = g.capacity_bytes - side.cuda_context_bytes - side.nccl_bytes - side.workspace_segment_bytes
+    room = g.capacity_bytes - side.outside_allocator_bytes - side.workspace_segment_bytes
     key = (id(est.replays), room)
     got = _AFTER.get(key)
     if got is None or got[0] is not est.replays:
@@ -350,7 +350,9 @@ def bpp_table(est: Estimate) -> Table:
 PART_LABELS = {"step_allocated_bytes": "allocated peak of the step's tensors (allocator replay)",
                "workspace_bytes": "cuBLAS/cuBLASLt workspaces (allocated)",
                "allocator_overhead_bytes": "allocator overhead to reserved (segments not in use)",
-               "cuda_context_bytes": "CUDA context", "nccl_bytes": "NCCL buffers"}
+               "cuda_context_bytes": "CUDA context (as created)",
+               "step_loaded_bytes": "loaded by the step (kernel images, cuBLAS state; outside the allocator)",
+               "nccl_bytes": "NCCL buffers"}
 
 
 def device_table(est: Estimate) -> Table:
@@ -366,7 +368,7 @@ def device_table(est: Estimate) -> Table:
 
 
 def gpu_table(est: Estimate, gpus: list[Any]) -> Table:
-    t = left_table("Fits? the device total (reserved + CUDA context + NCCL) on each card")
+    t = left_table("Fits? the device total (reserved + CUDA context + the step's loads + NCCL) on each card")
     t.add_column("GPU")
     t.add_column("memory", justify="right")
     t.add_column("needs", justify="right")

@@ -27,7 +27,7 @@ from memcalc.engine.result import KIND_NAMES
 from memcalc.snapshot.oom import EXPANDABLE_SEGMENTS_DOC, OomMessage
 
 #: the parts of the device total that are not the step's tensors (Estimate.device_parts keys)
-FIXED_PARTS = ("cuda_context_bytes", "workspace_bytes", "nccl_bytes")
+FIXED_PARTS = ("cuda_context_bytes", "step_loaded_bytes", "workspace_bytes", "nccl_bytes")
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def explain(est: Any, message: OomMessage, remedies: list[Any]) -> Explanation:
         crosses["allocator_overhead_bytes"] = est.device_parts.get("allocator_overhead_bytes", 0)
     fragmentation = message.reserved_unallocated_bytes >= message.requested_bytes
     failed_at = _first_at_least(est, message.allocated_bytes + message.requested_bytes)
-    outside = est.device_parts.get("cuda_context_bytes", 0) + est.device_parts.get("nccl_bytes", 0)
+    outside = sum(est.device_parts.get(k, 0) for k in ("cuda_context_bytes", "step_loaded_bytes", "nccl_bytes"))
     return Explanation(message, capacity, est.device_total_bytes, budget, crosses, fragmentation, failed_at,
                        list(remedies), outside)
 
@@ -95,7 +95,7 @@ def explanation_lines(x: Explanation) -> list[str]:
         out = [f"memcalc predicts this step fits the {card} card (needs {fmt_auto(x.device_total_bytes)}): the "
                "run that failed differs from the setup given, or something else holds the card "
                f"({fmt_auto(outside)} of it is outside PyTorch's allocator, against {fmt_auto(x.outside_bytes)} "
-               "predicted: the CUDA context and NCCL)"]
+               "predicted: the CUDA context, what the step loads into it, and NCCL)"]
     elif "allocator_overhead_bytes" in c:
         out = [f"The step crosses the {card} card at its peak ({c['phase']}, at {c['label']}) through the caching "
                f"allocator's reserved overhead ({fmt_auto(c['allocator_overhead_bytes'])}): the tensors "

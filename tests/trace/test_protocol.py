@@ -114,9 +114,11 @@ def test_cuda_comparisons_on_the_reference_card(monkeypatch):
     from memcalc.core.gpu_side import reference_side
     from memcalc.validate import protocol, protocol_probes
 
-    monkeypatch.setattr(protocol_probes, "card_side", lambda _device, biased=False: reference_side(1, biased))
+    monkeypatch.setattr(protocol_probes, "card_side",
+                        lambda _device, biased=0, compiled=False: reference_side(1, biased, compiled))
     for opts in (dict(model="gpt2", batch=2, seq=256, precision="bf16"),  # source: biased linears (cuBLASLt)
-                 dict(config="control")):  # source: no biases
+                 dict(model="gpt2", batch=2, seq=256, checkpoint="full"),  # source: recomputed biased forward
+                 dict(config="control"), dict(config="compile")):  # source: no biases; torch.compile's loads
         est = memcalc.api.estimate(**opts).estimate
         comps = {c.metric: c for c in protocol._comparisons("cuda", est, est.experiment, (100, 200), 300)}
         assert comps["allocated"].predicted_bytes == est.allocated_peak_bytes

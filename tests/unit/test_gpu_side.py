@@ -17,30 +17,53 @@ from memcalc.core.units import KiB, MiB
 
 TINY = str(Path(__file__).parent.parent / "fixtures" / "tiny-rope.yaml")  # 2 layers, no biases
 
-# (vendor, architecture, gpus, biased linears, workspace bytes allocated, their segments, NCCL bytes)
+H200 = "data/reference/measured/protocol-cuda-nvidia-h200-20261128-070544.json"
+#: source: H200, case cuda-context: NVML used after mem_get_info made the context, less before
+HOPPER_CONTEXT = 548_995_072
+#: source: unsloth-zoo PR #1053, RTX 6000 Ada, torch 2.10+cu130: 426 MiB in nvidia-smi
+ADA_CONTEXT = 426 * MiB
+#: source: H200, every eager step case: device used at the step's end less max_memory_reserved, 747.5625 MiB,
+#: less the context 523.5625 MiB
+STEP_LOADED = 224 * MiB
+
+# (vendor, architecture, gpus, biased-forward threads, workspace bytes allocated, their segments, NCCL bytes,
+#  context, step's loads)
 SIDES = [
     # source: CublasHandlePool.cpp parseChosenWorkspaceSize ":4096:2:16:8" = 8,519,680 B, two handles; the first,
-    # under 10 MiB, takes a 20 MiB segment (CUDACachingAllocator.cpp kLargeBuffer), the second its free rest
-    ("nvidia", "Ampere", 1, False, 2 * 8_519_680, 20 * MiB, 0),
-    # source: the same, 32 MiB on sm90 (PR #89027): a 32 MiB request is its own 32 MiB segment
-    ("nvidia", "Hopper", 1, False, 2 * 32 * MiB, 2 * 32 * MiB, 0),
-    # source: + two 1 MiB cuBLASLt workspaces (parseCUDABlasLtWorkspaceSize 1024 KiB): small pool, one 2 MiB segment
-    ("nvidia", "Ada Lovelace", 1, True, 2 * 8_519_680 + 2 * 1024 * KiB, 20 * MiB + 2 * MiB, 0),
+    # under 10 MiB, takes a 20 MiB segment (CUDACachingAllocator.cpp kLargeBuffer), the second its free rest;
+    # no measurement on Ampere: the H200's context and loads stand in
+    ("nvidia", "Ampere", 1, 0, 2 * 8_519_680, 20 * MiB, 0, HOPPER_CONTEXT, STEP_LOADED),
+    # source: the same, 32 MiB on sm90 (PR #89027): a 32 MiB request is its own 32 MiB segment; H200 measured
+    ("nvidia", "Hopper", 1, 0, 2 * 32 * MiB, 2 * 32 * MiB, 0, HOPPER_CONTEXT, STEP_LOADED),
+    # source: H200 case cublas-workspace: a biased linear's step adds ONE 1 MiB cuBLASLt workspace (the forward's
+    # addmm; backward runs plain mm): small pool, one 2 MiB segment; Ada's own context (PR #1053)
+    ("nvidia", "Ada Lovelace", 1, 1, 2 * 8_519_680 + 1024 * KiB, 20 * MiB + 2 * MiB, 0, ADA_CONTEXT, STEP_LOADED),
+    # source: with checkpointing the recomputed forward runs addmm on the autograd thread too: a second
+    # cuBLASLt handle and workspace (thread_local handle pool); both 1 MiB in one 2 MiB small-pool segment
+    ("nvidia", "Hopper", 1, 2, 2 * 32 * MiB + 2 * 1024 * KiB, 2 * 32 * MiB + 2 * MiB, 0, HOPPER_CONTEXT, STEP_LOADED),
     # source: NCCL src/init.cc LL 524,288 + LL128 4,915,200 + Simple 4,194,304 B per channel, 2 channels
-    ("nvidia", "Ampere", 8, False, 2 * 8_519_680, 20 * MiB, 2 * (524_288 + 4_915_200 + 4_194_304)),
-    # source: the ROCm branch: 128 MiB hipBLAS workspace on gfx94x (CDNA 3), two handles
-    ("amd", "CDNA 3", 1, False, 2 * 128 * MiB, 2 * 128 * MiB, 0),
-    # source: a card given by its capacity: the CUDA defaults outside Hopper
-    ("any", "unspecified", 1, False, 2 * 8_519_680, 20 * MiB, 0),
+    ("nvidia", "Ampere", 8, 0, 2 * 8_519_680, 20 * MiB, 2 * (524_288 + 4_915_200 + 4_194_304), HOPPER_CONTEXT,
+     STEP_LOADED),
+    # source: the ROCm branch: 128 MiB hipBLAS workspace on gfx94x (CDNA 3), two handles; no ROCm measurement
+    ("amd", "CDNA 3", 1, 0, 2 * 128 * MiB, 2 * 128 * MiB, 0, HOPPER_CONTEXT, STEP_LOADED),
+    # source: a card given by its capacity: the CUDA defaults outside Hopper, the H200's context and loads
+    ("any", "unspecified", 1, 0, 2 * 8_519_680, 20 * MiB, 0, HOPPER_CONTEXT, STEP_LOADED),
 ]
 
 
-@pytest.mark.parametrize("vendor,arch,gpus,biased,ws,segs,nccl", SIDES)
-def test_gpu_side_parts(vendor, arch, gpus, biased, ws, segs, nccl):
+@pytest.mark.parametrize("vendor,arch,gpus,biased,ws,segs,nccl,ctx,loaded", SIDES)
+def test_gpu_side_parts(vendor, arch, gpus, biased, ws, segs, nccl, ctx, loaded):
     side = gpu_side(vendor, arch, "card", gpus, biased)
     assert (side.workspace_bytes, side.workspace_segment_bytes, side.nccl_bytes) == (ws, segs, nccl)
-    assert side.cuda_context_bytes == 426 * MiB  # source: unsloth-zoo PR #1053, RTX 6000 Ada, torch 2.10
-    assert overhead_bytes(side) == segs + 426 * MiB + nccl
+    assert (side.cuda_context_bytes, side.step_loaded_bytes) == (ctx, loaded)
+    assert overhead_bytes(side) == segs + ctx + loaded + nccl
+    # an architecture with no measurement of its own says which figure stands in
+    assert any("stands in" in s for s in side.sources) == (arch not in ("Hopper",))
+
+
+def test_compiled_step_loads_64_kib_more():
+    # source: H200, the 5 compiled cases: device used less reserved 747.625 MiB against the eager 747.5625 MiB
+    assert gpu_side("nvidia", "Hopper", "H200", compiled=True).step_loaded_bytes == STEP_LOADED + 64 * KiB
 
 
 # (step allocated, step reserved or None): the three peaks follow from them on one card
@@ -56,7 +79,8 @@ def test_device_memory_adds_up(alloc, reserved):
     d = device_memory(alloc, reserved, side)
     assert d.allocated_peak_bytes == alloc + side.workspace_bytes
     assert d.reserved_peak_bytes == (reserved or alloc) + side.workspace_segment_bytes
-    assert d.device_total_bytes == d.reserved_peak_bytes + side.cuda_context_bytes + side.nccl_bytes
+    assert d.device_total_bytes == (d.reserved_peak_bytes + side.cuda_context_bytes + side.step_loaded_bytes
+                                    + side.nccl_bytes)
     assert sum(d.parts.values()) == d.device_total_bytes
     assert d.parts["allocator_overhead_bytes"] == d.reserved_peak_bytes - d.allocated_peak_bytes >= 0
 

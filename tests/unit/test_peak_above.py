@@ -144,12 +144,15 @@ def test_scaled_seeds_of_a_fit_at_its_own_peak_are_its_seeds():
     fit = fit_step(exp)
     cap = 24 * GiB
     own = int(fit.peak(np.array([1.0]), np.array([float(exp.training.seq)]))[0])
-    mb, ms = _scaled_seeds(fit, exp, own, cap)
+    from memcalc.inputs.gpus import get_gpu
+
+    h100 = get_gpu("h100-80gb")  # the reference card, whose GPU side fit.required counts
+    mb, ms = _scaled_seeds(fit, exp, own, cap, h100)
     req = lambda b, t: float(fit.required(np.array([float(b)]), np.array([float(t)]))[0])  # noqa: E731
     assert req(mb, exp.training.seq) <= cap < req(mb + 1, exp.training.seq)
     assert req(1, ms) <= cap < req(1, ms + 1)
     # a higher peak at batch 1 (more saved per token) gives lower seeds
-    mb2, ms2 = _scaled_seeds(fit, exp, int(own * 1.1), cap)
+    mb2, ms2 = _scaled_seeds(fit, exp, int(own * 1.1), cap, h100)
     assert mb2 <= mb and ms2 < ms
 
 

@@ -37,10 +37,13 @@ def run(args: list[str]):
 CLI_PROFILE = get_profile("hf-torch-2.8-cuda")
 
 
-def required(model, **training) -> int:
-    """What the CLI's estimate needs for ``model`` under ``training`` (the CLI's default profile)."""
-    return estimate(ExperimentSpec(model=model, training=TrainingSpec(**training), profile=CLI_PROFILE),
-                    timeline=False).required_bytes
+def required(model, gpu=None, **training) -> int:
+    """What the CLI's estimate needs for ``model`` under ``training`` (the CLI's default profile), on ``gpu``'s
+    own GPU side (its workspaces, context; default: the reference card's), reserved taken as allocated."""
+    from memcalc.estimate.peak import card_side
+
+    exp = ExperimentSpec(model=model, training=TrainingSpec(**training), profile=CLI_PROFILE)
+    return estimate(exp, timeline=False, side=card_side(exp, get_gpu(gpu)) if gpu else None).required_bytes
 
 
 def training_of(opt: dict, batch: int, seq: int) -> dict:
@@ -181,7 +184,7 @@ def test_plan_4090_every_option_fits_by_direct_estimate(plan_8b_4090):
     m = load_preset("llama-3.1-8b")
     cap = get_gpu("rtx-4090").capacity_bytes
     for o in plan_8b_4090["options"]:
-        req = required(m, **training_of(o, 1, 2048))
+        req = required(m, "rtx-4090", **training_of(o, 1, 2048))
         assert req == o["required_bytes"] <= cap, o["option"]
 
 
@@ -197,11 +200,13 @@ def test_plan_4090_max_batch_and_seq_are_exact(plan_8b_4090):
     for o in best.values():
         b, t = o["max_batch"], o["max_seq"]
         assert b >= 1 and t >= 2048
-        assert required(m, **training_of(o, b, 2048)) <= cap < required(m, **training_of(o, b + 1, 2048)), o["option"]
-        assert required(m, **training_of(o, 1, t)) <= cap < required(m, **training_of(o, 1, t + 1)), o["option"]
+        at = lambda b, t, o=o: required(m, "rtx-4090", **training_of(o, b, t))  # noqa: E731
+        assert at(b, 2048) <= cap < at(b + 1, 2048), o["option"]
+        assert at(1, t) <= cap < at(1, t + 1), o["option"]
 
 
-FAKE = SimpleNamespace(name="fake-40m", display_name="a 40 MiB card (test)", bf16=True,
+FAKE = SimpleNamespace(name="fake-40m", display_name="a 40 MiB card (test)", bf16=True, vendor="nvidia",
+                       architecture="Hopper",  # the reference card's GPU side (estimate()'s default)
                        capacity_bytes=overhead_bytes(reference_side()) + 40 * MiB)
 
 
@@ -440,11 +445,12 @@ def test_max_batch_and_seq_are_exact(flags, gpu):
     b, t = doc["max_batch"], doc["max_seq"]
     fixed = {k: v for k, v in tr.items() if k not in ("batch", "seq")}
     assert b >= 1
-    assert required(m, batch=b, seq=tr["seq"], **fixed) <= cap < required(m, batch=b + 1, seq=tr["seq"], **fixed)
+    assert required(m, gpu, batch=b, seq=tr["seq"], **fixed) <= cap < required(m, gpu, batch=b + 1, seq=tr["seq"],
+                                                                                **fixed)
     assert 2 <= t <= m.max_seq_len
-    assert required(m, batch=tr["batch"], seq=t, **fixed) <= cap
+    assert required(m, gpu, batch=tr["batch"], seq=t, **fixed) <= cap
     if t < m.max_seq_len:
-        assert required(m, batch=tr["batch"], seq=t + 1, **fixed) > cap
+        assert required(m, gpu, batch=tr["batch"], seq=t + 1, **fixed) > cap
 
 
 @pytest.mark.slow  # estimates llama-3.1-8b at full size

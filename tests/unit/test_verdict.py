@@ -39,7 +39,7 @@ QUESTIONS = [
     # source: the README's first question: bf16 LoRA does not fit; a shorter sequence or QLoRA does
     (["estimate", "--model", "llama-3.1-8b", "--lora", "--seq", "4096", "--gpu", "rtx-4090"], 0,
      ["Fits rtx-4090? no: needs", "GiB short", "Peak", "in backward", "To make it fit rtx-4090",
-      "--seq 1024:", "to spare", "memcalc estimate --model llama-3.1-8b --lora --seq 1024 --gpu rtx-4090"]),
+      "--seq 512:", "to spare", "memcalc estimate --model llama-3.1-8b --lora --seq 512 --gpu rtx-4090"]),
     # source: issue 29, "how many H100s to fully fine-tune Qwen3-8B?" (the full fine-tune's own answer first)
     (["estimate", "--model", "qwen3-8b", "--gpu", "h100-80gb"], 0,
      ["Fits h100-80gb? no", "Peak", "To make it fit h100-80gb", "--gpus 8 --zero 3:",
