@@ -45,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 from memcalc.core.errors import UserError
-from memcalc.core.gpu_side import device_memory
+from memcalc.core.gpu_side import biased_linears, device_memory
 from memcalc.core.units import fmt_auto
 from memcalc.inputs.measured import MEASURED_FORMAT, MeasuredRecord, comparison
 
@@ -185,16 +185,6 @@ def _reading(used: Optional[probes.DeviceUsed], out: dict) -> Iterator[None]:
         torch.cuda.empty_cache = real  # type: ignore[assignment]
 
 
-def _biased(exp: Any) -> int:
-    """memcalc.estimate.peak.biased_linears (the validator does not import the estimator): the threads that
-    run a biased linear's forward (cuBLASLt's addmm, a workspace per thread): the Python thread, and the
-    autograd thread too when checkpointing recomputes the linears in backward."""
-    m = exp.model
-    if not (m.qkv_bias or m.o_bias or m.mlp_bias or m.lm_head_bias):
-        return 0
-    return 2 if exp.training.checkpoint not in ("none", "selective") else 1
-
-
 def _comparisons(device: str, est: Any, exp: Any, measured: tuple, used: Optional[int]) -> list:
     """The step's comparisons: on CUDA the three peaks on this card, on meta the step's own figures."""
     alloc, reserved = measured
@@ -204,7 +194,7 @@ def _comparisons(device: str, est: Any, exp: Any, measured: tuple, used: Optiona
         return [comparison("step_allocated", est.peak_bytes, alloc, "estimate peak_bytes vs the traced step's tensors"),
                 comparison("step_reserved", est.step_reserved_bytes, reserved,
                            "estimate step_reserved_bytes vs the caching-allocator replay over the traced step")]
-    side = probes.card_side(device, _biased(exp), exp.training.compile)
+    side = probes.card_side(device, biased_linears(exp), exp.training.compile)
     dev = device_memory(est.step_allocated_bytes, est.step_reserved_bytes, side)
     return [comparison("allocated", dev.allocated_peak_bytes, alloc,
                        "estimate allocated_peak_bytes (with the cuBLAS workspaces) vs max_memory_allocated"),

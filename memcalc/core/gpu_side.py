@@ -27,10 +27,13 @@ kernels, bitsandbytes', Liger's Triton kernels). What is known to be left out is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.units import KiB, MiB
+
+if TYPE_CHECKING:
+    from memcalc.core.spec import ExperimentSpec
 
 # -- cuBLAS / cuBLASLt workspaces ---------------------------------------------------------------
 #: aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize`` (torch 2.0 - 2.8, since
@@ -296,3 +299,32 @@ def overhead_bytes(side: GpuSide) -> int:
     the workspaces' segments + the CUDA context + what the step loads + NCCL. A constant of the card and
     the step's GPU count."""
     return side.workspace_segment_bytes + side.outside_allocator_bytes
+
+
+# -- the side of one experiment (memcalc.estimate.peak re-exports these) ---------------------------------
+def biased_linears(exp: ExperimentSpec) -> int:
+    """The threads that run a biased linear's forward, each with a cuBLASLt workspace of its own
+    (:func:`_workspaces`): none without biases; the Python thread; and the
+    autograd thread too when checkpointing recomputes the layers' linears in backward (every policy
+    but ``selective``, which recomputes the attention core alone)."""
+    m = exp.model
+    if not (m.qkv_bias or m.o_bias or m.mlp_bias or m.lm_head_bias):
+        return 0
+    return 2 if exp.training.checkpoint not in ("none", "selective") else 1
+
+
+def _exp_side(exp: ExperimentSpec, vendor: str, arch: str, name: str) -> GpuSide:
+    return gpu_side(vendor, arch, name, exp.training.gpus, biased_linears(exp), exp.training.compile)
+
+
+def step_side(exp: ExperimentSpec, side: Optional[GpuSide] = None) -> GpuSide:
+    """``side`` (a card's: :func:`memcalc.core.gpu_side.gpu_side`), else the reference card's for
+    ``exp``'s GPU count, linears and compilation."""
+    return side if side is not None else _exp_side(exp, *REFERENCE_DEVICE)
+
+
+def card_side(exp: ExperimentSpec, card) -> GpuSide:
+    """The GPU side of ``exp`` on ``card`` (a ``data/gpus.yaml`` entry: vendor, architecture, display_name;
+    a card without them, such as a bare capacity, is any vendor's of unspecified architecture)."""
+    return _exp_side(exp, getattr(card, "vendor", "any"), getattr(card, "architecture", "unspecified"),
+                 getattr(card, "display_name", card.name))

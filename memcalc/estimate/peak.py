@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from memcalc.core.allocator import CachingAllocatorSim
-from memcalc.core.gpu_side import (NOT_MODELLED, REFERENCE_DEVICE, GpuSide, device_memory, gpu_side, overhead_bytes,
-                                   reference_side)
+from memcalc.core.gpu_side import (NOT_MODELLED, GpuSide, card_side, device_memory, overhead_bytes, reference_side,
+                                   step_side)
 from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
@@ -39,34 +39,6 @@ def _is_array(x) -> bool:
     array can only exist once the plan has imported numpy)."""
     np = sys.modules.get("numpy")
     return np is not None and isinstance(x, np.ndarray)
-
-
-def biased_linears(exp: ExperimentSpec) -> int:
-    """The threads that run a biased linear's forward, each with a cuBLASLt workspace of its own
-    (:func:`memcalc.core.gpu_side._workspaces`): none without biases; the Python thread; and the
-    autograd thread too when checkpointing recomputes the layers' linears in backward (every policy
-    but ``selective``, which recomputes the attention core alone)."""
-    m = exp.model
-    if not (m.qkv_bias or m.o_bias or m.mlp_bias or m.lm_head_bias):
-        return 0
-    return 2 if exp.training.checkpoint not in ("none", "selective") else 1
-
-
-def _side(exp: ExperimentSpec, vendor: str, arch: str, name: str) -> GpuSide:
-    return gpu_side(vendor, arch, name, exp.training.gpus, biased_linears(exp), exp.training.compile)
-
-
-def step_side(exp: ExperimentSpec, side: Optional[GpuSide] = None) -> GpuSide:
-    """``side`` (a card's: :func:`memcalc.core.gpu_side.gpu_side`), else the reference card's for
-    ``exp``'s GPU count, linears and compilation."""
-    return side if side is not None else _side(exp, *REFERENCE_DEVICE)
-
-
-def card_side(exp: ExperimentSpec, card) -> GpuSide:
-    """The GPU side of ``exp`` on ``card`` (a ``data/gpus.yaml`` entry: vendor, architecture, display_name;
-    a card without them, such as a bare capacity, is any vendor's of unspecified architecture)."""
-    return _side(exp, getattr(card, "vendor", "any"), getattr(card, "architecture", "unspecified"),
-                 getattr(card, "display_name", card.name))
 
 
 def largest_peak_within(capacity_bytes: int, side: Optional[GpuSide] = None) -> int:

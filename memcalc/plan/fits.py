@@ -44,8 +44,8 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks.attention_variants import eager
 from memcalc.engine.timeline import first_step_within_steady
-from memcalc.core.gpu_side import reference_side
-from memcalc.estimate.peak import biased_linears, required_bytes, step_side
+from memcalc.core.gpu_side import biased_linears, reference_side
+from memcalc.estimate.peak import required_bytes, step_side
 from memcalc.plan.simulations import Trace, step_trace, with_training
 
 #: Names of the (B, T) features, in coefficient order.

@@ -86,9 +86,8 @@ def predicted(name: str, case: str) -> dict[str, int]:
     """The protocol's prediction of the case, made again: allocated, reserved, device_total and outside
     (the device total less reserved)."""
     import memcalc.api
-    from memcalc.core.gpu_side import architecture_of, device_memory, gpu_side
+    from memcalc.core.gpu_side import architecture_of, biased_linears, device_memory, gpu_side
     from memcalc.core.spec import ExperimentSpec
-    from memcalc.estimate.peak import biased_linears
     from memcalc.inputs.profiles import compose
 
     rec = _record(name, case)
