@@ -76,8 +76,6 @@ def check_pp(exp: ExperimentSpec) -> None:
                         "'Number of microbatches must be greater than or equal to the number of stages')")
     unsupported = [name for cond, name in (
         (m.tie_embeddings, "tied embeddings (the embedding and the head sit on different stages)"),
-        (m.moe is not None, "mixture-of-experts layers"),
-        (m.mla is not None, "multi-head latent attention"),
         (tr.ep > 1, "--ep"),
         (tr.cp > 1, "--cp"),
         (tr.zero > 0 and tr.gpus > 1, "ZeRO / FSDP over data-parallel GPUs"),
@@ -92,7 +90,7 @@ def check_pp(exp: ExperimentSpec) -> None:
          or exp.profile.cross_entropy != "full", f"--framework {exp.profile.framework}'s own head or kernels"),
     ) if cond]
     if unsupported:
-        raise UserError(f"--pp {pp} models torch.distributed.pipelining over a dense decoder, full fine-tuning; "
+        raise UserError(f"--pp {pp} models torch.distributed.pipelining over a decoder, full fine-tuning; "
                         f"not with {'; '.join(unsupported)}")
 
 

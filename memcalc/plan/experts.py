@@ -116,6 +116,9 @@ def search_experts(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, Op
             else:
                 lo = mid + 1
         rows.append(ExpertRow(g, at(lo)))
+    if rows and all(r.layout is None for r in rows):
+        most = at(len(COUNTS) - 1)
+        return [], f"no card fits: {most.gpus} GPUs, ep {most.ep}, need {most.required_bytes / 2**30:.1f} GiB a GPU"
     return rows, None
 
 

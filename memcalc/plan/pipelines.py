@@ -155,6 +155,10 @@ def search_pipelines(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, 
         rows.append(PipelineRow(g, lay))
     order = {g.name: i for i, g in enumerate(cards)}
     rows.sort(key=lambda r: order[r.gpu.name])
+    if rows and all(r.layout is None for r in rows):
+        most = at(len(pps) - 1)
+        return [], (f"no card fits: pp {most.pp} x tp {most.tp}, the most stages, needs "
+                    f"{most.required_bytes / 2**30:.1f} GiB a rank (rank {most.rank})")
     return rows, None
 
 

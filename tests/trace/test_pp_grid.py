@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from memcalc.core.spec import ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec
+from memcalc.core.spec import ExperimentSpec, KernelProfile, MLASpec, ModelSpec, MoESpec, TrainingSpec
 from memcalc.engine.pipeline import actions
 from memcalc.estimate.peak import estimate
 
@@ -24,10 +24,16 @@ torch = pytest.importorskip("torch")
 TOLERANCE_PCT = 2.0
 
 
+#: the mixture-of-experts stages (memcalc's replica: validate/moe.py, validate/mla.py): a shared expert and a
+#: dense first layer (DeepSeek's first_k_dense_replace), with or without multi-head latent attention
+MOE = MoESpec(n_experts=8, top_k=2, d_ff_expert=128, n_shared_experts=1, first_dense_layers=1)
+MLA = MLASpec(q_lora_rank=96, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+
+
 def spec(pp: int, M: int, schedule: str, layers: int, batch: int, seq: int, framework: str = "plain",
-         **tr) -> ExperimentSpec:
+         moe: bool = False, mla: bool = False, **tr) -> ExperimentSpec:
     m = ModelSpec(name="tiny-llama", n_layers=layers, d_model=256, n_heads=4, d_ff=688, vocab_size=1024,
-                  max_seq_len=4096)
+                  max_seq_len=4096, moe=MOE if moe else None, mla=MLA if mla else None)
     from memcalc.inputs.profiles import compose
 
     return ExperimentSpec(model=m, training=TrainingSpec(batch=batch, seq=seq, pp=pp, microbatches=M,
@@ -52,6 +58,10 @@ ROWS = [
     (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "tp": 2}),
     # source: trace, pp x tp with sequence parallelism, GPipe: stages exchange this rank's seq / tp rows
     (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "tp": 2, "sequence_parallel": True}),
+    # source: trace, mixture of experts (a dense first layer on stage 0, a routed + shared expert layer on stage 1)
+    (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "moe": True}),
+    # source: trace, DeepSeek-style layers: multi-head latent attention and experts, GPipe
+    (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True}),
 ]
 
 
