@@ -151,6 +151,10 @@ MEAN_SAVES_INPUT_UNTIL = (2, 1)
 PEAK_AWARE_REUSE_SINCE = (2, 9)
 
 DEFAULT_TORCH = "2.8"
+#: ``--profile`` of lit-gpt before 6178c7cc (October 2023): its RMSNorm in the input dtype (:data:`PROFILES`)
+LIT_GPT_2023 = "litgpt-2023.10-torch-2.1-cuda"
+#: named profiles that are a (framework, PyTorch) pair with fields of a framework version changed
+VARIANTS: dict[str, dict] = {LIT_GPT_2023: {"norm_upcast": False}}
 
 
 def parse_torch(version: str) -> tuple[int, int]:
@@ -213,6 +217,11 @@ PROFILES: dict[str, KernelProfile] = {
         profile_for("hf", "2.8"),
         profile_for("torchtune", "2.8"),
         profile_for("litgpt", "2.8"),
+        # lit-gpt before commit 6178c7cc ("Half precision fixes", 2023-10-24; the resource tables' 8641822 of
+        # 2023-10-20) on PyTorch 2.1: lit_gpt/rmsnorm.py RMSNorm.forward ``torch.mean(x * x, ...)``,
+        # ``x * torch.rsqrt(norm_x + eps)``, ``self.weight * x_normed``: in the input dtype, no ``x.float()``
+        # (norm_upcast False: the composite saves the 16-bit x, x * x (PyTorch 2.1's mean) and the rsqrt)
+        profile_for("litgpt", "2.1").model_copy(update={"name": LIT_GPT_2023, **VARIANTS[LIT_GPT_2023]}),
     )
 }
 

@@ -18,7 +18,7 @@ from memcalc.engine.params import count_params
 from memcalc.engine.sim import Sim
 from memcalc.engine.timeline import weights_and_state_bytes
 from memcalc.estimate.peak import estimate
-from memcalc.inputs.profiles import PROFILES, compose, get_profile, profile_for
+from memcalc.inputs.profiles import PROFILES, VARIANTS, compose, get_profile, profile_for
 from memcalc.inputs.resolve import Options, resolve
 
 
@@ -207,8 +207,9 @@ def test_framework_rule(framework, torch, field, value):
 
 
 def test_named_profiles_are_their_pairs():
-    for name, p in PROFILES.items():
-        assert p == profile_for(p.framework, p.torch_version), name
+    for name, p in PROFILES.items():  # a variant: the pair with a framework version's fields (VARIANTS)
+        want = profile_for(p.framework, p.torch_version)
+        assert p == (want.model_copy(update={"name": name, **VARIANTS[name]}) if name in VARIANTS else want), name
     assert PROFILES["torch-2.8-cuda"] == KernelProfile()  # the spec's default is the reference build
 
 

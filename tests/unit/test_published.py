@@ -37,32 +37,16 @@ _TT_COMPILED_OFFLOAD = (
     "6-15% above the estimate, so neither side is checked there); since the checkpointed regions save h alone "
     "(no RoPE tables: engine/offload.py rope_region_inputs) the last layer's input stays in the 5-deep forward "
     "stash through the head's backward (+48 MiB on the LoRA row, +4.8% -> +5.3%)")
-_LIT_OLD_NORM = ("lit-gpt 8641822 (Oct 2023, the resource tables' version) computes RMSNorm in the input dtype "
-                 "(lit_gpt/rmsnorm.py: torch.mean(x * x), no x.float()); memcalc's litgpt profile follows LitGPT "
-                 "0.5.13's RMSNorm, which upcasts to fp32 and keeps fp32 copies for backward (the Llama rows; the "
-                 "LayerNorm phi-1.5 rows are within 5%); it also copies q, k and v out of the "
-                 "permuted qkv output (lit_gpt/model.py CausalSelfAttention.forward: qkv.permute(0, 2, 3, 1, 4), "
-                 "then q/k/v.reshape), where 0.5.13's v stays a view of the qkv output that SDPA keeps")
-_LIT_OLD_NORM_QLORA = (_LIT_OLD_NORM + "; the QLoRA rows, their first micro-step modelled (--first-seq), are high "
-                       "by the same per-token bytes (+9.2% to +10.1%)")
-_LIT_OLD_STABLELM = ("low by about 0.25 GiB per sample at 1034 tokens (mb1 -2.2%, mb2 -4.1%, mb4 -6.1%; 16 layers: "
-                     "about "
-                     "4 bytes per hidden element per token per layer), not identified: lit-gpt 8641822's model code "
-                     "is not 0.5.13's (lit_gpt/model.py copies q, k, v out of the permuted qkv, StableLM's partial "
-                     "rotary cats a RoPE'd quarter back; lit_gpt/lora.py LoRAQKVLinear.zero_pad builds a zero (B, T, "
-                     "3d) tensor and index_copy's into a second, where 0.5.13 differs); memcalc and validate follow "
-                     "0.5.13")
+_LIT_OLD_STABLELM = (
+    "low by about 0.25 GiB per sample at 1034 tokens (mb1 -2.2%, mb2 -4.1%, mb4 -6.1%; 16 layers: about 4 bytes per "
+    "hidden element per token per layer), not identified: lit-gpt 8641822's model code is not 0.5.13's beyond the "
+    "RMSNorm (--profile litgpt-2023.10: the Llama rows within 0.4%): lit_gpt/model.py copies q, k, v out of the "
+    "permuted qkv, StableLM's partial rotary cats a RoPE'd quarter back; lit_gpt/lora.py LoRAQKVLinear.zero_pad "
+    "builds a zero (B, T, 3d) tensor and index_copy's into a second; memcalc and validate follow 0.5.13")
 XFAIL = {
     "torchtune-flags-lora": _TT_COMPILED_OFFLOAD,
     "torchtune-flags-qlora": _TT_COMPILED_OFFLOAD,
-    "litgpt-resource-llama-2-7b-lora-mb1": _LIT_OLD_NORM,
-    "litgpt-resource-llama-2-7b-lora-mb2": _LIT_OLD_NORM,
-    "litgpt-resource-llama-2-13b-lora-mb1": _LIT_OLD_NORM,
     "litgpt-resource-stablelm-alpha-3b-lora-mb4": _LIT_OLD_STABLELM,
-    "litgpt-resource-llama-2-7b-qlora-nf4-mb1": _LIT_OLD_NORM_QLORA,
-    "litgpt-resource-llama-2-7b-qlora-nf4-dq-mb1": _LIT_OLD_NORM_QLORA,
-    "litgpt-resource-llama-2-13b-qlora-nf4-mb1": _LIT_OLD_NORM_QLORA,
-    "litgpt-resource-llama-2-13b-qlora-nf4-dq-mb1": _LIT_OLD_NORM_QLORA,
 }
 
 _HEX40 = re.compile(r"[0-9a-f]{40}")

@@ -91,6 +91,11 @@ def _why_not(exp: ExperimentSpec) -> Optional[str]:
     bad = [k for k, v in model.items() if v]
     if bad:
         return f"--framework litgpt: LitGPT's Config cannot express {bad[0]}"
+    if m.norm == "rmsnorm" and not exp.profile.norm_upcast:
+        return ("--framework litgpt: LitGPT 0.5.13's RMSNorm upcasts to fp32 (litgpt/model.py RMSNorm.forward: "
+                "x.float()); lit-gpt's before 6178c7cc (profile litgpt-2023.10, norm_upcast False) is not installed "
+                "here: its composite RMSNorm in the input dtype is traced by memcalc's replica (--framework plain, "
+                "the field contract's KernelProfile.norm_upcast row)")
     if tr.precision not in PRECISIONS:
         return (f"--framework litgpt: precision {tr.precision} (16-mixed needs CUDA's GradScaler); "
                 f"LitGPT runs {', '.join(PRECISIONS)} here")
