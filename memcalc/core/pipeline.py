@@ -28,13 +28,13 @@ divide by ``M``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.rules import is_variant_layer
 
 if TYPE_CHECKING:
-    from memcalc.core.spec import ExperimentSpec, TrainingSpec
+    from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 #: ``--pp-schedule`` -> the torch.distributed.pipelining class that runs it
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
@@ -98,19 +98,35 @@ def check_pp(exp: ExperimentSpec) -> None:
 ALL_RANKS_UP_TO = 4
 
 
-def simulated_ranks(pp: int) -> list[int]:
+def simulated_ranks(pp: int, m: Optional[ModelSpec] = None) -> list[int]:
     """The ranks whose step is simulated: every rank up to :data:`ALL_RANKS_UP_TO` stages, else the first
-    (embedding, the most micro-batches in flight), the second and the last (head, logits and loss). The middle
-    ranks hold the same layers and buffers as the second and, under 1F1B, fewer micro-batches in flight
-    (warm-up ``pp - rank``; GPipe: as many): none peaks above the second (``tests/unit/test_plan_pipelines.py``
-    simulates every rank and checks it)."""
-    return list(range(pp)) if pp <= ALL_RANKS_UP_TO else [0, 1, pp - 1]
+    (embedding, the most micro-batches in flight), the second, the last (head, logits and loss) and, for each
+    stage of ``m`` whose layers differ from the second's (an MoE model's dense first layers, MoE every
+    ``moe.every`` layers: :meth:`memcalc.core.model_spec.MoESpec.is_moe_layer`), the first rank with that
+    stage. A middle rank with the second's layers holds the same buffers and, under 1F1B, fewer micro-batches
+    in flight (warm-up ``pp - rank``; GPipe: as many): it peaks no higher than the second
+    (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). Layers that differ otherwise
+    by their index are refused with ``--pp`` (:func:`check_pp`)."""
+    if pp <= ALL_RANKS_UP_TO:
+        return list(range(pp))
+    ranks = [0, 1]
+    if m is not None and m.moe is not None:
+        moe = m.moe
+        seen = set()
+        for r, (lo, hi) in enumerate(stage_layers(m.n_layers, pp)):
+            kinds = tuple(moe.is_moe_layer(i) for i in range(lo, hi))
+            if 1 <= r < pp - 1 and kinds not in seen:
+                seen.add(kinds)
+                if r > 1:
+                    ranks.append(r)
+    return [*ranks, pp - 1]
 
 
 def pipeline_line(pipe: dict) -> str:
     """The inputs table's line for ``--json``'s ``pipeline`` (memcalc.engine.pipeline.pipeline_extra)."""
     lo, hi = next(s for s in pipe["stages"] if s["rank"] == pipe["worst_rank"])["layers"]
-    every = ("every rank's in --json" if len(pipe["stages"]) == pipe["pp"] else
-             "ranks 0, 1 and the last simulated, in --json (no middle rank peaks above rank 1)")
+    ranks = [s["rank"] for s in pipe["stages"]]
+    every = ("every rank's in --json" if len(ranks) == pipe["pp"] else
+             f"ranks {', '.join(map(str, ranks))} simulated, in --json (no other rank peaks above them)")
     return (f"PP {pipe['pp']}, {pipe['schedule']} ({pipe['torch_schedule']}), {pipe['microbatches']} micro-batches "
             f"of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s (layers {lo}-{hi - 1}), {every}")

@@ -322,7 +322,7 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
     check_pp(exp)
     peaks: list[StagePeak] = []
     results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
-    for r in (simulated_ranks(exp.training.pp) if ranks is None else ranks):
+    for r in (simulated_ranks(exp.training.pp, exp.model) if ranks is None else ranks):
         tracer = AllocTrace() if trace_allocs else None
         log = AllocEvents() if events else None
         step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])

@@ -35,6 +35,26 @@ def test_no_middle_rank_peaks_above_the_second(pp, schedule, checkpoint, tp, M):
     assert simulated_ranks(pp) == (list(range(pp)) if pp <= 4 else [0, 1, pp - 1])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_middle_stage_of_other_layers_is_simulated_too(schedule):
+    # source: memcalc.engine.pipeline.simulate_pp, every rank. Dense MLPs of width 16 in the first 3 layers, MoE
+    # after (DeepSeek's first_k_dense_replace): with 2 layers a stage, rank 1 holds a dense and an MoE layer,
+    # ranks 2-4 two MoE layers each, which under GPipe (every rank holds every micro-batch) peak above rank 1
+    from memcalc.core.model_spec import MoESpec
+
+    moe = TINY.model_copy(update={"d_ff": 16, "moe": MoESpec(n_experts=8, top_k=4, d_ff_expert=128,
+                                                               first_dense_layers=3)})
+    tr = TrainingSpec(batch=6, seq=32, precision="bf16", master_weights=True, pp=6, microbatches=6,
+                      pp_schedule=schedule)
+    exp = ExperimentSpec(model=moe, training=tr)
+    every = simulate_pp(exp, strategy_for(exp), record_timeline=False, ranks=range(6))
+    assert simulated_ranks(6, moe) == [0, 1, 2, 5]
+    assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == every.peak_bytes
+    if schedule == "gpipe":
+        peaks = [s["peak_bytes"] for s in every.stages]
+        assert peaks[2] > peaks[1]  # the rule [0, 1, last] alone would have been low
+
+
 def test_a_model_that_cannot_be_pipelined_says_why():
     # source: memcalc.core.pipeline.check_pp (tied embeddings, MoE and MLA are refused with --pp)
     tied = TINY.model_copy(update={"tie_embeddings": True})
