@@ -115,15 +115,13 @@ def _resolve_config_dict(cfg: dict[str, Any], kwargs: dict[str, Any]) -> "Resolv
             else str(cfg.get("model_type") or "model"))
     name = "".join(c if c.isalnum() or c in "-_." else "-" for c in name).strip(".") or "model"
     with tempfile.TemporaryDirectory(prefix="memcalc-") as tmp:
-        folder = os.path.join(tmp, name)
-        os.mkdir(folder)
+        os.mkdir(folder := os.path.join(tmp, name))
         path = os.path.join(folder, "config.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(cfg, f, default=str)
         shown = f"<{name} config dict>"  # messages name the dict, not the temporary file
-        notes = io.StringIO()
         try:
-            with contextlib.redirect_stderr(notes):  # the reader's note on keys it does not read
+            with contextlib.redirect_stderr(notes := io.StringIO()):  # the reader's note on keys it does not read
                 res = resolve(options_from(**{**kwargs, "model": path}))
         except UserError as e:
             raise UserError(str(e).replace(path, shown)) from None
@@ -242,6 +240,7 @@ class EstimateResult:
                 f"in {self.phase}, requires {fmt_bytes(self.required_bytes)})")
 
 
+@aliases.notes_on_success  # an alias's note, then a refusal: one line still
 def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, Sequence[str]] = None,
              max_batch: bool = False, max_seq: bool = False, timeline: bool = True, **options: Any) -> EstimateResult:
     """Predict the peak memory of one training step: ``memcalc estimate`` as a function.
@@ -336,6 +335,7 @@ RECIPE_NOTE = ("recipe: plan takes the model, sequence length, framework and los
                "recipe's own setup")
 
 
+@aliases.notes_on_success
 def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = None, *, gpu: Optional[str] = None,
          seq: Union[int, str, None] = None, profile: Optional[str] = None, framework: Optional[str] = None,
          torch: Optional[str] = None, loss: Optional[str] = None, loss_chunks: Optional[int] = None,

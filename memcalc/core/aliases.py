@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
+from decimal import Decimal
 from typing import Any, Optional
 
 from memcalc.core.choices import FRAMEWORKS, PRECISIONS
@@ -77,8 +78,45 @@ def alias_help(kind: str) -> str:
     return "Also: " + ", ".join(f"{k} ({v})" for k, v in table.items()) + "."
 
 
+#: notes held by :func:`notes_on_success` (None: written at once)
+_held: Optional[list[str]] = None
+
+
 def _note(line: str) -> None:
-    sys.stderr.write(f"memcalc: note: {line}\n")
+    if _held is not None:
+        _held.append(line)
+    else:
+        sys.stderr.write(f"memcalc: note: {line}\n")
+
+
+def notes_on_success(fn: Any) -> Any:
+    """``fn`` with the alias notes it makes held until it returns: written then (before the caller prints
+    anything), dropped when it refuses its input (a ``ValueError``: :class:`UserError`, pydantic's
+    ValidationError), so that a bad input after an alias (``--seq 2k`` on a 1,024-token model,
+    ``--precision bfloat16 --batch 0``) is still one line on stderr; written before any other exception
+    goes on. Nested calls: the outermost decides."""
+    @functools.wraps(fn)
+    def held(*args: Any, **kwargs: Any) -> Any:
+        global _held
+        if _held is not None:
+            return fn(*args, **kwargs)
+        _held = []
+        try:
+            out = fn(*args, **kwargs)
+        except ValueError:
+            _held = None
+            raise
+        finally:
+            lines, _held = _held or [], None
+            for line in lines:
+                _note(line)
+        return out
+    return held
+
+
+def clip(text: str, limit: int = 40) -> str:
+    """``text`` cut to ``limit`` characters for an error line (a 5,000-digit value is not echoed)."""
+    return text if len(text) <= limit else text[: limit - 4] + "..."
 
 
 def _choice(kind: str, value: Any, valid: tuple[str, ...], aliases: dict[str, str],
@@ -137,12 +175,19 @@ def seq(value: Any) -> Any:
         raise UserError(f"--seq {value!r} is not a sequence length; give tokens as an integer (4096) or with k / M "
                         "(4k = 4,096, 128k = 131,072, 1M = 1,048,576)")
     number, unit = m.groups()
-    tokens = float(number) * SEQ_UNITS[unit.lower()] if unit else float(number)
-    if tokens != int(tokens):
-        raise UserError(f"--seq {value} is {tokens:g} tokens, not a whole number; give an integer")
+    exact = Decimal(number) * (SEQ_UNITS[unit.lower()] if unit else 1)  # no float overflow (9...9k)
+    if unit:  # (a plain integer meets TrainingSpec's bound, with its message)
+        from memcalc.core.spec_base import MAX_SEQ
+
+        if exact > MAX_SEQ:
+            raise UserError(f"--seq {clip(value.strip())} is more than {MAX_SEQ:,} tokens, the longest sequence "
+                            "memcalc takes")
+    if exact != exact.to_integral_value():
+        raise UserError(f"--seq {value} is {exact.normalize():f} tokens, not a whole number; give an integer")
+    tokens = int(exact)
     if unit:
         _note(f"--seq {value} is {int(tokens):,} tokens ({unit} = {SEQ_UNITS[unit.lower()]:,})")
-    return int(tokens)
+    return tokens
 
 
 def gpus(value: Any) -> Any:

@@ -194,7 +194,8 @@ def compose(base: KernelProfile, framework: Optional[str] = None, torch: Optiona
     fields (attention, loss_chunks, the allocator's rounding, ...) stay as ``base`` has them."""
     if framework is None and torch is None:
         return base
-    new = profile_for(framework or base.framework, torch or base.torch_version)
+    new = profile_for(framework if framework is not None else base.framework,  # ("" is refused, not the default)
+                      torch if torch is not None else base.torch_version)
     keep = {k: v for k, v in base.model_dump().items() if k not in RULE_FIELDS}
     return KernelProfile.model_validate({**keep, **{k: getattr(new, k) for k in ("name", "framework", "torch_version",
                                                                                  *RULE_FIELDS)}})

@@ -55,6 +55,8 @@ def _root_class(exc: ValidationError) -> Optional[type[BaseModel]]:
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
+    if isinstance(value, int) and value.bit_length() > 4 * limit:  # (repr past 4,300 digits raises ValueError)
+        return f"an integer of about {int(value.bit_length() * 0.30103):,} digits"
     r = repr(value)
     r = " ".join(r.split())
     return r if len(r) <= limit else r[: limit - 3] + "..."

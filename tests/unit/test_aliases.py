@@ -113,11 +113,10 @@ def test_cli_errors(args, code, message):
 
 
 def test_plan_and_validate_notes(monkeypatch):
-    # plan: the note before the refusal that stops it (--all without --gpu), so no search runs
+    # plan: a refusal after an alias (--all without --gpu) is one line, the notes dropped with it
+    # (aliases.notes_on_success; tests/unit/test_fuzz_doors.py: written when the call returns)
     r = CliRunner().invoke(app, ["plan", "--model", "gpt2", "--seq", "1k", "--framework", "transformers", "--all"])
-    assert r.exit_code == 2
-    assert "memcalc: note: --seq 1k is 1,024 tokens" in r.stderr
-    assert "memcalc: note: --framework transformers is hf" in r.stderr
+    one_line_error(r, 2, "--all lists the combinations that do not fit one GPU")
     # validate: the alias read before validate's own checks (an unknown device stops it)
     r = CliRunner().invoke(app, ["validate", "--model", "gpt2", "--framework", "huggingface", "--scale-layers", "0"])
     assert "memcalc: note: --framework huggingface is hf" in r.stderr

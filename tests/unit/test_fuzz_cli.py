@@ -26,7 +26,7 @@ BIG = str(10**30)
 # flag -> values: good ones, boundaries, and garbage (each a string, as typed)
 VALUES: dict[str, list[str]] = {
     "--batch": ["1", "2", "0", "-1", BIG, "1e3", "x", "1048577"],
-    "--seq": ["64", "128", "0", "1", "-5", BIG, "nan", "16777217"],
+    "--seq": ["64", "128", "0", "1", "-5", BIG, "nan", "16777217", "2k", "9" * 400 + "k"],  # k: an alias note first
     "--grad-accum": ["1", "2", "0", BIG],
     "--precision": ["fp32", "bf16", "amp-bf16", "fp8", ""],
     "--optimizer": ["adamw", "sgd", "lion", "adafactor", "nope"],
