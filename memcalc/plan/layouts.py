@@ -76,6 +76,8 @@ def tp_degrees(exp: ExperimentSpec) -> list[int]:
     """The degrees of :data:`TP_DEGREES` the model and setup allow."""
     out = []
     for tp in TP_DEGREES:
+        if exp.training.seq % tp:  # sequence parallelism shards the sequence (engine.tensor_parallel.TensorParallel.of)
+            continue
         try:
             check(with_training(exp, tp=tp, sequence_parallel=True))
         except UserError:

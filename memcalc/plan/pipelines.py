@@ -79,6 +79,8 @@ def pipeline_degrees(full: ExperimentSpec) -> tuple[Optional[int], list[int], Op
 
 
 def _allows_tp(full: ExperimentSpec, tp: int) -> bool:
+    if full.training.seq % tp:  # sequence parallelism shards the sequence (engine.tensor_parallel.TensorParallel.of)
+        return False
     try:
         check_tp(with_training(full, tp=tp, sequence_parallel=True))
     except UserError:

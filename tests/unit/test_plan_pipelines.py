@@ -152,3 +152,15 @@ def test_expert_rows_are_the_fewest_counts_and_commands_reproduce_their_peaks():
             kw[key] = True if key == "master_weights" else next(flags)
         got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
+
+
+def test_a_sequence_tp_does_not_divide_takes_no_tensor_parallelism():
+    # source: memcalc.engine.tensor_parallel.TensorParallel.of (sequence parallelism needs seq % tp == 0);
+    # plan --model llama-3.1-8b --seq 1001 stopped with that error before
+    from memcalc.plan.layouts import tp_degrees
+
+    full = cluster_setups(load_preset("llama-3.1-405b"), 1001, _profile())["full"]["full"]
+    assert tp_degrees(full) == []
+    assert pipeline_degrees(full)[0] == 1
+    full = cluster_setups(load_preset("llama-3.1-405b"), 1002, _profile())["full"]["full"]
+    assert tp_degrees(full) == [2] and pipeline_degrees(full)[0] == 2
