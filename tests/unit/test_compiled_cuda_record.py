@@ -152,13 +152,13 @@ def _replay_from(segments: list[dict], active: dict[int, int], trace: list[dict]
     the recorded step's allocs and frees."""
     from memcalc.core.allocator import CachingAllocatorSim, _Block
 
-    sim = CachingAllocatorSim()
+    cas = CachingAllocatorSim()
     blocks = {}
     for seg in sorted(segments, key=lambda s: s["address"]):
-        sid, base, total = sim._next_seg, seg["address"], seg["total_size"]
-        sim._next_seg += 1
-        sim._seg_size[sid] = total
-        sim.reserved += total
+        sid, base, total = cas._next_seg, seg["address"], seg["total_size"]
+        cas._next_seg += 1
+        cas._seg_size[sid] = total
+        cas.reserved += total
         pieces, cur = [], base
         for a in sorted(x for x in active if base <= x < base + total):
             if a > cur:
@@ -172,25 +172,25 @@ def _replay_from(segments: list[dict], active: dict[int, int], trace: list[dict]
             b = _Block(sid, a, size, seg["segment_type"] == "small")
             b.free, b.prev = free, prev
             if prev is None:
-                sim._segments[sid] = b
+                cas._segments[sid] = b
             else:
                 prev.next = b
             prev = b
             if free:
-                sim._insert(b)
+                cas._insert(b)
             else:
                 blocks[a] = b
-                sim.allocated += size
-    sim.reset_peak()
+                cas.allocated += size
+    cas.reset_peak()
     made = 0
     for e in trace:
         if e["action"] == "alloc":
-            before = sim.reserved
-            blocks[e["addr"]] = sim.malloc(e["size"])
-            made += sim.reserved > before
+            before = cas.reserved
+            blocks[e["addr"]] = cas.malloc(e["size"])
+            made += cas.reserved > before
         elif e["action"] == "free_completed":
-            sim.free(blocks.pop(e["addr"]))
-    return sim, made
+            cas.free(blocks.pop(e["addr"]))
+    return cas, made
 
 
 @pytest.mark.slow
@@ -203,10 +203,10 @@ def test_allocator_replays_the_measured_step_exactly(case: str) -> None:
     snap = _snapshot(case)
     trace = snap["device_traces"][0]
     segments, active = _start_state(snap)
-    sim, made = _replay_from(segments, active, trace)
+    cas, made = _replay_from(segments, active, trace)
     assert made == sum(e["action"] == "segment_alloc" for e in trace)
     measured = next(c["measured_bytes"] for c in _case(case)["comparisons"] if c["metric"] == "reserved")
-    assert sim.peak_reserved == sum(s["total_size"] for s in snap["segments"]) == measured
+    assert cas.peak_reserved == sum(s["total_size"] for s in snap["segments"]) == measured
 
 
 @pytest.mark.slow
