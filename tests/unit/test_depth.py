@@ -296,13 +296,7 @@ def test_periodic_layouts_extrapolate_in_whole_periods(family, tech):
 DIRECT_PRESETS = {"gpt2", "gemma-3-1b", "gpt-oss-20b"}
 
 
-#: Presets whose direct simulation at full depth takes more than the quick lane can spend (126 layers,
-#: three setups: about 0.5 s); they run in the full suite
-SLOW_DEPTH_PRESETS = {"llama-3.1-405b"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_DEPTH_PRESETS else n
-                                  for n in list_presets()])
+@pytest.mark.parametrize("name", list_presets())
 def test_every_preset_extrapolates_to_the_direct_peak(name):
     # source: memcalc.engine.timeline.simulate of the preset at full depth; tolerance: none (bytes)
     m = load_preset(name)
