@@ -263,9 +263,9 @@ def estimate(spec: "Optional[ExperimentSpec]" = None, *, gpu: Union[None, str, S
     memcalc.core.errors.UserError: --batch must be positive, got 0
     """
     from memcalc.estimate.peak import card_side, estimate as run_estimate
+    from memcalc.inputs.trainer_defaults import half_for_cards
     check_args(estimate, gpu=gpu, max_batch=max_batch, max_seq=max_seq, timeline=timeline)
-    res = _resolve(spec, options)
-    cards = tuple(_cards(gpu))
+    res = half_for_cards(_resolve(spec, options), cards := tuple(_cards(gpu)), asked=gpu is not None and spec is None)
     limits, limit_gpu = None, None
     if max_batch or max_seq:
         from memcalc.plan.limits import check_one_gpu, estimate_limits

@@ -27,6 +27,8 @@ the estimate), torchtune and LitGPT (their recipe files say what they run: ``--r
 
 from __future__ import annotations
 
+from dataclasses import replace
+from collections.abc import Sequence
 from typing import Any
 
 from memcalc.core.spec import KernelProfile
@@ -86,3 +88,25 @@ SHARDED_FULL_PRECISION = ("bf16", True)
 def default_precision(adapters: str) -> tuple[str, str]:
     """--precision's default for a kind of run (``adapters``: none, lora, qlora) and its reason."""
     return DEFAULT_PRECISION[adapters]
+
+
+#: the 16-bit type a card without bf16 runs in its place (data/gpus.yaml ``bf16: false``: T4, V100): fp16, as
+#: Hugging Face's notebooks for them load the model (torch_dtype=torch.float16) and train (fp16=True)
+NO_BF16 = {"bf16": "fp16", "amp-bf16": "amp-fp16"}
+
+
+def half_for_cards(res: Any, cards: Sequence[Any], asked: bool) -> Any:
+    """``res`` (:class:`memcalc.inputs.resolve.Resolved`) for the ``cards`` asked (``asked``: ``--gpu`` given)
+    when none of them has bf16: a bf16 precision that is memcalc's default becomes fp16 (the same bytes: both
+    2-byte types; its reason says so); one the user gave stays, with a note. Anything else: ``res`` as it is."""
+    no = [getattr(c, "display_name", c.name) for c in cards if getattr(c, "bf16", True) is False]
+    tr = res.exp.training
+    if not asked or not cards or len(no) < len(cards) or tr.precision not in NO_BF16:
+        return res
+    names = ", ".join(no)
+    if res.origin.get("precision") != "default":
+        return replace(res, notes=[*res.notes, f"{names} has no bf16: --precision {tr.precision} as given; "
+                                               f"{NO_BF16[tr.precision]} is what runs there (the same bytes)"])
+    exp = res.exp.model_copy(update={"training": tr.model_copy(update={"precision": NO_BF16[tr.precision]})})
+    why = f"{res.reasons.get('precision', 'default')}; {names} has no bf16: fp16, the same bytes"
+    return replace(res, exp=exp, reasons={**res.reasons, "precision": why})

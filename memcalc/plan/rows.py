@@ -126,17 +126,35 @@ def cluster_commands(plan: Any, values: dict[str, Any]) -> Any:
     (:func:`source_flags`)."""
     source = source_flags(values)
     for r in plan.rows:
-        r.commands = {s: None if r.layout.get(s) is None else
-                      cluster_command(s, r.layout[s], str(r.checkpoint[s]), plan.seq, r.gpu.name, plan.sharding, source)
-                      for s in r.min_gpus}
+        r.commands = {s: None if r.layout.get(s) is None else half_command(
+                          cluster_command(s, r.layout[s], str(r.checkpoint[s]), plan.seq, r.gpu.name, plan.sharding,
+                                          source), r.gpu) for s in r.min_gpus}
     from memcalc.plan.pipelines import pipeline_command
 
     from memcalc.plan.experts import expert_command
 
     for pr in getattr(plan, "pipelines", []):
         if pr.layout is not None:
-            pr.command = pipeline_command(plan.seq, pr.layout, pr.gpu.name, source)
+            pr.command = half_command(pipeline_command(plan.seq, pr.layout, pr.gpu.name, source), pr.gpu)
     for er in getattr(plan, "experts", []):
         if er.layout is not None:
-            er.command = expert_command(plan.seq, er.layout, er.gpu.name, plan.sharding, source)
+            er.command = half_command(expert_command(plan.seq, er.layout, er.gpu.name, plan.sharding, source), er.gpu)
+    no_bf16 = [r.gpu.name for r in plan.rows if getattr(r.gpu, "bf16", True) is False]
+    note = f"{', '.join(no_bf16)}: no bf16; their rows' commands say fp16, what runs there (the same bytes)"
+    if no_bf16 and note not in plan.notes:
+        plan.notes.append(note)
     return plan
+
+
+def half_command(command: str, gpu: Any) -> str:
+    """``command`` for ``gpu``: on a card without bf16 (data/gpus.yaml ``bf16: false``: T4, V100) its
+    ``--precision bf16`` is fp16, what runs there (memcalc.inputs.trainer_defaults.NO_BF16; the same bytes, so
+    the row's peak is the command's to the byte)."""
+    from memcalc.inputs.trainer_defaults import NO_BF16
+
+    args = shlex.split(command)
+    if getattr(gpu, "bf16", True) is not False or "--precision" not in args:
+        return command
+    i = args.index("--precision") + 1
+    args[i] = NO_BF16.get(args[i], args[i])
+    return shlex.join(args)

@@ -148,3 +148,45 @@ def test_fits_after_cache_release_only_for_cards_asked():
     assert row["fits"] is False and isinstance(row["fits_after_cache_release"], bool)
     many = fits_rows(est, [short] * (AFTER_RELEASE_CARDS + 1))
     assert all("fits_after_cache_release" not in r for r in many)
+
+
+# (args, the precision estimated, text in the output): data/gpus.yaml: T4 and V100 have no bf16 (bf16: false)
+NO_BF16_ROWS = [
+    # source: data/gpus.yaml t4 bf16 false: LoRA's bf16 default becomes fp16, the reason says why
+    (["--lora", "--gpu", "t4"], "fp16", "NVIDIA T4 has no bf16: fp16, the same bytes"),
+    # source: one card of the two has bf16: the default stays
+    (["--lora", "--gpu", "t4", "--gpu", "h100"], "bf16", "LoRA: a bf16 base"),
+    # source: a bf16 the user gave stays, with a note
+    (["--lora", "--bf16", "--gpu", "v100-16gb"], "bf16", "has no bf16: --precision bf16 as given; fp16 is what runs"),
+    # source: no --gpu: the default stays
+    (["--lora"], "bf16", "LoRA: a bf16 base"),
+]
+
+
+@pytest.mark.slow  # four CLI estimates (about 1 s)
+@pytest.mark.parametrize("args,precision,text", NO_BF16_ROWS)
+def test_a_card_without_bf16_runs_fp16(args, precision, text):
+    r = CliRunner().invoke(app, ["estimate", "--model", TINY, "--seq", "64", *args, "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["inputs"]["training"]["precision"] == precision
+    assert text in r.stdout
+
+
+@pytest.mark.slow  # two CLI estimates
+def test_the_fp16_estimate_is_the_bf16_one_to_the_byte():
+    # source: fp16 and bf16 are both 2 bytes (memcalc.core.dtypes): the card's fp16 changes no number
+    docs = [json.loads(CliRunner().invoke(app, ["estimate", "--model", TINY, "--seq", "64", "--lora", "--precision", p,
+                                                "--gpu", "t4", "--json"]).stdout) for p in ("bf16", "fp16")]
+    assert docs[0]["device_total_bytes"] == docs[1]["device_total_bytes"]
+
+
+def test_plan_commands_on_a_card_without_bf16_say_fp16():
+    from types import SimpleNamespace
+
+    from memcalc.plan.rows import half_command
+
+    cmd = "memcalc estimate --model m --precision bf16 --master-weights --gpu t4"
+    # source: data/gpus.yaml t4 bf16 false, h100 true
+    assert half_command(cmd, SimpleNamespace(bf16=False)) == cmd.replace("bf16", "fp16", 1)
+    assert half_command(cmd, SimpleNamespace(bf16=True)) == cmd
