@@ -17,11 +17,12 @@ BASE = dict(name="tiny-moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, d
 MOE = dict(n_experts=16, top_k=2, d_ff_expert=256)
 
 
-def _act(moe: dict | None = None, mla: dict | None = None, lora: LoraSpec | None = None, **tr) -> int:
-    """The highest activation bytes alive at any instant of the step."""
+def _act(moe: dict | None = None, mla: dict | None = None, lora: LoraSpec | None = None, profile=None, **tr) -> int:
+    """The highest activation bytes alive at any instant of the step (``profile``: a kernel profile, else the
+    default)."""
     m = ModelSpec(**BASE, moe=MoESpec(**moe) if moe else None, mla=MLASpec(**mla) if mla else None)
     exp = ExperimentSpec(model=m, training=TrainingSpec(**{"batch": 1, "seq": 256, "precision": "bf16", "lora": lora,
-                                                           **tr}))
+                                                           **tr}), **({"profile": profile} if profile else {}))
     return estimate(exp, timeline=False, replay=False).extra["max_activation_bytes"]
 
 
@@ -65,6 +66,20 @@ def test_adapted_experts_keep_a_copy_of_the_expert_stack():
     experts = _act(MOE, lora=LoraSpec(targets=("q", "v", "experts")))
     stack = 2 * 16 * 3 * 256 * 256 * 2  # 2 layers x E x (2f + f) x d x bf16
     assert experts - attn >= stack
+
+
+def test_litgpt_expert_lora_keeps_no_merged_stack():
+    # source: litgpt 0.5.13 lora.py: LLaMAMoE's experts are LLaMAMLP of LoRALinear, whose forward adds
+    # (x @ A.T @ B.T) * scaling to the frozen output (no W + B A): the expert adapters add the branch's (rows, r)
+    # products and (rows, f) sums, not a copy of the stack; LoRA stays below the full fine-tune (issue 32: 104.6 vs
+    # 22.3 GiB of saved activations on Mixtral under the litgpt profile)
+    from memcalc.inputs.profiles import get_profile
+
+    lit = {"profile": get_profile("litgpt-torch-2.8-cuda")}
+    full, attn = _act(MOE, **lit), _act(MOE, lora=LoraSpec(targets=("q", "v")), **lit)
+    experts = _act(MOE, lora=LoraSpec(targets=("q", "v", "experts")), **lit)
+    stack = 2 * 16 * 3 * 256 * 256 * 2  # what PEFT's merged copies would add (above)
+    assert attn < experts < attn + stack // 4 and experts <= full
 
 
 MLA = dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)

@@ -250,13 +250,43 @@ class _Block:
         expert stack (cached for the call), which the grouped matmul saves. None without an adapter."""
         pre = f"layers.{self.i}.moe.experts.{name}"
         a_p = self.fwd.maybe(pre + ".lora_A")
-        if a_p is None:
+        if a_p is None or self.fwd.exp.profile.framework == "litgpt":  # per-expert LoRALinear: litgpt_branch
             return None
         w = self.p(f"experts.{name}")
         wp = self.new(w.numel, self.o.dtype_of(w.weight))
         # baddbmm backward: the factors' gradients (two small bmm); saves the factors (parameters)
         self.node("baddbmm", [], [], [a_p, self.fwd.p(pre + ".lora_B")], [wp])
         return wp
+
+    def litgpt_branch(self, x: T, y: T, name: str, width: int) -> T:
+        """LitGPT's LoRA on the experts (litgpt 0.5.13 lora.py): ``LLaMAMoE``'s experts are ``LLaMAMLP``s whose
+        fc_1, fc_2 and proj are each a ``LoRALinear`` (``create_lora_linear`` with ``lora_mlp``), whose forward
+        is ``pretrained + (lora_dropout(x) @ lora_A.T @ lora_B.T) * scaling``: no merged weight (``merge()``
+        runs for inference only), the branch saves its input and the (rows, r) product. Over the experts the
+        rows add up to the routed rows, so the branch runs here on them: fc_1 and fc_2 as one A of 2r rows
+        per expert (a (S, 2r) product, two (S, f) outputs), proj with r. ``y`` (the base output) is replaced
+        by the sum; ``y`` itself when the experts carry no adapter or the framework is not LitGPT.
+        Not modelled: the router's own LoRALinear (LitGPT adapts ``gate`` with ``lora_mlp`` too: (N, r) saved),
+        and the parameters keep PEFT's shapes (gate_up's B at rank 2r counts 2 r E f more elements than
+        LitGPT's two rank-r B's)."""
+        pre = f"layers.{self.i}.moe.experts.{name}"
+        a_p = self.fwd.maybe(pre + ".lora_A")
+        lora = self.fwd.lora
+        if a_p is None or lora is None or self.fwd.exp.profile.framework != "litgpt":
+            return y
+        o, S = self.o, self.N * self.moe.top_k
+        xa = o.ref_(x)
+        xd = o.dropout(xa, lora.dropout)
+        o.drop(xa)
+        a = o.linear(xd, S, a_p, None, expert_lora_ranks(self.m, lora)[name])
+        o.drop(xd)
+        b = o.linear(a, S, self.fwd.p(pre + ".lora_B"), None, width)
+        o.drop(a)
+        bs = o.scale(b, lora.alpha / lora.rank + 1e-12)  # (``* self.scaling`` is a new tensor even at 1.0)
+        o.drop(b)
+        out = o.add(y, bs)
+        o.drop(y, bs)
+        return out
 
     def experts(self, x: T, wts: T, idx: T, dt: DType) -> T:
         """``grouped_mm_experts_forward`` (see the module docstring); returns the (N, d) output."""
@@ -287,6 +317,7 @@ class _Block:
         proj = self.new(S * up_w, dt)
         self.grouped_mm(sel, gu, wgu, offsets, proj)
         self.add_bias(proj, bgu)
+        proj = self.litgpt_branch(sel, proj, "gate_up_proj", up_w)
         if gated:
             # chunk(2): two views; act(gate) saves gate, the product saves act(gate) and up: the
             # whole (S, 2f) projection stays alive through its views
@@ -308,6 +339,7 @@ class _Block:
         y = self.new(S * d, dt)
         self.grouped_mm(h, dn, wdn, offsets, y)
         self.add_bias(y, bdn)
+        y = self.litgpt_branch(h, y, "down_proj", d)
         self.drop(h)
         pdt = F32 if F32 in (dt, wdt) else dt  # type promotion of proj_out * weights
         wy = self.new(S * d, pdt)

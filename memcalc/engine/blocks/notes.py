@@ -26,7 +26,11 @@ def family_notes(exp: ExperimentSpec) -> list[str]:
                 "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
                 "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
         adapted = [p for p in param_inventory(m, tr.lora) if ".moe.experts." in p.name and p.kind == "lora"]
-        if adapted:
+        if adapted and exp.profile.framework == "litgpt":  # moe.litgpt_branch
+            notes.append("LoRA on the routed experts: LitGPT's per-expert LoRALinear (fc_1, fc_2, proj) runs the "
+                         "low-rank branch beside the frozen weight (no merged W + B A); its router's own adapter is "
+                         "not modelled, and the adapters are counted in PEFT's shapes (gate_up's B at rank 2r)")
+        elif adapted:
             n_layers = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
             per_layer = tr.weight_dtype.nbytes(
                 sum(p.numel for p in param_inventory(m) if p.layer == next(i for i in range(m.n_layers)
