@@ -121,20 +121,21 @@ def validate(
         return _protocol(device, output, as_json, given, case)
     if case:
         raise UserError("--case selects the cases of --protocol: add --protocol")
-    from memcalc.core.aliases import canonical
+    from memcalc.core.aliases import canonical, notes_held
 
-    # the users' spellings (transformers, bfloat16, 4k) as memcalc's names, a note each, before torch loads
-    inputs = canonical({**inputs, "framework": framework})
-    framework = inputs.pop("framework")
-    import memcalc.api
+    with notes_held():  # the notes written once the inputs are taken: a refusal after an alias is one line
+        # the users' spellings (transformers, bfloat16, 4k) as memcalc's names, a note each, before torch loads
+        inputs = canonical({**inputs, "framework": framework})
+        framework = inputs.pop("framework")
+        import memcalc.api
 
-    _check_flags(device, framework, scale_layers)
-    for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
-        _check_output(path, flag, force)
-    framework = _sharded(device, framework, gpus, zero, sharding, rank, deepspeed, ep)
-    run_validate = _runner(as_json)
-    items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero, gpus=gpus,
-                                    sharding=sharding, **inputs)
+        _check_flags(device, framework, scale_layers)
+        for path, flag in ((output, "--output"), (html, "--html"), (snapshot, "--snapshot")):
+            _check_output(path, flag, force)
+        framework = _sharded(device, framework, gpus, zero, sharding, rank, deepspeed, ep)
+        run_validate = _runner(as_json)
+        items = memcalc.api.experiments(config or (), all_configs=all_configs, framework=framework, zero=zero,
+                                        gpus=gpus, sharding=sharding, **inputs)
     records = run_validate(items, device, as_json, output, scale_layers, snapshot, framework=_traced(items),
                            rank=rank or 0)
     if html is not None:

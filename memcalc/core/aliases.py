@@ -9,10 +9,12 @@ lists the valid ones and the aliases. Torch-free and pydantic-free.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
 from decimal import Decimal
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from memcalc.core.choices import FRAMEWORKS, PRECISIONS
@@ -89,28 +91,35 @@ def _note(line: str) -> None:
         sys.stderr.write(f"memcalc: note: {line}\n")
 
 
-def notes_on_success(fn: Any) -> Any:
-    """``fn`` with the alias notes it makes held until it returns: written then (before the caller prints
+@contextlib.contextmanager
+def notes_held() -> Iterator[None]:
+    """The alias notes made in the block held until it ends: written then (before the caller prints
     anything), dropped when it refuses its input (a ``ValueError``: :class:`UserError`, pydantic's
     ValidationError), so that a bad input after an alias (``--seq 2k`` on a 1,024-token model,
     ``--precision bfloat16 --batch 0``) is still one line on stderr; written before any other exception
-    goes on. Nested calls: the outermost decides."""
+    goes on. Nested blocks: the outermost decides."""
+    global _held
+    if _held is not None:
+        yield
+        return
+    _held = []
+    try:
+        yield
+    except ValueError:
+        _held = None
+        raise
+    finally:
+        lines, _held = _held or [], None
+        for line in lines:
+            _note(line)
+
+
+def notes_on_success(fn: Any) -> Any:
+    """``fn`` run in :func:`notes_held`."""
     @functools.wraps(fn)
     def held(*args: Any, **kwargs: Any) -> Any:
-        global _held
-        if _held is not None:
+        with notes_held():
             return fn(*args, **kwargs)
-        _held = []
-        try:
-            out = fn(*args, **kwargs)
-        except ValueError:
-            _held = None
-            raise
-        finally:
-            lines, _held = _held or [], None
-            for line in lines:
-                _note(line)
-        return out
     return held
 
 

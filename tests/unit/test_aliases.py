@@ -117,9 +117,9 @@ def test_plan_and_validate_notes(monkeypatch):
     # (aliases.notes_on_success; tests/unit/test_fuzz_doors.py: written when the call returns)
     r = CliRunner().invoke(app, ["plan", "--model", "gpt2", "--seq", "1k", "--framework", "transformers", "--all"])
     one_line_error(r, 2, "--all lists the combinations that do not fit one GPU")
-    # validate: the alias read before validate's own checks (an unknown device stops it)
+    # validate: likewise (its inputs taken in aliases.notes_held), the alias read before its own checks
     r = CliRunner().invoke(app, ["validate", "--model", "gpt2", "--framework", "huggingface", "--scale-layers", "0"])
-    assert "memcalc: note: --framework huggingface is hf" in r.stderr
+    one_line_error(r, 2, "--scale-layers must be positive, got 0")
 
 
 def test_api_aliases(capsys):
