@@ -264,7 +264,8 @@ class _Block:
         is ``pretrained + (lora_dropout(x) @ lora_A.T @ lora_B.T) * scaling``: no merged weight (``merge()``
         runs for inference only), the branch saves its input and the (rows, r) product. Over the experts the
         rows add up to the routed rows, so the branch runs here on them: fc_1 and fc_2 as one A of 2r rows
-        per expert (a (S, 2r) product, two (S, f) outputs), proj with r. ``y`` (the base output) is replaced
+        per expert (a (S, 2r) product, two (S, f) outputs), proj with r (``lora_mlp`` adapts all three, whichever
+        of the experts' targets is given). ``y`` (the base output) is replaced
         by the sum; ``y`` itself when the experts carry no adapter or the framework is not LitGPT.
         Not modelled: the router's own LoRALinear (LitGPT adapts ``gate`` with ``lora_mlp`` too: (N, r) saved),
         and the parameters keep PEFT's shapes (gate_up's B at rank 2r counts 2 r E f more elements than
@@ -278,7 +279,7 @@ class _Block:
         xa = o.ref_(x)
         xd = o.dropout(xa, lora.dropout)
         o.drop(xa)
-        a = o.linear(xd, S, a_p, None, expert_lora_ranks(self.m, lora)[name])
+        a = o.linear(xd, S, a_p, None, 2 * lora.rank if name == "gate_up_proj" else lora.rank)  # fc_1 + fc_2
         o.drop(xd)
         b = o.linear(a, S, self.fwd.p(pre + ".lora_B"), None, width)
         o.drop(a)
