@@ -314,7 +314,11 @@ def biased_linears(exp: ExperimentSpec) -> int:
 
 
 def _exp_side(exp: ExperimentSpec, vendor: str, arch: str, name: str) -> GpuSide:
-    return gpu_side(vendor, arch, name, exp.training.gpus, biased_linears(exp), exp.training.compile)
+    """The GPU side of one rank: NCCL's buffers whenever the step runs on more than one GPU, whichever the
+    dimensions (data-parallel ``gpus`` x ``tp`` x ``cp`` x ``pp``; expert parallelism is within ``gpus``)."""
+    tr = exp.training
+    world = tr.gpus * tr.tp * tr.cp * tr.pp
+    return gpu_side(vendor, arch, name, world, biased_linears(exp), tr.compile)
 
 
 def step_side(exp: ExperimentSpec, side: Optional[GpuSide] = None) -> GpuSide:
