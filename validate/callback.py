@@ -63,6 +63,14 @@ def _load_in_4bit(model: Any, cfg: dict[str, Any]) -> bool:
     return bool(q.get("load_in_4bit")) if isinstance(q, dict) else False
 
 
+def _double_quant(model: Any, cfg: dict[str, Any]) -> Optional[bool]:
+    """The live 4-bit base's ``bnb_4bit_use_double_quant`` (transformers' ``BitsAndBytesConfig`` on
+    ``model.config.quantization_config``, or its dict in config.json); None when it does not say."""
+    q = getattr(model.config, "quantization_config", None) or cfg.get("quantization_config")
+    v = q.get("bnb_4bit_use_double_quant") if isinstance(q, dict) else getattr(q, "bnb_4bit_use_double_quant", None)
+    return None if v is None else bool(v)
+
+
 class MemcalcCallback(TrainerCallback):
     """Compare memcalc's estimate with the real run (see the module docstring).
 
@@ -96,7 +104,8 @@ class MemcalcCallback(TrainerCallback):
         # (memcalc's readers take transformers' defaults for the others)
         cfg = json.loads(model.config.to_json_string(use_diff=True))
         a = args.to_dict() if hasattr(args, "to_dict") else dict(vars(args))
-        opts, notes = options_from_hf(a, _weights_dtype(model), _peft_config(model), _load_in_4bit(model, cfg))
+        opts, notes = options_from_hf(a, _weights_dtype(model), _peft_config(model), _load_in_4bit(model, cfg),
+                                     _double_quant(model, cfg))
         opts.update(self.fixed)
         opts.update(self.overrides)
         self._cfg = cfg

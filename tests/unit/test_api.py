@@ -227,11 +227,32 @@ HF_RUNS = [
      {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": {"v_proj", "q_proj"},
       "use_dora": True}, True,
      dict(batch=2, grad_accum=1, precision="bf16", optimizer="paged-adamw-8bit", lora=True, lora_rank=16,
-          lora_alpha=32.0, lora_dropout=0.05, lora_targets="q,v", dora=True, qlora=True)),
+          lora_alpha=32.0, lora_dropout=0.05, lora_targets="q,v", dora=True, qlora=True,
+          no_double_quant=True)),  # double quantization not given: BitsAndBytesConfig's default False
     # source: PEFT's "all-linear" shortcut is memcalc's `all`; lora_alpha absent: PEFT LoraConfig's default 8
     ({"per_device_train_batch_size": 1, "optim": "rmsprop"}, "float32", {"r": 8, "target_modules": "all-linear"}, False,
      dict(batch=1, grad_accum=1, precision="fp32", lora=True, lora_rank=8, lora_alpha=8.0, lora_targets="all")),
 ]
+
+
+# (the live model's bnb_4bit_use_double_quant, LoraSpec.double_quant, a note says the default was taken)
+LIVE_DOUBLE_QUANT = [
+    # source: transformers 5.24 utils/quantization_config.py BitsAndBytesConfig(bnb_4bit_use_double_quant=False)
+    (None, False, True),
+    # source: the live config says so (validate/callback.py _double_quant reads model.config.quantization_config)
+    (True, True, False),
+    (False, False, False),
+]
+
+
+@pytest.mark.parametrize("given,double_quant,noted", LIVE_DOUBLE_QUANT)
+def test_live_4bit_double_quant(given, double_quant, noted):
+    from memcalc.integrations.transformers import options_from_hf
+
+    opts, notes = options_from_hf({"bf16": True}, "bfloat16", {"r": 8, "target_modules": ["q_proj"]}, True, given)
+    assert opts.get("no_double_quant", False) is not double_quant
+    memcalc.options_from(**opts)  # every key is an estimate keyword
+    assert any("bnb_4bit_use_double_quant" in n for n in notes) is noted
 
 
 @pytest.mark.parametrize("args,dtype,peft,four_bit,expected", HF_RUNS)

@@ -47,9 +47,11 @@ SAME_AS_FLAGS = [
                  "--optimizer paged-adamw-8bit --fused-optimizer --precision bf16 --loss chunked",
                  id="torchtune-8B-full"),
     # source: alignment-handbook zephyr SFT QLoRA: TRL ModelConfig (load_in_4bit, lora_*) + SFTConfig; optim default adamw_torch_fused
-    pytest.param(TRL_QLORA, "--model mistral-7b --framework trl --qlora --lora-rank 16 --lora-alpha 16 "
-                 "--lora-dropout 0.05 --lora-targets q,k,v,o,gate,up,down --batch 4 --grad-accum 2 --seq 2048 "
-                 "--checkpoint full --precision bf16 --optimizer adamw --optimizer-impl fused", id="trl-zephyr-qlora"),
+    # use_bnb_nested_quant omitted: TRL's default False (fp32 absmax: --no-double-quant)
+    pytest.param(TRL_QLORA, "--model mistral-7b --framework trl --qlora --no-double-quant --lora-rank 16 "
+                 "--lora-alpha 16 --lora-dropout 0.05 --lora-targets q,k,v,o,gate,up,down --batch 4 --grad-accum 2 "
+                 "--seq 2048 --checkpoint full --precision bf16 --optimizer adamw --optimizer-impl fused",
+                 id="trl-zephyr-qlora"),
     # source: alignment-handbook zephyr SFT full: torch_dtype bfloat16 + bf16 -> pure bf16 (its ZeRO-3 lives in the accelerate config, not here)
     pytest.param(TRL_FULL, "--model mistral-7b --framework trl --batch 32 --grad-accum 2 --seq 2048 --checkpoint full "
                  "--precision bf16 --optimizer adamw --optimizer-impl fused", id="trl-zephyr-full"),
@@ -66,6 +68,34 @@ SAME_AS_FLAGS = [
                  "--lora-dropout 0.05 --lora-targets q,v --batch 1 --grad-accum 8 --seq 512 --precision bf16 "
                  "--optimizer adamw", id="litgpt-llama-1b-lora"),
 ]
+
+
+# (file name, recipe text, LoraSpec.double_quant): an omitted double-quantization key means what the library builds
+DOUBLE_QUANT = [
+    # source: trl 1.16 trl/trainer/model_config.py ModelConfig.use_bnb_nested_quant default False -> trainer/utils.py
+    # get_quantization_config(bnb_4bit_use_double_quant=model_args.use_bnb_nested_quant)
+    ("sft.yaml", "model_name_or_path: mistralai/Mistral-7B-v0.1\nuse_peft: true\nload_in_4bit: true\n", False),
+    # source: the same, the key given
+    ("sft.yaml", "model_name_or_path: mistralai/Mistral-7B-v0.1\nuse_peft: true\nload_in_4bit: true\n"
+     "use_bnb_nested_quant: true\n", True),
+    # source: axolotl src/axolotl/loaders/model.py ModelLoader._set_quantization_config: bnb_4bit_use_double_quant True
+    ("ax.yml", "base_model: mistralai/Mistral-7B-v0.1\nadapter: qlora\nload_in_4bit: true\n", True),
+    # source: the same: bnb_config.update(cfg.bnb_config_kwargs)
+    ("ax.yml", "base_model: mistralai/Mistral-7B-v0.1\nadapter: qlora\nload_in_4bit: true\nbnb_config_kwargs:\n"
+     "  bnb_4bit_use_double_quant: false\n", False),
+    # source: litgpt/args + lightning/fabric/plugins/precision/bitsandbytes.py: bnb.nf4 is compress_statistics=False
+    ("lit.yaml", "checkpoint_dir: checkpoints/meta-llama/Llama-3.2-1B\nlora_r: 8\nquantize: bnb.nf4\n", False),
+    # source: the same: bnb.nf4-dq is _NF4DQLinear, compress_statistics=True
+    ("lit.yaml", "checkpoint_dir: checkpoints/meta-llama/Llama-3.2-1B\nlora_r: 8\nquantize: bnb.nf4-dq\n", True),
+]
+
+
+@pytest.mark.parametrize("name,text,double_quant", DOUBLE_QUANT)
+def test_recipe_double_quant_default(name, text, double_quant, tmp_path, monkeypatch):
+    p = tmp_path / name
+    p.write_text(text)
+    res = resolved(["--recipe", str(p)], monkeypatch)
+    assert res.exp.training.lora.qlora and res.exp.training.lora.double_quant is double_quant
 
 
 @pytest.mark.parametrize("fixture,flags", SAME_AS_FLAGS)

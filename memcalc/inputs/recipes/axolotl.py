@@ -18,7 +18,7 @@ from typing import Any
 from memcalc.core.errors import UserError
 from memcalc.inputs.recipes.common import (Reader, Recipe, bool_value, choice, int_value, model_for_hub_id,
                                            peft_targets, set_deepspeed, set_fsdp)
-from memcalc.inputs.recipes.hf import attention, lora_settings, modules_to_save, optimizer, packing
+from memcalc.inputs.recipes.hf import nf4_keys, attention, lora_settings, modules_to_save, optimizer, packing
 
 IGNORE = (
     "base_model_config", "model_type", "tokenizer_type", "tokenizer_config", "is_*_derived_model", "strict",
@@ -150,6 +150,10 @@ def _lora(r: Reader) -> None:
     r.set("lora", True, "adapter", adapter)
     if qlora:
         r.set("qlora", True, "adapter", adapter)
+        # axolotl src/axolotl/loaders/model.py ModelLoader._set_quantization_config: its BitsAndBytesConfig has
+        # bnb_4bit_use_double_quant True unless bnb_config_kwargs overrides it (not transformers' default False)
+        kw = "bnb_config_kwargs."
+        nf4_keys(r, kw + "bnb_4bit_quant_type", kw + "bnb_4bit_use_double_quant", True, "axolotl")
     lora_settings(r, 8, 16.0, None, "axolotl")
     linear = r.has("lora_target_linear") and bool_value(r.get("lora_target_linear"), f"{src}:lora_target_linear")
     mods = r.get("lora_target_modules")

@@ -284,7 +284,7 @@ def _trl_peft(r: Reader) -> None:
             raise UserError(f"{src}:load_in_4bit without use_peft: a 4-bit base cannot be fully fine-tuned; "
                             "set use_peft: true")
         r.set("qlora", True, "load_in_4bit")  # the embedded peft_config is the adapter
-        _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
+        nf4_keys(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
         return
     r.set("lora", True, "use_peft")
     if r.get("lora_modules_to_save"):  # TRL ModelConfig.lora_modules_to_save -> LoraConfig(modules_to_save=...)
@@ -292,7 +292,7 @@ def _trl_peft(r: Reader) -> None:
         r.set("modules_to_save", modules_to_save(v, f"{src}:lora_modules_to_save"), "lora_modules_to_save", v)
     if q4:
         r.set("qlora", True, "load_in_4bit")
-        _nf4(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
+        nf4_keys(r, "bnb_4bit_quant_type", "use_bnb_nested_quant")
     lora_settings(r, 16, 32.0, 0.05, "TRL ModelConfig")  # TRL ModelConfig's defaults
     if r.has("lora_target_modules"):
         t = r.get("lora_target_modules")
@@ -301,12 +301,22 @@ def _trl_peft(r: Reader) -> None:
         r.set("dora", True, "use_dora")
 
 
-def _nf4(r: Reader, type_key: str, nested_key: str) -> None:
+def nf4_keys(r: Reader, type_key: str, nested_key: str, default: bool = False, whose: str = "TRL ModelConfig") -> None:
+    """The NF4 keys; ``nested_key`` omitted means ``default``, what the library builds: TRL 1.16
+    ``trl/trainer/model_config.py ModelConfig.use_bnb_nested_quant`` defaults to False and
+    ``trl/trainer/utils.py get_quantization_config`` passes it as ``bnb_4bit_use_double_quant`` (transformers'
+    ``BitsAndBytesConfig`` default is False too, ``utils/quantization_config.py``); False: fp32 absmax
+    (LoraSpec.double_quant False, ``--no-double-quant``)."""
     src = r.src
     if r.has(type_key) and r.get(type_key) != "nf4":
         raise UserError(f"{src}:{type_key}: {clip(repr(r.get(type_key)))} is not modelled; valid: nf4")
-    if r.has(nested_key) and not bool_value(r.get(nested_key), f"{src}:{nested_key}"):
-        r.set("no_double_quant", True, nested_key, r.get(nested_key))  # fp32 absmax (LoraSpec.double_quant False)
+    if r.has(nested_key):
+        if not bool_value(r.get(nested_key), f"{src}:{nested_key}"):
+            r.set("no_double_quant", True, nested_key, r.get(nested_key))
+    elif not default:
+        r.set("no_double_quant", True, f"{nested_key} ({whose} default False)", False)
+        r.rec.note(f"{nested_key} is not set: {whose} quantizes without double quantization (its default False), "
+                   "so the 4-bit base keeps its absmax constants in fp32")
 
 
 def read_adapter(raw: dict[str, Any], rec: Recipe, src: str) -> None:
@@ -400,14 +410,17 @@ LIVE_NOT_READ = ("deepspeed", "fsdp", "fsdp_config")
 
 def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
                     peft: Optional[Mapping[str, Any]] = None,
-                    load_in_4bit: bool = False) -> tuple[dict[str, Any], list[str]]:
+                    load_in_4bit: bool = False,
+                    double_quant: Optional[bool] = None) -> tuple[dict[str, Any], list[str]]:
     """memcalc options (:class:`memcalc.inputs.resolve.Options` fields) for a live Hugging Face run, read by
     :func:`read` (the ``--recipe`` reader), and one note per setting that is approximated or not modelled.
 
     ``args``: ``TrainingArguments.to_dict()`` (or TRL ``SFTConfig``'s); ``model_dtype``: the dtype of the
     model's weights (``"bfloat16"``, ``"float16"``, ``"float32"``), read as a recipe's ``torch_dtype``;
     ``peft``: the adapter's ``LoraConfig.to_dict()``, read as an embedded ``peft_config``; ``load_in_4bit``:
-    a bitsandbytes 4-bit base (QLoRA), whose compute dtype is what ``bf16``/``fp16`` say.
+    a bitsandbytes 4-bit base (QLoRA), whose compute dtype is what ``bf16``/``fp16`` say; ``double_quant``: its
+    quantization config's ``bnb_4bit_use_double_quant`` (None: not known, transformers 5.24
+    ``utils/quantization_config.py BitsAndBytesConfig``'s default False, with a note).
 
     A live ``to_dict()`` lists every field: the false and unset ones are left out, as a file would leave
     them; ``deepspeed``/``fsdp`` are not read (one note: the estimate is for one GPU without sharding).
@@ -427,6 +440,10 @@ def options_from_hf(args: Mapping[str, Any], model_dtype: Optional[str] = None,
     if load_in_4bit:
         dtype = "float16" if raw.get("fp16") else "bfloat16" if raw.get("bf16") else None
         raw["load_in_4bit"] = True
+        raw["use_bnb_nested_quant"] = bool(double_quant)  # read as TRL's key (its value becomes this one)
+        if double_quant is None:
+            notes.append("the model's quantization config does not give bnb_4bit_use_double_quant: transformers' "
+                         "BitsAndBytesConfig default False (fp32 absmax)")
     else:
         dtype = (model_dtype or "float32").replace("torch.", "")
         dtype = dtype if dtype in TORCH_DTYPES else "float32"  # float64 and the like: as fp32
