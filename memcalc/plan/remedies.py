@@ -29,9 +29,10 @@ from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.observers import PeakAbove
 from memcalc.estimate.peak import card_side, estimate, largest_peak_within
 
-#: how many changes are listed per card (each is confirmed by a full estimate with its allocator replay: the
-#: search stays within estimate's 0.5 s)
-SHOWN = 2
+#: how many changes are listed per card: the smallest one. Each is confirmed by a full estimate with its
+#: allocator replay, and a second one cost estimate about 0.15 s of CPU more, past its 0.5 s budget
+#: (benchmarks/bench_estimate.py); ``memcalc plan`` lists the others
+SHOWN = 1
 #: a batch or sequence is halved at most this many times
 HALVINGS = 4
 #: the shortest sequence suggested

@@ -77,7 +77,7 @@ def verdict_items(est: Estimate, gpus: Sequence[Any], asked: bool,
             out.append(f"[bold]To make it fit {card}[/bold]: no single change memcalc tries is enough (with "
                        f"--checkpoint full too); `memcalc plan --gpu {card}` searches every combination")
             continue
-        out.append(f"[bold]To make it fit {card}[/bold] (smallest changes first):")
+        out.append(f"[bold]To make it fit {card}[/bold] (the smallest change; `memcalc plan` lists others):")
         for x in fixes:
             spare = f"{fmt_auto(x.headroom_bytes)} to spare (peak {fmt_auto(x.peak_bytes)})"
             out.append(f"  [cyan]{x.flags}[/cyan]: {spare}")

@@ -126,7 +126,7 @@ def explanation_lines(x: Explanation) -> list[str]:
                f"The run failed asking for {level} in all (allocated + requested), more than the predicted step "
                "ever holds: the run's setup is larger than the one given")
     if x.remedies:
-        out.append(f"To make it fit {card} (smallest changes first):")
+        out.append(f"To make it fit {card} (the smallest change; `memcalc plan` lists others):")
         for r in x.remedies:
             out.append(f"  {r.flags}: {fmt_auto(r.headroom_bytes)} to spare (peak {fmt_auto(r.peak_bytes)})")
             if r.command:
