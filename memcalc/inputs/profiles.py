@@ -155,6 +155,8 @@ DEFAULT_TORCH = "2.8"
 LIT_GPT_2023 = "litgpt-2023.10-torch-2.1-cuda"
 #: named profiles that are a (framework, PyTorch) pair with fields of a framework version changed
 VARIANTS: dict[str, dict] = {LIT_GPT_2023: {"norm_upcast": False}}
+#: a variant's framework version, the first part of its name (``--torch`` keeps it, ``--framework`` leaves it)
+VARIANT_LABEL: dict[str, str] = {LIT_GPT_2023: "litgpt-2023.10"}
 
 
 def parse_torch(version: str) -> tuple[int, int]:
@@ -197,8 +199,14 @@ def compose(base: KernelProfile, framework: Optional[str] = None, torch: Optiona
     new = profile_for(framework if framework is not None else base.framework,  # ("" is refused, not the default)
                       torch if torch is not None else base.torch_version)
     keep = {k: v for k, v in base.model_dump().items() if k not in RULE_FIELDS}
-    return KernelProfile.model_validate({**keep, **{k: getattr(new, k) for k in ("name", "framework", "torch_version",
-                                                                                 *RULE_FIELDS)}})
+    upd = {k: getattr(new, k) for k in ("name", "framework", "torch_version", *RULE_FIELDS)}
+    if base.name in VARIANTS:  # a framework version's fields: they are that framework's code, on any PyTorch
+        if new.framework == base.framework:  # the label says the variant runs: litgpt-2023.10-torch-T-cuda
+            same = new.torch_version == base.torch_version
+            upd["name"] = base.name if same else f"{VARIANT_LABEL[base.name]}-torch-{new.torch_version}-cuda"
+        else:  # another framework's code: none of the variant's fields (the new framework's values)
+            upd.update({k: getattr(new, k) for k in VARIANTS[base.name]})
+    return KernelProfile.model_validate({**keep, **upd})
 
 
 PROFILES: dict[str, KernelProfile] = {

@@ -221,6 +221,23 @@ def test_compose_keeps_fields_that_are_not_rules():
     assert compose(base) is base
 
 
+# (--framework, --torch over --profile litgpt-2023.10-torch-2.1-cuda, the name, norm_upcast)
+VARIANT_COMPOSE = [
+    # source: the variant's own pair: lit-gpt before 6178c7cc on PyTorch 2.1 (lit_gpt/rmsnorm.py, no x.float())
+    ("litgpt", "2.1", "litgpt-2023.10-torch-2.1-cuda", False),
+    # source: the same lit-gpt code on another PyTorch: its RMSNorm still has no upcast, the label keeps it
+    (None, "2.8", "litgpt-2023.10-torch-2.8-cuda", False),
+    # source: transformers' LlamaRMSNorm upcasts (hidden_states.to(torch.float32)): not lit-gpt's code
+    ("hf", None, "hf-torch-2.1-cuda", True),
+]
+
+
+@pytest.mark.parametrize("framework,torch,name,upcast", VARIANT_COMPOSE)
+def test_compose_a_variant_says_what_runs(framework, torch, name, upcast):
+    p = compose(get_profile("litgpt-2023.10-torch-2.1-cuda"), framework, torch)
+    assert (p.name, p.norm_upcast) == (name, upcast)
+
+
 # -- the engine rules -----------------------------------------------------------------------------
 
 def _ops(profile: KernelProfile, autocast=None) -> tuple[Sim, Ops]:
