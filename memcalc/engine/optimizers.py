@@ -370,10 +370,14 @@ class OptimizerSim:
             if not self.on_gpu:
                 return
             if self.div == 1 and not self.div_of:  # one request per tensor (foreach_temp_sizes)
-                held = [self.sim.alloc(n, TMP, "optimizer-step temporaries")
-                        for n in foreach_temp_sizes(self.params, self.tr)]
-                for h in held:
-                    self.sim.unref(h)
+                # named apart in the allocation trace: in a first step the state just made (one run
+                # of tensors per layer) and these (another run) would be one block of two per-layer
+                # runs, which memcalc.plan.depth's extrapolation does not split
+                with self.sim.traced_as("optimizer-step temporaries"):
+                    held = [self.sim.alloc(n, TMP, "optimizer-step temporaries")
+                            for n in foreach_temp_sizes(self.params, self.tr)]
+                    for h in held:
+                        self.sim.unref(h)
                 return
             t = shard(foreach_temps([p for p in self.params if p.name not in self.div_of], self.tr), self.div)
             if self.div_of:  # the experts' copies at their own shard

@@ -49,6 +49,7 @@ class SimHooks:
     role: str
     phase: str
     label: str
+    trace_label: Optional[str]
 
     def watch(self, observer: object) -> None:
         """Register an observer (:mod:`memcalc.engine.observers`): each of its ``on_row``,
@@ -124,6 +125,17 @@ class SimHooks:
         c = self.alloc_count
         hook(layer)
         self.hook_allocs += self.alloc_count - c
+
+    @contextmanager
+    def traced_as(self, label: str) -> Iterator[None]:
+        """Within: allocations are traced (``on_row``) and exported under ``label`` instead of the
+        current one, which no observer hears change (the optimizer's per-tensor temporaries apart
+        from its new state: :mod:`memcalc.plan.depth` splits one per-layer run per block)."""
+        prev, self.trace_label = self.trace_label, label
+        try:
+            yield
+        finally:
+            self.trace_label = prev
 
     def new_graph(self) -> None:
         """A micro-step's forward begins: no node registered yet."""

@@ -22,7 +22,8 @@ the foreach optimizer step makes, rounds differently at every depth). Its runnin
 - The periods strictly between the second and the second-to-last are left out: their totals lie
   between those two periods' (affine in the period's index), so they never set a maximum.
 - A block whose number of allocations grows with the depth (a per-parameter optimizer step) is
-  split the same way into a prefix, one chunk per period and a suffix.
+  split the same way into a prefix, one chunk per period and a suffix: one run of chunks, so the
+  engine traces a second run apart (``SimHooks.traced_as``: the foreach step's temporaries).
 - Setup (weights and optimizer state, allocated one by one, never freed) is left out: its
   highest total is its last, which the step's next allocation exceeds. What the step allocates
   at its start, before the forward (FSDP2's root unit all-gathered, with its all-gather buffer
@@ -475,8 +476,7 @@ def deep_trace(exp: ExperimentSpec, first_step: bool,
 #: shared by every ZeRO degree of the setup; a plan's workers send theirs back to the parent
 #: (``memcalc.plan.parallel``), so that the next stage's workers start with them.
 ONE_GPU_TRACES: dict[tuple[ExperimentSpec, bool, tuple[int, ...]], Optional[list]] = {}
-#: At most this many are kept.
-ONE_GPU_TRACES_SIZE = 64
+ONE_GPU_TRACES_SIZE = 64  #: at most this many are kept
 
 
 def _one_gpu_traces(exp: ExperimentSpec, first_step: bool,
