@@ -19,6 +19,7 @@ from memcalc.inputs.resolve import Resolved
 from memcalc.render.report import fits_rows, inputs_table, peak_rows, recompute_pct
 from memcalc.engine.result import KINDS, Estimate
 from memcalc.render.svg import SERIES_COLORS, breakdown_svg, e, grouped_bars_svg, legend, timeline_svg
+from memcalc.plan.remedies import gpu_word
 from memcalc.core.units import MiB, fmt_auto, fmt_bytes, fmt_count, gib
 
 CSS = """
@@ -159,13 +160,14 @@ def _verdict(est: Estimate, gpus: list[Any], asked: bool, remedies: Any) -> tupl
              for x in verdict_items(est, gpus, asked, None)]
     card = _card("fits?", f'<span class="{"yes" if yes else "no"}">{e(value)}</span>', lines[0], ' id="verdict"')
     fixes = ""
+    words = {g.name: gpu_word(g) for g in gpus}  # what --gpu takes back (a capacity as typed)
     for name, xs in (remedies or {}).items():
         items = "".join(f"<li><b>{e(x.flags)}</b>: {e(fmt_auto(x.headroom_bytes))} to spare (peak "
                         f"{e(fmt_auto(x.peak_bytes))})" + (f"<br><code>{e(x.command)}</code>" if x.command else "")
                         + "</li>" for x in xs)
         fixes += (f'<h3>To make it fit {e(name)}</h3><ul class="notes" data-gpu="{e(name)}">{items}</ul>' if xs else
                   f"<p>To make it fit {e(name)}: no single change memcalc tries is enough; "
-                  f"<code>memcalc plan --gpu {e(name)}</code> searches every combination.</p>")
+                  f"<code>memcalc plan --gpu {e(words.get(name, name))}</code> searches every combination.</p>")
     return card, (f'<div id="to-make-it-fit">{fixes}</div>' if fixes else "")
 
 

@@ -66,16 +66,20 @@ def verdict_items(est: Estimate, gpus: Sequence[Any], asked: bool,
     as an unwrapped ``Text``)."""
     from rich.text import Text
 
+    from memcalc.plan.remedies import gpu_word
+
     rows = fits_rows(est, list(gpus))
     each = asked and len(rows) <= CARD_LINES
     out: list[Any] = [x for r in rows for x in _card_lines(est, r)] if each else [*_catalog_lines(est, rows)]
     label, phase = est.peak_label, est.peak_phase
     at = f"[bold]{label}[/bold]" if label.startswith(phase) else f"[bold]{phase}[/bold], at {label}"
     out.append(f"Peak {fmt_auto(est.peak_bytes)} allocated in {at}")
+    words = {g.name: gpu_word(g) for g in gpus}  # what --gpu takes back (a capacity as typed)
     for card, fixes in (remedies or {}).items():
         if not fixes:
             out.append(f"[bold]To make it fit {card}[/bold]: no single change memcalc tries is enough (with "
-                       f"--checkpoint full too); `memcalc plan --gpu {card}` searches every combination")
+                       f"--checkpoint full too); `memcalc plan --gpu {words.get(card, card)}` searches every "
+                       "combination")
             continue
         out.append(f"[bold]To make it fit {card}[/bold] (the smallest change; `memcalc plan` lists others):")
         for x in fixes:
