@@ -156,7 +156,7 @@ def measure_hf(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = N
                kernels_seen: Optional[list] = None, snapshot: Optional[str] = None) -> Measurement:
     """Trace (meta) or measure (cpu, cuda) the HF step of ``exp``; see the module docstring.
     ``kernels_seen``, when given, receives :attr:`HFKernels.calls` (one entry per SDPA call); ``snapshot``
-    (CUDA): a ``_dump_snapshot`` of the measured step (:func:`.step.run_on_device`)."""
+    (CUDA): a ``_dump_snapshot`` of both steps (:func:`.step.run_on_device`)."""
     t0 = time.perf_counter()
     say = progress or (lambda _msg: None)
     meas = hf_measurement(exp, device, "hf")

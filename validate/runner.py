@@ -4,7 +4,7 @@
 
 - ``cuda``: the real step; ``torch.cuda.max_memory_allocated`` after
   ``reset_peak_memory_stats`` (and ``max_memory_reserved``), per phase; ``snapshot`` writes a
-  ``torch.cuda.memory._dump_snapshot`` of the measured step (open it in memory_viz).
+  ``torch.cuda.memory._dump_snapshot`` of both steps, the measured one last (open it in memory_viz).
 - ``meta``: the same step on the meta device (no data, no GPU), counted by
   :class:`~.tracer.StorageTracer` with 512-byte rounding: what CUDA would allocate, given the
   kernels the model code names (see ``attention.py``).

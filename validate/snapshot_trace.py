@@ -4,8 +4,9 @@
 each is replayed through the caching allocator model by a
 :class:`memcalc.snapshot.builder.SnapshotBuilder` (addresses, blocks, segments, as a CUDA device would
 give them) from the first tracked tensor on, and enters the trace from :meth:`TraceRecorder.start` on
-(called where ``_record_memory_history`` starts on CUDA: before the measured step), so the file is
-what ``torch.cuda.memory._dump_snapshot`` writes after the measured step on a GPU
+(called where ``_record_memory_history`` starts on CUDA: before the first step, ``validate/step.py``
+``run_on_device``), so the file is what ``torch.cuda.memory._dump_snapshot`` writes after the second
+(measured) step on a GPU
 (:mod:`memcalc.snapshot.format`), the bytes requested being the storages' ``nbytes``.
 
 Each allocation's first frame is memcalc's (:func:`memcalc.snapshot.format.memcalc_frames`): its kind

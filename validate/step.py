@@ -288,9 +288,9 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     ``runner.py``'s replica, ``hf_runner.py``'s transformers model): the optimizer over its trainable
     parameters, the batch, the tracer (off CUDA), the probe (``attach`` gives it to the model's phase
     labels), a fused optimizer's hooks, then :func:`two_steps` of :func:`train_step` under
-    ``contexts``; the result goes to ``meas``. ``snapshot`` (CUDA): a ``_dump_snapshot`` of the
-    measured step; ``backward``: :attr:`Step.backward` (a harness whose context spans forward and
-    backward closes it there)."""
+    ``contexts``; the result goes to ``meas``. ``snapshot``: a ``_dump_snapshot`` (CUDA; off it the
+    tracer's, :mod:`.snapshot_trace`) of both steps, recorded from before the first; ``backward``:
+    :attr:`Step.backward` (a harness whose context spans forward and backward closes it there)."""
     tr = exp.training
     dev_type = torch.device(device).type
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -316,7 +316,10 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     record = bool(snapshot) and dev_type == "cuda"
     recorder = traced_snapshot(tracer, snapshot, model, trainable, [ids, labels], opt)
 
-    def before_measured() -> None:
+    def start_recording() -> None:
+        # both steps, as docs/compare.md records them: the first creates the optimizer state (compare
+        # reads it as state, not weights) and holds what only a first step allocates (a compiled
+        # step's autotuning at first launch); compare takes the last step as the steady state
         if recorder is not None:
             recorder.start()
         if record:
@@ -332,8 +335,8 @@ def run_on_device(exp, m, device: str, model, meas: Measurement, say: Callable[[
     with allow_fused_on(dev_type), contextlib.ExitStack() as stack:
         for c in (*contexts, tracer if tracer is not None else contextlib.nullcontext()):
             stack.enter_context(c)
-        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say,
-                                                  before_measured)
+        start_recording()
+        meas.first_step_bytes, result = two_steps(probe, lambda: train_step(parts, probe.set_phase), say)
         if record:
             torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)

@@ -42,7 +42,8 @@ stacks="all")``, the defaults: Python frames and C++ frames, innermost first; to
   ``torch.optim`` creates lazily on the first step), else ``temporaries``; anything else ``other``.
 
 Known limits: what was allocated before recording has no frames, so a snapshot of a later step
-alone (the optimizer state made in an earlier one) reads that state as weights; logits and the loss,
+alone (the optimizer state made in an earlier one) reads that state as weights (``validate
+--snapshot`` records from before the first step: ``validate/step.py`` ``run_on_device``); logits and the loss,
 which memcalc counts as temporaries, are saved for backward and read as activations here; a Python
 custom Function's backward run by the engine has Python frames of its own (``Function.apply``) and
 reads as the phase before it.

@@ -115,9 +115,11 @@ def trace_peak(snapshot: dict[str, Any], device: int = 0, rounded: bool = True) 
             allocated_in_trace.add(e["addr"])
         elif e["action"] == "free_completed" and e["addr"] not in allocated_in_trace:
             before += size(e["size"])
-    live_at_end = {e["addr"] for e in entries if e["action"] == "alloc"}
+    live_at_end: set[int] = set()  # in order: an address freed and allocated again is alive
     for e in entries:
-        if e["action"] == "free_completed":
+        if e["action"] == "alloc":
+            live_at_end.add(e["addr"])
+        elif e["action"] == "free_completed":
             live_at_end.discard(e["addr"])
     for seg in snapshot["segments"]:
         if seg.get("device", device) != device:

@@ -132,7 +132,8 @@ def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args, setup):
         snap = pickle.load(f)
     assert f"segments: {len(snap['segments'])}" in _memory_viz.segsum(snap)
     assert "entries" in _memory_viz.trace(snap)
-    assert trace_peak(snap).peak_bytes == rec["measured_bytes"]
+    # both steps recorded (validate/step.py run_on_device): the snapshot's peak is the higher of the two
+    assert trace_peak(snap).peak_bytes == max(rec["measured_bytes"], rec["first_step_bytes"])
     traced = [e for e in snap["device_traces"][0] if e["action"] != "segment_alloc"]
     blocks = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
     kinds = {entry_memcalc(e)[0] for e in traced + blocks}
@@ -143,6 +144,7 @@ def test_meta_trace_snapshot_peaks_as_the_trace(tmp_path, args, setup):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["attributed_from"] == "memcalc" and doc["peak"]["measured_bytes"] == rec["measured_bytes"]
+    assert doc["steps"] == 2 and doc["first_step"]["measured_bytes"] == rec["first_step_bytes"]
     room = AGREE_FRACTION * doc["peak"]["predicted_bytes"]
     assert all(abs(k["difference_bytes"]) <= room for k in doc["kinds_at_peak"]), doc["kinds_at_peak"]
     assert doc["parts_at"] is None  # no phase parts by more than compare's PART_FRACTION

@@ -82,6 +82,18 @@ def test_trace_peak():
     assert trace_peak(s, device=1) == (0, -1)  # no trace and no segment on device 1
 
 
+def test_trace_peak_address_freed_and_allocated_again():
+    # source: a two-step recording (validate/step.py run_on_device records from before the first step): a
+    # gradient freed by zero_grad and allocated again at the same address in step 2, alive at the end, was made
+    # before the trace in no sense; hand count: 1024 at index 0, 1024 again at index 2, never both
+    trace = [{"action": "alloc", "addr": 0, "size": 1000, "stream": 0},
+             {"action": "free_completed", "addr": 0, "size": 1000, "stream": 0},
+             {"action": "alloc", "addr": 0, "size": 1000, "stream": 0}]
+    block = {"address": 0, "size": 1024, "requested_size": 1000, "state": "active_allocated", "frames": []}
+    s = {"segments": [{"device": 0, "address": 0, "total_size": 2048, "blocks": [block]}], "device_traces": [trace]}
+    assert trace_peak(s) == (1024, 0)
+
+
 def test_load_snapshot(tmp_path):
     p = tmp_path / "s.pickle"
     write_snapshot(_snapshot(), p)
