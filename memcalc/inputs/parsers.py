@@ -44,7 +44,8 @@ def parse_targets(value: str, model: Optional[ModelSpec] = None) -> tuple[str, .
         raise UserError(f"unknown --lora-targets {shown}; valid: {', '.join(LORA_TARGETS)} "
                         f"(or PEFT's {', '.join(LORA_TARGET_ALIASES)}), or all")
     missing = [t for t in ts if model is not None and t not in model.lora_targets and t != HEAD_TARGET]
-    if missing and model is not None:
+    # only q, k, v of a fused qkv: ExperimentSpec._check_lora_targets decides (LitGPT's LoRAQKVLinear adapts them)
+    if missing and model is not None and not (model.fused_qkv and set(missing) <= {"q", "k", "v"}):
         raise UserError(f"--lora-targets: {lora_targets_error(model, missing)}")
     return ts
 

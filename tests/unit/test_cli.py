@@ -33,6 +33,10 @@ BAD_INPUT = [
     (["estimate", "--model", "gpt2", "--bach", "2"], 2, "No such option: --bach (Possible options: --batch,"),
     (["estimate", "--model", "gpt2", "--checkpoint", "every-x"], 2, "unknown --checkpoint 'every-x'"),
     (["estimate", "--model", "gpt2", "--lora", "--lora-targets", "q,z"], 2, "unknown --lora-targets z"),
+    # source: memcalc/core/spec.py ExperimentSpec._check_lora_targets: q, k, v of a fused qkv only under LitGPT's
+    # LoRAQKVLinear (lit_gpt/lora.py lora_query / lora_value); the parser leaves the fused parts to it
+    (["estimate", "--model", "data/reference/models/stablelm-base-alpha-3b.json", "--lora", "--lora-targets", "q,v"],
+     2, "q, k, v are one fused projection: target qkv"),
     (["estimate", "--model", "gpt2", "--memory-budget", "1.5"], 2, "--memory-budget must be within [0, 1]"),
     (["estimate", "--model", "gpt2", "--zero", "4"], 2, "--zero must be 0, 1, 2 or 3"),
     (["estimate", "--model", "gpt2", "--fused-optimizer", "--grad-accum", "4"], 2, "cannot accumulate gradients"),
@@ -251,3 +255,13 @@ def test_no_double_quant_sets_lora_double_quant():
 
     specs = [resolve(Options(model="llama-3.2-1b", qlora=True, no_double_quant=flag)).exp for flag in (False, True)]
     assert [s.training.lora.double_quant for s in specs] == [True, False]
+
+
+def test_litgpt_fused_qkv_query_value_targets(monkeypatch):
+    """lit-gpt 8641822 finetune/lora.py (lora_query True, lora_key False, lora_value True) on a fused-qkv model
+    written as a config file: --lora-targets q,v reaches LitGPT's LoRAQKVLinear (was refused by the parser)."""
+    from conftest import resolved
+
+    res = resolved(["--model", "data/reference/models/stablelm-base-alpha-3b.json", "--profile",
+                    "litgpt-2023.10-torch-2.1-cuda", "--lora", "--lora-targets", "q,v"], monkeypatch)
+    assert res.exp.training.lora.targets == ("q", "v") and res.exp.model.fused_qkv

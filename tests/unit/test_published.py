@@ -37,25 +37,9 @@ _TT_COMPILED_OFFLOAD = (
     "6-15% above the estimate, so neither side is checked there); since the checkpointed regions save h alone "
     "(no RoPE tables: engine/offload.py rope_region_inputs) the last layer's input stays in the 5-deep forward "
     "stash through the head's backward (+48 MiB on the LoRA row, +4.8% -> +5.3%)")
-_LIT_OLD_STABLELM = (
-    "low by about 0.25 GiB per sample at 1034 tokens (mb1 -2.2%, mb2 -4.1%, mb4 -6.1%; 16 layers: about 4 bytes per "
-    "hidden element per token per layer), not identified: lit-gpt 8641822's model code is not 0.5.13's beyond the "
-    "RMSNorm (--profile litgpt-2023.10: the Llama rows within 0.4%): lit_gpt/model.py copies q, k, v out of the "
-    "permuted qkv, StableLM's partial rotary cats a RoPE'd quarter back; lit_gpt/lora.py LoRAQKVLinear.zero_pad "
-    "builds a zero (B, T, 3d) tensor and index_copy's into a second; memcalc and validate follow 0.5.13. Read at "
-    "8641822 and ruled out (each the same as 0.5.13's, or transient, not per sample): the config (16 layers, 4096, "
-    "32 heads MHA, rotary 0.25, bias, LayerNorm, GptNeoxMLP 4x exact GELU, padded vocab 50688), Block's parallel "
-    "residual with its own norm_2, the qkv view/permute/split + reshape copies (SDPA saves the cat'ed q, k and the "
-    "v copy), apply_rope on the quarter (cos/sin fp32, or fp16 from build_rope_cache's .half() under a 16-bit "
-    "default dtype: bf16 x * cos promotes to fp32 transients either way, autograd saves cos/sin only), zero_pad's new_zeros + index_copy (transients; index_copy "
-    "saves the index), no mask_cache or KV cache in training (set_kv_cache is generate's), chunked_cross_entropy "
-    "(128-row chunks, reduction none, cat, mean). The phi-1.5 rows (same head, loss, partial rotary, parallel "
-    "residual) pass within 1.4%, so look at what StableLM alone has: exact GELU (phi: tanh), norm_2, head size 128; "
-    "per sample the gap is 0.19/0.23/0.24 GB at mb 1/2/4, about 14.5 KB per token per layer")
 XFAIL = {
     "torchtune-flags-lora": _TT_COMPILED_OFFLOAD,
     "torchtune-flags-qlora": _TT_COMPILED_OFFLOAD,
-    "litgpt-resource-stablelm-alpha-3b-lora-mb4": _LIT_OLD_STABLELM,
 }
 
 _HEX40 = re.compile(r"[0-9a-f]{40}")
