@@ -153,8 +153,10 @@ class Decoder(nn.Module):
         return x
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding, layers, final norm and head: what ``model.compile()`` compiles (the loss
-        stays eager in Forgather's trainer). Call inside ``self.amp.region()``."""
+        """Embedding, layers, final norm and head. ``model.compile()`` compiles :meth:`forward`, so on a
+        GPU the loss is in the graph too (memcalc.engine.blocks.compiled_loss ``loss_in_model_graph``);
+        the meta partition (validate/compiled.py) traces this part alone, without the loss. Call inside
+        ``self.amp.region()``."""
         B, T = input_ids.shape
         x = self.embed(input_ids)
         cos, sin = self.rope(T, x.dtype)
