@@ -29,7 +29,8 @@ from memcalc.core.errors import UserError
 from memcalc.core.expert_parallel import check_ep
 from memcalc.core.spec import ExperimentSpec
 from memcalc.estimate.peak import required_bytes, step_side
-from memcalc.plan.simulations import estimated_peak, with_training
+from memcalc.core.units import gib
+from memcalc.plan.simulations import estimated_peak, smallest_fitting, with_training
 
 #: the expert-parallel degree: the GPUs of one node
 EP = 8
@@ -102,23 +103,11 @@ def search_experts(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, Op
             cache[COUNTS[i]] = _layout(full, COUNTS[i])
         return cache[COUNTS[i]]
 
-    rows = []
-    for g in cards:
-        cap = int(g.capacity_bytes)
-        if at(len(COUNTS) - 1).required_bytes > cap:
-            rows.append(ExpertRow(g, None))
-            continue
-        lo, hi = 0, len(COUNTS) - 1
-        while lo < hi:  # the smallest count that fits
-            mid = (lo + hi) // 2
-            if at(mid).required_bytes <= cap:
-                hi = mid
-            else:
-                lo = mid + 1
-        rows.append(ExpertRow(g, at(lo)))
+    fits = smallest_fitting(cards, len(COUNTS), lambda i: at(i).required_bytes)
+    rows = [ExpertRow(g, None if i is None else at(i)) for g, i in zip(cards, fits, strict=True)]
     if rows and all(r.layout is None for r in rows):
         most = at(len(COUNTS) - 1)
-        return [], f"no card fits: {most.gpus} GPUs, ep {most.ep}, need {most.required_bytes / 2**30:.1f} GiB a GPU"
+        return [], f"no card fits: {most.gpus} GPUs, ep {most.ep}, need {gib(most.required_bytes):.1f} GiB a GPU"
     return rows, None
 
 

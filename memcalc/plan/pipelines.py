@@ -33,7 +33,8 @@ from memcalc.core.rules import check_tp
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady
 from memcalc.estimate.peak import required_bytes, step_side
-from memcalc.plan.simulations import with_training
+from memcalc.core.units import gib
+from memcalc.plan.simulations import smallest_fitting, with_training
 
 #: tensor-parallel degrees, largest first: within one 8-GPU node (NVLink)
 TP_DEGREES = (8, 4, 2)
@@ -140,27 +141,12 @@ def search_pipelines(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, 
             cache[pp] = stage_peaks(pipeline_setup(full, pp, tp))
         return cache[pp]
 
-    rows = []
-    for g in sorted(cards, key=lambda c: -c.capacity_bytes):  # larger cards first: their bisection ends lower
-        cap = int(g.capacity_bytes)
-        lo, hi = 0, len(pps) - 1
-        if at(hi).required_bytes > cap:
-            rows.append(PipelineRow(g, None))
-            continue
-        while lo < hi:  # the smallest index that fits
-            mid = (lo + hi) // 2
-            if at(mid).required_bytes <= cap:
-                hi = mid
-            else:
-                lo = mid + 1
-        lay = at(lo)
-        rows.append(PipelineRow(g, lay))
-    order = {g.name: i for i, g in enumerate(cards)}
-    rows.sort(key=lambda r: order[r.gpu.name])
+    fits = smallest_fitting(cards, len(pps), lambda i: at(i).required_bytes)
+    rows = [PipelineRow(g, None if i is None else at(i)) for g, i in zip(cards, fits, strict=True)]
     if rows and all(r.layout is None for r in rows):
         most = at(len(pps) - 1)
         return [], (f"no card fits: pp {most.pp} x tp {most.tp}, the most stages, needs "
-                    f"{most.required_bytes / 2**30:.1f} GiB a rank (rank {most.rank})")
+                    f"{gib(most.required_bytes):.1f} GiB a rank (rank {most.rank})")
     return rows, None
 
 

@@ -4,6 +4,7 @@ weights-plus-state floor that rules an option out without a forward pass."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +24,28 @@ from memcalc.plan.steps import SIM_CACHE, traced_step
 def with_training(exp: ExperimentSpec, **training: Any) -> ExperimentSpec:
     """``exp`` with some training fields changed (batch, seq, gpus, ...)."""
     return exp.model_copy(update={"training": exp.training.model_copy(update=training)})
+
+
+def smallest_fitting(cards: Sequence[Any], n: int, need: Callable[[int], int]) -> list[Optional[int]]:
+    """For each of ``cards`` (in their order), the smallest index ``i < n`` whose ``need(i)`` (a device total,
+    bytes, falling as ``i`` grows: more GPUs, each holding less) is within the card's ``capacity_bytes``, by
+    bisection; None where even ``need(n - 1)`` is not. ``need`` is asked once per index at most when it caches
+    (the plan's layout tables estimate each layout once); larger cards go first, their bisections ending lower."""
+    found: dict[int, Optional[int]] = {}
+    for k in sorted(range(len(cards)), key=lambda k: -cards[k].capacity_bytes):
+        cap = int(cards[k].capacity_bytes)
+        if need(n - 1) > cap:
+            found[k] = None
+            continue
+        lo, hi = 0, n - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if need(mid) <= cap:
+                hi = mid
+            else:
+                lo = mid + 1
+        found[k] = lo
+    return [found[k] for k in range(len(cards))]
 
 
 @dataclass(frozen=True)
