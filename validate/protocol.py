@@ -337,13 +337,19 @@ NOTHING_TRACED = "nothing is traced off CUDA for this probe: no allocator histor
 
 
 def _one(case: Case, device: str, used: Optional[probes.DeviceUsed], env: dict, snapdir: Optional[str],
-         say: Callable[[str], None], over_budget: str) -> dict:
-    """The measured-format record of one case (an exception in it is an ``error`` record)."""
+         say: Callable[[str], None], over_budget: str, isolate: bool = False) -> dict:
+    """The measured-format record of one case (an exception in it is an ``error`` record); ``isolate``: the
+    case's own process's record (protocol_child.run_case), or an ``error`` record where it gave none."""
     t0 = time.perf_counter()
     layers = case.cuda_layers if device == "cuda" else META_LAYERS
     snap = os.path.join(snapdir, f"{case.name}.pickle") if snapdir else None
     if over_budget:
         out: dict = dict(status="skipped", reason=over_budget, comparisons=[], setup={})
+    elif isolate:
+        try:
+            return child.run_case(case.name, device, snapdir, child.child_timeout(case.cost_s))
+        except RuntimeError as e:  # killed, crashed: no record came back
+            out = dict(status="error", reason=str(e), comparisons=[], setup={})
     else:
         try:
             with contextlib.redirect_stdout(sys.stderr):  # stdout is the table or --json's list alone
@@ -400,17 +406,13 @@ def run_protocol(device: Optional[str], output: Optional[str], as_json: bool, bu
                 say(case.what)
                 over = _over(time.perf_counter() - t_start + (child.CHILD_START_S if isolate else 0), case,
                              budget_s, out_of_time)
-                if isolate and not over:
-                    rec = child.record(case, device, env or probes.environment(device, used, gpu=False), snapdir,
-                                       command_of(case, device, case.cuda_layers if device == "cuda" else META_LAYERS))
-                    env = env or rec["environment"]  # the GPU's, as the case's process read it
-                else:
-                    # CUDA: the GPU's name and memory are read once the first case (the context probe) made it
-                    rec = _one(case, device, used, env or probes.environment(device, used, gpu=False), snapdir,
-                               say, over)
+                # CUDA: the GPU's name and memory are read once the first case (the context probe) made it
+                rec = _one(case, device, used, env or probes.environment(device, used, gpu=False), snapdir,
+                           say, over, isolate)
                 out_of_time = out_of_time or rec["reason"].startswith("time budget")
-                if env is None and not isolate:
-                    env = rec["environment"] = probes.environment(device, used)
+                if env is None:  # isolated: the GPU's, as the case's process read it
+                    env = rec["environment"] if isolate else probes.environment(device, used)
+                    rec["environment"] = env
                 rec["run_id"] = rf.run_id if rf else None
                 records.append(rec)
                 if rf is not None:

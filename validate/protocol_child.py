@@ -19,10 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Optional
-
-from memcalc.inputs.measured import MEASURED_FORMAT, MeasuredRecord
 
 #: set in a case's own process: it runs the case in-process (and never spawns)
 CHILD_ENV = "MEMCALC_PROTOCOL_CHILD"
@@ -76,15 +73,3 @@ def _parse(stdout: str) -> list:
         return []
     return out if isinstance(out, list) else []
 
-
-def record(case: Any, device: str, env: dict, snapdir: Optional[str], command: Optional[str]) -> dict[str, Any]:
-    """The record of protocol ``case`` (a validate.protocol.Case) run in its own process; a process that
-    gives no record is an ``error`` record here, with ``env`` (what the protocol knows of the machine)."""
-    t0 = time.perf_counter()
-    try:
-        return run_case(case.name, device, snapdir, child_timeout(case.cost_s))
-    except RuntimeError as e:
-        rec = dict(format=MEASURED_FORMAT, case=case.name, kind=case.kind, environment=env, status="error",
-                   reason=str(e), command=command, seconds=round(time.perf_counter() - t0, 3), snapshot=None,
-                   snapshot_reason="the case ended error", comparisons=[], setup={"what": case.what})
-        return MeasuredRecord.model_validate(rec).model_dump(mode="json")
