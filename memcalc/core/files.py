@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Union
 
 from memcalc.core.errors import UserError
+from memcalc.core.units import GiB, KiB, MiB
 
 #: what the error lines show of a path at most
 SHOWN_CHARS = 200
@@ -66,7 +67,7 @@ def read_bounded(path: Union[str, Path], what: str, limit_bytes: int, too_large:
 
 
 def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
     return f"{n:,} bytes"
