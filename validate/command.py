@@ -143,8 +143,10 @@ def sharded_items(items: list) -> bool:
     DeepSpeed ZeRO-2/3 (its engine traced as rank 0, of one rank too: memcalc.engine.sharding.uses_deepspeed)."""
     # with --tp the tensor-parallel trace runs them, 2-D FSDP2 x TP included (sharded/tp.py)
     # with --ep the expert-parallel trace runs them (sharded/expert_parallel.py), with --cp the context-parallel
-    # one, FSDP2 over dp x cp included (sharded/context_parallel.py)
+    # one, FSDP2 over dp x cp included (sharded/context_parallel.py), with --pp the pipeline one, FSDP2 over dp x pp
+    # included (sharded/pipeline_fsdp.py)
     return any(isinstance(e, ExperimentSpec) and e.training.tp == 1 and e.training.ep == 1 and e.training.cp == 1
+               and e.training.pp == 1
                and (e.training.gpus > 1 or _deepspeed(e))
                for _n, e in items)
 

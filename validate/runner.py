@@ -70,8 +70,10 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
     """
     if exp.training.pp > 1:  # pipeline parallelism: every rank in turn on the fake process group (sharded/pipeline.py)
         from .sharded.pipeline import measure_pp
+        from .sharded.pipeline_fsdp import trace_pp_fsdp_rank
 
-        return measure_pp(exp, scale_layers, progress, debug, device=device)
+        fsdp = exp.training.gpus > 1 and exp.training.zero > 0  # pp x FSDP2 (sharded/pipeline_fsdp.py)
+        return measure_pp(exp, scale_layers, progress, debug, device=device, trace=trace_pp_fsdp_rank if fsdp else None)
     if exp.training.cp > 1:  # context parallelism: one rank on the fake process group (sharded/context_parallel.py)
         from .sharded.context_parallel import measure_cp
 

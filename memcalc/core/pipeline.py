@@ -13,7 +13,9 @@ gpipe             ``ScheduleGPipe``            all ``M`` forwards, then all ``M`
                                                backwards (``M >= pp``: torch raises otherwise)
 ================  ===========================  =====================================================
 
-With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus).
+With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus). With ``gpus > 1`` and
+``--zero 2`` / ``3`` (FSDP2) every stage is FSDP2-sharded over ``gpus`` data-parallel ranks as torchtitan 0.3.0 does
+it under pipelining (memcalc.engine.pipeline_fsdp; validate/sharded/pipeline_fsdp.py).
 
 The split is even: each stage gets ``n_layers / pp`` consecutive layers (the first stage also the
 embedding, the last the final norm, the head and the loss), as torchtitan's
@@ -78,7 +80,13 @@ def check_pp(exp: ExperimentSpec) -> None:
         (m.tie_embeddings, "tied embeddings (the embedding and the head sit on different stages)"),
         (tr.ep > 1, "--ep"),
         (tr.cp > 1, "--cp"),
-        (tr.zero > 0 and tr.gpus > 1, "ZeRO / FSDP over data-parallel GPUs"),
+        (tr.gpus > 1 and tr.zero > 0 and not (tr.sharding == "fsdp2" and tr.zero in (2, 3)),
+         f"--sharding {tr.sharding} --zero {tr.zero} over data-parallel GPUs (FSDP2, --zero 2 or 3, composes)"),
+        (tr.gpus > 1 and tr.offload_optimizer, "--offload-optimizer"),
+        (tr.gpus > 1 and tr.zero > 1 and m.moe is not None and tr.gpus > m.moe.n_experts,
+         f"FSDP2 over more data-parallel GPUs ({tr.gpus}) than routed experts "
+         f"({m.moe.n_experts if m.moe else 0}): torchtitan's apply_fsdp_to_decoder shards the experts on dim 1 "
+         "then (Shard(1)), not modelled"),
         (tr.grad_accum > 1, "--grad-accum (the micro-batches are the accumulation)"),
         (tr.compile, "--compile"),
         (tr.fused_optimizer, "--fused-optimizer"),

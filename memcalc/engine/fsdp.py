@@ -117,12 +117,15 @@ class Policy:
 def policy(tr: TrainingSpec) -> Policy:
     """FSDP2's dtypes for ``tr``: ``--master-weights`` over a 16-bit precision is
     ``MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32)`` over fp32 shards; otherwise
-    no policy (everything in the weight dtype; autocast, if any, casts inside the ops)."""
+    no policy (everything in the weight dtype; autocast, if any, casts inside the ops). Reshard after
+    forward under ``--zero 3``, never with ``--pp``: torchtitan 0.3.0 ``distributed/fsdp.py``
+    ``get_fsdp_reshard_after_forward_policy("default", pp_enabled)`` is ``not pp_enabled``
+    (:mod:`memcalc.engine.pipeline_fsdp`)."""
     if tr.master_weights:
         orig, par, red = DType.fp32, tr.compute_dtype, DType.fp32
     else:
         orig = par = red = tr.weight_dtype
-    return Policy(orig, par, red, tr.zero >= 3, tr.offload_optimizer)
+    return Policy(orig, par, red, tr.zero >= 3 and tr.pp == 1, tr.offload_optimizer)
 
 
 def fsdp_active(tr: TrainingSpec) -> bool:

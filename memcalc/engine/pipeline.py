@@ -56,6 +56,7 @@ from memcalc.engine.fsdp import optimizer_training
 from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, Timeline
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
+from memcalc.engine.pipeline_fsdp import PipelineFSDP2, stage_fsdp2
 from memcalc.engine.result import SimResult
 from memcalc.engine.sim import Node, Sim, T
 from memcalc.engine.strategy import LayerStrategy
@@ -103,9 +104,10 @@ class StageForward(Forward):
     last. :meth:`run_stage` returns the stage's output (hidden states, or the logits)."""
 
     def __init__(self, sim: Sim, exp: ExperimentSpec, model: Model, strategy: LayerStrategy,
-                 lo: int, hi: int, first: bool, last: bool) -> None:
-        super().__init__(sim, exp, model, strategy)
+                 lo: int, hi: int, first: bool, last: bool, fsdp: Optional[PipelineFSDP2] = None) -> None:
+        super().__init__(sim, exp, model, strategy, fsdp)
         self.lo, self.hi, self.first, self.last = lo, hi, first, last
+        self.fsdp = fsdp
 
     def layers(self, x: T) -> T:
         for lo, hi in self.strategy.regions(self.hi - self.lo):
@@ -121,6 +123,8 @@ class StageForward(Forward):
         sim, o, m = self.sim, self.ops, self.m
         sim.where(None, "embedding")
         self.ids_labels = ()
+        if self.first and self.fsdp is not None:  # FSDP2: the embedding's unit (engine.pipeline_fsdp)
+            self.fsdp.unit_forward(self.fsdp.embed)
         x = embedding.embed_dropout(self, embedding.embed(self, x_in)) if self.first else sim.ref(x_in)
         if m.positions == "rope":  # the stage's RoPE tables (a local of its forward; saved by RoPE's nodes)
             from memcalc.core.rules import rope_tables_bytes, rope_width
@@ -132,6 +136,8 @@ class StageForward(Forward):
         if self.last:
             sim.mark("final norm & head")
             sim.set_role("head")
+            if self.fsdp is not None:
+                self.fsdp.unit_forward(self.fsdp.head)
             x = head.final_norm(self, x)
         self.release_masks()
         if self.last:
@@ -172,6 +178,7 @@ class RankStep:
         sim, exp = self.sim, self.exp
         sim.mark("weights", "setup")
         self.model = make_params(sim, exp, only=self.keep)
+        self.gather = stage_fsdp2(sim, exp, self.model)
         rows_of = {p.name: (p.shape[0] if len(p.shape) == 2 else 0) for p in param_inventory(exp.model, None)}
         self.opt = OptimizerSim(sim, optimizer_training(exp.training), self.model.order, rows_of)
         if not self.first_step:
@@ -219,6 +226,8 @@ class RankStep:
                 self.forward(i)
             else:
                 self.backward(i)
+        if self.gather is not None:  # perform_reduce_grad
+            self.gather.reduce_all()
         for t in [self.output, self.sending, *self.losses]:
             sim.unref(t)
         step_and_zero_grad(sim, self.opt, self.model)
@@ -229,11 +238,13 @@ class RankStep:
         sim.mark(f"mb {i} forward", "forward")
         sim.new_graph()
         layers = self.strategy()
-        fwd = StageForward(sim, self.mexp, self.model, layers, self.lo, self.hi, self.first, self.last)
+        fwd = StageForward(sim, self.mexp, self.model, layers, self.lo, self.hi, self.first, self.last, self.gather)
         x_in = self.ids if self.first else self.recv[i]
         if not self.first:
             x_in.requires_grad = True  # the received activation: a leaf requiring grad
         out = fwd.run_stage(x_in)
+        if self.gather is not None:  # the root's post-forward
+            self.gather.after_forward()
         if self.output is not None:  # ``output = forward_one_chunk(...)`` rebinds before the loss is computed
             sim.unref(self.output)
         self.output = sim.ref(out)
@@ -258,12 +269,16 @@ class RankStep:
         for p in self.model.order:
             p.uses = uses.get(p.name, 0)
         sim.use_graph(nodes)
+        if self.gather is not None:
+            self.gather.stage_backward_start()
         if loss is not None:
             sim.backward(loss, 4, _label_of)
         else:
             out.grad_buffer = sim.ref(self.grad_recv[i])
             sim.run_nodes(nodes, _label_of)
         layers.end_backward(fwd)
+        if self.gather is not None:
+            self.gather.stage_backward_end()
         sim.unref(fwd.rope_tables)  # (held by the first layer's saved tensors until now: StageForward.run_stage)
         fwd.rope_tables = None
         sim.new_graph()

@@ -62,15 +62,25 @@ ROWS = [
     (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "moe": True}),
     # source: trace, DeepSeek-style layers: multi-head latent attention and experts, GPipe
     (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True}),
+    # source: trace, pp x FSDP2 (validate/sharded/pipeline_fsdp.py: torchtitan 0.3.0's apply_fsdp_to_decoder on each
+    # stage, no reshard after forward under pp; pipelining's no-sync backwards, perform_reduce_grad at the end),
+    # GPipe, pure bf16 (no policy: gradients accumulate in .grad), MoE stages
+    (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "zero": 3}),
+    # source: trace, pp x FSDP2, 1F1B, bf16 over fp32 shards: the fp32 accumulated unsharded gradients
+    # (FSDPParam.to_accumulated_grad_if_needed), --zero 2
+    (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 2}),
+    # source: trace, dp x pp x tp: FSDP2 over dp of each tensor-parallel stage, 1F1B, sequence parallel
+    (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 3, "tp": 2,
+                                        "sequence_parallel": True}),
 ]
 
 
 @pytest.mark.parametrize("pp,M,schedule,layers,batch,seq,framework,tr", ROWS)
 def test_every_rank_matches_its_trace(pp, M, schedule, layers, batch, seq, framework, tr):
-    from memcalc.validate.sharded.pipeline import measure_pp
+    from memcalc.validate.runner import measure
 
     exp = spec(pp, M, schedule, layers, batch, seq, framework, **tr)
-    meas = measure_pp(exp)
+    meas = measure(exp, "meta")  # (validate --pp: sharded/pipeline.py, with FSDP2 sharded/pipeline_fsdp.py)
     assert meas.status == "ok", meas.reason
     est = estimate(exp)
     stages = est.extra["pipeline"]["stages"]

@@ -53,6 +53,16 @@ def test_stages_hold_their_share_and_gpipe_holds_more():
     assert gpipe.peak_bytes > two.peak_bytes
 
 
+def test_fsdp2_under_pp_never_reshards_after_forward():
+    # source: torchtitan 0.3.0 distributed/fsdp.py get_fsdp_reshard_after_forward_policy("default", pp_enabled=True)
+    # is False, so --zero 2 and --zero 3 run the same step; the stage's unsharded parameters stay (pipelining's
+    # set_reshard_after_backward(False) until perform_reduce_grad) and its fp32 gradients accumulate unsharded
+    z3 = estimate(exp(pp=2, microbatches=2, gpus=2, zero=3, precision="bf16", master_weights=True))
+    z2 = estimate(exp(pp=2, microbatches=2, gpus=2, zero=2, precision="bf16", master_weights=True))
+    assert z3.peak_bytes == z2.peak_bytes
+    assert {"unsharded gradients (FSDP2, accumulated)", "unsharded parameters (FSDP2)"} <= set(z3.components)
+
+
 def run(args: list[str]):
     return CliRunner().invoke(app, ["estimate", "--model", "llama-2-7b", *args])
 
@@ -64,6 +74,11 @@ def run(args: list[str]):
     (["--pp", "4", "--microbatches", "2", "--batch", "4"], 2, "needs --microbatches >= --pp: 2 < 4"),
     # source: TrainingSpec.pp_schedule's Literal (pydantic lists the valid names)
     (["--pp", "2", "--batch", "2", "--pp-schedule", "zb"], 2, "pp_schedule = 'zb': Input should be 'gpipe' or '1f1b'"),
+    # source: memcalc.core.pipeline.check_pp: FSDP2 (--zero 2/3) composes with --pp, ZeRO-1 / DeepSpeed do not
+    (["--pp", "2", "--batch", "2", "--gpus", "2", "--zero", "1"], 2, "not with --sharding fsdp2 --zero 1 over"),
+    # source: torchtitan 0.3.0 apply_fsdp_to_decoder: experts Shard(1) when the FSDP degree exceeds the experts
+    (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--gpus", "16", "--zero", "3"], 2,
+     "than routed experts (8)"),
 ])
 def test_bad_pipeline_input_is_one_line(args, code, message):
     r = run(args)

@@ -255,9 +255,11 @@ def _label_chunks(stage, tracer, ran: list) -> None:
     stage.backward_one_chunk = backward_one_chunk
 
 
-def measure_pp(exp, scale_layers: Optional[int] = None, progress=None, debug: bool = False, device: str = "meta"):
-    """Trace every rank of a ``pp``-stage pipeline (:func:`trace_pp_rank`); the Measurement is the worst
-    rank's, and ``pipeline_stages`` holds every rank's (peak, layers, phase, label)."""
+def measure_pp(exp, scale_layers: Optional[int] = None, progress=None, debug: bool = False, device: str = "meta",
+               trace: Optional[Callable] = None):
+    """Trace every rank of a ``pp``-stage pipeline (``trace``, default :func:`trace_pp_rank`; with FSDP2
+    :func:`.pipeline_fsdp.trace_pp_fsdp_rank`); the Measurement is the worst rank's, and ``pipeline_stages``
+    holds every rank's (peak, layers, phase, label)."""
     from ..step import Measurement, error_reason
 
     t0 = time.perf_counter()
@@ -271,8 +273,9 @@ def measure_pp(exp, scale_layers: Optional[int] = None, progress=None, debug: bo
         return meas
     try:
         check_pp(exp.model_copy(update={"model": m}))
+        trace = trace or trace_pp_rank
         for r in range(exp.training.pp):
-            stages.append(trace_pp_rank(exp, r, m, say, debug))
+            stages.append(trace(exp, r, m, say, debug))
         worst = max(stages, key=lambda s: s["peak_bytes"])
         meas.measured_bytes = worst["peak_bytes"]
         meas.first_step_bytes = max(s["first_step_bytes"] for s in stages)
