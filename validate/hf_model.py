@@ -193,13 +193,14 @@ def hf_config(m: ModelSpec, family: Optional[Family] = None):
 
 
 def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = "meta", family: Optional[Family] = None,
-                   compute_dtype=None, kbit_prepare: bool = False):
+                   compute_dtype=None, kbit_prepare: bool = False, quant_storage=None):
     """The real model: ``AutoModelForCausalLM.from_config(cfg, dtype=dtype)`` built directly on
     ``device`` (on ``meta``: no weights), in train mode; with ``lora``, PEFT's
     ``get_peft_model(model, LoraConfig(r, lora_alpha, target_modules, lora_dropout))`` with PEFT's
     defaults (``autocast_adapter_dtype=True``: fp32 adapters over a 16-bit base). A QLoRA base is
     first loaded in 4-bit with ``compute_dtype`` and, with ``kbit_prepare``, passed through PEFT's
-    ``prepare_model_for_kbit_training`` (:mod:`.hf_qlora`). Returns ``(model, family)``."""
+    ``prepare_model_for_kbit_training`` (:mod:`.hf_qlora`; ``quant_storage``: ``bnb_4bit_quant_storage``,
+    uint8 when None). Returns ``(model, family)``."""
     import torch
     import transformers
 
@@ -210,7 +211,7 @@ def build_hf_model(m: ModelSpec, lora: Optional[LoraSpec], dtype, device: str = 
     if lora is not None and lora.qlora:
         from .hf_qlora import load_4bit, prepare_kbit
 
-        load_4bit(model, lora, compute_dtype or dtype)
+        load_4bit(model, lora, compute_dtype or dtype, quant_storage or torch.uint8)
         if kbit_prepare:
             prepare_kbit(model)
     if lora is not None:

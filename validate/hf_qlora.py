@@ -52,17 +52,19 @@ import torch
 from memcalc.core.spec import LoraSpec
 
 
-def load_4bit(model, lora: LoraSpec, compute_dtype: torch.dtype) -> None:
+def load_4bit(model, lora: LoraSpec, compute_dtype: torch.dtype, quant_storage: torch.dtype = torch.uint8) -> None:
     """Quantize ``model`` (built on meta in its 16-bit dtype) as ``from_pretrained`` with a
     ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=
-    compute_dtype, bnb_4bit_use_double_quant=lora.double_quant)`` does (see the module docstring)."""
+    compute_dtype, bnb_4bit_use_double_quant=lora.double_quant, bnb_4bit_quant_storage=quant_storage)`` does
+    (see the module docstring; the storage dtype only reinterprets the packed bytes: ``quantize_4bit``
+    ``.view(quant_storage)``, bitsandbytes/functional.py)."""
     import bitsandbytes as bnb
     from transformers import BitsAndBytesConfig
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 
     qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype,
-                            bnb_4bit_use_double_quant=lora.double_quant)
+                            bnb_4bit_use_double_quant=lora.double_quant, bnb_4bit_quant_storage=quant_storage)
     quantizer = Bnb4BitHfQuantizer(qc)
     # the checkpoint's 16-bit tensors, by parameter name (the meta model's own weights here)
     values: dict[str, Any] = {f"{n}.weight": m.weight for n, m in model.named_modules() if type(m) is torch.nn.Linear}
@@ -75,8 +77,9 @@ def load_4bit(model, lora: LoraSpec, compute_dtype: torch.dtype) -> None:
         weight: Any = mod.weight
         weight.blocksize = lora.quant_block  # bitsandbytes' Params4bit default is 64
         new: Any = convert.convert({key: values[key]}, full_layer_name=key, model=model)[key]
-        if not new.bnb_quantized:  # .to("meta") skipped it: what .to("cuda") runs
-            new = new._quantize(values[key].device)
+        if not new.bnb_quantized:  # .to("meta") skipped it, and its copy lost ``module``: what .to("cuda") runs,
+            # on the Params4bit convert made (Params4bit.to -> self._quantize, which sets module.quant_state)
+            new = bnb.nn.Params4bit(values[key], requires_grad=False, **weight.__dict__)._quantize(values[key].device)
         mod.weight = new
     quantizer._process_model_after_weight_loading(model)
 
@@ -90,14 +93,19 @@ def prepare_kbit(model) -> None:
 
 def quant_state_tensors(model) -> list[torch.Tensor]:
     """Every tensor of the 4-bit weights' quantisation states (not parameters, yet allocated on the
-    GPU by ``quantize_4bit``): absmax, code, and with double quantisation offset and state2's."""
+    GPU by ``quantize_4bit``): absmax, code, and with double quantisation offset and state2's. Read from
+    the module (``Linear4bit.quant_state``, which ``Params4bit._quantize`` sets), as FSDP1 replaces the
+    weight by a view of its flat parameter."""
     import bitsandbytes as bnb
 
     out: list[torch.Tensor] = []
     for mod in model.modules():
         if isinstance(mod, bnb.nn.Linear4bit):
-            w: Any = mod.weight
-            qs = w.quant_state
+            qs = getattr(mod, "quant_state", None)
+            if qs is None:
+                qs = getattr(mod.weight, "quant_state", None)
+            if qs is None:
+                continue
             out += [qs.absmax, qs.code]
             if qs.nested:
                 out += [qs.offset, qs.state2.absmax, qs.state2.code]

@@ -5,6 +5,11 @@ its own unit, the decoder layers' flat parameters frozen: no gradient), one rank
 against the estimate (memcalc.engine.fsdp1: PEFT's units). Before, the estimate gave each layer's flat
 parameter a gradient of its whole (frozen) size: +13.8% on the first row.
 
+QLoRA (issue 28, "FSDP1 + QLoRA ... checked on the sharded harness"): the bitsandbytes 4-bit base as PEFT's
+FSDP + QLoRA recipe loads it (``bnb_4bit_quant_storage`` bf16, no ``prepare_model_for_kbit_training``: FSDP1
+refuses its fp32 norms beside the bf16 storage), each decoder layer's flat parameter holding the packed
+bytes (validate/sharded/hf_fsdp1_qlora.py).
+
 # source: each row is one rank of torch 2.13's FSDP1 over transformers 5.x + PEFT 0.21, traced on fake tensors
 """
 
@@ -51,3 +56,42 @@ def test_fsdp1_lora_estimate_matches_the_peft_trace(targets, tr):
     gap = 100 * (est.peak_bytes - out["peak_bytes"]) / out["peak_bytes"]
     assert abs(gap) <= TOLERANCE_PCT, (f"estimate {est.peak_bytes:,} B ({est.peak_phase}) vs trace "
                                        f"{out['peak_bytes']:,} B ({out['phase']}): {gap:+.2f}%")
+
+
+# (targets, training, LoRA fields): QLoRA on TinyLlama's shapes at 2 layers, 2 x 256 tokens
+QLORA_GRID = [
+    # source: trace_rank(framework="hf"), FSDP1 FULL_SHARD over 2, nf4 with double quantization, bf16 storage;
+    # traced -0.04%
+    (("q", "v"), dict(precision="bf16", zero=3, gpus=2), {}),
+    # source: trace_rank(framework="hf"), SHARD_GRAD_OP over 4, every projection, checkpointing, fp32 absmax
+    # (no double quantization); traced -0.18% / -0.32% (FULL_SHARD)
+    (ALL, dict(precision="bf16", zero=2, gpus=4, checkpoint="full"), dict(double_quant=False)),
+]
+
+
+@pytest.mark.parametrize("targets,tr,lk", QLORA_GRID, ids=[
+    f"qlora-{'-'.join(t)}-{'-'.join(f'{k}={v}' for k, v in {**tr, **lk}.items())}" for t, tr, lk in QLORA_GRID])
+def test_fsdp1_qlora_estimate_matches_the_peft_trace(targets, tr, lk):
+    exp = _exp(targets, tr)
+    exp = exp.model_copy(update={
+        "training": exp.training.model_copy(update={"lora": LoraSpec(rank=16, alpha=32, targets=targets, qlora=True,
+                                                                     **lk)}),
+        "profile": exp.profile.model_copy(update={"qlora_fp32_cast": False})})
+    out = trace_rank(exp, framework="hf")
+    est = estimate(exp, timeline=False)
+    gap = 100 * (est.peak_bytes - out["peak_bytes"]) / out["peak_bytes"]
+    assert abs(gap) <= TOLERANCE_PCT, (f"estimate {est.peak_bytes:,} B ({est.peak_phase}) vs trace "
+                                       f"{out['peak_bytes']:,} B ({out['phase']}): {gap:+.2f}%")
+
+
+def test_fsdp1_refuses_the_kbit_fp32_cast():
+    """PEFT's prepare_model_for_kbit_training under FSDP1: FSDP1's own check refuses the layer's flat parameter
+    (fp32 norms, bf16 4-bit storage), so validate says so in one line before building."""
+    from memcalc.core.errors import UserError
+
+    exp = _exp(("q", "v"), dict(precision="bf16", zero=3, gpus=2))
+    exp = exp.model_copy(update={"training": exp.training.model_copy(update={
+        "lora": LoraSpec(rank=16, alpha=32, targets=("q", "v"), qlora=True)})})
+    assert exp.profile.qlora_fp32_cast
+    with pytest.raises(UserError, match="Must flatten tensors with uniform dtype"):
+        trace_rank(exp, framework="hf")

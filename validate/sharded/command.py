@@ -44,9 +44,9 @@ def check_sharded_run(items: list, device: Optional[str], framework: str, rank: 
             continue
         sharding = check_sharded(exp)
         if framework == "hf" and sharding == "fsdp1" and tr.lora is not None and tr.lora.qlora:
-            raise UserError("--framework hf with --sharding fsdp1 and QLoRA: not traced yet (bitsandbytes' Params4bit "
-                            "in FSDP1's flat parameters needs bnb_4bit_quant_storage bf16 and its quant_state kept); "
-                            "LoRA and full fine-tuning are traced, and QLoRA under FSDP2")
+            from .hf_fsdp1_qlora import check
+
+            check(exp)
 
 
 def measure_sharded(exp: ExperimentSpec, device: str, rank: int = 0, scale_layers: Optional[int] = None,

@@ -8,7 +8,8 @@ decoder layer (the model's ``ModuleList`` of ``n_layers`` modules) and the root,
 autocast region, with :class:`~..hf_kernels.HFKernels` and :func:`~..hf_kernels.hf_patches` active
 (kernel dispatch only). FSDP1 (``sharding="fsdp1"``): the model built on ``meta`` as for FSDP2, its
 parameters made fake ``cpu`` tensors (:func:`_to_empty_cpu`), then ``FullyShardedDataParallel`` with PEFT's
-``fsdp_auto_wrap_policy`` (:func:`apply_fsdp1_hf`); QLoRA under FSDP1 is refused (not traced yet).
+``fsdp_auto_wrap_policy`` (:func:`apply_fsdp1_hf`); QLoRA under FSDP1 as PEFT's FSDP + QLoRA recipe builds
+it (bf16 quant storage, no k-bit fp32 cast; :mod:`.hf_fsdp1_qlora`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
     from ..hf_runner import _decoder_layers, hf_unsupported
     from .fsdp2 import RESHARD_AFTER_FORWARD
 
-    if sharding == "fsdp1" and exp.training.lora is not None and exp.training.lora.qlora:
-        raise UserError("--framework hf with --sharding fsdp1 and QLoRA: not traced yet (bitsandbytes' Params4bit "
-                        "in FSDP1's flat parameters needs bnb_4bit_quant_storage bf16 and its quant_state kept); "
-                        "LoRA and full fine-tuning are traced, and QLoRA under FSDP2")
+    fsdp1_qlora = sharding == "fsdp1" and exp.training.lora is not None and exp.training.lora.qlora
+    if fsdp1_qlora:
+        from .hf_fsdp1_qlora import check
+
+        check(exp)
     why = hf_unsupported(exp.model_copy(update={"training": exp.training.model_copy(update={"gpus": 1, "zero": 0})}),
                          "meta")
     if why:
@@ -43,9 +45,13 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
     tr = plan.build
     from torch.distributed.fsdp import fully_shard
 
-    with fake, warnings.catch_warnings():
+    dtype = torch_dtype(tr.weight_dtype.value)
+    # a 4-bit base under FSDP1: quantized on real meta (Params4bit cannot wrap a fake tensor), storage in the
+    # model's dtype (FSDP1 flattens floating tensors of one dtype), then made fake cpu tensors below
+    with (contextlib.nullcontext() if fsdp1_qlora else fake), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        model, _family = build_hf_model(m, tr.lora, torch_dtype(tr.weight_dtype.value), "meta")
+        model, _family = build_hf_model(m, tr.lora, dtype, "meta", compute_dtype=torch_dtype(tr.compute_dtype.value),
+                                        quant_storage=dtype if fsdp1_qlora else None)
     if tr.checkpoint in ("full", "every-k"):
         every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
@@ -56,7 +62,12 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
         raise UserError(f"--framework hf: could not find the {m.n_layers} decoder layers of {m.name} to shard")
     if sharding == "fsdp1":
         with fake:
-            _to_empty_cpu(model)
+            if fsdp1_qlora:
+                from .hf_fsdp1_qlora import to_fake_cpu
+
+                to_fake_cpu(model)
+            else:
+                _to_empty_cpu(model)
             return apply_fsdp1_hf(model, mesh, zero, plan, layers), layers, params
     from .fsdp2 import upcast_trainable
 
@@ -130,6 +141,10 @@ def hf_step_parts(exp: ExperimentSpec, model, layers, set_label: Callable[[str],
             return model(input_ids=ids, labels=labels).loss
 
     stack = contextlib.ExitStack()
+    if tr.sharding == "fsdp1" and tr.lora is not None and tr.lora.qlora:
+        from .hf_fsdp1_qlora import fake_views_keep_state
+
+        stack.enter_context(fake_views_keep_state())
     stack.enter_context(hf_patches(model, kernels))
     stack.enter_context(kernels)
     return forward, stack, hooks

@@ -177,6 +177,10 @@ def _steps(exp: ExperimentSpec, model, inner, layers, plan, fake, in_fake, out: 
         opt = build_optimizer(trainable, plan.build)
         tracer = RankTracer(DEVICE, exp.profile.allocator_round_bytes, debug=debug)
         track_inputs(tracer, model, ids, labels, None, local_tensors)
+        if inner is None and tr.lora is not None and tr.lora.qlora:  # the HF 4-bit base's quantisation states
+            from ..hf_qlora import quant_state_tensors
+
+            tracer.track(quant_state_tensors(model))
         set_label = lambda text: setattr(tracer, "label", text)  # noqa: E731
         hooks: list = []
         extra = contextlib.nullcontext()
