@@ -481,6 +481,10 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = 
     add(device_table(est))
     add(gpu_table(est, gpus))
     if not verbose:
+        prov = est.extra.get("provenance")
+        if prov is not None:  # an untraced trainer (Unsloth): which numbers are read from source, in every output
+            add(f"[yellow]note:[/yellow] {escape(prov['note'])}; read from source: "
+                f"{', '.join(m['mechanism'] for m in prov['mechanisms'] if m['how'] == 'read')} (--verbose: each rule)")
         add(f"[dim]every input with where it came from, and the {len(est.assumptions)} assumptions: --verbose; "
             "all of it: --json[/dim]")
         return out

@@ -129,3 +129,16 @@ CLI_ROWS = [
 @pytest.mark.parametrize("args,code,message", CLI_ROWS)
 def test_cli(args, code, message):
     one_line_error(CliRunner().invoke(app, args), code, message)
+
+
+
+def test_the_default_output_says_what_is_read(unsloth_est):
+    """Issue 27: the terminal output without --verbose (not only its assumptions and --json) says Unsloth's step is
+    not traced and names the numbers read from source."""
+    from memcalc.render.report import report_items
+
+    # source: memcalc/core/unsloth.py PROVENANCE (the gradient checkpointing and loss rows are 'read')
+    lines = [x for x in report_items(unsloth_est.estimate, unsloth_est.resolved, [], verbose=False)
+             if isinstance(x, str)]
+    text = " ".join(lines)
+    assert "step is not traced" in text and "read from source: gradient checkpointing, loss" in text, text
