@@ -49,6 +49,7 @@ TOLERANCES: dict[str, tuple[float, str, str]] = {
     "tp": (3.0, "tests/trace/test_tp.py", "TOLERANCE_PCT"),  # issue 13
     "ep": (2.0, "tests/trace/test_expert_parallel.py", "TOLERANCE_PCT"),  # issue 31
     "deepspeed": (3.0, "tests/trace/test_deepspeed.py", "TOLERANCE_PCT"),  # issue 13
+    "deepspeed_offload": (2.0, "tests/trace/test_deepspeed.py", "OFFLOAD_TOLERANCE_PCT"),  # issue 28
     "torchtune": (2.0, "tests/trace/test_torchtune_grid.py", "GRID_TOLERANCE_PCT"),  # issue 27
     "litgpt": (2.0, "tests/trace/test_litgpt_grid.py", "TOLERANCE_PCT"),  # issue 27
     "trl": (2.0, "tests/trace/test_trl_grid.py", "TOLERANCE_PCT"),  # issue 27
@@ -219,6 +220,12 @@ ROWS: list[dict[str, Any]] = [
          gpus=2, zero=3, checkpoint="full", deepspeed="tests/traces/deepspeed/zero3_reuse_0.json", **PLAIN),
     _row("deepspeed-zero2-gpt2-4gpus", D, "deepspeed", DST, 2, model="gpt2", seq=256, **MIXED, gpus=4, zero=2,
          deepspeed="tests/traces/deepspeed/zero2.json", **PLAIN),
+    # one GPU is DeepSpeed's engine too (issue 28): the flat fp32 partition, the bucket and the gradient partition
+    _row("deepspeed-zero2-gpt2-1gpu-bucket-1e7", D, "deepspeed", DST, 2, model="gpt2", seq=256, **MIXED, gpus=1,
+         zero=2, deepspeed="tests/traces/deepspeed/zero2_bucket_1e7.json", **PLAIN),
+    # offload_param on one GPU (issue 28): the 16-bit partitions pinned on the host, each gather a host-to-GPU copy
+    _row("deepspeed-zero3-gpt2-1gpu-offload-param", D, "deepspeed_offload", DST, 2, model="gpt2", seq=256, **MIXED,
+         gpus=1, zero=3, deepspeed="tests/traces/deepspeed/zero3_offload_param.json", **PLAIN),
     # -- torchtune 0.6.1's own step (test_torchtune_grid: its gqa and tied models, 2 and 1 layers)
     _row("torchtune-gqa-lora-qv-chunked-ckpt-full", TT, "torchtune", TTG, 2, TT_GQA, model="llama-3.1-8b", batch=2,
          seq=256, **BF16, lora=True, lora_rank=8, lora_alpha=16, lora_targets="q,v", checkpoint="full",
