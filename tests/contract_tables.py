@@ -187,6 +187,10 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "TrainingSpec.pp": ({}, 2),
     "TrainingSpec.pp_schedule": ({"training": {"pp": 2, "microbatches": 4}}, "gpipe"),
     "TrainingSpec.microbatches": ({"training": {"pp": 2}}, 4),
+    # interleaved 1F1B, one round of 2 micro-batches: 4 stages of 2 layers (2 per rank) -> 8 stages of 1 layer
+    # (4 per rank): the same layers' activations in flight, twice the stages' receive buffers
+    "TrainingSpec.pp_stages_per_rank": ({"model": {"n_layers": 8}, "training": {
+        "pp": 2, "microbatches": 2, "pp_schedule": "interleaved-1f1b", "precision": "bf16"}}, 4),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),

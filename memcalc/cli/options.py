@@ -154,7 +154,11 @@ Pp = Annotated[Optional[int], typer.Option(
     "--pp", help="Pipeline-parallel degree: the layers split evenly into --pp stages (torch.distributed.pipelining); "
                  "the worst rank is reported. GPUs in all = --gpus x --tp x --pp.")]
 PpSchedule = Annotated[Optional[str], typer.Option(
-    "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe) or 1f1b (Schedule1F1B, the default).")]
+    "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe), 1f1b (Schedule1F1B, the default), interleaved-1f1b "
+                          "(ScheduleInterleaved1F1B) or zero-bubble (ScheduleInterleavedZeroBubble).")]
+PpStagesPerRank = Annotated[Optional[int], typer.Option(
+    "--pp-stages-per-rank", help="With --pp: stages each rank holds, looped over the ranks (torchtitan's "
+                                 "stages_per_rank; default 1, 2 for interleaved-1f1b and zero-bubble).")]
 FirstSeq = Annotated[Optional[int], typer.Option(
     "--first-seq", metavar="<int>", help="Tokens per sequence of the run's first micro-batch, where the trainer runs "
     "it apart (lit-gpt's finetune/lora.py before LitGPT 0.4 runs the longest sample first): that micro-step runs "

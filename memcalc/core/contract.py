@@ -88,4 +88,5 @@ CONDITIONAL: dict[str, str] = {
     "TrainingSpec.ep_capacity_factor": "ep 1 (no all-to-all dispatch whose received rows it scales)",
     "TrainingSpec.pp_schedule": "pp 1 (no pipeline: nothing is scheduled over stages)",
     "TrainingSpec.microbatches": "pp 1 (no pipeline: the batch is not split into micro-batches)",
+    "TrainingSpec.pp_stages_per_rank": "pp 1 (no pipeline: there are no stages to hold)",
 }

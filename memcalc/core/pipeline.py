@@ -11,7 +11,15 @@ gpipe             ``ScheduleGPipe``            all ``M`` forwards, then all ``M`
 1f1b              ``Schedule1F1B``             ``min(M, pp - r)`` warm-up forwards, then one
                                                backward and one forward in turn, then the cool-down
                                                backwards (``M >= pp``: torch raises otherwise)
+interleaved-1f1b  ``ScheduleInterleaved1F1B``  ``V`` stages per rank (``--pp-stages-per-rank``, looped:
+                                               rank ``r`` holds stages ``r, r + pp, ...``), depth first;
+                                               the order: :mod:`memcalc.core.pp_schedules`
 ================  ===========================  =====================================================
+
+``V`` (``--pp-stages-per-rank``) is torchtitan's ``stages_per_rank`` (torchtitan 0.3.0
+distributed/pipeline_parallel.py ``_get_pipeline_metadata``, which derives it from
+``pipeline_parallel_layers_per_stage``): 1 for the single-stage schedules, which refuse more, and by default 2
+for the multi-stage ones, which refuse fewer. The layers are split evenly over the ``pp x V`` stages.
 
 With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus). With ``gpus > 1`` and
 ``--zero 2`` / ``3`` (FSDP2) every stage is FSDP2-sharded over ``gpus`` data-parallel ranks as torchtitan 0.3.0 does
@@ -39,9 +47,26 @@ if TYPE_CHECKING:
     from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 #: ``--pp-schedule`` -> the torch.distributed.pipelining class that runs it
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
 #: the schedule names, in the order the CLI lists them
 PP_SCHEDULES = tuple(TORCH_SCHEDULES)
+#: the schedules with several stages per rank (torch's ``PipelineScheduleMulti`` subclasses)
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
+
+
+def stages_per_rank(tr: TrainingSpec) -> int:
+    """``V``: ``--pp-stages-per-rank``, else torchtitan's default (``_get_pipeline_metadata``: 1 for a
+    single-stage schedule, 2 for a multi-stage one)."""
+    if tr.pp_stages_per_rank is not None:
+        return tr.pp_stages_per_rank
+    return 2 if tr.pp_schedule in MULTI_STAGE else 1
+
+
+def rank_stages(tr: TrainingSpec, rank: int) -> list[int]:
+    """The global stage indices rank ``rank`` holds (looped: :func:`memcalc.core.pp_schedules.rank_stages`)."""
+    from memcalc.core.pp_schedules import rank_stages as looped
+
+    return looped(tr.pp, stages_per_rank(tr), rank)
 
 
 def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
@@ -66,9 +91,7 @@ def check_pp(exp: ExperimentSpec) -> None:
     if tr.pp_schedule not in TORCH_SCHEDULES:
         raise UserError(f"--pp-schedule {tr.pp_schedule}: not modelled yet; valid: {', '.join(PP_SCHEDULES)}")
     n_mb, _ = micro_batch(tr)
-    if m.n_layers % pp:
-        raise UserError(f"--pp {pp} must divide the layers ({m.n_layers}): {m.n_layers} / {pp} = {m.n_layers / pp:g} "
-                        f"(remainder {m.n_layers % pp}); memcalc splits the layers evenly over the stages")
+    _check_stages(tr, m.n_layers, n_mb)
     if tr.batch % n_mb:
         given = "" if tr.microbatches else ", the default: --pp"
         raise UserError(f"--batch {tr.batch} must divide by --microbatches {n_mb}{given} (torch splits the batch into "
@@ -102,18 +125,49 @@ def check_pp(exp: ExperimentSpec) -> None:
                         f"not with {'; '.join(unsupported)}")
 
 
+def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
+    """The stages per rank and the split (torchtitan's and torch's rules, quoted)."""
+    pp, V = tr.pp, stages_per_rank(tr)
+    multi = tr.pp_schedule in MULTI_STAGE
+    if multi and V < 2:
+        raise UserError(f"--pp-schedule {tr.pp_schedule} needs --pp-stages-per-rank >= 2, not {V} (torchtitan's "
+                        "_get_pipeline_metadata: 'Multi-stage schedule requires at least 2 stages per rank')")
+    if multi and tr.gpus > 1 and tr.zero > 0:
+        raise UserError(f"--pp-schedule {tr.pp_schedule} with --zero {tr.zero} over --gpus {tr.gpus}: FSDP2 with "
+                        "several stages per rank (the runtime's UNSHARD / RESHARD of each stage, schedules.py "
+                        "_add_unshard_reshard) is not modelled; use --pp-schedule 1f1b or gpipe")
+    if not multi and V != 1:
+        raise UserError(f"--pp-schedule {tr.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {V} "
+                        "(torchtitan's _get_pipeline_metadata: 'Single stage schedule requires exactly 1 stage per "
+                        "rank'); more stages per rank: --pp-schedule interleaved-1f1b")
+    n = pp * V
+    if n_layers % n:
+        what = f"--pp {pp}" if V == 1 else f"--pp {pp} x --pp-stages-per-rank {V} = {n} stages"
+        raise UserError(f"{what} must divide the layers ({n_layers}): {n_layers} / {n} = {n_layers / n:g} "
+                        f"(remainder {n_layers % n}); memcalc splits the layers evenly over the stages")
+    if multi:
+        from memcalc.core.pp_schedules import rounds
+
+        n_rounds = rounds(pp, n_mb)[0]
+        if n_mb % n_rounds:  # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble.__init__
+            raise UserError(f"--pp-schedule {tr.pp_schedule} needs --microbatches a multiple of its rounds, "
+                            f"max(1, {n_mb} // {pp}) = {n_rounds}: {n_mb} is not (torch raises 'requires the number "
+                            "of microbatches to be a multiple of the number of rounds')")
+
+
 #: pipelines of more stages than this simulate only :func:`simulated_ranks` (estimate and plan alike)
 ALL_RANKS_UP_TO = 4
 
 
-def simulated_ranks(pp: int, m: Optional[ModelSpec] = None) -> list[int]:
+def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1) -> list[int]:
     """The ranks whose step is simulated: every rank up to :data:`ALL_RANKS_UP_TO` stages, else the first
     (embedding, the most micro-batches in flight), the second, the last (head, logits and loss) and, for each
     stage of ``m`` whose layers differ from the second's (an MoE model's dense first layers, MoE every
     ``moe.every`` layers: :meth:`memcalc.core.model_spec.MoESpec.is_moe_layer`), the first rank with that
     stage. A middle rank with the second's layers holds the same buffers and, under 1F1B, fewer micro-batches
-    in flight (warm-up ``pp - rank``; GPipe: as many): it peaks no higher than the second
-    (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). Layers that differ otherwise
+    in flight (warm-up ``pp - rank``; GPipe: as many; interleaved: ``2`` fewer warm-up forwards a hop): it peaks
+    no higher than the second (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). With
+    ``V`` stages per rank a rank's layers are its ``V`` stages'. Layers that differ otherwise
     by their index are refused with ``--pp`` (:func:`check_pp`)."""
     if pp <= ALL_RANKS_UP_TO:
         return list(range(pp))
@@ -121,8 +175,9 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None) -> list[int]:
     if m is not None and m.moe is not None:
         moe = m.moe
         seen = set()
-        for r, (lo, hi) in enumerate(stage_layers(m.n_layers, pp)):
-            kinds = tuple(moe.is_moe_layer(i) for i in range(lo, hi))
+        split = stage_layers(m.n_layers, pp, V)
+        for r in range(pp):
+            kinds = tuple(moe.is_moe_layer(i) for s in range(r, pp * V, pp) for i in range(*split[s]))
             if 1 <= r < pp - 1 and kinds not in seen:
                 seen.add(kinds)
                 if r > 1:
@@ -132,9 +187,12 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None) -> list[int]:
 
 def pipeline_line(pipe: dict) -> str:
     """The inputs table's line for ``--json``'s ``pipeline`` (memcalc.engine.pipeline.pipeline_extra)."""
-    lo, hi = next(s for s in pipe["stages"] if s["rank"] == pipe["worst_rank"])["layers"]
+    worst = next(s for s in pipe["stages"] if s["rank"] == pipe["worst_rank"])
+    layers = ", ".join(f"{lo}-{hi - 1}" for lo, hi in (s["layers"] for s in worst.get("stages", [worst])))
     ranks = [s["rank"] for s in pipe["stages"]]
     every = ("every rank's in --json" if len(ranks) == pipe["pp"] else
              f"ranks {', '.join(map(str, ranks))} simulated, in --json (no other rank peaks above them)")
-    return (f"PP {pipe['pp']}, {pipe['schedule']} ({pipe['torch_schedule']}), {pipe['microbatches']} micro-batches "
-            f"of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s (layers {lo}-{hi - 1}), {every}")
+    per_rank = f", {pipe['stages_per_rank']} stages per rank" if "stages_per_rank" in pipe else ""
+    return (f"PP {pipe['pp']}, {pipe['schedule']} ({pipe['torch_schedule']}){per_rank}, {pipe['microbatches']} "
+            f"micro-batches of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s (layers {layers}), "
+            f"{every}")

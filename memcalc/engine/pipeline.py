@@ -47,7 +47,9 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Optional
 
-from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp, micro_batch, simulated_ranks, stage_layers
+from memcalc.core.pipeline import (MULTI_STAGE, TORCH_SCHEDULES, check_pp, micro_batch, rank_stages,
+                                   simulated_ranks, stage_layers, stages_per_rank)
+from memcalc.core.pp_schedules import rank_actions, single_stage
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks import attention_variants as av
 from memcalc.engine.blocks import embedding, head
@@ -65,22 +67,9 @@ from memcalc.engine.weights import Model, make_params
 
 
 def actions(schedule: str, pp: int, M: int, rank: int) -> list[tuple[str, int]]:
-    """The rank's ``(F | B, micro-batch)`` actions in the order torch's schedule runs them."""
-    if schedule == "gpipe":  # ScheduleGPipe: every forward, then every backward
-        return [("F", i) for i in range(M)] + [("B", i) for i in range(M)]
-    # Schedule1F1B: warm-up forwards, then B and F in turn (B first), then the cool-down backwards
-    warmup = min(M, pp - rank)
-    out = [("F", i) for i in range(warmup)]
-    f, b = warmup, 0
-    while True:
-        out.append(("B", b))
-        b += 1
-        if f == M:
-            break
-        out.append(("F", f))
-        f += 1
-    out += [("B", i) for i in range(b, M)]
-    return out
+    """The rank's ``(F | B, micro-batch)`` actions in the order a single-stage schedule (GPipe, 1F1B) runs them
+    (:func:`memcalc.core.pp_schedules.single_stage`; several stages per rank: ``rank_actions``)."""
+    return [(k, i) for k, _, i in single_stage(schedule, pp, M, rank)]
 
 
 @dataclass
@@ -92,10 +81,28 @@ class StagePeak:
     peak_bytes: int
     peak_phase: str
     peak_label: str
+    #: with several stages per rank: each one's (global stage index, [lo, hi)); ``layers`` is the first's
+    virtual: Optional[list[tuple[int, tuple[int, int]]]] = None
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "layers": list(self.layers), "embedding": self.rank == 0,
-                "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase, "peak_label": self.peak_label}
+        d = {"rank": self.rank, "layers": list(self.layers), "embedding": self.rank == 0,
+             "peak_bytes": self.peak_bytes, "peak_phase": self.peak_phase, "peak_label": self.peak_label}
+        if self.virtual is not None:
+            d["stages"] = [{"stage": s, "layers": list(lh)} for s, lh in self.virtual]
+        return d
+
+
+@dataclass
+class LocalStage:
+    """One of a rank's stages: its global index, its layers, and the receive buffers torch made for it."""
+
+    index: int
+    lo: int
+    hi: int
+    first: bool
+    last: bool
+    recv: list[T]
+    grad_recv: list[T]
 
 
 class StageForward(Forward):
@@ -160,8 +167,15 @@ class RankStep:
         self.exp = exp
         self.mexp = exp.model_copy(update={"training": tr.model_copy(update={"batch": b})})  # what one F runs
         self.rank, self.pp = rank, tr.pp
-        self.lo, self.hi = stage_layers(exp.model.n_layers, tr.pp)[rank]
-        self.first, self.last = rank == 0, rank == tr.pp - 1
+        self.V = stages_per_rank(tr)
+        n_stages = tr.pp * self.V
+        split = stage_layers(exp.model.n_layers, tr.pp, self.V)
+        self.stage_ids = rank_stages(tr, rank)
+        self.lo, self.hi = split[self.stage_ids[0]]
+        self.first = self.stage_ids[0] == 0  # holds the embedding
+        self.last = self.stage_ids[-1] == n_stages - 1  # holds the final norm, the head and the loss
+        self.runtime = tr.pp_schedule in MULTI_STAGE  # _PipelineScheduleRuntime._step_microbatches runs it
+        self.stages = {s: LocalStage(s, *split[s], s == 0, s == n_stages - 1, [], []) for s in self.stage_ids}
         self.strategy, self.first_step = strategy, first_step
         self.sim = Sim(exp.profile.allocator_round_bytes)
         self.log: Optional[AllocEvents] = next((ob for ob in observers if isinstance(ob, AllocEvents)), None)
@@ -169,9 +183,9 @@ class RankStep:
             self.sim.watch(ob)
 
     def keep(self, name: str, layer: Optional[int]) -> bool:
-        """Whether parameter ``name`` (of decoder layer ``layer``, None outside the layers) is this stage's."""
+        """Whether parameter ``name`` (of decoder layer ``layer``, None outside the layers) is this rank's."""
         if layer is not None:
-            return self.lo <= layer < self.hi
+            return any(st.lo <= layer < st.hi for st in self.stages.values())
         return self.first if name.startswith("embed_") else self.last
 
     def setup(self) -> None:
@@ -194,8 +208,9 @@ class RankStep:
             return [sim.alloc(dt.nbytes(n), "activations", "pipeline receive buffers", numel=n, itemsize_bits=dt.bits)
                     for _ in range(self.M)]
 
-        self.recv = buffers() if not self.first else []
-        self.grad_recv = buffers() if not self.last else []
+        for st in self.stages.values():  # each stage's own (its _prepare_forward_infra / _prepare_backward_infra)
+            st.recv = buffers() if not st.first else []
+            st.grad_recv = buffers() if not st.last else []
         self.ids = sim.alloc(tr.batch * tr.seq * 8, "activations", "inputs")
         self.labels = sim.alloc(tr.batch * tr.seq * 8, "activations", "inputs")
         sim.mark("step start", "setup")
@@ -207,7 +222,7 @@ class RankStep:
                                 self.opt.created_at)
 
     def run(self) -> SimResult:
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}
         try:
             self.step()
         except PeakAbove:  # cut short: its graphs let go as a whole step's are (Sim.abandon_graph)
@@ -217,15 +232,15 @@ class RankStep:
 
     def step(self) -> None:
         self.setup()
-        sim = self.sim
+        sim, tr = self.sim, self.exp.training
         self.output: Optional[T] = None  # the schedule's local ``output``
         self.losses: list[T] = []
         self.sending: Optional[T] = None  # the input gradient the schedule's send ops hold
-        for kind, i in actions(self.exp.training.pp_schedule, self.pp, self.M, self.rank):
+        for kind, s, i in rank_actions(tr.pp_schedule, self.pp, self.V, self.M, self.rank):
             if kind == "F":
-                self.forward(i)
+                self.forward(self.stages[s], i)
             else:
-                self.backward(i)
+                self.backward(self.stages[s], i)
         if self.gather is not None:  # perform_reduce_grad
             self.gather.reduce_all()
         for t in [self.output, self.sending, *self.losses]:
@@ -233,36 +248,37 @@ class RankStep:
         step_and_zero_grad(sim, self.opt, self.model)
         sim.mark("step end", "optimizer step")
 
-    def forward(self, i: int) -> None:
+    def forward(self, st: LocalStage, i: int) -> None:
         sim = self.sim
-        sim.mark(f"mb {i} forward", "forward")
+        sim.mark(f"mb {i} forward" + (f" stage {st.index}" if self.V > 1 else ""), "forward")
         sim.new_graph()
         layers = self.strategy()
-        fwd = StageForward(sim, self.mexp, self.model, layers, self.lo, self.hi, self.first, self.last, self.gather)
-        x_in = self.ids if self.first else self.recv[i]
-        if not self.first:
+        fwd = StageForward(sim, self.mexp, self.model, layers, st.lo, st.hi, st.first, st.last, self.gather)
+        x_in = self.ids if st.first else st.recv[i]
+        if not st.first:
             x_in.requires_grad = True  # the received activation: a leaf requiring grad
         out = fwd.run_stage(x_in)
         if self.gather is not None:  # the root's post-forward
             self.gather.after_forward()
-        if self.output is not None:  # ``output = forward_one_chunk(...)`` rebinds before the loss is computed
-            sim.unref(self.output)
-        self.output = sim.ref(out)
+        if not self.runtime:  # ``output = forward_one_chunk(...)`` rebinds before the loss is computed (the
+            if self.output is not None:  # runtime's ``output`` is a local of its action, gone when it returns)
+                sim.unref(self.output)
+            self.output = sim.ref(out)
         loss = None
-        if self.last:  # _maybe_compute_loss: loss_fn(output, target) on the kept logits
+        if st.last:  # _maybe_compute_loss: loss_fn(output, target) on the kept logits
             sim.mark(f"mb {i} loss")
             loss = head.loss(fwd, sim.ref(out))
             self.losses.append(loss)
         uses = {p.name: p.uses for p in self.model.order if p.uses}
         for p in self.model.order:  # each graph's uses are its own (restored at its backward)
             p.uses = 0
-        self.graphs[i] = (sim.nodes, fwd, layers, out, loss, uses)
+        self.graphs[st.index, i] = (sim.nodes, fwd, layers, out, loss, uses)
         sim.new_graph()
 
-    def backward(self, i: int) -> None:
+    def backward(self, st: LocalStage, i: int) -> None:
         sim = self.sim
-        nodes, fwd, layers, out, loss, uses = self.graphs.pop(i)
-        sim.mark(f"mb {i} backward", "backward")
+        nodes, fwd, layers, out, loss, uses = self.graphs.pop((st.index, i))
+        sim.mark(f"mb {i} backward" + (f" stage {st.index}" if self.V > 1 else ""), "backward")
         if self.pp_schedule == "gpipe" and self.sending is not None:  # ``ops`` replaced by the receive ops
             sim.unref(self.sending)
             self.sending = None
@@ -274,7 +290,7 @@ class RankStep:
         if loss is not None:
             sim.backward(loss, 4, _label_of)
         else:
-            out.grad_buffer = sim.ref(self.grad_recv[i])
+            out.grad_buffer = sim.ref(st.grad_recv[i])
             sim.run_nodes(nodes, _label_of)
         layers.end_backward(fwd)
         if self.gather is not None:
@@ -283,9 +299,12 @@ class RankStep:
         fwd.rope_tables = None
         sim.new_graph()
         sim.unref(out)  # fwd_cache's reference
-        if not self.first:
-            buf = self.recv[i]
+        if not st.first:
+            buf = st.recv[i]
             g, buf.grad_buffer = buf.grad_buffer, None  # stage_backward: val.grad read, then set to None
+            if self.runtime:  # bwd_cache, popped by the SEND_B right after (_add_send_recv) into its P2POps
+                sim.unref(g)
+                return
             if self.sending is not None:  # 1F1B: ``bwd_sends`` replaced after this backward
                 sim.unref(self.sending)
             self.sending = g
@@ -337,7 +356,8 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
     check_pp(exp)
     peaks: list[StagePeak] = []
     results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
-    for r in (simulated_ranks(exp.training.pp, exp.model) if ranks is None else ranks):
+    V = stages_per_rank(exp.training)
+    for r in (simulated_ranks(exp.training.pp, exp.model, V) if ranks is None else ranks):
         tracer = AllocTrace() if trace_allocs else None
         log = AllocEvents() if events else None
         step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])
@@ -348,7 +368,8 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
         res.step_start = step.step_start
         step.sim.release_graph()
         results.append((res, tl, tracer, log))
-        peaks.append(StagePeak(r, (step.lo, step.hi), res.peak_bytes, res.peak_phase, res.peak_label))
+        virtual = [(s, (st.lo, st.hi)) for s, st in step.stages.items()] if V > 1 else None
+        peaks.append(StagePeak(r, (step.lo, step.hi), res.peak_bytes, res.peak_phase, res.peak_label, virtual))
     at = max(range(len(peaks)), key=lambda i: (peaks[i].peak_bytes, -peaks[i].rank))
     worst = peaks[at].rank
     res, tl, tracer, log = results[at]
@@ -368,5 +389,8 @@ def pipeline_extra(exp: ExperimentSpec, stages: list[dict]) -> dict:
     tr = exp.training
     M, b = micro_batch(tr)
     worst = max(stages, key=lambda s: (s["peak_bytes"], -s["rank"]))
-    return {"pp": tr.pp, "schedule": tr.pp_schedule, "torch_schedule": TORCH_SCHEDULES[tr.pp_schedule],
-            "microbatches": M, "microbatch_size": b, "worst_rank": worst["rank"], "stages": stages}
+    out = {"pp": tr.pp, "schedule": tr.pp_schedule, "torch_schedule": TORCH_SCHEDULES[tr.pp_schedule],
+           "microbatches": M, "microbatch_size": b, "worst_rank": worst["rank"], "stages": stages}
+    if stages_per_rank(tr) > 1:
+        out["stages_per_rank"] = stages_per_rank(tr)
+    return out

@@ -137,8 +137,10 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.tr.ep == 1 and s.tr.ep_capacity_factor != 1.0,
      lambda s: f"ep_capacity_factor {s.tr.ep_capacity_factor:g} has no effect with ep 1: no all-to-all dispatch "
                "receives rows (set ep)"),
-    (lambda s: s.tr.pp == 1 and (s.changed("pp_schedule") or s.changed("microbatches")),
-     lambda s: "pp_schedule and microbatches have no effect with pp 1: there is no pipeline to schedule (set pp)"),
+    (lambda s: s.tr.pp == 1 and (s.changed("pp_schedule") or s.changed("microbatches")
+                                 or s.changed("pp_stages_per_rank")),
+     lambda s: "pp_schedule, microbatches and pp_stages_per_rank have no effect with pp 1: there is no pipeline to "
+               "schedule (set pp)"),
     (lambda s: s.tr.checkpoint != "every-k" and s.changed("checkpoint_every"),
      lambda s: f"checkpoint_every {s.tr.checkpoint_every} has no effect with checkpoint {s.tr.checkpoint}: "
                "it is the K of every-k"),

@@ -97,6 +97,7 @@ class Options:
     pp: Optional[int] = None
     pp_schedule: Optional[str] = None
     microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None
     #: ``--first-seq``: the run's first micro-batch length (TrainingSpec.first_seq)
     first_seq: Optional[int] = None
     activation_offload: bool = False
@@ -138,12 +139,12 @@ def _check_number(name: str, v: Optional[float], positive: bool) -> None:
 #: the numeric options that must be finite, and those that must be positive (checked in this order)
 _FINITE = ("lora_alpha", "lora_dropout", "memory_budget", "ep_capacity_factor")
 _POSITIVE = ("batch", "seq", "first_seq", "grad_accum", "galore_rank", "lora_rank", "lora_alpha", "gpus", "tp", "ep",
-             "cp", "pp")
+             "cp", "pp", "pp_stages_per_rank")
 #: the training fields a flag sets as given (None: not given), before --deepspeed
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
                 "galore_rank", "checkpoint", "checkpoint_every", "checkpoint_reentrant", "fused_optimizer", "compile",
                 "memory_budget", "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp",
-                "cp_method", "pp", "pp_schedule", "microbatches", "first_seq")
+                "cp_method", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "first_seq")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -274,7 +275,7 @@ def _flag_values(o: Options) -> dict[str, Any]:
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,
         zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp, ep=o.ep, ep_capacity_factor=o.ep_capacity_factor,
         cp=o.cp, cp_method=o.cp_method, pp=o.pp, pp_schedule=o.pp_schedule, microbatches=o.microbatches,
-        first_seq=o.first_seq,
+        pp_stages_per_rank=o.pp_stages_per_rank, first_seq=o.first_seq,
     )
 
 

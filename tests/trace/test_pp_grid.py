@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, MLASpec, ModelSpec, MoESpec, TrainingSpec
-from memcalc.engine.pipeline import actions
+from memcalc.core.pipeline import stages_per_rank
+from memcalc.core.pp_schedules import rank_actions
 from memcalc.estimate.peak import estimate
 
 pytestmark = pytest.mark.slow
@@ -72,6 +73,17 @@ ROWS = [
     # source: trace, dp x pp x tp: FSDP2 over dp of each tensor-parallel stage, 1F1B, sequence parallel
     (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 3, "tp": 2,
                                         "sequence_parallel": True}),
+    # source: trace, ScheduleInterleaved1F1B, 2 stages per rank (rank 0: stages 0 and 2, rank 1: 1 and 3 with the
+    # head), depth first: rank 0 holds 3 forwards in flight over its two stages
+    (2, 4, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16"}),
+    # source: trace, interleaved, 3 stages per rank, full checkpointing, two rounds of 2 micro-batches
+    (2, 4, "interleaved-1f1b", 6, 4, 256, "plain", {"precision": "bf16", "checkpoint": "full",
+                                                    "pp_stages_per_rank": 3}),
+    # source: trace, interleaved over MoE stages (stage 0 the dense first layer, stages 1-3 routed + shared experts)
+    (2, 2, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16", "moe": True}),
+    # source: trace, interleaved x tp (apply_tp on each of a rank's stages), sequence parallel, fp32 master weights
+    (2, 2, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
+                                                    "sequence_parallel": True}),
 ]
 
 
@@ -87,7 +99,9 @@ def test_every_rank_matches_its_trace(pp, M, schedule, layers, batch, seq, frame
     assert est.peak_bytes == max(s["peak_bytes"] for s in stages)
     for traced, predicted in zip(meas.pipeline_stages, stages, strict=True):
         r = traced["rank"]
-        assert [tuple(a) for a in traced["actions"]] == actions(schedule, pp, M, r), f"rank {r}: order"
+        V = stages_per_rank(exp.training)
+        assert [tuple(a) for a in traced["actions"]] == rank_actions(schedule, pp, V, M, r), f"rank {r}: order"
+        assert traced.get("stages") == predicted.get("stages"), f"rank {r}: its stages"
         gap = 100 * (predicted["peak_bytes"] - traced["peak_bytes"]) / traced["peak_bytes"]
         assert abs(gap) <= TOLERANCE_PCT, (f"rank {r}: estimate {predicted['peak_bytes']:,} vs traced "
                                            f"{traced['peak_bytes']:,} ({gap:+.2f}%)")

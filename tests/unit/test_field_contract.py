@@ -121,6 +121,7 @@ NO_EFFECT = [
     ("TrainingSpec.ep_capacity_factor", {}, 1.5),  # source: ep 1, no all-to-all dispatch
     ("TrainingSpec.pp_schedule", {}, "gpipe"),  # source: pp 1, no pipeline
     ("TrainingSpec.microbatches", {}, 2),  # source: pp 1, the batch is not split
+    ("TrainingSpec.pp_stages_per_rank", {}, 2),  # source: pp 1, no stages
     ("DeepSpeedSpec.offload_param", DS2, True),  # source: offload_config.py, offload_param is read at stage 3 only
 ]
 

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from memcalc.cli import app
 from memcalc.core.pipeline import stage_layers
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
+from memcalc.core.pp_schedules import rank_actions
 from memcalc.engine.pipeline import actions
 from memcalc.estimate.peak import estimate
 
@@ -34,6 +35,31 @@ def exp(**tr) -> ExperimentSpec:
 ])
 def test_actions_follow_torchs_loops(schedule, pp, M, rank, order):
     assert " ".join(f"{k}{i}" for k, i in actions(schedule, pp, M, rank)) == order
+
+
+@pytest.mark.parametrize("schedule,pp,V,M,rank,order", [
+    # source: torch 2.13 ScheduleInterleaved1F1B.pipeline_order[0] for 2 ranks x 2 stages, 4 micro-batches:
+    # warm-up (V - 1) * 2 + 2 * (pp - 1 - rank) = 4 forwards, depth first (two micro-batches per stage in turn)
+    ("interleaved-1f1b", 2, 2, 4, 0, "F0.0 F0.1 F2.0 F2.1 F0.2 B2.0 F0.3 B2.1 F2.2 B0.0 F2.3 B0.1 B2.2 B2.3 B0.2 B0.3"),
+    # source: the same schedule's pipeline_order[1] (the last rank: warm-up 2 forwards, stage 3 holds the head)
+    ("interleaved-1f1b", 2, 2, 4, 1, "F1.0 F1.1 F3.0 B3.0 F3.1 B3.1 F1.2 B1.0 F1.3 B1.1 F3.2 B3.2 F3.3 B3.3 B1.2 B1.3"),
+    # source: ScheduleInterleavedZeroBubble.pipeline_order[1]: each backward split into I (input) and W (weights),
+    # the W from step warm-up + rank on, the rest at the end
+    ("zero-bubble", 2, 2, 4, 1, "F1.0 F1.1 F3.0 I3.0 F3.1 I3.1 W3.0 F1.2 I1.0 W3.1 F1.3 I1.1 W1.0 F3.2 I3.2 W1.1 "
+                                "F3.3 I3.3 W3.2 I1.2 W3.3 I1.3 W1.2 W1.3"),
+])
+def test_multi_stage_orders_follow_torchs_pipeline_order(schedule, pp, V, M, rank, order):
+    assert " ".join(f"{k}{s}.{i}" for k, s, i in rank_actions(schedule, pp, V, M, rank)) == order
+
+
+def test_interleaved_rank_holds_its_looped_stages():
+    # source: generate_stage_to_rank_mapping(style="loop"): rank r holds stages r, r + pp; the embedding on stage 0
+    # (rank 0), the head on stage pp * V - 1 (the last rank); every rank's stages reported
+    est = estimate(exp(pp=2, microbatches=2, pp_schedule="interleaved-1f1b", batch=2))
+    pipe = est.extra["pipeline"]
+    assert pipe["stages_per_rank"] == 2 and pipe["torch_schedule"] == "ScheduleInterleaved1F1B"
+    assert [[s["stage"] for s in r["stages"]] for r in pipe["stages"]] == [[0, 2], [1, 3]]
+    assert [[s["layers"] for s in r["stages"]] for r in pipe["stages"]] == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
 
 
 def test_even_split():
@@ -73,12 +99,28 @@ def run(args: list[str]):
     # source: torch Schedule1F1B.__init__ raises for n_microbatches < num_stages
     (["--pp", "4", "--microbatches", "2", "--batch", "4"], 2, "needs --microbatches >= --pp: 2 < 4"),
     # source: TrainingSpec.pp_schedule's Literal (pydantic lists the valid names)
-    (["--pp", "2", "--batch", "2", "--pp-schedule", "zb"], 2, "pp_schedule = 'zb': Input should be 'gpipe' or '1f1b'"),
+    (["--pp", "2", "--batch", "2", "--pp-schedule", "zb"], 2,
+     "pp_schedule = 'zb': Input should be 'gpipe', '1f1b', 'interleaved-1f1b' or 'zero-bubble'"),
+    # source: torch ScheduleInterleaved1F1B.__init__: M % max(1, M // pp) must be 0
+    (["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--microbatches", "9", "--batch", "9"], 2,
+     "needs --microbatches a multiple of its rounds, max(1, 9 // 4) = 2: 9 is not"),
+    # source: torchtitan 0.3.0 _get_pipeline_metadata: multi-stage schedules need >= 2 stages per rank
+    (["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "1"], 2,
+     "needs --pp-stages-per-rank >= 2, not 1"),
+    # source: the same: single-stage schedules hold exactly 1 stage per rank
+    (["--pp", "4", "--pp-stages-per-rank", "2"], 2, "--pp-schedule 1f1b runs one stage per rank"),
+    # source: memcalc.core.pipeline.check_pp: the even split over pp x V stages
+    (["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "3"], 2,
+     "--pp 4 x --pp-stages-per-rank 3 = 12 stages must divide the layers (32)"),
     # source: memcalc.core.pipeline.check_pp: FSDP2 (--zero 2/3) composes with --pp, ZeRO-1 / DeepSpeed do not
     (["--pp", "2", "--batch", "2", "--gpus", "2", "--zero", "1"], 2, "not with --sharding fsdp2 --zero 1 over"),
     # source: torchtitan 0.3.0 apply_fsdp_to_decoder: experts Shard(1) when the FSDP degree exceeds the experts
     (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--gpus", "16", "--zero", "3"], 2,
      "than routed experts (8)"),
+    # source: memcalc.core.pipeline._check_stages: torch's runtime UNSHARD/RESHARD per stage (_add_unshard_reshard)
+    # with several FSDP2 stages per rank is not modelled
+    (["--pp", "2", "--batch", "2", "--gpus", "2", "--zero", "3", "--pp-schedule", "interleaved-1f1b"], 2,
+     "FSDP2 with several stages per rank"),
 ])
 def test_bad_pipeline_input_is_one_line(args, code, message):
     r = run(args)

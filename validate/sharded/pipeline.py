@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn as nn
 
-from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp, micro_batch, stage_layers
+from memcalc.core.pipeline import (MULTI_STAGE, TORCH_SCHEDULES, check_pp, micro_batch, rank_stages, stage_layers,
+                                   stages_per_rank)
 
 from ..blocks import attention_variants as variants
 from ..blocks.head import lm_loss
@@ -123,60 +124,52 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
     """Trace rank ``rank`` of the pipeline (see the module docstring): its peak, phase, label, first step."""
     from torch.distributed import pipelining
 
-    from ..model import build_model
     from ..optim import allow_fused_on, build_optimizer
     from ..step import Probe, track_inputs, two_steps
     from .fake_dist import fake_world
     from .rank_tracer import RankTracer, local_tensors
-    from .tp import apply_tp, make_tracer
+    from .tp import make_tracer
 
     tr = exp.training
-    pp, M = tr.pp, micro_batch(tr)[0]
-    b = micro_batch(tr)[1]
-    stages = stage_layers(m.n_layers, pp, 1)
-    lo, hi = stages[rank]
-    first, last = rank == 0, rank == pp - 1
-    out: dict = {"rank": rank, "layers": [lo, hi]}
+    pp, (M, b), V = tr.pp, micro_batch(tr), stages_per_rank(tr)
+    split, mine = stage_layers(m.n_layers, pp, V), rank_stages(tr, rank)
+    first, last = mine[0] == 0, mine[-1] == pp * V - 1  # the rank holds the embedding / the head
+    out: dict = {"rank": rank, "layers": list(split[mine[0]])}
+    if V > 1:
+        out["stages"] = [{"stage": s, "layers": list(split[s])} for s in mine]
     tp = tr.tp
     world = (pp * tp, rank * tp, (pp, tp), ("pp", "tp")) if tp > 1 else (pp, rank, None, ("pp",))
     with fake_world(*world) as mesh, _patch_p2p():
-        say(f"rank {rank} of {pp}: layers {lo}..{hi - 1}{' + embedding' if first else ''}"
-            f"{' + head' if last else ''}, {tr.pp_schedule}, {M} micro-batches" + (f", tp {tp}" if tp > 1 else ""))
-        torch.manual_seed(0)
-        dec = build_model(m, tr, exp.profile, device="meta")
-        T = tr.seq
-        stage_mod = StageModule(dec, lo, hi, first, last, T)
-        if tp > 1:  # torchtitan's parallelize_llama: apply_tp on each model part (its stage) over the tp mesh
-            apply_tp(dec, mesh["tp"], tr.sequence_parallel)
-        group = mesh["pp"].get_group() if tp > 1 else None
+        layers = ", ".join(f"{lo}..{hi - 1}" for lo, hi in (split[s] for s in mine))
+        say(f"rank {rank} of {pp}: layers {layers}{' + embedding' if first else ''}{' + head' if last else ''}, "
+            f"{tr.pp_schedule}, {M} micro-batches" + (f", tp {tp}" if tp > 1 else ""))
         with allow_fused_on("meta"):
-            ids = torch.zeros((tr.batch, T), dtype=torch.int64, device="meta")
+            ids = torch.zeros((tr.batch, tr.seq), dtype=torch.int64, device="meta")
             labels = ids.clone()
-            t_local = T // tp if tp > 1 and tr.sequence_parallel else T  # the stage boundary: a local tensor
-            hidden = torch.empty((b, t_local, m.d_model), dtype=_hidden_dtype(tr), device="meta")
-            in_args = (ids[:b],) if first else (hidden.detach().requires_grad_(True),)
-            out_args = (hidden.detach().requires_grad_(True),) if not last else \
-                (torch.empty((b, T, m.vocab_size), dtype=_logits_dtype(tr), device="meta").requires_grad_(True),)
-            stage = pipelining.PipelineStage(stage_mod, rank, pp, torch.device("meta"), input_args=in_args,
-                                             output_args=out_args, group=group)
-            del in_args, out_args, hidden
-            amp = dec.amp
-            profile = exp.profile
+            built = [_build_stage(exp, m, s, mesh, ids[:b], b) for s in mine]
+            decs = [dec for dec, _, _ in built]
+            stage_mods = nn.ModuleList([mod for _, mod, _ in built])
+            amp, profile = decs[-1].amp, exp.profile
 
             def loss_fn(logits, target):
                 with amp.region():
                     return lm_loss(logits, target, profile, amp)
 
-            sched = getattr(pipelining, TORCH_SCHEDULES[tr.pp_schedule])(stage, M, loss_fn=loss_fn)
-            trainable: list[torch.Tensor] = [p for p in stage_mod.parameters() if p.requires_grad]
+            cls = getattr(pipelining, TORCH_SCHEDULES[tr.pp_schedule])
+            stages = [stage for _, _, stage in built]
+            sched = cls(stages if V > 1 or tr.pp_schedule in MULTI_STAGE else stages[0], M, loss_fn=loss_fn)
+            del built
+            trainable: list[torch.Tensor] = [p for p in stage_mods.parameters() if p.requires_grad]
             opt = build_optimizer(trainable, tr)
             tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, "meta") if tp > 1
                       else RankTracer("meta", exp.profile.allocator_round_bytes, debug=debug))
             probe = Probe("meta", tracer)
-            dec.on_label = probe.label
+            for dec in decs:
+                dec.on_label = probe.label
             ran: list = []
-            _label_chunks(stage, tracer, ran)
-            track_inputs(tracer, stage_mod, ids, labels, opt, local_tensors)
+            for stage in stages:
+                _label_chunks(stage, tracer, ran, V > 1)
+            track_inputs(tracer, stage_mods, ids, labels, opt, local_tensors)
             around = _loss_parallel if tp > 1 else contextlib.nullcontext
 
             def step() -> None:
@@ -196,8 +189,38 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
             out.update(peak_bytes=peak, phase=phase, label=label, phase_peaks=peaks, actions=list(ran))
             if debug:
                 out["peak_live"] = sorted(([bb, w] for bb, w, _ in tracer.peak_live), reverse=True)
-            dec.on_label = None
+            for dec in decs:
+                dec.on_label = None
     return out
+
+
+def _build_stage(exp, m, s: int, mesh, first_ids, b: int) -> tuple:
+    """Global stage ``s`` of ``pp x V``: the replica cut to it (:class:`StageModule`), tensor-parallel over the
+    mesh's ``tp`` dimension with ``--tp``, wrapped in ``PipelineStage`` with its static metadata."""
+    from torch.distributed import pipelining
+
+    from ..model import build_model
+    from .tp import apply_tp
+
+    tr = exp.training
+    n_stages = tr.pp * stages_per_rank(tr)
+    lo, hi = stage_layers(m.n_layers, tr.pp, stages_per_rank(tr))[s]
+    first, last = s == 0, s == n_stages - 1
+    torch.manual_seed(0)
+    dec = build_model(m, tr, exp.profile, device="meta")
+    T = tr.seq
+    stage_mod = StageModule(dec, lo, hi, first, last, T)
+    if tr.tp > 1:  # torchtitan's parallelize_llama: apply_tp on each model part (its stage) over the tp mesh
+        apply_tp(dec, mesh["tp"], tr.sequence_parallel)
+    group = mesh["pp"].get_group() if tr.tp > 1 else None
+    t_local = T // tr.tp if tr.tp > 1 and tr.sequence_parallel else T  # the stage boundary: a local tensor
+    hidden = torch.empty((b, t_local, m.d_model), dtype=_hidden_dtype(tr), device="meta")
+    in_args = (first_ids,) if first else (hidden.detach().requires_grad_(True),)
+    out_args = (hidden.detach().requires_grad_(True),) if not last else \
+        (torch.empty((b, T, m.vocab_size), dtype=_logits_dtype(tr), device="meta").requires_grad_(True),)
+    stage = pipelining.PipelineStage(stage_mod, s, n_stages, torch.device("meta"), input_args=in_args,
+                                     output_args=out_args, group=group)
+    return dec, stage_mod, stage
 
 
 def _run_schedule(sched, first: bool, last: bool, ids, labels, losses: list) -> None:
@@ -234,25 +257,34 @@ def _logits_dtype(tr) -> torch.dtype:
     return torch_dtype(tr.compute_dtype.value)
 
 
-def _label_chunks(stage, tracer, ran: list) -> None:
-    """Phase ``forward`` / ``backward`` and label ``mb i`` around each chunk, and the order they ran in
-    (``ran``: ``("F" | "B", i)``; instrumentation only)."""
-    fwd, bwd = stage.forward_one_chunk, stage.backward_one_chunk
+def _label_chunks(stage, tracer, ran: list, multi: bool = False) -> None:
+    """Phase ``forward`` / ``backward`` and label ``mb i`` (and ``stage s`` with several stages per rank) around
+    each chunk, and the order they ran in (``ran``: ``(F | B | I | W, stage, i)``; instrumentation only)."""
+    fwd, bwd, wgt = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+    s = stage.stage_index
+    at = f" stage {s}" if multi else ""
 
     def forward_one_chunk(i, *a, **k):
         tracer.set_phase("forward")
-        tracer.label = f"mb {i}"
-        ran.append(("F", i))
+        tracer.label = f"mb {i}{at}"
+        ran.append(("F", s, i))
         return fwd(i, *a, **k)
 
     def backward_one_chunk(i, *a, **k):
         tracer.set_phase("backward")
-        tracer.label = f"mb {i}"
-        ran.append(("B", i))
+        tracer.label = f"mb {i}{at}"
+        ran.append(("B" if k.get("full_backward", True) else "I", s, i))
         return bwd(i, *a, **k)
+
+    def backward_weight_one_chunk(i, *a, **k):
+        tracer.set_phase("backward")
+        tracer.label = f"mb {i}{at} weights"
+        ran.append(("W", s, i))
+        return wgt(i, *a, **k)
 
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 def measure_pp(exp, scale_layers: Optional[int] = None, progress=None, debug: bool = False, device: str = "meta",
