@@ -356,8 +356,8 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     ...
     memcalc.core.errors.UserError: --all lists the combinations that do not fit one GPU; give --gpu too
     """
-    seq, framework, gpu = aliases.seq(seq), aliases.framework(framework), aliases.one_gpu(gpu)  # 4k, transformers
     check_args(plan, **{k: v for k, v in locals().items() if k != "params"})  # params: as --params reads it
+    seq, framework, gpu = aliases.seq(seq), aliases.framework(framework), aliases.one_gpu(gpu)  # 4k, transformers
     from memcalc.inputs.gpus import get_gpu
     from memcalc.inputs.profiles import plan_model_profile
     from memcalc.plan.options import check_one_gpu_flags, plan_model
@@ -479,10 +479,9 @@ def measure(spec: "Optional[ExperimentSpec]" = None, *, output: Optional[str] = 
     """Measure a real training loop beside memcalc's estimate of the same setup (a context manager).
 
     Takes the inputs of :func:`estimate`; call ``m.step()`` after every optimizer step. On CUDA,
-    each step's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` is recorded (the peak
-    is reset after each); at the end, predicted vs measured and the gap are printed and, with
-    ``output``, a record in ``memcalc validate --output``'s format is written. Without CUDA the
-    estimate is still built and the record written, with ``measured_bytes`` null. Needs torch::
+    each step's ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved`` is recorded (the peak is reset
+    after each); at the end, predicted vs measured and the gap are printed and, with ``output`` (checked as
+    ``--output``), a record as ``validate --output`` writes; without CUDA ``measured_bytes`` null. Needs torch::
 
         with memcalc.measure(model="llama-3.1-8b", batch=4, seq=2048, lora=True, output="run.json") as m:
             for batch in loader:
@@ -493,6 +492,7 @@ def measure(spec: "Optional[ExperimentSpec]" = None, *, output: Optional[str] = 
                 m.step()
         print(m.record["measured_bytes"], m.record["predicted_bytes"], m.record["error_pct"])
     """
+    check_args(measure, output=output, name=name, quiet=quiet)
     try:
         from memcalc.validate.measure import Measure
     except ImportError as e:  # torch missing

@@ -22,7 +22,6 @@ with ``measured_bytes`` null and status ``skipped``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from types import SimpleNamespace
@@ -42,17 +41,14 @@ NO_CUDA = "CUDA is not available: nothing was measured"
 
 
 def check_output(path: Optional[str]) -> None:
-    """An output file that cannot be written is a one-line error before training starts."""
-    if path is None:
-        return
-    p = os.path.realpath(os.path.expanduser(path))
-    if not path.strip() or os.path.isdir(p):
-        raise UserError(f"cannot write output {path!r}: give a file path")
-    parent = os.path.dirname(p)
-    if not os.path.isdir(parent):
-        raise UserError(f"cannot write output {path}: folder {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(p) and not os.access(p, os.W_OK)):
-        raise UserError(f"cannot write output {path}: permission denied")
+    """An output file that cannot or should not be written is a one-line error before training starts: the
+    rules of ``--output`` (:func:`memcalc.core.files.check_output_path`: a FIFO, a device, a path under /dev,
+    an existing file that is not a JSON list of records are refused)."""
+    from memcalc.core.files import check_output_path
+
+    if path is not None and not isinstance(path, str):
+        raise UserError(f"output= must be a string or None, not {type(path).__name__}")
+    check_output_path(path, "output=")
 
 
 def _versions() -> dict[str, Optional[str]]:

@@ -15,6 +15,8 @@ What the file holds, and how it is written:
 - **Atomic.** The new content goes to a temporary file in the same folder, then ``os.replace``:
   a reader (or a run killed mid-write) sees the old list or the new one, never half of one.
 - **Through a symlink.** ``FILE`` a symlink: the link's target is written (the link stays).
+- **Regular files only.** ``FILE`` a FIFO or a device (``/dev/full``: root's replace would swap the node
+  for a file) is not replaced: the records go to the fallback file below, as when a write fails.
 - **Mode.** A new file gets ``0o666 & ~umask`` (what ``open(FILE, "w")`` gives); an existing
   file keeps its mode.
 
@@ -24,9 +26,11 @@ elsewhere writes are not serialised.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import stat
 import sys
 import tempfile
 import uuid
@@ -67,10 +71,15 @@ def _umask() -> int:
 
 
 def _read(path: str) -> list:
+    """The records in ``path``, read as every user file is (``memcalc.core.files.read_bounded``: a FIFO or
+    a device refused unread, at most MAX_RECORDS_BYTES); a file that is not a JSON list, or cannot be read,
+    holds none (``--output``'s check refused such a file before the run, unless ``--force``)."""
+    from memcalc.core.errors import UserError
+    from memcalc.core.files import MAX_RECORDS_BYTES, read_bounded
+
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        data = json.loads(read_bounded(path, "--output", MAX_RECORDS_BYTES).decode("utf-8"))
+    except (UserError, ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
         return []
     return data if isinstance(data, list) else []
 
@@ -127,9 +136,13 @@ class RecordFile:
                       if not (isinstance(r, dict) and r.get("run_id") == self.run_id)
                       and (r.get("run_id") if isinstance(r, dict) else None) not in self.ended]
             try:
-                mode = os.stat(self.path).st_mode & 0o7777
-            except OSError:
+                st = os.stat(self.path)
+            except FileNotFoundError:
                 mode = 0o666 & ~_umask()
+            else:  # the replace below would swap a FIFO or a device node (as root: /dev/full) for a file
+                if not stat.S_ISREG(st.st_mode):
+                    raise OSError(errno.EINVAL, "not a regular file")
+                mode = st.st_mode & 0o7777
             fd, tmp = tempfile.mkstemp(prefix=".validate-", suffix=".json", dir=self.folder)
             try:
                 os.fchmod(fd, mode)  # mkstemp makes 0600

@@ -84,9 +84,10 @@ class KernelProfile(Spec):
         "the full and chunked losses (they run on every position; ignored labels cost the same memory).",
     )
     loss_chunks: int = Field(
-        DEFAULT_LOSS_CHUNKS, gt=0,
+        DEFAULT_LOSS_CHUNKS, gt=0, le=MAX_COUNT,
         description="With cross_entropy chunked: the logits rows are split into this many chunks, each upcast "
-        "to fp32 and reduced on its own (torchtune CEWithChunkedOutputLoss: 8). Inert with cross_entropy full.",
+        f"to fp32 and reduced on its own (torchtune CEWithChunkedOutputLoss: 8; at most {MAX_COUNT:,}). Inert with "
+        "cross_entropy full.",
     )
     logits_fp32: bool = Field(False, description="The loss upcasts logits to fp32 first (Hugging Face style).")
     shift_copy: bool = Field(True, description="The loss makes a contiguous copy of the shifted logits.")

@@ -29,7 +29,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, ValidationError
 
 from memcalc.core.errors import UserError
-from memcalc.core.files import read_bounded
+from memcalc.core.files import MAX_RECORDS_BYTES, read_bounded
 from memcalc.core.spec_base import Spec
 
 MEASURED_FORMAT = "memcalc-measured/1"
@@ -119,8 +119,8 @@ def parse_records(data: Any, where: str) -> list[MeasuredRecord]:
     return out
 
 
-#: the largest records file read (bytes): a protocol run's is about 100 KiB (data/reference/measured/)
-MAX_RECORDS_BYTES = 256 * 2**20
+#: the largest records file read (bytes; memcalc.core.files.MAX_RECORDS_BYTES, 256 MiB): a protocol run's is
+#: about 100 KiB (data/reference/measured/)
 
 
 def load_measured(path: str) -> list[MeasuredRecord]:

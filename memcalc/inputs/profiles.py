@@ -17,7 +17,8 @@ from typing import Optional
 from memcalc.core.errors import UserError, unknown_name
 from memcalc.core.kernels import rmsnorm_for_torch
 from memcalc.core.rules import framework_model
-from memcalc.core.spec import KERNEL_LIBRARIES, LOSSES, KernelProfile, ModelSpec
+from memcalc.core.spec import KERNEL_LIBRARIES, LOSSES, MAX_COUNT, KernelProfile, ModelSpec
+from memcalc.inputs.pydantic_errors import _short_repr
 
 #: what each framework's own layer code decides, with the library source each rule follows.
 #: ``rmsnorm`` None = the PyTorch version's ``nn.RMSNorm`` (:func:`rmsnorm_for_torch`).
@@ -259,6 +260,8 @@ def with_loss(profile: KernelProfile, loss: Optional[str] = None, loss_chunks: O
             raise UserError(f"--loss-chunks must be a whole number, got {loss_chunks!r}")
         if loss_chunks <= 0:
             raise UserError(f"--loss-chunks must be positive, got {loss_chunks}")
+        if loss_chunks > MAX_COUNT:  # (a chunk per token at most; a fuzzer's 10**30 was taken)
+            raise UserError(f"--loss-chunks must be at most {MAX_COUNT:,}, got {_short_repr(loss_chunks)}")
         upd["loss_chunks"] = loss_chunks
     if loss_tokens is not None:
         if isinstance(loss_tokens, bool) or not isinstance(loss_tokens, (int, float)) or not 0 < loss_tokens <= 1:

@@ -131,9 +131,18 @@ class Resolved:
 
 
 def _check_number(name: str, v: Optional[float], positive: bool) -> None:
-    """One line for an option that is not a finite number (or, ``positive``, not above 0)."""
-    if v is not None and (v <= 0 if positive else not math.isfinite(v)):
-        raise UserError(f"--{name} must be {'positive' if positive else 'a finite number'}, got {v}")
+    """One line for an option that is not a finite number (or, ``positive``, not above 0). An integer too
+    large for a float (the API's ``lora_alpha=10**400``) is not finite: math.isfinite raised OverflowError."""
+    if v is None:
+        return
+    try:
+        bad = v <= 0 if positive else not math.isfinite(v)
+    except OverflowError:
+        bad = True
+    if bad:
+        from memcalc.inputs.pydantic_errors import _short_repr
+
+        raise UserError(f"--{name} must be {'positive' if positive else 'a finite number'}, got {_short_repr(v)}")
 
 
 #: the numeric options that must be finite, and those that must be positive (checked in this order)

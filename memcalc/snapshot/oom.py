@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from memcalc.core.errors import UserError
+from memcalc.inputs.data_files import clip
+from memcalc.inputs.gpus import MAX_CAPACITY_BYTES
 
 _UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _SIZE = r"(\d+(?:\.\d+)?) ?(bytes|KiB|MiB|GiB)"
@@ -54,9 +56,43 @@ MAX_MESSAGE_CHARS = 2**20
 EXPANDABLE_SEGMENTS_DOC = "https://pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf"
 
 
+#: the largest size read from a message: what ``--gpu SIZE`` takes at most (far above any device); a
+#: message's "Tried to allocate 1e26 GiB" is no CUDA allocator's (its sizes are a device's ``size_t``
+#: bytes) and is refused, never computed on
+MAX_SIZE_BYTES = MAX_CAPACITY_BYTES
+#: the largest GPU number read: c10's ``DeviceIndex`` is ``int8_t`` (c10/core/Device.h, torch 2.13), so a
+#: larger "GPU N" is no CUDA device's
+MAX_DEVICE = 127
+
+
 def size_bytes(number: str, unit: str) -> int:
-    """``format_size``'s text back in bytes (exact to half a unit of the last decimal)."""
-    return int(Decimal(number) * _UNITS[unit])
+    """``format_size``'s text back in bytes (exact to half a unit of the last decimal); a size above
+    MAX_SIZE_BYTES is a UserError (no GPU's allocator printed it)."""
+    n = Decimal(number) * _UNITS[unit]
+    if n > MAX_SIZE_BYTES:
+        raise UserError(f"cannot read the message: a size of {clip(number, 24)} {unit} is more than "
+                        f"{MAX_SIZE_BYTES // 2**40:,} TiB, which no GPU holds; give the message as PyTorch printed it")
+    return int(n)
+
+
+def _device(text: str) -> int:
+    if len(text) > 3 or int(text) > MAX_DEVICE:
+        raise UserError(f"cannot read the message: GPU {clip(text, 24)} is no CUDA device number (at most "
+                        f"{MAX_DEVICE}); give the message as PyTorch printed it")
+    return int(text)
+
+
+def _consistent(m: OomMessage, total_unit: str) -> OomMessage:
+    """``m`` when its parts fit in its device total (each within the half unit the total is rounded to);
+    else a UserError naming the first part that does not: no CUDA allocator printed that message."""
+    slack = _UNITS[total_unit] // 200  # format_size's two decimals: half a unit of the last one
+    for name, value in (("free", m.free_bytes), ("allocated by PyTorch", m.allocated_bytes),
+                        ("reserved but unallocated", m.reserved_unallocated_bytes), ("allowed", m.allowed_bytes),
+                        ("in use by this process", m.process_bytes)):
+        if value is not None and value > m.total_bytes + slack:
+            raise UserError(f"cannot read the message: {value:,} bytes {name} is more than the GPU's total capacity "
+                            f"({m.total_text}); give the message as PyTorch printed it")
+    return m
 
 
 @dataclass(frozen=True)
@@ -107,22 +143,22 @@ def parse_oom(text: str) -> OomMessage:
         this = _THIS_PROCESS.search(info)
         others = [size_bytes(n, u) for _, n, u in _PROCESS.findall(info)]
         allowed = _ALLOWED.search(info)
-        return OomMessage(
-            requested_bytes=size_bytes(g[0], g[1]), device=int(g[2]), total_bytes=size_bytes(g[3], g[4]),
+        return _consistent(OomMessage(
+            requested_bytes=size_bytes(g[0], g[1]), device=_device(g[2]), total_bytes=size_bytes(g[3], g[4]),
             free_bytes=size_bytes(g[5], g[6]), allocated_bytes=size_bytes(g[8], g[9]),
             reserved_unallocated_bytes=size_bytes(g[12], g[13]),
             allowed_bytes=size_bytes(allowed.group(1), allowed.group(2)) if allowed else None,
             process_bytes=size_bytes(this.group(1), this.group(2)) if this else None,
-            other_processes_bytes=sum(others) if others else None, total_text=f"{g[3]} {g[4]}")
+            other_processes_bytes=sum(others) if others else None, total_text=f"{g[3]} {g[4]}"), g[4])
     m = _last(flat, _OLD, "reserved in total by PyTorch)")
     if m:
         g = m.groups()
         allocated = size_bytes(g[5], g[6])
-        return OomMessage(
-            requested_bytes=size_bytes(g[0], g[1]), device=int(g[2]), total_bytes=size_bytes(g[3], g[4]),
+        return _consistent(OomMessage(
+            requested_bytes=size_bytes(g[0], g[1]), device=_device(g[2]), total_bytes=size_bytes(g[3], g[4]),
             free_bytes=size_bytes(g[7], g[8]), allocated_bytes=allocated,
             reserved_unallocated_bytes=max(size_bytes(g[11], g[12]) - allocated, 0),
-            allowed_bytes=size_bytes(g[9], g[10]) if g[9] else None, total_text=f"{g[3]} {g[4]}")
+            allowed_bytes=size_bytes(g[9], g[10]) if g[9] else None, total_text=f"{g[3]} {g[4]}"), g[4])
     hint = "it names no CUDA out-of-memory error" if "out of memory" not in flat else \
         "its numbers are not in PyTorch's layout"
     raise UserError(f"cannot read the message: {hint} (expected 'CUDA out of memory. Tried to allocate 2.00 GiB. "
@@ -135,9 +171,9 @@ def message_text(arg: str) -> str:
     user file is: :func:`memcalc.inputs.data_files.read_user_file`, 1 MiB at most)."""
     if "out of memory" in arg or "Tried to allocate" in arg:
         return arg
-    from memcalc.inputs.data_files import clip, read_user_file
+    from memcalc.inputs.data_files import path_kind, read_user_file
 
-    if not Path(arg).is_file():
+    if path_kind(Path(arg)) != "file":  # a name the OS refuses (too long, a NUL byte) is no file either
         raise UserError(f"{clip(arg, 60)!r} is neither a CUDA out-of-memory message nor a file; give the error's "
                         "text, a file holding it, or - (stdin)")
     return read_user_file(Path(arg), "message file")
@@ -151,5 +187,5 @@ def capacity_flag(m: OomMessage) -> str:
         else m.total_text.replace(" ", "")
 
 
-__all__ = ["EXPANDABLE_SEGMENTS_DOC", "MAX_MESSAGE_CHARS", "OomMessage", "capacity_flag", "message_text", "parse_oom",
-           "size_bytes"]
+__all__ = ["EXPANDABLE_SEGMENTS_DOC", "MAX_DEVICE", "MAX_MESSAGE_CHARS", "MAX_SIZE_BYTES", "OomMessage",
+           "capacity_flag", "message_text", "parse_oom", "size_bytes"]

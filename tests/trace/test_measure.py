@@ -5,6 +5,8 @@ null); the CUDA bookkeeping is checked with torch.cuda's counters faked, and for
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -134,6 +136,17 @@ def test_measure_refuses_bad_input_before_the_loop(tmp_path):
         memcalc.measure(model="llama-9")
     with pytest.raises(memcalc.UserError, match="does not exist"):
         memcalc.measure(model="gpt2", output=str(tmp_path / "no" / "such" / "run.json"))
+    # source: memcalc.core.files.check_output_path, as --output (issue 32 fuzz: as root, output="/dev/full" swapped
+    # the device node for a regular file; a FIFO and an unrelated text file were replaced too)
+    fifo, notes = tmp_path / "pipe", tmp_path / "notes.txt"
+    os.mkfifo(fifo)
+    notes.write_text("my notes\n")
+    for path, message in (("/dev/full", "/dev/full is a kernel interface, not a file"),
+                          (str(fifo), "it is a FIFO (named pipe), not a regular file"),
+                          (str(notes), "exists and is not a JSON list of validate records; give another path, or "
+                                       "remove it")):
+        with pytest.raises(memcalc.UserError, match=re.escape(message)):
+            memcalc.measure(model="gpt2", output=path)
 
 
 class FakeCuda:

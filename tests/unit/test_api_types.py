@@ -52,6 +52,11 @@ CASES = [
     ({"torch": 2.10}, "torch= must be a string or None, not float 2.1"),  # source: issue 32 (became PyTorch 2.1)
     ({"gpu": 5}, "gpu= must be"),  # source: issue 32 API sweep (TypeError: 'int' object is not iterable)
     ({"max_batch": "yes", "gpu": "rtx-4090"}, "max_batch= must be True or False"),  # source: estimate's signature
+    # source: resolve._check_number (issue 32 fuzz: math.isfinite(10**400) was an OverflowError)
+    ({"lora_alpha": 10**400}, "--lora-alpha must be a finite number, got an integer of about 400 digits"),
+    ({"memory_budget": 10**400}, "--memory-budget must be a finite number, got an integer of about 400 digits"),
+    # source: profiles.with_loss, KernelProfile.loss_chunks le=MAX_COUNT (issue 32 fuzz: 10**30 chunks were taken)
+    ({"loss": "chunked", "loss_chunks": 10**30}, "--loss-chunks must be at most 1,048,576"),
 ]
 
 
@@ -65,10 +70,25 @@ def test_issue_cases(kwargs, message):
 def test_plan_keywords_are_typed():
     # source: plan's signature (all: bool, recipe: str or paths)
     for kwargs, message in (({"all": "no"}, "all= must be True or False"),
-                            ({"recipe": 5}, "recipe= must be a string or a list of strings or None")):
+                            ({"recipe": 5}, "recipe= must be a string or a list of strings or None"),
+                            # source: api.plan checks the types before aliases.one_gpu (a TypeError from join)
+                            ({"gpu": [1]}, "gpu= must be a string or None, not list [1]")):
         with pytest.raises(memcalc.UserError) as e:
             memcalc.plan(model="gpt2", **kwargs)
         assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    # source: memcalc.api.measure's signature (issue 32 fuzz: output=[1] was a TypeError from os.path; quiet='false'
+    # was taken as true), checked before torch is imported
+    ({"output": [1]}, "output= must be a string or None, not list [1]"),
+    ({"name": 5}, "name= must be a string or None, not int 5"),
+    ({"quiet": "false"}, "quiet= must be True or False, not str 'false'"),
+])
+def test_measure_keywords_are_typed(kwargs, message):
+    with pytest.raises(memcalc.UserError) as e:
+        memcalc.measure(model="gpt2", **kwargs)
+    assert str(e.value) == message
 
 
 def test_python_spellings_are_the_flags():

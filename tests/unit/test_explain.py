@@ -61,10 +61,26 @@ def test_parse_oom(text, want):
     # of 2,000 partial messages is read in linear time (a lazy match from each of them scanned the rest: seconds)
     ("CUDA out of memory. Tried to allocate 1 bytes. GPU 0 has a total capacity of 1 bytes of which 1 bytes is free. "
      * 2000, "its numbers are not in PyTorch's layout"),
+    # source: oom.size_bytes, MAX_SIZE_BYTES (issue 32: 'Tried to allocate 1e26 GiB' was computed on; a
+    # 400-digit size was an OverflowError in units.fmt)
+    (H100.replace("allocate 2.00 GiB", "allocate 100000000000000000000000000.00 GiB"), "is more than 1,024 TiB"),
+    (H100.replace("allocate 2.00 GiB", f"allocate {'9' * 400}.00 GiB"), "a size of 99999999999999999999... GiB"),
+    # source: oom._consistent: a part above the device total (the 'free' of an absurd message)
+    (H100.replace("1.20 GiB is free", "100000.00 GiB is free"), "bytes free is more than the GPU's total capacity"),
+    (H100.replace("75.10 GiB is allocated", "80.00 GiB is allocated"), "allocated by PyTorch is more than the GPU's"),
+    # source: oom._device, c10/core/Device.h DeviceIndex = int8_t (a 5,000-digit GPU number was a ValueError)
+    (H100.replace("GPU 0", "GPU 128"), "GPU 128 is no CUDA device number"),
+    (H100.replace("GPU 0", "GPU " + "9" * 5000), "GPU 99999999999999999999... is no CUDA"),
 ])
 def test_parse_oom_refuses(text, message):
     with pytest.raises(UserError, match=message):
         parse_oom(text)
+
+
+def test_parse_oom_rounding_is_not_refused():
+    """A part printed as the total is (format_size's two decimals) is within it, not above."""
+    m = parse_oom(H100.replace("77.94 GiB memory in use", "79.15 GiB memory in use"))
+    assert m.process_bytes == m.total_bytes
 
 
 def test_capacity_flag():
@@ -125,6 +141,8 @@ def _rows(tmp_path):
     return [
         # source: oom.message_text, an argument that is neither a message nor a file
         (["nothing here", *setup], 2, "is neither a CUDA out-of-memory message nor a file"),
+        # source: data_files.path_kind (a 300-character file name was an OSError traceback: ENAMETOOLONG)
+        ([str(tmp_path / ("x" * 300)), *setup], 2, "is neither a CUDA out-of-memory message nor a file"),
         # source: oom.parse_oom, the error named but not in PyTorch's layout
         (["CUDA out of memory. somewhere", *setup], 2, "its numbers are not in PyTorch's layout"),
         # source: the estimate's own checks (memcalc.api.estimate)

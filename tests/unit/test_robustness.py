@@ -166,8 +166,14 @@ def _special_paths(tmp_path):
     os.mkfifo(fifo)
     text = tmp_path / "notes.txt"
     text.write_text("my notes\n")
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
     return [
         (str(fifo), "it is a FIFO (named pipe), not a regular file"),
+        # source: cli.options._check_output (issue 32 fuzz: ValueError 'embedded null byte', and an OSError ELOOP
+        # from the snapshot's writer after the work)
+        (str(tmp_path / "a\x00b"), "a path holds no NUL byte"),
+        (str(loop), "Too many levels of symbolic links"),
         ("/dev/full", "/dev/full is a kernel interface, not a file"),
         ("/proc/self/status", "is a kernel interface, not a file"),
         ("/sys/kernel/notes", "/sys/kernel/notes is a kernel interface, not a file"),
@@ -175,9 +181,9 @@ def _special_paths(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("which", range(5))
-@pytest.mark.parametrize("command,flag", [("estimate", "--html"), ("validate", "--output"), ("validate", "--html"),
-                                          ("validate", "--snapshot")])
+@pytest.mark.parametrize("which", range(7))
+@pytest.mark.parametrize("command,flag", [("estimate", "--html"), ("estimate", "--snapshot"), ("validate", "--output"),
+                                          ("validate", "--html"), ("validate", "--snapshot")])
 def test_special_output_paths_are_refused_before_any_work(tmp_path, monkeypatch, command, flag, which):
     monkeypatch.setitem(sys.modules, "memcalc.validate.command", None)
     path, message = _special_paths(tmp_path)[which]

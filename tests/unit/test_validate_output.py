@@ -113,3 +113,33 @@ def test_a_write_that_fails_after_the_work_keeps_the_records(tmp_path: Path, mon
     assert [r["config"] for r in json.loads(fallback.read_text())] == ["a", "b", "c"]
     assert [r["config"] for r in json.loads(out.read_text())] == ["a"]
     assert f"No space left on device; the records go to {fallback}" in capsys.readouterr().err
+
+
+def test_the_file_is_read_bounded(tmp_path: Path, monkeypatch):
+    """validate/output.py _read goes through memcalc.core.files.read_bounded (issue 32: it read the whole
+    file, unbounded, and a FIFO put in its place blocked forever): a FIFO or a file over MAX_RECORDS_BYTES
+    holds no records and is replaced by this run's."""
+    import memcalc.core.files as files
+
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)
+    assert RecordFile(str(fifo)).ended == set()  # returns at once (a blocking open waited for a writer)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps([rec("old", 1)] * 50))
+    monkeypatch.setattr(files, "MAX_RECORDS_BYTES", 1000)  # source: files.MAX_RECORDS_BYTES, scaled down
+    f = RecordFile(str(big))
+    f.write([rec("a", 1)])
+    assert [r["config"] for r in json.loads(big.read_text())] == ["a"]
+
+
+def test_a_file_that_is_not_regular_is_never_replaced(tmp_path: Path, capsys):
+    """RecordFile's atomic os.replace onto a FIFO (or, as root, /dev/full) swapped the node for a regular file
+    (issue 32 fuzz: memcalc.measure(output="/dev/full") did): the records go to the fallback file instead."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    f = RecordFile(str(fifo))
+    f.write([rec("a", 1)])
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert "not a regular file; the records go to" in capsys.readouterr().err
+    assert [r["config"] for r in json.loads(Path(f.path).read_text())] == ["a"]
+    os.unlink(f.path)
