@@ -92,6 +92,74 @@ def test_compiled_chunk_saves():
                                              ((64, 1), torch.float32), ((64, 1), torch.float32)], key=str)
 
 
+#: what the compiled chunk's graphs hold beside its logits and gradient: the two (rows, 1) fp32 row
+#: statistics, the labels and the fused backward kernel's (rows, 1) buffer (rows x 4-8 bytes each; 128 rows)
+ROW_BUFFERS_BYTES = 8 * 1024
+
+
+def _live_from(prof, mark: str) -> tuple[int, int]:
+    """(peak, end) of the CPU allocator's live bytes over the ``mark`` range, relative to the live bytes
+    at its start (torch.profiler's allocation events; profile from before the forward: a block allocated
+    before profiling is freed unseen)."""
+    events = list(prof.profiler.kineto_results.events())
+    t0, t1 = next((e.start_ns(), e.end_ns()) for e in events if e.name() == mark)
+    live, before, peak = 0, None, 0
+    for e in sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns()):
+        if e.start_ns() > t1:
+            break
+        if e.start_ns() >= t0 and before is None:
+            before = peak = live
+        live += e.nbytes()
+        peak = max(peak, live)
+    assert before is not None, f"no allocation in {mark}"
+    return peak - before, live - before
+
+
+def test_compiled_chunk_backward_allocates_beside_saved_logits(monkeypatch):
+    """torchtune's compiled ``compute_cross_entropy`` compiled by inductor itself (its C++ backend on
+    CPU, as ``training.compile_loss`` does): the backward's 16-bit gradient is a new buffer allocated
+    while the chunk's saved logits are alive (a forward input: never a donated buffer, so inductor does
+    not write into it), one chunk above the backward's start at its peak; afterwards the saved logits
+    are gone and the gradients are the leaves' ``.grad``. memcalc/engine/blocks/compiled_loss.py follows
+    this (the first chunk's backward holds every chunk's logits and one gradient)."""
+    import shutil
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("inductor's CPU backend needs a C++ compiler")
+    pytest.importorskip("torchtune")
+    from torch._inductor import config as inductor_config
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torchtune import training
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    monkeypatch.delenv("TORCH_COMPILE_BACKEND", raising=False)  # compile_loss's backend: inductor
+    monkeypatch.setattr(inductor_config, "compile_threads", 1)  # two small graphs: no worker pool
+    torch._dynamo.reset()
+    loss_fn = training.compile_loss(CEWithChunkedOutputLoss(num_output_chunks=2), verbose=False)
+    B, T, V = 2, 128, 1024
+    chunk = B * (T // 2) * V * 2  # one chunk's bf16 logits
+
+    def step():
+        xs = [torch.randn(B, T // 2, V, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+        labels = torch.randint(0, V, (B, T))
+        logits = [x.clone() for x in xs]  # the head's chunks (CloneBackward hands the gradient on as is)
+        loss = loss_fn(logits, labels)
+        del logits  # the recipe's ``del logits``: the saved tensors alone hold the chunks
+        with record_function("memcalc-backward"):
+            loss.backward()
+
+    try:
+        step()  # compiles the forward and the backward
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    finally:
+        torch._dynamo.reset()
+    peak, end = _live_from(prof, "memcalc-backward")
+    assert chunk <= peak <= chunk + ROW_BUFFERS_BYTES, (f"backward peak {peak:,} B over its start; "
+                                                       f"a chunk is {chunk:,} B")
+    assert abs(end) <= ROW_BUFFERS_BYTES, f"{end:,} B left: the saved logits should be freed, the gradients kept"
+
+
 def test_torchtune_compile_traces():
     """``validate --framework torchtune`` with compile: the recipes' own ``training.compile_model`` and
     ``compile_loss`` run (validate/compiled.py ``compile_with``: the meta backend under torchtune's

@@ -31,12 +31,17 @@ from published_rows import (
 
 # --- what memcalc misses today, by mechanism (never a loosened tolerance) ---------------------
 _TT_COMPILED_OFFLOAD = (
-    "high (LoRA +5.3%, QLoRA +10.1%), not identified: torchtune compiles each layer, then wraps it in "
-    "activation checkpointing, under activation offloading (the README's reproduce command); that combination "
-    "is outside the traced torchtune grid (validate's meta trace of it on the grid's scaled-down GQA model is "
-    "6-15% above the estimate, so neither side is checked there); since the checkpointed regions save h alone "
-    "(no RoPE tables: engine/offload.py rope_region_inputs) the last layer's input stays in the 5-deep forward "
-    "stash through the head's backward (+48 MiB on the LoRA row, +4.8% -> +5.3%)")
+    "high (LoRA +5.3%, QLoRA +10.0%), not identified. The peak is the first compiled chunk's backward: weights, "
+    "AdamW state, every chunk's bf16 logits, one chunk's gradient and the offloading stash (the final norm's fp32"
+    " input, the last layer's input). Ruled out: inductor writing that gradient into the saved logits (a forward "
+    "input, never a donated buffer; test_compile_scope.py "
+    "test_compiled_chunk_backward_allocates_beside_saved_logits) and any other PyTorch 2.13 mechanism at the head"
+    " (torchtune 0.6.1's step with inductor on CPU, compiled layers and loss, checkpointing, offloading through "
+    "validate's twin, 8 chunks, matches the estimate there to 0.01 of a chunk; docs/torchtune.md). The published "
+    "values sit below weights + state + 9 logits chunks (LoRA 8.75, QLoRA 4.86 GiB); outside PyTorch 2.13, "
+    "unpinned: torchtune before #1877 (2024-11-18) offloaded on one stream under torch '2.5.0' (a string compare;"
+    " no forward stash, -0.14 GiB) an A100's cuBLAS workspaces are 2 x 8.1 MiB where the report's H100 line "
+    "counts 64 MiB (-0.05)")
 XFAIL = {
     "torchtune-flags-lora": _TT_COMPILED_OFFLOAD,
     "torchtune-flags-qlora": _TT_COMPILED_OFFLOAD,
