@@ -150,8 +150,9 @@ CpMethod = Annotated[Optional[str], typer.Option(
     "--cp-method", help="With --cp: ring (torch's context_parallel as torchtitan applies it; default) or ulysses "
                         "(DeepSpeed's DistributedAttention all-to-all).")]
 Pp = Annotated[Optional[int], typer.Option(
-    "--pp", help="Pipeline-parallel degree: the layers split evenly into --pp stages (torch.distributed.pipelining); "
-                 "the worst rank is reported. GPUs in all = --gpus x --tp x --pp.")]
+    "--pp", help="Pipeline-parallel degree: the layers split into --pp stages (torch.distributed.pipelining; evenly, "
+                 "else torchtitan's default split); the worst rank is reported; --gpus N with --zero 2/3 shards each "
+                 "stage by FSDP2. GPUs in all = --gpus x --tp x --pp.")]
 PpSchedule = Annotated[Optional[str], typer.Option(
     "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe), 1f1b (Schedule1F1B, the default), interleaved-1f1b "
                           "(ScheduleInterleaved1F1B) or zero-bubble (ScheduleInterleavedZeroBubble).")]

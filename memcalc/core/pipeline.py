@@ -19,17 +19,22 @@ interleaved-1f1b  ``ScheduleInterleaved1F1B``  ``V`` stages per rank (``--pp-sta
 ``V`` (``--pp-stages-per-rank``) is torchtitan's ``stages_per_rank`` (torchtitan 0.3.0
 distributed/pipeline_parallel.py ``_get_pipeline_metadata``, which derives it from
 ``pipeline_parallel_layers_per_stage``): 1 for the single-stage schedules, which refuse more, and by default 2
-for the multi-stage ones, which refuse fewer. The layers are split evenly over the ``pp x V`` stages.
+for the multi-stage ones, which refuse fewer. The layers are split over the ``pp x V`` stages (:func:`stage_layers`).
 
 With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus). With ``gpus > 1`` and
 ``--zero 2`` / ``3`` (FSDP2) every stage is FSDP2-sharded over ``gpus`` data-parallel ranks as torchtitan 0.3.0 does
 it under pipelining (memcalc.engine.pipeline_fsdp; validate/sharded/pipeline_fsdp.py).
 
-The split is even: each stage gets ``n_layers / pp`` consecutive layers (the first stage also the
-embedding, the last the final norm, the head and the loss), as torchtitan's
-``pipeline_module_split`` cuts a model given per-stage module names; ``n_layers`` must divide by
-``pp`` (torchtitan's default ``generate_llm_fqn_per_model_part`` would instead weigh the embedding and
-the head as one layer each and give the end stages fewer layers; memcalc does not model that split).
+The split (:func:`stage_layers`): where ``pp`` divides ``n_layers`` each stage gets ``n_layers / pp``
+consecutive layers (the first stage also the embedding, the last the final norm, the head and the loss),
+as torchtitan's ``pipeline_module_split`` cuts a model given per-stage module names
+(``module_fqns_per_model_part``). Where it does not, the split is torchtitan 0.3.0's default
+(``torchtitan/distributed/pipeline_parallel.py`` ``_generate_llm_fqn_per_model_part`` with
+``pipeline_parallel_first_stage_less_layers`` = ``pipeline_parallel_last_stage_less_layers`` = 1): the
+embedding and the head count as one layer each, ``n_layers + 2`` effective layers go ``(n_layers + 2) // pp``
+to a stage and one more to each of the first ``(n_layers + 2) % pp``, the first and the last stage hold one
+decoder layer less for their embedding / head (DeepSeek-V3's 61 layers over 8: 7, 8 x 6, 6); it refuses
+more stages than effective layers.
 
 The batch: ``--batch`` is what one pipeline step receives (torch splits it on dim 0 into ``M``
 micro-batches, ``schedules._split_inputs`` / ``microbatch.split_args_kwargs_into_chunks``); it must
@@ -69,11 +74,27 @@ def rank_stages(tr: TrainingSpec, rank: int) -> list[int]:
     return looped(tr.pp, stages_per_rank(tr), rank)
 
 
+#: torchtitan 0.3.0 config/configs.py ``pipeline_parallel_first_stage_less_layers`` /
+#: ``pipeline_parallel_last_stage_less_layers`` defaults: the embedding and the head weigh one layer each
+INPUT_WEIGHT = OUTPUT_WEIGHT = 1
+
+
 def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of each of the ``pp * virtual`` stages (even split; :func:`check_pp` checks it divides)."""
+    """``[lo, hi)`` of each of the ``pp * virtual`` stages: the even split where it divides, else torchtitan's
+    default (the module docstring; :func:`check_pp` refuses what torchtitan refuses)."""
     n = pp * virtual
-    per = n_layers // n
-    return [(s * per, (s + 1) * per) for s in range(n)]
+    if n_layers % n == 0:
+        per = n_layers // n
+        return [(s * per, (s + 1) * per) for s in range(n)]
+    # torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part (num_stages > 1)
+    per, extra = divmod(n_layers + INPUT_WEIGHT + OUTPUT_WEIGHT, n)
+    out, cur = [], 0
+    for s in range(n):
+        k = per + (s < extra) - (INPUT_WEIGHT if s == 0 else OUTPUT_WEIGHT if s == n - 1 else 0)
+        k = max(0, min(k, n_layers - cur))  # (its loops stop at num_layers)
+        out.append((cur, cur + k))
+        cur += k
+    return out
 
 
 def micro_batch(tr: TrainingSpec) -> tuple[int, int]:
@@ -140,11 +161,12 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
         raise UserError(f"--pp-schedule {tr.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {V} "
                         "(torchtitan's _get_pipeline_metadata: 'Single stage schedule requires exactly 1 stage per "
                         "rank'); more stages per rank: --pp-schedule interleaved-1f1b")
-    n = pp * V
-    if n_layers % n:
+    n, effective = pp * V, n_layers + INPUT_WEIGHT + OUTPUT_WEIGHT
+    if n_layers % n and n > effective:  # (an uneven split otherwise: stage_layers)
         what = f"--pp {pp}" if V == 1 else f"--pp {pp} x --pp-stages-per-rank {V} = {n} stages"
-        raise UserError(f"{what} must divide the layers ({n_layers}): {n_layers} / {n} = {n_layers / n:g} "
-                        f"(remainder {n_layers % n}); memcalc splits the layers evenly over the stages")
+        raise UserError(f"{what}: more stages than the layers ({n_layers}) + embedding + head: torchtitan's "
+                        f"_generate_llm_fqn_per_model_part raises 'Number of stages ({n}) cannot be greater than "
+                        f"effective layers ({effective})'")
     if multi:
         from memcalc.core.pp_schedules import rounds
 
@@ -188,11 +210,16 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1) -> list[
 def pipeline_line(pipe: dict) -> str:
     """The inputs table's line for ``--json``'s ``pipeline`` (memcalc.engine.pipeline.pipeline_extra)."""
     worst = next(s for s in pipe["stages"] if s["rank"] == pipe["worst_rank"])
-    layers = ", ".join(f"{lo}-{hi - 1}" for lo, hi in (s["layers"] for s in worst.get("stages", [worst])))
+    layers = ", ".join(layers_text(lo, hi) for lo, hi in (s["layers"] for s in worst.get("stages", [worst])))
     ranks = [s["rank"] for s in pipe["stages"]]
     every = ("every rank's in --json" if len(ranks) == pipe["pp"] else
              f"ranks {', '.join(map(str, ranks))} simulated, in --json (no other rank peaks above them)")
     per_rank = f", {pipe['stages_per_rank']} stages per rank" if "stages_per_rank" in pipe else ""
     return (f"PP {pipe['pp']}, {pipe['schedule']} ({pipe['torch_schedule']}){per_rank}, {pipe['microbatches']} "
-            f"micro-batches of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s (layers {layers}), "
+            f"micro-batches of {pipe['microbatch_size']}; the peak is rank {pipe['worst_rank']}'s ({layers}), "
             f"{every}")
+
+
+def layers_text(lo: int, hi: int) -> str:
+    """``layers lo-(hi - 1)``, or ``no layers`` for an uneven split's end stage of the embedding or the head only."""
+    return f"layers {lo}-{hi - 1}" if hi > lo else "no layers"

@@ -1,7 +1,7 @@
 """Pipeline parallelism: the step of each rank of a ``pp``-stage pipeline, as torch.distributed.pipelining runs it.
 
-A rank holds its stage (:func:`memcalc.core.pipeline.stage_layers`: an even split, the embedding on the
-first stage, the final norm, head and loss on the last) and runs the schedule's actions in the order
+A rank holds its stage (:func:`memcalc.core.pipeline.stage_layers`: even, or torchtitan's default split; the
+embedding on the first stage, the final norm, head and loss on the last) and runs the schedule's actions in the order
 torch's schedule runs them on that rank (:func:`actions`; torch 2.13 torch/distributed/pipelining/
 schedules.py ``ScheduleGPipe._step_microbatches``, ``Schedule1F1B._step_microbatches``): a forward of
 micro-batch ``i`` (``F``), a backward of it (``B``). Each forward runs the decoder walk
@@ -151,6 +151,9 @@ class StageForward(Forward):
             x = head.logits(self, x)
             self.strategy.logits(self, x)
         o.exit_autocast()
+        if self.lo == self.hi and self.rope_tables is not None:  # a stage of no layer (an uneven
+            sim.unref(self.rope_tables)  # split's end stage): nothing saves them, they go as the forward returns
+            self.rope_tables = None
         # the tables stay to the end of the stage's backward (:meth:`RankStep.backward`): the forward's local goes as
         # it returns, but the first layer's RoPE multiplications save them (eager), or its checkpointed region saves
         # them as inputs (torch/utils/checkpoint.py, use_reentrant=False) until its backward

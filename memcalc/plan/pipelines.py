@@ -4,7 +4,9 @@ a ``pp x tp`` full fine-tune, its worst rank and that rank's peak.
 The layout is the one a user of a cluster of 8-GPU nodes runs (torchtitan's recipes for Llama 3.1 405B:
 tensor parallelism within a node, pipeline stages across nodes): ``tp`` the largest of :data:`TP_DEGREES`
 the model allows (:func:`memcalc.core.rules.check_tp`, with sequence parallelism), ``pp`` a divisor of the
-layer count (:func:`memcalc.core.pipeline.check_pp`: the even split), :data:`SCHEDULE` with ``M = pp``
+layer count (the even split) or a power of two up to the layers + 2 (torchtitan's default split of a count it
+does not divide, :func:`memcalc.core.pipeline.stage_layers`: DeepSeek-V3's 61 layers over 8 or 16 stages),
+:data:`SCHEDULE` with ``M = pp``
 micro-batches of one sequence each (the batch of one pipeline step is ``pp`` sequences), full activation
 checkpointing, bf16 with fp32 master weights and AdamW (the full fine-tune of ``plan --model``), no ZeRO:
 each rank holds ``1 / (pp x tp)`` of the model states. Data-parallel replicas multiply the GPUs without
@@ -12,7 +14,7 @@ changing a rank's memory, so the fewest GPUs is ``pp x tp``.
 
 A layout's peak does not depend on the card, so each ``pp`` tried is estimated once
 (:func:`stage_peaks`), and each card takes the smallest ``pp`` whose device total fits it, by bisection
-over the divisors (a rank's state shrinks as ``1 / pp`` while the 1F1B activations in flight stay
+over those (a rank's state shrinks as ``1 / pp`` while the 1F1B activations in flight stay
 ``n_layers`` checkpointed layer inputs: the requirement falls with ``pp``). Of the ranks, the first
 (embedding, ``pp`` micro-batches in flight), the second (the most in flight of the middle ranks, which
 hold the same layers and buffers: 1F1B's warm-up is ``pp - rank``) and the last (head, logits and loss)
@@ -65,11 +67,12 @@ def pipeline_setup(full: ExperimentSpec, pp: int, tp: int) -> ExperimentSpec:
 
 def pipeline_degrees(full: ExperimentSpec) -> tuple[Optional[int], list[int], Optional[str]]:
     """``(tp, the pp tried in increasing order, why none)``: ``tp`` the largest allowed, the divisors ``pp >= 2``
-    of the layers with ``pp x tp <= MAX_GPUS``; none (with the one-line reason) when the model cannot be
-    pipelined."""
+    of the layers and the powers of two up to the layers + 2 (module docstring) with ``pp x tp <= MAX_GPUS``; none
+    (with the one-line reason) when the model cannot be pipelined."""
     n = full.model.n_layers
     tp = next((t for t in TP_DEGREES if _allows_tp(full, t)), 1)
-    pps = [p for p in range(2, n + 1) if n % p == 0 and p * tp <= MAX_GPUS]
+    twos = {1 << k for k in range(1, (n + 2).bit_length()) if 1 << k <= n + 2}
+    pps = sorted(p for p in {p for p in range(2, n + 1) if n % p == 0} | twos if p * tp <= MAX_GPUS)
     if not pps:
         return None, [], f"{n} layers cannot be split into pipeline stages"
     try:

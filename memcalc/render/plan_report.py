@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from memcalc.core.pipeline import layers_text
 from memcalc.core.spec import ModelSpec
 from memcalc.core.units import fmt_bytes, fmt_count, gib
 from memcalc.plan.cluster import GPU_CAP, SETUPS, ClusterPlan
@@ -210,7 +211,7 @@ def _pipeline_items(p: ClusterPlan) -> list[Any]:
             t.add_row(r.gpu.name, f">{GPU_CAP}", "-", "-", "-", "-", "-")
             continue
         lo, hi = lay.layers
-        t.add_row(r.gpu.name, str(lay.pp * lay.tp), str(lay.pp), str(lay.tp), f"{lay.rank} (layers {lo}-{hi - 1})",
+        t.add_row(r.gpu.name, str(lay.pp * lay.tp), str(lay.pp), str(lay.tp), f"{lay.rank} ({layers_text(lo, hi)})",
                   f"{gib(lay.peak_bytes):.1f}", f"{gib(lay.required_bytes):.1f}")
     out: list[Any] = [t]
     row = next((r for r in p.pipelines if r.command), None)

@@ -63,6 +63,9 @@ ROWS = [
     (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "moe": True}),
     # source: trace, DeepSeek-style layers: multi-head latent attention and experts, GPipe
     (2, 2, "gpipe", 2, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True}),
+    # source: trace, an uneven split (torchtitan's _generate_llm_fqn_per_model_part: 3 layers over 2 stages, 2 + 1,
+    # the embedding and the head weighing a layer each), 1F1B
+    (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16"}),
     # source: trace, pp x FSDP2 (validate/sharded/pipeline_fsdp.py: torchtitan 0.3.0's apply_fsdp_to_decoder on each
     # stage, no reshard after forward under pp; pipelining's no-sync backwards, perform_reduce_grad at the end),
     # GPipe, pure bf16 (no policy: gradients accumulate in .grad), MoE stages
@@ -105,3 +108,18 @@ def test_every_rank_matches_its_trace(pp, M, schedule, layers, batch, seq, frame
         gap = 100 * (predicted["peak_bytes"] - traced["peak_bytes"]) / traced["peak_bytes"]
         assert abs(gap) <= TOLERANCE_PCT, (f"rank {r}: estimate {predicted['peak_bytes']:,} vs traced "
                                            f"{traced['peak_bytes']:,} ({gap:+.2f}%)")
+
+
+def test_uneven_splits_are_torchtitans():
+    # source: torchtitan 0.3.0 distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part (default weights
+    # 1 and 1), every layer count up to 70 and every stage count that does not divide it (up to layers + 2)
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    from memcalc.core.pipeline import stage_layers
+
+    for n in range(1, 71):
+        for pp in (p for p in range(2, n + 3) if n % p):
+            layers = [[int(f.split(".")[1]) for f in part if f.startswith("layers.")]
+                      for part in _generate_llm_fqn_per_model_part(pp, n)]
+            assert stage_layers(n, pp) == [(ls[0], ls[-1] + 1) if ls else (lo, lo) for ls, (lo, _) in
+                                           zip(layers, stage_layers(n, pp), strict=True)], (n, pp)

@@ -21,6 +21,9 @@ TINY = ModelSpec(name="tiny", n_layers=12, d_model=64, n_heads=4, d_ff=128, voca
 @pytest.mark.parametrize("pp,schedule,checkpoint,tp,M", [
     # source: memcalc.engine.pipeline.simulate_pp, every rank; the rule plan.pipelines.simulated_ranks relies on
     (4, "1f1b", "full", 1, 4), (4, "1f1b", "none", 2, 8), (6, "gpipe", "full", 2, 6),
+    # source: as above, over torchtitan's uneven split (12 layers over 5 stages: 2, 3, 3, 3, 1): rank 1 holds the
+    # most layers of the middle ranks (the extra layers go to the lowest stages)
+    (5, "1f1b", "full", 1, 5),
 ])
 def test_no_middle_rank_peaks_above_the_second(pp, schedule, checkpoint, tp, M):
     # the middle ranks hold the same layers and buffers; 1F1B's warm-up (pp - rank) is the second's the most
@@ -64,10 +67,11 @@ def test_a_model_that_cannot_be_pipelined_says_why():
     assert "tied embeddings" in why
 
 
-def test_degrees_tp_within_a_node_pp_the_divisors():
-    # source: llama-3.1-405b's 126 layers (data/hf_configs/meta-llama--Llama-3.1-405B.json), 128 heads, 8 kv heads
+def test_degrees_tp_within_a_node_pp_the_divisors_and_powers_of_two():
+    # source: llama-3.1-405b's 126 layers (data/hf_configs/meta-llama--Llama-3.1-405B.json), 128 heads, 8 kv heads;
+    # the powers of two up to 126 + 2 split as torchtitan's default does (memcalc.core.pipeline.stage_layers)
     full = cluster_setups(load_preset("llama-3.1-405b"), 2048, _profile())["full"]["full"]
-    assert pipeline_degrees(full) == (8, [2, 3, 6, 7, 9, 14, 18, 21, 42, 63, 126], None)
+    assert pipeline_degrees(full) == (8, [2, 3, 4, 6, 7, 8, 9, 14, 16, 18, 21, 32, 42, 63, 64, 126, 128], None)
 
 
 def _profile():
@@ -81,7 +85,7 @@ def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
     # source: memcalc estimate of the row's command (every rank simulated); tolerance: none (bytes)
     from memcalc.api import estimate
 
-    model = load_preset("tinyllama-1.1b")  # 22 layers: pp 2, 11, 22; 32 heads, 4 kv heads: tp 4
+    model = load_preset("tinyllama-1.1b")  # 22 layers: pp 2, 4, 8, 11, 16, 22; 32 heads, 4 kv heads: tp 4
     full = cluster_setups(model, 1024, _profile())["full"]["full"]
     cards = [g for g in list_gpus() if g.name in ("rtx-4080", "a100-40gb", "h100-80gb")]
     rows, why = search_pipelines(full, cards)
@@ -90,7 +94,7 @@ def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
         lay = r.layout
         assert lay is not None and lay.tp == 4
         assert lay.required_bytes <= r.gpu.capacity_bytes
-        smaller = [p for p in (2, 11, 22) if p < lay.pp]
+        smaller = [p for p in (2, 4, 8, 11, 16, 22) if p < lay.pp]
         if smaller:  # the next smaller pp does not fit
             from memcalc.plan.pipelines import pipeline_setup
 

@@ -62,9 +62,19 @@ def test_interleaved_rank_holds_its_looped_stages():
     assert [[s["layers"] for s in r["stages"]] for r in pipe["stages"]] == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
 
 
-def test_even_split():
-    # source: memcalc.core.pipeline: n_layers / pp consecutive layers per stage
-    assert stage_layers(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+@pytest.mark.parametrize("n_layers,pp,split", [
+    # source: memcalc.core.pipeline: n_layers / pp consecutive layers per stage where pp divides them
+    (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+    # source: torchtitan 0.3.0 distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part(8, 61): 63 effective
+    # layers, 7 + 1 to the first 7 stages, the first and last one layer less (embedding, head)
+    (61, 8, [(0, 7), (7, 15), (15, 23), (23, 31), (31, 39), (39, 47), (47, 55), (55, 61)]),
+    # source: _generate_llm_fqn_per_model_part(2, 3): 5 effective layers, 3 + 2, less one each
+    (3, 2, [(0, 2), (2, 3)]),
+    # source: _generate_llm_fqn_per_model_part(3, 1): the end stages hold only the embedding / the head
+    (1, 3, [(0, 0), (0, 1), (1, 1)]),
+])
+def test_split(n_layers, pp, split):
+    assert stage_layers(n_layers, pp) == split
 
 
 def test_stages_hold_their_share_and_gpipe_holds_more():
@@ -93,9 +103,22 @@ def run(args: list[str]):
     return CliRunner().invoke(app, ["estimate", "--model", "llama-2-7b", *args])
 
 
+@pytest.mark.slow  # (torch-free; a three-rank estimate of 22 layers through the CLI: about half a second)
+def test_uneven_split_on_the_command_line():
+    # source: torchtitan 0.3.0 _generate_llm_fqn_per_model_part(3, 22): 24 effective layers, 8 a stage, the ends one
+    # less (tinyllama-1.1b's 22 layers over 3 stages: 7, 8, 7)
+    import json
+
+    r = CliRunner().invoke(app, ["estimate", "--model", "tinyllama-1.1b", "--pp", "3", "--batch", "3", "--seq", "64",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    stages = json.loads(r.output)["pipeline"]["stages"]
+    assert [s["layers"] for s in stages] == [[0, 7], [7, 15], [15, 22]]
+
+
 @pytest.mark.parametrize("args,code,message", [
-    # source: memcalc.core.pipeline.check_pp (the even split)
-    (["--pp", "3"], 2, "--pp 3 must divide the layers (32)"),
+    # source: torchtitan 0.3.0 _generate_llm_fqn_per_model_part raises for more stages than layers + 2
+    (["--pp", "35", "--batch", "35"], 2, "'Number of stages (35) cannot be greater than effective layers (34)'"),
     # source: torch Schedule1F1B.__init__ raises for n_microbatches < num_stages
     (["--pp", "4", "--microbatches", "2", "--batch", "4"], 2, "needs --microbatches >= --pp: 2 < 4"),
     # source: TrainingSpec.pp_schedule's Literal (pydantic lists the valid names)
@@ -109,9 +132,9 @@ def run(args: list[str]):
      "needs --pp-stages-per-rank >= 2, not 1"),
     # source: the same: single-stage schedules hold exactly 1 stage per rank
     (["--pp", "4", "--pp-stages-per-rank", "2"], 2, "--pp-schedule 1f1b runs one stage per rank"),
-    # source: memcalc.core.pipeline.check_pp: the even split over pp x V stages
-    (["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "3"], 2,
-     "--pp 4 x --pp-stages-per-rank 3 = 12 stages must divide the layers (32)"),
+    # source: torchtitan 0.3.0 _generate_llm_fqn_per_model_part over pp x V stages: no more than the layers + 2
+    (["--pp", "12", "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "3", "--batch", "12"], 2,
+     "'Number of stages (36) cannot be greater than effective layers (34)'"),
     # source: memcalc.core.pipeline.check_pp: FSDP2 (--zero 2/3) composes with --pp, ZeRO-1 / DeepSpeed do not
     (["--pp", "2", "--batch", "2", "--gpus", "2", "--zero", "1"], 2, "not with --sharding fsdp2 --zero 1 over"),
     # source: torchtitan 0.3.0 apply_fsdp_to_decoder: experts Shard(1) when the FSDP degree exceeds the experts

@@ -6,7 +6,7 @@ torchtitan cuts a Llama for pipelining (torchtitan/distributed/pipeline_parallel
 ``pipeline_module_split``: every stage a copy of the model with the modules it does not own set to
 ``None``; its ``forward`` runs ``tok_embeddings`` if present, its layers, then ``norm`` and ``output``
 if present): the first stage holds the embedding, the last the final norm and the head, and the
-layers are split evenly (:func:`memcalc.core.pipeline.stage_layers`). The stage is wrapped in
+layers are split as :func:`memcalc.core.pipeline.stage_layers` splits them. The stage is wrapped in
 ``PipelineStage`` with static metadata (``input_args`` / ``output_args``: the micro-batch's
 ``(b, T, d)`` hidden states, or the token ids on the first stage), and the schedule
 (:data:`memcalc.core.pipeline.TORCH_SCHEDULES`) runs its unmodified ``step``:
