@@ -271,8 +271,9 @@ class TrainingSpec(Spec):
     cp_method: CpMethod = Field("ring", description="With cp > 1: ring (torch's context_parallel as torchtitan "
                                 "applies it: load-balanced sequence shards, K/V all-gathered per attention) or "
                                 "ulysses (DeepSpeed's DistributedAttention: all-to-all from sequence to heads).")
-    pp: int = Field(1, gt=0, le=MAX_COUNT, description="Pipeline-parallel degree: the layers split evenly into pp "
-                    "stages on pp ranks (torch.distributed.pipelining; memcalc.core.pipeline). "
+    pp: int = Field(1, gt=0, le=MAX_COUNT, description="Pipeline-parallel degree: the layers split into pp stages "
+                    "on pp ranks (evenly, else torchtitan's default split; torch.distributed.pipelining; "
+                    "memcalc.core.pipeline). "
                     "Total GPUs = gpus x tp x pp.")
     pp_schedule: PipelineSchedule = Field(
         "1f1b", description="With pp > 1: the pipeline schedule (gpipe = ScheduleGPipe, 1f1b = Schedule1F1B, "
