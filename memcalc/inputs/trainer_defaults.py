@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 from memcalc.core.spec import KernelProfile
 
@@ -95,13 +95,21 @@ def default_precision(adapters: str) -> tuple[str, str]:
 NO_BF16 = {"bf16": "fp16", "amp-bf16": "amp-fp16"}
 
 
+def half_on(card: Any, precision: str) -> Optional[str]:
+    """The precision ``card`` runs a ``precision`` step in when that is not ``precision`` itself: fp16 for
+    bf16 (amp-fp16 for amp-bf16) on a card without bf16 (:data:`NO_BF16`); None where it runs as given. The
+    one rule for such cards: :func:`half_for_cards` (``--gpu``) and the catalog's verdict
+    (:func:`memcalc.render.report.fits_rows`: its ``runs_as``) judge them by the fp16 run, the same bytes."""
+    return NO_BF16[precision] if getattr(card, "bf16", True) is False and precision in NO_BF16 else None
+
+
 def half_for_cards(res: Any, cards: Sequence[Any], asked: bool) -> Any:
     """``res`` (:class:`memcalc.inputs.resolve.Resolved`) for the ``cards`` asked (``asked``: ``--gpu`` given)
     when none of them has bf16: a bf16 precision that is memcalc's default becomes fp16 (the same bytes: both
     2-byte types; its reason says so); one the user gave stays, with a note. Anything else: ``res`` as it is."""
-    no = [getattr(c, "display_name", c.name) for c in cards if getattr(c, "bf16", True) is False]
     tr = res.exp.training
-    if not asked or not cards or len(no) < len(cards) or tr.precision not in NO_BF16:
+    no = [getattr(c, "display_name", c.name) for c in cards if half_on(c, tr.precision) is not None]
+    if not asked or not cards or len(no) < len(cards):
         return res
     names = ", ".join(no)
     if res.origin.get("precision") != "default":

@@ -11,11 +11,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from memcalc.core.spec import ExperimentSpec, KernelProfile, LoraSpec, ModelSpec, TrainingSpec
-from memcalc.estimate.peak import required_bytes, step_side
+from memcalc.estimate.peak import card_side, required_bytes, step_side
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.fits import fit_gpus
 from memcalc.plan.layouts import layout_probes, layout_setups, search_layouts
-from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, fits_in, smallest_by_value
+from memcalc.plan.limits import CONFIRM_MARGIN, Probe, fit_probe, need, smallest_by_value
 from memcalc.plan.options import LORA_RANK, default_seq
 from memcalc.plan.parallel import parallel_map
 from memcalc.plan.experts import search_experts
@@ -205,9 +205,10 @@ class _ClusterSearch:
             self.req[s][ck] = f.required(self.ns)
         return dict(zip(tp_exps, got[len(keys):len(fit_exps)])), ones, top
 
-    def fits_at(self, s: str, ck: str, n: int, cap: int) -> bool:
-        """Whether setup ``s`` with checkpointing ``ck`` fits ``cap`` at ``n`` GPUs (a direct estimate)."""
-        return fits_in(with_training(self.setups[s][ck], gpus=n), cap)
+    def fits_at(self, s: str, ck: str, n: int, g: Any) -> bool:
+        """Whether setup ``s`` with checkpointing ``ck`` fits card ``g`` at ``n`` GPUs (a direct estimate, on the
+        card's own GPU side: :func:`memcalc.plan.limits.need`)."""
+        return need(with_training(self.setups[s][ck], gpus=n), int(g.capacity_bytes), gpu=g)[0]
 
     def seed_of(self, s: str, cap: int) -> Optional[int]:
         """The fitted fewest N >= 2 of setup ``s`` with checkpointing full (None: none up to GPU_CAP)."""
@@ -248,33 +249,34 @@ class _ClusterSearch:
 
     def row(self, g: Any) -> ClusterRow:
         """Card ``g``'s row: per setup the fewest GPUs, the checkpointing and the required bytes there."""
-        cap = int(g.capacity_bytes)
         mins: dict[str, Optional[int]] = {}
         cks: dict[str, Optional[str]] = {}
         reqs: dict[str, Optional[int]] = {}
         peaks: dict[str, Optional[int]] = {}
         for s, by_ck in self.setups.items():
-            n = mins[s] = self.fewest(s, cap)
+            n = mins[s] = self.fewest(s, g)
             if n is None:
                 cks[s], reqs[s], peaks[s] = None, None, None
                 continue
-            ck = cks[s] = self.checkpointing(s, n, cap)
+            ck = cks[s] = self.checkpointing(s, n, g)
             e = with_training(by_ck[ck], gpus=n)
             peaks[s] = estimated_peak(e)
-            reqs[s] = required_bytes(peaks[s], step_side(e))
+            reqs[s] = required_bytes(peaks[s], card_side(e, g))  # the card's own GPU side
         return ClusterRow(g, mins, cks, reqs, peak_bytes=peaks)
 
-    def fewest(self, s: str, cap: int) -> Optional[int]:
-        """The fewest N with checkpointing full (the frugal one): fitted, then exact."""
+    def fewest(self, s: str, g: Any) -> Optional[int]:
+        """The fewest N with checkpointing full (the frugal one) on card ``g``: fitted, then exact."""
+        cap = int(g.capacity_bytes)
         seed = self.seed_of(s, cap)
-        probe = fit_probe(lambda k, e=self.setups[s]["full"]: with_training(e, gpus=int(k)), cap)
-        return _smallest_n(self.fits_at(s, "full", 1, cap), probe, seed or GPU_CAP, GPU_CAP, cap)
+        probe = fit_probe(lambda k, e=self.setups[s]["full"]: with_training(e, gpus=int(k)), cap, gpu=g)
+        return _smallest_n(self.fits_at(s, "full", 1, g), probe, seed or GPU_CAP, GPU_CAP, cap)
 
-    def checkpointing(self, s: str, n: int, cap: int) -> str:
+    def checkpointing(self, s: str, n: int, g: Any) -> str:
         """Checkpointing none if it fits at that count too (fitted; checked directly near the line),
         else full."""
+        cap = int(g.capacity_bytes)
         if n == 1 or abs(self.req[s]["none"][n - 1] - cap) <= CONFIRM_MARGIN * cap:
-            none_fit = self.fits_at(s, "none", n, cap)
+            none_fit = self.fits_at(s, "none", n, g)
         else:
             none_fit = bool(self.req[s]["none"][n - 1] <= cap)
         return "none" if none_fit else "full"

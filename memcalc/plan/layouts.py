@@ -31,9 +31,9 @@ from memcalc.core.errors import UserError
 from memcalc.core.rules import check_cp
 from memcalc.core.rules import check_tp as check
 from memcalc.core.spec import ExperimentSpec
-from memcalc.estimate.peak import required_bytes, step_side
+from memcalc.estimate.peak import card_side, required_bytes
 from memcalc.plan.fits import GpusFit, fit_gpus
-from memcalc.plan.limits import fit_probe, fits_in, smallest_by_value
+from memcalc.plan.limits import fit_probe, need, smallest_by_value
 from memcalc.plan.simulations import estimated_peak, with_training
 
 #: tensor-parallel degrees searched: within one 8-GPU node (NVLink), as torchtitan's recipes use
@@ -98,10 +98,11 @@ def layout_setups(base: ExperimentSpec) -> list[ExperimentSpec]:
     return [parallel(base, tp, cp) for tp, cp in degrees(base)]
 
 
-def _fewest_dp(exp: ExperimentSpec, cap: int, n_max: int, n_fit: int, fit: Optional[GpusFit] = None) -> Optional[int]:
-    """The fewest data-parallel ranks (1..n_max) at which ``exp`` fits ``cap``: one checked directly
+def _fewest_dp(exp: ExperimentSpec, gpu: Any, n_max: int, n_fit: int, fit: Optional[GpusFit] = None) -> Optional[int]:
+    """The fewest data-parallel ranks (1..n_max) at which ``exp`` fits card ``gpu``: one checked directly
     (weights and state alone usually rule it out at once), 2..n_max from the fit in ``dp``."""
-    if fits_in(with_training(exp, gpus=1), cap):  # one tensor-parallel group, no ZeRO
+    cap = int(gpu.capacity_bytes)
+    if need(with_training(exp, gpus=1), cap, gpu=gpu)[0]:  # one tensor-parallel group, no ZeRO
         return 1
     if n_max < 2:
         return None
@@ -146,12 +147,13 @@ def layout_probes(full: dict[str, ExperimentSpec], caps: dict[int, Optional[int]
     return out
 
 
-def _confirmed(exp: ExperimentSpec, cap: int, n: int, n_max: int) -> Optional[int]:
+def _confirmed(exp: ExperimentSpec, gpu: Any, n: int, n_max: int) -> Optional[int]:
     """The fitted count ``n`` made exact with direct estimates: the fewest data-parallel ranks in
     2..n_max that fit (:func:`memcalc.plan.limits.smallest_by_value`, from ``n``), or None."""
     if n_max < 2:
         return None
-    return smallest_by_value(fit_probe(lambda k: with_training(exp, gpus=int(k)), cap), 2, n_max, cap, n)
+    cap = int(gpu.capacity_bytes)
+    return smallest_by_value(fit_probe(lambda k: with_training(exp, gpus=int(k)), cap, gpu=gpu), 2, n_max, cap, n)
 
 
 def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
@@ -177,20 +179,20 @@ def search_layouts(rows: list[Any], full: dict[str, ExperimentSpec], n_max: int,
             if bound < 1:
                 continue
             e = parallel(base, tp, cp)
-            dp = _fewest_dp(e, cap, bound, n_max, (fits or {}).get(e))
+            dp = _fewest_dp(e, row.gpu, bound, n_max, (fits or {}).get(e))
             if dp is not None:
                 cands.append((dp * w, tp, cp, dp))
         for total, tp, cp, dp in sorted(cands):
             exp = parallel(base, tp, cp)
             if dp > 1:
-                dp = _confirmed(exp, cap, dp, n_max // (tp * cp))
+                dp = _confirmed(exp, row.gpu, dp, n_max // (tp * cp))
                 if dp is None or (n is not None and dp * tp * cp >= n):
                     continue
             exps = {ck: parallel(e, tp, cp, gpus=dp) for ck, e in full.items()}
-            ck = "none" if fits_in(exps["none"], cap) else "full"
+            ck = "none" if need(exps["none"], cap, gpu=row.gpu)[0] else "full"
             row.min_gpus["full"] = dp * tp * cp
             row.checkpoint["full"] = ck
             row.peak_bytes["full"] = estimated_peak(exps[ck])
-            row.required_bytes["full"] = required_bytes(row.peak_bytes["full"], step_side(exps[ck]))
+            row.required_bytes["full"] = required_bytes(row.peak_bytes["full"], card_side(exps[ck], row.gpu))
             row.layout["full"] = layout_of(dp, tp, cp)
             break

@@ -13,7 +13,8 @@ from memcalc.core.errors import UserError
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.observers import PeakAbove
 from memcalc.estimate.peak import card_side, largest_peak_within, required_bytes, step_side
-from memcalc.plan.simulations import estimated_peak, growing_peak, simulated_peak, state_floor, with_training
+from memcalc.plan.simulations import (device_total, estimated_peak, growing_peak, simulated_peak, state_floor,
+                                      with_training)
 
 #: Largest batch the search considers.
 BATCH_CAP = 1 << 16
@@ -33,11 +34,14 @@ def fits_in(exp: ExperimentSpec, capacity_bytes: int) -> bool:
 
 
 def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bool = False,
-         gpu: Any = None) -> tuple[bool, float]:
-    """Whether ``estimate(exp)`` fits ``capacity_bytes``, with its required bytes. Two exact
-    shortcuts come first: weights plus optimizer state (no forward pass) and the steady-state step
-    alone; when either does not fit, the estimate (at least as high) cannot either, and the
-    shortcut's bytes (a lower bound of the estimate's) come back instead. Without ``exact`` (a
+         gpu: Any = None, replayed: bool = False) -> tuple[bool, float]:
+    """Whether ``estimate(exp)`` fits ``capacity_bytes``, with its required bytes: with ``replayed`` the
+    estimate's own verdict (the device total, whose reserved is the caching allocator's replay:
+    :func:`memcalc.plan.simulations.device_total`), else that total with reserved taken as allocated (a
+    lower bound of it: no replay per probe). Exact shortcuts come first, each a lower bound: weights plus
+    optimizer state (no forward pass), the steady-state step alone (and, ``replayed``, the estimate's
+    allocated peak); when one does not fit, the estimate cannot either, and the shortcut's bytes come
+    back instead. Without ``exact`` (a
     caller that only asks whether it fits) a step simulated directly stops as soon as it passes
     the card (:func:`memcalc.estimate.peak.largest_peak_within`), and the bytes that come back for
     a step that does not fit are those at that moment (a lower bound too).
@@ -57,6 +61,8 @@ def need(exp: ExperimentSpec, capacity_bytes: int, exact: bool = True, steer: bo
         return False, float(required_bytes(e.total, side))
     if got <= capacity_bytes:
         got = required_bytes(estimated_peak(exp), side)
+    if got <= capacity_bytes and replayed:  # the allocated peak fits: the estimate's verdict (its replay) decides
+        got = device_total(exp, side, None if exact else capacity_bytes)
     ok = got <= capacity_bytes
     if steer:
         g = growing_peak(exp)
@@ -259,35 +265,39 @@ def smallest_by_value(probe: Probe, lo: int, hi: int, line: float, seed: Optiona
 
 
 def fit_probe(exp_at: Callable[[int], ExperimentSpec], capacity_bytes: int, exact: bool = True,
-              steer: bool = False, gpu: Any = None) -> Probe:
-    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``, ``steer``, ``gpu``: as there)."""
-    return lambda x: need(exp_at(x), capacity_bytes, exact, steer, gpu)
+              steer: bool = False, gpu: Any = None, replayed: bool = False) -> Probe:
+    """``probe(x)``: :func:`need` of ``exp_at(x)`` on ``capacity_bytes`` (``exact``, ``steer``, ``gpu``,
+    ``replayed``: as there)."""
+    return lambda x: need(exp_at(x), capacity_bytes, exact, steer, gpu, replayed)
 
 
 def max_batch(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False,
-              gpu: Any = None) -> int:
+              gpu: Any = None, replayed: bool = False) -> int:
     """The largest batch (at ``exp``'s seq, everything else as given) whose required bytes fit
     ``capacity_bytes``; 0 if batch 1 does not fit; at most :data:`BATCH_CAP`. Exact: a search over
     direct estimates (the estimate is monotone in batch), :func:`largest_by_value`; ``anchored``:
-    ``exp``'s own batch is a known point of it (:func:`_own_point`)."""
+    ``exp``'s own batch is a known point of it (:func:`_own_point`); ``replayed``: by the estimate's own
+    verdict (:func:`need`)."""
     at = lambda b: with_training(exp, batch=int(b))  # noqa: E731
     known = _own_point(exp, exp.training.batch, capacity_bytes, gpu) if anchored else ()
-    return largest_by_value(fit_probe(at, capacity_bytes, steer=True, gpu=gpu), 1, BATCH_CAP, capacity_bytes, seed,
-                            known, last=fit_probe(at, capacity_bytes, exact=False, steer=True, gpu=gpu))
+    return largest_by_value(fit_probe(at, capacity_bytes, steer=True, gpu=gpu, replayed=replayed), 1, BATCH_CAP,
+                            capacity_bytes, seed, known,
+                            last=fit_probe(at, capacity_bytes, exact=False, steer=True, gpu=gpu, replayed=replayed))
 
 
 def max_seq(exp: ExperimentSpec, capacity_bytes: int, seed: Optional[int] = None, anchored: bool = False,
-            gpu: Any = None) -> int:
+            gpu: Any = None, replayed: bool = False) -> int:
     """The largest sequence (at ``exp``'s batch) whose required bytes fit ``capacity_bytes``, at most
     the model's ``max_seq_len``; 0 if not even 2 tokens fit. Exact: a search over direct estimates
     (monotone in seq), :func:`largest_by_value`, from the seed or else from the middle of the range;
-    ``anchored``: ``exp``'s own seq is a known point of it (:func:`_own_point`)."""
+    ``anchored``: ``exp``'s own seq is a known point of it (:func:`_own_point`); ``replayed``: by the
+    estimate's own verdict (:func:`need`)."""
     hi = exp.model.max_seq_len
     at = lambda t: with_training(exp, seq=int(t))  # noqa: E731
     known = _own_point(exp, exp.training.seq, capacity_bytes, gpu) if anchored else ()
-    r = largest_by_value(fit_probe(at, capacity_bytes, steer=True, gpu=gpu), 2, hi, capacity_bytes,
+    r = largest_by_value(fit_probe(at, capacity_bytes, steer=True, gpu=gpu, replayed=replayed), 2, hi, capacity_bytes,
                          seed if seed is not None else (2 + hi) // 2, known,
-                         last=fit_probe(at, capacity_bytes, exact=False, steer=True, gpu=gpu))
+                         last=fit_probe(at, capacity_bytes, exact=False, steer=True, gpu=gpu, replayed=replayed))
     return r if r >= 2 else 0
 
 
@@ -309,8 +319,9 @@ def check_one_gpu(gpu: Optional[Sequence[str]], flag: str):
 
 
 def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: bool) -> dict[str, Any]:
-    """``estimate --max-batch/--max-seq``: the exact answers on one ``gpu``, and the required bytes
-    at the answer and one past it (what makes the answer the answer)."""
+    """``estimate --max-batch/--max-seq``: the exact answers on one ``gpu``, and the device totals
+    (the estimate's, :func:`memcalc.plan.simulations.device_total`) at the answer and one past it (what
+    makes the answer the answer)."""
     tr = exp.training
     if tr.first_seq is not None:  # the searches fit the steady step in batch and sequence (memcalc.plan.fits)
         raise UserError(f"{'--max-batch' if want_batch else '--max-seq'} searches the steady step; with --first-seq "
@@ -319,18 +330,17 @@ def estimate_limits(exp: ExperimentSpec, gpu: Any, want_batch: bool, want_seq: b
     out: dict[str, Any] = {"gpu": gpu.name, "capacity_bytes": cap}
     side = card_side(exp, gpu)
     if want_batch:
-        b = max_batch(exp, cap, gpu=gpu)
+        b = max_batch(exp, cap, gpu=gpu, replayed=True)
         out["max_batch"] = b
         out["max_batch_seq"] = tr.seq
-        out["max_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b)), side)
-                                           if b else None)
-        out["next_batch_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, batch=b + 1)), side)
+        out["max_batch_required_bytes"] = device_total(with_training(exp, batch=b), side) if b else None
+        out["next_batch_required_bytes"] = (device_total(with_training(exp, batch=b + 1), side)
                                             if b < BATCH_CAP else None)
     if want_seq:
-        t = max_seq(exp, cap, gpu=gpu)
+        t = max_seq(exp, cap, gpu=gpu, replayed=True)
         out["max_seq"] = t
         out["max_seq_batch"] = tr.batch
-        out["max_seq_required_bytes"] = required_bytes(estimated_peak(with_training(exp, seq=t)), side) if t else None
-        out["next_seq_required_bytes"] = (required_bytes(estimated_peak(with_training(exp, seq=t + 1)), side)
+        out["max_seq_required_bytes"] = device_total(with_training(exp, seq=t), side) if t else None
+        out["next_seq_required_bytes"] = (device_total(with_training(exp, seq=t + 1), side)
                                           if 2 <= t < exp.model.max_seq_len else None)
     return out

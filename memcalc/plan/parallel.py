@@ -29,8 +29,9 @@ def workers() -> int:
 
 #: What a worker's job adds to these caches of :mod:`memcalc.plan.simulations` comes back to the
 #: parent process (``DEPTH_CHECKED``: the structures checked at three depths; ``ONE_GPU_TRACES``:
-#: the one-GPU shallow traces a ZeRO step's extrapolation compares with, plan/depth.py).
-_SHARED = ("PEAK_CACHE", "TRACE_CACHE", "FLOOR_CACHE", "DEPTH_CHECKED", "ONE_GPU_TRACES")
+#: the one-GPU shallow traces a ZeRO step's extrapolation compares with, plan/depth.py; ``TOTAL_CACHE`` /
+#: ``TOTAL_BOUNDS``: the estimate's device totals, simulations.device_total).
+_SHARED = ("PEAK_CACHE", "TRACE_CACHE", "FLOOR_CACHE", "DEPTH_CHECKED", "ONE_GPU_TRACES", "TOTAL_CACHE", "TOTAL_BOUNDS")
 
 
 def _run_keeping_peaks(job: tuple[Callable[[Any], Any], Any]) -> tuple[Any, list[dict]]:

@@ -30,11 +30,12 @@ from memcalc.estimate.peak import card_side, required_bytes
 from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 from memcalc.plan.cost import relative_cost
 from memcalc.plan.fits import StepFit, bt_features, fit_points, fit_step, sorted_unique
-from memcalc.plan.limits import BATCH_CAP, CONFIRM_MARGIN, largest_true_array, max_batch, max_seq
+from memcalc.plan.limits import BATCH_CAP, CONFIRM_MARGIN, largest_true_array, max_batch, max_seq, need
 from memcalc.plan.options import Technique, default_seq, techniques
 from memcalc.plan.parallel import parallel_map
 from memcalc.plan.depth import applies
-from memcalc.plan.simulations import estimated_peak, phase_peaks_of, simulated_peak, state_floor, trace_peak
+from memcalc.plan.simulations import device_total, estimated_peak, phase_peaks_of, simulated_peak, state_floor
+from memcalc.plan.simulations import trace_peak
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,7 @@ def _b1_peak(job: tuple[ExperimentSpec, int, bool, Any]) -> Optional[int]:
 
 
 def _b1_peaks(jobs: list[tuple[ExperimentSpec, int, bool, Any]]) -> list[Optional[int]]:
-    """:func:`_b1_peak` of each job, in one process (an option and its fused twin)."""
-    return [_b1_peak(j) for j in jobs]
+    return [_b1_peak(j) for j in jobs]  # (in one process: an option and its fused twin)
 
 
 def fit_groups(techs: Sequence[Technique], idx: Sequence[int]) -> dict[int, int]:
@@ -198,7 +198,7 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
         need = required_bytes(p, side)
         if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or include_all):
             p, b, t = _confirm_option((e, cap, b, t, gpu, include_all))
-            rows.append((p, required_bytes(p, side) <= cap, b, t, True, fits_[k]))
+            rows.append((p, device_total(e, side, None if include_all else cap) <= cap, b, t, True, fits_[k]))
         else:
             rows.append((p, bool(fit_b1[k]), b, t, False, fits_[k]))
     return rows, evaluated
@@ -245,7 +245,7 @@ def _confirm_option(job: tuple) -> tuple[int, int, int]:
     e, cap, mb, ms, gpu = job[:5]
     every = len(job) > 5 and job[5]
     p = estimated_peak(e)
-    ok = required_bytes(p, card_side(e, gpu)) <= cap
+    ok = need(e, cap, gpu=gpu, replayed=True)[0]  # the estimate's verdict (its allocator replay)
     b = max_batch(e, cap, seed=mb if mb > 0 else None, anchored=True, gpu=gpu) if ok else 0
     if ok or ms > 0:
         t = max_seq(e, cap, seed=ms if ms >= 2 else None, anchored=True, gpu=gpu)
@@ -356,6 +356,12 @@ class _GpuSearch:
     recompute: dict[int, float] = field(default_factory=dict)
     evaluated: int = 0  # options x batches x seqs evaluated by the vectorised search
 
+    def required(self, i: int, peak: int, confirmed: bool) -> int:
+        """Option ``i``'s device total at batch 1: confirmed, the estimate's (:func:`device_total`: its command's;
+        a bound past the card for a row not shown), else its allocated ``peak``'s (reserved taken as allocated)."""
+        e, side, lim = self.exps[i], card_side(self.exps[i], self.gpu), None if self.include_all else self.cap
+        return device_total(e, side, lim) if confirmed else required_bytes(peak, side)
+
     def above_floor(self) -> list[int]:
         """The eager options whose weights and optimizer state alone fit the card."""
         return [i for i, e in enumerate(self.exps)
@@ -395,7 +401,7 @@ class _GpuSearch:
                 applies(e) for e in job[1]))):
             self.evaluated += n_eval
             for i, (p, fits, mb, ms, done, fit) in zip(pair, rows):
-                req = required_bytes(p, card_side(self.exps[i], self.gpu))
+                req = self.required(i, p, done)
                 self.results[i] = OptionResult(self.techs[i], p, req, fits, mb, ms, None, done)
                 self.fit_of[i] = fit
 
@@ -408,7 +414,7 @@ class _GpuSearch:
                 for i in idx]
         for i, (p, mb, ms, frac) in zip(idx, parallel_map(_confirm_compiled, jobs,
                                                           heavy=lambda job: job[2] > 0 or job[3] > 0)):
-            req = required_bytes(p, card_side(self.exps[i], self.gpu))
+            req = self.required(i, p, True)
             r = OptionResult(self.techs[i], p, req, req <= self.cap, mb, ms, None, True)
             self.recompute[i] = frac
             if r.fits or self.include_all:
@@ -418,7 +424,7 @@ class _GpuSearch:
         """The exact batch-1 numbers of the eager options that were not fitted (``--all``)."""
         rest = [i for i, t in enumerate(self.techs) if i not in self.results and t.budget is None]
         for i, p in zip(rest, parallel_map(estimated_peak, [self.exps[i] for i in rest])):
-            req = required_bytes(p, card_side(self.exps[i], self.gpu))
+            req = self.required(i, p, True)
             self.results[i] = OptionResult(self.techs[i], p, req, False, 0, 0, None, True)
 
     def ranked(self) -> list[OptionResult]:

@@ -167,6 +167,45 @@ def estimated_peak(exp: ExperimentSpec) -> int:
     return max(simulated_peak(exp, False), simulated_peak(exp, True))
 
 
+#: The estimate's device totals by (experiment, GPU side) (:func:`device_total`); like the peaks, those a
+#: worker works out come back to the parent (:mod:`memcalc.plan.parallel`).
+TOTAL_CACHE: dict[tuple[ExperimentSpec, Any], int] = {}
+#: Lower bounds of device totals past a card, by the same keys: a step cut short (:func:`device_total`).
+TOTAL_BOUNDS: dict[tuple[ExperimentSpec, Any], int] = {}
+
+
+def device_total(exp: ExperimentSpec, side: Any, limit: Optional[int] = None) -> int:
+    """``estimate(exp, side=side).device_total_bytes``: the verdict ``memcalc estimate`` gives on the card of
+    ``side`` (:func:`memcalc.render.report.fits_rows`: the device total of :mod:`memcalc.core.gpu_side`, whose
+    reserved is the caching allocator's replay of the step, not its allocated peak), cached. ``limit`` (a
+    card's capacity, for a caller that only asks whether the step fits it): the estimate stops as soon as
+    the step's running total, or its replay's reserved bytes, show the total past ``limit``
+    (:func:`memcalc.estimate.peak.largest_peak_within`), and a lower bound above ``limit`` comes back."""
+    key = (exp, side)
+    got = TOTAL_CACHE.get(key)
+    if got is not None:
+        return got
+    bound = TOTAL_BOUNDS.get(key)
+    if bound is not None and limit is not None and bound > limit:
+        return bound
+    from memcalc.core.gpu_side import overhead_bytes
+    from memcalc.engine.observers import PeakAbove
+    from memcalc.estimate.peak import estimate, largest_peak_within
+
+    try:
+        est = estimate(exp, timeline=False, replay=True, side=side, flops=False,
+                       stop_above=None if limit is None else largest_peak_within(limit, side))
+    except PeakAbove as e:  # reserved >= allocated: past the limit either way
+        if len(TOTAL_BOUNDS) > 100_000:
+            TOTAL_BOUNDS.clear()
+        got = TOTAL_BOUNDS[key] = e.total + overhead_bytes(side)
+        return got
+    if len(TOTAL_CACHE) > 100_000:
+        TOTAL_CACHE.clear()
+    got = TOTAL_CACHE[key] = est.device_total_bytes
+    return got
+
+
 def state_floor(exp: ExperimentSpec) -> int:
     """Weights plus optimizer state (plus every gradient, where all are alive together before an
     unfused optimizer step: :func:`memcalc.engine.timeline.floor_bytes`): a lower bound of the

@@ -107,8 +107,10 @@ def gpu_plan_items(p: GpuPlan) -> list[Any]:
     if not p.fitting:
         out.append("[red]nothing fits[/red]: try a bigger GPU, fewer tokens (--seq), or `memcalc plan --model "
                    f"{p.model.name}` for a multi-GPU count")
-    out.append(f"[dim]peak = allocated peak; needs = peak + cuBLAS workspaces + CUDA context (+ NCCL), reserved taken "
-               f"as allocated; LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
+    out.append(f"[dim]peak = allocated peak; needs = the estimate's device total: reserved (the allocator's replay) + "
+               f"CUDA context + what the step loads (+ NCCL), what the row's command prints; max batch, max seq: with "
+               f"reserved taken as allocated (no allocator replay per probe: the estimate there can need more); "
+               f"LoRA/QLoRA: rank {LORA_RANK} on q,k,v,o; "
                f"numbers of fitting options confirmed by direct estimates (max seq capped at the model's "
                f"{p.model.max_seq_len:,})[/dim]")
     for line in COST_MODEL_LINES:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from memcalc.core.pipeline import pipeline_line
 from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
+from memcalc.inputs.trainer_defaults import half_on
 from memcalc.core.expert_parallel import ep_line
 from memcalc.core.ring_attention import cp_line, tp_line
 from memcalc.core.gpu_side import DeviceMemory, device_memory
@@ -86,10 +87,12 @@ def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
     released its cached segments (``fits_after_cache_release``; absent without an allocator replay or
     for more than :data:`AFTER_RELEASE_CARDS` cards).
     With a paged optimizer: whether its unified-memory state also stays resident in the headroom
-    (``paged_state_resident``; when not, it pages to the host: the step still fits, slower)."""
+    (``paged_state_resident``; when not, it pages to the host: the step still fits, slower). ``runs_as``: the
+    precision a card runs the step in instead (fp16 for bf16 without bf16, the same bytes: ``half_on``)."""
     paged = est.extra.get("paged_optimizer_bytes")
     out = []
     for g in gpus:
+        runs_as = half_on(g, est.experiment.training.precision)
         need = card_memory(est, g).device_total_bytes
         after = _after_release(est, g) if need > g.capacity_bytes and len(gpus) <= AFTER_RELEASE_CARDS else None
         out.append({
@@ -99,6 +102,7 @@ def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
             "fits": need <= g.capacity_bytes,
             **({"fits_after_cache_release": after} if after is not None else {}),
             "headroom_bytes": g.capacity_bytes - need,
+            **({"runs_as": runs_as} if runs_as is not None else {}),
             **({"paged_state_resident": need + paged <= g.capacity_bytes} if paged is not None else {}),
         })
     return out

@@ -40,6 +40,12 @@ def _card_lines(est: Estimate, row: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _runs_as(row: Mapping[str, Any]) -> str:
+    """`` (in fp16: no bf16)`` for a card that runs the step in another precision (``fits_rows``' ``runs_as``:
+    the same bytes), else nothing."""
+    return f" (in {row['runs_as']}: no bf16)" if row.get("runs_as") else ""
+
+
 def _catalog_lines(est: Estimate, rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The catalog in two lines: how many cards fit and the smallest that does; the largest that
     does not."""
@@ -47,15 +53,16 @@ def _catalog_lines(est: Estimate, rows: Sequence[Mapping[str, Any]]) -> list[str
     no = [r for r in rows if not r["fits"]]
     if not yes:
         big = max(no, key=lambda r: r["capacity_bytes"])
-        return [f"Fits [red]none[/red] of {len(rows)} GPUs; the largest, {big['name']}: needs "
+        return [f"Fits [red]none[/red] of {len(rows)} GPUs; the largest, {big['name']}{_runs_as(big)}: needs "
                 f"{fmt_auto(big['device_total_bytes'])}, {_room(big)}"]
     small = min(yes, key=lambda r: r["capacity_bytes"])
     head = "all" if not no else f"{len(yes)} of"
-    out = [f"Fits [green]{head} {len(rows)} GPUs[/green]; smallest {small['name']}: needs "
+    out = [f"Fits [green]{head} {len(rows)} GPUs[/green]; smallest {small['name']}{_runs_as(small)}: needs "
            f"{fmt_auto(small['device_total_bytes'])}, {_room(small)}"]
     if no:
         big = max(no, key=lambda r: r["capacity_bytes"])
-        out.append(f"Does [red]not[/red] fit {big['name']} ({fmt_auto(big['capacity_bytes'])}, {_room(big)})"
+        out.append(f"Does [red]not[/red] fit {big['name']}{_runs_as(big)} ({fmt_auto(big['capacity_bytes'])}, "
+                   f"{_room(big)})"
                    + (f" or {len(no) - 1} other GPU{'s' if len(no) > 2 else ''}" if len(no) > 1 else ""))
     return out
 

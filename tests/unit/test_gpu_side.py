@@ -190,3 +190,32 @@ def test_plan_commands_on_a_card_without_bf16_say_fp16():
     # source: data/gpus.yaml t4 bf16 false, h100 true
     assert half_command(cmd, SimpleNamespace(bf16=False)) == cmd.replace("bf16", "fp16", 1)
     assert half_command(cmd, SimpleNamespace(bf16=True)) == cmd
+
+
+#: (args, exit code, text): the catalog's summary without --gpu judges a card without bf16 by the fp16 step it runs
+#: as (memcalc.inputs.trainer_defaults.half_on, the rule --gpu follows), and says so
+CATALOG_NO_BF16_ROWS = [
+    # source: data/gpus.yaml t4 bf16 false, the smallest card: LoRA's bf16 default runs there as fp16
+    (["--lora"], 0, "smallest t4 (in fp16: no bf16): needs"),
+    # source: an fp32 step runs as given on every card
+    (["--lora", "--precision", "fp32"], 0, "smallest t4: needs"),
+]
+
+
+@pytest.mark.slow  # two CLI estimates over the catalog (about 1 s)
+@pytest.mark.parametrize("args,code,text", CATALOG_NO_BF16_ROWS)
+def test_the_catalog_summary_says_a_card_runs_fp16(args, code, text):
+    r = CliRunner().invoke(app, ["estimate", "--model", TINY, "--seq", "64", *args])
+    assert r.exit_code == code, r.stderr
+    assert text in " ".join(r.stdout.split())
+
+
+def test_half_on_is_the_one_rule():
+    from types import SimpleNamespace
+
+    from memcalc.inputs.trainer_defaults import half_on
+
+    t4, h100 = SimpleNamespace(bf16=False), SimpleNamespace(bf16=True)
+    # source: data/gpus.yaml (t4 bf16 false); NO_BF16: bf16 -> fp16, amp-bf16 -> amp-fp16
+    assert [half_on(t4, p) for p in ("bf16", "amp-bf16", "fp32", "fp16")] == ["fp16", "amp-fp16", None, None]
+    assert half_on(h100, "bf16") is None and half_on(SimpleNamespace(), "bf16") is None  # a capacity card: bf16

@@ -37,13 +37,16 @@ def run(args: list[str]):
 CLI_PROFILE = get_profile("hf-torch-2.8-cuda")
 
 
-def required(model, gpu=None, **training) -> int:
+def required(model, gpu=None, replay=False, **training) -> int:
     """What the CLI's estimate needs for ``model`` under ``training`` (the CLI's default profile), on ``gpu``'s
-    own GPU side (its workspaces, context; default: the reference card's), reserved taken as allocated."""
+    own GPU side (its workspaces, context; default: the reference card's): with ``replay`` the estimate's own
+    device total (its allocator replay: what ``memcalc estimate`` prints and judges), else reserved taken as
+    allocated."""
     from memcalc.estimate.peak import card_side
 
     exp = ExperimentSpec(model=model, training=TrainingSpec(**training), profile=CLI_PROFILE)
-    return estimate(exp, timeline=False, side=card_side(exp, get_gpu(gpu)) if gpu else None).required_bytes
+    side = card_side(exp, get_gpu(gpu)) if gpu else None
+    return estimate(exp, timeline=False, replay=replay, side=side).required_bytes
 
 
 def training_of(opt: dict, batch: int, seq: int) -> dict:
@@ -180,11 +183,12 @@ def test_plan_4090_lists_lora_and_qlora(plan_8b_4090):
 
 @pytest.mark.slow  # plan search on a full-size model
 def test_plan_4090_every_option_fits_by_direct_estimate(plan_8b_4090):
-    # source: estimate() of each listed option at batch 1 x 2048; the plan's numbers are exact
+    # source: estimate() of each listed option at batch 1 x 2048, its allocator replay included (the row's
+    # "needs" and verdict are the estimate's own, not reserved taken as allocated)
     m = load_preset("llama-3.1-8b")
     cap = get_gpu("rtx-4090").capacity_bytes
     for o in plan_8b_4090["options"]:
-        req = required(m, "rtx-4090", **training_of(o, 1, 2048))
+        req = required(m, "rtx-4090", replay=True, **training_of(o, 1, 2048))
         assert req == o["required_bytes"] <= cap, o["option"]
 
 
@@ -394,8 +398,11 @@ def test_plan_70b_one_gpu_counts_report_their_direct_estimate(plan_70b):
     setups = cluster_setups(load_preset("llama-3.1-70b"), plan_70b["seq"], CLI_PROFILE)
     ones = [(g, s) for g in plan_70b["gpus"] for s in ("full", "lora") if g[f"min_gpus_{s}"] == 1]
     assert ones  # the frozen bf16 base (141 GB) and its LoRA fit one 192 GB card
-    for g, s in ones:
-        need = estimate(setups[s][g[f"checkpoint_{s}"]], timeline=False).required_bytes
+    from memcalc.estimate.peak import card_side
+
+    for g, s in ones:  # each on its own card's GPU side
+        exp = setups[s][g[f"checkpoint_{s}"]]
+        need = estimate(exp, timeline=False, side=card_side(exp, get_gpu(g["name"]))).required_bytes
         assert g[f"required_bytes_{s}"] == need <= g["capacity_bytes"]
 
 
@@ -414,6 +421,21 @@ def test_plan_catalog_text_for_a_small_model(tmp_path):
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())
     assert "fewest GPUs at batch 1 x seq 1024 per GPU" in text and "16 bytes/param" in text
+
+
+@pytest.mark.slow  # plan search on a full-size model, and one estimate
+def test_plan_catalog_rows_count_their_own_cards_gpu_side(plan_70b):
+    # source: memcalc/core/gpu_side.py: an RTX 4090 (Ada Lovelace) has a 426 MiB context and 2 x ":4096:2:16:8"
+    # cuBLAS workspaces, not the H100's 523.56 MiB and 2 x 32 MiB; the row's command is for that card
+    from memcalc.estimate.peak import card_side
+    from memcalc.plan.cluster import cluster_setups
+    from memcalc.plan.simulations import with_training
+
+    row = next(g for g in plan_70b["gpus"] if g["name"] == "rtx-4090")
+    n, ck = row["min_gpus_lora"], row["checkpoint_lora"]  # LoRA: ZeRO-3 alone
+    exp = with_training(cluster_setups(load_preset("llama-3.1-70b"), plan_70b["seq"], CLI_PROFILE)["lora"][ck], gpus=n)
+    need = estimate(exp, timeline=False, side=card_side(exp, get_gpu("rtx-4090"))).required_bytes
+    assert row["required_bytes_lora"] == need <= row["capacity_bytes"]
 
 
 @pytest.mark.slow  # plan search on a full-size model
@@ -435,7 +457,8 @@ LIMIT_ROWS = [
 
 @pytest.mark.parametrize("flags,gpu", LIMIT_ROWS)
 def test_max_batch_and_seq_are_exact(flags, gpu):
-    # source: estimate(): the answer fits the card and answer + 1 does not
+    # source: estimate(), its allocator replay included (its own verdict): the answer fits the card and
+    # answer + 1 does not
     r = run(["estimate", *flags, "--gpu", gpu, "--max-batch", "--max-seq", "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
@@ -445,12 +468,12 @@ def test_max_batch_and_seq_are_exact(flags, gpu):
     b, t = doc["max_batch"], doc["max_seq"]
     fixed = {k: v for k, v in tr.items() if k not in ("batch", "seq")}
     assert b >= 1
-    assert required(m, gpu, batch=b, seq=tr["seq"], **fixed) <= cap < required(m, gpu, batch=b + 1, seq=tr["seq"],
-                                                                                **fixed)
+    at = lambda b, t: required(m, gpu, replay=True, batch=b, seq=t, **fixed)  # noqa: E731
+    assert at(b, tr["seq"]) == doc["limits"]["max_batch_required_bytes"] <= cap < at(b + 1, tr["seq"])
     assert 2 <= t <= m.max_seq_len
-    assert required(m, gpu, batch=tr["batch"], seq=t, **fixed) <= cap
+    assert at(tr["batch"], t) == doc["limits"]["max_seq_required_bytes"] <= cap
     if t < m.max_seq_len:
-        assert required(m, gpu, batch=tr["batch"], seq=t + 1, **fixed) > cap
+        assert at(tr["batch"], t + 1) > cap
 
 
 @pytest.mark.slow  # estimates llama-3.1-8b at full size
