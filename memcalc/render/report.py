@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 ORIGIN_MARK = {"flag": "", "config": "config", "default": "default", "inferred": "inferred"}
 
 
-
 #: ``extra`` keys of the techniques (activation offloading, paged optimizers), all integers, in --json
 TECHNIQUE_KEYS = ("host_activation_bytes", "host_activation_raw_bytes", "offloaded_tensors", "paged_optimizer_bytes")
 
@@ -85,14 +84,12 @@ def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
     """Per GPU: capacity, its device total, whether it fits, and the headroom (bytes, may be negative).
     A card the device total exceeds says whether the step still runs once the caching allocator has
     released its cached segments (``fits_after_cache_release``; absent without an allocator replay or
-    for more than :data:`AFTER_RELEASE_CARDS` cards).
-    With a paged optimizer: whether its unified-memory state also stays resident in the headroom
-    (``paged_state_resident``; when not, it pages to the host: the step still fits, slower). ``runs_as``: the
-    precision a card runs the step in instead (fp16 for bf16 without bf16, the same bytes: ``half_on``)."""
+    for more than :data:`AFTER_RELEASE_CARDS` cards). A paged optimizer: whether its unified-memory state
+    also stays resident in the headroom (``paged_state_resident``; else it pages to the host, slower).
+    ``runs_as``: the precision the card runs the step in instead (fp16 for bf16, the same bytes: ``half_on``)."""
     paged = est.extra.get("paged_optimizer_bytes")
     out = []
     for g in gpus:
-        runs_as = half_on(g, est.experiment.training.precision)
         need = card_memory(est, g).device_total_bytes
         after = _after_release(est, g) if need > g.capacity_bytes and len(gpus) <= AFTER_RELEASE_CARDS else None
         out.append({
@@ -102,7 +99,7 @@ def fits_rows(est: Estimate, gpus: list[Any]) -> list[dict[str, Any]]:
             "fits": need <= g.capacity_bytes,
             **({"fits_after_cache_release": after} if after is not None else {}),
             "headroom_bytes": g.capacity_bytes - need,
-            **({"runs_as": runs_as} if runs_as is not None else {}),
+            **({"runs_as": r} if (r := half_on(g, est.experiment.training.precision)) else {}),
             **({"paged_state_resident": need + paged <= g.capacity_bytes} if paged is not None else {}),
         })
     return out
@@ -440,9 +437,7 @@ def report_items(est: Estimate, res: Resolved, gpus: list[Any], verbose: bool = 
     out: list[Any] = []
     add = out.append
     add(inputs_table(est, res) if verbose else setup_line(est, res))
-    for n in res.notes:
-        add(f"[yellow]note:[/yellow] {n}")
-    for n in est.notes:
+    for n in [*res.notes, *est.notes]:
         add(f"[yellow]note:[/yellow] {n}")
     add(peak_table(est))
     add(phases_table(est))
