@@ -34,7 +34,7 @@ from memcalc.core.errors import UserError
 from memcalc.core.rules import QUANT_METHODS, framework_model
 from memcalc.inputs.data_files import clip
 from memcalc.inputs.parsers import parse_checkpoint, parse_modules_to_save, parse_targets
-from memcalc.inputs.trainer_defaults import default_precision, trainer_checkpointing
+from memcalc.inputs.trainer_defaults import default_precision, fsdp1_qlora_profile, trainer_checkpointing
 from memcalc.inputs.profiles import (DEFAULT_TORCH, LORA_DTYPE_WHY, compose, get_profile, profile_for, with_kernels,
                                      with_loss)
 from memcalc.core.spec import (COMPILE_SCOPES, CP_METHODS, DEFAULT_LOSS_CHUNKS, FRAMEWORKS, LORA_DTYPES, SHARDINGS,
@@ -204,6 +204,7 @@ def resolve(o: Options) -> Resolved:
     tr = _Training(base)
     _put_flags(o, model, tr, notes)
     _put_lora_flags(o, model, tr)
+    profile = fsdp1_qlora_profile(profile, tr.values, reasons, notes)
     _setup_defaults(o, model, profile, tr, origin, reasons, notes)
     training = tr.spec()
     for k in TrainingSpec.model_fields:

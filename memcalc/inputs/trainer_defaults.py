@@ -72,6 +72,29 @@ def trainer_checkpointing(profile: KernelProfile, values: dict[str, Any], origin
                  "--checkpoint none to run without")
 
 
+#: why QLoRA under FSDP1 runs without PEFT's k-bit fp32 cast (the note and the reason)
+FSDP1_QLORA_NO_CAST = (
+    "QLoRA under FSDP1 runs without PEFT's prepare_model_for_kbit_training: its fp32 norms beside the bf16-storage "
+    "4-bit weights of one decoder layer make a flat parameter FSDP1 refuses ('Must flatten tensors with uniform "
+    "dtype', torch 2.13 distributed/fsdp/_flat_param.py _validate_tensors_to_flatten), so the trainers skip it "
+    "(TRL prepare_peft_model is_sharded_qlora; axolotl _prepare_model_for_quantization 'make sure everything is "
+    "in the same dtype'): the norms, embedding and head stay bf16, and it turns no checkpointing on")
+
+
+def fsdp1_qlora_profile(profile: KernelProfile, values: dict[str, Any], reasons: dict[str, str],
+                        notes: list[str]) -> KernelProfile:
+    """The profile a QLoRA step under FSDP1 runs with (``values``: the training fields being assembled):
+    without the k-bit fp32 cast (:data:`FSDP1_QLORA_NO_CAST`); any other setup's profile as it is. The
+    validator builds the same base (validate/sharded/hf_fsdp1_qlora.py)."""
+    lora = values.get("lora")
+    fsdp1 = (values.get("sharding") == "fsdp1" and (values.get("zero") or 0) >= 2 and (values.get("gpus") or 1) > 1)
+    if not (profile.qlora_fp32_cast and fsdp1 and lora is not None and lora.get("qlora")):
+        return profile
+    reasons["qlora_fp32_cast"] = FSDP1_QLORA_NO_CAST
+    notes.append(FSDP1_QLORA_NO_CAST)
+    return profile.model_copy(update={"qlora_fp32_cast": False})
+
+
 #: adapters ("none" | "lora" | "qlora") -> (--precision, why): what estimate assumes without --precision
 #: (Hugging Face Trainer on one GPU) and what plan's LoRA / QLoRA setups run (memcalc/plan/cluster.py)
 DEFAULT_PRECISION: dict[str, tuple[str, str]] = {

@@ -95,3 +95,23 @@ def test_fsdp1_refuses_the_kbit_fp32_cast():
     assert exp.profile.qlora_fp32_cast
     with pytest.raises(UserError, match="Must flatten tensors with uniform dtype"):
         trace_rank(exp, framework="hf")
+
+
+def test_validate_traces_fsdp1_qlora_as_resolved():
+    """``memcalc validate --sharding fsdp1 --framework hf --qlora``: the hf profile's k-bit cast is resolved
+    off under FSDP1 (memcalc.inputs.trainer_defaults.fsdp1_qlora_profile), so the command traces the step the
+    estimate predicts. # source: trace_rank(framework="hf") through the CLI, TinyLlama 1 layer, 2 x 128 tokens"""
+    import json
+
+    from typer.testing import CliRunner
+
+    from memcalc.cli import app
+
+    r = CliRunner().invoke(app, ["validate", "--model", "tinyllama-1.1b", "--qlora", "--lora-targets", "q,v",
+                                 "--batch", "2", "--seq", "128", "--scale-layers", "1", "--gpus", "2", "--zero", "3",
+                                 "--sharding", "fsdp1", "--framework", "hf", "--json"])
+    assert r.exit_code == 0, r.output
+    (rec,) = json.loads(r.stdout)
+    assert rec["status"] == "ok", rec["reason"]
+    gap = 100 * (rec["predicted_bytes"] - rec["measured_bytes"]) / rec["measured_bytes"]
+    assert abs(gap) <= TOLERANCE_PCT, rec

@@ -135,10 +135,6 @@ BAD_CLI = [
     (CLI + ["--gpus", "4", "--zero", "1"], 2, "--gpus 4 needs --zero 2 or 3 for validate (got 1)"),
     (CLI + ["--gpus", "4", "--zero", "3", "--rank", "4"], 2, "--rank 4 is not a rank of --gpus 4 (valid: 0..3)"),
     (CLI + ["--rank", "1"], 2, "--rank 1 needs --gpus N (N >= 2)"),
-    # source: FSDP1 refuses PEFT's prepare_model_for_kbit_training's fp32 norms beside bf16 4-bit storage in one flat
-    # parameter (torch/distributed/fsdp/_flat_param.py _validate_tensors_to_flatten; issue 28)
-    (CLI + ["--gpus", "4", "--zero", "3", "--sharding", "fsdp1", "--framework", "hf", "--qlora"], 2,
-     "'Must flatten tensors with uniform dtype'"),
     (CLI + ["--gpus", "4", "--zero", "3", "--compile"], 2, "--compile: the sharded trace runs eager"),
 ]
 
