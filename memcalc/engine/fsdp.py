@@ -408,7 +408,9 @@ def sharding_mechanics(tr: TrainingSpec) -> str:
     if tr.zero == 0 or (tr.gpus <= 1 and not (tr.sharding == "deepspeed" and tr.zero >= 2)):
         return ""  # (DeepSpeed ZeRO-2/3 runs its partitions on one rank too: engine.sharding.uses_deepspeed)
     if fsdp2_active(tr):
-        return f"FSDP2, {policy(tr).describe()}"
+        pipelined = (", each stage unsharded from its first all-gather to the end, gradients reduced after the last "
+                     "micro-batch (engine.pipeline_fsdp)") if tr.pp > 1 else ""
+        return f"FSDP2, {policy(tr).describe()}{pipelined}"
     if fsdp_active(tr):  # FSDP1 (engine.fsdp1)
         pol = policy(tr)
         how = ["FULL_SHARD" if pol.reshard_after_forward else "SHARD_GRAD_OP", "flat parameters"]
