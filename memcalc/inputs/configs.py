@@ -26,11 +26,15 @@ def list_configs() -> list[str]:
 
 def _raw(name_or_path: str) -> tuple[Any, str]:
     check_name(name_or_path, "--config")
+    if not name_or_path.strip():
+        raise UserError(f"--config {name_or_path!r}: an empty name; give a config name or a file path")
     p = Path(name_or_path)
     kind = path_kind(p)
     if p.suffix.lower() in (".yaml", ".yml", ".json") or kind != "none":
         if kind in ("dir", "none"):  # (a FIFO or a device: refused unread, its kind named)
-            raise UserError(f"config file not found: {name_or_path if len(name_or_path) <= 200 else shorten(name_or_path, 200)}")
+            shown = name_or_path if len(name_or_path) <= 200 else shorten(name_or_path, 200)
+            raise UserError(f"config file {shown} is a directory; give a file path" if kind == "dir" else
+                            f"config file not found: {shown}")
         return parse_text(read_user_file(p, "config file"), str(p)), str(p)
     if name_or_path not in list_configs():
         raise unknown_name("config", shorten(name_or_path)[1:-1], list_configs())

@@ -147,6 +147,8 @@ def load_json(path: str) -> dict:
     from memcalc.inputs.data_files import check_name, clip
 
     check_name(path, "--deepspeed")
+    if not path.strip():  # (Path("") is the current folder)
+        raise UserError(f"--deepspeed {path!r}: an empty path; give a file path")
     p = Path(path)
     try:
         found = p.exists() and not p.is_dir()  # (a FIFO or a device: refused unread by read_user_file)

@@ -190,7 +190,7 @@ def resolve(o: Options) -> Resolved:
     # each model source is imported when it is used (--params never loads the presets, the
     # Hugging Face hub client or YAML): the estimate's start-up time
     recipe, from_recipe = None, set()
-    if o.recipe or o.adapter_config:  # the recipe's values under the flags (memcalc.inputs.recipes)
+    if o.recipe or o.adapter_config is not None:  # the recipe's values under the flags (memcalc.inputs.recipes)
         from memcalc.inputs.recipes import apply_recipe
 
         o, recipe, from_recipe = apply_recipe(o)
@@ -232,8 +232,8 @@ def _check_numbers(o: Options) -> None:
 
 
 def _load_config(o: Options) -> Optional[ExperimentSpec]:
-    """``--config``'s experiment, or None."""
-    if not o.config:
+    """``--config``'s experiment, or None ("" is refused, not taken as no --config)."""
+    if o.config is None:
         return None
     from memcalc.inputs.configs import load_config
 

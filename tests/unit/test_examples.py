@@ -17,7 +17,18 @@ import pytest
 from conftest import cli_run
 
 ROOT = Path(__file__).parent.parent.parent
-COMMANDS = ("estimate", "plan", "validate", "models", "configs", "gpus", "profiles", "compare", "explain")
+
+
+def _commands() -> tuple[str, ...]:
+    """Every command of the CLI (a new one's examples run without a new row here)."""
+    import typer
+
+    from memcalc.cli import app
+
+    return tuple(typer.main.get_command(app).commands)
+
+
+COMMANDS = _commands()
 
 
 def help_examples(command: str) -> list[str]:
@@ -34,6 +45,8 @@ EXAMPLES = [(c, e) for c in COMMANDS for e in help_examples(c)]
 
 def test_the_commands_have_examples():
     assert {c for c, _ in EXAMPLES} >= {"estimate", "plan", "validate"}
+    assert "memcalc " not in cli_run(["--help"]).stdout.split("Commands:")[0].replace("Usage: memcalc ", ""), \
+        "the top-level --help has no examples to run (add them under a command's Examples:)"
 
 
 @pytest.mark.slow  # estimates, plans and (scaled-down) traces: seconds each

@@ -28,10 +28,22 @@ SLOW = [
     # source: memcalc.inputs.pydantic_errors._short_repr: repr of a 5,000-digit int raised ValueError (the
     # 4,300-digit limit of int to str)
     (["estimate", "--model", "gpt2", "--seq", "9" * 5000], 2, "seq = an integer of about 5,000 digits: Input should"),
+    # source: issue 32 fuzz (stop 30): an empty path was the current folder ('--recipe : a directory') or taken as not
+    # given (--adapter-config '', --config '' beside --model: silently the estimate without them)
+    (["estimate", "--model", "gpt2", "--recipe", ""], 2, "--recipe '': an empty path; give a file path"),
+    (["estimate", "--model", "gpt2", "--adapter-config", ""], 2, "--adapter-config '': an empty path"),
+    (["plan", "--model", "gpt2", "--adapter-config", ""], 2, "--adapter-config '': an empty path"),
+    (["estimate", "--model", "gpt2", "--gpus", "2", "--deepspeed", ""], 2, "--deepspeed '': an empty path"),
+    (["estimate", "--model", "gpt2", "--config", ""], 2, "--config '': an empty name"),
+    # source: configs._raw: a folder was 'config file not found'
+    (["estimate", "--config", "/"], 2, "config file / is a directory; give a file path"),
+    # source: profiles.with_loss, KernelProfile.loss_chunks le=MAX_COUNT (10**30 chunks were taken)
+    (["estimate", "--model", "gpt2", "--loss", "chunked", "--loss-chunks", "9" * 30], 2,
+     "--loss-chunks must be at most 1,048,576"),
 ]
 
 
-@pytest.mark.slow  # 10 command lines that resolve a model: about 0.7 s
+@pytest.mark.slow  # 17 command lines that resolve a model: about 1 s
 @pytest.mark.parametrize("args,code,message", SLOW)
 def test_hand_fuzz_rows(args, code, message):
     one_line_error(cli_run(args), code, message)

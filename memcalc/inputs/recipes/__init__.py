@@ -37,6 +37,8 @@ GROUPS = ({"model", "params", "config"}, {"precision", "bf16"}, {"profile", "fra
 
 
 def _read(path: str, flag: str = "--recipe") -> tuple[str, dict]:
+    if not path.strip():  # (Path("") is the current folder)
+        raise UserError(f"{flag} {path!r}: an empty path; give a file path")
     p = Path(path).expanduser()
     kind = path_kind(p)
     if kind in ("dir", "none"):
@@ -51,9 +53,9 @@ def load_recipe(paths: Sequence[str], adapter_config: Optional[str] = None) -> R
     from memcalc.inputs.recipes import axolotl, hf, litgpt, torchtune
 
     readers = {"torchtune": torchtune.read, "hf": hf.read, "axolotl": axolotl.read, "litgpt": litgpt.read}
-    files = list(paths) + ([adapter_config] if adapter_config else [])
+    files = list(paths) + ([adapter_config] if adapter_config is not None else [])  # "" is refused, not ignored
     parsed = [(f, *_read(f, "--adapter-config" if i == len(paths) else "--recipe")) for i, f in enumerate(files)]
-    if adapter_config and parsed[-1][1] != "peft":
+    if adapter_config is not None and parsed[-1][1] != "peft":
         raise UserError(f"--adapter-config {clip(adapter_config, 200)}: not a PEFT adapter config "
                         f"(it looks like a {DESCRIBE[parsed[-1][1]]})")
     mains = [(f, k, raw) for f, k, raw in parsed if k != "peft"]
