@@ -117,18 +117,23 @@ def gpu_names() -> list[str]:
 #: ``--gpu 48GiB`` / ``--gpu 24GB``: a capacity instead of a name (GiB = 2**30, GB = 10**9)
 _CAPACITY = re.compile(r"^\s*([+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)\s*(gib|gb)\s*$", re.IGNORECASE)
 _UNITS = {"gib": ("GiB", GiB), "gb": ("GB", GB)}
+#: a capacity card's own name (``3-5gb``: the slug ``--json`` keys it by) read back as the capacity (3.5GB)
+_CAPACITY_SLUG = re.compile(r"^\s*(\d+)-(\d+)(gib|gb)\s*$", re.IGNORECASE)
 #: the largest capacity accepted as --gpu SIZE (far above any device)
 MAX_CAPACITY_BYTES = 1024 * TiB
 
 
 def capacity_gpu(value: str) -> Optional[GPU]:
-    """A GPU entry named by its capacity (``48GiB``, ``24GB``, ``80gib``), or None when
+    """A GPU entry named by its capacity (``48GiB``, ``24GB``, ``80gib``; or by such an entry's own name,
+    ``3-5gb`` for 3.5GB, so that the name ``--json`` keys it by is a ``--gpu`` value too), or None when
     ``value`` is not a capacity. The capacity is taken as the whole device total; nothing is
     assumed of the vendor or architecture (bf16 is assumed, fp8 is not; neither moves memory).
 
     Raises :class:`UserError` for a capacity that is not positive, or above MAX_CAPACITY_BYTES.
     """
-    m = _CAPACITY.match(value) if isinstance(value, str) else None
+    slug = _CAPACITY_SLUG.match(value) if isinstance(value, str) else None
+    m = _CAPACITY.match(f"{slug.group(1)}.{slug.group(2)}{slug.group(3)}" if slug else value) if isinstance(
+        value, str) else None
     if not m:
         return None
     unit, scale = _UNITS[m.group(2).lower()]

@@ -125,6 +125,7 @@ GPU_WORDS = [
     ("23.99GiB", "23-99gib", "23.99GiB"),
     (" 24 GB ", "24gb", "24 GB"),
     ("h100", "h100-80gb", "h100-80gb"),  # a catalog card: its slug
+    ("3-5gb", "3-5gb", "3-5gb"),  # a capacity card's own name (the key --json gives it) is a --gpu value too
 ]
 
 
@@ -134,4 +135,4 @@ def test_gpu_word_is_the_value_given(given, name, word):
 
     g = get_gpu(given)
     assert g.name == name and gpu_word(g) == word
-    assert get_gpu(word).capacity_bytes == g.capacity_bytes
+    assert get_gpu(word).capacity_bytes == get_gpu(name).capacity_bytes == g.capacity_bytes

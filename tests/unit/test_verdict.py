@@ -63,9 +63,11 @@ def test_the_answer_comes_first(args, code, texts):
         at = i
 
 
-# a small model on a card it does not fit (checkpointing makes it fit); the card as `memcalc gpus` names it
+# a small model on a card it does not fit (checkpointing makes it fit); the card as `memcalc gpus` names it (the
+# key of --json), and as the user gave it (what the text says: a capacity as typed, memcalc.plan.remedies.gpu_word)
 TINY = ["estimate", "--model", "gpt2", "--seq", "1024", "--batch", "4", "--gpu", "6GiB"]
 CARD = "6gib"
+WORD = "6GiB"
 
 
 @pytest.mark.slow  # CLI runs with the search (about 0.3 s); the quick lane has the API row
@@ -87,8 +89,8 @@ def test_a_change_listed_is_its_command_s_answer():
 @pytest.mark.slow  # CLI runs with the search (about 0.3 s); the quick lane has the API row
 def test_text_opens_with_the_verdict_and_the_changes():
     lines = first_lines(run(TINY))
-    assert lines[0].startswith(f"Fits {CARD}? no: needs ") and lines[0].endswith(" short")
-    assert lines[1].startswith("Peak ") and lines[2].startswith(f"To make it fit {CARD}")
+    assert lines[0].startswith(f"Fits {WORD}? no: needs ") and lines[0].endswith(" short")
+    assert lines[1].startswith("Peak ") and lines[2].startswith(f"To make it fit {WORD} ")
     assert lines[3].startswith("  --checkpoint full: ") and lines[4].startswith("    memcalc estimate --model gpt2")
 
 
@@ -119,9 +121,10 @@ def test_api_gives_the_same_changes():
     con = Console(width=int(COLUMNS), record=True, file=io.StringIO())
     print_items(verdict_items(r.estimate, list(r.cards), True, r.to_make_it_fit), con)
     lines = con.export_text().splitlines()
-    assert lines[0].startswith(f"Fits {card}? no: needs ")
+    # the text names the card as it was given (4GiB), --json by its slug (4gib), which --gpu takes back too
+    assert lines[0].startswith("Fits 4GiB? no: needs ")
     # after the peak line (and a note)
-    at = lines.index(f"To make it fit {card} (the smallest change; `memcalc plan` lists others):")
+    at = lines.index("To make it fit 4GiB (the smallest change; `memcalc plan` lists others):")
     assert lines[at - 1].startswith("Peak ") or lines[at - 2].startswith("Peak ")
     assert lines[at + 1].startswith(f"  {fixes[0].flags}: ") and lines[at + 2] == "    " + fixes[0].command
 
