@@ -34,7 +34,9 @@ Only kernel dispatch is patched (:class:`.torchtune_model.TorchtuneKernels`). Tw
 second measured (:func:`memcalc.validate.step.two_steps`). The recipes train in one dtype (fp32 or
 bf16; no autocast), single device, no gradient clipping (``clip_grad_norm: null``, the configs'
 default). torch.compile (``compile_scope layer``): the recipes' ``training.compile_model`` and
-``compile_loss``, run with :func:`~..compiled.meta_backend` off CUDA (:func:`~..compiled.compile_with`).
+``compile_loss`` (the full fine-tuning recipe drops ``compile_loss``'s return value: its unchunked
+loss stays eager, :meth:`setup_loss`), run with :func:`~..compiled.meta_backend` off CUDA
+(:func:`~..compiled.compile_with`).
 """
 
 from __future__ import annotations
@@ -203,8 +205,14 @@ class Run:
         if self.tr.compile:
             from torchtune import training
 
-            self.loss_fn = compile_with(self.dev_type, self.tr.memory_budget,
-                                        lambda: training.compile_loss(self.loss_fn, verbose=False), fused=True)
+            compiled = compile_with(self.dev_type, self.tr.memory_budget,
+                                    lambda: training.compile_loss(self.loss_fn, verbose=False), fused=True)
+            # lora_finetune_single_device.py (v0.6.1) ``self._loss_fn = training.compile_loss(self._loss_fn)``;
+            # full_finetune_single_device.py calls ``training.compile_loss(self._loss_fn)`` and drops what it
+            # returns, so only CEWithChunkedOutputLoss (compute_cross_entropy replaced in place) is compiled there:
+            # a CrossEntropyLoss (``torch.compile(loss)``, a new module) runs eagerly
+            if self.tr.lora is not None:
+                self.loss_fn = compiled
 
     def setup_optimizer(self):
         """``_setup_optimizer``: one optimizer, or one per parameter with hooks (optimizer_in_bwd)."""

@@ -38,6 +38,15 @@ The recipes (recipes/full_finetune_single_device.py and lora_finetune_single_dev
 the 16-bit logits go at once, nothing saves them), then ``torch.nn.CrossEntropyLoss`` on the fp32
 logits (:func:`~memcalc.engine.blocks.head.lm_loss` on an fp32 tensor: log_softmax saves fp32).
 No shifted copy: the recipes shift the labels (``torch.hstack((labels[..., 1:], ignore))``).
+
+**Compiled** (``compile_scope layer``): ``training.compile_loss`` replaces ``CEWithChunkedOutputLoss``'s
+``compute_cross_entropy`` in place (:func:`chunked_head`: each chunk's compiled cross-entropy) and returns
+``torch.compile(loss)`` for any other loss. recipes/lora_finetune_single_device.py (v0.6.1) keeps what it
+returns (``self._loss_fn = training.compile_loss(self._loss_fn)``): the unchunked CrossEntropyLoss on the fp32
+logits is one compiled graph (:func:`~memcalc.engine.blocks.compiled_loss.compiled_cross_entropy`: the logits
+and two row statistics saved, no log-probabilities). recipes/full_finetune_single_device.py calls
+``training.compile_loss(self._loss_fn)`` and drops the return value, so there the unchunked loss runs eagerly.
+Traced: validate/trainers/torchtune.py ``setup_loss`` does as each recipe does.
 """
 
 from __future__ import annotations
@@ -82,8 +91,10 @@ def whole_head(fwd: ForwardContext, x: T) -> T:
         fwd.sim.node("to_fp32", [], [y], [], [yf])
         o.drop(y)
         y = yf
-    # (compile_loss compiles this CrossEntropyLoss whole: modelled eagerly, its compiled graph not traced yet)
-    out = lm_loss(o, y, fwd.B, fwd.T, fwd.m.vocab_size)
+    if compiles_loss(fwd) and fwd.tr.lora is not None:  # the LoRA recipe's CrossEntropyLoss, compiled whole
+        out = compiled_cross_entropy(fwd, y, fwd.B * fwd.T)
+    else:
+        out = lm_loss(o, y, fwd.B, fwd.T, fwd.m.vocab_size)
     o.category = "saved activations"
     o.drop(y)
     return out
