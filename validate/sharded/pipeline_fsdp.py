@@ -3,15 +3,15 @@
 The mesh is torchtitan's order, ``pp`` outermost (torchtitan/distributed/parallel_dims.py: ``pp``,
 ``dp_shard``, ``tp``): ``(pp, dp)`` or ``(pp, dp, tp)``; the traced rank is data-parallel (and
 tensor-parallel) coordinate 0 of pipeline rank ``r``. Each stage is cut as :mod:`.pipeline` cuts it
-(:class:`.pipeline.StageModule`), tensor-parallel over ``tp`` first (:func:`.tp.apply_tp`), then wrapped as
-torchtitan 0.3.0 ``torchtitan/distributed/fsdp.py`` ``apply_fsdp_to_decoder`` wraps a model part
-(:func:`apply_fsdp_stage`): the embedding (first stage) its own unit, the final norm and the head one
-unit together (last stage; ``reshard_after_forward`` only under the "always" policy), every decoder
-layer one unit, then the stage module itself (the root, whose own parameters are none), under
-``MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)``, with
-``reshard_after_forward`` from torchtitan's own ``get_fsdp_reshard_after_forward_policy("default",
-pp_enabled=True)`` (False: "For PP, by default do not reshard after forward to avoid per-microbatch
-all-gathers"), and FSDP's gradient division disabled (``disable_fsdp_gradient_division``).
+(:class:`.pipeline.StageModule`), tensor-parallel over ``tp`` first (:func:`.tp.apply_tp`), then wrapped by
+torchtitan 0.3.0's own ``torchtitan/distributed/fsdp.py`` ``apply_fsdp_to_decoder`` with ``pp_enabled=True``
+(:func:`apply_fsdp_stage`): the embedding (first stage) its own unit, the final norm and the head one unit
+together (last stage; ``reshard_after_forward`` only under the "always" policy), every decoder layer one
+unit, then the stage module itself (the root, whose own parameters are none), under
+``MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)``, with ``reshard_after_forward``
+from ``get_fsdp_reshard_after_forward_policy("default", pp_enabled=True)`` (False: "For PP, by default do not
+reshard after forward to avoid per-microbatch all-gathers"), and FSDP's gradient division disabled
+(``disable_fsdp_gradient_division``).
 
 The schedule then does what torch 2.13 ``torch/distributed/pipelining/stage.py`` does with an
 ``FSDPModule`` stage: every micro-batch's backward runs with ``set_requires_gradient_sync(False)``,
@@ -40,25 +40,27 @@ from ..blocks.head import lm_loss
 
 
 def apply_fsdp_stage(stage_mod, dec, dp_mesh, plan) -> None:
-    """torchtitan 0.3.0 ``apply_fsdp_to_decoder`` on one pipeline stage (module docstring), over the replica's
-    module names (``embed_tokens``, ``layers``, ``final_norm``, ``lm_head``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division, get_fsdp_reshard_after_forward_policy
+    """torchtitan 0.3.0's own ``apply_fsdp_to_decoder`` on one pipeline stage (module docstring), with
+    ``pp_enabled=True`` and the policy "default". It reads torchtitan's module names (``tok_embeddings``,
+    ``layers.items()``, ``norm``, ``lm_head``, ``enable_weight_tying``), so the stage module is given them as
+    aliases of the replica's own modules (``embed_tokens``, ``layers``, ``final_norm``, ``lm_head``; the same
+    module objects: FSDP2 and ``modules()`` meet each once). The policy's dtypes: memcalc's
+    (:func:`.fsdp2.precision_plan`), a dtype equal to the shards' where it has none (FSDP2 then casts nothing,
+    ``FSDPParam.init_dtype_attrs``)."""
+    import torch.nn as nn
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
     from .fsdp2 import upcast_trainable
 
     upcast_trainable(dec, plan)
-    mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype, cast_forward_inputs=False)
-    cfg = {"mesh": dp_mesh, "mp_policy": mp}
-    reshard = get_fsdp_reshard_after_forward_policy("default", pp_enabled=True)
-    if getattr(dec, "embed_tokens", None) is not None:
-        fully_shard(dec.embed_tokens, **cfg, reshard_after_forward=reshard)
-    if getattr(dec, "final_norm", None) is not None and getattr(dec, "lm_head", None) is not None:
-        fully_shard([dec.final_norm, dec.lm_head], **cfg, reshard_after_forward=False)  # policy "always" only
-    for layer in dec.layers:
-        fully_shard(layer, **cfg, reshard_after_forward=reshard)
-    fully_shard(stage_mod, **cfg)
-    disable_fsdp_gradient_division(stage_mod)
+    stage_mod.enable_weight_tying = False
+    stage_mod.tok_embeddings = getattr(dec, "embed_tokens", None)
+    stage_mod.norm = getattr(dec, "final_norm", None)
+    stage_mod.lm_head = getattr(dec, "lm_head", None)
+    stage_mod.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(dec.layers)})
+    own = next((p.dtype for p in dec.parameters() if p.requires_grad), torch.float32)
+    apply_fsdp_to_decoder(stage_mod, dp_mesh, param_dtype=plan.param_dtype or own,
+                          reduce_dtype=plan.reduce_dtype or own, pp_enabled=True)
 
 
 def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = False) -> dict:
