@@ -364,7 +364,7 @@ def plan(model: Union[None, str] = None, params: Union[None, str, int, float] = 
     from memcalc.plan.rows import adapter_kinds, cluster_commands, dedup, keep_adapters, with_commands
 
     kinds, rec = adapter_kinds(full, lora, qlora, gpu), None  # --lora/--qlora/--full: the plan for one GPU only
-    if recipe is not None or adapter_config is not None:  # the recipe's model, sequence, framework and loss; plan searches the rest
+    if recipe is not None or adapter_config is not None:  # the recipe's model, seq, framework, loss; plan the rest
         from memcalc.inputs.recipes import load_recipe
 
         rec = load_recipe([recipe] if isinstance(recipe, str) else list(recipe or ()), adapter_config)

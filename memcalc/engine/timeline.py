@@ -58,10 +58,11 @@ def check_supported(exp: ExperimentSpec) -> None:
             f"(grad_accum {tr.grad_accum}); torchtune refuses it too (\"Gradient accumulation is not supported with "
             f"optimizer in bwd\"): set grad_accum 1 or drop --fused-optimizer"
         )
-    if tr.seq > exp.model.max_seq_len and exp.model.positions == "learned":
-        raise UserError(
-            f"seq ({tr.seq}) exceeds {exp.model.name}'s learned position table ({exp.model.max_seq_len})"
-        )
+    for name, tokens in (("seq", tr.seq), ("first_seq", tr.first_seq)):  # (first_seq: the run's first micro-step)
+        if tokens is not None and tokens > exp.model.max_seq_len and exp.model.positions == "learned":
+            raise UserError(
+                f"{name} ({tokens}) exceeds {exp.model.name}'s learned position table ({exp.model.max_seq_len})"
+            )
     if uses_deepspeed(exp) and (tr.fused_optimizer or tr.compile):
         raise UserError("DeepSpeed ZeRO runs the optimizer after backward, uncompiled, in memcalc's model; "
                         "drop --fused-optimizer / --compile with --sharding deepspeed")

@@ -37,13 +37,17 @@ SLOW = [
     (["estimate", "--model", "gpt2", "--config", ""], 2, "--config '': an empty name"),
     # source: configs._raw: a folder was 'config file not found'
     (["estimate", "--config", "/"], 2, "config file / is a directory; give a file path"),
+    # source: engine.timeline.check_supported: --seq was held to a learned position table, --first-seq was not
+    # (gpt2 --first-seq 16777216 gave a 27.9 TB peak)
+    (["estimate", "--model", "gpt2", "--seq", "64", "--first-seq", "2048"], 2,
+     "first_seq (2048) exceeds gpt2's learned position table (1024)"),
     # source: profiles.with_loss, KernelProfile.loss_chunks le=MAX_COUNT (10**30 chunks were taken)
     (["estimate", "--model", "gpt2", "--loss", "chunked", "--loss-chunks", "9" * 30], 2,
      "--loss-chunks must be at most 1,048,576"),
 ]
 
 
-@pytest.mark.slow  # 17 command lines that resolve a model: about 1 s
+@pytest.mark.slow  # 18 command lines that resolve a model: about 1 s
 @pytest.mark.parametrize("args,code,message", SLOW)
 def test_hand_fuzz_rows(args, code, message):
     one_line_error(cli_run(args), code, message)
