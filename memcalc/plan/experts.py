@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from memcalc.core.errors import UserError
 from memcalc.core.expert_parallel import check_ep
 from memcalc.core.spec import ExperimentSpec
-from memcalc.estimate.peak import required_bytes, step_side
+from memcalc.estimate.peak import card_side, required_bytes, step_side
 from memcalc.core.units import gib
 from memcalc.plan.simulations import estimated_peak, smallest_fitting, with_training
 
@@ -103,10 +103,15 @@ def search_experts(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, Op
             cache[COUNTS[i]] = _layout(full, COUNTS[i])
         return cache[COUNTS[i]]
 
-    fits = smallest_fitting(cards, len(COUNTS), lambda i: at(i).required_bytes)
-    rows = [ExpertRow(g, None if i is None else at(i)) for g, i in zip(cards, fits, strict=True)]
+    def on(i: int, g: Any) -> ExpertLayout:  # count i on card g: the device total on the card's own GPU side
+        lay = at(i)
+        side = card_side(expert_setup(full, lay.gpus), g)
+        return replace(lay, required_bytes=int(required_bytes(lay.peak_bytes, side)))
+
+    fits = smallest_fitting(cards, len(COUNTS), lambda i, g: on(i, g).required_bytes)
+    rows = [ExpertRow(g, None if i is None else on(i, g)) for g, i in zip(cards, fits, strict=True)]
     if rows and all(r.layout is None for r in rows):
-        most = at(len(COUNTS) - 1)
+        most = on(len(COUNTS) - 1, max(cards, key=lambda g: g.capacity_bytes))
         return [], f"no card fits: {most.gpus} GPUs, ep {most.ep}, need {gib(most.required_bytes):.1f} GiB a GPU"
     return rows, None
 

@@ -25,7 +25,7 @@ are simulated (:func:`memcalc.core.pipeline.simulated_ranks`, as the estimate do
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -34,7 +34,7 @@ from memcalc.core.pipeline import TORCH_SCHEDULES, check_pp
 from memcalc.core.rules import check_tp
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady
-from memcalc.estimate.peak import required_bytes, step_side
+from memcalc.estimate.peak import card_side, required_bytes, step_side
 from memcalc.core.units import gib
 from memcalc.plan.simulations import smallest_fitting, with_training
 
@@ -144,10 +144,14 @@ def search_pipelines(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, 
             cache[pp] = stage_peaks(pipeline_setup(full, pp, tp))
         return cache[pp]
 
-    fits = smallest_fitting(cards, len(pps), lambda i: at(i).required_bytes)
-    rows = [PipelineRow(g, None if i is None else at(i)) for g, i in zip(cards, fits, strict=True)]
+    def on(i: int, g: Any) -> StagePeak:  # layout i on card g: the device total on the card's own GPU side
+        lay, side = at(i), card_side(pipeline_setup(full, pps[i], tp), g)
+        return replace(lay, required_bytes=int(required_bytes(lay.peak_bytes, side)))
+
+    fits = smallest_fitting(cards, len(pps), lambda i, g: on(i, g).required_bytes)
+    rows = [PipelineRow(g, None if i is None else on(i, g)) for g, i in zip(cards, fits, strict=True)]
     if rows and all(r.layout is None for r in rows):
-        most = at(len(pps) - 1)
+        most = on(len(pps) - 1, max(cards, key=lambda g: g.capacity_bytes))
         return [], (f"no card fits: pp {most.pp} x tp {most.tp}, the most stages, needs "
                     f"{gib(most.required_bytes):.1f} GiB a rank (rank {most.rank})")
     return rows, None

@@ -26,21 +26,22 @@ def with_training(exp: ExperimentSpec, **training: Any) -> ExperimentSpec:
     return exp.model_copy(update={"training": exp.training.model_copy(update=training)})
 
 
-def smallest_fitting(cards: Sequence[Any], n: int, need: Callable[[int], int]) -> list[Optional[int]]:
-    """For each of ``cards`` (in their order), the smallest index ``i < n`` whose ``need(i)`` (a device total,
-    bytes, falling as ``i`` grows: more GPUs, each holding less) is within the card's ``capacity_bytes``, by
-    bisection; None where even ``need(n - 1)`` is not. ``need`` is asked once per index at most when it caches
-    (the plan's layout tables estimate each layout once); larger cards go first, their bisections ending lower."""
+def smallest_fitting(cards: Sequence[Any], n: int, need: Callable[[int, Any], int]) -> list[Optional[int]]:
+    """For each of ``cards`` (in their order), the smallest index ``i < n`` whose ``need(i, card)`` (a device
+    total on that card's own GPU side, bytes, falling as ``i`` grows: more GPUs, each holding less) is within the
+    card's ``capacity_bytes``, by bisection; None where even ``need(n - 1, card)`` is not. Each layout is
+    simulated once at most when ``need`` caches its estimate (the plan's layout tables do); larger cards go
+    first, their bisections ending lower."""
     found: dict[int, Optional[int]] = {}
     for k in sorted(range(len(cards)), key=lambda k: -cards[k].capacity_bytes):
         cap = int(cards[k].capacity_bytes)
-        if need(n - 1) > cap:
+        if need(n - 1, cards[k]) > cap:
             found[k] = None
             continue
         lo, hi = 0, n - 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if need(mid) <= cap:
+            if need(mid, cards[k]) <= cap:
                 hi = mid
             else:
                 lo = mid + 1

@@ -8,6 +8,7 @@ import pytest
 
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 from memcalc.engine.pipeline import simulate_pp
+from memcalc.estimate.peak import card_side, required_bytes
 from memcalc.estimate.step import strategy_for
 from memcalc.inputs.gpus import list_gpus
 from memcalc.inputs.presets import load_preset
@@ -95,10 +96,11 @@ def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
         assert lay is not None and lay.tp == 4
         assert lay.required_bytes <= r.gpu.capacity_bytes
         smaller = [p for p in (2, 4, 8, 11, 16, 22) if p < lay.pp]
-        if smaller:  # the next smaller pp does not fit
+        if smaller:  # the next smaller pp does not fit (on the card's own GPU side)
             from memcalc.plan.pipelines import pipeline_setup
 
-            assert stage_peaks(pipeline_setup(full, smaller[-1], 4)).required_bytes > r.gpu.capacity_bytes
+            below = pipeline_setup(full, smaller[-1], 4)
+            assert required_bytes(stage_peaks(below).peak_bytes, card_side(below, r.gpu)) > r.gpu.capacity_bytes
         args = shlex.split(pipeline_command(1024, lay, r.gpu.name, ["--model", "tinyllama-1.1b"]))[2:]
         kw = {}
         flags = iter(args)
@@ -107,6 +109,10 @@ def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
             kw[key] = True if key in ("master_weights", "sequence_parallel") else next(flags)
         got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
+        # source: memcalc/core/gpu_side.py: each card's own context and workspaces (the rtx-4090's: Ada)
+        assert lay.required_bytes == required_bytes(got.peak_bytes, card_side(got.spec, r.gpu)), r.gpu.name
+        # source: memcalc/core/gpu_side.py: the rtx-4080's (Ada) context and workspaces, not the H100's
+        assert lay.required_bytes == required_bytes(got.peak_bytes, card_side(got.spec, r.gpu)), r.gpu.name
 
 
 # -- expert-parallel layouts (memcalc/plan/experts.py) ---------------------------------------------------------
@@ -145,10 +151,8 @@ def test_expert_rows_are_the_fewest_counts_and_commands_reproduce_their_peaks():
         assert lay is not None and lay.required_bytes <= r.gpu.capacity_bytes
         i = COUNTS.index(lay.gpus)
         if i:
-            from memcalc.estimate.peak import required_bytes, step_side
-
             smaller = expert_setup(full, COUNTS[i - 1])
-            assert required_bytes(estimated_peak(smaller), step_side(smaller)) > r.gpu.capacity_bytes
+            assert required_bytes(estimated_peak(smaller), card_side(smaller, r.gpu)) > r.gpu.capacity_bytes
         args = shlex.split(expert_command(2048, lay, r.gpu.name, "fsdp2", ["--model", "qwen3-30b-a3b"]))[2:]
         kw, flags = {}, iter(args)
         for a in flags:
@@ -156,6 +160,8 @@ def test_expert_rows_are_the_fewest_counts_and_commands_reproduce_their_peaks():
             kw[key] = True if key == "master_weights" else next(flags)
         got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
+        # source: memcalc/core/gpu_side.py: each card's own context and workspaces (the rtx-4090's: Ada)
+        assert lay.required_bytes == required_bytes(got.peak_bytes, card_side(got.spec, r.gpu)), r.gpu.name
 
 
 def test_a_sequence_tp_does_not_divide_takes_no_tensor_parallelism():
