@@ -31,7 +31,8 @@ from published_rows import (
 
 # --- what memcalc misses today, by mechanism (never a loosened tolerance) ---------------------
 _TT_COMPILED_OFFLOAD = (
-    "high (QLoRA +9.0%; the LoRA row, +4.8%, passes by 0.2 points), not identified. The peak is the first compiled chunk's backward: weights, "
+    "high (QLoRA +9.0%; the LoRA row, +4.8%, passes by 0.2 points), not identified. The peak is the first "
+    "compiled chunk's backward: weights, "
     "AdamW state, every chunk's bf16 logits, one chunk's gradient and the offloading stash (the final norm's fp32"
     " input, the last layer's input). Ruled out: inductor writing that gradient into the saved logits (a forward "
     "input, never a donated buffer; test_compile_scope.py "
