@@ -14,6 +14,10 @@ gpipe             ``ScheduleGPipe``            all ``M`` forwards, then all ``M`
 interleaved-1f1b  ``ScheduleInterleaved1F1B``  ``V`` stages per rank (``--pp-stages-per-rank``, looped:
                                                rank ``r`` holds stages ``r, r + pp, ...``), depth first;
                                                the order: :mod:`memcalc.core.pp_schedules`
+zero-bubble       (the next line's)            ``ScheduleInterleavedZeroBubble``: as interleaved-1f1b
+                                               (one warm-up forward less a hop), each backward split
+                                               into ``I`` (the input's gradient) and a later ``W`` (the
+                                               weights'): :mod:`memcalc.engine.pipeline_zb`
 ================  ===========================  =====================================================
 
 ``V`` (``--pp-stages-per-rank``) is torchtitan's ``stages_per_rank`` (torchtitan 0.3.0
@@ -52,7 +56,8 @@ if TYPE_CHECKING:
     from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
 #: ``--pp-schedule`` -> the torch.distributed.pipelining class that runs it
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zero-bubble": "ScheduleInterleavedZeroBubble"}
 #: the schedule names, in the order the CLI lists them
 PP_SCHEDULES = tuple(TORCH_SCHEDULES)
 #: the schedules with several stages per rank (torch's ``PipelineScheduleMulti`` subclasses)
@@ -157,6 +162,11 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
         raise UserError(f"--pp-schedule {tr.pp_schedule} with --zero {tr.zero} over --gpus {tr.gpus}: FSDP2 with "
                         "several stages per rank (the runtime's UNSHARD / RESHARD of each stage, schedules.py "
                         "_add_unshard_reshard) is not modelled; use --pp-schedule 1f1b or gpipe")
+    if tr.pp_schedule == "zero-bubble" and tr.checkpoint != "none":
+        raise UserError(f"--pp-schedule zero-bubble with --checkpoint {tr.checkpoint}: not modelled (its input "
+                        "backward runs with retain_graph=True, _backward.py stage_backward_input, and the checkpointed "
+                        "regions' recomputed activations stay to the weight backward: traced about twice the "
+                        "estimate); use --checkpoint none or --pp-schedule interleaved-1f1b")
     if not multi and V != 1:
         raise UserError(f"--pp-schedule {tr.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {V} "
                         "(torchtitan's _get_pipeline_metadata: 'Single stage schedule requires exactly 1 stage per "
@@ -181,7 +191,7 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
 ALL_RANKS_UP_TO = 4
 
 
-def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1) -> list[int]:
+def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule: str = "1f1b") -> list[int]:
     """The ranks whose step is simulated: every rank up to :data:`ALL_RANKS_UP_TO` stages, else the first
     (embedding, the most micro-batches in flight), the second, the last (head, logits and loss) and, for each
     stage of ``m`` whose layers differ from the second's (an MoE model's dense first layers, MoE every
@@ -189,7 +199,10 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1) -> list[
     stage. A middle rank with the second's layers holds the same buffers and, under 1F1B, fewer micro-batches
     in flight (warm-up ``pp - rank``; GPipe: as many; interleaved: ``2`` fewer warm-up forwards a hop): it peaks
     no higher than the second (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). With
-    ``V`` stages per rank a rank's layers are its ``V`` stages'. Layers that differ otherwise
+    ``V`` stages per rank a rank's layers are its ``V`` stages'. Under zero bubble the second-to-last rank is
+    simulated too: rank ``r`` defers ``r`` weight backwards (``num_1f1b_microbatches = rank``, each keeping a
+    micro-batch's graph and its intermediates' gradients), one more a hop, against one warm-up forward fewer, so
+    the middle ranks' peaks rise with the rank (the test simulates every rank). Layers that differ otherwise
     by their index are refused with ``--pp`` (:func:`check_pp`)."""
     if pp <= ALL_RANKS_UP_TO:
         return list(range(pp))
@@ -204,6 +217,8 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1) -> list[
                 seen.add(kinds)
                 if r > 1:
                     ranks.append(r)
+    if schedule == "zero-bubble" and pp - 2 not in ranks:
+        ranks.append(pp - 2)
     return [*ranks, pp - 1]
 
 

@@ -8,6 +8,10 @@ micro-batch ``i`` (``F``), a backward of it (``B``). Each forward runs the decod
 (:class:`memcalc.engine.forward.Forward`) over the stage's layers on ``batch / M`` rows and keeps its
 autograd graph until that micro-batch's backward, so the schedule's micro-batches in flight hold their
 saved activations at once (GPipe: all ``M`` before the first backward; 1F1B: ``min(M, pp - rank)``).
+With several stages per rank (``interleaved-1f1b``, ``zero-bubble``: :class:`LocalStage`) the actions name their
+stage, in the order :mod:`memcalc.core.pp_schedules` ports from torch, and ``_PipelineScheduleRuntime`` runs them
+(no ``output`` kept past its action, each input gradient sent right after its backward); zero bubble's ``I`` and
+``W``: :mod:`memcalc.engine.pipeline_zb`.
 
 What the schedule itself holds, from its source (torch 2.13):
 
@@ -58,6 +62,7 @@ from memcalc.engine.fsdp import optimizer_training
 from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, Timeline
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
+from memcalc.engine.pipeline_zb import InputBackward
 from memcalc.engine.pipeline_fsdp import PipelineFSDP2, stage_fsdp2
 from memcalc.engine.result import SimResult
 from memcalc.engine.sim import Node, Sim, T
@@ -229,7 +234,8 @@ class RankStep:
         try:
             self.step()
         except PeakAbove:  # cut short: its graphs let go as a whole step's are (Sim.abandon_graph)
-            self.sim.abandon_graph(nodes for nodes, *_ in self.graphs.values())
+            self.sim.abandon_graph([*(g[0] for g in self.graphs.values()),
+                                    *(s[1] for s in getattr(self, "split", {}).values())])
             raise
         return self.result()
 
@@ -239,16 +245,23 @@ class RankStep:
         self.output: Optional[T] = None  # the schedule's local ``output``
         self.losses: list[T] = []
         self.sending: Optional[T] = None  # the input gradient the schedule's send ops hold
+        self.held: list[T] = []  # (zero bubble) input gradients left as the receive buffers' .grad
+        self.split: dict[tuple[int, int], tuple] = {}  # (zero bubble) micro-batches between their I and W
         for kind, s, i in rank_actions(tr.pp_schedule, self.pp, self.V, self.M, self.rank):
+            st = self.stages[s]
             if kind == "F":
-                self.forward(self.stages[s], i)
-            else:
-                self.backward(self.stages[s], i)
+                self.forward(st, i)
+            elif kind == "B" or (st.first and kind == "W"):  # stage 0's W is its full backward
+                self.backward(st, i)
+            elif not st.first:  # zero bubble's split backward (stage 0's I does nothing)
+                split_backward(self, st, i, kind)
         if self.gather is not None:  # perform_reduce_grad
             self.gather.reduce_all()
         for t in [self.output, self.sending, *self.losses]:
             sim.unref(t)
         step_and_zero_grad(sim, self.opt, self.model)
+        for g in self.held:  # zero bubble's input gradients: the next step's clear_runtime_states frees them
+            sim.unref(g)
         sim.mark("step end", "optimizer step")
 
     def forward(self, st: LocalStage, i: int) -> None:
@@ -312,6 +325,11 @@ class RankStep:
                 sim.unref(self.sending)
             self.sending = g
 
+    def restore_uses(self, uses: dict) -> None:
+        """Each parameter's uses in one micro-batch's graph (restored before its backward runs)."""
+        for p in self.model.order:
+            p.uses = uses.get(p.name, 0)
+
     @property
     def pp_schedule(self) -> str:
         return self.exp.training.pp_schedule
@@ -328,6 +346,40 @@ class RankStep:
             peak_by_kind=sim.peak_by_kind(),
             phases={k: v for k, v in sim.phase_peaks.items() if k != "setup"},
             timeline=[], max_activation_bytes=sim.max_activations)
+
+
+def split_backward(step: RankStep, st: LocalStage, i: int, kind: str) -> None:
+    """Zero bubble's ``I`` or ``W`` of micro-batch ``i`` on stage ``st`` (not the first: :mod:`.pipeline_zb`)."""
+    sim = step.sim
+    sim.mark(f"mb {i} backward stage {st.index}" + (" weights" if kind == "W" else ""), "backward")
+    if kind == "I":
+        nodes, fwd, layers, out, loss, uses = step.graphs.pop((st.index, i))
+        sim.use_graph(nodes)  # (no weight gradient: the uses wait for W)
+        if loss is not None:  # torch.ones_like(loss)
+            loss.grad_buffer = sim.alloc(4, "temporaries", "activation gradients")
+        else:
+            out.grad_buffer = sim.ref(st.grad_recv[i])
+        run = InputBackward(sim, nodes)
+        run.run(_label_of)
+        sim.new_graph()
+        if loss is not None:  # the logits: fwd_cache's reference gone, detach_()-ed; backward_state keeps the loss
+            sim.unref(out)
+            out = None
+        buf = st.recv[i]
+        g, buf.grad_buffer = buf.grad_buffer, None  # ``inp.grad = dinput``: kept to the next step's clear
+        if g is not None:
+            step.held.append(g)
+        step.split[st.index, i] = (run, nodes, fwd, layers, out, uses)
+        return
+    run, nodes, fwd, layers, out, uses = step.split.pop((st.index, i))
+    step.restore_uses(uses)
+    sim.use_graph(nodes)
+    run.weights({p.name: k for k, p in enumerate(step.model.order)}, f"mb {i} weights")
+    layers.end_backward(fwd)
+    sim.unref(fwd.rope_tables)
+    fwd.rope_tables = None
+    sim.new_graph()
+    sim.unref(out)  # backward_state's stage output (a non-last stage)
 
 
 def _label_of(node: Node) -> str:
@@ -360,7 +412,7 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
     peaks: list[StagePeak] = []
     results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
     V = stages_per_rank(exp.training)
-    for r in (simulated_ranks(exp.training.pp, exp.model, V) if ranks is None else ranks):
+    for r in (simulated_ranks(exp.training.pp, exp.model, V, exp.training.pp_schedule) if ranks is None else ranks):
         tracer = AllocTrace() if trace_allocs else None
         log = AllocEvents() if events else None
         step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])

@@ -87,6 +87,17 @@ ROWS = [
     # source: trace, interleaved x tp (apply_tp on each of a rank's stages), sequence parallel, fp32 master weights
     (2, 2, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
                                                     "sequence_parallel": True}),
+    # source: trace, ScheduleInterleavedZeroBubble: each backward split into I (retain_graph, the intermediates'
+    # gradients kept) and a later W; the input gradients stay as the buffers' .grad to the next step; peaks in I
+    (2, 4, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16"}),
+    # source: trace, zero bubble under transformers' rules (amp-bf16, fp32 logits): rank 0 peaks in its first W,
+    # every linear's new gradient made while the norms' groups (last in parameters()) still hold theirs
+    (2, 2, "zero-bubble", 4, 2, 128, "hf", {"precision": "amp-bf16"}),
+    # source: trace, zero bubble over MoE + MLA stages (routed and shared experts' weight groups)
+    (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True}),
+    # source: trace, zero bubble x tp + sequence parallel (DTensor weights: their groups as the plain ones')
+    (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
+                                               "sequence_parallel": True}),
 ]
 
 

@@ -16,7 +16,7 @@ import types
 import pytest
 
 from memcalc.core.errors import UserError
-from memcalc.core.pipeline import check_pp
+from memcalc.core.pipeline import MULTI_STAGE, TORCH_SCHEDULES, check_pp
 from memcalc.core.pp_schedules import rank_actions
 from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 
@@ -24,8 +24,8 @@ pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
 
-#: --pp-schedule -> torch's class name (memcalc.core.pipeline.TORCH_SCHEDULES for the modelled ones)
-CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B", "zero-bubble": "ScheduleInterleavedZeroBubble"}
+#: the multi-stage schedules (memcalc.core.pipeline.MULTI_STAGE) and their torch classes
+CLASSES = {s: TORCH_SCHEDULES[s] for s in MULTI_STAGE}
 #: source: the grid: 2-4 ranks, 2-3 stages per rank, micro-batches below, at and above pp (1 to 3 rounds, and
 #: counts that are not a multiple of the rounds: 5 over 2 ranks, 9 over 4)
 GRID = list(itertools.product((2, 3, 4), (2, 3), (1, 2, 3, 4, 5, 6, 8, 9, 12)))
@@ -53,13 +53,11 @@ def test_orders_equal_torchs_pipeline_order(schedule: str) -> None:
             order = _torch_order(cls, pp, V, M)
         except ValueError as e:  # torch refuses: so must memcalc (the rounds rule)
             assert "multiple of the number of rounds" in str(e)
-            if schedule == "interleaved-1f1b":
-                with pytest.raises(UserError, match="multiple of its rounds"):
-                    check_pp(exp)
+            with pytest.raises(UserError, match="multiple of its rounds"):
+                check_pp(exp)
             refused += 1
             continue
-        if schedule == "interleaved-1f1b":
-            check_pp(exp)  # accepted by both
+        check_pp(exp)  # accepted by both
         for rank in range(pp):
             theirs = [(a.computation_type.value, a.stage_index, a.microbatch_index) for a in order[rank]
                       if a is not None]

@@ -25,6 +25,8 @@ TINY = ModelSpec(name="tiny", n_layers=12, d_model=64, n_heads=4, d_ff=128, voca
     # source: as above, over torchtitan's uneven split (12 layers over 5 stages: 2, 3, 3, 3, 1): rank 1 holds the
     # most layers of the middle ranks (the extra layers go to the lowest stages)
     (5, "1f1b", "full", 1, 5),
+    # source: the same for interleaved 1F1B (2 stages per rank): the warm-up falls by 2 forwards a hop
+    pytest.param(6, "interleaved-1f1b", "none", 1, 6, marks=pytest.mark.slow),
 ])
 def test_no_middle_rank_peaks_above_the_second(pp, schedule, checkpoint, tp, M):
     # the middle ranks hold the same layers and buffers; 1F1B's warm-up (pp - rank) is the second's the most
@@ -37,6 +39,21 @@ def test_no_middle_rank_peaks_above_the_second(pp, schedule, checkpoint, tp, M):
     picked = simulate_pp(exp, strategy_for(exp), record_timeline=False, ranks=[0, 1, pp - 1])
     assert picked.peak_bytes == max(peaks)
     assert simulated_ranks(pp) == (list(range(pp)) if pp <= 4 else [0, 1, pp - 1])
+
+
+@pytest.mark.slow  # every rank of two pipelines (a second)
+@pytest.mark.parametrize("pp,M", [(6, 12), (8, 8)])
+def test_zero_bubble_simulates_the_second_to_last_rank_too(pp, M):
+    # source: memcalc.engine.pipeline.simulate_pp, every rank: under zero bubble rank r defers r weight backwards
+    # (ScheduleInterleavedZeroBubble num_1f1b_microbatches = rank), so the middle ranks peak higher down the line
+    tr = TrainingSpec(batch=M, seq=32, precision="bf16", master_weights=True, pp=pp, microbatches=M,
+                      pp_schedule="zero-bubble")
+    exp = ExperimentSpec(model=TINY.model_copy(update={"n_layers": 2 * pp}), training=tr)
+    peaks = [s["peak_bytes"] for s in simulate_pp(exp, strategy_for(exp), record_timeline=False,
+                                                  ranks=range(pp)).stages]
+    assert max(peaks[1:pp - 1]) == peaks[pp - 2] > peaks[1]
+    assert simulated_ranks(pp, schedule="zero-bubble") == [0, 1, pp - 2, pp - 1]
+    assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == max(peaks)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
