@@ -123,9 +123,11 @@ class Ops:
         for t in deq:
             self.sim.unref(t)
         saved = []
-        if w.trainable or (quant_saves_input and x.requires_grad and not quant_retain):
+        # (a checkpointed region's first forward, grad disabled, both counts it as saved, for where the recompute
+        # stops, and keeps it on the ctx; the recompute saves it: memcalc.engine.checkpoint)
+        if w.trainable or (quant_saves_input and x.requires_grad and (not quant_retain or not self.sim.grad_enabled)):
             saved.append(xc)
-        elif quant_saves_input and x.requires_grad:  # on the ctx
+        if not w.trainable and quant_retain and quant_saves_input and x.requires_grad:  # on the ctx
             self.retained.add(xc)
         if x.requires_grad and wc is not None:
             saved.append(wc)

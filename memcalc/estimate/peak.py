@@ -174,11 +174,6 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
      lambda s: "lora double_quant has no effect without qlora: the base is not quantised"),
     (lambda s: s.lora_without_qlora("bnb_saves_input"),
      lambda s: "lora bnb_saves_input has no effect without qlora: the base is not quantised"),
-    # bitsandbytes < 0.43.2 keeps each 4-bit linear's input on its ctx, outside checkpointing's saved-tensor hooks
-    (lambda s: s.tr.lora is not None and s.tr.lora.qlora and s.tr.lora.bnb_saves_input and s.tr.checkpoint != "none",
-     lambda s: "bnb_saves_input with checkpointing: bitsandbytes < 0.43.2 keeps each 4-bit linear's input on its "
-               "ctx, which checkpointing cannot drop, so the checkpointed forward keeps them all; not modelled: "
-               "this estimate is low (LitGPT's traced step: 11% higher on tests/trace/test_litgpt_grid.py)"),
     (lambda s: s.tr.lora is not None and s.tr.lora.dtype is not None and s.tr.weight_dtype == DType.fp32,
      lambda s: f"lora dtype {s.tr.lora.dtype} has no effect with precision {s.tr.precision}: the weights are fp32, "
                "so are the adapters"),

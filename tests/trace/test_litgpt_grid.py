@@ -31,13 +31,9 @@ TOLERANCE_PCT = 2.0
 
 ITEMS = grid()
 #: rows memcalc misses today, by mechanism (strict: they flip when it lands)
-KNOWN_GAPS = {
-    "llama-gqa qlora bnb<0.43.2 q,v bf16 2x320 ck ga2": (
-        "-11.2%: bitsandbytes < 0.43.2's MatMul4Bit keeps its input on the ctx (ctx.tensors), which "
-        "non-reentrant checkpointing's saved-tensor hooks never see, so the checkpointed forward keeps every "
-        "4-bit linear's input with the graph (fit's logits hold it) as an unchecked forward would; memcalc "
-        "retains them only without checkpointing (memcalc.engine.retained; adapters._linear_4bit)"),
-}
+KNOWN_GAPS: dict[str, str] = {}
+#: was -11.2% on "llama-gqa qlora bnb<0.43.2 q,v bf16 2x320 ck ga2" until the checkpointed forward kept each 4-bit
+#: linear's input on MatMul4Bit's ctx as bitsandbytes < 0.43.2 does (engine/blocks/adapters.py _linear_4bit): -1.49%
 
 
 def _params():

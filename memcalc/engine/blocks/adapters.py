@@ -156,8 +156,12 @@ def _linear_4bit(fwd: ForwardContext, x: T, w: Param, bias: Optional[Param], d_o
     differ). With double quantisation ``gemm_4bit`` first dequantises the uint8 absmax into two
     fp32 buffers of one element per block (backends/cuda/ops.py ``_dequant_linear_fallback``).
     ``LoraSpec.bnb_saves_input``: bitsandbytes < 0.43.2 keeps the (cast) input on the ``ctx`` for
-    backward (alive as long as the graph: ``Ops.linear`` ``quant_retain``; not under checkpointing,
-    whose recomputed graphs are not modelled so), and 0.41/0.42's dequantisation
+    backward (alive as long as the graph: ``Ops.linear`` ``quant_retain``; a checkpointed region's first
+    forward too, since non-reentrant checkpointing's saved-tensor hooks never see ``ctx.tensors``
+    (torch/utils/checkpoint.py ``_checkpoint_hook`` packs only what ``save_for_backward`` saves; a reentrant
+    checkpoint's first forward runs under ``torch.no_grad()`` and builds no graph); its recompute's graph is
+    dropped once the recompute returns, so there it is saved as usual), and 0.41/0.42's
+    dequantisation
     (:func:`bnb_legacy_dequant_peak_bytes`)."""
     o, lora = fwd.ops, fwd.lora
     assert lora is not None
@@ -169,7 +173,8 @@ def _linear_4bit(fwd: ForwardContext, x: T, w: Param, bias: Optional[Param], d_o
         absmax, peak = 0, bnb_legacy_dequant_peak_bytes(w.numel, fwd.model.compute, lora)
     y = o.linear(xc, fwd.rows, w, bias, d_out, quant_transient_bytes=deq_bytes, quant_absmax_bytes=absmax,
                  quant_peak_bytes=peak, quant_saves_input=lora.bnb_saves_input,
-                 quant_retain=lora.bnb_saves_input and fwd.tr.checkpoint == "none")
+                 quant_retain=lora.bnb_saves_input and fwd.sim.ghosts is None
+                 and (fwd.sim.grad_enabled or not fwd.tr.checkpoint_reentrant))
     if cast:
         o.drop(xc)
     if y.itemsize_bits == x.itemsize_bits:
