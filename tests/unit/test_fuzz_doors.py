@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 from conftest import cli_run, one_line_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 NINES = "9" * 400
 
@@ -89,3 +91,49 @@ def test_notes_wait_for_success(capsys):
     assert capsys.readouterr().err == ""
     assert resolve("1k", False) == 1024
     assert capsys.readouterr().err == "memcalc: note: --seq 1k is 1,024 tokens (k = 1,024)\n"
+
+
+# -- explain's message, every size slot fuzzed (issue 32: 'Tried to allocate 1e26 GiB' was computed on) -------------
+
+_MESSAGE = ("CUDA out of memory. Tried to allocate {0}. GPU {dev} has a total capacity of {1} of which {2} is free. "
+            "Including non-PyTorch memory, this process has {3} memory in use. Of the allocated memory {4} is "
+            "allocated by PyTorch, and {5} is reserved by PyTorch but unallocated.")
+_GOOD = ["2.00 GiB", "79.15 GiB", "1.20 GiB", "77.94 GiB", "75.10 GiB", "2.31 GiB"]
+# source: c10's format_size (bytes up to 1024, else two decimals of KiB/MiB/GiB), and hostile numbers in its layout
+_NUMBER = st.one_of(st.integers(0, 2**70).map(str), st.sampled_from(["9" * 400, "0", "1" + "0" * 26 + ".00"]),
+                    st.decimals(0, 10**9, places=2, allow_nan=False, allow_infinity=False).map(str))
+_SIZE = st.tuples(_NUMBER, st.sampled_from(["bytes", "KiB", "MiB", "GiB"])).map(" ".join)
+
+
+def _parse_or_refuse(sizes, dev):
+    from memcalc.core.errors import UserError
+    from memcalc.snapshot.oom import MAX_DEVICE, MAX_SIZE_BYTES, parse_oom
+
+    try:
+        m = parse_oom(_MESSAGE.format(*sizes, dev=dev))
+    except UserError as e:
+        assert "\n" not in str(e) and len(str(e)) < 1000, str(e)[:200]
+        return
+    parts = [m.requested_bytes, m.total_bytes, m.free_bytes, m.allocated_bytes, m.reserved_unallocated_bytes,
+             m.process_bytes]
+    assert all(0 <= p <= MAX_SIZE_BYTES for p in parts), parts  # never an absurd size computed on
+    assert max(parts[2:]) <= m.total_bytes + 2**30 // 200 and m.device <= MAX_DEVICE, (parts, m.device)
+
+
+_SLOTS = st.lists(st.one_of(st.sampled_from(_GOOD), _SIZE), min_size=6, max_size=6)
+_DEVICE = st.one_of(st.integers(0, 200).map(str), st.just("9" * 5000))
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(sizes=_SLOTS, dev=_DEVICE)
+def test_any_sizes_in_an_oom_message_are_read_or_refused(sizes, dev):
+    """Each size slot of PyTorch's message (and the GPU number) holds anything in the size layout: the
+    message is read with every part within MAX_SIZE_BYTES and the device total, or refused in one line."""
+    _parse_or_refuse(sizes, dev)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(sizes=_SLOTS, dev=_DEVICE)
+def test_many_sizes_in_an_oom_message_are_read_or_refused(sizes, dev):
+    _parse_or_refuse(sizes, dev)
