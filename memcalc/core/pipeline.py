@@ -225,7 +225,8 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule
 def pipeline_line(pipe: dict) -> str:
     """The inputs table's line for ``--json``'s ``pipeline`` (memcalc.engine.pipeline.pipeline_extra)."""
     worst = next(s for s in pipe["stages"] if s["rank"] == pipe["worst_rank"])
-    layers = ", ".join(layers_text(lo, hi) for lo, hi in (s["layers"] for s in worst.get("stages", [worst])))
+    layers = ", ".join((f"stage {s['stage']}: " if "stage" in s else "") + layers_text(*s["layers"])
+                       for s in worst.get("stages", [worst]))
     ranks = [s["rank"] for s in pipe["stages"]]
     every = ("every rank's in --json" if len(ranks) == pipe["pp"] else
              f"ranks {', '.join(map(str, ranks))} simulated, in --json (no other rank peaks above them)")
