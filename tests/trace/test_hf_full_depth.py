@@ -9,6 +9,7 @@ same step (``estimate_hf``), one row per mechanism the estimator follows from th
   ``qkv_proj``: the V copy frees the projection output; GPT-2 ``c_attn``: q stays a view of it, K and V
   copies come on top);
 - flash on a partial-rotary q (GPT-NeoX): the attention output's transposed copy, saved by the dense;
+- one K/V head under an explicit sliding-window mask (Gemma-3 1B): ``repeat_kv`` is a view, not a copy;
 - the exact config file: a ``use_cache: false`` in the file is what is traced.
 
 Measured on a loaded 2-core machine (torch 2.13 CPU, transformers 5.24, PEFT 0.21.2): each row's trace
@@ -41,6 +42,9 @@ ROWS = [
     ("allenai--OLMo-2-1124-7B", None, 2, 2048),
     # source: data/hf_configs/google--gemma-2b.json; GemmaRMSNorm ``output * (1.0 + self.weight.float())``
     ("google--gemma-2b", None, 2, 2048),
+    # source: data/hf_configs/google--gemma-3-1b-it.json; one K/V head, sliding layers (window 512) with an
+    # explicit mask: repeat_kv's expand + reshape of one head is a view (no K/V copies)
+    ("google--gemma-3-1b-it", ("q", "v"), 2, 2048),
     # source: data/hf_configs/CohereForAI--aya-23-8B.json; CohereLayerNorm, the parallel block's one norm
     ("CohereForAI--aya-23-8B", ("q", "v"), 1, 2048),
     # source: data/hf_configs/microsoft--Phi-3.5-mini-instruct.json; use_cache true, fused qkv_proj
@@ -53,7 +57,8 @@ ROWS = [
 ]
 
 #: the estimate's gap before issue 27's HF residual rules (same rows, same trace)
-BEFORE = {"google--gemma-2b": -1.50, "CohereForAI--aya-23-8B": -4.80, "microsoft--Phi-3.5-mini-instruct": +4.85,
+BEFORE = {"google--gemma-2b": -1.50, "google--gemma-3-1b-it": +1.16,
+          "CohereForAI--aya-23-8B": -4.80, "microsoft--Phi-3.5-mini-instruct": +4.85,
           "openai-community--gpt2": -2.71, "EleutherAI--pythia-160m": -1.61}
 
 #: rows still outside the tolerance: stem -> what is known (none at present)

@@ -273,7 +273,13 @@ def core_attention(fwd: ForwardContext, q: T, k: T, v: T, i: int, views: Optiona
         o.drop(q2, k2)
     else:
         bias, bias_bytes = None, 0
-        k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
+        if fwd.kv_heads == 1 and fwd.exp.profile.framework != "litgpt":
+            # one kv head (Gemma-3 1B's MQA): repeat_kv's reshape of the (B, 1, n_rep, T, D) expand is a view
+            # (transformers integrations/sdpa_attention.py repeat_kv; stride 0 over the heads), no copy, as on
+            # the plain path (memcalc.engine.blocks.attention.core_attention)
+            k3, v3 = o.ref_(k2), o.ref_(v)
+        else:
+            k3, v3 = o.repeat_kv(k2, n_rep), o.repeat_kv(v, n_rep)
         o.drop(k2)
         if mask is not None:
             bias, bias_bytes = sdpa_bool_mask(o, mask, fwd.B, fwd.T, q2)
