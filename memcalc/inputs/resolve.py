@@ -244,14 +244,14 @@ def _model(o: Options, base: Optional[ExperimentSpec], origin: dict[str, str],
            notes: list[str]) -> tuple[ModelSpec, Optional["ModelSource"]]:
     """The model: ``--model``, ``--params`` (with the notes on what was inferred) or the config's;
     and where --model's came from."""
-    if o.model and o.params:
+    if o.model is not None and o.params is not None:  # ("" and 0 are given: refused, not taken as absent)
         raise UserError("give one of --model or --params, not both")
-    if o.model:
+    if o.model is not None:
         from memcalc.inputs.presets import resolve_model_source
 
         origin["model"] = "flag"
         return resolve_model_source(o.model)
-    if o.params:
+    if o.params is not None:
         from memcalc.inputs.infer import infer_params
 
         model, reasons = infer_params(o.params)

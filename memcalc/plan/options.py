@@ -136,11 +136,11 @@ def plan_model(model: Optional[str], params: Optional[str]) -> tuple[ModelSpec, 
     from memcalc.inputs.infer import infer_params
     from memcalc.inputs.presets import resolve_model_source
 
-    if model and params:
+    if model is not None and params is not None:  # ("" and 0 are given: refused below, not taken as absent)
         raise UserError("give one of --model or --params, not both")
-    if model:
+    if model is not None:
         m, src = resolve_model_source(model)
         return m, ([f"model from {src.describe()}"] if src.kind not in ("preset", "file") else [])
-    if params:
+    if params is not None:
         return infer_params(params)
     raise UserError("plan needs a model: give --model NAME|config.json or --params N (see `memcalc models`)")

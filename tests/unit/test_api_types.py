@@ -67,6 +67,21 @@ def test_issue_cases(kwargs, message):
     assert str(e.value).startswith(message)
 
 
+@pytest.mark.parametrize("call,kwargs,message", [
+    # source: resolve._model and plan.options.plan_model (issue 32 fuzz, stop 30): "" and 0 were taken as not given
+    # (params="" beside model="gpt2" ignored; params=0 'no model'; plan(params=0) planned gpt2)
+    ("estimate", {"model": "gpt2", "params": ""}, "give one of --model or --params, not both"),
+    ("estimate", {"params": 0}, "--params must be positive, got '0'"),
+    ("estimate", {"model": ""}, "empty --model value ''"),
+    ("plan", {"model": "gpt2", "params": 0}, "give one of --model or --params, not both"),
+    ("plan", {"params": ""}, "--params '' is not a parameter count"),
+])
+def test_empty_model_sources_are_given_not_absent(call, kwargs, message):
+    with pytest.raises(memcalc.UserError) as e:
+        getattr(memcalc, call)(**kwargs)
+    assert str(e.value).startswith(message)
+
+
 def test_plan_keywords_are_typed():
     # source: plan's signature (all: bool, recipe: str or paths)
     for kwargs, message in (({"all": "no"}, "all= must be True or False"),
