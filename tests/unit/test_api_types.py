@@ -119,6 +119,7 @@ def test_python_spellings_are_the_flags():
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(field=st.sampled_from([f.name for f in dataclasses.fields(Options)]),
        value=st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
+                       st.sampled_from([10**400, "", 0, "/dev/full"]),  # issue 32 fuzz (stop 30): overflow, empties
                        st.text(max_size=12), st.lists(st.text(max_size=4), max_size=3),
                        st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)))
 def test_any_keyword_value_is_an_answer_or_one_user_error(field, value):

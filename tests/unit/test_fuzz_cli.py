@@ -43,7 +43,11 @@ VALUES: dict[str, list[str]] = {
     "--loss-chunks": ["8", "1", "0", BIG],
     "--memory-budget": ["0.5", "0", "1", "2", "nan", "-inf"],
     "--gpu": ["rtx-4090", "48GiB", "24GB", "0GB", "1e40GB", "bogus", "-1GiB", "nanGB"],
-    "--params": ["1e8", "350M", "7B", "0", "1e999", "abc"],
+    "--params": ["1e8", "350M", "7B", "0", "1e999", "abc", ""],
+    # issue 32 fuzz (stop 30): a first micro-batch past gpt2's position table, an empty path taken as not given
+    "--first-seq": ["64", "2048", BIG],
+    "--adapter-config": ["", str(Path(__file__).parents[2] / "examples" / "adapter_config.json"), "/dev/full"],
+    "--config": ["", "/"],
 }
 SWITCHES = ["--lora", "--qlora", "--bf16", "--master-weights", "--fused-optimizer", "--compile",
             "--offload-optimizer", "--check", "--json", "--all", "--max-batch"]
