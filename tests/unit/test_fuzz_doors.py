@@ -124,7 +124,7 @@ _SLOTS = st.lists(st.one_of(st.sampled_from(_GOOD), _SIZE), min_size=6, max_size
 _DEVICE = st.one_of(st.integers(0, 200).map(str), st.just("9" * 5000))
 
 
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(sizes=_SLOTS, dev=_DEVICE)
 def test_any_sizes_in_an_oom_message_are_read_or_refused(sizes, dev):
     """Each size slot of PyTorch's message (and the GPU number) holds anything in the size layout: the
