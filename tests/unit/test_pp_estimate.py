@@ -164,7 +164,8 @@ def test_bad_pipeline_input_is_one_line(args, code, message):
     # source: memcalc.core.pipeline._check_stages: zero bubble's retain_graph input backward with checkpointed
     # regions (recomputed activations kept to W) is not modelled
     ({"pp_schedule": "zero-bubble", "checkpoint": "full"}, "zero-bubble with --checkpoint full: not modelled"),
-    # source: memcalc.core.pipeline._check_stages: torch's runtime UNSHARD/RESHARD per stage (_add_unshard_reshard)
+    # source: memcalc.core.pipeline._check_stages:
+    # torch's runtime UNSHARD/RESHARD per stage (_add_unshard_reshard)
     # with several FSDP2 stages per rank is not modelled
     ({"pp_schedule": "interleaved-1f1b", "gpus": 2, "zero": 3}, "FSDP2 with several stages per rank"),
 ])
