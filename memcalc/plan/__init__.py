@@ -12,14 +12,14 @@ Three questions, all answered from the simulated step (:mod:`memcalc.engine.time
 
 The searches ask "fits" of :func:`memcalc.estimate.peak.required_bytes` on the card's own GPU side (the
 device total of :mod:`memcalc.core.gpu_side` with reserved taken as allocated: no allocator replay per
-probe, a lower bound of the estimate's); ``plan --gpu``'s rows (their "needs" and whether they are listed
-as fitting) and ``estimate --max-batch/--max-seq`` take the estimate's own verdict, its allocator replay
-included (:func:`memcalc.plan.simulations.device_total`: what each row's command prints). The searches
-use closed-form fits of the step (:mod:`memcalc.plan.fits`) over cached simulations (:mod:`memcalc.plan.simulations`), run in
-worker processes (:mod:`memcalc.plan.parallel`), and confirm every printed number with direct
-estimates. A deep stack's simulation runs on copies of the model with 3, 4 and 5 periods of its
-layout (:mod:`memcalc.core.layout`: 3, 4 and 5 layers for a uniform stack) and is extrapolated
-exactly to the real depth (:mod:`memcalc.plan.depth`; checked, else simulated directly), so those
-confirmations cost about 12 periods instead of the model's depth.
+probe, a lower bound of the estimate's); ``plan --gpu``'s rows (their "needs" and whether they are
+listed as fitting) and ``estimate --max-batch/--max-seq`` take the estimate's own verdict, its allocator
+replay included (:func:`memcalc.plan.simulations.device_total`: what each row's command prints). The
+searches use closed-form fits of the step (:mod:`memcalc.plan.fits`) over cached simulations
+(:mod:`memcalc.plan.simulations`), run in worker processes (:mod:`memcalc.plan.parallel`), and confirm
+every printed number with direct estimates. A deep stack's simulation runs on copies of the model with
+3, 4 and 5 periods of its layout (:mod:`memcalc.core.layout`: 3, 4 and 5 layers for a uniform stack) and
+is extrapolated exactly to the real depth (:mod:`memcalc.plan.depth`; checked, else simulated directly),
+so those confirmations cost about 12 periods instead of the model's depth.
 Rendering lives in :mod:`memcalc.render.plan_report`.
 """
