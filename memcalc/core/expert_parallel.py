@@ -91,7 +91,8 @@ def ep_line(exp: ExperimentSpec, ep_mark: str = "", cf_mark: str = "") -> Option
         return None
     return (f"EP {tr.ep}{ep_mark}: {moe.n_experts // tr.ep} of {moe.n_experts} routed experts per rank, "
             f"capacity factor {tr.ep_capacity_factor:g}{cf_mark}; "
-            f"{tr.gpus // tr.ep} groups of {tr.ep} over {tr.gpus} data-parallel GPUs")
+            f"{tr.gpus // tr.ep} groups of {tr.ep} over {tr.gpus} data-parallel GPUs"
+            + (f" of each of the {tr.pp} pipeline stages" if tr.pp > 1 else ""))
 
 
 def expert_divisors(tr: TrainingSpec, params: list, div: int) -> dict[str, int]:

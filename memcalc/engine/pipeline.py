@@ -39,6 +39,10 @@ model part over the ``tp`` mesh dimension; :mod:`memcalc.engine.tensor_parallel`
 the stages exchange the rank's ``seq / tp`` rows (a row-parallel linear's local output), and the last stage's
 loss runs under loss parallel.
 
+With ``--ep`` each stage's MoE layers hold the rank's ``n_experts / ep`` routed experts and dispatch every
+micro-batch's ``batch / M x seq x top_k`` rows through torchtitan's all-to-all
+(:mod:`memcalc.engine.expert_parallel`: :class:`StageForward` is the decoder walk that runs it, on the micro-batch).
+
 Every rank also holds the whole batch's ids and labels (torchtitan's ``forward_backward_step`` moves
 both to the GPU before branching on the stage); each micro-batch's are views of them
 (``torch.tensor_split``, microbatch.py ``_split_tensor``).

@@ -98,6 +98,16 @@ ROWS = [
     # source: trace, zero bubble x tp + sequence parallel (DTensor weights: their groups as the plain ones')
     (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
                                                "sequence_parallel": True}),
+    # source: trace, pp x ep (torchtitan 0.3.0's sparse mesh pp x dp x ep; each stage's routed experts n_experts / ep
+    # with the all-to-all dispatcher, validate/sharded/ep_dispatch.py), 1F1B, 3 layers: MoE layers on both stages
+    (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "ep": 2}),
+    # source: trace, pp x ep 4 with multi-head latent attention, GPipe: 4 micro-batches' dispatch buffers in flight
+    (2, 4, "gpipe", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True, "gpus": 4, "ep": 4}),
+    # source: trace, pp x ep, zero bubble: the dispatch's saved buffers kept from each I to its W
+    (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True, "gpus": 2, "ep": 2}),
+    # source: trace, pp x ep with full checkpointing and a stated capacity factor 1.5 (the rows received)
+    (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "ep": 2, "checkpoint": "full",
+                                        "ep_capacity_factor": 1.5}),
 ]
 
 

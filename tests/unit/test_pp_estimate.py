@@ -153,6 +153,11 @@ def test_uneven_split_on_the_command_line():
     # source: torchtitan 0.3.0 apply_fsdp_to_decoder: experts Shard(1) when the FSDP degree exceeds the experts
     (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--gpus", "16", "--zero", "3"], 2,
      "than routed experts (8)"),
+    # source: memcalc.core.pipeline.check_pp: pp x ep composes without ZeRO; FSDP2's efsdp groups in a stage do not
+    (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--gpus", "2", "--ep", "2", "--zero", "3"], 2,
+     "not with --ep with --zero 3"),
+    # source: torchtitan 0.3.0 parallel_dims.py: the ep ranks are borrowed from each stage's data-parallel ranks
+    (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--ep", "2"], 2, "--ep 2 must divide --gpus 1"),
 ])
 def test_bad_pipeline_input_is_one_line(args, code, message):
     r = run(args)
@@ -175,3 +180,23 @@ def test_multi_stage_refusals(tr, message):
 
     with pytest.raises(UserError, match=re.escape(message)):
         check_pp(exp(pp=2, microbatches=2, batch=2, **tr))
+
+
+def test_pp_by_ep_stage_holds_n_experts_over_ep():
+    # source: hand count, torchtitan 0.3.0 moe_sharding.expert_param_placement_sparse (Shard(0) over ep) on each
+    # stage: rank 1 of pp 2 holds layer 1 (an MoE layer) and the head; ep 2 leaves it 4 of the 8 experts, 4 x
+    # (gate_up 2 x 64 x 128 + down 128 x 64) = 98,304 elements fewer: bf16 weights 2 bytes each, AdamW's two bf16
+    # moments 4 bytes
+    from memcalc.core.spec import MoESpec
+
+    moe = MODEL.model_copy(update={"n_layers": 2, "moe": MoESpec(n_experts=8, top_k=2, d_ff_expert=64)})
+
+    def est(ep: int):
+        return estimate(ExperimentSpec(model=moe, training=TrainingSpec(
+            batch=2, seq=64, precision="bf16", pp=2, microbatches=2, gpus=2, ep=ep)))
+
+    one, two = est(1), est(2)
+    assert one.peak_label.startswith("rank 1 ") and two.peak_label.startswith("rank 1 ")
+    n = 4 * (2 * 64 * 128 + 128 * 64)
+    c1, c2 = one.components, two.components  # (the gradients alive differ with the moment of each peak)
+    assert (c1["weights"] - c2["weights"], c1["optimizer state"] - c2["optimizer state"]) == (2 * n, 4 * n)

@@ -35,6 +35,13 @@ dimension before ``PipelineStage`` wraps it (given the ``pp`` group); with seque
 stage boundary is the rank's ``seq / tp`` rows; the schedule's ``step`` runs under ``loss_parallel``, as
 torchtitan's ``train_context`` wraps it; the tracer counts each DTensor by its local shard.
 
+With ``--ep`` the mesh is ``pp x (gpus / ep) x ep`` (torchtitan 0.3.0's sparse mesh ``("pp", "dp_replicate",
+"efsdp", "ep")``, parallel_dims.py; this rank at dp and ep coordinate 0) and each stage's replica gets its local
+``n_experts / ep`` experts and torchtitan's ``AllToAllTokenDispatcher`` on the ``ep`` dimension
+(:func:`.ep_dispatch.shard_experts`, as ``parallelize_deepseekv3`` runs ``model.parallelize`` on each model part),
+its token counts answered from the spec (:func:`.ep_dispatch.splits_from_spec`), under torchtitan's
+``partial_dtensor`` SPMD backend, as the whole-model trace (:mod:`.expert_parallel`) runs it.
+
 Every rank loads the whole batch (``inputs`` and ``labels`` moved to the GPU before the stage
 branch in torchtitan's ``forward_backward_step``); both are counted on every rank.
 """
@@ -137,9 +144,11 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
     out: dict = {"rank": rank, "layers": list(split[mine[0]])}
     if V > 1:
         out["stages"] = [{"stage": s, "layers": list(split[s])} for s in mine]
-    tp = tr.tp
-    world = (pp * tp, rank * tp, (pp, tp), ("pp", "tp")) if tp > 1 else (pp, rank, None, ("pp",))
-    with fake_world(*world) as mesh, _patch_p2p():
+    tp, ep = tr.tp, tr.ep
+    world: tuple = (pp * tp, rank * tp, (pp, tp), ("pp", "tp")) if tp > 1 else (pp, rank, None, ("pp",))
+    if ep > 1:  # pp x (dp, ep): the ep ranks borrowed from the data-parallel ones (core/expert_parallel.py)
+        world = (pp * tr.gpus, rank * tr.gpus, (pp, tr.gpus // ep, ep), ("pp", "dp", "ep"))
+    with fake_world(*world) as mesh, _patch_p2p(), _ep_dispatch(exp):
         layers = ", ".join(f"{lo}..{hi - 1}" for lo, hi in (split[s] for s in mine))
         say(f"rank {rank} of {pp}: layers {layers}{' + embedding' if first else ''}{' + head' if last else ''}, "
             f"{tr.pp_schedule}, {M} micro-batches" + (f", tp {tp}" if tp > 1 else ""))
@@ -212,7 +221,11 @@ def _build_stage(exp, m, s: int, mesh, first_ids, b: int) -> tuple:
     stage_mod = StageModule(dec, lo, hi, first, last, T)
     if tr.tp > 1:  # torchtitan's parallelize_llama: apply_tp on each model part (its stage) over the tp mesh
         apply_tp(dec, mesh["tp"], tr.sequence_parallel)
-    group = mesh["pp"].get_group() if tr.tp > 1 else None
+    if tr.ep > 1:  # parallelize_deepseekv3: model.parallelize(parallel_dims) on each model part
+        from .ep_dispatch import shard_experts
+
+        shard_experts(dec, exp, mesh["ep"])
+    group = mesh["pp"].get_group() if tr.tp > 1 or tr.ep > 1 else None
     t_local = T // tr.tp if tr.tp > 1 and tr.sequence_parallel else T  # the stage boundary: a local tensor
     hidden = torch.empty((b, t_local, m.d_model), dtype=_hidden_dtype(tr), device="meta")
     in_args = (first_ids,) if first else (hidden.detach().requires_grad_(True),)
@@ -231,6 +244,26 @@ def _run_schedule(sched, first: bool, last: bool, ids, labels, losses: list) -> 
         sched.step(target=labels, losses=losses, return_outputs=False)
     else:
         sched.step(return_outputs=False)
+
+
+@contextlib.contextmanager
+def _ep_dispatch(exp):
+    """With ``--ep``: the expert-parallel trace's token-count exchange answered from the spec and torchtitan's
+    ``partial_dtensor`` SPMD backend (:func:`.expert_parallel._trace`); nothing otherwise."""
+    if exp.training.ep == 1:
+        yield
+        return
+    from torchtitan.distributed.utils import get_spmd_backend, set_spmd_backend
+
+    from .ep_dispatch import splits_from_spec
+
+    backend = get_spmd_backend()
+    set_spmd_backend("partial_dtensor")
+    try:
+        with splits_from_spec(exp):
+            yield
+    finally:
+        set_spmd_backend(backend)
 
 
 def _loss_parallel():

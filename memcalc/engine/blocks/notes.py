@@ -16,7 +16,8 @@ def family_notes(exp: ExperimentSpec) -> list[str]:
         moe = m.moe
         if tr.ep > 1:  # engine/expert_parallel.py: the rows a rank receives are the stated capacity factor's
             notes.append(
-                f"expert parallelism: this rank receives {tr.ep_capacity_factor:g} x its batch x seq x "
+                f"expert parallelism: this rank receives {tr.ep_capacity_factor:g} x its "
+                f"{'micro-batch' if tr.pp > 1 else 'batch'} x seq x "
                 f"{moe.top_k} routed rows for its {moe.n_experts // tr.ep} experts (--ep-capacity-factor; 1 = "
                 "the even split); the busiest rank of an imbalanced routing receives more, and every buffer the "
                 "dispatcher and the experts make grows with it")
