@@ -205,13 +205,13 @@ class Ops:
         """transformers ``NewGELUActivation.forward`` (activations.py):
         ``0.5 * x * (1.0 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3.0))))``, op by op, with what
         autograd saves for each (tools/autograd/derivatives.yaml): ``t1 = 0.5 * x`` (a scalar
-        multiply saves nothing); ``p = pow(x, 3)`` saves x (``pow_backward(grad, self, exponent)``);
-        ``0.044715 * p``, ``x + .``, ``sqrt(2/pi) * .`` save nothing; ``th = tanh(.)`` saves its
-        result; ``1.0 + th`` saves nothing; ``t1 * (1 + th)`` saves both operands. So four
-        x-sized tensors are saved (x, th, t1, 1 + th) where the fused kernel saves one. Under
-        autocast ``pow`` is on CUDA's fp32 list: a 16-bit x is cast to fp32 (the copy is what
-        pow saves), the chain after it runs in fp32 (type promotion), ``t1`` stays in x's dtype and
-        the result is fp32. Ignores the scalar tensors."""
+        multiply saves nothing); ``p = pow(x, 3)`` saves x (``pow_backward(grad, self, exponent)``, FunctionsManual.cpp,
+        torch 2.13: ``self.pow(2)`` and ``3 * that`` beside its result, as pow2_backward_temps says of pow(x, 2));
+        ``0.044715 * p``, ``x + .``, ``sqrt(2/pi) * .`` save nothing; ``th = tanh(.)`` saves its result; ``1.0 + th``
+        saves nothing; ``t1 * (1 + th)`` saves both operands. So four x-sized tensors are saved (x, th, t1, 1 + th)
+        where the fused kernel saves one. Under autocast ``pow`` is on CUDA's fp32 list: a 16-bit x is cast to fp32
+        (the copy is what pow saves), the chain after it runs in fp32 (type promotion), ``t1`` stays in x's dtype
+        and the result is fp32. Ignores the scalar tensors."""
         n = x.numel
         dt = self.dtype_of(x)
         t1 = self.new(n, dt)
@@ -223,7 +223,7 @@ class Ops:
             self.sim.node("to_fp32", [], [x], [], [xp])
         ct = self.dtype_of(xp)
         p = self.new(n, ct)
-        self.sim.node("pow", [xp], [xp], [], [p])
+        self.sim.node("pow", [xp], [xp], [], [p], temps=pow2_backward_temps(n, ct.bits // 8))
         if xp is not x:
             self.drop(xp)
         chain = p

@@ -97,14 +97,9 @@ def grid() -> list[tuple[str, ExperimentSpec]]:
     return out
 
 
-#: rows whose gap is the Hugging Face path's, not TRL's: the same bytes are missing when the same setup is traced
-#: with --framework hf (measured: -99,840 B there, -100,864 B here; -300 KB in the forward phase there, -299 KB
-#: here); TRL's smaller head only uncovers them
-HF_RESIDUALS = {
-    "gpt2 qv bf16 ck=none tok=0.1 offload 1x256": "HF-path residual on GPT-2 with activation offloading (the "
-                                                  "gelu_new chain's reloaded tensors in backward): --framework hf's "
-                                                  "forward phase misses the same ~300 KB",
-}
+#: rows whose gap is the Hugging Face path's, not TRL's (the same bytes missing when the setup is traced with
+#: --framework hf): none at present (GPT-2's offload row closed with gelu_new's pow(x, 3) backward temporaries)
+HF_RESIDUALS: dict[str, str] = {}
 
 ITEMS = [(n, e) if n not in HF_RESIDUALS else
          pytest.param(n, e, marks=pytest.mark.xfail(strict=True, reason=HF_RESIDUALS[n])) for n, e in grid()]
