@@ -197,7 +197,7 @@ def _plan_group(job) -> tuple[list[tuple[int, bool, int, int, bool]], int]:
         p, b, t = int(peaks[k]), int(mb[k]), int(ms[k])
         need = required_bytes(p, side)
         if confirm and (need <= cap or abs(need - cap) <= CONFIRM_MARGIN * cap or include_all):
-            p, b, t = _confirm_option((e, cap, b, t, gpu, include_all))
+            p, b, t = _confirm_option((e, cap, b, t, gpu, include_all, include_all))
             rows.append((p, device_total(e, side, None if include_all else cap) <= cap, b, t, True, fits_[k]))
         else:
             rows.append((p, bool(fit_b1[k]), b, t, False, fits_[k]))
@@ -237,17 +237,17 @@ def _confirm_compiled(job: tuple) -> tuple[int, int, int, float]:
 
 
 def _confirm_option(job: tuple) -> tuple[int, int, int]:
-    """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers:
-    ``(experiment, capacity, max batch seed, max seq seed, gpu[, every])`` (``gpu``: the card, whose GPU side
-    counts: :func:`memcalc.estimate.peak.card_side`). Where batch 1 does not fit at
-    the plan's seq, the max seq (at batch 1) is searched when the seed says some seq fits, or always
-    with ``every`` (``plan --all``: from seq 2, one estimate when not even that fits)."""
+    """Exact (peak at batch 1, max batch, max seq) of one option, seeded with the fitted answers: ``(experiment,
+    capacity, max batch seed, max seq seed, gpu[, every[, shown]])`` (``gpu``: the card, :func:`card_side`). Where
+    batch 1 does not fit at the plan's seq, the max seq (at batch 1) is searched when the seed says some seq fits
+    (and ``shown``, default true; False: such a row is not shown, no ``--all``, and its verdict is cut short), or
+    always with ``every`` (``plan --all``: from seq 2, one estimate when not even that fits)."""
     e, cap, mb, ms, gpu = job[:5]
-    every = len(job) > 5 and job[5]
+    every, shown = len(job) > 5 and job[5], len(job) <= 6 or job[6]
     p = estimated_peak(e)
-    ok = need(e, cap, gpu=gpu, replayed=True)[0]  # the estimate's verdict (its allocator replay)
+    ok = need(e, cap, exact=shown, gpu=gpu, replayed=True)[0]
     b = max_batch(e, cap, seed=mb if mb > 0 else None, anchored=True, gpu=gpu) if ok else 0
-    if ok or ms > 0:
+    if ok or (ms > 0 and shown):
         t = max_seq(e, cap, seed=ms if ms >= 2 else None, anchored=True, gpu=gpu)
     else:
         t = max_seq(e, cap, seed=2, gpu=gpu) if every else 0
