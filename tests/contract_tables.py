@@ -191,6 +191,9 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     # (4 per rank): the same layers' activations in flight, twice the stages' receive buffers
     "TrainingSpec.pp_stages_per_rank": ({"model": {"n_layers": 8}, "training": {
         "pp": 2, "microbatches": 2, "pp_schedule": "interleaved-1f1b", "precision": "bf16"}}, 4),
+    # torchtitan's split of the 4 layers over 2 stages: weights 1 and 1 (default) 2 + 2; first 0: 3 + 1; last 2: 3 + 1
+    "TrainingSpec.pp_first_stage_less_layers": ({"training": {"pp": 2, "microbatches": 2}}, 0),
+    "TrainingSpec.pp_last_stage_less_layers": ({"training": {"pp": 2, "microbatches": 2}}, 2),
     # -- KernelProfile
     # flash and efficient differ in the rounding of their backward buffers (T to 128 vs 32)
     "KernelProfile.attention": ({"training": {"precision": "bf16", "checkpoint": "full", "seq": 100}}, "efficient"),

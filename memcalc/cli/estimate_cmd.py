@@ -23,7 +23,8 @@ from memcalc.cli.options import (Reentrant, GaloreRank, Quant, ActivationOffload
                                  OffloadOptimizer, Optimizer, OptimizerImpl, Params, Precision, Profile, Qlora, Recipe,
                                  Seq, Ep, EpCapacityFactor, Cp, CpMethod, SequenceParallel, Sharding, Torch, Tp, Zero,
                                  _check_output, Force,
-                                 Pp, PpSchedule, PpStagesPerRank, Microbatches, FirstSeq, NoDoubleQuant,
+                                 Pp, PpSchedule, PpStagesPerRank, PpFirstLess, PpLastLess,
+                                 Microbatches, FirstSeq, NoDoubleQuant,
                                  inputs_of)
 from memcalc.core.errors import UserError
 
@@ -46,7 +47,8 @@ def estimate(
     cp: Cp = None, cp_method: CpMethod = None,
     sequence_parallel: SequenceParallel = False, activation_offload: ActivationOffload = False, dora: Dora = False,
     pp: Pp = None, pp_schedule: PpSchedule = None, microbatches: Microbatches = None,
-    pp_stages_per_rank: PpStagesPerRank = None,
+    pp_stages_per_rank: PpStagesPerRank = None, pp_first_stage_less_layers: PpFirstLess = None,
+    pp_last_stage_less_layers: PpLastLess = None,
     first_seq: FirstSeq = None,
     modules_to_save: ModulesToSave = None,
     bnb_saves_input: BnbSavesInput = False,

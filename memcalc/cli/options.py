@@ -150,15 +150,23 @@ CpMethod = Annotated[Optional[str], typer.Option(
     "--cp-method", help="With --cp: ring (torch's context_parallel as torchtitan applies it; default) or ulysses "
                         "(DeepSpeed's DistributedAttention all-to-all).")]
 Pp = Annotated[Optional[int], typer.Option(
-    "--pp", help="Pipeline-parallel degree: the layers split into --pp stages (torch.distributed.pipelining; evenly, "
-                 "else torchtitan's default split); the worst rank is reported; --gpus N with --zero 2/3 shards each "
-                 "stage by FSDP2. GPUs in all = --gpus x --tp x --pp.")]
+    "--pp", help="Pipeline-parallel degree: the layers split into --pp stages (torch.distributed.pipelining; "
+                 "torchtitan's split: --pp-first-stage-less-layers); the worst rank is reported; --gpus N with "
+                 "--zero 2/3 shards each stage by FSDP2. GPUs in all = --gpus x --tp x --pp.")]
 PpSchedule = Annotated[Optional[str], typer.Option(
     "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe), 1f1b (Schedule1F1B, the default), interleaved-1f1b "
                           "(ScheduleInterleaved1F1B) or zero-bubble (ScheduleInterleavedZeroBubble).")]
 PpStagesPerRank = Annotated[Optional[int], typer.Option(
     "--pp-stages-per-rank", help="With --pp: stages each rank holds, looped over the ranks (torchtitan's "
                                  "stages_per_rank; default 1, 2 for interleaved-1f1b and zero-bubble).")]
+PpFirstLess = Annotated[Optional[int], typer.Option(
+    "--pp-first-stage-less-layers", help="With --pp: decoder layers fewer on the first stage for its embedding "
+    "(torchtitan's pipeline_parallel_first_stage_less_layers; default 1, as torchtitan: 32 layers over 4 stages "
+    "split 8, 9, 8, 7). 0 with --pp-last-stage-less-layers 0: the even split where --pp divides the layers, "
+    "as Megatron-LM splits them.")]
+PpLastLess = Annotated[Optional[int], typer.Option(
+    "--pp-last-stage-less-layers", help="With --pp: decoder layers fewer on the last stage for its final norm "
+    "and head (torchtitan's pipeline_parallel_last_stage_less_layers; default 1).")]
 FirstSeq = Annotated[Optional[int], typer.Option(
     "--first-seq", metavar="<int>", help="Tokens per sequence of the run's first micro-batch, where the trainer runs "
     "it apart (lit-gpt's finetune/lora.py before LitGPT 0.4 runs the longest sample first): that micro-step runs "

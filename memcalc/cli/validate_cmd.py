@@ -20,7 +20,8 @@ from memcalc.cli.options import (Reentrant, GaloreRank, Quant, ActivationOffload
                                  LoraTargets, Loss, LossChunks,
                                  LossTokens, MasterWeights, MemoryBudget, Model, Optimizer, OptimizerImpl, Params,
                                  Precision, Profile, Qlora, Recipe, Seq, Ep, EpCapacityFactor, SequenceParallel, Tp,
-                                 Pp, PpSchedule, PpStagesPerRank, Microbatches, FirstSeq, NoDoubleQuant,
+                                 Pp, PpSchedule, PpStagesPerRank, PpFirstLess, PpLastLess,
+                                 Microbatches, FirstSeq, NoDoubleQuant,
                                  _check_output, inputs_of,
                                  Force, Cp, CpMethod)
 from memcalc.core.choices import FRAMEWORKS, TRACED_FRAMEWORKS
@@ -49,7 +50,8 @@ def validate(
     cp: Cp = None, cp_method: CpMethod = None,
     sequence_parallel: SequenceParallel = False,
     pp: Pp = None, pp_schedule: PpSchedule = None, microbatches: Microbatches = None,
-    pp_stages_per_rank: PpStagesPerRank = None,
+    pp_stages_per_rank: PpStagesPerRank = None, pp_first_stage_less_layers: PpFirstLess = None,
+    pp_last_stage_less_layers: PpLastLess = None,
     first_seq: FirstSeq = None,
     device: Annotated[Optional[str], typer.Option(
         "--device", help="cuda | meta | cpu (default: cuda when available, else meta).")] = None,

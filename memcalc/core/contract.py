@@ -89,4 +89,6 @@ CONDITIONAL: dict[str, str] = {
     "TrainingSpec.pp_schedule": "pp 1 (no pipeline: nothing is scheduled over stages)",
     "TrainingSpec.microbatches": "pp 1 (no pipeline: the batch is not split into micro-batches)",
     "TrainingSpec.pp_stages_per_rank": "pp 1 (no pipeline: there are no stages to hold)",
+    "TrainingSpec.pp_first_stage_less_layers": "pp 1 (no pipeline: the layers are not split)",
+    "TrainingSpec.pp_last_stage_less_layers": "pp 1 (no pipeline: the layers are not split)",
 }

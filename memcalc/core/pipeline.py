@@ -35,16 +35,18 @@ micro-batch (memcalc.engine.expert_parallel, as for a whole model); the mesh is 
 :func:`memcalc.core.expert_parallel.check_ep`), as torchtitan's ``parallelize_deepseekv3`` parallelizes each model
 part (``model.parallelize(parallel_dims)`` when ``ep_enabled``) before the pipeline stage wraps it.
 
-The split (:func:`stage_layers`): where ``pp`` divides ``n_layers`` each stage gets ``n_layers / pp``
-consecutive layers (the first stage also the embedding, the last the final norm, the head and the loss),
-as torchtitan's ``pipeline_module_split`` cuts a model given per-stage module names
-(``module_fqns_per_model_part``). Where it does not, the split is torchtitan 0.3.0's default
-(``torchtitan/distributed/pipeline_parallel.py`` ``_generate_llm_fqn_per_model_part`` with
-``pipeline_parallel_first_stage_less_layers`` = ``pipeline_parallel_last_stage_less_layers`` = 1): the
-embedding and the head count as one layer each, ``n_layers + 2`` effective layers go ``(n_layers + 2) // pp``
-to a stage and one more to each of the first ``(n_layers + 2) % pp``, the first and the last stage hold one
-decoder layer less for their embedding / head (DeepSeek-V3's 61 layers over 8: 7, 8 x 6, 6); it refuses
-more stages than effective layers.
+The split (:func:`stage_layers`) is torchtitan 0.3.0's, always: ``pipeline_llm``
+(``torchtitan/distributed/pipeline_parallel.py``) calls ``_generate_llm_fqn_per_model_part(num_virtual_stages,
+num_layers, input_weight, output_weight)`` unless ``module_fqns_per_model_part`` is given, with
+``input_weight`` = ``pipeline_parallel_first_stage_less_layers`` (``--pp-first-stage-less-layers``) and
+``output_weight`` = ``pipeline_parallel_last_stage_less_layers`` (``--pp-last-stage-less-layers``), both 1 by
+default (config/configs.py ``ParallelismConfig``; ``_get_pipeline_metadata``). The embedding and the head count
+as ``input_weight`` / ``output_weight`` layers: ``n_layers + in + out`` effective layers go
+``(n_layers + in + out) // n`` to each of the ``n`` stages and one more to each of the first
+``(n_layers + in + out) % n``, the first stage holding ``in`` decoder layers less, the last ``out`` less
+(Llama-3 8B's 32 layers over 4: 8, 9, 8, 7; DeepSeek-V3's 61 over 8: 7, 8 x 6, 6). ``0`` and ``0`` give
+the even split where ``n`` divides the layers (Megatron-LM's). :func:`check_pp` refuses what it refuses:
+more stages than effective layers, a weight above the effective layers per stage.
 
 The batch: ``--batch`` is what one pipeline step receives (torch splits it on dim 0 into ``M``
 micro-batches, ``schedules._split_inputs`` / ``microbatch.split_args_kwargs_into_chunks``); it must
@@ -90,22 +92,29 @@ def rank_stages(tr: TrainingSpec, rank: int) -> list[int]:
 INPUT_WEIGHT = OUTPUT_WEIGHT = 1
 
 
-def stage_layers(n_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
-    """``[lo, hi)`` of each of the ``pp * virtual`` stages: the even split where it divides, else torchtitan's
-    default (the module docstring; :func:`check_pp` refuses what torchtitan refuses)."""
+def stage_layers(n_layers: int, pp: int, virtual: int = 1, first_less: int = INPUT_WEIGHT,
+                 last_less: int = OUTPUT_WEIGHT) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of each of the ``pp * virtual`` stages, as torchtitan 0.3.0 splits them
+    (distributed/pipeline_parallel.py ``_generate_llm_fqn_per_model_part(pp * virtual, n_layers, first_less,
+    last_less)``; the module docstring; :func:`check_pp` refuses what it refuses)."""
     n = pp * virtual
-    if n_layers % n == 0:
-        per = n_layers // n
-        return [(s * per, (s + 1) * per) for s in range(n)]
-    # torchtitan/distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part (num_stages > 1)
-    per, extra = divmod(n_layers + INPUT_WEIGHT + OUTPUT_WEIGHT, n)
+    if n == 1:  # "Single stage gets everything"
+        return [(0, n_layers)]
+    per, extra = divmod(n_layers + first_less + last_less, n)
     out, cur = [], 0
     for s in range(n):
-        k = per + (s < extra) - (INPUT_WEIGHT if s == 0 else OUTPUT_WEIGHT if s == n - 1 else 0)
+        k = per + (s < extra) - (first_less if s == 0 else last_less if s == n - 1 else 0)
         k = max(0, min(k, n_layers - cur))  # (its loops stop at num_layers)
         out.append((cur, cur + k))
         cur += k
     return out
+
+
+def split(tr: TrainingSpec, n_layers: int) -> list[tuple[int, int]]:
+    """:func:`stage_layers` of ``tr``'s ``pp x V`` stages with its two weights (the estimator's and the
+    validator's split)."""
+    return stage_layers(n_layers, tr.pp, stages_per_rank(tr), tr.pp_first_stage_less_layers,
+                        tr.pp_last_stage_less_layers)
 
 
 def micro_batch(tr: TrainingSpec) -> tuple[int, int]:
@@ -178,12 +187,7 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
         raise UserError(f"--pp-schedule {tr.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {V} "
                         "(torchtitan's _get_pipeline_metadata: 'Single stage schedule requires exactly 1 stage per "
                         "rank'); more stages per rank: --pp-schedule interleaved-1f1b")
-    n, effective = pp * V, n_layers + INPUT_WEIGHT + OUTPUT_WEIGHT
-    if n_layers % n and n > effective:  # (an uneven split otherwise: stage_layers)
-        what = f"--pp {pp}" if V == 1 else f"--pp {pp} x --pp-stages-per-rank {V} = {n} stages"
-        raise UserError(f"{what}: more stages than the layers ({n_layers}) + embedding + head: torchtitan's "
-                        f"_generate_llm_fqn_per_model_part raises 'Number of stages ({n}) cannot be greater than "
-                        f"effective layers ({effective})'")
+    _check_split(tr, n_layers, pp * V, "" if V == 1 else f" x --pp-stages-per-rank {V} = {pp * V} stages")
     if multi:
         from memcalc.core.pp_schedules import rounds
 
@@ -194,39 +198,69 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
                             "of microbatches to be a multiple of the number of rounds')")
 
 
+def split_refusal(n_layers: int, n: int, first: int, last: int) -> Optional[str]:
+    """What torchtitan 0.3.0 ``_generate_llm_fqn_per_model_part(n, n_layers, first, last)`` raises (``n > 1``),
+    quoted, or None."""
+    effective = n_layers + first + last
+    if n > effective:
+        return f"Number of stages ({n}) cannot be greater than effective layers ({effective})"
+    per = effective // n  # (>= 1 here: its "empty stages" check cannot fire)
+    for weight, name in ((first, "input_weight"), (last, "output_weight")):
+        if weight > per:
+            return f"{name} ({weight}) exceeds minimum layers per stage ({per})."
+    return None
+
+
+def _check_split(tr: TrainingSpec, n_layers: int, n: int, stages: str) -> None:
+    """:func:`split_refusal` as one line naming the flags."""
+    first, last = tr.pp_first_stage_less_layers, tr.pp_last_stage_less_layers
+    why = split_refusal(n_layers, n, first, last)
+    if why:
+        raise UserError(f"--pp {tr.pp}{stages} over {n_layers} layers with --pp-first-stage-less-layers {first} "
+                        f"--pp-last-stage-less-layers {last} (the embedding and the head count as that many "
+                        f"layers): torchtitan's _generate_llm_fqn_per_model_part raises '{why}'")
+
+
 #: pipelines of more stages than this simulate only :func:`simulated_ranks` (estimate and plan alike)
 ALL_RANKS_UP_TO = 4
 
 
-def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule: str = "1f1b") -> list[int]:
+def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule: str = "1f1b",
+                    less: tuple[int, int] = (INPUT_WEIGHT, OUTPUT_WEIGHT)) -> list[int]:
     """The ranks whose step is simulated: every rank up to :data:`ALL_RANKS_UP_TO` stages, else the first
     (embedding, the most micro-batches in flight), the second, the last (head, logits and loss) and, for each
     stage of ``m`` whose layers differ from the second's (an MoE model's dense first layers, MoE every
     ``moe.every`` layers: :meth:`memcalc.core.model_spec.MoESpec.is_moe_layer`), the first rank with that
-    stage. A middle rank with the second's layers holds the same buffers and, under 1F1B, fewer micro-batches
-    in flight (warm-up ``pp - rank``; GPipe: as many; interleaved: ``2`` fewer warm-up forwards a hop): it peaks
-    no higher than the second (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). With
-    ``V`` stages per rank a rank's layers are its ``V`` stages'. Under zero bubble the second-to-last rank is
-    simulated too: rank ``r`` defers ``r`` weight backwards (``num_1f1b_microbatches = rank``, each keeping a
-    micro-batch's graph and its intermediates' gradients), one more a hop, against one warm-up forward fewer, so
-    the middle ranks' peaks rise with the rank (the test simulates every rank). Layers that differ otherwise
+    stage, and the first rank of each other layer count (torchtitan's split gives its extra layers to the first
+    stages). A middle rank with an earlier rank's layers holds the same buffers and, under 1F1B, fewer
+    micro-batches in flight (warm-up ``pp - rank``; GPipe: as many; interleaved: ``2`` fewer warm-up forwards a
+    hop): it peaks no higher (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). With
+    ``V`` stages per rank a rank's layers are its ``V`` stages'. Under zero bubble the last rank of each layer
+    kind and the second-to-last rank are simulated too: rank ``r`` defers ``r`` weight backwards
+    (``num_1f1b_microbatches = rank``, each keeping a micro-batch's graph and its intermediates' gradients), one
+    more a hop, against one warm-up forward fewer, so the middle ranks' peaks rise with the rank (the test
+    simulates every rank). Layers that differ otherwise
     by their index are refused with ``--pp`` (:func:`check_pp`)."""
     if pp <= ALL_RANKS_UP_TO:
         return list(range(pp))
-    ranks = [0, 1]
-    if m is not None and m.moe is not None:
-        moe = m.moe
-        seen = set()
-        split = stage_layers(m.n_layers, pp, V)
-        for r in range(pp):
-            kinds = tuple(moe.is_moe_layer(i) for s in range(r, pp * V, pp) for i in range(*split[s]))
-            if 1 <= r < pp - 1 and kinds not in seen:
-                seen.add(kinds)
-                if r > 1:
-                    ranks.append(r)
-    if schedule == "zero-bubble" and pp - 2 not in ranks:
-        ranks.append(pp - 2)
-    return [*ranks, pp - 1]
+    ranks = {0, 1, pp - 1}
+    if m is not None:
+        groups: dict[tuple, list[int]] = {}
+        split = stage_layers(m.n_layers, pp, V, *less)
+        for r in range(1, pp - 1):
+            groups.setdefault(_rank_kind(m, split, r, pp), []).append(r)
+        for rs in groups.values():
+            ranks.update((rs[0], rs[-1]) if schedule == "zero-bubble" else rs[:1])
+    if schedule == "zero-bubble":
+        ranks.add(pp - 2)
+    return sorted(ranks)
+
+
+def _rank_kind(m: ModelSpec, split: list[tuple[int, int]], r: int, pp: int) -> tuple:
+    """What sets rank ``r``'s buffers apart: per stage, its layer count, or an MoE model's layers' kinds."""
+    moe = m.moe
+    return tuple(tuple(moe.is_moe_layer(i) for i in range(*split[s])) if moe is not None else split[s][1] - split[s][0]
+                 for s in range(r, len(split), pp))
 
 
 def pipeline_line(pipe: dict) -> str:

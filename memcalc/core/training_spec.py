@@ -272,8 +272,8 @@ class TrainingSpec(Spec):
                                 "applies it: load-balanced sequence shards, K/V all-gathered per attention) or "
                                 "ulysses (DeepSpeed's DistributedAttention: all-to-all from sequence to heads).")
     pp: int = Field(1, gt=0, le=MAX_COUNT, description="Pipeline-parallel degree: the layers split into pp stages "
-                    "on pp ranks (evenly, else torchtitan's default split; torch.distributed.pipelining; "
-                    "memcalc.core.pipeline). "
+                    "on pp ranks (torchtitan's split, pp_first_stage_less_layers / pp_last_stage_less_layers; "
+                    "torch.distributed.pipelining; memcalc.core.pipeline). "
                     "Total GPUs = gpus x tp x pp.")
     pp_schedule: PipelineSchedule = Field(
         "1f1b", description="With pp > 1: the pipeline schedule (gpipe = ScheduleGPipe, 1f1b = Schedule1F1B, "
@@ -282,6 +282,14 @@ class TrainingSpec(Spec):
         None, gt=0, le=MAX_COUNT, description="With pp > 1: pipeline stages each rank holds, looped over the ranks "
         "(torchtitan's stages_per_rank, which it derives from pipeline_parallel_layers_per_stage); None: 1 for "
         "gpipe and 1f1b, 2 for the multi-stage schedules (torchtitan's default).")
+    pp_first_stage_less_layers: int = Field(
+        1, ge=0, le=MAX_COUNT, description="With pp > 1: decoder layers fewer on the first stage, which holds the "
+        "embedding (torchtitan's pipeline_parallel_first_stage_less_layers, default 1: the embedding counts as that "
+        "many layers in _generate_llm_fqn_per_model_part's split). 0 with pp_last_stage_less_layers 0: the even "
+        "split where the stages divide the layers (Megatron-LM's).")
+    pp_last_stage_less_layers: int = Field(
+        1, ge=0, le=MAX_COUNT, description="With pp > 1: decoder layers fewer on the last stage, which holds the "
+        "final norm and the head (torchtitan's pipeline_parallel_last_stage_less_layers, default 1).")
     microbatches: Optional[int] = Field(
         None, gt=0, le=MAX_COUNT, description="With pp > 1: micro-batches the batch is split into per step "
         "(None: pp).")

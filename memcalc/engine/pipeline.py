@@ -1,6 +1,6 @@
 """Pipeline parallelism: the step of each rank of a ``pp``-stage pipeline, as torch.distributed.pipelining runs it.
 
-A rank holds its stage (:func:`memcalc.core.pipeline.stage_layers`: even, or torchtitan's default split; the
+A rank holds its stage (:func:`memcalc.core.pipeline.stage_layers`: torchtitan's split; the
 embedding on the first stage, the final norm, head and loss on the last) and runs the schedule's actions in the order
 torch's schedule runs them on that rank (:func:`actions`; torch 2.13 torch/distributed/pipelining/
 schedules.py ``ScheduleGPipe._step_microbatches``, ``Schedule1F1B._step_microbatches``): a forward of
@@ -56,7 +56,8 @@ from collections.abc import Sequence
 from typing import Optional
 
 from memcalc.core.pipeline import (MULTI_STAGE, TORCH_SCHEDULES, check_pp, micro_batch, rank_stages,
-                                   simulated_ranks, stage_layers, stages_per_rank)
+                                   simulated_ranks, stages_per_rank)
+from memcalc.core.pipeline import split as split_layers
 from memcalc.core.pp_schedules import rank_actions, single_stage
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks import attention_variants as av
@@ -181,7 +182,7 @@ class RankStep:
         self.rank, self.pp = rank, tr.pp
         self.V = stages_per_rank(tr)
         n_stages = tr.pp * self.V
-        split = stage_layers(exp.model.n_layers, tr.pp, self.V)
+        split = split_layers(tr, exp.model.n_layers)
         self.stage_ids = rank_stages(tr, rank)
         self.lo, self.hi = split[self.stage_ids[0]]
         self.first = self.stage_ids[0] == 0  # holds the embedding
@@ -416,7 +417,9 @@ def _simulate_ranks(exp: ExperimentSpec, strategy, first_step: bool, record_time
     peaks: list[StagePeak] = []
     results: list[tuple[SimResult, Optional[Timeline], Optional[AllocTrace], Optional[AllocEvents]]] = []
     V = stages_per_rank(exp.training)
-    for r in (simulated_ranks(exp.training.pp, exp.model, V, exp.training.pp_schedule) if ranks is None else ranks):
+    tr = exp.training
+    less = (tr.pp_first_stage_less_layers, tr.pp_last_stage_less_layers)
+    for r in (simulated_ranks(tr.pp, exp.model, V, tr.pp_schedule, less) if ranks is None else ranks):
         tracer = AllocTrace() if trace_allocs else None
         log = AllocEvents() if events else None
         step = RankStep(exp, r, strategy, first_step, [*observers, *(ob for ob in (tracer, log) if ob is not None)])

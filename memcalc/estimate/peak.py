@@ -105,6 +105,15 @@ class _Setup:
 
 #: KernelProfile.liger_ops's default: every kernel Liger's apply functions apply
 _LIGER_DEFAULT = KernelProfile.model_fields["liger_ops"].default
+#: the pipeline's fields, which pp 1 leaves inert
+_PP_FIELDS = ("pp_schedule", "microbatches", "pp_stages_per_rank", "pp_first_stage_less_layers",
+              "pp_last_stage_less_layers")
+
+
+def _have(s: _Setup) -> str:
+    """The verb for the pipeline fields ``s`` sets."""
+    return "has" if sum(map(s.changed, _PP_FIELDS)) == 1 else "have"
+
 
 #: (when, note) of each option that changes nothing in a setup, in the order the notes are shown
 #: (the setup-dependent entries of ``memcalc.core.contract.CONDITIONAL``)
@@ -137,10 +146,9 @@ NO_EFFECT: list[tuple[Callable[[_Setup], bool], Callable[[_Setup], str]]] = [
     (lambda s: s.tr.ep == 1 and s.tr.ep_capacity_factor != 1.0,
      lambda s: f"ep_capacity_factor {s.tr.ep_capacity_factor:g} has no effect with ep 1: no all-to-all dispatch "
                "receives rows (set ep)"),
-    (lambda s: s.tr.pp == 1 and (s.changed("pp_schedule") or s.changed("microbatches")
-                                 or s.changed("pp_stages_per_rank")),
-     lambda s: "pp_schedule, microbatches and pp_stages_per_rank have no effect with pp 1: there is no pipeline to "
-               "schedule (set pp)"),
+    (lambda s: s.tr.pp == 1 and any(s.changed(f) for f in _PP_FIELDS),
+     lambda s: f"{', '.join(f for f in _PP_FIELDS if s.changed(f))} {_have(s)} no effect with pp 1: there is no "
+               "pipeline to schedule or split (set pp)"),
     (lambda s: s.tr.checkpoint != "every-k" and s.changed("checkpoint_every"),
      lambda s: f"checkpoint_every {s.tr.checkpoint_every} has no effect with checkpoint {s.tr.checkpoint}: "
                "it is the K of every-k"),

@@ -98,6 +98,8 @@ class Options:
     pp_schedule: Optional[str] = None
     microbatches: Optional[int] = None
     pp_stages_per_rank: Optional[int] = None
+    pp_first_stage_less_layers: Optional[int] = None
+    pp_last_stage_less_layers: Optional[int] = None
     #: ``--first-seq``: the run's first micro-batch length (TrainingSpec.first_seq)
     first_seq: Optional[int] = None
     activation_offload: bool = False
@@ -153,7 +155,8 @@ _POSITIVE = ("batch", "seq", "first_seq", "grad_accum", "galore_rank", "lora_ran
 _VALUE_FLAGS = ("batch", "seq", "grad_accum", "precision", "master_weights", "optimizer", "optimizer_impl",
                 "galore_rank", "checkpoint", "checkpoint_every", "checkpoint_reentrant", "fused_optimizer", "compile",
                 "memory_budget", "compile_scope", "zero", "gpus", "sharding", "tp", "ep", "ep_capacity_factor", "cp",
-                "cp_method", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "first_seq")
+                "cp_method", "pp", "pp_schedule", "microbatches", "pp_stages_per_rank", "pp_first_stage_less_layers",
+                "pp_last_stage_less_layers", "first_seq")
 #: the on/off flags set after --deepspeed (a flag over the file's offload_optimizer is the flag's)
 _LATE_SWITCHES = ("sequence_parallel", "activation_offload", "offload_optimizer")
 #: the LoRA fields a flag sets as given: Options field -> LoraSpec field
@@ -285,7 +288,8 @@ def _flag_values(o: Options) -> dict[str, Any]:
         memory_budget=o.memory_budget, compile_scope=o.compile_scope,
         zero=o.zero, gpus=o.gpus, sharding=o.sharding, tp=o.tp, ep=o.ep, ep_capacity_factor=o.ep_capacity_factor,
         cp=o.cp, cp_method=o.cp_method, pp=o.pp, pp_schedule=o.pp_schedule, microbatches=o.microbatches,
-        pp_stages_per_rank=o.pp_stages_per_rank, first_seq=o.first_seq,
+        pp_stages_per_rank=o.pp_stages_per_rank, pp_first_stage_less_layers=o.pp_first_stage_less_layers,
+        pp_last_stage_less_layers=o.pp_last_stage_less_layers, first_seq=o.first_seq,
     )
 
 

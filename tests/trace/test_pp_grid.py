@@ -82,7 +82,8 @@ ROWS = [
     # source: trace, interleaved, 3 stages per rank, full checkpointing, two rounds of 2 micro-batches
     (2, 4, "interleaved-1f1b", 6, 4, 256, "plain", {"precision": "bf16", "checkpoint": "full",
                                                     "pp_stages_per_rank": 3}),
-    # source: trace, interleaved over MoE stages (stage 0 the dense first layer, stages 1-3 routed + shared experts)
+    # source: trace, interleaved over MoE stages (torchtitan's split of 4 layers over 4 stages, 1, 2, 1, 0: stage 0
+    # the dense first layer, stages 1-2 routed + shared experts, stage 3 the head only)
     (2, 2, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16", "moe": True}),
     # source: trace, interleaved x tp (apply_tp on each of a rank's stages), sequence parallel, fp32 master weights
     (2, 2, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
@@ -131,16 +132,25 @@ def test_every_rank_matches_its_trace(pp, M, schedule, layers, batch, seq, frame
                                            f"{traced['peak_bytes']:,} ({gap:+.2f}%)")
 
 
-def test_uneven_splits_are_torchtitans():
-    # source: torchtitan 0.3.0 distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part (default weights
-    # 1 and 1), every layer count up to 70 and every stage count that does not divide it (up to layers + 2)
+def test_splits_are_torchtitans():
+    # source: torchtitan 0.3.0 distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part (pipeline_llm's
+    # split, with pipeline_parallel_{first,last}_stage_less_layers 0..2 each), every layer count up to 24 and every
+    # stage count from 2 to the layers + 5: the same layers per stage, and a refusal where it raises
     from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
 
-    from memcalc.core.pipeline import stage_layers
+    from memcalc.core.pipeline import split_refusal, stage_layers
 
-    for n in range(1, 71):
-        for pp in (p for p in range(2, n + 3) if n % p):
-            layers = [[int(f.split(".")[1]) for f in part if f.startswith("layers.")]
-                      for part in _generate_llm_fqn_per_model_part(pp, n)]
-            assert stage_layers(n, pp) == [(ls[0], ls[-1] + 1) if ls else (lo, lo) for ls, (lo, _) in
-                                           zip(layers, stage_layers(n, pp), strict=True)], (n, pp)
+    for n in range(1, 25):
+        for pp in range(2, n + 6):
+            for first in range(3):
+                for last in range(3):
+                    try:
+                        parts = _generate_llm_fqn_per_model_part(pp, n, first, last)
+                    except ValueError as e:
+                        assert split_refusal(n, pp, first, last) == str(e), (n, pp, first, last)
+                        continue
+                    assert split_refusal(n, pp, first, last) is None, (n, pp, first, last)
+                    counts = [sum(f.startswith("layers.") for f in part) for part in parts]
+                    layers = [int(f.split(".")[1]) for part in parts for f in part if f.startswith("layers.")]
+                    assert layers == list(range(n)), (n, pp, first, last)
+                    assert [hi - lo for lo, hi in stage_layers(n, pp, 1, first, last)] == counts, (n, pp, first, last)

@@ -122,6 +122,8 @@ NO_EFFECT = [
     ("TrainingSpec.pp_schedule", {}, "gpipe"),  # source: pp 1, no pipeline
     ("TrainingSpec.microbatches", {}, 2),  # source: pp 1, the batch is not split
     ("TrainingSpec.pp_stages_per_rank", {}, 2),  # source: pp 1, no stages
+    ("TrainingSpec.pp_first_stage_less_layers", {}, 0),  # source: pp 1, the layers are not split
+    ("TrainingSpec.pp_last_stage_less_layers", {}, 2),  # source: pp 1, the layers are not split
     ("DeepSpeedSpec.offload_param", DS2, True),  # source: offload_config.py, offload_param is read at stage 3 only
 ]
 

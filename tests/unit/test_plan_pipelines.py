@@ -46,14 +46,18 @@ def test_no_middle_rank_peaks_above_the_second(pp, schedule, checkpoint, tp, M):
 def test_zero_bubble_simulates_the_second_to_last_rank_too(pp, M):
     # source: memcalc.engine.pipeline.simulate_pp, every rank: under zero bubble rank r defers r weight backwards
     # (ScheduleInterleavedZeroBubble num_1f1b_microbatches = rank), so the middle ranks peak higher down the line
-    tr = TrainingSpec(batch=M, seq=32, precision="bf16", master_weights=True, pp=pp, microbatches=M,
-                      pp_schedule="zero-bubble")
-    exp = ExperimentSpec(model=TINY.model_copy(update={"n_layers": 2 * pp}), training=tr)
-    peaks = [s["peak_bytes"] for s in simulate_pp(exp, strategy_for(exp), record_timeline=False,
-                                                  ranks=range(pp)).stages]
-    assert max(peaks[1:pp - 1]) == peaks[pp - 2] > peaks[1]
-    assert simulated_ranks(pp, schedule="zero-bubble") == [0, 1, pp - 2, pp - 1]
-    assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == max(peaks)
+    # (the even split, weights 0 and 0: every middle rank holds 2 layers; torchtitan's default split: the last
+    # rank of each layer count is simulated too)
+    for less in (0, 1):
+        tr = TrainingSpec(batch=M, seq=32, precision="bf16", master_weights=True, pp=pp, microbatches=M,
+                          pp_schedule="zero-bubble", pp_first_stage_less_layers=less, pp_last_stage_less_layers=less)
+        exp = ExperimentSpec(model=TINY.model_copy(update={"n_layers": 2 * pp}), training=tr)
+        peaks = [s["peak_bytes"] for s in simulate_pp(exp, strategy_for(exp), record_timeline=False,
+                                                      ranks=range(pp)).stages]
+        if not less:
+            assert max(peaks[1:pp - 1]) == peaks[pp - 2] > peaks[1]
+            assert simulated_ranks(pp, schedule="zero-bubble") == [0, 1, pp - 2, pp - 1]
+        assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == max(peaks)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -66,10 +70,10 @@ def test_a_middle_stage_of_other_layers_is_simulated_too(schedule):
     moe = TINY.model_copy(update={"d_ff": 16, "moe": MoESpec(n_experts=8, top_k=4, d_ff_expert=128,
                                                                first_dense_layers=3)})
     tr = TrainingSpec(batch=6, seq=32, precision="bf16", master_weights=True, pp=6, microbatches=6,
-                      pp_schedule=schedule)
+                      pp_schedule=schedule, pp_first_stage_less_layers=0, pp_last_stage_less_layers=0)  # (even)
     exp = ExperimentSpec(model=moe, training=tr)
     every = simulate_pp(exp, strategy_for(exp), record_timeline=False, ranks=range(6))
-    assert simulated_ranks(6, moe) == [0, 1, 2, 5]
+    assert simulated_ranks(6, moe, less=(0, 0)) == [0, 1, 2, 5]
     assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == every.peak_bytes
     if schedule == "gpipe":
         peaks = [s["peak_bytes"] for s in every.stages]

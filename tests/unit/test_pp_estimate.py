@@ -72,22 +72,33 @@ def test_interleaved_rank_holds_its_looped_stages():
     pipe = est.extra["pipeline"]
     assert pipe["stages_per_rank"] == 2 and pipe["torch_schedule"] == "ScheduleInterleaved1F1B"
     assert [[s["stage"] for s in r["stages"]] for r in pipe["stages"]] == [[0, 2], [1, 3]]
-    assert [[s["layers"] for s in r["stages"]] for r in pipe["stages"]] == [[[0, 1], [2, 3]], [[1, 2], [3, 4]]]
+    # (torchtitan's split of 4 layers over 4 stages, _generate_llm_fqn_per_model_part(4, 4): 1, 2, 1, 0)
+    assert [[s["layers"] for s in r["stages"]] for r in pipe["stages"]] == [[[0, 1], [3, 4]], [[1, 3], [4, 4]]]
 
 
-@pytest.mark.parametrize("n_layers,pp,split", [
-    # source: memcalc.core.pipeline: n_layers / pp consecutive layers per stage where pp divides them
-    (8, 4, [(0, 2), (2, 4), (4, 6), (6, 8)]),
-    # source: torchtitan 0.3.0 distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part(8, 61): 63 effective
-    # layers, 7 + 1 to the first 7 stages, the first and last one layer less (embedding, head)
-    (61, 8, [(0, 7), (7, 15), (15, 23), (23, 31), (31, 39), (39, 47), (47, 55), (55, 61)]),
+@pytest.mark.parametrize("n_layers,pp,less,split", [
+    # source: torchtitan 0.3.0 distributed/pipeline_parallel.py _generate_llm_fqn_per_model_part(4, 8), pipeline_llm's
+    # default weights (config/configs.py pipeline_parallel_{first,last}_stage_less_layers = 1): 10 effective
+    # layers, 2 + 1 to the first 2 stages, the first and last one layer less, even where 4 divides 8
+    (8, 4, (1, 1), [(0, 2), (2, 5), (5, 7), (7, 8)]),
+    # source: _generate_llm_fqn_per_model_part(4, 32): Llama-3 8B's 32 layers over 4 stages, 8, 9, 8, 7
+    (32, 4, (1, 1), [(0, 8), (8, 17), (17, 25), (25, 32)]),
+    # source: _generate_llm_fqn_per_model_part(4, 32, 0, 0): weights 0 and 0, the even split
+    (32, 4, (0, 0), [(0, 8), (8, 16), (16, 24), (24, 32)]),
+    # source: _generate_llm_fqn_per_model_part(3, 32, 0, 0): 32 over 3, one more to the first 2
+    (32, 3, (0, 0), [(0, 11), (11, 22), (22, 32)]),
+    # source: _generate_llm_fqn_per_model_part(4, 32, 2, 1): 35 effective, 9 to the first 3, 7, 9, 9, 7
+    (32, 4, (2, 1), [(0, 7), (7, 16), (16, 25), (25, 32)]),
+    # source: _generate_llm_fqn_per_model_part(8, 61): 63 effective layers, 7 + 1 to the first 7 stages, the first
+    # and last one layer less (embedding, head)
+    (61, 8, (1, 1), [(0, 7), (7, 15), (15, 23), (23, 31), (31, 39), (39, 47), (47, 55), (55, 61)]),
     # source: _generate_llm_fqn_per_model_part(2, 3): 5 effective layers, 3 + 2, less one each
-    (3, 2, [(0, 2), (2, 3)]),
+    (3, 2, (1, 1), [(0, 2), (2, 3)]),
     # source: _generate_llm_fqn_per_model_part(3, 1): the end stages hold only the embedding / the head
-    (1, 3, [(0, 0), (0, 1), (1, 1)]),
+    (1, 3, (1, 1), [(0, 0), (0, 1), (1, 1)]),
 ])
-def test_split(n_layers, pp, split):
-    assert stage_layers(n_layers, pp) == split
+def test_split(n_layers, pp, less, split):
+    assert stage_layers(n_layers, pp, 1, *less) == split
 
 
 def test_stages_hold_their_share_and_gpipe_holds_more():
@@ -145,6 +156,18 @@ def test_uneven_split_on_the_command_line():
      "needs --pp-stages-per-rank >= 2, not 1"),
     # source: the same: single-stage schedules hold exactly 1 stage per rank
     (["--pp", "4", "--pp-stages-per-rank", "2"], 2, "--pp-schedule 1f1b runs one stage per rank"),
+    # source: torchtitan 0.3.0 _generate_llm_fqn_per_model_part(4, 32, 12, 1): 45 effective, 11 a stage
+    (["--pp", "4", "--batch", "4", "--pp-first-stage-less-layers", "12"], 2,
+     "raises 'input_weight (12) exceeds minimum layers per stage (11).'"),
+    # source: _generate_llm_fqn_per_model_part(4, 32, 0, 11): 43 effective, 10 a stage
+    (["--pp", "4", "--batch", "4", "--pp-first-stage-less-layers", "0", "--pp-last-stage-less-layers", "11"], 2,
+     "raises 'output_weight (11) exceeds minimum layers per stage (10).'"),
+    # source: _generate_llm_fqn_per_model_part(33, 32, 0, 0): 33 stages, 32 effective layers
+    (["--pp", "33", "--batch", "33", "--pp-first-stage-less-layers", "0", "--pp-last-stage-less-layers", "0"], 2,
+     "'Number of stages (33) cannot be greater than effective layers (32)'"),
+    # source: TrainingSpec.pp_first_stage_less_layers ge=0 (a weight below 0 is not a count of layers less)
+    (["--pp", "2", "--batch", "2", "--pp-first-stage-less-layers", "-1"], 2,
+     "pp_first_stage_less_layers = -1: Input should be greater than or equal to 0"),
     # source: torchtitan 0.3.0 _generate_llm_fqn_per_model_part over pp x V stages: no more than the layers + 2
     (["--pp", "12", "--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "3", "--batch", "12"], 2,
      "'Number of stages (36) cannot be greater than effective layers (34)'"),

@@ -6,8 +6,9 @@ torchtitan cuts a Llama for pipelining (torchtitan/distributed/pipeline_parallel
 ``pipeline_module_split``: every stage a copy of the model with the modules it does not own set to
 ``None``; its ``forward`` runs ``tok_embeddings`` if present, its layers, then ``norm`` and ``output``
 if present): the first stage holds the embedding, the last the final norm and the head, and the
-layers are split as :func:`memcalc.core.pipeline.stage_layers` splits them. The stage is wrapped in
-``PipelineStage`` with static metadata (``input_args`` / ``output_args``: the micro-batch's
+layers are split as :func:`memcalc.core.pipeline.stage_layers` splits them (torchtitan's
+``_generate_llm_fqn_per_model_part`` with the two weights; ``tests/trace/test_pp_grid.py`` checks they
+agree). The stage is wrapped in ``PipelineStage`` with static metadata (``input_args`` / ``output_args``: the micro-batch's
 ``(b, T, d)`` hidden states, or the token ids on the first stage), and the schedule
 (:data:`memcalc.core.pipeline.TORCH_SCHEDULES`) runs its unmodified ``step``:
 ``step(ids, target=labels, losses=...)`` on the first stage, ``step(target=labels, losses=...)`` on
@@ -57,8 +58,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn as nn
 
-from memcalc.core.pipeline import (MULTI_STAGE, TORCH_SCHEDULES, check_pp, micro_batch, rank_stages, stage_layers,
+from memcalc.core.pipeline import (MULTI_STAGE, TORCH_SCHEDULES, check_pp, micro_batch, rank_stages,
                                    stages_per_rank)
+from memcalc.core.pipeline import split as split_layers
 
 from ..blocks import attention_variants as variants
 from ..blocks.head import lm_loss
@@ -139,7 +141,7 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
 
     tr = exp.training
     pp, (M, b), V = tr.pp, micro_batch(tr), stages_per_rank(tr)
-    split, mine = stage_layers(m.n_layers, pp, V), rank_stages(tr, rank)
+    split, mine = split_layers(tr, m.n_layers), rank_stages(tr, rank)
     first, last = mine[0] == 0, mine[-1] == pp * V - 1  # the rank holds the embedding / the head
     out: dict = {"rank": rank, "layers": list(split[mine[0]])}
     if V > 1:
@@ -213,7 +215,7 @@ def _build_stage(exp, m, s: int, mesh, first_ids, b: int) -> tuple:
 
     tr = exp.training
     n_stages = tr.pp * stages_per_rank(tr)
-    lo, hi = stage_layers(m.n_layers, tr.pp, stages_per_rank(tr))[s]
+    lo, hi = split_layers(tr, m.n_layers)[s]
     first, last = s == 0, s == n_stages - 1
     torch.manual_seed(0)
     dec = build_model(m, tr, exp.profile, device="meta")

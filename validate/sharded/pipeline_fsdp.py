@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from memcalc.core.pipeline import TORCH_SCHEDULES, micro_batch, stage_layers
+from memcalc.core.pipeline import TORCH_SCHEDULES, micro_batch, split
 
 from ..blocks.head import lm_loss
 
@@ -83,7 +83,7 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     tr = exp.training
     pp, dp, tp = tr.pp, tr.gpus, tr.tp
     M, b = micro_batch(tr)
-    lo, hi = stage_layers(m.n_layers, pp, 1)[rank]
+    lo, hi = split(tr, m.n_layers)[rank]  # (one stage per rank: check_pp)
     first, last = rank == 0, rank == pp - 1
     out: dict = {"rank": rank, "layers": [lo, hi]}
     plan = precision_plan(tr)
