@@ -8,8 +8,8 @@ torchtitan cuts a Llama for pipelining (torchtitan/distributed/pipeline_parallel
 if present): the first stage holds the embedding, the last the final norm and the head, and the
 layers are split as :func:`memcalc.core.pipeline.stage_layers` splits them (torchtitan's
 ``_generate_llm_fqn_per_model_part`` with the two weights; ``tests/trace/test_pp_grid.py`` checks they
-agree). The stage is wrapped in ``PipelineStage`` with static metadata (``input_args`` / ``output_args``: the micro-batch's
-``(b, T, d)`` hidden states, or the token ids on the first stage), and the schedule
+agree). The stage is wrapped in ``PipelineStage`` with static metadata (``input_args`` /
+``output_args``: the micro-batch's ``(b, T, d)`` hidden states, or the token ids on the first stage), and the schedule
 (:data:`memcalc.core.pipeline.TORCH_SCHEDULES`) runs its unmodified ``step``:
 ``step(ids, target=labels, losses=...)`` on the first stage, ``step(target=labels, losses=...)`` on
 the last, ``step()`` between (torchtitan/train.py ``forward_backward_step``, with
