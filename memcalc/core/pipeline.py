@@ -231,12 +231,12 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule
     (embedding, the most micro-batches in flight), the second, the last (head, logits and loss) and, for each
     stage of ``m`` whose layers differ from the second's (an MoE model's dense first layers, MoE every
     ``moe.every`` layers: :meth:`memcalc.core.model_spec.MoESpec.is_moe_layer`), the first rank with that
-    stage, and the first rank of each other layer count (torchtitan's split gives its extra layers to the first
-    stages). A middle rank with an earlier rank's layers holds the same buffers and, under 1F1B, fewer
-    micro-batches in flight (warm-up ``pp - rank``; GPipe: as many; interleaved: ``2`` fewer warm-up forwards a
-    hop): it peaks no higher (``tests/unit/test_plan_pipelines.py`` simulates every rank and checks it). With
-    ``V`` stages per rank a rank's layers are its ``V`` stages'. Under zero bubble the last rank of each layer
-    kind and the second-to-last rank are simulated too: rank ``r`` defers ``r`` weight backwards
+    stage. A middle rank with an earlier rank's layers, or fewer of them (torchtitan's split gives its extra
+    layers to the first stages: a later rank's stages hold no more layers than the second's), holds no more
+    buffers and, under 1F1B, fewer micro-batches in flight (warm-up ``pp - rank``; GPipe: as many; interleaved:
+    ``2`` fewer warm-up forwards a hop): it peaks no higher (``tests/unit/test_plan_pipelines.py`` simulates
+    every rank and checks it). With ``V`` stages per rank a rank's layers are its ``V`` stages'. Under zero
+    bubble the last rank of each layer kind and the second-to-last rank are simulated too: rank ``r`` defers ``r`` weight backwards
     (``num_1f1b_microbatches = rank``, each keeping a micro-batch's graph and its intermediates' gradients), one
     more a hop, against one warm-up forward fewer, so the middle ranks' peaks rise with the rank (the test
     simulates every rank). Layers that differ otherwise
@@ -250,7 +250,10 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule
         for r in range(1, pp - 1):
             groups.setdefault(_rank_kind(m, split, r, pp), []).append(r)
         for rs in groups.values():
-            ranks.update((rs[0], rs[-1]) if schedule == "zero-bubble" else rs[:1])
+            if m.moe is not None:
+                ranks.add(rs[0])
+            if schedule == "zero-bubble":
+                ranks.add(rs[-1])
     if schedule == "zero-bubble":
         ranks.add(pp - 2)
     return sorted(ranks)
