@@ -236,10 +236,10 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule
     buffers and, under 1F1B, fewer micro-batches in flight (warm-up ``pp - rank``; GPipe: as many; interleaved:
     ``2`` fewer warm-up forwards a hop): it peaks no higher (``tests/unit/test_plan_pipelines.py`` simulates
     every rank and checks it). With ``V`` stages per rank a rank's layers are its ``V`` stages'. Under zero
-    bubble the last rank of each layer kind and the second-to-last rank are simulated too: rank ``r`` defers ``r`` weight backwards
-    (``num_1f1b_microbatches = rank``, each keeping a micro-batch's graph and its intermediates' gradients), one
-    more a hop, against one warm-up forward fewer, so the middle ranks' peaks rise with the rank (the test
-    simulates every rank). Layers that differ otherwise
+    bubble the last rank of each layer kind and the second-to-last rank are simulated too: rank ``r`` defers
+    ``r`` weight backwards (``num_1f1b_microbatches = rank``, each keeping a micro-batch's graph and its
+    intermediates' gradients), one more a hop, against one warm-up forward fewer, so the middle ranks' peaks
+    rise with the rank (the test simulates every rank). Layers that differ otherwise
     by their index are refused with ``--pp`` (:func:`check_pp`)."""
     if pp <= ALL_RANKS_UP_TO:
         return list(range(pp))
