@@ -4,8 +4,9 @@ a ``pp x tp`` full fine-tune, its worst rank and that rank's peak.
 The layout is the one a user of a cluster of 8-GPU nodes runs (torchtitan's recipes for Llama 3.1 405B:
 tensor parallelism within a node, pipeline stages across nodes): ``tp`` the largest of :data:`TP_DEGREES`
 the model allows (:func:`memcalc.core.rules.check_tp`, with sequence parallelism), ``pp`` a divisor of the
-layer count (the even split) or a power of two up to the layers + 2 (torchtitan's default split of a count it
-does not divide, :func:`memcalc.core.pipeline.stage_layers`: DeepSeek-V3's 61 layers over 8 or 16 stages),
+layer count or a power of two up to the layers + 2, each split as torchtitan always splits
+(:func:`memcalc.core.pipeline.stage_layers`: the embedding and the head weigh one layer each by default, so
+32 layers over 4 stages are 8, 9, 8, 7, and DeepSeek-V3's 61 layers go over 8 or 16 stages),
 :data:`SCHEDULE` with ``M = pp``
 micro-batches of one sequence each (the batch of one pipeline step is ``pp`` sequences), full activation
 checkpointing, bf16 with fp32 master weights and AdamW (the full fine-tune of ``plan --model``), no ZeRO:
