@@ -134,7 +134,7 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
     from torch.distributed import pipelining
 
     from ..optim import allow_fused_on, build_optimizer
-    from ..step import Probe, track_inputs, two_steps
+    from ..step import Probe, track_inputs
     from .fake_dist import fake_world
     from .rank_tracer import RankTracer, local_tensors
     from .tp import make_tracer
@@ -181,25 +181,7 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
             for stage in stages:
                 _label_chunks(stage, tracer, ran, V > 1)
             track_inputs(tracer, stage_mods, ids, labels, opt, local_tensors)
-            around = _loss_parallel if tp > 1 else contextlib.nullcontext
-
-            def step() -> None:
-                ran.clear()
-                tracer.set_phase("forward")
-                losses: list = []
-                with around():  # torchtitan's train_context: loss parallel around the schedule's step
-                    _run_schedule(sched, first, last, ids, labels, losses)
-                del losses
-                tracer.set_phase("optimizer step")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            with tracer:
-                out["first_step_bytes"], (peak, phase, label, peaks) = two_steps(
-                    probe, step, say, before_measured=_collect)
-            out.update(peak_bytes=peak, phase=phase, label=label, phase_peaks=peaks, actions=list(ran))
-            if debug:
-                out["peak_live"] = sorted(([bb, w] for bb, w, _ in tracer.peak_live), reverse=True)
+            _measure_steps(out, tracer, probe, sched, (first, last, ids, labels), opt, ran, tp > 1, say, debug)
             for dec in decs:
                 dec.on_label = None
     return out
@@ -246,6 +228,36 @@ def _run_schedule(sched, first: bool, last: bool, ids, labels, losses: list) -> 
         sched.step(target=labels, losses=losses, return_outputs=False)
     else:
         sched.step(return_outputs=False)
+
+
+def _measure_steps(out: dict, tracer, probe, sched, batch: tuple, opt, ran: list, loss_parallel: bool,
+                   say: Callable[[str], None], debug: bool) -> None:
+    """Two steps of the schedule on this rank (the first, then the measured one), each the schedule's
+    ``step`` then the optimizer's, as torchtitan's train step runs them; the measured step's peak, phase,
+    label, phase peaks and the actions it ran go into ``out`` (and the live tensors at the peak with
+    ``debug``). ``batch`` is ``(first, last, ids, labels)``."""
+    from ..step import two_steps
+
+    first, last, ids, labels = batch
+    around = _loss_parallel if loss_parallel else contextlib.nullcontext
+
+    def step() -> None:
+        ran.clear()
+        tracer.set_phase("forward")
+        losses: list = []
+        with around():  # torchtitan's train_context: loss parallel around the schedule's step
+            _run_schedule(sched, first, last, ids, labels, losses)
+        del losses
+        tracer.set_phase("optimizer step")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with tracer:
+        out["first_step_bytes"], (peak, phase, label, peaks) = two_steps(
+            probe, step, say, before_measured=_collect)
+    out.update(peak_bytes=peak, phase=phase, label=label, phase_peaks=peaks, actions=list(ran))
+    if debug:
+        out["peak_live"] = sorted(([bb, w] for bb, w, _ in tracer.peak_live), reverse=True)
 
 
 @contextlib.contextmanager

@@ -29,7 +29,6 @@ the FSDP2 harness does (:mod:`.runner`); the communication patches are :mod:`.pi
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -72,11 +71,10 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     from ..devices import fake_as_meta
     from ..model import build_model
     from ..optim import allow_fused_on, build_optimizer
-    from ..step import Probe, track_inputs, two_steps
+    from ..step import Probe, track_inputs
     from .fake_dist import DEVICE, fake_world
     from .fsdp2 import precision_plan
-    from .pipeline import (StageModule, _collect, _label_chunks, _logits_dtype, _loss_parallel, _patch_p2p,
-                           _run_schedule)
+    from .pipeline import StageModule, _label_chunks, _logits_dtype, _measure_steps, _patch_p2p
     from .rank_tracer import RankTracer, local_tensors
     from .tp import apply_tp, make_tracer
 
@@ -129,25 +127,7 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
             ran: list = []
             _label_chunks(stage, tracer, ran)
             track_inputs(tracer, stage_mod, ids, labels, opt, local_tensors)
-            around = _loss_parallel if tp > 1 else contextlib.nullcontext
-
-            def step() -> None:
-                ran.clear()
-                tracer.set_phase("forward")
-                losses: list = []
-                with around():
-                    _run_schedule(sched, first, last, ids, labels, losses)
-                del losses
-                tracer.set_phase("optimizer step")
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            with tracer:
-                out["first_step_bytes"], (peak, phase, label, peaks) = two_steps(
-                    probe, step, say, before_measured=_collect)
-            out.update(peak_bytes=peak, phase=phase, label=label, phase_peaks=peaks, actions=list(ran))
-            if debug:
-                out["peak_live"] = sorted(([bb, w] for bb, w, _ in tracer.peak_live), reverse=True)
+            _measure_steps(out, tracer, probe, sched, (first, last, ids, labels), opt, ran, tp > 1, say, debug)
             dec.on_label = None
     return out
 
