@@ -281,5 +281,8 @@ def pipeline_line(pipe: dict) -> str:
 
 
 def layers_text(lo: int, hi: int) -> str:
-    """``layers lo-(hi - 1)``, or ``no layers`` for an uneven split's end stage of the embedding or the head only."""
+    """``layers lo-(hi - 1)``, ``layer lo`` for one, or ``no layers`` for an uneven split's end stage of the
+    embedding or the head only."""
+    if hi - lo == 1:
+        return f"layer {lo}"
     return f"layers {lo}-{hi - 1}" if hi > lo else "no layers"
