@@ -27,13 +27,15 @@ for the multi-stage ones, which refuse fewer. The layers are split over the ``pp
 
 With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus). With ``gpus > 1`` and
 ``--zero 2`` / ``3`` (FSDP2) every stage is FSDP2-sharded over ``gpus`` data-parallel ranks as torchtitan 0.3.0 does
-it under pipelining (memcalc.engine.pipeline_fsdp; validate/sharded/pipeline_fsdp.py). With ``--ep`` (no ZeRO / FSDP2)
-every stage's MoE layers hold ``n_experts / ep`` routed experts and run torchtitan's all-to-all dispatch on each
-micro-batch (memcalc.engine.expert_parallel, as for a whole model); the mesh is torchtitan 0.3.0's sparse mesh
+it under pipelining (memcalc.engine.pipeline_fsdp; validate/sharded/pipeline_fsdp.py). With ``--ep`` every stage's
+MoE layers hold ``n_experts / ep`` routed experts and run torchtitan's all-to-all dispatch on each micro-batch
+(memcalc.engine.expert_parallel, as for a whole model); the mesh is torchtitan 0.3.0's sparse mesh
 (``distributed/parallel_dims.py`` ``_build_mesh``: ``("pp", "dp_replicate", "efsdp", "ep")``): ``pp`` outermost, the
 ``ep`` ranks borrowed from each stage's ``gpus`` data-parallel ranks (GPUs = pp x gpus;
 :func:`memcalc.core.expert_parallel.check_ep`), as torchtitan's ``parallelize_deepseekv3`` parallelizes each model
-part (``model.parallelize(parallel_dims)`` when ``ep_enabled``) before the pipeline stage wraps it.
+part (``model.parallelize(parallel_dims)`` when ``ep_enabled``) before the pipeline stage wraps it. With ``--ep`` and
+FSDP2 (torchtitan's default for its MoE models) each MoE layer has two FSDP2 groups, its experts over ``efsdp =
+gpus / ep`` and the rest over ``gpus`` (memcalc.engine.pipeline_ep_fsdp; validate/sharded/pipeline_ep_fsdp.py).
 
 The split (:func:`stage_layers`) is torchtitan 0.3.0's, always: ``pipeline_llm``
 (``torchtitan/distributed/pipeline_parallel.py``) calls ``_generate_llm_fqn_per_model_part(num_virtual_stages,
@@ -142,13 +144,11 @@ def check_pp(exp: ExperimentSpec) -> None:
                         "'Number of microbatches must be greater than or equal to the number of stages')")
     unsupported = [name for cond, name in (
         (m.tie_embeddings, "tied embeddings (the embedding and the head sit on different stages)"),
-        (tr.ep > 1 and tr.zero > 0, f"--ep with --zero {tr.zero} (FSDP2's efsdp groups inside a pipeline stage are not "
-                                    "modelled; pp x ep composes without ZeRO)"),
         (tr.cp > 1, "--cp"),
         (tr.gpus > 1 and tr.zero > 0 and not (tr.sharding == "fsdp2" and tr.zero in (2, 3)),
          f"--sharding {tr.sharding} --zero {tr.zero} over data-parallel GPUs (FSDP2, --zero 2 or 3, composes)"),
         (tr.gpus > 1 and tr.offload_optimizer, "--offload-optimizer"),
-        (tr.gpus > 1 and tr.zero > 1 and m.moe is not None and tr.gpus > m.moe.n_experts,
+        (tr.gpus > 1 and tr.zero > 1 and m.moe is not None and tr.gpus > m.moe.n_experts and tr.ep == 1,
          f"FSDP2 over more data-parallel GPUs ({tr.gpus}) than routed experts "
          f"({m.moe.n_experts if m.moe else 0}): torchtitan's apply_fsdp_to_decoder shards the experts on dim 1 "
          "then (Shard(1)), not modelled"),

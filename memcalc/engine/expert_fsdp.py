@@ -76,6 +76,7 @@ class EPFSDP2(FSDP2):
                 ex = Unit(i, experts, [fsdp_shard_numel(shapes[p.name], "experts", tr.gpus, tr.ep,
                                                         n_experts) for p in experts])
                 ex.world = world  # type: ignore[attr-defined]
+                ex.dim1 = world > 1 and world * tr.ep > n_experts  # type: ignore[attr-defined]  # Shard(1)
                 units.append(ex)
             groups[i] = units
         self.groups = groups
@@ -93,7 +94,15 @@ class EPFSDP2(FSDP2):
     def wait_for_unshard(self, u, forward: bool) -> None:
         self._world(u)
         if self.n > 1:
+            # Shard(1) (torch 2.13 _fsdp_collectives.py foreach_all_gather_copy_out): each parameter's all-gather
+            # output gets a temporary ``empty_like`` to copy into, chunk-cat into the output on dim 1; the list
+            # holding them goes as the function returns
+            temps = [self.sim.alloc(self.n * self._param_dtype_bytes(p, s), "temporaries", "all-gather buffers "
+                                    "(FSDP2)") for p, s in zip(u.params, u.shard_numels, strict=True)] \
+                if getattr(u, "dim1", False) and u.ag_out is not None else []
             super().wait_for_unshard(u, forward)
+            for t in temps:
+                self.sim.unref(t)
             return
         # world size 1 (gpus == ep): the previous all-gather state freed in forward, then each
         # parameter's unsharded copy allocated and copied from its shard; nothing kept

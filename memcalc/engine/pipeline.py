@@ -41,7 +41,8 @@ loss runs under loss parallel.
 
 With ``--ep`` each stage's MoE layers hold the rank's ``n_experts / ep`` routed experts and dispatch every
 micro-batch's ``batch / M x seq x top_k`` rows through torchtitan's all-to-all
-(:mod:`memcalc.engine.expert_parallel`: :class:`StageForward` is the decoder walk that runs it, on the micro-batch).
+(:mod:`memcalc.engine.expert_parallel`: :class:`StageForward` is the decoder walk that runs it, on the micro-batch);
+with FSDP2 too, the experts are their own FSDP2 groups over ``efsdp`` (:mod:`memcalc.engine.pipeline_ep_fsdp`).
 
 Every rank also holds the whole batch's ids and labels (torchtitan's ``forward_backward_step`` moves
 both to the GPU before branching on the stage); each micro-batch's are views of them
@@ -68,7 +69,8 @@ from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, Timelin
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.pipeline_zb import InputBackward
-from memcalc.engine.pipeline_fsdp import PipelineFSDP2, stage_fsdp2
+from memcalc.engine.pipeline_ep_fsdp import stage_fsdp2
+from memcalc.engine.pipeline_fsdp import PipelineFSDP2
 from memcalc.engine.result import SimResult
 from memcalc.engine.sim import Node, Sim, T
 from memcalc.engine.strategy import LayerStrategy

@@ -109,6 +109,15 @@ ROWS = [
     # source: trace, pp x ep with full checkpointing and a stated capacity factor 1.5 (the rows received)
     (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "ep": 2, "checkpoint": "full",
                                         "ep_capacity_factor": 1.5}),
+    # source: trace, pp x ep x FSDP2, torchtitan's default for MoE (validate/sharded/pipeline_ep_fsdp.py: its own
+    # apply_fsdp_to_decoder with ep_degree 2, the experts over efsdp 2, the rest over 4), GPipe, bf16 over fp32
+    # shards (both groups' fp32 accumulated gradients), --zero 2
+    (2, 2, "gpipe", 3, 4, 64, "plain", {"precision": "bf16", "master_weights": True, "moe": True, "gpus": 4, "ep": 2,
+                                        "zero": 2}),
+    # source: trace, pp x ep x FSDP2 with MLA, 1F1B, efsdp x ep = 16 > 8 experts: Shard(1) on the experts (the
+    # copy-out's empty_like temporaries, _fsdp_collectives.foreach_all_gather_copy_out)
+    (2, 2, "1f1b", 3, 2, 32, "plain", {"precision": "bf16", "master_weights": True, "moe": True, "mla": True,
+                                       "gpus": 16, "ep": 2, "zero": 3}),
 ]
 
 

@@ -176,9 +176,6 @@ def test_uneven_split_on_the_command_line():
     # source: torchtitan 0.3.0 apply_fsdp_to_decoder: experts Shard(1) when the FSDP degree exceeds the experts
     (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--gpus", "16", "--zero", "3"], 2,
      "than routed experts (8)"),
-    # source: memcalc.core.pipeline.check_pp: pp x ep composes without ZeRO; FSDP2's efsdp groups in a stage do not
-    (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--gpus", "2", "--ep", "2", "--zero", "3"], 2,
-     "not with --ep with --zero 3"),
     # source: torchtitan 0.3.0 parallel_dims.py: the ep ranks are borrowed from each stage's data-parallel ranks
     (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--ep", "2"], 2, "--ep 2 must divide --gpus 1"),
 ])
@@ -223,3 +220,21 @@ def test_pp_by_ep_stage_holds_n_experts_over_ep():
     n = 4 * (2 * 64 * 128 + 128 * 64)
     c1, c2 = one.components, two.components  # (the gradients alive differ with the moment of each peak)
     assert (c1["weights"] - c2["weights"], c1["optimizer state"] - c2["optimizer state"]) == (2 * n, 4 * n)
+
+
+def test_pp_by_ep_by_fsdp2_shards_the_experts_over_efsdp():
+    # source: hand count, torchtitan 0.3.0 distributed/fsdp.py apply_fsdp_to_decoder (ep_degree 2: the routed
+    # experts on the efsdp mesh, gpus / ep = 2 ranks, the rest over the 4 data-parallel ranks; torch 2.13 makes one
+    # FSDPParamGroup per mesh) on each stage (memcalc.engine.pipeline_ep_fsdp): rank 1 holds layer 1's 4 local
+    # experts, 4 x (gate_up 2 x 64 x 128 + down 128 x 64) elements, bf16: a shard of half of them at rest, all 4
+    # unsharded from micro-batch 0's all-gather to the end (no reshard under pipelining)
+    from memcalc.core.spec import MoESpec
+
+    moe = MODEL.model_copy(update={"n_layers": 2, "moe": MoESpec(n_experts=8, top_k=2, d_ff_expert=64)})
+    est = estimate(ExperimentSpec(model=moe, training=TrainingSpec(
+        batch=2, seq=64, precision="bf16", pp=2, microbatches=2, gpus=4, ep=2, zero=3)))
+    experts = 4 * (2 * 64 * 128 + 128 * 64) * 2
+    assert est.components["weights (FSDP2 shard 1/2)"] == experts // 2
+    dense = estimate(ExperimentSpec(model=moe, training=TrainingSpec(
+        batch=2, seq=64, precision="bf16", pp=2, microbatches=2, gpus=4, zero=3)))
+    assert dense.components["unsharded parameters (FSDP2)"] - est.components["unsharded parameters (FSDP2)"] == experts

@@ -22,6 +22,9 @@ the end and the unsharded gradients accumulate (in ``reduce_dtype`` when it diff
 back and runs every parameter group's ``post_backward`` (reshard, reduce-scatter), the root's final
 callback, then ``scale_grads``.
 
+With ``--ep`` the mesh is torchtitan's sparse one and ``apply_fsdp_to_decoder`` gets ``ep_degree`` and the
+``efsdp`` mesh: :mod:`.pipeline_ep_fsdp`.
+
 The model is built on ``meta`` under ``FakeTensorMode`` and moved with ``to_empty`` (FSDP2 refuses meta
 parameters), the step runs on fake ``cpu`` tensors with CUDA's kernel choice (``devices.fake_as_meta``), as
 the FSDP2 harness does (:mod:`.runner`); the communication patches are :mod:`.pipeline`'s.
@@ -38,7 +41,7 @@ from memcalc.core.pipeline import TORCH_SCHEDULES, micro_batch, split
 from ..blocks.head import lm_loss
 
 
-def apply_fsdp_stage(stage_mod, dec, dp_mesh, plan) -> None:
+def apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, ep: int = 1, edp_mesh=None) -> None:
     """torchtitan 0.3.0's own ``apply_fsdp_to_decoder`` on one pipeline stage (module docstring), with
     ``pp_enabled=True`` and the policy "default". It reads torchtitan's module names (``tok_embeddings``,
     ``layers.items()``, ``norm``, ``lm_head``, ``enable_weight_tying``), so the stage module is given them as
@@ -58,8 +61,12 @@ def apply_fsdp_stage(stage_mod, dec, dp_mesh, plan) -> None:
     stage_mod.lm_head = getattr(dec, "lm_head", None)
     stage_mod.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(dec.layers)})
     own = next((p.dtype for p in dec.parameters() if p.requires_grad), torch.float32)
+    if ep > 1:  # torchtitan's names for the MoE layers (pipeline_ep_fsdp.moe_aliases)
+        from .pipeline_ep_fsdp import moe_aliases
+
+        moe_aliases(dec)
     apply_fsdp_to_decoder(stage_mod, dp_mesh, param_dtype=plan.param_dtype or own,
-                          reduce_dtype=plan.reduce_dtype or own, pp_enabled=True)
+                          reduce_dtype=plan.reduce_dtype or own, pp_enabled=True, ep_degree=ep, edp_mesh=edp_mesh)
 
 
 def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = False) -> dict:
@@ -74,7 +81,7 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     from ..step import Probe, track_inputs
     from .fake_dist import DEVICE, fake_world
     from .fsdp2 import precision_plan
-    from .pipeline import StageModule, _label_chunks, _logits_dtype, _measure_steps, _patch_p2p
+    from .pipeline import StageModule, _ep_dispatch, _label_chunks, _logits_dtype, _measure_steps, _patch_p2p
     from .rank_tracer import RankTracer, local_tensors
     from .tp import apply_tp, make_tracer
 
@@ -86,18 +93,26 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     out: dict = {"rank": rank, "layers": [lo, hi]}
     plan = precision_plan(tr)
     shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
+    ep = tr.ep
+    if ep > 1:  # torchtitan's sparse mesh (pipeline_ep_fsdp): the experts' FSDP over efsdp = dp / ep
+        shape, names = (pp, dp // ep, ep), ("pp", "efsdp", "ep")
     fake = FakeTensorMode()
-    with fake_world(pp * dp * tp, rank * dp * tp, shape, names) as mesh, _patch_p2p():
+    with fake_world(pp * dp * tp, rank * dp * tp, shape, names) as mesh, _patch_p2p(), _ep_dispatch(exp):
+        dp_mesh = mesh["efsdp", "ep"]._flatten("dp") if ep > 1 else mesh["dp"]
         say(f"rank {rank} of {pp}: layers {lo}..{hi - 1}{' + embedding' if first else ''}{' + head' if last else ''}, "
             f"{tr.pp_schedule}, {M} micro-batches, FSDP2 over {dp}" + (f", tp {tp}" if tp > 1 else ""))
         torch.manual_seed(0)
         T = tr.seq
         with fake:
             dec = build_model(m, plan.build, exp.profile, device="meta")
+            if ep > 1:  # parallelize_deepseekv3: the experts sharded over ep before FSDP
+                from .ep_dispatch import shard_experts
+
+                shard_experts(dec, exp, mesh["ep"])
         stage_mod = StageModule(dec, lo, hi, first, last, T)
         if tp > 1:
             apply_tp(dec, mesh["tp"], tr.sequence_parallel)
-        apply_fsdp_stage(stage_mod, dec, mesh["dp"], plan)
+        apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, ep, mesh["efsdp"] if ep > 1 else None)
         with fake:
             stage_mod.to_empty(device=DEVICE)
         with fake, fake_as_meta(True), allow_fused_on("meta"):

@@ -1,0 +1,85 @@
+"""Pipeline x expert parallelism x FSDP2 (``--pp`` with ``--ep`` and ``--gpus N --zero 2|3``): torchtitan 0.3.0's
+default layout for its MoE models, one pipeline rank's FSDP2 runtime (validate/sharded/pipeline_ep_fsdp.py traces
+the same with torchtitan's own ``apply_fsdp_to_decoder``).
+
+It is :class:`memcalc.engine.pipeline_fsdp.PipelineFSDP2` (no reshard after forward, no-sync backwards that
+accumulate the unsharded gradients, one ``perform_reduce_grad`` at the end) over the units of
+:class:`memcalc.engine.expert_fsdp.EPFSDP2`:
+
+- **Two parameter groups per MoE layer** (torchtitan 0.3.0 ``distributed/fsdp.py`` ``apply_fsdp_to_decoder``,
+  ``ep_degree > 1``: ``shard_placement_fn`` gives the routed experts ``edp_mesh``'s mesh info, the rest
+  ``dp_mesh``'s; torch 2.13 ``_fsdp_init.py`` makes one ``FSDPParamGroup`` per mesh): the layer's other
+  parameters over the ``gpus`` data-parallel ranks, its experts over ``efsdp = gpus / ep``
+  (:func:`memcalc.engine.expert_fsdp.fsdp_shard_numel`: ``Shard(0)``, or ``Shard(1)`` when ``efsdp x ep``
+  exceeds the experts). Each group is all-gathered, kept unsharded, accumulates its gradients and is
+  reduce-scattered over its own mesh; ``perform_reduce_grad`` (torch 2.13 pipelining/stage.py) runs
+  ``post_backward`` on every state's ``_fsdp_param_groups`` in turn (dense first, then experts).
+- **Explicit prefetching for EP** (``apply_fsdp_to_decoder``'s tail, "D2H syncs in EP could interfere with
+  implicit prefetching"): the embedding prefetches the stage's first layer, each layer the next, the stage's
+  last layer the final norm and head unit (``set_modules_to_forward_prefetch``); backward prefetches the other
+  way (``lm_head`` the last layer, each layer the one before, layer 0 the embedding). Under pipelining every unit
+  stays unsharded from its first all-gather (micro-batch 0's forward) to the end, so only that forward's
+  all-gather buffers move; the backward prefetches find every unit unsharded and do nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from memcalc.engine.expert_fsdp import EPFSDP2
+from memcalc.engine.fsdp import Unit
+from memcalc.core.spec import ExperimentSpec
+from memcalc.engine import pipeline_fsdp
+from memcalc.engine.pipeline_fsdp import PipelineFSDP2
+from memcalc.engine.sim import Sim
+
+
+class PipelineEPFSDP2(PipelineFSDP2, EPFSDP2):
+    """One pipeline rank's FSDP2 runtime with expert parallelism (module docstring). The MRO runs
+    :class:`PipelineFSDP2`'s no-sync / reduce-at-the-end rules over :class:`EPFSDP2`'s per-layer groups and
+    their meshes."""
+
+    def units(self) -> list[Unit]:
+        """``_state_ctx.all_states``' order, each state's ``_fsdp_param_groups`` in turn: the embedding, each
+        layer's groups (dense, experts), the head."""
+        groups = [u for i in self._layer_ids() for u in self.groups[i]]
+        return [u for u in (self.embed, *groups, self.head) if u is not None]
+
+    def unit_forward(self, u: Optional[Unit]) -> None:
+        """The embedding's or the head unit's pre-forward; the embedding then prefetches the stage's first
+        layer (``tok_embeddings.set_modules_to_forward_prefetch([transformer_blocks[0]])``)."""
+        super().unit_forward(u)
+        if u is not None and u is self.embed and self.groups:
+            for g in self.groups[self._layer_ids()[0]]:
+                self.unshard(g)
+
+    def layer_enter(self, i: int) -> None:
+        super().layer_enter(i)
+        if not self.in_backward and i == self._layer_ids()[-1] and self.head is not None:
+            self.unshard(self.head)  # the last block prefetches [norm, lm_head]
+
+    def stage_backward_start(self) -> None:
+        super().stage_backward_start()
+        self.current_groups = None
+
+    def stage_backward_end(self) -> None:
+        """The last layer's groups' post-backward (no sync), then the root's final callback."""
+        if self.current_groups is not None:
+            for u in self.current_groups:
+                self.post_backward(u)
+            self.current_groups = None
+        super().stage_backward_end()
+
+    def _layer_ids(self) -> list[int]:
+        """The stage's decoder layers, in order."""
+        return sorted(i for i in self.groups if i is not None)
+
+
+def stage_fsdp2(sim: Sim, exp: ExperimentSpec, model) -> Optional[PipelineFSDP2]:
+    """The rank's FSDP2 runtime: :class:`PipelineEPFSDP2` with ``--ep``, else
+    :func:`memcalc.engine.pipeline_fsdp.stage_fsdp2`'s (None without FSDP2)."""
+    if not model.fsdp2 or exp.training.ep == 1:
+        return pipeline_fsdp.stage_fsdp2(sim, exp, model)
+    gather = PipelineEPFSDP2(sim, exp, model.order, model.shapes)
+    sim.set_on_layer(lambda s, i: gather.backward_enter(i))
+    return gather
