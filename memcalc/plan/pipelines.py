@@ -1,5 +1,5 @@
 """Pipeline x tensor-parallel layouts for ``memcalc plan --model M`` (issue 31): per GPU, the fewest GPUs of
-a ``pp x tp`` full fine-tune, its worst rank and that rank's peak.
+a ``pp x tp`` full fine-tune (``pp x ep`` for a mixture-of-experts model), its worst rank and that rank's peak.
 
 The layout is the one a user of a cluster of 8-GPU nodes runs (torchtitan's recipes for Llama 3.1 405B:
 tensor parallelism within a node, pipeline stages across nodes): ``tp`` the largest of :data:`TP_DEGREES`
@@ -12,6 +12,11 @@ micro-batches of one sequence each (the batch of one pipeline step is ``pp`` seq
 checkpointing, bf16 with fp32 master weights and AdamW (the full fine-tune of ``plan --model``), no ZeRO:
 each rank holds ``1 / (pp x tp)`` of the model states. Data-parallel replicas multiply the GPUs without
 changing a rank's memory, so the fewest GPUs is ``pp x tp``.
+
+A mixture-of-experts model's stages put expert parallelism within the node instead (torchtitan's MoE layout,
+:mod:`memcalc.engine.expert_parallel`, on its sparse mesh ``(pp, dp, efsdp, ep)``): ``ep`` the largest of
+:data:`EP_DEGREES` dividing the routed experts, ``tp`` 1, each stage's experts split over its ``ep`` ranks and the
+rest of the stage replicated over them (no ZeRO), so the fewest GPUs is ``pp x ep``.
 
 A layout's peak does not depend on the card, so each ``pp`` tried is estimated once
 (:func:`stage_peaks`), and each card takes the smallest ``pp`` whose device total fits it, by bisection
@@ -41,6 +46,9 @@ from memcalc.plan.simulations import smallest_fitting, with_training
 
 #: tensor-parallel degrees, largest first: within one 8-GPU node (NVLink)
 TP_DEGREES = (8, 4, 2)
+#: expert-parallel degrees of a mixture-of-experts model's stages, largest first: within one 8-GPU node, where the
+#: dispatch and combine all-to-alls stay on NVLink (as plan/experts.py's EP)
+EP_DEGREES = (8, 4, 2)
 #: the pipeline schedule the plan's layouts run (torchtitan's default)
 SCHEDULE = "1f1b"
 #: the most GPUs a pipeline layout may use (as plan's other searches: plan.cluster.GPU_CAP)
@@ -57,27 +65,44 @@ class StagePeak:
     layers: tuple[int, int]
     peak_bytes: int
     required_bytes: int
+    #: expert-parallel ranks of each stage (a mixture-of-experts model's; 1: dense)
+    ep: int = 1
+
+    @property
+    def gpus(self) -> int:
+        """The layout's GPUs: ``pp x tp x ep``."""
+        return self.pp * self.tp * self.ep
 
 
-def pipeline_setup(full: ExperimentSpec, pp: int, tp: int) -> ExperimentSpec:
-    """The plan's full fine-tune (``full``: plan.cluster's, one GPU, ZeRO-3 by FSDP2) as a ``pp x tp``
-    pipeline (see the module docstring)."""
+def pipeline_setup(full: ExperimentSpec, pp: int, tp: int, ep: int = 1) -> ExperimentSpec:
+    """The plan's full fine-tune (``full``: plan.cluster's, one GPU, ZeRO-3 by FSDP2) as a ``pp x tp`` pipeline,
+    or ``pp x ep`` with ``ep > 1`` (``--gpus ep``: the stage's expert-parallel ranks; see the module docstring)."""
     return with_training(full, pp=pp, tp=tp, sequence_parallel=tp > 1, microbatches=pp, pp_schedule=SCHEDULE,
-                         batch=pp, zero=0, gpus=1, checkpoint="full")
+                         batch=pp, zero=0, gpus=ep, ep=ep, checkpoint="full")
+
+
+def pipeline_ep(full: ExperimentSpec) -> int:
+    """A mixture-of-experts model's ``ep`` (the largest of :data:`EP_DEGREES` dividing its routed experts); 1 for a
+    dense model or when none divides."""
+    moe = full.model.moe
+    if moe is None:
+        return 1
+    return next((e for e in EP_DEGREES if moe.n_experts % e == 0), 1)
 
 
 def pipeline_degrees(full: ExperimentSpec) -> tuple[Optional[int], list[int], Optional[str]]:
-    """``(tp, the pp tried in increasing order, why none)``: ``tp`` the largest allowed, the divisors ``pp >= 2``
-    of the layers and the powers of two up to the layers + 2 (module docstring) with ``pp x tp <= MAX_GPUS``; none
-    (with the one-line reason) when the model cannot be pipelined."""
-    n = full.model.n_layers
-    tp = next((t for t in TP_DEGREES if _allows_tp(full, t)), 1)
+    """``(tp, the pp tried in increasing order, why none)``: ``tp`` the largest allowed (1 for a mixture-of-experts
+    model, whose stages take :func:`pipeline_ep` instead), the divisors ``pp >= 2`` of the layers and the powers of
+    two up to the layers + 2 (module docstring) with ``pp x tp x ep <= MAX_GPUS``; none (with the one-line reason)
+    when the model cannot be pipelined."""
+    n, ep = full.model.n_layers, pipeline_ep(full)
+    tp = 1 if ep > 1 else next((t for t in TP_DEGREES if _allows_tp(full, t)), 1)
     twos = {1 << k for k in range(1, (n + 2).bit_length()) if 1 << k <= n + 2}
-    pps = sorted(p for p in {p for p in range(2, n + 1) if n % p == 0} | twos if p * tp <= MAX_GPUS)
+    pps = sorted(p for p in {p for p in range(2, n + 1) if n % p == 0} | twos if p * tp * ep <= MAX_GPUS)
     if not pps:
         return None, [], f"{n} layers cannot be split into pipeline stages"
     try:
-        check_pp(pipeline_setup(full, pps[0], tp))
+        check_pp(pipeline_setup(full, pps[0], tp, ep))
     except UserError as e:
         return None, [], str(e)
     return tp, pps, None
@@ -110,7 +135,7 @@ def stage_peaks(exp: ExperimentSpec) -> StagePeak:
     assert best is not None
     peak = int(best["peak_bytes"])
     return StagePeak(tr.pp, tr.tp, best["rank"], tuple(best["layers"]), peak,  # type: ignore[arg-type]
-                     int(required_bytes(peak, step_side(exp))))
+                     int(required_bytes(peak, step_side(exp))), tr.ep)
 
 
 @dataclass
@@ -123,9 +148,9 @@ class PipelineRow:
 
     def as_dict(self) -> dict[str, Any]:
         lay = self.layout
-        d: dict[str, Any] = {"name": self.gpu.name, "gpus": None if lay is None else lay.pp * lay.tp}
+        d: dict[str, Any] = {"name": self.gpu.name, "gpus": None if lay is None else lay.gpus}
         if lay is not None:
-            d.update(pp=lay.pp, tp=lay.tp, microbatches=lay.pp, schedule=SCHEDULE,
+            d.update(pp=lay.pp, tp=lay.tp, ep=lay.ep, microbatches=lay.pp, schedule=SCHEDULE,
                      torch_schedule=TORCH_SCHEDULES[SCHEDULE], worst_rank=lay.rank, worst_rank_layers=list(lay.layers),
                      peak_bytes=lay.peak_bytes, required_bytes=lay.required_bytes, command=self.command)
         return d
@@ -137,23 +162,25 @@ def search_pipelines(full: ExperimentSpec, cards: Sequence[Any]) -> tuple[list, 
     tp, pps, why = pipeline_degrees(full)
     if tp is None:
         return [], why
+    ep = pipeline_ep(full)
     cache: dict[int, StagePeak] = {}
 
     def at(i: int) -> StagePeak:
         pp = pps[i]
         if pp not in cache:
-            cache[pp] = stage_peaks(pipeline_setup(full, pp, tp))
+            cache[pp] = stage_peaks(pipeline_setup(full, pp, tp, ep))
         return cache[pp]
 
     def on(i: int, g: Any) -> StagePeak:  # layout i on card g: the device total on the card's own GPU side
-        lay, side = at(i), card_side(pipeline_setup(full, pps[i], tp), g)
+        lay, side = at(i), card_side(pipeline_setup(full, pps[i], tp, ep), g)
         return replace(lay, required_bytes=int(required_bytes(lay.peak_bytes, side)))
 
     fits = smallest_fitting(cards, len(pps), lambda i, g: on(i, g).required_bytes)
     rows = [PipelineRow(g, None if i is None else on(i, g)) for g, i in zip(cards, fits, strict=True)]
     if rows and all(r.layout is None for r in rows):
         most = on(len(pps) - 1, max(cards, key=lambda g: g.capacity_bytes))
-        return [], (f"no card fits: pp {most.pp} x tp {most.tp}, the most stages, needs "
+        width = f"ep {most.ep}" if most.ep > 1 else f"tp {most.tp}"
+        return [], (f"no card fits: pp {most.pp} x {width}, the most stages, needs "
                     f"{gib(most.required_bytes):.1f} GiB a rank (rank {most.rank})")
     return rows, None
 
@@ -169,4 +196,6 @@ def pipeline_command(seq: int, lay: StagePeak, gpu: str, source: Sequence[str]) 
              "--microbatches", str(lay.pp)]
     if lay.tp > 1:
         args += ["--tp", str(lay.tp), "--sequence-parallel"]
+    if lay.ep > 1:
+        args += ["--ep", str(lay.ep), "--gpus", str(lay.ep)]
     return shlex.join([*args, "--gpu", gpu])

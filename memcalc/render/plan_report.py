@@ -203,9 +203,12 @@ def _pipeline_items(p: ClusterPlan) -> list[Any]:
         return [f"[dim]pipeline layouts: none ({escape(p.pipelines_note)})[/dim]"]
     if not p.pipelines:
         return []
-    t = left_table(f"{p.model.name}: pipeline x tensor parallel (pp x tp GPUs)", box=box.SIMPLE_HEAD,
+    moe = any(r.layout is not None and r.layout.ep > 1 for r in p.pipelines)
+    width = "ep" if moe else "tp"
+    title = "expert" if moe else "tensor"
+    t = left_table(f"{p.model.name}: pipeline x {title} parallel (pp x {width} GPUs)", box=box.SIMPLE_HEAD,
                    show_edge=False, padding=0, pad_edge=False)
-    for col in ("GPU", "GPUs", "pp", "tp", "worst rank", "peak", "need"):
+    for col in ("GPU", "GPUs", "pp", width, "worst rank", "peak", "need"):
         t.add_column(col, justify="left" if col in ("GPU", "worst rank") else "right", no_wrap=True)
     for r in p.pipelines:
         lay = r.layout
@@ -213,16 +216,19 @@ def _pipeline_items(p: ClusterPlan) -> list[Any]:
             t.add_row(r.gpu.name, f">{GPU_CAP}", "-", "-", "-", "-", "-")
             continue
         lo, hi = lay.layers
-        t.add_row(r.gpu.name, str(lay.pp * lay.tp), str(lay.pp), str(lay.tp), f"{lay.rank} ({layers_text(lo, hi)})",
+        t.add_row(r.gpu.name, str(lay.gpus), str(lay.pp), str(lay.ep if moe else lay.tp),
+                  f"{lay.rank} ({layers_text(lo, hi)})",
                   f"{gib(lay.peak_bytes):.1f}", f"{gib(lay.required_bytes):.1f}")
     out: list[Any] = [t]
     row = next((r for r in p.pipelines if r.command), None)
     if row is not None and row.layout is not None:
         out.append(f"[dim]pipeline ({row.gpu.name}'s row; --json has every row's command): "
                    f"{escape(str(row.command))}[/dim]")
+    within = ("ep within a node of 8 (each stage's routed experts split over its ep ranks, the rest of the stage "
+              "replicated over them)" if moe else "tp within a node of 8")
     out.append(f"[dim]pipeline layouts: the full fine-tune as 1F1B over pp stages, pp micro-batches of 1 x seq "
-               f"{p.seq}, checkpointing full; tp within a node of 8, pp stages across nodes, no ZeRO (each rank holds "
-               "1/(pp x tp) of the model states; data-parallel replicas add GPUs, not memory); the peak is the "
+               f"{p.seq}, checkpointing full; {within}, pp stages across nodes, no ZeRO (each rank holds "
+               f"1/(pp x {width}) of the model states; data-parallel replicas add GPUs, not memory); the peak is the "
                "worst rank's (GiB allocated; need: the device total)[/dim]")
     return out
 

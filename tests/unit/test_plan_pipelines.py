@@ -195,3 +195,40 @@ def test_a_sequence_tp_does_not_divide_takes_no_tensor_parallelism():
     assert pipeline_degrees(full)[0] == 1
     full = cluster_setups(load_preset("llama-3.1-405b"), 1002, _profile())["full"]["full"]
     assert tp_degrees(full) == [2] and pipeline_degrees(full)[0] == 2
+
+
+def test_a_moe_model_pipelines_over_expert_parallel_ranks_not_tensor_parallel():
+    # source: memcalc.plan.pipelines.pipeline_ep (torchtitan's MoE layout: ep within the node, tp 1); 12 routed
+    # experts: 8 does not divide them, 4 does
+    from memcalc.core.spec import MoESpec
+    from memcalc.plan.pipelines import pipeline_ep
+
+    moe = TINY.model_copy(update={"moe": MoESpec(n_experts=12, top_k=2, d_ff_expert=32)})
+    full = cluster_setups(moe, 64, _profile())["full"]["full"]
+    assert pipeline_ep(full) == 4 and pipeline_ep(cluster_setups(TINY, 64, _profile())["full"]["full"]) == 1
+    assert pipeline_degrees(full) == (1, [2, 3, 4, 6, 8, 12], None)
+
+
+@pytest.mark.slow  # simulates Qwen3-30B-A3B's pipelines (seconds)
+def test_moe_pipeline_rows_are_pp_x_ep_and_commands_reproduce_their_peaks():
+    # source: memcalc estimate of the row's command (--ep 8 --gpus 8: the stage's expert-parallel ranks); tolerance:
+    # none (bytes)
+    from memcalc.api import estimate
+
+    full = cluster_setups(load_preset("qwen3-30b-a3b"), 2048, _profile())["full"]["full"]
+    cards = [g for g in list_gpus() if g.name in ("rtx-4090", "h100-80gb")]
+    rows, why = search_pipelines(full, cards)
+    assert why is None
+    for r in rows:
+        lay = r.layout
+        assert lay is not None and (lay.tp, lay.ep) == (1, 8) and lay.gpus == lay.pp * 8
+        assert lay.required_bytes <= r.gpu.capacity_bytes
+        source = ["--model", "qwen3-30b-a3b", "--framework", "plain"]  # _profile()'s framework
+        args = shlex.split(pipeline_command(2048, lay, r.gpu.name, source))[2:]
+        kw, flags = {}, iter(args)
+        for a in flags:
+            key = a[2:].replace("-", "_")
+            kw[key] = True if key == "master_weights" else next(flags)
+        got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+        assert got.peak_bytes == lay.peak_bytes, r.gpu.name
+        assert got.spec.training.ep == 8 and got.spec.training.gpus == 8
