@@ -72,6 +72,8 @@ TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleave
 PP_SCHEDULES = tuple(TORCH_SCHEDULES)
 #: the schedules with several stages per rank (torch's ``PipelineScheduleMulti`` subclasses)
 MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
+#: the schedules that split each backward into ``I`` and ``W`` (memcalc.engine.pipeline_zb)
+ZERO_BUBBLE = ("zero-bubble",)
 
 
 def stages_per_rank(tr: TrainingSpec) -> int:
@@ -178,11 +180,12 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
         raise UserError(f"--pp-schedule {tr.pp_schedule} with --zero {tr.zero} over --gpus {tr.gpus}: FSDP2 with "
                         "several stages per rank (the runtime's UNSHARD / RESHARD of each stage, schedules.py "
                         "_add_unshard_reshard) is not modelled; use --pp-schedule 1f1b or gpipe")
-    if tr.pp_schedule == "zero-bubble" and tr.checkpoint != "none":
-        raise UserError(f"--pp-schedule zero-bubble with --checkpoint {tr.checkpoint}: not modelled (its input "
-                        "backward runs with retain_graph=True, _backward.py stage_backward_input, and the checkpointed "
-                        "regions' recomputed activations stay to the weight backward: traced about twice the "
-                        "estimate); use --checkpoint none or --pp-schedule interleaved-1f1b")
+    if tr.pp_schedule in ZERO_BUBBLE and tr.checkpoint_reentrant:
+        raise UserError(f"--pp-schedule {tr.pp_schedule} with --reentrant: its input backward is "
+                        "torch.autograd.grad (_backward.py stage_backward_input), and torch's reentrant checkpoint "
+                        "raises 'When use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()' "
+                        "(torch/utils/checkpoint.py CheckpointFunction.backward); torchtitan checkpoints "
+                        "non-reentrant: drop --reentrant")
     if not multi and V != 1:
         raise UserError(f"--pp-schedule {tr.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {V} "
                         "(torchtitan's _get_pipeline_metadata: 'Single stage schedule requires exactly 1 stage per "

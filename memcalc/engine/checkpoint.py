@@ -227,6 +227,22 @@ class OpSaver:
         self.cache = []
 
 
+class Recompute:
+    """A checkpointed region's ``on_backward`` (:func:`checkpoint`'s recompute, then the region's backward), with
+    its parts apart for zero bubble's split backward (:mod:`memcalc.engine.pipeline_zb`): ``regen`` (the
+    recompute alone: its output and its nodes) and ``first`` (the trailing nodes, :class:`FirstForward`, or
+    None)."""
+
+    __slots__ = ("first", "regen", "run")
+
+    def __init__(self, run: Callable[[Sim, Node], None], regen: Callable[[Sim], tuple[T, list[Node]]],
+                 first: Optional[FirstForward]) -> None:
+        self.run, self.regen, self.first = run, regen, first
+
+    def __call__(self, s: Sim, node: Node) -> None:
+        self.run(s, node)
+
+
 def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[], T], label: str,
                layer: int, save_ops: bool = False, first_unpack: bool = True, full_recompute: bool = False,
                reentrant: bool = False) -> T:
@@ -266,14 +282,8 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
         stop = (sim.last_save_count - f0) - (sim.last_save_hooks - h0)
     out.requires_grad = True
 
-    def recompute(s: Sim, node: Node) -> None:
-        bwd_label = f"bwd {label}"
-        if first is not None:  # the nodes after the last saving one, before the first unpack
-            first.run_tail(s, bwd_label)
-        if region_off:  # the region's inputs come back from the host at that unpack, after the tail
-            node.offloaded = region_off
-            s.offload.unpack(s, node)
-            node.offloaded = []
+    def regen(s: Sim) -> tuple[T, list[Node]]:
+        """The recompute itself: the region's forward again, to its early stop; its output and its nodes."""
         # the recomputed ops belong to the region's layer (a sub-layer region sets none itself)
         with s.recomputing(layer, f"bwd {label} (recompute)"):
             # Non-reentrant checkpoint stops recomputing once the last tensor the region saves
@@ -296,6 +306,17 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
                 # the counted stop leaves out the forward's layer-hook allocations: the recompute makes none
                 assert stop is None or s.hook_allocs == h1, f"{label}: a layer hook allocated during the recompute"
                 ops.exit_autocast()
+        return out2, sub
+
+    def recompute(s: Sim, node: Node) -> None:
+        bwd_label = f"bwd {label}"
+        if first is not None:  # the nodes after the last saving one, before the first unpack
+            first.run_tail(s, bwd_label)
+        if region_off:  # the region's inputs come back from the host at that unpack, after the tail
+            node.offloaded = region_off
+            s.offload.unpack(s, node)
+            node.offloaded = []
+        out2, sub = regen(s)
         if first is not None:
             first.hand_over(s, sub)
         # the recomputed output is discarded; its gradient is the region output's gradient (none
@@ -321,7 +342,8 @@ def checkpoint(sim: Sim, ops: Ops, inputs: Callable[[], list[T]], fn: Callable[[
     # (torch 2.13 checkpoint.py: ``frame.get_inputs()`` unpacks them in ``recompute_fn``, run at the
     # region's first unpack, so the offload hook's post-hook sits on that node, not on a trailing one)
     region_off: list[tuple[int, T]] = []
-    node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out], on_backward=recompute)
+    node = Node(f"checkpoint {label}", [], [t for t in ins if t.requires_grad], [], [out],
+                on_backward=Recompute(recompute, regen, first))
     node.fwd_label = f"fwd {label}"
     node.layer, node.role = layer, "checkpoint"
     saved = list(ins)

@@ -89,13 +89,17 @@ ROWS = [
     (2, 2, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
                                                     "sequence_parallel": True}),
     # source: trace, ScheduleInterleavedZeroBubble: each backward split into I (retain_graph, the intermediates'
-    # gradients kept) and a later W; the input gradients stay as the buffers' .grad to the next step; peaks in I
-    (2, 4, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16"}),
+    # gradients kept) and a later W; the input gradients stay as the buffers' .grad to the next step; full
+    # checkpointing: I recomputes each region once, W once per parameter group, each group's recompute storing the
+    # tensors of every node it does not run until that node runs or dies (torch/utils/checkpoint.py); peaks in W
+    (2, 2, "zero-bubble", 4, 2, 128, "plain", {"precision": "bf16", "checkpoint": "full"}),
     # source: trace, zero bubble under transformers' rules (amp-bf16, fp32 logits): rank 0 peaks in its first W,
     # every linear's new gradient made while the norms' groups (last in parameters()) still hold theirs
     (2, 2, "zero-bubble", 4, 2, 128, "hf", {"precision": "amp-bf16"}),
-    # source: trace, zero bubble over MoE + MLA stages (routed and shared experts' weight groups)
-    (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True}),
+    # source: trace, zero bubble over MoE stages (routed and shared experts' weight groups), full checkpointing:
+    # the last region's combine of the experts' outputs dies at I's detach_() (no intermediate leads back to it),
+    # its holders with it (MoE + MLA without checkpointing: the pp x ep zero-bubble row below)
+    (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "moe": True, "checkpoint": "full"}),
     # source: trace, zero bubble x tp + sequence parallel (DTensor weights: their groups as the plain ones')
     (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
                                                "sequence_parallel": True}),
@@ -104,7 +108,8 @@ ROWS = [
     (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "ep": 2}),
     # source: trace, pp x ep 4 with multi-head latent attention, GPipe: 4 micro-batches' dispatch buffers in flight
     (2, 4, "gpipe", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True, "gpus": 4, "ep": 4}),
-    # source: trace, pp x ep, zero bubble: the dispatch's saved buffers kept from each I to its W
+    # source: trace, pp x ep, zero bubble: the dispatch's saved buffers kept from each I to its W; the last MoE
+    # layer's combine (the routed outputs times their weights, un-permuted, summed) dies at I's detach_()
     (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "moe": True, "mla": True, "gpus": 2, "ep": 2}),
     # source: trace, pp x ep with full checkpointing and a stated capacity factor 1.5 (the rows received)
     (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "ep": 2, "checkpoint": "full",
