@@ -116,6 +116,7 @@ PERTURB: dict[str, tuple[dict, Any]] = {
     "MoESpec.first_dense_layers": (MOE, 1),
     "MoESpec.every": (MOE, 2),
     "MoESpec.router_bias": (MOE, True),
+    "MoESpec.implementation": (MOE, "litgpt"),  # LitGPT's LLaMAMoE: per-expert modules, an eager torch.where loop
     "MoESpec.expert_bias": (MOE, True),
     # PEFT moves gate/up/down onto the experts: the dense first layer loses its adapters, the experts gain them
     "MoESpec.lora_mlp_to_experts": ({"model": {"moe": dict(n_experts=4, top_k=2, d_ff_expert=128, first_dense_layers=1)},
@@ -285,6 +286,8 @@ UNTRACED: dict[str, str] = {
                       "refuses it in one line)",
     "KernelProfile.loss_tokens": "memcalc's replica has no TRL head; TRL's own step traces it: "
                                  "tests/trace/test_trl_grid.py test_loss_tokens_move_the_traced_head",
+    "MoESpec.implementation": "the replica builds transformers' experts; LitGPT's own LLaMAMoE is traced against the "
+                              "estimate by tests/trace/test_litgpt_grid.py (validate/trainers/litgpt.py)",
     "MoESpec.router_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
     "MoESpec.expert_bias": "the replica does not build gpt-oss experts (biases, clamped gate): model.unbuilt_features",
     "TrainingSpec.compile": "torch.compile needs CUDA (inductor); off CUDA the partitioner's saved set is compared "

@@ -6,10 +6,11 @@ Run ``python -m memcalc.validate.litgpt_grid`` (``--json`` for the records, ``--
 The models are scaled down (2 layers, width 256, vocabulary 4096) in three LitGPT config shapes:
 Llama-like grouped-query attention (RMSNorm, ``LLaMAMLP``), phi (parallel residual with one shared
 LayerNorm, ``GptNeoxMLP`` with tanh GELU, 40% rotary, biases, a head bias) and StableLM (sequential
-LayerNorm blocks, ``LLaMAMLP``, 25% rotary). Sequences of 128 or less run the head in one chunk,
-longer ones (not a multiple of 128) in several. QLoRA rows (:data:`QLORA_SETUPS`) run LitGPT's model with
-every linear converted as ``BitsandbytesPrecision`` converts it, to memcalc's replica of bitsandbytes'
-4-bit linear (CUDA-only otherwise).
+LayerNorm blocks, ``LLaMAMLP``, 25% rotary), and Mixtral's ``LLaMAMoE`` (3 or 4 experts of width 512, 2 per
+token; the per-expert ``torch.where`` rows answered as ``MoESpec.routing`` balanced, one layer). Sequences of
+128 or less run the head in one chunk, longer ones (not a multiple of 128) in several. QLoRA rows
+(:data:`QLORA_SETUPS`) run LitGPT's model with every linear converted as ``BitsandbytesPrecision`` converts it,
+to memcalc's replica of bitsandbytes' 4-bit linear (CUDA-only otherwise).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, TrainingSpec
+from memcalc.core.spec import ExperimentSpec, LoraSpec, ModelSpec, MoESpec, TrainingSpec
 from memcalc.inputs.profiles import profile_for
 
 from .record import trainer_estimator_spec
@@ -33,11 +34,17 @@ MODELS = {
     "stablelm": ModelSpec(name="stablelm", **_SMALL, d_ff=704, norm="layernorm", rotary_pct=0.25),
     # one kv head (Falcon-7B's multi-query): LitGPT's repeat_interleave still copies K and V
     "mqa": ModelSpec(name="llama-mqa", **_SMALL, n_kv_heads=1, d_ff=704),
+    # Mixtral's LLaMAMoE (litgpt/config.py Mixtral-8x7B: 8 experts, 2 per token) with 4 experts of width 512,
+    # one layer (the loop's ops are what a trace pays for)
+    "moe": ModelSpec(name="moe", **{**_SMALL, "n_layers": 1}, n_kv_heads=2, d_ff=704,
+                     moe=MoESpec(n_experts=4, top_k=2, d_ff_expert=512, implementation="litgpt")),
+    # 3 experts: N k rows do not divide evenly (the balanced routing's remainder rows)
+    "moe3": ModelSpec(name="moe3", **{**_SMALL, "n_layers": 1}, n_kv_heads=2, d_ff=704,
+                      moe=MoESpec(n_experts=3, top_k=2, d_ff_expert=512, implementation="litgpt")),
 }
 
 #: (model, tuning, precision, batch, seq, checkpoint); tuning: full, or the LoRA targets
 SETUPS = (
-    ("llama", "full", "bf16", 1, 320, "none"),
     ("llama", "full", "bf16", 4, 320, "none"),
     ("llama", "full", "fp32", 2, 320, "none"),
     ("llama", "full", "amp-bf16", 3, 128, "none"),
@@ -52,7 +59,6 @@ SETUPS = (
     ("phi", "full", "bf16", 3, 320, "none"),
     ("phi", "full", "fp32", 2, 128, "none"),
     ("phi", "full", "amp-bf16", 2, 320, "none"),
-    ("phi", "o,up,down", "bf16", 1, 320, "none"),
     ("phi", "o,up,down", "bf16", 4, 320, "none"),
     ("phi", "o,up,down", "amp-bf16", 2, 100, "none"),
     ("phi", "o", "fp32", 2, 320, "none"),
@@ -63,13 +69,18 @@ SETUPS = (
     ("stablelm", "full", "bf16", 4, 128, "none"),
     ("stablelm", "full", "amp-bf16", 1, 320, "none"),
     ("stablelm", "full", "fp32", 3, 100, "none"),
-    ("stablelm", "o,gate,up,down", "bf16", 1, 320, "none"),
     ("stablelm", "o,gate,up,down", "bf16", 3, 320, "none"),
     ("stablelm", "o", "amp-bf16", 2, 320, "none"),
     ("stablelm", "o,gate,up,down", "fp32", 4, 128, "none"),
     ("stablelm", "o,gate,up,down", "bf16", 2, 100, "full"),
     ("stablelm", "q,v", "bf16", 2, 320, "none"),
     ("stablelm", "k", "fp32", 1, 100, "full"),
+    # LLaMAMoE (litgpt/model.py): the per-expert loop; gate,up,down is lora_mlp (every expert and the router)
+    ("moe", "full", "bf16", 2, 320, "none"),
+    ("moe", "q,v", "amp-bf16", 4, 320, "none"),
+    ("moe", "gate,up,down", "fp32", 2, 320, "none"),
+    ("moe", "gate,up,down", "bf16", 4, 320, "full"),
+    ("moe3", "q,v", "bf16", 1, 100, "none"),
 )
 
 
@@ -85,6 +96,7 @@ QLORA_SETUPS = (
     ("phi", "q,v", "bf16", 2, 320, "none", 2, True),
     ("stablelm", "q,k,v,o,gate,up,down", "bf16", 1, 320, "none", 2, True),
     ("mqa", "q,v", "bf16", 2, 320, "none", 2, True),
+    ("moe", "q,v,gate,up,down", "bf16", 4, 320, "none", 1, False),
 )
 
 

@@ -250,7 +250,9 @@ def unbuilt_features(m: ModelSpec) -> list[str]:
     The dense ones (fused projections, q/k norms, sinks and softcaps, norm placements, sliding
     windows, multipliers) are built (:mod:`.variants`), MoE and MLA too (:mod:`.moe`, :mod:`.mla`);
     gpt-oss's experts (biases, clamped gate) are not."""
-    checks = [(m.moe is not None and (m.moe.expert_bias or m.moe.router_bias), "gpt-oss experts (biases, clamped gate)")]
+    checks = [(m.moe is not None and (m.moe.expert_bias or m.moe.router_bias), "gpt-oss experts (biases, clamped gate)"),
+              (m.moe is not None and m.moe.implementation == "litgpt",
+               "LitGPT's LLaMAMoE (validate --framework litgpt traces LitGPT's own)")]
     return [name for cond, name in checks if cond]
 
 

@@ -35,7 +35,8 @@ INERT: dict[str, str] = {
                                "lora_dtype, lora_input_cast, sdpa_gqa, gelu_new, kv_cache)",
     "MoESpec.routing": "one value (balanced), the stated assumption: transformers' default grouped_mm experts size "
                        "every routed tensor by batch x seq x top_k alone, so the routing moves no byte "
-                       "(memcalc.engine.blocks.moe)",
+                       "(memcalc.engine.blocks.moe); LitGPT's per-expert loop sizes each expert's tensors by its "
+                       "share (memcalc.core.rules.balanced_rows, the shapes its validator answers)",
     "ExperimentSpec.name": "a label shown in reports",
     "ExperimentSpec.description": "a label shown in reports",
     "ExperimentSpec.published_peak_bytes": "comparison data (a measured peak), not an input to the estimate",

@@ -33,6 +33,14 @@ class MoESpec(Spec):
         "experts (gate_up at rank 2r, down at r) and adapts no dense or shared-expert MLP (peft 0.21 "
         "_convert_peft_config_moe for transformers 5: Mixtral, Qwen3-MoE, DeepSeek-V2/V3).",
     )
+    implementation: Literal["grouped_mm", "litgpt"] = Field(
+        "grouped_mm",
+        description="How the routed experts are stored and run: grouped_mm = transformers 5's 3-D expert tensors "
+                    "and grouped matmul (the default); litgpt = LitGPT 0.5.13's LLaMAMoE (one LLaMAMLP per expert, "
+                    "top-k of the router logits then an fp32 softmax over the k, an eager torch.where loop over "
+                    "the experts; LoRA gate/up/down adapts every expert's projections and the router). "
+                    "--framework litgpt sets it; the router field is then unused.",
+    )
     routing: Literal["balanced"] = Field(
         "balanced", description="Activation assumption: tokens spread evenly over experts (each gets batch x seq x top_k / n_experts rows)."
     )
@@ -299,7 +307,8 @@ class ModelSpec(Spec):
         else:
             attn = ("qkv", "o") if self.fused_qkv else ("q", "k", "v", "o")
         mlp: tuple[str, ...] = ()
-        if self.moe is None or self.moe.n_shared_experts or self.has_dense_mlp_layers or self.moe.lora_mlp_to_experts:
+        if self.moe is None or self.moe.n_shared_experts or self.has_dense_mlp_layers or self.moe.lora_mlp_to_experts \
+                or self.moe.implementation == "litgpt":
             if self.mlp == "plain":
                 mlp = ("up", "down")
             else:

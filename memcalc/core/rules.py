@@ -146,6 +146,14 @@ def deepseek_groups(n_experts: int) -> tuple[int, int]:
     return g, max(1, g // 2)
 
 
+def balanced_rows(routed: int, n_experts: int) -> list[int]:
+    """Rows each expert receives of ``routed`` (= tokens x top_k) under ``MoESpec.routing`` balanced: as
+    even as rows allow, the first ``routed mod n_experts`` experts one more (the shapes the validator gives
+    LitGPT's per-expert ``torch.where`` on meta, validate/trainers/litgpt.py ``BalancedRouting``)."""
+    q, r = divmod(routed, n_experts)
+    return [q + 1] * r + [q] * (n_experts - r)
+
+
 def expert_lora_ranks(m: ModelSpec, lora: Optional[LoraSpec]) -> dict[str, int]:
     """LoRA rank per routed-expert tensor (0 = not adapted): ``experts`` targets both at rank r; with
     ``lora_mlp_to_experts`` PEFT maps gate + up onto gate_up_proj at rank 2r (their two adapters fused,
@@ -198,7 +206,8 @@ def framework_model(m: ModelSpec, framework: str, lora: Optional[LoraSpec] = Non
     ``train.tie_embeddings``, litgpt/finetune/lora.py ``validate_args``), and
     ``CausalSelfAttention.qkv`` is one fused projection whose q, k, v are views (so attention saving
     v keeps the whole qkv output); LoRA targets q, k, v are then the parts of its ``LoRAQKVLinear``
-    (memcalc.engine.blocks.litgpt_lora). ``fuse_qkv`` False keeps the qkv as it is (``memcalc plan``
+    (memcalc.engine.blocks.litgpt_lora); an MoE is ``LLaMAMoE`` (``MoESpec.implementation`` litgpt,
+    memcalc.engine.blocks.litgpt_moe). ``fuse_qkv`` False keeps the qkv as it is (``memcalc plan``
     chooses LoRA targets itself)."""
     if framework != "litgpt":
         return m, []
@@ -210,6 +219,10 @@ def framework_model(m: ModelSpec, framework: str, lora: Optional[LoraSpec] = Non
                      "the head is not tied to the embedding")
     if fuse_qkv and not m.fused_qkv and m.mla is None:
         upd["fused_qkv"] = True
+    if m.moe is not None and m.moe.implementation != "litgpt":  # litgpt/model.py LLaMAMoE (blocks/litgpt_moe.py)
+        upd["moe"] = m.moe.model_copy(update={"implementation": "litgpt"})
+        notes.append("framework litgpt: LitGPT's LLaMAMoE runs one LLaMAMLP per expert in an eager loop "
+                     "(litgpt/model.py LLaMAMoE.forward), not transformers' grouped experts")
     return (m.model_copy(update=upd) if upd else m), notes
 
 

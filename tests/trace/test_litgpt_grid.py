@@ -76,18 +76,56 @@ def test_validate_framework_litgpt_cli(args, code, message):
     assert message in res.output
 
 
-@pytest.mark.xfail(strict=True, reason="validate/trainers/litgpt.py _why_not refuses mixture-of-experts models: "
-                   "LLaMAMoE's eager per-expert loop indexes the tokens with torch.where (nonzero), whose shape meta "
-                   "cannot give without a routing answer; the estimator's litgpt expert adapters "
-                   "(engine/blocks/moe.py litgpt_branch) follow litgpt/lora.py unchecked, on the grouped-mm block")
-def test_litgpt_mixtral_expert_lora_is_traced():
-    from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
-    from memcalc.inputs.presets import load_preset
-    from memcalc.inputs.profiles import get_profile
+@pytest.mark.parametrize("targets", [("q", "v"), ("q", "v", "gate", "up", "down"), None])
+def test_litgpt_moe_parameters_are_litgpt_own(targets):
+    # source: litgpt 0.5.13 lora.py LLaMAMoE.__init__ (create_lora_linear for the gate and every expert's fc_1, fc_2,
+    # proj under lora_mlp) and model.py LLaMAMoE: the estimator's inventory (engine/blocks/litgpt_moe.py) holds
+    # the same tensors, shape for shape, trainable as mark_only_lora_as_trainable leaves them
+    import torch
+    from litgpt import lora as litgpt_lora
+    from litgpt.model import GPT
 
-    m = load_preset("mixtral-8x7b").model_copy(update={"n_layers": 1})
-    exp = ExperimentSpec(model=m, training=TrainingSpec(batch=1, seq=64, precision="bf16",
-                                                        lora=LoraSpec(targets=("gate", "up", "down"))),
-                         profile=get_profile("litgpt-torch-2.8-cuda"))
-    meas = measure(exp, "meta")
-    assert meas.status == "ok", meas.reason
+    from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
+    from memcalc.engine.params import param_inventory
+    from memcalc.inputs.profiles import profile_for
+    from memcalc.validate.litgpt_grid import MODELS
+    from memcalc.validate.record import trainer_estimator_spec
+    from memcalc.validate.trainers.litgpt import litgpt_config
+
+    lora = LoraSpec(rank=8, targets=targets) if targets else None
+    exp = trainer_estimator_spec(ExperimentSpec(model=MODELS["moe"], training=TrainingSpec(lora=lora),
+                                                profile=profile_for("litgpt")), "litgpt")
+    with torch.device("meta"):
+        model = litgpt_lora.GPT(litgpt_config(exp.model, lora)) if lora else GPT(litgpt_config(exp.model))
+    if lora:
+        litgpt_lora.mark_only_lora_as_trainable(model)
+    theirs = sorted((tuple(p.shape), p.requires_grad) for p in model.parameters())
+    ours = sorted((p.shape, p.trainable) for p in param_inventory(exp.model, lora))
+    assert ours == theirs
+
+
+#: (MoESpec update, a line the refusal must hold)
+MOE_REFUSALS = [
+    # source: litgpt/lora.py LLaMAMoE.__init__ builds no shared_experts (its forward would read them)
+    ({"n_shared_experts": 1}, "shared experts"),
+    # source: litgpt/model.py Block.__init__: config.mlp_class everywhere but first_k_dense_replace (no sparse step)
+    ({"every": 2}, "sparse step"),
+    # source: litgpt/lora.py Block.__init__ sets self.mlp = config.mlp_class(config) after the base's dense choice
+    ({"first_dense_layers": 1}, "dense first layers under LoRA"),
+]
+
+
+@pytest.mark.parametrize("update,message", MOE_REFUSALS, ids=[m for _u, m in MOE_REFUSALS])
+def test_validate_framework_litgpt_refuses_what_llamamoe_cannot_build(update, message):
+    from memcalc.core.errors import UserError
+    from memcalc.core.spec import ExperimentSpec, LoraSpec, TrainingSpec
+    from memcalc.inputs.profiles import profile_for
+    from memcalc.validate.litgpt_grid import MODELS
+    from memcalc.validate.trainers.litgpt import check
+
+    m = MODELS["moe"]
+    m = m.model_copy(update={"n_layers": 2, "moe": m.moe.model_copy(update=update)})
+    exp = ExperimentSpec(model=m, training=TrainingSpec(lora=LoraSpec(targets=("q", "v"))),
+                         profile=profile_for("litgpt"))
+    with pytest.raises(UserError, match=message):
+        check(exp)

@@ -76,10 +76,23 @@ def test_litgpt_expert_lora_keeps_no_merged_stack():
     from memcalc.inputs.profiles import get_profile
 
     lit = {"profile": get_profile("litgpt-torch-2.8-cuda")}
-    full, attn = _act(MOE, **lit), _act(MOE, lora=LoraSpec(targets=("q", "v")), **lit)
-    experts = _act(MOE, lora=LoraSpec(targets=("q", "v", "experts")), **lit)
+    moe = {**MOE, "implementation": "litgpt"}  # as --framework litgpt builds it (rules.framework_model)
+    full, attn = _act(moe, **lit), _act(moe, lora=LoraSpec(targets=("q", "v")), **lit)
+    experts = _act(moe, lora=LoraSpec(targets=("q", "v", "gate", "up", "down")), **lit)
     stack = 2 * 16 * 3 * 256 * 256 * 2  # what PEFT's merged copies would add (above)
     assert attn < experts < attn + stack // 4 and experts <= full
+
+
+def test_litgpt_expert_adapters_are_per_expert_loralinears():
+    # source: litgpt 0.5.13 lora.py LLaMAMoE.__init__: create_lora_linear for the gate (d -> E) and each expert's
+    # fc_1, fc_2 (d -> f) and proj (f -> d): r (d + E) + E r (3 d + 3 f) adapter elements per layer (PEFT's
+    # ParamWrapper on the 3-D experts would hold E r (3 d + 5 f): gate_up at rank 2r)
+    from memcalc.engine.params import count_params
+
+    r, d, e, f = 8, 256, 16, 256
+    m = ModelSpec(**BASE, moe=MoESpec(**MOE, implementation="litgpt"))
+    got = count_params(m, LoraSpec(rank=r, targets=("gate", "up", "down"))).lora
+    assert got == 2 * (r * (d + e) + e * r * (3 * d + 3 * f))
 
 
 MLA = dict(q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64)

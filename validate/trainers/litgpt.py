@@ -41,10 +41,11 @@ from collections.abc import Callable
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memcalc.core.allocator import CachingAllocatorSim
 from memcalc.core.errors import UserError
-from memcalc.core.rules import LITGPT_LM_HEAD_CHUNK
+from memcalc.core.rules import LITGPT_LM_HEAD_CHUNK, balanced_rows
 from memcalc.core.spec import ExperimentSpec, ModelSpec
 
 from ..amp import Amp
@@ -73,7 +74,7 @@ def _why_not(exp: ExperimentSpec) -> Optional[str]:
     """Why LitGPT's single-device finetune scripts cannot express ``exp`` (None when they can)."""
     m, tr = exp.model, exp.training
     model = {
-        "mixture of experts": m.moe is not None, "multi-head latent attention": m.mla is not None,
+        "multi-head latent attention": m.mla is not None,
         f"positions {m.positions}": m.positions != "rope", "sliding-window attention": m.sliding_window is not None,
         "attention softcapping": m.attn_softcap is not None, "final logit softcapping": m.logit_softcap is not None,
         "attention sinks": m.attn_sinks, f"qk_norm {m.qk_norm}": m.qk_norm != "none",
@@ -88,7 +89,7 @@ def _why_not(exp: ExperimentSpec) -> Optional[str]:
         "a LayerNorm without bias (LitGPT's is torch.nn.LayerNorm)": m.norm == "layernorm" and not m.has_norm_bias,
         "a bias on RMSNorm": m.norm == "rmsnorm" and m.has_norm_bias,
     }
-    bad = [k for k, v in model.items() if v]
+    bad = [k for k, v in model.items() if v] + _moe_why(m, exp.training.lora)
     if bad:
         return f"--framework litgpt: LitGPT's Config cannot express {bad[0]}"
     if m.norm == "rmsnorm" and not exp.profile.norm_upcast:
@@ -124,6 +125,24 @@ def _why_not(exp: ExperimentSpec) -> Optional[str]:
         if why:
             return why
     return None
+
+
+def _moe_why(m: ModelSpec, lora) -> list[str]:
+    """What of ``m.moe`` LitGPT 0.5.13's ``LLaMAMoE`` (litgpt/model.py, litgpt/lora.py) cannot build."""
+    moe = m.moe
+    if moe is None:
+        return []
+    bad = {
+        "an MoE with experts other than LLaMAMLP (LLaMAMoE's experts are SiLU-gated)":
+            m.mlp != "gated" or m.activation != "silu",
+        "shared experts (litgpt/lora.py LLaMAMoE.__init__ builds none; not traced here)": moe.n_shared_experts > 0,
+        "a sparse step other than every layer (LitGPT has no decoder_sparse_step)": moe.every != 1,
+        "router or expert biases (LLaMAMoE's gate and experts have none)": moe.router_bias or moe.expert_bias,
+        "the sigmoid group-limited router (LitGPT's GroupedTopkRouter is not traced here)": moe.router == "sigmoid",
+        "dense first layers under LoRA (litgpt/lora.py Block.__init__ replaces first_k_dense_replace's LLaMAMLP "
+        "with config.mlp_class: every layer is LLaMAMoE)": lora is not None and moe.first_dense_layers > 0,
+    }
+    return [k for k, v in bad.items() if v]
 
 
 def _mlp_ok(m: ModelSpec) -> bool:
@@ -184,6 +203,9 @@ def litgpt_config(m: ModelSpec, lora=None):
         mlp_class_name=mlp, gelu_approximate="none" if m.activation in ("gelu", "silu") else "tanh",
         scale_embeddings=m.embedding_scale != 1.0,
     )
+    if m.moe is not None:  # litgpt/config.py Mixtral / Qwen3-MoE rows: LLaMAMoE of n_expert LLaMAMLPs
+        kw.update(mlp_class_name="LLaMAMoE", n_expert=m.moe.n_experts, n_expert_per_token=m.moe.top_k,
+                  moe_intermediate_size=m.moe.d_ff_expert, first_k_dense_replace=m.moe.first_dense_layers or None)
     if lora is None:
         return Config(**kw)
     ts = set(lora.targets)
@@ -345,10 +367,44 @@ def _run(exp: ExperimentSpec, m: ModelSpec, device: str, say, meas: Measurement,
     contexts: tuple = (kernels,)
     if tr.checkpoint == "full":
         contexts = (_recompute_in_mode(blocks, kernels), kernels)
+    if m.moe is not None:
+        contexts = (BalancedRouting(model, m.moe.n_experts, m.moe.top_k), *contexts)
     run_on_device(exp, m, device, model, meas, say, debug, sim, forward, attach, contexts=contexts)
     held.clear()
     for h in hooks:
         h.remove()
+
+
+class BalancedRouting(TorchDispatchMode):
+    """The routing answer ``LLaMAMoE.forward``'s loop needs on meta (litgpt/model.py: ``token_idx, expert_idx =
+    torch.where(mask)`` per expert, ``aten.nonzero``, whose row count is data): expert ``j`` of a block's loop
+    gets its share of the ``N x k`` routed rows, ``MoESpec.routing`` balanced (:func:`balanced_rows`), the
+    first ``N k mod E`` experts one more. Only that shape is answered; every op of the loop is LitGPT's. Each
+    ``LLaMAMoE`` forward (and its checkpointed recompute) restarts the count (a forward pre-hook)."""
+
+    def __init__(self, model, n_experts: int, top_k: int) -> None:
+        super().__init__()
+        from litgpt.model import LLaMAMoE  # type: ignore[import-untyped]
+
+        self.E, self.k, self.j = n_experts, top_k, 0
+        self.hooks = [mod.register_forward_pre_hook(self._restart) for mod in model.modules()
+                      if isinstance(mod, LLaMAMoE)]
+
+    def _restart(self, *_a) -> None:
+        self.j = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.nonzero.default and args[0].device.type == "meta":
+            rows = balanced_rows(args[0].size(0) * self.k, self.E)[self.j % self.E]
+            self.j += 1
+            return torch.empty((rows, args[0].dim()), dtype=torch.int64, device="meta")
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        return super().__exit__(*exc)
 
 
 @contextlib.contextmanager

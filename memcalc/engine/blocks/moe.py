@@ -34,6 +34,8 @@ per-expert loop (``experts_implementation="eager"``: the busiest expert's tempor
 expert parallelism, neither modelled. Real routing is imbalanced; with the grouped kernel the
 activation bytes are the same, the kernel's time is not.
 
+LitGPT's ``LLaMAMoE`` (an eager per-expert loop, ``MoESpec.implementation`` litgpt) is :mod:`.litgpt_moe`.
+
 Ignored: ``output_router_logits`` (False in every family's config: no load-balancing loss, so no
 layer's logits outlive its block); the eager loop, expert parallelism, QLoRA's dequantisation
 (transformers keeps the 3-D experts in the weight dtype) and gpt-oss's clamped SwiGLU with expert biases (the
@@ -49,6 +51,7 @@ from memcalc.core.dtypes import DType
 from memcalc.core.spec import LoraSpec, ModelSpec
 from memcalc.core.rules import deepseek_groups, expert_lora_ranks
 from memcalc.engine.blocks.base import Linear, ParamTensor
+from memcalc.engine.blocks.litgpt_moe import litgpt_moe_block, litgpt_moe_params
 from memcalc.engine.blocks.mlp import mlp_params
 from memcalc.engine.sim import Param, T
 
@@ -91,6 +94,8 @@ def moe_params(m: ModelSpec, i: int, linear: Linear, out: list[ParamTensor], ful
     """
     moe = m.moe
     assert moe is not None
+    if moe.implementation == "litgpt":  # LitGPT's LLaMAMoE: one module per expert (blocks/litgpt_moe.py)
+        return litgpt_moe_params(m, i, lora, out)
     d, e, f = m.d_model, moe.n_experts, moe.d_ff_expert
     out.append(ParamTensor(f"layers.{i}.moe.router.weight", (e, d), i, full, "router"))
     if moe.router_bias:
@@ -250,44 +255,13 @@ class _Block:
         expert stack (cached for the call), which the grouped matmul saves. None without an adapter."""
         pre = f"layers.{self.i}.moe.experts.{name}"
         a_p = self.fwd.maybe(pre + ".lora_A")
-        if a_p is None or self.fwd.exp.profile.framework == "litgpt":  # per-expert LoRALinear: litgpt_branch
+        if a_p is None:
             return None
         w = self.p(f"experts.{name}")
         wp = self.new(w.numel, self.o.dtype_of(w.weight))
         # baddbmm backward: the factors' gradients (two small bmm); saves the factors (parameters)
         self.node("baddbmm", [], [], [a_p, self.fwd.p(pre + ".lora_B")], [wp])
         return wp
-
-    def litgpt_branch(self, x: T, y: T, name: str, width: int) -> T:
-        """LitGPT's LoRA on the experts (litgpt 0.5.13 lora.py): ``LLaMAMoE``'s experts are ``LLaMAMLP``s whose
-        fc_1, fc_2 and proj are each a ``LoRALinear`` (``create_lora_linear`` with ``lora_mlp``), whose forward
-        is ``pretrained + (lora_dropout(x) @ lora_A.T @ lora_B.T) * scaling``: no merged weight (``merge()``
-        runs for inference only), the branch saves its input and the (rows, r) product. Over the experts the
-        rows add up to the routed rows, so the branch runs here on them: fc_1 and fc_2 as one A of 2r rows
-        per expert (a (S, 2r) product, two (S, f) outputs), proj with r (``lora_mlp`` adapts all three, whichever
-        of the experts' targets is given). ``y`` (the base output) is replaced
-        by the sum; ``y`` itself when the experts carry no adapter or the framework is not LitGPT.
-        Not modelled: the router's own LoRALinear (LitGPT adapts ``gate`` with ``lora_mlp`` too: (N, r) saved),
-        and the parameters keep PEFT's shapes (gate_up's B at rank 2r counts 2 r E f more elements than
-        LitGPT's two rank-r B's)."""
-        pre = f"layers.{self.i}.moe.experts.{name}"
-        a_p = self.fwd.maybe(pre + ".lora_A")
-        lora = self.fwd.lora
-        if a_p is None or lora is None or self.fwd.exp.profile.framework != "litgpt":
-            return y
-        o, S = self.o, self.N * self.moe.top_k
-        xa = o.ref_(x)
-        xd = o.dropout(xa, lora.dropout)
-        o.drop(xa)
-        a = o.linear(xd, S, a_p, None, 2 * lora.rank if name == "gate_up_proj" else lora.rank)  # fc_1 + fc_2
-        o.drop(xd)
-        b = o.linear(a, S, self.fwd.p(pre + ".lora_B"), None, width)
-        o.drop(a)
-        bs = o.scale(b, lora.alpha / lora.rank + 1e-12)  # (``* self.scaling`` is a new tensor even at 1.0)
-        o.drop(b)
-        out = o.add(y, bs)
-        o.drop(y, bs)
-        return out
 
     def experts(self, x: T, wts: T, idx: T, dt: DType) -> T:
         """``grouped_mm_experts_forward`` (see the module docstring); returns the (N, d) output."""
@@ -318,7 +292,6 @@ class _Block:
         proj = self.new(S * up_w, dt)
         self.grouped_mm(sel, gu, wgu, offsets, proj)
         self.add_bias(proj, bgu)
-        proj = self.litgpt_branch(sel, proj, "gate_up_proj", up_w)
         if gated:
             # chunk(2): two views; act(gate) saves gate, the product saves act(gate) and up: the
             # whole (S, 2f) projection stays alive through its views
@@ -340,7 +313,6 @@ class _Block:
         y = self.new(S * d, dt)
         self.grouped_mm(h, dn, wdn, offsets, y)
         self.add_bias(y, bdn)
-        y = self.litgpt_branch(h, y, "down_proj", d)
         self.drop(h)
         pdt = F32 if F32 in (dt, wdt) else dt  # type promotion of proj_out * weights
         wy = self.new(S * d, pdt)
@@ -443,4 +415,7 @@ class _Block:
 
 def moe_block(fwd: ForwardContext, h: T, i: int) -> T:
     """The MoE feed-forward block of layer ``i`` on the walk ``fwd``; returns a new reference."""
+    assert fwd.m.moe is not None
+    if fwd.m.moe.implementation == "litgpt":  # LitGPT 0.5.13's LLaMAMoE loop (blocks/litgpt_moe.py)
+        return litgpt_moe_block(fwd, h, i)
     return _Block(fwd, i).run(h)

@@ -21,16 +21,22 @@ def family_notes(exp: ExperimentSpec) -> list[str]:
                 f"{moe.top_k} routed rows for its {moe.n_experts // tr.ep} experts (--ep-capacity-factor; 1 = "
                 "the even split); the busiest rank of an imbalanced routing receives more, and every buffer the "
                 "dispatcher and the experts make grows with it")
+        elif moe.implementation == "litgpt":
+            notes.append(
+                f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
+                "rows): LitGPT's LLaMAMoE runs its experts one by one (litgpt/model.py LLaMAMoE.forward, "
+                "torch.where per expert), so the saved rows add up to the same total, but an imbalanced step "
+                "makes the busiest expert's temporaries larger than counted here")
         else:
             notes.append(
                 f"MoE routing assumed {moe.routing} (each expert gets batch x seq x {moe.top_k}/{moe.n_experts} "
                 "rows); transformers' default grouped_mm experts size every tensor by the routed rows alone, so an "
                 "imbalanced step costs the same activation bytes here (not so with the eager per-expert loop)")
         adapted = [p for p in param_inventory(m, tr.lora) if ".moe.experts." in p.name and p.kind == "lora"]
-        if adapted and exp.profile.framework == "litgpt":  # moe.litgpt_branch
-            notes.append("LoRA on the routed experts: LitGPT's per-expert LoRALinear (fc_1, fc_2, proj) runs the "
-                         "low-rank branch beside the frozen weight (no merged W + B A); its router's own adapter is "
-                         "not modelled, and the adapters are counted in PEFT's shapes (gate_up's B at rank 2r)")
+        if adapted and moe.implementation == "litgpt":  # blocks/litgpt_moe.py
+            notes.append("LoRA on the routed experts: LitGPT's lora_mlp makes the router and every expert's fc_1, "
+                         "fc_2 and proj a LoRALinear of rank r (litgpt/lora.py LLaMAMoE), whose branch runs beside "
+                         "the frozen weight (no merged W + B A)")
         elif adapted:
             n_layers = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
             per_layer = tr.weight_dtype.nbytes(
