@@ -153,7 +153,7 @@ def check_pp(exp: ExperimentSpec) -> None:
         (tr.gpus > 1 and tr.zero > 1 and m.moe is not None and tr.gpus > m.moe.n_experts and tr.ep == 1,
          f"FSDP2 over more data-parallel GPUs ({tr.gpus}) than routed experts "
          f"({m.moe.n_experts if m.moe else 0}): torchtitan's apply_fsdp_to_decoder shards the experts on dim 1 "
-         "then (Shard(1)), not modelled"),
+         "then (Shard(1)), not modelled without --ep (with --ep it is: the experts' own efsdp groups)"),
         (tr.grad_accum > 1, "--grad-accum (the micro-batches are the accumulation)"),
         (tr.compile, "--compile"),
         (tr.fused_optimizer, "--fused-optimizer"),
