@@ -124,7 +124,10 @@ LossTokens = Annotated[Optional[float], typer.Option(
 Json = Annotated[bool, typer.Option("--json", help="Print only JSON (integer bytes).")]
 Zero = Annotated[Optional[int], typer.Option(
     "--zero", help="ZeRO stage 0-3 (1: optimizer state, 2: + gradients, 3: + weights sharded over --gpus).")]
-Gpus = Annotated[Optional[int], typer.Option("--gpus", help="Data-parallel GPUs that ZeRO shards over (default 1).")]
+Gpus = Annotated[Optional[int], typer.Option(
+    "--gpus", help="Data-parallel replicas (default 1), which ZeRO shards over; with --tp/--cp/--pp each replica "
+                   "is a tp x cp x pp group: GPUs in all = --gpus x --tp x --cp x --pp (32 GPUs of context "
+                   "parallelism: --cp 32 --gpus 1, not --gpus 32 --cp 32, which is 1,024).")]
 OffloadOptimizer = Annotated[bool, typer.Option(
     "--offload-optimizer", help="Keep optimizer state and its step on the CPU.")]
 Sharding = Annotated[Optional[str], typer.Option(

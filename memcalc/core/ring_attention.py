@@ -230,12 +230,35 @@ def ring_shapes(exp) -> Shapes:
                   copies=not expanded)
 
 
+def gpus_in_all(tr) -> str:
+    """Every GPU of the mesh with its factors: ``--gpus`` counts data-parallel replicas, each a
+    ``tp x cp x pp`` group (``--ep`` borrows its ranks from ``--gpus``), e.g. ``1,024 GPUs in all (32
+    data-parallel x cp 32)``."""
+    parts = [f"{tr.gpus} data-parallel"] + [f"{k} {n}" for k, n in (("tp", tr.tp), ("cp", tr.cp), ("pp", tr.pp))
+                                            if n > 1]
+    n = tr.gpus * tr.tp * tr.cp * tr.pp
+    return f"{n:,} GPU{'s' if n > 1 else ''} in all" + (f" ({' x '.join(parts)})" if len(parts) > 1 else "")
+
+
+def gpus_note(tr) -> Optional[str]:
+    """A note where ``--gpus`` equals a model-parallel degree (``--gpus 32 --cp 32``): the GPUs in all are
+    their product, not ``--gpus`` (None otherwise)."""
+    same = [k for k, n in (("tp", tr.tp), ("cp", tr.cp), ("pp", tr.pp)) if n > 1 and n == tr.gpus]
+    if not same:
+        return None
+    group = tr.tp * tr.cp * tr.pp
+    return (f"gpus {tr.gpus} counts data-parallel replicas, each of {group} GPUs ({same[0]} {tr.gpus}"
+            + "".join(f" x {k} {n}" for k, n in (("tp", tr.tp), ("cp", tr.cp), ("pp", tr.pp))
+                      if n > 1 and k != same[0])
+            + f"): {gpus_in_all(tr)}; for {group} GPUs in all set gpus 1")
+
+
 def tp_line(tr, tp_mark: str = "", sp_mark: str = "") -> Optional[str]:
     """The setup table's tensor-parallel row (memcalc.engine.tensor_parallel), beside :func:`cp_line`."""
     if not (tr.tp > 1 or tr.sequence_parallel):
         return None
     return (f"TP {tr.tp}{tp_mark}" + (f" (sequence parallel{sp_mark})" if tr.sequence_parallel else "")
-            + f"; {tr.gpus * tr.tp} GPUs in all ({tr.gpus} data-parallel x {tr.tp} tensor-parallel)")
+            + f"; {gpus_in_all(tr)}")
 
 
 def cp_line(tr, cp_mark: str = "", method_mark: str = "") -> Optional[str]:
@@ -243,4 +266,4 @@ def cp_line(tr, cp_mark: str = "", method_mark: str = "") -> Optional[str]:
     if tr.cp == 1:
         return None
     return (f"CP {tr.cp}{cp_mark} ({tr.cp_method}{method_mark}); seq {tr.seq // tr.cp} a rank; "
-            f"{tr.gpus * tr.tp * tr.cp} GPUs in all" + (f"; ZeRO over {tr.gpus} x {tr.cp} ranks" if tr.zero else ""))
+            f"{gpus_in_all(tr)}" + (f"; ZeRO over {tr.gpus} x {tr.cp} ranks" if tr.zero else ""))

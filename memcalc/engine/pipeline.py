@@ -44,9 +44,18 @@ micro-batch's ``batch / M x seq x top_k`` rows through torchtitan's all-to-all
 (:mod:`memcalc.engine.expert_parallel`: :class:`StageForward` is the decoder walk that runs it, on the micro-batch);
 with FSDP2 too, the experts are their own FSDP2 groups over ``efsdp`` (:mod:`memcalc.engine.pipeline_ep_fsdp`).
 
+With ``--cp`` (ring attention) each stage's decoder walk runs the rank's ``seq / cp`` tokens and the ring of
+:mod:`memcalc.engine.context_parallel` (:class:`StageForward` is a :class:`memcalc.engine.forward.Forward`): torchtitan
+0.3.0 (trainer.py ``pp_forward_backward_step``) cp-shards every micro-batch (``post_dataloading_process`` ->
+``prepare_context_parallel_input`` -> ``cp_shard``, torch's ``_context_parallel_shard``) before the schedule runs, so
+the stages exchange ``(b, seq / cp, d)`` hidden states and each rank holds the sharded ids and labels (new tensors,
+``distribute_tensor(...).to_local()`` of the load-balanced ``gather``) beside the whole batch.
+
 Every rank also holds the whole batch's ids and labels (torchtitan's ``forward_backward_step`` moves
 both to the GPU before branching on the stage); each micro-batch's are views of them
-(``torch.tensor_split``, microbatch.py ``_split_tensor``).
+(``torch.tensor_split``, microbatch.py ``_split_tensor``). A non-last stage's backward starts from its gradient
+receive buffer (``stage_backward``'s ``output_grads``), which the stage keeps: autograd sums a residual's gradient
+into it out of place (:meth:`memcalc.engine.sim_backward.SimBackward._run_node`, ``InputBuffer::accumulate``).
 """
 
 from __future__ import annotations
@@ -213,7 +222,7 @@ class RankStep:
         if not self.first_step:
             self.opt.create_all()
         tr, d = exp.training, exp.model.d_model
-        b, seq = tr.batch // self.M, tr.seq
+        b, seq = tr.batch // self.M, tr.seq // tr.cp  # (context parallelism: the rank's seq / cp tokens)
         if tr.tp > 1 and tr.sequence_parallel:  # the stage's output: the rank's local seq / tp rows (a plain tensor:
             seq //= tr.tp  # the rowwise linears' use_local_output; torch/distributed/tensor/parallel/style.py)
         dt = tr.weight_dtype  # the residual stream between stages
@@ -228,6 +237,9 @@ class RankStep:
             st.grad_recv = buffers() if not st.last else []
         self.ids = sim.alloc(tr.batch * tr.seq * 8, "activations", "inputs")
         self.labels = sim.alloc(tr.batch * tr.seq * 8, "activations", "inputs")
+        if tr.cp > 1:  # and their context-parallel shards (cp_shard's copies; the module docstring)
+            self.ids_labels_cp = [sim.alloc(tr.batch * (tr.seq // tr.cp) * 8, "activations", "inputs")
+                                  for _ in range(2)]
         sim.mark("step start", "setup")
         self.step_start = len(self.log.events) if self.log is not None else 0
         self.state_moves = None

@@ -154,8 +154,16 @@ class SimBackward:
         if self.offload is not None and self.offload.hook_due:  # the unpacking node's post-hook
             self.offload.after_node(self)
         for inp, g in zip(node.inputs, new_grads, strict=True):
-            if inp.grad_buffer is None:
+            old = inp.grad_buffer
+            if old is None:
                 inp.grad_buffer = g
+            elif old.refs > 1:
+                # torch 2.13 torch/csrc/autograd/input_buffer.cpp ``accumulate``: ``old_var.add_(var)`` only when
+                # ``can_accumulate_inplace(old_var)`` (its last reference), else ``old_var + var``, a new tensor
+                # (a pipeline stage's gradient receive buffer, which the stage keeps: engine.pipeline)
+                inp.grad_buffer = alloc(old.nbytes, "temporaries", "activation gradients")
+                unref(old)
+                unref(g)
             else:  # InputBuffer accumulates in place
                 unref(g)
         for p, g in zip(node.params, pgrads, strict=True):

@@ -23,6 +23,7 @@ from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_train
 from memcalc.engine.loading import load_phase
 from memcalc.engine.observers import PeakAbove, StopAbove
 from memcalc.engine.sharding import offload_param
+from memcalc.core.ring_attention import gpus_note
 from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
@@ -470,7 +471,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
         device=dev.device,
         replays=replays,
         assumptions=assumptions,
-        notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(techniques),
+        notes=no_effect_notes(exp) + family_notes(exp) + technique_notes(techniques)
+        + list(filter(None, [gpus_note(exp.training)])),
         extra={"max_activation_bytes": steady.max_activation_bytes, "steady_peak_bytes": steady.peak_bytes, "first_step_peak_bytes": first.peak_bytes, "peak_step": which,
                **alloc_extra, **({"compiled": compiled} if compiled else {}),
                **_host_extra(exp, counts.trainable),

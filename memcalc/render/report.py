@@ -15,7 +15,7 @@ from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.inputs.trainer_defaults import half_on
 from memcalc.core.expert_parallel import ep_line
-from memcalc.core.ring_attention import cp_line, tp_line
+from memcalc.core.ring_attention import cp_line, gpus_in_all, tp_line
 from memcalc.core.gpu_side import DeviceMemory, device_memory
 from memcalc.engine.result import KIND_NAMES, KINDS, Estimate
 from memcalc.estimate.peak import card_side, runs_within
@@ -421,7 +421,7 @@ def setup_line(est: Estimate, res: Resolved) -> str:
     method = ("full fine-tune" if lo is None
               else f"{_lora_kind(lo)}{'+DoRA' if lo.dora else ''} r{lo.rank}")
     n = tr.gpus * tr.tp * tr.cp * tr.pp  # every rank of the mesh (TrainingSpec's tp, cp and pp fields)
-    gpus = f", {n} GPUs" + (f" ZeRO-{tr.zero}" if tr.zero else "") if n > 1 else ""
+    gpus = f", {gpus_in_all(tr).replace(' in all', '')}" + (f" ZeRO-{tr.zero}" if tr.zero else "") if n > 1 else ""
     src = res.model_source
     frm = f"; {escape(src.describe())}" if src is not None and src.kind != "preset" else ""
     master, reentrant = " + fp32 master" * tr.master_weights, " (reentrant)" * tr.checkpoint_reentrant

@@ -123,6 +123,14 @@ ROWS = [
     # copy-out's empty_like temporaries, _fsdp_collectives.foreach_all_gather_copy_out)
     (2, 2, "1f1b", 3, 2, 32, "plain", {"precision": "bf16", "master_weights": True, "moe": True, "mla": True,
                                        "gpus": 16, "ep": 2, "zero": 3}),
+    # source: trace, pp x cp (torchtitan 0.3.0's mesh pp x cp; torch's ring attention in every stage, the batch
+    # cp-sharded by _context_parallel_shard before the schedule: the stages exchange seq / cp tokens); the
+    # received gradient, which the stage keeps, is summed out of place (InputBuffer::accumulate) in layer 0's backward
+    (2, 2, "1f1b", 2, 2, 256, "plain", {"precision": "bf16", "cp": 2}),
+    # source: trace, pp x cp x tp + sequence parallel (mesh pp x cp x tp), interleaved, 2 stages per rank, checkpoint
+    # full: the ring inside the recomputed regions, seq / (cp x tp) rows between stages
+    (2, 2, "interleaved-1f1b", 4, 4, 256, "plain", {"precision": "bf16", "cp": 2, "tp": 2, "sequence_parallel": True,
+                                                    "checkpoint": "full"}),
 ]
 
 

@@ -91,3 +91,21 @@ def test_plan_offers_context_parallelism_for_long_sequences():
     plan = memcalc.api.plan(model="llama-3.1-8b", seq="128k")
     layouts = [g["layout_full"] for g in plan.options if g["layout_full"]]
     assert layouts and all(lay.get("cp", 1) > 1 for lay in layouts)
+
+
+@pytest.mark.parametrize("tr,note", [
+    # source: memcalc.core.ring_attention.gpus_note: --gpus counts data-parallel replicas of the tp x cp x pp
+    # group (docs/multi-gpu.md; TrainingSpec.gpus), so --gpus 32 --cp 32 is 32 x 32 GPUs
+    ({"gpus": 32, "cp": 32}, "gpus 32 counts data-parallel replicas, each of 32 GPUs (cp 32): 1,024 GPUs in all "
+                             "(32 data-parallel x cp 32); for 32 GPUs in all set gpus 1"),
+    # source: the same, the group being tp x pp
+    ({"gpus": 2, "tp": 2, "pp": 2}, "gpus 2 counts data-parallel replicas, each of 4 GPUs (tp 2 x pp 2): 8 GPUs in "
+                                    "all (2 data-parallel x tp 2 x pp 2); for 4 GPUs in all set gpus 1"),
+    # source: the same: --gpus that equals no degree is taken as given (no note)
+    ({"gpus": 4, "cp": 2}, None),
+])
+def test_gpus_equal_to_a_degree_is_noted(tr, note):
+    from memcalc.core.ring_attention import gpus_note
+    from memcalc.core.spec import TrainingSpec
+
+    assert gpus_note(TrainingSpec(**tr)) == note

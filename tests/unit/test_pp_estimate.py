@@ -178,6 +178,13 @@ def test_uneven_split_on_the_command_line():
      "than routed experts (8)"),
     # source: torchtitan 0.3.0 parallel_dims.py: the ep ranks are borrowed from each stage's data-parallel ranks
     (["--model", "mixtral-8x7b", "--pp", "2", "--batch", "2", "--ep", "2"], 2, "--ep 2 must divide --gpus 1"),
+    # source: memcalc.core.pipeline.check_pp: torchtitan composes its ring attention (not DeepSpeed's Ulysses)
+    # with pipelines
+    (["--pp", "2", "--batch", "2", "--cp", "2", "--cp-method", "ulysses"], 2,
+     "not with --cp-method ulysses (torchtitan composes its ring attention with pipelines"),
+    # source: memcalc.core.pipeline.check_pp: FSDP2 over a stage's dp x cp ranks is not modelled
+    (["--pp", "2", "--batch", "2", "--cp", "2", "--gpus", "2", "--zero", "3"], 2,
+     "not with --cp with --zero 3 (FSDP2 over the dp x cp ranks"),
 ])
 def test_bad_pipeline_input_is_one_line(args, code, message):
     r = run(args)
@@ -239,3 +246,19 @@ def test_pp_by_ep_by_fsdp2_shards_the_experts_over_efsdp():
     dense = estimate(ExperimentSpec(model=moe, training=TrainingSpec(
         batch=2, seq=64, precision="bf16", pp=2, microbatches=2, gpus=4, zero=3)))
     assert dense.components["unsharded parameters (FSDP2)"] - est.components["unsharded parameters (FSDP2)"] == experts
+
+
+def test_pp_by_cp_stages_exchange_the_sequence_shard():
+    # source: torchtitan 0.3.0 trainer.py pp_forward_backward_step: every micro-batch is cp-sharded
+    # (prepare_context_parallel_input -> cp_shard) before the schedule runs, so torch's PipelineStage receives
+    # (b, seq / cp, d) hidden states (stage.py _setup_forward_recv_info / _create_grad_recv_info): rank 0 (the first
+    # stage) holds M = 2 gradient buffers of 2 x 64 / 2 x 128 bf16 elements, 16,384 bytes each; beside the whole
+    # batch (4 x 64 int64 ids and labels, 2,048 bytes each) the shards cp_shard makes, 1,024 bytes each
+    def est(cp: int):
+        return estimate(exp(pp=2, microbatches=2, precision="bf16", cp=cp))
+
+    one, two = est(1), est(2)
+    assert one.peak_label.startswith("rank 0 ") and two.peak_label.startswith("rank 0 ")
+    c1, c2 = one.components, two.components
+    assert (c1["pipeline receive buffers"], c2["pipeline receive buffers"]) == (2 * 32_768, 2 * 16_384)
+    assert (c1["inputs"], c2["inputs"]) == (2 * 2_048, 2 * 2_048 + 2 * 1_024)

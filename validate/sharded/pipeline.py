@@ -43,6 +43,18 @@ With ``--ep`` the mesh is ``pp x (gpus / ep) x ep`` (torchtitan 0.3.0's sparse m
 its token counts answered from the spec (:func:`.ep_dispatch.splits_from_spec`), under torchtitan's
 ``partial_dtensor`` SPMD backend, as the whole-model trace (:mod:`.expert_parallel`) runs it.
 
+With ``--cp`` (ring attention) the mesh is ``pp x cp [x tp]`` (torchtitan 0.3.0's ``_build_mesh`` order
+``("pp", "dp_replicate", "dp_shard", "cp", "tp")``; this rank at the cp coordinate the estimate simulates,
+:func:`memcalc.core.ring_attention.worst_rank` of a micro-batch's shapes, and tp 0). Each stage's attention runs
+torch's ring as :mod:`.context_parallel` runs it for a whole model (:func:`.context_parallel.ring_sdpa` /
+:func:`.context_parallel.ring_dispatch`: ``_templated_ring_attention`` unmodified, the collectives' outputs not
+copied, the flash backward's scratch per ring step), and the stage boundary is the rank's ``seq / cp`` tokens
+(``/ tp`` more with sequence parallelism): torchtitan 0.3.0's ``pp_forward_backward_step`` shards every micro-batch
+before the schedule runs (``post_dataloading_process`` -> ``prepare_context_parallel_input`` -> ``cp_shard``:
+torch's ``_context_parallel_shard`` with the ``_HeadTailLoadBalancer``), so the stages only ever see the shard.
+The shard is made here by the same torch function on the whole batch (torchtitan makes it per micro-batch: the
+same bytes, ``M`` pieces), beside the unsharded batch torchtitan has moved to the GPU.
+
 Every rank loads the whole batch (``inputs`` and ``labels`` moved to the GPU before the stage
 branch in torchtitan's ``forward_backward_step``); both are counted on every rank.
 """
@@ -51,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Optional
@@ -146,18 +159,20 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
     out: dict = {"rank": rank, "layers": list(split[mine[0]])}
     if V > 1:
         out["stages"] = [{"stage": s, "layers": list(split[s])} for s in mine]
-    tp, ep = tr.tp, tr.ep
-    world: tuple = (pp * tp, rank * tp, (pp, tp), ("pp", "tp")) if tp > 1 else (pp, rank, None, ("pp",))
-    if ep > 1:  # pp x (dp, ep): the ep ranks borrowed from the data-parallel ones (core/expert_parallel.py)
-        world = (pp * tr.gpus, rank * tr.gpus, (pp, tr.gpus // ep, ep), ("pp", "dp", "ep"))
-    with fake_world(*world) as mesh, _patch_p2p(), _ep_dispatch(exp):
+    tp, cp = tr.tp, tr.cp
+    world, c = _world(tr, rank, exp)
+    tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, "meta") if tp > 1 or cp > 1
+              else RankTracer("meta", exp.profile.allocator_round_bytes, debug=debug))
+    with fake_world(*world) as mesh, _patch_p2p(), _ep_dispatch(exp), _ring(exp, mesh, tracer):
         layers = ", ".join(f"{lo}..{hi - 1}" for lo, hi in (split[s] for s in mine))
         say(f"rank {rank} of {pp}: layers {layers}{' + embedding' if first else ''}{' + head' if last else ''}, "
-            f"{tr.pp_schedule}, {M} micro-batches" + (f", tp {tp}" if tp > 1 else ""))
+            f"{tr.pp_schedule}, {M} micro-batches" + (f", tp {tp}" if tp > 1 else "")
+            + (f", cp {cp} (cp rank {c})" if c is not None else ""))
         with allow_fused_on("meta"):
             ids = torch.zeros((tr.batch, tr.seq), dtype=torch.int64, device="meta")
             labels = ids.clone()
-            built = [_build_stage(exp, m, s, mesh, ids[:b], b) for s in mine]
+            run_ids, run_labels = _cp_shard(mesh, tr, ids, labels) if cp > 1 else (ids, labels)
+            built = [_build_stage(exp, m, s, mesh, run_ids[:b], b) for s in mine]
             decs = [dec for dec, _, _ in built]
             stage_mods = nn.ModuleList([mod for _, mod, _ in built])
             amp, profile = decs[-1].amp, exp.profile
@@ -172,8 +187,6 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
             del built
             trainable: list[torch.Tensor] = [p for p in stage_mods.parameters() if p.requires_grad]
             opt = build_optimizer(trainable, tr)
-            tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, "meta") if tp > 1
-                      else RankTracer("meta", exp.profile.allocator_round_bytes, debug=debug))
             probe = Probe("meta", tracer)
             for dec in decs:
                 dec.on_label = probe.label
@@ -181,7 +194,9 @@ def trace_pp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = F
             for stage in stages:
                 _label_chunks(stage, tracer, ran, V > 1)
             track_inputs(tracer, stage_mods, ids, labels, opt, local_tensors)
-            _measure_steps(out, tracer, probe, sched, (first, last, ids, labels), opt, ran, tp > 1, say, debug)
+            if cp > 1:
+                tracer.track([run_ids, run_labels])
+            _measure_steps(out, tracer, probe, sched, (first, last, run_ids, run_labels), opt, ran, tp > 1, say, debug)
             for dec in decs:
                 dec.on_label = None
     return out
@@ -201,7 +216,7 @@ def _build_stage(exp, m, s: int, mesh, first_ids, b: int) -> tuple:
     first, last = s == 0, s == n_stages - 1
     torch.manual_seed(0)
     dec = build_model(m, tr, exp.profile, device="meta")
-    T = tr.seq
+    T = tr.seq // tr.cp  # (context parallelism: the rank's shard of the sequence)
     stage_mod = StageModule(dec, lo, hi, first, last, T)
     if tr.tp > 1:  # torchtitan's parallelize_llama: apply_tp on each model part (its stage) over the tp mesh
         apply_tp(dec, mesh["tp"], tr.sequence_parallel)
@@ -209,7 +224,7 @@ def _build_stage(exp, m, s: int, mesh, first_ids, b: int) -> tuple:
         from .ep_dispatch import shard_experts
 
         shard_experts(dec, exp, mesh["ep"])
-    group = mesh["pp"].get_group() if tr.tp > 1 or tr.ep > 1 else None
+    group = mesh["pp"].get_group() if tr.tp > 1 or tr.ep > 1 or tr.cp > 1 else None
     t_local = T // tr.tp if tr.tp > 1 and tr.sequence_parallel else T  # the stage boundary: a local tensor
     hidden = torch.empty((b, t_local, m.d_model), dtype=_hidden_dtype(tr), device="meta")
     in_args = (first_ids,) if first else (hidden.detach().requires_grad_(True),)
@@ -278,6 +293,65 @@ def _ep_dispatch(exp):
             yield
     finally:
         set_spmd_backend(backend)
+
+
+def _world(tr, rank: int, exp) -> tuple[tuple, Optional[int]]:
+    """``fake_world``'s arguments for pipeline rank ``rank`` (torchtitan 0.3.0's mesh order ``pp, dp, cp, tp``;
+    this rank at dp and tp coordinate 0) and the cp rank traced (None without context parallelism)."""
+    pp, tp, cp, ep = tr.pp, tr.tp, tr.cp, tr.ep
+    if ep > 1:  # pp x (dp, ep): the ep ranks borrowed from the data-parallel ones (core/expert_parallel.py)
+        return (pp * tr.gpus, rank * tr.gpus, (pp, tr.gpus // ep, ep), ("pp", "dp", "ep")), None
+    c = _cp_rank(exp) if cp > 1 else None
+    dims = [(k, n) for k, n in (("pp", pp), ("cp", cp), ("tp", tp)) if k == "pp" or n > 1]
+    shape = tuple(n for _, n in dims)
+    return (math.prod(shape), (rank * cp + (c or 0)) * tp, shape if len(dims) > 1 else None,
+            tuple(k for k, _ in dims)), c
+
+
+def _cp_rank(exp) -> int:
+    """The cp rank traced: the one the estimate simulates (:func:`memcalc.core.ring_attention.worst_rank` of one
+    micro-batch's ring)."""
+    from memcalc.core.ring_attention import ring_shapes, worst_rank
+
+    tr = exp.training
+    mexp = exp.model_copy(update={"training": tr.model_copy(update={"batch": micro_batch(tr)[1]})})
+    return worst_rank(tr.cp, ring_shapes(mexp))
+
+
+def _cp_shard(mesh, tr, ids, labels) -> tuple:
+    """This rank's shard of the batch, as torchtitan 0.3.0's ``cp_shard`` makes it
+    (torchtitan/distributed/context_parallel/api.py: torch's ``_context_parallel_shard`` with a
+    ``_HeadTailLoadBalancer(seq, cp, device)``, the sequence on dim 1); the two CP globals it sets are put
+    back (the ring's dispatch is :func:`_ring`'s)."""
+    from torch.distributed.tensor.experimental._attention import _context_parallel_shard, _HeadTailLoadBalancer
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cpa
+
+    saved = cpa._dispatch_mode, cpa._cp_options.enable_load_balance
+    try:
+        balancer = _HeadTailLoadBalancer(tr.seq, tr.cp, ids.device)
+        return tuple(_context_parallel_shard(mesh["cp"], [ids, labels], (1, 1), balancer))
+    finally:
+        cpa._dispatch_mode, cpa._cp_options.enable_load_balance = saved
+
+
+@contextlib.contextmanager
+def _ring(exp, mesh, tracer):
+    """With ``--cp``: the replica's SDPA through torch's ring on the ``cp`` dimension
+    (:func:`.context_parallel.ring_sdpa` under :func:`.context_parallel.ring_dispatch`), put back on exit;
+    nothing otherwise."""
+    if exp.training.cp == 1:
+        yield
+        return
+    from ..blocks import attention as attention_mod
+    from .context_parallel import ring_dispatch, ring_sdpa
+
+    inner = attention_mod.sdpa
+    attention_mod.sdpa = ring_sdpa(mesh["cp"], inner)
+    try:
+        with ring_dispatch(mesh["cp"], tracer):
+            yield
+    finally:
+        attention_mod.sdpa = inner
 
 
 def _loss_parallel():
