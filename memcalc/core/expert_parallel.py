@@ -30,6 +30,7 @@ from fractions import Fraction
 from typing import Optional
 
 from memcalc.core.errors import UserError
+from memcalc.core.rules import MOE_TP
 from memcalc.core.spec import ExperimentSpec, TrainingSpec
 
 
@@ -65,7 +66,7 @@ def check_ep(exp: ExperimentSpec) -> None:
         raise UserError(f"--ep {ep} must divide --gpus {tr.gpus}: the expert-parallel ranks are data-parallel "
                         f"ranks (torchtitan's efsdp = dp_shard // ep); {tr.gpus} / {ep} = {tr.gpus / ep:g}")
     unsupported = [name for cond, name in (
-        (tr.tp > 1, "--tp (tensor parallelism does not cover MoE layers here)"),
+        (tr.tp > 1, f"--tp (MoE layers under tensor parallelism: {MOE_TP})"),
         (tr.zero == 1 or (tr.zero > 1 and tr.sharding != "fsdp2"),
          f"--zero {tr.zero} --sharding {tr.sharding} (with expert parallelism FSDP2 --zero 2/3 is modelled)"),
         (tr.offload_optimizer, "--offload-optimizer"),

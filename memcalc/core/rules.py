@@ -233,6 +233,13 @@ MAX_FWD_STASH = 5
 
 
 # -- tensor parallelism (torchtitan apply_tp) -------------------------------------------------
+#: why ``--tp`` refuses a mixture-of-experts model: what torchtitan 0.3.0 runs for it, not modelled yet
+MOE_TP = ("torchtitan 0.3.0 shards them by set_moe_sharding_config, models/common/moe_sharding.py, under "
+          "Module.parallelize: the routed experts' w1/w3 Shard(1) and w2 Shard(2) over tp, run on every token in a "
+          "local_map with a Partial output reduced at the MoE boundary, the router replicated, the shared experts "
+          "colwise/rowwise; not modelled: --ep splits the experts instead")
+
+
 def check_tp(exp: ExperimentSpec) -> None:
     """Refuse tensor-parallel setups the model does not cover, or shapes ``tp`` does not divide
     (torchtitan divides heads, kv heads, hidden width and vocabulary exactly: its attention views
@@ -243,7 +250,7 @@ def check_tp(exp: ExperimentSpec) -> None:
         return
     unsupported = [name for cond, name in (
         (m.mla is not None, "multi-head latent attention"),
-        (m.moe is not None, "mixture-of-experts layers"),
+        (m.moe is not None, f"mixture-of-experts layers ({MOE_TP})"),
         (is_attention_variant(m), "an attention variant (fused qkv, q/k norms, eager or sliding attention)"),
         (m.fused_gate_up, "a fused gate_up projection"),
         (m.block != "sequential" or is_variant_layer(m), "a parallel block or a norm placement variant"),
