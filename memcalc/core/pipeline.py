@@ -183,10 +183,6 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
     if multi and V < 2:
         raise UserError(f"--pp-schedule {tr.pp_schedule} needs --pp-stages-per-rank >= 2, not {V} (torchtitan's "
                         "_get_pipeline_metadata: 'Multi-stage schedule requires at least 2 stages per rank')")
-    if multi and tr.gpus > 1 and tr.zero > 0:
-        raise UserError(f"--pp-schedule {tr.pp_schedule} with --zero {tr.zero} over --gpus {tr.gpus}: FSDP2 with "
-                        "several stages per rank (the runtime's UNSHARD / RESHARD of each stage, schedules.py "
-                        "_add_unshard_reshard) is not modelled; use --pp-schedule 1f1b or gpipe")
     if tr.pp_schedule in ZERO_BUBBLE and tr.checkpoint_reentrant:
         raise UserError(f"--pp-schedule {tr.pp_schedule} with --reentrant: its input backward is "
                         "torch.autograd.grad (_backward.py stage_backward_input), and torch's reentrant checkpoint "

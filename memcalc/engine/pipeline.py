@@ -68,6 +68,7 @@ from typing import Optional
 from memcalc.core.pipeline import (MULTI_STAGE, TORCH_SCHEDULES, check_pp, micro_batch, rank_stages,
                                    simulated_ranks, stages_per_rank)
 from memcalc.core.pipeline import split as split_layers
+from memcalc.core.pp_lowering import lowered
 from memcalc.core.pp_schedules import rank_actions, single_stage
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks import attention_variants as av
@@ -266,7 +267,14 @@ class RankStep:
         self.sending: Optional[T] = None  # the input gradient the schedule's send ops hold
         self.held: list[T] = []  # (zero bubble) input gradients left as the receive buffers' .grad
         self.split: dict[tuple[int, int], tuple] = {}  # (zero bubble) micro-batches between their I and W
-        for kind, s, i in rank_actions(tr.pp_schedule, self.pp, self.V, self.M, self.rank):
+        acts = rank_actions(tr.pp_schedule, self.pp, self.V, self.M, self.rank)
+        runtime = self.gather if self.runtime else None
+        if runtime is not None:  # the runtime's UNSHARD / RESHARD / REDUCE_GRAD (engine.pipeline_fsdp)
+            runtime.assign_stages({s: (st.lo, st.hi, st.first, st.last) for s, st in self.stages.items()})
+            acts = lowered(acts, self.M)
+        for kind, s, i in acts:
+            if runtime is not None and runtime.runtime_action(kind, s):
+                continue
             st = self.stages[s]
             if kind == "F":
                 self.forward(st, i)
@@ -274,7 +282,7 @@ class RankStep:
                 self.backward(st, i)
             elif not st.first:  # zero bubble's split backward (stage 0's I does nothing)
                 split_backward(self, st, i, kind)
-        if self.gather is not None:  # perform_reduce_grad
+        if self.gather is not None and runtime is None:  # perform_reduce_grad
             self.gather.reduce_all()
         for t in [self.output, self.sending, *self.losses]:
             sim.unref(t)
@@ -321,7 +329,7 @@ class RankStep:
             p.uses = uses.get(p.name, 0)
         sim.use_graph(nodes)
         if self.gather is not None:
-            self.gather.stage_backward_start()
+            self.gather.stage_backward_start(st.index)
         if loss is not None:
             sim.backward(loss, 4, _label_of)
         else:
@@ -379,7 +387,11 @@ def split_backward(step: RankStep, st: LocalStage, i: int, kind: str) -> None:
         else:
             out.grad_buffer = sim.ref(st.grad_recv[i])
         run = InputBackward(sim, nodes)
+        if step.gather is not None:  # FSDP2: the units' post-backward hooks fire in I (engine.pipeline_fsdp)
+            step.gather.stage_backward_start(st.index)
         run.run(_label_of)
+        if step.gather is not None:
+            step.gather.stage_backward_end()
         sim.new_graph()
         if loss is not None:  # the logits: fwd_cache's reference gone, detach_()-ed; backward_state keeps the loss
             sim.unref(out)

@@ -39,9 +39,11 @@ class PipelineEPFSDP2(PipelineFSDP2, EPFSDP2):
     :class:`PipelineFSDP2`'s no-sync / reduce-at-the-end rules over :class:`EPFSDP2`'s per-layer groups and
     their meshes."""
 
-    def units(self) -> list[Unit]:
+    def units(self, stage: Optional[int] = None) -> list[Unit]:
         """``_state_ctx.all_states``' order, each state's ``_fsdp_param_groups`` in turn: the embedding, each
-        layer's groups (dense, experts), the head."""
+        layer's groups (dense, experts), the head (of ``stage`` only, if given: :meth:`PipelineFSDP2.units`)."""
+        if stage is not None and self.by_stage:
+            return self.by_stage[stage]
         groups = [u for i in self._layer_ids() for u in self.groups[i]]
         return [u for u in (self.embed, *groups, self.head) if u is not None]
 
@@ -58,8 +60,8 @@ class PipelineEPFSDP2(PipelineFSDP2, EPFSDP2):
         if not self.in_backward and i == self._layer_ids()[-1] and self.head is not None:
             self.unshard(self.head)  # the last block prefetches [norm, lm_head]
 
-    def stage_backward_start(self) -> None:
-        super().stage_backward_start()
+    def stage_backward_start(self, stage: Optional[int] = None) -> None:
+        super().stage_backward_start(stage)
         self.current_groups = None
 
     def stage_backward_end(self) -> None:

@@ -22,12 +22,37 @@ torchtitan 0.3.0 and torch 2.13's pipelining run it (validate/sharded/pipeline_f
   ``post_backward`` in the states' order (embedding, layers, head): reshard, reduce-scatter
   (:meth:`memcalc.engine.fsdp.FSDP2.post_backward`), the final callback releasing the kept reduce-scatter
   input; ``scale_grads`` divides the gradient shards in place.
+
+With several stages per rank (``interleaved-1f1b``, ``zero-bubble``) each stage is its own FSDP root (torchtitan
+parallelizes each model part) and ``_PipelineScheduleRuntime`` runs the FSDP actions its lowering adds
+(:mod:`memcalc.core.pp_lowering`; :meth:`PipelineFSDP2.runtime_action`):
+
+- **UNSHARD** (``_perform_action``: ``submodule.unshard(async_op=True)`` for every FSDP module of
+  ``stage.submod.modules()``, embedding, layers, head): each unit's all-gather (``FSDPParamGroup.unshard`` ->
+  ``foreach_all_gather``: the copy-in, the flat output kept in ``_all_gather_result``). With ``V <= 3`` every
+  stage of the rank is UNSHARDed before the first action, so a later stage's all-gather outputs wait, unsharded
+  sized, until its first compute.
+- **The wait** (``_assert_unsharded`` before each compute action of a stage with pending handles): each unit's
+  ``wait_for_unshard``: the unsharded parameters copied out, the all-gather output freed at once (the group is
+  not in ``TrainingState.FORWARD`` then: no implicit-prefetch state kept). The stage's forwards and backwards
+  then find every unit unsharded: their hooks all-gather nothing.
+- **REDUCE_GRAD** right after the stage's last ``B`` / ``W``: ``perform_reduce_grad`` on that stage's units
+  (the end above), so a stage's gradients are reduce-scattered and its parameters resharded while the rank's
+  other stages still run backward.
+- **RESHARD** (``reshard()``): after REDUCE_GRAD a no-op; with ``V >= 4`` the runtime evicts a stage mid-step
+  (its unsharded parameters freed; its accumulated unsharded gradients stay) and UNSHARDs it again later.
+- **Zero bubble**: a unit's post-backward hook (``RegisterPostBackwardFunction`` on its inputs) fires in the
+  micro-batch's ``I`` (the input gradient passes it), before ``W`` makes the weights' gradients
+  (``stage_backward_weight``: ``weight.grad = dw`` or ``+=``): the previous micro-batch's gradients are folded
+  into the ``reduce_dtype`` accumulator then, and the last ``W``'s by REDUCE_GRAD's
+  ``accumulate_unsharded_grad_if_needed``.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from memcalc.core.pp_lowering import REDUCE_GRAD, RESHARD, UNSHARD
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.fsdp import FSDP2, Unit
 from memcalc.engine.sim import Param, Sim, T
@@ -49,10 +74,43 @@ class PipelineFSDP2(FSDP2):
         self.acc: dict[str, T] = {}  # FSDPParam.unsharded_accumulated_grad
         self.posted: set[int] = set()  # units whose post-backward ran in this micro-batch's backward
         self.sync = False
+        self.by_stage: dict[int, list[Unit]] = {}  # several stages per rank: each stage's units (assign_stages)
+        self.stage: Optional[int] = None  # the stage a backward runs on
+        self.pending: set[int] = set()  # stages UNSHARDed and not yet waited on (the runtime's unshard_ops)
 
-    def units(self) -> list[Unit]:
-        """``_state_ctx.all_states``' order: the embedding, the layers, the head."""
+    def units(self, stage: Optional[int] = None) -> list[Unit]:
+        """``_state_ctx.all_states``' order: the embedding, the layers, the head (of ``stage`` only, if given)."""
+        if stage is not None and self.by_stage:
+            return self.by_stage[stage]
         return [u for u in (self.embed, *self.layers.values(), self.head) if u is not None]
+
+    def assign_stages(self, stages: dict[int, tuple[int, int, bool, bool]]) -> None:
+        """Each of the rank's stages (global index -> ``(lo, hi, first, last)``) is its own FSDP root."""
+        self.by_stage = {s: [u for u in self.units() if (u is self.embed and first) or (u is self.head and last)
+                             or (u.layer is not None and lo <= u.layer < hi)]
+                         for s, (lo, hi, first, last) in stages.items()}
+
+    # -- the runtime's FSDP actions (several stages per rank; module docstring) ----------------
+    def runtime_action(self, kind: str, stage: int) -> bool:
+        """UNSHARD, RESHARD or REDUCE_GRAD of ``stage`` (True), or, before a compute action on it, the wait on its
+        pending unshard (``_assert_unsharded``; False: the action still runs)."""
+        if kind == UNSHARD:
+            for u in self.units(stage):
+                self.unshard(u)
+            self.pending.add(stage)
+        elif kind == RESHARD:
+            for u in self.units(stage):
+                if not u.resharded:
+                    self.reshard(u)
+        elif kind == REDUCE_GRAD:
+            self.reduce_all(stage)
+        else:
+            if stage in self.pending:
+                self.pending.discard(stage)
+                for u in self.units(stage):
+                    self.wait_for_unshard(u, forward=False)
+            return False
+        return True
 
     # -- forward ------------------------------------------------------------------------
     def unit_forward(self, u: Optional[Unit]) -> None:
@@ -62,11 +120,12 @@ class PipelineFSDP2(FSDP2):
             self.wait_for_unshard(u, forward=True)
 
     # -- backward -----------------------------------------------------------------------
-    def stage_backward_start(self) -> None:
-        """A micro-batch's backward starts (the root, with no parameters, has nothing to unshard; the units
-        are unsharded already)."""
+    def stage_backward_start(self, stage: Optional[int] = None) -> None:
+        """A micro-batch's backward (or zero bubble's ``I``) starts on ``stage`` (the root, with no parameters,
+        has nothing to unshard; the units are unsharded already)."""
         self.in_backward, self.current, self.sync = True, None, False
         self.posted = set()
+        self.stage = stage
 
     def backward_enter(self, layer: Optional[int]) -> None:
         if layer is not None and self.head is not None and id(self.head) not in self.posted:
@@ -97,17 +156,21 @@ class PipelineFSDP2(FSDP2):
         if self.current is not None:
             self.post_backward(self.current)
             self.current = None
-        for u in self.units():
+        for u in self.units(self.stage):  # (the root's own units: its _state_ctx.all_states)
             if id(u) not in self.posted:
                 self.post_backward(u)
         self.in_backward = False
 
-    def reduce_all(self) -> None:
-        """``perform_reduce_grad``: every unit's post-backward with sync (module docstring)."""
+    def reduce_all(self, stage: Optional[int] = None) -> None:
+        """``perform_reduce_grad`` (of ``stage``): every unit's post-backward with sync (module docstring),
+        which first adds a gradient made since the last post-backward (zero bubble's last ``W``) into the
+        accumulator (``accumulate_unsharded_grad_if_needed``)."""
         self.sync = True
-        for u in self.units():
+        for u in self.units(stage):
             for p in u.params:
                 if p.name in self.acc:
+                    if p.unsharded_grad is not None:
+                        self.sim.unref(p.unsharded_grad)
                     p.unsharded_grad = self.acc.pop(p.name)
             self.post_backward(u)
         if self.rs_state is not None:

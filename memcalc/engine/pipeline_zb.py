@@ -165,10 +165,14 @@ class InputBackward:
         sim, owned = self.sim, self.owned
         for node in self.nodes:
             owned.add(node)
+        layer: Optional[int] = None  # the layer the input gradient is in
         for node in reversed(self.nodes):
             if node.done or all(o.grad_buffer is None for o in node.outputs):
                 continue
             lab = label_of(node)
+            if node.layer != layer and sim.on_layer is not None:  # (FSDP2's hooks fire in I too:
+                sim.on_layer(sim, node.layer)  # engine.pipeline_fsdp; as Sim.run_nodes calls it)
+            layer = node.layer
             if lab != sim.label:
                 sim.mark(lab)
             if isinstance(node.on_backward, Recompute):

@@ -76,6 +76,18 @@ ROWS = [
     # source: trace, dp x pp x tp: FSDP2 over dp of each tensor-parallel stage, 1F1B, sequence parallel
     (2, 2, "1f1b", 2, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 3, "tp": 2,
                                         "sequence_parallel": True}),
+    # source: trace, interleaved x FSDP2 (each stage its own FSDP root; the runtime's lowering,
+    # memcalc.core.pp_lowering: every stage UNSHARDed before the first action, REDUCE_GRAD after each stage's
+    # last backward, so stage 2's gradients are reduce-scattered before stage 0's backwards), fp32 accumulators
+    (2, 2, "interleaved-1f1b", 4, 2, 32, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2,
+                                                   "zero": 3}),
+    # source: trace, zero bubble x FSDP2 (--zero 2): the units' post-backward hooks fire in each I, the weights'
+    # gradients come in W, the last W's folded in by REDUCE_GRAD
+    (2, 2, "zero-bubble", 4, 2, 32, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 2}),
+    # source: trace, interleaved x FSDP2 with 4 stages per rank: at most 3 stages unsharded
+    # (_add_unshard_reshard's max_active_stages), stage 0 RESHARDed after its forwards and UNSHARDed again
+    (2, 2, "interleaved-1f1b", 6, 2, 16, "plain", {"precision": "bf16", "master_weights": True, "gpus": 2, "zero": 3,
+                                                   "pp_stages_per_rank": 4}),
     # source: trace, ScheduleInterleaved1F1B, 2 stages per rank (rank 0: stages 0 and 2, rank 1: 1 and 3 with the
     # head), depth first: rank 0 holds 3 forwards in flight over its two stages
     (2, 4, "interleaved-1f1b", 4, 4, 128, "plain", {"precision": "bf16"}),

@@ -197,10 +197,6 @@ def test_bad_pipeline_input_is_one_line(args, code, message):
     # torch.autograd.grad, which zero bubble's input backward is (_backward.py stage_backward_input)
     ({"pp_schedule": "zero-bubble", "checkpoint": "full", "checkpoint_reentrant": True},
      "incompatible with .grad()"),
-    # source: memcalc.core.pipeline._check_stages:
-    # torch's runtime UNSHARD/RESHARD per stage (_add_unshard_reshard)
-    # with several FSDP2 stages per rank is not modelled
-    ({"pp_schedule": "interleaved-1f1b", "gpus": 2, "zero": 3}, "FSDP2 with several stages per rank"),
 ])
 def test_multi_stage_refusals(tr, message):
     from memcalc.core.errors import UserError

@@ -25,6 +25,12 @@ callback, then ``scale_grads``.
 With ``--ep`` the mesh is torchtitan's sparse one and ``apply_fsdp_to_decoder`` gets ``ep_degree`` and the
 ``efsdp`` mesh: :mod:`.pipeline_ep_fsdp`.
 
+With several stages per rank (``interleaved-1f1b``, ``zero-bubble``) each of the rank's stages is cut, made
+tensor-parallel and wrapped the same way, each its own FSDP root (torchtitan's ``parallelize`` runs on every model
+part), and the multi-stage schedule (``_PipelineScheduleRuntime``) runs its lowered actions unmodified: the
+UNSHARD / RESHARD / REDUCE_GRAD that ``_add_unshard_reshard`` and ``_add_reduce_grad`` add
+(memcalc.core.pp_lowering), on top of the ``backward_maybe_with_nosync`` flags above.
+
 The model is built on ``meta`` under ``FakeTensorMode`` and moved with ``to_empty`` (FSDP2 refuses meta
 parameters), the step runs on fake ``cpu`` tensors with CUDA's kernel choice (``devices.fake_as_meta``), as
 the FSDP2 harness does (:mod:`.runner`); the communication patches are :mod:`.pipeline`'s.
@@ -35,8 +41,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn as nn
 
-from memcalc.core.pipeline import TORCH_SCHEDULES, micro_batch, split
+from memcalc.core.pipeline import MULTI_STAGE, TORCH_SCHEDULES, micro_batch, rank_stages, split, stages_per_rank
 
 from ..blocks.head import lm_loss
 
@@ -71,26 +78,30 @@ def apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, ep: int = 1, edp_mesh=None) 
 
 def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: bool = False) -> dict:
     """Trace pipeline rank ``rank`` of a ``pp`` x FSDP2 (x ``tp``) step (module docstring); the same dict as
-    :func:`.pipeline.trace_pp_rank`."""
+    :func:`.pipeline.trace_pp_rank`. With several stages per rank each of the rank's stages is its own model part,
+    wrapped as one (torchtitan's ``parallelize`` runs on every model part), and the multi-stage schedule
+    (``_PipelineScheduleRuntime``) runs them with its UNSHARD / RESHARD / REDUCE_GRAD actions."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed import pipelining
 
     from ..devices import fake_as_meta
-    from ..model import build_model
     from ..optim import allow_fused_on, build_optimizer
     from ..step import Probe, track_inputs
     from .fake_dist import DEVICE, fake_world
     from .fsdp2 import precision_plan
-    from .pipeline import StageModule, _ep_dispatch, _label_chunks, _logits_dtype, _measure_steps, _patch_p2p
+    from .pipeline import _ep_dispatch, _label_chunks, _measure_steps, _patch_p2p
     from .rank_tracer import RankTracer, local_tensors
-    from .tp import apply_tp, make_tracer
+    from .tp import make_tracer
 
     tr = exp.training
     pp, dp, tp = tr.pp, tr.gpus, tr.tp
     M, b = micro_batch(tr)
-    lo, hi = split(tr, m.n_layers)[rank]  # (one stage per rank: check_pp)
-    first, last = rank == 0, rank == pp - 1
-    out: dict = {"rank": rank, "layers": [lo, hi]}
+    V = stages_per_rank(tr)
+    layers, mine = split(tr, m.n_layers), rank_stages(tr, rank)
+    first, last = mine[0] == 0, mine[-1] == pp * V - 1  # the rank holds the embedding / the head
+    out: dict = {"rank": rank, "layers": list(layers[mine[0]])}
+    if V > 1:
+        out["stages"] = [{"stage": s, "layers": list(layers[s])} for s in mine]
     plan = precision_plan(tr)
     shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
     ep = tr.ep
@@ -99,52 +110,88 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     fake = FakeTensorMode()
     with fake_world(pp * dp * tp, rank * dp * tp, shape, names) as mesh, _patch_p2p(), _ep_dispatch(exp):
         dp_mesh = mesh["efsdp", "ep"]._flatten("dp") if ep > 1 else mesh["dp"]
-        say(f"rank {rank} of {pp}: layers {lo}..{hi - 1}{' + embedding' if first else ''}{' + head' if last else ''}, "
-            f"{tr.pp_schedule}, {M} micro-batches, FSDP2 over {dp}" + (f", tp {tp}" if tp > 1 else ""))
-        torch.manual_seed(0)
+        say(f"rank {rank} of {pp}: layers {', '.join(f'{lo}..{hi - 1}' for lo, hi in (layers[s] for s in mine))}"
+            f"{' + embedding' if first else ''}{' + head' if last else ''}, {tr.pp_schedule}, {M} micro-batches, "
+            f"FSDP2 over {dp}" + (f", tp {tp}" if tp > 1 else ""))
         T = tr.seq
-        with fake:
-            dec = build_model(m, plan.build, exp.profile, device="meta")
-            if ep > 1:  # parallelize_deepseekv3: the experts sharded over ep before FSDP
-                from .ep_dispatch import shard_experts
-
-                shard_experts(dec, exp, mesh["ep"])
-        stage_mod = StageModule(dec, lo, hi, first, last, T)
-        if tp > 1:
-            apply_tp(dec, mesh["tp"], tr.sequence_parallel)
-        apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, ep, mesh["efsdp"] if ep > 1 else None)
-        with fake:
-            stage_mod.to_empty(device=DEVICE)
+        built = [_fsdp_stage(exp, m, s, mesh, dp_mesh, plan, fake) for s in mine]
+        decs = [dec for dec, _ in built]
+        stage_mods = nn.ModuleList([mod for _, mod in built])
         with fake, fake_as_meta(True), allow_fused_on("meta"):
             ids = torch.zeros((tr.batch, T), dtype=torch.int64, device=DEVICE)
             labels = ids.clone()
-            t_local = T // tp if tp > 1 and tr.sequence_parallel else T
-            hidden = torch.empty((b, t_local, m.d_model), dtype=_stage_dtype(plan, tr), device=DEVICE)
-            in_args = (ids[:b],) if first else (hidden.detach().requires_grad_(True),)
-            out_args = (hidden.detach().requires_grad_(True),) if not last else \
-                (torch.empty((b, T, m.vocab_size), dtype=_logits_dtype(tr), device=DEVICE).requires_grad_(True),)
-            stage = pipelining.PipelineStage(stage_mod, rank, pp, torch.device(DEVICE), input_args=in_args,
-                                             output_args=out_args, group=mesh["pp"].get_group())
-            del in_args, out_args, hidden
-            amp, profile = dec.amp, exp.profile
+            stages = [_pipeline_stage(exp, m, s, mod, mesh, ids[:b], b, plan)
+                      for s, mod in zip(mine, stage_mods, strict=True)]
+            amp, profile = decs[-1].amp, exp.profile
 
             def loss_fn(logits, target):
                 with amp.region():
                     return lm_loss(logits, target, profile, amp)
 
-            sched = getattr(pipelining, TORCH_SCHEDULES[tr.pp_schedule])(stage, M, loss_fn=loss_fn)
-            trainable: list[torch.Tensor] = [p for p in stage_mod.parameters() if p.requires_grad]
+            cls = getattr(pipelining, TORCH_SCHEDULES[tr.pp_schedule])
+            sched = cls(stages if tr.pp_schedule in MULTI_STAGE else stages[0], M, loss_fn=loss_fn)
+            trainable: list[torch.Tensor] = [p for p in stage_mods.parameters() if p.requires_grad]
             opt = build_optimizer(trainable, plan.build)
             tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, DEVICE, fake) if tp > 1
                       else RankTracer(DEVICE, exp.profile.allocator_round_bytes, debug=debug))
             probe = Probe(DEVICE, tracer)
-            dec.on_label = probe.label
+            for dec in decs:
+                dec.on_label = probe.label
             ran: list = []
-            _label_chunks(stage, tracer, ran)
-            track_inputs(tracer, stage_mod, ids, labels, opt, local_tensors)
+            for stage in stages:
+                _label_chunks(stage, tracer, ran, V > 1)
+            track_inputs(tracer, stage_mods, ids, labels, opt, local_tensors)
             _measure_steps(out, tracer, probe, sched, (first, last, ids, labels), opt, ran, tp > 1, say, debug)
-            dec.on_label = None
+            for dec in decs:
+                dec.on_label = None
     return out
+
+
+def _fsdp_stage(exp, m, s: int, mesh, dp_mesh, plan, fake) -> tuple:
+    """Global stage ``s``: the replica cut to it (:class:`.pipeline.StageModule`), its experts sharded over ``ep``
+    with ``--ep``, tensor-parallel with ``--tp``, wrapped by :func:`apply_fsdp_stage` over ``dp_mesh``, moved to the
+    fake device."""
+    from ..model import build_model
+    from .fake_dist import DEVICE
+    from .pipeline import StageModule
+    from .tp import apply_tp
+
+    tr = exp.training
+    n_stages = tr.pp * stages_per_rank(tr)
+    lo, hi = split(tr, m.n_layers)[s]
+    torch.manual_seed(0)
+    with fake:
+        dec = build_model(m, plan.build, exp.profile, device="meta")
+        if tr.ep > 1:  # parallelize_deepseekv3: the experts sharded over ep before FSDP
+            from .ep_dispatch import shard_experts
+
+            shard_experts(dec, exp, mesh["ep"])
+    stage_mod = StageModule(dec, lo, hi, s == 0, s == n_stages - 1, tr.seq)
+    if tr.tp > 1:
+        apply_tp(dec, mesh["tp"], tr.sequence_parallel)
+    apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, tr.ep, mesh["efsdp"] if tr.ep > 1 else None)
+    with fake:
+        stage_mod.to_empty(device=DEVICE)
+    return dec, stage_mod
+
+
+def _pipeline_stage(exp, m, s: int, stage_mod, mesh, first_ids, b: int, plan):
+    """``PipelineStage`` over ``stage_mod`` (global stage ``s``) with its static metadata."""
+    from torch.distributed import pipelining
+
+    from .fake_dist import DEVICE
+    from .pipeline import _logits_dtype
+
+    tr = exp.training
+    n_stages = tr.pp * stages_per_rank(tr)
+    first, last = s == 0, s == n_stages - 1
+    t_local = tr.seq // tr.tp if tr.tp > 1 and tr.sequence_parallel else tr.seq
+    hidden = torch.empty((b, t_local, m.d_model), dtype=_stage_dtype(plan, tr), device=DEVICE)
+    in_args = (first_ids,) if first else (hidden.detach().requires_grad_(True),)
+    out_args = (hidden.detach().requires_grad_(True),) if not last else \
+        (torch.empty((b, tr.seq, m.vocab_size), dtype=_logits_dtype(tr), device=DEVICE).requires_grad_(True),)
+    return pipelining.PipelineStage(stage_mod, s, n_stages, torch.device(DEVICE), input_args=in_args,
+                                    output_args=out_args, group=mesh["pp"].get_group())
 
 
 def _stage_dtype(plan, tr) -> torch.dtype:
