@@ -60,6 +60,23 @@ def test_zero_bubble_simulates_the_second_to_last_rank_too(pp, M):
         assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == max(peaks)
 
 
+@pytest.mark.slow  # every rank of three pipelines (about a second)
+@pytest.mark.parametrize("schedule,V,M,less", [
+    # source: memcalc.engine.pipeline.simulate_pp, every rank, FSDP2 under the multi-stage runtime
+    # (engine.pipeline_fsdp: each stage's REDUCE_GRAD after its last backward; V 4 evicts and gathers again)
+    ("interleaved-1f1b", 2, 6, 1), ("interleaved-1f1b", 4, 12, 1), ("zero-bubble", 2, 12, 0),
+])
+def test_fsdp2_multi_stage_picks_the_worst_rank(schedule, V, M, less):
+    pp = 6
+    tr = TrainingSpec(batch=M, seq=32, precision="bf16", master_weights=True, pp=pp, microbatches=M, gpus=4, zero=3,
+                      pp_schedule=schedule, pp_stages_per_rank=V, pp_first_stage_less_layers=less,
+                      pp_last_stage_less_layers=less)
+    exp = ExperimentSpec(model=TINY.model_copy(update={"n_layers": 2 * pp * V}), training=tr)
+    peaks = [s["peak_bytes"] for s in simulate_pp(exp, strategy_for(exp), record_timeline=False,
+                                                  ranks=range(pp)).stages]
+    assert simulate_pp(exp, strategy_for(exp), record_timeline=False).peak_bytes == max(peaks)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_middle_stage_of_other_layers_is_simulated_too(schedule):
     # source: memcalc.engine.pipeline.simulate_pp, every rank. Dense MLPs of width 16 in the first 3 layers, MoE
