@@ -163,9 +163,12 @@ def _shard_dtype(pt, pdt: DType, wdt: DType, f2_orig: Optional[DType], f1: bool)
     casts up ``param.requires_grad and param.dtype != torch.float32`` ones ("FSDP2 requires uniform
     orig_dtype among trainable params in each group"; torch 2.13 ``_fsdp_param_group.py``
     ``_init_mp_dtypes`` checks the trainable ones alone), so a frozen base keeps its 16-bit shards
-    (validate/sharded/fsdp2.py ``upcast_trainable`` builds the same)."""
+    (validate/sharded/fsdp2.py ``upcast_trainable`` builds the same). A QLoRA base after PEFT's
+    ``prepare_model_for_kbit_training`` holds fp32 shards of its non-4-bit parameters under FSDP2."""
     if not f1 and f2_orig is not None and f2_orig != wdt:
         return f2_orig if pt.trainable else pdt
+    if not f1 and pdt != wdt:  # PEFT's k-bit fp32 cast (kbit_dtype): fully_shard keeps each parameter's own dtype
+        return pdt  # (torch 2.13 distributed/fsdp/_fully_shard/_fsdp_param.py: the shard is the parameter's chunk)
     return pdt if pt.kind == "lora" else f2_orig  # type: ignore[return-value]
 
 

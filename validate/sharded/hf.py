@@ -9,7 +9,11 @@ autocast region, with :class:`~..hf_kernels.HFKernels` and :func:`~..hf_kernels.
 (kernel dispatch only). FSDP1 (``sharding="fsdp1"``): the model built on ``meta`` as for FSDP2, its
 parameters made fake ``cpu`` tensors (:func:`_to_empty_cpu`), then ``FullyShardedDataParallel`` with PEFT's
 ``fsdp_auto_wrap_policy`` (:func:`apply_fsdp1_hf`); QLoRA under FSDP1 as PEFT's FSDP + QLoRA recipe builds
-it (bf16 quant storage, no k-bit fp32 cast; :mod:`.hf_fsdp1_qlora`).
+it (bf16 quant storage, no k-bit fp32 cast; :mod:`.hf_fsdp1_qlora`). QLoRA under FSDP2 is built the same way
+(real ``meta``: ``Params4bit`` cannot wrap a fake tensor; bf16 quant storage, as PEFT's FSDP + QLoRA recipe
+loads it; the views keep their ``quant_state``), then ``fully_shard``-ed; with the profile's ``qlora_fp32_cast``
+PEFT's ``prepare_model_for_kbit_training`` runs first (``fully_shard`` shards each parameter in its own dtype, so
+FSDP2, unlike FSDP1, takes the fp32 norms, embedding and head beside the bf16 storage).
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
     dtype = torch_dtype(tr.weight_dtype.value)
     # a 4-bit base under FSDP1: quantized on real meta (Params4bit cannot wrap a fake tensor), storage in the
     # model's dtype (FSDP1 flattens floating tensors of one dtype), then made fake cpu tensors below
-    with (contextlib.nullcontext() if fsdp1_qlora else fake), warnings.catch_warnings():
+    qlora = exp.training.lora is not None and exp.training.lora.qlora
+    with (contextlib.nullcontext() if qlora else fake), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model, _family = build_hf_model(m, tr.lora, dtype, "meta", compute_dtype=torch_dtype(tr.compute_dtype.value),
-                                        quant_storage=dtype if fsdp1_qlora else None)
+                                        quant_storage=dtype if qlora else None,
+                                        kbit_prepare=qlora and not fsdp1_qlora and exp.profile.qlora_fp32_cast)
     if tr.checkpoint in ("full", "every-k"):
         every = tr.checkpoint_every if tr.checkpoint == "every-k" else 1
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
@@ -71,13 +77,19 @@ def build_hf_sharded(exp: ExperimentSpec, m, plan, fake, mesh, zero: int, shardi
             return apply_fsdp1_hf(model, mesh, zero, plan, layers), layers, params
     from .fsdp2 import upcast_trainable
 
+    if qlora:  # built on real meta (Params4bit cannot wrap a fake tensor): fake cpu tensors, as under FSDP1
+        from .hf_fsdp1_qlora import to_fake_cpu
+
+        with fake:
+            to_fake_cpu(model)
     upcast_trainable(model, plan)  # (PEFT's adapters are fp32 already: autocast_adapter_dtype)
     policy = plan.policy()
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=RESHARD_AFTER_FORWARD[zero], mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    with fake:
-        model.to_empty(device="cpu")
+    if not qlora:
+        with fake:
+            model.to_empty(device="cpu")
     return model, layers, params
 
 
@@ -141,7 +153,7 @@ def hf_step_parts(exp: ExperimentSpec, model, layers, set_label: Callable[[str],
             return model(input_ids=ids, labels=labels).loss
 
     stack = contextlib.ExitStack()
-    if tr.sharding == "fsdp1" and tr.lora is not None and tr.lora.qlora:
+    if tr.lora is not None and tr.lora.qlora:
         from .hf_fsdp1_qlora import fake_views_keep_state
 
         stack.enter_context(fake_views_keep_state())
