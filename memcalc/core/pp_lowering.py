@@ -37,12 +37,14 @@ def add_unshard_reshard(actions: list[Action], max_active: int = MAX_ACTIVE_STAG
     """``_add_unshard_reshard`` (module docstring) over one rank's compute actions ``(kind, stage, mb)``."""
     active: set[int] = set()  # (a set, as torch's: the evictions come in the order it iterates in)
     out: list[Action] = []
+    limit = min(max_active, len({a[1] for a in actions}))  # (the scan stops once it has them all)
     for i, action in enumerate(actions):
         next_n: list[int] = []
-        for _, s, _ in actions[i:]:  # next_stage_indices
+        for j in range(i, len(actions)):  # next_stage_indices
+            s = actions[j][1]
             if s not in next_n:
                 next_n.append(s)
-                if len(next_n) == max_active:
+                if len(next_n) == limit:
                     break
         fetch = [s for s in next_n if s not in active]
         evict = [s for s in active if s not in next_n]
