@@ -158,10 +158,12 @@ Pp = Annotated[Optional[int], typer.Option(
                  "--zero 2/3 shards each stage by FSDP2. GPUs in all = --gpus x --tp x --pp.")]
 PpSchedule = Annotated[Optional[str], typer.Option(
     "--pp-schedule", help="With --pp: gpipe (ScheduleGPipe), 1f1b (Schedule1F1B, the default), interleaved-1f1b "
-                          "(ScheduleInterleaved1F1B) or zero-bubble (ScheduleInterleavedZeroBubble).")]
+                          "(ScheduleInterleaved1F1B), zero-bubble (ScheduleInterleavedZeroBubble) or zbv-zero-bubble "
+                          "(ScheduleZBVZeroBubble, torchtitan's ZBVZeroBubble: 2 stages per rank in a V).")]
 PpStagesPerRank = Annotated[Optional[int], typer.Option(
     "--pp-stages-per-rank", help="With --pp: stages each rank holds, looped over the ranks (torchtitan's "
-                                 "stages_per_rank; default 1, 2 for interleaved-1f1b and zero-bubble).")]
+                                 "stages_per_rank; default 1, 2 for the multi-stage schedules, which zbv-zero-bubble "
+                                 "places in a V).")]
 PpFirstLess = Annotated[Optional[int], typer.Option(
     "--pp-first-stage-less-layers", help="With --pp: decoder layers fewer on the first stage for its embedding "
     "(torchtitan's pipeline_parallel_first_stage_less_layers; default 1, as torchtitan: 32 layers over 4 stages "

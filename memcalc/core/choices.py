@@ -21,7 +21,7 @@ LORA_DTYPES: tuple[str, ...] = typing.get_args(LoraDType)
 #: ``--sharding``: whose code shards the ZeRO stage over the data-parallel GPUs
 Sharding = Literal["fsdp2", "fsdp1", "deepspeed"]
 #: --pp-schedule (memcalc.core.pipeline.TORCH_SCHEDULES: the torch class of each)
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv-zero-bubble"]
 SHARDINGS: tuple[str, ...] = typing.get_args(Sharding)
 
 #: ``--cp-method``: how context parallelism splits attention (memcalc.engine.context_parallel): ring (torch's

@@ -18,6 +18,11 @@ zero-bubble       (the next line's)            ``ScheduleInterleavedZeroBubble``
                                                (one warm-up forward less a hop), each backward split
                                                into ``I`` (the input's gradient) and a later ``W`` (the
                                                weights'): :mod:`memcalc.engine.pipeline_zb`
+zbv-zero-bubble   ``ScheduleZBVZeroBubble``    torchtitan's ``ZBVZeroBubble``: exactly 2 stages per rank
+                                               in a V (rank ``r`` holds stages ``r`` and ``2 pp - 1 - r``,
+                                               so rank 0 holds the embedding and the head), zero
+                                               bubble's ``I`` / ``W``, its own order
+                                               (:func:`memcalc.core.pp_schedules.zbv`)
 ================  ===========================  =====================================================
 
 ``V`` (``--pp-stages-per-rank``) is torchtitan's ``stages_per_rank`` (torchtitan 0.3.0
@@ -70,13 +75,16 @@ if TYPE_CHECKING:
 
 #: ``--pp-schedule`` -> the torch.distributed.pipelining class that runs it
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                   "zero-bubble": "ScheduleInterleavedZeroBubble"}
+                   "zero-bubble": "ScheduleInterleavedZeroBubble", "zbv-zero-bubble": "ScheduleZBVZeroBubble"}
 #: the schedule names, in the order the CLI lists them
 PP_SCHEDULES = tuple(TORCH_SCHEDULES)
 #: the schedules with several stages per rank (torch's ``PipelineScheduleMulti`` subclasses)
-MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
+MULTI_STAGE = ("interleaved-1f1b", "zero-bubble", "zbv-zero-bubble")
 #: the schedules that split each backward into ``I`` and ``W`` (memcalc.engine.pipeline_zb)
-ZERO_BUBBLE = ("zero-bubble",)
+ZERO_BUBBLE = ("zero-bubble", "zbv-zero-bubble")
+#: the schedules that place a rank's stages in a V (torchtitan 0.3.0 distributed/pipeline_parallel.py
+#: ``_get_pp_rank_to_stage_indices_mapping``: ``style = "v"`` for ``ScheduleZBVZeroBubble``), not looped
+V_SHAPED = ("zbv-zero-bubble",)
 
 
 def stages_per_rank(tr: TrainingSpec) -> int:
@@ -88,10 +96,11 @@ def stages_per_rank(tr: TrainingSpec) -> int:
 
 
 def rank_stages(tr: TrainingSpec, rank: int) -> list[int]:
-    """The global stage indices rank ``rank`` holds (looped: :func:`memcalc.core.pp_schedules.rank_stages`)."""
-    from memcalc.core.pp_schedules import rank_stages as looped
+    """The global stage indices rank ``rank`` holds, ascending (looped, or in a V for :data:`V_SHAPED`:
+    :func:`memcalc.core.pp_schedules.rank_stages`)."""
+    from memcalc.core.pp_schedules import rank_stages as placed
 
-    return looped(tr.pp, stages_per_rank(tr), rank)
+    return placed(tr.pp, stages_per_rank(tr), rank, "v" if tr.pp_schedule in V_SHAPED else "loop")
 
 
 #: torchtitan 0.3.0 config/configs.py ``pipeline_parallel_first_stage_less_layers`` /
@@ -183,6 +192,13 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
     if multi and V < 2:
         raise UserError(f"--pp-schedule {tr.pp_schedule} needs --pp-stages-per-rank >= 2, not {V} (torchtitan's "
                         "_get_pipeline_metadata: 'Multi-stage schedule requires at least 2 stages per rank')")
+    if tr.pp_schedule in V_SHAPED and V != 2:
+        raise UserError(f"--pp-schedule {tr.pp_schedule} runs exactly 2 stages per rank, not --pp-stages-per-rank "
+                        f"{V} (torch's ScheduleZBVZeroBubble raises 'ZBV requires exactly 2 stages per rank, but got "
+                        f"{V}.')")
+    if tr.pp_schedule in V_SHAPED and tr.gpus > 1 and tr.zero > 0:
+        raise UserError(f"--pp-schedule {tr.pp_schedule} with --zero {tr.zero} over --gpus {tr.gpus}: FSDP2 under the "
+                        "V placement is not traced yet; use --pp-schedule zero-bubble or interleaved-1f1b")
     if tr.pp_schedule in ZERO_BUBBLE and tr.checkpoint_reentrant:
         raise UserError(f"--pp-schedule {tr.pp_schedule} with --reentrant: its input backward is "
                         "torch.autograd.grad (_backward.py stage_backward_input), and torch's reentrant checkpoint "
@@ -194,7 +210,7 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
                         "(torchtitan's _get_pipeline_metadata: 'Single stage schedule requires exactly 1 stage per "
                         "rank'); more stages per rank: --pp-schedule interleaved-1f1b")
     _check_split(tr, n_layers, pp * V, "" if V == 1 else f" x --pp-stages-per-rank {V} = {pp * V} stages")
-    if multi:
+    if multi and tr.pp_schedule not in V_SHAPED:  # (ZBV plans max(2 pp - 1, M) micro-batches: any M)
         from memcalc.core.pp_schedules import rounds
 
         n_rounds = rounds(pp, n_mb)[0]
@@ -245,9 +261,10 @@ def simulated_ranks(pp: int, m: Optional[ModelSpec] = None, V: int = 1, schedule
     bubble the last rank of each layer kind and the second-to-last rank are simulated too: rank ``r`` defers
     ``r`` weight backwards (``num_1f1b_microbatches = rank``, each keeping a micro-batch's graph and its
     intermediates' gradients), one more a hop, against one warm-up forward fewer, so the middle ranks' peaks
-    rise with the rank (the test simulates every rank). Layers that differ otherwise
+    rise with the rank (the test simulates every rank). A V-shaped schedule (:data:`V_SHAPED`) simulates every
+    rank: its ranks' stages pair a stage near the start with one near the end. Layers that differ otherwise
     by their index are refused with ``--pp`` (:func:`check_pp`)."""
-    if pp <= ALL_RANKS_UP_TO:
+    if pp <= ALL_RANKS_UP_TO or schedule in V_SHAPED:
         return list(range(pp))
     ranks = {0, 1, pp - 1}
     if m is not None:

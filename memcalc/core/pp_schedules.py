@@ -8,6 +8,7 @@ torch/distributed/pipelining/schedules.py):
 
 - ``ScheduleGPipe._step_microbatches``, ``Schedule1F1B._step_microbatches``: one stage per rank (its index
   is the rank);
+- ``ScheduleZBVZeroBubble._calculate_single_rank_operations``: :func:`zbv`, two stages per rank in a V;
 - ``ScheduleInterleaved1F1B._calculate_single_rank_operations`` and ``ScheduleInterleavedZeroBubble``'s:
   ``_get_warmup_ops`` + ``_get_1f1b_rank_ops``, stages looped over the ranks (rank ``r`` holds stages
   ``r, r + pp, ...``, ``_utils.generate_stage_to_rank_mapping(style="loop")``). The ``None`` slots of
@@ -114,13 +115,56 @@ def _one_f_one_b(total: int, warmup: int, fwd_stage: Callable[[int], int], bwd_s
     return out
 
 
+def zbv(pp: int, M: int, rank: int) -> list[Action]:
+    """``ScheduleZBVZeroBubble._calculate_single_rank_operations``: two stages per rank in a V (rank ``rank`` holds
+    stages ``rank`` and ``2 pp - 1 - rank``, chunks 0 and 1), planned for ``max(2 pp - 1, M)`` micro-batches and
+    the actions of micro-batches past ``M`` dropped: ``2 (pp - rank) - 1`` chunk-0 forwards, ``rank`` pairs of a
+    chunk-1 and a chunk-0 forward, ``pp - rank`` chunk-1 ``F I W``; then, while forwards remain, a chunk-0 ``F``
+    (while any is left) ``I W`` and a chunk-1 ``F I W``; then ``rank`` pairs of chunk-0 and chunk-1 ``I``,
+    ``pp - rank`` chunk-0 ``I W``, and the chunk-1 then the chunk-0 ``W`` s left."""
+    n_micro = max(2 * pp - 1, M)
+    c0, c1 = rank, 2 * pp - 1 - rank
+    out: list[Action] = []
+    f0 = f1 = b0 = b1 = 0
+    out += [("F", c0, i) for i in range(2 * (pp - rank) - 1)]
+    f0 = 2 * (pp - rank) - 1
+    for _ in range(rank):
+        out += [("F", c1, f1), ("F", c0, f0)]
+        f1, f0 = f1 + 1, f0 + 1
+    for _ in range(pp - rank):
+        out += [("F", c1, f1), ("I", c1, b1), ("W", c1, b1)]
+        f1, b1 = f1 + 1, b1 + 1
+    while f1 < f0 or f0 < n_micro:
+        if f0 < n_micro:
+            out.append(("F", c0, f0))
+            f0 += 1
+        out += [("I", c0, b0), ("W", c0, b0), ("F", c1, f1), ("I", c1, b1), ("W", c1, b1)]
+        b0, f1, b1 = b0 + 1, f1 + 1, b1 + 1
+    w0, w1 = b0, b1
+    for _ in range(rank):
+        out += [("I", c0, b0), ("I", c1, b1)]
+        b0, b1 = b0 + 1, b1 + 1
+    for _ in range(pp - rank):
+        out += [("I", c0, b0), ("W", c0, w0)]
+        b0, w0 = b0 + 1, w0 + 1
+    out += [("W", c1, i) for i in range(w1, b1)] + [("W", c0, i) for i in range(w0, b0)]
+    return [a for a in out if a[2] < M]
+
+
 def rank_actions(schedule: str, pp: int, V: int, M: int, rank: int) -> list[Action]:
     """Rank ``rank``'s actions under ``--pp-schedule schedule`` with ``V`` stages per rank."""
     if schedule in ("gpipe", "1f1b"):
         return single_stage(schedule, pp, M, rank)
+    if schedule == "zbv-zero-bubble":
+        return zbv(pp, M, rank)
     return interleaved(pp, V, M, rank, zero_bubble=schedule == "zero-bubble")
 
 
-def rank_stages(pp: int, V: int, rank: int) -> list[int]:
-    """The global stage indices rank ``rank`` holds, looped (``generate_stage_to_rank_mapping(style='loop')``)."""
+def rank_stages(pp: int, V: int, rank: int, style: str = "loop") -> list[int]:
+    """The global stage indices rank ``rank`` holds, in ascending order: looped
+    (``generate_stage_to_rank_mapping(style='loop')``: ``rank, rank + pp, ...``) or in a V (``style='v'``, ZBV's:
+    ``rank`` and ``2 pp - 1 - rank``, torchtitan 0.3.0 distributed/pipeline_parallel.py
+    ``_get_pp_rank_to_stage_indices_mapping``)."""
+    if style == "v":
+        return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(V)]

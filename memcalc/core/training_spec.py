@@ -277,7 +277,8 @@ class TrainingSpec(Spec):
                     "Total GPUs = gpus x tp x pp.")
     pp_schedule: PipelineSchedule = Field(
         "1f1b", description="With pp > 1: the pipeline schedule (gpipe = ScheduleGPipe, 1f1b = Schedule1F1B, "
-        "interleaved-1f1b = ScheduleInterleaved1F1B, zero-bubble = ScheduleInterleavedZeroBubble).")
+        "interleaved-1f1b = ScheduleInterleaved1F1B, zero-bubble = ScheduleInterleavedZeroBubble, "
+        "zbv-zero-bubble = ScheduleZBVZeroBubble: torchtitan's ZBVZeroBubble, 2 stages per rank in a V).")
     pp_stages_per_rank: Optional[int] = Field(
         None, gt=0, le=MAX_COUNT, description="With pp > 1: pipeline stages each rank holds, looped over the ranks "
         "(torchtitan's stages_per_rank, which it derives from pipeline_parallel_layers_per_stage); None: 1 for "

@@ -8,10 +8,12 @@ micro-batch ``i`` (``F``), a backward of it (``B``). Each forward runs the decod
 (:class:`memcalc.engine.forward.Forward`) over the stage's layers on ``batch / M`` rows and keeps its
 autograd graph until that micro-batch's backward, so the schedule's micro-batches in flight hold their
 saved activations at once (GPipe: all ``M`` before the first backward; 1F1B: ``min(M, pp - rank)``).
-With several stages per rank (``interleaved-1f1b``, ``zero-bubble``: :class:`LocalStage`) the actions name their
-stage, in the order :mod:`memcalc.core.pp_schedules` ports from torch, and ``_PipelineScheduleRuntime`` runs them
-(no ``output`` kept past its action, each input gradient sent right after its backward); zero bubble's ``I`` and
-``W``: :mod:`memcalc.engine.pipeline_zb`.
+With several stages per rank (``interleaved-1f1b``, ``zero-bubble``, ``zbv-zero-bubble``: :class:`LocalStage`) the
+actions name their stage, in the order :mod:`memcalc.core.pp_schedules` ports from torch, and
+``_PipelineScheduleRuntime`` runs them (no ``output`` kept past its action, each input gradient sent right after its
+backward; at a V's turn, where the next stage is the rank's own, the output and the input gradient become that
+stage's receive buffers instead: :func:`memcalc.engine.pipeline_zb.pass_back`); zero bubble's ``I`` and ``W``:
+:mod:`memcalc.engine.pipeline_zb`.
 
 What the schedule itself holds, from its source (torch 2.13):
 
@@ -78,7 +80,7 @@ from memcalc.engine.fsdp import optimizer_training
 from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, Timeline
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
-from memcalc.engine.pipeline_zb import InputBackward
+from memcalc.engine.pipeline_zb import InputBackward, pass_back
 from memcalc.engine.pipeline_ep_fsdp import stage_fsdp2
 from memcalc.engine.pipeline_fsdp import PipelineFSDP2
 from memcalc.engine.result import SimResult
@@ -317,6 +319,10 @@ class RankStep:
             p.uses = 0
         self.graphs[st.index, i] = (sim.nodes, fwd, layers, out, loss, uses)
         sim.new_graph()
+        nxt = self.stages.get(st.index + 1)
+        if nxt is not None:  # the next stage is this rank's (a V's turn): set_local_fwd_input, no send / receive
+            old, nxt.recv[i] = nxt.recv[i], sim.ref(out)  # (stage.py: ``info.buffer = output.detach()``, the buffer
+            sim.unref(old)  # replaced to the next step's; schedules.py _PipelineScheduleRuntime, FORWARD)
 
     def backward(self, st: LocalStage, i: int) -> None:
         sim = self.sim
@@ -346,6 +352,8 @@ class RankStep:
             buf = st.recv[i]
             g, buf.grad_buffer = buf.grad_buffer, None  # stage_backward: val.grad read, then set to None
             if self.runtime:  # bwd_cache, popped by the SEND_B right after (_add_send_recv) into its P2POps
+                if g is not None:
+                    pass_back(sim, self.stages, st.index, i, g)
                 sim.unref(g)
                 return
             if self.sending is not None:  # 1F1B: ``bwd_sends`` replaced after this backward
@@ -400,6 +408,7 @@ def split_backward(step: RankStep, st: LocalStage, i: int, kind: str) -> None:
         g, buf.grad_buffer = buf.grad_buffer, None  # ``inp.grad = dinput``: kept to the next step's clear
         if g is not None:
             step.held.append(g)
+            pass_back(sim, step.stages, st.index, i, g)
         step.split[st.index, i] = (run, nodes, fwd, layers, out, uses)
         return
     run, nodes, fwd, layers, out, uses = step.split.pop((st.index, i))

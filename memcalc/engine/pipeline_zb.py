@@ -302,3 +302,14 @@ def _recompute_for(sim: Sim, state: RegionState, k: int) -> Node:
         p.uses += 1
     return node
 
+
+def pass_back(sim: Sim, stages: dict, index: int, i: int, g: T) -> None:
+    """Stage ``index - 1`` is this rank's too (a V's turn, ``zbv-zero-bubble``): the input gradient ``g`` of
+    micro-batch ``i`` becomes its gradient receive buffer (``get_local_bwd_output`` -> ``set_local_bwd_input``:
+    ``info.buffer = tensor``, replacing the one before; torch 2.13 stage.py, schedules.py
+    _PipelineScheduleRuntime, BACKWARD_INPUT / FULL_BACKWARD). ``stages``: the rank's
+    :class:`memcalc.engine.pipeline.LocalStage` s by global index."""
+    prev = stages.get(index - 1)
+    if prev is not None:
+        old, prev.grad_recv[i] = prev.grad_recv[i], sim.ref(g)
+        sim.unref(old)

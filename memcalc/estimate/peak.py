@@ -261,11 +261,13 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
     alloc = CachingAllocatorSim(capacity)
     limit = math.inf if stop_above is None else stop_above
     blocks: dict = {}  # id -> its block (memcalc.core.allocator._Block)
+    sizes: dict[int, int] = {}
 
     def run(evs: list[tuple[int, int]]) -> None:
         for uid, n in evs:
             if n:
                 blocks[uid] = alloc.malloc(n)
+                sizes[uid] = n
                 if alloc.out_of_memory:
                     return
                 if alloc.reserved > limit:
@@ -280,8 +282,16 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
         run(step)
         # what the first step leaves alive (allocated in it, never freed in it) is its own: the steady step
         # the timeline simulates starts from the setup's tensors alone, so the second run starts from them
-        # too, with the cache (the free blocks and segments) the first run left
-        for uid in [u for u in blocks if u not in before]:
+        # too, with the cache (the free blocks and segments) the first run left; a set-up tensor the step
+        # replaced (a pipeline receive buffer at a V's turn: memcalc.engine.pipeline.pass_back) is the
+        # first step's tensor of its size that took its place
+        left = [u for u in blocks if u not in before]
+        for uid in [u for u in before if u not in blocks]:
+            size = sizes[uid]
+            took = next(u for u in left if sizes[u] == size)
+            left.remove(took)
+            blocks[uid] = blocks.pop(took)
+        for uid in left:
             alloc.free(blocks.pop(uid))
     alloc.reset_peak()
     run(step)

@@ -115,6 +115,12 @@ ROWS = [
     # source: trace, zero bubble x tp + sequence parallel (DTensor weights: their groups as the plain ones')
     (2, 2, "zero-bubble", 4, 4, 128, "plain", {"precision": "bf16", "master_weights": True, "tp": 2,
                                                "sequence_parallel": True}),
+    # source: trace, ScheduleZBVZeroBubble (torchtitan's ZBVZeroBubble): 2 stages per rank in a V (rank 0: stages 0
+    # and 3, the embedding and the head; rank 1: stages 1 and 2, whose output and input gradient pass locally as
+    # each other's receive buffers), zero bubble's I / W, full checkpointing
+    (2, 2, "zbv-zero-bubble", 4, 2, 128, "plain", {"precision": "bf16", "checkpoint": "full"}),
+    # source: trace, ZBV over 3 ranks (6 stages, 1 layer each but the head's): a middle rank without the V's turn
+    (3, 3, "zbv-zero-bubble", 6, 3, 128, "plain", {"precision": "bf16"}),
     # source: trace, pp x ep (torchtitan 0.3.0's sparse mesh pp x dp x ep; each stage's routed experts n_experts / ep
     # with the all-to-all dispatcher, validate/sharded/ep_dispatch.py), 1F1B, 3 layers: MoE layers on both stages
     (2, 2, "1f1b", 3, 4, 128, "plain", {"precision": "bf16", "moe": True, "gpus": 2, "ep": 2}),

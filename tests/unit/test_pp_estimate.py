@@ -147,7 +147,7 @@ def test_uneven_split_on_the_command_line():
     (["--pp", "4", "--microbatches", "2", "--batch", "4"], 2, "needs --microbatches >= --pp: 2 < 4"),
     # source: TrainingSpec.pp_schedule's Literal (pydantic lists the valid names)
     (["--pp", "2", "--batch", "2", "--pp-schedule", "zb"], 2,
-     "pp_schedule = 'zb': Input should be 'gpipe', '1f1b', 'interleaved-1f1b' or 'zero-bubble'"),
+     "pp_schedule = 'zb': Input should be 'gpipe', '1f1b', 'interleaved-1f1b', 'zero-bubble' or 'zbv-zero-bubble'"),
     # source: torch ScheduleInterleaved1F1B.__init__: M % max(1, M // pp) must be 0
     (["--pp", "4", "--pp-schedule", "interleaved-1f1b", "--microbatches", "9", "--batch", "9"], 2,
      "needs --microbatches a multiple of its rounds, max(1, 9 // 4) = 2: 9 is not"),
@@ -197,6 +197,10 @@ def test_bad_pipeline_input_is_one_line(args, code, message):
     # torch.autograd.grad, which zero bubble's input backward is (_backward.py stage_backward_input)
     ({"pp_schedule": "zero-bubble", "checkpoint": "full", "checkpoint_reentrant": True},
      "incompatible with .grad()"),
+    # source: torch 2.13 schedules.py ScheduleZBVZeroBubble.__init__: 'ZBV requires exactly 2 stages per rank'
+    ({"pp_schedule": "zbv-zero-bubble", "pp_stages_per_rank": 3}, "exactly 2 stages per rank"),
+    # source: memcalc.core.pipeline._check_stages: FSDP2 under ZBV's V placement is not traced
+    ({"pp_schedule": "zbv-zero-bubble", "gpus": 2, "zero": 3}, "FSDP2 under the V placement"),
 ])
 def test_multi_stage_refusals(tr, message):
     from memcalc.core.errors import UserError
