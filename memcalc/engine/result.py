@@ -139,9 +139,15 @@ class GradReady:
     fused step would run that parameter's optimizer step (:meth:`OptimizerSim.step_param`) and
     free its gradient."""
 
-    trace_at: int  # allocations traced before it
+    trace_at: int  # allocations traced before it (-1: no trace recorded)
     total: int  # bytes alive then (the new gradient included)
     label: str
     phase: str
     temps: list[tuple[str, int]]  # the parameter's step temporaries (per_param_temps)
     grad_bytes: int  # the gradient's block
+    # a step recording its allocation events (:func:`memcalc.engine.twins.fused_events_of`): the events and
+    # phase marks before it, the gradient's block id, and the parameter's optimizer state (block id, bytes)
+    event_at: int = -1
+    phase_at: int = 0
+    grad_uid: int = 0
+    state: tuple[tuple[int, int], ...] = ()

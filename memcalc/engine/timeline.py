@@ -197,9 +197,10 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     ``trace_allocs`` also returns the running total (and phase) after every allocation.
     ``strategy`` makes the layer strategy of each micro-step (default: eager, or
     checkpointing as the spec asks); a compiled step needs one from :mod:`memcalc.compile`
-    (:func:`memcalc.estimate.step.simulate` chooses). ``fused_twin`` (with ``trace_allocs``, where
+    (:func:`memcalc.estimate.step.simulate` chooses). ``fused_twin`` (with ``trace_allocs`` or ``events``, where
     :func:`memcalc.engine.twins.fused_twin_applies`) also records where each gradient becomes ready,
-    for :func:`memcalc.engine.twins.fused_twin_of`. ``events`` records the allocation events (and
+    for :func:`memcalc.engine.twins.fused_twin_of` (the trace) and :func:`memcalc.engine.twins.fused_events_of`
+    (the events). ``events`` records the allocation events (and
     what :func:`memcalc.engine.twins.first_step_of` needs). ``observers``: the caller's own
     (:mod:`memcalc.engine.observers`, registered with :meth:`memcalc.engine.sim.Sim.watch` before the
     step starts), e.g. :class:`memcalc.engine.observers.StopAbove`, which stops the step by raising
@@ -214,7 +215,8 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
         gc.disable()
     try:
         return _simulate(exp, first_step, record_timeline, trace_allocs, events, strategy,
-                         fused_twin and trace_allocs and not first_step and fused_twin_applies(exp), observers)
+                         fused_twin and (trace_allocs or events) and not first_step and fused_twin_applies(exp),
+                         observers)
     finally:
         if paused:
             gc.enable()
@@ -316,13 +318,22 @@ class _Step:
         if not isinstance(opt, OptimizerSim):  # DeepSpeed's optimizer side (weights_and_state)
             hook = opt.grad_ready
         if fused_twin:
-            assert hook is None and isinstance(opt, OptimizerSim) and self.trace is not None
+            assert hook is None and isinstance(opt, OptimizerSim) and (self.trace or self.log) is not None
             grads_ready: list[GradReady] = []
-            rows = self.trace.rows
+            rows = self.trace.rows if self.trace is not None else None
+            log = self.log
 
             def ready(s: Sim, p: Param) -> None:
-                grads_ready.append(GradReady(len(rows), s.total, s.label, s.phase,
-                                             opt._temps_of(p), p.grad.nbytes))  # type: ignore[union-attr]
+                g = p.grad
+                assert g is not None
+                at = len(rows) if rows is not None else -1
+                temps = opt._temps_of(p)
+                if log is None:
+                    grads_ready.append(GradReady(at, s.total, s.label, s.phase, temps, g.nbytes))
+                    return
+                state = tuple((t.uid, t.nbytes) for t in opt.state.get(p.name, ()) if t.uid)
+                grads_ready.append(GradReady(at, s.total, s.label, s.phase, temps, g.nbytes,
+                                             len(log.events), len(log.phases), g.uid, state))
 
             hook = ready
             self.grads_ready = grads_ready

@@ -12,6 +12,7 @@ from itertools import accumulate, pairwise
 from operator import itemgetter
 from typing import Optional
 
+from memcalc.core.optimizers import OPTIMIZERS
 from memcalc.core.spec import ExperimentSpec
 from memcalc.core.units import round_up
 from memcalc.engine.result import GradReady, SimResult
@@ -56,17 +57,31 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
             return m - sum(1 for e in evs[:m] if e[0] in setup_state)
         return m - (start - step_start) + inserted[bisect_left(made_at, m)]
 
-    # running totals (a free gives back its allocation's bytes) and, per phase stretch, the highest
-    # total an allocation reaches (Sim.alloc: the peak is the first highest; Sim.mark starts a
-    # phase's peak at the total when it begins)
-    size = {uid: n for uid, n in out if n}
-    totals = list(accumulate(n or -size[uid] for uid, n in out))
-    alloc_totals = [t if e[1] else 0 for t, e in zip(totals, out, strict=True)]
-    cuts = [(derived(m), ph) for m, ph in steady.event_phases] + [(len(out), "")]
+    peak, peak_phase, phases = _peaks(out, [(derived(m), ph) for m, ph in steady.event_phases])
+    return SimResult(
+        peak_bytes=peak, peak_phase=peak_phase, peak_label="", peak_categories={}, peak_kinds={},
+        phases=phases, timeline=[],
+        max_activation_bytes=steady.max_activation_bytes,
+        events=out, step_start=step_start, host_offload=steady.host_offload,
+        paged_state_bytes=steady.paged_state_bytes)
+
+
+def running_totals(events: list[tuple[int, int]]) -> list[int]:
+    """The bytes alive after each event (a free gives back its allocation's bytes)."""
+    size = {uid: n for uid, n in events if n}
+    return list(accumulate(n or -size[uid] for uid, n in events))
+
+
+def _peaks(events: list[tuple[int, int]], starts: list[tuple[int, str]]) -> tuple[int, str, dict[str, int]]:
+    """The peak, its phase and each phase's peak (setup's left out) of a step's ``events`` whose phases begin at
+    ``starts`` ((index into events, phase)): per phase stretch, the highest total an allocation reaches
+    (Sim.alloc: the peak is the first highest; Sim.mark starts a phase's peak at the total when it begins)."""
+    totals = running_totals(events)
+    alloc_totals = [t if e[1] else 0 for t, e in zip(totals, events, strict=True)]
     phases: dict[str, int] = {}
     peak = 0
     peak_phase = ""
-    for (a, ph), (b, _) in pairwise(cuts):
+    for (a, ph), (b, _) in pairwise([*starts, (len(events), "")]):
         phases.setdefault(ph, totals[a - 1] if a else 0)
         if a < b:
             top = max(alloc_totals[a:b])
@@ -74,23 +89,20 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
                 phases[ph] = top
             if top > peak:
                 peak, peak_phase = top, ph
-    return SimResult(
-        peak_bytes=peak, peak_phase=peak_phase, peak_label="", peak_categories={}, peak_kinds={},
-        phases={k: v for k, v in phases.items() if k != "setup"}, timeline=[],
-        max_activation_bytes=steady.max_activation_bytes,
-        events=out, step_start=step_start, host_offload=steady.host_offload,
-        paged_state_bytes=steady.paged_state_bytes)
+    return peak, peak_phase, {k: v for k, v in phases.items() if k != "setup"}
 
 
 def fused_twin_applies(exp: ExperimentSpec) -> bool:
     """Whether :func:`fused_twin_of` may derive ``exp``'s step with a fused optimizer from its
     unfused one: a single-GPU eager step (no ZeRO sharding, DeepSpeed, tensor parallelism or
     torch.compile, whose gradients leave the backward together), one micro-step, the optimizer
-    state on the GPU, the steady state (a fused first step makes its state inside backward)."""
+    state on the GPU, the steady state (a fused first step makes its state inside backward), and not
+    GaLore (its fused step runs its own loop, :func:`memcalc.engine.galore.galore_step`, not the
+    parameter's ``per_param_temps``)."""
     tr = exp.training
     return (not tr.fused_optimizer and tr.grad_accum == 1 and not tr.compile and not tr.offload_optimizer
             and tr.tp == 1 and (tr.zero == 0 or tr.gpus == 1) and not uses_deepspeed(exp)
-            and not tr.activation_offload)
+            and not tr.activation_offload and OPTIMIZERS[tr.optimizer].step != "galore")
 
 
 def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
@@ -147,3 +159,65 @@ def fused_twin_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
     return SimResult(peak_bytes=peak, peak_phase=peak_phase, peak_label=peak_label, peak_categories={},
                      peak_kinds={}, phases={}, timeline=[], max_activation_bytes=unfused.max_activation_bytes,
                      alloc_trace=out)
+
+
+def fused_events_of(unfused: SimResult, round_bytes: int) -> Optional[SimResult]:
+    """The steady step with the optimizer fused into backward, as :func:`fused_twin_of` derives it, but
+    its allocation events (what ``estimate()``'s allocator replay and :func:`first_step_of` read) from the
+    unfused step's (simulated with ``events`` and ``fused_twin``): the same events up to each gradient
+    becoming ready; there the fused step runs that parameter's step temporaries (allocated and freed in
+    order, the rest freed at the end: :meth:`memcalc.engine.optimizers.OptimizerSim.run_events`), then frees
+    the gradient (:meth:`memcalc.engine.timeline._Step.fused_step`), and it has no optimizer-step phase (the
+    unfused events from its start are left out). Its first :meth:`OptimizerSim.create_state` call for a
+    parameter, where a first step would create the state (``state_moves``), is where the gradient is ready.
+    The temporaries get block ids of their own (after the unfused step's). Gives the events, phases, state
+    moves, peak, its phase and the phase peaks; the peak's label and breakdown are left empty (a caller
+    that reads the device total alone: :func:`memcalc.plan.simulations.device_total`).
+    ``tests/unit/test_fused_twin.py`` compares it with simulated fused steps. None without the records."""
+    ready, evs, marks = unfused.grads_ready, unfused.events, unfused.event_phases
+    if ready is None or evs is None or marks is None or unfused.state_moves is None:
+        return None
+    if any(g.event_at < 0 for g in ready):
+        return None
+    # the unfused step's optimizer step: its events and phase marks are not the fused step's
+    end_mark = next((j for j, (_, ph) in enumerate(marks) if ph == "optimizer step"), len(marks))
+    end = marks[end_mark][0] if end_mark < len(marks) else len(evs)
+    uid = max((u for u, _ in evs), default=0)
+    out: list[tuple[int, int]] = []
+    moves: list[tuple[int, list[tuple[int, int]]]] = []
+    inserted: list[tuple[int, int]] = []  # (phase marks before a gradient's step, events it inserts)
+    at = 0
+    for g in ready:
+        out += evs[at:g.event_at]
+        at = g.event_at
+        before = len(out)
+        moves.append((before, list(g.state)))
+        live: dict[int, int] = {}
+        for i, (what, val) in enumerate(g.temps):
+            if what == "alloc":
+                n = round_up(val, round_bytes)
+                if n:
+                    uid += 1
+                    live[i] = uid
+                    out.append((uid, n))
+                else:
+                    live[i] = 0
+            else:
+                u = live.pop(val)
+                if u:
+                    out.append((u, 0))
+        out += [(u, 0) for u in live.values() if u]
+        if g.grad_uid:
+            out.append((g.grad_uid, 0))
+        inserted.append((g.phase_at, len(out) - before))
+    out += evs[at:end]
+    starts = []
+    for j, (m, ph) in enumerate(marks[:end_mark]):
+        starts.append((m + sum(k for phase_at, k in inserted if phase_at <= j), ph))
+    peak, peak_phase, phases = _peaks(out, starts)
+    setup_state, _ = unfused.state_moves
+    return SimResult(
+        peak_bytes=peak, peak_phase=peak_phase, peak_label="", peak_categories={}, peak_kinds={},
+        phases=phases, timeline=[], max_activation_bytes=unfused.max_activation_bytes,
+        events=out, step_start=unfused.step_start, host_offload=unfused.host_offload,
+        paged_state_bytes=unfused.paged_state_bytes, event_phases=starts, state_moves=(setup_state, moves))

@@ -21,18 +21,17 @@ from memcalc.core.dtypes import DType
 from memcalc.core.optimizers import OPTIMIZERS, OptimizerRecord
 from memcalc.engine.fsdp import fsdp_active, host_offload_bytes, optimizer_training
 from memcalc.engine.loading import load_phase
-from memcalc.engine.observers import PeakAbove, StopAbove
+from memcalc.engine.observers import PeakAbove
 from memcalc.engine.sharding import offload_param
 from memcalc.core.ring_attention import gpus_note
 from memcalc.engine.blocks.notes import family_notes
 from memcalc.estimate.techniques import technique_assumptions, technique_extra, technique_notes
 from memcalc.engine.optimizers import state_dtype
 from memcalc.engine.params import count_params
-from memcalc.engine.result import KINDS, Estimate
+from memcalc.engine.result import KINDS, Estimate, SimResult
 from memcalc.engine.timeline import first_step_within_steady
-from memcalc.engine.twins import first_step_of
 from memcalc.core.spec import DEFAULT_LOSS_CHUNKS, ExperimentSpec, KernelProfile, ModelSpec, TrainingSpec
-from memcalc.estimate.step import simulate
+from memcalc.estimate.step import first_step, steady_step
 
 
 def _is_array(x) -> bool:
@@ -343,6 +342,15 @@ def _by_kind(split: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
     return {k: dict(sorted(split[k].items(), key=lambda kv: -kv[1])) for k in KINDS if k in split}
 
 
+def replayed_device_total(exp: ExperimentSpec, steady: SimResult, side: Optional[GpuSide] = None,
+                          stop_above: Optional[int] = None) -> int:
+    """``estimate(exp, replay=True, side=side, stop_above=stop_above).device_total_bytes`` from its steady step
+    (``stop_above`` checked by the caller; one derived by :func:`memcalc.engine.twins.fused_events_of`: only
+    its events are read), as :func:`estimate` works it out (:func:`memcalc.plan.simulations.device_total`)."""
+    _, step_alloc, step_reserved = _replayed(steady, first_step(exp, steady, True, stop_above), exp, stop_above)
+    return device_memory(step_alloc, step_reserved, step_side(exp, side)).device_total_bytes
+
+
 def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = None,
              side: Optional[GpuSide] = None, flops: bool = True, stop_above: Optional[int] = None) -> Estimate:
     """Predict the allocated peak of one training step of ``exp`` (see module docstring).
@@ -357,13 +365,8 @@ def estimate(exp: ExperimentSpec, timeline: bool = True, replay: bool | None = N
     whether the step fits a card: :func:`largest_peak_within`; the device total is the reserved peak plus
     :func:`memcalc.core.gpu_side.overhead_bytes`, so a step that reserves more does not fit)."""
     replay = timeline if replay is None else replay
-    observers = [StopAbove(stop_above)] if stop_above is not None else []
-    # the first step follows from the steady step's events where it runs the same ones (not under
-    # DeepSpeed: memcalc.engine.twins.first_step_of, nor with a first micro-batch of its own length, first_seq);
-    # otherwise it is simulated too
-    steady = simulate(exp, first_step=False, record_timeline=timeline, events=True, observers=observers)
-    derived = first_step_of(steady) if exp.training.first_seq is None else None
-    first = derived or simulate(exp, first_step=True, record_timeline=False, events=replay, observers=observers)
+    steady = steady_step(exp, timeline, stop_above)
+    first = first_step(exp, steady, replay, stop_above)
     alloc_extra: dict = {}
     replays, step_alloc, step_reserved = _replayed(steady, first, exp, stop_above) if replay else ((), None, None)
     techniques = technique_extra(steady, first)  # offloaded activations' host bytes, paged state

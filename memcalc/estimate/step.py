@@ -12,9 +12,11 @@ from typing import Callable, Optional
 
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.checkpoint import layer_strategy
+from memcalc.engine.observers import StopAbove
 from memcalc.engine.strategy import LayerStrategy
 from memcalc.engine.result import SimResult
 from memcalc.engine.timeline import simulate as simulate_with
+from memcalc.engine.twins import first_step_of
 
 
 def strategy_for(exp: ExperimentSpec, keep_pools: Optional[frozenset[int]] = None,
@@ -77,3 +79,24 @@ def simulate(exp: ExperimentSpec, first_step: bool = False, record_timeline: boo
     return simulate_with(exp, first_step=first_step, record_timeline=record_timeline, trace_allocs=trace_allocs,
                          events=events, strategy=strategy_for(exp, keep_pools=keep), fused_twin=fused_twin,
                          observers=observers)
+
+
+def steady_step(exp: ExperimentSpec, timeline: bool = True, stop_above: Optional[int] = None,
+                fused_twin: bool = False) -> SimResult:
+    """The steady step ``estimate()`` reads (:func:`memcalc.estimate.peak.estimate`), with its allocation events;
+    ``stop_above``: :class:`memcalc.engine.observers.StopAbove`. ``fused_twin``: also the records
+    :func:`memcalc.engine.twins.fused_events_of` derives the fused step's events from, where it applies."""
+    observers = [StopAbove(stop_above)] if stop_above is not None else []
+    return simulate(exp, first_step=False, record_timeline=timeline, events=True, fused_twin=fused_twin,
+                    observers=observers)
+
+
+def first_step(exp: ExperimentSpec, steady: SimResult, events: bool = True,
+               stop_above: Optional[int] = None) -> SimResult:
+    """The first step ``estimate()`` reads beside ``steady``: it follows from the steady step's events where it
+    runs the same ones (not under DeepSpeed: :func:`memcalc.engine.twins.first_step_of`, nor with a first
+    micro-batch of its own length, ``first_seq``); otherwise it is simulated too (``events``: with its
+    allocation events)."""
+    derived = first_step_of(steady) if exp.training.first_seq is None else None
+    observers = [StopAbove(stop_above)] if stop_above is not None else []
+    return derived or simulate(exp, first_step=True, record_timeline=False, events=events, observers=observers)

@@ -13,6 +13,7 @@ import numpy as np
 from memcalc.core.layout import layout_of
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.timeline import first_step_within_steady, floor_bytes
+from memcalc.engine.result import SimResult
 from memcalc.engine.sharding import uses_deepspeed
 # DEPTH_CHECKED and ONE_GPU_TRACES are named here for memcalc.plan.parallel, whose workers send them back
 from memcalc.plan.depth import CHECKED as DEPTH_CHECKED
@@ -191,11 +192,12 @@ def device_total(exp: ExperimentSpec, side: Any, limit: Optional[int] = None) ->
         return bound
     from memcalc.core.gpu_side import overhead_bytes
     from memcalc.engine.observers import PeakAbove
-    from memcalc.estimate.peak import estimate, largest_peak_within
+    from memcalc.estimate.peak import largest_peak_within, replayed_device_total, steady_step
 
+    stop = None if limit is None else largest_peak_within(limit, side)
     try:
-        est = estimate(exp, timeline=False, replay=True, side=side, flops=False,
-                       stop_above=None if limit is None else largest_peak_within(limit, side))
+        steady = _steady_step(exp, stop) or steady_step(exp, timeline=False, stop_above=stop)
+        total = replayed_device_total(exp, steady, side, stop)
     except PeakAbove as e:  # reserved >= allocated: past the limit either way
         if len(TOTAL_BOUNDS) > 100_000:
             TOTAL_BOUNDS.clear()
@@ -203,8 +205,47 @@ def device_total(exp: ExperimentSpec, side: Any, limit: Optional[int] = None) ->
         return got
     if len(TOTAL_CACHE) > 100_000:
         TOTAL_CACHE.clear()
-    got = TOTAL_CACHE[key] = est.device_total_bytes
+    got = TOTAL_CACHE[key] = total
     return got
+
+
+#: The last unfused steady step :func:`device_total` simulated whole, with the records its fused twin's events
+#: are derived from (:func:`memcalc.engine.twins.fused_events_of`): the plan asks about an option's fused twin
+#: right after it (the two share a fit group: :func:`memcalc.plan.search._plan_group`). Keyed by (model, training,
+#: profile), as :data:`memcalc.plan.steps.SIM_CACHE` (options are named apart); only the last is kept.
+UNFUSED_STEADY: dict[tuple[object, object, object], SimResult] = {}
+
+
+def _steady_step(exp: ExperimentSpec, stop: Optional[int]) -> Optional[SimResult]:
+    """The steady step :func:`device_total` reads, where it has its own way (None: simulated as the estimate
+    does, :func:`memcalc.estimate.peak.steady_step`): a fused step
+    derived from its unfused twin's when :data:`UNFUSED_STEADY` has it (cut short as the simulated step would
+    be: :class:`memcalc.engine.observers.PeakAbove` at the first total above ``stop``), an unfused step whose
+    twin can be derived simulated with those records (and kept). A fused step that passes ``stop`` in set-up is
+    simulated (there the simulator reports a run of allocations' last total: ``Sim.alloc_many``)."""
+    from memcalc.engine.observers import PeakAbove
+    from memcalc.engine.twins import fused_events_of, fused_twin_applies, running_totals
+    from memcalc.estimate.peak import steady_step
+
+    tr = exp.training
+    if tr.pp > 1:
+        return None
+    if tr.fused_optimizer:
+        base = UNFUSED_STEADY.get((exp.model, tr.model_copy(update={"fused_optimizer": False}), exp.profile))
+        got = None if base is None else fused_events_of(base, exp.profile.allocator_round_bytes)
+        if got is None or stop is None or got.peak_bytes <= stop:
+            return got
+        assert got.events is not None
+        at, total = next((i, t) for i, t in enumerate(running_totals(got.events)) if t > stop)
+        if at < got.step_start:
+            return None
+        raise PeakAbove(total, 0)
+    if not fused_twin_applies(exp):
+        return None
+    steady = steady_step(exp, timeline=False, stop_above=stop, fused_twin=True)
+    UNFUSED_STEADY.clear()
+    UNFUSED_STEADY[exp.model, tr, exp.profile] = steady
+    return steady
 
 
 def state_floor(exp: ExperimentSpec) -> int:
