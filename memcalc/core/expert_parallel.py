@@ -84,6 +84,25 @@ def check_ep(exp: ExperimentSpec) -> None:
                         f"{m.moe.top_k} = {float(top):g} (every rank's tokens all routed to this rank's experts)")
 
 
+def shard1_refusal(exp: ExperimentSpec) -> Optional[str]:
+    """What torch 2.13 raises when FSDP2 shards the routed experts on dim 1 unevenly, or None: torchtitan 0.3.0's
+    ``apply_fsdp_to_decoder`` places them ``Shard(1)`` over the ``efsdp`` mesh (``gpus / ep`` ranks) when
+    ``efsdp x ep`` (= ``gpus``) exceeds the experts, and ``fully_shard`` refuses a dim-1 size its mesh does not
+    divide (``_fsdp_param.py``: "FSDP does not support uneven sharding on dim 1"). The dims: the experts'
+    ``gate_up`` (``2 x d_ff_expert`` gated, else ``d_ff_expert``) and ``down`` (``d_model``)."""
+    tr, m = exp.training, exp.model
+    if m.moe is None or tr.zero < 2 or tr.gpus <= m.moe.n_experts:
+        return None
+    world = tr.gpus // tr.ep
+    up = m.moe.d_ff_expert * (2 if m.mlp == "gated" else 1)
+    bad = [f"{name} {size}" for name, size in (("gate_up", up), ("down", m.d_model)) if size % world]
+    if world == 1 or not bad:
+        return None
+    return (f"FSDP2 over {world} ranks puts the routed experts on dim 1 (more GPUs, {tr.gpus}, than experts, "
+            f"{m.moe.n_experts}: torchtitan's Shard(1)), and {world} does not divide their dim 1 ({', '.join(bad)}): "
+            "torch raises 'FSDP does not support uneven sharding on dim 1'")
+
+
 def ep_line(exp: ExperimentSpec, ep_mark: str = "", cf_mark: str = "") -> Optional[str]:
     """The inputs table's "expert parallel" line (None without expert parallelism); the marks say
     where each value came from."""

@@ -156,6 +156,11 @@ def check_pp(exp: ExperimentSpec) -> None:
     if tr.pp_schedule == "1f1b" and n_mb < pp:
         raise UserError(f"--pp-schedule 1f1b needs --microbatches >= --pp: {n_mb} < {pp} (torch's Schedule1F1B raises "
                         "'Number of microbatches must be greater than or equal to the number of stages')")
+    from memcalc.core.expert_parallel import shard1_refusal
+
+    uneven = shard1_refusal(exp) if tr.gpus > 1 and tr.sharding == "fsdp2" else None
+    if uneven:
+        raise UserError(f"--pp {pp} with --gpus {tr.gpus} --zero {tr.zero}: {uneven}; pick --gpus dividing them")
     unsupported = [name for cond, name in (
         (m.tie_embeddings, "tied embeddings (the embedding and the head sit on different stages)"),
         (tr.cp > 1 and tr.cp_method != "ring", f"--cp-method {tr.cp_method} (torchtitan composes its ring attention "
@@ -166,10 +171,6 @@ def check_pp(exp: ExperimentSpec) -> None:
         (tr.gpus > 1 and tr.zero > 0 and not (tr.sharding == "fsdp2" and tr.zero in (2, 3)),
          f"--sharding {tr.sharding} --zero {tr.zero} over data-parallel GPUs (FSDP2, --zero 2 or 3, composes)"),
         (tr.gpus > 1 and tr.offload_optimizer, "--offload-optimizer"),
-        (tr.gpus > 1 and tr.zero > 1 and m.moe is not None and tr.gpus > m.moe.n_experts and tr.ep == 1,
-         f"FSDP2 over more data-parallel GPUs ({tr.gpus}) than routed experts "
-         f"({m.moe.n_experts if m.moe else 0}): torchtitan's apply_fsdp_to_decoder shards the experts on dim 1 "
-         "then (Shard(1)), not modelled without --ep (with --ep it is: the experts' own efsdp groups)"),
         (tr.grad_accum > 1, "--grad-accum (the micro-batches are the accumulation)"),
         (tr.compile, "--compile"),
         (tr.fused_optimizer, "--fused-optimizer"),

@@ -5,7 +5,8 @@ The dispatch and the experts' step are :mod:`memcalc.engine.expert_parallel`'s."
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 from memcalc.core.spec import ExperimentSpec, ModelSpec
 from memcalc.engine.fsdp import FSDP2, Unit, padded_shard_numel
@@ -28,13 +29,14 @@ def shard_world(kind: str, n: int, ep: int) -> int:
     return n // ep if kind == "experts" else n
 
 
-def fsdp_shard_numel(shape: tuple[int, ...], kind: str, n: int, ep: int, n_experts: int) -> int:
+def fsdp_shard_numel(shape: tuple[int, ...], kind: str, n: int, ep: int, n_experts: int, titan: bool = False) -> int:
     """Elements of one rank's padded FSDP2 shard of a parameter of ``kind`` with local ``shape``:
-    over ``n`` ranks on dim 0, except, with ``ep`` > 1, the routed experts (torchtitan 0.3.0
+    over ``n`` ranks on dim 0, except, with ``ep`` > 1 or ``titan`` (torchtitan's layout without
+    expert parallelism: under ``--pp``), the routed experts (torchtitan 0.3.0
     distributed/fsdp.py ``apply_fsdp_to_decoder``): over ``n / ep`` ranks (the ``efsdp`` mesh), on
     dim 0 (``Shard(0)``), or on dim 1 (``Shard(1)``) when ``efsdp x ep`` exceeds the experts
     ("to avoid padding"). FSDP2 pads every rank's chunk to the first's (``torch.chunk``)."""
-    if ep == 1 or kind != "experts":
+    if (ep == 1 and not titan) or kind != "experts":
         return padded_shard_numel(shape, n)
     world = n // ep
     if world * ep <= n_experts or len(shape) < 2:
@@ -43,6 +45,26 @@ def fsdp_shard_numel(shape: tuple[int, ...], kind: str, n: int, ep: int, n_exper
     for d in shape[2:]:
         rest *= d
     return shape[0] * -(-shape[1] // world) * rest
+
+
+def shard1_cat(sim, with_grad: list, dim1: Callable[[Any], bool]) -> list:
+    """torch 2.13 ``_fsdp_collectives.py`` ``foreach_reduce``'s loop over the group's gradients before the
+    reduce-scatter input: a ``Shard(1)`` parameter's gradient is replaced in the list by ``torch.cat(chunks, dim=0)``
+    of ``chunks = torch.chunk(grad, world_size, dim=1)`` (a copy of its size). Its original lives on in ``chunks``
+    (views of it) until the next ``Shard(1)`` parameter's ``torch.chunk`` rebinds it (the loop variable
+    ``unsharded_grad`` has moved on by then), the last one's until the function returns, as the loop variable's
+    last gradient does. Returns those two (what the caller frees after the reduce)."""
+    held = None  # the last Shard(1) original, referenced by ``chunks`` only
+    for p, _ in with_grad:
+        if dim1(p):
+            if held is not None:
+                sim.unref(held)  # ``chunks`` rebinds
+            held = p.unsharded_grad
+            p.unsharded_grad = sim.alloc(held.nbytes, "temporaries", "reduce-scatter buffers (FSDP2)")
+    last = with_grad[-1][0].unsharded_grad  # the loop variable (a Shard(1) one's: the original, ``held``)
+    if held is None or dim1(with_grad[-1][0]):
+        return [held if held is not None else last]
+    return [last, held]
 
 
 class EPFSDP2(FSDP2):
@@ -116,7 +138,13 @@ class EPFSDP2(FSDP2):
 
     def post_backward(self, u) -> None:
         self._world(u)
+        self._dim1 = self.n > 1 and getattr(u, "dim1", False)
         super().post_backward(u)
+
+    def _reduce_loop(self, with_grad: list):
+        if not getattr(self, "_dim1", False):
+            return super()._reduce_loop(with_grad)
+        return shard1_cat(self.sim, with_grad, lambda p: True)  # (the experts' group: every parameter Shard(1))
 
     def layer_enter(self, i: int) -> None:
         if self.in_backward:

@@ -325,13 +325,13 @@ class FSDP2(GatherHooks):
         if not with_grad:
             return
         shard = sum(s for _, s in with_grad)
-        rs_in = sim.alloc(self.n * pol.reduce.nbytes(shard), "temporaries", CAT_RS)
         # ``unsharded_grads.clear()`` frees the gradients, but the loop variable ``unsharded_grad``
         # of foreach_reduce's Shard(i > 0) check still holds the last one until it returns: the
         # root's last parameter is the head, so its gradient outlives the reduce-scatter output
-        last = with_grad[-1][0].unsharded_grad
+        kept = self._reduce_loop(with_grad)
+        rs_in = sim.alloc(self.n * pol.reduce.nbytes(shard), "temporaries", CAT_RS)
         for p, _ in with_grad:
-            if p.unsharded_grad is not last:
+            if not any(p.unsharded_grad is k for k in kept):
                 sim.unref(p.unsharded_grad)
             p.unsharded_grad = None
         out = sim.alloc(pol.reduce.nbytes(shard), "gradients", "gradient shards (FSDP2)")
@@ -340,8 +340,15 @@ class FSDP2(GatherHooks):
             sim.unref(out)
             out = cast
         self._hand_out(out, [p for p, _ in with_grad])
-        sim.unref(last)
+        for k in kept:
+            sim.unref(k)
         self.rs_state = rs_in
+
+    def _reduce_loop(self, with_grad: list) -> list[T]:
+        """``foreach_reduce``'s Shard(i > 0) loop before the reduce-scatter input; what its locals hold until it
+        returns: the loop variable the last gradient (``Shard(1)`` copies and ``chunks``:
+        :func:`memcalc.engine.expert_fsdp.shard1_cat`)."""
+        return [with_grad[-1][0].unsharded_grad]
 
     def _hand_out(self, out: T, params: list[Param]) -> None:
         """The reduced gradient shard ``out`` (this call's reference) becomes each parameter's

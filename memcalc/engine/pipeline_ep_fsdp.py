@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from memcalc.engine.expert_fsdp import EPFSDP2
+from memcalc.engine.expert_fsdp import EPFSDP2, fsdp_shard_numel, shard1_cat
 from memcalc.engine.fsdp import Unit
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine import pipeline_fsdp
@@ -77,10 +77,49 @@ class PipelineEPFSDP2(PipelineFSDP2, EPFSDP2):
         return sorted(i for i in self.groups if i is not None)
 
 
+class PipelineShard1FSDP2(PipelineFSDP2):
+    """Without expert parallelism, FSDP2 over more data-parallel ranks than an MoE layer's routed experts: torchtitan
+    0.3.0's ``apply_fsdp_to_decoder`` (``ep_degree == 1``, ``efsdp_ep_size = fsdp mesh size > num_experts``) gives the
+    layer's one ``fully_shard`` a ``shard_placement_fn`` putting the experts on dim 1 (``Shard(1)``, "to avoid
+    padding"), on the same mesh: one parameter group per layer as for a dense one, the experts' shards
+    ``n_experts x ceil(d / gpus) x ...`` (:func:`memcalc.engine.expert_fsdp.fsdp_shard_numel`), and each all-gather's
+    copy-out making an ``empty_like`` temporary of every ``Shard(1)`` parameter before its dim-1 chunk-cat
+    (torch 2.13 ``_fsdp_collectives.py`` ``foreach_all_gather_copy_out``)."""
+
+    def __init__(self, sim: Sim, exp: ExperimentSpec, params: list, shapes: dict) -> None:
+        assert exp.model.moe is not None
+        self.n_experts = exp.model.moe.n_experts
+        super().__init__(sim, exp, params, shapes)
+
+    def _unit(self, layer, ps, shapes) -> Unit:
+        u = super()._unit(layer, ps, shapes)
+        u.shard_numels = [fsdp_shard_numel(shapes[p.name], "experts", self.n, 1, self.n_experts, True)
+                          if ".moe.experts." in p.name else s for p, s in zip(ps, u.shard_numels, strict=True)]
+        return u
+
+    def wait_for_unshard(self, u: Unit, forward: bool) -> None:
+        temps = [self.sim.alloc(self.n * self._param_dtype_bytes(p, s), "temporaries", "all-gather buffers (FSDP2)")
+                 for p, s in zip(u.params, u.shard_numels, strict=True) if ".moe.experts." in p.name] \
+            if u.ag_out is not None else []
+        super().wait_for_unshard(u, forward)
+        for t in temps:
+            self.sim.unref(t)
+
+    def _reduce_loop(self, with_grad: list):
+        """The reduce's ``Shard(1)`` copies of the experts' gradients
+        (:func:`memcalc.engine.expert_fsdp.shard1_cat`)."""
+        return shard1_cat(self.sim, with_grad, lambda p: ".moe.experts." in p.name)
+
+
 def stage_fsdp2(sim: Sim, exp: ExperimentSpec, model) -> Optional[PipelineFSDP2]:
-    """The rank's FSDP2 runtime: :class:`PipelineEPFSDP2` with ``--ep``, else
-    :func:`memcalc.engine.pipeline_fsdp.stage_fsdp2`'s (None without FSDP2)."""
-    if not model.fsdp2 or exp.training.ep == 1:
+    """The rank's FSDP2 runtime: :class:`PipelineEPFSDP2` with ``--ep``, :class:`PipelineShard1FSDP2` for experts
+    on dim 1 without it, else :func:`memcalc.engine.pipeline_fsdp.stage_fsdp2`'s (None without FSDP2)."""
+    tr, moe = exp.training, exp.model.moe
+    if model.fsdp2 and tr.ep == 1 and moe is not None and tr.gpus > moe.n_experts:
+        shard1 = PipelineShard1FSDP2(sim, exp, model.order, model.shapes)
+        sim.set_on_layer(lambda s, i: shard1.backward_enter(i))
+        return shard1
+    if not model.fsdp2 or tr.ep == 1:
         return pipeline_fsdp.stage_fsdp2(sim, exp, model)
     gather = PipelineEPFSDP2(sim, exp, model.order, model.shapes)
     sim.set_on_layer(lambda s, i: gather.backward_enter(i))

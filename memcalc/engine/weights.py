@@ -101,7 +101,7 @@ def param_rows(exp: ExperimentSpec) -> tuple[tuple, ...]:
         local_experiment(exp).model, tr.lora, tr.weight_dtype, exp.adapter_dtype or tr.weight_dtype, tr.gpus, f2,
         f2 and tr.sharding == "fsdp1", fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
         tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, ep=expert_degree(exp),
-        quant_head=quantized_head(exp))[0]
+        quant_head=quantized_head(exp), titan=tr.pp > 1)[0]
 
 
 def make_params(sim: Sim, exp: ExperimentSpec,
@@ -120,7 +120,7 @@ def make_params(sim: Sim, exp: ExperimentSpec,
         local_experiment(exp).model, tr.lora, wdt, exp.adapter_dtype or wdt, tr.gpus, f2, f1,
         fsdp.policy(tr).orig if f2 else None, z3, tr.zero, tr.sharding,
         tr.offload_optimizer, tr.tp, exp.profile.qlora_fp32_cast, z3 and offload_param(exp), expert_degree(exp),
-        quantized_head(exp))
+        quantized_head(exp), tr.pp > 1)
     if only is not None:
         rows = tuple(r for r in rows if only(r[0], r[7]))
     params: dict[str, Param] = {}
@@ -184,7 +184,7 @@ def _quantized_base(lora: Optional[LoraSpec], kbit_fp32: bool) -> tuple[bool, bo
 def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DType, n: int, f2: bool, f1: bool,
                 f2_orig: Optional[DType], zero3: bool, zero: int, sharding: str, offload_optimizer: bool,
                 tp: int, kbit_fp32: bool = False, ds_offload_param: bool = False,
-                ep: int = 1, quant_head: bool = False) -> tuple[tuple, int, tuple]:
+                ep: int = 1, quant_head: bool = False, titan: bool = False) -> tuple[tuple, int, tuple]:
     """Each parameter's allocation as :func:`make_params` makes it: (name, bytes, category,
     elements, width in bits, trainable, gradient bytes, layer, the gradient shard kept after a
     reduce-scatter or None); the ZeRO-3 layer gather bytes; the shapes FSDP shards by. From
@@ -193,8 +193,9 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
     (not FSDP), the ZeRO stage, the sharding, optimizer offload, the tensor-parallel degree and the
     profile's ``qlora_fp32_cast`` (:func:`kbit_dtype`) and DeepSpeed ZeRO-3's ``offload_param`` (the
     partitions on the host: no device bytes, :func:`memcalc.engine.sharding.offload_param`) and the
-    expert-parallel degree (this rank's routed experts: :mod:`memcalc.engine.expert_parallel`) and whether
-    QLoRA quantizes the output head too (:func:`quantized_head`)."""
+    expert-parallel degree (this rank's routed experts: :mod:`memcalc.engine.expert_parallel`), whether
+    QLoRA quantizes the output head too (:func:`quantized_head`) and whether torchtitan places the experts'
+    FSDP2 shards (``titan``, under ``--pp``: :func:`memcalc.engine.expert_fsdp.fsdp_shard_numel`)."""
     rows = []
     gather = 0
     inventory = param_inventory(local, lora, ep)  # expert parallelism: this rank's experts
@@ -206,7 +207,7 @@ def _param_rows(local: ModelSpec, lora: Optional[LoraSpec], wdt: DType, adt: DTy
         pdt, full, cat = _storage(pt, lora, quant, wdt, adt, quantized if kbit else None)
         nbytes = full
         if f2:  # this rank's padded row shard (FSDP1: its share of the flat shard), original dtype
-            elems = -(-pt.numel // n) if f1 else fsdp_shard_numel(pt.shape, pt.kind, n, ep, n_experts)
+            elems = -(-pt.numel // n) if f1 else fsdp_shard_numel(pt.shape, pt.kind, n, ep, n_experts, titan)
             nbytes = -(-full * elems // pt.numel) if quant else _shard_dtype(pt, pdt, wdt, f2_orig, f1).nbytes(elems)
             cat += f" (FSDP{1 if f1 else 2} shard 1/{shard_world(pt.kind, n, ep)})"
             if offload_optimizer:  # CPUOffloadPolicy: the shards live in host memory

@@ -149,6 +149,11 @@ ROWS = [
     # full: the ring inside the recomputed regions, seq / (cp x tp) rows between stages
     (2, 2, "interleaved-1f1b", 4, 4, 256, "plain", {"precision": "bf16", "cp": 2, "tp": 2, "sequence_parallel": True,
                                                     "checkpoint": "full"}),
+    # source: trace, pp x FSDP2 over more GPUs (16) than experts (8) without --ep: torchtitan's Shard(1) on the same
+    # mesh; rank 1 peaks in the final reduce (foreach_reduce's dim-1 torch.cat copies, the last original held by
+    # ``chunks``)
+    (2, 2, "1f1b", 3, 2, 32, "plain", {"precision": "bf16", "master_weights": True, "moe": True, "gpus": 16,
+                                       "zero": 3}),
 ]
 
 

@@ -68,10 +68,9 @@ def apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, ep: int = 1, edp_mesh=None) 
     stage_mod.lm_head = getattr(dec, "lm_head", None)
     stage_mod.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(dec.layers)})
     own = next((p.dtype for p in dec.parameters() if p.requires_grad), torch.float32)
-    if ep > 1:  # torchtitan's names for the MoE layers (pipeline_ep_fsdp.moe_aliases)
-        from .pipeline_ep_fsdp import moe_aliases
+    from .pipeline_ep_fsdp import moe_aliases
 
-        moe_aliases(dec)
+    moe_aliases(dec)  # torchtitan's names for the MoE layers (their experts' Shard(1) placement, efsdp groups)
     apply_fsdp_to_decoder(stage_mod, dp_mesh, param_dtype=plan.param_dtype or own,
                           reduce_dtype=plan.reduce_dtype or own, pp_enabled=True, ep_degree=ep, edp_mesh=edp_mesh)
 
