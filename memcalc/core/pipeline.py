@@ -32,7 +32,9 @@ for the multi-stage ones, which refuse fewer. The layers are split over the ``pp
 
 With ``tp > 1`` every stage is tensor-parallel over ``tp`` ranks (GPUs = pp x tp x gpus). With ``gpus > 1`` and
 ``--zero 2`` / ``3`` (FSDP2) every stage is FSDP2-sharded over ``gpus`` data-parallel ranks as torchtitan 0.3.0 does
-it under pipelining (memcalc.engine.pipeline_fsdp; validate/sharded/pipeline_fsdp.py). With ``--ep`` every stage's
+it under pipelining (memcalc.engine.pipeline_fsdp; validate/sharded/pipeline_fsdp.py), with the multi-stage
+schedules each stage its own FSDP root under the runtime's UNSHARD / RESHARD / REDUCE_GRAD
+(memcalc.core.pp_lowering). With ``--ep`` every stage's
 MoE layers hold ``n_experts / ep`` routed experts and run torchtitan's all-to-all dispatch on each micro-batch
 (memcalc.engine.expert_parallel, as for a whole model); the mesh is torchtitan 0.3.0's sparse mesh
 (``distributed/parallel_dims.py`` ``_build_mesh``: ``("pp", "dp_replicate", "efsdp", "ep")``): ``pp`` outermost, the
