@@ -51,6 +51,9 @@ def allocation_size(n: int) -> int:
     return -(-n // ROUND_LARGE) * ROUND_LARGE
 
 
+_new = object.__new__
+
+
 class _Block:
     __slots__ = ("addr", "free", "next", "prev", "seg", "size", "small")
 
@@ -124,7 +127,8 @@ class CachingAllocatorSim:
         b = pool.pop(i)[2] if i < len(pool) else self._new_segment(allocation_size(size), small)
         remaining = b.size - size
         if (remaining >= MIN_BLOCK) if small else (remaining > SMALL_SIZE):
-            rest = _Block(b.seg, b.addr + size, remaining, small)
+            rest = _new(_Block)  # _Block(b.seg, b.addr + size, remaining, small), without the __init__ call
+            rest.seg, rest.addr, rest.size, rest.small, rest.free = b.seg, b.addr + size, remaining, small, True
             rest.prev, rest.next = b, b.next
             if b.next is not None:
                 b.next.prev = rest

@@ -38,8 +38,10 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
     setup_state, moves = steady.state_moves
     evs, start = steady.events, steady.step_start
     # the events: setup less the state, then the step with each parameter's state where it is made
-    out = [e for e in evs[:start] if e[0] not in setup_state]
+    kept = [e[0] not in setup_state for e in evs[:start]]
+    out = [e for e, k in zip(evs, kept) if k]
     step_start = len(out)
+    kept_before = list(accumulate(kept, initial=0))  # kept_before[m]: setup events kept before index m
     made_at = [i for i, _ in moves]  # ascending; every index is in the step (recorded after setup)
     inserted = [0]  # inserted[k]: state events made before the k-th move's index
     prev = start
@@ -54,7 +56,7 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
         """Where the steady step's event index ``m`` lands (a phase mark there precedes any state
         made at the same index: the optimizer step's phase begins, then its state is made)."""
         if m <= start:
-            return m - sum(1 for e in evs[:m] if e[0] in setup_state)
+            return kept_before[m]
         return m - (start - step_start) + inserted[bisect_left(made_at, m)]
 
     peak, peak_phase, phases = _peaks(out, [(derived(m), ph) for m, ph in steady.event_phases])

@@ -262,17 +262,19 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
     blocks: dict = {}  # id -> its block (memcalc.core.allocator._Block)
     sizes: dict[int, int] = {}
 
+    malloc, free, pop = alloc.malloc, alloc.free, blocks.pop
+
     def run(evs: list[tuple[int, int]]) -> None:
         for uid, n in evs:
             if n:
-                blocks[uid] = alloc.malloc(n)
+                blocks[uid] = malloc(n)
                 sizes[uid] = n
                 if alloc.out_of_memory:
                     return
                 if alloc.reserved > limit:
                     raise PeakAbove(alloc.reserved, 0)
             else:
-                alloc.free(blocks.pop(uid))
+                free(pop(uid))
 
     run(events[:step_start])
     step = events[step_start:]
