@@ -72,7 +72,7 @@ def measure(exp: ExperimentSpec, device: str, scale_layers: Optional[int] = None
         from .sharded.pipeline import measure_pp
         from .sharded.pipeline_fsdp import trace_pp_fsdp_rank
 
-        fsdp = exp.training.gpus > 1 and exp.training.zero > 0  # pp x FSDP2 (sharded/pipeline_fsdp.py)
+        fsdp = exp.training.gpus * exp.training.cp > 1 and exp.training.zero > 0  # pp x FSDP2 (pipeline_fsdp.py)
         return measure_pp(exp, scale_layers, progress, debug, device=device, trace=trace_pp_fsdp_rank if fsdp else None)
     if exp.training.cp > 1:  # context parallelism: one rank on the fake process group (sharded/context_parallel.py)
         from .sharded.context_parallel import measure_cp

@@ -43,9 +43,10 @@ MoE layers hold ``n_experts / ep`` routed experts and run torchtitan's all-to-al
 part (``model.parallelize(parallel_dims)`` when ``ep_enabled``) before the pipeline stage wraps it. With ``--ep`` and
 FSDP2 (torchtitan's default for its MoE models) each MoE layer has two FSDP2 groups, its experts over ``efsdp =
 gpus / ep`` and the rest over ``gpus`` (memcalc.engine.pipeline_ep_fsdp; validate/sharded/pipeline_ep_fsdp.py).
-With ``--cp`` (ring attention; no ZeRO, no ``--ep``) the mesh is ``pp x cp [x tp]`` (``_build_mesh``'s order ``pp,
+With ``--cp`` (ring attention; no ``--ep``) the mesh is ``pp x cp [x tp]`` (``_build_mesh``'s order ``pp,
 dp_replicate, dp_shard, cp, tp``; GPUs = gpus x tp x cp x pp) and every stage runs torch's ring on its ``seq / cp``
-tokens (memcalc.engine.pipeline; validate/sharded/pipeline.py).
+tokens (memcalc.engine.pipeline; validate/sharded/pipeline.py); FSDP2 (``--zero 2|3``) then shards each stage over
+the ``gpus x cp`` ranks (torchtitan's ``dp_shard_cp``: memcalc.engine.context_parallel.shard_group).
 
 The split (:func:`stage_layers`) is torchtitan 0.3.0's, always: ``pipeline_llm``
 (``torchtitan/distributed/pipeline_parallel.py``) calls ``_generate_llm_fqn_per_model_part(num_virtual_stages,
@@ -168,8 +169,8 @@ def check_pp(exp: ExperimentSpec) -> None:
         (tr.cp > 1 and tr.cp_method != "ring", f"--cp-method {tr.cp_method} (torchtitan composes its ring attention "
                                                "with pipelines: --cp-method ring)"),
         (tr.cp > 1 and tr.ep > 1, "--cp with --ep (the ep ranks borrowed from dp x cp: not modelled)"),
-        (tr.cp > 1 and tr.gpus > 1 and tr.zero > 0, f"--cp with --zero {tr.zero} (FSDP2 over the dp x cp ranks of a "
-                                                    "pipeline stage: not modelled)"),
+        (tr.cp > 1 and tr.zero > 0 and not (tr.sharding == "fsdp2" and tr.zero in (2, 3)),
+         f"--cp with --sharding {tr.sharding} --zero {tr.zero} (FSDP2, --zero 2 or 3, composes)"),
         (tr.gpus > 1 and tr.zero > 0 and not (tr.sharding == "fsdp2" and tr.zero in (2, 3)),
          f"--sharding {tr.sharding} --zero {tr.zero} over data-parallel GPUs (FSDP2, --zero 2 or 3, composes)"),
         (tr.gpus > 1 and tr.offload_optimizer, "--offload-optimizer"),

@@ -74,6 +74,7 @@ from memcalc.core.pp_lowering import lowered
 from memcalc.core.pp_schedules import rank_actions, single_stage
 from memcalc.core.spec import ExperimentSpec
 from memcalc.engine.blocks import attention_variants as av
+from memcalc.engine.context_parallel import shard_group
 from memcalc.engine.blocks import embedding, head
 from memcalc.engine.forward import Forward
 from memcalc.engine.fsdp import optimizer_training
@@ -189,6 +190,7 @@ class RankStep:
 
     def __init__(self, exp: ExperimentSpec, rank: int, strategy, first_step: bool,
                  observers: Sequence[object] = ()) -> None:
+        exp = shard_group(exp)  # context parallelism: FSDP2 over the stage's dp x cp ranks (torchtitan's dp_shard_cp)
         tr = exp.training
         self.M, b = micro_batch(tr)
         self.exp = exp

@@ -145,15 +145,16 @@ ROWS = [
     # cp-sharded by _context_parallel_shard before the schedule: the stages exchange seq / cp tokens); the
     # received gradient, which the stage keeps, is summed out of place (InputBuffer::accumulate) in layer 0's backward
     (2, 2, "1f1b", 2, 2, 256, "plain", {"precision": "bf16", "cp": 2}),
-    # source: trace, pp x cp x tp + sequence parallel (mesh pp x cp x tp), interleaved, 2 stages per rank, checkpoint
-    # full: the ring inside the recomputed regions, seq / (cp x tp) rows between stages
-    (2, 2, "interleaved-1f1b", 4, 4, 256, "plain", {"precision": "bf16", "cp": 2, "tp": 2, "sequence_parallel": True,
-                                                    "checkpoint": "full"}),
     # source: trace, pp x FSDP2 over more GPUs (16) than experts (8) without --ep: torchtitan's Shard(1) on the same
     # mesh; rank 1 peaks in the final reduce (foreach_reduce's dim-1 torch.cat copies, the last original held by
     # ``chunks``)
     (2, 2, "1f1b", 3, 2, 32, "plain", {"precision": "bf16", "master_weights": True, "moe": True, "gpus": 16,
                                        "zero": 3}),
+    # source: trace, pp x FSDP2 over dp x cp (torchtitan's dp_shard_cp) x tp + sequence parallel (mesh pp x dp x cp x
+    # tp, validate/sharded/pipeline_fsdp.py), 1F1B, checkpoint full: the ring inside the recomputed regions,
+    # seq / (cp x tp) rows between stages, each stage's shards 1/(dp x cp) of its local model
+    (2, 2, "1f1b", 2, 4, 256, "plain", {"precision": "bf16", "master_weights": True, "cp": 2, "gpus": 2, "zero": 3,
+                                        "tp": 2, "sequence_parallel": True, "checkpoint": "full"}),
 ]
 
 

@@ -183,9 +183,9 @@ def test_uneven_split_on_the_command_line():
     # with pipelines
     (["--pp", "2", "--batch", "2", "--cp", "2", "--cp-method", "ulysses"], 2,
      "not with --cp-method ulysses (torchtitan composes its ring attention with pipelines"),
-    # source: memcalc.core.pipeline.check_pp: FSDP2 over a stage's dp x cp ranks is not modelled
-    (["--pp", "2", "--batch", "2", "--cp", "2", "--gpus", "2", "--zero", "3"], 2,
-     "not with --cp with --zero 3 (FSDP2 over the dp x cp ranks"),
+    # source: memcalc.core.pipeline.check_pp: FSDP2 over a stage's dp x cp ranks composes; ZeRO-1 over them does not
+    (["--pp", "2", "--batch", "2", "--cp", "2", "--zero", "1"], 2,
+     "not with --cp with --sharding fsdp2 --zero 1 (FSDP2, --zero 2 or 3, composes)"),
 ])
 def test_bad_pipeline_input_is_one_line(args, code, message):
     r = run(args)
@@ -263,3 +263,14 @@ def test_pp_by_cp_stages_exchange_the_sequence_shard():
     c1, c2 = one.components, two.components
     assert (c1["pipeline receive buffers"], c2["pipeline receive buffers"]) == (2 * 32_768, 2 * 16_384)
     assert (c1["inputs"], c2["inputs"]) == (2 * 2_048, 2 * 2_048 + 2 * 1_024)
+
+
+def test_pp_by_cp_fsdp2_shards_over_dp_times_cp():
+    # source: torchtitan 0.3.0 parallelize_llama: apply_fsdp_to_decoder on the dp_shard_cp mesh (the data-parallel
+    # and context-parallel ranks flattened; memcalc.engine.context_parallel.shard_group): --cp 2 --zero 3 shards each
+    # stage over 2 ranks, as --gpus 2 --zero 3 does (the same shards, optimizer state and unsharded parameters)
+    def parts(**tr):
+        c = estimate(exp(pp=2, microbatches=2, precision="bf16", zero=3, **tr)).components
+        return c["weights (FSDP2 shard 1/2)"], c["optimizer state"], c["unsharded parameters (FSDP2)"]
+
+    assert parts(cp=2) == parts(gpus=2)

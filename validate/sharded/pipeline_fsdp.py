@@ -22,6 +22,11 @@ the end and the unsharded gradients accumulate (in ``reduce_dtype`` when it diff
 back and runs every parameter group's ``post_backward`` (reshard, reduce-scatter), the root's final
 callback, then ``scale_grads``.
 
+With ``--cp`` (ring attention) the mesh is ``(pp, dp, cp[, tp])`` (torchtitan's order) and FSDP2 shards each stage
+over the flattened ``dp x cp`` ranks (torchtitan's ``dp_shard_cp``: the ``fsdp`` mesh its ``parallelize_llama`` hands
+``apply_fsdp_to_decoder`` when ``cp > 1``), the traced rank at the cp coordinate the estimate simulates; the ring,
+the cp-sharded batch and the ``seq / cp`` stage boundary are :mod:`.pipeline`'s.
+
 With ``--ep`` the mesh is torchtitan's sparse one and ``apply_fsdp_to_decoder`` gets ``ep_degree`` and the
 ``efsdp`` mesh: :mod:`.pipeline_ep_fsdp`.
 
@@ -88,12 +93,12 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     from ..step import Probe, track_inputs
     from .fake_dist import DEVICE, fake_world
     from .fsdp2 import precision_plan
-    from .pipeline import _ep_dispatch, _label_chunks, _measure_steps, _patch_p2p
+    from .pipeline import _cp_shard, _ep_dispatch, _label_chunks, _measure_steps, _patch_p2p, _ring
     from .rank_tracer import RankTracer, local_tensors
     from .tp import make_tracer
 
     tr = exp.training
-    pp, dp, tp = tr.pp, tr.gpus, tr.tp
+    pp, dp, tp, cp = tr.pp, tr.gpus, tr.tp, tr.cp
     M, b = micro_batch(tr)
     V = stages_per_rank(tr)
     layers, mine = split(tr, m.n_layers), rank_stages(tr, rank)
@@ -102,24 +107,22 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
     if V > 1:
         out["stages"] = [{"stage": s, "layers": list(layers[s])} for s in mine]
     plan = precision_plan(tr)
-    shape, names = ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
     ep = tr.ep
-    if ep > 1:  # torchtitan's sparse mesh (pipeline_ep_fsdp): the experts' FSDP over efsdp = dp / ep
-        shape, names = (pp, dp // ep, ep), ("pp", "efsdp", "ep")
     fake = FakeTensorMode()
-    with fake_world(pp * dp * tp, rank * dp * tp, shape, names) as mesh, _patch_p2p(), _ep_dispatch(exp):
-        dp_mesh = mesh["efsdp", "ep"]._flatten("dp") if ep > 1 else mesh["dp"]
+    with fake_world(*_world(exp, rank)) as mesh, _patch_p2p(), _ep_dispatch(exp):
+        dp_mesh = (mesh["efsdp", "ep"]._flatten("dp") if ep > 1 else mesh["dp", "cp"]._flatten("dp_cp") if cp > 1
+                   else mesh["dp"])
         say(f"rank {rank} of {pp}: layers {', '.join(f'{lo}..{hi - 1}' for lo, hi in (layers[s] for s in mine))}"
             f"{' + embedding' if first else ''}{' + head' if last else ''}, {tr.pp_schedule}, {M} micro-batches, "
-            f"FSDP2 over {dp}" + (f", tp {tp}" if tp > 1 else ""))
-        T = tr.seq
+            f"FSDP2 over {dp}" + (f" x cp {cp}" if cp > 1 else "") + (f", tp {tp}" if tp > 1 else ""))
         built = [_fsdp_stage(exp, m, s, mesh, dp_mesh, plan, fake) for s in mine]
         decs = [dec for dec, _ in built]
         stage_mods = nn.ModuleList([mod for _, mod in built])
         with fake, fake_as_meta(True), allow_fused_on("meta"):
-            ids = torch.zeros((tr.batch, T), dtype=torch.int64, device=DEVICE)
+            ids = torch.zeros((tr.batch, tr.seq), dtype=torch.int64, device=DEVICE)
             labels = ids.clone()
-            stages = [_pipeline_stage(exp, m, s, mod, mesh, ids[:b], b, plan)
+            run_ids, run_labels = _cp_shard(mesh, tr, ids, labels) if cp > 1 else (ids, labels)
+            stages = [_pipeline_stage(exp, m, s, mod, mesh, run_ids[:b], b, plan)
                       for s, mod in zip(mine, stage_mods, strict=True)]
             amp, profile = decs[-1].amp, exp.profile
 
@@ -131,7 +134,7 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
             sched = cls(stages if tr.pp_schedule in MULTI_STAGE else stages[0], M, loss_fn=loss_fn)
             trainable: list[torch.Tensor] = [p for p in stage_mods.parameters() if p.requires_grad]
             opt = build_optimizer(trainable, plan.build)
-            tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, DEVICE, fake) if tp > 1
+            tracer = (make_tracer(exp.profile.allocator_round_bytes, debug, DEVICE, fake) if tp > 1 or cp > 1
                       else RankTracer(DEVICE, exp.profile.allocator_round_bytes, debug=debug))
             probe = Probe(DEVICE, tracer)
             for dec in decs:
@@ -140,10 +143,29 @@ def trace_pp_fsdp_rank(exp, rank: int, m, say: Callable[[str], None], debug: boo
             for stage in stages:
                 _label_chunks(stage, tracer, ran, V > 1)
             track_inputs(tracer, stage_mods, ids, labels, opt, local_tensors)
-            _measure_steps(out, tracer, probe, sched, (first, last, ids, labels), opt, ran, tp > 1, say, debug)
+            if cp > 1:
+                tracer.track([run_ids, run_labels])
+            with _ring(exp, mesh, tracer):
+                _measure_steps(out, tracer, probe, sched, (first, last, run_ids, run_labels), opt, ran, tp > 1, say,
+                               debug)
             for dec in decs:
                 dec.on_label = None
     return out
+
+
+def _world(exp, rank: int) -> tuple:
+    """``fake_world``'s arguments for pipeline rank ``rank``: torchtitan's mesh ``(pp, dp[, cp][, tp])``, this rank at
+    dp and tp coordinate 0 and at the cp coordinate the estimate simulates (:func:`.pipeline._cp_rank`); with
+    ``--ep`` the sparse mesh ``(pp, efsdp, ep)`` (:mod:`.pipeline_ep_fsdp`: the experts' FSDP over efsdp = dp / ep)."""
+    from .pipeline import _cp_rank
+
+    tr = exp.training
+    pp, dp, tp, cp, ep = tr.pp, tr.gpus, tr.tp, tr.cp, tr.ep
+    if ep > 1:
+        return pp * dp * tp, rank * dp * tp, (pp, dp // ep, ep), ("pp", "efsdp", "ep")
+    dims = [(k, n) for k, n in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)) if k in ("pp", "dp") or n > 1]
+    c = _cp_rank(exp) if cp > 1 else 0
+    return (pp * dp * cp * tp, (rank * dp * cp + c) * tp, tuple(n for _, n in dims), tuple(k for k, _ in dims))
 
 
 def _fsdp_stage(exp, m, s: int, mesh, dp_mesh, plan, fake) -> tuple:
@@ -165,7 +187,7 @@ def _fsdp_stage(exp, m, s: int, mesh, dp_mesh, plan, fake) -> tuple:
             from .ep_dispatch import shard_experts
 
             shard_experts(dec, exp, mesh["ep"])
-    stage_mod = StageModule(dec, lo, hi, s == 0, s == n_stages - 1, tr.seq)
+    stage_mod = StageModule(dec, lo, hi, s == 0, s == n_stages - 1, tr.seq // tr.cp)  # (cp: the rank's shard)
     if tr.tp > 1:
         apply_tp(dec, mesh["tp"], tr.sequence_parallel)
     apply_fsdp_stage(stage_mod, dec, dp_mesh, plan, tr.ep, mesh["efsdp"] if tr.ep > 1 else None)
@@ -184,11 +206,12 @@ def _pipeline_stage(exp, m, s: int, stage_mod, mesh, first_ids, b: int, plan):
     tr = exp.training
     n_stages = tr.pp * stages_per_rank(tr)
     first, last = s == 0, s == n_stages - 1
-    t_local = tr.seq // tr.tp if tr.tp > 1 and tr.sequence_parallel else tr.seq
+    T = tr.seq // tr.cp  # (context parallelism: the rank's shard of the sequence)
+    t_local = T // tr.tp if tr.tp > 1 and tr.sequence_parallel else T
     hidden = torch.empty((b, t_local, m.d_model), dtype=_stage_dtype(plan, tr), device=DEVICE)
     in_args = (first_ids,) if first else (hidden.detach().requires_grad_(True),)
     out_args = (hidden.detach().requires_grad_(True),) if not last else \
-        (torch.empty((b, tr.seq, m.vocab_size), dtype=_logits_dtype(tr), device=DEVICE).requires_grad_(True),)
+        (torch.empty((b, T, m.vocab_size), dtype=_logits_dtype(tr), device=DEVICE).requires_grad_(True),)
     return pipelining.PipelineStage(stage_mod, s, n_stages, torch.device(DEVICE), input_args=in_args,
                                     output_args=out_args, group=mesh["pp"].get_group())
 
