@@ -213,6 +213,8 @@ class InputBackward:
         """The node's backward for its inputs' gradients only (``task_should_compute_output`` false for the
         weights): its workspace, its inputs' gradients; the incoming gradients kept (an intermediate) or freed."""
         sim = self.sim
+        if node.on_backward is not None:  # (as SimBackward.run_nodes: the ring attention's backward buffers)
+            node.on_backward(sim, node)
         temps = [sim.alloc(b, "temporaries", "backward workspace") for b in node.temps]
         new_grads = sim._input_grads(node)
         for t in temps:
@@ -237,6 +239,8 @@ class InputBackward:
                 sim.unref(g)
             else:  # in place
                 sim.unref(g)
+        if node.after_backward is not None:
+            node.after_backward(sim, node)
 
     def weights(self, order: dict[str, int], label: Optional[str] = None) -> None:
         """``W``: each intermediate's weight gradients (accumulated as AccumulateGrad does), then its saved tensors
