@@ -39,7 +39,7 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
     evs, start = steady.events, steady.step_start
     # the events: setup less the state, then the step with each parameter's state where it is made
     kept = [e[0] not in setup_state for e in evs[:start]]
-    out = [e for e, k in zip(evs, kept) if k]
+    out = [e for e, k in zip(evs[:start], kept, strict=True) if k]
     step_start = len(out)
     kept_before = list(accumulate(kept, initial=0))  # kept_before[m]: setup events kept before index m
     made_at = [i for i, _ in moves]  # ascending; every index is in the step (recorded after setup)
