@@ -260,7 +260,6 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
     alloc = CachingAllocatorSim(capacity)
     limit = math.inf if stop_above is None else stop_above
     blocks: dict = {}  # id -> its block (memcalc.core.allocator._Block)
-    sizes: dict[int, int] = {}
 
     malloc, free, pop = alloc.malloc, alloc.free, blocks.pop
 
@@ -268,7 +267,6 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
         for uid, n in evs:
             if n:
                 blocks[uid] = malloc(n)
-                sizes[uid] = n
                 if alloc.out_of_memory:
                     return
                 if alloc.reserved > limit:
@@ -279,17 +277,17 @@ def replay_allocator(events: list[tuple[int, int]], step_start: int, warm: bool,
     run(events[:step_start])
     step = events[step_start:]
     if warm:
-        before = set(blocks)
+        before = {uid: b.size for uid, b in blocks.items()}
         run(step)
         # what the first step leaves alive (allocated in it, never freed in it) is its own: the steady step
         # the timeline simulates starts from the setup's tensors alone, so the second run starts from them
         # too, with the cache (the free blocks and segments) the first run left; a set-up tensor the step
-        # replaced (a pipeline receive buffer at a V's turn: memcalc.engine.pipeline.pass_back) is the
+        # replaced (a pipeline receive buffer at a V's turn: memcalc.engine.pipeline_zb.pass_back) is the
         # first step's tensor of its size that took its place
         left = [u for u in blocks if u not in before]
         for uid in [u for u in before if u not in blocks]:
-            size = sizes[uid]
-            took = next(u for u in left if sizes[u] == size)
+            size = before[uid]
+            took = next(u for u in left if blocks[u].size == size)
             left.remove(took)
             blocks[uid] = blocks.pop(took)
         for uid in left:
