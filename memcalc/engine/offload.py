@@ -45,6 +45,10 @@ def raw_bytes(t: T) -> int:
 class ActivationOffload:
     """The pack/unpack bookkeeping of one step's forward and backward passes on a :class:`Sim`."""
 
+    #: whether an op's saved list may hold ``None`` for a saved ``nn.Parameter`` (an id, no bytes: the forward
+    #: stash counts ids); torchtune's estimate gives none (its grid agrees without), TRL's does (offload_trl.py)
+    param_ids = False
+
     def __init__(self) -> None:
         self.active = False  # inside the offloading context (the model's forward, not the head)
         self.next_id = 0
@@ -58,6 +62,7 @@ class ActivationOffload:
         self.max_pinned_bytes = 0
         self.offloaded_tensors = 0  # in the current forward
         self.max_offloaded_tensors = 0
+        self.prior_uids: set[int] = set()  # blocks an earlier step left, made at this one's start (twins)
 
     def pack(self, sim: Sim, saved: list[T]) -> tuple[list[T], list[tuple[int, T]]]:
         """Split a node's saved tensors into those autograd keeps on the GPU and those offloaded
@@ -113,6 +118,16 @@ class ActivationOffload:
             sim.unref(t)
         self.bwd_prev = []
 
+    def carry_prior(self, sim: Sim, leaf: T) -> None:
+        """A steady step's input leaf is made: what an earlier step's graph still holds (nothing here)."""
+
+    def keep_graph(self, sim: Sim, tensors: tuple[Optional[T], ...]) -> None:
+        """The step's graph goes (its input leaf and the leaf's ``.grad``): nothing here keeps it."""
+
+    def rope_tables(self, numel: int, itemsize_bits: int) -> list[T]:
+        """The cos and sin tables a checkpointed region packs (:func:`rope_region_inputs`): host-only blocks."""
+        return [T(0, "activations", "rope tables", numel=numel, itemsize_bits=itemsize_bits) for _ in range(2)]
+
     def end_backward(self, sim: Sim) -> None:
         """The callback queued at the end of backward frees what is still stashed; the host
         copies' blocks return to the caching host allocator (reused by the next forward)."""
@@ -149,8 +164,7 @@ def rope_region_inputs(fwd) -> list[T]:
     from memcalc.core.rules import rope_width
 
     bits = fwd.model.params["embed_tokens.weight"].weight.itemsize_bits
-    n = fwd.T * rope_width(fwd.m)
-    return [T(0, "activations", "rope tables", numel=n, itemsize_bits=bits) for _ in range(2)]
+    return off.rope_tables(fwd.T * rope_width(fwd.m), bits)
 
 
 def offload_of(sim: Sim) -> Optional[ActivationOffload]:

@@ -1,11 +1,9 @@
 """What each op allocates in forward, saves for backward, and allocates in backward.
 
-One method per op kind. Each follows the CUDA kernel or the autograd formula
-named in its docstring (``tools/autograd/derivatives.yaml`` in PyTorch unless
-said otherwise). Sizes come from element counts times the dtype's width; the
-simulator rounds every block to the allocator granularity. Only tensors of at
-least one activation's size matter for the peak; scalars and per-row
-statistics are kept because they are cheap to keep, not because they matter.
+One method per op kind. Each follows the CUDA kernel or the autograd formula named in its docstring
+(``tools/autograd/derivatives.yaml`` in PyTorch unless said otherwise). Sizes come from element counts times
+the dtype's width; the simulator rounds every block to the allocator granularity. Only tensors of at least one
+activation's size matter for the peak; scalars and per-row statistics are kept because they are cheap to keep.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any, Optional
 from memcalc.core.dtypes import DType
 from memcalc.core.kernels import (choose_attention_kernel, efficient_lse_len, flash_head_dim_rounded, flash_seq_rounded,
                                   pow2_backward_temps)
-from memcalc.engine.sim import Param, Sim, T
+from memcalc.engine.sim import Param, Sim, T, param_id
 from memcalc.engine.retained import Retained
 from memcalc.core.spec import KernelProfile
 
@@ -297,7 +295,8 @@ class Ops:
                 self.sim.node("to_dtype", [], [xn], [], [xt])
             self.drop(xn)
             y = self.new(n, dt)
-            self.sim.node("mul_weight", [xt] if w.trainable else [], [xt], [w], [y], temps=[n * (dt.bits // 8)])
+            saved = ([xt] if w.trainable else []) + (param_id(self.sim) if xt.requires_grad else [])  # x, w (traced)
+            self.sim.node("mul_weight", saved, [xt], [w], [y], temps=[n * (dt.bits // 8)])
             self.drop(xt)
             return y
         # PyTorch 2.6-2.8: ((xf * r) * w).type_as(x) -- the weight multiply runs in fp32 and
@@ -324,9 +323,10 @@ class Ops:
         dt = self.dtype_of(src)
         mean = self.new(rows, FP32)
         rstd = self.new(rows, FP32)
-        y = self.new(rows * d, dt)
+        y = self.new(n := rows * d, dt)
         params = [w] + ([b] if b is not None else [])
-        self.sim.node("layer_norm", [src, mean, rstd], [src], params, [y], temps=[rows * d * 4])
+        p = param_id(self.sim)  # packed: a parameter, the input, a parameter, mean, rstd (traced, trl_offload)
+        self.sim.node("layer_norm", [*p, src, *p * (b is not None), mean, rstd], [src], params, [y], temps=[n * 4])
         self.drop(mean, rstd)
         if src is not x:
             self.drop(src)

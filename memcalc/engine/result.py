@@ -122,6 +122,9 @@ class SimResult:
     #: in setup, and (index into events, [(uid, bytes)]) where a first step would create each
     #: parameter's state instead (:func:`first_step_of`)
     state_moves: Optional[tuple[frozenset[int], list[tuple[int, list[tuple[int, int]]]]]] = None
+    #: blocks an earlier step left that this steady step makes at its start and frees in it (TRL's offloading:
+    #: memcalc.engine.offload_trl); a first step has none (:func:`first_step_of` drops their events)
+    prior_step: frozenset[int] = frozenset()
     #: an unfused step simulated with ``fused_twin``: where each gradient became ready
     #: (:class:`GradReady`), from which :func:`fused_twin_of` derives the same step with the
     #: optimizer fused into backward

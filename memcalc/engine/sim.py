@@ -40,6 +40,13 @@ _new = object.__new__
 _trainable = attrgetter("trainable")
 
 
+def param_id(sim: Sim) -> list:
+    """``[None]`` where a saved ``nn.Parameter`` gets a pack id from the step's activation offloading (its
+    ``param_ids``: TRL's, memcalc.engine.offload_trl), else ``[]``: what an op puts in its saved list for it."""
+    off = sim.offload
+    return [None] if off is not None and off.active and off.param_ids else []
+
+
 class Sim(PeakBreakdown, SimHooks, SimBackward):
     """Allocator + autograd bookkeeping. Bytes are ints; all sizes rounded to ``round_bytes``.
     What is alive at the peak is :class:`memcalc.engine.breakdown.PeakBreakdown`'s; what else a
@@ -288,6 +295,7 @@ class Sim(PeakBreakdown, SimHooks, SimBackward):
         ``temps``, ``grad_input_bytes``, ``flops`` and any other keyword set the :class:`Node`'s
         fields of those names (the recorder hears the ones given)."""
         if self.recorder is not None:
+            saved = [t for t in saved if t is not None]  # (None: a parameter's pack id, engine/offload_trl.py)
             heard = dict(kw)
             if temps is not None:
                 heard["temps"] = temps

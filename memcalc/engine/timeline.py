@@ -32,6 +32,7 @@ from memcalc.engine.fsdp import FSDP2, optimizer_training
 from memcalc.engine.optimizers import OptimizerSim
 from memcalc.engine.params import param_inventory
 from memcalc.engine.offload import ActivationOffload
+from memcalc.engine.offload_trl import TrlActivationOffload
 from memcalc.engine.observers import AllocEvents, AllocTrace, PeakAbove, Timeline
 from memcalc.engine.result import GradReady, SimResult
 from memcalc.engine.sharding import GatherHooks, LayerGather, uses_deepspeed
@@ -296,8 +297,9 @@ class _Step:
             opt.created_at = []
             opt.events = log.events
             self.state_moves = (frozenset(t.uid for ts in opt.state.values() for t in ts if t.uid), opt.created_at)
-        if self.tr.activation_offload:
-            sim.set_offload(ActivationOffload())
+        if self.tr.activation_offload:  # TRL's OffloadActivations packs by its own rules (engine/offload_trl.py)
+            sim.set_offload(TrlActivationOffload(prior=not first_step) if self.exp.profile.framework == "trl"
+                            else ActivationOffload())
 
     def fused_step(self, s: Sim, p: Param) -> None:
         """A fused optimizer's post-accumulate-grad hook: the parameter steps, its gradient goes."""
@@ -434,5 +436,6 @@ class _Step:
             paged_state_bytes=opt.paged_bytes if OPTIMIZERS[self.tr.optimizer].paged else None,
             event_phases=log.phases if log is not None else None,
             state_moves=moves,
+            prior_step=frozenset(off.prior_uids) if off is not None else frozenset(),
             grads_ready=self.grads_ready,
         )

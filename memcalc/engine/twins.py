@@ -51,13 +51,19 @@ def first_step_of(steady: SimResult) -> Optional[SimResult]:
         prev = i
         inserted.append(inserted[-1] + len(made))
     out += evs[prev:]
+    # what an earlier step left (SimResult.prior_step): made at the steady step's start, never in a first step
+    prior = steady.prior_step
+    dropped = list(accumulate((e[0] in prior for e in out), initial=0)) if prior else None
+    if prior:
+        out = [e for e in out if e[0] not in prior]
 
     def derived(m: int) -> int:
         """Where the steady step's event index ``m`` lands (a phase mark there precedes any state
         made at the same index: the optimizer step's phase begins, then its state is made)."""
         if m <= start:
             return kept_before[m]
-        return m - (start - step_start) + inserted[bisect_left(made_at, m)]
+        at = m - (start - step_start) + inserted[bisect_left(made_at, m)]
+        return at - dropped[at] if dropped is not None else at
 
     peak, peak_phase, phases = _peaks(out, [(derived(m), ph) for m, ph in steady.event_phases])
     return SimResult(

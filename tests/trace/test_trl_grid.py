@@ -8,9 +8,9 @@ The grid: three families scaled down (Llama-, Qwen2- and GPT-2-shaped: RMSNorm/S
 bias, tied head with LayerNorm/GELU/learned positions), 2 layers, width 128, vocabulary 2048 (the fused
 head's tile is 32768 columns whatever the vocabulary: the trace checks that too); full fine-tuning and
 LoRA and QLoRA (a bitsandbytes 4-bit base, SFTTrainer's own PEFT path); checkpointing none and full; the
-fraction of tokens that reach the loss 1, 0.5 and 0.1 (``--loss-tokens``);
-activation offloading on and off; bf16 and fp32; batch and sequence varied; Liger's layer kernels
-(``use_liger_kernel``: RoPE, RMSNorm, SwiGLU) on the Llama and Qwen2 shapes.
+fraction of tokens that reach the loss 1, 0.5 and 0.1 (``--loss-tokens``); activation offloading on and off
+(TRL's own ``OffloadActivations``, validate/trl_offload.py); bf16 and fp32; batch and sequence varied; Liger's
+layer kernels (``use_liger_kernel``: RoPE, RMSNorm, SwiGLU) on the Llama and Qwen2 shapes.
 
 # source: each row is a trace of trl 1.16.0 + transformers 5.x + PEFT 0.2x on meta
 """
@@ -49,6 +49,7 @@ SETUPS = (
     ("all", "bf16", "none", 0.5, False, 4, 64),
     ("all", "bf16", "full", 1.0, True, 2, 128),
     ("qv", "bf16", "none", 0.1, True, 1, 256),
+    ("full", "fp32", "full", 1.0, True, 2, 128),  # offloading: TRL's record_stream rule (the recompute keeps x)
 )
 #: with use_liger_kernel (Liger's RoPE, RMSNorm, SwiGLU; SFTTrainer turns its fused linear cross-entropy off), on
 #: the families Liger patches (not GPT-2)
@@ -144,3 +145,33 @@ def test_what_the_trl_trace_refuses_is_one_line(update, message):
     with pytest.raises(UserError, match=message):
         trl_trainer.check(bad)
     assert trl_trainer.measure(bad, "meta").status == "skipped"
+
+
+def test_the_trace_runs_trls_own_offloading():
+    """``--activation-offload`` traces trl 1.16.0's ``OffloadActivations`` itself (validate/trl_offload.py), with
+    its storage keys working on meta: two activations are two storages (each offloaded), a second save of one is
+    its dedup (kept), and ``weight.t()`` is a parameter storage (kept); with every ``data_ptr()`` 0, the second
+    activation would be taken for the first and kept on the device."""
+    import torch
+    from trl.models.activation_offloading import OffloadActivations
+
+    from memcalc.core.kernels import pinned_bytes
+    from memcalc.validate.trl_offload import MetaOffload
+
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.lin = torch.nn.Linear(64, 64, bias=False)
+        model.lm_head = torch.nn.Linear(64, 8, bias=False)
+    meta = MetaOffload()
+    ctx = meta.build(model)
+    assert type(ctx) is OffloadActivations
+    x = torch.empty(32, 64, device="meta", requires_grad=True)
+    with meta.patches():
+        ctx.__enter__()
+        h = model.lin(x)  # saves weight.t() and x
+        z = h * h  # saves h twice
+        offloaded = [v[1] for v in ctx.tracker.values()]
+        z.sum().backward()
+        ctx.__exit__(None, None, None)
+    assert offloaded == [False, True, True, False]
+    assert meta.host.max_pinned_bytes == 2 * pinned_bytes(32 * 64 * 4)

@@ -36,6 +36,8 @@ SETUPS = [
     dict(model="llama-3.1-8b", bf16=True, compile=True, memory_budget=0.5, seq=128),  # source: compiled step, gradients leave together
     dict(model="llama-3.1-8b", lora=True, compile=True, checkpoint="full", seq=128, fused_optimizer=True),  # source: compiled + fused: deferred hooks
     dict(model="llama-3.1-8b", bf16=True, activation_offload=True, seq=128),  # source: activation offloading
+    dict(model="llama-3.1-8b", lora=True, bf16=True, activation_offload=True, checkpoint="full", framework="trl",
+         seq=128),  # source: TRL's offloading: the last step's input leaf held into a steady step only (offload_trl)
     dict(model="qwen3-30b-a3b", lora=True, bf16=True, seq=128),  # source: MoE experts
 ]
 #: The rows also run at full depth (32 layers): the first three.

@@ -64,8 +64,8 @@ from ..hf_model import build_hf_model, param_counts
 from ..hf_runner import _decoder_layers, check_hf, hf_measurement, hf_unsupported, quiet_transformers
 from ..amp import Amp
 from ..model import torch_dtype
-from ..offload import OffloadActivations
 from ..step import Measurement, Probe, run_on_device
+from ..trl_offload import MetaOffload
 
 EXTRA = "trl"
 
@@ -313,7 +313,10 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
     meas.params = param_counts(model)[0]
     trainer = _Trainer(model)
     rows = loss_token_count(tr.batch, tr.seq, exp.profile.loss_tokens)
-    offload = OffloadActivations() if tr.activation_offload else None
+    # SFTTrainer.__init__: get_act_offloading_ctx_manager(model=self.model) with activation_offloading, TRL's own
+    # OffloadActivations, run on meta with what has no meaning there answered (..trl_offload)
+    meta_offload = MetaOffload() if tr.activation_offload else None
+    offload = meta_offload.build(model) if meta_offload is not None else None
     hooks: list = []
 
     def attach(probe: Probe) -> None:
@@ -322,27 +325,23 @@ def _run(exp: ExperimentSpec, m, device: str, say, meas: Measurement, debug: boo
 
     def forward(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs = {"input_ids": ids, "labels": labels, "attention_mask": mask}
-        if offload is not None:  # SFTTrainer.training_step: the whole step inside the context
-            # TRL's OffloadActivations.__enter__ first drops what the last step left (trl/models/
-            # activation_offloading.py: tracker, stashes; saved tensors of nodes backward never reached)
-            offload.tracker.clear()
-            offload.fwd_stash.clear()
-            offload.bwd_stash.clear()
-            offload.tensor_id, offload.first_backward_call = 0, True
-            offload.__enter__()
+        if offload is not None:  # SFTTrainer.training_step: `with self.maybe_activation_offload_context:` around
+            offload.__enter__()  # Trainer.training_step (compute_loss, then the backward)
         return SFTTrainer.compute_loss(trainer, model, inputs)  # type: ignore[arg-type]
 
     def backward(loss: torch.Tensor) -> None:
         loss.backward()
         if offload is not None:
-            offload.close()
+            offload.__exit__(None, None, None)
 
     mask = torch.ones((tr.batch, tr.seq), dtype=torch.int64, device=device)
     kernels = HFKernels(exp.profile, amp)
     run_on_device(exp, m, device, model, meas, say, debug, sim, forward, attach,
                   contexts=(trl_patches(), hf_patches(model, kernels), kernels,
-                            LabelMask((tr.batch, tr.seq - 1), rows)), backward=backward, extra=quant_state)
-    if offload is not None:
-        meas.host_activation_bytes = offload.max_pinned_bytes
+                            LabelMask((tr.batch, tr.seq - 1), rows),
+                            *((meta_offload.patches(),) if meta_offload is not None else ())),
+                  backward=backward, extra=quant_state)
+    if meta_offload is not None:
+        meas.host_activation_bytes = meta_offload.host.max_pinned_bytes
     for h in hooks:
         h.remove()

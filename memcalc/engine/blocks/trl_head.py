@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from memcalc.core.dtypes import DType
 from memcalc.core.rules import loss_token_count
-from memcalc.engine.sim import T
+from memcalc.engine.sim import T, param_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from memcalc.engine.context import ForwardContext
@@ -113,7 +113,9 @@ def fused_loss(fwd: ForwardContext, x: T) -> T:
     if compute != dt:  # AMP: the token chunk's cast and two vocabulary chunks' casts alive at once
         temps += [compute.nbytes(min(N, TOKEN_CHUNK_SIZE) * H)] + [compute.nbytes(min(V, VOCAB_CHUNK_SIZE) * H)] * 2
     params = [weight] + ([bias] if bias is not None else [])
-    sim.node("trl_chunked_logprob", [hs, targets, log_z, entropy], [hs], params, [logprobs, entropy],
+    p = param_id(sim)  # save_for_backward(hidden, weight, bias, targets, log_z, entropy): the parameters' pack ids
+    saved = [hs, *p, *(p if bias is not None else []), targets, log_z, entropy]
+    sim.node("trl_chunked_logprob", saved, [hs], params, [logprobs, entropy],
              temps=temps, flops=2 * N * H * V)
     o.drop(*bufs)
     sim.unref(mm_buf)
