@@ -9,6 +9,30 @@ from memcalc.core.spec import ExperimentSpec, ModelSpec, TrainingSpec
 _WHOLE_FILE_SLOW = "\npytestmark = pytest.mark.slow"
 
 
+def _build_each_app_once() -> None:
+    """typer's ``CliRunner.invoke(app, ...)`` rebuilds the click command tree from the Typer app on every
+    call (typer/testing.py ``invoke`` -> typer.main.get_command: every command's signature and type hints
+    evaluated again, 0.1-0.3 s a call, more than most commands' own run). The tree depends only on the
+    app's registered commands and their module-level ``Annotated`` options, fixed at import, so each app's
+    tree is built once per test process and reused; each invocation still makes its own click context
+    (click's ``Command.main``). ``memcalc`` itself builds it once per process (memcalc/cli/__init__.py main)."""
+    import typer.testing
+
+    real = typer.testing._get_command
+    built: dict[int, tuple[object, object]] = {}  # id(app) -> (app, its command); the app kept alive
+
+    def get_command(app):
+        hit = built.get(id(app))
+        if hit is None or hit[0] is not app:
+            hit = built[id(app)] = (app, real(app))
+        return hit[1]
+
+    typer.testing._get_command = get_command  # type: ignore[attr-defined]
+
+
+_build_each_app_once()
+
+
 def pytest_ignore_collect(collection_path, config):
     """The quick lane (``-m "not slow"``) does not even import a test file marked slow as a whole
     (``pytestmark = pytest.mark.slow``): those are the validator's files, and importing them
