@@ -13,6 +13,8 @@ forked workers, and is less disturbed than wall time by other work on a shared m
   and ``plan --gpu rtx-4090 --compile`` (target, issue 26: each plan under 5 s);
 - configurations per second of ``plan --gpu`` (options x batches x seqs the vectorised search
   evaluates, from ``plan --json``'s ``evaluated``, over the process wall time);
+- pipelines and clusters (issue 31): ``estimate`` of Llama-3.1-70B and DeepSeek-V3 under ``--pp 8`` (target
+  0.5 s, as every estimate) and the 405B and DeepSeek-V3 cluster tables (target 10 s);
 - growth with depth (8B 32 layers, 70B 80, 405B 126: ``plan --gpu h100-80gb``, and the cluster
   table) and with the number of options (``plan --gpu``: the options that fit, ``--all``: every
   option, ``--compile``: nine compiled options more, estimated directly).
@@ -20,7 +22,7 @@ forked workers, and is less disturbed than wall time by other work on a shared m
     python benchmarks/bench_speed.py [-n 3] [--quick]
     python benchmarks/bench_speed.py --count
 
-``--quick`` leaves out the 405B and ``--all`` rows. ``--count`` times nothing: it runs the four
+``--quick`` leaves out the 405B, DeepSeek-V3 cluster and ``--all`` rows. ``--count`` times nothing: it runs the four
 target commands in-process and counts the simulated steps, the decoder layers walked in them and
 their CPU time (the work itself, undisturbed by other load on a shared machine). Not a test: the targets live here (CI never
 runs benchmarks; pytest does not collect this folder).
@@ -318,6 +320,16 @@ def main() -> None:
         print(f"  {ev:,} configurations (option x batch x seq): {ev / w:,.0f} per second of wall, {ev / c:,.0f} per CPU second")
     row("plan --model llama-3.1-70b (cluster table)", ["plan", "--model", "llama-3.1-70b"], "target wall < 5 s")
     row("plan --model llama-3.1-8b --gpu rtx-4090 --compile", g8 + ["--compile"], "target wall < 5 s")
+
+    print("pipelines and clusters (issue 31):")
+    row("estimate --model llama-3.1-70b --pp 8 --microbatches 16 --batch 16 --gpus 8",
+        ["estimate", "--model", "llama-3.1-70b", "--pp", "8", "--microbatches", "16", "--batch", "16", "--gpus", "8"],
+        "target wall < 0.5 s")
+    row("estimate --model deepseek-v3 --pp 8 --batch 8",
+        ["estimate", "--model", "deepseek-v3", "--pp", "8", "--batch", "8"], "target wall < 0.5 s")
+    if not a.quick:
+        row("plan --model llama-3.1-405b (cluster table)", ["plan", "--model", "llama-3.1-405b"], "target wall < 10 s")
+        row("plan --model deepseek-v3 (cluster table)", ["plan", "--model", "deepseek-v3"], "target wall < 10 s")
 
     print("growth with depth (layers):")
     depth = [("llama-3.1-8b", 32), ("llama-3.1-70b", 80)] + ([] if a.quick else [(M405, 126)])
