@@ -200,9 +200,6 @@ def _check_stages(tr: TrainingSpec, n_layers: int, n_mb: int) -> None:
         raise UserError(f"--pp-schedule {tr.pp_schedule} runs exactly 2 stages per rank, not --pp-stages-per-rank "
                         f"{V} (torch's ScheduleZBVZeroBubble raises 'ZBV requires exactly 2 stages per rank, but got "
                         f"{V}.')")
-    if tr.pp_schedule in V_SHAPED and tr.gpus > 1 and tr.zero > 0:
-        raise UserError(f"--pp-schedule {tr.pp_schedule} with --zero {tr.zero} over --gpus {tr.gpus}: FSDP2 under the "
-                        "V placement is not traced yet; use --pp-schedule zero-bubble or interleaved-1f1b")
     if tr.pp_schedule in ZERO_BUBBLE and tr.checkpoint_reentrant:
         raise UserError(f"--pp-schedule {tr.pp_schedule} with --reentrant: its input backward is "
                         "torch.autograd.grad (_backward.py stage_backward_input), and torch's reentrant checkpoint "

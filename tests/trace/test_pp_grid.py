@@ -119,7 +119,10 @@ ROWS = [
     # and 3, the embedding and the head; rank 1: stages 1 and 2, whose output and input gradient pass locally as
     # each other's receive buffers), zero bubble's I / W, full checkpointing, and cp 2: the ring attention's
     # backward buffers in each I (-4.4% on rank 1 when I skipped them)
-    (2, 2, "zbv-zero-bubble", 4, 2, 256, "plain", {"precision": "bf16", "checkpoint": "full", "cp": 2}),
+    (2, 2, "zbv-zero-bubble", 4, 2, 128, "plain", {"precision": "bf16", "checkpoint": "full", "cp": 2}),
+    # source: trace, ZBV x FSDP2 over 2 (zero 3; the runtime's UNSHARD / RESHARD / REDUCE_GRAD of each of a rank's
+    # V stages), 2 layers over 4 stages (0, 1, 1, 0), short sequences
+    (2, 2, "zbv-zero-bubble", 2, 2, 32, "plain", {"precision": "bf16", "gpus": 2, "zero": 3}),
     # source: trace, ZBV over 3 ranks (6 stages, 1 layer each but the head's): a middle rank without the V's turn
     (3, 3, "zbv-zero-bubble", 6, 3, 128, "plain", {"precision": "bf16"}),
     # source: trace, pp x ep (torchtitan 0.3.0's sparse mesh pp x dp x ep; each stage's routed experts n_experts / ep

@@ -200,8 +200,6 @@ def test_bad_pipeline_input_is_one_line(args, code, message):
      "incompatible with .grad()"),
     # source: torch 2.13 schedules.py ScheduleZBVZeroBubble.__init__: 'ZBV requires exactly 2 stages per rank'
     ({"pp_schedule": "zbv-zero-bubble", "pp_stages_per_rank": 3}, "exactly 2 stages per rank"),
-    # source: memcalc.core.pipeline._check_stages: FSDP2 under ZBV's V placement is not traced
-    ({"pp_schedule": "zbv-zero-bubble", "gpus": 2, "zero": 3}, "FSDP2 under the V placement"),
 ])
 def test_multi_stage_refusals(tr, message):
     from memcalc.core.errors import UserError
