@@ -233,11 +233,12 @@ MAX_FWD_STASH = 5
 
 
 # -- tensor parallelism (torchtitan apply_tp) -------------------------------------------------
-#: why ``--tp`` refuses a mixture-of-experts model: what torchtitan 0.3.0 runs for it, not modelled yet
-MOE_TP = ("torchtitan 0.3.0 shards them by set_moe_sharding_config, models/common/moe_sharding.py, under "
-          "Module.parallelize: the routed experts' w1/w3 Shard(1) and w2 Shard(2) over tp, run on every token in a "
-          "local_map with a Partial output reduced at the MoE boundary, the router replicated, the shared experts "
-          "colwise/rowwise; not modelled: --ep splits the experts instead")
+#: why ``--tp`` with ``--ep`` is refused (torchtitan 0.3.0 models/common/moe_sharding.py
+#: ``_routed_experts_sharding_configs`` with ``enable_ep``: tokens ``Shard(1)`` on the tp axis, experts ``Shard(0)``
+#: on ep); ``--tp`` alone on the routed experts is modelled (``engine/tensor_parallel.local_model``,
+#: ``engine/blocks/moe.moe_block``)
+MOE_TP = ("tp x ep: torchtitan 0.3.0's set_moe_sharding_config(enable_ep=True) shards the MoE's tokens over the tp "
+          "axis and the experts over ep; not traced. Without --ep, --tp shards every expert's hidden width")
 
 
 def check_tp(exp: ExperimentSpec) -> None:
@@ -250,7 +251,11 @@ def check_tp(exp: ExperimentSpec) -> None:
         return
     unsupported = [name for cond, name in (
         (m.mla is not None, "multi-head latent attention"),
-        (m.moe is not None, f"mixture-of-experts layers ({MOE_TP})"),
+        (m.moe is not None and tr.ep > 1, f"--ep ({MOE_TP})"),
+        (m.moe is not None and (m.moe.n_shared_experts > 0 or m.moe.shared_expert_gate),
+         "shared experts (set_moe_sharding_config's colwise/rowwise shared-expert plan: not traced)"),
+        (m.moe is not None and m.moe.expert_bias, "expert biases (gpt-oss's mlp1/mlp2 layout: not traced)"),
+        (m.moe is not None and m.moe.implementation == "litgpt", "LitGPT's per-expert MoE loop"),
         (is_attention_variant(m), "an attention variant (fused qkv, q/k norms, eager or sliding attention)"),
         (m.fused_gate_up, "a fused gate_up projection"),
         (m.block != "sequential" or is_variant_layer(m), "a parallel block or a norm placement variant"),
@@ -262,8 +267,10 @@ def check_tp(exp: ExperimentSpec) -> None:
     if unsupported:
         raise UserError(f"--tp {tp} models Llama-style decoders (torchtitan's apply_tp); {m.name} with "
                         f"{', '.join(unsupported)} is not covered")
-    for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff),
-                    ("vocab_size", m.vocab_size)):
+    sizes = [("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)]
+    if m.moe is not None:  # torchtitan expert_param_placement_dense: w1/w3 Shard(1), w2 Shard(2)
+        sizes.append(("d_ff_expert", m.moe.d_ff_expert))
+    for what, n in sizes:
         if n % tp:
             raise UserError(f"--tp {tp} must divide {what} ({n}): {n} / {tp} = {n / tp:g} "
                             f"(remainder {n % tp}); each rank holds {what} / tp (torchtitan shards the "

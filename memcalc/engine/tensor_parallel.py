@@ -34,11 +34,20 @@ vocabulary rows (:func:`local_model`), plus the collectives above (:class:`Tenso
 called by :mod:`memcalc.engine.forward`). 2-D FSDP2 x TP composes: ZeRO shards the local
 model's parameters over the ``gpus`` data-parallel ranks.
 
+Mixture-of-experts layers follow torchtitan 0.3.0's ``set_moe_sharding_config(enable_ep=False)``
+(``torchtitan/models/common/moe_sharding.py``): ``_moe_sharding_config`` redistributes the MoE's
+input to ``Replicate`` (the same gather as a column-parallel input) and its ``Partial`` output to
+the residual layout (the same reduce as a row-parallel output); the router is ``Replicate``
+(``_router_sharding_config``: every rank routes every token); ``expert_param_placement_dense``
+shards the routed experts' ``w1``/``w3`` on dim 1 and ``w2`` on dim 2, so the local model has
+``d_ff_expert / tp`` (:func:`local_model`; the walk is ``engine/blocks/moe.py`` ``moe_block``).
+Shared experts, expert biases and ``--ep`` with ``--tp`` are refused (``core/rules.check_tp``).
+
 Ignored: async TP (micro-pipelined collectives and their symmetric-memory buffers), Float8
 TP, context parallelism, the ids mask of the vocabulary-parallel embedding (``_MaskPartial``:
 an int64 copy and a bool mask of ``B x T``, bytes per token), NCCL's own buffers. Only
 Llama-style blocks are modelled (separate q/k/v, gated or plain MLP, pre-norm); fused
-projections, MoE, MLA and the other block variants are refused.
+projections, MLA and the other block variants are refused.
 """
 
 from __future__ import annotations
@@ -60,7 +69,11 @@ def local_model(m: ModelSpec, tp: int) -> ModelSpec:
     the residual stream keep ``d_model``). ``tp == 1``: ``m`` itself."""
     if tp == 1:
         return m
+    upd = {}
+    if m.moe is not None:  # torchtitan moe_sharding.expert_param_placement_dense: each expert's hidden width / tp
+        upd["moe"] = m.moe.model_copy(update={"d_ff_expert": m.moe.d_ff_expert // tp})
     return m.model_copy(update={
+        **upd,
         "n_heads": m.n_heads // tp,
         "n_kv_heads": m.kv_heads // tp,
         "head_dim": m.dim_head,

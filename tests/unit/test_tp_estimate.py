@@ -73,10 +73,13 @@ BAD_TP = [
      "llama-3.1-8b with LoRA / QLoRA adapters is not covered"),  # source: torchtitan's plan has no adapters
     (["estimate", "--model", "gpt2", "--tp", "2"], 2, "learned positions is not covered"),  # source: Llama blocks only
     (["estimate", "--model", "llama-3.1-8b", "--tp", "0"], 2, "--tp"),  # source: tp > 0
-    # source: torchtitan 0.3.0 models/common/moe_sharding.py set_moe_sharding_config (the dense-family TP plan of the
-    # experts), which memcalc does not model: named in the refusal
-    (["estimate", "--model", "mixtral-8x7b", "--tp", "2"], 2,
-     "mixtral-8x7b with mixture-of-experts layers (torchtitan 0.3.0 shards them by set_moe_sharding_config"),
+    # source: torchtitan 0.3.0 models/common/moe_sharding.py set_moe_sharding_config(enable_ep=True) (tokens sharded
+    # on the tp axis, experts over ep), which memcalc does not trace: named in the refusal
+    (["estimate", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "2", "--gpus", "2"], 2,
+     "mixtral-8x7b with --ep (tp x ep: torchtitan 0.3.0's set_moe_sharding_config(enable_ep=True)"),
+    # source: the same file's _shared_experts_sharding_configs (colwise/rowwise shared experts): not traced
+    (["estimate", "--model", "deepseek-v3", "--tp", "2"], 2,
+     "shared experts (set_moe_sharding_config's colwise/rowwise shared-expert plan: not traced)"),
 ]
 
 
@@ -100,3 +103,17 @@ def test_sequence_parallel_without_tp_is_noted():
     r = run(["estimate", "--model", "llama-3.2-3b", "--seq", "256", "--sequence-parallel", "--json"])
     assert r.exit_code == 0, r.output
     assert any("sequence_parallel has no effect with tp 1" in n for n in __import__("json").loads(r.stdout)["notes"])
+
+
+def test_tp_must_divide_the_experts_hidden_width():
+    # source: torchtitan 0.3.0 models/common/moe_sharding.py expert_param_placement_dense: w1/w3 Shard(1), w2 Shard(2)
+    # over tp, each expert's hidden width split evenly
+    from memcalc.core.errors import UserError
+    from memcalc.core.rules import check_tp
+    from memcalc.core.spec import ExperimentSpec, ModelSpec, MoESpec, TrainingSpec
+
+    m = ModelSpec(name="tiny-moe", n_layers=2, d_model=128, n_heads=4, d_ff=256, vocab_size=512,
+                  moe=MoESpec(n_experts=8, top_k=2, d_ff_expert=66))
+    check_tp(ExperimentSpec(model=m, training=TrainingSpec(tp=2)))
+    with pytest.raises(UserError, match=r"--tp 4 must divide d_ff_expert \(66\)"):
+        check_tp(ExperimentSpec(model=m, training=TrainingSpec(tp=4)))

@@ -51,6 +51,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from memcalc.core.spec import ModelSpec
 
+from .moe_tp import apply_moe_tp
+
 
 class _Colwise(ColwiseParallel):
     """``ColwiseParallel`` on the replica's ``Linear`` / ``LMHead`` (``F.linear`` modules that are not
@@ -89,8 +91,11 @@ def _replicate_norm(module: nn.Module, mesh) -> None:
 
 
 def tp_plan_supported(m: ModelSpec) -> list[str]:
-    """What of ``m`` the traced plan does not build (beyond the estimator's own refusals): nothing yet.
-    A tied head borrows the embedding's ``Shard(0)`` weight, which is the head's colwise layout too."""
+    """What of ``m`` the traced plan does not build (beyond the estimator's own refusals). A tied head
+    borrows the embedding's ``Shard(0)`` weight, which is the head's colwise layout too."""
+    moe = m.moe
+    if moe is not None and (moe.n_shared_experts or moe.shared_expert_gate):
+        return ["shared experts under --tp (moe_tp.py traces the routed experts only)"]
     return []
 
 
@@ -114,21 +119,26 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
     else:
         _replicate_norm(model.final_norm, tp_mesh)
     for layer in model.layers:
+        moe = getattr(layer, "moe", None)
         plan = {
             "attn.q_proj": _Colwise(), "attn.k_proj": _Colwise(), "attn.v_proj": _Colwise(),
             "attn.o_proj": _Rowwise(output_layouts=resid),
-            "mlp.down_proj" if hasattr(layer.mlp, "down_proj") else "mlp.fc2": _Rowwise(output_layouts=resid),
         }
+        if moe is not None:  # torchtitan's set_moe_sharding_config (enable_ep=False): moe_tp.py
+            apply_moe_tp(moe, tp_mesh, sp)
+        else:
+            plan["mlp.down_proj" if hasattr(layer.mlp, "down_proj") else "mlp.fc2"] = _Rowwise(output_layouts=resid)
         for name in ("gate_proj", "up_proj", "fc1"):
-            if hasattr(layer.mlp, name):
+            if moe is None and hasattr(layer.mlp, name):
                 plan[f"mlp.{name}"] = _Colwise()
         if sp:
             plan.update({
                 "norm1": SequenceParallel(), "norm2": SequenceParallel(),
                 "attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
                                            desired_input_layouts=(Replicate(), None, None, None)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             })
+            if moe is None:
+                plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         else:
             _replicate_norm(layer.norm1, tp_mesh)
             _replicate_norm(layer.norm2, tp_mesh)

@@ -418,4 +418,12 @@ def moe_block(fwd: ForwardContext, h: T, i: int) -> T:
     assert fwd.m.moe is not None
     if fwd.m.moe.implementation == "litgpt":  # LitGPT 0.5.13's LLaMAMoE loop (blocks/litgpt_moe.py)
         return litgpt_moe_block(fwd, h, i)
+    # tensor parallelism (no --ep): torchtitan 0.3.0 models/common/moe_sharding.py _moe_sharding_config with
+    # enable_ep=False: the input redistributed to Replicate (gathered under SP; its Partial gradient reduced), the
+    # experts run on d_ff_expert / tp (local_model), the Partial output all-reduced / reduce-scattered
+    if fwd.tp:
+        x = fwd.tp.gather(fwd, h)
+        y = _Block(fwd, i).run(x)
+        fwd.ops.drop(x)
+        return fwd.tp.reduce(fwd, y)
     return _Block(fwd, i).run(h)
