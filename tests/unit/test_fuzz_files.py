@@ -11,6 +11,7 @@ line with exit code 2; never a traceback. The quick lane draws a few examples; t
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from unittest import mock
@@ -43,7 +44,9 @@ def _leaves(doc, prefix=()):
         yield prefix
 
 
+@functools.cache
 def _load(path: Path):
+    """A fixture's document, parsed once (callers copy it before changing it: ``_with``)."""
     return json.loads(path.read_text()) if path.suffix == ".json" else yaml.safe_load(path.read_text())
 
 
