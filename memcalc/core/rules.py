@@ -252,8 +252,8 @@ def check_tp(exp: ExperimentSpec) -> None:
     unsupported = [name for cond, name in (
         (m.mla is not None, "multi-head latent attention"),
         (m.moe is not None and tr.ep > 1, f"--ep ({MOE_TP})"),
-        (m.moe is not None and (m.moe.n_shared_experts > 0 or m.moe.shared_expert_gate),
-         "shared experts (set_moe_sharding_config's colwise/rowwise shared-expert plan: not traced)"),
+        (m.moe is not None and m.moe.shared_expert_gate,
+         "Qwen2-MoE's gated shared expert (torchtitan 0.3.0 has no such model to follow)"),
         (m.moe is not None and m.moe.expert_bias, "expert biases (gpt-oss's mlp1/mlp2 layout: not traced)"),
         (m.moe is not None and m.moe.implementation == "litgpt", "LitGPT's per-expert MoE loop"),
         (is_attention_variant(m), "an attention variant (fused qkv, q/k norms, eager or sliding attention)"),
@@ -270,6 +270,8 @@ def check_tp(exp: ExperimentSpec) -> None:
     sizes = [("n_heads", m.n_heads), ("n_kv_heads", m.kv_heads), ("d_ff", m.d_ff), ("vocab_size", m.vocab_size)]
     if m.moe is not None:  # torchtitan expert_param_placement_dense: w1/w3 Shard(1), w2 Shard(2)
         sizes.append(("d_ff_expert", m.moe.d_ff_expert))
+        if m.moe.n_shared_experts:  # _shared_expert_colwise_config: the shared experts' w1/w3 Shard(0)
+            sizes.append(("the shared experts' width", m.moe.shared_width))
     for what, n in sizes:
         if n % tp:
             raise UserError(f"--tp {tp} must divide {what} ({n}): {n} / {tp} = {n / tp:g} "

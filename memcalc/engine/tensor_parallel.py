@@ -41,7 +41,10 @@ the residual layout (the same reduce as a row-parallel output); the router is ``
 (``_router_sharding_config``: every rank routes every token); ``expert_param_placement_dense``
 shards the routed experts' ``w1``/``w3`` on dim 1 and ``w2`` on dim 2, so the local model has
 ``d_ff_expert / tp`` (:func:`local_model`; the walk is ``engine/blocks/moe.py`` ``moe_block``).
-Shared experts, expert biases and ``--ep`` with ``--tp`` are refused (``core/rules.check_tp``).
+DeepSeek-V3's shared experts are column/row-parallel on the same replicated input
+(``_shared_expert_colwise_config`` / ``_rowwise_config``: ``shared_width / tp``; their outputs meet the routed
+experts' at the boundary: ``engine/blocks/moe.py`` ``_Block.tp_shared``). Qwen2-MoE's gated shared expert,
+expert biases and ``--ep`` with ``--tp`` are refused (``core/rules.check_tp``).
 
 Ignored: async TP (micro-pipelined collectives and their symmetric-memory buffers), Float8
 TP, context parallelism, the ids mask of the vocabulary-parallel embedding (``_MaskPartial``:
@@ -71,7 +74,10 @@ def local_model(m: ModelSpec, tp: int) -> ModelSpec:
         return m
     upd = {}
     if m.moe is not None:  # torchtitan moe_sharding.expert_param_placement_dense: each expert's hidden width / tp
-        upd["moe"] = m.moe.model_copy(update={"d_ff_expert": m.moe.d_ff_expert // tp})
+        moe = {"d_ff_expert": m.moe.d_ff_expert // tp}
+        if m.moe.d_ff_shared is not None:  # _shared_expert_colwise_config: w1/w3 Shard(0), w2 Shard(1)
+            moe["d_ff_shared"] = m.moe.d_ff_shared // tp
+        upd["moe"] = m.moe.model_copy(update=moe)
     return m.model_copy(update={
         **upd,
         "n_heads": m.n_heads // tp,

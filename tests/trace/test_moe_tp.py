@@ -1,13 +1,14 @@
 """Tensor parallelism on a mixture-of-experts model: the estimate against torchtitan 0.3.0's MoE layouts
 traced on one rank.
 
-Each row builds memcalc's replica of a scaled-down Qwen3-MoE-style model (routed experts, no shared
-expert), applies the tensor-parallel plan with torchtitan's ``set_moe_sharding_config(enable_ep=False)``
-layouts on its MoE layers (``validate/sharded/moe_tp.py``: every token routed on every rank, the
-experts' hidden width ``Shard`` over tp, the Partial output reduced at the MoE boundary) on PyTorch's
-fake process group and traces rank 0's second step (``measure_tp``); the estimate of the same spec
-(``engine/tensor_parallel.local_model``, ``engine/blocks/moe.moe_block``) must be within
-:data:`TOLERANCE_PCT`. Small shapes (d_model 128, 2 layers, 8 experts, vocab 512): a second or two a row.
+Each row builds memcalc's replica of a scaled-down Qwen3-MoE-style model (routed experts alone) or
+DeepSeek-V3-style MoE (sigmoid router, a shared expert, a dense first layer), applies the tensor-parallel
+plan with torchtitan's ``set_moe_sharding_config(enable_ep=False)`` layouts on its MoE layers
+(``validate/sharded/moe_tp.py``: every token routed on every rank, the experts' hidden width ``Shard``
+over tp, the Partial output reduced at the MoE boundary) on PyTorch's fake process group and traces
+rank 0's second step (``measure_tp``); the estimate of the same spec (``engine/tensor_parallel.local_model``,
+``engine/blocks/moe.moe_block``) must be within :data:`TOLERANCE_PCT`. Small shapes (d_model 128,
+2 layers, 8 experts, vocab 512): a second or two a row.
 """
 
 from __future__ import annotations
@@ -31,13 +32,16 @@ def spec(sp: bool, moe: dict | None = None, **tr) -> ExperimentSpec:
     return ExperimentSpec(model=m, training=TrainingSpec(batch=2, seq=128, tp=2, sequence_parallel=sp, **tr))
 
 
+#: DeepSeek-V3's MoE: sigmoid router, one shared expert (colwise / rowwise), the first layer dense
+DSV3 = {"router": "sigmoid", "n_shared_experts": 1, "first_dense_layers": 1}
+
 # (sequence parallel, MoE fields, training fields); tp 2
 ROWS = [
     (False, {}, {}),  # source: trace, fp32, the MoE input's gradient all-reduced, output all-reduced; peak in backward
     (True, {}, {"precision": "bf16"}),  # source: trace, bf16 + SP: all-gathered in, reduce-scattered out
-    # source: trace, DeepSeek-V3's sigmoid router (no shared expert) after one dense layer, bf16 + SP
-    (True, {"router": "sigmoid", "first_dense_layers": 1}, {"precision": "bf16"}),
-    (True, {}, {"precision": "bf16", "gpus": 2, "zero": 3}),  # source: trace, 2-D FSDP2 x TP (2 x 2 mesh)
+    (False, DSV3, {}),  # source: trace, fp32: routed + shared Partial outputs summed, all-reduced once
+    # source: trace, bf16 + SP, 2-D FSDP2 x TP (2 x 2 mesh): routed and shared outputs each reduce-scattered
+    (True, DSV3, {"precision": "bf16", "gpus": 2, "zero": 3}),
 ]
 
 

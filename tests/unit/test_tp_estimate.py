@@ -77,9 +77,8 @@ BAD_TP = [
     # on the tp axis, experts over ep), which memcalc does not trace: named in the refusal
     (["estimate", "--model", "mixtral-8x7b", "--tp", "2", "--ep", "2", "--gpus", "2"], 2,
      "mixtral-8x7b with --ep (tp x ep: torchtitan 0.3.0's set_moe_sharding_config(enable_ep=True)"),
-    # source: the same file's _shared_experts_sharding_configs (colwise/rowwise shared experts): not traced
-    (["estimate", "--model", "deepseek-v3", "--tp", "2"], 2,
-     "shared experts (set_moe_sharding_config's colwise/rowwise shared-expert plan: not traced)"),
+    # source: DeepSeek-V3's MLA (torchtitan's deepseek_v3 sharding plan for it is not modelled)
+    (["estimate", "--model", "deepseek-v3", "--tp", "2"], 2, "deepseek-v3 with multi-head latent attention"),
 ]
 
 

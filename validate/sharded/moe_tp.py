@@ -22,7 +22,8 @@ replicated DTensors (``distribute_module``); the experts' tensors ``Shard(1)`` D
 fuses w1 and w3 into one ``gate_up_proj``, each half sharded on its rows: the local
 ``(E, 2 f / tp, d)`` holds this rank's rows of both, the bytes of torchtitan's two tensors) used
 through ``to_local()``; the output ``from_local(Partial)`` redistributed to the residual layout.
-Shared experts (DeepSeek-V3, Qwen2-MoE) are not traced here (``tp_plan_supported`` says so).
+Shared experts (DeepSeek-V3's; not Qwen2-MoE's gated one, which torchtitan has no model for):
+``_shared_experts_sharding_configs`` (see :func:`_shared_plan`).
 """
 
 from __future__ import annotations
@@ -59,20 +60,51 @@ def _shard_experts(experts: nn.Module, mesh, tp: int) -> None:
     experts.__dict__["weight"] = types.MethodType(weight, experts)
 
 
-def apply_moe_tp(block: nn.Module, mesh, sequence_parallel: bool) -> None:
-    """torchtitan's ``set_moe_sharding_config(enable_ep=False)`` layouts on one replica ``MoEBlock``."""
-    assert block.shared_experts is None and block.shared_expert_gate is None
+def _shared_plan(shared: nn.Module, mesh, sequence_parallel: bool, colwise: type, rowwise: type) -> None:
+    """``_shared_experts_sharding_configs(enable_ep=False)``: w1/w3 colwise on the block's ``Replicate`` input
+    (a DTensor: no per-linear reduction of the input's gradient, which stays ``Partial`` to the MoE boundary),
+    w2 rowwise with its ``Partial`` output reduce-scattered to ``Shard(1)`` (sequence parallelism) or kept
+    ``Partial`` (added to the routed experts' ``Partial`` output, reduced once at the boundary). ``colwise`` /
+    ``rowwise``: ``tp._Colwise`` / ``tp._Rowwise`` (the replica's linears are not ``nn.Linear``)."""
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    out = Shard(1) if sequence_parallel else Partial()
+    plan: dict[str, ParallelStyle] = {name: colwise() for name in ("gate_proj", "up_proj", "fc1")
+                                      if hasattr(shared, name)}
+    plan["down_proj" if hasattr(shared, "down_proj") else "fc2"] = rowwise(output_layouts=out, use_local_output=False)
+    parallelize_module(shared, mesh, plan)
+
+
+def apply_moe_tp(block: nn.Module, mesh, sequence_parallel: bool, colwise: type, rowwise: type) -> None:
+    """torchtitan's ``set_moe_sharding_config(enable_ep=False)`` layouts on one replica ``MoEBlock``
+    (``colwise`` / ``rowwise``: the plan's styles for the shared experts' linears, :func:`_shared_plan`)."""
+    assert block.shared_expert_gate is None
     tp = mesh.size()
     inp, out = _router_io(mesh)
     distribute_module(block.router, mesh, input_fn=inp, output_fn=out)
     _shard_experts(block.experts, mesh, tp)
     resid = [Shard(1)] if sequence_parallel else [Replicate()]
     inner = block.forward
+    shared = block.shared_experts
+    if shared is not None:
+        _shared_plan(shared, mesh, sequence_parallel, colwise, rowwise)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # with sequence parallelism norm2 (SequenceParallel) hands a Shard(1) DTensor; without, a local tensor
         x = h if isinstance(h, DTensor) else DTensor.from_local(h, mesh, resid, run_check=False)
-        x = x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-        y = inner(x)
-        return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, resid).to_local()
+        x_rep = x.redistribute(mesh, [Replicate()])
+        x = x_rep.to_local(grad_placements=[Partial()])
+        if shared is None:
+            y = inner(x)
+            return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, resid).to_local()
+        # torchtitan MoE.forward: routed experts, then the shared experts, then their sum
+        B, T, d = x.shape
+        xf = x.view(-1, d)
+        _, weights, idx = self.router(xf)
+        y = self.experts(xf, idx, weights)
+        yd = DTensor.from_local(y.view(B, T, d), mesh, [Partial()], run_check=False)
+        if sequence_parallel:  # desired_experts_output_layout: Shard(1)
+            yd = yd.redistribute(mesh, resid)
+        out = yd + shared(x_rep)
+        return out.redistribute(mesh, resid).to_local()
     block.__dict__["forward"] = types.MethodType(forward, block)

@@ -94,8 +94,8 @@ def tp_plan_supported(m: ModelSpec) -> list[str]:
     """What of ``m`` the traced plan does not build (beyond the estimator's own refusals). A tied head
     borrows the embedding's ``Shard(0)`` weight, which is the head's colwise layout too."""
     moe = m.moe
-    if moe is not None and (moe.n_shared_experts or moe.shared_expert_gate):
-        return ["shared experts under --tp (moe_tp.py traces the routed experts only)"]
+    if moe is not None and moe.shared_expert_gate:
+        return ["Qwen2-MoE's gated shared expert under --tp (torchtitan has no such model)"]
     return []
 
 
@@ -125,7 +125,7 @@ def apply_tp(model: nn.Module, tp_mesh, sequence_parallel: bool) -> None:
             "attn.o_proj": _Rowwise(output_layouts=resid),
         }
         if moe is not None:  # torchtitan's set_moe_sharding_config (enable_ep=False): moe_tp.py
-            apply_moe_tp(moe, tp_mesh, sp)
+            apply_moe_tp(moe, tp_mesh, sp, _Colwise, _Rowwise)
         else:
             plan["mlp.down_proj" if hasattr(layer.mlp, "down_proj") else "mlp.fc2"] = _Rowwise(output_layouts=resid)
         for name in ("gate_proj", "up_proj", "fc1"):

@@ -383,6 +383,8 @@ class _Block:
             z = o.add(y, gs)
             o.drop(y, gs)
             y = z
+        elif moe.n_shared_experts and self.fwd.tp:  # torchtitan MoE.forward under tp (no --ep): below
+            y = self.tp_shared(h, y)
         elif moe.n_shared_experts:  # DeepseekV3MoE: experts(...) + shared_experts(residuals)
             s = self.shared(h)
             z = o.add(y, s)
@@ -390,6 +392,31 @@ class _Block:
             y = z
         o.drop(logits, wts, idx)
         return y
+
+    def tp_shared(self, h: T, y: T) -> T:
+        """torchtitan 0.3.0 ``MoE.forward`` (routed, then shared, then the sum) under
+        ``set_moe_sharding_config(enable_ep=False)`` (models/common/moe_sharding.py): the shared experts'
+        w1/w3 take the block's ``Replicate`` input as a DTensor (``_shared_expert_colwise_config``: no
+        per-linear reduction of its gradient, which stays ``Partial`` to the MoE boundary). With sequence
+        parallelism the routed output and the shared w2's are each reduce-scattered to ``Shard(1)``
+        (``desired_experts_output_layout``, ``_shared_expert_rowwise_config``) and summed on the shard;
+        without, the two ``Partial`` outputs are summed whole and all-reduced once at the boundary
+        (:func:`moe_block`)."""
+        fwd, o = self.fwd, self.o
+        tp = fwd.tp
+        assert tp is not None
+        if tp.sp:
+            y = tp.reduce(fwd, y)
+        fwd.tp = None  # the shared linears' colwise inputs: no TensorParallel.colwise reduction
+        try:
+            s = self.shared(h)
+        finally:
+            fwd.tp = tp
+        if tp.sp:
+            s = tp.reduce(fwd, s)
+        z = o.add(y, s)
+        o.drop(y, s)
+        return z
 
     def shared(self, h: T) -> T:
         """The shared experts: one dense MLP of ``shared_width`` (gate, up, down as the layer's MLP)."""
@@ -425,5 +452,7 @@ def moe_block(fwd: ForwardContext, h: T, i: int) -> T:
         x = fwd.tp.gather(fwd, h)
         y = _Block(fwd, i).run(x)
         fwd.ops.drop(x)
+        if fwd.tp.sp and fwd.m.moe.n_shared_experts:  # already reduce-scattered (_Block.tp_shared)
+            return y
         return fwd.tp.reduce(fwd, y)
     return _Block(fwd, i).run(h)
