@@ -159,7 +159,7 @@ class Forward:
             self.ids_labels += (sim.alloc(self.rows * 8, "activations", "inputs"),)
         x = embedding.embed(self, ids)
         if sim.offload is not None and self.input_leaf is not None and not self.run_start:
-            sim.offload.carry_prior(sim, self.input_leaf)  # TRL: the last step's leaf is still held (offload_trl)
+            sim.offload.carry_prior(sim, self.input_leaf)  # the last step's leaf is still held (engine/offload.py)
         if m.positions == "rope" and self.liger is not None and self.liger.rope:  # what LigerRopeFunction saves
             self.rope_tables = liger.rope_tables(self, x)
         elif m.positions == "rope" and self.exp.profile.framework != "torchtune":  # torchtune: a cache view
@@ -229,7 +229,7 @@ class Forward:
         for t in (*self.ids_labels, self.rope_tables):
             self.sim.unref(t)
         if self.input_leaf is not None:  # freed with the graph; its .grad with it
-            if self.sim.offload is not None:  # (TRL's offloading keeps that graph: engine/offload_trl.py)
+            if self.sim.offload is not None:  # (offloading keeps that graph: engine/offload.py keep_graph)
                 self.sim.offload.keep_graph(self.sim, (self.input_leaf, self.input_leaf.grad_buffer))
             self.sim.unref(self.input_leaf.grad_buffer)
             self.input_leaf.grad_buffer = None

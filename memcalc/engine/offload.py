@@ -48,8 +48,10 @@ class ActivationOffload:
     #: whether an op's saved list may hold ``None`` for a saved ``nn.Parameter`` (an id, no bytes: the forward
     #: stash counts ids); torchtune's estimate gives none (its grid agrees without), TRL's does (offload_trl.py)
     param_ids = False
+    #: the category of the last step's input leaf an earlier step's graph still holds (:meth:`carry_prior`)
+    held_leaf_category = "the last step's input leaf (activation offloading)"
 
-    def __init__(self) -> None:
+    def __init__(self, prior: bool = False) -> None:
         self.active = False  # inside the offloading context (the model's forward, not the head)
         self.next_id = 0
         self.fwd_stash: list[tuple[int, T]] = []
@@ -63,6 +65,9 @@ class ActivationOffload:
         self.offloaded_tensors = 0  # in the current forward
         self.max_offloaded_tensors = 0
         self.prior_uids: set[int] = set()  # blocks an earlier step left, made at this one's start (twins)
+        # the graph the last unpacking node keeps: the input leaf and its .grad of the last backward (keep_graph)
+        self.held: list[T] = []
+        self.prior = prior  # a steady step: an earlier step's leaf and .grad are held at its start
 
     def pack(self, sim: Sim, saved: list[T]) -> tuple[list[T], list[tuple[int, T]]]:
         """Split a node's saved tensors into those autograd keeps on the GPU and those offloaded
@@ -95,7 +100,11 @@ class ActivationOffload:
     def unpack(self, sim: Sim, node: Node) -> None:
         """Before ``node``'s backward: its offloaded tensors come back (unless still stashed). A
         checkpoint node unpacks its inputs before recomputing; the hook then sits on the first
-        recomputed node to run (the autograd node current at the unpack)."""
+        recomputed node to run (the autograd node current at the unpack). The backward's first unpack of an
+        offloaded tensor replaces ``curr_autograd_node``: the graph it held (:meth:`keep_graph`) goes."""
+        for t in self.held:
+            sim.unref(t)
+        self.held = []
         self.bwd_prev, self.bwd_cur = self.bwd_prev + self.bwd_cur, []
         self.hook_due = True
         stashed = {tid for tid, _ in self.fwd_stash}
@@ -119,10 +128,29 @@ class ActivationOffload:
         self.bwd_prev = []
 
     def carry_prior(self, sim: Sim, leaf: T) -> None:
-        """A steady step's input leaf is made: what an earlier step's graph still holds (nothing here)."""
+        """A steady step's first forward makes its input leaf: the previous step's leaf and ``.grad`` (the same
+        sizes) are still alive (:meth:`keep_graph`), since the step began; they go at this backward's first
+        unpack. Counted from here (the batch alone is allocated before), and only once per step."""
+        if self.prior:
+            self.prior = False
+            for kind, category in (("activations", self.held_leaf_category), ("temporaries", "activation gradients")):
+                t = sim.alloc(leaf.nbytes, kind, category)
+                self.held.append(t)
+                if t.uid:
+                    self.prior_uids.add(t.uid)
 
     def keep_graph(self, sim: Sim, tensors: tuple[Optional[T], ...]) -> None:
-        """The step's graph goes (its input leaf and the leaf's ``.grad``): nothing here keeps it."""
+        """``unpack_tensor_with_streams`` keeps the node of its last unpack (``self.curr_autograd_node =
+        node``, torchtune 0.6.1 training/_activation_offloading.py; trl 1.16.0 models/activation_offloading.py
+        the same) until the next backward's first unpack replaces it; nothing clears it between steps (the
+        twin, validate/offload.py ``OffloadActivations.unpack``: ``self.curr_node = node``, reset only at the
+        next backward's first unpack). That node's ``next_functions`` reach the input leaf
+        ``enable_input_require_grads`` makes (PEFT with checkpointing, --framework hf and trl:
+        memcalc.core.rules.input_require_grads), whose ``AccumulateGrad`` node holds the leaf and so its
+        ``.grad``: both outlive the step (the optimizer step, the next forward). Traced (hf and TRL grids): the
+        leaf and a backward-made tensor of the last step alive at the next backward's peak. Without that leaf
+        (torchtune, plain) the node reaches only parameters: nothing is held."""
+        self.held += [sim.ref(t) for t in tensors if t is not None]
 
     def rope_tables(self, numel: int, itemsize_bits: int) -> list[T]:
         """The cos and sin tables a checkpointed region packs (:func:`rope_region_inputs`): host-only blocks."""
@@ -157,9 +185,15 @@ def rope_region_inputs(fwd) -> list[T]:
     anyway (shared by all layers), so they are host-only blocks here (no device bytes). torchtune
     passes none: ``TransformerDecoder.forward`` calls ``layer(h, mask=mask, input_pos=input_pos)``
     and each attention reads its own RoPE cache buffer (modules/transformer.py, 0.6.1), so its
-    checkpointed region saves ``h`` alone (one pack id, not three: the forward stash's count)."""
+    checkpointed region saves ``h`` alone (one pack id, not three: the forward stash's count). Nor does Hugging
+    Face 5.x (--framework hf; TRL's rule the same, offload_trl.py ``rope_tables``): ``GradientCheckpointingLayer``
+    runs ``self._gradient_checkpointing_func(partial(forward, self, **kwargs), *args)`` (transformers 5.24
+    modeling_layers.py) and ``LlamaModel.forward`` passes ``position_embeddings=`` as a keyword
+    (models/llama/modeling_llama.py), which torch.utils.checkpoint does not save: traced, the hf grid's host bytes
+    carry no tables and its forward stash counts one id per region."""
     off = offload_of(fwd.sim)
-    if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None or fwd.exp.profile.framework == "torchtune":
+    if off is None or fwd.m.positions != "rope" or fwd.m.mla is not None or fwd.exp.profile.framework in (
+            "torchtune", "hf"):
         return []
     from memcalc.core.rules import rope_width
 

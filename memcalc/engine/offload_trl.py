@@ -17,8 +17,8 @@ validate/trl_offload.py runs this class unmodified on meta (tests/trace/test_trl
   keeps a tensor whose storage is one of them: the ``weight.t()`` view ``F.linear`` saves is kept, not copied;
   a saved ``nn.Parameter`` (a norm's weight, ``native_layer_norm``'s weight and bias, the fused head's weight)
   takes an id like every pack (``get_tensor_id()`` first), which the forward stash's window counts;
-- **the last unpacking node** (``self.curr_autograd_node``) outlives the step: :meth:`keep_graph`,
-  :meth:`carry_prior`;
+- **the last unpacking node** (``self.curr_autograd_node``) outlives the step: torchtune's rule too
+  (:meth:`ActivationOffload.keep_graph`, :meth:`ActivationOffload.carry_prior`);
 - **record_stream** after an unpack whose storage gained references: :meth:`after_node`;
 - not modelled (the trace runs them; no grid row moves by 0.1%): the contiguous copy of a saved view with an
   offset or strides (``activation.clone()`` / ``.contiguous()`` before the host copy: SDPA's q/k/v/output),
@@ -41,12 +41,10 @@ class TrlActivationOffload(ActivationOffload):
 
     param_ids = True
 
+    held_leaf_category = "the last step's input leaf (TRL offloading)"
+
     def __init__(self, prior: bool = False) -> None:
-        super().__init__()
-        # the graph ``curr_autograd_node`` keeps: the input leaf and its .grad of the last backward (see keep_graph)
-        self.held: list[T] = []
-        self.prior = prior  # a steady step: an earlier step's leaf and .grad are held at its start
-        self.unpacked = False  # this backward has brought an offloaded tensor back
+        super().__init__(prior)
         self.counted: list[tuple[T, int]] = []  # the last unpack's copies and their references then
         # storage_to_tensor_id: block -> the pack id that holds its key (the block kept as the dict's key's owner)
         self.keys: dict[int, tuple[T, int]] = {}
@@ -55,7 +53,6 @@ class TrlActivationOffload(ActivationOffload):
         keep: list[T] = []
         off: list[tuple[int, T]] = []
         keys = self.keys
-        self.unpacked = False  # a forward: the next unpack is its backward's first
         for t in saved:
             self.next_id += 1
             tid = self.next_id
@@ -93,36 +90,9 @@ class TrlActivationOffload(ActivationOffload):
         ``CheckpointFunction``): the region packs its hidden states alone (the TRL trace packs one tensor per layer)."""
         return []
 
-    def carry_prior(self, sim: Sim, leaf: T) -> None:
-        """A steady step's first forward makes its input leaf: the previous step's leaf and ``.grad`` (the same
-        sizes) are still alive (:meth:`keep_graph`), since the step began; they go at this backward's first
-        unpack. Counted from here (the batch alone is allocated before), and only once per step."""
-        if self.prior:
-            self.prior = False
-            for kind, category in (("activations", "the last step's input leaf (TRL offloading)"),
-                                   ("temporaries", "activation gradients")):
-                t = sim.alloc(leaf.nbytes, kind, category)
-                self.held.append(t)
-                if t.uid:
-                    self.prior_uids.add(t.uid)
-
-    def keep_graph(self, sim: Sim, tensors: tuple[T | None, ...]) -> None:
-        """``unpack_tensor_with_streams`` keeps the node of its last unpack (``self.curr_autograd_node =
-        node``) until the next backward's first unpack replaces it; ``__enter__`` / ``__exit__`` never clear it.
-        That node's ``next_functions`` reach the input leaf ``enable_input_require_grads`` makes (PEFT with
-        checkpointing: memcalc.core.rules.input_require_grads), whose ``AccumulateGrad`` node holds the leaf
-        and so its ``.grad``: both outlive the step (the optimizer step, the next forward). Traced: the leaf
-        and a backward-made tensor of the last step alive at the next forward's peak."""
-        self.held += [sim.ref(t) for t in tensors if t is not None]
-
     def unpack(self, sim: Sim, node) -> None:
-        """The backward's first unpack of an offloaded tensor replaces ``curr_autograd_node``: the held graph goes.
-        Each copy brought back notes its references (``storage_refcount = torch._C._storage_Use_Count(...)``)."""
-        if not self.unpacked:
-            self.unpacked = True
-            for t in self.held:
-                sim.unref(t)
-            self.held = []
+        """Each copy brought back notes its references (``storage_refcount = torch._C._storage_Use_Count(...)``);
+        the held graph goes at the backward's first unpack (:meth:`ActivationOffload.unpack`)."""
         super().unpack(sim, node)  # (bwd_cur: this node's copies)
         self.counted = [(g, g.refs) for g in self.bwd_cur]
 

@@ -298,8 +298,8 @@ class _Step:
             opt.events = log.events
             self.state_moves = (frozenset(t.uid for ts in opt.state.values() for t in ts if t.uid), opt.created_at)
         if self.tr.activation_offload:  # TRL's OffloadActivations packs by its own rules (engine/offload_trl.py)
-            sim.set_offload(TrlActivationOffload(prior=not first_step) if self.exp.profile.framework == "trl"
-                            else ActivationOffload())
+            cls = TrlActivationOffload if self.exp.profile.framework == "trl" else ActivationOffload
+            sim.set_offload(cls(prior=not first_step))
 
     def fused_step(self, s: Sim, p: Param) -> None:
         """A fused optimizer's post-accumulate-grad hook: the parameter steps, its gradient goes."""
