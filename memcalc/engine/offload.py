@@ -85,13 +85,18 @@ class ActivationOffload:
                 sim.unref(self.fwd_stash.pop(0)[1])
             self.fwd_stash.append((tid, sim.ref(t)))
             off.append((tid, t))
-            self.host_bytes += n
-            self.pinned_bytes += pinned_bytes(n)
-            self.offloaded_tensors += 1
-            self.max_offloaded_tensors = max(self.max_offloaded_tensors, self.offloaded_tensors)
-            self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
-            self.max_pinned_bytes = max(self.max_pinned_bytes, self.pinned_bytes)
+            self.count_host_copy(n)
         return keep, off
+
+    def count_host_copy(self, n: int) -> None:
+        """One offloaded tensor of ``n`` raw bytes: the host bytes, the pinned bytes and the tensors of this
+        forward, and their maxima."""
+        self.host_bytes += n
+        self.pinned_bytes += pinned_bytes(n)
+        self.offloaded_tensors += 1
+        self.max_offloaded_tensors = max(self.max_offloaded_tensors, self.offloaded_tensors)
+        self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
+        self.max_pinned_bytes = max(self.max_pinned_bytes, self.pinned_bytes)
 
     def skip(self) -> None:
         """A saved ``nn.Parameter``: ``pack_tensor`` gives it an id and keeps it as it is."""

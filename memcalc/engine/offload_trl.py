@@ -28,7 +28,6 @@ validate/trl_offload.py runs this class unmodified on meta (tests/trace/test_trl
 
 from __future__ import annotations
 
-from memcalc.core.kernels import pinned_bytes
 from memcalc.core.rules import MAX_FWD_STASH, MIN_OFFLOAD_BYTES
 from memcalc.engine.offload import ActivationOffload, raw_bytes
 from memcalc.engine.sim import Sim, T
@@ -75,12 +74,7 @@ class TrlActivationOffload(ActivationOffload):
             self.fwd_stash.append((tid, sim.ref(t)))
             keys[id(t)] = (t, tid)  # track_storage_key(storage_key, tensor_id)
             off.append((tid, t))
-            self.host_bytes += n
-            self.pinned_bytes += pinned_bytes(n)
-            self.offloaded_tensors += 1
-            self.max_offloaded_tensors = max(self.max_offloaded_tensors, self.offloaded_tensors)
-            self.max_host_bytes = max(self.max_host_bytes, self.host_bytes)
-            self.max_pinned_bytes = max(self.max_pinned_bytes, self.pinned_bytes)
+            self.count_host_copy(n)
         return keep, off
 
     def rope_tables(self, numel: int, itemsize_bits: int) -> list[T]:

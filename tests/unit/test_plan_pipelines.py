@@ -113,6 +113,17 @@ def test_degrees_tp_within_a_node_pp_the_divisors_and_powers_of_two():
     assert pipeline_degrees(full) == (8, [2, 3, 4, 6, 7, 8, 9, 14, 16, 18, 21, 32, 42, 63, 64, 126, 128], None)
 
 
+def _estimate_command(command: str):
+    """``memcalc.api.estimate`` of a printed ``memcalc estimate ...`` command (its flags as keywords)."""
+    from memcalc.api import estimate
+
+    kw, flags = {}, iter(shlex.split(command)[2:])
+    for a in flags:
+        key = a[2:].replace("-", "_")
+        kw[key] = True if key in ("master_weights", "sequence_parallel") else next(flags)
+    return estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+
+
 def _profile():
     from memcalc.inputs.profiles import DEFAULT_PROFILE, get_profile
 
@@ -122,7 +133,6 @@ def _profile():
 @pytest.mark.slow  # simulates TinyLlama's pipelines (seconds)
 def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
     # source: memcalc estimate of the row's command (every rank simulated); tolerance: none (bytes)
-    from memcalc.api import estimate
 
     model = load_preset("tinyllama-1.1b")  # 22 layers: pp 2, 4, 8, 11, 16, 22; 32 heads, 4 kv heads: tp 4
     full = cluster_setups(model, 1024, _profile())["full"]["full"]
@@ -139,13 +149,7 @@ def test_each_row_is_the_fewest_and_its_command_reproduces_its_peak():
 
             below = pipeline_setup(full, smaller[-1], 4)
             assert required_bytes(stage_peaks(below).peak_bytes, card_side(below, r.gpu)) > r.gpu.capacity_bytes
-        args = shlex.split(pipeline_command(1024, lay, r.gpu.name, ["--model", "tinyllama-1.1b"]))[2:]
-        kw = {}
-        flags = iter(args)
-        for a in flags:
-            key = a[2:].replace("-", "_")
-            kw[key] = True if key in ("master_weights", "sequence_parallel") else next(flags)
-        got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+        got = _estimate_command(pipeline_command(1024, lay, r.gpu.name, ["--model", "tinyllama-1.1b"]))
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
         # source: memcalc/core/gpu_side.py: each card's own context and workspaces (the rtx-4090's: Ada)
         assert lay.required_bytes == required_bytes(got.peak_bytes, card_side(got.spec, r.gpu)), r.gpu.name
@@ -176,7 +180,6 @@ def test_experts_ep_does_not_divide_says_why():
 @pytest.mark.slow  # estimates Qwen3-30B-A3B at several GPU counts (seconds)
 def test_expert_rows_are_the_fewest_counts_and_commands_reproduce_their_peaks():
     # source: memcalc estimate of the row's command; tolerance: none (bytes)
-    from memcalc.api import estimate
     from memcalc.plan.experts import COUNTS, expert_command, expert_setup, search_experts
     from memcalc.plan.simulations import estimated_peak
 
@@ -191,12 +194,7 @@ def test_expert_rows_are_the_fewest_counts_and_commands_reproduce_their_peaks():
         if i:
             smaller = expert_setup(full, COUNTS[i - 1])
             assert required_bytes(estimated_peak(smaller), card_side(smaller, r.gpu)) > r.gpu.capacity_bytes
-        args = shlex.split(expert_command(2048, lay, r.gpu.name, "fsdp2", ["--model", "qwen3-30b-a3b"]))[2:]
-        kw, flags = {}, iter(args)
-        for a in flags:
-            key = a[2:].replace("-", "_")
-            kw[key] = True if key == "master_weights" else next(flags)
-        got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+        got = _estimate_command(expert_command(2048, lay, r.gpu.name, "fsdp2", ["--model", "qwen3-30b-a3b"]))
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
         # source: memcalc/core/gpu_side.py: each card's own context and workspaces (the rtx-4090's: Ada)
         assert lay.required_bytes == required_bytes(got.peak_bytes, card_side(got.spec, r.gpu)), r.gpu.name
@@ -230,7 +228,6 @@ def test_a_moe_model_pipelines_over_expert_parallel_ranks_not_tensor_parallel():
 def test_moe_pipeline_rows_are_pp_x_ep_and_commands_reproduce_their_peaks():
     # source: memcalc estimate of the row's command (--ep 8 --gpus 8: the stage's expert-parallel ranks); tolerance:
     # none (bytes)
-    from memcalc.api import estimate
 
     full = cluster_setups(load_preset("qwen3-30b-a3b"), 2048, _profile())["full"]["full"]
     cards = [g for g in list_gpus() if g.name in ("rtx-4090", "h100-80gb")]
@@ -241,11 +238,6 @@ def test_moe_pipeline_rows_are_pp_x_ep_and_commands_reproduce_their_peaks():
         assert lay is not None and (lay.tp, lay.ep) == (1, 8) and lay.gpus == lay.pp * 8
         assert lay.required_bytes <= r.gpu.capacity_bytes
         source = ["--model", "qwen3-30b-a3b", "--framework", "plain"]  # _profile()'s framework
-        args = shlex.split(pipeline_command(2048, lay, r.gpu.name, source))[2:]
-        kw, flags = {}, iter(args)
-        for a in flags:
-            key = a[2:].replace("-", "_")
-            kw[key] = True if key == "master_weights" else next(flags)
-        got = estimate(**{k: (int(v) if isinstance(v, str) and v.isdigit() else v) for k, v in kw.items()})
+        got = _estimate_command(pipeline_command(2048, lay, r.gpu.name, source))
         assert got.peak_bytes == lay.peak_bytes, r.gpu.name
         assert got.spec.training.ep == 8 and got.spec.training.gpus == 8
