@@ -257,7 +257,10 @@ def _sharding(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
         return None
     shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
     how = sharding_mechanics(tr)
-    return (f"{shard} over {tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
+    over = f"{tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
+    if tr.zero and tr.cp > 1:  # FSDP2 over the flattened dp x cp ranks (torchtitan's dp_shard_cp)
+        over = f"{tr.gpus}{_mark(o, 'gpus')} data-parallel x cp {tr.cp} = {tr.gpus * tr.cp} ranks"
+    return (f"{shard} over {over}"
             + (f" ({how}){_mark(o, 'sharding')}" if how else "")
             + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
 

@@ -27,6 +27,8 @@ SHARDING = [
     (["--gpus", "8"], "no ZeRO (default) over 8 GPUs", "gpus 8 has no effect without ZeRO"),
     (["--zero", "3", "--gpus", "4"], "ZeRO-3 over 4 GPUs", None),
     (["--offload-optimizer"], "over 1 (default) GPU, optimizer state on the CPU", None),
+    # FSDP2 over the flattened dp x cp ranks (torchtitan's dp_shard_cp), not "over 1 GPU"
+    (["--zero", "3", "--cp", "2", "--bf16"], "ZeRO-3 over 1 (default) data-parallel x cp 2 = 2 ranks", None),
 ]
 
 
