@@ -240,6 +240,14 @@ def gpus_in_all(tr) -> str:
     return f"{n:,} GPU{'s' if n > 1 else ''} in all" + (f" ({' x '.join(parts)})" if len(parts) > 1 else "")
 
 
+def zero_ranks_unit(tr) -> str:
+    """What ``--gpus`` counts in the sharding row: `` GPU(s)``, or with ZeRO and ``--cp`` the flattened dp x cp
+    ranks FSDP2 shards over (torchtitan's ``dp_shard_cp``), `` data-parallel x cp 4 = 4 ranks``."""
+    if tr.zero and tr.cp > 1:
+        return f" data-parallel x cp {tr.cp} = {tr.gpus * tr.cp} ranks"
+    return " GPUs" if tr.gpus > 1 else " GPU"
+
+
 def gpus_note(tr) -> Optional[str]:
     """A note where ``--gpus`` equals a model-parallel degree (``--gpus 32 --cp 32``): the GPUs in all are
     their product, not ``--gpus`` (None otherwise)."""

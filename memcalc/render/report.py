@@ -15,7 +15,7 @@ from memcalc.engine.fsdp import sharding_mechanics
 from memcalc.inputs.resolve import Resolved
 from memcalc.inputs.trainer_defaults import half_on
 from memcalc.core.expert_parallel import ep_line
-from memcalc.core.ring_attention import cp_line, gpus_in_all, tp_line
+from memcalc.core.ring_attention import cp_line, gpus_in_all, tp_line, zero_ranks_unit
 from memcalc.core.gpu_side import DeviceMemory, device_memory
 from memcalc.engine.result import KIND_NAMES, KINDS, Estimate
 from memcalc.estimate.peak import card_side, runs_within
@@ -257,10 +257,7 @@ def _sharding(tr: TrainingSpec, o: dict[str, str]) -> Optional[str]:
         return None
     shard = f"ZeRO-{tr.zero}{_mark(o, 'zero')}" if tr.zero else f"no ZeRO{_mark(o, 'zero')}"
     how = sharding_mechanics(tr)
-    over = f"{tr.gpus}{_mark(o, 'gpus')} GPU{'s' if tr.gpus > 1 else ''}"
-    if tr.zero and tr.cp > 1:  # FSDP2 over the flattened dp x cp ranks (torchtitan's dp_shard_cp)
-        over = f"{tr.gpus}{_mark(o, 'gpus')} data-parallel x cp {tr.cp} = {tr.gpus * tr.cp} ranks"
-    return (f"{shard} over {over}"
+    return (f"{shard} over {tr.gpus}{_mark(o, 'gpus')}{zero_ranks_unit(tr)}"
             + (f" ({how}){_mark(o, 'sharding')}" if how else "")
             + (f", optimizer state on the CPU{_mark(o, 'offload_optimizer')}" if tr.offload_optimizer else ""))
 
