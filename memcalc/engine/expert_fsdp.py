@@ -169,10 +169,7 @@ class EPFSDP2(FSDP2):
             return
         if layer is None and cur is None:
             return
-        if cur is not None:
-            for u in cur:
-                self.post_backward(u)
-            self.current_groups = None
+        self.finish_current_groups()
         if layer is not None:
             units = self.groups[layer]
             for u in units:
@@ -183,11 +180,15 @@ class EPFSDP2(FSDP2):
                 self.unshard(u)
             self.current_groups = units
 
-    def end_backward(self) -> None:
+    def finish_current_groups(self) -> None:
+        """The post-backward of the layer whose groups' backward has run (its gradients reduced), if any."""
         if self.current_groups is not None:
             for u in self.current_groups:
                 self.post_backward(u)
             self.current_groups = None
+
+    def end_backward(self) -> None:
+        self.finish_current_groups()
         self.post_backward(self.root)
         if self.rs_state is not None:
             self.sim.unref(self.rs_state)

@@ -66,10 +66,7 @@ class PipelineEPFSDP2(PipelineFSDP2, EPFSDP2):
 
     def stage_backward_end(self) -> None:
         """The last layer's groups' post-backward (no sync), then the root's final callback."""
-        if self.current_groups is not None:
-            for u in self.current_groups:
-                self.post_backward(u)
-            self.current_groups = None
+        self.finish_current_groups()
         super().stage_backward_end()
 
     def _layer_ids(self) -> list[int]:
